@@ -1,0 +1,3 @@
+from weightcache.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,156 @@
+"""Model references: `SCHEME://bucket/prefix/[@revision]` plus include/exclude globs.
+
+A reference names every object under a prefix. It is parsed once, validated without any I/O, and carried as a
+frozen value. Two strings that mean the same model canonicalise to the same `uri`, so the store, the labels
+and the policy agree on identity:
+
+    s3://models/llama-3-8b/@3f2a...      -> scheme s3, bucket models, prefix "llama-3-8b/", revision "3f2a..."
+    file:///srv/models/llama/            -> scheme file, bucket "", prefix "/srv/models/llama/"
+    https://host:8080/models/llama/      -> scheme https, bucket "host:8080", prefix "models/llama/"
+
+Credentials never belong in a reference (`https://user:pw@host/` is refused): they come from the environment.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import re
+from dataclasses import dataclass
+
+from weightcache.errors import InvalidReferenceError
+
+SCHEMES = ("s3", "gs", "az", "http", "https", "file", "memory")
+EXAMPLE = "s3://models/llama-3-8b/ (optionally s3://models/llama-3-8b/@<revision>)"
+
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-_]{1,253}[a-z0-9]$")
+_HOST = re.compile(r"^[A-Za-z0-9.\-\[\]:]+$")
+_REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,127}$")
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A parsed, validated model reference."""
+
+    scheme: str
+    bucket: str
+    prefix: str
+    revision: str | None = None
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+
+    @property
+    def uri(self) -> str:
+        """Canonical URI without revision: the model's identity across store, labels and policy."""
+        if self.scheme == "file":
+            return f"file://{self.prefix}"
+        return f"{self.scheme}://{self.bucket}/{self.prefix}"
+
+    @property
+    def key(self) -> str:
+        """Short stable hash of the model's identity (uri + globs); safe as a path part and a label name."""
+        return model_key(self.uri, self.include, self.exclude)
+
+    @property
+    def label_key(self) -> str:
+        """Node label the daemon sets when this model is ready there (`weightcache.io/<key>`)."""
+        return readiness_label(self.uri)
+
+    def matches(self, relpath: str) -> bool:
+        """True when a path relative to the prefix passes the include and exclude globs."""
+        if self.include and not any(fnmatch.fnmatchcase(relpath, g) for g in self.include):
+            return False
+        return not any(fnmatch.fnmatchcase(relpath, g) for g in self.exclude)
+
+    def with_revision(self, revision: str | None) -> ModelRef:
+        return ModelRef(self.scheme, self.bucket, self.prefix, revision, self.include, self.exclude)
+
+    def __str__(self) -> str:
+        return self.uri + (f"@{self.revision}" if self.revision else "")
+
+
+def model_key(uri: str, include: tuple[str, ...] = (), exclude: tuple[str, ...] = ()) -> str:
+    """`m` + 20 hex digits of sha256 over the canonical uri and globs (fits DNS labels and label names)."""
+    material = "\0".join([uri, *sorted(include), "\0", *sorted(exclude)])
+    return "m" + hashlib.sha256(material.encode()).hexdigest()[:20]
+
+
+def readiness_label(uri: str) -> str:
+    """The node label key for a model: one function for the daemon and the webhook."""
+    return "weightcache.io/" + model_key(canonical_uri(uri))
+
+
+def canonical_uri(text: str) -> str:
+    """Canonical form of a reference string, ignoring any revision."""
+    return parse_ref(text).uri
+
+
+def _fail(text: str, why: str) -> InvalidReferenceError:
+    return InvalidReferenceError(f"invalid model reference {text!r}: {why}; write it like {EXAMPLE}")
+
+
+def parse_ref(
+    text: str,
+    *,
+    revision: str | None = None,
+    include: tuple[str, ...] | list[str] = (),
+    exclude: tuple[str, ...] | list[str] = (),
+) -> ModelRef:
+    """Parse and validate a reference; `revision` (a flag) wins over an `@revision` suffix."""
+    if not isinstance(text, str) or not text.strip():
+        raise _fail(str(text), "it is empty")
+    text = text.strip()
+    if "\0" in text or any(ord(c) < 0x20 for c in text):
+        raise _fail(text, "it contains control characters")
+    scheme, sep, rest = text.partition("://")
+    scheme = scheme.lower()
+    if not sep:
+        raise _fail(text, "it has no scheme")
+    if scheme not in SCHEMES:
+        raise _fail(text, f"unknown scheme {scheme!r} (known: {', '.join(SCHEMES)})")
+    if scheme == "file":
+        bucket, path = "", rest
+        if not path.startswith("/"):
+            raise _fail(text, "file:// needs an absolute path, as in file:///srv/models/llama/")
+    else:
+        bucket, _, path = rest.partition("/")
+        if "@" in bucket:
+            raise _fail(text, "credentials or '@' in the host part are not allowed; use the environment's credentials")
+    rev_from_text = None
+    if "@" in path:
+        path, _, rev_from_text = path.rpartition("@")
+        if not rev_from_text:
+            raise _fail(text, "'@' must be followed by a revision")
+    rev = revision or rev_from_text or None
+    if rev is not None and not _REVISION.match(rev):
+        raise _fail(text, f"revision {rev!r} must be 1-128 characters of letters, digits, '.', '_' or '-'")
+    _check_bucket(text, scheme, bucket)
+    path = _normalise_path(text, scheme, path)
+    for glob in (*include, *exclude):
+        if not glob or "\0" in glob or glob.startswith("/"):
+            raise _fail(text, f"glob {glob!r} must be a non-empty relative pattern such as '*.safetensors'")
+    return ModelRef(scheme, bucket, path, rev, tuple(include), tuple(exclude))
+
+
+def _check_bucket(text: str, scheme: str, bucket: str) -> None:
+    if scheme in ("s3", "gs", "az"):
+        if not _BUCKET.match(bucket):
+            raise _fail(text, f"bucket {bucket!r} is not a valid bucket name")
+    elif scheme in ("http", "https"):
+        if not bucket or not _HOST.match(bucket):
+            raise _fail(text, f"host {bucket!r} is not a valid host[:port]")
+    elif scheme == "memory" and bucket and not _BUCKET.match(bucket):
+        raise _fail(text, f"memory root {bucket!r} is not a valid name")
+
+
+def _normalise_path(text: str, scheme: str, path: str) -> str:
+    """A prefix is a directory: always ends with '/', has no '.', '..' or empty segments inside."""
+    lead = "/" if scheme == "file" else ""
+    parts = [p for p in path.split("/") if p]
+    if any(p in (".", "..") for p in parts):
+        raise _fail(text, "'.' and '..' are not allowed in the prefix")
+    if "?" in path or "#" in path:
+        raise _fail(text, "query strings and fragments are not allowed")
+    if not parts:
+        return lead
+    return lead + "/".join(parts) + "/"
