@@ -1,0 +1,176 @@
+"""One file's download into `partial/`: ranged chunks written at offsets, a journal for resume, hashing in order.
+
+    partial/<name>.part       the body, preallocated (ENOSPC shows up before the first byte is fetched)
+    partial/<name>.journal    line 1: JSON header (key, size, etag, version_id, chunk); then "offset length" per
+                              finished chunk, appended after the chunk's bytes are written
+
+After `kill -9` a rerun keeps every journalled range and refetches only what was in flight. A header that does
+not match the object (new ETag, size or version) discards both files: a body is never mixed from two versions.
+Chunks finish out of order; whichever worker completes the next contiguous range feeds it to sha256 (and md5
+when the source's ETag is an MD5) by re-reading it from the page cache, so hashing overlaps the download.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from weightcache.sources import ObjectInfo
+
+
+class PartialFile:
+    """Download state of one object; thread-safe for many workers writing disjoint chunks."""
+
+    def __init__(self, part: Path, obj: ObjectInfo, *, chunk_size: int, want_md5: bool) -> None:
+        self.part = part
+        self.journal = part.with_suffix(".journal")
+        self.obj = obj
+        self.chunk_size = chunk_size
+        self._mu = threading.Lock()
+        self._done: dict[int, int] = {}  # offset -> length of finished ranges
+        self._hash_at = 0
+        self._hashing = False
+        self.sha256 = hashlib.sha256()
+        self.md5 = hashlib.md5(usedforsecurity=False) if want_md5 else None
+        self.resumed_bytes = 0
+        self._fd = -1
+        self._jfd = -1
+
+    # -- lifecycle ----------------------------------------------------------------------------------------------
+    def open(self) -> list[tuple[int, int]]:
+        """Open (resuming when the journal matches) and return the (offset, length) pieces still to fetch."""
+        header = {"key": self.obj.key, "size": self.obj.size, "etag": self.obj.etag,
+                  "version_id": self.obj.version_id}
+        ranges = self._load_journal(header)
+        if ranges is None:
+            self.discard()
+            ranges = []
+        fresh = not self.part.exists()
+        self._fd = os.open(self.part, os.O_RDWR | os.O_CREAT, 0o600)
+        if fresh and self.obj.size:
+            os.posix_fallocate(self._fd, 0, self.obj.size)
+        self._jfd = os.open(self.journal, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        if fresh or not ranges:
+            os.ftruncate(self._jfd, 0)
+            os.write(self._jfd, (json.dumps(header) + "\n").encode())
+        for start, length in _merge(ranges):
+            self._done[start] = length
+            self.resumed_bytes += length
+        return self._missing()
+
+    def _load_journal(self, header: dict) -> list[tuple[int, int]] | None:
+        try:
+            lines = self.journal.read_text().splitlines()
+        except FileNotFoundError:
+            return None
+        try:
+            if not lines or json.loads(lines[0]) != header or not self.part.exists():
+                return None
+        except ValueError:
+            return None
+        out = []
+        for line in lines[1:]:
+            parts = line.split()
+            if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
+                start, length = int(parts[0]), int(parts[1])
+                if start + length <= self.obj.size:
+                    out.append((start, length))
+        return out
+
+    def _missing(self) -> list[tuple[int, int]]:
+        pieces, pos = [], 0
+        for start in sorted(self._done):
+            pieces += _split(pos, start - pos, self.chunk_size)
+            pos = start + self._done[start]
+        pieces += _split(pos, self.obj.size - pos, self.chunk_size)
+        return pieces
+
+    def close(self) -> None:
+        for fd in (self._fd, self._jfd):
+            if fd >= 0:
+                os.close(fd)
+        self._fd = self._jfd = -1
+
+    def discard(self) -> None:
+        self.close()
+        self.part.unlink(missing_ok=True)
+        self.journal.unlink(missing_ok=True)
+        self._done.clear()
+        self._hash_at = 0
+        self.sha256 = hashlib.sha256()
+        if self.md5 is not None:
+            self.md5 = hashlib.md5(usedforsecurity=False)
+
+    # -- writing ------------------------------------------------------------------------------------------------
+    def write(self, offset: int, data: memoryview, scratch: memoryview) -> None:
+        """Write a finished chunk, journal it, then advance the in-order hash (using `scratch` to re-read)."""
+        view = data
+        pos = offset
+        while view:
+            n = os.pwrite(self._fd, view, pos)
+            view, pos = view[n:], pos + n
+        os.write(self._jfd, f"{offset} {len(data)}\n".encode())
+        with self._mu:
+            self._done[offset] = len(data)
+            if self._hashing:
+                return
+            self._hashing = True
+        self.advance_hash(scratch)
+
+    def advance_hash(self, scratch: memoryview) -> None:
+        """Hash every contiguous finished byte; one hasher at a time, others just leave their ranges."""
+        while True:
+            with self._mu:
+                length = self._done.get(self._hash_at)
+                if length is None:
+                    self._hashing = False
+                    return
+                start = self._hash_at
+            self._hash_range(start, length, scratch)
+            with self._mu:
+                self._hash_at = start + length
+
+    def _hash_range(self, start: int, length: int, scratch: memoryview) -> None:
+        end = start + length
+        while start < end:
+            n = os.preadv(self._fd, [scratch[:min(len(scratch), end - start)]], start)
+            if n <= 0:
+                raise OSError(f"short read of {self.part} at {start}")
+            self.sha256.update(scratch[:n])
+            if self.md5 is not None:
+                self.md5.update(scratch[:n])
+            start += n
+
+    def hash_resumed(self, scratch: memoryview) -> None:
+        """Feed already-journalled bytes at the start of the file to the hashes (after a resume)."""
+        with self._mu:
+            if self._hashing:
+                return
+            self._hashing = True
+        self.advance_hash(scratch)
+
+    @property
+    def complete(self) -> bool:
+        return self._hash_at >= self.obj.size
+
+    def fsync(self) -> None:
+        os.fsync(self._fd)
+
+
+def _split(start: int, length: int, chunk: int) -> list[tuple[int, int]]:
+    return [(o, min(chunk, start + length - o)) for o in range(start, start + length, chunk)]
+
+
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[list[int]] = []
+    for start, length in sorted(ranges):
+        if out and start <= out[-1][0] + out[-1][1]:
+            out[-1][1] = max(out[-1][1], start + length - out[-1][0])
+        else:
+            out.append([start, length])
+    return [(s, n) for s, n in out]

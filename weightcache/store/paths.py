@@ -1,0 +1,53 @@
+"""Object keys become snapshot paths only through here.
+
+A key from the source is hostile until proven otherwise: it must be a relative, normalised, '/'-separated path
+whose every segment is a legal file name, and no key may be both a file and a directory of another key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from weightcache.errors import HostileKeyError
+
+MAX_NAME_BYTES = 255
+MAX_PATH_BYTES = 4096
+
+
+def validate_relpath(key: str) -> str:
+    """Return `key` unchanged when it is a safe relative path; raise HostileKeyError naming it otherwise."""
+    if not key:
+        raise HostileKeyError(key, "empty path")
+    if "\0" in key:
+        raise HostileKeyError(key, "contains a NUL byte")
+    if any(ord(c) < 0x20 for c in key):
+        raise HostileKeyError(key, "contains a control character")
+    if "\\" in key:
+        raise HostileKeyError(key, "contains a backslash")
+    if key.startswith("/"):
+        raise HostileKeyError(key, "absolute path")
+    if len(key.encode()) > MAX_PATH_BYTES:
+        raise HostileKeyError(key, f"path longer than {MAX_PATH_BYTES} bytes")
+    for part in key.split("/"):
+        if part in ("", ".", ".."):
+            raise HostileKeyError(key, f"path segment {part!r} is not allowed (empty, '.' or '..')")
+        if len(part.encode()) > MAX_NAME_BYTES:
+            raise HostileKeyError(key, f"a name is longer than {MAX_NAME_BYTES} bytes")
+    return key
+
+
+def validate_tree(keys: Iterable[str]) -> list[str]:
+    """Validate every key and refuse duplicates and keys that are both a file and a directory."""
+    files = sorted(validate_relpath(k) for k in keys)
+    seen = set()
+    dirs: set[str] = set()
+    for key in files:
+        if key in seen:
+            raise HostileKeyError(key, "listed twice")
+        seen.add(key)
+        parts = key.split("/")
+        dirs.update("/".join(parts[:i]) for i in range(1, len(parts)))
+    clash = sorted(seen & dirs)
+    if clash:
+        raise HostileKeyError(clash[0], "is both a file and a directory of another key")
+    return files
