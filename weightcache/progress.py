@@ -80,8 +80,12 @@ class RateMeter:
 def write_progress_file(path: Path, progress: Progress) -> None:
     """tmp + rename without fsync: progress is advisory and rewritten a few times a second."""
     tmp = tmp_name(path)
-    tmp.write_text(json.dumps(progress.to_json()))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(progress.to_json()))
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def read_progress_file(path: Path) -> Progress | None:

@@ -344,8 +344,8 @@ class Store:
         if needed <= 0:
             return
         used = self.used_bytes()
-        free_disk = disk_free(self.root)
-        reserve = 64 << 20
+        free_disk, disk_size = disk_free(self.root)
+        reserve = min(64 << 20, disk_size // 50)  # headroom for manifests, index and other writers
         limit = used + free_disk - reserve
         if self.budget_bytes is not None:
             limit = min(limit, self.budget_bytes)
@@ -368,9 +368,10 @@ class Store:
                 f"made free in the store at {self.root}; evict or unpin models, or raise the disk budget")
 
 
-def disk_free(path: Path) -> int:
+def disk_free(path: Path) -> tuple[int, int]:
+    """(bytes available to us, size of the filesystem)."""
     st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
 
 
 def remove_tree(path: Path) -> None:

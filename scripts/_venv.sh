@@ -1,0 +1,22 @@
+# Sourced by scripts/test.sh and scripts/demo.sh: make .venv with everything the project needs, on a fresh machine.
+set -euo pipefail
+VENV="${WEIGHTCACHE_VENV:-.venv}"
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV" 2>/dev/null || {
+    # Debian ships venv separately
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      apt-get update -qq && apt-get install -y -qq python3-venv >/dev/null
+    fi
+    python3 -m venv "$VENV"
+  }
+fi
+PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+"${PIP[@]}" --upgrade pip
+# torch first and exactly: the CPU build on this disk; a bare `torch` requirement would pull a multi-GB CUDA build.
+"${PIP[@]}" torch==2.13.0
+"${PIP[@]}" -e '.[dev,torch]'
+# util-linux gives mount/umount for the CSI and ENOSPC tests (present on Debian; make sure).
+if ! command -v mount >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  apt-get update -qq && apt-get install -y -qq mount >/dev/null
+fi
+PY="$VENV/bin/python"
