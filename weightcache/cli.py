@@ -198,7 +198,13 @@ def cmd_evict(args: argparse.Namespace) -> int:
     if not args.ref:
         raise InvalidReferenceError("give a model reference or snapshot id, or --to-size SIZE")
     for snap in _resolve(store, args.ref):
-        store.evict(snap.id)
+        try:
+            store.evict(snap.id)
+        except InUseError as exc:
+            from weightcache.csi import describe_holder
+
+            held = [describe_holder(store.root, h) for h, s in store.leases().items() if s == snap.id]
+            raise InUseError(f"{exc}" + (f". Held by: {'; '.join(held)}" if held else "")) from exc
         print(f"evicted {snap.uri} snapshot {snap.id[:12]}")
     return 0
 

@@ -85,8 +85,13 @@ def canonical_uri(text: str) -> str:
     return parse_ref(text).uri
 
 
+def redact(text: str) -> str:
+    """Hide any userinfo (`user:password@`) so a reference can be shown in errors and logs."""
+    return re.sub(r"//[^/@]*@", "//***@", text)
+
+
 def _fail(text: str, why: str) -> InvalidReferenceError:
-    return InvalidReferenceError(f"invalid model reference {text!r}: {why}; write it like {EXAMPLE}")
+    return InvalidReferenceError(f"invalid model reference {redact(text)!r}: {why}; write it like {EXAMPLE}")
 
 
 def parse_ref(

@@ -80,8 +80,11 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, data: bytes, *, mode: int = 0o644) -> None:
-    """Write `data` to `path` so readers see the old file or the whole new one, never a part."""
+def write_atomic(path: Path, data: bytes, *, mode: int = 0o644, durable: bool = True) -> None:
+    """Write `data` to `path` so readers see the old file or the whole new one, never a part.
+
+    `durable=False` skips the fsyncs, for state that does not outlive a reboot anyway (leases of mounts).
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = tmp_name(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
@@ -89,7 +92,8 @@ def write_atomic(path: Path, data: bytes, *, mode: int = 0o644) -> None:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
     finally:
         os.close(fd)
     try:
@@ -97,4 +101,5 @@ def write_atomic(path: Path, data: bytes, *, mode: int = 0o644) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)

@@ -257,7 +257,8 @@ class Store:
         with self.locked():
             if not self.layout.manifest(snapshot_id).exists():
                 raise NotCachedError(f"cannot lease snapshot {snapshot_id}: it is not in the store (evicted?)")
-            write_atomic(self.layout.lease(holder), (snapshot_id + "\n").encode())
+            # not fsynced: leases track mounts and API holders, which a reboot ends; recovery reconciles them
+            write_atomic(self.layout.lease(holder), (snapshot_id + "\n").encode(), durable=False)
         self.index.touch(snapshot_id)
 
     def release(self, holder: str) -> None:

@@ -1,0 +1,267 @@
+"""Benchmark: weightcache prefetch against the tools a user would otherwise pick, side by side in one run.
+
+Origins, started here on 127.0.0.1: the embedded S3 server (moto, its own process) and nginx (Debian's package,
+autoindex on) serving the same files over HTTP. Clients, each a subprocess measured with wait4 (CPU seconds,
+peak RSS), interleaved round-robin, each after the same idle pause, median of --runs:
+
+  weightcache prefetch (cold) from nginx (http source) and from moto (s3 source); a cache hit; 8 concurrent
+  prefetches of one model (origin bytes counted from nginx's access log); boto3 download_file (defaults and
+  tuned) and s3fs get against moto; aria2c -x 8 -s 8 and curl against nginx; dd write+fsync as the disk ceiling.
+
+    .venv/bin/python scripts/bench_prefetch.py [--size-gb 2] [--runs 3] [--idle 3] [--skip-moto]
+
+Needs nginx, aria2 and curl (apt-get install nginx aria2 curl): the script installs them when root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+
+PY = sys.executable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_model(dest: Path, size_gb: float, shards: int) -> int:
+    """Multi-shard safetensors model of about size_gb, from a tiled random block (fast to make)."""
+    dest.mkdir(parents=True)
+    per_shard = int(size_gb * 1e9 / shards)
+    block = np.frombuffer(os.urandom(64 << 20), dtype=np.float16)
+    weight_map = {}
+    for s in range(shards):
+        tensors, left, i = {}, per_shard, 0
+        while left > 0:
+            n = min(len(block), left // 2)
+            tensors[f"layers.{s}.{i}.weight"] = np.roll(block[:n], s + i).reshape(-1, 1024) if n % 1024 == 0 \
+                else block[:n].copy()
+            left -= n * 2
+            i += 1
+        name = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        save_file(tensors, str(dest / name))
+        weight_map.update({k: name for k in tensors})
+    (dest / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (dest / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    return sum(p.stat().st_size for p in dest.iterdir())
+
+
+class Nginx:
+    def __init__(self, root: Path, work: Path) -> None:
+        self.port = free_port()
+        self.log = work / "access.log"
+        conf = work / "nginx.conf"
+        conf.write_text(f"""
+user root; worker_processes 2; pid {work}/nginx.pid; error_log {work}/error.log;
+events {{ worker_connections 1024; }}
+http {{
+  log_format bench '$request_uri $status $body_bytes_sent'; access_log {self.log} bench;
+  sendfile on; tcp_nopush on; keepalive_requests 100000;
+  client_body_temp_path {work}; proxy_temp_path {work}; fastcgi_temp_path {work}; uwsgi_temp_path {work};
+  scgi_temp_path {work};
+  server {{ listen 127.0.0.1:{self.port}; root {root}; autoindex on; }}
+}}""")
+        self.proc = subprocess.Popen(["nginx", "-c", str(conf), "-g", "daemon off;"], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        wait_port(self.port)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def bytes_served(self, prefix: str) -> int:
+        total = 0
+        for line in self.log.read_text().splitlines():
+            uri, status, sent = line.split()
+            if uri.startswith(prefix) and not uri.endswith("/"):
+                total += int(sent)
+        return total
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGQUIT)
+        self.proc.wait(10)
+
+
+class Moto:
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.proc = subprocess.Popen([PY, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        atexit.register(self.proc.kill)  # never leave the server behind, whatever happens
+        wait_port(self.port)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+def wait_port(port: int) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on 127.0.0.1:{port}")
+
+
+def timed(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, float, float]:
+    """(wall seconds, CPU seconds, peak RSS MB) of one subprocess, from wait4."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, ru = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"{' '.join(cmd[:6])}... failed: {proc.stderr.read().decode()[-2000:]}")
+    return wall, ru.ru_utime + ru.ru_stime, ru.ru_maxrss / 1024
+
+
+BOTO = """
+import sys, boto3
+from boto3.s3.transfer import TransferConfig
+from botocore.config import Config
+tuned = sys.argv[2] == "tuned"
+s3 = boto3.client("s3", endpoint_url=sys.argv[1], config=Config(max_pool_connections=32, s3={"addressing_style": "path"}))
+cfg = TransferConfig(max_concurrency=16, multipart_chunksize=64 << 20, io_chunksize=1 << 20) if tuned else TransferConfig()
+for o in s3.list_objects_v2(Bucket="bench", Prefix="model/")["Contents"]:
+    s3.download_file("bench", o["Key"], sys.argv[3] + "/" + o["Key"].rsplit("/", 1)[1], Config=cfg)
+"""
+
+S3FS = """
+import sys, s3fs
+fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": sys.argv[1]})
+fs.get("bench/model/", sys.argv[2] + "/", recursive=True)
+"""
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size-gb", type=float, default=2.0)
+    ap.add_argument("--shards", type=int, default=4)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--idle", type=float, default=3.0, help="seconds of idle before every client run")
+    ap.add_argument("--skip-moto", action="store_true", help="moto re-reads whole objects per ranged GET: slow")
+    ap.add_argument("--dir", default=None, help="work directory (default: a temp dir on the store's disk)")
+    args = ap.parse_args()
+    for tool, pkg in (("nginx", "nginx"), ("aria2c", "aria2"), ("curl", "curl")):
+        if shutil.which(tool) is None and os.geteuid() == 0:
+            subprocess.run(["apt-get", "install", "-y", "-qq", pkg], check=True, stdout=subprocess.DEVNULL)
+
+    work = Path(tempfile.mkdtemp(prefix="wc-bench-", dir=args.dir))
+    src = work / "origin" / "model"
+    size = make_model(src, args.size_gb, args.shards)
+    files = sorted(p.name for p in src.iterdir())
+    print(f"model: {len(files)} files, {size / 1e9:.2f} GB; runs={args.runs}, idle={args.idle}s before each client")
+    nginx = Nginx(work / "origin", work)
+    moto = None
+    try:
+        return run_all(args, work, src, size, files, nginx)
+    finally:
+        nginx.stop()
+        subprocess.run(["chmod", "-R", "u+w", str(work)], check=False)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run_all(args: argparse.Namespace, work: Path, src: Path, size: int, files: list[str], nginx: Nginx) -> int:
+    moto = None
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+           "AWS_DEFAULT_REGION": "us-east-1"}
+    if not args.skip_moto:
+        moto = Moto()
+        import boto3
+        from botocore.config import Config
+
+        s3 = boto3.client("s3", endpoint_url=moto.url, aws_access_key_id="bench", aws_secret_access_key="bench",
+                          region_name="us-east-1", config=Config(s3={"addressing_style": "path"}))
+        s3.create_bucket(Bucket="bench")
+        for f in files:
+            s3.upload_file(str(src / f), "bench", f"model/{f}")
+    dest = work / "dest"
+
+    def fresh() -> Path:
+        if dest.exists():
+            subprocess.run(["chmod", "-R", "u+w", str(dest)], check=False)
+            shutil.rmtree(dest)
+        dest.mkdir()
+        return dest
+
+    wc = [PY, "-m", "weightcache", "prefetch", "--no-daemon", "-o", "json"]
+    clients: dict[str, tuple[str, callable]] = {
+        "disk write+fsync (dd)": ("ceiling", lambda d: ["dd", "if=/dev/zero", f"of={d}/zero", "bs=8M",
+                                                         f"count={max(1, size // (8 << 20))}", "conv=fsync",
+                                                         "status=none"]),
+        "weightcache prefetch http (cold)": ("nginx", lambda d: [*wc, f"{nginx.url}/model/", "--root", str(d)]),
+        "aria2c -x8 -s8": ("nginx", lambda d: ["aria2c", "-q", "-x", "8", "-s", "8", "-k", "8M", "-d", str(d),
+                                               "--file-allocation=none", *[f"{nginx.url}/model/{f}" for f in files]]),
+        "curl": ("nginx", lambda d: ["curl", "-s", "--output-dir", str(d), *sum(
+            [["-o", f, f"{nginx.url}/model/{f}"] for f in files], [])]),
+    }
+    if moto:
+        clients |= {
+            "weightcache prefetch s3 (cold)": ("moto", lambda d: [*wc, "s3://bench/model/", "--root", str(d),
+                                                                   "--endpoint-url", moto.url]),
+            "boto3 download_file (defaults)": ("moto", lambda d: [PY, "-c", BOTO, moto.url, "defaults", str(d)]),
+            "boto3 download_file (tuned)": ("moto", lambda d: [PY, "-c", BOTO, moto.url, "tuned", str(d)]),
+            "s3fs get": ("moto", lambda d: [PY, "-c", S3FS, moto.url, str(d)]),
+        }
+    results: dict[str, list[tuple[float, float, float]]] = {k: [] for k in clients}
+    hits: list[tuple[float, float, float]] = []
+    for run in range(args.runs):
+        for name, (_, cmd) in clients.items():
+            d = fresh()
+            time.sleep(args.idle)
+            results[name].append(timed(cmd(d), env))
+            if name.startswith("weightcache prefetch http"):
+                time.sleep(args.idle)
+                hits.append(timed(cmd(d), env))
+            print(f"  run {run + 1}: {name}: {size / results[name][-1][0] / 1e9:.2f} GB/s", flush=True)
+
+    d = fresh()  # 8 concurrent prefetches of one model: the origin must serve it once
+    before = nginx.bytes_served("/model/")
+    procs = [subprocess.Popen([*wc, f"{nginx.url}/model/", "--root", str(d)], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL) for _ in range(8)]
+    codes = [p.wait() for p in procs]
+    time.sleep(0.5)
+    origin_ratio = (nginx.bytes_served("/model/") - before) / size
+
+    def med(rows: list[tuple[float, float, float]], i: int) -> float:
+        return statistics.median(r[i] for r in rows)
+
+    gbps = {k: size / med(v, 0) / 1e9 for k, v in results.items()}
+    ceiling = gbps["disk write+fsync (dd)"]
+    ref_http = gbps["aria2c -x8 -s8"]
+    ref_s3 = max((gbps[k] for k in gbps if k.startswith(("boto3", "s3fs"))), default=None)
+    print(f"\n{'client':<36} {'origin':<8} {'GB/s':>6} {'CPU s':>7} {'RSS MB':>7} {'x disk':>7} {'x ref':>6}")
+    for name, rows in results.items():
+        origin = clients[name][0]
+        ref = ref_http if origin == "nginx" else ref_s3 if origin == "moto" else None
+        print(f"{name:<36} {origin:<8} {gbps[name]:>6.2f} {med(rows, 1):>7.2f} {med(rows, 2):>7.0f} "
+              f"{gbps[name] / ceiling:>7.2f} {gbps[name] / ref if ref else float('nan'):>6.2f}")
+    print(f"{'weightcache prefetch (cache hit)':<36} {'-':<8} {'':>6} {med(hits, 1):>7.2f} {med(hits, 2):>7.0f}"
+          f"   wall {med(hits, 0):.3f} s (incl. interpreter start)")
+    print(f"8 concurrent prefetches: exit codes {codes}, origin bytes = {origin_ratio:.2f} x model size")
+    print("x ref: nginx rows vs aria2c, moto rows vs the best of boto3 and s3fs. Medians of "
+          f"{args.runs} interleaved runs, {args.idle}s idle before each.")
+    if moto:
+        moto.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
