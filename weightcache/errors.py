@@ -83,3 +83,63 @@ class ConfigError(WeightcacheError, ValueError):
 
 class MemoryTierError(WeightcacheError, OSError):
     """The memory tier cannot lock pages (RLIMIT_MEMLOCK, cgroup limit, budget)."""
+
+
+class AnnotationError(WeightcacheError, ValueError):
+    """A pod's `weightcache.io/*` annotation is malformed; the message shows what to write instead."""
+
+
+class InjectionConflictError(WeightcacheError, ValueError):
+    """A pod already uses a volume name, mount path or env var that the webhook would inject."""
+
+
+class BadAdmissionReviewError(WeightcacheError, ValueError):
+    """A webhook request is not an AdmissionReview v1 for a Pod CREATE (answered with HTTP 400)."""
+
+
+class InvalidRequestError(WeightcacheError, ValueError):
+    """A request lacks a required field or carries a malformed one; `field` names it as the caller wrote it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class VolumeConflictError(WeightcacheError, FileExistsError):
+    """A volume id is already published with other arguments (other model, target or pod)."""
+
+
+class OperationPendingError(WeightcacheError, BlockingIOError):
+    """Another operation on the same volume is still running; retry after it finishes."""
+
+
+class FetchPendingError(WeightcacheError, TimeoutError):
+    """The model is still downloading past the bounded wait; the message carries its progress. Retry later."""
+
+
+class VolumeNotFoundError(WeightcacheError, LookupError):
+    """No published volume has that id (or it is not published at that path)."""
+
+
+class MountError(WeightcacheError, OSError):
+    """A bind mount or unmount failed, or the mount table does not show what we asked for."""
+
+
+class BackendMissingError(WeightcacheError, ImportError):
+    """A source scheme needs an optional package that is not installed (the message names the pip command)."""
+
+
+class ClusterError(WeightcacheError, OSError):
+    """The Kubernetes API refused or failed a request; `status` is the HTTP status (0 when unreachable)."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class ModelLayoutError(WeightcacheError, ValueError):
+    """A model directory or its index is inconsistent (bad index, duplicate or unknown tensor names)."""
+
+
+class ModelFileNotFoundError(WeightcacheError, FileNotFoundError):
+    """A model file the loader needs (the path itself or a shard the index names) is missing."""

@@ -1,0 +1,216 @@
+"""A small reverse proxy that records requests and injects the failures real object stores produce.
+
+Put it in front of an HTTP server (the moto S3 server) and point a client at `proxy.endpoint_url`: requests are
+forwarded unchanged (Host included, so SigV4 signatures stay valid), every request is recorded, and faults added
+with `proxy.add(...)` are applied to the next matching requests:
+
+    proxy.add("slowdown", method="GET", path="/bucket/model.safetensors", ranged_only=True, count=2)
+    proxy.add("truncate", keep=0.5)          # Content-Length promises N bytes, half arrive, then FIN
+    proxy.add("reset", keep=0.25)            # a quarter arrives, then RST (SO_LINGER 0)
+    proxy.add("flip", at=10)                 # byte 10 of the body is flipped, status and headers unchanged
+    proxy.add("delay", seconds=0.5)          # answer after a pause (trips client read timeouts)
+    proxy.add("status", status=403, code="AccessDenied")
+
+    proxy.requests[-1].range == "bytes=0-99"
+
+Faults match by method, a substring of the path, and optionally only requests with a Range header; each fires
+`count` times (-1: forever), in the order they were added. Bodies are buffered: it is a test tool, not a fast path.
+"""
+
+from __future__ import annotations
+
+import http.client
+import http.server
+import io
+import socket
+import struct
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+KINDS = ("slowdown", "reset", "truncate", "flip", "delay", "status")
+_HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection"}
+
+
+@dataclass(frozen=True)
+class RecordedRequest:
+    method: str
+    path: str  # without the query string
+    query: str
+    range: str | None
+    if_match: str | None
+    headers: dict[str, str] = field(repr=False, compare=False)
+
+
+@dataclass
+class Fault:
+    kind: str
+    method: str | None = None
+    path: str = ""
+    ranged_only: bool = False
+    count: int = 1  # -1 forever
+    keep: float = 0.5  # reset/truncate: fraction of the body sent first
+    at: int | None = None  # flip: body offset (default: the middle)
+    seconds: float = 0.0  # delay
+    status: int = 500  # status
+    code: str = "InternalError"  # status: the S3 error code in the XML body
+    retry_after: int | None = None  # slowdown/status: Retry-After header
+    fired: int = 0
+
+    def matches(self, method: str, path: str, ranged: bool) -> bool:
+        return ((self.count < 0 or self.fired < self.count) and (self.method is None or self.method == method)
+                and self.path in path and (ranged or not self.ranged_only))
+
+
+class QuietHTTPServer(http.server.ThreadingHTTPServer):
+    """A threaded server that does not print tracebacks when a client hangs up, as tested clients do."""
+
+    daemon_threads = True
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        if not isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
+            super().handle_error(request, client_address)  # type: ignore[arg-type]
+
+
+class FaultProxy:
+    """Threaded reverse proxy on 127.0.0.1, port 0. Use as a context manager or call `close()`."""
+
+    def __init__(self, target: str) -> None:
+        parts = urlsplit(target)
+        self.target = (parts.hostname or "127.0.0.1", parts.port or 80)
+        self.requests: list[RecordedRequest] = []
+        self.faults: list[Fault] = []
+        self._lock = threading.Lock()
+        handler = type("Handler", (_Handler,), {"proxy": self})
+        self._server = QuietHTTPServer(("127.0.0.1", 0), handler)
+        self.port = self._server.server_address[1]
+        self.endpoint_url = f"http://127.0.0.1:{self.port}"
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), name="faultproxy",
+                                        daemon=True)
+        self._thread.start()
+
+    def add(self, kind: str, **options: object) -> Fault:
+        """Add a fault (see the module docstring); returns it, so a test can read `fault.fired`."""
+        if kind not in KINDS:
+            raise ValueError(f"unknown fault {kind!r}; use one of {KINDS}")
+        fault = Fault(kind, **options)  # type: ignore[arg-type]
+        with self._lock:
+            self.faults.append(fault)
+        return fault
+
+    def clear(self) -> None:
+        """Forget recorded requests and faults."""
+        with self._lock:
+            self.requests.clear()
+            self.faults.clear()
+
+    def requests_for(self, method: str, path: str = "") -> list[RecordedRequest]:
+        with self._lock:
+            return [r for r in self.requests if r.method == method and path in r.path]
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
+
+    def __enter__(self) -> FaultProxy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _take(self, request: RecordedRequest) -> Fault | None:
+        with self._lock:
+            self.requests.append(request)
+            for fault in self.faults:
+                if fault.matches(request.method, request.path, request.range is not None):
+                    fault.fired += 1
+                    return fault
+        return None
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    proxy: FaultProxy
+    protocol_version = "HTTP/1.1"  # keep-alive, as clients' pools expect
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - quiet test output
+        pass
+
+    def _handle(self) -> None:
+        path, _, query = self.path.partition("?")
+        body = self._request_body()
+        fault = self.proxy._take(RecordedRequest(self.command, path, query, self.headers.get("Range"),
+                                                 self.headers.get("If-Match"), dict(self.headers.items())))
+        if fault and fault.kind == "delay":
+            time.sleep(fault.seconds)
+        if fault and fault.kind in ("slowdown", "status"):
+            status, code = (503, "SlowDown") if fault.kind == "slowdown" else (fault.status, fault.code)
+            return self._send_error(status, code, fault.retry_after)
+        status, reason, headers, payload = self._forward(body)
+        if fault and fault.kind == "flip" and payload:
+            at = len(payload) // 2 if fault.at is None else fault.at
+            payload = payload[:at] + bytes([payload[at] ^ 0xFF]) + payload[at + 1:]
+        self.send_response(status, reason)
+        for name, value in headers:
+            self.send_header(name, value)
+        if self.command != "HEAD":
+            self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        if fault and fault.kind in ("reset", "truncate"):
+            self.wfile.write(payload[:int(len(payload) * fault.keep)])
+            return self._hang_up(reset=fault.kind == "reset")
+        if self.command != "HEAD":
+            self.wfile.write(payload)
+
+    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+
+    def _request_body(self) -> bytes:
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            chunks = []
+            while size := int(self.rfile.readline().split(b";")[0], 16):
+                chunks.append(self.rfile.read(size))
+                self.rfile.readline()
+            while self.rfile.readline() not in (b"\r\n", b"\n", b""):  # trailers
+                pass
+            return b"".join(chunks)
+        return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+    def _forward(self, body: bytes) -> tuple[int, str, list[tuple[str, str]], bytes]:
+        conn = http.client.HTTPConnection(*self.proxy.target, timeout=60)
+        try:
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
+            if body or self.command in ("PUT", "POST"):
+                headers["Content-Length"] = str(len(body))
+            conn.request(self.command, self.path, body=body or None, headers=headers)
+            resp = conn.getresponse()
+            payload = resp.read()
+            keep = [(k, v) for k, v in resp.getheaders()
+                    if k.lower() not in _HOP_BY_HOP and (k.lower() != "content-length" or self.command == "HEAD")]
+            return resp.status, resp.reason, keep, payload
+        finally:
+            conn.close()
+
+    def _send_error(self, status: int, code: str, retry_after: int | None) -> None:
+        payload = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
+                   f"<Message>injected by faultproxy</Message><RequestId>faultproxy</RequestId></Error>").encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/xml")
+        if retry_after is not None:
+            self.send_header("Retry-After", str(retry_after))
+        self.send_header("Content-Length", "0" if self.command == "HEAD" else str(len(payload)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(payload)
+
+    def _hang_up(self, *, reset: bool) -> None:
+        """Close mid-body: a FIN (truncate), or an RST (reset: SO_LINGER with a zero timeout)."""
+        self.close_connection = True
+        self.wfile.flush()
+        if reset:
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.rfile.close()
+            self.wfile.close()
+            self.connection.close()  # the last reference: the kernel sends RST now
+            self.rfile, self.wfile = io.BytesIO(), io.BytesIO()  # for the server's own flush and close after us

@@ -1,0 +1,60 @@
+"""Sources: list a model's objects and read pinned byte ranges, whatever stores them.
+
+`open_source(ref)` picks a backend by the reference's scheme. Backends are imported only when used, so a node
+without gcsfs still serves s3:// models, and asking for gs:// there says what to install.
+
+    scheme              backend                        extra package
+    s3                  sources.s3.S3Source            (boto3, always installed)
+    http, https         sources.http.HttpSource        (urllib3 for ranges, fsspec+aiohttp for the listing)
+    file, memory        sources.fsspec.FsspecSource    -
+    gs                  sources.fsspec.FsspecSource    gcsfs
+    az                  sources.fsspec.FsspecSource    adlfs
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Callable
+
+from weightcache.errors import BackendMissingError, InvalidReferenceError
+from weightcache.sources.base import ObjectInfo, Source
+from weightcache.uri import ModelRef
+
+__all__ = ["BACKENDS", "ObjectInfo", "Source", "open_source"]
+
+#: scheme -> ("module:Class", the package it needs beyond our own dependencies or None)
+BACKENDS: dict[str, tuple[str, str | None]] = {
+    "s3": ("weightcache.sources.s3:S3Source", None),
+    "http": ("weightcache.sources.http:HttpSource", None),
+    "https": ("weightcache.sources.http:HttpSource", None),
+    "file": ("weightcache.sources.fsspec:FsspecSource", None),
+    "memory": ("weightcache.sources.fsspec:FsspecSource", None),
+    "gs": ("weightcache.sources.fsspec:FsspecSource", "gcsfs"),
+    "az": ("weightcache.sources.fsspec:FsspecSource", "adlfs"),
+}
+
+
+def open_source(
+    ref: ModelRef,
+    *,
+    endpoint_url: str | None = None,
+    max_attempts: int = 5,
+    pool_size: int = 16,
+    backoff: float = 0.2,
+) -> Source:
+    """A source for `ref`. `endpoint_url` applies to s3 (else AWS_ENDPOINT_URL); `backoff` is the first retry's
+    upper bound in seconds, doubling per failure up to 10 s."""
+    try:
+        target, package = BACKENDS[ref.scheme]
+    except KeyError:
+        raise InvalidReferenceError(
+            f"no source for scheme {ref.scheme!r} of {ref.uri}; use one of: {', '.join(BACKENDS)}"
+        ) from None
+    if package and importlib.util.find_spec(package) is None:
+        raise BackendMissingError(
+            f"reading {ref.scheme}:// models needs the {package} package: pip install {package}", name=package
+        )
+    module, _, cls = target.partition(":")
+    backend: Callable[..., Source] = getattr(importlib.import_module(module), cls)
+    return backend(ref, endpoint_url=endpoint_url, max_attempts=max_attempts, pool_size=pool_size, backoff=backoff)

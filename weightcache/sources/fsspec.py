@@ -1,0 +1,183 @@
+"""Every non-S3 store through fsspec: file://, memory:// (tests, local mirrors), gs:// (gcsfs), az:// (adlfs).
+
+fsspec lists (`find`); reads go straight into the caller's buffer for local files (unbuffered `readinto`) and
+memory files, and through `cat_file` ranges for remote filesystems.
+Without ETags, local and memory objects are pinned by a version token made from their modification time and
+size: a read checks it first, so a file replaced after listing raises ObjectChangedError instead of mixing bytes.
+Local symlinks to files count as the files they point to (a Hugging Face cache snapshot is a tree of them).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from collections.abc import Iterator
+from typing import Any
+
+import fsspec
+
+from weightcache.errors import (
+    BackendMissingError,
+    ObjectChangedError,
+    SourceAccessDeniedError,
+    SourceError,
+    SourceNotFoundError,
+    WeightcacheError,
+)
+from weightcache.sources.base import ObjectInfo, Retryable, finish_listing, read_with_retries, stream_by_ranges
+from weightcache.uri import ModelRef
+
+log = logging.getLogger(__name__)
+
+#: our scheme -> (fsspec protocol, the package that provides it)
+PROTOCOLS: dict[str, tuple[str, str | None]] = {
+    "file": ("file", None),
+    "memory": ("memory", None),
+    "gs": ("gcs", "gcsfs"),
+    "az": ("az", "adlfs"),
+    "http": ("http", "aiohttp"),
+    "https": ("https", "aiohttp"),
+}
+_CHANGED = "the object changed since it was listed; fetch again to get the new version"
+#: builtin exception fsspec raises -> ours; checked in order (the first match wins).
+ERRORS: tuple[tuple[type[BaseException], type[SourceError], str], ...] = (
+    (FileNotFoundError, SourceNotFoundError, "check that the path exists and is spelled as listed"),
+    (PermissionError, SourceAccessDeniedError, "grant the daemon read access to it"),
+)
+RETRYABLE: tuple[type[BaseException], ...] = (ConnectionError, TimeoutError)
+
+
+class FsspecSource:
+    """Lists and reads a prefix of any fsspec filesystem. Thread-safe as far as the filesystem is."""
+
+    def __init__(
+        self,
+        ref: ModelRef,
+        *,
+        endpoint_url: str | None = None,
+        max_attempts: int = 5,
+        pool_size: int = 16,
+        backoff: float = 0.2,
+    ) -> None:
+        del endpoint_url, pool_size  # s3 and http only; fsspec filesystems bring their own configuration
+        self.ref = ref
+        self.name = ref.scheme
+        self.max_attempts = max(1, max_attempts)
+        self.backoff = backoff
+        protocol, package = PROTOCOLS[ref.scheme]
+        try:
+            self.fs: Any = fsspec.filesystem(protocol)
+        except ImportError as exc:
+            raise BackendMissingError(
+                f"reading {ref.scheme}:// models needs the {package} package: pip install {package}", name=package
+            ) from exc
+        self.root = self.fs._strip_protocol(ref.uri).rstrip("/") + "/"
+        self._protocol = protocol
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.ref.uri!r})"
+
+    def list(self) -> list[ObjectInfo]:
+        self.fs.invalidate_cache(self.root)  # gcsfs and adlfs cache listings; a fetch must see the store as it is now
+        try:
+            found: dict[str, dict[str, Any]] = self.fs.find(self.root, detail=True)
+        except FileNotFoundError:
+            found = {}
+        except Exception as exc:
+            raise translate(exc, self.ref.uri) from exc
+        objects = [self._object(path, info) for path, info in found.items() if info.get("type") != "directory"]
+        return finish_listing(self.ref, objects, hint="check that the directory exists and holds the model's files")
+
+    def read_into(self, obj: ObjectInfo, offset: int, buf: memoryview) -> None:
+        if offset < 0 or offset + len(buf) > obj.size:
+            raise ValueError(f"range {offset}+{len(buf)} outside {obj.key} of {obj.size} bytes")
+        if len(buf):
+            read_with_retries(lambda pos, view: self._read_range(obj, pos, view), offset, buf,
+                              what=obj.key, max_attempts=self.max_attempts, backoff=self.backoff)
+
+    def stream(self, obj: ObjectInfo, offset: int = 0, chunk: int = 8 << 20) -> Iterator[bytes]:
+        return stream_by_ranges(self, obj, offset, chunk)
+
+    def close(self) -> None:
+        pass  # fsspec caches filesystem instances and their sessions process-wide
+
+    def _object(self, path: str, info: dict[str, Any]) -> ObjectInfo:
+        relpath = path[len(self.root):] if path.startswith(self.root) else ""
+        if self._protocol == "file":  # symlinks (a Hugging Face snapshot is made of them) stand for their targets
+            st = _stat_file(path)
+            return ObjectInfo(path, relpath, st.st_size, stat_token(st), None, None)
+        return ObjectInfo(path, relpath, int(info["size"]), version_token(info), None, None)
+
+    def _read_range(self, obj: ObjectInfo, pos: int, view: memoryview) -> int:
+        try:
+            if self._protocol == "file":
+                with open(obj.key, "rb", buffering=0) as f:  # unbuffered: readinto lands in `view` directly
+                    if obj.etag and stat_token(os.fstat(f.fileno())) != obj.etag:
+                        raise ObjectChangedError(f"{obj.key} was modified after listing; {_CHANGED}")
+                    f.seek(pos)
+                    return _fill(f, view)
+            if self._protocol == "memory":
+                if obj.etag and version_token(self.fs.info(obj.key)) != obj.etag:
+                    raise ObjectChangedError(f"{obj.key} was modified after listing; {_CHANGED}")
+                with self.fs.open(obj.key, "rb") as f:
+                    f.seek(pos)
+                    return _fill(f, view)
+            data = self.fs.cat_file(obj.key, start=pos, end=pos + len(view))
+            view[:len(data)] = data
+            return len(data)
+        except WeightcacheError:
+            raise
+        except RETRYABLE as exc:
+            raise Retryable(f"{type(exc).__name__} reading {obj.key}") from exc
+        except Exception as exc:
+            raise translate(exc, obj.key) from exc
+
+
+def translate(exc: BaseException, what: str) -> SourceError:
+    """The fsspec error table: builtin exceptions become ours; anything else is a SourceError (cause chained)."""
+    for builtin, ours, hint in ERRORS:
+        if isinstance(exc, builtin):
+            return ours(f"{what}: {type(exc).__name__}; {hint}")
+    return SourceError(f"{what}: {type(exc).__name__}: {exc}")
+
+
+def version_token(info: dict[str, Any]) -> str | None:
+    """What pins a version: the store's ETag or generation, else modification time and size (local, memory)."""
+    for key in ("ETag", "etag", "generation"):
+        if info.get(key):
+            return str(info[key]).strip('"')
+    stamp = info.get("mtime") or info.get("created")
+    if stamp is None:
+        return None
+    stamp = stamp.timestamp() if hasattr(stamp, "timestamp") else stamp
+    return f"{stamp!r}-{info.get('size')}"
+
+
+def stat_token(st: os.stat_result) -> str:
+    """A local file's version: modification time (ns) and size."""
+    return f"{st.st_mtime_ns:x}-{st.st_size:x}"
+
+
+def _stat_file(path: str) -> os.stat_result:
+    """stat through symlinks; anything but a regular file (a link to a directory, a socket) is refused."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise SourceNotFoundError(f"{path} vanished or is a broken symlink; fix or remove it") from None
+    except OSError as exc:
+        raise translate(exc, path) from exc
+    if not stat.S_ISREG(st.st_mode):
+        raise SourceError(f"{path} is not a regular file (a symlink to a directory?); "
+                          "copy the files in, or point the reference at the target directory")
+    return st
+
+
+def _fill(f: Any, view: memoryview) -> int:
+    done = 0
+    while done < len(view):
+        n = f.readinto(view[done:])
+        if not n:
+            break
+        done += n
+    return done

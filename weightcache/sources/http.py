@@ -1,0 +1,99 @@
+"""http(s):// models from a plain web server (nginx autoindex, a static mirror).
+
+The listing comes from fsspec, which walks the server's HTML directory index, then one HEAD per file for its
+size and ETag. Range reads go through a pooled urllib3 client straight into the caller's buffer (measured
+faster than fsspec's aiohttp path: scripts/bench_sources.py). A strong ETag pins the version with `If-Match`;
+412 means the file changed.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+from urllib.parse import unquote
+
+import urllib3
+
+from weightcache.errors import ObjectChangedError, SourceAccessDeniedError, SourceError, SourceNotFoundError
+from weightcache.sources.base import ObjectInfo, Retryable, finish_listing, read_body_into
+from weightcache.sources.fsspec import FsspecSource, translate
+from weightcache.uri import ModelRef
+
+log = logging.getLogger(__name__)
+
+_CHANGED = "the file changed on the server since it was listed; fetch again to get the new version"
+#: HTTP status -> our exception and hint; 429 and 5xx are retried.
+ERRORS: dict[int, tuple[type[SourceError], str]] = {
+    401: (SourceAccessDeniedError, "the server wants credentials; serve the model without auth or use s3://"),
+    403: (SourceAccessDeniedError, "the server refuses access; check its permissions"),
+    404: (SourceNotFoundError, "check the URL and that the file is still published"),
+    410: (SourceNotFoundError, "check the URL and that the file is still published"),
+    412: (ObjectChangedError, _CHANGED),
+}
+NETWORK_ERRORS = (urllib3.exceptions.HTTPError, OSError)
+
+
+class HttpSource(FsspecSource):
+    """Listing by fsspec's HTTPFileSystem, ranged reads by urllib3 (Range, If-Match, readinto)."""
+
+    def __init__(
+        self,
+        ref: ModelRef,
+        *,
+        endpoint_url: str | None = None,
+        max_attempts: int = 5,
+        pool_size: int = 16,
+        backoff: float = 0.2,
+        timeout: float = 60.0,
+    ) -> None:
+        super().__init__(ref, endpoint_url=endpoint_url, max_attempts=max_attempts, pool_size=pool_size,
+                         backoff=backoff)
+        self._pool = urllib3.PoolManager(maxsize=pool_size, retries=False,
+                                         timeout=urllib3.Timeout(connect=timeout, read=timeout))
+
+    def list(self) -> list[ObjectInfo]:
+        self.fs.invalidate_cache(self.root)
+        try:
+            urls = [u for u in self.fs.find(self.root) if "?" not in u]  # skip index sort links (?C=N;O=D)
+            objects = [self._object(u, self.fs.info(u)) for u in urls]
+        except Exception as exc:
+            raise translate(exc, self.ref.uri) from exc
+        return finish_listing(self.ref, objects, hint="check the URL and that the server lists directories "
+                                                      "(nginx: autoindex on)")
+
+    def close(self) -> None:
+        self._pool.clear()
+
+    def _object(self, path: str, info: dict[str, Any]) -> ObjectInfo:
+        etag = info.get("ETag")
+        strong = etag.strip('"') if etag and not etag.startswith("W/") else None  # If-Match needs a strong one
+        relpath = unquote(path[len(self.root):]) if path.startswith(self.root) else ""
+        return ObjectInfo(path, relpath, int(info["size"]), strong, None, None)
+
+    def _read_range(self, obj: ObjectInfo, pos: int, view: memoryview) -> int:
+        headers = {"Range": f"bytes={pos}-{pos + len(view) - 1}", "Accept-Encoding": "identity"}
+        if obj.etag:
+            headers["If-Match"] = f'"{obj.etag}"'
+        try:
+            resp = self._pool.request("GET", obj.key, headers=headers, preload_content=False, redirect=True)
+        except NETWORK_ERRORS as exc:
+            raise Retryable(f"{type(exc).__name__} on GET") from exc
+        self._check(resp, obj, pos)
+        return read_body_into(resp, view)
+
+    def _check(self, resp: Any, obj: ObjectInfo, pos: int) -> None:
+        status = resp.status
+        if status != 206 and status != 200:
+            resp.close()
+        if status == 429 or status >= 500:
+            after = resp.headers.get("Retry-After", "")
+            raise Retryable(f"HTTP {status}", float(after) if after.isdigit() else None)
+        if status in ERRORS:
+            cls, hint = ERRORS[status]
+            raise cls(f"{obj.key}: HTTP {status}; {hint}")
+        if status == 200 and pos == 0:
+            return  # the whole file from byte 0: the first len(view) bytes are the ones wanted
+        if status != 206 or not resp.headers.get("Content-Range", "").startswith(f"bytes {pos}-"):
+            resp.close()
+            raise SourceError(f"{obj.key}: HTTP {status} to a range request; serve it from a server that "
+                              "supports Range (nginx, any static file server)")

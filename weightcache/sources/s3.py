@@ -1,0 +1,245 @@
+"""S3 (and S3-compatible stores: MinIO, Ceph RGW, R2) through boto3.
+
+Each range read is one GET with `Range`, pinned with `If-Match: <etag>` (and `VersionId` when known), so bytes of
+two object versions never mix. botocore's own retries are off: our loop retries throttling, 5xx, broken
+connections and short bodies, asking only for the bytes still missing. S3 error codes become our exceptions by
+one table; messages carry the code and what to do, never credentials (the cause is chained for detail).
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import boto3
+import botocore.exceptions
+import urllib3.exceptions
+from botocore.config import Config
+
+from weightcache.errors import (
+    ObjectChangedError,
+    RetriesExceededError,
+    SourceAccessDeniedError,
+    SourceError,
+    SourceNotFoundError,
+    WeightcacheError,
+)
+from weightcache.sources.base import (
+    ObjectInfo,
+    Retryable,
+    backoff_pause,
+    finish_listing,
+    read_body_into,
+    read_with_retries,
+    stream_by_ranges,
+)
+from weightcache.uri import ModelRef
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_Listing = tuple[list[ObjectInfo], set[str]]  # objects, and the keys whose listing shows a SHA-256 checksum
+
+_DENIED = "give the node's credentials s3:ListBucket and s3:GetObject on {uri}, or check AWS_* settings"
+_MISSING = "check that the bucket and prefix exist, e.g. `aws s3 ls {uri}`"
+_CHANGED = "the object was replaced while downloading; fetch again to get the new version"
+
+#: S3 error code (or bare HTTP status, as HEAD errors carry) -> our exception and a hint.
+ERRORS: dict[str, tuple[type[SourceError], str]] = {
+    "NoSuchBucket": (SourceNotFoundError, _MISSING),
+    "NoSuchKey": (SourceNotFoundError, _MISSING),
+    "NotFound": (SourceNotFoundError, _MISSING),
+    "404": (SourceNotFoundError, _MISSING),
+    "AccessDenied": (SourceAccessDeniedError, _DENIED),
+    "AllAccessDisabled": (SourceAccessDeniedError, _DENIED),
+    "AccountProblem": (SourceAccessDeniedError, _DENIED),
+    "InvalidAccessKeyId": (SourceAccessDeniedError, _DENIED),
+    "SignatureDoesNotMatch": (SourceAccessDeniedError, _DENIED),
+    "ExpiredToken": (SourceAccessDeniedError, "the session token expired; refresh the node's credentials"),
+    "InvalidToken": (SourceAccessDeniedError, _DENIED),
+    "403": (SourceAccessDeniedError, _DENIED),
+    "PreconditionFailed": (ObjectChangedError, _CHANGED),
+    "412": (ObjectChangedError, _CHANGED),
+}
+#: Codes worth another attempt, besides any 5xx and 429.
+RETRYABLE = frozenset({
+    "SlowDown", "Throttling", "ThrottlingException", "TooManyRequests", "RequestLimitExceeded",
+    "RequestTimeout", "InternalError", "ServiceUnavailable",
+})
+#: Transport failures worth another attempt (botocore wraps most; raw body reads raise the rest).
+NETWORK_ERRORS = (
+    botocore.exceptions.HTTPClientError,  # connection closed/reset, timeouts, streaming errors
+    botocore.exceptions.IncompleteReadError,
+    urllib3.exceptions.HTTPError,
+    http.client.HTTPException,
+    OSError,
+)
+
+
+class S3Source:
+    """Lists and reads `s3://bucket/prefix/`. Thread-safe: one boto3 client with a pool of `pool_size`."""
+
+    name = "s3"
+    page_size = 1000  # keys per ListObjectsV2 page (S3's maximum)
+
+    def __init__(
+        self,
+        ref: ModelRef,
+        *,
+        endpoint_url: str | None = None,
+        max_attempts: int = 5,
+        pool_size: int = 16,
+        backoff: float = 0.2,
+        timeout: float = 60.0,
+    ) -> None:
+        self.ref = ref
+        # boto3 reads these itself; we look only to choose path-style addressing
+        self.endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        self.max_attempts = max(1, max_attempts)
+        self.backoff = backoff
+        config = Config(
+            max_pool_connections=pool_size,
+            retries={"total_max_attempts": 1, "mode": "standard"},  # ours is the loop that counts
+            connect_timeout=timeout,
+            read_timeout=timeout,
+            # a custom endpoint (MinIO, moto, 127.0.0.1) rarely has wildcard DNS for virtual-hosted buckets
+            s3={"addressing_style": "path" if self.endpoint_url else "auto"},
+            response_checksum_validation="when_required",
+        )
+        self._client = boto3.session.Session().client("s3", endpoint_url=self.endpoint_url, config=config)
+
+    def __repr__(self) -> str:
+        endpoint = _without_userinfo(self.endpoint_url) if self.endpoint_url else None
+        return f"S3Source({self.ref.uri!r}, endpoint={endpoint!r})"
+
+    def list(self) -> list[ObjectInfo]:
+        listed, with_checksum = self._call(self._list_once, f"listing {self.ref.uri}")
+        kept = finish_listing(self.ref, listed, hint=_MISSING.format(uri=self.ref.uri))
+        if not with_checksum:
+            return kept
+        with ThreadPoolExecutor(min(16, len(with_checksum)), thread_name_prefix="s3-head") as pool:
+            return list(pool.map(lambda o: self._with_checksum(o) if o.key in with_checksum else o, kept))
+
+    def read_into(self, obj: ObjectInfo, offset: int, buf: memoryview) -> None:
+        if offset < 0 or offset + len(buf) > obj.size:
+            raise ValueError(f"range {offset}+{len(buf)} outside {obj.key} of {obj.size} bytes")
+        if len(buf):
+            read_with_retries(lambda pos, view: self._read_range(obj, pos, view), offset, buf,
+                              what=self._uri(obj.key), max_attempts=self.max_attempts, backoff=self.backoff)
+
+    def stream(self, obj: ObjectInfo, offset: int = 0, chunk: int = 8 << 20) -> Iterator[bytes]:
+        return stream_by_ranges(self, obj, offset, chunk)
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _uri(self, key: str) -> str:
+        return f"s3://{self.ref.bucket}/{key}"
+
+    def _list_once(self) -> _Listing:
+        out: list[ObjectInfo] = []
+        with_checksum: set[str] = set()
+        pages = self._client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.ref.bucket, Prefix=self.ref.prefix, PaginationConfig={"PageSize": self.page_size})
+        for page in pages:
+            for item in page.get("Contents", ()):
+                key = item["Key"]
+                if key.endswith("/"):  # a "directory marker" that consoles create
+                    continue
+                out.append(ObjectInfo(key, key[len(self.ref.prefix):], item["Size"], _unquote(item.get("ETag")),
+                                      None, None))
+                if "SHA256" in item.get("ChecksumAlgorithm", ()):
+                    with_checksum.add(key)
+        return out, with_checksum
+
+    def _with_checksum(self, obj: ObjectInfo) -> ObjectInfo:
+        """Ask HEAD for the full-object SHA-256; a composite (multipart, "...-N") one is no digest of the bytes."""
+        head = self._call(lambda: self._client.head_object(Bucket=self.ref.bucket, Key=obj.key, ChecksumMode="ENABLED"),
+                          f"reading the checksum of {self._uri(obj.key)}")
+        value, kind, etag = head.get("ChecksumSHA256") or "", head.get("ChecksumType"), head.get("ETag") or ""
+        # a multipart upload's SHA-256 is a digest of part digests; some stores omit the "-N" and the type
+        if not value or "-" in value or kind == "COMPOSITE" or ("-" in etag and kind != "FULL_OBJECT"):
+            return obj
+        return ObjectInfo(obj.key, obj.relpath, head["ContentLength"], _unquote(head.get("ETag")),
+                          head.get("VersionId"), ("sha256", base64.b64decode(value).hex()))
+
+    def _read_range(self, obj: ObjectInfo, pos: int, view: memoryview) -> int:
+        args: dict[str, Any] = {"Bucket": self.ref.bucket, "Key": obj.key,
+                                "Range": f"bytes={pos}-{pos + len(view) - 1}"}
+        if obj.etag:
+            args["IfMatch"] = f'"{obj.etag}"'
+        if obj.version_id:
+            args["VersionId"] = obj.version_id
+        what = self._uri(obj.key)
+        try:
+            resp = self._client.get_object(**args)
+        except (botocore.exceptions.ClientError, botocore.exceptions.NoCredentialsError) as exc:
+            raise translate(exc, what) from exc
+        except NETWORK_ERRORS as exc:
+            raise Retryable(f"{type(exc).__name__} on GET") from exc
+        body = resp["Body"]
+        try:
+            if obj.etag and _unquote(resp.get("ETag")) != obj.etag:  # a store that ignores If-Match
+                raise ObjectChangedError(f"{what} changed: ETag {resp.get('ETag')} is not {obj.etag}; {_CHANGED}")
+            if not resp.get("ContentRange", "").startswith(f"bytes {pos}-") and pos:
+                raise SourceError(f"{what}: the store ignored the Range header; use an S3 endpoint that supports it")
+            return read_body_into(body._raw_stream, view)  # our readinto: no copy (see read_body_into)
+        finally:
+            body.close()
+
+    def _call(self, fn: Callable[[], T], what: str) -> T:
+        """A request with the same classification and bounded retries as range reads."""
+        err, last = Retryable("no attempt made"), None  # type: tuple[Retryable, BaseException | None]
+        for failures in range(1, self.max_attempts + 1):
+            try:
+                return fn()
+            except (botocore.exceptions.ClientError, botocore.exceptions.NoCredentialsError) as exc:
+                translated = translate(exc, what)
+                if not isinstance(translated, Retryable):
+                    raise translated from exc
+                err, last = translated, exc
+            except WeightcacheError:
+                raise
+            except NETWORK_ERRORS as exc:
+                last, err = exc, Retryable(type(exc).__name__)
+            if failures < self.max_attempts:
+                pause = backoff_pause(failures, self.backoff, err.retry_after)
+                log.debug("retrying %s in %.2fs after: %s", what, pause, err.reason)
+                time.sleep(pause)
+        raise RetriesExceededError(f"{what} failed {self.max_attempts} times, last: {err.reason}; "
+                                   "check the network and the object store, then try again", last) from last
+
+
+def translate(exc: botocore.exceptions.ClientError | botocore.exceptions.NoCredentialsError, what: str) -> Exception:
+    """The one S3 error table: a ClientError becomes `Retryable` or one of our SourceErrors (cause chained)."""
+    if isinstance(exc, botocore.exceptions.NoCredentialsError):
+        denied = SourceAccessDeniedError(f"{what}: no AWS credentials found; set AWS_ACCESS_KEY_ID and "
+                                         "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or give the node an IAM role")
+        denied.__cause__ = exc
+        return denied
+    meta = exc.response.get("ResponseMetadata", {})
+    status = int(meta.get("HTTPStatusCode") or 0)
+    code = str(exc.response.get("Error", {}).get("Code") or status)
+    if code in RETRYABLE or status == 429 or status >= 500:
+        retry_after = meta.get("HTTPHeaders", {}).get("retry-after", "")
+        return Retryable(f"{code} (HTTP {status})", float(retry_after) if retry_after.isdigit() else None)
+    cls, hint = ERRORS.get(code) or ERRORS.get(str(status)) or (SourceError, "see the chained cause")
+    err = cls(f"{what}: {code} (HTTP {status}); {hint.format(uri=what)}")
+    err.__cause__ = exc
+    return err
+
+
+def _without_userinfo(url: str) -> str:
+    """An endpoint URL may carry user:password@; a repr must not."""
+    parts = urlsplit(url)
+    return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
+
+
+def _unquote(etag: str | None) -> str | None:
+    return etag.strip('"') if etag else None
