@@ -1,0 +1,174 @@
+"""Cluster CLI: prefetch --cluster (create, update, wait) and status, against the fake API server."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from tests.fake_apiserver import FakeApiServer, crd_schemas, node
+from weightcache.errors import ClusterError
+from weightcache.kube.cluster_cli import model_cache_name, prefetch_cluster, status
+from weightcache.kube.report import ModelState, NodeReporter
+from weightcache.uri import parse_ref
+
+MC = "/apis/weightcache.io/v1alpha1/modelcaches"
+REF = parse_ref("s3://models/Llama-3_8B/@v1", include=["*.safetensors"])
+
+
+@pytest.fixture
+def server() -> Iterator[FakeApiServer]:
+    with FakeApiServer(schemas=crd_schemas()) as srv:
+        for name in ("n1", "n2"):
+            srv.create("nodes", node(name, {"gpu": "h100"}))
+        srv.create("nodes", node("n3", {"gpu": "a10"}))
+        yield srv
+
+
+def run(server: FakeApiServer, ref=REF, **kwargs) -> tuple[int, str]:
+    out = io.StringIO()
+    args = {"name": None, "node_selector": {"gpu": "h100"}, "tier": "disk", "allowed_namespaces": [], "wait": False,
+            "timeout": 10.0, "out": out, "json_lines": False, "poll_interval": 0.02, **kwargs}
+    return prefetch_cluster(server.api_client(), ref, **args), out.getvalue()
+
+
+def play_daemon(server: FakeApiServer, phases: dict[str, list[ModelState]]) -> threading.Thread:
+    """A thread that acts as the daemons of the given nodes once the ModelCache exists."""
+
+    def daemon() -> None:
+        server.wait_requests("POST", MC)
+        name = server.list("modelcaches")[0]["metadata"]["name"]
+        server.wait_requests("GET", "/api/v1/nodes")  # the CLI is waiting now
+        for node_name, states in phases.items():
+            reporter = NodeReporter(server.api_client(), node_name, min_interval=0)
+            for state in states:
+                reporter.report(name, state)
+
+    thread = threading.Thread(target=daemon, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_name_is_a_stable_dns_label():
+    name = model_cache_name(REF)
+    assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", name) and len(name) <= 63
+    assert name.startswith("llama-3-8b-") and name == model_cache_name(parse_ref("s3://models/Llama-3_8B/", include=["*.safetensors"]))
+    assert model_cache_name(parse_ref("s3://models/" + "x" * 200 + "/")).__len__() <= 63
+
+
+def test_prefetch_creates_the_model_cache(server):
+    code, text = run(server, allowed_namespaces=["team-a"], tier="memory")
+    assert code == 0 and "created" in text
+    (mc,) = server.list("modelcaches")
+    assert mc["metadata"]["name"] == model_cache_name(REF)
+    assert mc["spec"] == {"source": "s3://models/Llama-3_8B/", "revision": "v1", "include": ["*.safetensors"],
+                          "tier": "memory", "nodeSelector": {"gpu": "h100"}, "allowedNamespaces": ["team-a"]}
+
+
+def test_prefetch_again_updates_with_optimistic_concurrency(server):
+    run(server, allowed_namespaces=["team-a"])
+    code, text = run(server, ref=parse_ref("s3://models/Llama-3_8B/", include=["*.safetensors"]),
+                     node_selector={"pool": "inference"})
+    assert code == 0 and "updated" in text
+    (mc,) = server.list("modelcaches")
+    assert mc["spec"]["nodeSelector"] == {"pool": "inference"}  # replaced, not merged
+    assert "revision" not in mc["spec"]  # the new reference has none
+    assert mc["spec"]["allowedNamespaces"] == ["team-a"]  # kept: not given this time
+    assert mc["metadata"]["generation"] == 2
+    (put,) = server.requests_matching("PUT", MC)
+    assert put.body["metadata"]["resourceVersion"]
+
+
+def test_invalid_spec_is_rejected_by_the_crd_schema(server):
+    with pytest.raises(ClusterError, match="rejected it: .*tier"):
+        run(server, tier="ssd")
+    assert server.list("modelcaches") == []
+
+
+def test_wait_follows_each_selected_node_until_ready(server):
+    states = [ModelState("Fetching", bytes_done=512, bytes_total=2048), ModelState("Ready", bytes_done=2048, bytes_total=2048, snapshot="abcdef0123456789")]
+    daemon = play_daemon(server, {"n1": states, "n2": states})
+    code, text = run(server, wait=True)
+    daemon.join(5)
+    assert code == 0, text
+    assert re.search(r"^n1\s+Ready\s+2\.0 KiB/2\.0 KiB 100%", text, re.MULTILINE)
+    assert re.search(r"^n2\s+Ready", text, re.MULTILINE)
+    assert "n3" not in text and "ready on all 2 node(s)" in text
+
+
+def test_wait_stops_at_the_first_failure(server):
+    daemon = play_daemon(server, {"n1": [ModelState("Ready")], "n2": [ModelState("Failed", message="bucket not found")]})
+    code, text = run(server, wait=True)
+    daemon.join(5)
+    assert code == 1
+    assert "failed on n2" in text and "bucket not found" in text
+
+
+def test_wait_times_out_with_exit_2(server):
+    code, text = run(server, wait=True, timeout=0.2)
+    assert code == 2 and "ready on 0 of 2 node(s)" in text
+
+
+def test_wait_ignores_states_of_an_older_generation(server):
+    run(server)
+    name = model_cache_name(REF)
+    NodeReporter(server.api_client(), "n1", min_interval=0).report(name, ModelState("Ready", observed_generation=1))
+    NodeReporter(server.api_client(), "n2", min_interval=0).report(name, ModelState("Ready", observed_generation=1))
+    code, text = run(server, wait=True, timeout=0.2, tier="memory")  # update: generation 2, nodes not yet there
+    assert code == 2 and "ready on 0 of 2" in text
+
+
+def test_wait_without_matching_nodes_says_what_to_do(server):
+    code, text = run(server, wait=True, node_selector={"gpu": "b200"})
+    assert code == 1 and "kubectl label node NODE gpu=b200" in text
+
+
+def test_json_lines_output(server):
+    daemon = play_daemon(server, {"n1": [ModelState("Ready")], "n2": [ModelState("Ready")]})
+    code, text = run(server, wait=True, json_lines=True)
+    daemon.join(5)
+    lines = [json.loads(line) for line in text.splitlines()]
+    assert code == 0 and lines[0]["event"] == "created" and lines[-1] == {"event": "done", "result": "ready", "nodes": 2}
+    assert {ln["node"] for ln in lines if ln["event"] == "progress"} == {"n1", "n2"}
+
+
+def test_status_table_and_json(server):
+    run(server)
+    name = model_cache_name(REF)
+    NodeReporter(server.api_client(), "n1", min_interval=0).report(name, ModelState("Fetching", bytes_done=1 << 30, bytes_total=4 << 30))
+    out = io.StringIO()
+    assert status(server.api_client(), None, out=out) == 0
+    lines = out.getvalue().splitlines()
+    assert lines[0].split() == ["MODELCACHE", "NODE", "PHASE", "PROGRESS", "SNAPSHOT", "UPDATED", "MESSAGE"]
+    assert re.search(rf"^{name}\s+n1\s+Fetching\s+1\.0 GiB/4\.0 GiB 25%", out.getvalue(), re.MULTILINE)
+    assert re.search(rf"^{name}\s+n2\s+Pending\s+.*not reported yet", out.getvalue(), re.MULTILINE)
+    out = io.StringIO()
+    assert status(server.api_client(), name, out=out, output="json") == 0
+    (mc,) = json.loads(out.getvalue())["modelCaches"]
+    assert [n["node"] for n in mc["nodes"]] == ["n1", "n2"] and mc["nodes"][0]["bytesTotal"] == 4 << 30
+
+
+def test_status_of_unknown_name(server):
+    out = io.StringIO()
+    assert status(server.api_client(), "nope", out=out) == 1
+    assert "not found" in out.getvalue() and "weightcache status" in out.getvalue()
+
+
+def test_unreachable_api_server_is_a_clear_cluster_error(server):
+    client = server.api_client()
+    server.stop()
+    with pytest.raises(ClusterError, match="cannot reach the Kubernetes API server"):
+        prefetch_cluster(client, REF, name=None, node_selector={}, tier="disk", allowed_namespaces=[], wait=False,
+                         timeout=1, out=io.StringIO(), json_lines=False)
+
+
+def test_api_errors_are_translated_without_raw_responses(server):
+    server.fail_requests = 1
+    with pytest.raises(ClusterError) as info:
+        run(server)
+    assert info.value.status == 500 and "creating ModelCache" in str(info.value)
+    assert "HTTP response headers" not in str(info.value)

@@ -1,0 +1,53 @@
+"""Find the cluster: in-cluster service account first, then KUBECONFIG / ~/.kube/config, else off-cluster (None).
+
+A kubeconfig that exists but cannot be loaded is an error, not "off-cluster": silently dropping to off-cluster
+would also drop the namespace policy that cluster mode enforces. Nothing here logs tokens or certificates.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import kubernetes
+
+from weightcache.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+def in_cluster() -> bool:
+    """True inside a pod with a service account (the same test the official client's in-cluster loader makes)."""
+    token = Path(kubernetes.config.incluster_config.SERVICE_TOKEN_FILENAME)
+    return bool(os.environ.get("KUBERNETES_SERVICE_HOST") and os.environ.get("KUBERNETES_SERVICE_PORT")) and token.is_file()
+
+
+def _kubeconfig_paths() -> list[Path]:
+    env = os.environ.get("KUBECONFIG")
+    if env:
+        return [Path(p).expanduser() for p in env.split(os.pathsep) if p]
+    return [Path("~/.kube/config").expanduser()]
+
+
+def load_api_client() -> kubernetes.client.ApiClient | None:
+    """An ApiClient for the cluster this process belongs to, or None when no Kubernetes config exists."""
+    config = kubernetes.client.Configuration()
+    if in_cluster():
+        kubernetes.config.load_incluster_config(client_configuration=config)
+        log.info("cluster mode: in-cluster service account, API server %s", config.host)
+        return kubernetes.client.ApiClient(config)
+    paths = [p for p in _kubeconfig_paths() if p.is_file()]
+    if not paths:
+        log.debug("no kubeconfig found; off-cluster mode")
+        return None
+    try:
+        kubernetes.config.load_kube_config(config_file=os.pathsep.join(map(str, paths)), client_configuration=config)
+    except (kubernetes.config.ConfigException, OSError, ValueError, KeyError, TypeError) as exc:
+        # The loader names keys and files, not secret values; keep only its first line anyway.
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(
+            f"kubeconfig {os.pathsep.join(map(str, paths))} could not be loaded ({reason}); fix it "
+            "(check `kubectl config view`) or unset KUBECONFIG to run off-cluster"
+        ) from exc
+    log.info("cluster mode: kubeconfig, API server %s", config.host)
+    return kubernetes.client.ApiClient(config)

@@ -1,0 +1,295 @@
+"""`weightcache prefetch REF --cluster …` and `weightcache status [NAME]`: ModelCaches and per-node progress.
+
+prefetch creates the ModelCache (or updates it: read, change the CLI's fields, replace with the read
+resourceVersion, so a concurrent edit is never overwritten), then with --wait polls the selected Nodes and
+their ModelCacheNode status until every node is Ready (exit 0), one is Failed (exit 1) or time runs out (exit 2).
+API failures raise ClusterError with what to do next; the CLI prints it and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal, TextIO, TypeVar
+
+import kubernetes
+import urllib3
+from kubernetes.client.exceptions import ApiException
+
+from weightcache.errors import ClusterError
+from weightcache.kube import API_VERSION, GROUP, MODELCACHE_KIND, MODELCACHENODES, MODELCACHES, VERSION
+from weightcache.kube.report import ModelState, from_wire
+from weightcache.uri import ModelRef
+
+T = TypeVar("T")
+EXIT_READY, EXIT_FAILED, EXIT_TIMEOUT = 0, 1, 2
+_RBAC_HINT = "bind your user to the weightcache-cli ClusterRole (deploy/daemonset/rbac.yaml)"
+
+
+def model_cache_name(ref: ModelRef) -> str:
+    """A DNS-1123 label from the model's last path segment plus 8 hex digits of its key: stable and unique."""
+    tail = [p for p in ref.prefix.split("/") if p][-1:] or [ref.bucket or "model"]
+    slug = re.sub(r"[^a-z0-9-]+", "-", tail[0].lower()).strip("-")[:50].strip("-") or "model"
+    return f"{slug}-{ref.key[1:9]}"
+
+
+def model_cache_body(ref: ModelRef, *, name: str, node_selector: dict[str, str], tier: str,
+                     allowed_namespaces: list[str]) -> dict[str, Any]:
+    spec: dict[str, Any] = {"source": ref.uri, "tier": tier, "nodeSelector": dict(node_selector)}
+    if ref.revision:
+        spec["revision"] = ref.revision
+    if ref.include:
+        spec["include"] = list(ref.include)
+    if ref.exclude:
+        spec["exclude"] = list(ref.exclude)
+    if allowed_namespaces:
+        spec["allowedNamespaces"] = list(allowed_namespaces)
+    return {"apiVersion": API_VERSION, "kind": MODELCACHE_KIND, "metadata": {"name": name}, "spec": spec}
+
+
+def prefetch_cluster(
+    api_client: kubernetes.client.ApiClient,
+    ref: ModelRef,
+    *,
+    name: str | None,
+    node_selector: dict[str, str],
+    tier: str,
+    allowed_namespaces: list[str],
+    wait: bool,
+    timeout: float,
+    out: TextIO,
+    json_lines: bool,
+    poll_interval: float = 2.0,
+) -> int:
+    """Create or update the ModelCache for `ref`; with `wait`, follow every selected node to Ready or Failed."""
+    custom = kubernetes.client.CustomObjectsApi(api_client)
+    body = model_cache_body(ref, name=name or model_cache_name(ref), node_selector=node_selector, tier=tier,
+                            allowed_namespaces=allowed_namespaces)
+    mc, verb = _apply(custom, body)
+    mc_name = mc["metadata"]["name"]
+    _emit(out, json_lines, {"event": verb, "modelCache": mc_name, "source": str(ref), "nodeSelector": node_selector},
+          f"modelcache/{mc_name} {verb} ({ref}, tier {tier}, nodeSelector {_selector(node_selector) or '<none>'})")
+    if not wait:
+        return EXIT_READY
+    if not node_selector:
+        _emit(out, json_lines, {"event": "done", "result": "nothing-to-wait-for"},
+              "no --node-selector: the ModelCache declares the model but prefetches on no node; nothing to wait for")
+        return EXIT_READY
+    return _wait(api_client, mc, node_selector, timeout=timeout, out=out, json_lines=json_lines, poll_interval=poll_interval)
+
+
+def status(api_client: kubernetes.client.ApiClient, name: str | None, *, out: TextIO,
+           output: Literal["table", "json"] = "table") -> int:
+    """Print each ModelCache's per-node state (all ModelCaches, or the one named)."""
+    custom = kubernetes.client.CustomObjectsApi(api_client)
+    if name:
+        try:
+            mcs = [_call(f"reading ModelCache {name}", lambda: custom.get_cluster_custom_object(GROUP, VERSION, MODELCACHES, name))]
+        except ClusterError as exc:
+            if exc.status == 404 and f'"{name}" not found' in str(exc):  # not "the server could not find the resource"
+                out.write(f"ModelCache {name!r} not found; list them with `weightcache status`\n")
+                return 1
+            raise
+    else:
+        mcs = list(_call("listing ModelCaches", lambda: list(_paged(custom.list_cluster_custom_object, GROUP, VERSION, MODELCACHES))))
+    reports = _node_reports(custom)
+    core = kubernetes.client.CoreV1Api(api_client)
+    result = []
+    for mc in mcs:
+        selector = (mc.get("spec") or {}).get("nodeSelector") or {}
+        selected = _selected_nodes(core, selector) if selector else []
+        states = _states_for(mc["metadata"]["name"], reports, selected)
+        result.append((mc, states))
+    if output == "json":
+        payload = [{"name": mc["metadata"]["name"], "spec": mc.get("spec") or {},
+                    "nodes": [{"node": n, **_state_json(s)} for n, s in sorted(states.items())]} for mc, states in result]
+        out.write(json.dumps({"modelCaches": payload}, indent=2) + "\n")
+        return 0
+    rows = [("MODELCACHE", "NODE", "PHASE", "PROGRESS", "SNAPSHOT", "UPDATED", "MESSAGE")]
+    for mc, states in result:
+        if not states:
+            rows.append((mc["metadata"]["name"], "<no node selected>", "-", "-", "-", "-", ""))
+        for node, state in sorted(states.items()):
+            rows.append((mc["metadata"]["name"], node, *_cells(state)))
+    _table(out, rows)
+    return 0
+
+
+# create / update --------------------------------------------------------------------------------------------------
+def _apply(custom: kubernetes.client.CustomObjectsApi, body: dict[str, Any], attempts: int = 3) -> tuple[dict[str, Any], str]:
+    name = body["metadata"]["name"]
+    try:
+        return _call(f"creating ModelCache {name}", lambda: custom.create_cluster_custom_object(GROUP, VERSION, MODELCACHES, body)), "created"
+    except ClusterError as exc:
+        if exc.status != 409:
+            raise
+    for _ in range(attempts):  # exists: read-modify-replace with resourceVersion (optimistic concurrency)
+        current = _call(f"reading ModelCache {name}", lambda: custom.get_cluster_custom_object(GROUP, VERSION, MODELCACHES, name))
+        spec = {k: v for k, v in (current.get("spec") or {}).items() if k not in ("revision", "include", "exclude")}
+        spec.update(body["spec"])  # the reference decides revision and globs: absent in it means none
+        current["spec"] = spec
+        try:
+            return _call(f"updating ModelCache {name}",
+                         functools.partial(custom.replace_cluster_custom_object, GROUP, VERSION, MODELCACHES, name, current)), "updated"
+        except ClusterError as exc:
+            if exc.status != 409:
+                raise
+    raise ClusterError(f"ModelCache {name} kept changing while we updated it; run the command again", status=409)
+
+
+# wait -------------------------------------------------------------------------------------------------------------
+def _wait(api_client: kubernetes.client.ApiClient, mc: dict[str, Any], node_selector: dict[str, str], *,
+          timeout: float, out: TextIO, json_lines: bool, poll_interval: float) -> int:
+    custom = kubernetes.client.CustomObjectsApi(api_client)
+    core = kubernetes.client.CoreV1Api(api_client)
+    name, generation = mc["metadata"]["name"], mc["metadata"].get("generation")
+    deadline = time.monotonic() + timeout
+    shown: dict[str, tuple[Any, ...]] = {}
+    while True:
+        nodes = _selected_nodes(core, node_selector)
+        if not nodes:
+            _emit(out, json_lines, {"event": "done", "result": "no-nodes"},
+                  f"no node matches {_selector(node_selector)}; label the nodes (kubectl label node NODE "
+                  f"{_selector(node_selector)}) or fix --node-selector")
+            return EXIT_FAILED
+        reported = _states_for(name, _node_reports(custom), nodes)
+        states = {n: (s if (s := reported.get(n)) and _current(s, generation) else None) for n in nodes}
+        for node, state in sorted(states.items()):
+            cells = _cells(state)
+            if shown.get(node) != cells:
+                shown[node] = cells
+                _emit(out, json_lines, {"event": "progress", "node": node, **_state_json(state)},
+                      f"{node:<32} {cells[0]:<9} {cells[1]:<24} {cells[4]}".rstrip())
+        failed = sorted(n for n, s in states.items() if s and s.phase == "Failed")
+        ready = sum(1 for s in states.values() if s and s.phase == "Ready")
+        if failed:
+            _emit(out, json_lines, {"event": "done", "result": "failed", "failed": failed},
+                  f"failed on {', '.join(failed)}; see `weightcache status {name}` and `kubectl get events -n default`")
+            return EXIT_FAILED
+        if ready == len(states):
+            _emit(out, json_lines, {"event": "done", "result": "ready", "nodes": len(states)},
+                  f"ready on all {len(states)} node(s)")
+            return EXIT_READY
+        if time.monotonic() >= deadline:
+            _emit(out, json_lines, {"event": "done", "result": "timeout", "ready": ready, "nodes": len(states)},
+                  f"timed out after {timeout:g} s: ready on {ready} of {len(states)} node(s); "
+                  f"the nodes keep fetching, follow with `weightcache status {name}`")
+            return EXIT_TIMEOUT
+        time.sleep(min(poll_interval, max(0.0, deadline - time.monotonic())))
+
+
+def _current(state: ModelState, generation: int | None) -> bool:
+    """A state answers this ModelCache version unless it names an older generation."""
+    return state.observed_generation is None or generation is None or state.observed_generation >= generation
+
+
+# reading ----------------------------------------------------------------------------------------------------------
+def _paged(fn: Callable[..., Any], *args: Any, page: int = 500, **kwargs: Any) -> Iterator[Any]:
+    """Every item of a list call, `page` at a time: dicts from CustomObjectsApi, models from CoreV1Api."""
+    token = None
+    while True:
+        result = fn(*args, limit=page, **({"_continue": token} if token else {}), **kwargs)
+        if isinstance(result, dict):
+            yield from result.get("items") or []
+            token = (result.get("metadata") or {}).get("continue")
+        else:
+            yield from result.items
+            token = result.metadata._continue
+        if not token:
+            return
+
+
+def _selected_nodes(core: kubernetes.client.CoreV1Api, selector: dict[str, str]) -> list[str]:
+    nodes = _call("listing Nodes", lambda: list(_paged(core.list_node, label_selector=_selector(selector))))
+    return sorted(n.metadata.name for n in nodes)
+
+
+def _node_reports(custom: kubernetes.client.CustomObjectsApi) -> dict[str, dict[str, Any]]:
+    objs = _call("listing ModelCacheNodes", lambda: list(_paged(custom.list_cluster_custom_object, GROUP, VERSION, MODELCACHENODES)))
+    return {o["metadata"]["name"]: ((o.get("status") or {}).get("models") or {}) for o in objs}
+
+
+def _states_for(name: str, reports: dict[str, dict[str, Any]], selected: list[str]) -> dict[str, ModelState | None]:
+    """Selected nodes (None until they report) plus any other node that reports this ModelCache."""
+    states: dict[str, ModelState | None] = {n: None for n in selected}
+    for node, models in reports.items():
+        if isinstance(models.get(name), dict):
+            states[node] = from_wire(models[name])
+    return states
+
+
+# output -----------------------------------------------------------------------------------------------------------
+def _state_json(state: ModelState | None) -> dict[str, Any]:
+    if state is None:
+        return {"phase": "Pending", "bytesDone": 0, "bytesTotal": 0, "message": "not reported yet"}
+    return {"phase": state.phase, "bytesDone": state.bytes_done, "bytesTotal": state.bytes_total,
+            "snapshot": state.snapshot, "message": state.message, "time": state.time}
+
+
+def _cells(state: ModelState | None) -> tuple[str, str, str, str, str]:
+    if state is None:
+        return ("Pending", "-", "-", "-", "not reported yet")
+    progress = "-"
+    if state.bytes_total:
+        pct = 100.0 * state.bytes_done / state.bytes_total
+        progress = f"{_size(state.bytes_done)}/{_size(state.bytes_total)} {pct:.0f}%"
+    return (state.phase, progress, state.snapshot[:12] or "-", state.time or "-", state.message)
+
+
+def _size(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024
+        if value < 1024 or unit == "TiB":
+            break
+    return f"{value:.1f} {unit}"
+
+
+def _table(out: TextIO, rows: Sequence[Sequence[str]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out.writelines("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() + "\n" for row in rows)
+
+
+def _emit(out: TextIO, json_lines: bool, payload: dict[str, Any], text: str) -> None:
+    out.write((json.dumps(payload) if json_lines else text) + "\n")
+    out.flush()
+
+
+def _selector(selector: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(selector.items()))
+
+
+# errors -----------------------------------------------------------------------------------------------------------
+def _call(what: str, fn: Callable[[], T]) -> T:
+    try:
+        return fn()
+    except ApiException as exc:
+        raise _translate(exc, what) from exc
+    except urllib3.exceptions.HTTPError as exc:
+        raise ClusterError(f"{what}: cannot reach the Kubernetes API server ({type(exc).__name__}); "
+                           "check `kubectl cluster-info` and KUBECONFIG") from exc
+
+
+def _status_message(exc: ApiException) -> str:
+    try:
+        return str(json.loads(exc.body or "{}").get("message") or exc.reason)
+    except (ValueError, AttributeError):
+        return str(exc.reason)
+
+
+def _translate(exc: ApiException, what: str) -> ClusterError:
+    """One table from HTTP status to a message that says what to do (never the raw response: it has headers)."""
+    msg = _status_message(exc)
+    hints = {
+        401: "the kubeconfig credentials were refused; log in again (kubectl get nodes should work)",
+        403: f"forbidden: {msg}; {_RBAC_HINT}",
+        404: f"{msg}; if the resource type is unknown, install the CRDs: kubectl apply -f deploy/daemonset/",
+        409: f"{msg}; run the command again",
+        422: f"the API server rejected it: {msg}",
+    }
+    return ClusterError(f"{what} failed: {hints.get(exc.status or 0, f'HTTP {exc.status}: {msg}')}", status=exc.status or 0)

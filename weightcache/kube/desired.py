@@ -1,0 +1,99 @@
+"""Which ModelCaches this node should hold: a pure function of the ModelCache objects and the node's labels.
+
+Selection is matchLabels-style: every key of `spec.nodeSelector` must be a node label with exactly that value.
+An empty or missing nodeSelector selects NO node: such a ModelCache only declares a model for the namespace
+policy (pods fetch it on demand through CSI); prefetching on every node of a fleet must be asked for
+explicitly, e.g. with a label every GPU node carries. Pure and allocation-light: 500 ModelCaches reconcile in
+well under a millisecond each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from weightcache.errors import InvalidReferenceError
+from weightcache.kube import redact
+from weightcache.uri import ModelRef, parse_ref
+
+TIERS = ("disk", "memory")
+
+
+@dataclass(frozen=True)
+class DesiredModel:
+    """One model this node should fetch and pin, from the ModelCache `name`."""
+
+    name: str
+    ref: ModelRef
+    tier: str
+    priority: int
+    label_key: str  # node label reporting readiness: weightcache.uri.readiness_label(ref.uri)
+    generation: int | None = None  # ModelCache metadata.generation, echoed as observedGeneration in reports
+
+
+@dataclass(frozen=True)
+class InvalidSpec:
+    """A selected ModelCache whose spec cannot be used; the daemon turns it into a Warning Event."""
+
+    name: str
+    error: str  # credentials already redacted
+
+
+def selects(node_labels: Mapping[str, str], node_selector: Mapping[str, str] | None) -> bool:
+    """True when a non-empty selector's every key=value is among the node's labels."""
+    if not node_selector:
+        return False
+    return all(node_labels.get(k) == v for k, v in node_selector.items())
+
+
+def plan(model_caches: Iterable[Mapping[str, Any]], node_labels: Mapping[str, str]) -> tuple[list[DesiredModel], list[InvalidSpec]]:
+    """The models this node should hold (priority high first, then name) and the selected specs that are invalid."""
+    wanted: list[DesiredModel] = []
+    invalid: list[InvalidSpec] = []
+    for mc in model_caches:
+        meta = mc.get("metadata") or {}
+        spec = mc.get("spec") or {}
+        name = str(meta.get("name", ""))
+        selector = spec.get("nodeSelector")
+        if not isinstance(selector, Mapping):
+            if selector is not None:
+                invalid.append(InvalidSpec(name, "spec.nodeSelector must be a map of label names to values"))
+            continue
+        if not selects(node_labels, selector):
+            continue
+        try:
+            wanted.append(_desired(name, spec, meta.get("generation")))
+        except (InvalidReferenceError, ValueError, TypeError) as exc:
+            invalid.append(InvalidSpec(name, redact(str(exc))))
+    wanted.sort(key=lambda d: (-d.priority, d.name))
+    return wanted, invalid
+
+
+def desired_models(model_caches: Iterable[Mapping[str, Any]], node_labels: Mapping[str, str]) -> list[DesiredModel]:
+    """The models this node should hold; see `plan` for the invalid specs as well."""
+    return plan(model_caches, node_labels)[0]
+
+
+def _desired(name: str, spec: Mapping[str, Any], generation: Any) -> DesiredModel:
+    tier = spec.get("tier") or "disk"
+    if tier not in TIERS:
+        raise ValueError(f"spec.tier {tier!r} is not one of {', '.join(TIERS)}")
+    priority = spec.get("priority") or 0
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise TypeError(f"spec.priority {priority!r} must be an integer")
+    ref = parse_ref(
+        str(spec.get("source") or ""),
+        revision=spec.get("revision") or None,
+        include=_globs(spec, "include"),
+        exclude=_globs(spec, "exclude"),
+    )
+    gen = generation if isinstance(generation, int) else None
+    return DesiredModel(name, ref, tier, priority, ref.label_key, gen)
+
+
+def _globs(spec: Mapping[str, Any], field: str) -> tuple[str, ...]:
+    value = spec.get(field) or ()
+    if isinstance(value, str) or not all(isinstance(g, str) for g in value):
+        raise TypeError(f"spec.{field} must be a list of glob strings such as ['*.safetensors']")
+    return tuple(value)

@@ -1,0 +1,325 @@
+"""What this node tells the cluster: readiness labels on its Node, its own ModelCacheNode status, and Events.
+
+Wire format of the per-node object, written only by the daemon on node `<node>` (one writer: no contention):
+
+    apiVersion: weightcache.io/v1alpha1
+    kind: ModelCacheNode
+    metadata: {name: <node>, ownerReferences: [Node <node>]}   # deleted with its Node
+    status:
+      updated: 2026-12-02T16:00:00Z
+      models:
+        <ModelCache name>: {phase: Fetching, bytesDone: 1, bytesTotal: 4, snapshot: "", message: "", time: ..., observedGeneration: 3}
+
+Progress is coalesced: a phase change is written at once, byte counts at most once per `min_interval` seconds,
+so a fetch costs the API server a handful of writes. Every message passes `redact` first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypedDict
+
+import kubernetes
+import urllib3
+from kubernetes.client.exceptions import ApiException
+
+from weightcache.errors import ClusterError
+from weightcache.kube import API_VERSION, GROUP, MODELCACHE_KIND, MODELCACHENODE_KIND, MODELCACHENODES, VERSION, redact
+
+log = logging.getLogger(__name__)
+
+
+Phase = Literal["Pending", "Fetching", "Ready", "Failed"]
+PHASES: tuple[str, ...] = ("Pending", "Fetching", "Ready", "Failed")
+LABEL_VALUES = {"Pending": "fetching", "Fetching": "fetching", "Ready": "ready", "Failed": "failed"}
+MERGE_PATCH = "application/merge-patch+json"
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass(frozen=True)
+class ModelState:
+    """One model's state on this node."""
+
+    phase: Phase
+    bytes_done: int = 0
+    bytes_total: int = 0
+    snapshot: str = ""
+    message: str = ""
+    time: str = field(default_factory=_now)  # RFC 3339, UTC
+    observed_generation: int | None = None  # the ModelCache generation this state answers
+
+    def __post_init__(self) -> None:
+        if self.phase not in PHASES:
+            raise ValueError(f"phase {self.phase!r} is not one of {', '.join(PHASES)}")
+
+
+class ModelStateWire(TypedDict, total=False):
+    phase: str
+    bytesDone: int
+    bytesTotal: int
+    snapshot: str
+    message: str
+    time: str
+    observedGeneration: int
+
+
+def to_wire(state: ModelState) -> ModelStateWire:
+    wire: ModelStateWire = {
+        "phase": state.phase,
+        "bytesDone": state.bytes_done,
+        "bytesTotal": state.bytes_total,
+        "snapshot": state.snapshot,
+        "message": redact(state.message),
+        "time": state.time,
+    }
+    if state.observed_generation is not None:
+        wire["observedGeneration"] = state.observed_generation
+    return wire
+
+
+def from_wire(wire: dict[str, Any]) -> ModelState:
+    phase = wire.get("phase") if wire.get("phase") in PHASES else "Pending"
+    return ModelState(
+        phase=phase,  # type: ignore[arg-type]
+        bytes_done=int(wire.get("bytesDone") or 0),
+        bytes_total=int(wire.get("bytesTotal") or 0),
+        snapshot=str(wire.get("snapshot") or ""),
+        message=str(wire.get("message") or ""),
+        time=str(wire.get("time") or ""),
+        observed_generation=wire.get("observedGeneration"),
+    )
+
+
+@contextlib.contextmanager
+def _api(what: str) -> Iterator[None]:
+    """Turn the client's failures into ClusterError: the daemon handles one error type, without raw responses."""
+    try:
+        yield
+    except ApiException as exc:
+        raise ClusterError(f"{what} failed: HTTP {exc.status} {exc.reason}; check the daemon's RBAC "
+                           "(deploy/daemonset/rbac.yaml) and the API server", status=exc.status or 0) from exc
+    except urllib3.exceptions.HTTPError as exc:
+        raise ClusterError(f"{what} failed: API server unreachable ({type(exc).__name__}); it will be retried") from exc
+
+
+def _same(a: ModelState, b: ModelState) -> bool:
+    """Equal apart from the timestamp: nothing new to write."""
+    return dataclasses.replace(a, time=b.time) == b
+
+
+class NodeReporter:
+    """Writes this node's labels, its ModelCacheNode status and Events. Thread-safe; calls block (use a thread)."""
+
+    def __init__(
+        self,
+        api_client: kubernetes.client.ApiClient,
+        node_name: str,
+        *,
+        namespace_for_events: str = "default",
+        min_interval: float = 3.0,
+        component: str = "weightcache-daemon",
+    ) -> None:
+        """`namespace_for_events`: core/v1 Events about a cluster-scoped object (ModelCache) must live in
+        "default"; the API server rejects them in any other namespace."""
+        self._core = kubernetes.client.CoreV1Api(api_client)
+        self._custom = kubernetes.client.CustomObjectsApi(api_client)
+        self.node_name = node_name
+        self.namespace_for_events = namespace_for_events
+        self.min_interval = min_interval
+        self.component = component
+        self._lock = threading.Lock()
+        self._pending: dict[str, ModelState | None] = {}
+        self._written: dict[str, ModelState] = {}
+        self._last_write = 0.0
+        self._timer: threading.Timer | None = None
+        self._object_ready = False
+        self._event_counts: dict[str, int] = {}
+        self.writes = 0  # status writes sent (for tests and metrics)
+
+    # labels -----------------------------------------------------------------------------------------------------
+    def node_labels(self) -> dict[str, str]:
+        """The Node's current labels (what `desired.plan` selects on)."""
+        with _api(f"reading Node {self.node_name}"):
+            node = self._core.read_node(self.node_name)
+        return dict(node.metadata.labels or {})
+
+    def set_label(self, label_key: str, value: str | None) -> None:
+        """Set (or with None remove) one label on this Node, by JSON merge patch (null deletes)."""
+        self.set_labels({label_key: value})
+
+    def set_labels(self, labels: dict[str, str | None]) -> None:
+        """Set or remove several labels in one merge patch."""
+        if not labels:
+            return
+        with _api(f"labelling Node {self.node_name}"):
+            self._core.patch_node(self.node_name, {"metadata": {"labels": labels}}, _content_type=MERGE_PATCH)
+
+    def sync_labels(self, wanted: dict[str, str]) -> None:
+        """Make the Node's `weightcache.io/m…` labels exactly `wanted`: one patch, stale ones removed."""
+        current = {k: v for k, v in self.node_labels().items() if k.startswith("weightcache.io/m")}
+        change: dict[str, str | None] = {k: None for k in current if k not in wanted}
+        change.update({k: v for k, v in wanted.items() if current.get(k) != v})
+        self.set_labels(change)
+
+    # per-node status --------------------------------------------------------------------------------------------
+    def report(self, model_name: str, state: ModelState) -> None:
+        """Record a model's state; written now on a phase change, else coalesced to one write per min_interval.
+        A state equal to the one already written (time aside) writes nothing."""
+        with self._lock:
+            written = self._written.get(model_name)
+            if model_name not in self._pending and written is not None and _same(state, written):
+                return
+            previous = self._pending.get(model_name) or written
+            self._pending[model_name] = state
+            urgent = previous is None or previous.phase != state.phase
+            due = time.monotonic() - self._last_write >= self.min_interval
+        if urgent or due:
+            self.flush()
+        else:
+            self._schedule()
+
+    def forget(self, model_name: str) -> None:
+        """Remove a model from this node's status (its ModelCache was deleted or no longer selects the node)."""
+        with self._lock:
+            self._pending[model_name] = None
+        self.flush()
+
+    def flush(self) -> None:
+        """Write every pending state now, in one merge patch of the status subresource."""
+        with self._lock:
+            pending, self._pending = self._pending, {}
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+        if not pending:
+            return
+        patch = {"status": {"updated": _now(), "models": {k: (to_wire(v) if v else None) for k, v in pending.items()}}}
+        try:
+            self._patch_status(patch)
+        except ClusterError:
+            with self._lock:  # keep what failed so the next flush retries it, unless newer states arrived
+                for key, value in pending.items():
+                    self._pending.setdefault(key, value)
+            raise
+        with self._lock:
+            self._last_write = time.monotonic()
+            for key, value in pending.items():
+                if value is None:
+                    self._written.pop(key, None)
+                else:
+                    self._written[key] = value
+
+    def close(self) -> None:
+        """Flush what is pending and stop the coalescing timer."""
+        self.flush()
+
+    def _schedule(self) -> None:
+        with self._lock:
+            if self._timer is not None:
+                return
+            delay = max(0.0, self.min_interval - (time.monotonic() - self._last_write))
+            self._timer = threading.Timer(delay, self._flush_quietly)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _flush_quietly(self) -> None:
+        with self._lock:
+            self._timer = None
+        try:
+            self.flush()
+        except ClusterError as exc:  # a timer thread has no caller: log, and the next report retries
+            log.warning("writing ModelCacheNode %s status failed: %s", self.node_name, exc)
+
+    def _patch_status(self, patch: dict[str, Any]) -> None:
+        what = f"writing ModelCacheNode {self.node_name} status"
+        if not self._object_ready:
+            self._ensure_object()
+        try:
+            with _api(what):
+                self._custom.patch_cluster_custom_object_status(GROUP, VERSION, MODELCACHENODES, self.node_name, patch)
+        except ClusterError as exc:
+            if exc.status != 404:
+                raise
+            self._ensure_object()  # deleted under us (e.g. by hand): recreate once
+            with _api(what):
+                self._custom.patch_cluster_custom_object_status(GROUP, VERSION, MODELCACHENODES, self.node_name, patch)
+        self.writes += 1
+
+    def _ensure_object(self) -> None:
+        body: dict[str, Any] = {
+            "apiVersion": API_VERSION,
+            "kind": MODELCACHENODE_KIND,
+            "metadata": {"name": self.node_name},
+            "spec": {"nodeName": self.node_name},
+        }
+        try:  # owned by the Node: the garbage collector removes it with the Node
+            uid = self._core.read_node(self.node_name).metadata.uid
+            body["metadata"]["ownerReferences"] = [{"apiVersion": "v1", "kind": "Node", "name": self.node_name, "uid": uid}]
+        except (ApiException, urllib3.exceptions.HTTPError) as exc:
+            log.warning("Node %s not readable (%s); ModelCacheNode created without owner", self.node_name, type(exc).__name__)
+        try:
+            with _api(f"creating ModelCacheNode {self.node_name}"):
+                self._custom.create_cluster_custom_object(GROUP, VERSION, MODELCACHENODES, body)
+        except ClusterError as exc:
+            if exc.status != 409:  # 409: it exists already, which is what we want
+                raise
+        self._object_ready = True
+
+    # events -----------------------------------------------------------------------------------------------------
+    def event(self, model_cache: dict[str, Any], reason: str, message: str, type: str = "Warning") -> None:
+        """Record a core/v1 Event about a ModelCache; repeats of the same (node, reason, message) bump `count`."""
+        meta = model_cache.get("metadata") or {}
+        mc_name = str(meta.get("name", ""))
+        message = redact(message)
+        digest = hashlib.sha256(f"{self.node_name}\0{reason}\0{message}".encode()).hexdigest()[:16]
+        name = f"{mc_name}.{digest}"
+        now = _now()
+        involved = {"apiVersion": API_VERSION, "kind": MODELCACHE_KIND, "name": mc_name, "uid": meta.get("uid"),
+                    "resourceVersion": meta.get("resourceVersion")}
+        with self._lock:
+            count = self._event_counts.get(name, 0) + 1
+            self._event_counts[name] = count
+        try:
+            if count > 1:
+                try:
+                    self._core.patch_namespaced_event(name, self.namespace_for_events,
+                                                      {"count": count, "lastTimestamp": now}, _content_type=MERGE_PATCH)
+                    return
+                except ApiException as exc:
+                    if exc.status != 404:
+                        raise
+            body = {
+                "apiVersion": "v1",
+                "kind": "Event",
+                "metadata": {"name": name, "namespace": self.namespace_for_events},
+                "involvedObject": {k: v for k, v in involved.items() if v},
+                "reason": reason,
+                "message": message,
+                "type": type,
+                "source": {"component": self.component, "host": self.node_name},
+                "reportingComponent": f"{GROUP}/daemon",
+                "reportingInstance": self.node_name,
+                "firstTimestamp": now,
+                "lastTimestamp": now,
+                "count": 1,
+            }
+            try:
+                self._core.create_namespaced_event(self.namespace_for_events, body)
+            except ApiException as exc:
+                if exc.status != 409:
+                    raise
+                self._core.patch_namespaced_event(name, self.namespace_for_events,
+                                                  {"count": count + 1, "lastTimestamp": now}, _content_type=MERGE_PATCH)
+        except ApiException as exc:  # Events are best effort: never fail a reconcile because of one
+            log.warning("recording Event %s on ModelCache %s failed: HTTP %s %s", reason, mc_name, exc.status, exc.reason)
+        except urllib3.exceptions.HTTPError as exc:
+            log.warning("recording Event %s on ModelCache %s failed: %s", reason, mc_name, exc.__class__.__name__)
