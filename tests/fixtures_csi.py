@@ -1,0 +1,150 @@
+"""CSI fixtures: a real grpc.aio CSI server on a Unix socket in a temp dir, over a real Store and Fetcher that
+read a small model from the moto S3 server (through the fault proxy, so a test can slow or count downloads).
+
+    async def test_x(csi):
+        await csi.node.NodePublishVolume(csi.publish_request("vol-1"))
+        assert (csi.target("vol-1") / "config.json").exists()
+
+Teardown unmounts everything under the temp dir before pytest may delete it: deleting a directory that still
+holds a bind mount would delete the cache through it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from tests.faultproxy import FaultProxy
+from tests.fixtures_s3 import S3
+from weightcache.csi import mounts
+from weightcache.csi._pb import csi_pb2, csi_pb2_grpc
+from weightcache.csi.server import serve_csi
+from weightcache.fetch import Fetcher
+from weightcache.memory import MemoryTier
+from weightcache.policy import decide
+from weightcache.sample import make_model
+from weightcache.store import Store
+
+ROOT_MARKS = [pytest.mark.root,
+              pytest.mark.skipif(os.geteuid() != 0, reason="bind mounts need root (run the suite as root)")]
+
+
+def needs_root(test: Any) -> Any:
+    """Mark a test `root` and skip it, with the reason, when not running as root."""
+    for mark in ROOT_MARKS:
+        test = mark(test)
+    return test
+
+MODEL_URI = "s3://models/llama/"
+ALLOWED_NS = "ml"
+SINGLE_NODE_WRITER = csi_pb2.VolumeCapability.AccessMode.SINGLE_NODE_WRITER
+
+
+def unmount_under(root: Path) -> None:
+    """Unmount every mount point below `root`, deepest first; fail loudly if one stays."""
+    prefix = str(root.resolve()) + "/"
+    for entry in sorted(mounts.mount_table(), key=lambda e: -len(e.mount_point)):
+        if entry.mount_point.startswith(prefix):
+            mounts.unmount(entry.mount_point)
+    left = [e.mount_point for e in mounts.mount_table() if e.mount_point.startswith(prefix)]
+    assert not left, f"mounts left under {root}: {left}"
+
+
+@pytest.fixture
+def safe_tmp(tmp_path: Path) -> Iterator[Path]:
+    """tmp_path, but with every mount under it removed at teardown."""
+    try:
+        yield tmp_path
+    finally:
+        unmount_under(tmp_path)
+
+
+@pytest.fixture
+def model_in_s3(s3: S3, tmp_path: Path) -> str:
+    make_model(tmp_path / "src", layers=2, hidden=64, vocab=128)
+    s3.upload_dir(tmp_path / "src", "models", "llama/")
+    return MODEL_URI
+
+
+def policy_for(uri: str) -> Any:
+    caches = [{"metadata": {"name": "llama"}, "spec": {"source": uri, "allowedNamespaces": [ALLOWED_NS]}}]
+    return lambda model, namespace: decide(model, namespace, caches, allow_undeclared=False)
+
+
+@dataclass
+class CsiHarness:
+    root: Path  # temp dir holding store, kubelet dir and socket
+    store: Store
+    fetcher: Fetcher
+    server: grpc.aio.Server
+    channel: grpc.aio.Channel
+    identity: csi_pb2_grpc.IdentityStub
+    node: csi_pb2_grpc.NodeStub
+    proxy: FaultProxy
+
+    @property
+    def kubelet_dir(self) -> Path:
+        return self.root / "kubelet"
+
+    def target(self, volume_id: str) -> Path:
+        """Where kubelet would publish an inline volume (pod uid = volume id, for the test)."""
+        return self.kubelet_dir / "pods" / volume_id / "volumes" / "kubernetes.io~csi" / "llama" / "mount"
+
+    def publish_request(self, volume_id: str, *, model: str = MODEL_URI, namespace: str = ALLOWED_NS,
+                        readonly: bool = True, **attrs: str) -> csi_pb2.NodePublishVolumeRequest:
+        return publish_request(volume_id, self.target(volume_id), model=model, namespace=namespace,
+                               readonly=readonly, pod_uid=volume_id, **attrs)
+
+    def unpublish_request(self, volume_id: str) -> csi_pb2.NodeUnpublishVolumeRequest:
+        return csi_pb2.NodeUnpublishVolumeRequest(volume_id=volume_id, target_path=str(self.target(volume_id)))
+
+    def weight_gets(self) -> list[str]:
+        """Paths of the GET requests for weight files that reached S3 (one download: one per small shard)."""
+        return [r.path for r in self.proxy.requests_for("GET") if r.path.endswith(".safetensors")]
+
+
+def publish_request(volume_id: str, target: Path, *, model: str = MODEL_URI, namespace: str = ALLOWED_NS,
+                    readonly: bool = True, pod_uid: str = "uid", **attrs: str) -> csi_pb2.NodePublishVolumeRequest:
+    """A NodePublishVolume exactly as kubelet sends it for an inline volume with podInfoOnMount."""
+    context = {"model": model, **attrs, "csi.storage.k8s.io/pod.namespace": namespace,
+               "csi.storage.k8s.io/pod.name": f"pod-{pod_uid}", "csi.storage.k8s.io/pod.uid": pod_uid,
+               "csi.storage.k8s.io/serviceAccount.name": "default", "csi.storage.k8s.io/ephemeral": "true"}
+    capability = csi_pb2.VolumeCapability(mount=csi_pb2.VolumeCapability.MountVolume(),
+                                          access_mode=csi_pb2.VolumeCapability.AccessMode(mode=SINGLE_NODE_WRITER))
+    return csi_pb2.NodePublishVolumeRequest(volume_id=volume_id, target_path=str(target), volume_capability=capability,
+                                            readonly=readonly, volume_context=context)
+
+
+async def start_harness(root: Path, proxy: FaultProxy, *, publish_timeout: float = 20.0,
+                        tier: MemoryTier | None = None) -> CsiHarness:
+    store = Store(root / "store")
+    fetcher = Fetcher(store, endpoint_url=proxy.endpoint_url)
+    socket = root / "csi.sock"
+    server = await serve_csi(f"unix://{socket}", store=store, fetcher=fetcher, node_id="node-a",
+                             policy=policy_for(MODEL_URI), publish_timeout=publish_timeout,
+                             kubelet_dir=root / "kubelet", tier=tier)
+    channel = grpc.aio.insecure_channel(f"unix://{socket}")
+    return CsiHarness(root, store, fetcher, server, channel, csi_pb2_grpc.IdentityStub(channel),
+                      csi_pb2_grpc.NodeStub(channel), proxy)
+
+
+async def stop_harness(h: CsiHarness) -> None:
+    await h.channel.close()
+    await h.server.stop(grace=None)
+    h.fetcher.close()
+    h.store.close()
+
+
+@pytest.fixture
+async def csi(safe_tmp: Path, model_in_s3: str, fault_proxy: FaultProxy) -> AsyncIterator[CsiHarness]:
+    harness = await start_harness(safe_tmp, fault_proxy)
+    try:
+        yield harness
+    finally:
+        await stop_harness(harness)

@@ -1,0 +1,22 @@
+"""CSI node plugin: cached models as read-only ephemeral inline volumes (driver `csi.weightcache.io`).
+
+`serve_csi` (server.py) starts the gRPC server the daemon hosts; node.py and identity.py are the services,
+mounts.py the bind mounts, reconcile.py the volume records and their repair after a restart. Names are
+imported lazily, so `weightcache evict` can call `describe_holder` without loading gRPC.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+DRIVER_NAME = "csi.weightcache.io"
+
+_LAZY = {"serve_csi": "server", "describe_holder": "reconcile", "holder_for": "reconcile"}
+__all__ = ["DRIVER_NAME", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)

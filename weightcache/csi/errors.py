@@ -1,0 +1,114 @@
+"""The CSI boundary: exceptions become gRPC status codes by one table, and every RPC is logged once.
+
+Codes follow the CSI spec's error tables: kubelet retries UNAVAILABLE/ABORTED and shows the message in the
+pod's events, so every message says what is happening and what to do next. Anything unexpected becomes
+INTERNAL and is logged with its traceback. Fields marked `csi_secret` in the proto are never logged.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf.message import Message
+
+from weightcache import errors
+from weightcache.csi._pb import csi_pb2
+
+logger = logging.getLogger(__name__)
+
+# First match wins: subclasses before their bases.
+CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (errors.InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.InvalidReferenceError, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.NotAllowedError, grpc.StatusCode.PERMISSION_DENIED),
+    (errors.VolumeConflictError, grpc.StatusCode.ALREADY_EXISTS),
+    (errors.OperationPendingError, grpc.StatusCode.ABORTED),
+    (errors.FetchPendingError, grpc.StatusCode.UNAVAILABLE),
+    (errors.VolumeNotFoundError, grpc.StatusCode.NOT_FOUND),
+    (errors.NotCachedError, grpc.StatusCode.NOT_FOUND),
+    (errors.SourceNotFoundError, grpc.StatusCode.NOT_FOUND),
+    (errors.SourceAccessDeniedError, grpc.StatusCode.PERMISSION_DENIED),
+    (errors.InsufficientSpaceError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.MemoryTierError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.InUseError, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.ConfigError, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.SourceError, grpc.StatusCode.UNAVAILABLE),  # retries ran out; kubelet retries again later
+    (errors.IntegrityError, grpc.StatusCode.UNAVAILABLE),
+    (errors.HostileKeyError, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.SafetensorsHeaderError, grpc.StatusCode.FAILED_PRECONDITION),
+    (NotImplementedError, grpc.StatusCode.UNIMPLEMENTED),
+)
+
+
+def code_for(exc: BaseException) -> grpc.StatusCode:
+    for kind, code in CODES:
+        if isinstance(exc, kind):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+class Redacted:
+    """Lazy, secret-free rendering of a request for log lines (only formatted when a line is emitted)."""
+
+    def __init__(self, message: Message) -> None:
+        self.message = message
+
+    def __str__(self) -> str:
+        clean = type(self.message)()
+        clean.CopyFrom(self.message)
+        _strip(clean)
+        return str(clean).replace("\n", " ").strip() or "{}"
+
+
+def _strip(message: Message) -> None:
+    for field, value in message.ListFields():
+        if field.GetOptions().Extensions[csi_pb2.csi_secret]:
+            message.ClearField(field.name)
+        elif field.message_type is not None and not field.message_type.GetOptions().map_entry:
+            for item in value if field.is_repeated else (value,):
+                _strip(item)
+
+
+Req = TypeVar("Req", bound=Message)
+Resp = TypeVar("Resp", bound=Message)
+Handler = Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]
+
+
+def rpc(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
+    """Wrap a servicer method: log the call without secrets, translate exceptions by CODES."""
+    return _wrap(handler, logging.INFO)
+
+
+def quiet_rpc(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
+    """`rpc` for calls a CO repeats every few seconds (Probe, capabilities): success is logged at DEBUG."""
+    return _wrap(handler, logging.DEBUG)
+
+
+def _wrap(handler: Handler[Req, Resp], ok_level: int) -> Handler[Req, Resp]:
+    @functools.wraps(handler)
+    async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
+        name = handler.__name__
+        start = time.monotonic()
+        logger.debug("%s request: %s", name, Redacted(request))
+        try:
+            response = await handler(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the boundary: every error becomes a status
+            code = code_for(exc)
+            if code is grpc.StatusCode.INTERNAL:
+                logger.exception("%s failed: %s (request: %s)", name, exc, Redacted(request))
+                message = f"internal error: {exc}; see the weightcache daemon's log"
+            else:
+                logger.info("%s -> %s: %s", name, code.name, exc)
+                message = str(exc)
+            await context.abort(code, message)
+        logger.log(ok_level, "%s ok in %.1f ms", name, (time.monotonic() - start) * 1000)
+        return response
+
+    return wrapper

@@ -1,0 +1,195 @@
+"""Published-volume records, and their reconciliation with store leases and the kernel's mount table.
+
+Each published volume holds the store lease `csi:<volume_id>` (so eviction never removes a mounted snapshot)
+and has a record, written atomically before the mount and removed after the unmount:
+
+    <store root>/csi/volumes/<url-quoted volume_id>.json
+    {"volume_id": "csi-8f3a…", "target_path": "/var/lib/kubelet/pods/<uid>/volumes/kubernetes.io~csi/llama/mount",
+     "model": "s3://models/llama/", "snapshot_id": "…", "tier": "disk", "pod_namespace": "ml", "pod_name": "vllm-0",
+     "pod_uid": "<uid>", "published_at": 1767312000.0}
+
+Records let a restarted plugin answer ALREADY_EXISTS and NodeGetVolumeStats, and let `weightcache evict`
+say which pod holds a model. The mount table is the truth: after a restart a record or lease without a
+mount is dropped, and a snapshot mount under the kubelet directory without a lease gets one back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import re
+import time
+import urllib.parse
+from dataclasses import dataclass
+from pathlib import Path
+
+from weightcache.csi import mounts
+from weightcache.errors import NotCachedError
+from weightcache.store import Store
+
+logger = logging.getLogger(__name__)
+
+HOLDER_PREFIX = "csi:"
+# kubelet's target for an inline volume: <kubelet dir>/pods/<pod uid>/volumes/kubernetes.io~csi/<volume name>/mount
+_KUBELET_TARGET = re.compile(r"/pods/(?P<uid>[^/]+)/volumes/kubernetes\.io~csi/(?P<name>[^/]+)/mount$")
+
+
+@dataclass(frozen=True)
+class VolumeRecord:
+    volume_id: str
+    target_path: str
+    model: str  # the reference as published (canonical uri, `@revision` when pinned)
+    snapshot_id: str
+    tier: str = "disk"
+    pod_namespace: str = ""
+    pod_name: str = ""
+    pod_uid: str = ""
+    published_at: float = 0.0
+    adopted: bool = False  # rebuilt from the mount table after a restart: pod and revision unknown
+
+    @property
+    def holder(self) -> str:
+        return holder_for(self.volume_id)
+
+    def describe(self) -> str:
+        pod = f"pod {self.pod_namespace}/{self.pod_name}" if self.pod_name else f"pod uid {self.pod_uid or '?'}"
+        return f"{pod} (CSI volume {self.volume_id} at {self.target_path})"
+
+
+def holder_for(volume_id: str) -> str:
+    """The store lease holder id of a published volume."""
+    return HOLDER_PREFIX + volume_id
+
+
+def kubelet_volume_id(target_path: str) -> str | None:
+    """The id kubelet gives an inline volume (`csi-` + sha256(pod uid + volume name)), read off its target path."""
+    match = _KUBELET_TARGET.search(target_path)
+    if match is None:
+        return None
+    return "csi-" + hashlib.sha256((match["uid"] + match["name"]).encode()).hexdigest()
+
+
+class VolumeBook:
+    """The record files of one store. Each write is a whole file renamed into place."""
+
+    def __init__(self, store_root: str | Path) -> None:
+        self.dir = Path(store_root) / "csi" / "volumes"
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, volume_id: str) -> Path:
+        return self.dir / (urllib.parse.quote(volume_id, safe="") + ".json")
+
+    def get(self, volume_id: str) -> VolumeRecord | None:
+        try:
+            return VolumeRecord(**json.loads(self._path(volume_id).read_text()))
+        except FileNotFoundError:
+            return None
+
+    def find_target(self, target_path: str) -> VolumeRecord | None:
+        return next((r for r in self.all() if r.target_path == target_path), None)
+
+    def all(self) -> list[VolumeRecord]:
+        records = []
+        for path in sorted(self.dir.glob("*.json")):
+            try:
+                records.append(VolumeRecord(**json.loads(path.read_text())))
+            except (OSError, ValueError, TypeError) as exc:
+                logger.warning("ignoring unreadable volume record %s: %s", path, exc)
+        return records
+
+    def put(self, record: VolumeRecord) -> None:
+        # Renamed into place, so a killed plugin never leaves half a record. Not fsynced: only a power loss
+        # would lose it, and a power loss takes every mount with it, so reconcile has nothing to match it to.
+        path = self._path(record.volume_id)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(dataclasses.asdict(record)))
+        os.replace(tmp, path)
+
+    def remove(self, volume_id: str) -> None:
+        self._path(volume_id).unlink(missing_ok=True)
+
+
+def describe_holder(store_root: str | Path, holder: str) -> str:
+    """Human words for a lease holder, for `weightcache evict`: which pod holds a CSI lease."""
+    if not holder.startswith(HOLDER_PREFIX):
+        return holder
+    record = VolumeBook(store_root).get(holder[len(HOLDER_PREFIX):])
+    return record.describe() if record else f"CSI volume {holder[len(HOLDER_PREFIX):]}"
+
+
+@dataclass(frozen=True)
+class ReconcileReport:
+    kept: tuple[str, ...]  # volume ids mounted and leased
+    released: tuple[str, ...]  # holders released: no mount behind them
+    adopted: tuple[str, ...]  # volume ids mounted without a lease or record, leased again
+
+
+def reconcile(store: Store, book: VolumeBook, *, kubelet_dir: str | Path) -> ReconcileReport:
+    """Make leases and records agree with the mount table (blocking; run at startup, before serving)."""
+    table = mounts.mount_table()
+    leases = store.leases()
+    kept, released, adopted = [], [], []
+    for record in book.all():
+        entry = mounts.mounted_at(record.target_path, table)
+        if entry is not None:
+            if leases.get(record.holder) != record.snapshot_id:
+                store.lease(record.holder, record.snapshot_id)
+            kept.append(record.volume_id)
+        else:
+            store.release(record.holder)
+            book.remove(record.volume_id)
+            released.append(record.holder)
+    recorded = {holder_for(v) for v in kept}
+    for holder in leases:
+        if holder.startswith(HOLDER_PREFIX) and holder not in recorded and holder not in released:
+            store.release(holder)
+            released.append(holder)
+    known_targets = {r.target_path for r in book.all()}
+    for target, snapshot_id in _snapshot_mounts(store, table, Path(kubelet_dir)):
+        if target in known_targets:
+            continue
+        volume_id = kubelet_volume_id(target) or "unknown-" + hashlib.sha256(target.encode()).hexdigest()[:16]
+        try:
+            snapshot = store.get(snapshot_id)
+        except NotCachedError:  # a tree without index row or manifest: store recovery's business, not a lease
+            continue
+        record = VolumeRecord(volume_id, target, snapshot.uri, snapshot_id, pod_uid=_pod_uid(target),
+                              published_at=time.time(), adopted=True)
+        store.lease(record.holder, snapshot_id)
+        book.put(record)
+        adopted.append(volume_id)
+    report = ReconcileReport(tuple(kept), tuple(released), tuple(adopted))
+    logger.info("CSI reconcile: %d volumes kept, %d leases released, %d mounts adopted",
+                len(kept), len(released), len(adopted))
+    return report
+
+
+def _pod_uid(target: str) -> str:
+    match = _KUBELET_TARGET.search(target)
+    return match["uid"] if match else ""
+
+
+def _snapshot_mounts(store: Store, table: list[mounts.MountEntry], kubelet_dir: Path) -> list[tuple[str, str]]:
+    """(target, snapshot id) for each bind mount of one of this store's snapshots under `kubelet_dir`."""
+    snapshots = os.path.realpath(store.root / "snapshots")
+    base = max((e for e in table if _within(snapshots, e.mount_point)), key=lambda e: len(e.mount_point),
+               default=None)
+    if base is None:
+        return []
+    prefix = os.path.normpath(os.path.join(base.root, os.path.relpath(snapshots, base.mount_point)))
+    scope = os.path.realpath(kubelet_dir)
+    found = []
+    for entry in table:
+        if entry.device != base.device or not _within(entry.mount_point, scope) or entry.mount_point == scope:
+            continue
+        parent, _, snapshot_id = entry.root.rpartition("/")
+        if parent == prefix and snapshot_id and (store.root / "snapshots" / snapshot_id).is_dir():
+            found.append((entry.mount_point, snapshot_id))
+    return found
+
+
+def _within(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
