@@ -1,0 +1,342 @@
+"""The webhook over real HTTPS on 127.0.0.1, with certificates made here, called the way kube-apiserver calls it:
+POST /mutate?timeout=10s to https://<svc>.<ns>.svc (SNI), trusting only the caBundle."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import signal
+import ssl
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.fixtures_webhook import REF, admission_review, apply_response, check_pod, deployment_pod
+from weightcache.webhook.certs import CertPair, make_ca, make_serving_cert, service_dns_names, write_service_certs
+from weightcache.webhook.server import Policy, Running, make_app, start
+
+SERVICE, NAMESPACE = "weightcache-webhook", "weightcache-system"
+SNI = f"{SERVICE}.{NAMESPACE}.svc"
+
+
+def write_pair(folder: Path, pair: CertPair) -> tuple[Path, Path]:
+    """Write a pair the way kubelet updates a Secret volume: a new timestamped dir, then swap the ..data link."""
+    stamp = folder / f"..{time.monotonic_ns()}"
+    stamp.mkdir()
+    (stamp / "tls.crt").write_bytes(pair.cert_pem)
+    (stamp / "tls.key").write_bytes(pair.key_pem)
+    tmp = folder / "..data_tmp"
+    tmp.symlink_to(stamp.name)
+    os.replace(tmp, folder / "..data")
+    for name in ("tls.crt", "tls.key"):
+        if not (folder / name).is_symlink():
+            (folder / name).symlink_to(f"..data/{name}")
+    return folder / "tls.crt", folder / "tls.key"
+
+
+def client_context(ca: CertPair) -> ssl.SSLContext:
+    return ssl.create_default_context(cadata=ca.cert_pem.decode())
+
+
+@pytest.fixture
+async def webhook(tmp_path: Path) -> AsyncIterator[tuple[Running, CertPair, Path]]:
+    ca = make_ca()
+    cert, key = write_pair(tmp_path, make_serving_cert(ca, service_dns_names(SERVICE, NAMESPACE)))
+    running = await start(
+        make_app(Policy(model_caches=list, allow_undeclared=True)), cert=cert, key=key, host="127.0.0.1", port=0
+    )
+    try:
+        yield running, ca, tmp_path
+    finally:
+        await running.stop()
+
+
+async def call(port: int, ca: CertPair, body: bytes | Any, path: str = "/mutate?timeout=10s") -> tuple[int, Any]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            f"https://127.0.0.1:{port}{path}",
+            data=data,
+            ssl=client_context(ca),
+            server_hostname=SNI,
+            headers={"Content-Type": "application/json"},
+        ) as resp,
+    ):
+        return resp.status, await resp.json(content_type=None)
+
+
+async def get(port: int, ca: CertPair, path: str) -> tuple[int, str]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"https://127.0.0.1:{port}{path}", ssl=client_context(ca), server_hostname=SNI) as resp,
+    ):
+        return resp.status, await resp.text()
+
+
+async def test_review_over_https_returns_a_patch_the_api_server_can_apply(webhook: Any) -> None:
+    running, ca, _ = webhook
+    pod = deployment_pod({"weightcache.io/model": REF})
+    request = admission_review(pod)
+    status, answer = await call(running.port, ca, request)
+    assert status == 200
+    assert answer["apiVersion"] == "admission.k8s.io/v1" and answer["kind"] == "AdmissionReview"
+    response = answer["response"]
+    assert response["uid"] == request["request"]["uid"] and response["allowed"] is True
+    assert response["patchType"] == "JSONPatch"
+    assert isinstance(json.loads(base64.b64decode(response["patch"], validate=True)), list)
+    check_pod(apply_response(pod, answer))
+
+
+async def test_denial_is_http_200_with_allowed_false(webhook: Any) -> None:
+    running, ca, _ = webhook
+    request = admission_review(deployment_pod({"weightcache.io/model": REF, "weightcache.io/tier": "nvme"}))
+    status, answer = await call(running.port, ca, request)
+    assert status == 200
+    assert (
+        answer["response"]["allowed"] is False
+        and "weightcache.io/tier: disk" in answer["response"]["status"]["message"]
+    )
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"{not json",
+        b"\xff\xfe",
+        b"[" * 100_000,
+        {"apiVersion": "admission.k8s.io/v1beta1", "kind": "AdmissionReview", "request": {"uid": "x"}},
+        {
+            **admission_review(deployment_pod()),
+            "request": {**admission_review(deployment_pod())["request"], "operation": "DELETE"},
+        },
+    ],
+)
+async def test_bad_request_is_a_clear_400_never_500(webhook: Any, body: Any) -> None:
+    running, ca, _ = webhook
+    status, answer = await call(running.port, ca, body)
+    assert status == 400
+    assert answer["error"] == "bad_request" and answer["message"]
+
+
+async def test_healthz_and_metrics_count_outcomes(webhook: Any) -> None:
+    running, ca, _ = webhook
+    await call(running.port, ca, admission_review(deployment_pod({"weightcache.io/model": REF})))
+    await call(running.port, ca, admission_review(deployment_pod()))
+    await call(running.port, ca, b"nope")
+    await call(running.port, ca, admission_review(deployment_pod({"weightcache.io/model": "nope"})))
+    assert await get(running.port, ca, "/healthz") == (200, "ok")
+    status, text = await get(running.port, ca, "/metrics")
+    assert status == 200
+    for outcome in ("patched", "unchanged", "bad_request", "denied"):
+        assert f'weightcache_webhook_reviews_total{{outcome="{outcome}"}} 1.0' in text
+    assert "weightcache_webhook_review_seconds_count 4.0" in text
+
+
+async def test_untrusted_or_plain_clients_cannot_talk(webhook: Any) -> None:
+    running, _, _ = webhook
+    with pytest.raises(aiohttp.ClientConnectorCertificateError):
+        await get(running.port, make_ca(), "/healthz")
+    async with aiohttp.ClientSession() as session:
+        with pytest.raises(aiohttp.ClientError):
+            async with session.get(f"http://127.0.0.1:{running.port}/healthz") as resp:
+                await resp.read()
+
+
+async def wait_for(predicate: Any, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not await predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)
+
+
+async def test_rotated_certificate_is_served_without_restart(webhook: Any) -> None:
+    running, old_ca, folder = webhook
+    new_ca = make_ca("rotated-ca")
+
+    async def serves(ca: CertPair) -> bool:
+        try:
+            return (await get(running.port, ca, "/healthz"))[0] == 200
+        except aiohttp.ClientConnectorCertificateError:
+            return False
+
+    # a half-written rotation (new cert, old key) does not load: the old pair stays in use
+    old_key = (folder / "tls.key").read_bytes()
+    write_pair(folder, CertPair(make_serving_cert(new_ca, [SNI]).cert_pem, old_key))
+    await wait_for(lambda: _reloads(running.port, old_ca, "failed"))
+    assert await serves(old_ca)
+
+    write_pair(folder, make_serving_cert(new_ca, service_dns_names(SERVICE, NAMESPACE)))
+    await wait_for(lambda: serves(new_ca))
+    assert not await serves(old_ca)
+    assert await _reloads(running.port, new_ca, "ok", count=1), "one rotation, one reload, however many events"
+
+
+async def _reloads(port: int, ca: CertPair, result: str, count: int | None = None) -> bool:
+    _, text = await get(port, ca, "/metrics")
+    line = f'weightcache_webhook_cert_reloads_total{{result="{result}"}}'
+    return f"{line} {count}.0" in text if count is not None else line in text
+
+
+def run_command(*args: str, **kwargs: Any) -> subprocess.Popen[str]:
+    """The real entry point, as the Deployment runs it: `weightcache webhook ...`."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "weightcache", *args],
+        cwd=Path(__file__).resolve().parent.parent,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kwargs,
+    )
+
+
+async def listening(proc: subprocess.Popen[str]) -> str:
+    """The command's "webhook listening on https://HOST:PORT/mutate" line (log lines may come first)."""
+    assert proc.stderr is not None
+    for _ in range(100):
+        line = await asyncio.to_thread(proc.stderr.readline)
+        if "webhook listening on https://127.0.0.1:" in line or not line:
+            return line
+    raise AssertionError("the webhook never said where it listens")
+
+
+async def test_command_serves_until_sigterm(tmp_path: Path) -> None:
+    certs = run_command("webhook", "certs", "--service", SERVICE, "--namespace", NAMESPACE, "--out", str(tmp_path))
+    out, err = certs.communicate(timeout=60)
+    assert certs.returncode == 0, err
+    ca = CertPair(base64.b64decode(out.strip()))
+    assert ca.cert_pem == (tmp_path / "ca.crt").read_bytes()
+    assert "kubectl" in err and "BEGIN" not in err and "PRIVATE" not in out + err
+
+    proc = run_command(
+        "webhook",
+        "--cert",
+        str(tmp_path / "tls.crt"),
+        "--key",
+        str(tmp_path / "tls.key"),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--no-allow-undeclared",
+    )
+    try:
+        line = await listening(proc)
+        assert "allow undeclared models: False" in line
+        port = int(line.split("127.0.0.1:")[1].split("/")[0])
+        status, answer = await call(port, ca, admission_review(deployment_pod({"weightcache.io/model": REF})))
+        assert status == 200 and answer["response"]["allowed"] is False
+        assert "no ModelCache declares" in answer["response"]["status"]["message"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.to_thread(proc.communicate, None, 30)
+    assert proc.returncode == 0
+
+
+def test_command_explains_missing_or_bad_certificates(tmp_path: Path) -> None:
+    proc = run_command("webhook", "--port", "0")
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "--cert FILE and --key FILE" in err and "webhook certs" in err
+
+    write_service_certs(tmp_path, service=SERVICE, namespace=NAMESPACE)
+    proc = run_command(
+        "webhook",
+        "--cert",
+        str(tmp_path / "tls.crt"),
+        "--key",
+        str(tmp_path / "ca.crt"),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+    )
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "matching PEM pair" in err and "Traceback" not in err
+
+
+async def test_readyz_waits_for_the_modelcache_list(tmp_path: Path) -> None:
+    ca = make_ca()
+    cert, key = write_pair(tmp_path, make_serving_cert(ca, [SNI]))
+    synced = False
+    running = await start(
+        make_app(Policy(model_caches=list, allow_undeclared=False, synced=lambda: synced)),
+        cert=cert,
+        key=key,
+        host="127.0.0.1",
+        port=0,
+    )
+    try:
+        assert (await get(running.port, ca, "/readyz"))[0] == 503
+        assert (await get(running.port, ca, "/healthz")) == (200, "ok")
+        synced = True
+        assert (await get(running.port, ca, "/readyz")) == (200, "ok")
+    finally:
+        await running.stop()
+
+
+async def test_command_in_cluster_mode_follows_modelcaches(tmp_path: Path) -> None:
+    """Cluster mode through a kubeconfig: the ModelCache watcher feeds the shared policy, live."""
+    from tests.fake_apiserver import FakeApiServer, crd_schemas, model_cache
+
+    write_service_certs(tmp_path, service=SERVICE, namespace=NAMESPACE)
+    ca = CertPair((tmp_path / "ca.crt").read_bytes())
+    with FakeApiServer(schemas=crd_schemas()) as api:
+        api.create("modelcaches", model_cache("llama", REF, allowedNamespaces=["inference"]))
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "fake",
+                    "clusters": [{"name": "fake", "cluster": {"server": api.url}}],
+                    "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "webhook"}}],
+                    "users": [{"name": "webhook", "user": {"token": "not-a-real-token"}}],
+                }
+            )
+        )
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")} | {"KUBECONFIG": str(kubeconfig)}
+        proc = run_command(
+            "webhook",
+            "--cert",
+            str(tmp_path / "tls.crt"),
+            "--key",
+            str(tmp_path / "tls.key"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            env=env,
+        )
+        try:
+            line = await listening(proc)
+            assert "allow undeclared models: False" in line, line
+            port = int(line.split("127.0.0.1:")[1].split("/")[0])
+            await wait_for(lambda: _ok(get(port, ca, "/readyz")))
+
+            async def allowed(namespace: str, ref: str = REF) -> bool:
+                pod = deployment_pod({"weightcache.io/model": ref})
+                _, answer = await call(port, ca, admission_review(pod, namespace=namespace))
+                return bool(answer["response"]["allowed"])
+
+            assert await allowed("inference")
+            assert not await allowed("research")
+            api.create("modelcaches", model_cache("shared", "s3://models/shared/", allowedNamespaces=["*"]))
+            await wait_for(lambda: allowed("research", "s3://models/shared/"))
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            _, err = await asyncio.to_thread(proc.communicate, None, 30)
+        assert proc.returncode == 0, err
+        assert "not-a-real-token" not in err
+
+
+async def _ok(request: Any) -> bool:
+    return (await request)[0] == 200

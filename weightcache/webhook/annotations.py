@@ -1,0 +1,176 @@
+"""Pod annotations -> what to inject: parsed once, validated without I/O, carried as frozen values.
+
+    weightcache.io/model: s3://models/llama-3-8b/@rev        one model at /models/model, env WEIGHTCACHE_MODEL_PATH
+    weightcache.io/models: "llama=s3://m/llama/,draft=s3://m/draft/"
+                                                             each at /models/<name>, env WEIGHTCACHE_MODEL_PATH_<NAME>
+    weightcache.io/mount-path: /weights                      one model: its mount path; several: the base directory
+    weightcache.io/containers: "server,warmup"               default: every app container (no init containers)
+    weightcache.io/tier: disk | memory                       default: disk
+    weightcache.io/require-cached: "true" | "false"          required node affinity instead of preferred
+
+Every error message shows a line the user can paste instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from weightcache.errors import AnnotationError, InvalidReferenceError
+from weightcache.uri import ModelRef, parse_ref, readiness_label
+
+PREFIX = "weightcache.io/"
+MODEL = PREFIX + "model"
+MODELS = PREFIX + "models"
+MOUNT_PATH = PREFIX + "mount-path"
+CONTAINERS = PREFIX + "containers"
+TIER = PREFIX + "tier"
+REQUIRE_CACHED = PREFIX + "require-cached"
+KNOWN = (MODEL, MODELS, MOUNT_PATH, CONTAINERS, TIER, REQUIRE_CACHED)
+
+TIERS = ("disk", "memory")
+ENV_SINGLE = "WEIGHTCACHE_MODEL_PATH"
+VOLUME_PREFIX = "wc-"
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_MAX_NAME = 63 - len(VOLUME_PREFIX)  # the volume name wc-<name> must stay a DNS label
+_USERINFO = re.compile(r"://[^/@\s]*@")
+_PATH = re.compile(r"^(/[A-Za-z0-9._\-]+)+/?$")
+_EXAMPLE_MODELS = f'{MODELS}: "llama=s3://models/llama-3-8b/,draft=s3://models/llama-draft/"'
+
+
+@dataclass(frozen=True)
+class ModelMount:
+    """One model to inject: its volume, where it is mounted and the env var that points there."""
+
+    name: str
+    ref: ModelRef
+    volume: str
+    mount_path: str
+    env: str
+    label: str  # node label key the daemon sets to "ready" where the model is cached
+
+
+@dataclass(frozen=True)
+class Injection:
+    """Everything the annotations ask for."""
+
+    models: tuple[ModelMount, ...]
+    containers: tuple[str, ...] | None  # None: every app container
+    tier: str
+    require_cached: bool
+
+
+def wants_injection(annotations: Mapping[str, object]) -> bool:
+    return MODEL in annotations or MODELS in annotations
+
+
+def parse_annotations(annotations: Mapping[str, object]) -> Injection:
+    """Parse the `weightcache.io/*` annotations of a pod that `wants_injection`; raise AnnotationError."""
+    for key in KNOWN:
+        if key in annotations and not isinstance(annotations[key], str):
+            raise AnnotationError(f'annotation {key} must be a string; quote it in YAML, as in {key}: "..."')
+    return _parse(tuple((k, str(annotations[k]).strip()) for k in KNOWN if k in annotations))
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse(items: tuple[tuple[str, str], ...]) -> Injection:
+    """Cached: every pod of a Deployment carries the same annotations, and the result is a frozen value."""
+    values = dict(items)
+    if MODEL in values and MODELS in values:
+        raise AnnotationError(
+            f"use either {MODEL} (one model) or {MODELS} (several), not both; for several write {_EXAMPLE_MODELS}"
+        )
+    named = _parse_models(values[MODELS]) if MODELS in values else [("model", _ref(MODEL, values[MODEL]))]
+    single = MODELS not in values
+    base = _mount_path(values.get(MOUNT_PATH))
+    models = tuple(
+        ModelMount(
+            name=name,
+            ref=ref,
+            volume=VOLUME_PREFIX + name,
+            mount_path=(base or "/models/model") if single else f"{base or '/models'}/{name}",
+            env=ENV_SINGLE if single else f"{ENV_SINGLE}_{name.upper().replace('-', '_')}",
+            label=readiness_label(ref.uri),
+        )
+        for name, ref in named
+    )
+    return Injection(
+        models=models,
+        containers=_containers(values.get(CONTAINERS)),
+        tier=_tier(values.get(TIER)),
+        require_cached=_boolean(REQUIRE_CACHED, values.get(REQUIRE_CACHED)),
+    )
+
+
+def _ref(key: str, text: str, name: str | None = None) -> ModelRef:
+    try:
+        return parse_ref(text)
+    except InvalidReferenceError as exc:
+        where = f"{key} entry {name!r}" if name else key
+        # parse_ref echoes its input; a user who pasted credentials into a pod must not find them in logs too
+        raise AnnotationError(f"{where}: {_USERINFO.sub('://***@', str(exc))}") from None
+
+
+def _parse_models(text: str) -> list[tuple[str, ModelRef]]:
+    entries = [e.strip() for e in text.split(",") if e.strip()]
+    if not entries:
+        raise AnnotationError(f"{MODELS} is empty; write {_EXAMPLE_MODELS}")
+    seen: set[str] = set()
+    out: list[tuple[str, ModelRef]] = []
+    for entry in entries:
+        name, sep, ref_text = (p.strip() for p in entry.partition("="))
+        if not sep:
+            raise AnnotationError(f"{MODELS} entry {entry!r} has no name; write <name>=<ref>, as in {_EXAMPLE_MODELS}")
+        if len(name) > _MAX_NAME or not _DNS_LABEL.match(name):
+            raise AnnotationError(
+                f"{MODELS} name {name!r} must be a DNS label of at most {_MAX_NAME} characters (lowercase letters, "
+                f"digits, '-', starting and ending alphanumeric), as in {_EXAMPLE_MODELS}"
+            )
+        if name in seen:
+            raise AnnotationError(
+                f"{MODELS} names {name!r} twice; give each model its own name, as in {_EXAMPLE_MODELS}"
+            )
+        seen.add(name)
+        out.append((name, _ref(MODELS, ref_text, name)))
+    return out
+
+
+def _mount_path(text: str | None) -> str | None:
+    if text is None:
+        return None
+    if not _PATH.match(text) or any(part in (".", "..") for part in text.split("/")):
+        raise AnnotationError(
+            f"{MOUNT_PATH} {text!r} must be an absolute path of letters, digits, '.', '_', '-' without '..', "
+            f"as in {MOUNT_PATH}: /models/llama"
+        )
+    return text.rstrip("/")
+
+
+def _containers(text: str | None) -> tuple[str, ...] | None:
+    if text is None:
+        return None
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names or len(set(names)) != len(names) or not all(_DNS_LABEL.match(n) for n in names):
+        raise AnnotationError(
+            f"{CONTAINERS} {text!r} must be a comma-separated list of distinct container names, "
+            f'as in {CONTAINERS}: "server,warmup" (or remove it to use every app container)'
+        )
+    return names
+
+
+def _tier(text: str | None) -> str:
+    if text is None:
+        return "disk"
+    if text not in TIERS:
+        raise AnnotationError(f"{TIER} {text!r} is not a tier; write {TIER}: disk (or {TIER}: memory)")
+    return text
+
+
+def _boolean(key: str, text: str | None) -> bool:
+    if text is None:
+        return False
+    if text.lower() not in ("true", "false"):
+        raise AnnotationError(f'{key} {text!r} must be "true" or "false"; write {key}: "true"')
+    return text.lower() == "true"

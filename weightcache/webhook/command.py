@@ -1,0 +1,129 @@
+"""`weightcache webhook` and `weightcache webhook certs`: argument parsing and wiring, nothing else.
+
+In a cluster (a Kubernetes config is found) the policy reads ModelCache objects from a watcher and undeclared
+models are refused by default; off-cluster there are no ModelCaches and undeclared models are allowed by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from typing import TYPE_CHECKING
+
+from weightcache.errors import ConfigError
+
+if TYPE_CHECKING:  # the server pulls in aiohttp: imported only when the command runs, so every CLI call stays fast
+    from weightcache.webhook.server import Policy
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 8443
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add `webhook` (and its `certs` subcommand) to the CLI's subparsers."""
+    hook = sub.add_parser("webhook", help="run the mutating admission webhook (POST /mutate over TLS)")
+    hook.add_argument("--cert", type=Path, help="PEM serving certificate (chain); reloaded when it changes")
+    hook.add_argument("--key", type=Path, help="PEM private key of --cert")
+    hook.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"HTTPS port (default {DEFAULT_PORT}; 0: any)")
+    hook.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0, for the Service)")
+    hook.add_argument(
+        "--allow-undeclared",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="allow models no ModelCache declares (default: yes off-cluster, no in a cluster)",
+    )
+    hook.set_defaults(func=run_webhook)
+    nested = hook.add_subparsers(dest="webhook_command", metavar="{certs}")
+    certs = nested.add_parser("certs", help="write a CA and a serving certificate for <service>.<namespace>.svc")
+    certs.add_argument("--service", required=True, help="the webhook's Service name")
+    certs.add_argument("--namespace", required=True, help="the Service's namespace")
+    certs.add_argument("--out", type=Path, default=Path("."), help="directory for ca.crt, tls.crt, tls.key")
+    certs.set_defaults(func=run_certs)
+
+
+def run_webhook(args: argparse.Namespace) -> int:
+    if args.cert is None or args.key is None:
+        print(
+            "weightcache webhook needs --cert FILE and --key FILE (make them with: weightcache webhook certs "
+            "--service S --namespace NS --out DIR, or mount cert-manager's Secret)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        policy, stop = _policy(args.allow_undeclared)
+    except ConfigError as exc:
+        print(f"weightcache webhook: {exc}", file=sys.stderr)
+        return 2
+
+    def ready(port: int) -> None:
+        print(
+            f"webhook listening on https://{args.host}:{port}/mutate (allow undeclared models: "
+            f"{policy.allow_undeclared})",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    try:
+        from weightcache.webhook.server import serve
+
+        asyncio.run(serve(policy, cert=args.cert, key=args.key, host=args.host, port=args.port, on_ready=ready))
+    except ConfigError as exc:
+        print(f"weightcache webhook: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        stop()
+    return 0
+
+
+def run_certs(args: argparse.Namespace) -> int:
+    try:
+        from weightcache.webhook.certs import write_service_certs
+
+        ca_bundle = write_service_certs(args.out, service=args.service, namespace=args.namespace)
+    except OSError as exc:
+        print(
+            f"weightcache webhook certs: cannot write {exc.filename or args.out}: {exc.strerror}; "
+            f"choose a writable --out directory",
+            file=sys.stderr,
+        )
+        return 1
+    out = args.out
+    print(
+        f"wrote {out / 'ca.crt'}, {out / 'tls.crt'}, {out / 'tls.key'} for {args.service}.{args.namespace}.svc\n"
+        f"next:\n"
+        f"  kubectl -n {args.namespace} create secret tls weightcache-webhook-tls "
+        f"--cert {out / 'tls.crt'} --key {out / 'tls.key'}\n"
+        f"  kubectl patch mutatingwebhookconfiguration weightcache --type=json -p "
+        f'\'[{{"op":"add","path":"/webhooks/0/clientConfig/caBundle","value":"{ca_bundle}"}}]\'\n'
+        f"the caBundle alone is on stdout",
+        file=sys.stderr,
+    )
+    print(ca_bundle)
+    return 0
+
+
+def _policy(allow_undeclared: bool | None) -> tuple[Policy, Callable[[], None]]:
+    """(policy, stop): ModelCaches from a watcher when a cluster config is found, else none."""
+    from weightcache.webhook.server import Policy
+
+    try:
+        from weightcache.kube.client import load_api_client
+        from weightcache.kube.watch import ModelCacheWatcher
+    except ImportError:
+        log.info("weightcache.kube is not available: running off-cluster")
+        api_client = None
+    else:
+        api_client = load_api_client()
+    if api_client is None:
+        allow = True if allow_undeclared is None else allow_undeclared
+        return Policy(model_caches=list, allow_undeclared=allow), lambda: None
+    watcher = ModelCacheWatcher(api_client)
+    watcher.start()
+    allow = False if allow_undeclared is None else allow_undeclared
+    return Policy(watcher.items, allow, synced=lambda: watcher.wait_synced(0)), watcher.stop

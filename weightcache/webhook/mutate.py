@@ -1,0 +1,260 @@
+"""The admission decision as a pure function: AdmissionReview v1 dict in, AdmissionReview v1 dict out.
+
+For each model the `weightcache.io/*` annotations name, the patch adds (JSON Patch, RFC 6902, against the pod the
+API server sent):
+
+    /spec/volumes/-                         {name: wc-<name>, csi: {driver: csi.weightcache.io, readOnly: true,
+                                             volumeAttributes: {model, revision, tier}}}
+    /spec/containers/<i>/volumeMounts/-     {name: wc-<name>, mountPath: /models/<name>, readOnly: true}
+    /spec/containers/<i>/env/-              {name: WEIGHTCACHE_MODEL_PATH[_<NAME>], value: <mountPath>}
+    /spec/affinity/nodeAffinity/...         weightcache.io/<model-key> In [ready]: preferred, or required
+                                            (ANDed into every existing required term) with require-cached
+
+A missing list is added whole; an existing one is appended to. Whatever is already there exactly as we would
+add it is skipped, so re-invocation (`reinvocationPolicy: IfNeeded`) adds nothing twice; anything else already
+using an injected name or path is a conflict and the pod is denied.
+Not an AdmissionReview v1 Pod CREATE, or a pod of the wrong shape: BadAdmissionReviewError (HTTP 400).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any, NotRequired, TypedDict
+
+from weightcache.errors import AnnotationError, BadAdmissionReviewError, InjectionConflictError
+from weightcache.policy import decide
+from weightcache.webhook.annotations import Injection, ModelMount, parse_annotations, wants_injection
+
+API_VERSION = "admission.k8s.io/v1"
+DRIVER = "csi.weightcache.io"
+READY = "ready"
+PREFERRED_WEIGHT = 50  # of 1..100: wins over weak user preferences, leaves room for stronger ones
+_REQUIRED = "requiredDuringSchedulingIgnoredDuringExecution"
+_PREFERRED = "preferredDuringSchedulingIgnoredDuringExecution"
+
+
+class PatchOp(TypedDict):
+    op: str
+    path: str
+    value: Any
+
+
+class Status(TypedDict):
+    code: int
+    reason: str
+    message: str
+
+
+class AdmissionResponse(TypedDict):
+    uid: str
+    allowed: bool
+    patchType: NotRequired[str]
+    patch: NotRequired[str]
+    status: NotRequired[Status]
+
+
+class AdmissionReview(TypedDict):
+    apiVersion: str
+    kind: str
+    response: AdmissionResponse
+
+
+def review(
+    body: object,
+    *,
+    model_caches: Iterable[Mapping[str, Any]],
+    allow_undeclared: bool,
+) -> AdmissionReview:
+    """Answer one AdmissionReview: allow unchanged, allow with a patch, or deny with a message."""
+    request = _request(body)
+    uid, pod = request["uid"], request["object"]
+    annotations = _annotations(pod)
+    if not wants_injection(annotations):
+        return _answer({"uid": uid, "allowed": True})
+    namespace = request.get("namespace") or _dict(pod, "metadata").get("namespace") or ""
+    try:
+        injection = parse_annotations(annotations)
+    except AnnotationError as exc:
+        return _deny(uid, 400, "BadRequest", str(exc))
+    caches = list(model_caches)  # read once: a generator would be spent after the first model
+    for m in injection.models:
+        decision = decide(m.ref.uri, namespace, caches, allow_undeclared=allow_undeclared)
+        if not decision.allowed:
+            return _deny(uid, 403, "Forbidden", f"model {m.name!r}: {decision.reason}")
+    try:
+        ops = plan(pod, injection)
+    except AnnotationError as exc:
+        return _deny(uid, 400, "BadRequest", str(exc))
+    except InjectionConflictError as exc:
+        return _deny(uid, 409, "Conflict", str(exc))
+    response: AdmissionResponse = {"uid": uid, "allowed": True}
+    if ops:
+        response["patchType"] = "JSONPatch"
+        response["patch"] = base64.b64encode(json.dumps(ops, separators=(",", ":")).encode()).decode()
+    return _answer(response)
+
+
+def plan(pod: Mapping[str, Any], injection: Injection) -> list[PatchOp]:
+    """The JSON Patch that injects `injection` into `pod`; empty when everything is already there."""
+    spec = _dict(pod, "spec")
+    volumes = [_volume(m, injection.tier) for m in injection.models]
+    _check_names("volume", _list(spec, "volumes"), volumes)
+    ops = _extend(spec, "/spec", ["volumes"], volumes)
+    for path, container in _chosen(spec, injection.containers):
+        mounts = [{"name": m.volume, "mountPath": m.mount_path, "readOnly": True} for m in injection.models]
+        env = [{"name": m.env, "value": m.mount_path} for m in injection.models]
+        _check_mounts(container, mounts)
+        _check_names(f"container {container['name']!r} env", _list(container, "env"), env)
+        ops += _extend(container, path, ["volumeMounts"], mounts)
+        ops += _extend(container, path, ["env"], env)
+    labels = [m.label for m in injection.models]
+    return ops + (_required(spec, labels) if injection.require_cached else _preferred(spec, labels))
+
+
+def _request(body: object) -> dict[str, Any]:
+    if not isinstance(body, dict) or body.get("kind") != "AdmissionReview":
+        raise BadAdmissionReviewError("body is not an AdmissionReview; send kind: AdmissionReview")
+    if body.get("apiVersion") != API_VERSION:
+        raise BadAdmissionReviewError(
+            f"apiVersion {body.get('apiVersion')!r} is not supported; set admissionReviewVersions: [v1] "
+            f"in the MutatingWebhookConfiguration"
+        )
+    request = body.get("request")
+    if not isinstance(request, dict) or not isinstance(request.get("uid"), str) or not request["uid"]:
+        raise BadAdmissionReviewError("AdmissionReview has no request.uid")
+    kind = request.get("kind")
+    is_pod = isinstance(kind, dict) and (kind.get("group"), kind.get("version"), kind.get("kind")) == ("", "v1", "Pod")
+    if not is_pod or request.get("subResource") or request.get("operation") != "CREATE":
+        raise BadAdmissionReviewError(
+            "this webhook only handles Pod CREATE (rules: operations [CREATE], resources [pods]); "
+            f"got {request.get('operation')!r} of {kind!r}"
+        )
+    if not isinstance(request.get("object"), dict):
+        raise BadAdmissionReviewError("AdmissionReview request.object is missing or not a Pod object")
+    return request
+
+
+def _answer(response: AdmissionResponse) -> AdmissionReview:
+    return {"apiVersion": API_VERSION, "kind": "AdmissionReview", "response": response}
+
+
+def _deny(uid: str, code: int, reason: str, message: str) -> AdmissionReview:
+    return _answer({"uid": uid, "allowed": False, "status": {"code": code, "reason": reason, "message": message}})
+
+
+def _annotations(pod: Mapping[str, Any]) -> dict[str, Any]:
+    return _dict(_dict(pod, "metadata"), "annotations")
+
+
+def _volume(m: ModelMount, tier: str) -> dict[str, Any]:
+    attributes = {"model": m.ref.uri, "revision": m.ref.revision or "", "tier": tier}
+    return {"name": m.volume, "csi": {"driver": DRIVER, "readOnly": True, "volumeAttributes": attributes}}
+
+
+def _chosen(spec: Mapping[str, Any], names: tuple[str, ...] | None) -> list[tuple[str, dict[str, Any]]]:
+    """(JSON pointer, container) for each chosen container; by default every app container."""
+    app = [(f"/spec/containers/{i}", c) for i, c in enumerate(_containers(spec, "containers"))]
+    if names is None:
+        return app
+    init = [(f"/spec/initContainers/{i}", c) for i, c in enumerate(_containers(spec, "initContainers"))]
+    by_name = {c["name"]: (path, c) for path, c in init + app}
+    missing = [n for n in names if n not in by_name]
+    if missing:
+        raise AnnotationError(
+            f"weightcache.io/containers names {', '.join(missing)}, which this pod does not have; "
+            f"write one or more of: {', '.join(by_name)}"
+        )
+    return [by_name[n] for n in names]
+
+
+def _check_mounts(container: Mapping[str, Any], wanted: list[dict[str, Any]]) -> None:
+    for mount in _list(container, "volumeMounts") or []:
+        for w in wanted:
+            if mount != w and (mount.get("name") == w["name"] or mount.get("mountPath") == w["mountPath"]):
+                raise InjectionConflictError(
+                    f"container {container['name']!r} already mounts {mount.get('name')!r} at "
+                    f"{mount.get('mountPath')!r}, where weightcache injects {w['name']!r} at {w['mountPath']!r}; "
+                    f"rename or move that mount, or set weightcache.io/mount-path to another directory"
+                )
+
+
+def _check_names(what: str, existing: list[Any] | None, wanted: list[dict[str, Any]]) -> None:
+    """An entry already there under an injected name must be exactly ours (re-invocation), else it is a conflict."""
+    ours = {w["name"]: w for w in wanted}
+    for entry in existing or []:
+        w = ours.get(entry.get("name"))
+        if w is not None and entry != w:
+            raise InjectionConflictError(
+                f"the pod already has {what} {w['name']!r}, a name weightcache injects for "
+                f"{w.get('value') or w.get('csi', {}).get('volumeAttributes', {}).get('model')!r}; "
+                f"rename or remove yours (names starting with 'wc-' and WEIGHTCACHE_MODEL_PATH* are reserved)"
+            )
+
+
+def _preferred(spec: Mapping[str, Any], labels: list[str]) -> list[PatchOp]:
+    terms = [{"weight": PREFERRED_WEIGHT, "preference": {"matchExpressions": [_ready(lb)]}} for lb in labels]
+    return _extend(spec, "/spec", ["affinity", "nodeAffinity", _PREFERRED], terms)
+
+
+def _required(spec: Mapping[str, Any], labels: list[str]) -> list[PatchOp]:
+    """Node selector terms are ORed, so our expressions join every existing term (an empty term matches nothing)."""
+    wanted = [_ready(lb) for lb in labels]
+    keys = ["affinity", "nodeAffinity", _REQUIRED, "nodeSelectorTerms"]
+    terms = _list(_dict(_dict(_dict(spec, "affinity"), "nodeAffinity"), _REQUIRED), "nodeSelectorTerms")
+    if not terms:
+        return _extend(spec, "/spec", keys, [{"matchExpressions": wanted}])
+    ops: list[PatchOp] = []
+    for i, term in enumerate(terms):
+        if _list(term, "matchExpressions") or _list(term, "matchFields"):
+            ops += _extend(term, f"/spec/{'/'.join(keys)}/{i}", ["matchExpressions"], wanted)
+    return ops
+
+
+def _ready(label: str) -> dict[str, Any]:
+    return {"key": label, "operator": "In", "values": [READY]}
+
+
+def _extend(root: Mapping[str, Any], path: str, keys: list[str], items: list[Any]) -> list[PatchOp]:
+    """Ops adding the `items` not yet there to the list at root[keys[0]][keys[1]]..., adding missing parents whole."""
+    node: Mapping[str, Any] = root
+    for depth, key in enumerate(keys):
+        if node.get(key) is None:
+            value: Any = items
+            for parent in reversed(keys[depth + 1 :]):
+                value = {parent: value}
+            return [{"op": "add", "path": "/".join([path, *keys[: depth + 1]]), "value": value}]
+        if depth < len(keys) - 1:
+            node = _dict(node, key)
+    existing = _list(node, keys[-1]) or []
+    where = "/".join([path, *keys, "-"])
+    return [{"op": "add", "path": where, "value": item} for item in items if item not in existing]
+
+
+def _containers(spec: Mapping[str, Any], key: str) -> list[dict[str, Any]]:
+    containers = _list(spec, key) or []
+    for c in containers:
+        if not isinstance(c, dict) or not isinstance(c.get("name"), str):
+            raise BadAdmissionReviewError(f"pod spec.{key} holds an entry without a string name")
+    return containers
+
+
+def _dict(obj: Mapping[str, Any], key: str) -> dict[str, Any]:
+    """obj[key] as a dict ({} when absent or null); a pod of another shape is a bad request, not a crash."""
+    value = obj.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise BadAdmissionReviewError(f"pod field {key!r} must be an object, got {type(value).__name__}")
+    return value
+
+
+def _list(obj: Mapping[str, Any], key: str) -> list[Any] | None:
+    """obj[key] as a list of objects, None when absent or null."""
+    value = obj.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise BadAdmissionReviewError(f"pod field {key!r} must be a list of objects")
+    return value

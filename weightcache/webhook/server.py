@@ -1,0 +1,250 @@
+"""The thin aiohttp adapter around `mutate.review`: HTTPS, /mutate, /healthz, /metrics, certificate reload.
+
+    POST /mutate[?timeout=10s]   AdmissionReview v1 -> AdmissionReview v1 (HTTP 200, denials included);
+                                 a body that is not an AdmissionReview v1 Pod CREATE -> 400 {"error", "message"}
+    GET  /healthz                "ok" while the process serves (liveness)
+    GET  /readyz                 "ok" once the ModelCache list is synced, else 503 (readiness: the Service
+                                 routes no review to a replica that would deny for want of ModelCaches)
+    GET  /metrics                Prometheus text: reviews by outcome, review latency, certificate reloads
+
+The API server appends `?timeout=` to every call; a review takes well under a millisecond, so it is accepted
+and needs no deadline of its own. Rotated certificates (cert-manager, or a Secret update swapping the mounted
+`..data` link) are picked up without a restart: watchdog reports a change in the files' directories, a fresh
+SSLContext is built from the new files, and the TLS server-name callback hands it to every new handshake. A half
+written pair fails to load and the previous one stays in use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import logging
+import signal
+import ssl
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.observers import Observer
+
+from weightcache.errors import BadAdmissionReviewError, ConfigError
+from weightcache.webhook.mutate import review
+
+log = logging.getLogger(__name__)
+
+ModelCaches = Callable[[], Sequence[Mapping[str, Any]]]
+MAX_BODY = 8 * 1024 * 1024  # a Pod may be ~1.5 MiB in etcd; an AdmissionReview carries it once more as JSON
+
+
+@dataclass(frozen=True)
+class Metrics:
+    reviews: Counter
+    latency: Histogram
+    reloads: Counter
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry) -> Metrics:
+        return cls(
+            reviews=Counter(
+                "weightcache_webhook_reviews",
+                "Admission reviews by outcome: patched, unchanged, denied, bad_request, error",
+                ["outcome"],
+                registry=registry,
+            ),
+            latency=Histogram(
+                "weightcache_webhook_review_seconds",
+                "Time to answer one admission review, from body read to response",
+                buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5),
+                registry=registry,
+            ),
+            reloads=Counter(
+                "weightcache_webhook_cert_reloads",
+                "Serving certificate reloads by result",
+                ["result"],
+                registry=registry,
+            ),
+        )
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Where the allow decision's inputs come from."""
+
+    model_caches: ModelCaches
+    allow_undeclared: bool
+    synced: Callable[[], bool] = lambda: True
+
+
+METRICS = web.AppKey("metrics", Metrics)
+REGISTRY = web.AppKey("registry", CollectorRegistry)
+POLICY = web.AppKey("policy", Policy)
+
+
+def make_app(policy: Policy, *, registry: CollectorRegistry | None = None) -> web.Application:
+    app = web.Application(client_max_size=MAX_BODY)
+    app[REGISTRY] = registry or CollectorRegistry()
+    app[METRICS] = Metrics.create(app[REGISTRY])
+    app[POLICY] = policy
+    app.router.add_post("/mutate", _mutate)
+    app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/readyz", _readyz)
+    app.router.add_get("/metrics", _metrics)
+    return app
+
+
+async def _mutate(request: web.Request) -> web.Response:
+    metrics, policy = request.app[METRICS], request.app[POLICY]
+    started = time.perf_counter()
+    outcome = "error"
+    try:
+        try:
+            body = json.loads(await request.read())
+            answer = review(body, model_caches=policy.model_caches(), allow_undeclared=policy.allow_undeclared)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, BadAdmissionReviewError) as exc:
+            outcome = "bad_request"
+            message = str(exc) if isinstance(exc, BadAdmissionReviewError) else f"body is not JSON: {exc}"
+            log.warning("rejected webhook request: %s", message)
+            return web.json_response({"error": "bad_request", "message": message}, status=400)
+        response = answer["response"]
+        outcome = "patched" if "patch" in response else "unchanged" if response["allowed"] else "denied"
+        if outcome == "denied":
+            log.info("denied pod in %s: %s", body["request"].get("namespace"), response["status"]["message"])
+        return web.json_response(answer)
+    finally:
+        metrics.reviews.labels(outcome).inc()
+        metrics.latency.observe(time.perf_counter() - started)
+
+
+async def _healthz(request: web.Request) -> web.Response:
+    return web.Response(text="ok")
+
+
+async def _readyz(request: web.Request) -> web.Response:
+    if request.app[POLICY].synced():
+        return web.Response(text="ok")
+    return web.Response(status=503, text="waiting for the first list of ModelCaches")
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[REGISTRY])
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+class CertReloader(FileSystemEventHandler):
+    """Serves the newest loadable cert/key pair: a base context whose SNI callback swaps in the current one."""
+
+    def __init__(self, cert: Path, key: Path, metrics: Metrics | None = None) -> None:
+        self.cert, self.key, self._metrics = cert, key, metrics
+        try:
+            self.current = self._load()
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(
+                f"cannot load the serving certificate {cert} with key {key}: {exc}; "
+                f"pass --cert and --key of a matching PEM pair"
+            ) from exc
+        self.context = self.current  # the listening context; its callback hands each handshake the newest pair
+        self.context.sni_callback = self._select
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._observer: Any = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._observer = Observer()
+        for folder in {self.cert.parent, self.key.parent}:
+            self._observer.schedule(self, str(folder), recursive=False)
+        self._observer.daemon = True
+        self._observer.start()
+
+    def stop(self) -> None:
+        if self._observer is not None:
+            self._observer.stop()
+            self._observer.join()
+
+    def on_any_event(self, event: FileSystemEvent) -> None:  # watchdog's thread
+        if self._loop is not None and event.event_type not in ("opened", "closed_no_write"):
+            self._loop.call_soon_threadsafe(self.reload)
+
+    def reload(self) -> bool:
+        """Load the files again if they changed; keep the previous pair when the new one does not load."""
+        try:
+            if self._contents() == self._loaded:
+                return True  # one rotation fires several events; only a real change counts
+            self.current = self._load()
+        except (OSError, ssl.SSLError) as exc:
+            log.warning("keeping the previous serving certificate: %s does not load yet: %s", self.cert, exc)
+            result = "failed"
+        else:
+            log.info("reloaded serving certificate %s", self.cert)
+            result = "ok"
+        if self._metrics is not None:
+            self._metrics.reloads.labels(result).inc()
+        return result == "ok"
+
+    def _select(self, sslobj: ssl.SSLObject, server_name: str | None, context: ssl.SSLContext) -> None:
+        sslobj.context = self.current
+
+    def _contents(self) -> tuple[bytes, bytes]:
+        return self.cert.read_bytes(), self.key.read_bytes()
+
+    def _load(self) -> ssl.SSLContext:
+        contents = self._contents()
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.load_cert_chain(self.cert, self.key)
+        self._loaded = contents  # may predate a write racing with the load: the next event then reloads again
+        return context
+
+
+@dataclass(frozen=True)
+class Running:
+    runner: web.AppRunner
+    reloader: CertReloader
+    port: int
+
+    async def stop(self) -> None:
+        self.reloader.stop()
+        await self.runner.cleanup()
+
+
+async def start(app: web.Application, *, cert: Path, key: Path, host: str, port: int) -> Running:
+    """Serve `app` over TLS on host:port (0: any free port, read back in `Running.port`)."""
+    reloader = CertReloader(cert, key, app[METRICS])
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, ssl_context=reloader.context)
+    await site.start()
+    reloader.start(asyncio.get_running_loop())
+    bound = runner.addresses[0][1]
+    log.info("webhook listening on https://%s:%d/mutate", host, bound)
+    return Running(runner, reloader, bound)
+
+
+async def serve(
+    policy: Policy,
+    *,
+    cert: Path,
+    key: Path,
+    host: str,
+    port: int,
+    on_ready: Callable[[int], None] | None = None,
+) -> None:
+    """Run until SIGTERM or SIGINT, then finish in-flight reviews and stop; `on_ready` gets the bound port."""
+    running = await start(make_app(policy), cert=cert, key=key, host=host, port=port)
+    gc.freeze()  # what startup made (modules, the Kubernetes client) lives forever: keep full collections short
+    if on_ready is not None:
+        on_ready(running.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await running.stop()
