@@ -60,7 +60,10 @@ def _daemon(args: argparse.Namespace):  # noqa: ANN202
     except ImportError:
         return None
     sock = Path(getattr(args, "socket", None) or default_socket())
-    return DaemonClient(sock) if sock.exists() else None
+    if not sock.exists():
+        return None
+    client = DaemonClient(sock)
+    return client if client.available() else None  # a socket file left by a crash: use the store directly
 
 
 def parse_size(text: str) -> int:

@@ -305,19 +305,21 @@ class Fetcher:
         def hash_resumed(item: _Item) -> None:
             item.partial.hash_resumed(buffers()[1])
 
-        with ThreadPoolExecutor(self.concurrency, thread_name_prefix="wc-fetch") as pool:
-            futures = [pool.submit(hash_resumed, i) for i in items if i.partial.resumed_bytes]
-            futures += [pool.submit(run, *p) for p in pieces]
-            done, not_done = wait(futures, return_when=FIRST_EXCEPTION)
-            errors = [f.exception() for f in done if f.exception() is not None]
-            if errors:
-                abort.set()
-                for f in not_done:
-                    f.cancel()
-                wait(not_done)
-                self._handle_failure(errors[0], items)
-        with fetched_lock:
-            self._count("origin_bytes", fetched)
+        try:
+            with ThreadPoolExecutor(self.concurrency, thread_name_prefix="wc-fetch") as pool:
+                futures = [pool.submit(hash_resumed, i) for i in items if i.partial.resumed_bytes]
+                futures += [pool.submit(run, *p) for p in pieces]
+                done, not_done = wait(futures, return_when=FIRST_EXCEPTION)
+                errors = [f.exception() for f in done if f.exception() is not None]
+                if errors:
+                    abort.set()
+                    for f in not_done:
+                        f.cancel()
+                    wait(not_done)
+                    self._handle_failure(errors[0], items)
+        finally:
+            with fetched_lock:
+                self._count("origin_bytes", fetched)  # bytes of a failed round came from the origin all the same
         return fetched
 
     def _handle_failure(self, exc: BaseException, items: list[_Item]) -> None:

@@ -23,7 +23,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypedDict
 
@@ -186,6 +186,13 @@ class NodeReporter:
             self.flush()
         else:
             self._schedule()
+
+    def report_many(self, states: Mapping[str, ModelState | None]) -> None:
+        """Record several models' states (None forgets one) and write them in one merge patch: a daemon starting
+        with 500 ModelCaches makes one status write, not 500."""
+        with self._lock:
+            self._pending.update(states)
+        self.flush()
 
     def forget(self, model_name: str) -> None:
         """Remove a model from this node's status (its ModelCache was deleted or no longer selects the node)."""

@@ -7,6 +7,7 @@ lease can never be granted on a snapshot that an eviction in another process is 
 
 from __future__ import annotations
 
+import builtins
 import fcntl
 import hashlib
 import json
@@ -128,7 +129,7 @@ class Store:
             (snapshot_id,))
         return tuple(FileEntry(*r) for r in rows)
 
-    def find(self, text: str) -> list[Snapshot]:
+    def find(self, text: str) -> builtins.list[Snapshot]:
         """Snapshots matching a reference string, a snapshot id or an id prefix (for the CLI)."""
         from weightcache.uri import parse_ref
 
@@ -198,7 +199,7 @@ class Store:
             pass
         path.unlink()
 
-    def publish(self, ref: ModelRef, files: list[FileEntry]) -> Snapshot:
+    def publish(self, ref: ModelRef, files: builtins.list[FileEntry]) -> Snapshot:
         """Build the snapshot tree from blobs, rename it into place, write the manifest, index it, point the ref."""
         snap_id = snapshot_id_for(files)
         with self.locked():
@@ -230,7 +231,7 @@ class Store:
                 "include": list(ref.include), "exclude": list(ref.exclude)}
         write_atomic(self.layout.ref(ref.key, ref_name(ref)), json.dumps(body).encode())
 
-    def _build_tree(self, final: Path, files: list[FileEntry]) -> None:
+    def _build_tree(self, final: Path, files: builtins.list[FileEntry]) -> None:
         tmp = tmp_name(final)
         tmp.mkdir(mode=0o755)
         try:
@@ -293,7 +294,7 @@ class Store:
         if d.exists() and not any(d.iterdir()):
             d.rmdir()
 
-    def pins(self, snapshot_id: str) -> list[str]:
+    def pins(self, snapshot_id: str) -> builtins.list[str]:
         d = self.layout.pins / snapshot_id
         return sorted(p.name for p in d.iterdir()) if d.exists() else []
 
@@ -328,7 +329,7 @@ class Store:
             remove_orphan_blob(self.layout.blob(sha))
         log.info("evicted snapshot %s", snapshot_id)
 
-    def evict_to(self, target_bytes: int, *, keep: frozenset[str] = frozenset()) -> list[str]:
+    def evict_to(self, target_bytes: int, *, keep: frozenset[str] = frozenset()) -> builtins.list[str]:
         """LRU-evict unleased, unpinned snapshots until used bytes <= target; returns evicted ids."""
         plan = plan_eviction(self.list(), used_bytes=self.used_bytes(), target_bytes=target_bytes, keep=keep)
         done = []

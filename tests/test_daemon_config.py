@@ -1,0 +1,122 @@
+"""Daemon settings: YAML file < environment < flags, every field validated with an error that says what to write."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from weightcache.daemon.config import (DEFAULT_SOCKET, Settings, apply_live, load_settings, parse_quantity,
+                                       parse_settings)
+from weightcache.errors import ConfigError
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "deploy" / "daemonset" / "configmap.yaml"
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("500Gi", 500 * 2**30), ("1.5T", 1_500_000_000_000), ("16Mi", 16 << 20), ("64k", 64_000), (4096, 4096),
+    ("4096", 4096), ("2Ki", 2048),
+])
+def test_quantities(text: object, expected: int) -> None:
+    assert parse_quantity(text, "diskBudget") == expected
+
+
+@pytest.mark.parametrize("text", ["lots", "5 GB", "-1Gi", True, "1Xi"])
+def test_bad_quantities_say_how_to_write_one(text: object) -> None:
+    with pytest.raises(ConfigError, match="diskBudget"):
+        parse_quantity(text, "diskBudget")
+
+
+def test_file_then_env_then_flags(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({
+        "root": "/srv/file-root", "diskBudget": "100Gi", "memoryBudget": "8Gi", "concurrency": 4, "logFormat": "json",
+        "endpoints": {"s3": {"endpointUrl": "http://minio:9000"},
+                      "s3://special": {"endpointUrl": "https://special.example"}},
+        "models": [{"source": "s3://models/llama/", "tier": "memory", "include": ["*.safetensors"]}],
+    }))
+    env = {"WEIGHTCACHE_ROOT": "/srv/env-root", "WEIGHTCACHE_DISK_BUDGET": "200Gi", "NODE_NAME": "gpu-1"}
+    s = load_settings(path, env=env, flags={"root": "/srv/flag-root", "socket": None})
+    assert s.root == Path("/srv/flag-root")  # flag beats env beats file
+    assert s.disk_budget == 200 * 2**30  # env beats file
+    assert (s.concurrency, s.log_format, s.node_name, s.socket) == (4, "json", "gpu-1", DEFAULT_SOCKET)
+    (model,) = s.models
+    assert (model.ref.uri, model.ref.include, model.tier, model.pin) == ("s3://models/llama/", ("*.safetensors",),
+                                                                         "memory", True)
+    from weightcache.uri import parse_ref
+    assert s.endpoint_for(parse_ref("s3://special/x/")) == "https://special.example"
+    assert s.endpoint_for(parse_ref("s3://models/x/")) == "http://minio:9000"
+    assert s.endpoint_for(parse_ref("gs://models/x/")) is None
+    assert s.config_path == path
+
+
+def test_config_path_from_env(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("memoryBudget: 8Gi\n")
+    assert load_settings(None, env={"WEIGHTCACHE_CONFIG": str(path)}).memory_budget == 8 * 2**30
+
+
+def test_defaults_and_allow_undeclared_auto() -> None:
+    s = load_settings(None, env={})
+    assert s == Settings()
+    assert s.allow_undeclared(cluster=False) is True and s.allow_undeclared(cluster=True) is False
+    assert parse_settings({"allowUndeclaredModels": "true"}).allow_undeclared(cluster=True) is True
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    ({"diskBudgte": "1Gi"}, "unknown field 'diskBudgte'; did you mean 'diskBudget'"),
+    ({"root": "relative/path"}, "root: expected an absolute path"),
+    ({"concurrency": 0}, "concurrency: expected a whole number >= 1"),
+    ({"models": [{"source": "s3://models/x/", "tier": "gpu"}]}, r"models\[0\].tier: expected one of disk, memory"),
+    ({"models": [{"source": "s3://Bad_Bucket/x/"}]}, r"models\[0\].source: invalid model reference"),
+    ({"models": [{"src": "s3://models/x/"}]}, r"models\[0\]: expected a mapping with at least source"),
+    ({"models": [{"source": "s3://models/x/"}, {"source": "s3://models/x"}]}, r"models\[1\] repeats models\[0\]"),
+    ({"tcp": {"port": 9477}}, "tcp.tokenFile: the TCP listener needs a bearer token file"),
+    ({"endpoints": {"s3": {"endpointUrl": "http://key:secret@minio:9000"}}}, "credentials do not belong"),
+    ({"logFormat": "xml"}, "logFormat: expected one of text, json"),
+    ({"csiEndpoint": "/csi/csi.sock"}, "csiEndpoint: expected unix:///"),
+    ({"models": [{"source": "s3://models/x/", "tier": "memory"}]}, r"models\[0\].tier: memory needs the memory tier"),
+])
+def test_invalid_settings_name_the_field(raw: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_settings(raw)
+
+
+def test_credentials_never_reach_the_error_message() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_settings({"endpoints": {"s3": {"endpointUrl": "http://key:hunter2@minio:9000"}}})
+    assert "hunter2" not in str(caught.value)
+
+
+def test_unreadable_or_non_mapping_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_settings(tmp_path / "missing.yaml", env={})
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_settings(tmp_path / "list.yaml", env={})
+    (tmp_path / "bad.yaml").write_text("root: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_settings(tmp_path / "bad.yaml", env={})
+
+
+def test_live_fields_apply_and_restart_fields_wait() -> None:
+    running = parse_settings({"root": "/a", "diskBudget": "1Gi"})
+    new = parse_settings({"root": "/b", "diskBudget": "2Gi", "models": [{"source": "s3://models/x/"}]})
+    merged, pending = apply_live(running, new)
+    assert pending == {"root"}
+    assert merged.root == Path("/a") and merged.disk_budget == 2 * 2**30 and len(merged.models) == 1
+
+
+def test_the_shipped_example_config_is_valid() -> None:
+    configmap = yaml.safe_load(EXAMPLE.read_text())
+    s = parse_settings(yaml.safe_load(configmap["data"]["config.yaml"]))
+    assert s.models and s.disk_budget
+
+
+def test_every_field_and_env_variable_is_documented() -> None:
+    from weightcache.daemon.config import _PARSERS, ENV
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text()
+    assert [f for f in _PARSERS if f"| `{f}` |" not in doc] == []
+    assert [e for e in ENV if f"`{e}`" not in doc] == []

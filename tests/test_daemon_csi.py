@@ -1,0 +1,54 @@
+"""The daemon hosts the CSI plugin on its own socket, sharing store, single flight, leases, policy and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import grpc
+import pytest
+
+from tests.fixtures_csi import publish_request, unmount_under
+from tests.fixtures_daemon import model_copy, off_cluster, short_dir, start_daemon, tiny_model  # noqa: F401
+from weightcache.csi._pb import csi_pb2, csi_pb2_grpc
+
+
+async def test_csi_identity_and_node_info_then_the_socket_goes_on_stop(short_dir: Path, model_copy: Path) -> None:
+    csi_sock = short_dir / "csi" / "csi.sock"
+    d = await start_daemon(short_dir, model_copy, config={"csiEndpoint": f"unix://{csi_sock}"},
+                           env={"NODE_NAME": "gpu-7"})
+    try:
+        async with grpc.aio.insecure_channel(f"unix://{csi_sock}") as channel:
+            info = await csi_pb2_grpc.IdentityStub(channel).GetPluginInfo(csi_pb2.GetPluginInfoRequest())
+            node = await csi_pb2_grpc.NodeStub(channel).NodeGetInfo(csi_pb2.NodeGetInfoRequest())
+        assert info.name == "csi.weightcache.io" and node.node_id == "gpu-7"
+    finally:
+        await d.daemon.stop()
+    assert not csi_sock.exists() and not d.socket.exists()
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="bind mounts need root")
+async def test_a_csi_publish_shows_up_as_a_lease_in_the_daemon_api(short_dir: Path, model_copy: Path) -> None:
+    csi_sock, kubelet = short_dir / "csi.sock", short_dir / "kubelet"
+    d = await start_daemon(short_dir, model_copy, config={"csiEndpoint": f"unix://{csi_sock}",
+                                                          "kubeletDir": str(kubelet)}, env={"NODE_NAME": "n"})
+    target = kubelet / "pods" / "uid-1" / "volumes" / "kubernetes.io~csi" / "llama" / "mount"
+    try:
+        async with grpc.aio.insecure_channel(f"unix://{csi_sock}") as channel:
+            stub = csi_pb2_grpc.NodeStub(channel)
+            await stub.NodePublishVolume(publish_request("vol-1", target, model=d.model_uri, namespace="ml",
+                                                         pod_uid="uid-1"))
+            assert (target / "config.json").read_bytes() == (model_copy / "config.json").read_bytes()
+            ((holder, snapshot_id),) = (await asyncio.to_thread(d.client.leases)).items()
+            async with d.http() as http, http.delete(f"/v1/models/{snapshot_id}") as r:
+                assert r.status == 409 and (await r.json())["holders"] == [holder]
+            metrics = await asyncio.to_thread(d.client.metrics)
+            assert 'weightcache_cache_misses_total{scheme="file"} 1.0' in metrics  # CSI's fetch, daemon's metrics
+            await stub.NodeUnpublishVolume(csi_pb2.NodeUnpublishVolumeRequest(volume_id="vol-1",
+                                                                              target_path=str(target)))
+        assert await asyncio.to_thread(d.client.leases) == {}
+    finally:
+        await d.daemon.stop()
+        unmount_under(short_dir)

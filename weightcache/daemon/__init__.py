@@ -1,0 +1,9 @@
+"""The node daemon: store, fetch engine, HTTP API on a Unix socket, reconcile loop, live config, metrics, CSI.
+
+    app.py          process lifecycle, sockets, signals         node.py       state shared by API, reconcile, CSI
+    api.py          aiohttp handlers (parse, delegate, dump)    reconcile.py  desired models -> store (pure core)
+    listing.py      GET /v1/models kept until the store changes cluster.py    bridge to weightcache.kube and .csi
+    config.py       settings: YAML + env + flags                configwatch   live reload (ConfigMap-aware)
+    metrics.py      prometheus registry + scrape collector      tasks.py      named, guarded tasks
+    client.py       sync client the CLI uses                    command.py    `weightcache daemon` wiring
+"""

@@ -1,0 +1,391 @@
+"""The daemon's HTTP API (aiohttp). Handlers parse, delegate to the Node, serialize; nothing else.
+
+    PUT    /v1/models            ensure {uri, revision, include, exclude, tier, pin, namespace?}
+                                 ?wait=1 -> 200 NDJSON: {"progress": {...}}* then {"snapshot": {...}} | {"error",..}
+                                 else    -> 200 {"snapshot": ...} when cached, 202 {"fetching": uri, ...} otherwise
+    GET    /v1/models            [SnapshotInfo...]
+    GET    /v1/models/{id}       SnapshotInfo
+    DELETE /v1/models/{id}       evict; 409 naming the holders while leased or pinned
+    GET    /v1/leases            {holder: snapshot id}
+    POST   /v1/leases            {holder, uri | snapshot} -> {holder, snapshot, path}
+    DELETE /v1/leases/{holder}   release (idempotent)
+    GET    /healthz /readyz /metrics
+
+Errors are `{"error": code, "message": text}`; the status comes from one table. Over TCP every route except
+the probes needs `Authorization: Bearer <token>`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypedDict
+
+from aiohttp import web
+
+from weightcache import errors
+from weightcache.daemon.client import error_code
+from weightcache.daemon.listing import Listing
+from weightcache.daemon.node import Node
+from weightcache.fetch import Progress
+from weightcache.store import Snapshot, SnapshotInfo
+from weightcache.uri import ModelRef, parse_ref
+
+log = logging.getLogger(__name__)
+
+NODE = web.AppKey("node", Node)
+TOKEN = web.AppKey("token", bytes)  # absent: no TCP listener, nothing to check
+LISTING = web.AppKey("listing", Listing)
+
+# Most specific first: the first class an error is an instance of decides.
+STATUS: tuple[tuple[type[BaseException], int], ...] = (
+    (errors.InvalidReferenceError, 400),
+    (errors.ConfigError, 400),
+    (errors.NotAllowedError, 403),
+    (errors.NotCachedError, 404),
+    (errors.InUseError, 409),
+    (errors.InsufficientSpaceError, 507),
+    (errors.SourceError, 502),
+    (errors.IntegrityError, 502),
+    (errors.HostileKeyError, 502),
+    (errors.SafetensorsHeaderError, 502),
+)
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,127}$")
+HEARTBEAT_S = 10.0  # a streaming ensure sends a line at least this often (clients time out on silence)
+_PROBES = frozenset({"/healthz", "/readyz"})
+
+
+class ErrorBody(TypedDict):
+    error: str
+    message: str
+
+
+class SnapshotBody(TypedDict):
+    id: str
+    path: str
+    uri: str
+    revision: str | None
+    size: int
+    files: int
+
+
+class InfoBody(SnapshotBody):
+    refs: list[str]
+    last_used: float
+    pinned: bool
+    leases: list[str]
+    unique_bytes: int
+
+
+class ProgressBody(TypedDict):
+    uri: str
+    phase: str
+    bytes_done: int
+    bytes_total: int
+    files_done: int
+    files_total: int
+    rate: float
+    eta: float | None
+    message: str  # the engine's note (a failure's reason)
+    text: str  # one line for people: "fetching s3://...: 37% (12.3 of 33.0 GB), ETA 40s"
+
+
+@dataclass(frozen=True)
+class EnsureRequest:
+    ref: ModelRef
+    tier: str
+    pin: bool
+    namespace: str | None
+
+
+def status_of(exc: BaseException) -> int:
+    return next((status for cls, status in STATUS if isinstance(exc, cls)), 500)
+
+
+def error_body(exc: BaseException) -> ErrorBody:
+    if status_of(exc) == 500 and not isinstance(exc, errors.WeightcacheError):
+        return {"error": "internal", "message": "internal error; the daemon log has the details"}
+    return {"error": error_code(type(exc)), "message": str(exc)}
+
+
+def snapshot_body(s: Snapshot) -> SnapshotBody:
+    return {"id": s.id, "path": str(s.path), "uri": s.uri, "revision": s.revision, "size": s.size,
+            "files": len(s.files)}
+
+
+def info_body(i: SnapshotInfo) -> InfoBody:
+    return {**snapshot_body(i.snapshot), "refs": list(i.refs), "last_used": i.last_used,
+            "pinned": i.pinned, "leases": list(i.leases), "unique_bytes": i.unique_bytes}
+
+
+def progress_body(p: Progress) -> ProgressBody:
+    return {"uri": p.uri, "phase": p.phase, "bytes_done": p.bytes_done, "bytes_total": p.bytes_total,
+            "files_done": p.files_done, "files_total": p.files_total, "rate": p.rate, "eta": p.eta,
+            "message": p.message, "text": p.describe()}
+
+
+def parse_ensure(body: Any) -> EnsureRequest:
+    """Validate an ensure body; raises InvalidReferenceError naming the field."""
+    if not isinstance(body, dict) or not isinstance(body.get("uri"), str):
+        raise errors.InvalidReferenceError('body must be JSON like {"uri": "s3://models/llama-3-8b/"}')
+    unknown = set(body) - {"uri", "revision", "include", "exclude", "tier", "pin", "namespace"}
+    if unknown:
+        raise errors.InvalidReferenceError(f"unknown fields {sorted(unknown)}; known: uri, revision, include, "
+                                           "exclude, tier, pin, namespace")
+    globs = [body.get("include") or [], body.get("exclude") or []]
+    if not all(isinstance(g, list) and all(isinstance(x, str) for x in g) for g in globs):
+        raise errors.InvalidReferenceError('include and exclude are lists of globs, like ["*.safetensors"]')
+    ref = parse_ref(body["uri"], revision=_opt_str(body, "revision"), include=globs[0], exclude=globs[1])
+    tier = body.get("tier") or "disk"
+    if tier not in ("disk", "memory"):
+        raise errors.InvalidReferenceError(f"tier must be disk or memory, not {tier!r}")
+    if not isinstance(body.get("pin", False), bool):
+        raise errors.InvalidReferenceError("pin must be true or false")
+    return EnsureRequest(ref, tier, body.get("pin", False), _opt_str(body, "namespace"))
+
+
+def _opt_str(body: dict[str, Any], key: str) -> str | None:
+    value = body.get(key)
+    if value is not None and not isinstance(value, str):
+        raise errors.InvalidReferenceError(f"{key} must be a string")
+    return value or None
+
+
+def _snapshot_id(request: web.Request) -> str:
+    sid = request.match_info["id"]
+    if not _ID.match(sid):
+        raise errors.InvalidReferenceError(f"{sid!r} is not a snapshot id; list them with GET /v1/models")
+    return sid
+
+
+async def _json(request: web.Request) -> Any:
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise errors.InvalidReferenceError(f"request body is not JSON: {exc}") from None
+
+
+def _error(exc: BaseException) -> web.Response:
+    return web.json_response(error_body(exc), status=status_of(exc))
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return web.json_response({"error": exc.reason.lower().replace(" ", "_"),
+                                  "message": f"{request.method} {request.path}: {exc.reason}"}, status=exc.status)
+    except errors.WeightcacheError as exc:
+        if status_of(exc) == 500:
+            log.error("%s %s failed: %s", request.method, request.path, exc)
+        return _error(exc)
+    except Exception as exc:
+        log.exception("%s %s failed", request.method, request.path)
+        return _error(exc)
+
+
+@web.middleware
+async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Requests that came over TCP need the bearer token; the Unix socket is guarded by its file mode."""
+    sockname = request.transport.get_extra_info("sockname") if request.transport else None
+    if isinstance(sockname, tuple) and request.path not in _PROBES:
+        given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip().encode()
+        token = request.app.get(TOKEN)
+        if token is None or not hmac.compare_digest(given, token):
+            return web.json_response({"error": "unauthorized", "message": "send Authorization: Bearer <token> "
+                                      "with the token from the daemon's tcp.tokenFile"}, status=401,
+                                     headers={"WWW-Authenticate": "Bearer"})
+    return await handler(request)
+
+
+async def ensure(request: web.Request) -> web.StreamResponse:
+    node = request.app[NODE]
+    req = parse_ensure(await _json(request))
+    node.check_allowed(req.ref, req.namespace)
+    node.check_tier(req.tier)
+    if request.query.get("wait") in ("1", "true"):
+        return await _ensure_stream(request, node, req)
+    cached = await asyncio.to_thread(node.fetcher.lookup, req.ref)
+    if cached is not None:
+        await node.settle(cached, tier=req.tier, pin=req.pin)
+        return web.json_response({"snapshot": snapshot_body(cached)})
+    _start(node, req)
+    progress = await asyncio.to_thread(node.fetcher.progress, req.ref)
+    return web.json_response({"fetching": str(req.ref), "progress": progress and progress_body(progress)},
+                             status=202)
+
+
+def _start(node: Node, req: EnsureRequest, on_progress: Callable[[Progress], None] | None = None
+           ) -> asyncio.Task[Snapshot]:
+    """The fetch runs as its own task: a client that hangs up does not cancel it (the next ensure joins it)."""
+    async def run() -> Snapshot:
+        snapshot = await node.ensure(req.ref, progress=on_progress)
+        await node.settle(snapshot, tier=req.tier, pin=req.pin)
+        return snapshot
+    return node.tasks.spawn(f"ensure {req.ref}", run())
+
+
+async def _ensure_stream(request: web.Request, node: Node, req: EnsureRequest) -> web.StreamResponse:
+    loop = asyncio.get_running_loop()
+    updates: asyncio.Queue[Progress] = asyncio.Queue()
+
+    def on_progress(p: Progress) -> None:  # called on the fetch's thread
+        loop.call_soon_threadsafe(updates.put_nowait, p)
+
+    task = _start(node, req, on_progress)
+    response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await response.prepare(request)
+    try:
+        await _follow(response, req, task, updates)
+    except ConnectionResetError:  # the client hung up; the fetch goes on (its task is not ours to cancel)
+        log.info("client stopped following %s", req.ref)
+    return response
+
+
+async def _follow(response: web.StreamResponse, req: EnsureRequest, task: asyncio.Task[Snapshot],
+                  updates: asyncio.Queue[Progress]) -> None:
+    latest = Progress(req.ref.uri, "queued", 0, 0, 0, 0, 0.0, None)
+    while not task.done():
+        getter = asyncio.ensure_future(updates.get())
+        await asyncio.wait({getter, task}, timeout=HEARTBEAT_S, return_when=asyncio.FIRST_COMPLETED)
+        if not getter.done():
+            getter.cancel()
+            if task.done():
+                break
+        else:
+            latest = getter.result()
+        while not updates.empty():  # coalesce: a slow reader gets the newest state, not a backlog
+            latest = updates.get_nowait()
+        await _line(response, {"progress": progress_body(latest)})  # also the heartbeat while nothing moves
+    if task.cancelled():  # the daemon is stopping
+        await _line(response, {"error": "unavailable", "message": "the daemon stopped before the fetch finished; "
+                               "run the command again: the download resumes where it stopped"})
+    elif task.exception() is not None:
+        await _line(response, dict(error_body(task.exception())))  # type: ignore[arg-type]
+    else:
+        await _line(response, {"snapshot": snapshot_body(task.result())})
+    await response.write_eof()
+
+
+async def _line(response: web.StreamResponse, value: Any) -> None:
+    await response.write(json.dumps(value).encode() + b"\n")
+
+
+async def list_models(request: web.Request) -> web.Response:
+    body = await asyncio.to_thread(request.app[LISTING].get)
+    return web.Response(body=body, content_type="application/json")
+
+
+def _render(infos: list[SnapshotInfo]) -> bytes:
+    return json.dumps([info_body(i) for i in infos]).encode()
+
+
+async def get_model(request: web.Request) -> web.Response:
+    info = await asyncio.to_thread(_info, request.app[NODE], _snapshot_id(request))
+    return web.json_response(info_body(info))
+
+
+def _info(node: Node, snapshot_id: str) -> SnapshotInfo:
+    node.store.get(snapshot_id)  # raises NotCachedError with the store's message
+    found = next((i for i in node.store.list() if i.snapshot.id == snapshot_id), None)
+    if found is None:  # evicted between the two calls
+        raise errors.NotCachedError(f"snapshot {snapshot_id} is not cached; list them with GET /v1/models")
+    return found
+
+
+async def delete_model(request: web.Request) -> web.Response:
+    node, sid = request.app[NODE], _snapshot_id(request)
+    try:
+        await asyncio.to_thread(_evict, node, sid)
+    except errors.InUseError as exc:
+        holders = sorted(h for h, s in (await asyncio.to_thread(node.store.leases)).items() if s == sid)
+        return web.json_response({**error_body(exc), "holders": holders}, status=409)
+    node.metrics.evictions.labels("api").inc()
+    return web.json_response({"evicted": sid})
+
+
+def _evict(node: Node, snapshot_id: str) -> None:
+    if node.tier is not None and node.tier.path_for(snapshot_id) is not None:
+        if snapshot_id in node.store.leases().values():
+            node.store.evict(snapshot_id)  # raises InUseError naming the holders before anything is demoted
+        node.tier.demote(snapshot_id)
+    node.store.evict(snapshot_id)
+
+
+async def list_leases(request: web.Request) -> web.Response:
+    return web.json_response(await asyncio.to_thread(request.app[NODE].store.leases))
+
+
+async def take_lease(request: web.Request) -> web.Response:
+    node, body = request.app[NODE], await _json(request)
+    holder = body.get("holder") if isinstance(body, dict) else None
+    if not isinstance(holder, str) or not _ID.match(holder):
+        raise errors.InvalidReferenceError('holder must be an id of letters, digits, ".", "_" or "-", '
+                                           'as in {"holder": "pod-1234", "uri": "s3://models/llama/"}')
+    snapshot: Snapshot | None
+    if isinstance(body.get("snapshot"), str):
+        snapshot = await asyncio.to_thread(node.store.get, body["snapshot"])
+    else:
+        req = parse_ensure({k: v for k, v in body.items() if k in ("uri", "revision", "include", "exclude")})
+        snapshot = await asyncio.to_thread(node.store.lookup, req.ref)
+        if snapshot is None:
+            raise errors.NotCachedError(f"{req.ref} is not cached on this node; ensure it first "
+                                        f"(weightcache prefetch {req.ref})")
+    await asyncio.to_thread(node.store.lease, holder, snapshot.id)
+    return web.json_response({"holder": holder, "snapshot": snapshot.id, "path": str(snapshot.path)})
+
+
+async def release_lease(request: web.Request) -> web.Response:
+    holder = request.match_info["holder"]
+    await asyncio.to_thread(request.app[NODE].store.release, holder)
+    return web.json_response({"released": holder})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"ok": True})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    checks = request.app[NODE].ready()
+    ready = all(checks.values())
+    return web.json_response({"ready": ready, "checks": checks}, status=200 if ready else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = await asyncio.to_thread(request.app[NODE].metrics.exposition)
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+async def _close_listing(app: web.Application) -> None:
+    app[LISTING].close()
+
+
+def make_app(node: Node, *, token: bytes | None = None) -> web.Application:
+    app = web.Application(middlewares=[_errors, _auth], client_max_size=1 << 20)
+    app[NODE] = node
+    app[LISTING] = Listing(node.store, _render)
+    app.on_cleanup.append(_close_listing)
+    if token is not None:
+        app[TOKEN] = token
+    app.router.add_put("/v1/models", ensure)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{id}", get_model)
+    app.router.add_delete("/v1/models/{id}", delete_model)
+    app.router.add_get("/v1/leases", list_leases)
+    app.router.add_post("/v1/leases", take_lease)
+    app.router.add_delete("/v1/leases/{holder}", release_lease)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    return app

@@ -1,0 +1,279 @@
+"""The daemon process: one event loop hosting the store, fetch engine, API, CSI server, reconcile and config watch.
+
+Start order: store (startup recovery) -> memory tier -> cluster bridge (cluster mode) -> API sockets -> CSI ->
+background tasks. SIGTERM/SIGINT stop in reverse: stop accepting (listeners closed, socket files removed),
+park downloads (Fetcher.close leaves partial files and journals for the next start to resume), cancel the
+tasks, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import stat
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from weightcache.daemon.api import make_app
+from weightcache.daemon.config import Settings, apply_live
+from weightcache.daemon.configwatch import ConfigWatcher
+from weightcache.daemon.metrics import Metrics
+from weightcache.daemon.node import MeteredFetcher, Node
+from weightcache.daemon.reconcile import Reconciler
+from weightcache.daemon.tasks import Tasks
+from weightcache.errors import ConfigError, MemoryTierError, StoreError
+from weightcache.store import Store
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE_S = 5.0  # how long a request in progress (a streaming ensure) may take to finish on SIGTERM
+
+
+class Daemon:
+    """`await start()`, then `await stop()`; `serve()` runs both around a stop event."""
+
+    def __init__(self, settings: Settings, *, env: Mapping[str, str] | None = None,
+                 flags: Mapping[str, Any] | None = None) -> None:
+        self.settings = settings
+        self._env, self._flags = env, flags
+        self.node: Node | None = None
+        self.reconciler: Reconciler | None = None
+        self._runner: web.AppRunner | None = None
+        self._watcher: ConfigWatcher | None = None
+        self._csi: Any = None
+        self._loops = Tasks()  # eternal loops; node.tasks holds the fetches requests started
+        self._bound: Path | None = None  # the socket file we created (never remove another daemon's)
+        self.tcp_port: int | None = None
+
+    async def start(self) -> None:
+        """Start everything; on failure, stop what had started and raise."""
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> None:
+        s = self.settings
+        store = await asyncio.to_thread(Store, s.root, budget_bytes=s.disk_budget)
+        metrics = Metrics()
+        node = self.node = Node(s, store, metrics, MeteredFetcher(store, s, metrics), tier=_memory_tier(s))
+        node.store_ready = True
+        metrics.watch(node.sample)
+        node.cluster = await _cluster(node)
+        self.reconciler = Reconciler(node)
+        loop = asyncio.get_running_loop()
+        reconciler = self.reconciler
+
+        def kick() -> None:  # from any thread (the ModelCache watch runs in its own)
+            loop.call_soon_threadsafe(reconciler.kick)
+        node.kick = kick
+        await self._serve_api(node)
+        self._csi = await _serve_csi(node)
+        self._loops.spawn("reconcile", self.reconciler.run())
+        if s.config_path is not None:
+            self._watcher = ConfigWatcher(s.config_path, self.apply, env=self._env, flags=self._flags,
+                                          on_rejected=lambda _: metrics.reloads.labels("rejected").inc())
+            await self._watcher.start()
+            self._loops.spawn("config-watch", self._watcher.run())
+        log.info("weightcache daemon serving on %s (root %s, %s)", s.socket, s.root,
+                 "cluster mode" if node.cluster is not None else "no cluster")
+
+    async def _serve_api(self, node: Node) -> None:
+        s = self.settings
+        token = _read_token(s.tcp.token_file) if s.tcp is not None else None
+        self._runner = web.AppRunner(make_app(node, token=token), shutdown_timeout=SHUTDOWN_GRACE_S,
+                                     access_log=None, handle_signals=False)
+        await self._runner.setup()
+        await web.SockSite(self._runner, _bind_unix(s.socket)).start()
+        self._bound = s.socket
+        if s.tcp is not None:
+            site = web.TCPSite(self._runner, s.tcp.host, s.tcp.port)
+            await site.start()
+            self.tcp_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            log.info("API also on tcp %s:%d (bearer token required)", s.tcp.host, self.tcp_port)
+
+    async def apply(self, new: Settings) -> None:
+        """Live reload: apply what can change now; log what waits for a restart."""
+        node = self.node
+        assert node is not None
+        merged, pending = apply_live(self.settings, new)
+        if pending:
+            log.warning("config fields %s changed; they take effect at the next restart", ", ".join(sorted(pending)))
+        old, self.settings, node.settings = self.settings, merged, merged
+        logging.getLogger().setLevel(merged.log_level)
+        if merged.disk_budget != old.disk_budget:
+            node.store.budget_bytes = merged.disk_budget
+            if merged.disk_budget is not None:
+                evicted = await asyncio.to_thread(node.store.evict_to, merged.disk_budget)
+                node.metrics.evictions.labels("budget").inc(len(evicted))
+        if merged.memory_budget != old.memory_budget:
+            await asyncio.to_thread(self._resize_tier, merged.memory_budget)
+        node.metrics.reloads.labels("applied").inc()
+        node.kick()
+
+    def _resize_tier(self, budget: int) -> None:
+        node = self.node
+        assert node is not None
+        if node.tier is None:
+            node.tier = _memory_tier(self.settings)
+        elif budget <= 0:  # tier off: unlock everything
+            node.tier.close()
+            node.tier = None
+        else:
+            node.tier.budget_bytes = budget
+
+    async def stop(self) -> None:
+        node = self.node
+        if self._runner is not None:
+            for site in list(self._runner.sites):  # stop accepting first
+                await site.stop()
+        if self._bound is not None:
+            _unlink_socket(self._bound)
+        if self._csi is not None:
+            await self._csi.stop(SHUTDOWN_GRACE_S)
+            _unlink_socket(Path(self.settings.csi_endpoint.removeprefix("unix://")))  # type: ignore[union-attr]
+        if self._watcher is not None:
+            self._watcher.stop()
+        await self._loops.stop()
+        if node is not None:
+            node.fetcher.close()  # parks downloads at their next chunk: partials and journals stay
+            await node.tasks.stop(grace=SHUTDOWN_GRACE_S)  # their streams get a final line saying so
+            if node.cluster is not None:
+                await asyncio.to_thread(node.cluster.stop)
+            if node.tier is not None:
+                await asyncio.to_thread(node.tier.close)
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if node is not None:
+            node.store.close()
+        log.info("weightcache daemon stopped")
+
+    async def serve(self, stop: asyncio.Event) -> None:
+        await self.start()
+        try:
+            await stop.wait()
+        finally:
+            await self.stop()
+
+
+def run(settings: Settings, *, env: Mapping[str, str] | None = None, flags: Mapping[str, Any] | None = None) -> int:
+    """The `weightcache daemon` process: returns the exit code."""
+    setup_logging(settings.log_format, settings.log_level)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await Daemon(settings, env=env, flags=flags).serve(stop)
+
+    try:
+        asyncio.run(main())
+    except (ConfigError, StoreError) as exc:
+        log.error("%s", exc)
+        return 2
+    return 0
+
+
+def _bind_unix(path: Path) -> socket.socket:
+    """A listening Unix socket with mode 0660 from the start (bound under a umask, not chmod-ed later)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() or path.is_symlink():
+        if not stat.S_ISSOCK(path.lstat().st_mode):
+            raise ConfigError(f"{path} exists and is not a socket; remove it or choose another socket path")
+        if _alive(path):
+            raise ConfigError(f"another daemon is serving on {path}; stop it or choose another --socket")
+        path.unlink()  # stale, left by a crash
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o117)
+    try:
+        sock.bind(str(path))
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o660)
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
+def _alive(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+    return True
+
+
+def _unlink_socket(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+
+
+def _read_token(path: Path) -> bytes:
+    try:
+        token = path.read_bytes().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read tcp.tokenFile {path}: {exc.strerror}") from exc
+    if len(token) < 16:
+        raise ConfigError(f"tcp.tokenFile {path} holds fewer than 16 characters; write a long random token "
+                          "(for example: openssl rand -hex 32)")
+    return token
+
+
+def _memory_tier(settings: Settings) -> Any:
+    if settings.memory_budget <= 0:
+        return None
+    from weightcache.memory import MemoryTier
+    tier = MemoryTier(settings.memory_budget)
+    try:
+        tier.check_limits()
+    except MemoryTierError as exc:  # serve from disk meanwhile: each promote fails with its own reason
+        log.error("%s", exc)
+    return tier
+
+
+async def _cluster(node: Node) -> Any:
+    from weightcache.daemon.cluster import connect
+    return await connect(node)
+
+
+async def _serve_csi(node: Node) -> Any:
+    s = node.settings
+    if s.csi_endpoint is None:
+        return None
+    from weightcache.daemon.cluster import serve_csi
+    return await serve_csi(node)
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message (+ exc)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = {"time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+                + f".{int(record.msecs):03d}Z", "level": record.levelname, "logger": record.name,
+                "message": record.getMessage()}
+        if record.exc_info:
+            line["exc"] = self.formatException(record.exc_info)
+        return json.dumps(line)
+
+
+def setup_logging(fmt: str, level: str) -> None:
+    """Only the process entry point configures handlers (library modules never do)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else
+                         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)

@@ -1,0 +1,187 @@
+"""Synchronous client of the daemon's API over its Unix socket (stdlib only), for the CLI.
+
+Going through the daemon when it runs means joining its single flight and its metrics. Error answers
+(`{"error": code, "message": ...}`) are raised again as the same exception classes the store raises, so the
+CLI handles one set of errors whichever way it went.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+from weightcache import errors
+from weightcache.daemon.config import DEFAULT_SOCKET
+
+TIMEOUT_S = 30.0  # per socket operation; a streaming ensure may last hours, but sends a line at least this often
+
+
+def default_socket() -> Path:
+    """WEIGHTCACHE_SOCKET, else /run/weightcache/weightcache.sock."""
+    return Path(os.environ.get("WEIGHTCACHE_SOCKET") or DEFAULT_SOCKET)
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: Path, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(str(self._path))
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+class DaemonError(errors.WeightcacheError):
+    """The daemon answered an error this client has no class for (or is not answering as a daemon should)."""
+
+    def __init__(self, message: str, *, code: str = "internal", status: int = 500) -> None:
+        super().__init__(message)
+        self.code = code
+        self.status = status
+
+
+def error_code(cls: type[BaseException]) -> str:
+    """`NotCachedError` -> `not_cached`: the wire code of an exception class (the API sends it, we map back)."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", cls.__name__.removesuffix("Error") or "Error").lower()
+
+
+def _classes() -> dict[str, type[errors.WeightcacheError]]:
+    return {error_code(v): v for v in vars(errors).values()
+            if isinstance(v, type) and issubclass(v, errors.WeightcacheError)}
+
+
+def raise_for(status: int, body: Any) -> None:
+    """Raise the exception an error answer stands for."""
+    code = body.get("error", "internal") if isinstance(body, dict) else "internal"
+    message = body.get("message", "") if isinstance(body, dict) else str(body)[:500]
+    cls = _classes().get(code)
+    try:
+        exc = cls(message) if cls is not None else None
+    except TypeError:  # a class whose constructor wants more than a message
+        exc = None
+    raise exc or DaemonError(message or f"daemon answered HTTP {status}", code=code, status=status)
+
+
+class DaemonClient:
+    """`DaemonClient(default_socket()).list()`; each call opens one connection (the daemon is local)."""
+
+    def __init__(self, socket_path: str | Path | None = None, *, timeout: float = TIMEOUT_S) -> None:
+        self.socket_path = Path(socket_path) if socket_path else default_socket()
+        self.timeout = timeout
+
+    def available(self) -> bool:
+        """True when a daemon answers on the socket (a stale socket file is not a daemon)."""
+        try:
+            self._call("GET", "/healthz")
+        except (OSError, errors.WeightcacheError):
+            return False
+        return True
+
+    def ensure(
+        self,
+        uri: str,
+        *,
+        revision: str | None = None,
+        include: tuple[str, ...] | list[str] = (),
+        exclude: tuple[str, ...] | list[str] = (),
+        tier: str = "disk",
+        pin: bool = False,
+        on_progress: Callable[[dict[str, Any]], None] | None = None,
+    ) -> dict[str, Any]:
+        """Ensure a model and wait for it; `on_progress` hears each progress line. Returns the snapshot dict."""
+        body = {"uri": uri, "revision": revision, "include": list(include), "exclude": list(exclude),
+                "tier": tier, "pin": pin}
+        conn = self._connect()
+        try:
+            conn.request("PUT", "/v1/models?wait=1", json.dumps(body), {"Content-Type": "application/json"})
+            response = conn.getresponse()
+            if response.status != 200:
+                raise_for(response.status, _decode(response.read()))
+            return _follow(response, on_progress)
+        finally:
+            conn.close()
+
+    def list(self) -> list[dict[str, Any]]:
+        return self._call("GET", "/v1/models")  # type: ignore[no-any-return]
+
+    def get(self, snapshot_id: str) -> dict[str, Any]:
+        return self._call("GET", f"/v1/models/{quote(snapshot_id, safe='')}")  # type: ignore[no-any-return]
+
+    def delete(self, snapshot_id: str) -> dict[str, Any]:
+        return self._call("DELETE", f"/v1/models/{quote(snapshot_id, safe='')}")  # type: ignore[no-any-return]
+
+    def leases(self) -> dict[str, str]:
+        return self._call("GET", "/v1/leases")  # type: ignore[no-any-return]
+
+    def lease(self, holder: str, *, uri: str | None = None, snapshot: str | None = None) -> dict[str, Any]:
+        return self._call("POST", "/v1/leases", {"holder": holder, "uri": uri, "snapshot": snapshot})  # type: ignore[no-any-return]
+
+    def release(self, holder: str) -> None:
+        self._call("DELETE", f"/v1/leases/{quote(holder, safe='')}")
+
+    def ready(self) -> dict[str, Any]:
+        """The /readyz answer ({"ready": bool, "checks": {...}}), whatever its status."""
+        return self._call("GET", "/readyz", ok=(200, 503))  # type: ignore[no-any-return]
+
+    def metrics(self) -> str:
+        return self._call("GET", "/metrics", raw=True)  # type: ignore[no-any-return]
+
+    def _connect(self) -> _UnixConnection:
+        return _UnixConnection(self.socket_path, self.timeout)
+
+    def _call(self, method: str, path: str, body: Any = None, *, ok: tuple[int, ...] = (200, 201, 202),
+              raw: bool = False) -> Any:
+        conn = self._connect()
+        try:
+            data = None if body is None else json.dumps(body)
+            conn.request(method, path, data, {"Content-Type": "application/json"} if data else {})
+            response = conn.getresponse()
+            payload = response.read()
+        finally:
+            conn.close()
+        if raw and response.status in ok:
+            return payload.decode()
+        decoded = _decode(payload)
+        if response.status not in ok:
+            raise_for(response.status, decoded)
+        return decoded
+
+
+def _decode(payload: bytes) -> Any:
+    try:
+        return json.loads(payload)
+    except ValueError:
+        return payload.decode(errors="replace")
+
+
+def _follow(response: http.client.HTTPResponse, on_progress: Callable[[dict[str, Any]], None] | None
+            ) -> dict[str, Any]:
+    """Read NDJSON lines until the final snapshot or error line."""
+    while True:
+        line = response.readline()
+        if not line:
+            raise DaemonError("the daemon closed the progress stream before the result (did it stop?); "
+                              "run the command again: the fetch resumes", code="unavailable", status=503)
+        if not line.strip():
+            continue
+        item = json.loads(line)
+        if "progress" in item:
+            if on_progress is not None:
+                on_progress(item["progress"])
+        elif "snapshot" in item:
+            return dict(item["snapshot"])
+        elif "error" in item:
+            raise_for(500, item)

@@ -1,0 +1,143 @@
+"""The daemon's bridge to Kubernetes (weightcache.kube) and to the CSI server (weightcache.csi).
+
+Cluster mode is on when `weightcache.kube.client.load_api_client()` finds a config. The bridge turns the
+watcher's ModelCaches and the node's labels into reconcile `Want`s, and the reconcile loop's results into
+ModelCacheNode status, node labels and Events. Every method blocks (the kubernetes client is synchronous):
+call them from a thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from weightcache.daemon.node import Node
+from weightcache.daemon.reconcile import Want
+from weightcache.errors import WeightcacheError
+from weightcache.policy import Decision, decide
+
+log = logging.getLogger(__name__)
+
+
+class Cluster:
+    def __init__(self, api_client: Any, node_name: str, on_change: Callable[[], None]) -> None:
+        from weightcache.kube.report import NodeReporter
+        from weightcache.kube.watch import ModelCacheWatcher
+
+        self.node_name = node_name
+        self.watcher = ModelCacheWatcher(api_client, on_change=lambda _items: on_change())
+        self.reporter = NodeReporter(api_client, node_name)
+        self._labels: dict[str, str] = {}
+        self._invalid: dict[str, str] = {}  # ModelCache name -> error already reported as an Event
+
+    def start(self) -> None:
+        self.watcher.start()
+
+    def stop(self) -> None:
+        self.watcher.stop()
+        try:
+            self.reporter.close()
+        except WeightcacheError as exc:
+            log.warning("final status write failed: %s", exc)
+
+    def synced(self) -> bool:
+        return self.watcher.wait_synced(0)
+
+    def model_caches(self) -> list[dict[str, Any]]:
+        return self.watcher.items()
+
+    def node_labels(self) -> dict[str, str]:
+        """The labels read by the last `desired()` call (one Node read per reconcile pass)."""
+        return dict(self._labels)
+
+    def desired(self) -> list[Want]:
+        from weightcache.kube.desired import plan
+
+        self._labels = self.reporter.node_labels()
+        caches = {str((mc.get("metadata") or {}).get("name")): mc for mc in self.model_caches()}
+        wanted, invalid = plan(caches.values(), self._labels)
+        for bad in invalid:
+            if self._invalid.get(bad.name) != bad.error:
+                self._invalid[bad.name] = bad.error
+                self.reporter.event(caches[bad.name], "InvalidSpec", bad.error)
+        return [Want(d.name, d.ref, d.tier, True, d.priority, caches[d.name]) for d in wanted]
+
+    def report_many(self, states: Sequence[tuple[Want, str, Any, str]]) -> None:
+        """(want, phase, snapshot or None, message) for each ModelCache whose state changed; one write when the
+        reporter can batch (NodeReporter.report_many), else one per state."""
+        from weightcache.kube.report import ModelState
+
+        batch: dict[str, ModelState | None] = {}
+        for want, phase, snapshot, message in states:
+            size = snapshot.size if snapshot is not None else 0
+            batch[want.name] = ModelState(phase, bytes_done=size, bytes_total=size,  # type: ignore[arg-type]
+                                          snapshot=snapshot.id if snapshot is not None else "",
+                                          message=message, observed_generation=_generation(want))
+        try:
+            if hasattr(self.reporter, "report_many"):
+                self.reporter.report_many(batch)
+            else:
+                for name, state in batch.items():
+                    self.reporter.report(name, state)  # type: ignore[arg-type]
+        except WeightcacheError as exc:
+            log.warning("reporting the state of %d ModelCaches failed: %s", len(batch), exc)
+        for want, phase, _, message in states:
+            if phase == "Failed" and want.model_cache is not None:
+                self.reporter.event(dict(want.model_cache), "FetchFailed", f"node {self.node_name}: {message}")
+
+    def progress(self, want: Want, done: int, total: int) -> None:
+        """Bytes of a fetch in progress (the reporter coalesces these into a write every few seconds)."""
+        from weightcache.kube.report import ModelState
+
+        try:
+            self.reporter.report(want.name, ModelState("Fetching", bytes_done=done, bytes_total=total,
+                                                       observed_generation=_generation(want)))
+        except WeightcacheError as exc:
+            log.debug("progress of %s not reported: %s", want.name, exc)
+
+    def set_labels(self, changes: Mapping[str, str | None]) -> None:
+        if changes:
+            self.reporter.set_labels(dict(changes))
+            self._labels.update({k: v for k, v in changes.items() if v is not None})
+            for key in [k for k, v in changes.items() if v is None]:
+                self._labels.pop(key, None)
+
+    def forget(self, name: str) -> None:
+        self.reporter.forget(name)
+
+
+def _generation(want: Want) -> int | None:
+    generation = ((want.model_cache or {}).get("metadata") or {}).get("generation")
+    return generation if isinstance(generation, int) else None
+
+
+async def connect(node: Node) -> Cluster | None:
+    """The cluster bridge, started, or None off-cluster (no Kubernetes config found)."""
+    import asyncio
+
+    from weightcache.kube.client import load_api_client
+
+    api_client = await asyncio.to_thread(load_api_client)
+    if api_client is None:
+        return None
+    name = node.settings.node_name or socket.gethostname()
+    if not node.settings.node_name:
+        log.warning("NODE_NAME is not set; using the host name %s as the node name", name)
+    cluster = Cluster(api_client, name, lambda: node.kick())
+    cluster.start()
+    return cluster
+
+
+async def serve_csi(node: Node) -> Any:
+    """Start the CSI plugin on the daemon's loop, sharing its store, metered fetcher and policy."""
+    from weightcache.csi.server import serve_csi as serve
+
+    def policy(uri: str, namespace: str) -> Decision:
+        return decide(uri, namespace, node.model_caches(), allow_undeclared=node.allow_undeclared())
+
+    s = node.settings
+    node_id = s.node_name or socket.gethostname()
+    return await serve(s.csi_endpoint or "", store=node.store, fetcher=node.fetcher,  # type: ignore[arg-type]
+                       node_id=node_id, policy=policy, kubelet_dir=s.kubelet_dir, tier=node.tier)

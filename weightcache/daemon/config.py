@@ -1,0 +1,343 @@
+"""Daemon settings: one YAML file (camelCase, like Kubernetes), overridden by environment, overridden by flags.
+
+    file  ─┐
+    env   ─┼─▶ one merged camelCase dict ─▶ parse + validate everything ─▶ Settings (frozen)
+    flags ─┘
+
+Parsing is all-or-nothing, so a live reload either yields a whole valid Settings or a ConfigError that names
+the field and says what to write instead; the running settings are never half-replaced.
+Every field is documented in docs/config.md.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from weightcache.errors import ConfigError, InvalidReferenceError
+from weightcache.uri import ModelRef, parse_ref
+
+DEFAULT_SOCKET = Path("/run/weightcache/weightcache.sock")
+DEFAULT_ROOT = Path("/var/lib/weightcache")
+
+# Environment variable -> config key. Flags use the same keys (see command.py).
+ENV = {
+    "WEIGHTCACHE_ROOT": "root",
+    "WEIGHTCACHE_DISK_BUDGET": "diskBudget",
+    "WEIGHTCACHE_MEMORY_BUDGET": "memoryBudget",
+    "WEIGHTCACHE_CONCURRENCY": "concurrency",
+    "WEIGHTCACHE_CHUNK_SIZE": "chunkSize",
+    "WEIGHTCACHE_PARALLEL_MODELS": "parallelModels",
+    "WEIGHTCACHE_ALLOW_UNDECLARED_MODELS": "allowUndeclaredModels",
+    "WEIGHTCACHE_SOCKET": "socket",
+    "WEIGHTCACHE_LOG_FORMAT": "logFormat",
+    "WEIGHTCACHE_LOG_LEVEL": "logLevel",
+    "CSI_ENDPOINT": "csiEndpoint",
+    "WEIGHTCACHE_KUBELET_DIR": "kubeletDir",
+    "NODE_NAME": "nodeName",
+}
+
+# Fields a running daemon can change without a restart (the rest are logged and kept until the next start).
+LIVE_FIELDS = frozenset({"disk_budget", "memory_budget", "models", "allow_undeclared_models",
+                         "log_level", "resync_seconds"})
+
+_QUANTITY = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGTPE]i?|k)?\s*$")
+_UNITS = {"": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+          "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model the daemon keeps warm (config `models:` entry)."""
+
+    ref: ModelRef
+    tier: str = "disk"  # "disk" or "memory"
+    pin: bool = True  # pinned models are never evicted for space
+
+    @property
+    def name(self) -> str:
+        """Stable name for reconcile bookkeeping: config models are named by their key."""
+        return "config/" + self.ref.key
+
+
+@dataclass(frozen=True)
+class TcpSettings:
+    """Optional TCP listener; it exists only together with a bearer token file."""
+
+    port: int
+    token_file: Path
+    host: str = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the daemon reads from its configuration. Field docs live in docs/config.md."""
+
+    root: Path = DEFAULT_ROOT
+    disk_budget: int | None = None  # bytes; None = no budget beyond the disk itself
+    memory_budget: int = 0  # bytes of locked RAM for tier=memory models; 0 = memory tier off
+    concurrency: int = 8  # parallel ranged GETs per fetch
+    chunk_size: int = 16 << 20  # bytes per ranged GET
+    parallel_models: int = 2  # models fetched at once by the reconcile loop
+    endpoints: tuple[tuple[str, str], ...] = ()  # ("s3" or "s3://bucket", endpoint url), most specific wins
+    models: tuple[ModelSpec, ...] = ()
+    allow_undeclared_models: bool | None = None  # None = auto: true off-cluster, false in-cluster
+    socket: Path = DEFAULT_SOCKET
+    tcp: TcpSettings | None = None
+    csi_endpoint: str | None = None
+    kubelet_dir: Path = Path("/var/lib/kubelet")  # where kubelet publishes volumes (k3s, microk8s differ)
+    node_name: str | None = None
+    log_format: str = "text"
+    log_level: str = "INFO"
+    resync_seconds: float = 60.0  # periodic reconcile even without a change event
+    config_path: Path | None = field(default=None, compare=False)
+
+    def endpoint_for(self, ref: ModelRef) -> str | None:
+        """The endpoint override for a reference: `scheme://bucket` beats `scheme`; None = the SDK's default."""
+        table = dict(self.endpoints)
+        return table.get(f"{ref.scheme}://{ref.bucket}") or table.get(ref.scheme)
+
+    def allow_undeclared(self, *, cluster: bool) -> bool:
+        return (not cluster) if self.allow_undeclared_models is None else self.allow_undeclared_models
+
+
+def parse_quantity(value: Any, what: str) -> int:
+    """Bytes from an int or a Kubernetes quantity string ("500Gi", "1.5T", "16Mi")."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{what}: expected a size such as 500Gi or a number of bytes, got {value!r}")
+    if isinstance(value, int):
+        number, unit = float(value), ""
+    else:
+        m = _QUANTITY.match(str(value))
+        if not m:
+            raise ConfigError(f"{what}: {value!r} is not a size; write bytes or a quantity such as 500Gi, 64Mi, 2T")
+        number, unit = float(m.group(1)), m.group(2) or ""
+    result = int(number * _UNITS[unit])
+    if result < 0:
+        raise ConfigError(f"{what}: must not be negative")
+    return result
+
+
+def load_settings(
+    path: str | Path | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> Settings:
+    """Read the file (if any), apply env then flags, validate everything; raises ConfigError."""
+    env = os.environ if env is None else env
+    path = path or env.get("WEIGHTCACHE_CONFIG") or None
+    raw: dict[str, Any] = read_file(Path(path)) if path else {}
+    raw.update({key: env[name] for name, key in ENV.items() if env.get(name)})
+    raw.update({k: v for k, v in (flags or {}).items() if v is not None})
+    settings = parse_settings(raw)
+    return settings if path is None else _with_path(settings, Path(path))
+
+
+def read_file(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}; check the path and permissions") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of fields (root: ..., diskBudget: ...)")
+    return dict(data)
+
+
+def parse_settings(raw: Mapping[str, Any]) -> Settings:
+    """Validate a camelCase mapping into Settings; unknown keys are errors (a typo must not pass silently)."""
+    _reject_unknown(raw, _PARSERS, "config")
+    values = {_SNAKE[key]: parser(raw[key]) for key, parser in _PARSERS.items() if raw.get(key) is not None}
+    settings = Settings(**values)
+    for i, model in enumerate(settings.models):
+        if model.tier == "memory" and settings.memory_budget <= 0:
+            raise ConfigError(f"models[{i}].tier: memory needs the memory tier; set memoryBudget (e.g. 64Gi) "
+                              "or use tier: disk")
+    return settings
+
+
+def _with_path(settings: Settings, path: Path) -> Settings:
+    return Settings(**{f.name: getattr(settings, f.name) for f in fields(settings)} | {"config_path": path})
+
+
+def _reject_unknown(raw: Mapping[str, Any], known: Mapping[str, Any], where: str) -> None:
+    for key in raw:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), list(known), n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"known fields: {', '.join(known)}"
+            raise ConfigError(f"{where}: unknown field {key!r}; {hint}")
+
+
+def _int(what: str, minimum: int) -> Callable[[Any], int]:
+    def parse(value: Any) -> int:
+        try:
+            number = int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{what}: expected a whole number, got {value!r}") from None
+        if isinstance(value, bool) or number < minimum:
+            raise ConfigError(f"{what}: expected a whole number >= {minimum}, got {value!r}")
+        return number
+    return parse
+
+
+def _bool(what: str) -> Callable[[Any], bool]:
+    def parse(value: Any) -> bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("true", "1", "yes", "on"):
+            return True
+        if text in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"{what}: expected true or false, got {value!r}")
+    return parse
+
+
+def _choice(what: str, choices: tuple[str, ...], *, upper: bool = False) -> Callable[[Any], str]:
+    def parse(value: Any) -> str:
+        text = str(value).upper() if upper else str(value).lower()
+        if text not in choices:
+            raise ConfigError(f"{what}: expected one of {', '.join(choices)}, got {value!r}")
+        return text
+    return parse
+
+
+def _path(what: str) -> Callable[[Any], Path]:
+    def parse(value: Any) -> Path:
+        if not isinstance(value, (str, Path)) or not str(value).startswith("/"):
+            raise ConfigError(f"{what}: expected an absolute path, got {value!r}")
+        return Path(value)
+    return parse
+
+
+def _positive_float(value: Any) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"resyncSeconds: expected seconds, got {value!r}") from None
+    if number <= 0:
+        raise ConfigError("resyncSeconds: must be > 0")
+    return number
+
+
+def _endpoints(value: Any) -> tuple[tuple[str, str], ...]:
+    """`{s3: {endpointUrl: http://minio:9000}, "s3://special-bucket": {endpointUrl: ...}}`."""
+    if not isinstance(value, dict):
+        raise ConfigError("endpoints: expected a mapping such as {s3: {endpointUrl: http://minio:9000}}")
+    out = []
+    for key, entry in value.items():
+        if not isinstance(entry, dict):
+            raise ConfigError(f"endpoints.{key}: expected a mapping with endpointUrl")
+        _reject_unknown(entry, {"endpointUrl": None}, f"endpoints.{key}")
+        url = entry.get("endpointUrl")
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ConfigError(f"endpoints.{key}.endpointUrl: expected an http(s) URL, got {url!r}")
+        if "@" in url.partition("://")[2].partition("/")[0]:
+            raise ConfigError(f"endpoints.{key}.endpointUrl: credentials do not belong in the URL; "
+                              "use the environment's credentials (AWS_* or the pod's service account)")
+        out.append((str(key), url))
+    return tuple(out)
+
+
+_MODEL_KEYS = {"source": None, "revision": None, "include": None, "exclude": None, "tier": None, "pin": None}
+
+
+def _model(index: int, entry: Any) -> ModelSpec:
+    where = f"models[{index}]"
+    if not isinstance(entry, dict) or "source" not in entry:
+        raise ConfigError(f"{where}: expected a mapping with at least source: s3://bucket/prefix/")
+    _reject_unknown(entry, _MODEL_KEYS, where)
+    include, exclude = entry.get("include") or [], entry.get("exclude") or []
+    if not all(isinstance(g, str) for g in (*include, *exclude)) or isinstance(include, str) \
+            or isinstance(exclude, str):
+        raise ConfigError(f"{where}: include and exclude are lists of globs, such as ['*.safetensors']")
+    try:
+        ref = parse_ref(str(entry["source"]), revision=entry.get("revision") or None,
+                        include=include, exclude=exclude)
+    except InvalidReferenceError as exc:
+        raise ConfigError(f"{where}.source: {exc}") from exc
+    tier = _choice(f"{where}.tier", ("disk", "memory"))(entry.get("tier") or "disk")
+    pin = _bool(f"{where}.pin")(entry.get("pin", True))
+    return ModelSpec(ref, tier, pin)
+
+
+def _models(value: Any) -> tuple[ModelSpec, ...]:
+    if not isinstance(value, list):
+        raise ConfigError("models: expected a list of {source, revision, include, exclude, tier, pin}")
+    specs = tuple(_model(i, entry) for i, entry in enumerate(value))
+    seen: dict[str, int] = {}
+    for i, spec in enumerate(specs):
+        if spec.name in seen:
+            raise ConfigError(f"models[{i}] repeats models[{seen[spec.name]}] ({spec.ref.uri}); keep one entry")
+        seen[spec.name] = i
+    return specs
+
+
+def _tcp(value: Any) -> TcpSettings:
+    if not isinstance(value, dict):
+        raise ConfigError("tcp: expected {port: 9477, tokenFile: /etc/weightcache/token}")
+    _reject_unknown(value, {"port": None, "tokenFile": None, "host": None}, "tcp")
+    if not value.get("tokenFile"):
+        raise ConfigError("tcp.tokenFile: the TCP listener needs a bearer token file; "
+                          "set tcp.tokenFile or remove tcp to serve only the Unix socket")
+    port = _int("tcp.port", 0)(value.get("port", 0))
+    if port > 65535:
+        raise ConfigError(f"tcp.port: {port} is not a port number (0-65535)")
+    return TcpSettings(port, _path("tcp.tokenFile")(value["tokenFile"]), str(value.get("host") or "127.0.0.1"))
+
+
+def _optional_bytes(what: str) -> Callable[[Any], int]:
+    return lambda value: parse_quantity(value, what)
+
+
+def _csi_endpoint(value: Any) -> str:
+    if not isinstance(value, str) or not value.startswith("unix:///"):
+        raise ConfigError(f"csiEndpoint: expected unix:///path/to/csi.sock, got {value!r}")
+    return value
+
+
+_PARSERS: dict[str, Callable[[Any], Any]] = {
+    "root": _path("root"),
+    "diskBudget": _optional_bytes("diskBudget"),
+    "memoryBudget": _optional_bytes("memoryBudget"),
+    "concurrency": _int("concurrency", 1),
+    "chunkSize": lambda v: max(1, parse_quantity(v, "chunkSize")),
+    "parallelModels": _int("parallelModels", 1),
+    "endpoints": _endpoints,
+    "models": _models,
+    "allowUndeclaredModels": _bool("allowUndeclaredModels"),
+    "socket": _path("socket"),
+    "tcp": _tcp,
+    "csiEndpoint": _csi_endpoint,
+    "kubeletDir": _path("kubeletDir"),
+    "nodeName": str,
+    "logFormat": _choice("logFormat", ("text", "json")),
+    "logLevel": _choice("logLevel", ("DEBUG", "INFO", "WARNING", "ERROR"), upper=True),
+    "resyncSeconds": _positive_float,
+}
+_SNAKE = {key: re.sub(r"(?<!^)(?=[A-Z])", "_", key).lower() for key in _PARSERS}
+
+
+def changed_fields(old: Settings, new: Settings) -> set[str]:
+    return {f.name for f in fields(Settings) if f.compare and getattr(old, f.name) != getattr(new, f.name)}
+
+
+def apply_live(running: Settings, new: Settings) -> tuple[Settings, set[str]]:
+    """New settings with restart-only fields kept from `running`; also returns those pending fields."""
+    pending = changed_fields(running, new) - LIVE_FIELDS
+    kept = {name: getattr(running, name) for name in pending}
+    merged = Settings(**{f.name: kept.get(f.name, getattr(new, f.name)) for f in fields(Settings)})
+    return merged, pending

@@ -1,0 +1,95 @@
+"""Prometheus metrics of one daemon, in a registry of its own (so tests and two daemons in a process never clash).
+
+What others already count (the fetchers' origin bytes and fetches in flight; store bytes, budget, leases,
+snapshots; memory-tier bytes) is read from them at scrape time by a Collector, so it can never drift; the daemon
+counts the rest itself (hits, misses, durations, failures, its evictions, reloads, reconcile passes).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+# 0.1 s (a cache hit that still checks the source) to 2 h (a 400 GB model on a slow link).
+FETCH_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200)
+
+
+class Metrics:
+    """What the daemon counts itself; `watch` adds what is read at scrape time."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.cache_hits = Counter("weightcache_cache_hits", "Ensures answered from the node cache", ["scheme"],
+                                  registry=r)
+        self.cache_misses = Counter("weightcache_cache_misses", "Ensures that had to fetch (or wait for a fetch)",
+                                    ["scheme"], registry=r)
+        self.fetch_failures = Counter("weightcache_fetch_failures", "Ensures that failed", ["scheme"], registry=r)
+        self.fetch_seconds = Histogram("weightcache_fetch_duration_seconds", "Duration of ensures that missed "
+                                       "the cache (fetched, or waited for another's fetch)", ["scheme"],
+                                       buckets=FETCH_BUCKETS, registry=r)
+        self.evictions = Counter("weightcache_evictions", "Snapshots evicted by the daemon", ["reason"], registry=r)
+        self.reloads = Counter("weightcache_config_reloads", "Config reloads", ["result"], registry=r)
+        self.reconcile_seconds = Histogram("weightcache_reconcile_duration_seconds", "One reconcile pass",
+                                           buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 30, 120, 600), registry=r)
+
+    def watch(self, sample: Callable[[], Sample]) -> None:
+        """Export the SAMPLED metrics, computed by `sample` at each scrape."""
+        self.registry.register(_SampleCollector(sample))
+
+    def exposition(self) -> bytes:
+        """The text format; blocking (the collector reads SQLite), so call it from a thread."""
+        return generate_latest(self.registry)
+
+
+# Read at scrape time from their owners (store, fetchers, memory tier): name -> (kind, help, label or None).
+SAMPLED: dict[str, tuple[str, str, str | None]] = {
+    "weightcache_origin_bytes": ("counter", "Bytes downloaded from the object store", "scheme"),
+    "weightcache_fetches_in_flight": ("gauge", "Fetches downloading now", None),
+    "weightcache_store_used_bytes": ("gauge", "Bytes the store's blobs use", None),
+    "weightcache_store_budget_bytes": ("gauge", "Disk budget of the store (absent when unlimited)", None),
+    "weightcache_snapshots": ("gauge", "Published snapshots in the store", None),
+    "weightcache_pinned_snapshots": ("gauge", "Snapshots pinned against eviction", None),
+    "weightcache_leases": ("gauge", "Leases held (mounted volumes and other holders)", None),
+    "weightcache_memory_tier_locked_bytes": ("gauge", "Bytes held resident by the memory tier", None),
+    "weightcache_memory_tier_budget_bytes": ("gauge", "Budget of the memory tier", None),
+}
+# name -> a number, or {label value: number} for labelled ones; None or missing = not exported.
+Sample = Mapping[str, "float | Mapping[str, float] | None"]
+
+
+class _SampleCollector(Collector):
+    def __init__(self, sample: Callable[[], Sample]) -> None:
+        self._sample = sample
+
+    def describe(self) -> list[Metric]:
+        return [_family(name, kind, doc, label) for name, (kind, doc, label) in SAMPLED.items()]
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            values = self._sample()
+        except Exception:  # a broken sample must not break /metrics: log it, export the rest
+            log.exception("sampling metrics failed")
+            return
+        for name, (kind, doc, label) in SAMPLED.items():
+            value = values.get(name)
+            if value is None:
+                continue
+            family = _family(name, kind, doc, label)
+            if isinstance(value, Mapping):
+                for label_value, number in sorted(value.items()):
+                    family.add_metric([label_value], float(number))
+            else:
+                family.add_metric([], float(value))
+            yield family
+
+
+def _family(name: str, kind: str, doc: str, label: str | None) -> CounterMetricFamily | GaugeMetricFamily:
+    cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+    return cls(name, doc, labels=[label] if label else [])

@@ -1,0 +1,176 @@
+"""What the API, the reconcile loop and the CSI server share in one daemon: store, fetchers, tier, metrics, policy.
+
+`MeteredFetcher` has the Fetcher's interface, so the CSI server gets the same single flight and the same
+metrics as the API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from weightcache.daemon.config import Settings
+from weightcache.daemon.metrics import Metrics, Sample
+from weightcache.daemon.tasks import Tasks
+from weightcache.errors import ConfigError, NotAllowedError
+from weightcache.fetch import Fetcher, Progress
+from weightcache.policy import require
+from weightcache.store import Snapshot, Store
+from weightcache.uri import ModelRef, canonical_uri
+
+if TYPE_CHECKING:
+    from weightcache.memory import MemoryTier  # imported only when a memory budget is set
+
+log = logging.getLogger(__name__)
+
+ProgressCallback = Callable[[Progress], None]
+
+
+class MeteredFetcher:
+    """Fetcher facade: one Fetcher per (endpoint override, scheme), so each one's own counters (origin bytes,
+    fetches in flight) are per scheme and can be exported at scrape time; counts hits, misses, failures and
+    times fetches around ensure."""
+
+    def __init__(self, store: Store, settings: Settings, metrics: Metrics) -> None:
+        self._store = store
+        self._settings = settings
+        self._metrics = metrics
+        self._fetchers: dict[tuple[str | None, str], Fetcher] = {}
+        self._lock = threading.Lock()
+
+    def _fetcher(self, ref: ModelRef) -> Fetcher:
+        key = (self._settings.endpoint_for(ref), ref.scheme)
+        with self._lock:
+            if key not in self._fetchers:
+                self._fetchers[key] = Fetcher(self._store, concurrency=self._settings.concurrency,
+                                              chunk_size=self._settings.chunk_size, endpoint_url=key[0])
+            return self._fetchers[key]
+
+    def lookup(self, ref: ModelRef) -> Snapshot | None:
+        """The cached snapshot (a hit), or None; blocking."""
+        cached = self._store.lookup(ref)
+        if cached is not None:
+            self._metrics.cache_hits.labels(ref.scheme).inc()
+        return cached
+
+    def ensure(self, ref: ModelRef, *, progress: ProgressCallback | None = None) -> Snapshot:
+        """Blocking, like Fetcher.ensure."""
+        cached = self.lookup(ref)
+        if cached is not None:
+            return cached
+        self._metrics.cache_misses.labels(ref.scheme).inc()
+        start = time.monotonic()
+        try:
+            snapshot = self._fetcher(ref).ensure(ref, progress=progress)
+        except Exception:
+            self._metrics.fetch_failures.labels(ref.scheme).inc()
+            raise
+        self._metrics.fetch_seconds.labels(ref.scheme).observe(time.monotonic() - start)
+        return snapshot
+
+    def progress(self, ref: ModelRef) -> Progress | None:
+        return self._fetcher(ref).progress(ref)
+
+    def close(self) -> None:
+        """Park every download (partials and journals stay for the next start)."""
+        with self._lock:
+            fetchers = list(self._fetchers.values())
+        for fetcher in fetchers:
+            fetcher.close()
+
+    def counters(self) -> dict[str, dict[str, float]]:
+        """Per-scheme sums of the fetchers' own counters (origin_bytes, fetches_in_flight, ...)."""
+        out: dict[str, dict[str, float]] = {}
+        with self._lock:
+            items = [((key[1]), dict(f.stats)) for key, f in self._fetchers.items()]
+        for scheme, stats in items:
+            for name, value in stats.items():
+                per = out.setdefault(name, {})
+                per[scheme] = per.get(scheme, 0) + value
+        return out
+
+
+@dataclass
+class Node:
+    """The daemon's shared state. `cluster` is the kube bridge (None off-cluster); `tier` None = no memory tier."""
+
+    settings: Settings
+    store: Store
+    metrics: Metrics
+    fetcher: MeteredFetcher
+    tier: MemoryTier | None = None
+    cluster: Any = None
+    tasks: Tasks = field(default_factory=Tasks)
+    store_ready: bool = False
+    kick: Callable[[], None] = lambda: None  # wakes the reconcile loop
+
+    async def ensure(self, ref: ModelRef, *, progress: ProgressCallback | None = None) -> Snapshot:
+        return await asyncio.to_thread(self.fetcher.ensure, ref, progress=progress)
+
+    def check_tier(self, tier: str) -> None:
+        if tier == "memory" and self.tier is None:
+            raise ConfigError("tier=memory needs the memory tier, which is off on this node: set memoryBudget "
+                              "in the daemon config, or ask for tier=disk")
+
+    async def settle(self, snapshot: Snapshot, *, tier: str, pin: bool) -> None:
+        """Apply what an API ensure asked for beyond the bytes: a pin, the memory tier."""
+        if pin:
+            await asyncio.to_thread(self.store.pin, snapshot.id)
+        if tier == "memory":
+            self.check_tier(tier)
+            assert self.tier is not None
+            await asyncio.to_thread(self.tier.promote, snapshot)
+
+    def model_caches(self) -> list[Mapping[str, Any]]:
+        return list(self.cluster.model_caches()) if self.cluster is not None else []
+
+    def allow_undeclared(self) -> bool:
+        return self.settings.allow_undeclared(cluster=self.cluster is not None)
+
+    def check_allowed(self, ref: ModelRef, namespace: str | None) -> None:
+        """Namespace given: the one policy. None (an admin on the node): any declared model, or all if allowed."""
+        caches = self.model_caches()
+        if namespace is not None:
+            require(ref.uri, namespace, caches, allow_undeclared=self.allow_undeclared())
+            return
+        if self.allow_undeclared() or ref.uri in self._declared(caches):
+            return
+        raise NotAllowedError(
+            f"no ModelCache or config entry declares {ref.uri} and allowUndeclaredModels is false on this node; "
+            f"declare it (weightcache prefetch {ref.uri} --cluster) or add it to the config's models")
+
+    def _declared(self, caches: list[Mapping[str, Any]]) -> set[str]:
+        uris = {m.ref.uri for m in self.settings.models}
+        for mc in caches:
+            try:
+                uris.add(canonical_uri(str((mc.get("spec") or {}).get("source", ""))))
+            except ValueError:
+                continue
+        return uris
+
+    def ready(self) -> dict[str, bool]:
+        checks = {"store": self.store_ready}
+        if self.cluster is not None:
+            checks["modelcaches_synced"] = bool(self.cluster.synced())
+        return checks
+
+    def sample(self) -> Sample:
+        """Scrape-time gauges (blocking: reads the index)."""
+        infos = self.store.list()
+        fetched = self.fetcher.counters()
+        return {
+            "weightcache_origin_bytes": fetched.get("origin_bytes", {}),
+            "weightcache_fetches_in_flight": sum(fetched.get("fetches_in_flight", {}).values()),
+            "weightcache_store_used_bytes": self.store.used_bytes(),
+            "weightcache_store_budget_bytes": self.store.budget_bytes,
+            "weightcache_snapshots": len(infos),
+            "weightcache_pinned_snapshots": sum(1 for i in infos if i.pinned),
+            "weightcache_leases": len(self.store.leases()),
+            "weightcache_memory_tier_locked_bytes": self.tier.locked_bytes() if self.tier is not None else None,
+            "weightcache_memory_tier_budget_bytes": self.settings.memory_budget if self.tier is not None else None,
+        }

@@ -1,0 +1,247 @@
+"""The reconcile loop: desired models (config keep-warm list + ModelCaches selecting this node) -> the store.
+
+Level-triggered. A pass never waits for a download:
+    look up every wanted model; start a fetch task for each one missing        I/O (fetches: parallelModels
+        (highest priority first; a finished fetch wakes the loop again)          at a time, in the background)
+    settle(held, wants, cached, actual) -> Outcome: pin/unpin, promote/demote,  pure: tested on plain data,
+        node labels to set/remove, ModelCache statuses to forget               500 models in milliseconds
+The daemon pins as owner "daemon", so what it pinned is read back from the store: a ModelCache deleted while
+the daemon was down is still unpinned, and a pin someone made by hand is never taken away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from weightcache.daemon.config import ModelSpec
+from weightcache.daemon.node import Node
+from weightcache.fetch import Progress
+from weightcache.store import Snapshot
+from weightcache.uri import ModelRef
+
+log = logging.getLogger(__name__)
+
+READY = "ready"
+PIN_OWNER = "daemon"  # the store keeps one pin per owner: a pin someone made by hand is never taken away
+LABEL_PREFIX = "weightcache.io/m"  # readiness labels (weightcache.uri.readiness_label)
+
+
+@dataclass(frozen=True)
+class Want:
+    """One model this node should hold. `model_cache` is the ModelCache object (None for config models)."""
+
+    name: str
+    ref: ModelRef
+    tier: str = "disk"
+    pin: bool = True
+    priority: int = 0
+    model_cache: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Held:
+    """What the daemon did for a want last time: the snapshot it resolved to, and whether it pinned it."""
+
+    snapshot: str
+    pinned: bool
+    tier: str
+    label_key: str
+
+
+@dataclass(frozen=True)
+class Actual:
+    """The world as it is now, read before settling."""
+
+    pinned: frozenset[str] = frozenset()  # snapshots carrying the daemon's pin (owner PIN_OWNER)
+    resident: frozenset[str] = frozenset()  # snapshots in the memory tier
+    labels: Mapping[str, str] | None = None  # node labels; None off-cluster (no labels to keep)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    held: dict[str, Held]
+    pin: frozenset[str]
+    unpin: frozenset[str]
+    promote: frozenset[str]
+    demote: frozenset[str]
+    labels: dict[str, str | None]  # node label changes: "ready", or None to remove
+    forget: tuple[str, ...]  # ModelCache names no longer wanted here
+
+
+def wants(config_models: Iterable[ModelSpec], selected: Iterable[Want]) -> list[Want]:
+    """Config models + the ModelCaches selecting this node, highest priority first, then by name."""
+    out = [Want(m.name, m.ref, m.tier, m.pin) for m in config_models] + list(selected)
+    return sorted(out, key=lambda w: (-w.priority, w.name))
+
+
+def settle(old: Mapping[str, Held], wanted: Sequence[Want], results: Mapping[str, str], actual: Actual) -> Outcome:
+    """Pure: the actions that take the node from `actual` to `wanted`, given this pass's ensure `results`.
+
+    Pins and labels are level-triggered against `actual` (what the daemon pinned or labelled and no longer
+    wants is undone, even across restarts); a want whose ensure failed keeps what it held last pass.
+    """
+    held: dict[str, Held] = {}
+    for w in wanted:
+        if w.name in results:
+            held[w.name] = Held(results[w.name], w.pin, w.tier, w.ref.label_key)
+        elif w.name in old:
+            held[w.name] = old[w.name]
+    pinned = _ids(held, lambda h: h.pinned)
+    memory_old, memory_new = _ids(old, lambda h: h.tier == "memory"), _ids(held, lambda h: h.tier == "memory")
+    return Outcome(
+        held=held,
+        pin=frozenset(pinned - actual.pinned),
+        unpin=frozenset(actual.pinned - pinned),
+        promote=frozenset(memory_new - actual.resident),
+        demote=frozenset((memory_old - memory_new) & actual.resident),
+        labels=_label_changes({h.label_key for h in held.values()}, actual.labels),
+        forget=tuple(sorted(n for n in old if n not in held and not n.startswith("config/"))),
+    )
+
+
+def _label_changes(ready: set[str], labels: Mapping[str, str] | None) -> dict[str, str | None]:
+    if labels is None:
+        return {}
+    changes: dict[str, str | None] = {k: READY for k in ready if labels.get(k) != READY}
+    changes.update({k: None for k in labels if k.startswith(LABEL_PREFIX) and k not in ready})
+    return changes
+
+
+def _ids(held: Mapping[str, Held], keep: Any) -> set[str]:
+    return {h.snapshot for h in held.values() if keep(h)}
+
+
+class Reconciler:
+    """Runs passes on change events and every `resyncSeconds`."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.held: dict[str, Held] = {}
+        self._wake = asyncio.Event()
+        self._reported: dict[str, tuple[str, str | None]] = {}  # name -> (phase, snapshot or message)
+        self._fetching: dict[str, asyncio.Task[None]] = {}  # want name -> its fetch
+        self._limit = asyncio.Semaphore(node.settings.parallel_models)
+        self.passes = 0
+
+    def kick(self) -> None:
+        """Wake the loop; call on the event loop's thread (use loop.call_soon_threadsafe from others)."""
+        self._wake.set()
+
+    async def run(self, *, iterations: int | None = None) -> None:
+        """Eternal unless `iterations` (tests) bounds it. In cluster mode nothing runs before the first full
+        list of ModelCaches: a pass on an empty list would unpin everything."""
+        while iterations is None or self.passes < iterations:
+            self._wake.clear()
+            cluster = self.node.cluster
+            if cluster is None or cluster.synced():
+                try:
+                    await self.once()
+                except Exception:  # level-triggered: log, and the next pass starts over
+                    log.exception("reconcile pass failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=self.node.settings.resync_seconds)
+
+    async def once(self) -> Outcome:
+        start = time.monotonic()
+        node = self.node
+        wanted = wants(node.settings.models, await self._desired())
+        cached = await asyncio.to_thread(self._lookup_all, wanted)  # one thread hop for all the hits
+        await self._report([(w, "Ready", cached[w.name], "") for w in wanted if w.name in cached])
+        for w in wanted:
+            if w.name not in cached and w.name not in self._fetching:
+                self._fetching[w.name] = self.node.tasks.spawn(f"keep warm {w.ref}", self._fetch(w))
+        results = {name: snapshot.id for name, snapshot in cached.items()}
+        outcome = settle(self.held, wanted, results, await asyncio.to_thread(self._actual))
+        await asyncio.to_thread(self._apply, outcome)
+        await self._report_labels(outcome)
+        self.held = outcome.held
+        self.passes += 1
+        node.metrics.reconcile_seconds.observe(time.monotonic() - start)
+        log.info("reconciled %d models in %.2fs (%d cached, %d fetching)", len(wanted), time.monotonic() - start,
+                 len(results), len(self._fetching))
+        return outcome
+
+    async def _desired(self) -> list[Want]:
+        cluster = self.node.cluster
+        return [] if cluster is None else await asyncio.to_thread(cluster.desired)
+
+    def _lookup_all(self, wanted: Sequence[Want]) -> dict[str, Snapshot]:
+        found = {w.name: self.node.fetcher.lookup(w.ref) for w in wanted}
+        return {name: snapshot for name, snapshot in found.items() if snapshot is not None}
+
+    async def _fetch(self, w: Want) -> None:
+        """Fetch one missing model, `parallelModels` at a time. Success wakes the loop (to pin and label it);
+        a failure is reported and retried on the next pass, not at once."""
+        cluster = self.node.cluster
+        progress = None
+        if cluster is not None and w.model_cache is not None:
+            def progress(p: Progress) -> None:  # on the fetch's thread; the reporter coalesces these
+                cluster.progress(w, p.bytes_done, p.bytes_total)
+        try:
+            async with self._limit:
+                await self._report([(w, "Fetching", None, "")])
+                snapshot = await self.node.ensure(w.ref, progress=progress)
+        except Exception as exc:  # one bad model must not stop the others; its status says why
+            log.warning("keeping %s warm failed: %s", w.ref, exc)
+            await self._report([(w, "Failed", None, str(exc))])
+            return
+        finally:
+            self._fetching.pop(w.name, None)
+        await self._report([(w, "Ready", snapshot, "")])
+        self.kick()
+
+    async def _report(self, states: Sequence[tuple[Want, str, Snapshot | None, str]]) -> None:
+        """Send ModelCache states that changed since last reported, in one batch."""
+        if self.node.cluster is None:
+            return
+        batch = []
+        for w, phase, snapshot, message in states:
+            key = (phase, snapshot.id if snapshot is not None else message)
+            if w.model_cache is not None and self._reported.get(w.name) != key:
+                self._reported[w.name] = key
+                batch.append((w, phase, snapshot, message))
+        if batch:
+            await asyncio.to_thread(self.node.cluster.report_many, batch)
+
+    def _actual(self) -> Actual:
+        node = self.node
+        pinned = frozenset(i.snapshot.id for i in node.store.list()
+                           if i.pinned and PIN_OWNER in node.store.pins(i.snapshot.id))
+        resident = frozenset(i.id for i in node.tier.resident()) if node.tier is not None else frozenset()
+        labels = node.cluster.node_labels() if node.cluster is not None else None
+        return Actual(pinned, resident, labels)
+
+    def _apply(self, o: Outcome) -> None:
+        store, tier = self.node.store, self.node.tier
+        for sid in o.pin:
+            _try(f"pin {sid}", lambda i: store.pin(i, by=PIN_OWNER), sid)
+        for sid in o.unpin:
+            _try(f"unpin {sid}", lambda i: store.unpin(i, by=PIN_OWNER), sid)
+        if tier is not None:
+            for sid in o.demote:
+                _try(f"demote {sid}", tier.demote, sid)
+            for sid in o.promote:
+                _try(f"promote {sid}", lambda s: tier.promote(store.get(s), pinned=True), sid)
+
+    async def _report_labels(self, o: Outcome) -> None:
+        cluster = self.node.cluster
+        if cluster is None:
+            return
+        if o.labels:
+            await asyncio.to_thread(cluster.set_labels, o.labels)
+        for name in o.forget:
+            self._reported.pop(name, None)
+            await asyncio.to_thread(cluster.forget, name)
+
+
+def _try(what: str, fn: Any, *args: Any) -> None:
+    try:
+        fn(*args)
+    except Exception as exc:  # level-triggered: the next pass retries
+        log.warning("%s failed: %s", what, exc)
