@@ -151,6 +151,9 @@ fs.get("bench/model/", sys.argv[2] + "/", recursive=True)
 
 
 def main() -> int:
+    if len(sys.argv) == 5 and sys.argv[1] == "--make":
+        make_model(Path(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-gb", type=float, default=2.0)
     ap.add_argument("--shards", type=int, default=4)
@@ -165,7 +168,9 @@ def main() -> int:
 
     work = Path(tempfile.mkdtemp(prefix="wc-bench-", dir=args.dir))
     src = work / "origin" / "model"
-    size = make_model(src, args.size_gb, args.shards)
+    # made in a child: a forked client's ru_maxrss would otherwise include this process's model buffers
+    subprocess.run([PY, __file__, "--make", str(src), str(args.size_gb), str(args.shards)], check=True)
+    size = sum(p.stat().st_size for p in src.iterdir())
     files = sorted(p.name for p in src.iterdir())
     print(f"model: {len(files)} files, {size / 1e9:.2f} GB; runs={args.runs}, idle={args.idle}s before each client")
     nginx = Nginx(work / "origin", work)
@@ -207,7 +212,7 @@ def run_all(args: argparse.Namespace, work: Path, src: Path, size: int, files: l
                                                          f"count={max(1, size // (8 << 20))}", "conv=fsync",
                                                          "status=none"]),
         "weightcache prefetch http (cold)": ("nginx", lambda d: [*wc, f"{nginx.url}/model/", "--root", str(d)]),
-        "aria2c -x8 -s8": ("nginx", lambda d: ["aria2c", "-q", "-x", "8", "-s", "8", "-k", "8M", "-d", str(d),
+        "aria2c -x8 -s8": ("nginx", lambda d: ["aria2c", "-q", "-Z", "-x", "8", "-s", "8", "-k", "8M", "-d", str(d),
                                                "--file-allocation=none", *[f"{nginx.url}/model/{f}" for f in files]]),
         "curl": ("nginx", lambda d: ["curl", "-s", "--output-dir", str(d), *sum(
             [["-o", f, f"{nginx.url}/model/{f}"] for f in files], [])]),

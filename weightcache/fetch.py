@@ -10,7 +10,6 @@ Memory stays bounded: each worker owns one reusable chunk buffer; bodies stream 
 
 from __future__ import annotations
 
-import base64
 import fcntl
 import hashlib
 import logging
@@ -19,6 +18,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
@@ -29,6 +29,7 @@ from weightcache.progress import Progress, RateMeter, read_progress_file, write_
 from weightcache.store import FileEntry, Snapshot, Store
 from weightcache.store.paths import validate_tree
 from weightcache.store.store import BlobMissingError, fmt_bytes
+from weightcache.sources import ObjectInfo, Source
 from weightcache.uri import ModelRef
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ class FetchCancelledError(StoreError):
 class _Item:
     """One object to fetch and what we expect of it."""
 
-    obj: object  # weightcache.sources.ObjectInfo
+    obj: ObjectInfo
     relpath: str
     expect_sha256: str | None = None
     expect_md5: str | None = None
@@ -60,7 +61,7 @@ class Fetcher:
 
     def __init__(self, store: Store, *, concurrency: int = 8, chunk_size: int = 8 << 20,
                  endpoint_url: str | None = None,
-                 source_factory: Callable[..., object] | None = None) -> None:
+                 source_factory: Callable[[ModelRef], Source] | None = None) -> None:
         self.store = store
         self.concurrency = max(1, concurrency)
         self.chunk_size = max(64 << 10, chunk_size)
@@ -104,7 +105,7 @@ class Fetcher:
         self._closing.set()
 
     # -- locking ------------------------------------------------------------------------------------------------
-    def _progress_path(self, ref: ModelRef):  # noqa: ANN202
+    def _progress_path(self, ref: ModelRef) -> Path:
         return self.store.layout.partial / f"{ref.key}.progress"
 
     def _lock_held(self, ref: ModelRef) -> bool:
@@ -162,14 +163,14 @@ class Fetcher:
             source.close()
             self._progress_path(ref).unlink(missing_ok=True)
 
-    def _open_source(self, ref: ModelRef):  # noqa: ANN202
+    def _open_source(self, ref: ModelRef) -> Source:
         if self._source_factory is not None:
             return self._source_factory(ref)
         from weightcache.sources import open_source
 
         return open_source(ref, endpoint_url=self.endpoint_url, pool_size=max(10, self.concurrency * 2))
 
-    def _fetch_once(self, ref: ModelRef, source, reporter: _Reporter) -> Snapshot:  # noqa: ANN001
+    def _fetch_once(self, ref: ModelRef, source: Source, reporter: _Reporter) -> Snapshot:
         started = time.monotonic()
         objects = source.list()
         validate_tree(o.relpath for o in objects)
@@ -197,7 +198,7 @@ class Fetcher:
         reporter.phase("done")
         return snap
 
-    def _check_revision(self, ref: ModelRef, objects: list) -> None:  # noqa: ANN001
+    def _check_revision(self, ref: ModelRef, objects: list[ObjectInfo]) -> None:
         """A revision that is not a cached snapshot must name the source's current content (its ETag set)."""
         if not ref.revision:
             return
@@ -207,7 +208,7 @@ class Fetcher:
                 f"revision {ref.revision!r} of {ref.uri} is neither a cached snapshot nor the source's current "
                 f"content (revision {current[:12]}); use `weightcache ls` for cached snapshots, or drop @revision")
 
-    def _expectations(self, ref: ModelRef, source, items: list[_Item]) -> None:  # noqa: ANN001
+    def _expectations(self, ref: ModelRef, source: Source, items: list[_Item]) -> None:
         """Fill in expected digests (source checksum, sidecars, MD5 ETag) and dedup hits."""
         sidecars = self._read_sidecars(source, items)
         for item in items:
@@ -223,7 +224,7 @@ class Fetcher:
             if known and self.store.has_blob(known):
                 item.sha256 = known
 
-    def _read_sidecars(self, source, items: list[_Item]) -> dict[str, str]:  # noqa: ANN001
+    def _read_sidecars(self, source: Source, items: list[_Item]) -> dict[str, str]:
         """`<file>.sha256` ("<hex> [name]") and `SHA256SUMS` (sha256sum format) the model carries."""
         out: dict[str, str] = {}
         for item in items:
@@ -247,7 +248,7 @@ class Fetcher:
                         out[base + m.group(2)] = m.group(1).lower()
         return out
 
-    def _download(self, source, todo: list[_Item], reporter: _Reporter) -> int:  # noqa: ANN001
+    def _download(self, source: Source, todo: list[_Item], reporter: _Reporter) -> int:
         """Download every item; a file failing verification is refetched once. Returns origin bytes."""
         fetched = 0
         pending = todo
@@ -257,6 +258,7 @@ class Fetcher:
             for item in pending:
                 try:
                     self._finish(item)
+                    reporter.add(0, 1)
                 except IntegrityError as exc:
                     if round_ == 2:
                         raise
@@ -269,7 +271,7 @@ class Fetcher:
             pending = failed
         return fetched
 
-    def _download_round(self, source, items: list[_Item], reporter: _Reporter) -> int:  # noqa: ANN001
+    def _download_round(self, source: Source, items: list[_Item], reporter: _Reporter) -> int:
         pieces: list[tuple[_Item, int, int]] = []
         try:
             for item in items:
@@ -365,16 +367,12 @@ class Fetcher:
         item.sha256 = sha
 
 
-def source_revision(objects: list) -> str:  # noqa: ANN001
+def source_revision(objects: list[ObjectInfo]) -> str:
     """A digest of the source's current listing (path, size, ETag/version): names 'this content' for @revision."""
     h = hashlib.sha256()
     for o in sorted(objects, key=lambda o: o.relpath):
         h.update(f"{o.relpath}\0{o.size}\0{o.etag or ''}\0{o.version_id or ''}\n".encode())
     return h.hexdigest()
-
-
-def b64_to_hex(value: str) -> str:
-    return base64.b64decode(value).hex()
 
 
 def _partial_size(item: _Item) -> int:
@@ -393,7 +391,7 @@ def _space_error(exc: OSError, items: list[_Item]) -> InsufficientSpaceError:
 class _Reporter:
     """Aggregates byte counts from workers; calls the callback at most 5x/s and rewrites the progress file."""
 
-    def __init__(self, uri: str, path, callback: Callable[[Progress], None] | None) -> None:  # noqa: ANN001
+    def __init__(self, uri: str, path: Path, callback: Callable[[Progress], None] | None) -> None:
         self.uri, self.path, self.callback = uri, path, callback
         self._mu = threading.Lock()
         self.done = self.total = self.files_done = self.files_total = 0
