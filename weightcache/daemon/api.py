@@ -284,6 +284,14 @@ async def _line(response: web.StreamResponse, value: Any) -> None:
 
 async def list_models(request: web.Request) -> web.Response:
     body = await asyncio.to_thread(request.app[LISTING].get)
+    tier = request.app[NODE].tier
+    resident = {r.id: r for r in tier.resident()} if tier is not None else {}
+    if resident:  # the memory tier changes without touching the store: annotate the cached listing
+        models = json.loads(body)
+        for m in models:
+            if m["id"] in resident:
+                m["memory_bytes"], m["memory_mode"] = resident[m["id"]].bytes, resident[m["id"]].mode
+        body = json.dumps(models).encode()
     return web.Response(body=body, content_type="application/json")
 
 

@@ -131,7 +131,13 @@ class Daemon:
             node.tier.close()
             node.tier = None
         else:
-            node.tier.budget_bytes = budget
+            try:
+                demoted = node.tier.set_budget(budget)  # demotes LRU unpinned models; never silently over budget
+            except MemoryTierError as exc:  # pinned models alone exceed it: say so loudly, keep serving
+                log.error("%s", exc)
+                return
+            if demoted:
+                log.info("memory budget lowered to %d bytes: demoted %s", budget, ", ".join(demoted))
 
     async def stop(self) -> None:
         node = self.node

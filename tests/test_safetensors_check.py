@@ -1,0 +1,152 @@
+"""The header check accepts what safetensors writes and refuses every malformed header with a named problem."""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.numpy import save_file
+
+from weightcache.errors import SafetensorsHeaderError
+from weightcache.safetensors_check import MAX_HEADER_BYTES, check_file, parse_header
+
+
+def raw_file(header: Any, data: bytes = b"", *, n: int | None = None) -> bytes:
+    body = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return struct.pack("<Q", len(body) if n is None else n) + body + data
+
+
+def check_bytes(blob: bytes, name: str = "model.safetensors") -> Any:
+    f = io.BytesIO(blob)
+    f.name = name  # type: ignore[attr-defined]
+    return parse_header(f, len(blob))
+
+
+def two_tensors() -> dict[str, Any]:
+    return {
+        "__metadata__": {"format": "pt"},
+        "a": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]},
+        "b": {"dtype": "I8", "shape": [4], "data_offsets": [16, 20]},
+    }
+
+
+def test_accepts_what_safetensors_writes_with_absolute_offsets(tmp_path: Path) -> None:
+    arrays = {
+        "f16": np.arange(6, dtype=np.float16).reshape(2, 3), "f64": np.arange(3, dtype=np.float64),
+        "i8": np.arange(5, dtype=np.int8), "u64": np.arange(2, dtype=np.uint64), "b": np.array([True, False]),
+        "empty": np.zeros((0, 4), dtype=np.float32),
+    }
+    path = tmp_path / "m.safetensors"
+    save_file(arrays, str(path), metadata={"format": "np"})
+    header = check_file(path)
+    blob = path.read_bytes()
+    assert header.metadata == {"format": "np"}
+    assert header.data_start == 8 + header.header_len
+    assert set(header.tensors) == set(arrays)
+    starts = [t.start for t in header.tensors.values()]
+    assert starts == sorted(starts), "tensors come in file order"
+    for name, arr in arrays.items():
+        spec = header.tensors[name]
+        assert spec.shape == arr.shape
+        assert blob[spec.start:spec.end] == arr.tobytes(), name
+
+
+def test_path_argument_and_sub_byte_dtype(tmp_path: Path) -> None:
+    path = tmp_path / "f4.safetensors"
+    path.write_bytes(raw_file({"x": {"dtype": "F4", "shape": [4], "data_offsets": [0, 2]}}, b"\x12\x34"))
+    assert parse_header(path, path.stat().st_size).tensors["x"].nbytes == 2
+
+
+def _with(**changes: Any) -> dict[str, Any]:
+    h = two_tensors()
+    for key, value in changes.items():
+        if key == "a_":
+            h["a"].update(value)
+        else:
+            h[key] = value
+    return h
+
+
+BAD: list[tuple[str, bytes, str]] = [
+    ("tiny", b"\x01\x00", "fewer than the 8-byte"),
+    ("len 1", raw_file(b"{", n=1), "outside 2.."),
+    ("len huge", struct.pack("<Q", MAX_HEADER_BYTES + 1) + b"{}", "outside 2.."),
+    ("len past end", raw_file(b"{}", n=50), "runs past the end"),
+    ("not utf8", raw_file(b'{"\xff": 1}'), "not UTF-8"),
+    ("not json", raw_file(b"{nope}"), "not valid JSON"),
+    ("array", raw_file([1, 2]), "must be a JSON object"),
+    ("nan", raw_file(b'{"a": NaN}'), "not valid JSON"),
+    ("duplicate key", raw_file(b'{"a": {}, "a": {}}'), "duplicate key"),
+    ("deep", raw_file(b"[" * 100_000 + b"]" * 100_000), "JSON"),
+    ("metadata", raw_file(_with(__metadata__={"k": 1}), bytes(20)), "__metadata__"),
+    ("dtype", raw_file(_with(a_={"dtype": "F128"}), bytes(20)), "unknown dtype"),
+    ("shape neg", raw_file(_with(a_={"shape": [-2, -2]}), bytes(20)), "non-negative integers"),
+    ("shape bool", raw_file(_with(a_={"shape": [True, 4]}), bytes(20)), "non-negative integers"),
+    ("shape str", raw_file(_with(a_={"shape": "2x2"}), bytes(20)), "non-negative integers"),
+    ("offsets 3", raw_file(_with(a_={"data_offsets": [0, 8, 16]}), bytes(20)), "data_offsets must be"),
+    ("reversed", raw_file(_with(a_={"data_offsets": [16, 0]}), bytes(20)), "end before they begin"),
+    ("size mismatch", raw_file(_with(a_={"shape": [3, 2]}), bytes(20)), "needs 24 bytes"),
+    ("not object", raw_file(_with(a=[1]), bytes(20)), "must be an object"),
+    ("gap", raw_file(_with(b={"dtype": "I8", "shape": [4], "data_offsets": [17, 21]}), bytes(21)), "gap of 1"),
+    ("overlap", raw_file(_with(b={"dtype": "I8", "shape": [4], "data_offsets": [12, 16]}), bytes(20)), "overlaps"),
+    ("truncated", raw_file(two_tensors(), bytes(19)), "truncated"),
+    ("trailing", raw_file(two_tensors(), bytes(21)), "belong to no tensor"),
+    ("f4 odd", raw_file({"x": {"dtype": "F4", "shape": [3], "data_offsets": [0, 2]}}, bytes(2)), "needs 1.5 bytes"),
+]
+
+
+@pytest.mark.parametrize(("case", "blob", "problem"), BAD, ids=[b[0] for b in BAD])
+def test_refuses_malformed_headers_naming_file_and_problem(case: str, blob: bytes, problem: str) -> None:
+    with pytest.raises(SafetensorsHeaderError) as info:
+        check_bytes(blob, name="/models/x/shard-3.safetensors")
+    message = str(info.value)
+    assert message.startswith("shard-3.safetensors: "), message
+    assert problem in message
+    assert "re-export or re-upload" in message
+
+
+def test_valid_fixture_really_is_valid() -> None:
+    header = check_bytes(raw_file(two_tensors(), bytes(20)))
+    assert [(t.start - header.data_start, t.end - header.data_start) for t in header.tensors.values()] == [(0, 16),
+                                                                                                          (16, 20)]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=400))
+def test_random_bytes_only_raise_header_errors(blob: bytes) -> None:
+    try:
+        check_bytes(blob)
+    except SafetensorsHeaderError:
+        pass
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 40) | st.floats(allow_nan=False) | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4),
+    max_leaves=20,
+)
+_entry = st.fixed_dictionaries({
+    "dtype": st.sampled_from(["F32", "I8", "BF16", "F4", "X", 3]),
+    "shape": st.one_of(st.lists(st.integers(-1, 5), max_size=3), _json),
+    "data_offsets": st.one_of(st.lists(st.integers(-1, 40), min_size=2, max_size=2), _json),
+})
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.dictionaries(st.text(max_size=6), st.one_of(_entry, _json), max_size=5), st.integers(0, 48))
+def test_structured_headers_either_pass_consistently_or_raise_header_errors(header: dict[str, Any],
+                                                                            data_len: int) -> None:
+    blob = raw_file(header, bytes(data_len))
+    try:
+        parsed = check_bytes(blob)
+    except SafetensorsHeaderError:
+        return
+    assert sum(t.nbytes for t in parsed.tensors.values()) == data_len
+    assert all(parsed.data_start <= t.start <= t.end <= len(blob) for t in parsed.tensors.values())
