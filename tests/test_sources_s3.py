@@ -325,3 +325,25 @@ def test_endpoint_comes_from_aws_endpoint_url(s3: S3, monkeypatch: pytest.Monkey
         assert os.environ["AWS_ENDPOINT_URL"] in repr(src)
     finally:
         src.close()
+
+
+def test_read_pieces_streams_one_range_and_resumes_after_a_reset_at_the_first_unyielded_byte(s3, fault_proxy) -> None:  # noqa: ANN001
+    body = bytes(range(256)) * 4096  # 1 MiB
+    s3.put("models", "big/blob.bin", body)
+    source = open_source(parse_ref("s3://models/big/"), endpoint_url=fault_proxy.endpoint_url, backoff=0.01)
+    try:
+        (obj,) = source.list()
+        fault_proxy.add("reset", method="GET", ranged_only=True, count=1, keep=0.6)
+        buf = memoryview(bytearray(128 << 10))
+        got = bytearray()
+        for pos, view in source.read_pieces(obj, 0, obj.size, buf):
+            assert pos == len(got)
+            got += view
+    finally:
+        source.close()
+    assert bytes(got) == body
+    ranges = [r.range for r in fault_proxy.requests_for("GET", "/models/big/blob.bin")]
+    assert ranges[0] == f"bytes=0-{len(body) - 1}", "the whole range must be one request"
+    assert len(ranges) == 2
+    restart = int(ranges[1].removeprefix("bytes=").split("-")[0])
+    assert restart % len(buf) == 0 and 0 < restart <= int(len(body) * 0.6)

@@ -1,7 +1,7 @@
 """One file's download into `partial/`: ranged chunks written at offsets, a journal for resume, hashing in order.
 
     partial/<name>.part       the body, preallocated (ENOSPC shows up before the first byte is fetched)
-    partial/<name>.journal    line 1: JSON header (key, size, etag, version_id, chunk); then "offset length" per
+    partial/<name>.journal    line 1: JSON header (key, size, etag, version_id); then "offset length" per
                               finished chunk, appended after the chunk's bytes are written
 
 After `kill -9` a rerun keeps every journalled range and refetches only what was in flight. A header that does
@@ -26,11 +26,11 @@ if TYPE_CHECKING:
 class PartialFile:
     """Download state of one object; thread-safe for many workers writing disjoint chunks."""
 
-    def __init__(self, part: Path, obj: ObjectInfo, *, chunk_size: int, want_md5: bool) -> None:
+    def __init__(self, part: Path, obj: ObjectInfo, *, range_size: int, want_md5: bool) -> None:
         self.part = part
         self.journal = part.with_suffix(".journal")
         self.obj = obj
-        self.chunk_size = chunk_size
+        self.range_size = range_size  # bytes asked for in one request; each chunk written inside is journalled
         self._mu = threading.Lock()
         self._done: dict[int, int] = {}  # offset -> length of finished ranges
         self._hash_at = 0
@@ -43,7 +43,7 @@ class PartialFile:
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
     def open(self) -> list[tuple[int, int]]:
-        """Open (resuming when the journal matches) and return the (offset, length) pieces still to fetch."""
+        """Open (resuming when the journal matches) and return the (offset, length) ranges still to fetch."""
         header = {"key": self.obj.key, "size": self.obj.size, "etag": self.obj.etag,
                   "version_id": self.obj.version_id}
         ranges = self._load_journal(header)
@@ -85,9 +85,9 @@ class PartialFile:
     def _missing(self) -> list[tuple[int, int]]:
         pieces, pos = [], 0
         for start in sorted(self._done):
-            pieces += _split(pos, start - pos, self.chunk_size)
+            pieces += _split(pos, start - pos, self.range_size)
             pos = start + self._done[start]
-        pieces += _split(pos, self.obj.size - pos, self.chunk_size)
+        pieces += _split(pos, self.obj.size - pos, self.range_size)
         return pieces
 
     def close(self) -> None:

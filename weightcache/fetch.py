@@ -18,6 +18,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
+from contextlib import closing
 from pathlib import Path
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -181,10 +182,11 @@ class Fetcher:
         total = sum(i.obj.size for i in items)
         reporter.start(total, len(items), already=total - sum(i.obj.size for i in todo),
                        files_already=len(items) - len(todo))
+        range_size = self._range_size(sum(i.obj.size for i in todo))
         for item in todo:
             item.partial = PartialFile(
                 self.store.layout.partial / f"{ref.key}.{hashlib.sha256(item.relpath.encode()).hexdigest()[:16]}.part",
-                item.obj, chunk_size=self.chunk_size, want_md5=item.expect_md5 is not None)
+                item.obj, range_size=range_size, want_md5=item.expect_md5 is not None)
         resumed = sum(_partial_size(i) for i in todo)
         self.store.ensure_space(sum(i.obj.size for i in todo) - resumed, uri=ref.uri)
         fetched = self._download(source, todo, reporter)
@@ -294,15 +296,15 @@ class Fetcher:
 
         def run(item: _Item, offset: int, length: int) -> None:
             nonlocal fetched
-            if abort.is_set() or self._closing.is_set():
-                raise FetchCancelledError("fetch cancelled; partial downloads are kept and resume on the next run")
             buf, scratch = buffers()
-            view = buf[:length]
-            source.read_into(item.obj, offset, view)
-            item.partial.write(offset, view, scratch)
-            with fetched_lock:
-                fetched += length
-            reporter.add(length, 0)
+            with closing(source.read_pieces(item.obj, offset, length, buf)) as pieces:
+                for pos, view in pieces:
+                    item.partial.write(pos, view, scratch)
+                    with fetched_lock:
+                        fetched += len(view)
+                    reporter.add(len(view), 0)
+                    if abort.is_set() or self._closing.is_set():
+                        raise FetchCancelledError("fetch cancelled; finished chunks are kept and resume next run")
 
         def hash_resumed(item: _Item) -> None:
             item.partial.hash_resumed(buffers()[1])
@@ -323,6 +325,13 @@ class Fetcher:
             with fetched_lock:
                 self._count("origin_bytes", fetched)  # bytes of a failed round came from the origin all the same
         return fetched
+
+    def _range_size(self, total: int) -> int:
+        """Bytes per request: enough requests to keep every worker busy, few enough that per-request cost (and
+        servers that re-read an object per GET) stays small; always whole chunks, at most 256 MiB."""
+        per_worker = -(-total // (2 * self.concurrency))
+        chunks = max(1, min(256 << 20, per_worker) // self.chunk_size)
+        return chunks * self.chunk_size
 
     def _handle_failure(self, exc: BaseException, items: list[_Item]) -> None:
         for item in items:

@@ -25,7 +25,8 @@ from weightcache.errors import (
     SourceNotFoundError,
     WeightcacheError,
 )
-from weightcache.sources.base import ObjectInfo, Retryable, finish_listing, read_with_retries, stream_by_ranges
+from weightcache.sources.base import (ObjectInfo, Retryable, finish_listing, pieces_by_read_into, read_with_retries,
+                                      stream_by_ranges)
 from weightcache.uri import ModelRef
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,10 @@ class FsspecSource:
         if len(buf):
             read_with_retries(lambda pos, view: self._read_range(obj, pos, view), offset, buf,
                               what=obj.key, max_attempts=self.max_attempts, backoff=self.backoff)
+
+    def read_pieces(self, obj: ObjectInfo, offset: int, length: int,
+                    buf: memoryview) -> Iterator[tuple[int, memoryview]]:
+        return pieces_by_read_into(self, obj, offset, length, buf)
 
     def stream(self, obj: ObjectInfo, offset: int = 0, chunk: int = 8 << 20) -> Iterator[bytes]:
         return stream_by_ranges(self, obj, offset, chunk)

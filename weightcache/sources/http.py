@@ -9,13 +9,14 @@ faster than fsspec's aiohttp path: scripts/bench_sources.py). A strong ETag pins
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from typing import Any
 from urllib.parse import unquote
 
 import urllib3
 
 from weightcache.errors import ObjectChangedError, SourceAccessDeniedError, SourceError, SourceNotFoundError
-from weightcache.sources.base import ObjectInfo, Retryable, finish_listing, read_body_into
+from weightcache.sources.base import ObjectInfo, Retryable, finish_listing, read_body_into, stream_range
 from weightcache.sources.fsspec import FsspecSource, translate
 from weightcache.uri import ModelRef
 
@@ -70,8 +71,17 @@ class HttpSource(FsspecSource):
         relpath = unquote(path[len(self.root):]) if path.startswith(self.root) else ""
         return ObjectInfo(path, relpath, int(info["size"]), strong, None, None)
 
+    def read_pieces(self, obj: ObjectInfo, offset: int, length: int,
+                    buf: memoryview) -> Iterator[tuple[int, memoryview]]:
+        return stream_range(lambda pos, end: self._open_range(obj, pos, end), offset, length, buf,
+                            what=obj.key, max_attempts=self.max_attempts, backoff=self.backoff)
+
     def _read_range(self, obj: ObjectInfo, pos: int, view: memoryview) -> int:
-        headers = {"Range": f"bytes={pos}-{pos + len(view) - 1}", "Accept-Encoding": "identity"}
+        return read_body_into(self._open_range(obj, pos, pos + len(view)), view)
+
+    def _open_range(self, obj: ObjectInfo, pos: int, end: int) -> Any:
+        """GET bytes [pos, end) pinned with If-Match: the checked response, body unread."""
+        headers = {"Range": f"bytes={pos}-{end - 1}", "Accept-Encoding": "identity"}
         if obj.etag:
             headers["If-Match"] = f'"{obj.etag}"'
         try:
@@ -79,7 +89,7 @@ class HttpSource(FsspecSource):
         except NETWORK_ERRORS as exc:
             raise Retryable(f"{type(exc).__name__} on GET") from exc
         self._check(resp, obj, pos)
-        return read_body_into(resp, view)
+        return resp
 
     def _check(self, resp: Any, obj: ObjectInfo, pos: int) -> None:
         status = resp.status

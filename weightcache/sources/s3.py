@@ -39,6 +39,7 @@ from weightcache.sources.base import (
     read_body_into,
     read_with_retries,
     stream_by_ranges,
+    stream_range,
 )
 from weightcache.uri import ModelRef
 
@@ -170,8 +171,11 @@ class S3Source:
                           head.get("VersionId"), ("sha256", base64.b64decode(value).hex()))
 
     def _read_range(self, obj: ObjectInfo, pos: int, view: memoryview) -> int:
-        args: dict[str, Any] = {"Bucket": self.ref.bucket, "Key": obj.key,
-                                "Range": f"bytes={pos}-{pos + len(view) - 1}"}
+        return read_body_into(self._open_range(obj, pos, pos + len(view)), view)  # our readinto: no copy
+
+    def _open_range(self, obj: ObjectInfo, pos: int, end: int) -> Any:
+        """GET bytes [pos, end) of the listed version: the raw urllib3 response, checked, body unread."""
+        args: dict[str, Any] = {"Bucket": self.ref.bucket, "Key": obj.key, "Range": f"bytes={pos}-{end - 1}"}
         if obj.etag:
             args["IfMatch"] = f'"{obj.etag}"'
         if obj.version_id:
@@ -183,15 +187,19 @@ class S3Source:
             raise translate(exc, what) from exc
         except NETWORK_ERRORS as exc:
             raise Retryable(f"{type(exc).__name__} on GET") from exc
-        body = resp["Body"]
-        try:
-            if obj.etag and _unquote(resp.get("ETag")) != obj.etag:  # a store that ignores If-Match
-                raise ObjectChangedError(f"{what} changed: ETag {resp.get('ETag')} is not {obj.etag}; {_CHANGED}")
-            if not resp.get("ContentRange", "").startswith(f"bytes {pos}-") and pos:
-                raise SourceError(f"{what}: the store ignored the Range header; use an S3 endpoint that supports it")
-            return read_body_into(body._raw_stream, view)  # our readinto: no copy (see read_body_into)
-        finally:
-            body.close()
+        raw = resp["Body"]._raw_stream
+        if obj.etag and _unquote(resp.get("ETag")) != obj.etag:  # a store that ignores If-Match
+            raw.close()
+            raise ObjectChangedError(f"{what} changed: ETag {resp.get('ETag')} is not {obj.etag}; {_CHANGED}")
+        if not resp.get("ContentRange", "").startswith(f"bytes {pos}-") and pos:
+            raw.close()
+            raise SourceError(f"{what}: the store ignored the Range header; use an S3 endpoint that supports it")
+        return raw
+
+    def read_pieces(self, obj: ObjectInfo, offset: int, length: int,
+                    buf: memoryview) -> Iterator[tuple[int, memoryview]]:
+        return stream_range(lambda pos, end: self._open_range(obj, pos, end), offset, length, buf,
+                            what=self._uri(obj.key), max_attempts=self.max_attempts, backoff=self.backoff)
 
     def _call(self, fn: Callable[[], T], what: str) -> T:
         """A request with the same classification and bounded retries as range reads."""
