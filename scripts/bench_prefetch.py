@@ -174,7 +174,6 @@ def main() -> int:
     files = sorted(p.name for p in src.iterdir())
     print(f"model: {len(files)} files, {size / 1e9:.2f} GB; runs={args.runs}, idle={args.idle}s before each client")
     nginx = Nginx(work / "origin", work)
-    moto = None
     try:
         return run_all(args, work, src, size, files, nginx)
     finally:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from weightcache.download import PartialFile
 from weightcache.errors import (InsufficientSpaceError, IntegrityError, ObjectChangedError, SafetensorsHeaderError,
-                                SourceError, StoreError, WeightcacheError)
+                                SourceNotFoundError, StoreError, WeightcacheError)
 from weightcache.progress import Progress, RateMeter, read_progress_file, write_progress_file
 from weightcache.store import FileEntry, Snapshot, Store
 from weightcache.store.paths import validate_tree
@@ -206,7 +206,7 @@ class Fetcher:
             return
         current = source_revision(objects)
         if not current.startswith(ref.revision) or len(ref.revision) < 6:
-            raise ObjectChangedError(
+            raise SourceNotFoundError(
                 f"revision {ref.revision!r} of {ref.uri} is neither a cached snapshot nor the source's current "
                 f"content (revision {current[:12]}); use `weightcache ls` for cached snapshots, or drop @revision")
 

@@ -180,6 +180,11 @@ def stream_range(open_range: Opener, offset: int, length: int, buf: memoryview, 
 
 
 def _readinto_all(resp: Any, view: memoryview) -> int:
+    """Fill `view` from the body until it is full or the body ends; PartialRead(done) on a failure.
+
+    http.client's readinto receives straight into our buffer, urllib3's and botocore's copy through bytes, so
+    the first is used when the response wraps one.
+    """
     fp = getattr(resp, "_fp", None)
     readinto = fp.readinto if isinstance(fp, http.client.HTTPResponse) else resp.readinto
     done = 0
@@ -190,7 +195,7 @@ def _readinto_all(resp: Any, view: memoryview) -> int:
                 break
             done += n
     except Exception as exc:
-        raise Retryable(f"{type(exc).__name__} after {done} bytes of the body") from exc
+        raise PartialRead(done, f"{type(exc).__name__} after {done} bytes of the body") from exc
     return done
 
 
@@ -227,22 +232,14 @@ def finish_listing(ref: ModelRef, objects: list[ObjectInfo], *, hint: str) -> li
 def read_body_into(resp: Any, view: memoryview) -> int:
     """Read a urllib3 response body into `view`; return the count, or raise PartialRead with it.
 
-    http.client's readinto receives straight into our buffer, urllib3's and botocore's copy through bytes, so
-    the first is used when the response wraps one. A body read to its end returns the connection to the pool;
-    any other outcome closes it (unread bytes must never reach the next request).
+    A body read to its end returns the connection to the pool; any other outcome closes it (unread bytes must
+    never reach the next request).
     """
-    fp = getattr(resp, "_fp", None)
-    readinto = fp.readinto if isinstance(fp, http.client.HTTPResponse) else resp.readinto
-    done = 0
     try:
-        while done < len(view):
-            n = readinto(view[done:])
-            if not n:
-                break
-            done += n
-    except Exception as exc:
+        done = _readinto_all(resp, view)
+    except PartialRead:
         resp.close()
-        raise PartialRead(done, f"{type(exc).__name__} after {done} bytes of the body") from exc
+        raise
     if resp.closed:  # read to the end of the body
         resp.release_conn()
     else:
