@@ -17,13 +17,28 @@ from weightcache.csi.identity import DRIVER_NAME
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 VERSIONS = ("1.30.0", kubernetes_validate.latest_version())  # oldest Kubernetes we support, newest schemas
-EXTERNAL_KINDS = {("cert-manager.io/v1", "Issuer"), ("cert-manager.io/v1", "Certificate")}  # CRDs not ours
+EXTERNAL_KINDS = {("cert-manager.io/v1", "Issuer"), ("cert-manager.io/v1", "Certificate"),
+                  ("monitoring.coreos.com/v1", "PodMonitor")}  # CRDs not ours
+KUSTOMIZE_KINDS = ("Kustomization", "Component")
 WORKLOADS = ("Deployment", "DaemonSet", "StatefulSet")
+
+
+def patch_files() -> set[Path]:
+    """Files kustomizations use as patches: partial objects, checked once rendered (test_manifests_kustomize.py)."""
+    found = set()
+    for k in DEPLOY.rglob("kustomization.yaml"):
+        for patch in yaml.safe_load(k.read_text()).get("patches", []):
+            if "path" in patch:
+                found.add((k.parent / patch["path"]).resolve())
+    return found
 
 
 def documents() -> list[tuple[str, int, dict[str, Any]]]:
     found = []
+    patches = patch_files()
     for path in sorted(DEPLOY.rglob("*.y*ml")):
+        if path.resolve() in patches:
+            continue
         for i, doc in enumerate(yaml.safe_load_all(path.read_text())):
             if doc:
                 found.append((str(path.relative_to(DEPLOY)), i, doc))
@@ -31,7 +46,7 @@ def documents() -> list[tuple[str, int, dict[str, Any]]]:
 
 
 DOCS = documents()
-OBJECTS = [d for _, _, d in DOCS if d.get("kind") != "Kustomization"]
+OBJECTS = [d for _, _, d in DOCS if d.get("kind") not in KUSTOMIZE_KINDS]
 
 
 def find(kind: str, name: str | None = None) -> list[dict[str, Any]]:
@@ -54,8 +69,8 @@ def test_deploy_has_the_node_plugin_manifests() -> None:
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-@pytest.mark.parametrize(("path", "index", "doc"), [d for d in DOCS if d[2].get("kind") != "Kustomization"],
-                         ids=[f"{p}#{i}:{d.get('kind')}" for p, i, d in DOCS if d.get("kind") != "Kustomization"])
+@pytest.mark.parametrize(("path", "index", "doc"), [d for d in DOCS if d[2].get("kind") not in KUSTOMIZE_KINDS],
+                         ids=[f"{p}#{i}:{d.get('kind')}" for p, i, d in DOCS if d.get("kind") not in KUSTOMIZE_KINDS])
 def test_document_matches_official_schema(path: str, index: int, doc: dict[str, Any], version: str) -> None:
     key = (doc.get("apiVersion"), doc.get("kind"))
     if key in EXTERNAL_KINDS:
@@ -168,6 +183,7 @@ def test_daemonset_wires_plugin_sidecars_and_kubelet_together() -> None:
     # liveness: the plugin's probe port is the one the livenessprobe sidecar serves
     port = plugin["livenessProbe"]["httpGet"]["port"]
     container_port = next(p["containerPort"] for p in plugin["ports"] if p["name"] == port)
-    assert f"--health-port={container_port}" in probe["args"]
+    assert f"--http-endpoint=:{container_port}" in probe["args"]  # --health-port is deprecated
+    assert not any(a.startswith("--health-port") for a in probe["args"])
     for c in pod["containers"]:
         assert re.fullmatch(r"[^:]+:v?\d+\.\d+\.\d+", c["image"]), f"{c['name']}: pin the image tag"

@@ -118,13 +118,30 @@ def test_webhook_configuration_follows_the_admission_rules(objs: dict[str, dict[
         "/mutate",
     )
     assert ref["port"] == service["spec"]["ports"][0]["port"]
-    excluded = hook["namespaceSelector"]["matchExpressions"][0]
-    assert excluded["key"] == "kubernetes.io/metadata.name" and excluded["operator"] == "NotIn"
-    assert service["metadata"]["namespace"] in excluded["values"]
+    # the webhook's own namespace (by its label, so a renamed namespace stays excluded) and kube-system are never
+    # sent pods; any other namespace is
+    (own,) = [d for d in load_docs(DEPLOY / "daemonset" / "namespace.yaml") if d["kind"] == "Namespace"]
+    assert own["metadata"]["name"] == service["metadata"]["namespace"]
+    selector = hook["namespaceSelector"]
+    assert not selects(selector, {**own["metadata"]["labels"], "kubernetes.io/metadata.name": "renamed"})
+    assert not selects(selector, {"kubernetes.io/metadata.name": "kube-system"})
+    assert selects(selector, {"kubernetes.io/metadata.name": "team-a"})
     (condition,) = hook["matchConditions"]
     assert "'weightcache.io/model' in object.metadata.annotations" in condition["expression"]
     assert "'weightcache.io/models' in object.metadata.annotations" in condition["expression"]
     assert "has(object.metadata.annotations)" in condition["expression"]
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A LabelSelector's meaning (matchLabels AND every matchExpression), as the API server evaluates it."""
+    ops = {
+        "In": lambda k, vs: k in labels and labels[k] in vs,
+        "NotIn": lambda k, vs: k not in labels or labels[k] not in vs,
+        "Exists": lambda k, vs: k in labels,
+        "DoesNotExist": lambda k, vs: k not in labels,
+    }
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items()) and all(
+        ops[e["operator"]](e["key"], e.get("values", [])) for e in selector.get("matchExpressions", []))
 
 
 def test_cert_manager_overlay_fits_the_base(objs: dict[str, dict[str, Any]]) -> None:
