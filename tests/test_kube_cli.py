@@ -95,7 +95,7 @@ def test_wait_follows_each_selected_node_until_ready(server):
     code, text = run(server, wait=True)
     daemon.join(5)
     assert code == 0, text
-    assert re.search(r"^n1\s+Ready\s+2\.0 KiB/2\.0 KiB 100%", text, re.MULTILINE)
+    assert re.search(r"^n1\s+Ready\s+2 KiB/2 KiB 100%", text, re.MULTILINE)
     assert re.search(r"^n2\s+Ready", text, re.MULTILINE)
     assert "n3" not in text and "ready on all 2 node(s)" in text
 
@@ -144,7 +144,7 @@ def test_status_table_and_json(server):
     assert status(server.api_client(), None, out=out) == 0
     lines = out.getvalue().splitlines()
     assert lines[0].split() == ["MODELCACHE", "NODE", "PHASE", "PROGRESS", "SNAPSHOT", "UPDATED", "MESSAGE"]
-    assert re.search(rf"^{name}\s+n1\s+Fetching\s+1\.0 GiB/4\.0 GiB 25%", out.getvalue(), re.MULTILINE)
+    assert re.search(rf"^{name}\s+n1\s+Fetching\s+1 GiB/4 GiB 25%", out.getvalue(), re.MULTILINE)
     assert re.search(rf"^{name}\s+n2\s+Pending\s+.*not reported yet", out.getvalue(), re.MULTILINE)
     out = io.StringIO()
     assert status(server.api_client(), name, out=out, output="json") == 0

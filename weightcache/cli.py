@@ -16,16 +16,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from weightcache import __version__
+from weightcache import __version__, defaults
 from weightcache.errors import (ConfigError, HostileKeyError, InsufficientSpaceError, IntegrityError,
                                 InvalidReferenceError, InUseError, NotAllowedError, NotCachedError,
                                 SafetensorsHeaderError, SourceError, WeightcacheError)
 from weightcache.progress import Progress
-from weightcache.store.store import fmt_bytes
+from weightcache.units import fmt_bytes, parse_size
 
 log = logging.getLogger("weightcache")
 
-DEFAULT_ROOT = "/var/lib/weightcache"
 EXIT_CODES: list[tuple[type[BaseException], int]] = [
     (InvalidReferenceError, 2), (HostileKeyError, 2), (ConfigError, 2), (NotCachedError, 3), (InUseError, 4),
     (InsufficientSpaceError, 5), (SourceError, 6), (IntegrityError, 7), (SafetensorsHeaderError, 7),
@@ -42,7 +41,7 @@ def exit_code(exc: BaseException) -> int:
 
 # -- helpers ----------------------------------------------------------------------------------------------------
 def _root(args: argparse.Namespace) -> str:
-    return args.root or os.environ.get("WEIGHTCACHE_ROOT") or DEFAULT_ROOT
+    return str(args.root or defaults.root())
 
 
 def _store(args: argparse.Namespace, *, budget: int | None = None):  # noqa: ANN202
@@ -56,27 +55,22 @@ def _daemon(args: argparse.Namespace):  # noqa: ANN202
     if args.root or getattr(args, "no_daemon", False):
         return None
     try:
-        from weightcache.daemon.client import DaemonClient, default_socket
+        from weightcache.daemon.client import DaemonClient
     except ImportError:
         return None
-    sock = Path(getattr(args, "socket", None) or default_socket())
+    sock = Path(getattr(args, "socket", None) or defaults.socket())
     if not sock.exists():
         return None
     client = DaemonClient(sock)
     return client if client.available() else None  # a socket file left by a crash: use the store directly
 
 
-def parse_size(text: str) -> int:
-    """'500Gi', '20GB', '1.5T', '1048576' -> bytes."""
-    units = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30,
-             "ti": 2**40}
-    t = text.strip().lower().removesuffix("b")
-    num = t.rstrip("kmgti")
-    unit = t[len(num):]
+def size_arg(text: str) -> int:
+    """A size flag: a Kubernetes quantity (weightcache.units), with the grammar's own message on a bad one."""
     try:
-        return int(float(num) * units[unit])
-    except (KeyError, ValueError):
-        raise argparse.ArgumentTypeError(f"invalid size {text!r}; write e.g. 500Gi, 20GB or 1048576") from None
+        return parse_size(text, "size")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("size: ")) from None
 
 
 class ProgressPrinter:
@@ -290,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     def add(name: str, func: Callable[[argparse.Namespace], int], help_: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_)
         p.set_defaults(func=func)
-        p.add_argument("--root", help=f"store root (env WEIGHTCACHE_ROOT, default {DEFAULT_ROOT}); "
+        p.add_argument("--root", help=f"store root (env WEIGHTCACHE_ROOT, default {defaults.ROOT}); "
                                       "given explicitly, the CLI uses the store directly, not the daemon")
         p.add_argument("-o", "--output", choices=["table", "json"], default="table")
         return p
@@ -300,11 +294,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--revision")
     p.add_argument("--include", action="append", default=[], metavar="GLOB")
     p.add_argument("--exclude", action="append", default=[], metavar="GLOB")
-    p.add_argument("--concurrency", type=int, default=8, help="parallel ranged reads (default 8)")
-    p.add_argument("--chunk-size", type=parse_size, default=8 << 20,
-                   help="bytes per ranged read; memory used is concurrency x chunk size (default 8Mi)")
+    p.add_argument("--concurrency", type=int, default=defaults.CONCURRENCY,
+                   help=f"parallel ranged reads (default {defaults.CONCURRENCY})")
+    p.add_argument("--chunk-size", type=size_arg, default=defaults.CHUNK_SIZE,
+                   help="bytes per ranged read; memory used is concurrency x chunk size (default 16Mi)")
     p.add_argument("--endpoint-url", default=None, help="S3 endpoint (default: AWS_ENDPOINT_URL or AWS)")
-    p.add_argument("--disk-budget", type=parse_size, default=None, help="evict LRU models to stay under this size")
+    p.add_argument("--disk-budget", type=size_arg, default=None, help="evict LRU models to stay under this size")
     p.add_argument("--tier", choices=["disk", "memory"], default="disk")
     p.add_argument("--pin", action="store_true", help="never evict this model")
     p.add_argument("--no-daemon", action="store_true", help="use the store directly even if a daemon runs")
@@ -321,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--socket")
     p = add("evict", cmd_evict, "remove a cached model (refused while pods use it or it is pinned)")
     p.add_argument("ref", nargs="?", help="reference, snapshot id or id prefix")
-    p.add_argument("--to-size", type=parse_size, help="evict least recently used models until the store fits")
+    p.add_argument("--to-size", type=size_arg, help="evict least recently used models until the store fits")
     for name in ("pin", "unpin"):
         p = add(name, cmd_pin, f"{name} a cached model")
         p.add_argument("ref")

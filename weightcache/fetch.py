@@ -23,14 +23,16 @@ from pathlib import Path
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
+from weightcache import defaults
 from weightcache.download import PartialFile
 from weightcache.errors import (InsufficientSpaceError, IntegrityError, ObjectChangedError, SafetensorsHeaderError,
                                 SourceNotFoundError, StoreError, WeightcacheError)
 from weightcache.progress import Progress, RateMeter, read_progress_file, write_progress_file
 from weightcache.store import FileEntry, Snapshot, Store
 from weightcache.store.paths import validate_tree
-from weightcache.store.store import BlobMissingError, fmt_bytes
+from weightcache.store.store import BlobMissingError
 from weightcache.sources import ObjectInfo, Source
+from weightcache.units import fmt_bytes
 from weightcache.uri import ModelRef
 
 log = logging.getLogger(__name__)
@@ -60,7 +62,7 @@ class _Item:
 class Fetcher:
     """ensure(ref) -> Snapshot, single-flight in process (threads) and across processes (flock)."""
 
-    def __init__(self, store: Store, *, concurrency: int = 8, chunk_size: int = 8 << 20,
+    def __init__(self, store: Store, *, concurrency: int = defaults.CONCURRENCY, chunk_size: int = defaults.CHUNK_SIZE,
                  endpoint_url: str | None = None,
                  source_factory: Callable[[ModelRef], Source] | None = None) -> None:
         self.store = store

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from weightcache.errors import MemoryTierError
+from weightcache.units import fmt_bytes
 
 if TYPE_CHECKING:
     from weightcache.store.types import Snapshot
@@ -116,18 +117,18 @@ class MemoryTier:
         soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
         if not has_cap_ipc_lock() and soft != resource.RLIM_INFINITY and soft < self.budget_bytes:
             problems.append(
-                f"RLIMIT_MEMLOCK is {_gib(soft)} but the memory budget is {_gib(self.budget_bytes)}: add "
+                f"RLIMIT_MEMLOCK is {fmt_bytes(soft)} but the memory budget is {fmt_bytes(self.budget_bytes)}: add "
                 f"IPC_LOCK to the DaemonSet (securityContext.capabilities.add: [IPC_LOCK]) or raise `ulimit -l`")
         limit = cgroup_memory_limit()
         if limit is not None and limit < self.budget_bytes + HEADROOM_BYTES:
             problems.append(
-                f"the daemon's cgroup memory limit is {_gib(limit)} but locked pages are charged to it: raise the "
-                f"DaemonSet's resources.limits.memory to at least {_gib(self.budget_bytes + HEADROOM_BYTES)} "
-                f"(budget + {_gib(HEADROOM_BYTES)}) or lower the memory budget")
+                f"the daemon's cgroup memory limit is {fmt_bytes(limit)} but locked pages are charged to it: raise the "
+                f"DaemonSet's resources.limits.memory to at least {fmt_bytes(self.budget_bytes + HEADROOM_BYTES)} "
+                f"(budget + {fmt_bytes(HEADROOM_BYTES)}) or lower the memory budget")
         if self.mode == "tmpfs" and self.tmpfs_root is not None and self.tmpfs_root.exists():
             st = os.statvfs(self.tmpfs_root)
             if st.f_bavail * st.f_frsize + self.locked_bytes() < self.budget_bytes:
-                problems.append(f"{self.tmpfs_root} has {_gib(st.f_bavail * st.f_frsize)} free, less than the "
+                problems.append(f"{self.tmpfs_root} has {fmt_bytes(st.f_bavail * st.f_frsize)} free, less than the "
                                 f"memory budget; enlarge the tmpfs (size=) or lower the budget")
         if problems:
             raise MemoryTierError("memory tier cannot hold its budget: " + "; ".join(problems))
@@ -146,8 +147,8 @@ class MemoryTier:
             entry = self._load(snapshot, files, need, pinned)
             with self._state:
                 self._entries[snapshot.id] = entry
-        log.info("memory tier: %s resident (%s, %s), %s of %s locked", snapshot.id, _gib(need), self.mode,
-                 _gib(self.locked_bytes()), _gib(self.budget_bytes))
+        log.info("memory tier: %s resident (%s, %s), %s of %s locked", snapshot.id, fmt_bytes(need), self.mode,
+                 fmt_bytes(self.locked_bytes()), fmt_bytes(self.budget_bytes))
         return entry.info
 
     def demote(self, snapshot_id: str) -> None:
@@ -157,7 +158,7 @@ class MemoryTier:
                 entry = self._entries.pop(snapshot_id, None)
             if entry is not None:
                 self._release(entry)
-                log.info("memory tier: %s demoted, %s freed", snapshot_id, _gib(entry.info.bytes))
+                log.info("memory tier: %s demoted, %s freed", snapshot_id, fmt_bytes(entry.info.bytes))
 
     def touch(self, snapshot_id: str) -> None:
         """Mark a snapshot used now (LRU order)."""
@@ -207,8 +208,8 @@ class MemoryTier:
                 self._release(entry)
                 demoted.append(info.id)
         if self.locked_bytes() > budget_bytes:
-            raise MemoryTierError(f"pinned snapshots hold {_gib(self.locked_bytes())}, more than the new memory budget "
-                                  f"of {_gib(budget_bytes)}; unpin a model or raise the budget")
+            raise MemoryTierError(f"pinned snapshots hold {fmt_bytes(self.locked_bytes())}, more than the new memory "
+                                  f"budget of {fmt_bytes(budget_bytes)}; unpin a model or raise the budget")
         return demoted
 
     def close(self) -> None:
@@ -224,9 +225,9 @@ class MemoryTier:
             freeable = sum(i.bytes for i in unpinned)
         if need > self.budget_bytes - used + freeable:
             raise MemoryTierError(
-                f"snapshot {snapshot_id} needs {_gib(need)} in memory but the memory budget is "
-                f"{_gib(self.budget_bytes)} with {_gib(used - freeable)} held by pinned snapshots; raise the memory "
-                f"budget, unpin a model, or serve this one with tier: disk")
+                f"snapshot {snapshot_id} needs {fmt_bytes(need)} in memory but the memory budget is "
+                f"{fmt_bytes(self.budget_bytes)} with {fmt_bytes(used - freeable)} held by pinned snapshots; raise "
+                f"the memory budget, unpin a model, or serve this one with tier: disk")
         for info in unpinned:
             if need <= self.budget_bytes - used:
                 break
@@ -293,8 +294,8 @@ def _map_and_lock(file: Path, size: int, snapshot_id: str, huge_folios: bool) ->
         err = ctypes.get_errno()
         _libc.munmap(addr, size)
         raise MemoryTierError(
-            f"mlock of {_gib(size)} ({file.name} of snapshot {snapshot_id}) was refused: {os.strerror(err)} "
-            f"(RLIMIT_MEMLOCK {_gib(resource.getrlimit(resource.RLIMIT_MEMLOCK)[0])}, CAP_IPC_LOCK "
+            f"mlock of {fmt_bytes(size)} ({file.name} of snapshot {snapshot_id}) was refused: {os.strerror(err)} "
+            f"(RLIMIT_MEMLOCK {fmt_bytes(resource.getrlimit(resource.RLIMIT_MEMLOCK)[0])}, CAP_IPC_LOCK "
             f"{'held' if has_cap_ipc_lock() else 'missing'}); add IPC_LOCK to the DaemonSet "
             f"(securityContext.capabilities.add: [IPC_LOCK]), raise `ulimit -l` or resources.limits.memory; "
             f"the model is still served from disk")
@@ -360,9 +361,3 @@ def _read_limit(path: Path) -> int | None:
 
 def _round_up(size: int) -> int:
     return -(-size // _PAGE) * _PAGE
-
-
-def _gib(n: int) -> str:
-    if n >= 1 << 30:
-        return f"{n / (1 << 30):.2f} GiB"
-    return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n // 1024} KiB"

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from weightcache.store.layout import tmp_name
+from weightcache.units import fmt_bytes
 
 
 @dataclass(frozen=True)
@@ -28,12 +29,11 @@ class Progress:
     message: str = ""
 
     def describe(self) -> str:
-        """`fetching s3://models/llama/: 37% (12.3 of 33.0 GB), ETA 40s`"""
+        """`fetching s3://models/llama/: 37% (12.3 GiB of 33.0 GiB), ETA 40s`"""
         if self.phase in ("queued", "listing"):
             return f"fetching {self.uri}: {self.phase}"
         pct = 100.0 * self.bytes_done / self.bytes_total if self.bytes_total else 100.0
-        unit, div = ("GB", 1e9) if self.bytes_total >= 1e9 else ("MB", 1e6)
-        text = f"fetching {self.uri}: {pct:.0f}% ({self.bytes_done / div:.1f} of {self.bytes_total / div:.1f} {unit})"
+        text = f"fetching {self.uri}: {pct:.0f}% ({fmt_bytes(self.bytes_done)} of {fmt_bytes(self.bytes_total)})"
         if self.eta is not None and self.phase == "downloading":
             text += f", ETA {_duration(self.eta)}"
         elif self.phase not in ("downloading",):

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import grpc
 
+from weightcache import defaults
 from weightcache.csi._pb import csi_pb2_grpc
 from weightcache.csi.identity import IdentityServicer
 from weightcache.csi.node import NodeServicer, Policy
@@ -27,9 +28,6 @@ from weightcache.memory import MemoryTier
 from weightcache.store import Store
 
 logger = logging.getLogger(__name__)
-
-KUBELET_DIR = "/var/lib/kubelet"
-
 
 def socket_path(endpoint: str) -> Path:
     """`unix:///csi/csi.sock` (or a bare absolute path) -> /csi/csi.sock."""
@@ -51,7 +49,7 @@ def _clear_stale_socket(path: Path) -> None:
 
 
 async def serve_csi(endpoint: str, *, store: Store, fetcher: Fetcher, node_id: str, policy: Policy,
-                    publish_timeout: float = 20.0, kubelet_dir: str | Path = KUBELET_DIR,
+                    publish_timeout: float = 20.0, kubelet_dir: str | Path = defaults.KUBELET_DIR,
                     tier: MemoryTier | None = None) -> grpc.aio.Server:
     """Reconcile leases with the mount table, then start serving CSI on `endpoint`; the caller stops the server.
 
@@ -97,10 +95,10 @@ async def _main(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Serve the weightcache CSI node plugin alone.")
-    parser.add_argument("--root", default=os.environ.get("WEIGHTCACHE_ROOT", "/var/lib/weightcache"))
+    parser.add_argument("--root", default=str(defaults.root()))
     parser.add_argument("--endpoint", default=os.environ.get("CSI_ENDPOINT", "unix:///csi/csi.sock"))
     parser.add_argument("--node-name", default=os.environ.get("NODE_NAME", ""))
-    parser.add_argument("--kubelet-dir", default=KUBELET_DIR)
+    parser.add_argument("--kubelet-dir", default=str(defaults.KUBELET_DIR))
     parser.add_argument("--publish-timeout", type=float, default=20.0)
     parser.add_argument("--allow-undeclared", action="store_true", help="allow every model (no cluster policy)")
     args = parser.parse_args(argv)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import re
 import socket
 from collections.abc import Callable
@@ -17,15 +16,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from weightcache import errors
-from weightcache.daemon.config import DEFAULT_SOCKET
+from weightcache import defaults, errors
 
 TIMEOUT_S = 30.0  # per socket operation; a streaming ensure may last hours, but sends a line at least this often
-
-
-def default_socket() -> Path:
-    """WEIGHTCACHE_SOCKET, else /run/weightcache/weightcache.sock."""
-    return Path(os.environ.get("WEIGHTCACHE_SOCKET") or DEFAULT_SOCKET)
 
 
 class _UnixConnection(http.client.HTTPConnection):
@@ -76,10 +69,10 @@ def raise_for(status: int, body: Any) -> None:
 
 
 class DaemonClient:
-    """`DaemonClient(default_socket()).list()`; each call opens one connection (the daemon is local)."""
+    """`DaemonClient(defaults.socket()).list()`; each call opens one connection (the daemon is local)."""
 
     def __init__(self, socket_path: str | Path | None = None, *, timeout: float = TIMEOUT_S) -> None:
-        self.socket_path = Path(socket_path) if socket_path else default_socket()
+        self.socket_path = Path(socket_path) if socket_path else defaults.socket()
         self.timeout = timeout
 
     def available(self) -> bool:

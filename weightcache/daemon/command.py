@@ -7,6 +7,7 @@ import logging
 import os
 from typing import Any
 
+from weightcache import defaults
 from weightcache.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -18,8 +19,8 @@ def add_commands(sub: Any) -> None:
                        description="Run the weightcache node daemon. Flags win over environment, environment "
                                    "over the config file (fields: docs/config.md).")
     p.add_argument("--config", help="YAML config file (env WEIGHTCACHE_CONFIG); watched and applied live")
-    p.add_argument("--root", help="store root (env WEIGHTCACHE_ROOT; default /var/lib/weightcache)")
-    p.add_argument("--socket", help="API socket (env WEIGHTCACHE_SOCKET; default /run/weightcache/weightcache.sock)")
+    p.add_argument("--root", help=f"store root (env WEIGHTCACHE_ROOT; default {defaults.ROOT})")
+    p.add_argument("--socket", help=f"API socket (env WEIGHTCACHE_SOCKET; default {defaults.SOCKET})")
     p.add_argument("--csi-endpoint", help="serve CSI on unix:///PATH (env CSI_ENDPOINT)")
     p.add_argument("--node-name", help="this node's Kubernetes name (env NODE_NAME)")
     p.add_argument("--log-format", choices=("text", "json"), help="log lines as text or JSON (default text)")

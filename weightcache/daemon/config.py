@@ -21,11 +21,10 @@ from typing import Any
 
 import yaml
 
+from weightcache import defaults
 from weightcache.errors import ConfigError, InvalidReferenceError
+from weightcache.units import parse_size
 from weightcache.uri import ModelRef, parse_ref
-
-DEFAULT_SOCKET = Path("/run/weightcache/weightcache.sock")
-DEFAULT_ROOT = Path("/var/lib/weightcache")
 
 # Environment variable -> config key. Flags use the same keys (see command.py).
 ENV = {
@@ -48,9 +47,6 @@ ENV = {
 LIVE_FIELDS = frozenset({"disk_budget", "memory_budget", "models", "allow_undeclared_models",
                          "log_level", "resync_seconds"})
 
-_QUANTITY = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGTPE]i?|k)?\s*$")
-_UNITS = {"": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
-          "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
 
 
 @dataclass(frozen=True)
@@ -80,19 +76,19 @@ class TcpSettings:
 class Settings:
     """Everything the daemon reads from its configuration. Field docs live in docs/config.md."""
 
-    root: Path = DEFAULT_ROOT
+    root: Path = defaults.ROOT
     disk_budget: int | None = None  # bytes; None = no budget beyond the disk itself
     memory_budget: int = 0  # bytes of locked RAM for tier=memory models; 0 = memory tier off
-    concurrency: int = 8  # parallel ranged GETs per fetch
-    chunk_size: int = 16 << 20  # bytes per ranged GET
+    concurrency: int = defaults.CONCURRENCY  # parallel ranged GETs per fetch
+    chunk_size: int = defaults.CHUNK_SIZE
     parallel_models: int = 2  # models fetched at once by the reconcile loop
     endpoints: tuple[tuple[str, str], ...] = ()  # ("s3" or "s3://bucket", endpoint url), most specific wins
     models: tuple[ModelSpec, ...] = ()
     allow_undeclared_models: bool | None = None  # None = auto: true off-cluster, false in-cluster
-    socket: Path = DEFAULT_SOCKET
+    socket: Path = defaults.SOCKET
     tcp: TcpSettings | None = None
     csi_endpoint: str | None = None
-    kubelet_dir: Path = Path("/var/lib/kubelet")  # where kubelet publishes volumes (k3s, microk8s differ)
+    kubelet_dir: Path = defaults.KUBELET_DIR
     node_name: str | None = None
     log_format: str = "text"
     log_level: str = "INFO"
@@ -106,23 +102,6 @@ class Settings:
 
     def allow_undeclared(self, *, cluster: bool) -> bool:
         return (not cluster) if self.allow_undeclared_models is None else self.allow_undeclared_models
-
-
-def parse_quantity(value: Any, what: str) -> int:
-    """Bytes from an int or a Kubernetes quantity string ("500Gi", "1.5T", "16Mi")."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{what}: expected a size such as 500Gi or a number of bytes, got {value!r}")
-    if isinstance(value, int):
-        number, unit = float(value), ""
-    else:
-        m = _QUANTITY.match(str(value))
-        if not m:
-            raise ConfigError(f"{what}: {value!r} is not a size; write bytes or a quantity such as 500Gi, 64Mi, 2T")
-        number, unit = float(m.group(1)), m.group(2) or ""
-    result = int(number * _UNITS[unit])
-    if result < 0:
-        raise ConfigError(f"{what}: must not be negative")
-    return result
 
 
 def load_settings(
@@ -300,7 +279,7 @@ def _tcp(value: Any) -> TcpSettings:
 
 
 def _optional_bytes(what: str) -> Callable[[Any], int]:
-    return lambda value: parse_quantity(value, what)
+    return lambda value: parse_size(value, what)
 
 
 def _csi_endpoint(value: Any) -> str:
@@ -314,7 +293,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "diskBudget": _optional_bytes("diskBudget"),
     "memoryBudget": _optional_bytes("memoryBudget"),
     "concurrency": _int("concurrency", 1),
-    "chunkSize": lambda v: max(1, parse_quantity(v, "chunkSize")),
+    "chunkSize": lambda v: max(1, parse_size(v, "chunkSize")),
     "parallelModels": _int("parallelModels", 1),
     "endpoints": _endpoints,
     "models": _models,

@@ -22,6 +22,7 @@ from kubernetes.client.exceptions import ApiException
 from weightcache.errors import ClusterError
 from weightcache.kube import API_VERSION, GROUP, MODELCACHE_KIND, MODELCACHENODES, MODELCACHES, VERSION
 from weightcache.kube.report import ModelState, from_wire
+from weightcache.units import fmt_bytes
 from weightcache.uri import ModelRef
 
 T = TypeVar("T")
@@ -235,19 +236,8 @@ def _cells(state: ModelState | None) -> tuple[str, str, str, str, str]:
     progress = "-"
     if state.bytes_total:
         pct = 100.0 * state.bytes_done / state.bytes_total
-        progress = f"{_size(state.bytes_done)}/{_size(state.bytes_total)} {pct:.0f}%"
+        progress = f"{fmt_bytes(state.bytes_done)}/{fmt_bytes(state.bytes_total)} {pct:.0f}%"
     return (state.phase, progress, state.snapshot[:12] or "-", state.time or "-", state.message)
-
-
-def _size(n: int) -> str:
-    if n < 1024:
-        return f"{n} B"
-    value = float(n)
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        value /= 1024
-        if value < 1024 or unit == "TiB":
-            break
-    return f"{value:.1f} {unit}"
 
 
 def _table(out: TextIO, rows: Sequence[Sequence[str]]) -> None:

@@ -25,6 +25,7 @@ from weightcache.store.evict import plan_eviction
 from weightcache.store.index import Index
 from weightcache.store.layout import Layout, fsync_dir, tmp_name, write_atomic
 from weightcache.store.types import FileEntry, Snapshot, SnapshotInfo
+from weightcache.units import fmt_bytes
 from weightcache.uri import ModelRef
 
 log = logging.getLogger(__name__)
@@ -397,16 +398,6 @@ def remove_orphan_blob(blob: Path) -> bool:
     except FileNotFoundError:
         pass
     return False
-
-
-def fmt_bytes(n: int | float | None) -> str:
-    if n is None:
-        return "?"
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    return f"{n} B"
 
 
 def verify_snapshot(store: Store, snapshot_id: str, *, chunk: int = 8 << 20) -> list[str]:

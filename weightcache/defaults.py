@@ -1,0 +1,24 @@
+"""Default places and sizes, written down once; the CLI, daemon, CSI plugin and docs/config.md use these."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ROOT = Path("/var/lib/weightcache")  # the store (env WEIGHTCACHE_ROOT)
+SOCKET = Path("/run/weightcache/weightcache.sock")  # the daemon's API (env WEIGHTCACHE_SOCKET)
+KUBELET_DIR = Path("/var/lib/kubelet")  # where kubelet publishes volumes (k3s, microk8s differ)
+CHUNK_SIZE = 16 << 20  # bytes of buffer per download worker; one journalled unit of resume
+CONCURRENCY = 8  # parallel ranged reads per fetch
+CONNECT_TIMEOUT = 5.0  # seconds to open a connection to a model source
+READ_TIMEOUT = 10.0  # seconds a source may stay silent; 5 attempts keep a blackholed endpoint under 60 s
+
+
+def root() -> Path:
+    """WEIGHTCACHE_ROOT, else /var/lib/weightcache."""
+    return Path(os.environ.get("WEIGHTCACHE_ROOT") or ROOT)
+
+
+def socket() -> Path:
+    """WEIGHTCACHE_SOCKET, else /run/weightcache/weightcache.sock."""
+    return Path(os.environ.get("WEIGHTCACHE_SOCKET") or SOCKET)
