@@ -16,7 +16,8 @@ from typing import Any
 from weightcache.daemon.node import Node
 from weightcache.daemon.reconcile import Want
 from weightcache.errors import WeightcacheError
-from weightcache.policy import Decision, decide
+from weightcache.policy import Decision
+from weightcache.uri import ModelRef
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class Cluster:
 
         self._labels = self.reporter.node_labels()
         caches = {str((mc.get("metadata") or {}).get("name")): mc for mc in self.model_caches()}
-        wanted, invalid = plan(caches.values(), self._labels)
+        wanted, invalid = plan(caches.values(), self._labels, self.node_name)
         for bad in invalid:
             if self._invalid.get(bad.name) != bad.error:
                 self._invalid[bad.name] = bad.error
@@ -131,13 +132,13 @@ async def connect(node: Node) -> Cluster | None:
 
 
 async def serve_csi(node: Node) -> Any:
-    """Start the CSI plugin on the daemon's loop, sharing its store, metered fetcher and policy."""
+    """Start the CSI plugin on the daemon's loop, sharing its store, fetch queue, policy and metrics."""
     from weightcache.csi.server import serve_csi as serve
 
-    def policy(uri: str, namespace: str) -> Decision:
-        return decide(uri, namespace, node.model_caches(), allow_undeclared=node.allow_undeclared())
+    def policy(ref: ModelRef, namespace: str) -> Decision:
+        return node.decide(ref, namespace)
 
     s = node.settings
     node_id = s.node_name or socket.gethostname()
-    return await serve(s.csi_endpoint or "", store=node.store, fetcher=node.fetcher,  # type: ignore[arg-type]
-                       node_id=node_id, policy=policy, kubelet_dir=s.kubelet_dir, tier=node.tier)
+    return await serve(s.csi_endpoint or "", store=node.store, fetches=node.fetches, node_id=node_id,
+                       policy=policy, kubelet_dir=s.kubelet_dir, tier=node.tier, observe=node.metrics.observe_csi)

@@ -1,6 +1,9 @@
 """Which ModelCaches this node should hold: a pure function of the ModelCache objects and the node's labels.
 
-Selection is matchLabels-style: every key of `spec.nodeSelector` must be a node label with exactly that value.
+Selection is matchLabels-style: every key of `spec.nodeSelector` must be a node label with exactly that value;
+`spec.nodeNames` (written by the placement controller for the pods it holds back) names nodes outright.
+With `spec.memory.nodes: N` the placement controller picks N selected nodes (spread over zones) into
+`status.memoryNodes`: those keep the model in the RAM tier, the others on disk.
 An empty or missing nodeSelector selects NO node: such a ModelCache only declares a model for the namespace
 policy (pods fetch it on demand through CSI); prefetching on every node of a fleet must be asked for
 explicitly, e.g. with a label every GPU node carries. Pure and allocation-light: 500 ModelCaches reconcile in
@@ -14,7 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightcache.errors import InvalidReferenceError
-from weightcache.kube import redact
+from weightcache.kube import MESSAGE_MAX
+from weightcache.redact import redact
 from weightcache.uri import ModelRef, parse_ref
 
 TIERS = ("disk", "memory")
@@ -47,7 +51,8 @@ def selects(node_labels: Mapping[str, str], node_selector: Mapping[str, str] | N
     return all(node_labels.get(k) == v for k, v in node_selector.items())
 
 
-def plan(model_caches: Iterable[Mapping[str, Any]], node_labels: Mapping[str, str]) -> tuple[list[DesiredModel], list[InvalidSpec]]:
+def plan(model_caches: Iterable[Mapping[str, Any]], node_labels: Mapping[str, str],
+         node_name: str | None = None) -> tuple[list[DesiredModel], list[InvalidSpec]]:
     """The models this node should hold (priority high first, then name) and the selected specs that are invalid."""
     wanted: list[DesiredModel] = []
     invalid: list[InvalidSpec] = []
@@ -56,27 +61,43 @@ def plan(model_caches: Iterable[Mapping[str, Any]], node_labels: Mapping[str, st
         spec = mc.get("spec") or {}
         name = str(meta.get("name", ""))
         selector = spec.get("nodeSelector")
-        if not isinstance(selector, Mapping):
+        named = node_name is not None and node_name in _strings(spec.get("nodeNames"))
+        if not isinstance(selector, Mapping) and not named:
             if selector is not None:
                 invalid.append(InvalidSpec(name, "spec.nodeSelector must be a map of label names to values"))
             continue
-        if not selects(node_labels, selector):
+        if not named and not selects(node_labels, selector):
             continue
         try:
-            wanted.append(_desired(name, spec, meta.get("generation")))
+            wanted.append(_desired(name, spec, meta.get("generation"), _in_memory(mc, node_name)))
         except (InvalidReferenceError, ValueError, TypeError) as exc:
-            invalid.append(InvalidSpec(name, redact(str(exc))))
+            invalid.append(InvalidSpec(name, redact(str(exc), limit=MESSAGE_MAX)))
     wanted.sort(key=lambda d: (-d.priority, d.name))
     return wanted, invalid
 
 
-def desired_models(model_caches: Iterable[Mapping[str, Any]], node_labels: Mapping[str, str]) -> list[DesiredModel]:
+def desired_models(model_caches: Iterable[Mapping[str, Any]], node_labels: Mapping[str, str],
+                   node_name: str | None = None) -> list[DesiredModel]:
     """The models this node should hold; see `plan` for the invalid specs as well."""
-    return plan(model_caches, node_labels)[0]
+    return plan(model_caches, node_labels, node_name)[0]
 
 
-def _desired(name: str, spec: Mapping[str, Any], generation: Any) -> DesiredModel:
+def _strings(value: Any) -> list[str]:
+    return [v for v in value if isinstance(v, str)] if isinstance(value, list) else []
+
+
+def _in_memory(mc: Mapping[str, Any], node_name: str | None) -> bool | None:
+    """With spec.memory: whether this node is one of status.memoryNodes; None without spec.memory."""
+    if not isinstance((mc.get("spec") or {}).get("memory"), Mapping):
+        return None
+    status = mc.get("status") if isinstance(mc.get("status"), Mapping) else {}
+    return node_name is not None and node_name in _strings(status.get("memoryNodes"))  # type: ignore[union-attr]
+
+
+def _desired(name: str, spec: Mapping[str, Any], generation: Any, in_memory: bool | None = None) -> DesiredModel:
     tier = spec.get("tier") or "disk"
+    if in_memory is not None:
+        tier = "memory" if in_memory else "disk"
     if tier not in TIERS:
         raise ValueError(f"spec.tier {tier!r} is not one of {', '.join(TIERS)}")
     priority = spec.get("priority") or 0

@@ -6,7 +6,10 @@
     weightcache.io/mount-path: /weights                      one model: its mount path; several: the base directory
     weightcache.io/containers: "server,warmup"               default: every app container (no init containers)
     weightcache.io/tier: disk | memory                       default: disk
-    weightcache.io/require-cached: "true" | "false"          required node affinity instead of preferred
+    weightcache.io/placement: require | prefer | gate        default require (docs/placement.md)
+    weightcache.io/require-cached: "true" | "false"          older spelling of placement: require | prefer
+    weightcache.io/include: "*.safetensors,*.json"           only these files of every model (or a JSON list);
+    weightcache.io/exclude: "*.bin"                          must stay within what the ModelCache grants
 
 Every error message shows a line the user can paste instead.
 """
@@ -19,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from weightcache.errors import AnnotationError, InvalidReferenceError
-from weightcache.uri import ModelRef, parse_ref, readiness_label
+from weightcache.uri import ModelRef, parse_globs, parse_ref, readiness_label
 
 PREFIX = "weightcache.io/"
 MODEL = PREFIX + "model"
@@ -28,14 +31,17 @@ MOUNT_PATH = PREFIX + "mount-path"
 CONTAINERS = PREFIX + "containers"
 TIER = PREFIX + "tier"
 REQUIRE_CACHED = PREFIX + "require-cached"
-KNOWN = (MODEL, MODELS, MOUNT_PATH, CONTAINERS, TIER, REQUIRE_CACHED)
+INCLUDE = PREFIX + "include"
+EXCLUDE = PREFIX + "exclude"
+PLACEMENT = PREFIX + "placement"
+KNOWN = (MODEL, MODELS, MOUNT_PATH, CONTAINERS, TIER, REQUIRE_CACHED, INCLUDE, EXCLUDE, PLACEMENT)
+PLACEMENTS = ("require", "prefer", "gate")
 
 TIERS = ("disk", "memory")
 ENV_SINGLE = "WEIGHTCACHE_MODEL_PATH"
 VOLUME_PREFIX = "wc-"
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _MAX_NAME = 63 - len(VOLUME_PREFIX)  # the volume name wc-<name> must stay a DNS label
-_USERINFO = re.compile(r"://[^/@\s]*@")
 _PATH = re.compile(r"^(/[A-Za-z0-9._\-]+)+/?$")
 _EXAMPLE_MODELS = f'{MODELS}: "llama=s3://models/llama-3-8b/,draft=s3://models/llama-draft/"'
 
@@ -59,7 +65,7 @@ class Injection:
     models: tuple[ModelMount, ...]
     containers: tuple[str, ...] | None  # None: every app container
     tier: str
-    require_cached: bool
+    placement: str | None  # require | prefer | gate; None: not asked (the webhook picks, docs/placement.md)
 
 
 def wants_injection(annotations: Mapping[str, object]) -> bool:
@@ -82,7 +88,8 @@ def _parse(items: tuple[tuple[str, str], ...]) -> Injection:
         raise AnnotationError(
             f"use either {MODEL} (one model) or {MODELS} (several), not both; for several write {_EXAMPLE_MODELS}"
         )
-    named = _parse_models(values[MODELS]) if MODELS in values else [("model", _ref(MODEL, values[MODEL]))]
+    globs = (_globs(INCLUDE, values.get(INCLUDE)), _globs(EXCLUDE, values.get(EXCLUDE)))
+    named = _parse_models(values[MODELS], globs) if MODELS in values else [("model", _ref(MODEL, values[MODEL], globs))]
     single = MODELS not in values
     base = _mount_path(values.get(MOUNT_PATH))
     models = tuple(
@@ -100,20 +107,26 @@ def _parse(items: tuple[tuple[str, str], ...]) -> Injection:
         models=models,
         containers=_containers(values.get(CONTAINERS)),
         tier=_tier(values.get(TIER)),
-        require_cached=_boolean(REQUIRE_CACHED, values.get(REQUIRE_CACHED)),
+        placement=_placement(values.get(PLACEMENT), values.get(REQUIRE_CACHED)),
     )
 
 
-def _ref(key: str, text: str, name: str | None = None) -> ModelRef:
+def _ref(key: str, text: str, globs: tuple[tuple[str, ...], tuple[str, ...]], name: str | None = None) -> ModelRef:
     try:
-        return parse_ref(text)
-    except InvalidReferenceError as exc:
+        return parse_ref(text, include=globs[0], exclude=globs[1])
+    except InvalidReferenceError as exc:  # its message is already redacted (uri._fail)
         where = f"{key} entry {name!r}" if name else key
-        # parse_ref echoes its input; a user who pasted credentials into a pod must not find them in logs too
-        raise AnnotationError(f"{where}: {_USERINFO.sub('://***@', str(exc))}") from None
+        raise AnnotationError(f"{where}: {exc}") from None
 
 
-def _parse_models(text: str) -> list[tuple[str, ModelRef]]:
+def _globs(key: str, text: str | None) -> tuple[str, ...]:
+    try:
+        return parse_globs(text or "", key)
+    except InvalidReferenceError as exc:
+        raise AnnotationError(f'{exc}; as in {key}: "*.safetensors,*.json"') from None
+
+
+def _parse_models(text: str, globs: tuple[tuple[str, ...], tuple[str, ...]]) -> list[tuple[str, ModelRef]]:
     entries = [e.strip() for e in text.split(",") if e.strip()]
     if not entries:
         raise AnnotationError(f"{MODELS} is empty; write {_EXAMPLE_MODELS}")
@@ -133,7 +146,7 @@ def _parse_models(text: str) -> list[tuple[str, ModelRef]]:
                 f"{MODELS} names {name!r} twice; give each model its own name, as in {_EXAMPLE_MODELS}"
             )
         seen.add(name)
-        out.append((name, _ref(MODELS, ref_text, name)))
+        out.append((name, _ref(MODELS, ref_text, globs, name)))
     return out
 
 
@@ -168,9 +181,18 @@ def _tier(text: str | None) -> str:
     return text
 
 
-def _boolean(key: str, text: str | None) -> bool:
+def _placement(text: str | None, require_cached: str | None) -> str | None:
+    old = None if require_cached is None else ("require" if _boolean(REQUIRE_CACHED, require_cached) else "prefer")
     if text is None:
-        return False
+        return old
+    if text not in PLACEMENTS:
+        raise AnnotationError(f"{PLACEMENT} {text!r} is not one of {', '.join(PLACEMENTS)}; write {PLACEMENT}: require")
+    if old is not None and old != text:
+        raise AnnotationError(f"{REQUIRE_CACHED} says {old} but {PLACEMENT} says {text}; remove {REQUIRE_CACHED}")
+    return text
+
+
+def _boolean(key: str, text: str) -> bool:
     if text.lower() not in ("true", "false"):
         raise AnnotationError(f'{key} {text!r} must be "true" or "false"; write {key}: "true"')
     return text.lower() == "true"

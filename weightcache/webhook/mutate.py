@@ -7,8 +7,11 @@ API server sent):
                                              volumeAttributes: {model, revision, tier}}}
     /spec/containers/<i>/volumeMounts/-     {name: wc-<name>, mountPath: /models/<name>, readOnly: true}
     /spec/containers/<i>/env/-              {name: WEIGHTCACHE_MODEL_PATH[_<NAME>], value: <mountPath>}
-    /spec/affinity/nodeAffinity/...         weightcache.io/<model-key> In [ready]: preferred, or required
-                                            (ANDed into every existing required term) with require-cached
+    /spec/affinity/nodeAffinity/...         weightcache.io/<model-key> In [ready]: required (ANDed into every
+                                            existing required term) or preferred, per weightcache.io/placement
+    /spec/schedulingGates/-                 {name: weightcache.io/model}: placement require with no node the pod
+                                            could run on holding its models, or placement gate
+                                            (docs/placement.md: weightcache.placement releases it)
 
 A missing list is added whole; an existing one is appended to. Whatever is already there exactly as we would
 add it is skipped, so re-invocation (`reinvocationPolicy: IfNeeded`) adds nothing twice; anything else already
@@ -20,10 +23,12 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NotRequired, TypedDict
 
 from weightcache.errors import AnnotationError, BadAdmissionReviewError, InjectionConflictError
+from weightcache.placement.choice import GATE, ready_nodes
+from weightcache.placement.nodes import NodeFacts
 from weightcache.policy import decide
 from weightcache.webhook.annotations import Injection, ModelMount, parse_annotations, wants_injection
 
@@ -66,8 +71,10 @@ def review(
     *,
     model_caches: Iterable[Mapping[str, Any]],
     allow_undeclared: bool,
+    nodes: Sequence[NodeFacts] | None = None,
 ) -> AdmissionReview:
-    """Answer one AdmissionReview: allow unchanged, allow with a patch, or deny with a message."""
+    """Answer one AdmissionReview: allow unchanged, allow with a patch, or deny with a message.
+    `nodes`: the cluster's nodes (labels, taints) for placement; None when unknown (off-cluster)."""
     request = _request(body)
     uid, pod = request["uid"], request["object"]
     annotations = _annotations(pod)
@@ -80,11 +87,11 @@ def review(
         return _deny(uid, 400, "BadRequest", str(exc))
     caches = list(model_caches)  # read once: a generator would be spent after the first model
     for m in injection.models:
-        decision = decide(m.ref.uri, namespace, caches, allow_undeclared=allow_undeclared)
+        decision = decide(m.ref, namespace, caches, allow_undeclared=allow_undeclared)
         if not decision.allowed:
             return _deny(uid, 403, "Forbidden", f"model {m.name!r}: {decision.reason}")
     try:
-        ops = plan(pod, injection)
+        ops = plan(pod, injection, nodes)
     except AnnotationError as exc:
         return _deny(uid, 400, "BadRequest", str(exc))
     except InjectionConflictError as exc:
@@ -96,7 +103,7 @@ def review(
     return _answer(response)
 
 
-def plan(pod: Mapping[str, Any], injection: Injection) -> list[PatchOp]:
+def plan(pod: Mapping[str, Any], injection: Injection, nodes: Sequence[NodeFacts] | None = None) -> list[PatchOp]:
     """The JSON Patch that injects `injection` into `pod`; empty when everything is already there."""
     spec = _dict(pod, "spec")
     volumes = [_volume(m, injection.tier) for m in injection.models]
@@ -109,8 +116,22 @@ def plan(pod: Mapping[str, Any], injection: Injection) -> list[PatchOp]:
         _check_names(f"container {container['name']!r} env", _list(container, "env"), env)
         ops += _extend(container, path, ["volumeMounts"], mounts)
         ops += _extend(container, path, ["env"], env)
+    return ops + _placement(pod, injection, nodes)
+
+
+def _placement(pod: Mapping[str, Any], injection: Injection, nodes: Sequence[NodeFacts] | None) -> list[PatchOp]:
+    """docs/placement.md. `require` (the default when the webhook sees the nodes): required affinity to the
+    nodes holding every model, or the scheduling gate while no node the pod may run on holds them all (a
+    gated pod waits outside the scheduler and the autoscaler); `prefer`: a preference only; `gate`: always
+    gated, the controller releases it to a ready node with room."""
+    spec = _dict(pod, "spec")
     labels = [m.label for m in injection.models]
-    return ops + (_required(spec, labels) if injection.require_cached else _preferred(spec, labels))
+    mode = injection.placement or ("require" if nodes is not None else "prefer")
+    if mode == "prefer":
+        return _preferred(spec, labels)
+    if mode == "require" and (nodes is None or ready_nodes(pod, [m.ref for m in injection.models], nodes)):
+        return required_affinity(spec, labels)
+    return _extend(spec, "/spec", ["schedulingGates"], [{"name": GATE}])
 
 
 def _request(body: object) -> dict[str, Any]:
@@ -150,6 +171,9 @@ def _annotations(pod: Mapping[str, Any]) -> dict[str, Any]:
 
 def _volume(m: ModelMount, tier: str) -> dict[str, Any]:
     attributes = {"model": m.ref.uri, "revision": m.ref.revision or "", "tier": tier}
+    for field, globs in (("include", m.ref.include), ("exclude", m.ref.exclude)):
+        if globs:  # a JSON list: globs may hold commas (docs/csi.md)
+            attributes[field] = json.dumps(list(globs))
     return {"name": m.volume, "csi": {"driver": DRIVER, "readOnly": True, "volumeAttributes": attributes}}
 
 
@@ -198,8 +222,9 @@ def _preferred(spec: Mapping[str, Any], labels: list[str]) -> list[PatchOp]:
     return _extend(spec, "/spec", ["affinity", "nodeAffinity", _PREFERRED], terms)
 
 
-def _required(spec: Mapping[str, Any], labels: list[str]) -> list[PatchOp]:
-    """Node selector terms are ORed, so our expressions join every existing term (an empty term matches nothing)."""
+def required_affinity(spec: Mapping[str, Any], labels: list[str]) -> list[PatchOp]:
+    """Node selector terms are ORed, so our expressions join every existing term (an empty term matches nothing).
+    Only adds expressions: allowed on a gated pod too (the placement controller uses it to release one)."""
     wanted = [_ready(lb) for lb in labels]
     keys = ["affinity", "nodeAffinity", _REQUIRED, "nodeSelectorTerms"]
     terms = _list(_dict(_dict(_dict(spec, "affinity"), "nodeAffinity"), _REQUIRED), "nodeSelectorTerms")

@@ -1,0 +1,8 @@
+"""Placement: pods wait for their model outside kubelet (docs/placement.md).
+
+    nodes.py       could this pod run on this node (selectors, affinity, taints, free GPUs): pure
+    choice.py      which nodes fetch, which pods go, which nodes keep a model in RAM: pure
+    lease.py       leader election on a coordination.k8s.io/v1 Lease
+    controller.py  the loop: watches, demand ModelCaches, releases gated pods, progress Events
+    command.py     `weightcache controller`
+"""

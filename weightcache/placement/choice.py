@@ -1,0 +1,155 @@
+"""Placement decisions as pure functions of API objects: which nodes fetch, which pods go, which nodes keep RAM.
+
+    pod_state(pod)            -> gated / bound / waiting / done, and the models its annotations name
+    ready_nodes(pod, refs, N) -> the nodes it may run on that hold every one of its models (label = ready)
+    plan(pods, nodes, current)-> model -> nodes that must hold it:
+                                   gated pod  : its chosen node (one per pod; see `_rank`)
+                                   bound pod  : its node (a model in use stays pinned there)
+                                   released, not yet bound: the nodes already asked (the pod's affinity may
+                                   point at any of them, so they keep the model until it is bound)
+    memory_nodes(nodes, N, prev) -> N of the nodes, spread over zones, keeping previous picks
+
+Every input is untrusted: a pod with unparsable annotations is skipped (the webhook would have denied it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from weightcache.errors import AnnotationError
+from weightcache.placement.nodes import NodeFacts, eligible, gpu_request
+from weightcache.uri import ModelRef
+from weightcache.webhook.annotations import parse_annotations, wants_injection
+
+GATE = "weightcache.io/model"
+READY = "ready"
+ZONE = "topology.kubernetes.io/zone"
+State = Literal["gated", "bound", "waiting", "done"]
+
+
+@dataclass(frozen=True)
+class PodModels:
+    state: State
+    refs: tuple[ModelRef, ...] = ()
+    node: str = ""  # spec.nodeName of a bound pod
+
+
+@dataclass
+class Plan:
+    nodes: dict[str, set[str]] = field(default_factory=dict)  # demand name -> nodes
+    refs: dict[str, ModelRef] = field(default_factory=dict)  # demand name -> model
+    chosen: dict[str, str] = field(default_factory=dict)  # gated pod (ns/name) -> the node chosen to fetch for it
+
+
+def demand_name(ref: ModelRef) -> str:
+    """The ModelCache that carries the controller's demand for `ref` (revision included): stable across restarts."""
+    digest = hashlib.sha256(f"{ref.key}\0{ref.revision or ''}".encode()).hexdigest()[:16]
+    return f"placement-{digest}"
+
+
+def pod_key(pod: Mapping[str, Any]) -> str:
+    meta = pod.get("metadata") or {}
+    return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+
+
+def gated(pod: Mapping[str, Any]) -> bool:
+    gates = (pod.get("spec") or {}).get("schedulingGates") or []
+    return isinstance(gates, list) and any(isinstance(g, Mapping) and g.get("name") == GATE for g in gates)
+
+
+def pod_state(pod: Mapping[str, Any]) -> PodModels:
+    meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+    annotations = meta.get("annotations") or {}
+    phase = (pod.get("status") or {}).get("phase")
+    if meta.get("deletionTimestamp") or phase in ("Succeeded", "Failed") or not isinstance(annotations, Mapping):
+        return PodModels("done")
+    if not wants_injection(annotations):
+        return PodModels("done")
+    try:
+        refs = tuple(m.ref for m in parse_annotations(annotations).models)
+    except AnnotationError:
+        return PodModels("done")
+    if gated(pod):
+        return PodModels("gated", refs)
+    node = spec.get("nodeName")
+    if isinstance(node, str) and node:
+        return PodModels("bound", refs, node)
+    return PodModels("waiting", refs)
+
+
+def holds(node: NodeFacts, refs: Iterable[ModelRef]) -> int:
+    return sum(node.labels.get(r.label_key) == READY for r in refs)
+
+
+def ready_nodes(pod: Mapping[str, Any], refs: Sequence[ModelRef], nodes: Iterable[NodeFacts]) -> list[str]:
+    """Nodes the pod may run on that hold all its models: where releasing it lets it mount at once."""
+    return sorted(n.name for n in nodes if holds(n, refs) == len(refs) and eligible(pod, n))
+
+
+def plan(pods: Iterable[Mapping[str, Any]], nodes: Sequence[NodeFacts],
+         current: Mapping[str, Iterable[str]]) -> Plan:
+    """Which nodes must hold which models. `current`: demand name -> nodes already asked (from the API)."""
+    out = Plan()
+    asked = {name: set(ns) for name, ns in current.items()}
+    assigned: dict[str, int] = {}  # node -> GPUs promised to gated pods in this plan
+    by_name = {n.name: n for n in nodes}
+    gated_pods: list[tuple[Mapping[str, Any], PodModels]] = []
+    for pod in pods:
+        state = pod_state(pod)
+        for ref in state.refs:
+            out.refs.setdefault(demand_name(ref), ref)
+        if state.state == "gated":
+            gated_pods.append((pod, state))
+        elif state.state == "bound":
+            for ref in state.refs:
+                out.nodes.setdefault(demand_name(ref), set()).add(state.node)
+        elif state.state == "waiting":
+            for ref in state.refs:
+                out.nodes.setdefault(demand_name(ref), set()).update(asked.get(demand_name(ref), ()))
+    gated_pods.sort(key=lambda p: ((p[0].get("metadata") or {}).get("creationTimestamp") or "", pod_key(p[0])))
+    for pod, state in gated_pods:
+        need = gpu_request(pod)
+        candidates = [n for n in nodes if eligible(pod, n)]
+        if not candidates:
+            continue  # nothing can run it: no demand; the progress Event says why
+        best = min(candidates, key=lambda n: _rank(n, state.refs, asked, need, assigned))
+        out.chosen[pod_key(pod)] = best.name
+        assigned[best.name] = assigned.get(best.name, 0) + need
+        for ref in state.refs:
+            out.nodes.setdefault(demand_name(ref), set()).add(best.name)
+            asked.setdefault(demand_name(ref), set()).add(best.name)
+    out.nodes = {name: {n for n in ns if n in by_name} for name, ns in out.nodes.items()}
+    return out
+
+
+def _rank(node: NodeFacts, refs: Sequence[ModelRef], asked: Mapping[str, set[str]], need: int,
+          assigned: Mapping[str, int]) -> tuple[int, int, int, int, str]:
+    """Smaller is better: room for the pod's GPUs, then models held, then models being fetched, then free GPUs."""
+    free = node.gpus_free - assigned.get(node.name, 0)
+    fetching = sum(node.name in asked.get(demand_name(r), ()) for r in refs)
+    return (0 if free >= need else 1, -holds(node, refs), -fetching, -free, node.name)
+
+
+def memory_nodes(nodes: Sequence[NodeFacts], count: int, previous: Iterable[str]) -> list[str]:
+    """`count` of `nodes` to keep a model resident in RAM: previous picks that are still there first (a move
+    costs a reload), then round-robin over zones (most free GPUs first within a zone), so one zone's outage
+    leaves the others hot."""
+    if count <= 0:
+        return []
+    by_name = {n.name: n for n in nodes}
+    picked = [name for name in sorted(set(previous)) if name in by_name][:count]
+    zones: dict[str, list[NodeFacts]] = {}
+    for n in sorted(nodes, key=lambda n: (-n.gpus_free, n.name)):
+        if n.name not in picked:
+            zones.setdefault(n.labels.get(ZONE, ""), []).append(n)
+    used = {by_name[name].labels.get(ZONE, "") for name in picked}
+    while len(picked) < count and any(zones.values()):
+        order = sorted(zones, key=lambda z: (z in used, z))
+        for zone in order:
+            if zones[zone] and len(picked) < count:
+                picked.append(zones[zone].pop(0).name)
+                used.add(zone)
+    return sorted(picked)
