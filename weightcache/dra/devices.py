@@ -1,0 +1,87 @@
+"""Store snapshots as ResourceSlice devices (pure: no I/O).
+
+One cached snapshot is `slots` devices named `m-<snapshot id>-<slot>`, so that up to `slots` claims on the node
+can hold the same model at once (the stable DRA API allocates a device to one claim). Where the cluster runs with
+the DRAConsumableCapacity feature gate (alpha in 1.34), `shared=True` publishes one device per snapshot with
+`allowMultipleAllocations: true` instead. The device name carries the snapshot id, so a restarted plugin maps an
+allocated device back to its snapshot without any saved table.
+
+Attributes (unqualified names: the API qualifies them with the driver's domain, so a CEL selector reads
+`device.attributes["models.weightcache.io"].model`). String values longer than the API's 64 characters are left
+out rather than cut, because a cut value would match the wrong claim:
+
+    model     string  m + 20 hex: the model key of the canonical source (weightcache.uri.model_key); always set
+    source    string  canonical source URI, when it fits 64 characters
+    revision  string  the source revision the snapshot was fetched at, when known and short enough
+    snapshot  string  snapshot id (40 hex)
+    size      int     bytes
+    tier      string  "memory" when resident in the memory tier, else "disk"
+    ready     bool    true: only complete, published snapshots become devices
+    slot      int     0..slots-1 (slot mode only)
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection, Iterable
+from typing import Any
+
+from weightcache.store import Snapshot
+from weightcache.uri import model_key
+
+MAX_STRING = 64  # DeviceAttribute.string
+MAX_ATTRIBUTES = 32  # attributes + capacities per device
+MAX_SLOTS = 64
+_NAME = re.compile(r"^m-(?P<id>[0-9a-f]{40})(?:-(?P<slot>[0-9]{1,2}))?$")
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_C_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,31}$")
+
+
+def device_name(snapshot_id: str, slot: int | None) -> str:
+    """`m-<snapshot id>-<slot>` (slot mode) or `m-<snapshot id>` (shared mode): a DNS label."""
+    name = f"m-{snapshot_id}" if slot is None else f"m-{snapshot_id}-{slot}"
+    if not _NAME.match(name) or not _DNS_LABEL.match(name):
+        raise ValueError(f"snapshot id {snapshot_id!r} does not make a device name (expected 40 hex digits)")
+    return name
+
+
+def snapshot_of(name: str) -> str | None:
+    """The snapshot id a device name of ours carries, or None for a name we never publish."""
+    match = _NAME.match(name)
+    return match["id"] if match else None
+
+
+def attributes(snapshot: Snapshot, *, resident: bool, slot: int | None) -> dict[str, dict[str, Any]]:
+    attrs: dict[str, dict[str, Any]] = {
+        "model": {"string": model_key(snapshot.uri)},
+        "snapshot": {"string": snapshot.id},
+        "size": {"int": snapshot.size},
+        "tier": {"string": "memory" if resident else "disk"},
+        "ready": {"bool": True},
+    }
+    if len(snapshot.uri) <= MAX_STRING:
+        attrs["source"] = {"string": snapshot.uri}
+    if snapshot.revision and len(snapshot.revision) <= MAX_STRING:
+        attrs["revision"] = {"string": snapshot.revision}
+    if slot is not None:
+        attrs["slot"] = {"int": slot}
+    assert len(attrs) <= MAX_ATTRIBUTES and all(_C_IDENTIFIER.match(k) for k in attrs)
+    return attrs
+
+
+def devices_for(snapshots: Iterable[Snapshot], *, slots: int, shared: bool,
+                resident: Collection[str] = ()) -> list[dict[str, Any]]:
+    """The devices of a node holding `snapshots`, sorted by name (stable output: equal input, equal slices)."""
+    if not 1 <= slots <= MAX_SLOTS:
+        raise ValueError(f"slots must be 1..{MAX_SLOTS}, got {slots}")
+    devices = []
+    for snapshot in snapshots:
+        for slot in (None,) if shared else range(slots):
+            device: dict[str, Any] = {
+                "name": device_name(snapshot.id, slot),
+                "attributes": attributes(snapshot, resident=snapshot.id in resident, slot=slot),
+            }
+            if shared:
+                device["allowMultipleAllocations"] = True
+            devices.append(device)
+    return sorted(devices, key=lambda d: str(d["name"]))

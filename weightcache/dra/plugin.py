@@ -1,0 +1,274 @@
+"""The DRA gRPC service kubelet calls around a pod's life: NodePrepareResources / NodeUnprepareResources.
+
+Kubelet sends only the claims' namespace, name and uid; the allocation (which devices of which pool) is read from
+the ResourceClaim in the API server, as every DRA driver does. Preparing a claim, for each device allocated from
+this node's pool by our driver:
+  1. map the device name back to its snapshot (devices.snapshot_of) and check it is still in the store;
+  2. policy: the claim's namespace must be allowed to read the model (the CSI publish's rule, weightcache.policy);
+  3. lease `dra:<claim uid>/<device>` (eviction never removes it), write the claim's CDI spec, then its record.
+A repeat of a prepared claim answers from its record (rewriting a CDI spec a reboot wiped). Unprepare releases
+the leases and removes the spec and the record; an unknown claim is fine (kubelet retries after our restart).
+Every claim of a request gets an entry in the response; a failure is that entry's `error`, never the RPC's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from weightcache.dra import DRIVER_NAME, cdi
+from weightcache.dra._pb import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
+from weightcache.dra.claims import ClaimBook, ClaimRecord, PreparedDevice, claim_of_holder, holder_for, valid_uid
+from weightcache.dra.devices import snapshot_of
+from weightcache.errors import InvalidRequestError, NotAllowedError, NotCachedError, WeightcacheError
+from weightcache.policy import Decision
+from weightcache.store import Store
+from weightcache.uri import ModelRef, parse_ref
+
+log = logging.getLogger(__name__)
+
+Policy = Callable[[ModelRef, str], Decision]  # (model, namespace) -> Decision: the CSI publish's policy
+ClaimSource = Callable[[str, str], dict[str, Any]]  # (namespace, name) -> ResourceClaim; raises on failure
+DEFAULT_CONTAINER_PATH = "/models/model"  # the webhook's single-model path
+_ENV = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+_CONFIG_KEYS = {"apiVersion", "kind", "mountPath", "env"}
+
+
+@dataclass(frozen=True)
+class Allocated:
+    request: str
+    device: str
+    container_path: str
+    env_name: str
+
+
+def allocated_devices(claim: dict[str, Any], *, pool: str) -> list[Allocated]:
+    """Our devices in a ResourceClaim's allocation, with the opaque config (mountPath, env) that applies to each.
+
+    Raises InvalidRequestError when the claim is not allocated, or allocated from another node's pool."""
+    allocation = (claim.get("status") or {}).get("allocation") or {}
+    devices = allocation.get("devices") or {}
+    results = [r for r in devices.get("results") or [] if r.get("driver") == DRIVER_NAME]
+    if not results:
+        raise InvalidRequestError("status.allocation", f"the claim has no device of driver {DRIVER_NAME} "
+                                  "allocated; the scheduler allocates it before kubelet prepares it")
+    out = []
+    for result in results:
+        if result.get("pool") != pool:
+            raise InvalidRequestError("status.allocation.devices.results", f"device {result.get('device')!r} is "
+                                      f"from pool {result.get('pool')!r}, not this node's pool {pool!r}")
+        request = str(result.get("request", ""))
+        path, env = DEFAULT_CONTAINER_PATH, cdi.ENV_NAME
+        for config in devices.get("config") or []:  # later entries win, as in the API's documented order
+            opaque = config.get("opaque") or {}
+            wanted = config.get("requests") or []
+            if opaque.get("driver") != DRIVER_NAME or (wanted and request not in wanted
+                                                        and request.partition("/")[0] not in wanted):
+                continue
+            path, env = _model_config(opaque.get("parameters") or {}, path, env)
+        out.append(Allocated(request, str(result.get("device", "")), path, env))
+    return out
+
+
+def _model_config(params: Any, path: str, env: str) -> tuple[str, str]:
+    field = "status.allocation.devices.config.opaque.parameters"
+    if not isinstance(params, dict):
+        raise InvalidRequestError(field, "must be an object such as {mountPath: /models/llama}")
+    unknown = set(params) - _CONFIG_KEYS
+    if unknown:
+        raise InvalidRequestError(field, f"unknown keys {sorted(unknown)}; known: mountPath, env")
+    if "mountPath" in params:
+        path = str(params["mountPath"])
+        if not path.startswith("/") or "\0" in path or ".." in path.split("/") or len(path) > 4096 or path == "/":
+            raise InvalidRequestError(f"{field}.mountPath", f"{path!r} must be an absolute path below / without '..'")
+    if "env" in params:
+        env = str(params["env"])
+        if not _ENV.match(env):
+            raise InvalidRequestError(f"{field}.env", f"{env!r} is not an environment variable name")
+    return os.path.normpath(path), env
+
+
+class ModelClaims:
+    """Prepare and unprepare claims (blocking: call from a thread)."""
+
+    def __init__(self, store: Store, book: ClaimBook, *, pool: str, cdi_dir: Path, claims: ClaimSource,
+                 policy: Policy) -> None:
+        self._store = store
+        self._book = book
+        self._pool = pool
+        self._cdi_dir = cdi_dir
+        self._claims = claims
+        self._policy = policy
+
+    def prepare(self, namespace: str, uid: str, name: str) -> ClaimRecord:
+        for field, value in (("namespace", namespace), ("uid", uid), ("name", name)):
+            if not value:
+                raise InvalidRequestError(f"claims[].{field}", "is required")
+        if not valid_uid(uid):
+            raise InvalidRequestError("claims[].uid", f"{uid!r} is not a Kubernetes uid")
+        record = self._book.get(uid)
+        if record is not None:
+            return self._restore(record)
+        claim = self._claims(namespace, name)
+        actual = (claim.get("metadata") or {}).get("uid")
+        if actual != uid:
+            raise InvalidRequestError("claims[].uid", f"ResourceClaim {namespace}/{name} has uid {actual}, not "
+                                      f"{uid}: it was deleted and created again; kubelet retries with the new one")
+        prepared = []
+        for item in allocated_devices(claim, pool=self._pool):
+            snapshot_id = snapshot_of(item.device)
+            if snapshot_id is None:
+                raise InvalidRequestError("status.allocation.devices.results.device",
+                                          f"{item.device!r} is not a device this driver publishes")
+            snapshot = self._store.get(snapshot_id)  # NotCachedError: evicted between allocation and now
+            decision = self._policy(parse_ref(snapshot.uri), namespace)
+            if not decision.allowed:
+                raise NotAllowedError(decision.reason)
+            prepared.append(PreparedDevice(item.request, self._pool, item.device, snapshot_id,
+                                           str(snapshot.path), item.container_path, item.env_name))
+        record = ClaimRecord(uid, namespace, name, tuple(prepared), time.time())
+        self._take(record)
+        log.info("prepared claim %s/%s (%s): %s", namespace, name, uid,
+                 ", ".join(f"{d.device} at {d.container_path}" for d in prepared))
+        return record
+
+    def _take(self, record: ClaimRecord) -> None:
+        """Leases, CDI spec, record, in that order; on failure undo what was done."""
+        taken: list[str] = []
+        try:
+            for device in record.devices:
+                holder = holder_for(record.uid, device.device)
+                self._store.lease(holder, device.snapshot_id)
+                taken.append(holder)
+            cdi.write_spec(self._cdi_dir, record.uid, _mounts(record))
+            self._book.put(record)
+        except BaseException:
+            for holder in taken:
+                self._store.release(holder)
+            cdi.remove_spec(self._cdi_dir, record.uid)
+            raise
+
+    def _restore(self, record: ClaimRecord) -> ClaimRecord:
+        """A prepared claim asked again: make sure its leases and spec are there (a reboot clears both)."""
+        leases = self._store.leases()
+        for device in record.devices:
+            holder = holder_for(record.uid, device.device)
+            if leases.get(holder) != device.snapshot_id:
+                self._store.lease(holder, device.snapshot_id)
+        if not cdi.spec_path(self._cdi_dir, record.uid).exists():
+            cdi.write_spec(self._cdi_dir, record.uid, _mounts(record))
+        return record
+
+    def unprepare(self, uid: str) -> None:
+        if not valid_uid(uid):
+            raise InvalidRequestError("claims[].uid", f"{uid!r} is not a Kubernetes uid")
+        record = self._book.get(uid)
+        holders = set(record.holders()) if record else set()
+        holders |= {h for h in self._store.leases() if claim_of_holder(h) == uid}
+        for holder in sorted(holders):
+            self._store.release(holder)
+        cdi.remove_spec(self._cdi_dir, uid)
+        self._book.remove(uid)
+        if record is not None:
+            log.info("unprepared claim %s/%s (%s)", record.namespace, record.name, uid)
+
+    def reconcile(self) -> list[str]:
+        """At startup: release `dra:` leases of claims without a record (a crash between lease and record)."""
+        known = set(self._book.uids())
+        released = [h for h in self._store.leases() if (uid := claim_of_holder(h)) is not None and uid not in known]
+        for holder in released:
+            self._store.release(holder)
+        for uid in known:
+            record = self._book.get(uid)
+            if record is not None:
+                try:
+                    self._restore(record)
+                except NotCachedError as exc:  # its snapshot is gone: kubelet's next prepare reports it
+                    log.warning("prepared claim %s/%s lost its model: %s", record.namespace, record.name, exc)
+        log.info("DRA reconcile: %d prepared claims, %d stale leases released", len(known), len(released))
+        return released
+
+
+def _mounts(record: ClaimRecord) -> list[cdi.ModelMount]:
+    return [cdi.ModelMount(d.device, d.host_path, d.container_path, d.env_name) for d in record.devices]
+
+
+def _error_text(exc: BaseException, what: str) -> str:
+    if isinstance(exc, WeightcacheError):
+        log.info("%s: %s", what, exc)
+        return str(exc)
+    log.exception("%s failed", what)
+    return f"internal error: {exc}; see the weightcache daemon's log"
+
+
+class DRAServicer(dra_v1_pb2_grpc.DRAPluginServicer):
+    """k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin. One claim's operations never overlap (kubelet retries)."""
+
+    def __init__(self, claims: ModelClaims) -> None:
+        self._claims = claims
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def _lock(self, uid: str) -> asyncio.Lock:
+        return self._locks.setdefault(uid, asyncio.Lock())
+
+    async def NodePrepareResources(self, request: dra_v1_pb2.NodePrepareResourcesRequest,
+                                   context: grpc.aio.ServicerContext[Any, Any]
+                                   ) -> dra_v1_pb2.NodePrepareResourcesResponse:
+        response = dra_v1_pb2.NodePrepareResourcesResponse()
+        for claim in request.claims:
+            entry = response.claims[claim.uid]
+            async with self._lock(claim.uid):
+                try:
+                    record = await asyncio.to_thread(self._claims.prepare, claim.namespace, claim.uid, claim.name)
+                except Exception as exc:
+                    entry.error = _error_text(exc, f"preparing claim {claim.namespace}/{claim.name}")
+                    continue
+            for device in record.devices:
+                entry.devices.add(request_names=[device.request] if device.request else [], pool_name=device.pool,
+                                  device_name=device.device, cdi_device_ids=[cdi.cdi_id(record.uid, device.device)])
+        return response
+
+    async def NodeUnprepareResources(self, request: dra_v1_pb2.NodeUnprepareResourcesRequest,
+                                     context: grpc.aio.ServicerContext[Any, Any]
+                                     ) -> dra_v1_pb2.NodeUnprepareResourcesResponse:
+        response = dra_v1_pb2.NodeUnprepareResourcesResponse()
+        for claim in request.claims:
+            entry = response.claims[claim.uid]
+            async with self._lock(claim.uid):
+                try:
+                    await asyncio.to_thread(self._claims.unprepare, claim.uid)
+                except Exception as exc:
+                    entry.error = _error_text(exc, f"unpreparing claim {claim.namespace}/{claim.name}")
+            self._locks.pop(claim.uid, None)
+        return response
+
+
+class DRAServicerV1beta1(dra_v1beta1_pb2_grpc.DRAPluginServicer):
+    """k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin (kubelet 1.32-1.33): the same messages field for field, so
+    requests and responses cross over by their wire bytes."""
+
+    def __init__(self, v1: DRAServicer) -> None:
+        self._v1 = v1
+
+    async def NodePrepareResources(self, request: dra_v1beta1_pb2.NodePrepareResourcesRequest,
+                                   context: grpc.aio.ServicerContext[Any, Any]
+                                   ) -> dra_v1beta1_pb2.NodePrepareResourcesResponse:
+        answer = await self._v1.NodePrepareResources(
+            dra_v1_pb2.NodePrepareResourcesRequest.FromString(request.SerializeToString()), context)
+        return dra_v1beta1_pb2.NodePrepareResourcesResponse.FromString(answer.SerializeToString())
+
+    async def NodeUnprepareResources(self, request: dra_v1beta1_pb2.NodeUnprepareResourcesRequest,
+                                     context: grpc.aio.ServicerContext[Any, Any]
+                                     ) -> dra_v1beta1_pb2.NodeUnprepareResourcesResponse:
+        answer = await self._v1.NodeUnprepareResources(
+            dra_v1_pb2.NodeUnprepareResourcesRequest.FromString(request.SerializeToString()), context)
+        return dra_v1beta1_pb2.NodeUnprepareResourcesResponse.FromString(answer.SerializeToString())

@@ -1,0 +1,191 @@
+"""Start the DRA kubelet plugin: the DRA gRPC service, the registration socket kubelet watches, and the
+ResourceSlice publisher.
+
+Sockets (kubelet's layout for DRA drivers):
+    <kubelet dir>/plugins/models.weightcache.io/dra.sock                the DRAPlugin service (v1 and v1beta1)
+    <kubelet dir>/plugins_registry/models.weightcache.io-reg.sock       the Registration service
+
+The DRA service starts first and the registration socket last, so kubelet never finds an endpoint that does not
+answer; stopping goes the other way round. `serve_for_node` wires it to the daemon: its store, its policy, and
+the cluster's ResourceClaims and ResourceSlices through the official client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from weightcache.dra import DRIVER_NAME
+from weightcache.dra._pb import dra_v1_pb2_grpc, dra_v1beta1_pb2_grpc, pluginregistration_pb2_grpc
+from weightcache.dra.claims import ClaimBook
+from weightcache.dra.plugin import ClaimSource, DRAServicer, DRAServicerV1beta1, ModelClaims, Policy
+from weightcache.dra.registration import RegistrationServicer
+from weightcache.dra.slices import SlicePublisher
+from weightcache.errors import ClusterError, ConfigError
+from weightcache.store import Store
+
+if TYPE_CHECKING:
+    from weightcache.daemon.node import Node
+
+log = logging.getLogger(__name__)
+
+MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
+
+
+def plugin_socket(kubelet_dir: Path) -> Path:
+    return kubelet_dir / "plugins" / DRIVER_NAME / "dra.sock"
+
+
+def registration_socket(kubelet_dir: Path) -> Path:
+    return kubelet_dir / "plugins_registry" / f"{DRIVER_NAME}-reg.sock"
+
+
+@dataclass
+class DraPlugin:
+    """A running plugin; `await stop()` ends it."""
+
+    dra_server: grpc.aio.Server
+    registration_server: grpc.aio.Server
+    registration: RegistrationServicer
+    claims: ModelClaims
+    sockets: tuple[Path, Path]  # (registration, plugin)
+    publisher: SlicePublisher | None = None
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    async def stop(self, grace: float = 5.0) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.registration_server.stop(grace)
+        await self.dra_server.stop(grace)
+        for path in self.sockets:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+
+async def serve_dra(*, store: Store, pool: str, kubelet_dir: Path, cdi_dir: Path, policy: Policy,
+                    claims: ClaimSource, publisher: SlicePublisher | None = None,
+                    publish_interval: float = 2.0) -> DraPlugin:
+    """Reconcile prepared claims with the store's leases, then serve DRA and register with kubelet."""
+    model_claims = ModelClaims(store, ClaimBook(store.layout.tree), pool=pool, cdi_dir=cdi_dir, claims=claims,
+                               policy=policy)
+    await asyncio.to_thread(model_claims.reconcile)
+    plugin_path, reg_path = plugin_socket(kubelet_dir), registration_socket(kubelet_dir)
+    dra_server = grpc.aio.server()
+    v1 = DRAServicer(model_claims)
+    dra_v1_pb2_grpc.add_DRAPluginServicer_to_server(v1, dra_server)  # type: ignore[no-untyped-call]
+    dra_v1beta1_pb2_grpc.add_DRAPluginServicer_to_server(DRAServicerV1beta1(v1), dra_server)  # type: ignore[no-untyped-call]
+    await _listen(dra_server, plugin_path)
+    registration = RegistrationServicer(str(plugin_path))
+    reg_server = grpc.aio.server()
+    pluginregistration_pb2_grpc.add_RegistrationServicer_to_server(registration, reg_server)  # type: ignore[no-untyped-call]
+    try:
+        await _listen(reg_server, reg_path)
+    except BaseException:
+        await dra_server.stop(None)
+        raise
+    plugin = DraPlugin(dra_server, reg_server, registration, model_claims, (reg_path, plugin_path), publisher)
+    if publisher is not None:
+        plugin._tasks.append(asyncio.create_task(publisher.run(publish_interval), name="dra-resourceslices"))
+    log.info("DRA driver %s serving on unix://%s, registration socket %s", DRIVER_NAME, plugin_path, reg_path)
+    return plugin
+
+
+async def _listen(server: grpc.aio.Server, path: Path) -> None:
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+        raise ConfigError(f"socket path {path} is longer than {MAX_SOCKET_PATH} bytes, the Unix limit; "
+                          "use a shorter kubeletDir")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISSOCK(path.lstat().st_mode):
+            raise ConfigError(f"{path} exists and is not a socket; remove it (the DRA plugin creates it)")
+        if _alive(path):
+            raise ConfigError(f"another process serves {path}; stop the other weightcache daemon on this node")
+        path.unlink()  # stale, left by a killed daemon
+    server.add_insecure_port(f"unix://{path}")
+    await server.start()
+    os.chmod(path, 0o600)  # kubelet runs as root; nobody else has business here
+
+
+def _alive(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+    return True
+
+
+def claim_reader(api_client: Any, api_version: str = "v1") -> ClaimSource:
+    """ResourceClaims through the official client; API failures become ClusterError (a per-claim error)."""
+    import kubernetes  # type: ignore[import-untyped]
+
+    api = kubernetes.client.CustomObjectsApi(api_client)
+
+    def read(namespace: str, name: str) -> dict[str, Any]:
+        try:
+            claim: dict[str, Any] = api.get_namespaced_custom_object("resource.k8s.io", api_version, namespace,
+                                                                     "resourceclaims", name)
+        except kubernetes.client.ApiException as exc:
+            raise ClusterError(f"reading ResourceClaim {namespace}/{name} failed: HTTP {exc.status} {exc.reason}; "
+                               "kubelet retries", exc.status) from None
+        except OSError as exc:
+            raise ClusterError(f"reading ResourceClaim {namespace}/{name} failed: {exc}; kubelet retries") from None
+        return claim
+
+    return read
+
+
+def node_devices(node: Node) -> Callable[[], list[dict[str, Any]]]:
+    from weightcache.dra.devices import devices_for
+
+    dra = node.settings.dra
+    assert dra is not None
+
+    def devices() -> list[dict[str, Any]]:
+        resident = {r.id for r in node.tier.resident()} if node.tier is not None else set()
+        return devices_for([i.snapshot for i in node.store.list()], slots=dra.slots_per_model, shared=dra.shared,
+                           resident=resident)
+    return devices
+
+
+def change_token(node: Node) -> Callable[[], object]:
+    """Cheap: the store's snapshot and manifest directories change on every publish and eviction."""
+    layout = node.store.layout
+
+    def token() -> object:
+        resident = frozenset(r.id for r in node.tier.resident()) if node.tier is not None else frozenset()
+        return layout.snapshots.stat().st_mtime_ns, layout.manifests.stat().st_mtime_ns, resident
+    return token
+
+
+async def serve_for_node(node: Node) -> DraPlugin:
+    """The daemon's DRA plugin: needs the cluster (ResourceClaims are read from the API server)."""
+    from weightcache.kube.client import load_api_client
+
+    s = node.settings
+    dra = s.dra
+    assert dra is not None
+    api_client = await asyncio.to_thread(load_api_client)
+    if api_client is None:
+        raise ConfigError("dra is enabled but no Kubernetes config was found: the DRA plugin reads ResourceClaims "
+                          "from the API server; run the daemon in the cluster or remove `dra` from the config")
+    node_name = s.node_name or socket.gethostname()
+
+    publisher = SlicePublisher(api_client, node_name, node_devices(node), api_version=dra.api_version,
+                               change_token=change_token(node))
+    return await serve_dra(store=node.store, pool=node_name, kubelet_dir=s.kubelet_dir, cdi_dir=dra.cdi_dir,
+                           policy=node.decide, claims=claim_reader(api_client, dra.api_version), publisher=publisher,
+                           publish_interval=dra.publish_seconds)

@@ -1,0 +1,139 @@
+"""This node's ResourceSlices: built from the store's devices and kept current in the API server.
+
+The pool is named after the node and holds every device of the node; past the API's 128 devices per slice it
+spans several slices (`resourceSliceCount`). Any change bumps `pool.generation` in every slice of the pool, the
+rule consumers rely on to ignore a half-written pool. Slices are named `<node>-models.weightcache.io-<i>`, so a
+restarted daemon finds and replaces its own; it starts from the highest generation it finds.
+
+`SlicePublisher.sync()` blocks (the kubernetes client is synchronous): the daemon runs it in a thread, from a
+loop that wakes every `interval` seconds and at once when kicked. A tick costs one stat of the snapshots
+directory unless something changed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from weightcache.dra import DRIVER_NAME
+
+log = logging.getLogger(__name__)
+
+GROUP = "resource.k8s.io"
+PLURAL = "resourceslices"
+MAX_DEVICES_PER_SLICE = 128
+API_VERSIONS = ("v1", "v1beta2")  # v1: Kubernetes 1.34+; v1beta2: 1.33 (same flat device layout)
+
+Devices = Callable[[], list[dict[str, Any]]]
+
+
+def slice_name(node_name: str, index: int) -> str:
+    return f"{node_name}-{DRIVER_NAME}-{index}"
+
+
+def build_slices(node_name: str, devices: list[dict[str, Any]], generation: int, *,
+                 api_version: str = "v1") -> list[dict[str, Any]]:
+    """The ResourceSlice objects of this node's pool at `generation` (at least one, possibly without devices)."""
+    chunks = [devices[i:i + MAX_DEVICES_PER_SLICE] for i in range(0, len(devices), MAX_DEVICES_PER_SLICE)] or [[]]
+    return [{
+        "apiVersion": f"{GROUP}/{api_version}",
+        "kind": "ResourceSlice",
+        "metadata": {"name": slice_name(node_name, i),
+                     "labels": {"app.kubernetes.io/managed-by": "weightcache"}},
+        "spec": {
+            "driver": DRIVER_NAME,
+            "nodeName": node_name,
+            "pool": {"name": node_name, "generation": generation, "resourceSliceCount": len(chunks)},
+            "devices": chunk,
+        },
+    } for i, chunk in enumerate(chunks)]
+
+
+class SlicePublisher:
+    """Publishes the devices `devices()` returns as this node's pool; `sync()` writes only on change."""
+
+    def __init__(self, api_client: Any, node_name: str, devices: Devices, *, api_version: str = "v1",
+                 change_token: Callable[[], object] = lambda: None, resync_s: float = 60.0) -> None:
+        import kubernetes  # type: ignore[import-untyped]
+
+        self._api = kubernetes.client.CustomObjectsApi(api_client)
+        self._node = node_name
+        self._devices = devices
+        self._version = api_version
+        self._token = change_token
+        self._resync_s = resync_s
+        self._published: list[dict[str, Any]] | None = None
+        self._last_token: object = object()
+        self._generation = 0
+        self._wake = asyncio.Event()
+
+    def kick(self) -> None:
+        """Sync at the next loop turn (call on the daemon's loop)."""
+        self._wake.set()
+
+    def sync(self, *, full: bool = False) -> bool:
+        """Publish the current devices when they changed; `full` also re-reads the API server's slices (someone may
+        have deleted or edited them). True when something was written."""
+        token = self._token()
+        if not full and self._published is not None and token == self._last_token:
+            return False
+        devices = self._devices()
+        self._last_token = token
+        if not full and devices == self._published:
+            return False
+        existing = self._existing()
+        if self._published is None:  # first sync of this process: continue the pool's generation
+            self._generation = max((int(s["spec"]["pool"].get("generation", 0)) for s in existing.values()),
+                                   default=0)
+        current = build_slices(self._node, devices, self._generation, api_version=self._version)
+        if [existing.get(s["metadata"]["name"], {}).get("spec") for s in current] == [s["spec"] for s in current] \
+                and len(existing) == len(current):
+            self._published = devices
+            return False
+        self._generation += 1
+        wanted = build_slices(self._node, devices, self._generation, api_version=self._version)
+        for obj in wanted:
+            name = obj["metadata"]["name"]
+            if name in existing:
+                obj["metadata"]["resourceVersion"] = existing.pop(name)["metadata"]["resourceVersion"]
+                self._api.replace_cluster_custom_object(GROUP, self._version, PLURAL, name, obj)
+            else:
+                self._api.create_cluster_custom_object(GROUP, self._version, PLURAL, obj)
+        for name in existing:  # slices of a larger pool than now
+            self._api.delete_cluster_custom_object(GROUP, self._version, PLURAL, name)
+        self._published = devices
+        log.info("ResourceSlice pool %s generation %d: %d devices in %d slices", self._node, self._generation,
+                 len(devices), len(wanted))
+        return True
+
+    def _existing(self) -> dict[str, dict[str, Any]]:
+        listing = self._api.list_cluster_custom_object(
+            GROUP, self._version, PLURAL, field_selector=f"spec.nodeName={self._node},spec.driver={DRIVER_NAME}")
+        return {item["metadata"]["name"]: item for item in listing.get("items", [])}
+
+    async def run(self, interval: float = 2.0) -> None:
+        """Sync every `interval` seconds, at once when kicked, and in full every `resync_s`; errors are retried."""
+        loop = asyncio.get_running_loop()
+        last_full = 0.0
+        while True:
+            full = loop.time() - last_full >= self._resync_s
+            try:
+                await asyncio.to_thread(self.sync, full=full)
+                if full:
+                    last_full = loop.time()
+            except Exception as exc:
+                log.warning("publishing ResourceSlices for node %s failed: %s; retrying", self._node,
+                            _short(exc))
+                self._last_token = object()  # recompute next time
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), interval)
+
+
+def _short(exc: Exception) -> str:
+    reason = getattr(exc, "reason", None)
+    status = getattr(exc, "status", None)
+    return f"HTTP {status} {reason}" if status else str(exc).splitlines()[0] if str(exc) else type(exc).__name__
