@@ -147,20 +147,20 @@ async def start_plugin(root: Path, store: Store, api: FakeApiServer, policy: Any
 
 
 @pytest.fixture
-def api_server() -> Iterator[FakeApiServer]:
+def dra_api() -> Iterator[FakeApiServer]:
     with FakeApiServer() as server:
         yield server
 
 
 @pytest.fixture
-async def dra(api_server: FakeApiServer) -> AsyncIterator[DraHarness]:
+async def dra(dra_api: FakeApiServer) -> AsyncIterator[DraHarness]:
     tmp_path = Path(tempfile.mkdtemp(prefix="dra-", dir="/tmp"))  # Unix socket paths are limited to 107 bytes
     store = Store(tmp_path / "store")
     snapshots = fetch_models(store, tmp_path / "src", 2)
     policy = namespace_policy(ALLOWED_NS)
-    plugin = await start_plugin(tmp_path, store, api_server, policy)
+    plugin = await start_plugin(tmp_path, store, dra_api, policy)
     kubelet = Kubelet(tmp_path / "kubelet")
-    harness = DraHarness(tmp_path, store, api_server, snapshots, plugin, kubelet, policy)
+    harness = DraHarness(tmp_path, store, dra_api, snapshots, plugin, kubelet, policy)
     try:
         yield harness
     finally:

@@ -15,7 +15,7 @@ import pytest
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT7
 
-from tests.fixtures_dra import ALLOWED_NS, NODE, DraHarness, api_server, dra  # noqa: F401
+from tests.fixtures_dra import ALLOWED_NS, NODE, DraHarness
 from weightcache.dra import CDI_KIND, DRIVER_NAME
 from weightcache.dra.plugin import DEFAULT_CONTAINER_PATH
 from weightcache.dra.server import plugin_socket
