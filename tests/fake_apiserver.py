@@ -73,6 +73,8 @@ RESOURCES = {
     for r in (
         Resource("", "v1", "nodes", "Node", False, True),
         Resource("", "v1", "events", "Event", True, False),
+        Resource("resource.k8s.io", "v1", "resourceslices", "ResourceSlice", False, False),
+        Resource("resource.k8s.io", "v1", "resourceclaims", "ResourceClaim", True, True),
         Resource("weightcache.io", "v1alpha1", "modelcaches", "ModelCache", False, True),
         Resource("weightcache.io", "v1alpha1", "modelcachenodes", "ModelCacheNode", False, True),
     )
@@ -444,9 +446,17 @@ class FakeApiServer:
                 return False
             if key == "metadata.namespace" and meta.get("namespace", "") != value:
                 return False
+            if key in _SPEC_FIELDS.get(obj.get("kind", ""), ()):  # e.g. ResourceSlice spec.nodeName
+                if str((obj.get("spec") or {}).get(key.partition(".")[2], "")) != value:
+                    return False
+                continue
             if key not in ("metadata.name", "metadata.namespace"):
                 raise ApiError(400, "BadRequest", f'field label not supported: {key}')
         return _selector_matches(label_sel, meta.get("labels") or {}) if label_sel else True
+
+
+# spec fields the real server accepts in fieldSelector, per kind (k8s.io/api resource/v1 ResourceSlice)
+_SPEC_FIELDS = {"ResourceSlice": ("spec.nodeName", "spec.driver")}
 
 
 class _Server(ThreadingHTTPServer):
