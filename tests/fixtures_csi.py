@@ -24,7 +24,9 @@ from tests.faultproxy import FaultProxy
 from tests.fixtures_s3 import S3
 from weightcache.csi import mounts
 from weightcache.csi._pb import csi_pb2, csi_pb2_grpc
+from weightcache.csi.node import CSI_TIMEOUT_S
 from weightcache.csi.server import serve_csi
+from weightcache.daemon.fetches import FetchQueue
 from weightcache.fetch import Fetcher
 from weightcache.memory import MemoryTier
 from weightcache.policy import decide
@@ -82,6 +84,7 @@ class CsiHarness:
     root: Path  # temp dir holding store, kubelet dir and socket
     store: Store
     fetcher: Fetcher
+    fetches: FetchQueue
     server: grpc.aio.Server
     channel: grpc.aio.Channel
     identity: csi_pb2_grpc.IdentityStub
@@ -121,22 +124,24 @@ def publish_request(volume_id: str, target: Path, *, model: str = MODEL_URI, nam
                                             readonly=readonly, volume_context=context)
 
 
-async def start_harness(root: Path, proxy: FaultProxy, *, publish_timeout: float = 20.0,
-                        tier: MemoryTier | None = None) -> CsiHarness:
+async def start_harness(root: Path, proxy: FaultProxy, *, publish_timeout: float = CSI_TIMEOUT_S,
+                        tier: MemoryTier | None = None, parallel: int = 2) -> CsiHarness:
     store = Store(root / "store")
     fetcher = Fetcher(store, endpoint_url=proxy.endpoint_url)
+    fetches = FetchQueue(fetcher.ensure, store.lookup, parallel=parallel)
     socket = root / "csi.sock"
-    server = await serve_csi(f"unix://{socket}", store=store, fetcher=fetcher, node_id="node-a",
+    server = await serve_csi(f"unix://{socket}", store=store, fetches=fetches, node_id="node-a",
                              policy=policy_for(MODEL_URI), publish_timeout=publish_timeout,
                              kubelet_dir=root / "kubelet", tier=tier)
     channel = grpc.aio.insecure_channel(f"unix://{socket}")
-    return CsiHarness(root, store, fetcher, server, channel, csi_pb2_grpc.IdentityStub(channel),
+    return CsiHarness(root, store, fetcher, fetches, server, channel, csi_pb2_grpc.IdentityStub(channel),
                       csi_pb2_grpc.NodeStub(channel), proxy)
 
 
 async def stop_harness(h: CsiHarness) -> None:
     await h.channel.close()
     await h.server.stop(grace=None)
+    h.fetches.close()
     h.fetcher.close()
     h.store.close()
 

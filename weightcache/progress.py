@@ -12,7 +12,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from weightcache.store.layout import tmp_name
+from weightcache.store import tmp_name
 from weightcache.units import fmt_bytes
 
 
@@ -30,8 +30,8 @@ class Progress:
 
     def describe(self) -> str:
         """`fetching s3://models/llama/: 37% (12.3 GiB of 33.0 GiB), ETA 40s`"""
-        if self.phase in ("queued", "listing"):
-            return f"fetching {self.uri}: {self.phase}"
+        if self.phase in ("queued", "listing"):  # a queued fetch's message is its place: "behind 2 downloads"
+            return f"fetching {self.uri}: {self.phase}" + (f" {self.message}" if self.message else "")
         pct = 100.0 * self.bytes_done / self.bytes_total if self.bytes_total else 100.0
         text = f"fetching {self.uri}: {pct:.0f}% ({fmt_bytes(self.bytes_done)} of {fmt_bytes(self.bytes_total)})"
         if self.eta is not None and self.phase == "downloading":

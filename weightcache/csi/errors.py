@@ -7,6 +7,7 @@ INTERNAL and is logged with its traceback. Fields marked `csi_secret` in the pro
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
@@ -18,6 +19,7 @@ from google.protobuf.message import Message
 
 from weightcache import errors
 from weightcache.csi._pb import csi_pb2
+from weightcache.redact import redact
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +64,7 @@ class Redacted:
         clean = type(self.message)()
         clean.CopyFrom(self.message)
         _strip(clean)
-        return str(clean).replace("\n", " ").strip() or "{}"
+        return redact(str(clean).replace("\n", " ").strip()) or "{}"  # volume_context carries the model ref
 
 
 def _strip(message: Message) -> None:
@@ -99,16 +101,28 @@ def _wrap(handler: Handler[Req, Resp], ok_level: int) -> Handler[Req, Resp]:
             response = await handler(self, request, context)
         except grpc.aio.AbortError:
             raise
+        except asyncio.CancelledError:  # the caller went away (its deadline passed)
+            _observe(self, name, start, "CANCELLED")
+            raise
         except Exception as exc:  # noqa: BLE001 - the boundary: every error becomes a status
             code = code_for(exc)
             if code is grpc.StatusCode.INTERNAL:
                 logger.exception("%s failed: %s (request: %s)", name, exc, Redacted(request))
-                message = f"internal error: {exc}; see the weightcache daemon's log"
+                message = redact(f"internal error: {exc}; see the weightcache daemon's log")
             else:
                 logger.info("%s -> %s: %s", name, code.name, exc)
-                message = str(exc)
+                message = redact(str(exc))  # kubelet copies it into the pod's events
+            _observe(self, name, start, code.name)
             await context.abort(code, message)
+        _observe(self, name, start, "OK")
         logger.log(ok_level, "%s ok in %.1f ms", name, (time.monotonic() - start) * 1000)
         return response
 
     return wrapper
+
+
+def _observe(servicer: Any, method: str, start: float, code: str) -> None:
+    """Tell the servicer's `observe(method, seconds, code)` hook (the daemon's metrics), where it has one."""
+    observe = getattr(servicer, "observe", None)
+    if observe is not None:
+        observe(method, time.monotonic() - start, code)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from concurrent.futures import Executor
 
 import grpc
 
@@ -17,10 +18,12 @@ __all__ = ["DRIVER_NAME", "IdentityServicer"]
 
 
 class IdentityServicer(csi_pb2_grpc.IdentityServicer):
-    """`check` raises when the node cannot serve volumes (store unreadable, index broken); it runs in a thread."""
+    """`check` raises when the node cannot serve volumes (store unreadable, index broken); it runs on `pool`
+    (the plugin's own, so a busy node still answers the liveness probe)."""
 
-    def __init__(self, check: Callable[[], object]) -> None:
+    def __init__(self, check: Callable[[], object], pool: Executor | None = None) -> None:
         self._check = check
+        self._pool = pool
 
     @quiet_rpc
     async def GetPluginInfo(self, request: csi_pb2.GetPluginInfoRequest,
@@ -37,7 +40,7 @@ class IdentityServicer(csi_pb2_grpc.IdentityServicer):
     async def Probe(self, request: csi_pb2.ProbeRequest,
                     context: grpc.aio.ServicerContext) -> csi_pb2.ProbeResponse:
         try:
-            await asyncio.to_thread(self._check)
+            await asyncio.get_running_loop().run_in_executor(self._pool, self._check)
         except Exception as exc:
             raise ConfigError(f"the weightcache store is not usable: {exc}; check the store's hostPath volume "
                               "and the daemon's log") from exc

@@ -12,6 +12,7 @@ mountinfo line (proc(5)); spaces, tabs, newlines and backslashes in paths are wr
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -21,11 +22,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from weightcache.csi.targets import open_dir
 from weightcache.errors import MountError
 
 logger = logging.getLogger(__name__)
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND = 1, 2, 4, 32, 4096
+UMOUNT_NOFOLLOW = 8  # a target that became a symlink is not followed to unmount something else
 READ_ONLY_OPTIONS = frozenset({"ro", "nosuid", "nodev"})
 MOUNTINFO = Path("/proc/self/mountinfo")
 
@@ -91,42 +94,76 @@ def _syscall(name: str, rc: int, what: str) -> None:
 
 
 def bind_readonly(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> MountEntry:
-    """Bind-mount `source` on `target` (created if missing) read-only, nosuid, nodev; verified in mountinfo."""
-    src, dst = os.fsencode(os.path.abspath(source)), os.fsencode(os.path.abspath(target))
-    os.makedirs(dst, mode=0o750, exist_ok=True)
-    _syscall("mount --bind", _libc.mount(src, dst, None, MS_BIND, None), f"{target}")
+    """`bind_readonly_at` for a plain path (tools, tests): `target` and its parents are made when missing."""
+    path = os.path.abspath(target)
+    os.makedirs(os.path.dirname(path), mode=0o750, exist_ok=True)
+    parent = os.open(os.path.dirname(path), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV
-        _syscall("remount ro,nosuid,nodev", _libc.mount(None, dst, None, flags, None), f"{target}")
-        entry = mounted_at(target)
+        return bind_readonly_at(source, parent, os.path.basename(path), path)
+    finally:
+        os.close(parent)
+
+
+def bind_readonly_at(source: str | os.PathLike[str], parent_fd: int, name: str, shown: str) -> MountEntry:
+    """Bind-mount `source` read-only, nosuid, nodev on directory `name` (made if missing) of the directory open
+    as `parent_fd`; verified in mountinfo. The mount goes through /proc/self/fd/N of the directory's O_PATH fd,
+    so no path is resolved again after the caller walked it. `shown` names the target in errors."""
+    src = os.fsencode(os.path.abspath(source))
+    fd = open_dir(parent_fd, name, shown, create=True)
+    try:
+        _syscall("mount --bind", _libc.mount(src, _fd_path(fd), None, MS_BIND, None), shown)
+    finally:
+        os.close(fd)
+    try:
+        root = open_dir(parent_fd, name, shown, create=False)  # the new mount's root, not the directory under it
+        try:
+            flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV
+            _syscall("remount ro,nosuid,nodev", _libc.mount(None, _fd_path(root), None, flags, None), shown)
+            entry = _entry_of(root)
+        finally:
+            os.close(root)
         if entry is None or not READ_ONLY_OPTIONS.issubset(entry.options):
-            shown = sorted(entry.options) if entry else "nothing"
-            raise MountError(errno.EIO, f"mount table shows {shown} at {target}, wanted ro,nosuid,nodev")
+            seen = sorted(entry.options) if entry else "nothing"
+            raise MountError(errno.EIO, f"mount table shows {seen} at {shown}, wanted ro,nosuid,nodev")
     except BaseException:
-        unmount(target)
+        unmount(shown)
         raise
     return entry
 
 
+def _fd_path(fd: int) -> bytes:
+    return f"/proc/self/fd/{fd}".encode()
+
+
+def _entry_of(fd: int) -> MountEntry | None:
+    """The mountinfo line of the mount `fd` lies on (by mount id, from /proc/self/fdinfo)."""
+    for line in Path(f"/proc/self/fdinfo/{fd}").read_text().splitlines():
+        if line.startswith("mnt_id:"):
+            mount_id = int(line.split()[1])
+            return next((e for e in mount_table() if e.mount_id == mount_id), None)
+    return None
+
+
 def unmount(target: str | os.PathLike[str]) -> int:
     """Unmount every mount stacked on `target`; returns how many. Not mounted is not an error."""
-    dst = os.fsencode(os.path.abspath(target))
     count = 0
-    while mounted_at(target) is not None:
-        if _libc.umount2(dst, 0) != 0:
-            err = ctypes.get_errno()
-            if err == errno.EINVAL:  # raced: no longer a mount point
-                break
-            raise MountError(err, f"umount failed for {target}: {os.strerror(err)}")
+    while mounted_at(target) is not None and unmount_top(target):
         count += 1
     return count
 
 
+def unmount_top(target: str | os.PathLike[str]) -> bool:
+    """Unmount the topmost mount on `target`; False when there was none (raced)."""
+    if _libc.umount2(os.fsencode(os.path.abspath(target)), UMOUNT_NOFOLLOW) != 0:
+        err = ctypes.get_errno()
+        if err == errno.EINVAL:  # not a mount point (any more)
+            return False
+        raise MountError(err, f"umount failed for {target}: {os.strerror(err)}")
+    return True
+
+
 def remove_target(target: str | os.PathLike[str]) -> None:
-    """Remove the (empty, unmounted) target directory; never recursive, so nothing behind a mount is touched."""
-    try:
+    """Remove the (empty, unmounted) target directory; never recursive and never a file, so nothing that is not
+    ours is touched."""
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
         os.rmdir(target)
-    except FileNotFoundError:
-        pass
-    except NotADirectoryError:
-        os.unlink(target)

@@ -5,31 +5,42 @@ NodePublishVolume, as kubelet calls it for an inline volume:
   2. one operation per volume id at a time (ABORTED otherwise); a repeat of a finished publish is OK,
      the same id with other arguments is ALREADY_EXISTS;
   3. policy: may the pod's namespace read this model (PERMISSION_DENIED);
-  4. ensure the model through the fetch engine, waiting a bounded time; past it answer UNAVAILABLE with the
-     download's progress, leaving the download running so kubelet's retry joins it;
+  4. a cached model is mounted at once; otherwise its one fetch (the daemon's fetch queue) is joined and the call
+     held as long as kubelet waits (the request's deadline less a margin, else kubelet's 2-minute csiTimeout);
+     past it answer UNAVAILABLE with the download's progress, leaving it running so kubelet's retry joins it;
   5. with `tier: memory`, make the snapshot resident in the memory tier (its pages locked in place, so the pod's
      reads through the mount hit RAM); where the tier is off or full, the pod is served from disk and a warning
      is logged: a slower start beats a pod that never starts;
-  6. lease `csi:<volume_id>`, write the volume record, bind-mount the snapshot ro,nosuid,nodev.
+  6. lease `csi:<volume_id>`, write the volume record, bind-mount the snapshot ro,nosuid,nodev. Once begun this
+     step finishes even if the caller goes away (its deadline passed), and the volume stays locked until it has:
+     a following unpublish finds a mount with its lease and record, never a mount that appears later.
+Targets are confined to kubelet's inline-volume paths (targets.py). Blocking work (records, mounts, stats) runs on
+the plugin's own small pool, so Probe, unpublish and a cached publish answer while downloads run.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
 
 import grpc
 
 from weightcache.csi import mounts
 from weightcache.csi._pb import csi_pb2, csi_pb2_grpc
 from weightcache.csi.errors import quiet_rpc, rpc
-from weightcache.csi.reconcile import VolumeBook, VolumeRecord, holder_for
+from weightcache.csi.reconcile import SnapshotMounts, VolumeBook, VolumeRecord, holder_for
+from weightcache.csi.targets import KubeletTargets, TargetMissingError
+from weightcache.daemon.fetches import FetchQueue
 from weightcache.errors import (
     FetchPendingError,
     InvalidReferenceError,
@@ -40,21 +51,22 @@ from weightcache.errors import (
     VolumeConflictError,
     VolumeNotFoundError,
 )
-from weightcache.fetch import Fetcher
 from weightcache.memory import MemoryTier
 from weightcache.policy import Decision
 from weightcache.store import Snapshot, Store
-from weightcache.uri import ModelRef, parse_ref
+from weightcache.uri import ModelRef, parse_globs, parse_ref
 
 logger = logging.getLogger(__name__)
 
-Policy = Callable[[str, str], Decision]  # (model uri, pod namespace) -> Decision
+Policy = Callable[[ModelRef, str], Decision]  # (model with its globs, pod namespace) -> Decision
 POD_NAMESPACE, POD_NAME, POD_UID = (f"csi.storage.k8s.io/pod.{k}" for k in ("namespace", "name", "uid"))
 TIERS = ("disk", "memory")
 MAX_ID_BYTES = 128  # the CSI spec's size limit for ids
 MAX_TIMEOUT_S = 600.0
+CSI_TIMEOUT_S = 120.0  # kubelet's csiTimeout (pkg/volume/csi/csi_plugin.go): how long it waits for one call
+DEADLINE_MARGIN_S = 1.0  # answer this long before the caller's deadline, so it reads our progress, not a timeout
+T = TypeVar("T")
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m)?$")
-_USERINFO = re.compile(r"//[^/@\s]*@")
 _UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, None: 1.0}
 
 
@@ -93,21 +105,24 @@ def _require_id(value: str, field: str) -> str:
 
 
 def _require_path(value: str, field: str) -> str:
+    """Present, absolute, without NUL; not normalised: a `..` must be seen (and refused), not resolved."""
     if not value:
         raise InvalidRequestError(field, "is required")
     if "\0" in value or not os.path.isabs(value):
         raise InvalidRequestError(field, f"must be an absolute path, got {value!r}")
-    return os.path.normpath(value)
+    return value
 
 
 def parse_timeout(text: str) -> float | None:
+    """volume_context.timeout: at most how long one publish waits for a download (a cached model never waits)."""
     if not text:
         return None
     match = _DURATION.match(text.strip())
     seconds = float(match[1]) * _UNIT[match[2]] if match else -1.0
-    if not 0 <= seconds <= MAX_TIMEOUT_S:
+    if not 0 < seconds <= MAX_TIMEOUT_S:
         raise InvalidRequestError("volume_context.timeout",
-                                  f"{text!r} is not a duration of at most {MAX_TIMEOUT_S:.0f}s; write e.g. \"30s\"")
+                                  f"{text!r} is not a duration more than 0 and at most {MAX_TIMEOUT_S:.0f}s; write "
+                                  "e.g. \"30s\", or leave it out to wait as long as kubelet does")
     return seconds
 
 
@@ -127,13 +142,18 @@ def parse_publish(request: csi_pb2.NodePublishVolumeRequest) -> PublishArgs:
         raise InvalidRequestError("readonly", "weightcache volumes are read-only; set `readOnly: true` on the "
                                   "pod's csi volume")
     ctx = request.volume_context
+    globs = {}
+    for field in ("include", "exclude"):  # docs/csi.md: a JSON list or comma-separated globs
+        try:
+            globs[field] = parse_globs(ctx.get(field, ""), field)
+        except InvalidReferenceError as exc:
+            raise InvalidRequestError(f"volume_context.{field}", str(exc)) from None
     try:
-        ref = parse_ref(ctx.get("model", ""), revision=ctx.get("revision") or None)
-    except InvalidReferenceError as exc:
-        # the reference may carry credentials (user:password@host): never echo them into events and logs
-        message = _USERINFO.sub("//***@", str(exc))
+        ref = parse_ref(ctx.get("model", ""), revision=ctx.get("revision") or None, include=globs["include"],
+                        exclude=globs["exclude"])
+    except InvalidReferenceError as exc:  # its message is already redacted (uri._fail)
         raise InvalidRequestError("volume_context.model",
-                                  f"{message} (set it in the volume's volumeAttributes)") from None
+                                  f"{exc} (set it in the volume's volumeAttributes)") from None
     tier = ctx.get("tier") or "disk"
     if tier not in TIERS:
         raise InvalidRequestError("volume_context.tier", f"{tier!r} is not one of {', '.join(TIERS)}")
@@ -163,19 +183,40 @@ class VolumeLocks:
             self._busy.discard(volume_id)
 
 
+async def finish_even_if_cancelled(work: Awaitable[T]) -> T:
+    """Await `work` to its end even when our caller is cancelled meanwhile (then re-raise the cancellation):
+    a mount begun is finished and recorded before the volume's lock is let go."""
+    task = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait({task})
+        raise
+
+
 class NodeServicer(csi_pb2_grpc.NodeServicer):
-    def __init__(self, store: Store, fetcher: Fetcher, *, node_id: str, policy: Policy,
-                 publish_timeout: float = 20.0, book: VolumeBook | None = None,
-                 tier: MemoryTier | None = None) -> None:
+    """`pool` runs the plugin's blocking work (records, mounts, stats); `observe(method, seconds, code)` is told
+    about every call (the daemon's metrics)."""
+
+    def __init__(self, store: Store, fetches: FetchQueue, *, node_id: str, policy: Policy,
+                 kubelet_dir: str | Path, publish_timeout: float = CSI_TIMEOUT_S, book: VolumeBook | None = None,
+                 tier: MemoryTier | None = None, pool: ThreadPoolExecutor | None = None,
+                 observe: Callable[[str, float, str], None] | None = None) -> None:
         self._store = store
         self._tier = tier
-        self._fetcher = fetcher
+        self._fetches = fetches
         self._node_id = node_id
         self._policy = policy
+        self._targets = KubeletTargets(kubelet_dir)
         self._publish_timeout = publish_timeout
         self._book = book or VolumeBook(store.root)
         self._locks = VolumeLocks()
-        self._fetches: dict[ModelRef, asyncio.Future[Snapshot]] = {}
+        self._pool = pool or ThreadPoolExecutor(4, thread_name_prefix="wc-csi")
+        self.observe = observe
+
+    async def _io(self, fn: Callable[..., T], *args: object) -> T:
+        """Blocking work on the plugin's own pool (never queued behind downloads or API requests)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
 
     # ---- publish / unpublish ----
 
@@ -183,23 +224,24 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
     async def NodePublishVolume(self, request: csi_pb2.NodePublishVolumeRequest,
                                 context: grpc.aio.ServicerContext) -> csi_pb2.NodePublishVolumeResponse:
         args = parse_publish(request)
+        self._targets.check(args.target_path)
         with self._locks.hold(args.volume_id):
-            existing = await asyncio.to_thread(self._book.get, args.volume_id)
+            existing = await self._io(self._book.get, args.volume_id)
             if existing is not None:
                 if not args.matches(existing):
                     raise VolumeConflictError(
                         f"volume {args.volume_id} is already published with model {existing.model} for "
                         f"{existing.describe()}; unpublish it first")
-                if await asyncio.to_thread(mounts.mounted_at, args.target_path) is not None:
+                if await self._io(mounts.mounted_at, args.target_path) is not None:
                     if existing.adopted:  # learn the pod and model again from kubelet's retry
-                        await asyncio.to_thread(self._book.put, args.record(existing.snapshot_id))
+                        await self._io(self._book.put, args.record(existing.snapshot_id))
                     return csi_pb2.NodePublishVolumeResponse()
-            decision = self._policy(args.ref.uri, args.pod_namespace)
+            decision = self._policy(args.ref, args.pod_namespace)
             if not decision.allowed:
                 raise NotAllowedError(decision.reason)
-            snapshot = await self._ensure(args.ref, self._wait_budget(args, context))
-            await asyncio.to_thread(self._keep_resident, snapshot, args.tier)
-            await asyncio.to_thread(self._mount, args.record(snapshot.id), snapshot)
+            snapshot = await self._ensure(args, context)
+            await self._io(self._keep_resident, snapshot, args.tier)
+            await finish_even_if_cancelled(self._io(self._mount, args.record(snapshot.id), snapshot))
         logger.info("published %s (snapshot %s) for pod %s/%s at %s", args.ref, snapshot.id,
                     args.pod_namespace, args.pod_name, args.target_path)
         return csi_pb2.NodePublishVolumeResponse()
@@ -223,60 +265,84 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         self._store.lease(record.holder, snapshot.id)
         self._book.put(record)
         try:
-            mounts.unmount(record.target_path)  # a stale mount from a crashed attempt; kubelet owns the path
-            mounts.bind_readonly(snapshot.path, record.target_path)
+            with self._targets.open_parent(record.target_path, create=True) as parent:
+                self._unmount_ours(record.target_path)  # a stale mount of ours from a crashed attempt
+                mounts.bind_readonly_at(snapshot.path, parent, "mount", record.target_path)
         except BaseException:
             self._book.remove(record.volume_id)
             self._store.release(record.holder)
             raise
 
     def _wait_budget(self, args: PublishArgs, context: grpc.aio.ServicerContext) -> float:
-        budget = args.timeout if args.timeout is not None else self._publish_timeout
+        """As long as the caller waits: its deadline less a margin (kubelet: 2 minutes), capped by
+        volume_context.timeout."""
         remaining = context.time_remaining()
-        if remaining is not None:  # answer before the CO's deadline, so it sees our progress message
-            budget = min(budget, max(remaining - 1.0, 0.0))
-        return budget
+        budget = self._publish_timeout if remaining is None else remaining - DEADLINE_MARGIN_S
+        if args.timeout is not None:
+            budget = min(budget, args.timeout)
+        return max(budget, 0.0)
 
-    async def _ensure(self, ref: ModelRef, timeout: float) -> Snapshot:
-        """Start or join the one fetch of `ref`; past `timeout` raise FetchPendingError and let it run on."""
-        task = self._fetches.get(ref)
-        if task is None:
-            task = asyncio.ensure_future(asyncio.to_thread(self._fetcher.ensure, ref))
-            self._fetches[ref] = task
-            task.add_done_callback(lambda t: self._fetch_done(ref, t))
+    async def _ensure(self, args: PublishArgs, context: grpc.aio.ServicerContext) -> Snapshot:
+        """The model's snapshot: at once when cached; else join its one fetch for as long as the caller waits,
+        then raise FetchPendingError with the progress and let the fetch run on for kubelet's retry."""
+        cached = await self._fetches.lookup(args.ref)
+        if cached is not None:
+            return cached
+        budget = self._wait_budget(args, context)
         try:
-            return await asyncio.wait_for(asyncio.shield(task), timeout)
+            return await asyncio.wait_for(self._fetches.ensure(args.ref, keep=True), budget)
         except TimeoutError:
-            progress = self._fetcher.progress(ref)
-            text = progress.describe() if progress is not None else f"fetching {ref}: starting"
-            raise FetchPendingError(f"{text}; the volume is published when the download completes "
-                                    "(kubelet retries)") from None
-
-    def _fetch_done(self, ref: ModelRef, task: asyncio.Future[Snapshot]) -> None:
-        if self._fetches.get(ref) is task:
-            del self._fetches[ref]
-        if not task.cancelled() and task.exception() is not None:  # also marks it retrieved
-            logger.warning("fetching %s failed: %s", ref, task.exception())
+            progress = self._fetches.progress(args.ref)
+            text = progress.describe() if progress is not None else f"fetching {args.ref}: starting"
+            raise FetchPendingError(f"{text}; not ready within {budget:.1f}s; the volume is published when the "
+                                    "download completes (kubelet retries)") from None
 
     @rpc
     async def NodeUnpublishVolume(self, request: csi_pb2.NodeUnpublishVolumeRequest,
                                   context: grpc.aio.ServicerContext) -> csi_pb2.NodeUnpublishVolumeResponse:
         volume_id = _require_id(request.volume_id, "volume_id")
         target = _require_path(request.target_path, "target_path")
+        self._targets.check(target)
         with self._locks.hold(volume_id):
-            await asyncio.to_thread(self._unmount, volume_id, target)
+            await finish_even_if_cancelled(self._io(self._unmount, volume_id, target))
         return csi_pb2.NodeUnpublishVolumeResponse()
 
     def _unmount(self, volume_id: str, target: str) -> None:
+        """Undo what this plugin did at `target`: its bind mounts of snapshots, the directory it made, the lease
+        and record. Anything else there (a file, a foreign mount) is left as it is; the answer is OK all the same."""
         record = self._book.get(volume_id) or self._book.find_target(target)
-        count = mounts.unmount(target)
-        mounts.remove_target(target)
+        ours = record is not None and record.target_path == target
+        try:
+            with self._targets.open_parent(target, create=False):  # refuses a symlinked component
+                count = self._unmount_ours(target)
+        except TargetMissingError:
+            count = 0
+        if count or ours:
+            mounts.remove_target(target)
         if record is None:
             self._store.release(holder_for(volume_id))
-        elif record.target_path == target:
+        elif ours:
             self._store.release(record.holder)
             self._book.remove(record.volume_id)
-        logger.info("unpublished volume %s at %s (%d mounts removed)", volume_id, target, count)
+        if count or ours:
+            logger.info("unpublished volume %s at %s (%d mounts removed)", volume_id, target, count)
+        else:
+            logger.info("unpublish of volume %s: nothing of ours at %s; left it untouched", volume_id, target)
+
+    def _unmount_ours(self, target: str) -> int:
+        """Unmount the snapshot bind mounts stacked on `target`, down to the first mount that is not ours."""
+        count = 0
+        while True:
+            table = mounts.mount_table()
+            entry = mounts.mounted_at(target, table)
+            snapshots = SnapshotMounts.of(self._store, table)
+            if entry is None or snapshots is None or snapshots.snapshot_id(entry) is None:
+                if entry is not None and count == 0:
+                    logger.warning("%s is a mount point that is not a weightcache snapshot; not unmounting it",
+                                   target)
+                return count
+            mounts.unmount_top(target)
+            count += 1
 
     # ---- stats, capabilities, info ----
 
@@ -286,13 +352,13 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         volume_id = _require_id(request.volume_id, "volume_id")
         if not request.volume_path:
             raise InvalidRequestError("volume_path", "is required")
-        record = await asyncio.to_thread(self._book.get, volume_id)
+        record = await self._io(self._book.get, volume_id)
         if record is None:
             raise VolumeNotFoundError(f"volume {volume_id} is not published on node {self._node_id}")
         if os.path.normpath(request.volume_path) != record.target_path:
             raise VolumeNotFoundError(f"volume {volume_id} is published at {record.target_path}, "
                                       f"not at {request.volume_path}")
-        snapshot = await asyncio.to_thread(self._store.get, record.snapshot_id)
+        snapshot = await self._io(self._store.get, record.snapshot_id)
         usage = [csi_pb2.VolumeUsage(total=snapshot.size, used=snapshot.size, available=0,
                                      unit=csi_pb2.VolumeUsage.BYTES)]
         if snapshot.files:

@@ -172,21 +172,46 @@ def _pod_uid(target: str) -> str:
     return match["uid"] if match else ""
 
 
+@dataclass(frozen=True)
+class SnapshotMounts:
+    """Tells bind mounts of this store's snapshots from other mounts: same device, and a root (the directory of
+    the source filesystem mounted there) that is `<snapshots dir>/<id>` of an existing snapshot."""
+
+    device: str
+    prefix: str  # the snapshots directory as a path inside its filesystem
+    snapshots: Path
+
+    @classmethod
+    def of(cls, store: Store, table: list[mounts.MountEntry]) -> SnapshotMounts | None:
+        snapshots = os.path.realpath(store.root / "snapshots")
+        base = max((e for e in table if _within(snapshots, e.mount_point)), key=lambda e: len(e.mount_point),
+                   default=None)
+        if base is None:
+            return None
+        prefix = os.path.normpath(os.path.join(base.root, os.path.relpath(snapshots, base.mount_point)))
+        return cls(base.device, prefix, store.root / "snapshots")
+
+    def snapshot_id(self, entry: mounts.MountEntry) -> str | None:
+        """The snapshot `entry` is a bind mount of, or None when it is not one of ours."""
+        parent, _, snapshot_id = entry.root.rpartition("/")
+        if entry.device == self.device and parent == self.prefix and snapshot_id and \
+                (self.snapshots / snapshot_id).is_dir():
+            return snapshot_id
+        return None
+
+
 def _snapshot_mounts(store: Store, table: list[mounts.MountEntry], kubelet_dir: Path) -> list[tuple[str, str]]:
     """(target, snapshot id) for each bind mount of one of this store's snapshots under `kubelet_dir`."""
-    snapshots = os.path.realpath(store.root / "snapshots")
-    base = max((e for e in table if _within(snapshots, e.mount_point)), key=lambda e: len(e.mount_point),
-               default=None)
-    if base is None:
+    ours = SnapshotMounts.of(store, table)
+    if ours is None:
         return []
-    prefix = os.path.normpath(os.path.join(base.root, os.path.relpath(snapshots, base.mount_point)))
     scope = os.path.realpath(kubelet_dir)
     found = []
     for entry in table:
-        if entry.device != base.device or not _within(entry.mount_point, scope) or entry.mount_point == scope:
+        if not _within(entry.mount_point, scope) or entry.mount_point == scope:
             continue
-        parent, _, snapshot_id = entry.root.rpartition("/")
-        if parent == prefix and snapshot_id and (store.root / "snapshots" / snapshot_id).is_dir():
+        snapshot_id = ours.snapshot_id(entry)
+        if snapshot_id is not None:
             found.append((entry.mount_point, snapshot_id))
     return found
 

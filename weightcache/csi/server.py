@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 import signal
 import stat
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -20,14 +23,17 @@ import grpc
 from weightcache import defaults
 from weightcache.csi._pb import csi_pb2_grpc
 from weightcache.csi.identity import IdentityServicer
-from weightcache.csi.node import NodeServicer, Policy
+from weightcache.csi.node import CSI_TIMEOUT_S, NodeServicer, Policy
 from weightcache.csi.reconcile import VolumeBook, reconcile
+from weightcache.daemon.fetches import FetchQueue
 from weightcache.errors import ConfigError
 from weightcache.fetch import Fetcher
 from weightcache.memory import MemoryTier
+from weightcache.redact import redact_log_handlers
 from weightcache.store import Store
 
 logger = logging.getLogger(__name__)
+
 
 def socket_path(endpoint: str) -> Path:
     """`unix:///csi/csi.sock` (or a bare absolute path) -> /csi/csi.sock."""
@@ -48,22 +54,26 @@ def _clear_stale_socket(path: Path) -> None:
     path.unlink()  # left by a killed plugin; kubelet reconnects to the new one
 
 
-async def serve_csi(endpoint: str, *, store: Store, fetcher: Fetcher, node_id: str, policy: Policy,
-                    publish_timeout: float = 20.0, kubelet_dir: str | Path = defaults.KUBELET_DIR,
-                    tier: MemoryTier | None = None) -> grpc.aio.Server:
+async def serve_csi(endpoint: str, *, store: Store, fetches: FetchQueue, node_id: str, policy: Policy,
+                    publish_timeout: float = CSI_TIMEOUT_S, kubelet_dir: str | Path = defaults.KUBELET_DIR,
+                    tier: MemoryTier | None = None,
+                    observe: Callable[[str, float, str], None] | None = None) -> grpc.aio.Server:
     """Reconcile leases with the mount table, then start serving CSI on `endpoint`; the caller stops the server.
 
-    `tier` is the daemon's memory tier (None: off); volumes with `tier: memory` are made resident in it."""
+    Models come through `fetches` (the daemon's one fetch queue); `tier` is the daemon's memory tier (None: off):
+    volumes with `tier: memory` are made resident in it; `observe(method, seconds, code)` hears every call."""
     if not node_id:
         raise ConfigError("the CSI node id is empty; set NODE_NAME (from the pod's spec.nodeName) or --node-name")
     path = socket_path(endpoint)
     book = VolumeBook(store.root)
-    await asyncio.to_thread(reconcile, store, book, kubelet_dir=kubelet_dir)
+    pool = ThreadPoolExecutor(4, thread_name_prefix="wc-csi")  # CSI's blocking work never waits behind others'
+    await asyncio.get_running_loop().run_in_executor(
+        pool, functools.partial(reconcile, store, book, kubelet_dir=kubelet_dir))
     server = grpc.aio.server()
-    csi_pb2_grpc.add_IdentityServicer_to_server(IdentityServicer(store.leases), server)
+    csi_pb2_grpc.add_IdentityServicer_to_server(IdentityServicer(store.leases, pool), server)
     csi_pb2_grpc.add_NodeServicer_to_server(
-        NodeServicer(store, fetcher, node_id=node_id, policy=policy, publish_timeout=publish_timeout, book=book,
-                     tier=tier),
+        NodeServicer(store, fetches, node_id=node_id, policy=policy, kubelet_dir=kubelet_dir,
+                     publish_timeout=publish_timeout, book=book, tier=tier, pool=pool, observe=observe),
         server)
     _clear_stale_socket(path)
     server.add_insecure_port(f"unix://{path}")
@@ -75,14 +85,17 @@ async def serve_csi(endpoint: str, *, store: Store, fetcher: Fetcher, node_id: s
 
 async def _main(args: argparse.Namespace) -> None:
     from weightcache.policy import Decision, decide
+    from weightcache.uri import ModelRef
 
     store = Store(args.root)
     fetcher = Fetcher(store)
+    fetches = FetchQueue(fetcher.ensure, store.lookup)
 
-    def policy(uri: str, namespace: str) -> Decision:  # no cluster here: the flag alone decides
-        return decide(uri, namespace, [], allow_undeclared=args.allow_undeclared)
+    def policy(ref: ModelRef, namespace: str) -> Decision:  # no cluster here: the flag alone decides
+        return decide(ref, namespace, [], allow_undeclared=args.allow_undeclared,
+                      forbidden_paths=(args.kubelet_dir, args.root))
 
-    server = await serve_csi(args.endpoint, store=store, fetcher=fetcher, node_id=args.node_name, policy=policy,
+    server = await serve_csi(args.endpoint, store=store, fetches=fetches, node_id=args.node_name, policy=policy,
                              publish_timeout=args.publish_timeout, kubelet_dir=args.kubelet_dir)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -90,6 +103,7 @@ async def _main(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await server.stop(grace=5)
+    fetches.close()
     fetcher.close()
 
 
@@ -99,10 +113,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--endpoint", default=os.environ.get("CSI_ENDPOINT", "unix:///csi/csi.sock"))
     parser.add_argument("--node-name", default=os.environ.get("NODE_NAME", ""))
     parser.add_argument("--kubelet-dir", default=str(defaults.KUBELET_DIR))
-    parser.add_argument("--publish-timeout", type=float, default=20.0)
+    parser.add_argument("--publish-timeout", type=float, default=CSI_TIMEOUT_S,
+                        help="how long a publish waits for a download when the call has no deadline")
     parser.add_argument("--allow-undeclared", action="store_true", help="allow every model (no cluster policy)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    redact_log_handlers()
     asyncio.run(_main(args))
 
 

@@ -22,6 +22,7 @@ import hmac
 import json
 import logging
 import re
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypedDict
@@ -34,6 +35,7 @@ from weightcache.daemon.listing import Listing
 from weightcache.daemon.node import Node
 from weightcache.fetch import Progress
 from weightcache.store import Snapshot, SnapshotInfo
+from weightcache.redact import redact
 from weightcache.uri import ModelRef, parse_ref
 
 log = logging.getLogger(__name__)
@@ -57,6 +59,7 @@ STATUS: tuple[tuple[type[BaseException], int], ...] = (
 )
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,127}$")
 HEARTBEAT_S = 10.0  # a streaming ensure sends a line at least this often (clients time out on silence)
+HANGUP_CHECK_S = 1.0  # how soon a streaming ensure notices its client left (and may let the fetch go)
 _PROBES = frozenset({"/healthz", "/readyz"})
 
 
@@ -110,7 +113,7 @@ def status_of(exc: BaseException) -> int:
 def error_body(exc: BaseException) -> ErrorBody:
     if status_of(exc) == 500 and not isinstance(exc, errors.WeightcacheError):
         return {"error": "internal", "message": "internal error; the daemon log has the details"}
-    return {"error": error_code(type(exc)), "message": str(exc)}
+    return {"error": error_code(type(exc)), "message": redact(str(exc))}
 
 
 def snapshot_body(s: Snapshot) -> SnapshotBody:
@@ -216,21 +219,22 @@ async def ensure(request: web.Request) -> web.StreamResponse:
     node.check_tier(req.tier)
     if request.query.get("wait") in ("1", "true"):
         return await _ensure_stream(request, node, req)
-    cached = await asyncio.to_thread(node.fetcher.lookup, req.ref)
+    cached = await node.fetches.lookup(req.ref)
     if cached is not None:
         await node.settle(cached, tier=req.tier, pin=req.pin)
         return web.json_response({"snapshot": snapshot_body(cached)})
-    _start(node, req)
-    progress = await asyncio.to_thread(node.fetcher.progress, req.ref)
+    _start(node, req, keep=True)
+    progress = node.fetches.progress(req.ref)
     return web.json_response({"fetching": str(req.ref), "progress": progress and progress_body(progress)},
                              status=202)
 
 
-def _start(node: Node, req: EnsureRequest, on_progress: Callable[[Progress], None] | None = None
-           ) -> asyncio.Task[Snapshot]:
-    """The fetch runs as its own task: a client that hangs up does not cancel it (the next ensure joins it)."""
+def _start(node: Node, req: EnsureRequest, on_progress: Callable[[Progress], None] | None = None, *,
+           keep: bool) -> asyncio.Task[Snapshot]:
+    """The request's wait for the model's one fetch (node.fetches), as its own task. `keep`: the fetch goes on
+    when this request goes away; else it stops unless another caller (CSI, reconcile, a client) wants it."""
     async def run() -> Snapshot:
-        snapshot = await node.ensure(req.ref, progress=on_progress)
+        snapshot = await node.fetches.ensure(req.ref, progress=on_progress, keep=keep)
         await node.settle(snapshot, tier=req.tier, pin=req.pin)
         return snapshot
     return node.tasks.spawn(f"ensure {req.ref}", run())
@@ -243,31 +247,42 @@ async def _ensure_stream(request: web.Request, node: Node, req: EnsureRequest) -
     def on_progress(p: Progress) -> None:  # called on the fetch's thread
         loop.call_soon_threadsafe(updates.put_nowait, p)
 
-    task = _start(node, req, on_progress)
+    task = _start(node, req, on_progress, keep=False)
     response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await response.prepare(request)
     try:
-        await _follow(response, req, task, updates)
-    except ConnectionResetError:  # the client hung up; the fetch goes on (its task is not ours to cancel)
-        log.info("client stopped following %s", req.ref)
+        await _follow(request, response, req, task, updates)
+    except ConnectionResetError:  # the client hung up (Ctrl-C): stop waiting; the queue decides the fetch's fate
+        task.cancel()
+        log.info("client stopped following %s; its fetch stops unless another caller wants it", req.ref)
     return response
 
 
-async def _follow(response: web.StreamResponse, req: EnsureRequest, task: asyncio.Task[Snapshot],
-                  updates: asyncio.Queue[Progress]) -> None:
-    latest = Progress(req.ref.uri, "queued", 0, 0, 0, 0, 0.0, None)
+async def _follow(request: web.Request, response: web.StreamResponse, req: EnsureRequest,
+                  task: asyncio.Task[Snapshot], updates: asyncio.Queue[Progress]) -> None:
+    fetches = request.app[NODE].fetches
+    latest = fetches.progress(req.ref) or Progress(req.ref.uri, "queued", 0, 0, 0, 0, 0.0, None)
+    await _line(response, {"progress": progress_body(latest)})  # says at once whether it is queued, and behind what
+    last_line = time.monotonic()
     while not task.done():
         getter = asyncio.ensure_future(updates.get())
-        await asyncio.wait({getter, task}, timeout=HEARTBEAT_S, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({getter, task}, timeout=HANGUP_CHECK_S, return_when=asyncio.FIRST_COMPLETED)
         if not getter.done():
             getter.cancel()
             if task.done():
                 break
+            if request.transport is None or request.transport.is_closing():
+                raise ConnectionResetError("the client hung up")
+            queued = fetches.progress(req.ref)
+            if time.monotonic() - last_line < HEARTBEAT_S and (queued is None or queued == latest):
+                continue
+            latest = queued or latest
         else:
             latest = getter.result()
         while not updates.empty():  # coalesce: a slow reader gets the newest state, not a backlog
             latest = updates.get_nowait()
         await _line(response, {"progress": progress_body(latest)})  # also the heartbeat while nothing moves
+        last_line = time.monotonic()
     if task.cancelled():  # the daemon is stopping
         await _line(response, {"error": "unavailable", "message": "the daemon stopped before the fetch finished; "
                                "run the command again: the download resumes where it stopped"})

@@ -28,10 +28,12 @@ from weightcache.daemon.api import make_app
 from weightcache.daemon.config import Settings, apply_live
 from weightcache.daemon.configwatch import ConfigWatcher
 from weightcache.daemon.metrics import Metrics
+from weightcache.daemon.metrics_server import start_metrics_server
 from weightcache.daemon.node import MeteredFetcher, Node
 from weightcache.daemon.reconcile import Reconciler
 from weightcache.daemon.tasks import Tasks
 from weightcache.errors import ConfigError, MemoryTierError, StoreError
+from weightcache.redact import RedactingFormatter
 from weightcache.store import Store
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,8 @@ class Daemon:
         self._loops = Tasks()  # eternal loops; node.tasks holds the fetches requests started
         self._bound: Path | None = None  # the socket file we created (never remove another daemon's)
         self.tcp_port: int | None = None
+        self._metrics_runner: web.AppRunner | None = None
+        self.metrics_port: int | None = None
 
     async def start(self) -> None:
         """Start everything; on failure, stop what had started and raise."""
@@ -79,6 +83,8 @@ class Daemon:
             loop.call_soon_threadsafe(reconciler.kick)
         node.kick = kick
         await self._serve_api(node)
+        if s.metrics_listen is not None:
+            self._metrics_runner, self.metrics_port = await start_metrics_server(metrics, *s.metrics_listen)
         self._csi = await _serve_csi(node)
         self._loops.spawn("reconcile", self.reconciler.run())
         if s.config_path is not None:
@@ -119,6 +125,7 @@ class Daemon:
                 node.metrics.evictions.labels("budget").inc(len(evicted))
         if merged.memory_budget != old.memory_budget:
             await asyncio.to_thread(self._resize_tier, merged.memory_budget)
+        node.fetches.parallel = max(1, merged.parallel_models)
         node.metrics.reloads.labels("applied").inc()
         node.kick()
 
@@ -153,6 +160,7 @@ class Daemon:
             self._watcher.stop()
         await self._loops.stop()
         if node is not None:
+            node.fetches.close()  # queued fetches fail, running ones are asked to stop
             node.fetcher.close()  # parks downloads at their next chunk: partials and journals stay
             await node.tasks.stop(grace=SHUTDOWN_GRACE_S)  # their streams get a final line saying so
             if node.cluster is not None:
@@ -161,6 +169,8 @@ class Daemon:
                 await asyncio.to_thread(node.tier.close)
         if self._runner is not None:
             await self._runner.cleanup()
+        if self._metrics_runner is not None:
+            await self._metrics_runner.cleanup()
         if node is not None:
             node.store.close()
         log.info("weightcache daemon stopped")
@@ -278,8 +288,8 @@ class JsonFormatter(logging.Formatter):
 def setup_logging(fmt: str, level: str) -> None:
     """Only the process entry point configures handlers (library modules never do)."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else
-                         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(RedactingFormatter(JsonFormatter() if fmt == "json" else
+                                            logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)

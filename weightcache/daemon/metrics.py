@@ -8,16 +8,21 @@ counts the rest itself (hits, misses, durations, failures, its evictions, reload
 from __future__ import annotations
 
 import logging
+import platform
 from collections.abc import Callable, Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from weightcache import __version__
 
 log = logging.getLogger(__name__)
 
 # 0.1 s (a cache hit that still checks the source) to 2 h (a 400 GB model on a slow link).
 FETCH_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200)
+# 1 ms (Probe, a cached publish) to kubelet's 2-minute CSI timeout (a publish held for a download).
+CSI_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
 class Metrics:
@@ -30,7 +35,9 @@ class Metrics:
                                   registry=r)
         self.cache_misses = Counter("weightcache_cache_misses", "Ensures that had to fetch (or wait for a fetch)",
                                     ["scheme"], registry=r)
-        self.fetch_failures = Counter("weightcache_fetch_failures", "Ensures that failed", ["scheme"], registry=r)
+        self.fetch_failures = Counter("weightcache_fetch_failures", "Ensures that failed, by the error's code "
+                                      "(source_not_found, insufficient_space, fetch_cancelled, ...)",
+                                      ["scheme", "reason"], registry=r)
         self.fetch_seconds = Histogram("weightcache_fetch_duration_seconds", "Duration of ensures that missed "
                                        "the cache (fetched, or waited for another's fetch)", ["scheme"],
                                        buckets=FETCH_BUCKETS, registry=r)
@@ -38,6 +45,18 @@ class Metrics:
         self.reloads = Counter("weightcache_config_reloads", "Config reloads", ["result"], registry=r)
         self.reconcile_seconds = Histogram("weightcache_reconcile_duration_seconds", "One reconcile pass",
                                            buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 30, 120, 600), registry=r)
+        self.csi_seconds = Histogram("weightcache_csi_request_duration_seconds", "CSI calls, by method, whatever "
+                                     "their outcome", ["method"], buckets=CSI_BUCKETS, registry=r)
+        self.csi_errors = Counter("weightcache_csi_errors", "CSI calls that answered an error, by gRPC code",
+                                  ["method", "code"], registry=r)
+        Gauge("weightcache_build_info", "Always 1; the labels say what runs", ["version", "python"],
+              registry=r).labels(__version__, platform.python_version()).set(1)
+
+    def observe_csi(self, method: str, seconds: float, code: str) -> None:
+        """One CSI call (the CSI server's hook): `code` is the gRPC code's name, OK for success."""
+        self.csi_seconds.labels(method).observe(seconds)
+        if code != "OK":
+            self.csi_errors.labels(method, code).inc()
 
     def watch(self, sample: Callable[[], Sample]) -> None:
         """Export the SAMPLED metrics, computed by `sample` at each scrape."""
@@ -52,6 +71,7 @@ class Metrics:
 SAMPLED: dict[str, tuple[str, str, str | None]] = {
     "weightcache_origin_bytes": ("counter", "Bytes downloaded from the object store", "scheme"),
     "weightcache_fetches_in_flight": ("gauge", "Fetches downloading now", None),
+    "weightcache_fetches_queued": ("gauge", "Fetches waiting for a slot (parallelModels run at once)", None),
     "weightcache_store_used_bytes": ("gauge", "Bytes the store's blobs use", None),
     "weightcache_store_budget_bytes": ("gauge", "Disk budget of the store (absent when unlimited)", None),
     "weightcache_snapshots": ("gauge", "Published snapshots in the store", None),

@@ -14,12 +14,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from weightcache.daemon.client import error_code
 from weightcache.daemon.config import Settings
+from weightcache.daemon.fetches import FetchQueue
 from weightcache.daemon.metrics import Metrics, Sample
 from weightcache.daemon.tasks import Tasks
-from weightcache.errors import ConfigError, NotAllowedError
+from weightcache.errors import ConfigError, NotAllowedError, WeightcacheError
 from weightcache.fetch import Fetcher, Progress
-from weightcache.policy import require
+from weightcache.policy import Decision, decide, file_source_problem
 from weightcache.store import Snapshot, Store
 from weightcache.uri import ModelRef, canonical_uri
 
@@ -67,8 +69,9 @@ class MeteredFetcher:
         start = time.monotonic()
         try:
             snapshot = self._fetcher(ref).ensure(ref, progress=progress)
-        except Exception:
-            self._metrics.fetch_failures.labels(ref.scheme).inc()
+        except Exception as exc:
+            reason = error_code(type(exc)) if isinstance(exc, WeightcacheError) else "internal"
+            self._metrics.fetch_failures.labels(ref.scheme, reason).inc()
             raise
         self._metrics.fetch_seconds.labels(ref.scheme).observe(time.monotonic() - start)
         return snapshot
@@ -108,9 +111,14 @@ class Node:
     tasks: Tasks = field(default_factory=Tasks)
     store_ready: bool = False
     kick: Callable[[], None] = lambda: None  # wakes the reconcile loop
+    fetches: FetchQueue = field(init=False)  # the one queue every fetch of this daemon goes through
+
+    def __post_init__(self) -> None:
+        self.fetches = FetchQueue(self.fetcher.ensure, self.fetcher.lookup, parallel=self.settings.parallel_models)
 
     async def ensure(self, ref: ModelRef, *, progress: ProgressCallback | None = None) -> Snapshot:
-        return await asyncio.to_thread(self.fetcher.ensure, ref, progress=progress)
+        """A model the node keeps wanting (reconcile): its fetch goes on whoever else stops waiting."""
+        return await self.fetches.ensure(ref, progress=progress, keep=True)
 
     def check_tier(self, tier: str) -> None:
         if tier == "memory" and self.tier is None:
@@ -132,12 +140,23 @@ class Node:
     def allow_undeclared(self) -> bool:
         return self.settings.allow_undeclared(cluster=self.cluster is not None)
 
+    def decide(self, ref: ModelRef, namespace: str) -> Decision:
+        """The one policy (weightcache/policy.py) with this node's ModelCaches and its own directories."""
+        return decide(ref, namespace, self.model_caches(), allow_undeclared=self.allow_undeclared(),
+                      forbidden_paths=(self.settings.kubelet_dir, self.settings.root))
+
     def check_allowed(self, ref: ModelRef, namespace: str | None) -> None:
-        """Namespace given: the one policy. None (an admin on the node): any declared model, or all if allowed."""
-        caches = self.model_caches()
+        """Namespace given: the one policy. None (an admin on the node): any declared model, or all if allowed;
+        never a file:// model overlapping the node's own directories."""
         if namespace is not None:
-            require(ref.uri, namespace, caches, allow_undeclared=self.allow_undeclared())
+            decision = self.decide(ref, namespace)
+            if not decision.allowed:
+                raise NotAllowedError(decision.reason)
             return
+        if ref.scheme == "file" and (problem := file_source_problem(
+                ref, (self.settings.kubelet_dir, self.settings.root))):
+            raise NotAllowedError(problem)
+        caches = self.model_caches()
         if self.allow_undeclared() or ref.uri in self._declared(caches):
             return
         raise NotAllowedError(
@@ -166,6 +185,7 @@ class Node:
         return {
             "weightcache_origin_bytes": fetched.get("origin_bytes", {}),
             "weightcache_fetches_in_flight": sum(fetched.get("fetches_in_flight", {}).values()),
+            "weightcache_fetches_queued": self.fetches.depth()[1],
             "weightcache_store_used_bytes": self.store.used_bytes(),
             "weightcache_store_budget_bytes": self.store.budget_bytes,
             "weightcache_snapshots": len(infos),

@@ -1,0 +1,192 @@
+"""The node's fetch queue: one in-flight fetch per model, a bounded number at once, awaited without threads.
+
+`FetchQueue.ensure(ref)` is how the API (and the CLI through it), CSI and the reconcile loop get a model:
+  - a cache hit is a lookup on the queue's own small pool, so it never waits behind a download;
+  - a miss joins the model's job (one per model key + revision) or queues a new one; jobs run `parallel` at a
+    time on the queue's own executor, the rest wait in FIFO order and say so ("queued behind 2 downloads");
+  - every caller awaits the job's future: no thread per waiter, no polling;
+  - when the last waiter leaves (a client hung up) and nobody asked to keep the job (`keep=True`: reconcile,
+    CSI, fire-and-forget API ensures), a queued job is dropped and a running one is asked to stop, where the
+    engine's `ensure` accepts a `cancel` event (finished chunks stay for a resume).
+Progress callbacks are called on the engine's thread, as the engine calls them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import inspect
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from weightcache.fetch import FetchCancelledError
+from weightcache.progress import Progress
+from weightcache.store import Snapshot
+from weightcache.uri import ModelRef
+
+log = logging.getLogger(__name__)
+
+ProgressCallback = Callable[[Progress], None]
+Lookup = Callable[[ModelRef], "Snapshot | None"]
+Ensure = Callable[..., Snapshot]  # engine.ensure(ref, *, progress=..., [cancel=threading.Event])
+MAX_FETCH_THREADS = 64  # a ceiling only: `parallel` bounds the running jobs, threads are made on demand
+
+
+def job_key(ref: ModelRef) -> tuple[str, str | None]:
+    """What makes two requests the same fetch: the model (uri and filters) and the revision asked for."""
+    return ref.key, ref.revision
+
+
+@dataclass(eq=False)
+class _Job:
+    ref: ModelRef
+    future: asyncio.Future[Snapshot]
+    cancel: threading.Event = field(default_factory=threading.Event)
+    listeners: list[ProgressCallback] = field(default_factory=list)
+    latest: Progress | None = None  # set on the engine's thread
+    waiters: int = 0
+    keep: bool = False
+    running: bool = False
+
+    def report(self, progress: Progress) -> None:
+        """The engine's progress callback (its thread): remember it, pass it on."""
+        self.latest = progress
+        for listener in list(self.listeners):
+            try:
+                listener(progress)
+            except Exception:  # a listener's failure must not fail the download
+                log.exception("progress listener for %s failed", self.ref)
+
+
+class FetchQueue:
+    """Call every method on the event loop's thread; `close()` from anywhere."""
+
+    def __init__(self, ensure: Ensure, lookup: Lookup, *, parallel: int = 2) -> None:
+        self._ensure = ensure
+        self._lookup = lookup
+        self._cancellable = "cancel" in inspect.signature(ensure).parameters
+        self.parallel = max(1, parallel)
+        self._jobs: dict[tuple[str, str | None], _Job] = {}
+        self._queued: collections.deque[_Job] = collections.deque()
+        self._running: set[_Job] = set()
+        self._fetch_pool = ThreadPoolExecutor(MAX_FETCH_THREADS, thread_name_prefix="wc-fetches")
+        self._lookup_pool = ThreadPoolExecutor(2, thread_name_prefix="wc-lookup")
+
+    # -- callers ------------------------------------------------------------------------------------------------
+    async def lookup(self, ref: ModelRef) -> Snapshot | None:
+        """The cached snapshot, or None; on the queue's lookup pool (never behind a download)."""
+        return await asyncio.get_running_loop().run_in_executor(self._lookup_pool, self._lookup, ref)
+
+    async def ensure(self, ref: ModelRef, *, progress: ProgressCallback | None = None,
+                     keep: bool = False) -> Snapshot:
+        """The snapshot of `ref`: at once when cached, else when its one fetch ends. `keep`: the fetch goes on
+        when this caller leaves (it is wanted beyond this call)."""
+        cached = await self.lookup(ref)
+        if cached is not None:
+            return cached
+        job = self._join(ref, keep=keep)
+        job.waiters += 1
+        if progress is not None:
+            job.listeners.append(progress)
+        try:
+            return await asyncio.shield(job.future)
+        finally:
+            job.waiters -= 1
+            if progress is not None:
+                job.listeners.remove(progress)
+            if job.waiters == 0 and not job.keep and not job.future.done():
+                self._abandon(job)
+
+    def start(self, ref: ModelRef) -> None:
+        """Queue a fetch nobody waits for (it is kept until it ends); a no-op when one is in flight."""
+        self._join(ref, keep=True)
+
+    def progress(self, ref: ModelRef) -> Progress | None:
+        """Where the fetch of `ref` is: its engine's last report, or its place in the queue; None when idle."""
+        job = self._jobs.get(job_key(ref))
+        if job is None:
+            return None
+        if job.running:
+            return job.latest or Progress(ref.uri, "listing", 0, 0, 0, 0, 0.0, None)
+        ahead = self._queued.index(job) + len(self._running) if job in self._queued else 0
+        return Progress(ref.uri, "queued", 0, 0, 0, 0, 0.0, None,
+                        f"behind {ahead} download{'s' if ahead != 1 else ''}")
+
+    def depth(self) -> tuple[int, int]:
+        """(running, queued) jobs."""
+        return len(self._running), len(self._queued)
+
+    def close(self) -> None:
+        """Stop: queued jobs fail, running ones are asked to stop (engines park their partial files)."""
+        for job in list(self._queued):
+            self._drop(job, "the daemon is stopping")
+        for job in self._running:
+            job.cancel.set()
+        self._fetch_pool.shutdown(wait=False, cancel_futures=True)
+        self._lookup_pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- the queue ----------------------------------------------------------------------------------------------
+    def _join(self, ref: ModelRef, *, keep: bool) -> _Job:
+        key = job_key(ref)
+        job = self._jobs.get(key)
+        if job is None:
+            job = self._jobs[key] = _Job(ref, asyncio.get_running_loop().create_future())
+            self._queued.append(job)
+            self._pump()
+        job.keep = job.keep or keep
+        return job
+
+    def _pump(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._queued and len(self._running) < self.parallel:
+            job = self._queued.popleft()
+            job.running = True
+            self._running.add(job)
+            done = self._fetch_pool.submit(self._run, job)
+            done.add_done_callback(functools.partial(self._finish_soon, loop, job))
+
+    def _finish_soon(self, loop: asyncio.AbstractEventLoop, job: _Job, done: Future[Snapshot]) -> None:
+        loop.call_soon_threadsafe(self._finished, job, done)  # from the fetch thread back to the loop
+
+    def _run(self, job: _Job) -> Snapshot:
+        if job.cancel.is_set():
+            raise FetchCancelledError(f"the fetch of {job.ref} was cancelled before it started")
+        extra: dict[str, Any] = {"cancel": job.cancel} if self._cancellable else {}
+        return self._ensure(job.ref, progress=job.report, **extra)
+
+    def _finished(self, job: _Job, done: Future[Snapshot]) -> None:
+        self._running.discard(job)
+        if self._jobs.get(job_key(job.ref)) is job:
+            del self._jobs[job_key(job.ref)]
+        if not job.future.done():
+            exc = done.exception() if not done.cancelled() else FetchCancelledError(f"fetch of {job.ref} stopped")
+            if exc is None:
+                job.future.set_result(done.result())
+            else:
+                job.future.set_exception(exc)
+                if job.waiters == 0:
+                    job.future.exception()  # nobody will read it: mark it retrieved; the engine logged it
+        self._pump()
+
+    def _abandon(self, job: _Job) -> None:
+        """The last waiter left a job nobody keeps: drop it from the queue, or ask the engine to stop."""
+        if not job.running:
+            self._drop(job, "every caller that wanted it went away")
+        elif self._cancellable:
+            log.info("cancelling the fetch of %s: every caller that wanted it went away", job.ref)
+            job.cancel.set()
+            if self._jobs.get(job_key(job.ref)) is job:  # a new caller starts afresh (resuming its chunks)
+                del self._jobs[job_key(job.ref)]
+
+    def _drop(self, job: _Job, why: str) -> None:
+        self._queued.remove(job)
+        if self._jobs.get(job_key(job.ref)) is job:
+            del self._jobs[job_key(job.ref)]
+        job.future.set_exception(FetchCancelledError(f"the queued fetch of {job.ref} was dropped: {why}"))
+        job.future.exception()  # retrieved: its waiters are gone
+        log.info("dropped the queued fetch of %s: %s", job.ref, why)
