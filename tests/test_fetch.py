@@ -17,8 +17,7 @@ import pytest
 from weightcache.errors import (HostileKeyError, InsufficientSpaceError, IntegrityError, SafetensorsHeaderError)
 from weightcache.fetch import Fetcher
 from weightcache.sample import make_model
-from weightcache.store import Store
-from weightcache.store.store import verify_snapshot
+from weightcache.store import Store, verify_snapshot
 from weightcache.uri import parse_ref
 
 CHUNK = 64 << 10
@@ -255,7 +254,8 @@ def test_enospc_on_a_small_tmpfs_fails_cleanly_and_keeps_the_store(tmp_path: Pat
     try:
         small = tmp_path / "small-model"
         make_model(small, layers=1, hidden=32, shards=1)
-        store = Store(mnt / "root")
+        no_floor = {"min_free_bytes": 0, "min_free_percent": 0.0}  # this test is about ENOSPC, not the floor
+        store = Store(mnt / "root", **no_floor)
         first = Fetcher(store).ensure(parse_ref(f"file://{small}/"))
         with pytest.raises(InsufficientSpaceError, match="needs"):
             Fetcher(store).ensure(parse_ref(f"file://{model}/"))
@@ -272,7 +272,7 @@ def test_enospc_on_a_small_tmpfs_fails_cleanly_and_keeps_the_store(tmp_path: Pat
                     fh.flush()
             except OSError:
                 pass
-        store2 = Store(mnt / "root")
+        store2 = Store(mnt / "root", **no_floor)
         store2.ensure_space = lambda needed, uri: None  # type: ignore[method-assign]  # only the disk refuses now
         with pytest.raises(InsufficientSpaceError, match="disk full"):
             Fetcher(store2).ensure(parse_ref(f"file://{model}/"))

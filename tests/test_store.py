@@ -13,9 +13,7 @@ import pytest
 from weightcache.errors import HostileKeyError, InsufficientSpaceError, InUseError
 from weightcache.fetch import Fetcher
 from weightcache.sample import make_model
-from weightcache.store import Store
-from weightcache.store.paths import validate_relpath, validate_tree
-from weightcache.store.store import collect_garbage, verify_snapshot
+from weightcache.store import Store, collect_garbage, validate_relpath, validate_tree, verify_snapshot
 from weightcache.uri import parse_ref
 
 
@@ -26,7 +24,7 @@ def models(tmp_path: Path) -> Path:
     return tmp_path / "src"
 
 
-def fetch(store: Store, path: Path, **kw: object):  # noqa: ANN201
+def fetch(store: Store, path: Path, **kw: object):
     return Fetcher(store, chunk_size=64 << 10).ensure(parse_ref(f"file://{path}/", **kw))
 
 
@@ -102,7 +100,7 @@ def test_lru_eviction_order_refs_then_snapshots_then_blobs(tmp_path: Path, model
 
 def test_fetch_that_cannot_fit_fails_before_downloading(tmp_path: Path, models: Path) -> None:
     store = Store(tmp_path / "root", budget_bytes=1000)
-    with pytest.raises(InsufficientSpaceError, match=r"needs .* budget of 1\.0 KB"):
+    with pytest.raises(InsufficientSpaceError, match=r"needs .* budget of 1000 B"):
         fetch(store, models / "a")
     assert list(store.layout.partial.iterdir()) == []
     assert store.list() == []
@@ -127,19 +125,25 @@ def test_hostile_keys_are_refused_by_name(key: str) -> None:
 
 
 def test_key_that_is_file_and_directory_is_refused() -> None:
-    with pytest.raises(HostileKeyError, match="'a/b'.*both a file and a directory"):
+    with pytest.raises(HostileKeyError, match=r"'a/b'.*both a file and a directory"):
         validate_tree(["a/b", "a/b/c.safetensors"])
     assert validate_tree(["b", "a/c"]) == ["a/c", "b"]
 
 
-@pytest.mark.parametrize("point", ["tree_built", "tree_renamed", "manifest_written", "indexed"])
+# Each publish step is a Store method; the child process replaces the step with an exit, as a power cut would.
+CRASH_BEFORE = {"tree_built": "_commit_tree", "tree_renamed": "_write_manifest", "manifest_written": "_index_snapshot",
+                "indexed": "_write_ref"}
+
+
+@pytest.mark.parametrize("point", sorted(CRASH_BEFORE))
 def test_crash_at_each_publish_step_recovers(tmp_path: Path, models: Path, point: str) -> None:
     root = tmp_path / "root"
-    code = ("import sys; from weightcache.store import Store; from weightcache.fetch import Fetcher; "
+    code = ("import os, sys; from weightcache.store import Store; from weightcache.fetch import Fetcher; "
             "from weightcache.uri import parse_ref; "
+            "setattr(Store, sys.argv[3], lambda *a, **k: os._exit(137)); "
             "Fetcher(Store(sys.argv[1])).ensure(parse_ref(sys.argv[2]))")
     ref = f"file://{models / 'a'}/"
-    proc = subprocess.run([sys.executable, "-c", code, str(root), ref], env={**os.environ, "WEIGHTCACHE_CRASH_AT": point},
+    proc = subprocess.run([sys.executable, "-c", code, str(root), ref, CRASH_BEFORE[point]],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 137, proc.stderr
     store = Store(root)  # recovery runs here
@@ -174,7 +178,7 @@ def test_damaged_index_is_moved_aside_and_rebuilt(tmp_path: Path, models: Path) 
     store.layout.index.write_bytes(b"this is not a database" * 100)
     again = Store(tmp_path / "root")
     assert [i.snapshot.id for i in again.list()] == [snap.id]
-    assert list((tmp_path / "root").glob("index.db.damaged-*"))
+    assert list((tmp_path / "root" / "quarantine").glob("index.db.*"))
 
 
 def test_verify_detects_a_flipped_byte_and_gc_removes_orphans(tmp_path: Path, models: Path) -> None:

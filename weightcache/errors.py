@@ -61,8 +61,16 @@ class StoreError(WeightcacheError, OSError):
     """The on-disk store cannot do what was asked."""
 
 
+class FetchCancelledError(StoreError):
+    """A fetch was cancelled (Ctrl-C, daemon shutdown); finished chunks are kept and resume on the next run."""
+
+
 class InsufficientSpaceError(StoreError):
     """The model does not fit in the byte budget or on the disk, even after eviction."""
+
+
+class DamagedRecordError(StoreError):
+    """A manifest, ref, lease or pin on disk is not what the store writes (bad JSON, digest, path or size)."""
 
 
 class NotCachedError(StoreError, LookupError):

@@ -1,6 +1,13 @@
-"""The node cache on disk (layout in ../shared/DESIGN.md): blobs, snapshots, manifests, refs, leases, pins."""
+"""The node cache on disk (layout in weightcache.store.layout): blobs, snapshots, manifests, refs, leases, pins.
 
-from weightcache.store.store import Store
+Other packages use only what is exported here.
+"""
+
+from weightcache.store.fsops import tmp_name
+from weightcache.store.maintenance import collect_garbage, drop_damaged, verify_snapshot
+from weightcache.store.paths import validate_relpath, validate_tree
+from weightcache.store.store import BlobMissingError, Store
 from weightcache.store.types import FileEntry, Snapshot, SnapshotInfo
 
-__all__ = ["FileEntry", "Snapshot", "SnapshotInfo", "Store"]
+__all__ = ["BlobMissingError", "FileEntry", "Snapshot", "SnapshotInfo", "Store", "collect_garbage",
+           "drop_damaged", "tmp_name", "validate_relpath", "validate_tree", "verify_snapshot"]

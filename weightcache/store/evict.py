@@ -14,12 +14,13 @@ def plan_eviction(
     used_bytes: int,
     target_bytes: int,
     keep: frozenset[str] = frozenset(),
+    best_effort: bool = False,
 ) -> list[str]:
     """Ids to evict (oldest first) so that used bytes fall to `target_bytes`.
 
     Never a leased or pinned snapshot, nor one in `keep`. Freed bytes are counted per blob, so a blob shared by
     two candidates counts once, when its last holder goes. Raises InsufficientSpaceError when even evicting every
-    candidate is not enough.
+    candidate is not enough, unless `best_effort`: then every candidate is returned.
     """
     if used_bytes <= target_bytes:
         return []
@@ -43,6 +44,8 @@ def plan_eviction(
                 freed += sizes[sha]
         if used_bytes - freed <= target_bytes:
             return plan
+    if best_effort:
+        return plan
     held = [i for i in infos if i.leases or i.pinned]
     raise InsufficientSpaceError(
         f"cannot free enough space: {used_bytes} bytes used, target {target_bytes}, evicting every unpinned and "

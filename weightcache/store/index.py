@@ -1,23 +1,29 @@
 """SQLite index over the store tree: fast listing, LRU times, blob sharing. Derived data only.
 
-The tree (manifests/, refs/) is the truth. `sync_from_tree` makes the index agree with it at startup, and a
-missing or damaged index.db is moved aside and rebuilt, losing nothing but last-used times.
+The tree (manifests/, refs/) is the truth: recovery (weightcache.store.recovery) makes the index agree with it at
+startup. An index.db that is missing, damaged, a symlink, or of another schema is moved to quarantine/ and
+rebuilt from the tree, losing nothing but last-used times. A full disk is not damage: the store's `on_full`
+callback gets room (it releases the reserve file) and the write is tried once more.
 """
 
 from __future__ import annotations
 
 import logging
 import sqlite3
+import stat
 import threading
 import time
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
+from weightcache.errors import InsufficientSpaceError
+from weightcache.store.fsops import Tree
 from weightcache.store.types import FileEntry
 
 log = logging.getLogger(__name__)
 
+SCHEMA_VERSION = 1  # PRAGMA user_version of the index this code writes
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS snapshots (
   id TEXT PRIMARY KEY, uri TEXT NOT NULL, revision TEXT, size INTEGER NOT NULL, nfiles INTEGER NOT NULL,
@@ -30,57 +36,133 @@ CREATE TABLE IF NOT EXISTS refs (
   model_key TEXT NOT NULL, name TEXT NOT NULL, uri TEXT NOT NULL, revision TEXT, snapshot_id TEXT NOT NULL,
   PRIMARY KEY (model_key, name));
 """
+COLUMNS = {
+    "snapshots": ["id", "uri", "revision", "size", "nfiles", "created", "last_used"],
+    "files": ["snapshot_id", "path", "size", "sha256", "etag", "version_id"],
+    "refs": ["model_key", "name", "uri", "revision", "snapshot_id"],
+}
+Row = tuple[Any, ...]
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    return isinstance(exc, sqlite3.Error) and (
+        getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "disk is full" in str(exc))
 
 
 class Index:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, tree: Tree, on_full: Callable[[], bool] = lambda: False) -> None:
         self.path = path
+        self._tree = tree
+        self._on_full = on_full
         self._lock = threading.RLock()
-        self._db = self._open()
+        self._db = self._retry_when_full(self._open)
 
+    # -- opening --------------------------------------------------------------------------------------------
     def _open(self) -> sqlite3.Connection:
         try:
-            db = self._connect()
-            if db.execute("PRAGMA quick_check").fetchone()[0] != "ok":
-                raise sqlite3.DatabaseError("quick_check failed")
-            return db
+            return self._open_checked()
         except sqlite3.DatabaseError as exc:
-            aside = self.path.with_name(f"index.db.damaged-{int(time.time())}")
-            log.warning("index %s is damaged (%s); moved to %s and rebuilding from the tree", self.path, exc, aside)
-            for suffix in ("", "-wal", "-shm"):
-                p = Path(str(self.path) + suffix)
-                if p.exists():
-                    p.rename(Path(str(aside) + suffix))
-            return self._connect()
+            if is_disk_full(exc):
+                raise
+            self._move_aside(str(exc))
+            return self._open_checked()
+
+    def _open_checked(self) -> sqlite3.Connection:
+        self._refuse_planted_files()
+        db = self._connect()
+        try:
+            self._check(db)
+        except BaseException:
+            db.close()
+            raise
+        return db
+
+    def _refuse_planted_files(self) -> None:
+        """SQLite follows symlinks: index.db, -wal and -shm must be regular files we made, or absent."""
+        for suffix in ("", "-wal", "-shm"):
+            st = self._tree.lstat(Path(str(self.path) + suffix))
+            if st is not None and not stat.S_ISREG(st.st_mode):
+                raise sqlite3.DatabaseError(f"index.db{suffix} is not a regular file")
 
     def _connect(self) -> sqlite3.Connection:
         db = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=NORMAL")
-        db.executescript(SCHEMA)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+        except BaseException:
+            db.close()
+            raise
         return db
 
-    @contextmanager
-    def tx(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
+    def _check(self, db: sqlite3.Connection) -> None:
+        """Refuse a damaged index or one of another schema (a foreign file, an older or newer weightcache)."""
+        if db.execute("PRAGMA quick_check").fetchone()[0] != "ok":
+            raise sqlite3.DatabaseError("quick_check failed")
+        version = db.execute("PRAGMA user_version").fetchone()[0]
+        tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        if version == 0 and not tables:
+            db.executescript(SCHEMA)
+            db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            return
+        if version not in (0, SCHEMA_VERSION):
+            raise sqlite3.DatabaseError(f"schema version {version}, this weightcache writes {SCHEMA_VERSION}")
+        for table, columns in COLUMNS.items():
+            found = [row[1] for row in db.execute(f"PRAGMA table_info({table})")]
+            if found != columns:
+                raise sqlite3.DatabaseError(f"table {table} has columns {found}, expected {columns}")
+        if version == 0:  # made before the version stamp, same tables
+            db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
 
-    def query(self, sql: str, args: tuple = ()) -> list[tuple]:
+    def _move_aside(self, why: str) -> None:
+        log.warning("index %s is unusable (%s); moving it to quarantine and rebuilding it from the tree",
+                    self.path, why)
+        for suffix in ("", "-wal", "-shm"):
+            self._tree.quarantine(Path(str(self.path) + suffix), f"is unusable as the index ({why})")
+
+    # -- access ---------------------------------------------------------------------------------------------
+    def write(self, fn: Callable[[sqlite3.Connection], None]) -> None:
+        """Run `fn` in one immediate transaction; on a full disk, get room once and run it again."""
+        def attempt() -> None:
+            with self._lock:
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    fn(self._db)
+                    self._db.execute("COMMIT")
+                except BaseException:
+                    if self._db.in_transaction:
+                        self._db.execute("ROLLBACK")
+                    raise
+
+        self._retry_when_full(attempt)
+
+    def _retry_when_full(self, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except sqlite3.Error as exc:
+            if not is_disk_full(exc):
+                raise
+            if self._on_full():
+                try:
+                    return fn()
+                except sqlite3.Error as again:
+                    if not is_disk_full(again):
+                        raise
+            raise InsufficientSpaceError(
+                f"the disk under {self.path.parent} is full and the store's index cannot be written; free space "
+                f"on that filesystem (`weightcache evict`, `weightcache gc`, or remove other files)") from None
+
+    def query(self, sql: str, args: tuple[Any, ...] = ()) -> list[Row]:
         with self._lock:
-            return self._db.execute(sql, args).fetchall()
+            rows: list[Row] = self._db.execute(sql, args).fetchall()
+            return rows
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
 
-    # -- writes ---------------------------------------------------------------------------------------------
-    def add_snapshot(self, db: sqlite3.Connection, snapshot_id: str, uri: str, revision: str | None,
+    # -- writes (inside `write`) ----------------------------------------------------------------------------
+    @staticmethod
+    def add_snapshot(db: sqlite3.Connection, snapshot_id: str, uri: str, revision: str | None,
                      files: Iterable[FileEntry], created: float, last_used: float | None = None) -> None:
         files = list(files)
         db.execute("INSERT OR IGNORE INTO snapshots VALUES (?,?,?,?,?,?,?)",
@@ -89,15 +171,23 @@ class Index:
         db.executemany("INSERT OR IGNORE INTO files VALUES (?,?,?,?,?,?)",
                        [(snapshot_id, f.path, f.size, f.sha256, f.etag, f.version_id) for f in files])
 
-    def remove_snapshot(self, db: sqlite3.Connection, snapshot_id: str) -> None:
+    @staticmethod
+    def remove_snapshot(db: sqlite3.Connection, snapshot_id: str) -> None:
         db.execute("DELETE FROM snapshots WHERE id=?", (snapshot_id,))
         db.execute("DELETE FROM files WHERE snapshot_id=?", (snapshot_id,))
         db.execute("DELETE FROM refs WHERE snapshot_id=?", (snapshot_id,))
 
-    def set_ref(self, db: sqlite3.Connection, model_key: str, name: str, uri: str, revision: str | None,
+    @staticmethod
+    def set_ref(db: sqlite3.Connection, model_key: str, name: str, uri: str, revision: str | None,
                 snapshot_id: str) -> None:
         db.execute("INSERT OR REPLACE INTO refs VALUES (?,?,?,?,?)", (model_key, name, uri, revision, snapshot_id))
 
     def touch(self, snapshot_id: str, when: float | None = None) -> None:
-        with self._lock:
-            self._db.execute("UPDATE snapshots SET last_used=? WHERE id=?", (when or time.time(), snapshot_id))
+        """Record a use (LRU order). Best effort on a full disk: a lost time must not fail a cache hit."""
+        try:
+            with self._lock:
+                self._db.execute("UPDATE snapshots SET last_used=? WHERE id=?", (when or time.time(), snapshot_id))
+        except sqlite3.Error as exc:
+            if not is_disk_full(exc):
+                raise
+            log.warning("could not record the use of snapshot %s: the disk is full", snapshot_id)

@@ -1,31 +1,36 @@
-"""Where everything lives under the store root, and the atomic-write primitives the store is built from.
+"""Where everything lives under the store root.
 
-    index.db                      SQLite (WAL): derived, rebuilt from the tree when missing or damaged
+    index.db                      SQLite (WAL): derived, rebuilt from the tree when missing, damaged or foreign
     blobs/sha256/ab/abcdef…       content-addressed bodies, 0444, never modified
     snapshots/<id>/…              hard links to blobs, directories 0555
     manifests/<id>.json           written last: the snapshot's commit marker
-    refs/<model-key>/<name>       "<snapshot id>\n", written tmp + rename
-    leases/<holder>               "<snapshot id>\n" (holder percent-encoded)
+    refs/<model-key>/<name>       JSON {"snapshot", "uri", "revision", "include", "exclude"}, tmp + rename
+    leases/<holder>               "<snapshot id>\\n" (holder percent-encoded)
     pins/<snapshot id>/<owner>    empty marker files
+    evicting/<id>.json            a manifest moved here commits an eviction; recovery finishes it
     partial/                      downloads in flight (*.part, *.journal, <key>.progress)
     locks/                        flock files for single flight
+    quarantine/                   records and entries that failed validation, kept for a human to inspect
+    reserve                       a preallocated file released when the disk is full, so the store can still
+                                  write its index while it frees space
 """
 
 from __future__ import annotations
 
-import os
-import secrets
 from pathlib import Path
 from urllib.parse import quote, unquote
 
-TMP_PREFIX = ".tmp-"
+from weightcache.errors import DamagedRecordError
+from weightcache.store.fsops import QUARANTINE, Tree
+from weightcache.store.records import SHA256_HEX, is_hex
 
 
 class Layout:
-    """Paths of one store root; creates the directories on first use."""
+    """Paths of one store root; `create` makes (and heals) its directories."""
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root).resolve()
+        self.tree = Tree(self.root)
         self.index = self.root / "index.db"
         self.blobs = self.root / "blobs" / "sha256"
         self.snapshots = self.root / "snapshots"
@@ -33,73 +38,55 @@ class Layout:
         self.refs = self.root / "refs"
         self.leases = self.root / "leases"
         self.pins = self.root / "pins"
+        self.evicting = self.root / "evicting"
         self.partial = self.root / "partial"
         self.locks = self.root / "locks"
+        self.quarantine = self.root / QUARANTINE
+        self.reserve = self.root / "reserve"
 
     def create(self) -> None:
-        for d in (self.blobs, self.snapshots, self.manifests, self.refs, self.leases, self.pins, self.partial,
-                  self.locks):
-            d.mkdir(parents=True, exist_ok=True)
+        """Make every directory, replacing (and quarantining) any symlink or file planted in its place."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        for d in (self.blobs, self.snapshots, self.manifests, self.refs, self.leases, self.pins, self.evicting,
+                  self.partial, self.locks, self.quarantine):
+            self.tree.ensure_dir(d)
 
     def blob(self, sha256: str) -> Path:
+        if not is_hex(sha256, SHA256_HEX):  # the last guard before a digest becomes a path
+            raise DamagedRecordError(f"{sha256[:80]!r} is not a sha256 digest")
         return self.blobs / sha256[:2] / sha256
 
     def snapshot(self, snapshot_id: str) -> Path:
-        return self.snapshots / snapshot_id
+        return self.snapshots / _name(snapshot_id)
 
     def manifest(self, snapshot_id: str) -> Path:
-        return self.manifests / f"{snapshot_id}.json"
+        return self.manifests / f"{_name(snapshot_id)}.json"
+
+    def eviction(self, snapshot_id: str) -> Path:
+        return self.evicting / f"{_name(snapshot_id)}.json"
 
     def ref(self, model_key: str, name: str) -> Path:
-        return self.refs / model_key / name
+        return self.refs / _name(model_key) / _name(name)
 
     def lease(self, holder: str) -> Path:
-        return self.leases / quote(holder, safe="")
+        return self.leases / _name(quote(holder, safe=""))
 
     @staticmethod
     def holder_of(lease_file: Path) -> str:
         return unquote(lease_file.name)
 
+    def pin_dir(self, snapshot_id: str) -> Path:
+        return self.pins / _name(snapshot_id)
+
     def pin(self, snapshot_id: str, owner: str) -> Path:
-        return self.pins / snapshot_id / quote(owner, safe="")
+        return self.pin_dir(snapshot_id) / _name(quote(owner, safe=""))
 
     def lock(self, name: str) -> Path:
-        return self.locks / f"{name}.lock"
+        return self.locks / f"{_name(name)}.lock"
 
 
-def tmp_name(path: Path) -> Path:
-    """A per-writer temporary sibling: unique across processes and threads, recognisable by recovery."""
-    return path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, data: bytes, *, mode: int = 0o644, durable: bool = True) -> None:
-    """Write `data` to `path` so readers see the old file or the whole new one, never a part.
-
-    `durable=False` skips the fsyncs, for state that does not outlive a reboot anyway (leases of mounts).
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tmp_name(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        if durable:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    if durable:
-        fsync_dir(path.parent)
+def _name(text: str) -> str:
+    """One path segment from a caller: never a separator, '..' or NUL (those would leave the directory)."""
+    if not text or "/" in text or "\0" in text or text in (".", ".."):
+        raise DamagedRecordError(f"{text[:80]!r} cannot be a name in the store")
+    return text

@@ -1,21 +1,24 @@
-"""Startup recovery: remove what a crash left half-made, never a whole snapshot; make the index agree with the tree.
+"""Startup recovery: finish what a crash interrupted, never remove a whole published snapshot, then make the
+index agree with the tree.
 
-A crash during publish leaves one of: a temporary tree under snapshots/.tmp-*, a tree without a manifest, a
-manifest without an index row, or a ref not yet written. The first two are removed (their blobs stay, a rerun
-reuses them), the third is indexed, the fourth is harmless (the rerun finds the snapshot by id and writes it).
-Resumable downloads under partial/ are kept.
+It runs in two phases so that a full disk cannot wedge it. `free_space` touches only files and needs no new
+bytes: it finishes committed evictions (evicting/<id>.json), quarantines records that fail validation,
+removes trees without a manifest (an interrupted publish), old temporary files, orphan blobs and abandoned
+partial downloads. Only then does the store open its index and `sync` write to it. A crash during publish
+leaves one of: a temporary tree, a tree without a manifest (both removed; their blobs stay a while so a rerun
+reuses them), a manifest without an index row (indexed), a ref not yet written (written from the index row).
 """
 
 from __future__ import annotations
 
-import json
 import logging
+import sqlite3
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from weightcache.store.layout import TMP_PREFIX, write_atomic
-from weightcache.store.types import FileEntry
+from weightcache.store.fsops import TMP_PREFIX
+from weightcache.store.records import Manifest, RefRecord, is_hex, is_snapshot_id, ref_bytes
 
 if TYPE_CHECKING:
     from weightcache.store.store import Store
@@ -27,83 +30,138 @@ ORPHAN_BLOB_GRACE_S = 600.0  # a fetch links blobs a little before it publishes 
 STALE_PARTIAL_S = 7 * 86400.0
 
 
-def recover(store: Store) -> None:
-    from weightcache.store.store import remove_orphan_blob, remove_tree
-
-    lay = store.layout
+def free_space(store: Store) -> dict[str, Manifest]:
+    """Phase one (no index writes): returns the valid manifests, by snapshot id."""
+    lay, tree = store.layout, store.tree
     now = time.time()
     with store.locked():
-        for p in lay.snapshots.iterdir():
-            if p.name.startswith(TMP_PREFIX) or not lay.manifest(p.name).exists():
-                log.warning("recovery: removing incomplete snapshot tree %s", p)
-                remove_tree(p)
-        for p in [*lay.manifests.glob(TMP_PREFIX + "*"), *lay.refs.rglob(TMP_PREFIX + "*"),
-                  *lay.leases.glob(TMP_PREFIX + "*"), *lay.blobs.rglob(TMP_PREFIX + "*")]:
-            if _age(p, now) > TMP_GRACE_S:
-                p.unlink(missing_ok=True)
-        _sync_index(store)
-        for ref_file in lay.refs.rglob("*"):
-            if ref_file.is_file() and not ref_file.name.startswith(TMP_PREFIX):
-                snap = _json(ref_file).get("snapshot")
-                if not snap or not lay.manifest(str(snap)).exists():
-                    log.warning("recovery: removing dangling ref %s", ref_file)
-                    ref_file.unlink(missing_ok=True)
+        for name in tree.listdir(lay.evicting):
+            snap_id = name.removesuffix(".json")
+            if name.endswith(".json") and is_snapshot_id(snap_id):
+                log.warning("recovery: finishing the interrupted eviction of snapshot %s", snap_id)
+                store.finish_eviction(snap_id, index=False)
+            elif not name.startswith(TMP_PREFIX):
+                tree.quarantine(lay.evicting / name, "is not an eviction record")
+        manifests = valid_manifests(store)
+        for name in tree.listdir(lay.snapshots):
+            if name not in manifests:
+                log.warning("recovery: removing incomplete snapshot tree %s", lay.snapshots / name)
+                tree.remove_tree(lay.snapshots / name)
+        for d in (lay.manifests, lay.leases, *ref_dirs(store), *blob_dirs(store)):
+            for name in tree.listdir(d):
+                if name.startswith(TMP_PREFIX) and _age(store, d / name, now) > TMP_GRACE_S:
+                    tree.unlink(d / name)
+        for d in blob_dirs(store):
+            for name in tree.listdir(d):
+                if _age(store, d / name, now, ctime=True) > ORPHAN_BLOB_GRACE_S:
+                    tree.unlink_if_single_link(d / name)
+        for name in tree.listdir(lay.partial):
+            if _age(store, lay.partial / name, now) > STALE_PARTIAL_S:
+                tree.unlink(lay.partial / name)
+    return manifests
+
+
+def sync(store: Store, manifests: dict[str, Manifest]) -> None:
+    """Phase two: index rows for evictions finished, manifests, refs; dangling refs, leases and pins removed."""
+    lay, tree = store.layout, store.tree
+    with store.locked():
+        for name in tree.listdir(lay.evicting):
+            if name.endswith(".json") and is_snapshot_id(name.removesuffix(".json")):
+                store.finish_eviction(name.removesuffix(".json"))
+        _sync_index(store, manifests)
+        for ref_file in ref_files(store):
+            record = store.read_ref_file(ref_file)
+            if record is not None and record.snapshot not in manifests:
+                log.warning("recovery: removing dangling ref %s", ref_file)
+                tree.unlink(ref_file)
         for holder, snap in store.leases().items():
-            if not lay.manifest(snap).exists():
+            if snap not in manifests:
                 log.warning("recovery: releasing lease %s on missing snapshot %s", holder, snap)
                 store.release(holder)
-        for blob in lay.blobs.rglob("*"):
-            if blob.is_file() and _age(blob, now, ctime=True) > ORPHAN_BLOB_GRACE_S:
-                remove_orphan_blob(blob)
-        for p in lay.partial.iterdir():
-            if _age(p, now) > STALE_PARTIAL_S:
-                p.unlink(missing_ok=True)
+        for name in tree.listdir(lay.pins):
+            if not is_snapshot_id(name):
+                tree.quarantine(lay.pins / name, "is not a snapshot id")
 
 
-def _sync_index(store: Store) -> None:
-    """Index every manifest on disk; drop rows whose manifest is gone; restore refs rows from refs/."""
-    lay = store.layout
-    on_disk = {p.stem: p for p in lay.manifests.glob("*.json") if not p.name.startswith(TMP_PREFIX)}
-    indexed = {r[0] for r in store.index.query("SELECT id FROM snapshots")}
-    with store.index.tx() as db:
-        for snap_id in indexed - on_disk.keys():
+def valid_manifests(store: Store) -> dict[str, Manifest]:
+    """Every manifest that validates; the rest are quarantined (their trees then count as incomplete)."""
+    lay, tree = store.layout, store.tree
+    out = {}
+    for name in tree.listdir(lay.manifests):
+        snap_id = name.removesuffix(".json")
+        if name.startswith(TMP_PREFIX):
+            continue
+        if not name.endswith(".json") or not is_snapshot_id(snap_id):
+            tree.quarantine(lay.manifests / name, "is not named <snapshot id>.json")
+            continue
+        manifest = store.read_manifest(lay.manifests / name, snap_id)
+        if manifest is not None:
+            out[snap_id] = manifest
+    return out
+
+
+def ref_dirs(store: Store) -> list[Path]:
+    return [store.layout.refs / key for key in store.tree.listdir(store.layout.refs)]
+
+
+def ref_files(store: Store) -> list[Path]:
+    """refs/<model-key>/<name> files (not temporaries)."""
+    return [d / name for d in ref_dirs(store) for name in store.tree.listdir(d) if not name.startswith(TMP_PREFIX)]
+
+
+def blob_dirs(store: Store) -> list[Path]:
+    """blobs/sha256/<ab> directories; anything else there is quarantined."""
+    out = []
+    for name in store.tree.listdir(store.layout.blobs):
+        if is_hex(name, 2):
+            out.append(store.layout.blobs / name)
+        else:
+            store.tree.quarantine(store.layout.blobs / name, "is not a blob directory")
+    return out
+
+
+def _sync_index(store: Store, manifests: dict[str, Manifest]) -> None:
+    """Index every valid manifest, drop rows whose manifest is gone, restore refs rows and files from each other.
+
+    Writes only when something differs, so opening a consistent store on a full disk writes nothing.
+    """
+    lay, tree = store.layout, store.tree
+    indexed = {str(r[0]) for r in store.index.query("SELECT id FROM snapshots")}
+    gone = indexed - manifests.keys()
+    new = [manifests[i] for i in sorted(manifests.keys() - indexed)]
+    rows = store.index.query("SELECT model_key, name, uri, revision, snapshot_id FROM refs")
+    known = {(str(r[0]), str(r[1])) for r in rows}
+    for key, name, uri, revision, snap in rows:
+        if snap in manifests and tree.lstat(lay.ref(key, name)) is None:  # crashed after indexing, before the ref
+            tree.write_atomic(lay.ref(key, name), ref_bytes(RefRecord(snap, uri, revision)))
+    missing_rows = []
+    for ref_file in ref_files(store):
+        key = (ref_file.parent.name, ref_file.name)
+        record = store.read_ref_file(ref_file) if key not in known else None
+        if record is not None and record.snapshot in manifests:
+            missing_rows.append((key, record))
+    if not (gone or new or missing_rows):
+        return
+    mtimes = {m.id: _mtime(store, lay.manifest(m.id)) for m in new}
+
+    def apply(db: sqlite3.Connection) -> None:
+        for snap_id in gone:
             store.index.remove_snapshot(db, snap_id)
-        for snap_id in on_disk.keys() - indexed:
-            m = _json(on_disk[snap_id])
-            try:
-                files = [FileEntry(**f) for f in m["files"]]
-            except (KeyError, TypeError) as exc:
-                log.error("recovery: manifest %s is unreadable (%s); leaving it for `weightcache verify`",
-                          on_disk[snap_id], exc)
-                continue
-            mtime = on_disk[snap_id].stat().st_mtime
-            store.index.add_snapshot(db, snap_id, m.get("uri", ""), m.get("revision"), files, m.get("created", mtime),
-                                     mtime)
-        known = set()
-        for key, name, uri, revision, snap in store.index.query("SELECT * FROM refs"):
-            known.add((key, name))
-            if snap in on_disk and not lay.ref(key, name).exists():  # crashed after indexing, before the ref
-                write_atomic(lay.ref(key, name), json.dumps({"snapshot": snap, "uri": uri, "revision": revision}).encode())
-        for ref_file in lay.refs.glob("*/*"):
-            key = (ref_file.parent.name, ref_file.name)
-            if ref_file.name.startswith(TMP_PREFIX) or key in known:
-                continue
-            body = _json(ref_file)
-            if body.get("snapshot") in on_disk:
-                store.index.set_ref(db, key[0], key[1], body.get("uri", ""), body.get("revision"), body["snapshot"])
+        for m in new:
+            store.index.add_snapshot(db, m.id, m.uri, m.revision, m.files, m.created, mtimes[m.id])
+        for (model_key, name), record in missing_rows:
+            store.index.set_ref(db, model_key, name, record.uri, record.revision, record.snapshot)
+
+    store.index.write(apply)
 
 
-def _json(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text())
-        return value if isinstance(value, dict) else {}
-    except (OSError, ValueError):
-        return {}
+def _mtime(store: Store, path: Path) -> float:
+    st = store.tree.lstat(path)
+    return st.st_mtime if st is not None else time.time()
 
 
-def _age(path: Path, now: float, *, ctime: bool = False) -> float:
-    try:
-        st = path.stat()
-    except FileNotFoundError:
+def _age(store: Store, path: Path, now: float, *, ctime: bool = False) -> float:
+    st = store.tree.lstat(path)
+    if st is None:
         return 0.0
     return now - (st.st_ctime if ctime else st.st_mtime)

@@ -1,54 +1,75 @@
 """Store: the public face of the on-disk cache (layout in weightcache.store.layout).
 
 Every change is an atomic rename of a fully written, fsynced file; a manifest written last marks a snapshot
-complete. Short critical sections (publish, lease, evict) take the store-wide flock `locks/store.lock`, so a
-lease can never be granted on a snapshot that an eviction in another process is removing.
+complete, and moving it to evicting/ is the first step of removing one. Short critical sections (publish,
+lease, evict) take the store-wide flock `locks/store.lock`, so a lease can never be granted on a snapshot that
+an eviction in another process is removing. Every path goes through `Tree` (weightcache.store.fsops), which
+never follows a symlink planted under the root, and every record read back is checked
+(weightcache.store.records) and quarantined when it is not what the store writes.
 """
 
 from __future__ import annotations
 
 import builtins
 import fcntl
-import hashlib
-import json
 import logging
 import os
-import shutil
+import sqlite3
+import stat
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from weightcache.errors import InsufficientSpaceError, InUseError, NotCachedError, StoreError
+from weightcache.errors import (
+    DamagedRecordError,
+    HostileKeyError,
+    InsufficientSpaceError,
+    InUseError,
+    NotCachedError,
+    StoreError,
+)
+from weightcache.store import recovery
 from weightcache.store.evict import plan_eviction
+from weightcache.store.fsops import TMP_PREFIX, tmp_name
 from weightcache.store.index import Index
-from weightcache.store.layout import Layout, fsync_dir, tmp_name, write_atomic
+from weightcache.store.layout import Layout
+from weightcache.store.paths import validate_relpath
+from weightcache.store.records import (
+    MAX_MANIFEST_BYTES,
+    MAX_SMALL_RECORD_BYTES,
+    SHA256_HEX,
+    Manifest,
+    RefRecord,
+    file_entry,
+    is_hex,
+    is_snapshot_id,
+    lease_bytes,
+    manifest_bytes,
+    parse_lease,
+    parse_manifest,
+    parse_ref,
+    ref_bytes,
+    snapshot_id_for,
+)
 from weightcache.store.types import FileEntry, Snapshot, SnapshotInfo
 from weightcache.units import fmt_bytes
 from weightcache.uri import ModelRef
 
 log = logging.getLogger(__name__)
 
-MANIFEST_VERSION = 1
+# The free-space floor: the store never fills its filesystem past it, and gives space back down to it at start.
+# Its default keeps the filesystem above kubelet's default `nodefs.available<10%` eviction threshold (the store
+# usually shares a disk with the pods), with 1% margin and at least enough for the index, WAL, manifests and
+# journals to grow.
+DEFAULT_MIN_FREE_PERCENT = 11.0
+DEFAULT_MIN_FREE_BYTES = 64 << 20
+RESERVE_BYTES = 4 << 20  # preallocated; released when a full disk refuses an index write, so eviction can finish
 
 
 class BlobMissingError(StoreError):
     """A blob the fetch planned to reuse vanished before publish (evicted meanwhile): plan again."""
-
-
-def snapshot_id_for(files: Iterable[FileEntry]) -> str:
-    """Digest of (path, size, sha256) of every file: the same tree gets the same id, whoever fetched it."""
-    h = hashlib.sha256()
-    for f in sorted(files, key=lambda f: f.path):
-        h.update(f"{f.path}\0{f.size}\0{f.sha256}\n".encode())
-    return h.hexdigest()[:40]
-
-
-def _crash_point(name: str) -> None:
-    """Tests kill the process here (WEIGHTCACHE_CRASH_AT=<name>) to prove every publish step recovers."""
-    if os.environ.get("WEIGHTCACHE_CRASH_AT") == name:
-        os._exit(137)
 
 
 def ref_name(ref: ModelRef) -> str:
@@ -58,17 +79,24 @@ def ref_name(ref: ModelRef) -> str:
 class Store:
     """Thread-safe and multi-process-safe. Constructing one creates the layout and runs startup recovery."""
 
-    def __init__(self, root: str | Path, *, budget_bytes: int | None = None, recover: bool = True) -> None:
+    def __init__(self, root: str | Path, *, budget_bytes: int | None = None,
+                 min_free_bytes: int = DEFAULT_MIN_FREE_BYTES, min_free_percent: float = DEFAULT_MIN_FREE_PERCENT,
+                 recover: bool = True) -> None:
         self.layout = Layout(root)
         self.root = self.layout.root
+        self.tree = self.layout.tree
         self.budget_bytes = budget_bytes
+        self.min_free_bytes = min_free_bytes
+        self.min_free_percent = min_free_percent
         self.layout.create()
         self._tlock = threading.RLock()
-        self.index = Index(self.layout.index)
+        self._depth = 0  # re-entry count of locked() in the thread that holds it
+        manifests = recovery.free_space(self) if recover else {}  # before any write: on a full disk it makes room
+        self.index = Index(self.layout.index, self.tree, on_full=self._release_reserve)
         if recover:
-            from weightcache.store.recovery import recover as run_recovery
-
-            run_recovery(self)
+            recovery.sync(self, manifests)
+            self.restore_floor()
+            self.keep_reserve()
 
     def close(self) -> None:
         self.index.close()
@@ -76,14 +104,33 @@ class Store:
     # -- locking ----------------------------------------------------------------------------------------------
     @contextmanager
     def locked(self) -> Iterator[None]:
-        """Store-wide exclusive section, across threads and processes. Keep it short."""
+        """Store-wide exclusive section, across threads and processes; re-entrant in the thread holding it."""
         with self._tlock:
-            fd = os.open(self.layout.lock("store"), os.O_RDWR | os.O_CREAT, 0o644)
+            if self._depth:
+                self._depth += 1
+                try:
+                    yield
+                finally:
+                    self._depth -= 1
+                return
+            fd = self.open_lock("store")
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
+                self._depth = 1
                 yield
             finally:
+                self._depth = 0
                 os.close(fd)
+
+    def open_lock(self, name: str) -> int:
+        """A descriptor of lock file `locks/<name>.lock` (created; a symlink planted there is never followed)."""
+        path = self.layout.lock(name)
+        with self.tree.dir(path.parent, create=True) as dfd:
+            return os.open(path.name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd)
+
+    def partial_path(self, name: str) -> Path:
+        """Where a download in flight keeps file `name` (partial/ is a real directory: checked at start)."""
+        return self.layout.partial / name
 
     # -- reading ----------------------------------------------------------------------------------------------
     def lookup(self, ref: ModelRef) -> Snapshot | None:
@@ -101,24 +148,48 @@ class Store:
         return snap
 
     def _read_ref(self, ref: ModelRef) -> str | None:
-        try:
-            data = json.loads(self.layout.ref(ref.key, ref_name(ref)).read_text())
-        except (FileNotFoundError, ValueError):
+        record = self.read_ref_file(self.layout.ref(ref.key, ref_name(ref)))
+        return record.snapshot if record else None
+
+    def read_ref_file(self, path: Path) -> RefRecord | None:
+        """A ref file's record; None when missing or damaged (a damaged one is quarantined)."""
+        data = self.tree.read(path, limit=MAX_SMALL_RECORD_BYTES)
+        if data is None:
             return None
-        return str(data.get("snapshot")) or None
+        try:
+            return parse_ref(data)
+        except DamagedRecordError as exc:
+            self.tree.quarantine(path, f"is not a valid ref ({exc})")
+            return None
+
+    def read_manifest(self, path: Path, snapshot_id: str) -> Manifest | None:
+        """A manifest (in manifests/ or evicting/); None when missing or damaged (a damaged one is quarantined)."""
+        data = self.tree.read(path, limit=MAX_MANIFEST_BYTES)
+        if data is None:
+            return None
+        try:
+            return parse_manifest(data, snapshot_id)
+        except DamagedRecordError as exc:
+            self.tree.quarantine(path, f"is not a valid manifest ({exc})")
+            return None
 
     def _snapshot_by_id_prefix(self, prefix: str, uri: str) -> str | None:
         if len(prefix) < 8:
             return None
         rows = self.index.query("SELECT DISTINCT snapshot_id FROM refs WHERE uri=? AND snapshot_id LIKE ?",
-                                (uri, prefix + "%"))
-        return rows[0][0] if len(rows) == 1 else None
+                                (uri, _like_prefix(prefix)))
+        return str(rows[0][0]) if len(rows) == 1 else None
+
+    def is_complete(self, snapshot_id: str) -> bool:
+        """Whether the snapshot's manifest (its commit marker) is in place."""
+        return is_snapshot_id(snapshot_id) and self.tree.is_file(self.layout.manifest(snapshot_id))
 
     def get(self, snapshot_id: str) -> Snapshot:
         """A snapshot by id; raises NotCachedError."""
         rows = self.index.query("SELECT uri, revision FROM snapshots WHERE id=?", (snapshot_id,))
-        if not rows or not self.layout.manifest(snapshot_id).exists():
-            raise NotCachedError(f"snapshot {snapshot_id} is not in the store at {self.root}; see `weightcache ls`")
+        if not rows or not self.is_complete(snapshot_id):
+            raise NotCachedError(f"snapshot {snapshot_id[:80]} is not in the store at {self.root}; "
+                                 f"see `weightcache ls`")
         files = self._files(snapshot_id)
         uri, revision = rows[0]
         return Snapshot(snapshot_id, self.layout.snapshot(snapshot_id), uri, revision,
@@ -128,32 +199,33 @@ class Store:
         rows = self.index.query(
             "SELECT path, size, sha256, etag, version_id FROM files WHERE snapshot_id=? ORDER BY path",
             (snapshot_id,))
-        return tuple(FileEntry(*r) for r in rows)
+        return tuple(_row_entry(r) for r in rows)
 
     def find(self, text: str) -> builtins.list[Snapshot]:
         """Snapshots matching a reference string, a snapshot id or an id prefix (for the CLI)."""
-        from weightcache.uri import parse_ref
+        from weightcache.uri import parse_ref as parse_model_ref
 
-        rows = self.index.query("SELECT id FROM snapshots WHERE id LIKE ?", (text + "%",)) if len(text) >= 8 else []
+        rows = (self.index.query("SELECT id FROM snapshots WHERE id LIKE ?", (_like_prefix(text),))
+                if len(text) >= 8 else [])
         if not rows and "://" in text:
-            ref = parse_ref(text)
+            ref = parse_model_ref(text)
             if ref.revision:
                 snap = self.lookup(ref)
                 return [snap] if snap else []
             rows = self.index.query("SELECT DISTINCT snapshot_id FROM refs WHERE uri=?", (ref.uri,))
         return [self.get(r[0]) for r in rows]
 
-    def list(self) -> list[SnapshotInfo]:
-        leases: dict[str, list[str]] = {}
+    def list(self) -> builtins.list[SnapshotInfo]:
+        leases: dict[str, builtins.list[str]] = {}
         for holder, snap_id in self.leases().items():
             leases.setdefault(snap_id, []).append(holder)
-        refs: dict[str, list[str]] = {}
+        refs: dict[str, builtins.list[str]] = {}
         for uri, rev, snap_id in self.index.query("SELECT uri, revision, snapshot_id FROM refs ORDER BY uri"):
             refs.setdefault(snap_id, []).append(uri + (f"@{rev}" if rev else ""))
-        files: dict[str, list[FileEntry]] = {}
+        files: dict[str, builtins.list[FileEntry]] = {}
         for sid, *rest in self.index.query(
                 "SELECT snapshot_id, path, size, sha256, etag, version_id FROM files ORDER BY snapshot_id, path"):
-            files.setdefault(sid, []).append(FileEntry(*rest))
+            files.setdefault(sid, []).append(_row_entry(tuple(rest)))
         shared = {sha for (sha,) in self.index.query(
             "SELECT sha256 FROM files GROUP BY sha256 HAVING COUNT(DISTINCT snapshot_id) > 1")}
         infos = []
@@ -172,7 +244,14 @@ class Store:
 
     # -- blobs and publish ---------------------------------------------------------------------------------------
     def has_blob(self, sha256: str) -> bool:
-        return self.layout.blob(sha256).exists()
+        return self.blob_size(sha256) is not None
+
+    def blob_size(self, sha256: str) -> int | None:
+        """Size of the blob with this hex digest; None when absent (or not a digest, or not a regular file)."""
+        if not is_hex(sha256, SHA256_HEX):
+            return None
+        st = self.tree.lstat(self.layout.blob(sha256))
+        return st.st_size if st is not None and stat.S_ISREG(st.st_mode) else None
 
     def known_sha256(self, uri: str, path: str, etag: str | None, size: int) -> str | None:
         """sha256 of a file we already hold with the same source ETag and size (skips re-downloading it)."""
@@ -181,24 +260,23 @@ class Store:
         rows = self.index.query(
             "SELECT f.sha256 FROM files f JOIN snapshots s ON s.id = f.snapshot_id "
             "WHERE s.uri=? AND f.path=? AND f.etag=? AND f.size=? LIMIT 1", (uri, path, etag, size))
-        return rows[0][0] if rows and self.has_blob(rows[0][0]) else None
+        return str(rows[0][0]) if rows and self.has_blob(rows[0][0]) else None
 
     def add_blob(self, path: Path, sha256: str) -> None:
-        """Move a fully written, verified file into blobs/ (0444); a blob that exists already wins (dedup)."""
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fchmod(fd, 0o444)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        """Move a fully written, verified file into blobs/ (0444); a blob that exists already wins (dedup).
+
+        `path` is a file the caller wrote under the root; a symlink found there instead is refused, not followed.
+        """
         blob = self.layout.blob(sha256)
-        blob.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(path, blob)
-            fsync_dir(blob.parent)
-        except FileExistsError:
-            pass
-        path.unlink()
+        with self.tree.dir(path.parent) as dfd:
+            fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+            try:
+                os.fchmod(fd, 0o444)
+                os.fsync(fd)
+                self.tree.link_in(fd, blob)
+            finally:
+                os.close(fd)
+            os.unlink(path.name, dir_fd=dfd)
 
     def publish(self, ref: ModelRef, files: builtins.list[FileEntry]) -> Snapshot:
         """Build the snapshot tree from blobs, rename it into place, write the manifest, index it, point the ref."""
@@ -208,103 +286,117 @@ class Store:
                 if not self.has_blob(f.sha256):
                     raise BlobMissingError(f"blob {f.sha256} for {f.path} vanished before publish")
             final = self.layout.snapshot(snap_id)
-            if not self.layout.manifest(snap_id).exists():
-                if final.exists():  # a tree without manifest: an interrupted publish; rebuild it
-                    remove_tree(final)
-                self._build_tree(final, files)
-                _crash_point("tree_renamed")
-                manifest = {"version": MANIFEST_VERSION, "id": snap_id, "uri": ref.uri, "revision": ref.revision,
-                            "created": time.time(), "files": [f.__dict__ for f in files]}
-                write_atomic(self.layout.manifest(snap_id), json.dumps(manifest, indent=1).encode(), mode=0o444)
-                _crash_point("manifest_written")
-            created = time.time()
-            with self.index.tx() as db:
-                self.index.add_snapshot(db, snap_id, ref.uri, ref.revision, files, created)
-                self.index.set_ref(db, ref.key, ref_name(ref), ref.uri, ref.revision, snap_id)
-            _crash_point("indexed")
+            if not self.is_complete(snap_id):
+                self.tree.remove_tree(final)  # a tree without manifest: an interrupted publish; rebuild it
+                self._commit_tree(self._build_tree(final, files), final)
+                self._write_manifest(Manifest(snap_id, ref.uri, ref.revision, time.time(), tuple(files)))
+            self._index_snapshot(ref, snap_id, files)
             self._write_ref(ref, snap_id)
         log.info("published %s as snapshot %s (%d files, %d bytes)", ref, snap_id, len(files),
                  sum(f.size for f in files))
         return self.get(snap_id)
 
-    def _write_ref(self, ref: ModelRef, snap_id: str) -> None:
-        body = {"snapshot": snap_id, "uri": ref.uri, "revision": ref.revision,
-                "include": list(ref.include), "exclude": list(ref.exclude)}
-        write_atomic(self.layout.ref(ref.key, ref_name(ref)), json.dumps(body).encode())
-
-    def _build_tree(self, final: Path, files: builtins.list[FileEntry]) -> None:
+    def _build_tree(self, final: Path, files: builtins.list[FileEntry]) -> Path:
+        """A temporary tree of hard links to the blobs, directories fsynced and made 0555; returns its path."""
         tmp = tmp_name(final)
-        tmp.mkdir(mode=0o755)
+        with self.tree.dir(tmp.parent) as sfd:
+            os.mkdir(tmp.name, 0o755, dir_fd=sfd)
+            try:
+                tfd = os.open(tmp.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=sfd)
+                try:
+                    made: set[str] = set()
+                    for f in files:
+                        _make_parents(tfd, f.path, made)
+                        blob = self.layout.blob(f.sha256)
+                        with self.tree.dir(blob.parent) as bfd:
+                            os.link(blob.name, f.path, src_dir_fd=bfd, dst_dir_fd=tfd, follow_symlinks=False)
+                    for _, _, _, dfd in os.fwalk(".", topdown=False, dir_fd=tfd):
+                        os.fsync(dfd)
+                        os.fchmod(dfd, 0o555)
+                finally:
+                    os.close(tfd)
+            except BaseException:
+                self.tree.remove_tree(tmp)
+                raise
+        return tmp
+
+    def _commit_tree(self, tmp: Path, final: Path) -> None:
         try:
-            for f in files:
-                dest = tmp / f.path
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                os.link(self.layout.blob(f.sha256), dest)
-            dirs = sorted((p for p in tmp.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True)
-            for d in dirs:
-                fsync_dir(d)
-                d.chmod(0o555)
-            fsync_dir(tmp)
-            tmp.chmod(0o555)
-            _crash_point("tree_built")
-            os.rename(tmp, final)
-            fsync_dir(final.parent)
+            self.tree.rename(tmp, final)
         except BaseException:
-            remove_tree(tmp)
+            self.tree.remove_tree(tmp)
             raise
+
+    def _write_manifest(self, manifest: Manifest) -> None:
+        self.tree.write_atomic(self.layout.manifest(manifest.id), manifest_bytes(manifest), mode=0o444)
+
+    def _index_snapshot(self, ref: ModelRef, snap_id: str, files: builtins.list[FileEntry]) -> None:
+        created = time.time()
+
+        def add(db: sqlite3.Connection) -> None:
+            self.index.add_snapshot(db, snap_id, ref.uri, ref.revision, files, created)
+            self.index.set_ref(db, ref.key, ref_name(ref), ref.uri, ref.revision, snap_id)
+
+        self.index.write(add)
+
+    def _write_ref(self, ref: ModelRef, snap_id: str) -> None:
+        body = ref_bytes(RefRecord(snap_id, ref.uri, ref.revision), ref.include, ref.exclude)
+        self.tree.write_atomic(self.layout.ref(ref.key, ref_name(ref)), body)
 
     # -- leases and pins -----------------------------------------------------------------------------------------
     def lease(self, holder: str, snapshot_id: str) -> None:
         """Persist holder -> snapshot (idempotent for the same pair; a holder holds one snapshot)."""
         with self.locked():
-            if not self.layout.manifest(snapshot_id).exists():
-                raise NotCachedError(f"cannot lease snapshot {snapshot_id}: it is not in the store (evicted?)")
+            if not self.is_complete(snapshot_id):
+                raise NotCachedError(f"cannot lease snapshot {snapshot_id[:80]}: it is not in the store (evicted?)")
             # not fsynced: leases track mounts and API holders, which a reboot ends; recovery reconciles them
-            write_atomic(self.layout.lease(holder), (snapshot_id + "\n").encode(), durable=False)
+            self.tree.write_atomic(self.layout.lease(holder), lease_bytes(snapshot_id), durable=False)
         self.index.touch(snapshot_id)
 
     def release(self, holder: str) -> None:
         """Drop a lease; no error when it does not exist."""
-        self.layout.lease(holder).unlink(missing_ok=True)
+        self.tree.unlink(self.layout.lease(holder))
 
     def leases(self) -> dict[str, str]:
-        """holder id -> snapshot id."""
+        """holder id -> snapshot id (a damaged lease file is quarantined and holds nothing)."""
         out = {}
-        for p in self.layout.leases.iterdir():
-            if p.name.startswith("."):
+        for name in self.tree.listdir(self.layout.leases):
+            if name.startswith("."):
+                continue
+            path = self.layout.leases / name
+            data = self.tree.read(path, limit=MAX_SMALL_RECORD_BYTES)
+            if data is None:
                 continue
             try:
-                out[Layout.holder_of(p)] = p.read_text().strip()
-            except FileNotFoundError:
-                continue
+                out[Layout.holder_of(path)] = parse_lease(data)
+            except DamagedRecordError as exc:
+                self.tree.quarantine(path, f"is not a valid lease ({exc})")
         return out
 
     def pin(self, snapshot_id: str, *, by: str = "user") -> None:
         self.get(snapshot_id)
         path = self.layout.pin(snapshot_id, by)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.touch()
+        with self.tree.dir(path.parent, create=True) as dfd:
+            os.close(os.open(path.name, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd))
 
     def unpin(self, snapshot_id: str, *, by: str | None = None) -> None:
         """Remove one owner's pin, or every pin when `by` is None."""
-        d = self.layout.pins / snapshot_id
-        if by is not None:
-            self.layout.pin(snapshot_id, by).unlink(missing_ok=True)
-        else:
-            shutil.rmtree(d, ignore_errors=True)
-        if d.exists() and not any(d.iterdir()):
-            d.rmdir()
+        d = self.layout.pin_dir(snapshot_id)
+        with self.locked():
+            if by is not None:
+                self.tree.unlink(self.layout.pin(snapshot_id, by))
+            if by is None or not self.tree.listdir(d):
+                self.tree.remove_tree(d)
 
     def pins(self, snapshot_id: str) -> builtins.list[str]:
-        d = self.layout.pins / snapshot_id
-        return sorted(p.name for p in d.iterdir()) if d.exists() else []
+        return sorted(self.tree.listdir(self.layout.pin_dir(snapshot_id)))
 
     def is_pinned(self, snapshot_id: str) -> bool:
         return bool(self.pins(snapshot_id))
 
     # -- eviction ------------------------------------------------------------------------------------------------
     def evict(self, snapshot_id: str) -> None:
-        """Remove refs -> snapshot -> unshared blobs; raises InUseError naming the leases/pin that hold it."""
+        """Remove a snapshot: refs, tree, unshared blobs; raises InUseError naming the leases/pins that hold it."""
         with self.locked():
             holders = sorted(h for h, s in self.leases().items() if s == snapshot_id)
             pins = self.pins(snapshot_id)
@@ -318,21 +410,43 @@ class Store:
             self._remove_snapshot(snapshot_id)
 
     def _remove_snapshot(self, snapshot_id: str) -> None:
-        rows = self.index.query("SELECT model_key, name FROM refs WHERE snapshot_id=?", (snapshot_id,))
-        for model_key, name in rows:
-            self.layout.ref(model_key, name).unlink(missing_ok=True)
-        blobs = {f.sha256 for f in self._files(snapshot_id)}
-        self.layout.manifest(snapshot_id).unlink(missing_ok=True)  # from here on the snapshot is incomplete
-        remove_tree(self.layout.snapshot(snapshot_id))
-        with self.index.tx() as db:
-            self.index.remove_snapshot(db, snapshot_id)
-        for sha in blobs:
-            remove_orphan_blob(self.layout.blob(sha))
+        """Commit the eviction by moving the manifest to evicting/ (a rename: no new bytes on a full disk), then
+        finish it; a crash in between is finished by recovery."""
+        if not is_snapshot_id(snapshot_id):
+            raise NotCachedError(f"snapshot {snapshot_id[:80]} is not in the store at {self.root}")
+        if self.tree.lstat(self.layout.manifest(snapshot_id)) is not None:
+            self.tree.rename(self.layout.manifest(snapshot_id), self.layout.eviction(snapshot_id))
+        self.finish_eviction(snapshot_id)
         log.info("evicted snapshot %s", snapshot_id)
 
-    def evict_to(self, target_bytes: int, *, keep: frozenset[str] = frozenset()) -> builtins.list[str]:
-        """LRU-evict unleased, unpinned snapshots until used bytes <= target; returns evicted ids."""
-        plan = plan_eviction(self.list(), used_bytes=self.used_bytes(), target_bytes=target_bytes, keep=keep)
+    def finish_eviction(self, snapshot_id: str, *, index: bool = True) -> None:
+        """Delete what an eviction committed to remove, files first (they free the space the index write needs);
+        `index=False` (recovery before the index is open) leaves the index rows and the record for later."""
+        record = self.layout.eviction(snapshot_id)
+        manifest = self.read_manifest(record, snapshot_id)
+        if manifest is not None:
+            shas = {f.sha256 for f in manifest.files}
+        else:
+            shas = {f.sha256 for f in self._files(snapshot_id)} if index else set()
+        for ref_file in recovery.ref_files(self):
+            found = self.read_ref_file(ref_file)
+            if found is not None and found.snapshot == snapshot_id:
+                self.tree.unlink(ref_file)
+        self.tree.remove_tree(self.layout.snapshot(snapshot_id))
+        for sha in shas:
+            self.tree.unlink_if_single_link(self.layout.blob(sha))
+        if index:
+            self.index.write(lambda db: self.index.remove_snapshot(db, snapshot_id))
+            self.tree.unlink(record)
+
+    def evict_to(self, target_bytes: int, *, keep: frozenset[str] = frozenset(),
+                 best_effort: bool = False) -> builtins.list[str]:
+        """LRU-evict unleased, unpinned snapshots until used bytes <= target; returns evicted ids.
+
+        `best_effort` evicts every candidate when even that cannot reach the target, instead of raising.
+        """
+        plan = plan_eviction(self.list(), used_bytes=self.used_bytes(), target_bytes=target_bytes, keep=keep,
+                             best_effort=best_effort)
         done = []
         for snap_id in plan:
             try:
@@ -342,14 +456,19 @@ class Store:
                 log.info("skipping eviction: %s", exc)
         return done
 
+    # -- space ---------------------------------------------------------------------------------------------------
+    def floor_bytes(self, disk_size: int) -> int:
+        """Bytes the store keeps free on its filesystem: max(min_free_bytes, min_free_percent of the disk)."""
+        return max(self.min_free_bytes, int(disk_size * self.min_free_percent / 100))
+
     def ensure_space(self, needed: int, *, uri: str) -> None:
-        """Make room for `needed` new bytes within the budget and on the disk, evicting LRU; fail before any download."""
+        """Make room for `needed` new bytes within the budget and above the free-space floor, evicting LRU;
+        fail before any download."""
         if needed <= 0:
             return
         used = self.used_bytes()
         free_disk, disk_size = disk_free(self.root)
-        reserve = min(64 << 20, disk_size // 50)  # headroom for manifests, index and other writers
-        limit = used + free_disk - reserve
+        limit = used + free_disk - self.floor_bytes(disk_size)
         if self.budget_bytes is not None:
             limit = min(limit, self.budget_bytes)
         if used + needed <= limit:
@@ -357,18 +476,55 @@ class Store:
         target = limit - needed
         try:
             if target < 0:
-                raise InsufficientSpaceError("model larger than the budget")
+                raise InsufficientSpaceError("model larger than the budget or the disk above its free-space floor")
             self.evict_to(target)
         except InsufficientSpaceError as exc:
             raise InsufficientSpaceError(
                 f"{uri} needs {fmt_bytes(needed)} more, but the store at {self.root} uses {fmt_bytes(used)} of a "
                 f"{'budget of ' + fmt_bytes(self.budget_bytes) if self.budget_bytes is not None else 'disk'} with "
-                f"{fmt_bytes(free_disk)} free on disk, and eviction cannot free enough ({exc}); "
+                f"{fmt_bytes(free_disk)} free on disk and keeps {fmt_bytes(self.floor_bytes(disk_size))} free "
+                f"(minFreeBytes/minFreePercent), and eviction cannot free enough ({exc}); "
                 f"raise the disk budget, free disk space, or evict/unpin models") from None
         if self.used_bytes() + needed > limit:
             raise InsufficientSpaceError(
                 f"{uri} needs {fmt_bytes(needed)} but only {fmt_bytes(max(0, limit - self.used_bytes()))} can be "
                 f"made free in the store at {self.root}; evict or unpin models, or raise the disk budget")
+
+    def restore_floor(self) -> builtins.list[str]:
+        """When the filesystem is below the floor (filled by anyone), evict LRU snapshots to give space back."""
+        free_disk, disk_size = disk_free(self.root)
+        deficit = self.floor_bytes(disk_size) - free_disk
+        if deficit <= 0:
+            return []
+        gone = self.evict_to(max(0, self.used_bytes() - deficit), best_effort=True)
+        if gone:
+            log.warning("the disk under %s had %s free, below the floor of %s: evicted %d snapshot(s)", self.root,
+                        fmt_bytes(free_disk), fmt_bytes(self.floor_bytes(disk_size)), len(gone))
+        return gone
+
+    def keep_reserve(self) -> None:
+        """Preallocate the reserve file when there is room for it above the floor (see RESERVE_BYTES)."""
+        if self.tree.lstat(self.layout.reserve) is not None:
+            return
+        free_disk, disk_size = disk_free(self.root)
+        if free_disk < self.floor_bytes(disk_size) + RESERVE_BYTES:
+            return
+        with self.tree.dir(self.root) as dfd:
+            fd = os.open(self.layout.reserve.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600,
+                         dir_fd=dfd)
+            try:
+                os.posix_fallocate(fd, 0, RESERVE_BYTES)
+            except OSError:
+                os.unlink(self.layout.reserve.name, dir_fd=dfd)
+            finally:
+                os.close(fd)
+
+    def _release_reserve(self) -> bool:
+        released = self.tree.unlink(self.layout.reserve)
+        if released:
+            log.warning("the disk under %s is full: released the %s reserve to keep the store working",
+                        self.root, fmt_bytes(RESERVE_BYTES))
+        return released
 
 
 def disk_free(path: Path) -> tuple[int, int]:
@@ -377,89 +533,29 @@ def disk_free(path: Path) -> tuple[int, int]:
     return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
 
 
-def remove_tree(path: Path) -> None:
-    """rmtree that first makes our 0555 directories writable again."""
-    if not path.exists():
-        return
-    for d in [path, *(p for p in path.rglob("*") if p.is_dir() and not p.is_symlink())]:
-        try:
-            d.chmod(0o755)
-        except OSError:
-            pass
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def remove_orphan_blob(blob: Path) -> bool:
-    """Delete a blob no snapshot links any more (link count 1: only blobs/ holds it)."""
+def _row_entry(row: tuple[object, ...]) -> FileEntry:
+    """An index row as a checked FileEntry: the index is derived data, but a path or digest from it must not
+    lead outside the root either."""
+    entry = file_entry(dict(zip(("path", "size", "sha256", "etag", "version_id"), row, strict=True)))
     try:
-        if blob.stat().st_nlink == 1:
-            blob.unlink()
-            return True
-    except FileNotFoundError:
-        pass
-    return False
+        validate_relpath(entry.path)
+    except HostileKeyError as exc:
+        raise DamagedRecordError(f"index row: {exc}; delete index.db to rebuild it from the tree") from None
+    return entry
 
 
-def verify_snapshot(store: Store, snapshot_id: str, *, chunk: int = 8 << 20) -> list[str]:
-    """Re-hash every file of a snapshot against its manifest digest; returns the paths that do not match."""
-    snap = store.get(snapshot_id)
-    bad = []
-    buf = memoryview(bytearray(chunk))
-    for f in snap.files:
-        h = hashlib.sha256()
-        try:
-            with open(snap.path / f.path, "rb", buffering=0) as fh:
-                while n := fh.readinto(buf):
-                    h.update(buf[:n])
-        except OSError:
-            bad.append(f.path)
-            continue
-        if h.hexdigest() != f.sha256:
-            bad.append(f.path)
-    return bad
+def _make_parents(dir_fd: int, relpath: str, made: set[str]) -> None:
+    parts = relpath.split("/")[:-1]
+    for i in range(1, len(parts) + 1):
+        sub = "/".join(parts[:i])
+        if sub not in made:
+            os.mkdir(sub, 0o755, dir_fd=dir_fd)
+            made.add(sub)
 
 
-def drop_damaged(store: Store, snapshot_id: str, bad_paths: list[str]) -> list[str]:
-    """Remove a damaged snapshot and its damaged blobs (every link to a damaged inode) so a refetch can repair it.
-
-    Refuses (InUseError) while the snapshot is leased: pods are reading it. Returns the refs that pointed to it.
-    """
-    snap = store.get(snapshot_id)
-    with store.locked():
-        holders = sorted(h for h, s in store.leases().items() if s == snapshot_id)
-        if holders:
-            raise InUseError(f"snapshot {snapshot_id} is damaged but leased by {', '.join(holders)}; "
-                             f"stop those pods, then run `weightcache verify --repair` again")
-        refs = [f"{u}@{r}" if r else u for u, r in store.index.query(
-            "SELECT uri, revision FROM refs WHERE snapshot_id=?", (snapshot_id,))]
-        shas = {f.sha256 for f in snap.files if f.path in bad_paths}
-        store.unpin(snapshot_id)
-        store._remove_snapshot(snapshot_id)
-        for sha in shas:
-            store.layout.blob(sha).unlink(missing_ok=True)
-    return refs
+def _like_prefix(text: str) -> str:
+    """A LIKE pattern matching `text` literally as a prefix (ids are hex: anything else matches nothing)."""
+    return text + "%" if all(c in "0123456789abcdef" for c in text) else "\0"
 
 
-def collect_garbage(store: Store) -> int:
-    """Remove blobs no snapshot links and partial downloads no fetch holds; returns bytes freed."""
-    freed = 0
-    with store.locked():
-        for blob in store.layout.blobs.rglob("*"):
-            if blob.is_file():
-                size = blob.stat().st_size
-                if remove_orphan_blob(blob):
-                    freed += size
-    busy = set()
-    for lock in store.layout.locks.glob("m*.lock"):
-        fd = os.open(lock, os.O_RDWR)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            busy.add(lock.stem)
-        finally:
-            os.close(fd)
-    for p in store.layout.partial.iterdir():
-        if p.name.split(".")[0] not in busy:
-            freed += p.stat().st_size
-            p.unlink(missing_ok=True)
-    return freed
+__all__ = ["TMP_PREFIX", "BlobMissingError", "Store", "disk_free", "ref_name"]

@@ -1,0 +1,289 @@
+"""File operations on the store tree that never follow a symlink the store did not create.
+
+Anything under the root may have been planted: a symlink at `partial/`, `snapshots/<id>`, `blobs/sha256/ab`,
+a `.part` file. So every path is walked from the root one component at a time with `O_NOFOLLOW`, and the last
+component is acted on through `dir_fd=` calls that do not follow it either (unlink, rename, open with
+`O_NOFOLLOW`). A directory component that is not a real directory is moved to `quarantine/` and, when the
+caller creates, replaced by a fresh directory: the store heals instead of failing or following.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import secrets
+import stat
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+TMP_PREFIX = ".tmp-"
+QUARANTINE = "quarantine"
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_NOT_A_DIR = (errno.ELOOP, errno.ENOTDIR)
+
+
+def tmp_name(path: Path) -> Path:
+    """A per-writer temporary sibling: unique across processes and threads, recognisable by recovery."""
+    return path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+
+
+class Tree:
+    """Symlink-safe operations on paths under one root (the root itself was resolved by whoever made it)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def _parts(self, path: Path) -> tuple[str, ...]:
+        parts = path.relative_to(self.root).parts
+        if not parts or any(p in ("", ".", "..") for p in parts):
+            raise ValueError(f"{path} is not a path inside the store at {self.root}")
+        return parts
+
+    # -- directories ----------------------------------------------------------------------------------------
+    @contextmanager
+    def dir(self, path: Path, *, create: bool = False) -> Iterator[int]:
+        """A descriptor of directory `path` (or the root), opened without following any symlink below the root.
+
+        Raises FileNotFoundError when a component is missing (and `create` is false) or was not a directory
+        (it is quarantined, then created afresh when `create` is true).
+        """
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            done: list[str] = []
+            for name in path.relative_to(self.root).parts:
+                child = self._step(fd, name, done, create)
+                os.close(fd)
+                fd = child
+                done.append(name)
+            yield fd
+        finally:
+            os.close(fd)
+
+    def _step(self, fd: int, name: str, done: list[str], create: bool) -> int:
+        """Open child `name` of `fd` as a directory; heal or refuse what is not a directory."""
+        try:
+            return os.open(name, _DIR_FLAGS, dir_fd=fd)
+        except FileNotFoundError:
+            if not create:
+                raise
+        except OSError as exc:
+            if exc.errno not in _NOT_A_DIR:
+                raise
+            self._quarantine_at(fd, name, "/".join([*done, name]), "is not a directory (a planted symlink?)")
+            if not create:
+                raise FileNotFoundError(errno.ENOENT, "quarantined", str(self.root.joinpath(*done, name))) from None
+        with suppress(FileExistsError):
+            os.mkdir(name, 0o755, dir_fd=fd)
+        return os.open(name, _DIR_FLAGS, dir_fd=fd)
+
+    def ensure_dir(self, path: Path) -> None:
+        """Make `path` a real directory, quarantining whatever non-directory stands on the way."""
+        with self.dir(path, create=True):
+            pass
+
+    def listdir(self, path: Path) -> list[str]:
+        """Names in directory `path`; [] when it is missing (or was not a directory and got quarantined)."""
+        try:
+            with self.dir(path) as fd:
+                return os.listdir(fd)
+        except FileNotFoundError:
+            return []
+
+    # -- entries --------------------------------------------------------------------------------------------
+    def lstat(self, path: Path) -> os.stat_result | None:
+        """stat of `path` itself (a symlink is reported, not followed); None when missing."""
+        try:
+            with self.dir(path.parent) as fd:
+                return os.stat(path.name, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+
+    def is_file(self, path: Path) -> bool:
+        st = self.lstat(path)
+        return st is not None and stat.S_ISREG(st.st_mode)
+
+    def read(self, path: Path, *, limit: int) -> bytes | None:
+        """Bytes of regular file `path` (None when missing); a symlink, non-file or file over `limit` is quarantined."""
+        try:
+            with self.dir(path.parent) as dfd:
+                try:
+                    fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
+                except OSError as exc:
+                    if exc.errno != errno.ELOOP:
+                        raise
+                    self._quarantine_at(dfd, path.name, self._rel(path), "is a symlink")
+                    return None
+                try:
+                    st = os.fstat(fd)
+                    if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+                        why = "is not a regular file" if not stat.S_ISREG(st.st_mode) else f"is over {limit} bytes"
+                        self._quarantine_at(dfd, path.name, self._rel(path), why)
+                        return None
+                    return _read_all(fd, st.st_size, limit)
+                finally:
+                    os.close(fd)
+        except (FileNotFoundError, IsADirectoryError):
+            return None
+
+    def unlink(self, path: Path) -> bool:
+        """Remove the entry `path` (a symlink itself, never its target); False when it was missing."""
+        try:
+            with self.dir(path.parent) as fd:
+                os.unlink(path.name, dir_fd=fd)
+                return True
+        except FileNotFoundError:
+            return False
+        except IsADirectoryError:
+            self.remove_tree(path)
+            return True
+
+    def unlink_if_single_link(self, path: Path) -> int:
+        """Remove regular file `path` when nothing else links it (a blob no snapshot uses); bytes freed."""
+        try:
+            with self.dir(path.parent) as fd:
+                st = os.stat(path.name, dir_fd=fd, follow_symlinks=False)
+                if not stat.S_ISREG(st.st_mode):
+                    self._quarantine_at(fd, path.name, self._rel(path), "is not a regular file")
+                    return 0
+                if st.st_nlink != 1:
+                    return 0
+                os.unlink(path.name, dir_fd=fd)
+                return st.st_size
+        except FileNotFoundError:
+            return 0
+
+    def rename(self, src: Path, dst: Path) -> None:
+        """Atomic rename within the tree; neither side is followed when it is a symlink."""
+        with self.dir(src.parent) as sfd, self.dir(dst.parent, create=True) as dfd:
+            os.rename(src.name, dst.name, src_dir_fd=sfd, dst_dir_fd=dfd)
+
+    def link_in(self, src_fd: int, dst: Path) -> bool:
+        """Hard-link the open file `src_fd` as `dst`; False when `dst` exists already."""
+        with self.dir(dst.parent, create=True) as dfd:
+            try:
+                os.link(f"/proc/self/fd/{src_fd}", dst.name, dst_dir_fd=dfd, follow_symlinks=True)
+            except FileExistsError:
+                return False
+            os.fsync(dfd)
+            return True
+
+    def write_atomic(self, path: Path, data: bytes, *, mode: int = 0o644, durable: bool = True) -> None:
+        """Write `data` to `path` so readers see the old file or the whole new one, never a part.
+
+        `durable=False` skips the fsyncs, for state that does not outlive a reboot anyway (leases of mounts).
+        """
+        tmp = tmp_name(path).name
+        with self.dir(path.parent, create=True) as dfd:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dfd)
+            try:
+                try:
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view):]
+                    if durable:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.replace(tmp, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            except BaseException:
+                _unlink_quietly(dfd, tmp)
+                raise
+            if durable:
+                os.fsync(dfd)
+
+    def remove_tree(self, path: Path) -> None:
+        """Remove `path` and everything below it without following symlinks; our 0555 directories are made
+        writable again first (through their descriptors, so a planted symlink is never chmod-ed)."""
+        try:
+            with self.dir(path.parent) as fd:
+                _remove_at(fd, path.name)
+        except FileNotFoundError:
+            pass
+
+    # -- quarantine -----------------------------------------------------------------------------------------
+    def quarantine(self, path: Path, reason: str) -> None:
+        """Move `path` (whatever it is, never followed) to quarantine/ and log it, so it is neither read nor
+        followed again and stays for a human to inspect."""
+        try:
+            with self.dir(path.parent) as fd:
+                self._quarantine_at(fd, path.name, self._rel(path), reason)
+        except FileNotFoundError:
+            pass
+
+    def _quarantine_at(self, dir_fd: int, name: str, rel: str, reason: str) -> None:
+        dest = f"{rel.replace('/', '%2F')[-200:]}.{time.time_ns()}"
+        qdir = self.root / QUARANTINE
+        with self.dir(qdir, create=True) as qfd:
+            try:
+                os.rename(name, dest, src_dir_fd=dir_fd, dst_dir_fd=qfd)
+            except FileNotFoundError:
+                return
+        log.warning("store: %s %s; moved it to %s (inspect it, then delete it)", self.root / rel, reason,
+                    qdir / dest)
+
+    def _rel(self, path: Path) -> str:
+        return "/".join(self._parts(path))
+
+
+def _read_all(fd: int, size: int, limit: int) -> bytes:
+    chunks, total = [], 0
+    while chunk := os.read(fd, max(size - total, 1 << 16)):
+        chunks.append(chunk)
+        total += len(chunk)
+        if total > limit:
+            raise FileNotFoundError(errno.EFBIG, "record grew past its limit while read")
+    return b"".join(chunks)
+
+
+def _unlink_quietly(dir_fd: int, name: str) -> None:
+    with suppress(OSError):
+        os.unlink(name, dir_fd=dir_fd)
+
+
+def _remove_at(parent_fd: int, name: str) -> None:
+    """Depth-first removal below `parent_fd` with an explicit stack (deep trees must not exhaust recursion)."""
+    try:
+        st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        _unlink_quietly(parent_fd, name)
+        return
+    stack: list[tuple[int, str, int]] = [(parent_fd, name, _open_writable_dir(parent_fd, name))]
+    try:
+        while stack:
+            pfd, dname, fd = stack[-1]
+            child = _first_entry(fd)
+            if child is None:
+                os.close(fd)
+                stack.pop()
+                with suppress(FileNotFoundError):
+                    os.rmdir(dname, dir_fd=pfd)
+                continue
+            cst = os.stat(child, dir_fd=fd, follow_symlinks=False)
+            if stat.S_ISDIR(cst.st_mode):
+                stack.append((fd, child, _open_writable_dir(fd, child)))
+            else:
+                os.unlink(child, dir_fd=fd)
+    finally:
+        for _, _, fd in stack:
+            os.close(fd)
+
+
+def _open_writable_dir(parent_fd: int, name: str) -> int:
+    fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+    with suppress(OSError):
+        os.fchmod(fd, 0o755)
+    return fd
+
+
+def _first_entry(fd: int) -> str | None:
+    with os.scandir(fd) as it:
+        for entry in it:
+            return entry.name
+    return None

@@ -1,0 +1,85 @@
+"""What `weightcache verify` and `weightcache gc` do to a store: re-hash snapshots, drop damaged ones, collect
+garbage. Everything goes through the store's public methods and its symlink-safe `Tree`."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+
+from weightcache.errors import InUseError
+from weightcache.store.recovery import blob_dirs
+from weightcache.store.store import Store
+
+
+def verify_snapshot(store: Store, snapshot_id: str, *, chunk: int = 8 << 20) -> list[str]:
+    """Re-hash every file of a snapshot against its manifest digest; returns the paths that do not match.
+
+    Files are opened without following a symlink: one planted in the tree counts as damaged, never as read.
+    """
+    snap = store.get(snapshot_id)
+    bad = []
+    buf = memoryview(bytearray(chunk))
+    for f in snap.files:
+        h = hashlib.sha256()
+        try:
+            with store.tree.dir((snap.path / f.path).parent) as dfd:
+                fd = os.open(os.path.basename(f.path), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+            with open(fd, "rb", buffering=0) as fh:
+                while n := fh.readinto(buf):
+                    h.update(buf[:n])
+        except OSError:
+            bad.append(f.path)
+            continue
+        if h.hexdigest() != f.sha256:
+            bad.append(f.path)
+    return bad
+
+
+def drop_damaged(store: Store, snapshot_id: str, bad_paths: list[str]) -> list[str]:
+    """Remove a damaged snapshot and its damaged blobs (every link to a damaged inode) so a refetch can repair it.
+
+    Refuses (InUseError) while the snapshot is leased: pods are reading it. Returns the refs that pointed to it.
+    """
+    snap = store.get(snapshot_id)
+    with store.locked():
+        holders = sorted(h for h, s in store.leases().items() if s == snapshot_id)
+        if holders:
+            raise InUseError(f"snapshot {snapshot_id} is damaged but leased by {', '.join(holders)}; "
+                             f"stop those pods, then run `weightcache verify --repair` again")
+        refs = [f"{u}@{r}" if r else u for u, r in store.index.query(
+            "SELECT uri, revision FROM refs WHERE snapshot_id=?", (snapshot_id,))]
+        store.unpin(snapshot_id)
+        store.evict(snapshot_id)
+        for sha in {f.sha256 for f in snap.files if f.path in bad_paths}:
+            store.tree.unlink(store.layout.blob(sha))
+    store.keep_reserve()
+    return refs
+
+
+def collect_garbage(store: Store) -> int:
+    """Remove blobs no snapshot links and partial downloads no fetch holds; returns bytes freed."""
+    freed = 0
+    tree, lay = store.tree, store.layout
+    with store.locked():
+        for d in blob_dirs(store):
+            for name in tree.listdir(d):
+                freed += tree.unlink_if_single_link(d / name)
+    busy = set()
+    for name in tree.listdir(lay.locks):
+        if not (name.startswith("m") and name.endswith(".lock")):
+            continue
+        fd = store.open_lock(name.removesuffix(".lock"))
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            busy.add(name.removesuffix(".lock"))
+        finally:
+            os.close(fd)
+    for name in tree.listdir(lay.partial):
+        if name.split(".")[0] not in busy:
+            st = tree.lstat(lay.partial / name)
+            if tree.unlink(lay.partial / name) and st is not None:
+                freed += st.st_size
+    store.keep_reserve()
+    return freed
