@@ -21,6 +21,9 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--config", help="YAML config file (env WEIGHTCACHE_CONFIG); watched and applied live")
     p.add_argument("--root", help=f"store root (env WEIGHTCACHE_ROOT; default {defaults.ROOT})")
     p.add_argument("--socket", help=f"API socket (env WEIGHTCACHE_SOCKET; default {defaults.SOCKET})")
+    p.add_argument("--metrics-listen", metavar="HOST:PORT",
+                   help="also serve GET /metrics, read-only and without a token, on HOST:PORT "
+                        "(env WEIGHTCACHE_METRICS_LISTEN)")
     p.add_argument("--csi-endpoint", help="serve CSI on unix:///PATH (env CSI_ENDPOINT)")
     p.add_argument("--node-name", help="this node's Kubernetes name (env NODE_NAME)")
     p.add_argument("--log-format", choices=("text", "json"), help="log lines as text or JSON (default text)")
@@ -30,7 +33,8 @@ def add_commands(sub: Any) -> None:
 
 def flags_of(args: argparse.Namespace) -> dict[str, Any]:
     """Flags as config keys (None = not given)."""
-    return {"root": args.root, "socket": args.socket, "csiEndpoint": args.csi_endpoint, "nodeName": args.node_name,
+    return {"root": args.root, "socket": args.socket, "csiEndpoint": args.csi_endpoint,
+            "metricsListen": args.metrics_listen, "nodeName": args.node_name,
             "logFormat": args.log_format, "logLevel": args.log_level}
 
 

@@ -33,9 +33,12 @@ ENV = {
     "WEIGHTCACHE_MEMORY_BUDGET": "memoryBudget",
     "WEIGHTCACHE_CONCURRENCY": "concurrency",
     "WEIGHTCACHE_CHUNK_SIZE": "chunkSize",
+    "WEIGHTCACHE_CONNECT_TIMEOUT": "connectTimeout",
+    "WEIGHTCACHE_READ_TIMEOUT": "readTimeout",
     "WEIGHTCACHE_PARALLEL_MODELS": "parallelModels",
     "WEIGHTCACHE_ALLOW_UNDECLARED_MODELS": "allowUndeclaredModels",
     "WEIGHTCACHE_SOCKET": "socket",
+    "WEIGHTCACHE_METRICS_LISTEN": "metricsListen",
     "WEIGHTCACHE_LOG_FORMAT": "logFormat",
     "WEIGHTCACHE_LOG_LEVEL": "logLevel",
     "CSI_ENDPOINT": "csiEndpoint",
@@ -73,6 +76,17 @@ class TcpSettings:
 
 
 @dataclass(frozen=True)
+class DraSettings:
+    """The DRA kubelet plugin (config `dra:`; docs/dra.md). Present = enabled."""
+
+    slots_per_model: int = 8  # devices per cached snapshot: how many claims on the node can hold it at once
+    shared: bool = False  # one device per snapshot with allowMultipleAllocations (DRAConsumableCapacity gate)
+    cdi_dir: Path = Path("/var/run/cdi")  # where the container runtime reads CDI specs
+    api_version: str = "v1"  # resource.k8s.io version: v1 (Kubernetes 1.34+) or v1beta2 (1.33)
+    publish_seconds: float = 2.0  # how often the store is checked for new or evicted snapshots
+
+
+@dataclass(frozen=True)
 class Settings:
     """Everything the daemon reads from its configuration. Field docs live in docs/config.md."""
 
@@ -81,13 +95,17 @@ class Settings:
     memory_budget: int = 0  # bytes of locked RAM for tier=memory models; 0 = memory tier off
     concurrency: int = defaults.CONCURRENCY  # parallel ranged GETs per fetch
     chunk_size: int = defaults.CHUNK_SIZE
+    connect_timeout: float = defaults.CONNECT_TIMEOUT  # seconds to connect to a model source
+    read_timeout: float = defaults.READ_TIMEOUT  # seconds a model source may stay silent
     parallel_models: int = 2  # models fetched at once by the reconcile loop
     endpoints: tuple[tuple[str, str], ...] = ()  # ("s3" or "s3://bucket", endpoint url), most specific wins
     models: tuple[ModelSpec, ...] = ()
     allow_undeclared_models: bool | None = None  # None = auto: true off-cluster, false in-cluster
     socket: Path = defaults.SOCKET
     tcp: TcpSettings | None = None
+    metrics_listen: tuple[str, int] | None = None  # (host, port) of the read-only /metrics listener
     csi_endpoint: str | None = None
+    dra: DraSettings | None = None  # None: the DRA plugin is off
     kubelet_dir: Path = defaults.KUBELET_DIR
     node_name: str | None = None
     log_format: str = "text"
@@ -202,14 +220,16 @@ def _path(what: str) -> Callable[[Any], Path]:
     return parse
 
 
-def _positive_float(value: Any) -> float:
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"resyncSeconds: expected seconds, got {value!r}") from None
-    if number <= 0:
-        raise ConfigError("resyncSeconds: must be > 0")
-    return number
+def _seconds(what: str) -> Callable[[Any], float]:
+    def parse(value: Any) -> float:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{what}: expected seconds, got {value!r}") from None
+        if not number > 0 or number == float("inf"):
+            raise ConfigError(f"{what}: must be a number of seconds > 0, got {value!r}")
+        return number
+    return parse
 
 
 def _endpoints(value: Any) -> tuple[tuple[str, str], ...]:
@@ -278,8 +298,40 @@ def _tcp(value: Any) -> TcpSettings:
     return TcpSettings(port, _path("tcp.tokenFile")(value["tokenFile"]), str(value.get("host") or "127.0.0.1"))
 
 
+def _dra(value: Any) -> DraSettings | None:
+    """`dra: {slotsPerModel: 8, shared: false, cdiDir: /var/run/cdi, apiVersion: v1, publishSeconds: 2}`;
+    `true` (the --dra flag) is the defaults, `false` turns it off."""
+    if isinstance(value, bool) or isinstance(value, str):
+        return DraSettings() if _bool("dra")(value) else None
+    if not isinstance(value, dict):
+        raise ConfigError("dra: expected true, false or a mapping such as {slotsPerModel: 8}")
+    keys = {"slotsPerModel": None, "shared": None, "cdiDir": None, "apiVersion": None, "publishSeconds": None}
+    _reject_unknown(value, keys, "dra")
+    slots = _int("dra.slotsPerModel", 1)(value.get("slotsPerModel", 8))
+    if slots > 64:
+        raise ConfigError(f"dra.slotsPerModel: at most 64 (a ResourceSlice holds 128 devices), got {slots}")
+    version = _choice("dra.apiVersion", ("v1", "v1beta2"))(value.get("apiVersion", "v1"))
+    try:
+        every = float(value.get("publishSeconds", 2.0))
+    except (TypeError, ValueError):
+        every = -1.0
+    if not 0.1 <= every <= 3600:
+        raise ConfigError(f"dra.publishSeconds: expected seconds between 0.1 and 3600, got {value['publishSeconds']!r}")
+    return DraSettings(slots, _bool("dra.shared")(value.get("shared", False)),
+                       _path("dra.cdiDir")(value.get("cdiDir", "/var/run/cdi")), version, every)
+
+
 def _optional_bytes(what: str) -> Callable[[Any], int]:
     return lambda value: parse_size(value, what)
+
+
+def _host_port(value: Any) -> tuple[str, int]:
+    """`HOST:PORT` (`[::]:9478` for IPv6); port 0 picks a free one."""
+    host, sep, port = str(value).rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"metricsListen: expected HOST:PORT such as 0.0.0.0:9478, got {value!r}")
+    return host, int(port)
 
 
 def _csi_endpoint(value: Any) -> str:
@@ -294,18 +346,22 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "memoryBudget": _optional_bytes("memoryBudget"),
     "concurrency": _int("concurrency", 1),
     "chunkSize": lambda v: max(1, parse_size(v, "chunkSize")),
+    "connectTimeout": _seconds("connectTimeout"),
+    "readTimeout": _seconds("readTimeout"),
     "parallelModels": _int("parallelModels", 1),
     "endpoints": _endpoints,
     "models": _models,
     "allowUndeclaredModels": _bool("allowUndeclaredModels"),
     "socket": _path("socket"),
     "tcp": _tcp,
+    "metricsListen": _host_port,
     "csiEndpoint": _csi_endpoint,
+    "dra": _dra,
     "kubeletDir": _path("kubeletDir"),
     "nodeName": str,
     "logFormat": _choice("logFormat", ("text", "json")),
     "logLevel": _choice("logLevel", ("DEBUG", "INFO", "WARNING", "ERROR"), upper=True),
-    "resyncSeconds": _positive_float,
+    "resyncSeconds": _seconds("resyncSeconds"),
 }
 _SNAKE = {key: re.sub(r"(?<!^)(?=[A-Z])", "_", key).lower() for key in _PARSERS}
 

@@ -1,0 +1,121 @@
+"""The read-only metrics port: a real daemon started with `metricsListen`, scraped over TCP like Prometheus would;
+everything but GET/HEAD /metrics is refused there, without any token."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import socket
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from tests import fixtures_daemon
+from tests.fixtures_daemon import start_daemon
+from weightcache.daemon.command import add_commands, flags_of
+from weightcache.daemon.config import load_settings
+from weightcache.errors import ConfigError
+
+# fixtures, used by name
+off_cluster, tiny_model = fixtures_daemon.off_cluster, fixtures_daemon.tiny_model
+short_dir, model_copy = fixtures_daemon.short_dir, fixtures_daemon.model_copy
+
+
+async def test_metrics_port_serves_only_metrics(short_dir: Path, model_copy: Path) -> None:
+    running = await start_daemon(short_dir, model_copy, config={"metricsListen": "127.0.0.1:0"})
+    try:
+        port = running.daemon.metrics_port
+        assert port
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as http:
+            async with http.get("/metrics") as r:
+                assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+                body = await r.text()
+            assert "# TYPE" in body and "weightcache_" in body
+            async with http.head("/metrics") as r:
+                assert r.status == 200
+            for method, path in [("PUT", "/v1/models"), ("GET", "/v1/models"), ("DELETE", "/v1/models/x"),
+                                 ("POST", "/v1/leases"), ("GET", "/healthz"), ("GET", "/"), ("GET", "/metrics/x")]:
+                async with http.request(method, path, json={"uri": running.model_uri}) as r:
+                    assert r.status == 404, (method, path)
+            for method in ("PUT", "POST", "DELETE", "PATCH"):
+                async with http.request(method, "/metrics") as r:
+                    assert r.status == 405, method
+        # the admin API is untouched by any of it: nothing was fetched
+        assert await asyncio.to_thread(running.client.list) == []
+    finally:
+        await running.daemon.stop()
+    with pytest.raises(OSError):  # stopped with the daemon
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+async def test_metrics_port_taken_is_a_config_error(short_dir: Path, model_copy: Path) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(ConfigError, match="another port"):
+            await start_daemon(short_dir, model_copy, config={"metricsListen": f"127.0.0.1:{port}"})
+
+
+@pytest.mark.parametrize(("value", "expected"), [("0.0.0.0:9478", ("0.0.0.0", 9478)), ("[::]:9478", ("::", 9478)),
+                                                 ("localhost:0", ("localhost", 0))])
+def test_metrics_listen_parses(value: str, expected: tuple[str, int]) -> None:
+    assert load_settings(None, env={}, flags={"metricsListen": value}).metrics_listen == expected
+    assert load_settings(None, env={"WEIGHTCACHE_METRICS_LISTEN": value}).metrics_listen == expected
+
+
+@pytest.mark.parametrize("value", ["9478", ":9478", "host:", "host:99999", "host:http"])
+def test_metrics_listen_rejects_bad_values(value: str) -> None:
+    with pytest.raises(ConfigError, match="metricsListen: expected HOST:PORT"):
+        load_settings(None, env={}, flags={"metricsListen": value})
+
+
+def test_metrics_listen_flag_reaches_the_settings() -> None:
+    parser = argparse.ArgumentParser()
+    add_commands(parser.add_subparsers())
+    args = parser.parse_args(["daemon", "--metrics-listen", "0.0.0.0:9478"])
+    assert load_settings(None, env={}, flags=flags_of(args)).metrics_listen == ("0.0.0.0", 9478)
+
+
+DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana-dashboard.json"
+PODMONITOR = Path(__file__).resolve().parents[1] / "deploy" / "components" / "prometheus" / "podmonitor.yaml"
+
+
+def exported_names() -> set[str]:
+    """Every series name the daemon's and the webhook's registries can produce (counters gain _total, ...)."""
+    from prometheus_client import CollectorRegistry
+
+    from weightcache.daemon.metrics import SAMPLED, Metrics
+    from weightcache.webhook.server import Metrics as WebhookMetrics
+
+    webhook = CollectorRegistry()
+    WebhookMetrics.create(webhook)
+    names = set()
+    for registry in (Metrics().registry, webhook):
+        for family in registry.collect():
+            names |= {family.name + s for s in ("", "_total", "_bucket", "_count", "_sum")}
+    sampled = {n + s for n in SAMPLED for s in ("", "_total")}  # read from the store etc. at scrape time
+    return names | sampled
+
+
+def test_dashboard_queries_only_real_series_and_filters_by_node_name() -> None:
+    import json
+    import re
+
+    import yaml
+
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert "__inputs" not in dashboard  # no datasource input left unused: the datasource variable picks it
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    queried = {n for e in exprs for n in re.findall(r"\bweightcache_[a-z_]+", e)}
+    assert queried <= exported_names(), queried - exported_names()
+    assert any("weightcache_csi_" in e for e in exprs) and any("weightcache_webhook_" in e for e in exprs)
+    (node,) = [v for v in dashboard["templating"]["list"] if v.get("label") == "Node"]
+    assert "node)" in node["definition"] and "instance" not in json.dumps(dashboard)
+    # the node label exists: the PodMonitor copies the pod's node name into it
+    monitor = yaml.safe_load(PODMONITOR.read_text())
+    relabel = monitor["spec"]["podMetricsEndpoints"][0]["relabelings"]
+    assert {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"} in relabel
+    for panel in dashboard["panels"]:
+        assert panel.get("datasource", {"uid": "${datasource}"})["uid"] == "${datasource}", panel["title"]
