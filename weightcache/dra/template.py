@@ -1,0 +1,68 @@
+"""The ResourceClaimTemplate a pod uses to get a model through DRA, and the CEL selector inside it.
+
+    python -m weightcache.dra.template s3://models/llama-3-8b/ [--revision R] [--namespace ml] [--mount-path P]
+
+prints the template. Its name is `weightcache-<model key>`, the name the admission webhook's
+`weightcache.io/via: dra` branch puts in `pod.spec.resourceClaims`, so the two always agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import yaml
+
+from weightcache.dra import DRIVER_NAME
+from weightcache.uri import model_key, parse_ref
+
+DEVICE_CLASS = DRIVER_NAME
+REQUEST = "model"
+
+
+def selector(uri: str, revision: str | None = None) -> str:
+    """CEL on the published attributes: this model (by its key), and this revision when one is asked for."""
+    attrs = f'device.attributes["{DRIVER_NAME}"]'
+    expression = f"{attrs}.model == {json.dumps(model_key(parse_ref(uri).uri))}"
+    if revision:
+        expression += f" && {attrs}.revision == {json.dumps(revision)}"
+    return expression
+
+
+def template_name(uri: str) -> str:
+    return f"weightcache-{model_key(parse_ref(uri).uri)}"
+
+
+def claim_template(uri: str, *, revision: str | None = None, namespace: str | None = None,
+                   mount_path: str | None = None, env: str | None = None) -> dict[str, Any]:
+    """A resource.k8s.io/v1 ResourceClaimTemplate asking for one device of the model `uri`."""
+    ref = parse_ref(uri, revision=revision)
+    metadata: dict[str, Any] = {"name": template_name(ref.uri),
+                                "annotations": {"weightcache.io/model": ref.uri}}
+    if namespace:
+        metadata["namespace"] = namespace
+    devices: dict[str, Any] = {"requests": [{"name": REQUEST, "exactly": {
+        "deviceClassName": DEVICE_CLASS, "selectors": [{"cel": {"expression": selector(ref.uri, ref.revision)}}]}}]}
+    parameters = {k: v for k, v in (("mountPath", mount_path), ("env", env)) if v}
+    if parameters:
+        devices["config"] = [{"requests": [REQUEST], "opaque": {"driver": DRIVER_NAME, "parameters": parameters}}]
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": metadata,
+            "spec": {"spec": {"devices": devices}}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Print the ResourceClaimTemplate for a model (docs/dra.md).")
+    parser.add_argument("model", help="model reference, e.g. s3://models/llama-3-8b/")
+    parser.add_argument("--revision")
+    parser.add_argument("--namespace")
+    parser.add_argument("--mount-path", help="where the model appears in the container (default /models/model)")
+    args = parser.parse_args(argv)
+    yaml.safe_dump(claim_template(args.model, revision=args.revision, namespace=args.namespace,
+                                  mount_path=args.mount_path), sys.stdout, sort_keys=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
