@@ -9,12 +9,14 @@ verb, query parameter or patch content type fails here as it would against a clu
     GET|PUT|PATCH|DELETE /api/v1/nodes/{name}[/status]
     POST   /api/v1/namespaces/{ns}/events, PATCH .../events/{name}
     .../apis/weightcache.io/v1alpha1/{modelcaches,modelcachenodes}[/{name}[/status]]
+    /api/v1/namespaces/{ns}/pods[/{name}], /apis/coordination.k8s.io/v1/namespaces/{ns}/leases[/{name}]
 
 Semantics kept: resourceVersion is one counter across all objects; a watch from a version older than the
 retained history gets one ERROR event carrying a 410 "Expired" Status; BOOKMARK events carry only
 metadata.resourceVersion; `timeoutSeconds` ends the stream cleanly; the status subresource separates spec and
 status writes; custom resources refuse strategic merge patch (415) and need resourceVersion on PUT; errors are
-`Status` objects with the real reasons (NotFound, AlreadyExists, Conflict, Invalid, Expired). Not modelled:
+`Status` objects with the real reasons (NotFound, AlreadyExists, Conflict, Invalid, Expired). Pod updates follow
+the API server's rules for the fields placement changes (scheduling gates, nodeSelector, node affinity). Not modelled:
 consistent snapshots across `continue` pages (pages read current data), server-side apply, field managers.
 
 Test controls: `expire_before(rv)`, `drop_watches()`, `hang_watches`, `send_bookmark()`, `requests`, and
@@ -73,6 +75,8 @@ RESOURCES = {
     for r in (
         Resource("", "v1", "nodes", "Node", False, True),
         Resource("", "v1", "events", "Event", True, False),
+        Resource("", "v1", "pods", "Pod", True, True),
+        Resource("coordination.k8s.io", "v1", "leases", "Lease", True, False),
         Resource("resource.k8s.io", "v1", "resourceslices", "ResourceSlice", False, False),
         Resource("resource.k8s.io", "v1", "resourceclaims", "ResourceClaim", True, True),
         Resource("weightcache.io", "v1alpha1", "modelcaches", "ModelCache", False, True),
@@ -354,6 +358,8 @@ class FakeApiServer:
                 meta[key] = old["metadata"][key]
         result["apiVersion"], result["kind"] = res.api_version, res.kind
         self._validate(res, result)
+        if res.plural == "pods" and not subresource:
+            _check_pod_update(name, old.get("spec") or {}, result.get("spec") or {})
         if res.custom and result.get("spec") != old.get("spec"):
             meta["generation"] = old["metadata"].get("generation", 1) + 1
         if _without_rv(result) == _without_rv(old):
@@ -637,6 +643,49 @@ class _Handler(BaseHTTPRequestHandler):
     def _end(self) -> None:
         self.wfile.write(b"0\r\n\r\n")
         self.wfile.flush()
+
+
+_POD_FORBIDDEN = ("Forbidden: pod updates may not change fields other than `spec.containers[*].image`, "
+                  "`spec.initContainers[*].image`, `spec.activeDeadlineSeconds`, `spec.tolerations` (only additions "
+                  "to existing tolerations), `spec.terminationGracePeriodSeconds` (allow it to be set to 1 if it was "
+                  "previously negative)")
+
+
+def _check_pod_update(name: str, old: Obj, new: Obj) -> None:
+    """The API server's pod update rules for the fields placement touches (ValidatePodUpdate, and
+    KEP-3838 mutable scheduling directives for gated pods): gates may only be removed; while the OLD pod is
+    gated, nodeSelector may only gain keys, a required node affinity may be set when absent or its terms may
+    only gain matchExpressions, preferred terms may change; every other spec field stays as it was."""
+    def invalid(field: str, message: str) -> ApiError:
+        return ApiError(422, "Invalid", f'Pod "{name}" is invalid: {field}: {message}',
+                        {"name": name, "kind": "Pod", "causes": [{"reason": "FieldValueForbidden", "field": field}]})
+
+    old_gates, new_gates = old.get("schedulingGates") or [], new.get("schedulingGates") or []
+    if any(g not in old_gates for g in new_gates):
+        raise invalid("spec.schedulingGates", "Forbidden: only deletion is allowed, but found new scheduling gate")
+    gated = bool(old_gates)
+    old_sel, new_sel = old.get("nodeSelector") or {}, new.get("nodeSelector") or {}
+    if old_sel != new_sel and not (gated and all(new_sel.get(k) == v for k, v in old_sel.items())):
+        raise invalid("spec.nodeSelector", "Invalid value: only additions to spec.nodeSelector are allowed "
+                      "(no mutations or deletions), and only while the pod has scheduling gates")
+    old_aff, new_aff = old.get("affinity") or {}, new.get("affinity") or {}
+    old_na, new_na = old_aff.get("nodeAffinity") or {}, new_aff.get("nodeAffinity") or {}
+    req = "requiredDuringSchedulingIgnoredDuringExecution"
+    if {k: v for k, v in old_aff.items() if k != "nodeAffinity"} != {k: v for k, v in new_aff.items() if k != "nodeAffinity"} or (not gated and old_na != new_na):
+        raise invalid("spec.affinity", _POD_FORBIDDEN)
+    if old_na.get(req) and old_na.get(req) != new_na.get(req):
+        old_terms = old_na[req].get("nodeSelectorTerms") or []
+        new_terms = (new_na.get(req) or {}).get("nodeSelectorTerms") or []
+        ok = len(old_terms) == len(new_terms) and all(
+            o.get("matchFields") == n.get("matchFields")
+            and (n.get("matchExpressions") or [])[: len(o.get("matchExpressions") or [])] == (o.get("matchExpressions") or [])
+            for o, n in zip(old_terms, new_terms))
+        if not ok:
+            raise invalid(f"spec.affinity.nodeAffinity.{req}",
+                          "Invalid value: only additions to matchExpressions of existing nodeSelectorTerms are allowed")
+    skip = ("schedulingGates", "nodeSelector", "affinity")
+    if {k: v for k, v in old.items() if k not in skip} != {k: v for k, v in new.items() if k not in skip}:
+        raise invalid("spec", _POD_FORBIDDEN)
 
 
 # pytest helpers ---------------------------------------------------------------------------------------------------

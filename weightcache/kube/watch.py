@@ -11,8 +11,8 @@ inactivity timeout that catches a silent, half-open connection the server will n
 
 from __future__ import annotations
 
+import functools
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +23,7 @@ import urllib3
 from kubernetes.client.exceptions import ApiException
 
 from weightcache.kube import GROUP, MODELCACHES, VERSION
+from weightcache.retry import DEFAULT_BACKOFF, backoff_pause
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +49,14 @@ class ModelCacheWatcher:
         inactivity_timeout: float | None = None,
         connect_timeout: float = 10.0,
         max_cycles: int | None = None,
+        lister: Callable[..., Any] | None = None,
     ) -> None:
         """`inactivity_timeout` (default timeout_seconds + 30): drop a watch that has sent nothing that long.
-        `max_cycles` (tests only): stop after that many list or watch requests."""
+        `max_cycles` (tests only): stop after that many list or watch requests.
+        `lister`: another collection to keep (weightcache.kube.listers): called with the list or watch
+        arguments, it answers a list page as a dict; objects are keyed by namespace/name."""
         self._api = kubernetes.client.CustomObjectsApi(api_client)
+        self._list = lister or functools.partial(self._api.list_cluster_custom_object, GROUP, VERSION, MODELCACHES)
         self._on_change = on_change
         self.timeout_seconds = timeout_seconds
         self.backoff_max = backoff_max
@@ -119,7 +124,7 @@ class ModelCacheWatcher:
                     self.resource_version = None
                     continue
                 failures += 1
-                delay = min(self.backoff_max, 0.2 * 2 ** (failures - 1)) * random.uniform(0.5, 1.0)
+                delay = backoff_pause(failures, DEFAULT_BACKOFF, cap=self.backoff_max)  # the one backoff policy
                 log.warning("ModelCache watch failed (%s); retrying in %.1f s", _describe(exc), delay)
                 self._stopping.wait(delay)
             except Exception:  # a bug must not kill the watch silently: log it and back off like an outage
@@ -134,9 +139,9 @@ class ModelCacheWatcher:
             kwargs: dict[str, Any] = {"limit": self.page_size, "_request_timeout": (self.connect_timeout, self.inactivity_timeout)}
             if token:
                 kwargs["_continue"] = token
-            page = self._api.list_cluster_custom_object(GROUP, VERSION, MODELCACHES, **kwargs)
+            page = self._list(**kwargs)
             for obj in page.get("items") or []:
-                items[obj["metadata"]["name"]] = obj
+                items[_key(obj["metadata"])] = obj
             meta = page.get("metadata") or {}
             rv = rv or meta.get("resourceVersion", "")  # the first page's version is the list's snapshot
             token = meta.get("continue")
@@ -155,7 +160,7 @@ class ModelCacheWatcher:
         self._watch = watch
         try:
             for event in watch.stream(
-                self._api.list_cluster_custom_object, GROUP, VERSION, MODELCACHES,
+                self._list,
                 resource_version=rv,
                 allow_watch_bookmarks=True,
                 timeout_seconds=self.timeout_seconds,
@@ -181,11 +186,12 @@ class ModelCacheWatcher:
         name = meta.get("name")
         if not name:
             return
+        key = _key(meta)
         with self._lock:
             if kind == "DELETED":
-                self._items.pop(name, None)
+                self._items.pop(key, None)
             elif kind in ("ADDED", "MODIFIED"):
-                self._items[name] = obj
+                self._items[key] = obj
             else:
                 return
         log.debug("ModelCache %s %s (resourceVersion %s)", name, kind, self.resource_version)
@@ -198,6 +204,11 @@ class ModelCacheWatcher:
             self._on_change(self.items())
         except Exception:  # the caller's bug must not stop the watch
             log.exception("ModelCache on_change callback failed")
+
+
+def _key(meta: dict[str, Any]) -> str:
+    """Cluster-scoped objects by name, namespaced ones by namespace/name (two pods may share a name)."""
+    return f"{meta['namespace']}/{meta['name']}" if meta.get("namespace") else str(meta["name"])
 
 
 def _describe(exc: BaseException) -> str:

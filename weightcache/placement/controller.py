@@ -1,0 +1,291 @@
+"""The placement controller: gated pods -> demand on chosen nodes -> release to the nodes that hold the model.
+
+Level-triggered and stateless: every pass derives the demand from the API (gated pods, bound pods, the
+ModelCaches it owns, node labels, ModelCacheNode reports), so a restart or a new leader picks up where the
+last one stopped, and nothing is released on a memory of readiness — only on the node labels of this pass.
+
+    watch pods, nodes, ModelCaches, ModelCacheNodes ─► pass (leader only, on change and every `resync` s):
+        choice.plan  ─► ModelCache placement-<hash> {source, nodeNames}   create / patch nodeNames / delete
+        memory       ─► status.memoryNodes of every ModelCache with spec.memory.nodes
+        per gated pod: ready on a node it may run on (with room for its GPUs when one has room)?
+            yes ─► one JSON patch: test resourceVersion, add required affinity (label In [ready]), remove gate
+            no  ─► Event on the pod: the model's bytes and ETA on the chosen node, at most every `event_interval`
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import kubernetes
+import urllib3
+from kubernetes.client.exceptions import ApiException
+
+from weightcache.kube import API_VERSION, GROUP, MODELCACHES, VERSION, listers
+from weightcache.kube.cluster_cli import model_cache_body
+from weightcache.kube.watch import ModelCacheWatcher
+from weightcache.placement import choice
+from weightcache.placement.lease import LeaderElector
+from weightcache.placement.nodes import NodeFacts, eligible, gpu_request, node_facts
+from weightcache.progress import Progress
+from weightcache.redact import redact
+from weightcache.webhook.annotations import PLACEMENT
+from weightcache.webhook.mutate import required_affinity
+
+log = logging.getLogger(__name__)
+
+MANAGED_BY = "app.kubernetes.io/managed-by"
+CONTROLLER = "weightcache-placement"
+MERGE = "application/merge-patch+json"
+JSON_PATCH = "application/json-patch+json"
+
+
+@dataclass
+class _Seen:
+    """What the last progress Event of a pod said, and the bytes it saw then (for a rate)."""
+
+    at: float
+    message: str
+    bytes_done: int
+
+
+@dataclass(frozen=True)
+class Pass:
+    """What one pass did (for tests and logs)."""
+
+    released: tuple[str, ...]
+    demand: dict[str, tuple[str, ...]]
+
+
+class Controller:
+    def __init__(self, api_client: kubernetes.client.ApiClient, *, elector: LeaderElector | None = None,
+                 event_interval: float = 5.0, resync: float = 2.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._core = kubernetes.client.CoreV1Api(api_client)
+        self._custom = kubernetes.client.CustomObjectsApi(api_client)
+        self.elector = elector
+        self.event_interval, self.resync, self._clock = event_interval, resync, clock
+        self._wake = threading.Event()
+
+        def kick(_items: list[dict[str, Any]]) -> None:
+            self._wake.set()
+
+        self.pods = ModelCacheWatcher(api_client, lister=listers.pods(api_client), on_change=kick)
+        self.nodes = ModelCacheWatcher(api_client, lister=listers.nodes(api_client), on_change=kick)
+        self.reports = ModelCacheWatcher(api_client, lister=listers.model_cache_nodes(api_client), on_change=kick)
+        self.caches = ModelCacheWatcher(api_client, on_change=kick)
+        self._watchers = (self.pods, self.nodes, self.reports, self.caches)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._seen: dict[str, _Seen] = {}
+        self.passes = 0
+
+    # lifecycle --------------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        for w in self._watchers:
+            w.start()
+        if self.elector is not None:
+            self.elector.start()
+        self._thread = threading.Thread(target=self._run, name="placement", daemon=True)
+        self._thread.start()
+
+    def stop(self, *, release: bool = True) -> None:
+        """`release=False` leaves the Lease to expire, as a crashed leader would."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(10.0)
+        for w in self._watchers:
+            w.stop()
+        if self.elector is not None:
+            self.elector.stop(release=release)
+
+    def leading(self) -> bool:
+        return self.elector is None or self.elector.is_leader()
+
+    def synced(self) -> bool:
+        return all(w.wait_synced(0) for w in self._watchers)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.resync)
+            self._wake.clear()
+            if self._stop.is_set() or not self.leading() or not self.synced():
+                continue  # a pass on a partial view could delete demand that still exists
+            try:
+                self.reconcile()
+            except Exception:  # level-triggered: the next pass starts over
+                log.exception("placement pass failed")
+
+    # one pass ---------------------------------------------------------------------------------------------------
+    def reconcile(self) -> Pass:
+        pods = self.pods.items()
+        by_node: dict[str, list[dict[str, Any]]] = {}
+        for pod in pods:
+            by_node.setdefault(str((pod.get("spec") or {}).get("nodeName") or ""), []).append(pod)
+        facts = [node_facts(n, by_node.get(str((n.get("metadata") or {}).get("name")), [])) for n in self.nodes.items()]
+        caches = self.caches.items()
+        owned = {mc["metadata"]["name"]: mc for mc in caches if _owned(mc)}
+        current = {name: _names((mc.get("spec") or {}).get("nodeNames")) for name, mc in owned.items()}
+        plan = choice.plan(pods, facts, current)
+        demand = {name: tuple(sorted(nodes)) for name, nodes in plan.nodes.items() if nodes}
+        self._write_demand(demand, plan, owned)
+        self._memory(caches, facts)
+        released = [choice.pod_key(p) for p in pods if choice.gated(p) and self._release_or_report(p, facts, plan)]
+        self._seen = {k: v for k, v in self._seen.items() if k in {choice.pod_key(p) for p in pods if choice.gated(p)}}
+        self.passes += 1
+        return Pass(tuple(released), demand)
+
+    def _write_demand(self, demand: Mapping[str, tuple[str, ...]], plan: choice.Plan,
+                      owned: Mapping[str, dict[str, Any]]) -> None:
+        for name, nodes in demand.items():
+            mc = owned.get(name)
+            if mc is not None and _names((mc.get("spec") or {}).get("nodeNames")) == list(nodes):
+                continue
+            if not self.leading():
+                return
+            if mc is None:
+                body = model_cache_body(plan.refs[name], name=name, node_selector={}, tier="disk",
+                                        allowed_namespaces=[])  # grants no namespace anything
+                body["metadata"]["labels"] = {MANAGED_BY: CONTROLLER}
+                body["spec"]["nodeNames"] = list(nodes)
+                self._call(f"creating ModelCache {name}", self._custom.create_cluster_custom_object,
+                           GROUP, VERSION, MODELCACHES, body)
+            else:
+                self._call(f"patching ModelCache {name}", self._custom.patch_cluster_custom_object,
+                           GROUP, VERSION, MODELCACHES, name, {"spec": {"nodeNames": list(nodes)}})
+            log.info("demand %s (%s) on %s", name, plan.refs[name], ", ".join(nodes))
+        for name in owned:
+            if name not in demand and self.leading():  # no pod needs it any more: the daemons unpin it
+                self._call(f"deleting ModelCache {name}", self._custom.delete_cluster_custom_object,
+                           GROUP, VERSION, MODELCACHES, name)
+                log.info("demand %s released: no pod needs it", name)
+
+    def _memory(self, caches: list[dict[str, Any]], facts: list[NodeFacts]) -> None:
+        """status.memoryNodes of every ModelCache with spec.memory.nodes (desired.plan reads it on each node)."""
+        for mc in caches:
+            spec, status = mc.get("spec") or {}, mc.get("status") or {}
+            memory = spec.get("memory")
+            if not isinstance(memory, Mapping) or not isinstance(memory.get("nodes"), int):
+                continue
+            selector = spec.get("nodeSelector") if isinstance(spec.get("nodeSelector"), Mapping) else {}
+            names = set(_names(spec.get("nodeNames")))
+            selected = [n for n in facts if n.name in names
+                        or (selector and all(n.labels.get(k) == v for k, v in selector.items()))]
+            picked = choice.memory_nodes(selected, memory["nodes"], _names(status.get("memoryNodes")))
+            if picked != _names(status.get("memoryNodes")) and self.leading():
+                name = mc["metadata"]["name"]
+                self._call(f"writing ModelCache {name} status", self._custom.patch_cluster_custom_object_status,
+                           GROUP, VERSION, MODELCACHES, name, {"status": {"memoryNodes": picked}})
+
+    def _release_or_report(self, pod: dict[str, Any], facts: list[NodeFacts], plan: choice.Plan) -> bool:
+        state = choice.pod_state(pod)
+        if state.state != "gated" or not self.leading():
+            return False
+        ready = set(choice.ready_nodes(pod, state.refs, facts))
+        need = gpu_request(pod)
+        roomy = {n.name for n in facts if n.gpus_free >= need and eligible(pod, n)}
+        if ready and (ready & roomy or not roomy):  # a ready node with room, or no room anywhere to wait for
+            return self._release(pod, state)
+        self._report(pod, state, plan.chosen.get(choice.pod_key(pod)))
+        return False
+
+    def _release(self, pod: dict[str, Any], state: choice.PodModels) -> bool:
+        spec, meta = pod.get("spec") or {}, pod.get("metadata") or {}
+        gates = spec.get("schedulingGates") or []
+        i = next(i for i, g in enumerate(gates) if isinstance(g, Mapping) and g.get("name") == choice.GATE)
+        ops: list[Any] = [{"op": "test", "path": "/metadata/resourceVersion", "value": meta.get("resourceVersion")}]
+        ops += required_affinity(spec, [r.label_key for r in state.refs])
+        ops.append({"op": "remove", "path": f"/spec/schedulingGates/{i}"})
+        ok = self._call(f"releasing pod {choice.pod_key(pod)}", self._core.patch_namespaced_pod,
+                        meta["name"], meta["namespace"], ops, _content_type=JSON_PATCH)
+        if ok:
+            log.info("released pod %s: its models are ready on a node it may run on", choice.pod_key(pod))
+            self._event(pod, "ModelReady", "models ready on a node; scheduling gate removed", "Normal", force=True)
+        return ok
+
+    def _report(self, pod: dict[str, Any], state: choice.PodModels, node: str | None) -> None:
+        if node is None:
+            self._event(pod, "NoNodeForModel", "no node can run this pod (nodeSelector, affinity, taints); it "
+                        f"stays gated until one can (or set {PLACEMENT}: prefer)", "Warning")
+            return
+        report = next((r for r in self.reports.items() if (r.get("spec") or {}).get("nodeName") == node
+                       or (r.get("metadata") or {}).get("name") == node), {})
+        models = (report.get("status") or {}).get("models") or {}
+        done = total = 0
+        parts = []
+        for ref in state.refs:
+            wire = models.get(choice.demand_name(ref)) or {}
+            phase = str(wire.get("phase") or "Pending")
+            d, t = int(wire.get("bytesDone") or 0), int(wire.get("bytesTotal") or 0)
+            done, total = done + d, total + t
+            parts.append(f"{ref}: {phase}" + (f" ({redact(str(wire.get('message')))})" if wire.get("message") else ""))
+        key, now = choice.pod_key(pod), self._clock()
+        seen = self._seen.get(key)
+        rate = (done - seen.bytes_done) / (now - seen.at) if seen and now > seen.at and done >= seen.bytes_done else 0.0
+        eta = (total - done) / rate if rate > 0 and total else None
+        line = Progress(", ".join(str(r) for r in state.refs), "downloading" if total else "queued", done, total,
+                        0, 0, rate, eta).describe()
+        message = f"waiting for the model on node {node}: {line} [{'; '.join(parts)}]"
+        self._event(pod, "FetchingModel", message, "Normal", bytes_done=done)
+
+    def _event(self, pod: dict[str, Any], reason: str, message: str, kind: str, *, force: bool = False,
+               bytes_done: int = 0) -> None:
+        """One Event per pod (created, then patched): at most every `event_interval` seconds, and only when it
+        says something new."""
+        meta = pod.get("metadata") or {}
+        key, now = choice.pod_key(pod), self._clock()
+        seen = self._seen.get(key)
+        if not force and seen is not None and (now - seen.at < self.event_interval or seen.message == message):
+            return
+        self._seen[key] = _Seen(now, message, bytes_done)
+        name, ns, stamp = f"{meta['name']}.weightcache-placement", meta["namespace"], _now()
+        message = redact(message)[:1024]
+        patch = {"message": message, "reason": reason, "type": kind, "lastTimestamp": stamp}
+        try:
+            self._core.patch_namespaced_event(name, ns, patch, _content_type=MERGE)
+            return
+        except ApiException as exc:
+            if exc.status != 404:
+                log.warning("Event on pod %s not written: HTTP %s", key, exc.status)
+                return
+        except urllib3.exceptions.HTTPError as exc:
+            log.warning("Event on pod %s not written: %s", key, type(exc).__name__)
+            return
+        body = {"apiVersion": "v1", "kind": "Event", "metadata": {"name": name, "namespace": ns},
+                "involvedObject": {"apiVersion": "v1", "kind": "Pod", "name": meta["name"], "namespace": ns,
+                                   "uid": meta.get("uid")},
+                "reason": reason, "message": message, "type": kind, "source": {"component": CONTROLLER},
+                "reportingComponent": f"{GROUP}/placement", "reportingInstance": CONTROLLER,
+                "firstTimestamp": stamp, "lastTimestamp": stamp, "count": 1}
+        self._call(f"recording an Event on pod {key}", self._core.create_namespaced_event, ns, body)
+
+    def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
+        """Writes are level-triggered: a failure is logged and the next pass tries again."""
+        try:
+            fn(*args, **kwargs)
+        except ApiException as exc:
+            log.warning("%s failed: HTTP %s %s", what, exc.status, exc.reason)
+            return False
+        except urllib3.exceptions.HTTPError as exc:
+            log.warning("%s failed: %s", what, type(exc).__name__)
+            return False
+        return True
+
+
+def _owned(mc: Mapping[str, Any]) -> bool:
+    labels = (mc.get("metadata") or {}).get("labels") or {}
+    return bool(labels.get(MANAGED_BY) == CONTROLLER and mc.get("apiVersion", API_VERSION) == API_VERSION)
+
+
+def _names(value: Any) -> list[str]:
+    return sorted(v for v in value if isinstance(v, str)) if isinstance(value, list) else []
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
