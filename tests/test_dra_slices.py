@@ -21,7 +21,6 @@ from weightcache.dra.template import claim_template, selector
 from weightcache.store import Snapshot, Store
 from weightcache.uri import model_key
 
-
 # Rules the schema cannot express, from the API's field docs and validation (resource.k8s.io/v1): device names
 # are DNS labels, attribute names C identifiers (<= 32) optionally qualified by a DNS subdomain, string and
 # version values <= 64 characters, <= 32 attributes + capacities per device, <= 128 devices per slice.
