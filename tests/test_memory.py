@@ -272,5 +272,5 @@ def test_cgroup_memory_limit_below_budget_names_the_daemonset_setting(snapshot) 
         out = run_child(snapshot("big"), 1 << 30, enter).splitlines()
     finally:
         group.rmdir()
-    assert out[0].startswith("REFUSED") and "cgroup memory limit is 512.0 MiB" in out[0]
+    assert out[0].startswith("REFUSED") and "cgroup memory limit is 512 MiB" in out[0]
     assert "resources.limits.memory to at least 1.25 GiB" in out[0]

@@ -54,7 +54,8 @@ def fmt_bytes(n: int | float | None) -> str:
         if abs(value) < 1024 or unit == _BINARY[-1]:
             break
     digits = 2 if abs(value) < 10 else 1 if abs(value) < 100 else 0
-    return f"{value:.{digits}f}".rstrip("0").rstrip(".") + f" {unit}"
+    text = f"{value:.{digits}f}"
+    return (text.rstrip("0").rstrip(".") if digits else text) + f" {unit}"
 
 
 def _checked(n: int, original: object, what: str) -> int:
