@@ -53,6 +53,7 @@ class Daemon:
         self._runner: web.AppRunner | None = None
         self._watcher: ConfigWatcher | None = None
         self._csi: Any = None
+        self._dra: Any = None  # weightcache.dra.server.DraPlugin when `dra` is configured
         self._loops = Tasks()  # eternal loops; node.tasks holds the fetches requests started
         self._bound: Path | None = None  # the socket file we created (never remove another daemon's)
         self.tcp_port: int | None = None
@@ -86,6 +87,7 @@ class Daemon:
         if s.metrics_listen is not None:
             self._metrics_runner, self.metrics_port = await start_metrics_server(metrics, *s.metrics_listen)
         self._csi = await _serve_csi(node)
+        self._dra = await _serve_dra(node)
         self._loops.spawn("reconcile", self.reconciler.run())
         if s.config_path is not None:
             self._watcher = ConfigWatcher(s.config_path, self.apply, env=self._env, flags=self._flags,
@@ -153,6 +155,8 @@ class Daemon:
                 await site.stop()
         if self._bound is not None:
             _unlink_socket(self._bound)
+        if self._dra is not None:  # registration socket first: kubelet stops calling before the service goes
+            await self._dra.stop(SHUTDOWN_GRACE_S)
         if self._csi is not None:
             await self._csi.stop(SHUTDOWN_GRACE_S)
             _unlink_socket(Path(self.settings.csi_endpoint.removeprefix("unix://")))  # type: ignore[union-attr]
@@ -263,6 +267,13 @@ def _memory_tier(settings: Settings) -> Any:
 async def _cluster(node: Node) -> Any:
     from weightcache.daemon.cluster import connect
     return await connect(node)
+
+
+async def _serve_dra(node: Node) -> Any:
+    if node.settings.dra is None:
+        return None
+    from weightcache.dra.server import serve_for_node
+    return await serve_for_node(node)
 
 
 async def _serve_csi(node: Node) -> Any:

@@ -26,6 +26,8 @@ def add_commands(sub: Any) -> None:
                         "(env WEIGHTCACHE_METRICS_LISTEN)")
     p.add_argument("--csi-endpoint", help="serve CSI on unix:///PATH (env CSI_ENDPOINT)")
     p.add_argument("--node-name", help="this node's Kubernetes name (env NODE_NAME)")
+    p.add_argument("--dra", action="store_true", default=None,
+                   help="serve the DRA kubelet plugin models.weightcache.io with default settings (docs/dra.md)")
     p.add_argument("--log-format", choices=("text", "json"), help="log lines as text or JSON (default text)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), help="default info")
     p.set_defaults(func=run_daemon)
@@ -34,7 +36,7 @@ def add_commands(sub: Any) -> None:
 def flags_of(args: argparse.Namespace) -> dict[str, Any]:
     """Flags as config keys (None = not given)."""
     return {"root": args.root, "socket": args.socket, "csiEndpoint": args.csi_endpoint,
-            "metricsListen": args.metrics_listen, "nodeName": args.node_name,
+            "metricsListen": args.metrics_listen, "nodeName": args.node_name, "dra": args.dra,
             "logFormat": args.log_format, "logLevel": args.log_level}
 
 
