@@ -12,7 +12,6 @@ import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from weightcache.errors import ConfigError
@@ -38,6 +37,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
         default=None,
         help="allow models no ModelCache declares (default: yes off-cluster, no in a cluster)",
     )
+    hook.add_argument(
+        "--controller",
+        action="store_true",
+        help="also run the placement controller (leader-elected on a Lease; docs/placement.md)",
+    )
     hook.set_defaults(func=run_webhook)
     nested = hook.add_subparsers(dest="webhook_command", metavar="{certs}")
     certs = nested.add_parser("certs", help="write a CA and a serving certificate for <service>.<namespace>.svc")
@@ -56,7 +60,7 @@ def run_webhook(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        policy, stop = _policy(args.allow_undeclared)
+        policy, stop = _policy(args.allow_undeclared, controller=args.controller)
     except ConfigError as exc:
         print(f"weightcache webhook: {exc}", file=sys.stderr)
         return 2
@@ -108,8 +112,9 @@ def run_certs(args: argparse.Namespace) -> int:
     return 0
 
 
-def _policy(allow_undeclared: bool | None) -> tuple[Policy, Callable[[], None]]:
-    """(policy, stop): ModelCaches from a watcher when a cluster config is found, else none."""
+def _policy(allow_undeclared: bool | None, *, controller: bool = False) -> tuple[Policy, Callable[[], None]]:
+    """(policy, stop): ModelCaches and nodes from watchers when a cluster config is found, else none;
+    with `controller`, the placement controller too."""
     from weightcache.webhook.server import Policy
 
     try:
@@ -121,9 +126,20 @@ def _policy(allow_undeclared: bool | None) -> tuple[Policy, Callable[[], None]]:
     else:
         api_client = load_api_client()
     if api_client is None:
+        if controller:
+            raise ConfigError("--controller needs a cluster (no in-cluster service account or kubeconfig found)")
         allow = True if allow_undeclared is None else allow_undeclared
         return Policy(model_caches=list, allow_undeclared=allow), lambda: None
+    from weightcache.placement.command import node_view, start_controller
+
     watcher = ModelCacheWatcher(api_client)
     watcher.start()
+    nodes, stop_nodes = node_view(api_client)
+    stops = [watcher.stop, stop_nodes] + ([start_controller(api_client)] if controller else [])
     allow = False if allow_undeclared is None else allow_undeclared
-    return Policy(watcher.items, allow, synced=lambda: watcher.wait_synced(0)), watcher.stop
+
+    def stop() -> None:
+        for fn in reversed(stops):
+            fn()
+
+    return Policy(watcher.items, allow, synced=lambda: watcher.wait_synced(0), nodes=nodes), stop

@@ -35,6 +35,8 @@ from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
 from weightcache.errors import BadAdmissionReviewError, ConfigError
+from weightcache.placement.nodes import NodeFacts
+from weightcache.redact import redact
 from weightcache.webhook.mutate import review
 
 log = logging.getLogger(__name__)
@@ -80,6 +82,7 @@ class Policy:
     model_caches: ModelCaches
     allow_undeclared: bool
     synced: Callable[[], bool] = lambda: True
+    nodes: Callable[[], Sequence[NodeFacts] | None] = lambda: None  # placement's view; None: unknown
 
 
 METRICS = web.AppKey("metrics", Metrics)
@@ -106,13 +109,16 @@ async def _mutate(request: web.Request) -> web.Response:
     try:
         try:
             body = json.loads(await request.read())
-            answer = review(body, model_caches=policy.model_caches(), allow_undeclared=policy.allow_undeclared)
+            answer = review(body, model_caches=policy.model_caches(), allow_undeclared=policy.allow_undeclared,
+                            nodes=policy.nodes())
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, BadAdmissionReviewError) as exc:
             outcome = "bad_request"
-            message = str(exc) if isinstance(exc, BadAdmissionReviewError) else f"body is not JSON: {exc}"
+            message = redact(str(exc) if isinstance(exc, BadAdmissionReviewError) else f"body is not JSON: {exc}")
             log.warning("rejected webhook request: %s", message)
             return web.json_response({"error": "bad_request", "message": message}, status=400)
         response = answer["response"]
+        if "status" in response:  # a denial quotes the pod's annotation back: the API server records it in events
+            response["status"]["message"] = redact(response["status"]["message"])
         outcome = "patched" if "patch" in response else "unchanged" if response["allowed"] else "denied"
         if outcome == "denied":
             log.info("denied pod in %s: %s", body["request"].get("namespace"), response["status"]["message"])

@@ -1,0 +1,81 @@
+"""End to end on one node: the webhook process (`weightcache webhook --controller` wiring) gates a pod, the
+controller asks the node, a real daemon fetches the model and labels its node, the pod is released with the
+required affinity; deleting the pod drops the demand and the daemon takes its label back."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.fake_apiserver import FakeApiServer, crd_schemas
+from tests.fixtures_daemon import eventually, model_copy, short_dir, start_daemon, tiny_model  # noqa: F401
+from tests.fixtures_k8s_schema import validate_strict
+from tests.fixtures_webhook import admission_review, apply_response, deployment_pod
+from weightcache.placement import choice
+from weightcache.uri import parse_ref
+from weightcache.webhook.command import _policy
+from weightcache.webhook.mutate import review
+
+NODE = "gpu-1"
+NS = "inference"
+
+
+@pytest.fixture
+def cluster(short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeApiServer]:  # noqa: F811
+    with FakeApiServer(schemas=crd_schemas()) as server:
+        server.create("nodes", {"metadata": {"name": NODE, "labels": {"pool": "a100"}},
+                                "status": {"allocatable": {"nvidia.com/gpu": "1"}}})
+        config = short_dir / "kubeconfig"
+        config.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "t",
+            "clusters": [{"name": "c", "cluster": {"server": server.url}}],
+            "users": [{"name": "u", "user": {"token": "test-token"}}],
+            "contexts": [{"name": "t", "context": {"cluster": "c", "user": "u"}}]}))
+        monkeypatch.setenv("KUBECONFIG", str(config))
+        monkeypatch.setenv("POD_NAMESPACE", "weightcache")
+        monkeypatch.setenv("POD_NAME", "webhook-0")
+        yield server
+
+
+async def test_gated_pod_waits_for_a_real_daemon_then_lands_on_its_node(cluster: FakeApiServer, short_dir: Path,  # noqa: F811
+                                                                        model_copy: Path) -> None:  # noqa: F811
+    uri = f"file://{model_copy}/"
+    ref = parse_ref(uri)
+    # A grant only (no nodeSelector): nothing is prefetched until a pod asks.
+    cluster.create("modelcaches", {"metadata": {"name": "grant"}, "spec": {"source": uri, "allowedNamespaces": [NS]}})
+    policy, stop = _policy(None, controller=True)
+    try:
+        await eventually(lambda: policy.nodes() and policy.synced(), what="the webhook's view of nodes")
+        pod = deployment_pod({"weightcache.io/model": uri})
+        pod["metadata"]["name"] = "llama-0"
+        answer = review(admission_review(pod), model_caches=policy.model_caches(),
+                        allow_undeclared=policy.allow_undeclared, nodes=policy.nodes())
+        assert answer["response"]["allowed"], answer
+        cluster.create("pods", apply_response(pod, answer), NS)
+        assert choice.gated(cluster.get("pods", "llama-0", NS))
+
+        d = await start_daemon(short_dir, model_copy, env={"NODE_NAME": NODE})
+        try:
+            await eventually(lambda: not choice.gated(cluster.get("pods", "llama-0", NS)), timeout=30,
+                             what="the pod's release")
+            labels = cluster.get("nodes", NODE)["metadata"]["labels"]
+            assert labels.get(ref.label_key) == "ready", "released before its node was ready"
+            demand = choice.demand_name(ref)
+            assert cluster.get("modelcaches", demand)["spec"]["nodeNames"] == [NODE]
+            assert cluster.get("modelcachenodes", NODE)["status"]["models"][demand]["phase"] == "Ready"
+            released = cluster.get("pods", "llama-0", NS)
+            validate_strict(released)
+            assert released["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+
+            cluster.delete("pods", "llama-0", NS)
+            await eventually(lambda: not [m for m in cluster.list("modelcaches") if m["metadata"]["name"] == demand],
+                             what="the demand to go with the pod")
+            await eventually(lambda: ref.label_key not in cluster.get("nodes", NODE)["metadata"]["labels"],
+                             what="the daemon to take its label back")
+        finally:
+            await d.daemon.stop()
+    finally:
+        stop()
