@@ -33,7 +33,10 @@ async def test_csi_identity_and_node_info_then_the_socket_goes_on_stop(short_dir
 async def test_a_csi_publish_shows_up_as_a_lease_in_the_daemon_api(short_dir: Path, model_copy: Path) -> None:
     csi_sock, kubelet = short_dir / "csi.sock", short_dir / "kubelet"
     d = await start_daemon(short_dir, model_copy, config={"csiEndpoint": f"unix://{csi_sock}",
-                                                          "kubeletDir": str(kubelet)}, env={"NODE_NAME": "n"})
+                                                          "kubeletDir": str(kubelet),
+                                                          # pods get a file:// model only where it is declared
+                                                          "models": [{"source": f"file://{model_copy}/", "pin": False}]},
+                           env={"NODE_NAME": "n"})
     target = kubelet / "pods" / "uid-1" / "volumes" / "kubernetes.io~csi" / "llama" / "mount"
     try:
         async with grpc.aio.insecure_channel(f"unix://{csi_sock}") as channel:

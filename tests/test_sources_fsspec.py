@@ -206,10 +206,14 @@ def test_contract_read_into_exact_bytes(loaded: tuple[Backend, Source], offset: 
     assert buf == FILES["model-00001-of-00002.safetensors"][offset:offset + length]
 
 
-def test_contract_stream(loaded: tuple[Backend, Source]) -> None:
+def test_contract_read_pieces(loaded: tuple[Backend, Source]) -> None:
     _, source = loaded
     obj = _find(source, "model-00002-of-00002.safetensors")
-    assert b"".join(source.stream(obj, 1, chunk=30_000)) == FILES[obj.relpath][1:]
+    heard: list[int] = []
+    got = b"".join(bytes(v) for _, v in source.read_pieces(obj, 1, obj.size - 1, memoryview(bytearray(30_000)),
+                                                           heard.append))
+    assert got == FILES[obj.relpath][1:]
+    assert sum(heard) == obj.size - 1
 
 
 def test_contract_a_replaced_object_is_detected(loaded: tuple[Backend, Source]) -> None:
@@ -253,13 +257,13 @@ def test_file_removed_after_listing_is_not_found(tmp_path: Path) -> None:
 
 
 def test_file_symlinks_count_as_their_targets(tmp_path: Path) -> None:
-    """A Hugging Face cache snapshot: relative symlinks into a blob directory."""
+    """A Hugging Face cache snapshot: relative symlinks into the repo's blob directory."""
     (tmp_path / "blobs").mkdir()
     (tmp_path / "blobs" / "abc").write_bytes(b"weights")
-    (tmp_path / "snap" / "sub").mkdir(parents=True)
-    (tmp_path / "snap" / "model.bin").symlink_to("../blobs/abc")
-    (tmp_path / "snap" / "sub" / "copy.bin").symlink_to("../../blobs/abc")
-    source = open_source(parse_ref(f"file://{tmp_path}/snap/"))
+    (tmp_path / "snapshots" / "rev1" / "sub").mkdir(parents=True)
+    (tmp_path / "snapshots" / "rev1" / "model.bin").symlink_to("../../blobs/abc")
+    (tmp_path / "snapshots" / "rev1" / "sub" / "copy.bin").symlink_to("../../../blobs/abc")
+    source = open_source(parse_ref(f"file://{tmp_path}/snapshots/rev1/"))
 
     objects = source.list()
 

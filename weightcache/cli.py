@@ -17,10 +17,21 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from weightcache import __version__, defaults
-from weightcache.errors import (ConfigError, HostileKeyError, InsufficientSpaceError, IntegrityError,
-                                InvalidReferenceError, InUseError, NotAllowedError, NotCachedError,
-                                SafetensorsHeaderError, SourceError, WeightcacheError)
+from weightcache.errors import (
+    ConfigError,
+    HostileKeyError,
+    InsufficientSpaceError,
+    IntegrityError,
+    InUseError,
+    InvalidReferenceError,
+    NotAllowedError,
+    NotCachedError,
+    SafetensorsHeaderError,
+    SourceError,
+    WeightcacheError,
+)
 from weightcache.progress import Progress
+from weightcache.redact import redact, redact_log_handlers
 from weightcache.units import fmt_bytes, parse_size
 
 log = logging.getLogger("weightcache")
@@ -44,13 +55,13 @@ def _root(args: argparse.Namespace) -> str:
     return str(args.root or defaults.root())
 
 
-def _store(args: argparse.Namespace, *, budget: int | None = None):  # noqa: ANN202
+def _store(args: argparse.Namespace, *, budget: int | None = None):
     from weightcache.store import Store
 
     return Store(_root(args), budget_bytes=budget)
 
 
-def _daemon(args: argparse.Namespace):  # noqa: ANN202
+def _daemon(args: argparse.Namespace):
     """A client of the node daemon when its socket exists and no explicit --root asks for the store itself."""
     if args.root or getattr(args, "no_daemon", False):
         return None
@@ -106,7 +117,7 @@ class ProgressPrinter:
 def _print_table(rows: list[list[str]], headers: list[str], out: TextIO = sys.stdout) -> None:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
     for row in [headers, *rows]:
-        out.write("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() + "\n")
+        out.write("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() + "\n")
 
 
 def _ago(ts: float) -> str:
@@ -146,6 +157,7 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
 
             store = _store(args, budget=args.disk_budget)
             fetcher = Fetcher(store, concurrency=args.concurrency, chunk_size=args.chunk_size,
+                              connect_timeout=args.connect_timeout, read_timeout=args.read_timeout,
                               endpoint_url=args.endpoint_url)
             snap = fetcher.ensure(ref, progress=printer)
             if args.pin:
@@ -218,7 +230,7 @@ def cmd_pin(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from weightcache.store.store import drop_damaged, verify_snapshot
+    from weightcache.store import drop_damaged, verify_snapshot
 
     store = _store(args)
     snaps = _resolve(store, args.ref) if args.ref else [i.snapshot for i in store.list()]
@@ -246,7 +258,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from weightcache.store.store import collect_garbage
+    from weightcache.store import collect_garbage
 
     freed = collect_garbage(_store(args))
     print(f"freed {fmt_bytes(freed)}")
@@ -297,8 +309,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=defaults.CONCURRENCY,
                    help=f"parallel ranged reads (default {defaults.CONCURRENCY})")
     p.add_argument("--chunk-size", type=size_arg, default=defaults.CHUNK_SIZE,
-                   help="bytes per ranged read; memory used is concurrency x chunk size (default 16Mi)")
+                   help="buffer per parallel read and the unit of resume; memory used is concurrency x chunk size; "
+                        "each request asks for up to 256Mi (default 16Mi)")
     p.add_argument("--endpoint-url", default=None, help="S3 endpoint (default: AWS_ENDPOINT_URL or AWS)")
+    p.add_argument("--connect-timeout", type=float, default=defaults.CONNECT_TIMEOUT, metavar="SECONDS",
+                   help=f"seconds to connect to the source (default {defaults.CONNECT_TIMEOUT:g})")
+    p.add_argument("--read-timeout", type=float, default=defaults.READ_TIMEOUT, metavar="SECONDS",
+                   help=f"seconds the source may stay silent before a retry (default {defaults.READ_TIMEOUT:g})")
     p.add_argument("--disk-budget", type=size_arg, default=None, help="evict LRU models to stay under this size")
     p.add_argument("--tier", choices=["disk", "memory"], default="disk")
     p.add_argument("--pin", action="store_true", help="never evict this model")
@@ -343,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     level = getattr(logging, str(args.log_level).upper(), logging.WARNING)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    redact_log_handlers()
     for noisy in ("botocore", "boto3", "urllib3", "s3transfer"):  # their DEBUG logs carry Authorization headers
         logging.getLogger(noisy).setLevel(max(level, logging.INFO))
     try:
@@ -351,11 +369,11 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted; partial downloads are kept and resume on the next run", file=sys.stderr)
         return 130
     except WeightcacheError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(redact(f"error: {exc}"), file=sys.stderr)
         return exit_code(exc)
     except PermissionError as exc:
-        print(f"error: {exc}; run as root or point --root at a directory you own", file=sys.stderr)
+        print(redact(f"error: {exc}; run as root or point --root at a directory you own"), file=sys.stderr)
         return 1
     except OSError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(redact(f"error: {exc}"), file=sys.stderr)
         return 1

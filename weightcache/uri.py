@@ -15,16 +15,18 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import json
 import re
 from dataclasses import dataclass
 
 from weightcache.errors import InvalidReferenceError
+from weightcache.redact import redact
 
 SCHEMES = ("s3", "gs", "az", "http", "https", "file", "memory")
 EXAMPLE = "s3://models/llama-3-8b/ (optionally s3://models/llama-3-8b/@<revision>)"
 
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-_]{1,253}[a-z0-9]$")
-_HOST = re.compile(r"^[A-Za-z0-9.\-\[\]:]+$")
+_HOST = re.compile(r"^(?:[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?$")  # host[:port], never user:secret
 _REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,127}$")
 
 
@@ -85,13 +87,34 @@ def canonical_uri(text: str) -> str:
     return parse_ref(text).uri
 
 
-def redact(text: str) -> str:
-    """Hide any userinfo (`user:password@`) so a reference can be shown in errors and logs."""
-    return re.sub(r"//[^/@]*@", "//***@", text)
+def parse_globs(text: str, field: str) -> tuple[str, ...]:
+    """A glob list as a volume attribute or annotation carries it: a JSON list of strings
+    (`["*.safetensors", "*.json"]`) or comma-separated (`*.safetensors,*.json`); empty means none."""
+    text = text.strip()
+    if not text:
+        return ()
+    if text.startswith("["):
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = None
+        if not isinstance(value, list) or not all(isinstance(g, str) for g in value):
+            raise InvalidReferenceError(f"{field} {redact(text)[:100]!r} is not a JSON list of strings; write it "
+                                        f'like ["*.safetensors", "*.json"] or *.safetensors,*.json')
+        globs = [g.strip() for g in value]
+    else:
+        globs = [g.strip() for g in text.split(",")]
+    globs = [g for g in globs if g]
+    for glob in globs:
+        if "\0" in glob or glob.startswith("/"):
+            raise InvalidReferenceError(redact(f"{field}: glob {glob!r} must be a relative pattern such as "
+                                               "'*.safetensors'"))
+    return tuple(globs)
 
 
 def _fail(text: str, why: str) -> InvalidReferenceError:
-    return InvalidReferenceError(f"invalid model reference {redact(text)!r}: {why}; write it like {EXAMPLE}")
+    # `why` may quote a piece of `text` (a bucket that is really `key:secret`): redact the whole message
+    return InvalidReferenceError(redact(f"invalid model reference {text!r}: {why}; write it like {EXAMPLE}"))
 
 
 def parse_ref(

@@ -224,7 +224,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
     async def NodePublishVolume(self, request: csi_pb2.NodePublishVolumeRequest,
                                 context: grpc.aio.ServicerContext) -> csi_pb2.NodePublishVolumeResponse:
         args = parse_publish(request)
-        self._targets.check(args.target_path)
+        await self._io(self._targets.refuse_links, args.target_path)
         with self._locks.hold(args.volume_id):
             existing = await self._io(self._book.get, args.volume_id)
             if existing is not None:
@@ -312,8 +312,9 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         and record. Anything else there (a file, a foreign mount) is left as it is; the answer is OK all the same."""
         record = self._book.get(volume_id) or self._book.find_target(target)
         ours = record is not None and record.target_path == target
+        self._targets.refuse_links(target)
         try:
-            with self._targets.open_parent(target, create=False):  # refuses a symlinked component
+            with self._targets.open_parent(target, create=False):
                 count = self._unmount_ours(target)
         except TargetMissingError:
             count = 0

@@ -30,12 +30,14 @@ from typing import Any, TypedDict
 from aiohttp import web
 
 from weightcache import errors
+from weightcache.csi.reconcile import HOLDER_PREFIX as CSI_HOLDER_PREFIX
+from weightcache.csi.reconcile import describe_holder
 from weightcache.daemon.client import error_code
 from weightcache.daemon.listing import Listing
 from weightcache.daemon.node import Node
 from weightcache.fetch import Progress
-from weightcache.store import Snapshot, SnapshotInfo
 from weightcache.redact import redact
+from weightcache.store import Snapshot, SnapshotInfo
 from weightcache.uri import ModelRef, parse_ref
 
 log = logging.getLogger(__name__)
@@ -370,8 +372,12 @@ async def take_lease(request: web.Request) -> web.Response:
 
 
 async def release_lease(request: web.Request) -> web.Response:
-    holder = request.match_info["holder"]
-    await asyncio.to_thread(request.app[NODE].store.release, holder)
+    holder, node = request.match_info["holder"], request.app[NODE]
+    if holder.startswith(CSI_HOLDER_PREFIX):  # a mounted pod's model: only the CSI plugin's unpublish lets it go
+        who = await asyncio.to_thread(describe_holder, node.store.root, holder)
+        raise errors.InUseError(f"lease {holder} belongs to the CSI plugin: it keeps the model of {who} from being "
+                                "evicted while mounted; delete the pod (kubelet unpublishes the volume) instead")
+    await asyncio.to_thread(node.store.release, holder)
     return web.json_response({"released": holder})
 
 

@@ -50,7 +50,9 @@ class MeteredFetcher:
         with self._lock:
             if key not in self._fetchers:
                 self._fetchers[key] = Fetcher(self._store, concurrency=self._settings.concurrency,
-                                              chunk_size=self._settings.chunk_size, endpoint_url=key[0])
+                                              chunk_size=self._settings.chunk_size, endpoint_url=key[0],
+                                              connect_timeout=self._settings.connect_timeout,
+                                              read_timeout=self._settings.read_timeout)
             return self._fetchers[key]
 
     def lookup(self, ref: ModelRef) -> Snapshot | None:
@@ -141,8 +143,17 @@ class Node:
         return self.settings.allow_undeclared(cluster=self.cluster is not None)
 
     def decide(self, ref: ModelRef, namespace: str) -> Decision:
-        """The one policy (weightcache/policy.py) with this node's ModelCaches and its own directories."""
-        return decide(ref, namespace, self.model_caches(), allow_undeclared=self.allow_undeclared(),
+        """The one policy (weightcache/policy.py) with this node's ModelCaches and its own directories.
+
+        Where undeclared models are allowed (off-cluster), a file:// entry of the config's `models` declares that
+        directory for every namespace: the node's admin wrote it, as a cluster admin writes a ModelCache."""
+        caches = self.model_caches()
+        if self.allow_undeclared():
+            caches += [{"metadata": {"name": f"config models[{i}]"},
+                        "spec": {"source": m.ref.uri, "include": list(m.ref.include), "exclude": list(m.ref.exclude),
+                                 "allowedNamespaces": ["*"]}}
+                       for i, m in enumerate(self.settings.models) if m.ref.scheme == "file"]
+        return decide(ref, namespace, caches, allow_undeclared=self.allow_undeclared(),
                       forbidden_paths=(self.settings.kubelet_dir, self.settings.root))
 
     def check_allowed(self, ref: ModelRef, namespace: str | None) -> None:

@@ -32,7 +32,16 @@ import urllib3
 from kubernetes.client.exceptions import ApiException
 
 from weightcache.errors import ClusterError
-from weightcache.kube import API_VERSION, GROUP, MODELCACHE_KIND, MODELCACHENODE_KIND, MODELCACHENODES, VERSION, redact
+from weightcache.kube import (
+    API_VERSION,
+    GROUP,
+    MESSAGE_MAX,
+    MODELCACHE_KIND,
+    MODELCACHENODE_KIND,
+    MODELCACHENODES,
+    VERSION,
+)
+from weightcache.redact import redact
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +87,7 @@ def to_wire(state: ModelState) -> ModelStateWire:
         "bytesDone": state.bytes_done,
         "bytesTotal": state.bytes_total,
         "snapshot": state.snapshot,
-        "message": redact(state.message),
+        "message": redact(state.message, limit=MESSAGE_MAX),
         "time": state.time,
     }
     if state.observed_generation is not None:
@@ -286,7 +295,7 @@ class NodeReporter:
         """Record a core/v1 Event about a ModelCache; repeats of the same (node, reason, message) bump `count`."""
         meta = model_cache.get("metadata") or {}
         mc_name = str(meta.get("name", ""))
-        message = redact(message)
+        message = redact(message, limit=MESSAGE_MAX)
         digest = hashlib.sha256(f"{self.node_name}\0{reason}\0{message}".encode()).hexdigest()[:16]
         name = f"{mc_name}.{digest}"
         now = _now()

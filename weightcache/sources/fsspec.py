@@ -2,17 +2,20 @@
 
 fsspec lists (`find`); reads go straight into the caller's buffer for local files (unbuffered `readinto`) and
 memory files, and through `cat_file` ranges for remote filesystems.
-Without ETags, local and memory objects are pinned by a version token made from their modification time and
-size: a read checks it first, so a file replaced after listing raises ObjectChangedError instead of mixing bytes.
+Every object is pinned to the version listed: the store's generation (gs) or ETag (az), else a token of inode,
+ctime, mtime and size (local), or creation time and size (memory). Each range read checks the token before and
+after reading, so a file replaced or rewritten in place after listing, even during the read, raises
+ObjectChangedError (the fetch restarts from a new listing) instead of mixing bytes of two versions.
 Local symlinks to files count as the files they point to (a Hugging Face cache snapshot is a tree of them).
 """
 
 from __future__ import annotations
 
+import builtins
 import logging
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
 import fsspec
@@ -25,8 +28,17 @@ from weightcache.errors import (
     SourceNotFoundError,
     WeightcacheError,
 )
-from weightcache.sources.base import (ObjectInfo, Retryable, finish_listing, pieces_by_read_into, read_with_retries,
-                                      stream_by_ranges)
+from weightcache.policy import confine_file
+from weightcache.sources.base import (
+    ObjectInfo,
+    OnBytes,
+    Pieces,
+    Retryable,
+    SourceOptions,
+    finish_listing,
+    pieces_by_read_into,
+    read_with_retries,
+)
 from weightcache.uri import ModelRef
 
 log = logging.getLogger(__name__)
@@ -52,23 +64,13 @@ RETRYABLE: tuple[type[BaseException], ...] = (ConnectionError, TimeoutError)
 class FsspecSource:
     """Lists and reads a prefix of any fsspec filesystem. Thread-safe as far as the filesystem is."""
 
-    def __init__(
-        self,
-        ref: ModelRef,
-        *,
-        endpoint_url: str | None = None,
-        max_attempts: int = 5,
-        pool_size: int = 16,
-        backoff: float = 0.2,
-    ) -> None:
-        del endpoint_url, pool_size  # s3 and http only; fsspec filesystems bring their own configuration
+    def __init__(self, ref: ModelRef, options: SourceOptions | None = None) -> None:
         self.ref = ref
         self.name = ref.scheme
-        self.max_attempts = max(1, max_attempts)
-        self.backoff = backoff
+        self.options = options or SourceOptions()  # endpoint_url and pool_size are s3's and http's
         protocol, package = PROTOCOLS[ref.scheme]
         try:
-            self.fs: Any = fsspec.filesystem(protocol)
+            self.fs: Any = fsspec.filesystem(protocol, **_timeouts(protocol, self.options))
         except ImportError as exc:
             raise BackendMissingError(
                 f"reading {ref.scheme}:// models needs the {package} package: pip install {package}", name=package
@@ -80,29 +82,44 @@ class FsspecSource:
         return f"{type(self).__name__}({self.ref.uri!r})"
 
     def list(self) -> list[ObjectInfo]:
-        self.fs.invalidate_cache(self.root)  # gcsfs and adlfs cache listings; a fetch must see the store as it is now
-        try:
-            found: dict[str, dict[str, Any]] = self.fs.find(self.root, detail=True)
-        except FileNotFoundError:
-            found = {}
-        except Exception as exc:
-            raise translate(exc, self.ref.uri) from exc
-        objects = [self._object(path, info) for path, info in found.items() if info.get("type") != "directory"]
+        def walk() -> list[ObjectInfo]:
+            self.fs.invalidate_cache(self.root)  # gcsfs and adlfs cache listings: a fetch must see the store now
+            try:
+                found: dict[str, dict[str, Any]] = self.fs.find(self.root, detail=True)
+            except FileNotFoundError:
+                found = {}
+            return [self._object(path, info) for path, info in found.items() if info.get("type") != "directory"]
+
+        objects = self._listing(walk)
         return finish_listing(self.ref, objects, hint="check that the directory exists and holds the model's files")
+
+    def _listing(self, walk: Callable[[], builtins.list[ObjectInfo]]) -> builtins.list[ObjectInfo]:
+        """`walk()` with transient failures retried and the rest translated by the error table."""
+        def attempt() -> list[ObjectInfo]:
+            try:
+                return walk()
+            except WeightcacheError:
+                raise
+            except RETRYABLE as exc:
+                raise Retryable(f"{type(exc).__name__} listing {self.ref.uri}") from exc
+            except Exception as exc:
+                raise translate(exc, self.ref.uri) from exc
+
+        return self.options.retry(f"listing {self.ref.uri}").call(attempt)
 
     def read_into(self, obj: ObjectInfo, offset: int, buf: memoryview) -> None:
         if offset < 0 or offset + len(buf) > obj.size:
             raise ValueError(f"range {offset}+{len(buf)} outside {obj.key} of {obj.size} bytes")
         if len(buf):
             read_with_retries(lambda pos, view: self._read_range(obj, pos, view), offset, buf,
-                              what=obj.key, max_attempts=self.max_attempts, backoff=self.backoff)
+                              self.options.retry(f"reading {obj.key} bytes {offset}-{offset + len(buf) - 1}"))
 
-    def read_pieces(self, obj: ObjectInfo, offset: int, length: int,
-                    buf: memoryview) -> Iterator[tuple[int, memoryview]]:
-        return pieces_by_read_into(self, obj, offset, length, buf)
+    def read_pieces(self, obj: ObjectInfo, offset: int, length: int, buf: memoryview,
+                    on_bytes: OnBytes | None = None) -> Pieces:
+        return pieces_by_read_into(self, obj, offset, length, buf, on_bytes)
 
-    def stream(self, obj: ObjectInfo, offset: int = 0, chunk: int = 8 << 20) -> Iterator[bytes]:
-        return stream_by_ranges(self, obj, offset, chunk)
+    def etag_md5(self, obj: ObjectInfo) -> str | None:
+        return None  # S3's alone
 
     def close(self) -> None:
         pass  # fsspec caches filesystem instances and their sessions process-wide
@@ -111,32 +128,53 @@ class FsspecSource:
         relpath = path[len(self.root):] if path.startswith(self.root) else ""
         if self._protocol == "file":  # symlinks (a Hugging Face snapshot is made of them) stand for their targets
             st = _stat_file(path)
+            confine_file(path, self.root, relpath)  # ... inside the model's own tree only
             return ObjectInfo(path, relpath, st.st_size, stat_token(st), None, None)
         return ObjectInfo(path, relpath, int(info["size"]), version_token(info), None, None)
 
     def _read_range(self, obj: ObjectInfo, pos: int, view: memoryview) -> int:
+        """Read, then confirm the listed version is still the one there: a version that changed before or
+        during the read raises ObjectChangedError, so no range mixes bytes of two versions."""
         try:
             if self._protocol == "file":
                 with open(obj.key, "rb", buffering=0) as f:  # unbuffered: readinto lands in `view` directly
-                    if obj.etag and stat_token(os.fstat(f.fileno())) != obj.etag:
-                        raise ObjectChangedError(f"{obj.key} was modified after listing; {_CHANGED}")
+                    self._same_version(obj, stat_token(os.fstat(f.fileno())))
                     f.seek(pos)
-                    return _fill(f, view)
+                    n = _fill(f, view)
+                    self._same_version(obj, stat_token(os.fstat(f.fileno())))
+                    return n
             if self._protocol == "memory":
-                if obj.etag and version_token(self.fs.info(obj.key)) != obj.etag:
-                    raise ObjectChangedError(f"{obj.key} was modified after listing; {_CHANGED}")
+                self._same_version(obj, version_token(self.fs.info(obj.key)))
                 with self.fs.open(obj.key, "rb") as f:
                     f.seek(pos)
-                    return _fill(f, view)
-            data = self.fs.cat_file(obj.key, start=pos, end=pos + len(view))
-            view[:len(data)] = data
-            return len(data)
+                    n = _fill(f, view)
+            else:
+                data = self.fs.cat_file(obj.key, start=pos, end=pos + len(view))
+                n = len(data)
+                view[:n] = data
+            self._same_version(obj, version_token(self.fs.info(obj.key)))  # gs generation, az ETag
+            return n
         except WeightcacheError:
             raise
         except RETRYABLE as exc:
             raise Retryable(f"{type(exc).__name__} reading {obj.key}") from exc
         except Exception as exc:
             raise translate(exc, obj.key) from exc
+
+    @staticmethod
+    def _same_version(obj: ObjectInfo, token: str | None) -> None:
+        if obj.etag and token != obj.etag:
+            raise ObjectChangedError(f"{obj.key} was modified after listing; {_CHANGED}")
+
+
+def _timeouts(protocol: str, options: SourceOptions) -> dict[str, Any]:
+    """The filesystem's own connect/read timeouts, where fsspec lets us set them (http listing via aiohttp)."""
+    if protocol not in ("http", "https"):
+        return {}
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(sock_connect=options.connect_timeout, sock_read=options.read_timeout)
+    return {"client_kwargs": {"timeout": timeout}}
 
 
 def translate(exc: BaseException, what: str) -> SourceError:
@@ -160,8 +198,9 @@ def version_token(info: dict[str, Any]) -> str | None:
 
 
 def stat_token(st: os.stat_result) -> str:
-    """A local file's version: modification time (ns) and size."""
-    return f"{st.st_mtime_ns:x}-{st.st_size:x}"
+    """A local file's version: inode, change and modification times (ns), size. ctime catches a rewrite that
+    restores the old mtime (utime sets ctime too); the inode, a file replaced by rename."""
+    return f"{st.st_ino:x}-{st.st_ctime_ns:x}-{st.st_mtime_ns:x}-{st.st_size:x}"
 
 
 def _stat_file(path: str) -> os.stat_result:
