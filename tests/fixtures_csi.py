@@ -125,13 +125,13 @@ def publish_request(volume_id: str, target: Path, *, model: str = MODEL_URI, nam
 
 
 async def start_harness(root: Path, proxy: FaultProxy, *, publish_timeout: float = CSI_TIMEOUT_S,
-                        tier: MemoryTier | None = None, parallel: int = 2) -> CsiHarness:
+                        tier: MemoryTier | None = None, parallel: int = 2, policy: Any = None) -> CsiHarness:
     store = Store(root / "store")
     fetcher = Fetcher(store, endpoint_url=proxy.endpoint_url)
     fetches = FetchQueue(fetcher.ensure, store.lookup, parallel=parallel)
     socket = root / "csi.sock"
     server = await serve_csi(f"unix://{socket}", store=store, fetches=fetches, node_id="node-a",
-                             policy=policy_for(MODEL_URI), publish_timeout=publish_timeout,
+                             policy=policy or policy_for(MODEL_URI), publish_timeout=publish_timeout,
                              kubelet_dir=root / "kubelet", tier=tier)
     channel = grpc.aio.insecure_channel(f"unix://{socket}")
     return CsiHarness(root, store, fetcher, fetches, server, channel, csi_pb2_grpc.IdentityStub(channel),

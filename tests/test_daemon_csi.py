@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 from pathlib import Path
 
 import grpc
@@ -47,8 +48,21 @@ async def test_a_csi_publish_shows_up_as_a_lease_in_the_daemon_api(short_dir: Pa
             ((holder, snapshot_id),) = (await asyncio.to_thread(d.client.leases)).items()
             async with d.http() as http, http.delete(f"/v1/models/{snapshot_id}") as r:
                 assert r.status == 409 and (await r.json())["holders"] == [holder]
+            async with d.http() as http, http.delete(f"/v1/leases/{holder}") as r:  # the pod's floor stays
+                body = await r.json()
+                assert r.status == 409 and "pod ml/pod-uid-1" in body["message"], body
+            assert holder in await asyncio.to_thread(d.client.leases)
+            with pytest.raises(grpc.aio.AioRpcError) as err:  # an error, counted by its code
+                await stub.NodePublishVolume(publish_request("vol-2", short_dir / "etc", model=d.model_uri,
+                                                             namespace="ml"))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             metrics = await asyncio.to_thread(d.client.metrics)
             assert 'weightcache_cache_misses_total{scheme="file"} 1.0' in metrics  # CSI's fetch, daemon's metrics
+            assert 'weightcache_csi_request_duration_seconds_count{method="NodePublishVolume"} 2.0' in metrics
+            assert ('weightcache_csi_errors_total{code="INVALID_ARGUMENT",method="NodePublishVolume"} 1.0'
+                    in metrics)
+            assert "weightcache_fetches_queued 0.0" in metrics
+            assert re.search(r'weightcache_build_info\{python="[0-9.]+",version="[^"]+"\} 1\.0', metrics)
             await stub.NodeUnpublishVolume(csi_pb2.NodeUnpublishVolumeRequest(volume_id="vol-1",
                                                                               target_path=str(target)))
         assert await asyncio.to_thread(d.client.leases) == {}

@@ -23,35 +23,11 @@ from weightcache.redact import redact
 
 logger = logging.getLogger(__name__)
 
-# First match wins: subclasses before their bases.
-CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
-    (errors.InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
-    (errors.InvalidReferenceError, grpc.StatusCode.INVALID_ARGUMENT),
-    (errors.NotAllowedError, grpc.StatusCode.PERMISSION_DENIED),
-    (errors.VolumeConflictError, grpc.StatusCode.ALREADY_EXISTS),
-    (errors.OperationPendingError, grpc.StatusCode.ABORTED),
-    (errors.FetchPendingError, grpc.StatusCode.UNAVAILABLE),
-    (errors.VolumeNotFoundError, grpc.StatusCode.NOT_FOUND),
-    (errors.NotCachedError, grpc.StatusCode.NOT_FOUND),
-    (errors.SourceNotFoundError, grpc.StatusCode.NOT_FOUND),
-    (errors.SourceAccessDeniedError, grpc.StatusCode.PERMISSION_DENIED),
-    (errors.InsufficientSpaceError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (errors.MemoryTierError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (errors.InUseError, grpc.StatusCode.FAILED_PRECONDITION),
-    (errors.ConfigError, grpc.StatusCode.FAILED_PRECONDITION),
-    (errors.SourceError, grpc.StatusCode.UNAVAILABLE),  # retries ran out; kubelet retries again later
-    (errors.IntegrityError, grpc.StatusCode.UNAVAILABLE),
-    (errors.HostileKeyError, grpc.StatusCode.FAILED_PRECONDITION),
-    (errors.SafetensorsHeaderError, grpc.StatusCode.FAILED_PRECONDITION),
-    (NotImplementedError, grpc.StatusCode.UNIMPLEMENTED),
-)
-
-
 def code_for(exc: BaseException) -> grpc.StatusCode:
-    for kind, code in CODES:
-        if isinstance(exc, kind):
-            return code
-    return grpc.StatusCode.INTERNAL
+    """The gRPC code each error declares (weightcache.errors); INTERNAL for anything unexpected."""
+    if isinstance(exc, NotImplementedError):
+        return grpc.StatusCode.UNIMPLEMENTED
+    return grpc.StatusCode[errors.answer_for(exc).grpc_code]
 
 
 class Redacted:
@@ -82,7 +58,7 @@ Handler = Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]
 
 
 def rpc(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
-    """Wrap a servicer method: log the call without secrets, translate exceptions by CODES."""
+    """Wrap a servicer method: log the call without secrets, translate exceptions by their declared gRPC code."""
     return _wrap(handler, logging.INFO)
 
 
@@ -104,7 +80,7 @@ def _wrap(handler: Handler[Req, Resp], ok_level: int) -> Handler[Req, Resp]:
         except asyncio.CancelledError:  # the caller went away (its deadline passed)
             _observe(self, name, start, "CANCELLED")
             raise
-        except Exception as exc:  # noqa: BLE001 - the boundary: every error becomes a status
+        except Exception as exc:  # the boundary: every error becomes a status
             code = code_for(exc)
             if code is grpc.StatusCode.INTERNAL:
                 logger.exception("%s failed: %s (request: %s)", name, exc, Redacted(request))

@@ -76,6 +76,16 @@ class KubeletTargets:
             os.close(fd)
 
 
+    def refuse_links(self, target: str) -> None:
+        """Raise INVALID_ARGUMENT when a component of `target` that exists is a symlink (or a parent is not a
+        directory), before anything is downloaded, leased or unmounted for it; missing components are fine."""
+        with contextlib.suppress(TargetMissingError, FileNotFoundError), \
+                self.open_parent(target, create=False) as parent:
+            if stat.S_ISLNK(os.stat("mount", dir_fd=parent, follow_symlinks=False).st_mode):
+                raise InvalidRequestError("target_path", f"{target} is a symlink; a target must be {RULE} with "
+                                          "no symlink in it")
+
+
 def open_dir(parent_fd: int, name: str, shown: str, *, create: bool) -> int:
     """O_PATH fd of directory `name` in `parent_fd`, never through a symlink; made (0750) when missing and
     `create`, else TargetMissingError."""

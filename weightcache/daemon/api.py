@@ -36,6 +36,7 @@ from weightcache.daemon.client import error_code
 from weightcache.daemon.listing import Listing
 from weightcache.daemon.node import Node
 from weightcache.fetch import Progress
+from weightcache.jsonbody import parse_json
 from weightcache.redact import redact
 from weightcache.store import Snapshot, SnapshotInfo
 from weightcache.uri import ModelRef, parse_ref
@@ -49,6 +50,7 @@ LISTING = web.AppKey("listing", Listing)
 # Most specific first: the first class an error is an instance of decides.
 STATUS: tuple[tuple[type[BaseException], int], ...] = (
     (errors.InvalidReferenceError, 400),
+    (errors.InvalidRequestError, 400),
     (errors.ConfigError, 400),
     (errors.NotAllowedError, 403),
     (errors.NotCachedError, 404),
@@ -108,12 +110,8 @@ class EnsureRequest:
     namespace: str | None
 
 
-def status_of(exc: BaseException) -> int:
-    return next((status for cls, status in STATUS if isinstance(exc, cls)), 500)
-
-
 def error_body(exc: BaseException) -> ErrorBody:
-    if status_of(exc) == 500 and not isinstance(exc, errors.WeightcacheError):
+    if not isinstance(exc, errors.WeightcacheError):
         return {"error": "internal", "message": "internal error; the daemon log has the details"}
     return {"error": error_code(type(exc)), "message": redact(str(exc))}
 
@@ -169,14 +167,11 @@ def _snapshot_id(request: web.Request) -> str:
 
 
 async def _json(request: web.Request) -> Any:
-    try:
-        return await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise errors.InvalidReferenceError(f"request body is not JSON: {exc}") from None
+    return parse_json(await request.read())
 
 
 def _error(exc: BaseException) -> web.Response:
-    return web.json_response(error_body(exc), status=status_of(exc))
+    return web.json_response(error_body(exc), status=errors.answer_for(exc).http_status)
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -192,7 +187,7 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return web.json_response({"error": exc.reason.lower().replace(" ", "_"),
                                   "message": f"{request.method} {request.path}: {exc.reason}"}, status=exc.status)
     except errors.WeightcacheError as exc:
-        if status_of(exc) == 500:
+        if exc.answer.http_status == 500:
             log.error("%s %s failed: %s", request.method, request.path, exc)
         return _error(exc)
     except Exception as exc:
@@ -377,6 +372,9 @@ async def release_lease(request: web.Request) -> web.Response:
         who = await asyncio.to_thread(describe_holder, node.store.root, holder)
         raise errors.InUseError(f"lease {holder} belongs to the CSI plugin: it keeps the model of {who} from being "
                                 "evicted while mounted; delete the pod (kubelet unpublishes the volume) instead")
+    if not _ID.match(holder):
+        raise errors.InvalidReferenceError(f"{holder[:130]!r} is not a lease holder; holders are letters, digits, "
+                                           "'.', '_' or '-' (list them with GET /v1/leases)")
     await asyncio.to_thread(node.store.release, holder)
     return web.json_response({"released": holder})
 

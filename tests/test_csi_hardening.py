@@ -1,0 +1,238 @@
+"""The CSI plugin under slow origins and hostile requests: it keeps answering, mounts only where kubelet
+publishes, unmounts only its own mounts, and a cancelled publish never leaves a stray mount, lease or record.
+
+Real gRPC over a Unix socket, real bind mounts, real S3 (moto) behind the fault proxy, which holds downloads open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from tests.faultproxy import FaultProxy
+from tests.fixtures_csi import (  # noqa: F401
+    MODEL_URI,
+    ROOT_MARKS,
+    CsiHarness,
+    csi,
+    model_in_s3,
+    publish_request,
+    safe_tmp,
+    start_harness,
+    stop_harness,
+)
+from tests.fixtures_s3 import S3, fault_proxy, s3, s3_server  # noqa: F401
+from weightcache.csi import mounts
+from weightcache.csi._pb import csi_pb2
+from weightcache.policy import Decision
+from weightcache.sample import make_model
+
+pytestmark = ROOT_MARKS
+SLOW = 8  # downloads held open at once
+
+
+async def code_of(call) -> tuple[grpc.StatusCode, str]:  # noqa: ANN001
+    try:
+        await call
+    except grpc.aio.AioRpcError as exc:
+        return exc.code(), exc.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
+def allow_all(ref: object, namespace: str) -> Decision:
+    return Decision(True, "test")
+
+
+def upload_models(s3: S3, tmp: Path, count: int) -> list[str]:
+    """`count` small models s3://models/slow-N/ (two weight shards each)."""
+    make_model(tmp / "slow-src", layers=2, hidden=64, vocab=128)
+    for i in range(count):
+        s3.upload_dir(tmp / "slow-src", "models", f"slow-{i}/")
+    return [f"s3://models/slow-{i}/" for i in range(count)]
+
+
+@pytest.fixture
+async def wide(safe_tmp: Path, model_in_s3: str, fault_proxy: FaultProxy) -> AsyncIterator[CsiHarness]:
+    """A harness that runs SLOW downloads at once and lets any model through policy."""
+    harness = await start_harness(safe_tmp, fault_proxy, parallel=SLOW, policy=allow_all)
+    try:
+        yield harness
+    finally:
+        await stop_harness(harness)
+
+
+async def timed(call) -> float:  # noqa: ANN001
+    start = time.monotonic()
+    await call
+    return time.monotonic() - start
+
+
+async def test_probe_and_cached_publish_answer_fast_while_eight_slow_downloads_run(
+        wide: CsiHarness, s3: S3, safe_tmp: Path) -> None:
+    csi = wide
+    await csi.node.NodePublishVolume(csi.publish_request("warm"))  # llama is now cached
+    models = upload_models(s3, safe_tmp, SLOW)
+    csi.proxy.add("delay", method="GET", path="/slow-", seconds=4.0, count=-1)
+    pods = [asyncio.ensure_future(csi.node.NodePublishVolume(csi.publish_request(f"cold-{i}", model=m)))
+            for i, m in enumerate(models)]
+    while len({r.path.split("/")[2] for r in csi.proxy.requests_for("GET", "/slow-")}) < SLOW:
+        await asyncio.sleep(0.02)  # until every download has a request held open by the proxy
+    assert csi.fetches.depth() == (SLOW, 0)
+
+    probes = [await timed(csi.identity.Probe(csi_pb2.ProbeRequest())) for _ in range(5)]
+    caps = await timed(csi.node.NodeGetCapabilities(csi_pb2.NodeGetCapabilitiesRequest()))
+    publishes, unpublishes = [], []
+    for i in range(5):
+        publishes.append(await timed(csi.node.NodePublishVolume(csi.publish_request(f"hot-{i}"))))
+        unpublishes.append(await timed(csi.node.NodeUnpublishVolume(csi.unpublish_request(f"hot-{i}"))))
+    stats = await timed(csi.node.NodeGetVolumeStats(
+        csi_pb2.NodeGetVolumeStatsRequest(volume_id="warm", volume_path=str(csi.target("warm")))))
+    assert not any(p.done() for p in pods), "the downloads were still running while we measured"
+    print(f"\nwith {SLOW} downloads held open: Probe max {max(probes) * 1000:.1f} ms, cached publish median "
+          f"{statistics.median(publishes) * 1000:.1f} ms (max {max(publishes) * 1000:.1f}), unpublish median "
+          f"{statistics.median(unpublishes) * 1000:.1f} ms, stats {stats * 1000:.1f} ms, capabilities "
+          f"{caps * 1000:.1f} ms")
+    assert max(probes) < 1.0
+    assert statistics.median(publishes) < 0.1 and max(publishes) < 1.0
+    assert statistics.median(unpublishes) < 0.1 and stats < 1.0 and caps < 1.0
+
+    await asyncio.gather(*pods)  # each cold pod's publish answered OK in its one call, once its model arrived
+    assert all(mounts.mounted_at(csi.target(f"cold-{i}")) is not None for i in range(SLOW))
+    for volume in [f"cold-{i}" for i in range(SLOW)] + ["warm"]:
+        await csi.node.NodeUnpublishVolume(csi.unpublish_request(volume))
+
+
+async def test_a_queued_download_says_what_it_waits_behind(safe_tmp: Path, fault_proxy: FaultProxy, s3: S3,
+                                                           model_in_s3: str) -> None:
+    csi = await start_harness(safe_tmp, fault_proxy, parallel=1, policy=allow_all)
+    try:
+        first, second = upload_models(s3, safe_tmp, 2)
+        csi.proxy.add("delay", method="GET", path="/slow-0/", seconds=2.0, count=-1)
+        running = asyncio.ensure_future(csi.node.NodePublishVolume(csi.publish_request("a", model=first)))
+        while not csi.proxy.requests_for("GET", "/slow-0/"):
+            await asyncio.sleep(0.02)
+        code, details = await code_of(csi.node.NodePublishVolume(
+            csi.publish_request("b", model=second, timeout="0.3s")))
+        assert code == grpc.StatusCode.UNAVAILABLE
+        assert details.startswith(f"fetching {second}: queued behind 1 download"), details
+        await running
+        await csi.node.NodePublishVolume(csi.publish_request("b", model=second))  # its turn came: one call
+        for volume in ("a", "b"):
+            await csi.node.NodeUnpublishVolume(csi.unpublish_request(volume))
+    finally:
+        await stop_harness(csi)
+
+
+async def test_publish_of_an_uncached_model_waits_for_it_in_one_call(csi: CsiHarness) -> None:
+    csi.proxy.add("delay", method="GET", path=".safetensors", seconds=2.0, count=-1)
+    start = time.monotonic()
+    await csi.node.NodePublishVolume(csi.publish_request("cold"), timeout=60)  # kubelet's call, a long deadline
+    assert time.monotonic() - start >= 2.0, "it did wait for the download"
+    assert mounts.mounted_at(csi.target("cold")) is not None and "csi:cold" in csi.store.leases()
+    await csi.node.NodeUnpublishVolume(csi.unpublish_request("cold"))
+
+
+async def test_volume_timeout_zero_is_refused_and_a_tiny_one_never_delays_a_cached_model(csi: CsiHarness) -> None:
+    code, details = await code_of(csi.node.NodePublishVolume(csi.publish_request("z", timeout="0")))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "volume_context.timeout" in details and "more than 0 and at most 600s" in details
+    await csi.node.NodePublishVolume(csi.publish_request("warm"))
+    await csi.node.NodePublishVolume(csi.publish_request("tiny", timeout="1ms"))  # cached: no wait at all
+    assert mounts.mounted_at(csi.target("tiny")) is not None
+    for volume in ("warm", "tiny"):
+        await csi.node.NodeUnpublishVolume(csi.unpublish_request(volume))
+
+
+# ---- confinement ----
+
+def hostile_targets(csi: CsiHarness, tmp: Path) -> dict[str, Path]:
+    """name -> a target path kubelet would never send, set up on disk."""
+    outside = tmp / "outside"
+    outside.mkdir()
+    (outside / "precious").write_text("keep me")
+    linked_mount = csi.kubelet_dir / "pods" / "u1" / "volumes" / "kubernetes.io~csi" / "llama"
+    linked_mount.mkdir(parents=True)
+    (linked_mount / "mount").symlink_to(outside)
+    (csi.kubelet_dir / "pods" / "u2").symlink_to(outside)  # a symlinked parent
+    (outside / "volumes" / "kubernetes.io~csi" / "llama" / "mount").mkdir(parents=True)
+    return {
+        "etc": Path("/etc"),
+        "symlinked target": linked_mount / "mount",
+        "symlinked parent": csi.kubelet_dir / "pods" / "u2" / "volumes" / "kubernetes.io~csi" / "llama" / "mount",
+        "dot-dot": Path(f"{csi.kubelet_dir}/pods/u3/volumes/kubernetes.io~csi/../../../../../{outside.name}/mount"),
+        "wrong shape": csi.kubelet_dir / "plugins" / "x" / "mount",
+    }
+
+
+async def test_publish_outside_kubelets_volume_paths_is_invalid_argument_naming_the_rule(
+        csi: CsiHarness, safe_tmp: Path) -> None:
+    before = mounts.mount_table()
+    for name, target in hostile_targets(csi, safe_tmp).items():
+        request = publish_request(f"vol-{name.replace(' ', '-')}", target, pod_uid="u")
+        code, details = await code_of(csi.node.NodePublishVolume(request))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (name, code, details)
+        assert "kubernetes.io~csi/<volume name>/mount" in details, (name, details)
+    assert mounts.mount_table() == before, "nothing was mounted anywhere"
+    assert csi.store.leases() == {} and list(csi.store.root.glob("csi/volumes/*.json")) == []
+    assert (safe_tmp / "outside" / "precious").read_text() == "keep me"
+
+
+async def test_unpublish_touches_only_what_the_plugin_mounted(csi: CsiHarness, safe_tmp: Path) -> None:
+    # a regular file where a volume was never published survives
+    never = csi.target("never")
+    never.parent.mkdir(parents=True)
+    never.write_text("not ours")
+    assert (await code_of(csi.node.NodeUnpublishVolume(csi.unpublish_request("never"))))[0] == grpc.StatusCode.OK
+    assert never.read_text() == "not ours"
+    # a foreign mount point (not a snapshot of our store) is neither unmounted nor removed
+    foreign_src = safe_tmp / "foreign"
+    foreign_src.mkdir()
+    (foreign_src / "data").write_text("theirs")
+    foreign = csi.target("foreign")
+    mounts.bind_readonly(foreign_src, foreign)
+    assert (await code_of(csi.node.NodeUnpublishVolume(csi.unpublish_request("foreign"))))[0] == \
+        grpc.StatusCode.OK
+    assert mounts.mounted_at(foreign) is not None and (foreign / "data").read_text() == "theirs"
+    mounts.unmount(foreign)
+    # a symlinked target is refused, and what it points at is untouched
+    code, details = await code_of(csi.node.NodeUnpublishVolume(csi_pb2.NodeUnpublishVolumeRequest(
+        volume_id="x", target_path=str(hostile_targets(csi, safe_tmp)["symlinked target"]))))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "symlink" in details
+    assert (safe_tmp / "outside" / "precious").exists()
+    # what we did publish is fully undone
+    await csi.node.NodePublishVolume(csi.publish_request("ours"))
+    await csi.node.NodeUnpublishVolume(csi.unpublish_request("ours"))
+    assert not csi.target("ours").exists() and csi.store.leases() == {}
+
+
+# ---- cancellation ----
+
+async def test_a_publish_whose_caller_gave_up_never_leaves_a_stray_mount_lease_or_record(csi: CsiHarness) -> None:
+    await csi.node.NodePublishVolume(csi.publish_request("warm"))  # cached: the deadline lands in the mount step
+    outcomes = []
+    for i, deadline in enumerate((0.001, 0.003, 0.006, 0.01, 0.02, 0.04, 0.08)):
+        volume = f"short-{i}"
+        outcomes.append((await code_of(csi.node.NodePublishVolume(csi.publish_request(volume),
+                                                                  timeout=deadline)))[0])
+        while (code := (await code_of(csi.node.NodeUnpublishVolume(csi.unpublish_request(volume))))[0]) \
+                == grpc.StatusCode.ABORTED:  # the cancelled publish is still finishing: kubelet retries
+            await asyncio.sleep(0.01)
+        assert code == grpc.StatusCode.OK
+        # OK, not ABORTED: no operation on the volume is left running that could mount after this point
+        assert (await code_of(csi.node.NodeUnpublishVolume(csi.unpublish_request(volume))))[0] == \
+            grpc.StatusCode.OK
+        assert mounts.mounted_at(csi.target(volume)) is None
+        assert f"csi:{volume}" not in csi.store.leases()
+        assert not (csi.store.root / "csi" / "volumes" / f"{volume}.json").exists()
+    print(f"\npublish outcomes by deadline: {[c.name for c in outcomes]}")
+    assert grpc.StatusCode.DEADLINE_EXCEEDED in outcomes, "some deadline landed inside the publish"
+    await csi.node.NodeUnpublishVolume(csi.unpublish_request("warm"))
+    assert [e for e in mounts.mount_table() if str(csi.kubelet_dir) in e.mount_point] == []
+    assert os.listdir(csi.store.root / "csi" / "volumes") == []
