@@ -9,6 +9,7 @@ prints the template. Its name is `weightcache-<model key>`, the name the admissi
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 from typing import Any
@@ -31,15 +32,23 @@ def selector(uri: str, revision: str | None = None) -> str:
     return expression
 
 
-def template_name(uri: str) -> str:
-    return f"weightcache-{model_key(parse_ref(uri).uri)}"
+def template_name(uri: str, *, revision: str | None = None, mount_path: str | None = None,
+                  env: str | None = None) -> str:
+    """`weightcache-<model key>`, plus a short digest of the revision, mount path and env name when any is not
+    the default (a template fixes them for every pod that uses it)."""
+    ref = parse_ref(uri, revision=revision)
+    name = f"weightcache-{model_key(ref.uri)}"
+    if ref.revision or mount_path or env:
+        name += "-" + hashlib.sha256(f"{ref.revision or ''}\0{mount_path or ''}\0{env or ''}".encode()).hexdigest()[:8]
+    return name
 
 
 def claim_template(uri: str, *, revision: str | None = None, namespace: str | None = None,
                    mount_path: str | None = None, env: str | None = None) -> dict[str, Any]:
     """A resource.k8s.io/v1 ResourceClaimTemplate asking for one device of the model `uri`."""
     ref = parse_ref(uri, revision=revision)
-    metadata: dict[str, Any] = {"name": template_name(ref.uri),
+    metadata: dict[str, Any] = {"name": template_name(ref.uri, revision=ref.revision, mount_path=mount_path,
+                                                      env=env),
                                 "annotations": {"weightcache.io/model": ref.uri}}
     if namespace:
         metadata["namespace"] = namespace
@@ -58,9 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--revision")
     parser.add_argument("--namespace")
     parser.add_argument("--mount-path", help="where the model appears in the container (default /models/model)")
+    parser.add_argument("--env", help="the env var that holds the path (default WEIGHTCACHE_MODEL_PATH)")
     args = parser.parse_args(argv)
     yaml.safe_dump(claim_template(args.model, revision=args.revision, namespace=args.namespace,
-                                  mount_path=args.mount_path), sys.stdout, sort_keys=False)
+                                  mount_path=args.mount_path, env=args.env), sys.stdout, sort_keys=False)
     return 0
 
 

@@ -30,6 +30,7 @@ from weightcache.errors import AnnotationError, BadAdmissionReviewError, Injecti
 from weightcache.placement.choice import GATE, ready_nodes
 from weightcache.placement.nodes import NodeFacts
 from weightcache.policy import decide
+from weightcache.webhook import dra_claim
 from weightcache.webhook.annotations import Injection, ModelMount, parse_annotations, wants_injection
 
 API_VERSION = "admission.k8s.io/v1"
@@ -83,6 +84,7 @@ def review(
     namespace = request.get("namespace") or _dict(pod, "metadata").get("namespace") or ""
     try:
         injection = parse_annotations(annotations)
+        via = dra_claim.via(annotations)
     except AnnotationError as exc:
         return _deny(uid, 400, "BadRequest", str(exc))
     caches = list(model_caches)  # read once: a generator would be spent after the first model
@@ -91,7 +93,7 @@ def review(
         if not decision.allowed:
             return _deny(uid, 403, "Forbidden", f"model {m.name!r}: {decision.reason}")
     try:
-        ops = plan(pod, injection, nodes)
+        ops = dra_claim.plan(pod, injection) if via == "dra" else plan(pod, injection, nodes)
     except AnnotationError as exc:
         return _deny(uid, 400, "BadRequest", str(exc))
     except InjectionConflictError as exc:
