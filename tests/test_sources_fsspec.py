@@ -61,7 +61,7 @@ class _StaticHandler(http.server.BaseHTTPRequestHandler):
     state: StaticServer
     protocol_version = "HTTP/1.1"
 
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+    def log_message(self, format: str, *args: object) -> None:
         pass
 
     def do_GET(self) -> None:

@@ -6,8 +6,9 @@
 
 After `kill -9` a rerun keeps every journalled range and refetches only what was in flight. A header that does
 not match the object (new ETag, size or version) discards both files: a body is never mixed from two versions.
-Chunks finish out of order; whichever worker completes the next contiguous range feeds it to sha256 (and md5
-when the source's ETag is an MD5) by re-reading it from the page cache, so hashing overlaps the download.
+Chunks finish out of order; whichever worker completes the next contiguous range feeds it to sha256 (and to
+the source's own checksum: a full-object CRC32 or the like, or the MD5 an ETag is) by re-reading it from the
+page cache, so hashing overlaps the download.
 """
 
 from __future__ import annotations
@@ -16,17 +17,20 @@ import hashlib
 import json
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from weightcache.checksums import Hasher
     from weightcache.sources import ObjectInfo
 
 
 class PartialFile:
     """Download state of one object; thread-safe for many workers writing disjoint chunks."""
 
-    def __init__(self, part: Path, obj: ObjectInfo, *, range_size: int, want_md5: bool) -> None:
+    def __init__(self, part: Path, obj: ObjectInfo, *, range_size: int,
+                 source_check: Callable[[], Hasher] | None = None) -> None:
         self.part = part
         self.journal = part.with_suffix(".journal")
         self.obj = obj
@@ -36,7 +40,8 @@ class PartialFile:
         self._hash_at = 0
         self._hashing = False
         self.sha256 = hashlib.sha256()
-        self.md5 = hashlib.md5(usedforsecurity=False) if want_md5 else None
+        self._source_check = source_check
+        self.source_check: Hasher | None = source_check() if source_check else None  # the source's checksum
         self.resumed_bytes = 0
         self._fd = -1
         self._jfd = -1
@@ -46,15 +51,17 @@ class PartialFile:
         """Open (resuming when the journal matches) and return the (offset, length) ranges still to fetch."""
         header = {"key": self.obj.key, "size": self.obj.size, "etag": self.obj.etag,
                   "version_id": self.obj.version_id}
+        if self.part.is_symlink() or self.journal.is_symlink():  # planted: drop the links, never follow them
+            self.discard()
         ranges = self._load_journal(header)
         if ranges is None:
             self.discard()
             ranges = []
         fresh = not self.part.exists()
-        self._fd = os.open(self.part, os.O_RDWR | os.O_CREAT, 0o600)
+        self._fd = os.open(self.part, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         if fresh and self.obj.size:
             os.posix_fallocate(self._fd, 0, self.obj.size)
-        self._jfd = os.open(self.journal, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self._jfd = os.open(self.journal, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
         if fresh or not ranges:
             os.ftruncate(self._jfd, 0)
             os.write(self._jfd, (json.dumps(header) + "\n").encode())
@@ -63,7 +70,7 @@ class PartialFile:
             self.resumed_bytes += length
         return self._missing()
 
-    def _load_journal(self, header: dict) -> list[tuple[int, int]] | None:
+    def _load_journal(self, header: dict[str, Any]) -> list[tuple[int, int]] | None:
         try:
             lines = self.journal.read_text().splitlines()
         except FileNotFoundError:
@@ -76,7 +83,7 @@ class PartialFile:
         out = []
         for line in lines[1:]:
             parts = line.split()
-            if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
+            if len(parts) == 2 and all(p.isascii() and p.isdigit() for p in parts):
                 start, length = int(parts[0]), int(parts[1])
                 if start + length <= self.obj.size:
                     out.append((start, length))
@@ -103,8 +110,7 @@ class PartialFile:
         self._done.clear()
         self._hash_at = 0
         self.sha256 = hashlib.sha256()
-        if self.md5 is not None:
-            self.md5 = hashlib.md5(usedforsecurity=False)
+        self.source_check = self._source_check() if self._source_check else None
 
     # -- writing ------------------------------------------------------------------------------------------------
     def write(self, offset: int, data: memoryview, scratch: memoryview) -> None:
@@ -142,8 +148,8 @@ class PartialFile:
             if n <= 0:
                 raise OSError(f"short read of {self.part} at {start}")
             self.sha256.update(scratch[:n])
-            if self.md5 is not None:
-                self.md5.update(scratch[:n])
+            if self.source_check is not None:
+                self.source_check.update(scratch[:n])
             start += n
 
     def hash_resumed(self, scratch: memoryview) -> None:
@@ -157,6 +163,10 @@ class PartialFile:
     @property
     def complete(self) -> bool:
         return self._hash_at >= self.obj.size
+
+    def written_size(self) -> int:
+        """The size of what is on disk (a manifest records this, never a listing's claim)."""
+        return os.fstat(self._fd).st_size
 
     def fsync(self) -> None:
         os.fsync(self._fd)

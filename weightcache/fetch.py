@@ -3,8 +3,11 @@
 Single flight: one flock per model (`locks/<model-key>.lock`) serialises fetches of a model across threads and
 processes alike (flock belongs to an open file description, so two threads conflict like two processes). Waiters
 poll it, show the holder's progress file, and find the published snapshot when it is released.
-Dedup: a file is not downloaded when its content is already a blob (known by a checksum, a sidecar, or an earlier
-snapshot of the same model with the same ETag and size).
+Dedup: a file is linked without downloading only on evidence this node can trust: the same source object
+(uri, path, ETag/version, size) recorded in a manifest this node wrote, or the store's own full-object SHA-256
+(S3 computes and verifies it on upload). A digest a file in the source names (SHA256SUMS, *.sha256) is a claim:
+it only checks bytes actually downloaded, so a source cannot link another model's blob into its snapshot, and
+sizes recorded are the sizes written.
 Memory stays bounded: each worker owns one reusable chunk buffer; bodies stream to disk, never to RAM.
 """
 
@@ -18,20 +21,26 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from contextlib import closing
-from pathlib import Path
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from contextlib import closing, suppress
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from weightcache import defaults
+from weightcache.checksums import Hasher, new_hasher
 from weightcache.download import PartialFile
-from weightcache.errors import (InsufficientSpaceError, IntegrityError, ObjectChangedError, SafetensorsHeaderError,
-                                SourceNotFoundError, StoreError, WeightcacheError)
+from weightcache.errors import (
+    FetchCancelledError,
+    InsufficientSpaceError,
+    IntegrityError,
+    ObjectChangedError,
+    SafetensorsHeaderError,
+    SourceNotFoundError,
+    WeightcacheError,
+)
 from weightcache.progress import Progress, RateMeter, read_progress_file, write_progress_file
-from weightcache.store import FileEntry, Snapshot, Store
-from weightcache.store.paths import validate_tree
-from weightcache.store.store import BlobMissingError
-from weightcache.sources import ObjectInfo, Source
+from weightcache.sources import ObjectInfo, Source, SourceOptions
+from weightcache.store import BlobMissingError, FileEntry, Snapshot, Store, validate_tree
 from weightcache.units import fmt_bytes
 from weightcache.uri import ModelRef
 
@@ -43,19 +52,16 @@ SIDECAR_MAX = 1 << 20
 MAX_RESTARTS = 3  # object replaced mid-download, or a planned blob evicted meanwhile
 
 
-class FetchCancelledError(StoreError):
-    """The fetcher is shutting down; partial downloads are kept and resume on the next run."""
-
-
 @dataclass
 class _Item:
     """One object to fetch and what we expect of it."""
 
     obj: ObjectInfo
     relpath: str
-    expect_sha256: str | None = None
-    expect_md5: str | None = None
-    sha256: str | None = None  # known without download (dedup) or computed
+    expect_sha256: str | None = None  # the bytes we download must hash to this
+    source_check: tuple[str, str] | None = None  # (algorithm, hex) the source declares: crc32, ..., md5 (ETag)
+    sha256: str | None = None  # known without download (trusted dedup) or computed
+    size: int = 0  # of the blob linked or the file written, never the listing's claim
     partial: PartialFile | None = field(default=None, repr=False)
 
 
@@ -63,12 +69,14 @@ class Fetcher:
     """ensure(ref) -> Snapshot, single-flight in process (threads) and across processes (flock)."""
 
     def __init__(self, store: Store, *, concurrency: int = defaults.CONCURRENCY, chunk_size: int = defaults.CHUNK_SIZE,
-                 endpoint_url: str | None = None,
+                 endpoint_url: str | None = None, connect_timeout: float = defaults.CONNECT_TIMEOUT,
+                 read_timeout: float = defaults.READ_TIMEOUT,
                  source_factory: Callable[[ModelRef], Source] | None = None) -> None:
         self.store = store
         self.concurrency = max(1, concurrency)
         self.chunk_size = max(64 << 10, chunk_size)
         self.endpoint_url = endpoint_url
+        self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
         self._source_factory = source_factory
         self._closing = threading.Event()
         self._stats_lock = threading.Lock()
@@ -104,15 +112,16 @@ class Fetcher:
         return read_progress_file(self._progress_path(ref)) or Progress(ref.uri, "queued", 0, 0, 0, 0, 0.0, None)
 
     def close(self) -> None:
-        """Stop: in-flight downloads end at their next chunk, resumable."""
+        """Cancel: in-flight fetches stop at their next read or retry wait (FetchCancelledError); journalled
+        chunks are kept and resume on the next run. Thread-safe; the Fetcher takes no new work after it."""
         self._closing.set()
 
     # -- locking ------------------------------------------------------------------------------------------------
     def _progress_path(self, ref: ModelRef) -> Path:
-        return self.store.layout.partial / f"{ref.key}.progress"
+        return self.store.partial_path(f"{ref.key}.progress")
 
     def _lock_held(self, ref: ModelRef) -> bool:
-        fd = os.open(self.store.layout.lock(ref.key), os.O_RDWR | os.O_CREAT, 0o644)
+        fd = self.store.open_lock(ref.key)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             return False
@@ -122,7 +131,7 @@ class Fetcher:
             os.close(fd)
 
     def _acquire(self, ref: ModelRef, progress: Callable[[Progress], None] | None) -> int:
-        fd = os.open(self.store.layout.lock(ref.key), os.O_RDWR | os.O_CREAT, 0o644)
+        fd = self.store.open_lock(ref.key)
         last_report = 0.0
         while True:
             try:
@@ -171,7 +180,9 @@ class Fetcher:
             return self._source_factory(ref)
         from weightcache.sources import open_source
 
-        return open_source(ref, endpoint_url=self.endpoint_url, pool_size=max(10, self.concurrency * 2))
+        return open_source(ref, SourceOptions(endpoint_url=self.endpoint_url, pool_size=max(10, self.concurrency * 2),
+                                              connect_timeout=self.connect_timeout, read_timeout=self.read_timeout,
+                                              cancel=self._closing))
 
     def _fetch_once(self, ref: ModelRef, source: Source, reporter: _Reporter) -> Snapshot:
         started = time.monotonic()
@@ -186,14 +197,15 @@ class Fetcher:
                        files_already=len(items) - len(todo))
         range_size = self._range_size(sum(i.obj.size for i in todo))
         for item in todo:
+            check = item.source_check
             item.partial = PartialFile(
-                self.store.layout.partial / f"{ref.key}.{hashlib.sha256(item.relpath.encode()).hexdigest()[:16]}.part",
-                item.obj, range_size=range_size, want_md5=item.expect_md5 is not None)
+                self.store.partial_path(f"{ref.key}.{hashlib.sha256(item.relpath.encode()).hexdigest()[:16]}.part"),
+                item.obj, range_size=range_size, source_check=_hasher_factory(check[0]) if check else None)
         resumed = sum(_partial_size(i) for i in todo)
         self.store.ensure_space(sum(i.obj.size for i in todo) - resumed, uri=ref.uri)
         fetched = self._download(source, todo, reporter)
         reporter.phase("publishing")
-        entries = [FileEntry(i.relpath, i.obj.size, i.sha256 or "", i.obj.etag, i.obj.version_id) for i in items]
+        entries = [FileEntry(i.relpath, i.size, i.sha256 or "", i.obj.etag, i.obj.version_id) for i in items]
         snap = self.store.publish(ref, entries)
         secs = time.monotonic() - started
         log.info("fetched %s: %s from origin (%d of %d files, %s already cached) in %.1fs, %.2f GB/s",
@@ -213,20 +225,25 @@ class Fetcher:
                 f"content (revision {current[:12]}); use `weightcache ls` for cached snapshots, or drop @revision")
 
     def _expectations(self, ref: ModelRef, source: Source, items: list[_Item]) -> None:
-        """Fill in expected digests (source checksum, sidecars, MD5 ETag) and dedup hits."""
+        """Fill in what downloaded bytes must match, and link (dedup) only on trusted evidence."""
         sidecars = self._read_sidecars(source, items)
         for item in items:
             obj = item.obj
+            trusted = None
             if obj.checksum and obj.checksum[0] == "sha256":
-                item.expect_sha256 = obj.checksum[1].lower()
-            elif item.relpath in sidecars:
-                item.expect_sha256 = sidecars[item.relpath]
-            if (source.name == "s3" and obj.etag and re.fullmatch(r"[0-9a-f]{32}", obj.etag)
-                    and item.expect_sha256 is None):
-                item.expect_md5 = obj.etag
-            known = item.expect_sha256 or self.store.known_sha256(ref.uri, item.relpath, obj.etag, obj.size)
-            if known and self.store.has_blob(known):
-                item.sha256 = known
+                item.expect_sha256 = trusted = obj.checksum[1].lower()  # computed and verified by the store
+            elif obj.checksum and new_hasher(obj.checksum[0]) is not None:
+                item.source_check = obj.checksum
+            elif (md5 := source.etag_md5(obj)) is not None:
+                item.source_check = ("md5", md5)
+            if item.expect_sha256 is None and item.relpath in sidecars:
+                item.expect_sha256 = sidecars[item.relpath]  # a claim: it checks downloaded bytes, never links
+            known = trusted or self.store.known_sha256(ref.uri, item.relpath, obj.etag, obj.size)
+            if known and self._blob_size(known) == obj.size:
+                item.sha256, item.size = known, obj.size
+
+    def _blob_size(self, sha256: str) -> int | None:
+        return self.store.blob_size(sha256)
 
     def _read_sidecars(self, source: Source, items: list[_Item]) -> dict[str, str]:
         """`<file>.sha256` ("<hex> [name]") and `SHA256SUMS` (sha256sum format) the model carries."""
@@ -261,13 +278,13 @@ class Fetcher:
             failed = []
             for item in pending:
                 try:
-                    self._finish(item)
+                    self._finish(item, source)
                     reporter.add(0, 1)
                 except IntegrityError as exc:
                     if round_ == 2:
                         raise
                     log.warning("%s; refetching %s", exc, item.relpath)
-                    item.partial.discard()
+                    _partial(item).discard()
                     reporter.add(-item.obj.size, 0)
                     failed.append(item)
             if not failed:
@@ -279,8 +296,8 @@ class Fetcher:
         pieces: list[tuple[_Item, int, int]] = []
         try:
             for item in items:
-                missing = item.partial.open()
-                reporter.add(item.partial.resumed_bytes, 0)
+                missing = _partial(item).open()
+                reporter.add(_partial(item).resumed_bytes, 0)
                 pieces += [(item, off, n) for off, n in missing]
         except OSError as exc:
             self._discard_all(items)
@@ -296,27 +313,37 @@ class Fetcher:
                 local.scratch = memoryview(bytearray(min(self.chunk_size, 4 << 20)))
             return local.buf, local.scratch
 
-        def run(item: _Item, offset: int, length: int) -> None:
+        def arrived(n: int) -> None:
+            """Bytes as each read() returns them: progress moves on a slow origin, and a cancel lands at once."""
             nonlocal fetched
+            if abort.is_set() or self._closing.is_set():
+                raise FetchCancelledError("fetch cancelled; finished chunks are kept and resume on the next run")
+            with fetched_lock:
+                fetched += n
+            reporter.add(n, 0)
+
+        def run(item: _Item, offset: int, length: int) -> None:
             buf, scratch = buffers()
-            with closing(source.read_pieces(item.obj, offset, length, buf)) as pieces:
+            arrived(0)
+            with closing(source.read_pieces(item.obj, offset, length, buf, arrived)) as pieces:
                 for pos, view in pieces:
-                    item.partial.write(pos, view, scratch)
-                    with fetched_lock:
-                        fetched += len(view)
-                    reporter.add(len(view), 0)
-                    if abort.is_set() or self._closing.is_set():
-                        raise FetchCancelledError("fetch cancelled; finished chunks are kept and resume next run")
+                    _partial(item).write(pos, view, scratch)
 
         def hash_resumed(item: _Item) -> None:
-            item.partial.hash_resumed(buffers()[1])
+            _partial(item).hash_resumed(buffers()[1])
 
         try:
             with ThreadPoolExecutor(self.concurrency, thread_name_prefix="wc-fetch") as pool:
-                futures = [pool.submit(hash_resumed, i) for i in items if i.partial.resumed_bytes]
+                futures = [pool.submit(hash_resumed, i) for i in items if _partial(i).resumed_bytes]
                 futures += [pool.submit(run, *p) for p in pieces]
-                done, not_done = wait(futures, return_when=FIRST_EXCEPTION)
-                errors = [f.exception() for f in done if f.exception() is not None]
+                try:
+                    done, not_done = wait(futures, return_when=FIRST_EXCEPTION)
+                except BaseException:  # KeyboardInterrupt in the main thread: stop the workers, keep the journal
+                    abort.set()
+                    for f in futures:
+                        f.cancel()
+                    raise
+                errors = [e for f in done if (e := f.exception()) is not None]
                 if errors:
                     abort.set()
                     for f in not_done:
@@ -337,7 +364,7 @@ class Fetcher:
 
     def _handle_failure(self, exc: BaseException, items: list[_Item]) -> None:
         for item in items:
-            item.partial.close()
+            _partial(item).close()
         if isinstance(exc, ObjectChangedError):
             self._discard_all(items)  # restart from a fresh listing; never a body mixed from two versions
             raise exc
@@ -352,28 +379,34 @@ class Fetcher:
             if item.partial is not None:
                 item.partial.discard()
 
-    def _finish(self, item: _Item) -> None:
+    def _finish(self, item: _Item, source: Source) -> None:
         """Verify a fully downloaded file, validate safetensors headers, move it into blobs/."""
-        part = item.partial
+        part = _partial(item)
         if not part.complete:
             part.hash_resumed(memoryview(bytearray(4 << 20)))
         sha = part.sha256.hexdigest()
         if item.expect_sha256 and sha != item.expect_sha256:
             raise IntegrityError(f"{item.relpath}: sha256 {sha} does not match the expected {item.expect_sha256}")
-        if item.expect_md5 and part.md5 is not None and part.md5.hexdigest() != item.expect_md5:
-            raise IntegrityError(f"{item.relpath}: MD5 does not match the object's ETag {item.expect_md5}")
+        if item.source_check is not None and part.source_check is not None:
+            algorithm, want = item.source_check
+            if algorithm == "md5":  # a GET may have shown SSE-KMS/SSE-C since planning: then the ETag is no MD5
+                want = source.etag_md5(item.obj) or ""
+            got = part.source_check.hexdigest()
+            if want and got != want:
+                raise IntegrityError(f"{item.relpath}: {algorithm} {got} does not match the source's {want}")
         if item.relpath.endswith(".safetensors"):
             from weightcache.safetensors_check import check_file
 
             try:
                 check_file(part.part)
             except SafetensorsHeaderError as exc:
-                part.discard()
+                part.discard()  # a retry must not find it and check it again
                 raise SafetensorsHeaderError(f"{item.relpath}: {exc}; the model at the source is damaged or "
                                              f"not safetensors: fix or exclude that file") from exc
+        item.size = part.written_size()
         part.fsync()
         part.close()
-        item.partial.journal.unlink(missing_ok=True)
+        part.journal.unlink(missing_ok=True)
         self.store.add_blob(part.part, sha)
         item.sha256 = sha
 
@@ -386,9 +419,21 @@ def source_revision(objects: list[ObjectInfo]) -> str:
     return h.hexdigest()
 
 
+def _partial(item: _Item) -> PartialFile:
+    if item.partial is None:
+        raise AssertionError(f"{item.relpath} has no partial download")  # only items to download get one
+    return item.partial
+
+
+def _hasher_factory(algorithm: str) -> Callable[[], Hasher]:
+    if algorithm == "md5":
+        return lambda: hashlib.md5(usedforsecurity=False)
+    return lambda: new_hasher(algorithm) or hashlib.sha256()  # _expectations keeps only computable ones
+
+
 def _partial_size(item: _Item) -> int:
     try:
-        return item.partial.part.stat().st_size if item.partial.journal.exists() else 0
+        return _partial(item).part.stat().st_size if _partial(item).journal.exists() else 0
     except FileNotFoundError:
         return 0
 
@@ -441,9 +486,7 @@ class _Reporter:
             p = Progress(self.uri, self._phase, self.done, self.total, self.files_done, self.files_total, rate, eta,
                          message)
         if self._phase not in ("done", "failed"):
-            try:
+            with suppress(OSError):  # progress is advisory; a full disk must not fail the fetch
                 write_progress_file(self.path, p)
-            except OSError:
-                pass
         if self.callback is not None:
             self.callback(p)

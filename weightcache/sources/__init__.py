@@ -13,15 +13,17 @@ without gcsfs still serves s3:// models, and asking for gs:// there says what to
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 from collections.abc import Callable
+from typing import Any
 
 from weightcache.errors import BackendMissingError, InvalidReferenceError
-from weightcache.sources.base import ObjectInfo, Source
+from weightcache.sources.base import ObjectInfo, Source, SourceOptions
 from weightcache.uri import ModelRef
 
-__all__ = ["BACKENDS", "ObjectInfo", "Source", "open_source"]
+__all__ = ["BACKENDS", "ObjectInfo", "Source", "SourceOptions", "open_source"]
 
 #: scheme -> ("module:Class", the package it needs beyond our own dependencies or None)
 BACKENDS: dict[str, tuple[str, str | None]] = {
@@ -35,16 +37,9 @@ BACKENDS: dict[str, tuple[str, str | None]] = {
 }
 
 
-def open_source(
-    ref: ModelRef,
-    *,
-    endpoint_url: str | None = None,
-    max_attempts: int = 5,
-    pool_size: int = 16,
-    backoff: float = 0.2,
-) -> Source:
-    """A source for `ref`. `endpoint_url` applies to s3 (else AWS_ENDPOINT_URL); `backoff` is the first retry's
-    upper bound in seconds, doubling per failure up to 10 s."""
+def open_source(ref: ModelRef, options: SourceOptions | None = None, **changes: Any) -> Source:
+    """A source for `ref` under `options` (defaults: SourceOptions()), with `changes` applied to them
+    (e.g. `open_source(ref, endpoint_url=url, backoff=0.01)`)."""
     try:
         target, package = BACKENDS[ref.scheme]
     except KeyError:
@@ -56,5 +51,5 @@ def open_source(
             f"reading {ref.scheme}:// models needs the {package} package: pip install {package}", name=package
         )
     module, _, cls = target.partition(":")
-    backend: Callable[..., Source] = getattr(importlib.import_module(module), cls)
-    return backend(ref, endpoint_url=endpoint_url, max_attempts=max_attempts, pool_size=pool_size, backoff=backoff)
+    backend: Callable[[ModelRef, SourceOptions], Source] = getattr(importlib.import_module(module), cls)
+    return backend(ref, dataclasses.replace(options or SourceOptions(), **changes))

@@ -11,18 +11,36 @@ from __future__ import annotations
 
 import http.client
 import logging
-import random
-import time
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from weightcache.errors import RetriesExceededError, SourceNotFoundError
+from weightcache import defaults
+from weightcache.errors import SourceNotFoundError
+from weightcache.retry import PartialRead, Retry, Retryable
 from weightcache.uri import ModelRef
 
 log = logging.getLogger(__name__)
 
-MAX_BACKOFF = 10.0  # seconds; also the cap on a server's Retry-After
+__all__ = ["ObjectInfo", "OnBytes", "PartialRead", "Reader", "Retryable", "Source", "SourceOptions"]
+
+
+@dataclass(frozen=True)
+class SourceOptions:
+    """How a source talks to its store: every backend takes these, `open_source` builds them."""
+
+    endpoint_url: str | None = None  # s3 only (else AWS_ENDPOINT_URL)
+    max_attempts: int = 5  # per request or range, failures included
+    backoff: float = 0.2  # first retry pause's upper bound, doubling per failure up to retry.MAX_BACKOFF
+    pool_size: int = 16  # pooled connections (s3, http)
+    connect_timeout: float = defaults.CONNECT_TIMEOUT  # seconds to establish a connection
+    read_timeout: float = defaults.READ_TIMEOUT  # seconds without a byte from an open connection
+    cancel: threading.Event | None = None  # set: retry waits and reads stop with FetchCancelledError
+
+    def retry(self, what: str) -> Retry:
+        """Failure accounting for one operation under these options."""
+        return Retry(what, max(1, self.max_attempts), self.backoff, self.cancel)
 
 
 @dataclass(frozen=True)
@@ -51,46 +69,34 @@ class Source(Protocol):
         """Fill `buf` with exactly bytes [offset, offset + len(buf)) of the version `obj` describes."""
         ...
 
-    def read_pieces(self, obj: ObjectInfo, offset: int, length: int, buf: memoryview) -> Iterator[tuple[int, memoryview]]:
+    def read_pieces(self, obj: ObjectInfo, offset: int, length: int, buf: memoryview,
+                    on_bytes: OnBytes | None = None) -> Pieces:
         """Bytes [offset, offset + length) through `buf`, one request for the whole range where the backend can:
         yields (position, view of buf) for each piece of len(buf) bytes (the last may be shorter). The caller is
-        done with a view when it asks for the next one. Retries re-request only what was not yet yielded."""
+        done with a view when it asks for the next one. Retries re-request only what was not yet yielded.
+        `on_bytes` hears of bytes as they arrive, before their piece is complete."""
         ...
 
-    def stream(self, obj: ObjectInfo, offset: int = 0, chunk: int = 8 << 20) -> Iterator[bytes]:
-        """The object's bytes from `offset` to the end, in pieces of at most `chunk` bytes."""
+    def etag_md5(self, obj: ObjectInfo) -> str | None:
+        """The object's MD5 when its ETag is one (S3 single-part, unencrypted or SSE-S3), else None."""
         ...
 
     def close(self) -> None: ...
 
 
-class Retryable(Exception):
-    """Raised by a backend's reader for a failure worth another attempt; the cause is chained."""
-
-    def __init__(self, reason: str, retry_after: float | None = None) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.retry_after = retry_after
-
-
 #: A backend's reader: fill `view` with the object's bytes from `offset` and return how many it wrote before the
 #: body ended; raise `PartialRead` (bytes written, then failed) or `Retryable` for failures worth another attempt.
 Reader = Callable[[int, memoryview], int]
+#: What read_pieces returns: (position, view of the caller's buffer) per piece; close() ends the request.
+Pieces = Generator[tuple[int, memoryview], None, None]
+#: Told the bytes of a body as they arrive (progress); negative when a retry drops bytes it was told of. It may
+#: raise (FetchCancelledError) to stop the read.
+OnBytes = Callable[[int], None]
 
 
-class PartialRead(Retryable):
-    """A read failed after writing `done` bytes of its view."""
-
-    def __init__(self, done: int, reason: str, retry_after: float | None = None) -> None:
-        super().__init__(reason, retry_after)
-        self.done = done
-
-
-def read_with_retries(
-    reader: Reader, offset: int, buf: memoryview, *, what: str, max_attempts: int, backoff: float
-) -> None:
-    """Call `reader` until `buf` is full, retrying only the missing remainder, at most `max_attempts` failures."""
-    done = failures = 0
+def read_with_retries(reader: Reader, offset: int, buf: memoryview, retry: Retry) -> None:
+    """Call `reader` until `buf` is full, retrying only the missing remainder; `retry` counts the failures."""
+    done = 0
     while done < len(buf):
         try:
             got = reader(offset + done, buf[done:])
@@ -103,33 +109,18 @@ def read_with_retries(
             err = exc
         except Retryable as exc:
             err = exc
-        failures += 1
-        if failures >= max_attempts:
-            raise RetriesExceededError(
-                f"reading {what} bytes {offset}-{offset + len(buf) - 1} failed {failures} times, last: {err.reason}; "
-                "check the network and the object store, then fetch again (finished ranges are kept)",
-                err.__cause__ or err,
-            ) from (err.__cause__ or err)
-        pause = backoff_pause(failures, backoff, err.retry_after)
-        log.debug("retrying %s at byte %d in %.2fs after: %s", what, offset + done, pause, err.reason)
-        time.sleep(pause)
+        retry.failed(err)
 
 
-def backoff_pause(failures: int, backoff: float, retry_after: float | None = None) -> float:
-    """Seconds to wait: exponential backoff with full jitter, at least a server's Retry-After (both capped)."""
-    pause = random.uniform(0, min(MAX_BACKOFF, backoff * 2 ** (failures - 1)))
-    if retry_after:
-        pause = max(pause, min(retry_after, MAX_BACKOFF))
-    return pause
-
-
-def pieces_by_read_into(source: Source, obj: ObjectInfo, offset: int, length: int,
-                        buf: memoryview) -> Iterator[tuple[int, memoryview]]:
+def pieces_by_read_into(source: Source, obj: ObjectInfo, offset: int, length: int, buf: memoryview,
+                        on_bytes: OnBytes | None = None) -> Pieces:
     """`read_pieces` for backends without streaming: one pinned, retried range read per piece."""
     pos, end = offset, offset + length
     while pos < end:
         view = buf[:min(len(buf), end - pos)]
         source.read_into(obj, pos, view)
+        if on_bytes is not None:
+            on_bytes(len(view))
         yield pos, view
         pos += len(view)
 
@@ -138,36 +129,32 @@ def pieces_by_read_into(source: Source, obj: ObjectInfo, offset: int, length: in
 Opener = Callable[[int, int], Any]
 
 
-def stream_range(open_range: Opener, offset: int, length: int, buf: memoryview, *, what: str, max_attempts: int,
-                 backoff: float) -> Iterator[tuple[int, memoryview]]:
+def stream_range(open_range: Opener, offset: int, length: int, buf: memoryview, retry: Retry,
+                 on_bytes: OnBytes | None = None) -> Pieces:
     """`read_pieces` over one streamed response (urllib3-style, with `readinto`).
 
     Large ranges cut the request count (S3 servers and proxies pay per request; moto re-reads the whole object
     for each one) while memory stays one `buf`. A failure mid-body re-opens the range from the first byte not
-    yet yielded, at most `max_attempts` failures in all.
+    yet yielded; `retry` counts the failures.
     """
-    pos, end, failures = offset, offset + length, 0
+    pos, end = offset, offset + length
     resp = None
     try:
         while pos < end:
             view = buf[:min(len(buf), end - pos)]
+            told = _Told(on_bytes)
             try:
                 if resp is None:
                     resp = open_range(pos, end)
-                got = _readinto_all(resp, view)
+                got = _readinto_all(resp, view, told)
                 if got < len(view):
                     raise Retryable(f"short body: {end - pos - got} bytes missing")
             except Retryable as err:
                 if resp is not None:
                     resp.close()
                     resp = None
-                failures += 1
-                if failures >= max_attempts:
-                    raise RetriesExceededError(
-                        f"reading {what} bytes {pos}-{end - 1} failed {failures} times, last: {err.reason}; "
-                        "check the network and the object store, then fetch again (finished ranges are kept)",
-                        err.__cause__ or err) from (err.__cause__ or err)
-                time.sleep(backoff_pause(failures, backoff, err.retry_after))
+                told.take_back()  # this piece is asked for again from its first byte
+                retry.failed(err)
                 continue
             yield pos, view
             pos += len(view)
@@ -179,7 +166,24 @@ def stream_range(open_range: Opener, offset: int, length: int, buf: memoryview, 
                 resp.close()  # unread bytes must never reach the next request on this connection
 
 
-def _readinto_all(resp: Any, view: memoryview) -> int:
+class _Told:
+    """Passes byte counts on to `on_bytes`, remembering how many, to take them back when a piece is retried."""
+
+    def __init__(self, on_bytes: OnBytes | None) -> None:
+        self.on_bytes, self.count = on_bytes, 0
+
+    def __call__(self, n: int) -> None:
+        self.count += n
+        if self.on_bytes is not None:
+            self.on_bytes(n)
+
+    def take_back(self) -> None:
+        if self.on_bytes is not None and self.count:
+            self.on_bytes(-self.count)
+        self.count = 0
+
+
+def _readinto_all(resp: Any, view: memoryview, on_bytes: OnBytes | None = None) -> int:
     """Fill `view` from the body until it is full or the body ends; PartialRead(done) on a failure.
 
     http.client's readinto receives straight into our buffer, urllib3's and botocore's copy through bytes, so
@@ -188,14 +192,16 @@ def _readinto_all(resp: Any, view: memoryview) -> int:
     fp = getattr(resp, "_fp", None)
     readinto = fp.readinto if isinstance(fp, http.client.HTTPResponse) else resp.readinto
     done = 0
-    try:
-        while done < len(view):
+    while done < len(view):
+        try:
             n = readinto(view[done:])
-            if not n:
-                break
-            done += n
-    except Exception as exc:
-        raise PartialRead(done, f"{type(exc).__name__} after {done} bytes of the body") from exc
+        except Exception as exc:
+            raise PartialRead(done, f"{type(exc).__name__} after {done} bytes of the body") from exc
+        if not n:
+            break
+        done += n
+        if on_bytes is not None:
+            on_bytes(n)  # outside the try: a cancel it raises is no network failure
     return done
 
 
@@ -204,16 +210,6 @@ def _at_eof(resp: Any) -> bool:
     if isinstance(fp, http.client.HTTPResponse):
         return fp.isclosed() or fp.length == 0
     return bool(getattr(resp, "closed", False))
-
-
-def stream_by_ranges(source: Source, obj: ObjectInfo, offset: int, chunk: int) -> Iterator[bytes]:
-    """`Source.stream` from `read_into`: each piece is one pinned, retried range read."""
-    pos = offset
-    while pos < obj.size:
-        piece = bytearray(min(chunk, obj.size - pos))
-        source.read_into(obj, pos, memoryview(piece))
-        pos += len(piece)
-        yield bytes(piece)
 
 
 def finish_listing(ref: ModelRef, objects: list[ObjectInfo], *, hint: str) -> list[ObjectInfo]:

@@ -9,15 +9,23 @@ faster than fsspec's aiohttp path: scripts/bench_sources.py). A strong ETag pins
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from typing import Any
 from urllib.parse import unquote
 
 import urllib3
 
 from weightcache.errors import ObjectChangedError, SourceAccessDeniedError, SourceError, SourceNotFoundError
-from weightcache.sources.base import ObjectInfo, Retryable, finish_listing, read_body_into, stream_range
-from weightcache.sources.fsspec import FsspecSource, translate
+from weightcache.sources.base import (
+    ObjectInfo,
+    OnBytes,
+    Pieces,
+    Retryable,
+    SourceOptions,
+    finish_listing,
+    read_body_into,
+    stream_range,
+)
+from weightcache.sources.fsspec import FsspecSource
 from weightcache.uri import ModelRef
 
 log = logging.getLogger(__name__)
@@ -37,28 +45,19 @@ NETWORK_ERRORS = (urllib3.exceptions.HTTPError, OSError)
 class HttpSource(FsspecSource):
     """Listing by fsspec's HTTPFileSystem, ranged reads by urllib3 (Range, If-Match, readinto)."""
 
-    def __init__(
-        self,
-        ref: ModelRef,
-        *,
-        endpoint_url: str | None = None,
-        max_attempts: int = 5,
-        pool_size: int = 16,
-        backoff: float = 0.2,
-        timeout: float = 60.0,
-    ) -> None:
-        super().__init__(ref, endpoint_url=endpoint_url, max_attempts=max_attempts, pool_size=pool_size,
-                         backoff=backoff)
-        self._pool = urllib3.PoolManager(maxsize=pool_size, retries=False,
-                                         timeout=urllib3.Timeout(connect=timeout, read=timeout))
+    def __init__(self, ref: ModelRef, options: SourceOptions | None = None) -> None:
+        super().__init__(ref, options)
+        o = self.options
+        self._pool = urllib3.PoolManager(maxsize=o.pool_size, retries=False,
+                                         timeout=urllib3.Timeout(connect=o.connect_timeout, read=o.read_timeout))
 
     def list(self) -> list[ObjectInfo]:
-        self.fs.invalidate_cache(self.root)
-        try:
+        def walk() -> list[ObjectInfo]:
+            self.fs.invalidate_cache(self.root)
             urls = [u for u in self.fs.find(self.root) if "?" not in u]  # skip index sort links (?C=N;O=D)
-            objects = [self._object(u, self.fs.info(u)) for u in urls]
-        except Exception as exc:
-            raise translate(exc, self.ref.uri) from exc
+            return [self._object(u, self.fs.info(u)) for u in urls]
+
+        objects = self._listing(walk)
         return finish_listing(self.ref, objects, hint="check the URL and that the server lists directories "
                                                       "(nginx: autoindex on)")
 
@@ -71,10 +70,10 @@ class HttpSource(FsspecSource):
         relpath = unquote(path[len(self.root):]) if path.startswith(self.root) else ""
         return ObjectInfo(path, relpath, int(info["size"]), strong, None, None)
 
-    def read_pieces(self, obj: ObjectInfo, offset: int, length: int,
-                    buf: memoryview) -> Iterator[tuple[int, memoryview]]:
+    def read_pieces(self, obj: ObjectInfo, offset: int, length: int, buf: memoryview,
+                    on_bytes: OnBytes | None = None) -> Pieces:
         return stream_range(lambda pos, end: self._open_range(obj, pos, end), offset, length, buf,
-                            what=obj.key, max_attempts=self.max_attempts, backoff=self.backoff)
+                            self.options.retry(f"reading {obj.key} bytes {offset}-{offset + length - 1}"), on_bytes)
 
     def _read_range(self, obj: ObjectInfo, pos: int, view: memoryview) -> int:
         return read_body_into(self._open_range(obj, pos, pos + len(view)), view)

@@ -1,9 +1,12 @@
 """S3 (and S3-compatible stores: MinIO, Ceph RGW, R2) through boto3.
 
 Each range read is one GET with `Range`, pinned with `If-Match: <etag>` (and `VersionId` when known), so bytes of
-two object versions never mix. botocore's own retries are off: our loop retries throttling, 5xx, broken
-connections and short bodies, asking only for the bytes still missing. S3 error codes become our exceptions by
-one table; messages carry the code and what to do, never credentials (the cause is chained for detail).
+two object versions never mix. botocore's own retries are off: weightcache.retry retries throttling, 5xx,
+refused, reset and timed-out connections, DNS failures and short bodies, asking only for the bytes still missing.
+Integrity: a full-object checksum (SHA-256, CRC32; CRC32C and CRC64NVME with awscrt) read by HEAD where the
+listing shows one; else the ETag when it is an MD5 (single part, and no SSE-KMS/SSE-C seen in HEAD or GET).
+S3 error codes become our exceptions by one table; messages carry the code and what to do, never credentials
+(the cause is chained for detail).
 """
 
 from __future__ import annotations
@@ -12,8 +15,8 @@ import base64
 import http.client
 import logging
 import os
-import time
-from collections.abc import Callable, Iterator
+import re
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -23,9 +26,9 @@ import botocore.exceptions
 import urllib3.exceptions
 from botocore.config import Config
 
+from weightcache.checksums import FACTORIES
 from weightcache.errors import (
     ObjectChangedError,
-    RetriesExceededError,
     SourceAccessDeniedError,
     SourceError,
     SourceNotFoundError,
@@ -33,12 +36,13 @@ from weightcache.errors import (
 )
 from weightcache.sources.base import (
     ObjectInfo,
+    OnBytes,
+    Pieces,
     Retryable,
-    backoff_pause,
+    SourceOptions,
     finish_listing,
     read_body_into,
     read_with_retries,
-    stream_by_ranges,
     stream_range,
 )
 from weightcache.uri import ModelRef
@@ -75,7 +79,8 @@ RETRYABLE = frozenset({
 })
 #: Transport failures worth another attempt (botocore wraps most; raw body reads raise the rest).
 NETWORK_ERRORS = (
-    botocore.exceptions.HTTPClientError,  # connection closed/reset, timeouts, streaming errors
+    botocore.exceptions.ConnectionError,  # refused, DNS failure (EndpointConnectionError), connect timeout
+    botocore.exceptions.HTTPClientError,  # connection closed/reset, read timeouts, streaming errors
     botocore.exceptions.IncompleteReadError,
     urllib3.exceptions.HTTPError,
     http.client.HTTPException,
@@ -89,26 +94,18 @@ class S3Source:
     name = "s3"
     page_size = 1000  # keys per ListObjectsV2 page (S3's maximum)
 
-    def __init__(
-        self,
-        ref: ModelRef,
-        *,
-        endpoint_url: str | None = None,
-        max_attempts: int = 5,
-        pool_size: int = 16,
-        backoff: float = 0.2,
-        timeout: float = 60.0,
-    ) -> None:
+    def __init__(self, ref: ModelRef, options: SourceOptions | None = None) -> None:
         self.ref = ref
-        # boto3 reads these itself; we look only to choose path-style addressing
-        self.endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        self.max_attempts = max(1, max_attempts)
-        self.backoff = backoff
+        self.options = o = options or SourceOptions()
+        # boto3 reads these itself; we look only to choose path-style addressing and to name it in errors
+        self.endpoint_url = (o.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3")
+                             or os.environ.get("AWS_ENDPOINT_URL"))
+        self._not_md5: set[str] = set()  # keys whose responses showed SSE-KMS/SSE-C: their ETag is no MD5
         config = Config(
-            max_pool_connections=pool_size,
-            retries={"total_max_attempts": 1, "mode": "standard"},  # ours is the loop that counts
-            connect_timeout=timeout,
-            read_timeout=timeout,
+            max_pool_connections=o.pool_size,
+            retries={"total_max_attempts": 1, "mode": "standard"},  # weightcache.retry is the one loop that counts
+            connect_timeout=o.connect_timeout,
+            read_timeout=o.read_timeout,
             # a custom endpoint (MinIO, moto, 127.0.0.1) rarely has wildcard DNS for virtual-hosted buckets
             s3={"addressing_style": "path" if self.endpoint_url else "auto"},
             response_checksum_validation="when_required",
@@ -116,8 +113,10 @@ class S3Source:
         self._client = boto3.session.Session().client("s3", endpoint_url=self.endpoint_url, config=config)
 
     def __repr__(self) -> str:
-        endpoint = _without_userinfo(self.endpoint_url) if self.endpoint_url else None
-        return f"S3Source({self.ref.uri!r}, endpoint={endpoint!r})"
+        return f"S3Source({self.ref.uri!r}, endpoint={self._endpoint()!r})"
+
+    def _endpoint(self) -> str | None:
+        return _without_userinfo(self.endpoint_url) if self.endpoint_url else None
 
     def list(self) -> list[ObjectInfo]:
         listed, with_checksum = self._call(self._list_once, f"listing {self.ref.uri}")
@@ -131,11 +130,21 @@ class S3Source:
         if offset < 0 or offset + len(buf) > obj.size:
             raise ValueError(f"range {offset}+{len(buf)} outside {obj.key} of {obj.size} bytes")
         if len(buf):
+            what = f"reading {self._uri(obj.key)} bytes {offset}-{offset + len(buf) - 1}"
             read_with_retries(lambda pos, view: self._read_range(obj, pos, view), offset, buf,
-                              what=self._uri(obj.key), max_attempts=self.max_attempts, backoff=self.backoff)
+                              self.options.retry(what))
 
-    def stream(self, obj: ObjectInfo, offset: int = 0, chunk: int = 8 << 20) -> Iterator[bytes]:
-        return stream_by_ranges(self, obj, offset, chunk)
+    def read_pieces(self, obj: ObjectInfo, offset: int, length: int, buf: memoryview,
+                    on_bytes: OnBytes | None = None) -> Pieces:
+        return stream_range(lambda pos, end: self._open_range(obj, pos, end), offset, length, buf,
+                            self.options.retry(f"reading {self._uri(obj.key)} bytes {offset}-{offset + length - 1}"),
+                            on_bytes)
+
+    def etag_md5(self, obj: ObjectInfo) -> str | None:
+        """The object's MD5 when its ETag is one: a single-part upload without SSE-KMS/SSE-C, as far as the
+        HEAD and GET responses seen so far show (call it after reading the object)."""
+        etag = obj.etag or ""
+        return etag if re.fullmatch(r"[0-9a-f]{32}", etag) and obj.key not in self._not_md5 else None
 
     def close(self) -> None:
         self._client.close()
@@ -155,20 +164,29 @@ class S3Source:
                     continue
                 out.append(ObjectInfo(key, key[len(self.ref.prefix):], item["Size"], _unquote(item.get("ETag")),
                                       None, None))
-                if "SHA256" in item.get("ChecksumAlgorithm", ()):
+                if any(a.lower() in FACTORIES for a in item.get("ChecksumAlgorithm", ())):
                     with_checksum.add(key)
         return out, with_checksum
 
     def _with_checksum(self, obj: ObjectInfo) -> ObjectInfo:
-        """Ask HEAD for the full-object SHA-256; a composite (multipart, "...-N") one is no digest of the bytes."""
+        """Ask HEAD for a full-object checksum this node can compute; a composite one (multipart: a checksum of
+        part checksums) is no checksum of the bytes and is left out. HEAD also shows SSE, and the version."""
         head = self._call(lambda: self._client.head_object(Bucket=self.ref.bucket, Key=obj.key, ChecksumMode="ENABLED"),
                           f"reading the checksum of {self._uri(obj.key)}")
-        value, kind, etag = head.get("ChecksumSHA256") or "", head.get("ChecksumType"), head.get("ETag") or ""
-        # a multipart upload's SHA-256 is a digest of part digests; some stores omit the "-N" and the type
-        if not value or "-" in value or kind == "COMPOSITE" or ("-" in etag and kind != "FULL_OBJECT"):
-            return obj
-        return ObjectInfo(obj.key, obj.relpath, head["ContentLength"], _unquote(head.get("ETag")),
-                          head.get("VersionId"), ("sha256", base64.b64decode(value).hex()))
+        self._note_encryption(obj.key, head)
+        kind, etag = head.get("ChecksumType"), head.get("ETag") or ""
+        for algorithm in FACTORIES:
+            value = head.get(f"Checksum{algorithm.upper()}") or ""
+            # some stores omit the "-N" suffix and the type of a multipart upload's composite checksum
+            if not value or "-" in value or kind == "COMPOSITE" or ("-" in etag and kind != "FULL_OBJECT"):
+                continue
+            return ObjectInfo(obj.key, obj.relpath, head["ContentLength"], _unquote(head.get("ETag")),
+                              head.get("VersionId"), (algorithm, base64.b64decode(value).hex()))
+        return obj
+
+    def _note_encryption(self, key: str, response: dict[str, Any]) -> None:
+        if str(response.get("ServerSideEncryption", "")).startswith("aws:kms") or response.get("SSECustomerAlgorithm"):
+            self._not_md5.add(key)
 
     def _read_range(self, obj: ObjectInfo, pos: int, view: memoryview) -> int:
         return read_body_into(self._open_range(obj, pos, pos + len(view)), view)  # our readinto: no copy
@@ -186,7 +204,8 @@ class S3Source:
         except (botocore.exceptions.ClientError, botocore.exceptions.NoCredentialsError) as exc:
             raise translate(exc, what) from exc
         except NETWORK_ERRORS as exc:
-            raise Retryable(f"{type(exc).__name__} on GET") from exc
+            raise Retryable(self._network_reason(exc, "GET")) from exc
+        self._note_encryption(obj.key, resp)
         raw = resp["Body"]._raw_stream
         if obj.etag and _unquote(resp.get("ETag")) != obj.etag:  # a store that ignores If-Match
             raw.close()
@@ -196,32 +215,27 @@ class S3Source:
             raise SourceError(f"{what}: the store ignored the Range header; use an S3 endpoint that supports it")
         return raw
 
-    def read_pieces(self, obj: ObjectInfo, offset: int, length: int,
-                    buf: memoryview) -> Iterator[tuple[int, memoryview]]:
-        return stream_range(lambda pos, end: self._open_range(obj, pos, end), offset, length, buf,
-                            what=self._uri(obj.key), max_attempts=self.max_attempts, backoff=self.backoff)
+    def _network_reason(self, exc: BaseException, request: str) -> str:
+        """What failed, naming the endpoint without userinfo (botocore's own messages print it whole)."""
+        where = self._endpoint() or "AWS S3"
+        kind = "timed out" if isinstance(exc, (botocore.exceptions.ConnectTimeoutError,
+                                               botocore.exceptions.ReadTimeoutError, TimeoutError)) else "failed"
+        return f"{request} to {where} {kind} ({type(exc).__name__})"
 
     def _call(self, fn: Callable[[], T], what: str) -> T:
         """A request with the same classification and bounded retries as range reads."""
-        err, last = Retryable("no attempt made"), None  # type: tuple[Retryable, BaseException | None]
-        for failures in range(1, self.max_attempts + 1):
+        def attempt() -> T:
             try:
                 return fn()
             except (botocore.exceptions.ClientError, botocore.exceptions.NoCredentialsError) as exc:
                 translated = translate(exc, what)
-                if not isinstance(translated, Retryable):
-                    raise translated from exc
-                err, last = translated, exc
+                raise translated from exc
             except WeightcacheError:
                 raise
             except NETWORK_ERRORS as exc:
-                last, err = exc, Retryable(type(exc).__name__)
-            if failures < self.max_attempts:
-                pause = backoff_pause(failures, self.backoff, err.retry_after)
-                log.debug("retrying %s in %.2fs after: %s", what, pause, err.reason)
-                time.sleep(pause)
-        raise RetriesExceededError(f"{what} failed {self.max_attempts} times, last: {err.reason}; "
-                                   "check the network and the object store, then try again", last) from last
+                raise Retryable(self._network_reason(exc, what)) from exc
+
+        return self.options.retry(what).call(attempt)
 
 
 def translate(exc: botocore.exceptions.ClientError | botocore.exceptions.NoCredentialsError, what: str) -> Exception:

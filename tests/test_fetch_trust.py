@@ -1,0 +1,50 @@
+"""What a hostile source can claim, and what the fetch engine believes: claims never replace bytes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures_s3 import S3
+from weightcache.errors import IntegrityError
+from weightcache.fetch import Fetcher
+from weightcache.sample import make_model
+from weightcache.store import Store
+from weightcache.uri import parse_ref
+
+
+@pytest.mark.parametrize("same_size", [False, True], ids=["1-byte", "same-size"])
+@pytest.mark.parametrize("sidecar", ["SHA256SUMS", "weights.safetensors.sha256"])
+def test_a_sidecar_naming_another_models_digest_never_links_that_blob(tmp_path: Path, s3: S3, sidecar: str,
+                                                                      same_size: bool) -> None:
+    make_model(tmp_path / "victim", layers=1, hidden=64, shards=1)
+    s3.upload_dir(tmp_path / "victim", "victim", "private/")
+    fetcher = Fetcher(Store(tmp_path / "root"), endpoint_url=s3.endpoint_url)
+    victim = fetcher.ensure(parse_ref("s3://victim/private/"))
+    target = next(f for f in victim.files if f.path.endswith(".safetensors"))
+    blob = fetcher.store.layout.blob(target.sha256)
+    links = os.stat(blob).st_nlink
+
+    # a placeholder; sizes of public models are public too
+    s3.put("attacker", "m/weights.safetensors", b"\0" * target.size if same_size else b"x")
+    line = f"{target.sha256}  weights.safetensors\n" if sidecar == "SHA256SUMS" else f"{target.sha256}\n"
+    s3.put("attacker", f"m/{sidecar}", line.encode())
+
+    with pytest.raises(IntegrityError, match=r"weights\.safetensors"):
+        fetcher.ensure(parse_ref("s3://attacker/m/"))
+
+    assert [i.snapshot.id for i in fetcher.store.list()] == [victim.id]
+    assert os.stat(blob).st_nlink == links, "the victim's blob was linked into another snapshot"
+
+
+def test_a_true_sidecar_still_checks_the_bytes_it_names(tmp_path: Path, s3: S3) -> None:
+    import hashlib
+
+    body = b"weights"
+    s3.put("models", "m/w.bin", body)
+    s3.put("models", "m/SHA256SUMS", f"{hashlib.sha256(body).hexdigest()} *./w.bin\n".encode())
+    snap = Fetcher(Store(tmp_path / "root"), endpoint_url=s3.endpoint_url).ensure(parse_ref("s3://models/m/"))
+    assert (snap.path / "w.bin").read_bytes() == body
+    assert {f.path: f.size for f in snap.files}["w.bin"] == len(body)

@@ -1,0 +1,92 @@
+"""The one retry policy: every source's requests and body reads, and the cluster watch, back off through here.
+
+A failure worth another attempt is raised as `Retryable` (the backend's cause chained). `Retry` counts the
+failures of one operation, waits between attempts (exponential backoff with full jitter, a server's Retry-After
+as a floor, both capped) and, when attempts run out, raises `RetriesExceededError` naming the operation and
+the last reason. A wait ends early when the caller's cancel event is set, so Ctrl-C and shutdown never sit out a
+backoff.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from weightcache.errors import FetchCancelledError, RetriesExceededError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+MAX_BACKOFF = 10.0  # seconds; also the cap on a server's Retry-After
+DEFAULT_ATTEMPTS = 5
+DEFAULT_BACKOFF = 0.2  # the first pause's upper bound; doubles per failure
+
+
+class Retryable(Exception):
+    """A failure worth another attempt; the backend's exception is chained as the cause."""
+
+    def __init__(self, reason: str, retry_after: float | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.retry_after = retry_after
+
+
+class PartialRead(Retryable):
+    """A read failed after writing `done` bytes of its buffer."""
+
+    def __init__(self, done: int, reason: str, retry_after: float | None = None) -> None:
+        super().__init__(reason, retry_after)
+        self.done = done
+
+
+def backoff_pause(failures: int, first: float, *, cap: float = MAX_BACKOFF, retry_after: float | None = None) -> float:
+    """Seconds to wait after `failures` failures: full jitter up to first * 2**(failures-1), at least a
+    server's Retry-After; both capped at `cap`."""
+    pause = random.uniform(0, min(cap, first * 2 ** (max(1, failures) - 1)))
+    if retry_after:
+        pause = max(pause, min(retry_after, cap))
+    return pause
+
+
+@dataclass
+class Retry:
+    """Failure accounting for one operation (a request, a range read)."""
+
+    what: str  # "reading s3://b/k bytes 0-99": the operation, as an error message names it
+    max_attempts: int = DEFAULT_ATTEMPTS
+    backoff: float = DEFAULT_BACKOFF
+    cancel: threading.Event | None = field(default=None, repr=False)
+    failures: int = 0
+
+    def failed(self, err: Retryable) -> None:
+        """Count `err`; wait before the next attempt, or raise RetriesExceededError when none is left."""
+        self.failures += 1
+        cause = err.__cause__ or err
+        if self.failures >= self.max_attempts:
+            raise RetriesExceededError(
+                f"{self.what} failed {self.failures} times, last: {err.reason}; check the network and the object "
+                "store, then fetch again (finished ranges are kept)", cause) from cause
+        pause = backoff_pause(self.failures, self.backoff, retry_after=err.retry_after)
+        log.debug("retrying %s in %.2fs after: %s", self.what, pause, err.reason)
+        wait(pause, self.cancel)
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """`fn()` until it returns; each `Retryable` it raises counts as one failure."""
+        while True:
+            try:
+                return fn()
+            except Retryable as err:
+                self.failed(err)
+
+
+def wait(seconds: float, cancel: threading.Event | None) -> None:
+    """Sleep, or raise FetchCancelledError as soon as `cancel` is set."""
+    if cancel is None:
+        time.sleep(seconds)
+    elif cancel.wait(seconds):
+        raise FetchCancelledError("cancelled; finished chunks are kept and resume on the next run")
