@@ -216,6 +216,10 @@ class Tree:
             pass
 
     def _quarantine_at(self, dir_fd: int, name: str, rel: str, reason: str) -> None:
+        if rel == QUARANTINE:  # quarantine/ itself was replaced: it cannot hold itself, so drop the entry
+            _unlink_quietly(dir_fd, name)
+            log.warning("store: %s %s; removed it", self.root / rel, reason)
+            return
         dest = f"{rel.replace('/', '%2F')[-200:]}.{time.time_ns()}"
         qdir = self.root / QUARANTINE
         with self.dir(qdir, create=True) as qfd:

@@ -11,6 +11,7 @@ never follows a symlink planted under the root, and every record read back is ch
 from __future__ import annotations
 
 import builtins
+import errno
 import fcntl
 import logging
 import os
@@ -23,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from weightcache.errors import (
+    Answer,
     DamagedRecordError,
     HostileKeyError,
     InsufficientSpaceError,
@@ -70,6 +72,8 @@ RESERVE_BYTES = 4 << 20  # preallocated; released when a full disk refuses an in
 
 class BlobMissingError(StoreError):
     """A blob the fetch planned to reuse vanished before publish (evicted meanwhile): plan again."""
+
+    answer = Answer(1, 503, "ABORTED")  # the fetch replans by itself; seen outside only if that keeps failing
 
 
 def ref_name(ref: ModelRef) -> str:
@@ -125,8 +129,15 @@ class Store:
     def open_lock(self, name: str) -> int:
         """A descriptor of lock file `locks/<name>.lock` (created; a symlink planted there is never followed)."""
         path = self.layout.lock(name)
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
         with self.tree.dir(path.parent, create=True) as dfd:
-            return os.open(path.name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd)
+            try:
+                return os.open(path.name, flags, 0o644, dir_fd=dfd)
+            except OSError as exc:
+                if exc.errno != errno.ELOOP:
+                    raise
+            self.tree.quarantine(path, "is a symlink, not a lock file")
+            return os.open(path.name, flags, 0o644, dir_fd=dfd)
 
     def partial_path(self, name: str) -> Path:
         """Where a download in flight keeps file `name` (partial/ is a real directory: checked at start)."""
