@@ -156,6 +156,23 @@ def test_choice_prefers_holders_then_fetching_then_free_gpus_and_respects_constr
     assert nowhere.chosen == {} and nowhere.nodes == {}
 
 
+def test_choice_keeps_within_each_nodes_disk_budget() -> None:
+    other = choice.demand_name(parse_ref("s3://models/other/"))
+    nodes = [facts("small", gpus=8), facts("big", gpus=1)]
+    sizes = {DEMAND: 6 * 2**30, other: 3 * 2**30}
+    out = choice.plan([gated_pod("p1")], nodes, {other: ["big"]}, budgets={"small": 4 * 2**30, "big": 9 * 2**30},
+                      sizes=sizes)
+    assert out.chosen == {"inference/p1": "big"}, "6 GiB does not fit a 4 GiB budget; 6 + 3 fits 9"
+    full = choice.plan([gated_pod("p1")], nodes, {other: ["big"]}, budgets={"small": 4 * 2**30, "big": 8 * 2**30},
+                       sizes=sizes)
+    assert full.chosen == {} and not full.nodes.get(DEMAND), "no node has room: nothing is asked"
+    holder = [facts("small", {LABEL: "ready"}, gpus=8)]
+    assert choice.plan([gated_pod("p1")], holder, {}, budgets={"small": 1}, sizes=sizes).chosen == {
+        "inference/p1": "small"}, "a node that holds the model already has room for it"
+    unknown = choice.plan([gated_pod("p1")], nodes, {}, budgets={"small": 1})
+    assert unknown.chosen == {"inference/p1": "small"}, "an unknown size does not limit"
+
+
 def test_demand_follows_bound_and_released_pods_and_goes_when_none_need_it() -> None:
     bound = pod(nodeName="n1")
     waiting = pod()  # released, not yet scheduled: keeps the nodes asked so far

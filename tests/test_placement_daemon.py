@@ -57,7 +57,7 @@ async def test_gated_pod_waits_for_a_real_daemon_then_lands_on_its_node(cluster:
         cluster.create("pods", apply_response(pod, answer), NS)
         assert choice.gated(cluster.get("pods", "llama-0", NS))
 
-        d = await start_daemon(short_dir, model_copy, env={"NODE_NAME": NODE})
+        d = await start_daemon(short_dir, model_copy, env={"NODE_NAME": NODE}, config={"diskBudget": "1Gi"})
         try:
             await eventually(lambda: not choice.gated(cluster.get("pods", "llama-0", NS)), timeout=30,
                              what="the pod's release")
@@ -65,7 +65,9 @@ async def test_gated_pod_waits_for_a_real_daemon_then_lands_on_its_node(cluster:
             assert labels.get(ref.label_key) == "ready", "released before its node was ready"
             demand = choice.demand_name(ref)
             assert cluster.get("modelcaches", demand)["spec"]["nodeNames"] == [NODE]
-            assert cluster.get("modelcachenodes", NODE)["status"]["models"][demand]["phase"] == "Ready"
+            status = cluster.get("modelcachenodes", NODE)["status"]
+            assert status["models"][demand]["phase"] == "Ready"
+            assert status["diskBudgetBytes"] == 2**30, "the budget placement keeps within"
             released = cluster.get("pods", "llama-0", NS)
             validate_strict(released)
             assert released["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]

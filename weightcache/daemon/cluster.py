@@ -23,13 +23,15 @@ log = logging.getLogger(__name__)
 
 
 class Cluster:
-    def __init__(self, api_client: Any, node_name: str, on_change: Callable[[], None]) -> None:
+    def __init__(self, api_client: Any, node_name: str, on_change: Callable[[], None],
+                 disk_budget: Callable[[], int | None] = lambda: None) -> None:
         from weightcache.kube.report import NodeReporter
         from weightcache.kube.watch import ModelCacheWatcher
 
         self.node_name = node_name
         self.watcher = ModelCacheWatcher(api_client, on_change=lambda _items: on_change())
         self.reporter = NodeReporter(api_client, node_name)
+        self._disk_budget = disk_budget  # read at each report: the budget is a live setting
         self._labels: dict[str, str] = {}
         self._invalid: dict[str, str] = {}  # ModelCache name -> error already reported as an Event
 
@@ -71,6 +73,7 @@ class Cluster:
         from weightcache.kube.report import ModelState
 
         batch: dict[str, ModelState | None] = {}
+        self.reporter.disk_budget = self._disk_budget()
         for want, phase, snapshot, message in states:
             size = snapshot.size if snapshot is not None else 0
             batch[want.name] = ModelState(phase, bytes_done=size, bytes_total=size,  # type: ignore[arg-type]
@@ -126,7 +129,7 @@ async def connect(node: Node) -> Cluster | None:
     name = node.settings.node_name or socket.gethostname()
     if not node.settings.node_name:
         log.warning("NODE_NAME is not set; using the host name %s as the node name", name)
-    cluster = Cluster(api_client, name, lambda: node.kick())
+    cluster = Cluster(api_client, name, lambda: node.kick(), lambda: node.settings.disk_budget)
     cluster.start()
     return cluster
 

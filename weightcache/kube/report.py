@@ -153,6 +153,7 @@ class NodeReporter:
         self._object_ready = False
         self._event_counts: dict[str, int] = {}
         self.writes = 0  # status writes sent (for tests and metrics)
+        self.disk_budget: int | None = None  # sent with each status write: placement asks no more of the node
 
     # labels -----------------------------------------------------------------------------------------------------
     def node_labels(self) -> dict[str, str]:
@@ -218,7 +219,10 @@ class NodeReporter:
                 self._timer = None
         if not pending:
             return
-        patch = {"status": {"updated": _now(), "models": {k: (to_wire(v) if v else None) for k, v in pending.items()}}}
+        patch: dict[str, Any] = {"status": {"updated": _now(),
+                                            "models": {k: (to_wire(v) if v else None) for k, v in pending.items()}}}
+        if self.disk_budget is not None:
+            patch["status"]["diskBudgetBytes"] = self.disk_budget
         try:
             self._patch_status(patch)
         except ClusterError:

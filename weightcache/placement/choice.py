@@ -89,9 +89,11 @@ def ready_nodes(pod: Mapping[str, Any], refs: Sequence[ModelRef], nodes: Iterabl
     return sorted(n.name for n in nodes if holds(n, refs) == len(refs) and eligible(pod, n))
 
 
-def plan(pods: Iterable[Mapping[str, Any]], nodes: Sequence[NodeFacts],
-         current: Mapping[str, Iterable[str]]) -> Plan:
-    """Which nodes must hold which models. `current`: demand name -> nodes already asked (from the API)."""
+def plan(pods: Iterable[Mapping[str, Any]], nodes: Sequence[NodeFacts], current: Mapping[str, Iterable[str]],
+         *, budgets: Mapping[str, int] | None = None, sizes: Mapping[str, int] | None = None) -> Plan:
+    """Which nodes must hold which models. `current`: demand name -> nodes already asked (from the API).
+    `budgets` (node -> disk budget in bytes) and `sizes` (demand name -> bytes, where a node reported it) keep
+    a node from being asked for more than its budget holds; an unknown budget or size does not limit."""
     out = Plan()
     asked = {name: set(ns) for name, ns in current.items()}
     assigned: dict[str, int] = {}  # node -> GPUs promised to gated pods in this plan
@@ -110,9 +112,21 @@ def plan(pods: Iterable[Mapping[str, Any]], nodes: Sequence[NodeFacts],
             for ref in state.refs:
                 out.nodes.setdefault(demand_name(ref), set()).update(asked.get(demand_name(ref), ()))
     gated_pods.sort(key=lambda p: ((p[0].get("metadata") or {}).get("creationTimestamp") or "", pod_key(p[0])))
+    on_node: dict[str, set[str]] = {}  # node -> demand names it is asked to hold
+    for name, ns in [*asked.items(), *out.nodes.items()]:
+        for n in ns:
+            on_node.setdefault(n, set()).add(name)
+
+    def fits(node: NodeFacts, refs: Sequence[ModelRef]) -> bool:
+        budget = (budgets or {}).get(node.name)
+        if budget is None:
+            return True
+        held = on_node.get(node.name, set()) | {demand_name(r) for r in refs}
+        return sum((sizes or {}).get(name, 0) for name in held) <= budget
+
     for pod, state in gated_pods:
         need = gpu_request(pod)
-        candidates = [n for n in nodes if eligible(pod, n)]
+        candidates = [n for n in nodes if eligible(pod, n) and (holds(n, state.refs) or fits(n, state.refs))]
         if not candidates:
             continue  # nothing can run it: no demand; the progress Event says why
         best = min(candidates, key=lambda n: _rank(n, state.refs, asked, need, assigned))
@@ -121,6 +135,7 @@ def plan(pods: Iterable[Mapping[str, Any]], nodes: Sequence[NodeFacts],
         for ref in state.refs:
             out.nodes.setdefault(demand_name(ref), set()).add(best.name)
             asked.setdefault(demand_name(ref), set()).add(best.name)
+            on_node.setdefault(best.name, set()).add(demand_name(ref))
     out.nodes = {name: {n for n in ns if n in by_name} for name, ns in out.nodes.items()}
     return out
 

@@ -132,7 +132,8 @@ class Controller:
         caches = self.caches.items()
         owned = {mc["metadata"]["name"]: mc for mc in caches if _owned(mc)}
         current = {name: _names((mc.get("spec") or {}).get("nodeNames")) for name, mc in owned.items()}
-        plan = choice.plan(pods, facts, current)
+        budgets, sizes = _budgets_and_sizes(self.reports.items())
+        plan = choice.plan(pods, facts, current, budgets=budgets, sizes=sizes)
         demand = {name: tuple(sorted(nodes)) for name, nodes in plan.nodes.items() if nodes}
         self._write_demand(demand, plan, owned)
         self._memory(caches, facts)
@@ -276,6 +277,23 @@ class Controller:
             log.warning("%s failed: %s", what, type(exc).__name__)
             return False
         return True
+
+
+def _budgets_and_sizes(reports: list[dict[str, Any]]) -> tuple[dict[str, int], dict[str, int]]:
+    """(node -> disk budget, model -> bytes) from the ModelCacheNode reports; what a node does not report
+    is unknown and does not limit."""
+    budgets: dict[str, int] = {}
+    sizes: dict[str, int] = {}
+    for report in reports:
+        node = str((report.get("spec") or {}).get("nodeName") or (report.get("metadata") or {}).get("name"))
+        status = report.get("status") or {}
+        if isinstance(status.get("diskBudgetBytes"), int):
+            budgets[node] = status["diskBudgetBytes"]
+        for name, wire in (status.get("models") or {}).items():
+            total = wire.get("bytesTotal") if isinstance(wire, Mapping) else None
+            if isinstance(total, int):
+                sizes[name] = max(sizes.get(name, 0), total)
+    return budgets, sizes
 
 
 def _owned(mc: Mapping[str, Any]) -> bool:
