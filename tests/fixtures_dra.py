@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import celpy
 import grpc
 import pytest
 
@@ -170,5 +170,13 @@ async def dra(dra_api: FakeApiServer) -> AsyncIterator[DraHarness]:
         shutil.rmtree(tmp_path, ignore_errors=True)
 
 
-def new_uid() -> str:
-    return str(uuid.uuid4())
+def cel_device(device: dict[str, Any]) -> Any:
+    """The `device` variable of the DRA CEL environment: driver, attributes and capacity by domain; an
+    unqualified name belongs to the driver's domain."""
+    attributes: dict[str, dict[str, Any]] = {}
+    for name, value in device.get("attributes", {}).items():
+        domain, _, ident = name.rpartition("/")
+        [(kind, raw)] = value.items()
+        assert kind in ("string", "int", "bool", "version")
+        attributes.setdefault(domain or DRIVER_NAME, {})[ident] = raw
+    return celpy.json_to_cel({"driver": DRIVER_NAME, "attributes": attributes, "capacity": {}})

@@ -27,8 +27,8 @@ def allocated(api: FakeApiServer, namespace: str, name: str, device: str) -> dic
     return api.update("resourceclaims", name, claim, namespace=namespace, subresource="status")
 
 
-async def test_daemon_publishes_prepares_and_withdraws_models(cluster: FakeApiServer, short_dir: Path,
-                                                              model_copy: Path) -> None:
+async def test_daemon_publishes_prepares_and_withdraws_models(
+        cluster: FakeApiServer, short_dir: Path, model_copy: Path) -> None:  # noqa: F811 - fixtures
     uri = f"file://{model_copy}/"
     cluster.create("modelcaches", model_cache("llama", uri, "a100", ["ml"]))
     kubelet_dir = short_dir / "k"

@@ -12,7 +12,7 @@ import celpy
 import pytest
 
 from tests.fake_apiserver import FakeApiServer
-from tests.fixtures_dra import NODE, fetch_models
+from tests.fixtures_dra import NODE, cel_device, fetch_models
 from tests.fixtures_k8s_schema import validate_strict
 from weightcache.dra import DRIVER_NAME
 from weightcache.dra.devices import devices_for, snapshot_of
@@ -42,18 +42,6 @@ def check_slice(obj: dict[str, Any], version: str = "1.34") -> None:
             domain, _, ident = name.rpartition("/")
             assert _C_IDENT.match(ident) and (not domain or (_SUBDOMAIN.match(domain) and len(domain) <= 63)), name
             assert len(value) == 1 and all(len(str(v)) <= 64 for k, v in value.items() if k in ("string", "version"))
-
-
-def cel_device(device: dict[str, Any]) -> Any:
-    """The `device` variable of the DRA CEL environment: driver, attributes and capacity by domain; an
-    unqualified name belongs to the driver's domain."""
-    attributes: dict[str, dict[str, Any]] = {}
-    for name, value in device.get("attributes", {}).items():
-        domain, _, ident = name.rpartition("/")
-        [(kind, raw)] = value.items()
-        assert kind in ("string", "int", "bool", "version")
-        attributes.setdefault(domain or DRIVER_NAME, {})[ident] = raw
-    return celpy.json_to_cel({"driver": DRIVER_NAME, "attributes": attributes, "capacity": {}})
 
 
 def matches(expression: str, device: dict[str, Any]) -> bool:
