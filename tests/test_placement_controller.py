@@ -4,6 +4,7 @@ Events, garbage collection, RAM-tier picks, and a leader change on one Lease wit
 
 from __future__ import annotations
 
+import io
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -13,6 +14,7 @@ import pytest
 from tests.fake_apiserver import FakeApiServer, crd_schemas
 from tests.fixtures_k8s_schema import validate_strict
 from tests.fixtures_webhook import REF, admission_review, apply_response, deployment_pod
+from weightcache.kube import cluster_cli
 from weightcache.placement import choice
 from weightcache.placement.controller import CONTROLLER, Controller
 from weightcache.placement.lease import LeaderElector
@@ -111,6 +113,10 @@ def test_gated_pod_is_released_only_to_ready_nodes_and_only_once_ready(api: Fake
     mc = api.get("modelcaches", DEMAND)
     assert mc["metadata"]["labels"]["app.kubernetes.io/managed-by"] == CONTROLLER
     assert mc["spec"]["source"] == REF and not mc["spec"].get("allowedNamespaces"), "demand grants nothing"
+    table = io.StringIO()
+    assert cluster_cli.status(api.api_client(), None, out=table) == 0
+    row = next(line for line in table.getvalue().splitlines() if line.startswith(DEMAND))
+    assert f"(pods wait: {REF})" in row and "gpu-a" in row and "Pending" in row, table.getvalue()
 
     set_label(api, "gpu-b", "ready")  # tainted: the pod may not run there
     set_label(api, "cpu-1", "ready")  # wrong pool

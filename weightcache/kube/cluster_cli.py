@@ -22,6 +22,7 @@ from kubernetes.client.exceptions import ApiException
 from weightcache.errors import ClusterError
 from weightcache.kube import API_VERSION, GROUP, MODELCACHE_KIND, MODELCACHENODES, MODELCACHES, VERSION
 from weightcache.kube.report import ModelState, from_wire
+from weightcache.placement import CONTROLLER, MANAGED_BY
 from weightcache.units import fmt_bytes
 from weightcache.uri import ModelRef
 
@@ -102,6 +103,8 @@ def status(api_client: kubernetes.client.ApiClient, name: str | None, *, out: Te
     for mc in mcs:
         selector = (mc.get("spec") or {}).get("nodeSelector") or {}
         selected = _selected_nodes(core, selector) if selector else []
+        named = (mc.get("spec") or {}).get("nodeNames") or []  # the placement controller's demand
+        selected = sorted(set(selected) | {n for n in named if isinstance(n, str)})
         states = _states_for(mc["metadata"]["name"], reports, selected)
         result.append((mc, states))
     if output == "json":
@@ -111,10 +114,11 @@ def status(api_client: kubernetes.client.ApiClient, name: str | None, *, out: Te
         return 0
     rows = [("MODELCACHE", "NODE", "PHASE", "PROGRESS", "SNAPSHOT", "UPDATED", "MESSAGE")]
     for mc, states in result:
+        shown = _shown_name(mc)
         if not states:
-            rows.append((mc["metadata"]["name"], "<no node selected>", "-", "-", "-", "-", ""))
+            rows.append((shown, "<no node selected>", "-", "-", "-", "-", ""))
         for node, state in sorted(states.items()):
-            rows.append((mc["metadata"]["name"], node, *_cells(state)))
+            rows.append((shown, node, *_cells(state)))
     _table(out, rows)
     return 0
 
@@ -223,6 +227,14 @@ def _states_for(name: str, reports: dict[str, dict[str, Any]], selected: list[st
 
 
 # output -----------------------------------------------------------------------------------------------------------
+def _shown_name(mc: dict[str, Any]) -> str:
+    """The placement controller's demand names a hash: show which model pods are waiting for."""
+    labels = (mc.get("metadata") or {}).get("labels") or {}
+    if labels.get(MANAGED_BY) == CONTROLLER:
+        return f"{mc['metadata']['name']} (pods wait: {(mc.get('spec') or {}).get('source', '')})"
+    return str(mc["metadata"]["name"])
+
+
 def _state_json(state: ModelState | None) -> dict[str, Any]:
     if state is None:
         return {"phase": "Pending", "bytesDone": 0, "bytesTotal": 0, "message": "not reported yet"}

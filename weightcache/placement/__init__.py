@@ -6,3 +6,6 @@
     controller.py  the loop: watches, demand ModelCaches, releases gated pods, progress Events
     command.py     `weightcache controller`
 """
+
+MANAGED_BY = "app.kubernetes.io/managed-by"
+CONTROLLER = "weightcache-placement"  # MANAGED_BY value on the demand ModelCaches; Event source component

@@ -29,7 +29,7 @@ from kubernetes.client.exceptions import ApiException
 from weightcache.kube import API_VERSION, GROUP, MODELCACHES, VERSION, listers
 from weightcache.kube.cluster_cli import model_cache_body
 from weightcache.kube.watch import ModelCacheWatcher
-from weightcache.placement import choice
+from weightcache.placement import CONTROLLER, MANAGED_BY, choice
 from weightcache.placement.lease import LeaderElector
 from weightcache.placement.nodes import NodeFacts, eligible, gpu_request, node_facts
 from weightcache.progress import Progress
@@ -39,8 +39,6 @@ from weightcache.webhook.mutate import required_affinity
 
 log = logging.getLogger(__name__)
 
-MANAGED_BY = "app.kubernetes.io/managed-by"
-CONTROLLER = "weightcache-placement"
 MERGE = "application/merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
 
