@@ -44,3 +44,6 @@ def test_the_flag_turns_it_on(tmp_path: Path) -> None:
     assert load_settings(None, env={}, flags=on).dra == DraSettings()
     off = flags_of(parser.parse_args(["daemon"]))
     assert load_settings(None, env={}, flags=off).dra is None
+    config = tmp_path / "config.yaml"
+    config.write_text("dra: {slotsPerModel: 3}\n")
+    assert load_settings(config, env={}, flags=on).dra == DraSettings(slots_per_model=3)  # the flag keeps the tuning

@@ -133,7 +133,10 @@ def load_settings(
     path = path or env.get("WEIGHTCACHE_CONFIG") or None
     raw: dict[str, Any] = read_file(Path(path)) if path else {}
     raw.update({key: env[name] for name, key in ENV.items() if env.get(name)})
+    tuned = raw.get("dra")
     raw.update({k: v for k, v in (flags or {}).items() if v is not None})
+    if raw.get("dra") is True and isinstance(tuned, dict):  # --dra turns the plugin on; the file's mapping tunes it
+        raw["dra"] = tuned
     settings = parse_settings(raw)
     return settings if path is None else _with_path(settings, Path(path))
 
