@@ -17,7 +17,7 @@ from typing import Any
 from weightcache.dra import CDI_KIND, DRIVER_NAME
 from weightcache.store.fsops import Tree
 
-CDI_VERSION = "0.5.0"  # env + mounts need no newer spec; containerd 1.7+ and CRI-O 1.28+ read it
+CDI_VERSION = "0.5.0"  # env + mounts need no newer spec; containerd 1.7+ and CRI-O read it
 MOUNT_OPTIONS = ("ro", "rbind", "nosuid", "nodev")
 ENV_NAME = "WEIGHTCACHE_MODEL_PATH"
 
