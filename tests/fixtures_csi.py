@@ -12,7 +12,7 @@ holds a bind mount would delete the cache through it.
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,15 @@ def needs_root(test: Any) -> Any:
 MODEL_URI = "s3://models/llama/"
 ALLOWED_NS = "ml"
 SINGLE_NODE_WRITER = csi_pb2.VolumeCapability.AccessMode.SINGLE_NODE_WRITER
+
+
+async def status_of(call: Awaitable[Any]) -> tuple[grpc.StatusCode, str]:
+    """The status code and details a CSI call answers (OK, "" on success)."""
+    try:
+        await call
+    except grpc.aio.AioRpcError as exc:
+        return exc.code(), exc.details() or ""
+    return grpc.StatusCode.OK, ""
 
 
 def unmount_under(root: Path) -> None:

@@ -10,7 +10,7 @@ import asyncio
 import os
 import statistics
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 
 import grpc
@@ -26,6 +26,7 @@ from tests.fixtures_csi import (  # noqa: F401
     publish_request,
     safe_tmp,
     start_harness,
+    status_of,
     stop_harness,
 )
 from tests.fixtures_s3 import S3, fault_proxy, s3, s3_server  # noqa: F401
@@ -36,14 +37,6 @@ from weightcache.sample import make_model
 
 pytestmark = ROOT_MARKS
 SLOW = 8  # downloads held open at once
-
-
-async def code_of(call) -> tuple[grpc.StatusCode, str]:  # noqa: ANN001
-    try:
-        await call
-    except grpc.aio.AioRpcError as exc:
-        return exc.code(), exc.details() or ""
-    return grpc.StatusCode.OK, ""
 
 
 def allow_all(ref: object, namespace: str) -> Decision:
@@ -68,7 +61,7 @@ async def wide(safe_tmp: Path, model_in_s3: str, fault_proxy: FaultProxy) -> Asy
         await stop_harness(harness)
 
 
-async def timed(call) -> float:  # noqa: ANN001
+async def timed(call: Awaitable[object]) -> float:
     start = time.monotonic()
     await call
     return time.monotonic() - start
@@ -118,7 +111,7 @@ async def test_a_queued_download_says_what_it_waits_behind(safe_tmp: Path, fault
         running = asyncio.ensure_future(csi.node.NodePublishVolume(csi.publish_request("a", model=first)))
         while not csi.proxy.requests_for("GET", "/slow-0/"):
             await asyncio.sleep(0.02)
-        code, details = await code_of(csi.node.NodePublishVolume(
+        code, details = await status_of(csi.node.NodePublishVolume(
             csi.publish_request("b", model=second, timeout="0.3s")))
         assert code == grpc.StatusCode.UNAVAILABLE
         assert details.startswith(f"fetching {second}: queued behind 1 download"), details
@@ -140,7 +133,7 @@ async def test_publish_of_an_uncached_model_waits_for_it_in_one_call(csi: CsiHar
 
 
 async def test_volume_timeout_zero_is_refused_and_a_tiny_one_never_delays_a_cached_model(csi: CsiHarness) -> None:
-    code, details = await code_of(csi.node.NodePublishVolume(csi.publish_request("z", timeout="0")))
+    code, details = await status_of(csi.node.NodePublishVolume(csi.publish_request("z", timeout="0")))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert "volume_context.timeout" in details and "more than 0 and at most 600s" in details
     await csi.node.NodePublishVolume(csi.publish_request("warm"))
@@ -176,7 +169,7 @@ async def test_publish_outside_kubelets_volume_paths_is_invalid_argument_naming_
     before = mounts.mount_table()
     for name, target in hostile_targets(csi, safe_tmp).items():
         request = publish_request(f"vol-{name.replace(' ', '-')}", target, pod_uid="u")
-        code, details = await code_of(csi.node.NodePublishVolume(request))
+        code, details = await status_of(csi.node.NodePublishVolume(request))
         assert code == grpc.StatusCode.INVALID_ARGUMENT, (name, code, details)
         assert "kubernetes.io~csi/<volume name>/mount" in details, (name, details)
     assert mounts.mount_table() == before, "nothing was mounted anywhere"
@@ -189,7 +182,7 @@ async def test_unpublish_touches_only_what_the_plugin_mounted(csi: CsiHarness, s
     never = csi.target("never")
     never.parent.mkdir(parents=True)
     never.write_text("not ours")
-    assert (await code_of(csi.node.NodeUnpublishVolume(csi.unpublish_request("never"))))[0] == grpc.StatusCode.OK
+    assert (await status_of(csi.node.NodeUnpublishVolume(csi.unpublish_request("never"))))[0] == grpc.StatusCode.OK
     assert never.read_text() == "not ours"
     # a foreign mount point (not a snapshot of our store) is neither unmounted nor removed
     foreign_src = safe_tmp / "foreign"
@@ -197,12 +190,12 @@ async def test_unpublish_touches_only_what_the_plugin_mounted(csi: CsiHarness, s
     (foreign_src / "data").write_text("theirs")
     foreign = csi.target("foreign")
     mounts.bind_readonly(foreign_src, foreign)
-    assert (await code_of(csi.node.NodeUnpublishVolume(csi.unpublish_request("foreign"))))[0] == \
+    assert (await status_of(csi.node.NodeUnpublishVolume(csi.unpublish_request("foreign"))))[0] == \
         grpc.StatusCode.OK
     assert mounts.mounted_at(foreign) is not None and (foreign / "data").read_text() == "theirs"
     mounts.unmount(foreign)
     # a symlinked target is refused, and what it points at is untouched
-    code, details = await code_of(csi.node.NodeUnpublishVolume(csi_pb2.NodeUnpublishVolumeRequest(
+    code, details = await status_of(csi.node.NodeUnpublishVolume(csi_pb2.NodeUnpublishVolumeRequest(
         volume_id="x", target_path=str(hostile_targets(csi, safe_tmp)["symlinked target"]))))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "symlink" in details
     assert (safe_tmp / "outside" / "precious").exists()
@@ -219,14 +212,14 @@ async def test_a_publish_whose_caller_gave_up_never_leaves_a_stray_mount_lease_o
     outcomes = []
     for i, deadline in enumerate((0.001, 0.003, 0.006, 0.01, 0.02, 0.04, 0.08)):
         volume = f"short-{i}"
-        outcomes.append((await code_of(csi.node.NodePublishVolume(csi.publish_request(volume),
+        outcomes.append((await status_of(csi.node.NodePublishVolume(csi.publish_request(volume),
                                                                   timeout=deadline)))[0])
-        while (code := (await code_of(csi.node.NodeUnpublishVolume(csi.unpublish_request(volume))))[0]) \
+        while (code := (await status_of(csi.node.NodeUnpublishVolume(csi.unpublish_request(volume))))[0]) \
                 == grpc.StatusCode.ABORTED:  # the cancelled publish is still finishing: kubelet retries
             await asyncio.sleep(0.01)
         assert code == grpc.StatusCode.OK
         # OK, not ABORTED: no operation on the volume is left running that could mount after this point
-        assert (await code_of(csi.node.NodeUnpublishVolume(csi.unpublish_request(volume))))[0] == \
+        assert (await status_of(csi.node.NodeUnpublishVolume(csi.unpublish_request(volume))))[0] == \
             grpc.StatusCode.OK
         assert mounts.mounted_at(csi.target(volume)) is None
         assert f"csi:{volume}" not in csi.store.leases()

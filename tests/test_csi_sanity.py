@@ -8,7 +8,7 @@ import re
 import grpc
 import pytest
 
-from tests.fixtures_csi import CsiHarness, csi, model_in_s3, needs_root, safe_tmp  # noqa: F401
+from tests.fixtures_csi import CsiHarness, csi, model_in_s3, needs_root, safe_tmp, status_of  # noqa: F401
 from tests.fixtures_s3 import fault_proxy, s3, s3_server  # noqa: F401
 from weightcache import __version__
 from weightcache.csi._pb import csi_pb2
@@ -16,14 +16,6 @@ from weightcache.csi.identity import DRIVER_NAME
 
 RPC = csi_pb2.NodeServiceCapability.RPC
 SERVICE = csi_pb2.PluginCapability.Service
-
-
-async def status_of(call) -> tuple[grpc.StatusCode, str]:  # noqa: ANN001
-    try:
-        await call
-    except grpc.aio.AioRpcError as exc:
-        return exc.code(), exc.details() or ""
-    return grpc.StatusCode.OK, ""
 
 
 # ---- Identity ----

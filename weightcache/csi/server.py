@@ -26,7 +26,7 @@ from weightcache.csi.identity import IdentityServicer
 from weightcache.csi.node import CSI_TIMEOUT_S, NodeServicer, Policy
 from weightcache.csi.reconcile import VolumeBook, reconcile
 from weightcache.daemon.fetches import FetchQueue
-from weightcache.errors import ConfigError
+from weightcache.errors import ConfigError, StoreError
 from weightcache.fetch import Fetcher
 from weightcache.memory import MemoryTier
 from weightcache.redact import redact_log_handlers
@@ -54,6 +54,15 @@ def _clear_stale_socket(path: Path) -> None:
     path.unlink()  # left by a killed plugin; kubelet reconnects to the new one
 
 
+def check_store(store: Store) -> None:
+    """Raise when the store cannot serve volumes: a directory the plugin mounts from or leases in is gone (its
+    hostPath lost its contents), or its leases cannot be read."""
+    for directory in (store.layout.snapshots, store.layout.leases):
+        if not directory.is_dir():
+            raise StoreError(f"{directory} is missing")
+    store.leases()
+
+
 async def serve_csi(endpoint: str, *, store: Store, fetches: FetchQueue, node_id: str, policy: Policy,
                     publish_timeout: float = CSI_TIMEOUT_S, kubelet_dir: str | Path = defaults.KUBELET_DIR,
                     tier: MemoryTier | None = None,
@@ -70,7 +79,8 @@ async def serve_csi(endpoint: str, *, store: Store, fetches: FetchQueue, node_id
     await asyncio.get_running_loop().run_in_executor(
         pool, functools.partial(reconcile, store, book, kubelet_dir=kubelet_dir))
     server = grpc.aio.server()
-    csi_pb2_grpc.add_IdentityServicer_to_server(IdentityServicer(store.leases, pool), server)
+    csi_pb2_grpc.add_IdentityServicer_to_server(IdentityServicer(functools.partial(check_store, store), pool),
+                                                server)
     csi_pb2_grpc.add_NodeServicer_to_server(
         NodeServicer(store, fetches, node_id=node_id, policy=policy, kubelet_dir=kubelet_dir,
                      publish_timeout=publish_timeout, book=book, tier=tier, pool=pool, observe=observe),

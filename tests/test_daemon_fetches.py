@@ -1,0 +1,153 @@
+"""The fetch queue: one fetch per model whoever asks, `parallel` at a time, waiters cost no thread, a queued fetch
+says what it waits behind and is dropped when nobody wants it any more. A real Fetcher, real S3 (moto) behind
+the fault proxy, which holds downloads open."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.faultproxy import FaultProxy
+from tests.fixtures_daemon import model_copy, off_cluster, short_dir, start_daemon, tiny_model  # noqa: F401
+from tests.fixtures_s3 import S3
+from weightcache.daemon.fetches import FetchQueue
+from weightcache.fetch import FetchCancelledError, Fetcher
+from weightcache.sample import make_model
+from weightcache.store import Store
+from weightcache.uri import parse_ref
+
+
+@dataclass
+class Queue:
+    queue: FetchQueue
+    store: Store
+    proxy: FaultProxy
+
+    def weight_gets(self, model: str) -> list[str]:
+        return [r.path for r in self.proxy.requests_for("GET", f"/{model}/") if r.path.endswith(".safetensors")]
+
+    async def wait_for_request(self, model: str) -> None:
+        while not self.weight_gets(model):
+            await asyncio.sleep(0.02)
+
+    async def until(self, depth: tuple[int, int]) -> None:
+        """Until the queue holds (running, queued) fetches."""
+        while self.queue.depth() != depth:
+            await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+def models(s3: S3, tmp_path: Path) -> list[str]:
+    make_model(tmp_path / "src", layers=2, hidden=64, vocab=128)
+    for name in ("a", "b", "c"):
+        s3.upload_dir(tmp_path / "src", "models", f"{name}/")
+    return ["a", "b", "c"]
+
+
+async def make_queue(tmp_path: Path, proxy: FaultProxy, parallel: int) -> Queue:
+    store = Store(tmp_path / "store")
+    fetcher = Fetcher(store, endpoint_url=proxy.endpoint_url)
+    return Queue(FetchQueue(fetcher.ensure, store.lookup, parallel=parallel), store, proxy)
+
+
+@pytest.fixture
+async def one_at_a_time(tmp_path: Path, fault_proxy: FaultProxy, models: list[str]) -> AsyncIterator[Queue]:
+    q = await make_queue(tmp_path, fault_proxy, parallel=1)
+    try:
+        yield q
+    finally:
+        q.queue.close()
+        q.store.close()
+
+
+async def test_fifty_waiters_share_one_fetch_and_hold_no_thread_each(tmp_path: Path, fault_proxy: FaultProxy,
+                                                                     models: list[str]) -> None:
+    q = await make_queue(tmp_path, fault_proxy, parallel=2)
+    try:
+        fault_proxy.add("delay", method="GET", path="/a/", seconds=1.0, count=-1)
+        before = threading.active_count()
+        waiters = [asyncio.ensure_future(q.queue.ensure(parse_ref("s3://models/a/"))) for _ in range(50)]
+        await q.wait_for_request("a")
+        during = threading.active_count()
+        snapshots = await asyncio.gather(*waiters)
+        assert len({s.id for s in snapshots}) == 1
+        assert len(q.weight_gets("a")) == 2, "one download: each shard fetched once"
+        print(f"\nthreads: {before} before, {during} while 50 callers waited on one fetch")
+        assert during - before < 30, "waiters must not hold a thread each (50 would)"
+    finally:
+        q.queue.close()
+        q.store.close()
+
+
+async def test_a_queued_fetch_says_what_it_waits_behind_and_runs_in_its_turn(one_at_a_time: Queue) -> None:
+    q = one_at_a_time
+    q.proxy.add("delay", method="GET", path="/a/", seconds=1.0, count=-1)
+    first = asyncio.ensure_future(q.queue.ensure(parse_ref("s3://models/a/")))
+    await q.wait_for_request("a")
+    second = asyncio.ensure_future(q.queue.ensure(parse_ref("s3://models/b/")))
+    await q.until((1, 1))  # it looked up the cache and joined the queue
+    progress = q.queue.progress(parse_ref("s3://models/b/"))
+    assert progress is not None and progress.describe() == "fetching s3://models/b/: queued behind 1 download"
+    assert q.weight_gets("b") == [], "parallel=1: the second waits"
+    await first
+    await second
+    assert len(q.weight_gets("b")) == 2 and q.queue.depth() == (0, 0)
+
+
+async def test_a_queued_fetch_nobody_waits_for_is_dropped_and_a_kept_one_is_not(one_at_a_time: Queue) -> None:
+    q = one_at_a_time
+    q.proxy.add("delay", method="GET", path="/a/", seconds=1.0, count=-1)
+    running = asyncio.ensure_future(q.queue.ensure(parse_ref("s3://models/a/")))
+    await q.wait_for_request("a")
+    left = asyncio.ensure_future(q.queue.ensure(parse_ref("s3://models/b/")))  # a client that will hang up
+    kept = asyncio.ensure_future(q.queue.ensure(parse_ref("s3://models/c/"), keep=True))  # CSI, reconcile
+    await q.until((1, 2))
+    left.cancel()
+    kept.cancel()
+    await asyncio.gather(left, kept, return_exceptions=True)
+    assert q.queue.depth() == (1, 1), "b left the queue with its last waiter; c stays"
+    assert q.queue.progress(parse_ref("s3://models/b/")) is None
+    await running
+    await q.until((0, 0))  # c runs in its turn though its caller left
+    assert q.weight_gets("b") == [] and len(q.weight_gets("c")) == 2
+    assert q.store.lookup(parse_ref("s3://models/c/")) is not None
+    assert q.store.lookup(parse_ref("s3://models/b/")) is None
+
+
+async def test_a_fetch_started_with_nobody_waiting_runs_to_the_end(one_at_a_time: Queue) -> None:
+    q = one_at_a_time
+    q.queue.start(parse_ref("s3://models/a/"))  # an API ensure without ?wait
+    assert q.queue.progress(parse_ref("s3://models/a/")) is not None
+    await q.until((0, 0))
+    assert q.store.lookup(parse_ref("s3://models/a/")) is not None
+
+
+async def test_close_fails_queued_fetches(one_at_a_time: Queue) -> None:
+    q = one_at_a_time
+    q.proxy.add("delay", method="GET", path="/a/", seconds=0.5, count=-1)
+    running = asyncio.ensure_future(q.queue.ensure(parse_ref("s3://models/a/")))
+    await q.wait_for_request("a")
+    queued = asyncio.ensure_future(q.queue.ensure(parse_ref("s3://models/b/")))
+    await q.until((1, 1))
+    q.queue.close()
+    with pytest.raises(FetchCancelledError, match="stopping"):
+        await queued
+    await asyncio.gather(running, return_exceptions=True)
+
+
+async def test_daemon_counts_fetch_failures_by_reason(short_dir: Path, model_copy: Path) -> None:
+    d = await start_daemon(short_dir, model_copy)
+    try:
+        async with d.http() as http, http.put("/v1/models?wait=1",
+                                              json={"uri": d.model_uri, "revision": "0123456789ab"}) as r:
+            lines = (await r.text()).splitlines()
+        assert '"error": "source_not_found"' in lines[-1], lines
+        metrics = await asyncio.to_thread(d.client.metrics)
+        assert 'weightcache_fetch_failures_total{reason="source_not_found",scheme="file"} 1.0' in metrics
+    finally:
+        await d.daemon.stop()
