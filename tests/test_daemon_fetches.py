@@ -18,7 +18,7 @@ from tests.fixtures_s3 import S3
 from weightcache.daemon.fetches import FetchQueue
 from weightcache.fetch import FetchCancelledError, Fetcher
 from weightcache.sample import make_model
-from weightcache.store import Store
+from weightcache.store import Snapshot, Store
 from weightcache.uri import parse_ref
 
 
@@ -34,6 +34,13 @@ class Queue:
     async def wait_for_request(self, model: str) -> None:
         while not self.weight_gets(model):
             await asyncio.sleep(0.02)
+
+    async def hold_a(self, seconds: float) -> asyncio.Future[Snapshot]:
+        """Start the fetch of model a, its requests held `seconds` by the proxy; return once it is downloading."""
+        self.proxy.add("delay", method="GET", path="/a/", seconds=seconds, count=-1)
+        running = asyncio.ensure_future(self.queue.ensure(parse_ref("s3://models/a/")))
+        await self.wait_for_request("a")
+        return running
 
     async def until(self, depth: tuple[int, int]) -> None:
         """Until the queue holds (running, queued) fetches."""
@@ -86,9 +93,7 @@ async def test_fifty_waiters_share_one_fetch_and_hold_no_thread_each(tmp_path: P
 
 async def test_a_queued_fetch_says_what_it_waits_behind_and_runs_in_its_turn(one_at_a_time: Queue) -> None:
     q = one_at_a_time
-    q.proxy.add("delay", method="GET", path="/a/", seconds=1.0, count=-1)
-    first = asyncio.ensure_future(q.queue.ensure(parse_ref("s3://models/a/")))
-    await q.wait_for_request("a")
+    first = await q.hold_a(1.0)
     second = asyncio.ensure_future(q.queue.ensure(parse_ref("s3://models/b/")))
     await q.until((1, 1))  # it looked up the cache and joined the queue
     progress = q.queue.progress(parse_ref("s3://models/b/"))
@@ -101,9 +106,7 @@ async def test_a_queued_fetch_says_what_it_waits_behind_and_runs_in_its_turn(one
 
 async def test_a_queued_fetch_nobody_waits_for_is_dropped_and_a_kept_one_is_not(one_at_a_time: Queue) -> None:
     q = one_at_a_time
-    q.proxy.add("delay", method="GET", path="/a/", seconds=1.0, count=-1)
-    running = asyncio.ensure_future(q.queue.ensure(parse_ref("s3://models/a/")))
-    await q.wait_for_request("a")
+    running = await q.hold_a(1.0)
     left = asyncio.ensure_future(q.queue.ensure(parse_ref("s3://models/b/")))  # a client that will hang up
     kept = asyncio.ensure_future(q.queue.ensure(parse_ref("s3://models/c/"), keep=True))  # CSI, reconcile
     await q.until((1, 2))
@@ -129,9 +132,7 @@ async def test_a_fetch_started_with_nobody_waiting_runs_to_the_end(one_at_a_time
 
 async def test_close_fails_queued_fetches(one_at_a_time: Queue) -> None:
     q = one_at_a_time
-    q.proxy.add("delay", method="GET", path="/a/", seconds=0.5, count=-1)
-    running = asyncio.ensure_future(q.queue.ensure(parse_ref("s3://models/a/")))
-    await q.wait_for_request("a")
+    running = await q.hold_a(0.5)
     queued = asyncio.ensure_future(q.queue.ensure(parse_ref("s3://models/b/")))
     await q.until((1, 1))
     q.queue.close()
