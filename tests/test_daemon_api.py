@@ -88,7 +88,7 @@ async def test_delete_is_refused_while_leased_and_names_the_holder(daemon: Runni
 
 
 @pytest.mark.parametrize(("method", "path", "body", "status", "code"), [
-    ("PUT", "/v1/models", b"{not json", 400, "invalid_reference"),
+    ("PUT", "/v1/models", b"{not json", 400, "invalid_request"),
     ("PUT", "/v1/models", b'{"uri": "s3://Bad_Bucket/x/"}', 400, "invalid_reference"),
     ("PUT", "/v1/models", b'{"uri": "s3://models/x/", "tier": "gpu"}', 400, "invalid_reference"),
     ("PUT", "/v1/models", b'{"uri": "s3://models/x/", "colour": 1}', 400, "invalid_reference"),

@@ -47,20 +47,6 @@ NODE = web.AppKey("node", Node)
 TOKEN = web.AppKey("token", bytes)  # absent: no TCP listener, nothing to check
 LISTING = web.AppKey("listing", Listing)
 
-# Most specific first: the first class an error is an instance of decides.
-STATUS: tuple[tuple[type[BaseException], int], ...] = (
-    (errors.InvalidReferenceError, 400),
-    (errors.InvalidRequestError, 400),
-    (errors.ConfigError, 400),
-    (errors.NotAllowedError, 403),
-    (errors.NotCachedError, 404),
-    (errors.InUseError, 409),
-    (errors.InsufficientSpaceError, 507),
-    (errors.SourceError, 502),
-    (errors.IntegrityError, 502),
-    (errors.HostileKeyError, 502),
-    (errors.SafetensorsHeaderError, 502),
-)
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,127}$")
 HEARTBEAT_S = 10.0  # a streaming ensure sends a line at least this often (clients time out on silence)
 HANGUP_CHECK_S = 1.0  # how soon a streaming ensure notices its client left (and may let the fetch go)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import json
 import logging
 import signal
 import ssl
@@ -34,14 +33,18 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
-from weightcache.errors import BadAdmissionReviewError, ConfigError
+from weightcache.errors import BadAdmissionReviewError, ConfigError, InvalidRequestError
+from weightcache.jsonbody import parse_json
 from weightcache.placement.nodes import NodeFacts
 from weightcache.redact import redact
-from weightcache.webhook.mutate import review
+from weightcache.webhook.mutate import AdmissionReview, review
+from weightcache.webhook.mutate import _deny as deny  # the one way a denial is written
+from weightcache.webhook.mutate import _request as envelope  # the one check of a review's envelope
 
 log = logging.getLogger(__name__)
 
 ModelCaches = Callable[[], Sequence[Mapping[str, Any]]]
+REVIEW_EXAMPLE = '{"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {"uid": ..., ...}}'
 MAX_BODY = 8 * 1024 * 1024  # a Pod may be ~1.5 MiB in etcd; an AdmissionReview carries it once more as JSON
 
 
@@ -108,12 +111,11 @@ async def _mutate(request: web.Request) -> web.Response:
     outcome = "error"
     try:
         try:
-            body = json.loads(await request.read())
-            answer = review(body, model_caches=policy.model_caches(), allow_undeclared=policy.allow_undeclared,
-                            nodes=policy.nodes())
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, BadAdmissionReviewError) as exc:
+            body = parse_json(await request.read(), what="request body", example=REVIEW_EXAMPLE)
+            answer = _review(body, policy)
+        except (InvalidRequestError, BadAdmissionReviewError) as exc:
             outcome = "bad_request"
-            message = redact(str(exc) if isinstance(exc, BadAdmissionReviewError) else f"body is not JSON: {exc}")
+            message = redact(str(exc))
             log.warning("rejected webhook request: %s", message)
             return web.json_response({"error": "bad_request", "message": message}, status=400)
         response = answer["response"]
@@ -126,6 +128,28 @@ async def _mutate(request: web.Request) -> web.Response:
     finally:
         metrics.reviews.labels(outcome).inc()
         metrics.latency.observe(time.perf_counter() - started)
+
+
+def _review(body: Any, policy: Policy) -> AdmissionReview:
+    """`review`, except that a well-formed review of a malformed pod (a list where the Pod API has a name, an
+    object where it has a list) is denied: the API server shows a denial's message to the user, while an HTTP 400
+    is a webhook failure it reports as "failed calling webhook". An unreadable review stays an HTTP 400."""
+    try:
+        return review(body, model_caches=policy.model_caches(), allow_undeclared=policy.allow_undeclared,
+                      nodes=policy.nodes())
+    except (BadAdmissionReviewError, TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+        try:
+            uid = envelope(body)["uid"]
+        except BadAdmissionReviewError:
+            if isinstance(exc, BadAdmissionReviewError):
+                raise
+            raise BadAdmissionReviewError(f"{type(exc).__name__}: {str(exc)[:200]}; send an AdmissionReview v1 like "
+                                          f"{REVIEW_EXAMPLE}") from exc
+        problem = str(exc) if isinstance(exc, BadAdmissionReviewError) else f"{type(exc).__name__}: {str(exc)[:200]}"
+        log.warning("denied a malformed pod: %s", problem)
+        return deny(uid, 400, "BadRequest", f"weightcache cannot read this pod ({problem}); names in "
+                    "spec.containers, initContainers, volumes, env and volumeMounts must be strings and lists must "
+                    "be lists of objects, as the Pod API requires")
 
 
 async def _healthz(request: web.Request) -> web.Response:
