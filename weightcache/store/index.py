@@ -9,6 +9,7 @@ callback gets room (it releases the reserve file) and the write is tried once mo
 from __future__ import annotations
 
 import logging
+import os
 import sqlite3
 import stat
 import threading
@@ -44,9 +45,18 @@ COLUMNS = {
 Row = tuple[Any, ...]
 
 
-def is_disk_full(exc: BaseException) -> bool:
-    return isinstance(exc, sqlite3.Error) and (
-        getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "disk is full" in str(exc))
+FULL_BELOW_BYTES = 1 << 20  # an I/O error with less than this free is the disk being full, not damage
+
+
+def is_disk_full(exc: BaseException, path: Path) -> bool:
+    """SQLITE_FULL, or any I/O error while the filesystem under `path` has (almost) nothing free: SQLite reports
+    a failed -shm or WAL extension as a disk I/O error, and a full disk must never look like a damaged index."""
+    if not isinstance(exc, sqlite3.Error):
+        return False
+    if getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "disk is full" in str(exc):
+        return True
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize < FULL_BELOW_BYTES
 
 
 class Index:
@@ -62,7 +72,7 @@ class Index:
         try:
             return self._open_checked()
         except sqlite3.DatabaseError as exc:
-            if is_disk_full(exc):
+            if is_disk_full(exc, self.path.parent):
                 raise
             self._move_aside(str(exc))
             return self._open_checked()
@@ -139,13 +149,13 @@ class Index:
         try:
             return fn()
         except sqlite3.Error as exc:
-            if not is_disk_full(exc):
+            if not is_disk_full(exc, self.path.parent):
                 raise
             if self._on_full():
                 try:
                     return fn()
                 except sqlite3.Error as again:
-                    if not is_disk_full(again):
+                    if not is_disk_full(again, self.path.parent):
                         raise
             raise InsufficientSpaceError(
                 f"the disk under {self.path.parent} is full and the store's index cannot be written; free space "
@@ -188,6 +198,6 @@ class Index:
             with self._lock:
                 self._db.execute("UPDATE snapshots SET last_used=? WHERE id=?", (when or time.time(), snapshot_id))
         except sqlite3.Error as exc:
-            if not is_disk_full(exc):
+            if not is_disk_full(exc, self.path.parent):
                 raise
             log.warning("could not record the use of snapshot %s: the disk is full", snapshot_id)

@@ -514,11 +514,8 @@ class Store:
         return gone
 
     def keep_reserve(self) -> None:
-        """Preallocate the reserve file when there is room for it above the floor (see RESERVE_BYTES)."""
-        if self.tree.lstat(self.layout.reserve) is not None:
-            return
-        free_disk, disk_size = disk_free(self.root)
-        if free_disk < self.floor_bytes(disk_size) + RESERVE_BYTES:
+        """Preallocate the reserve file again once the disk has room for it twice over (see RESERVE_BYTES)."""
+        if self.tree.lstat(self.layout.reserve) is not None or disk_free(self.root)[0] < 2 * RESERVE_BYTES:
             return
         with self.tree.dir(self.root) as dfd:
             fd = os.open(self.layout.reserve.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600,

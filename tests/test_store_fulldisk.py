@@ -1,0 +1,129 @@
+"""A full disk is survivable: on a real tmpfs filled to 0 bytes, daemon start (opening the store), `ls`,
+`verify`, `gc`, `unpin` and `evict` all work, and they give space back. The store keeps a free-space floor
+(minFreeBytes / minFreePercent) that a fetch may not cut into."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures_store import fetch, make_models
+from weightcache.errors import InsufficientSpaceError
+from weightcache.store import Store
+from weightcache.store.store import DEFAULT_MIN_FREE_BYTES, RESERVE_BYTES, disk_free
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 160 MiB tmpfs: above the default floor of 64 MiB, so the defaults the CLI uses leave room for models."""
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160m", "tmpfs", str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def fill(fs: Path) -> None:
+    """Write a file outside the store until the filesystem refuses a single byte."""
+    with open(fs / "filler", "wb", buffering=0) as fh:
+        for size in (1 << 20, 4096, 1):
+            try:
+                while True:
+                    fh.write(b"\0" * size)
+            except OSError:
+                pass
+    assert disk_free(fs)[0] == 0
+
+
+def cli(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "weightcache", *args, "--root", str(root)], capture_output=True,
+                          text=True, timeout=120)
+
+
+def populate(fs: Path, tmp_path: Path, *, pin: str) -> tuple[Path, dict[str, str]]:
+    models = make_models(tmp_path / "src", "a", "b", hidden=256)
+    root = fs / "root"
+    store = Store(root)
+    ids = {name: fetch(store, models[name]).id for name in ("a", "b")}
+    assert store.layout.reserve.stat().st_size == RESERVE_BYTES
+    for name in pin:
+        store.pin(ids[name])
+    store.close()
+    return root, ids
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_every_command_works_on_a_full_disk_with_everything_pinned(tmpfs: Path, tmp_path: Path) -> None:
+    root, ids = populate(tmpfs, tmp_path, pin="ab")
+    (root / "partial" / "mabandoned.0123.part").write_bytes(b"x" * (256 << 10))
+    fill(tmpfs)
+    for args in (["ls"], ["ls", "-o", "json"], ["verify"]):
+        proc = cli(root, *args)
+        assert proc.returncode == 0, proc.stderr
+    assert ids["a"][:12] in cli(root, "ls").stdout
+    proc = cli(root, "gc")
+    assert proc.returncode == 0 and "freed" in proc.stdout, proc.stderr
+    assert not (root / "partial" / "mabandoned.0123.part").exists()
+    before = disk_free(tmpfs)[0]
+    assert cli(root, "unpin", ids["a"]).returncode == 0
+    proc = cli(root, "ls")  # below the floor: the next start evicts what is no longer pinned
+    assert proc.returncode == 0 and ids["a"][:12] not in proc.stdout, proc.stderr
+    assert disk_free(tmpfs)[0] > before + (256 << 10)
+    store = Store(root)
+    assert [i.snapshot.id for i in store.list()] == [ids["b"]]
+    assert list(store.layout.evicting.iterdir()) == []
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_store_start_on_a_full_disk_gives_space_back_down_to_the_floor(tmpfs: Path, tmp_path: Path) -> None:
+    root, ids = populate(tmpfs, tmp_path, pin="b")
+    fill(tmpfs)
+    store = Store(root)  # what daemon start, and every CLI command, do first
+    assert [i.snapshot.id for i in store.list()] == [ids["b"]]  # a (unpinned) evicted; b (pinned) kept
+    assert disk_free(tmpfs)[0] > 0
+    assert list(store.layout.evicting.iterdir()) == [] and not (root / "snapshots" / ids["a"]).exists()
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_eviction_on_a_full_disk_finishes_even_when_its_blobs_are_shared(tmpfs: Path, tmp_path: Path) -> None:
+    """Evicting frees no data here (every blob is shared with the kept snapshot): only the reserve makes room."""
+    models = make_models(tmp_path / "src", "a")
+    models["a2"] = tmp_path / "src" / "a2"
+    models["a2"].mkdir()
+    for p in models["a"].iterdir():
+        (models["a2"] / p.name).write_bytes(p.read_bytes())
+    (models["a2"] / "extra.txt").write_bytes(b"")  # the empty file's blob is new but takes no space
+    store = Store(tmpfs / "root")
+    a, a2 = fetch(store, models["a"]), fetch(store, models["a2"])
+    store.pin(a2.id)
+    fill(tmpfs)
+    store.evict(a.id)
+    assert [i.snapshot.id for i in store.list()] == [a2.id]
+    assert not store.layout.eviction(a.id).exists()
+
+
+def test_a_fetch_may_not_cut_into_the_free_space_floor(tmp_path: Path) -> None:
+    models = make_models(tmp_path / "src", "a")
+    free, _ = disk_free(tmp_path)
+    store = Store(tmp_path / "root", min_free_bytes=free + (1 << 30), min_free_percent=0)  # the disk is below it
+    with pytest.raises(InsufficientSpaceError, match=r"keeps .* free"):
+        fetch(store, models["a"])
+    assert list(store.layout.partial.iterdir()) == [] and store.list() == []
+    roomy = Store(tmp_path / "root", min_free_bytes=0, min_free_percent=0)
+    assert fetch(roomy, models["a"]).size > 0
+
+
+def test_default_floor_stays_above_kubelets_eviction_threshold(tmp_path: Path) -> None:
+    store = Store(tmp_path / "root")
+    assert store.floor_bytes(1 << 40) > (1 << 40) // 10  # nodefs.available<10%
+    assert store.floor_bytes(100 << 20) == DEFAULT_MIN_FREE_BYTES  # small disks: room for index and journals
