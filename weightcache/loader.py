@@ -6,8 +6,10 @@ For pods: imports only the standard library, torch and the package's stdlib-only
     from weightcache.loader import load_state_dict
     model.load_state_dict(load_state_dict(os.environ["WEIGHTCACHE_MODEL_PATH"]))
 
-How bytes move. Every file is mapped MAP_SHARED read-only; tensors are views of that mapping, so the pod and
-every other reader share the node's one page-cache copy (and the memory tier's locked pages). Before a tensor is
+How bytes move. Every file is mapped copy-on-write (MAP_PRIVATE); tensors are views of that mapping, so the pod
+and every other reader share the node's one page-cache copy (and the memory tier's locked pages) until a page is
+written: an in-place op (`t.add_(1)`, an optimizer step on parameters loaded with assign=True) then copies just the
+pages it touches into the process's own memory. The file, opened read-only, never changes. Before a tensor is
 handed out, its 64 MiB chunks are faulted in by READ_THREADS threads with madvise(MADV_POPULATE_READ), with
 sequential read-ahead hints on the file and the mapping; this keeps the disk queue full where page-fault-at-a-time
 reading does not, and maps cached pages faster than the consumer's own faults. Measured on the 2-core dev VM:
@@ -21,8 +23,7 @@ On cuda each chunk is page-locked in place with cudaHostRegister(ReadOnly) and c
 while later chunks are still being read; where registering is refused (older drivers, some filesystems) chunks go
 through a few reused pinned bounce buffers instead.
 
-CPU tensors are READ-ONLY views: an in-place op on them writes to a read-only mapping and kills the process
-(SIGSEGV). Pass copy=True (or a dtype) for private, writable tensors.
+copy=True still gives tensors that own their memory (a copy up front instead of page by page on first write).
 """
 
 from __future__ import annotations
@@ -34,11 +35,11 @@ import mmap
 import os
 import threading
 import time
-import warnings
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -48,6 +49,7 @@ from weightcache.safetensors_check import Header, TensorSpec, parse_header
 log = logging.getLogger(__name__)
 
 INDEX_NAME = "model.safetensors.index.json"
+MAX_INDEX_BYTES = 64 << 20  # a 1T-parameter model's index is a few MB; more is not an index
 CHUNK_BYTES = 64 << 20  # unit of read-ahead, page-locking and H2D copies
 READ_THREADS = 4  # best measured; more threads thrash a virtio queue
 CUDA_STREAMS = 4
@@ -100,7 +102,8 @@ def load_state_dict(
 ) -> dict[str, torch.Tensor]:
     """All tensors of a model (a directory, a .safetensors file or a model.safetensors.index.json) by name.
 
-    `keys` loads only those tensors; `dtype` converts (a copy); `copy=True` gives private writable cpu tensors.
+    `keys` loads only those tensors; `dtype` converts (a copy); `copy=True` copies cpu tensors up front (they are
+    writable either way: copy-on-write views of the mapping).
     """
     return dict(iter_tensors(path, device=device, dtype=dtype, keys=keys, copy=copy))
 
@@ -120,7 +123,7 @@ def iter_tensors(
     None tries in place and falls back.
     """
     dev = torch.device(device)
-    files = _open_files(model_files(path), None if keys is None else set(keys))
+    files = _open_files(_layout(path), None if keys is None else set(keys))
     started, total = time.perf_counter(), sum(f.header.tensors[n].nbytes for f in files for n in f.names)
     with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="weightcache-read") as pool:
         try:
@@ -138,6 +141,11 @@ def iter_tensors(
 
 def model_files(path: str | os.PathLike[str]) -> list[Path]:
     """The safetensors files that make up a model, shards in index order."""
+    return list(_layout(path))
+
+
+def _layout(path: str | os.PathLike[str]) -> dict[Path, frozenset[str]]:
+    """Each file of the model -> the tensors an index says it holds (empty: whatever its header lists)."""
     p = Path(path)
     if p.is_dir():
         if (p / INDEX_NAME).is_file():
@@ -146,47 +154,62 @@ def model_files(path: str | os.PathLike[str]) -> list[Path]:
         if not files:
             raise ModelLayoutError(f"{p} holds no *.safetensors file and no {INDEX_NAME}; point the loader at the "
                                    f"directory the model is mounted at (WEIGHTCACHE_MODEL_PATH)")
-        return files
+        return dict.fromkeys(files, frozenset())
     if p.name.endswith(".index.json"):
         return _index_files(p)
     if not p.is_file():
         raise ModelFileNotFoundError(f"{p} does not exist; is the model volume mounted at that path?")
-    return [p]
+    return {p: frozenset()}
 
 
-def _index_files(index: Path) -> list[Path]:
+def _index_files(index: Path) -> dict[Path, frozenset[str]]:
     weight_map = _weight_map(index)
-    files: list[Path] = []
-    for shard in dict.fromkeys(weight_map.values()):
+    by_shard: dict[str, set[str]] = {}
+    for tensor, shard in weight_map.items():
+        by_shard.setdefault(shard, set()).add(tensor)
+    files: dict[Path, frozenset[str]] = {}
+    for shard, tensors in by_shard.items():
         if Path(shard).is_absolute() or ".." in Path(shard).parts or "\0" in shard:
             raise ModelLayoutError(f"{index}: shard name {shard!r} must be a file name inside the model directory")
         if not (index.parent / shard).is_file():
             raise ModelFileNotFoundError(f"{index} names shard {shard!r}, which is missing from {index.parent}; "
                                          f"re-fetch the model (weightcache verify / prefetch) or fix the index")
-        files.append(index.parent / shard)
+        files[index.parent / shard] = frozenset(tensors)
     return files
 
 
 def _weight_map(index: Path) -> dict[str, str]:
+    with open(index, "rb") as fh:
+        raw = fh.read(MAX_INDEX_BYTES + 1)
+    if len(raw) > MAX_INDEX_BYTES:
+        raise ModelLayoutError(f"{index} is larger than {MAX_INDEX_BYTES >> 20} MiB, far more than any model's "
+                               f"index; fix or remove it")
     try:
-        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
-    except (ValueError, AttributeError) as exc:
-        raise ModelLayoutError(f"{index} is not a JSON object with a weight_map: {exc}") from None
+        # json's recursion guard raises RecursionError on deep nesting: a hostile index, not a crash
+        weight_map = json.loads(raw.decode("utf-8")).get("weight_map")
+    except (ValueError, AttributeError, RecursionError) as exc:
+        what = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise ModelLayoutError(f"{index} is not a JSON object with a weight_map: {what}") from None
     if not isinstance(weight_map, dict) or not weight_map or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
         raise ModelLayoutError(f"{index}: weight_map must be a non-empty object of tensor name -> shard file name")
     return weight_map
 
 
-def _open_files(paths: list[Path], keys: set[str] | None) -> list[_File]:
+def _open_files(layout: dict[Path, frozenset[str]], keys: set[str] | None) -> list[_File]:
     files, seen = [], set[str]()
-    for p in paths:
+    for p, indexed in layout.items():
         with open(p, "rb") as fh:
             size = os.fstat(fh.fileno()).st_size
             header = parse_header(fh, size)
+            absent = indexed - header.tensors.keys()
+            if absent:
+                raise ModelLayoutError(f"the index maps {len(absent)} tensors to {p.name}, which does not hold them, "
+                                       f"e.g. {sorted(absent)[:3]}; re-fetch the model or fix the index")
             # Larger read-ahead per fault: measured 2.7x faster cold loads on the dev VM (see the module docstring).
             os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            mm = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ)
+            # copy-on-write: shared page-cache pages until written, then private copies of the written pages only
+            mm = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_COPY)
             mm.madvise(mmap.MADV_SEQUENTIAL)
         names = tuple(n for n in header.tensors if keys is None or n in keys)
         dup = seen.intersection(names)
@@ -194,10 +217,7 @@ def _open_files(paths: list[Path], keys: set[str] | None) -> list[_File]:
             raise ModelLayoutError(f"tensor {sorted(dup)[0]!r} appears in more than one file ({p.name} and another); "
                                    f"keep one copy or add a {INDEX_NAME}")
         seen.update(names)
-        with warnings.catch_warnings():
-            # The mapping is read-only on purpose (shared page cache); torch warns that it cannot enforce that.
-            warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
-            base = torch.frombuffer(mm, dtype=torch.uint8)
+        base = torch.frombuffer(mm, dtype=torch.uint8)
         files.append(_File(p, header, names, mm, base))
     if keys is not None and keys - seen:
         missing = sorted(keys - seen)
@@ -266,7 +286,7 @@ class _Pinned:
     """Reused pinned bounce buffers (allocating and first-touching pinned memory per load costs more than the copy)."""
 
     _lock = threading.Lock()
-    _buffers: list[torch.Tensor] = []
+    _buffers: ClassVar[list[torch.Tensor]] = []
 
     @classmethod
     def get(cls, count: int) -> list[torch.Tensor]:
@@ -277,7 +297,8 @@ class _Pinned:
 
 
 def _register(ptr: int, length: int) -> bool:
-    err = int(torch.cuda.cudart().cudaHostRegister(ptr, length, _CUDA_HOST_REGISTER_READ_ONLY))
+    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+    err = int(cudart.cudaHostRegister(ptr, length, _CUDA_HOST_REGISTER_READ_ONLY))
     if err != 0:
         _clear_cuda_error()
         log.info("cudaHostRegister(read-only) refused (cudaError %d); using pinned bounce buffers", err)
@@ -301,7 +322,7 @@ def _cuda_file(f: _File, pool: ThreadPoolExecutor, dev: torch.device, dtype: tor
         return
     lo, hi = chunks[0][0], chunks[-1][1]
     buf = torch.empty(hi - lo, dtype=torch.uint8, device=dev)  # tensors are views of it, as on cpu
-    streams = [torch.cuda.Stream(dev) for _ in range(CUDA_STREAMS)]
+    streams = [torch.cuda.Stream(dev) for _ in range(CUDA_STREAMS)]  # type: ignore[no-untyped-call]
     bounce: list[torch.Tensor] = []  # taken only when registering is refused
     bounce_done: list[torch.cuda.Event | None] = [None] * (2 * CUDA_STREAMS)
     events: list[torch.cuda.Event] = []
@@ -327,14 +348,16 @@ def _cuda_file(f: _File, pool: ThreadPoolExecutor, dev: torch.device, dtype: tor
                     use_register = False
                     bounce = bounce or _Pinned.get(len(bounce_done))
                     i = issued % len(bounce)
-                    if bounce_done[i] is not None:
-                        bounce_done[i].synchronize()  # the previous copy out of this buffer has finished
+                    previous = bounce_done[i]
+                    if previous is not None:
+                        previous.synchronize()  # the previous copy out of this buffer has finished
                     bounce[i][:b - a].copy_(f.base[a:b])
                     with torch.cuda.stream(s):
                         buf[a - lo:b - lo].copy_(bounce[i][:b - a], non_blocking=True)
-                    bounce_done[i] = torch.cuda.Event()
-                    bounce_done[i].record(s)
-                ev = torch.cuda.Event()
+                    done_event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                    done_event.record(s)
+                    bounce_done[i] = done_event
+                ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 ev.record(s)
                 events.append(ev)
                 issued += 1
@@ -346,7 +369,7 @@ def _cuda_file(f: _File, pool: ThreadPoolExecutor, dev: torch.device, dtype: tor
         for s in streams:
             s.synchronize()
         for ptr in registered:
-            torch.cuda.cudart().cudaHostUnregister(ptr)
+            torch.cuda.cudart().cudaHostUnregister(ptr)  # type: ignore[no-untyped-call]
 
 
 def _device_view(buf: torch.Tensor, lo: int, spec: TensorSpec, dtype: torch.dtype | None) -> torch.Tensor:
