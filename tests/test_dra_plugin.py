@@ -18,8 +18,8 @@ from referencing.jsonschema import DRAFT7
 from tests.fixtures_dra import ALLOWED_NS, NODE, DraHarness
 from weightcache.dra import CDI_KIND, DRIVER_NAME
 from weightcache.dra.plugin import DEFAULT_CONTAINER_PATH
-from weightcache.dra.server import plugin_socket
-from weightcache.errors import InUseError
+from weightcache.dra.server import claim_reader, plugin_socket
+from weightcache.errors import ClusterError, InUseError
 
 SCHEMA_DIR = Path(__file__).parent / "cdi_schema"
 # The CDI spec's naming rules (SPEC.md: kind is vendor/class, device names alphanumerics with _ . : -)
@@ -191,3 +191,19 @@ def test_cdi_schema_copy_rejects_what_the_spec_forbids() -> None:
                 {**good, "devices": [{"name": "d", "containerEdits": {"mounts": [
                     {"hostPath": "/a", "containerPath": "/b", "options": "ro"}]}}]}):
         assert not validator.is_valid(bad)
+
+
+def test_an_unreachable_api_server_is_a_retryable_claim_error() -> None:
+    import socket
+
+    import kubernetes
+
+    with socket.socket() as free:  # a port nothing listens on
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    config = kubernetes.client.Configuration()
+    config.host = f"http://127.0.0.1:{port}"
+    config.retries = 0
+    read = claim_reader(kubernetes.client.ApiClient(config))
+    with pytest.raises(ClusterError, match="did not answer; kubelet retries"):
+        read(ALLOWED_NS, "llama")

@@ -145,6 +145,8 @@ def test_shared_mode_and_the_1_33_api(tmp_path: Path) -> None:
     [shared] = devices_for([snap], slots=8, shared=True)
     assert shared["name"] == f"m-{snap.id}" and shared["allowMultipleAllocations"] is True
     assert snapshot_of(shared["name"]) == snap.id
+    [resident] = devices_for([snap], slots=1, shared=False, resident={snap.id})
+    assert resident["attributes"]["tier"] == {"string": "memory"}
     check_slice(build_slices(NODE, [shared], 1)[0], "1.34")
     v1beta2 = build_slices(NODE, devices_for([snap], slots=2, shared=False), 1, api_version="v1beta2")[0]
     assert v1beta2["apiVersion"] == "resource.k8s.io/v1beta2"

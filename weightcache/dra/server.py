@@ -30,7 +30,7 @@ from weightcache.dra._pb import dra_v1_pb2_grpc, dra_v1beta1_pb2_grpc, pluginreg
 from weightcache.dra.claims import ClaimBook
 from weightcache.dra.plugin import ClaimSource, DRAServicer, DRAServicerV1beta1, ModelClaims, Policy
 from weightcache.dra.registration import RegistrationServicer
-from weightcache.dra.slices import SlicePublisher
+from weightcache.dra.slices import API_TIMEOUT_S, SlicePublisher
 from weightcache.errors import ClusterError, ConfigError
 from weightcache.store import Store
 
@@ -131,18 +131,20 @@ def _alive(path: Path) -> bool:
 def claim_reader(api_client: Any, api_version: str = "v1") -> ClaimSource:
     """ResourceClaims through the official client; API failures become ClusterError (a per-claim error)."""
     import kubernetes  # type: ignore[import-untyped]
+    import urllib3
 
     api = kubernetes.client.CustomObjectsApi(api_client)
 
     def read(namespace: str, name: str) -> dict[str, Any]:
         try:
-            claim: dict[str, Any] = api.get_namespaced_custom_object("resource.k8s.io", api_version, namespace,
-                                                                     "resourceclaims", name)
+            claim: dict[str, Any] = api.get_namespaced_custom_object(
+                "resource.k8s.io", api_version, namespace, "resourceclaims", name, _request_timeout=API_TIMEOUT_S)
         except kubernetes.client.ApiException as exc:
             raise ClusterError(f"reading ResourceClaim {namespace}/{name} failed: HTTP {exc.status} {exc.reason}; "
                                "kubelet retries", exc.status) from None
-        except OSError as exc:
-            raise ClusterError(f"reading ResourceClaim {namespace}/{name} failed: {exc}; kubelet retries") from None
+        except (OSError, urllib3.exceptions.HTTPError) as exc:  # unreachable, reset, timed out
+            raise ClusterError(f"reading ResourceClaim {namespace}/{name} failed: {type(exc).__name__}; the API "
+                               "server did not answer; kubelet retries") from None
         return claim
 
     return read

@@ -6,14 +6,13 @@ rule consumers rely on to ignore a half-written pool. Slices are named `<node>-m
 restarted daemon finds and replaces its own; it starts from the highest generation it finds.
 
 `SlicePublisher.sync()` blocks (the kubernetes client is synchronous): the daemon runs it in a thread, from a
-loop that wakes every `interval` seconds and at once when kicked. A tick costs one stat of the snapshots
-directory unless something changed.
+loop that wakes every `interval` seconds. A tick costs one stat of the snapshot and manifest directories unless
+something changed. Every API call has a timeout, so a hung API server never holds a worker thread for long.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +24,7 @@ log = logging.getLogger(__name__)
 GROUP = "resource.k8s.io"
 PLURAL = "resourceslices"
 MAX_DEVICES_PER_SLICE = 128
+API_TIMEOUT_S = 10.0
 API_VERSIONS = ("v1", "v1beta2")  # v1: Kubernetes 1.34+; v1beta2: 1.33 (same flat device layout)
 
 Devices = Callable[[], list[dict[str, Any]]]
@@ -68,11 +68,6 @@ class SlicePublisher:
         self._published: list[dict[str, Any]] | None = None
         self._last_token: object = object()
         self._generation = 0
-        self._wake = asyncio.Event()
-
-    def kick(self) -> None:
-        """Sync at the next loop turn (call on the daemon's loop)."""
-        self._wake.set()
 
     def sync(self, *, full: bool = False) -> bool:
         """Publish the current devices when they changed; `full` also re-reads the API server's slices (someone may
@@ -99,11 +94,14 @@ class SlicePublisher:
             name = obj["metadata"]["name"]
             if name in existing:
                 obj["metadata"]["resourceVersion"] = existing.pop(name)["metadata"]["resourceVersion"]
-                self._api.replace_cluster_custom_object(GROUP, self._version, PLURAL, name, obj)
+                self._api.replace_cluster_custom_object(GROUP, self._version, PLURAL, name, obj,
+                                                        _request_timeout=API_TIMEOUT_S)
             else:
-                self._api.create_cluster_custom_object(GROUP, self._version, PLURAL, obj)
+                self._api.create_cluster_custom_object(GROUP, self._version, PLURAL, obj,
+                                                       _request_timeout=API_TIMEOUT_S)
         for name in existing:  # slices of a larger pool than now
-            self._api.delete_cluster_custom_object(GROUP, self._version, PLURAL, name)
+            self._api.delete_cluster_custom_object(GROUP, self._version, PLURAL, name,
+                                                   _request_timeout=API_TIMEOUT_S)
         self._published = devices
         log.info("ResourceSlice pool %s generation %d: %d devices in %d slices", self._node, self._generation,
                  len(devices), len(wanted))
@@ -111,11 +109,12 @@ class SlicePublisher:
 
     def _existing(self) -> dict[str, dict[str, Any]]:
         listing = self._api.list_cluster_custom_object(
-            GROUP, self._version, PLURAL, field_selector=f"spec.nodeName={self._node},spec.driver={DRIVER_NAME}")
+            GROUP, self._version, PLURAL, field_selector=f"spec.nodeName={self._node},spec.driver={DRIVER_NAME}",
+            _request_timeout=API_TIMEOUT_S)
         return {item["metadata"]["name"]: item for item in listing.get("items", [])}
 
     async def run(self, interval: float = 2.0) -> None:
-        """Sync every `interval` seconds, at once when kicked, and in full every `resync_s`; errors are retried."""
+        """Sync every `interval` seconds, and in full every `resync_s`; errors are retried at the next tick."""
         loop = asyncio.get_running_loop()
         last_full = 0.0
         while True:
@@ -128,9 +127,7 @@ class SlicePublisher:
                 log.warning("publishing ResourceSlices for node %s failed: %s; retrying", self._node,
                             _short(exc))
                 self._last_token = object()  # recompute next time
-            self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), interval)
+            await asyncio.sleep(interval)
 
 
 def _short(exc: Exception) -> str:
