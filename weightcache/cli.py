@@ -1,7 +1,6 @@
 """The `weightcache` command. Thin: parses arguments, calls public APIs, prints, maps errors to exit codes.
 
-Exit codes: 0 ok, 1 unexpected failure, 2 bad input, 3 not cached / not found, 4 in use, 5 no space,
-6 object store failure, 7 integrity failure, 8 refused by policy.
+Exit codes: each error declares its own (weightcache/errors.py lists them all).
 """
 
 from __future__ import annotations
@@ -19,36 +18,17 @@ from typing import Any, TextIO
 from weightcache import __version__, defaults
 from weightcache.errors import (
     ConfigError,
-    HostileKeyError,
-    InsufficientSpaceError,
-    IntegrityError,
     InUseError,
     InvalidReferenceError,
-    NotAllowedError,
     NotCachedError,
-    SafetensorsHeaderError,
-    SourceError,
     WeightcacheError,
+    answer_for,
 )
 from weightcache.progress import Progress
 from weightcache.redact import redact, redact_log_handlers
 from weightcache.units import fmt_bytes, parse_size
 
 log = logging.getLogger("weightcache")
-
-EXIT_CODES: list[tuple[type[BaseException], int]] = [
-    (InvalidReferenceError, 2), (HostileKeyError, 2), (ConfigError, 2), (NotCachedError, 3), (InUseError, 4),
-    (InsufficientSpaceError, 5), (SourceError, 6), (IntegrityError, 7), (SafetensorsHeaderError, 7),
-    (NotAllowedError, 8),
-]
-
-
-def exit_code(exc: BaseException) -> int:
-    for cls, code in EXIT_CODES:
-        if isinstance(exc, cls):
-            return code
-    return 1
-
 
 # -- helpers ----------------------------------------------------------------------------------------------------
 def _root(args: argparse.Namespace) -> str:
@@ -141,7 +121,7 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
 
         api = load_api_client()
         if api is None:
-            raise WeightcacheError("--cluster needs a Kubernetes config (in-cluster or KUBECONFIG); none was found")
+            raise ConfigError("--cluster needs a Kubernetes config (in-cluster or KUBECONFIG); none was found")
         selector = dict(kv.split("=", 1) for kv in args.node_selector)
         return prefetch_cluster(api, ref, name=args.name, node_selector=selector, tier=args.tier,
                                 allowed_namespaces=args.allow_namespace, wait=args.wait, timeout=args.timeout,
@@ -370,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except WeightcacheError as exc:
         print(redact(f"error: {exc}"), file=sys.stderr)
-        return exit_code(exc)
+        return answer_for(exc).exit_code
     except PermissionError as exc:
         print(redact(f"error: {exc}; run as root or point --root at a directory you own"), file=sys.stderr)
         return 1

@@ -36,7 +36,6 @@ from weightcache.errors import (
     ObjectChangedError,
     SafetensorsHeaderError,
     SourceNotFoundError,
-    WeightcacheError,
 )
 from weightcache.progress import Progress, RateMeter, read_progress_file, write_progress_file
 from weightcache.sources import ObjectInfo, Source, SourceOptions
@@ -368,7 +367,7 @@ class Fetcher:
         if isinstance(exc, ObjectChangedError):
             self._discard_all(items)  # restart from a fresh listing; never a body mixed from two versions
             raise exc
-        if isinstance(exc, OSError) and exc.errno in (28, 122) and not isinstance(exc, WeightcacheError):
+        if isinstance(exc, OSError) and exc.errno in (28, 122):
             self._discard_all(items)
             raise _space_error(exc, items) from exc
         raise exc

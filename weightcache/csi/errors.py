@@ -23,6 +23,7 @@ from weightcache.redact import redact
 
 logger = logging.getLogger(__name__)
 
+
 def code_for(exc: BaseException) -> grpc.StatusCode:
     """The gRPC code each error declares (weightcache.errors); INTERNAL for anything unexpected."""
     if isinstance(exc, NotImplementedError):

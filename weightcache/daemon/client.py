@@ -40,6 +40,8 @@ class _UnixConnection(http.client.HTTPConnection):
 class DaemonError(errors.WeightcacheError):
     """The daemon answered an error this client has no class for (or is not answering as a daemon should)."""
 
+    answer = errors.Answer(1, 502, "UNAVAILABLE")
+
     def __init__(self, message: str, *, code: str = "internal", status: int = 500) -> None:
         super().__init__(message)
         self.code = code

@@ -75,6 +75,8 @@ class BlobMissingError(StoreError):
 
     answer = Answer(1, 503, "ABORTED")  # the fetch replans by itself; seen outside only if that keeps failing
 
+    answer = Answer(1, 503, "ABORTED")  # the fetch replans by itself; seen outside only if that keeps failing
+
 
 def ref_name(ref: ModelRef) -> str:
     return ref.revision or "latest"
