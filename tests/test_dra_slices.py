@@ -118,6 +118,11 @@ def test_a_restarted_publisher_continues_the_generation_and_repairs_edits(store:
     assert again.sync() is True
     [repaired] = slices_of(dra_api)
     assert repaired["spec"]["devices"] == [] and repaired["spec"]["pool"]["generation"] == 2
+    dra_api.delete("resourceslices", repaired["metadata"]["name"])  # kubelet wipes its node's slices on start
+    assert again.sync() is False  # the cheap check sees no store change...
+    assert again.sync(full=True) is True  # ...the periodic full sync puts the slice back
+    [back] = slices_of(dra_api)
+    assert back["spec"]["pool"]["generation"] == 3
 
 
 def test_many_devices_span_several_slices_of_one_pool(tmp_path: Path) -> None:

@@ -5,6 +5,10 @@ spans several slices (`resourceSliceCount`). Any change bumps `pool.generation` 
 rule consumers rely on to ignore a half-written pool. Slices are named `<node>-models.weightcache.io-<i>`, so a
 restarted daemon finds and replaces its own; it starts from the highest generation it finds.
 
+kubelet deletes every ResourceSlice of its node when it starts, and a driver's slices when the driver's plugin
+stays unreachable: so besides the cheap change check, the publisher re-reads its slices every `resync_s` (10 s)
+and puts back what is missing.
+
 `SlicePublisher.sync()` blocks (the kubernetes client is synchronous): the daemon runs it in a thread, from a
 loop that wakes every `interval` seconds. A tick costs one stat of the snapshot and manifest directories unless
 something changed. Every API call has a timeout, so a hung API server never holds a worker thread for long.
@@ -56,7 +60,7 @@ class SlicePublisher:
     """Publishes the devices `devices()` returns as this node's pool; `sync()` writes only on change."""
 
     def __init__(self, api_client: Any, node_name: str, devices: Devices, *, api_version: str = "v1",
-                 change_token: Callable[[], object] = lambda: None, resync_s: float = 60.0) -> None:
+                 change_token: Callable[[], object] = lambda: None, resync_s: float = 10.0) -> None:
         import kubernetes  # type: ignore[import-untyped]
 
         self._api = kubernetes.client.CustomObjectsApi(api_client)
