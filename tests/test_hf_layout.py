@@ -1,0 +1,133 @@
+"""A published snapshot presented as a hub cache for one repo: real transformers and huggingface_hub load
+`org/name` from it offline, its files are the snapshot's own inodes (no copy), and a read-only bind mount of it
+works the same (root)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures_hf import make_tiny_llama
+from weightcache.errors import InvalidReferenceError
+from weightcache.fetch import Fetcher
+from weightcache.hf_layout import commit_of, hub_cache, repo_folder, validate_repo_id
+from weightcache.store import Snapshot, Store
+from weightcache.uri import parse_ref
+
+REPO = "acme/tiny-llama"
+LOAD = textwrap.dedent("""
+    import json, sys
+    import huggingface_hub, transformers
+    repo = sys.argv[1]
+    path = huggingface_hub.snapshot_download(repo)
+    model = transformers.AutoModelForCausalLM.from_pretrained(repo)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(repo)
+    sys.path.insert(0, sys.argv[2])
+    from tests.fixtures_hf import generate
+    print(json.dumps({"path": path, "tokens": generate(model, tokenizer)}))
+""")
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory: pytest.TempPathFactory) -> tuple[Store, Snapshot, list[int]]:
+    base = tmp_path_factory.mktemp("hf")
+    reference = make_tiny_llama(base / "src" / "tiny-llama")
+    store = Store(base / "root")
+    snapshot = Fetcher(store).ensure(parse_ref(f"file://{base / 'src' / 'tiny-llama'}/"))
+    return store, snapshot, reference
+
+
+def load_offline(cache: Path, home: Path, repo: str = REPO) -> dict[str, object]:
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "HF_HUB_CACHE": str(cache),
+           "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    root = str(Path(__file__).resolve().parents[1])
+    done = subprocess.run([sys.executable, "-c", LOAD, repo, root], capture_output=True, text=True, timeout=300,
+                          env=env, cwd=home)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_transformers_and_hub_load_the_repo_offline_from_the_layout(
+        published: tuple[Store, Snapshot, list[int]], tmp_path: Path) -> None:
+    store, snapshot, reference = published
+    cache = hub_cache(store, snapshot, REPO)
+    result = load_offline(cache, tmp_path)
+    assert result["tokens"] == reference
+    commit = commit_of(snapshot)
+    assert result["path"] == str(cache / repo_folder(REPO) / "snapshots" / commit)
+    assert (cache / repo_folder(REPO) / "refs" / "main").read_text() == commit
+
+
+def test_layout_files_are_the_snapshots_inodes_and_read_only(
+        published: tuple[Store, Snapshot, list[int]]) -> None:
+    store, snapshot, _ = published
+    cache = hub_cache(store, snapshot, REPO)
+    files = cache / "models--acme--tiny-llama" / "snapshots" / commit_of(snapshot)
+    assert sorted(p.name for p in files.iterdir()) == sorted(e.path for e in snapshot.files)
+    for entry in snapshot.files:
+        ours, theirs = files / entry.path, snapshot.path / entry.path
+        assert not ours.is_symlink() and ours.stat().st_ino == theirs.stat().st_ino  # a hard link: no bytes copied
+    for directory, _, _ in os.walk(cache):
+        assert os.stat(directory).st_mode & 0o222 == 0, directory
+    assert hub_cache(store, snapshot, REPO) == cache  # built once, then reused
+    assert not [p for p in cache.parent.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_trees_of_evicted_snapshots_are_pruned(tmp_path: Path) -> None:
+    store = Store(tmp_path / "root")
+    snaps = []
+    for name in ("a", "b"):
+        src = tmp_path / "src" / name
+        src.mkdir(parents=True)
+        (src / "config.json").write_text(json.dumps({"name": name}))
+        snaps.append(Fetcher(store).ensure(parse_ref(f"file://{src}/")))
+    first = hub_cache(store, snaps[0], "acme/a")
+    store.evict(snaps[0].id)
+    hub_cache(store, snaps[1], "acme/b")
+    assert not first.exists()  # its hard links no longer hold the evicted bytes
+
+
+def test_a_source_commit_names_the_snapshot(published: tuple[Store, Snapshot, list[int]]) -> None:
+    _, snapshot, _ = published
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    assert commit_of(Snapshot(snapshot.id, snapshot.path, snapshot.uri, commit, snapshot.size)) == commit
+    derived = commit_of(Snapshot(snapshot.id, snapshot.path, snapshot.uri, "main", snapshot.size))
+    assert len(derived) == 40 and derived == commit_of(Snapshot(snapshot.id, snapshot.path, snapshot.uri, None, 0))
+    assert derived != commit_of(Snapshot(snapshot.id + "x", snapshot.path, snapshot.uri, None, 0))
+
+
+@pytest.mark.parametrize("bad", ["", "a/b/c", "../x", "org/..", "org--x/y", "-org/x", "org/x-", "a b/c",
+                                 "o/" + "x" * 97, "org/na\x00me", "/abs"])
+def test_bad_repo_ids_are_refused(bad: str) -> None:
+    with pytest.raises(InvalidReferenceError, match="not a Hugging Face repo id"):
+        validate_repo_id(bad)
+
+
+@pytest.mark.parametrize("good", ["gpt2", "meta-llama/Llama-3.1-8B", "Qwen/Qwen2.5-0.5B-Instruct", "a/b_c.d"])
+def test_real_repo_ids_are_accepted(good: str) -> None:
+    assert validate_repo_id(good) == good
+
+
+@pytest.mark.root
+def test_a_read_only_bind_mount_of_the_layout_loads(published: tuple[Store, Snapshot, list[int]],
+                                                    tmp_path: Path) -> None:
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("needs root and mount(8)")
+    store, snapshot, reference = published
+    cache = hub_cache(store, snapshot, REPO)
+    target = tmp_path / "mnt"
+    target.mkdir()
+    subprocess.run(["mount", "--bind", str(cache), str(target)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(target)], check=True)
+        assert load_offline(target, tmp_path)["tokens"] == reference
+    finally:
+        subprocess.run(["umount", str(target)], check=True)
