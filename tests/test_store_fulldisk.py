@@ -127,3 +127,18 @@ def test_default_floor_stays_above_kubelets_eviction_threshold(tmp_path: Path) -
     store = Store(tmp_path / "root")
     assert store.floor_bytes(1 << 40) > (1 << 40) // 10  # nodefs.available<10%
     assert store.floor_bytes(100 << 20) == DEFAULT_MIN_FREE_BYTES  # small disks: room for index and journals
+
+
+def test_floor_is_configured_by_the_daemon_config(tmp_path: Path) -> None:
+    from weightcache.daemon.config import load_settings, parse_settings
+    from weightcache.errors import ConfigError
+
+    s = parse_settings({"minFreeBytes": "2Gi", "minFreePercent": 5})
+    assert (s.min_free_bytes, s.min_free_percent) == (2 << 30, 5.0)
+    env = load_settings(None, env={"WEIGHTCACHE_MIN_FREE_BYTES": "1Gi", "WEIGHTCACHE_MIN_FREE_PERCENT": "0"})
+    assert (env.min_free_bytes, env.min_free_percent) == (1 << 30, 0.0)
+    for bad in ({"minFreePercent": 95}, {"minFreePercent": "lots"}, {"minFreeBytes": "-1"}):
+        with pytest.raises(ConfigError, match="minFree"):
+            parse_settings(bad)
+    store = Store(tmp_path / "root", min_free_bytes=s.min_free_bytes, min_free_percent=s.min_free_percent)
+    assert store.floor_bytes(100 << 30) == 5 << 30 and store.floor_bytes(10 << 30) == 2 << 30

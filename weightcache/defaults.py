@@ -12,6 +12,10 @@ CHUNK_SIZE = 16 << 20  # bytes of buffer per download worker; one journalled uni
 CONCURRENCY = 8  # parallel ranged reads per fetch
 CONNECT_TIMEOUT = 5.0  # seconds to open a connection to a model source
 READ_TIMEOUT = 10.0  # seconds a source may stay silent; 5 attempts keep a blackholed endpoint under 60 s
+# The store's free-space floor is the larger of these: it keeps the filesystem above kubelet's default
+# `nodefs.available<10%` eviction threshold (1% margin) and leaves room for the index, WAL and journals to grow.
+MIN_FREE_PERCENT = 11.0
+MIN_FREE_BYTES = 64 << 20
 
 
 def root() -> Path:

@@ -30,6 +30,8 @@ from weightcache.uri import ModelRef, parse_ref
 ENV = {
     "WEIGHTCACHE_ROOT": "root",
     "WEIGHTCACHE_DISK_BUDGET": "diskBudget",
+    "WEIGHTCACHE_MIN_FREE_BYTES": "minFreeBytes",
+    "WEIGHTCACHE_MIN_FREE_PERCENT": "minFreePercent",
     "WEIGHTCACHE_MEMORY_BUDGET": "memoryBudget",
     "WEIGHTCACHE_CONCURRENCY": "concurrency",
     "WEIGHTCACHE_CHUNK_SIZE": "chunkSize",
@@ -47,7 +49,7 @@ ENV = {
 }
 
 # Fields a running daemon can change without a restart (the rest are logged and kept until the next start).
-LIVE_FIELDS = frozenset({"disk_budget", "memory_budget", "models", "allow_undeclared_models",
+LIVE_FIELDS = frozenset({"disk_budget", "min_free_bytes", "min_free_percent", "memory_budget", "models", "allow_undeclared_models",
                          "log_level", "resync_seconds"})
 
 
@@ -92,6 +94,8 @@ class Settings:
 
     root: Path = defaults.ROOT
     disk_budget: int | None = None  # bytes; None = no budget beyond the disk itself
+    min_free_bytes: int = defaults.MIN_FREE_BYTES  # the store's free-space floor is the larger of these two
+    min_free_percent: float = defaults.MIN_FREE_PERCENT
     memory_budget: int = 0  # bytes of locked RAM for tier=memory models; 0 = memory tier off
     concurrency: int = defaults.CONCURRENCY  # parallel ranged GETs per fetch
     chunk_size: int = defaults.CHUNK_SIZE
@@ -328,6 +332,18 @@ def _optional_bytes(what: str) -> Callable[[Any], int]:
     return lambda value: parse_size(value, what)
 
 
+def _percent(what: str) -> Callable[[Any], float]:
+    def parse(value: Any) -> float:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = -1.0
+        if not 0 <= number <= 90:
+            raise ConfigError(f"{what}: expected a percentage of the disk between 0 and 90 (e.g. 11), got {value!r}")
+        return number
+    return parse
+
+
 def _host_port(value: Any) -> tuple[str, int]:
     """`HOST:PORT` (`[::]:9478` for IPv6); port 0 picks a free one."""
     host, sep, port = str(value).rpartition(":")
@@ -346,6 +362,8 @@ def _csi_endpoint(value: Any) -> str:
 _PARSERS: dict[str, Callable[[Any], Any]] = {
     "root": _path("root"),
     "diskBudget": _optional_bytes("diskBudget"),
+    "minFreeBytes": _optional_bytes("minFreeBytes"),
+    "minFreePercent": _percent("minFreePercent"),
     "memoryBudget": _optional_bytes("memoryBudget"),
     "concurrency": _int("concurrency", 1),
     "chunkSize": lambda v: max(1, parse_size(v, "chunkSize")),

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from weightcache import defaults
 from weightcache.errors import (
     Answer,
     DamagedRecordError,
@@ -61,19 +62,15 @@ from weightcache.uri import ModelRef
 
 log = logging.getLogger(__name__)
 
-# The free-space floor: the store never fills its filesystem past it, and gives space back down to it at start.
-# Its default keeps the filesystem above kubelet's default `nodefs.available<10%` eviction threshold (the store
-# usually shares a disk with the pods), with 1% margin and at least enough for the index, WAL, manifests and
-# journals to grow.
-DEFAULT_MIN_FREE_PERCENT = 11.0
-DEFAULT_MIN_FREE_BYTES = 64 << 20
+# The free-space floor (weightcache.defaults): the store never fills its filesystem past it, and gives space back
+# down to it at start. The store usually shares its disk with the pods, so kubelet's eviction threshold matters.
+DEFAULT_MIN_FREE_PERCENT = defaults.MIN_FREE_PERCENT
+DEFAULT_MIN_FREE_BYTES = defaults.MIN_FREE_BYTES
 RESERVE_BYTES = 4 << 20  # preallocated; released when a full disk refuses an index write, so eviction can finish
 
 
 class BlobMissingError(StoreError):
     """A blob the fetch planned to reuse vanished before publish (evicted meanwhile): plan again."""
-
-    answer = Answer(1, 503, "ABORTED")  # the fetch replans by itself; seen outside only if that keeps failing
 
     answer = Answer(1, 503, "ABORTED")  # the fetch replans by itself; seen outside only if that keeps failing
 
