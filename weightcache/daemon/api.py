@@ -172,6 +172,9 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
             raise
         return web.json_response({"error": exc.reason.lower().replace(" ", "_"),
                                   "message": f"{request.method} {request.path}: {exc.reason}"}, status=exc.status)
+    except ConnectionResetError:  # the client went away (or the TCP guard cut a body that never came)
+        log.debug("%s %s: the client closed the connection", request.method, request.path)
+        return web.Response(status=499)
     except errors.WeightcacheError as exc:
         if exc.answer.http_status == 500:
             log.error("%s %s failed: %s", request.method, request.path, exc)

@@ -27,6 +27,7 @@ from aiohttp import web
 from weightcache.daemon.api import make_app
 from weightcache.daemon.config import Settings, apply_live
 from weightcache.daemon.configwatch import ConfigWatcher
+from weightcache.daemon.listener import GuardedTCPSite, Limits
 from weightcache.daemon.metrics import Metrics
 from weightcache.daemon.metrics_server import start_metrics_server
 from weightcache.daemon.node import MeteredFetcher, Node
@@ -39,6 +40,7 @@ from weightcache.store import Store
 log = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 5.0  # how long a request in progress (a streaming ensure) may take to finish on SIGTERM
+TCP_LIMITS = Limits()  # the TCP listener's connection cap and header/body timeouts (weightcache/daemon/listener.py)
 
 
 class Daemon:
@@ -70,7 +72,8 @@ class Daemon:
 
     async def _start(self) -> None:
         s = self.settings
-        store = await asyncio.to_thread(Store, s.root, budget_bytes=s.disk_budget)
+        store = await asyncio.to_thread(Store, s.root, budget_bytes=s.disk_budget, min_free_bytes=s.min_free_bytes,
+                                        min_free_percent=s.min_free_percent)
         metrics = Metrics()
         node = self.node = Node(s, store, metrics, MeteredFetcher(store, s, metrics), tier=_memory_tier(s))
         node.store_ready = True
@@ -106,9 +109,9 @@ class Daemon:
         await web.SockSite(self._runner, _bind_unix(s.socket)).start()
         self._bound = s.socket
         if s.tcp is not None:
-            site = web.TCPSite(self._runner, s.tcp.host, s.tcp.port)
+            site = GuardedTCPSite(self._runner, s.tcp.host, s.tcp.port, limits=TCP_LIMITS)  # timeouts, conn cap
             await site.start()
-            self.tcp_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            self.tcp_port = site.port
             log.info("API also on tcp %s:%d (bearer token required)", s.tcp.host, self.tcp_port)
 
     async def apply(self, new: Settings) -> None:
@@ -125,6 +128,10 @@ class Daemon:
             if merged.disk_budget is not None:
                 evicted = await asyncio.to_thread(node.store.evict_to, merged.disk_budget)
                 node.metrics.evictions.labels("budget").inc(len(evicted))
+        if (merged.min_free_bytes, merged.min_free_percent) != (old.min_free_bytes, old.min_free_percent):
+            node.store.min_free_bytes, node.store.min_free_percent = merged.min_free_bytes, merged.min_free_percent
+            evicted = await asyncio.to_thread(node.store.restore_floor)
+            node.metrics.evictions.labels("budget").inc(len(evicted))
         if merged.memory_budget != old.memory_budget:
             await asyncio.to_thread(self._resize_tier, merged.memory_budget)
         node.fetches.parallel = max(1, merged.parallel_models)

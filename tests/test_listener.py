@@ -1,0 +1,179 @@
+"""The daemon's TCP listener under slowloris and floods (raw sockets against a real daemon): half-sent requests
+are cut at the header deadline, connections beyond the cap are closed at accept, the Unix-socket API keeps
+answering throughout, and the log stays small."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures_daemon import (  # noqa: F401 - fixtures are used by name
+    RunningDaemon,
+    model_copy,
+    off_cluster,
+    short_dir,
+    start_daemon,
+    tiny_model,
+)
+from weightcache.daemon import app as daemon_app
+from weightcache.daemon.listener import GuardedTCPSite, Limits, RateLimitFilter
+
+TOKEN = "s3cr3t-token-0123456789abcdef"
+LIMITS = Limits(max_connections=16, header_timeout_s=1.0, body_timeout_s=1.0)
+Listening = tuple[RunningDaemon, GuardedTCPSite, io.StringIO]  # the daemon, its TCP site, what it logged
+
+
+@pytest.fixture
+async def tcp_daemon(short_dir: Path, model_copy: Path,  # noqa: F811
+                     monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Listening]:
+    monkeypatch.setattr(daemon_app, "TCP_LIMITS", LIMITS)
+    (short_dir / "token").write_text(TOKEN)
+    d = await start_daemon(short_dir, model_copy, config={"tcp": {"port": 0, "tokenFile": str(short_dir / "token")}})
+    log = io.StringIO()
+    handler = logging.StreamHandler(log)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    site = next(s for s in d.daemon._runner.sites if isinstance(s, GuardedTCPSite))  # type: ignore[union-attr]
+    try:
+        yield d, site, log
+    finally:
+        root.removeHandler(handler)
+        await d.daemon.stop()
+
+
+def _connect(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    return sock
+
+
+def _read_until_closed(sock: socket.socket, deadline: float) -> bytes:
+    sock.settimeout(max(0.1, deadline - time.monotonic()))
+    chunks = []
+    try:
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    except ConnectionResetError:
+        pass
+    return b"".join(chunks)
+
+
+def _request(port: int, raw: bytes, *, wait: float = 10.0) -> bytes:
+    with _connect(port) as sock:
+        sock.sendall(raw)
+        return _read_until_closed(sock, time.monotonic() + wait)
+
+
+def _authorized(method: str, path: str, body: bytes = b"", extra: str = "") -> bytes:
+    return (f"{method} {path} HTTP/1.1\r\nHost: d\r\nAuthorization: Bearer {TOKEN}\r\nConnection: close\r\n"
+            f"Content-Length: {len(body)}\r\n{extra}\r\n").encode() + body
+
+
+async def test_slowloris_is_cut_and_the_unix_api_keeps_answering(
+        tcp_daemon: Listening) -> None:
+    d, site, log = tcp_daemon
+    port = site.port
+
+    def flood() -> list[socket.socket]:
+        socks = []
+        for _ in range(200):
+            sock = _connect(port)
+            sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: d\r\nX-Slow: ")  # headers never finish
+            socks.append(sock)
+        return socks
+
+    socks = await asyncio.to_thread(flood)
+    try:
+        started = time.monotonic()
+        assert await asyncio.wait_for(asyncio.to_thread(d.client.list), 2) == []  # the Unix API answers at once
+        assert time.monotonic() - started < 2
+        assert site.stats.active <= LIMITS.max_connections
+        assert site.stats.refused >= 200 - LIMITS.max_connections
+
+        deadline = time.monotonic() + LIMITS.header_timeout_s + 5
+        answers = await asyncio.gather(*(asyncio.to_thread(_read_until_closed, s, deadline) for s in socks))
+        timed_out = [a for a in answers if a.startswith(b"HTTP/1.1 408")]
+        assert len(timed_out) == site.stats.header_timeouts
+        assert 0 < len(timed_out) <= LIMITS.max_connections
+        assert b"the request's headers did not arrive within 1s" in timed_out[0]
+        assert all(a == b"" or a.startswith(b"HTTP/1.1 408") for a in answers)  # every one closed, none served
+    finally:
+        for sock in socks:
+            sock.close()
+    await _eventually(lambda: site.stats.active == 0)
+    reply = await asyncio.to_thread(_request, port, _authorized("GET", "/v1/models"))  # the listener recovered
+    assert reply.startswith(b"HTTP/1.1 200")
+    assert len(log.getvalue()) < 20_000, f"{len(log.getvalue())} bytes of log for one flood"
+
+
+async def test_a_body_that_never_arrives_is_cut(tcp_daemon: Listening) -> None:
+    _, site, _ = tcp_daemon
+    raw = _authorized("PUT", "/v1/models", b'{"uri": "s3://models/x/"}')
+    started = time.monotonic()
+    reply = await asyncio.to_thread(_request, site.port, raw[:-10])  # ten body bytes short
+    assert reply.startswith(b"HTTP/1.1 408") and b"the request's body did not arrive within 1s" in reply
+    assert time.monotonic() - started < LIMITS.body_timeout_s + 3
+    assert site.stats.body_timeouts == 1
+
+
+async def test_whole_requests_pipelined_chunked_and_kept_alive_are_served(
+        tcp_daemon: Listening) -> None:
+    _, site, _ = tcp_daemon
+    body = b'{"holder": "h1", "uri": "s3://models/never-fetched/"}'
+    chunked = (f"POST /v1/leases HTTP/1.1\r\nHost: d\r\nAuthorization: Bearer {TOKEN}\r\n"
+               f"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n").encode() + \
+        f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n"
+    reply = await asyncio.to_thread(_request, site.port, chunked)
+    assert reply.startswith(b"HTTP/1.1 404") and b"not_cached" in reply  # read whole, answered, not cut
+
+    keep = _authorized("GET", "/healthz").replace(b"Connection: close", b"Connection: keep-alive")
+
+    def idle_then_again() -> tuple[bytes, bytes]:
+        with _connect(site.port) as sock:
+            sock.sendall(keep + keep)  # two requests in one write
+            time.sleep(LIMITS.header_timeout_s * 1.5)  # idle between requests is not a header timeout
+            first = sock.recv(65536)
+            sock.sendall(_authorized("GET", "/healthz"))
+            return first, _read_until_closed(sock, time.monotonic() + 10)
+
+    first, last = await asyncio.to_thread(idle_then_again)
+    assert first.count(b"HTTP/1.1 200") == 2 and last.startswith(b"HTTP/1.1 200")
+    assert site.stats.header_timeouts == 0 and site.stats.body_timeouts == 0
+
+
+def test_the_rate_limit_keeps_a_burst_and_counts_what_it_dropped() -> None:
+    rate = RateLimitFilter(burst=3, window_s=0.2)
+    out = io.StringIO()
+    logger = logging.getLogger("test_listener.rate")
+    handler = logging.StreamHandler(out)
+    logger.addHandler(handler)
+    logger.addFilter(rate)
+    logger.propagate = False
+    try:
+        for i in range(1000):
+            logger.error("socket.accept() failed: %s", i)
+        logger.error("another message")
+        time.sleep(0.25)
+        logger.error("socket.accept() failed: %s", "again")
+    finally:
+        logger.removeHandler(handler)
+        logger.removeFilter(rate)
+    lines = out.getvalue().splitlines()
+    assert lines[:3] == [f"socket.accept() failed: {i}" for i in range(3)]
+    assert lines[3] == "another message"
+    assert lines[4] == "socket.accept() failed: again [997 similar messages dropped in the last 0s]"
+    assert len(lines) == 5
+
+
+async def _eventually(check: object, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.05)

@@ -1,0 +1,274 @@
+"""The daemon API's TCP listener, safe to expose inside a cluster (any pod can open connections to it).
+
+aiohttp alone keeps a connection that trickles a request's headers open for an hour and accepts every
+connection the kernel hands it: a few hundred half-sent requests (slowloris) exhaust the process's file
+descriptors, and then the Unix-socket API, CSI and the store's own files fail too. Each TCP connection here is
+wrapped in a guard that:
+
+- refuses connections beyond `max_connections` at once (closed at accept: the fd is freed at once);
+- closes a connection whose request headers are not complete `header_timeout_s` after its first byte or after
+  it connected (with a 408 saying so), and one whose body (Content-Length or chunked) is not complete
+  `body_timeout_s` after its headers; a connection waiting for the answer, or idle between requests, is left
+  to aiohttp (its keep-alive timeout), so a long streaming ensure is never cut;
+- logs what it refused at most once per `LOG_EVERY_S`, with counts, and rate-limits the error logs of asyncio,
+  aiohttp and the API (`RateLimitFilter`): a flood of bad connections costs kilobytes of log, not megabytes.
+
+The guard reads request framing only (end of headers, Content-Length, chunked's last chunk); parsing stays
+aiohttp's. Requests on the Unix socket do not pass through it (its file mode already limits who connects).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+log = logging.getLogger(__name__)
+
+LOG_EVERY_S = 10.0
+MAX_HEADER_BYTES = 64 * 1024  # aiohttp answers 400 to longer header lines; the guard only bounds its own buffer
+NOISY_LOGGERS = ("asyncio", "aiohttp.server", "aiohttp.web", "aiohttp.access", "weightcache.daemon.api", __name__)
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_connections: int = 64
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+
+
+@dataclass
+class GuardStats:
+    """What the guard did; `active` is the number of open TCP connections it admitted."""
+
+    active: int = 0
+    refused: int = 0
+    header_timeouts: int = 0
+    body_timeouts: int = 0
+    _logged: dict[str, int] = field(default_factory=dict)
+    _last_log: float = 0.0
+
+    def note(self) -> None:
+        """Log the counters when they moved, at most once per LOG_EVERY_S."""
+        now = time.monotonic()
+        counts = {"refused (connection cap)": self.refused, "header timeouts": self.header_timeouts,
+                  "body timeouts": self.body_timeouts}
+        if now - self._last_log < LOG_EVERY_S or counts == self._logged:
+            return
+        moved = {k: v - self._logged.get(k, 0) for k, v in counts.items() if v != self._logged.get(k, 0)}
+        self._logged, self._last_log = counts, now
+        log.warning("TCP API listener closed connections: %s (%d open); a client is too slow or too many "
+                    "connect at once", ", ".join(f"{n} {k}" for k, n in moved.items()), self.active)
+
+
+class _Guard(asyncio.Protocol):
+    """One TCP connection: forwards everything to aiohttp's protocol, enforcing the header and body deadlines."""
+
+    def __init__(self, inner: Any, limits: Limits, stats: GuardStats) -> None:
+        self._inner = inner
+        self._limits = limits
+        self._stats = stats
+        self._transport: asyncio.Transport | None = None
+        self._admitted = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._state = "head"  # head: reading headers; body: reading a body; wait: request read, answer pending
+        self._head = bytearray()
+        self._remaining = 0  # body bytes still to come (Content-Length)
+        self._chunked_tail = b""  # chunked bodies end with 0\r\n\r\n
+
+    # -- asyncio.Protocol ---------------------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        if self._stats.active >= self._limits.max_connections:
+            self._stats.refused += 1
+            self._stats.note()
+            transport.abort()
+            return
+        self._admitted = True
+        self._stats.active += 1
+        self._arm(self._limits.header_timeout_s, "header")
+        self._inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if not self._admitted:
+            return
+        self._frame(data)
+        self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received() if self._admitted else None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        if self._admitted:
+            self._admitted = False
+            self._stats.active -= 1
+            self._inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+    # -- framing ------------------------------------------------------------------------------------------------
+    def _frame(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            if self._state == "wait":  # the next request starts: its headers have their own deadline
+                self._state = "head"
+                self._arm(self._limits.header_timeout_s, "header")
+            if self._state == "head":
+                view = self._read_head(view)
+            elif self._remaining:
+                used = min(self._remaining, len(view))
+                self._remaining -= used
+                view = view[used:]
+                if not self._remaining:
+                    self._request_read()
+            else:  # chunked: the body ends at the zero-length chunk
+                tail = self._chunked_tail + bytes(view)
+                end = tail.find(b"0\r\n\r\n")
+                if end < 0:
+                    self._chunked_tail = tail[-4:]
+                    return
+                view = view[max(0, end + 5 - len(self._chunked_tail)):]
+                self._chunked_tail = b""
+                self._request_read()
+
+    def _read_head(self, view: memoryview) -> memoryview:
+        start = max(0, len(self._head) - 3)
+        self._head += view
+        end = self._head.find(b"\r\n\r\n", start)
+        if end < 0:
+            if len(self._head) > MAX_HEADER_BYTES:  # aiohttp refuses it; keep our buffer bounded meanwhile
+                del self._head[: len(self._head) - 3]
+            return view[len(view):]
+        rest = len(self._head) - (end + 4)
+        head = bytes(self._head[:end]).lower()
+        self._head.clear()
+        length, chunked = _body_framing(head)
+        if chunked or length:
+            self._state, self._remaining = "body", length
+            self._arm(self._limits.body_timeout_s, "body")
+        else:
+            self._request_read()
+        return view[len(view) - rest:]
+
+    def _request_read(self) -> None:
+        self._state = "wait"
+        self._disarm()
+
+    # -- deadlines ----------------------------------------------------------------------------------------------
+    def _arm(self, seconds: float, what: str) -> None:
+        self._disarm()
+        self._timer = asyncio.get_running_loop().call_later(seconds, self._expire, what)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expire(self, what: str) -> None:
+        self._timer = None
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        if what == "header":
+            self._stats.header_timeouts += 1
+            part, limit = "headers", self._limits.header_timeout_s
+        else:
+            self._stats.body_timeouts += 1
+            part, limit = "body", self._limits.body_timeout_s
+        self._stats.note()
+        message = (f'{{"error": "request_timeout", "message": "the request\'s {part} did not arrive within '
+                   f'{limit:g}s; send the whole request at once"}}').encode()
+        transport.write(b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                        b"Content-Length: " + str(len(message)).encode() + b"\r\n\r\n" + message)
+        transport.close()
+
+
+def _body_framing(head: bytes) -> tuple[int, bool]:
+    """(Content-Length, chunked) from lower-cased header bytes; a malformed length counts as none (aiohttp
+    answers it with 400)."""
+    length, chunked = 0, False
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        name, value = name.strip(), value.strip()
+        if name == b"content-length" and value.isdigit():
+            length = int(value)
+        elif name == b"transfer-encoding" and b"chunked" in value:
+            chunked = True
+    return (0, True) if chunked else (length, False)
+
+
+class GuardedTCPSite(web.BaseSite):
+    """A TCPSite whose connections pass through the guard; `stats` says what it refused."""
+
+    def __init__(self, runner: web.BaseRunner, host: str, port: int, *, limits: Limits | None = None) -> None:
+        super().__init__(runner)
+        self._host, self._port = host, port
+        self.limits = limits or Limits()
+        self.stats = GuardStats()
+        self.port = 0
+
+    @property
+    def name(self) -> str:
+        return f"http://{self._host}:{self.port or self._port}"
+
+    async def start(self) -> None:
+        await super().start()
+        inner = self._runner.server
+        assert inner is not None
+        install_log_rate_limits()
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _Guard(inner(), self.limits, self.stats), self._host,
+                                                self._port, backlog=self._backlog, reuse_address=True)
+        sock: socket.socket = self._server.sockets[0]
+        self.port = sock.getsockname()[1]
+
+
+class RateLimitFilter(logging.Filter):
+    """At most `burst` records per (logger, message template) per `window_s`; the first record after a quiet
+    spell says how many were dropped."""
+
+    def __init__(self, burst: int = 5, window_s: float = 60.0) -> None:
+        super().__init__()
+        self.burst, self.window_s = burst, window_s
+        self._seen: dict[tuple[str, str], list[float]] = {}  # key -> [window start, count, dropped]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = (record.name, str(record.msg)[:200])
+        now = time.monotonic()
+        entry = self._seen.get(key)
+        if entry is None or now - entry[0] >= self.window_s:
+            dropped = int(entry[2]) if entry is not None else 0
+            self._seen[key] = [now, 1, 0]
+            if len(self._seen) > 1000:  # bounded: forget the oldest keys
+                for old in sorted(self._seen, key=lambda k: self._seen[k][0])[:500]:
+                    del self._seen[old]
+            if dropped:
+                record.msg = f"{record.msg} [{dropped} similar messages dropped in the last {self.window_s:.0f}s]"
+            return True
+        entry[1] += 1
+        if entry[1] <= self.burst:
+            return True
+        entry[2] += 1
+        return False
+
+
+_FILTER = RateLimitFilter()
+
+
+def install_log_rate_limits() -> None:
+    """Put the one rate limit on the loggers a hostile client can make talk (idempotent)."""
+    for name in NOISY_LOGGERS:
+        logger = logging.getLogger(name)
+        if _FILTER not in logger.filters:
+            logger.addFilter(_FILTER)
