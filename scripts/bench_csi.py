@@ -27,12 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import grpc  # noqa: E402
 
+from tests.sample import make_model  # noqa: E402
 from weightcache.csi import mounts  # noqa: E402
 from weightcache.csi._pb import csi_pb2, csi_pb2_grpc  # noqa: E402
 from weightcache.csi.server import serve_csi  # noqa: E402
 from weightcache.fetch import Fetcher  # noqa: E402
 from weightcache.policy import Decision  # noqa: E402
-from weightcache.sample import make_model  # noqa: E402
 from weightcache.store import FileEntry, Snapshot, Store  # noqa: E402
 from weightcache.uri import parse_ref  # noqa: E402
 

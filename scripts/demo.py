@@ -25,7 +25,8 @@ from botocore.config import Config
 from moto.server import ThreadedMotoServer
 from safetensors.numpy import load_file
 
-from weightcache.sample import make_model
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: tests.sample
+from tests.sample import make_model
 
 
 def run(cmd: list[str], env: dict[str, str]) -> tuple[str, float]:

@@ -22,6 +22,7 @@ import pytest
 
 from tests.faultproxy import FaultProxy
 from tests.fixtures_s3 import S3
+from tests.sample import make_model
 from weightcache.csi import mounts
 from weightcache.csi._pb import csi_pb2, csi_pb2_grpc
 from weightcache.csi.node import CSI_TIMEOUT_S
@@ -30,7 +31,6 @@ from weightcache.daemon.fetches import FetchQueue
 from weightcache.fetch import Fetcher
 from weightcache.memory import MemoryTier
 from weightcache.policy import decide
-from weightcache.sample import make_model
 from weightcache.store import Store
 
 ROOT_MARKS = [pytest.mark.root,

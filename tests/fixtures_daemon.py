@@ -24,10 +24,10 @@ import aiohttp
 import pytest
 import yaml
 
+from tests.sample import make_model
 from weightcache.daemon.app import Daemon
 from weightcache.daemon.client import DaemonClient
 from weightcache.daemon.config import load_settings
-from weightcache.sample import make_model
 
 
 @dataclass

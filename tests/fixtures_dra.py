@@ -21,6 +21,7 @@ import grpc
 import pytest
 
 from tests.fake_apiserver import FakeApiServer
+from tests.sample import make_model
 from weightcache.dra import DRIVER_NAME
 from weightcache.dra._pb import (
     dra_v1_pb2,
@@ -34,7 +35,6 @@ from weightcache.dra.devices import device_name
 from weightcache.dra.server import DraPlugin, claim_reader, registration_socket, serve_dra
 from weightcache.fetch import Fetcher
 from weightcache.policy import Decision, decide
-from weightcache.sample import make_model
 from weightcache.store import Snapshot, Store
 from weightcache.uri import ModelRef, parse_ref
 

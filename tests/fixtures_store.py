@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tests.sample import make_model
 from weightcache.fetch import Fetcher
-from weightcache.sample import make_model
 from weightcache.store import Snapshot, Store
 from weightcache.store.records import snapshot_id_for
 from weightcache.store.types import FileEntry

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from weightcache.sample import make_model
+from tests.sample import make_model
 
 
 def wc(*args: str, root: Path) -> subprocess.CompletedProcess[str]:

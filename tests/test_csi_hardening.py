@@ -30,10 +30,10 @@ from tests.fixtures_csi import (  # noqa: F401
     stop_harness,
 )
 from tests.fixtures_s3 import S3, fault_proxy, s3, s3_server  # noqa: F401
+from tests.sample import make_model
 from weightcache.csi import mounts
 from weightcache.csi._pb import csi_pb2
 from weightcache.policy import Decision
-from weightcache.sample import make_model
 
 pytestmark = ROOT_MARKS
 SLOW = 8  # downloads held open at once

@@ -15,9 +15,9 @@ import pytest
 from tests.faultproxy import FaultProxy
 from tests.fixtures_daemon import model_copy, off_cluster, short_dir, start_daemon, tiny_model  # noqa: F401
 from tests.fixtures_s3 import S3
+from tests.sample import make_model
 from weightcache.daemon.fetches import FetchQueue
 from weightcache.fetch import FetchCancelledError, Fetcher
-from weightcache.sample import make_model
 from weightcache.store import Snapshot, Store
 from weightcache.uri import parse_ref
 

@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from tests.fixtures_daemon import short_dir  # noqa: F401
+from tests.sample import make_model
 from weightcache.daemon.client import DaemonClient, DaemonError
-from weightcache.sample import make_model
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from weightcache.errors import (HostileKeyError, InsufficientSpaceError, IntegrityError, SafetensorsHeaderError)
+from tests.sample import make_model
+from weightcache.errors import HostileKeyError, InsufficientSpaceError, IntegrityError, SafetensorsHeaderError
 from weightcache.fetch import Fetcher
-from weightcache.sample import make_model
 from weightcache.store import Store, verify_snapshot
 from weightcache.uri import parse_ref
 

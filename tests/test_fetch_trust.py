@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures_s3 import S3
+from tests.sample import make_model
 from weightcache.errors import IntegrityError
 from weightcache.fetch import Fetcher
-from weightcache.sample import make_model
 from weightcache.store import Store
 from weightcache.uri import parse_ref
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from tests.fake_apiserver import model_cache
-from weightcache.kube.desired import DesiredModel, InvalidSpec, desired_models, plan, selects
+from weightcache.kube.desired import DesiredModel, InvalidSpec, plan, selects
 from weightcache.uri import readiness_label
 
 GPU = {"gpu": "h100", "zone": "a", "kubernetes.io/hostname": "n1"}
@@ -22,10 +22,10 @@ def test_selects_is_exact_match_of_every_key():
 def test_empty_or_missing_selector_selects_no_node():
     assert not selects(GPU, {})
     assert not selects(GPU, None)
-    assert desired_models([model_cache("grant-only", "s3://models/a/")], GPU) == []
+    assert plan([model_cache("grant-only", "s3://models/a/")], GPU) == ([], [])
 
 
-def test_desired_models_parse_the_spec_and_sort_by_priority_then_name():
+def test_plan_parses_the_spec_and_sorts_by_priority_then_name():
     mcs = [
         model_cache("b", "s3://models/b/", node_selector={"gpu": "h100"}),
         model_cache("a", "s3://models/a/", node_selector={"gpu": "h100"}, tier="memory", include=["*.safetensors"]),
@@ -33,7 +33,7 @@ def test_desired_models_parse_the_spec_and_sort_by_priority_then_name():
         model_cache("other", "s3://models/o/", node_selector={"gpu": "a10"}),
     ]
     mcs[0]["metadata"]["generation"] = 4
-    got = desired_models(mcs, GPU)
+    got, _ = plan(mcs, GPU)
     assert [d.name for d in got] == ["z", "a", "b"]
     z, a, b = got
     assert z.priority == 5 and z.ref.revision == "v2" and z.tier == "disk"
@@ -63,6 +63,6 @@ def test_five_hundred_model_caches_plan_fast():
     mcs = [model_cache(f"m{i:03d}", f"s3://models/m{i}/", node_selector={"gpu": "h100"} if i % 2 else {"gpu": "a10"},
                        priority=i % 7) for i in range(500)]
     start = time.perf_counter()
-    wanted = desired_models(mcs, GPU)
+    wanted, _ = plan(mcs, GPU)
     assert time.perf_counter() - start < 0.5  # a loose bound: the real figure is in scripts/bench_daemon.py
     assert len(wanted) == 250

@@ -29,29 +29,19 @@ def models_of(server: FakeApiServer, node_name: str) -> dict:
     return server.get("modelcachenodes", node_name).get("status", {}).get("models", {})
 
 
-def test_set_label_uses_merge_patch_and_none_removes(server):
+def test_set_labels_uses_merge_patch_and_none_removes(server):
     reporter = NodeReporter(server.api_client(), "n1")
-    reporter.set_label(LABEL, "fetching")
+    reporter.set_labels({LABEL: "fetching"})
     assert server.get("nodes", "n1")["metadata"]["labels"][LABEL] == "fetching"
-    reporter.set_label(LABEL, "ready")
-    reporter.set_label(LABEL, None)
+    reporter.set_labels({LABEL: "ready"})
+    reporter.set_labels({LABEL: None})
     labels = server.get("nodes", "n1")["metadata"]["labels"]
     assert LABEL not in labels and labels["gpu"] == "h100"
+    assert reporter.node_labels() == labels
     patches = server.requests_matching("PATCH", NODES)
     assert {p.path for p in patches} == {"/api/v1/nodes/n1"}
     assert {p.content_type for p in patches} == {"application/merge-patch+json"}
     assert patches[-1].body == {"metadata": {"labels": {LABEL: None}}}
-
-
-def test_sync_labels_removes_stale_model_labels_in_one_patch(server):
-    reporter = NodeReporter(server.api_client(), "n1")
-    reporter.sync_labels({LABEL: "ready"})
-    labels = server.get("nodes", "n1")["metadata"]["labels"]
-    assert labels == {"gpu": "h100", LABEL: "ready"}
-    assert len(server.requests_matching("PATCH", NODES)) == 1
-    reporter.sync_labels({LABEL: "ready"})  # nothing to change: no write
-    assert len(server.requests_matching("PATCH", NODES)) == 1
-    assert reporter.node_labels() == labels
 
 
 def test_report_creates_own_object_owned_by_the_node_and_writes_status_subresource(server):
@@ -180,7 +170,7 @@ def test_api_failures_raise_cluster_error_and_are_retried(server):
     assert models_of(server, "n1")["llama"]["phase"] == "Ready"
     server.fail_requests = 1
     with pytest.raises(ClusterError):
-        reporter.set_label(LABEL, "ready")
+        reporter.set_labels({LABEL: "ready"})
 
 
 def test_unreachable_api_server_is_a_cluster_error(server):
@@ -188,5 +178,5 @@ def test_unreachable_api_server_is_a_cluster_error(server):
     server.stop()
     reporter = NodeReporter(client, "n1", min_interval=0)
     with pytest.raises(ClusterError, match="unreachable"):
-        reporter.set_label(LABEL, "ready")
+        reporter.set_labels({LABEL: "ready"})
     reporter.event(model_cache("llama", "s3://models/llama/"), "FetchFailed", "x")  # best effort: no raise

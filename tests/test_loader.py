@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.sample import make_model
 from weightcache.errors import ModelFileNotFoundError, ModelLayoutError, SafetensorsHeaderError
 from weightcache.loader import iter_tensors, load_state_dict
-from weightcache.sample import make_model
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = [getattr(torch, n) for n in (

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.sample import make_model
 from weightcache.errors import ModelLayoutError
 from weightcache.loader import INDEX_NAME, MAX_INDEX_BYTES, load_state_dict
-from weightcache.sample import make_model
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.sample import make_model
 from weightcache.errors import MemoryTierError
 from weightcache.loader import load_state_dict
 from weightcache.memory import MemoryTier, cgroup_memory_limit, has_cap_ipc_lock
-from weightcache.sample import make_model
 from weightcache.store.types import Snapshot
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,13 +16,13 @@ import pytest
 
 from tests.faultproxy import FaultProxy
 from tests.fixtures_s3 import S3
+from tests.sample import make_model
 from weightcache.errors import (
     ObjectChangedError,
     RetriesExceededError,
     SourceAccessDeniedError,
     SourceNotFoundError,
 )
-from weightcache.sample import make_model
 from weightcache.sources import ObjectInfo, SourceOptions, open_source
 from weightcache.sources.s3 import S3Source
 from weightcache.uri import parse_ref

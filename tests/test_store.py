@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.sample import make_model
 from weightcache.errors import HostileKeyError, InsufficientSpaceError, InUseError
 from weightcache.fetch import Fetcher
-from weightcache.sample import make_model
 from weightcache.store import Store, collect_garbage, validate_relpath, validate_tree, verify_snapshot
 from weightcache.uri import parse_ref
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from weightcache.store import tmp_name
 from weightcache.units import fmt_bytes
@@ -19,7 +20,7 @@ from weightcache.units import fmt_bytes
 @dataclass(frozen=True)
 class Progress:
     uri: str
-    phase: str  # "queued" | "listing" | "downloading" | "verifying" | "publishing" | "done" | "failed"
+    phase: str  # "queued" | "listing" | "downloading" | "publishing" | "done" | "failed"
     bytes_done: int
     bytes_total: int
     files_done: int
@@ -40,16 +41,13 @@ class Progress:
             text += f", {self.phase}"
         return text
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: dict) -> Progress:
+    def from_json(cls, data: dict[str, Any]) -> Progress:
         fields = cls.__dataclass_fields__
         return cls(**{k: v for k, v in data.items() if k in fields})
-
-    def with_phase(self, phase: str, message: str = "") -> Progress:
-        return replace(self, phase=phase, message=message)
 
 
 def _duration(seconds: float) -> str:

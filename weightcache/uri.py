@@ -64,9 +64,6 @@ class ModelRef:
             return False
         return not any(fnmatch.fnmatchcase(relpath, g) for g in self.exclude)
 
-    def with_revision(self, revision: str | None) -> ModelRef:
-        return ModelRef(self.scheme, self.bucket, self.prefix, revision, self.include, self.exclude)
-
     def __str__(self) -> str:
         return self.uri + (f"@{self.revision}" if self.revision else "")
 

@@ -76,12 +76,6 @@ def plan(model_caches: Iterable[Mapping[str, Any]], node_labels: Mapping[str, st
     return wanted, invalid
 
 
-def desired_models(model_caches: Iterable[Mapping[str, Any]], node_labels: Mapping[str, str],
-                   node_name: str | None = None) -> list[DesiredModel]:
-    """The models this node should hold; see `plan` for the invalid specs as well."""
-    return plan(model_caches, node_labels, node_name)[0]
-
-
 def _strings(value: Any) -> list[str]:
     return [v for v in value if isinstance(v, str)] if isinstance(value, list) else []
 

@@ -162,23 +162,12 @@ class NodeReporter:
             node = self._core.read_node(self.node_name)
         return dict(node.metadata.labels or {})
 
-    def set_label(self, label_key: str, value: str | None) -> None:
-        """Set (or with None remove) one label on this Node, by JSON merge patch (null deletes)."""
-        self.set_labels({label_key: value})
-
     def set_labels(self, labels: dict[str, str | None]) -> None:
-        """Set or remove several labels in one merge patch."""
+        """Set labels on this Node, or remove those whose value is None, in one JSON merge patch (null deletes)."""
         if not labels:
             return
         with _api(f"labelling Node {self.node_name}"):
             self._core.patch_node(self.node_name, {"metadata": {"labels": labels}}, _content_type=MERGE_PATCH)
-
-    def sync_labels(self, wanted: dict[str, str]) -> None:
-        """Make the Node's `weightcache.io/m…` labels exactly `wanted`: one patch, stale ones removed."""
-        current = {k: v for k, v in self.node_labels().items() if k.startswith("weightcache.io/m")}
-        change: dict[str, str | None] = {k: None for k in current if k not in wanted}
-        change.update({k: v for k, v in wanted.items() if current.get(k) != v})
-        self.set_labels(change)
 
     # per-node status --------------------------------------------------------------------------------------------
     def report(self, model_name: str, state: ModelState) -> None:

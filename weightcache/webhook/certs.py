@@ -89,11 +89,6 @@ def write_service_certs(out: Path, *, service: str, namespace: str) -> str:
     return base64.b64encode(ca.cert_pem).decode()
 
 
-def not_after(cert_pem: bytes) -> dt.datetime:
-    """When the first certificate in `cert_pem` expires (UTC)."""
-    return x509.load_pem_x509_certificate(cert_pem).not_valid_after_utc
-
-
 def _base(
     subject: x509.Name, issuer: x509.Name, public_key: ec.EllipticCurvePublicKey, days: int
 ) -> x509.CertificateBuilder:

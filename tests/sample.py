@@ -1,7 +1,7 @@
 """A small but real model on disk: safetensors shards with an index, config.json and tokenizer files.
 
-Used by the demo, the tests and the benchmarks, so nothing ever downloads weights from a hub. Only numpy and
-safetensors (no torch), so the daemon image can make one too.
+Used by the tests, the demo and the benchmarks, so nothing ever downloads weights from a hub. It needs numpy and
+safetensors, which are dev dependencies: the product itself never makes a model.
 """
 
 from __future__ import annotations
@@ -51,18 +51,20 @@ def make_model(
         fname = "model.safetensors" if shards == 1 else f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
         arrays = {n: _random(rng, tensors[n], np_dtype) for n in chunk}
         save_file(arrays, str(root / fname), metadata={"format": "pt"})
-        weight_map.update({n: fname for n in chunk})
+        weight_map.update(dict.fromkeys(chunk, fname))
         written.append(root / fname)
     if shards > 1:
         total = sum(int(np.prod(tensors[n])) * np_dtype.itemsize for n in names)
-        _write_json(root / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        _write_json(root / "model.safetensors.index.json", index)
         written.append(root / "model.safetensors.index.json")
     _write_json(root / "config.json", {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
         "intermediate_size": 4 * hidden, "num_hidden_layers": layers, "num_attention_heads": max(1, hidden // 64),
         "num_key_value_heads": max(1, hidden // 64), "vocab_size": vocab, "torch_dtype": str(np_dtype),
     })
-    _write_json(root / "tokenizer_config.json", {"model_max_length": 2048, "tokenizer_class": "PreTrainedTokenizerFast"})
+    tokenizer_config = {"model_max_length": 2048, "tokenizer_class": "PreTrainedTokenizerFast"}
+    _write_json(root / "tokenizer_config.json", tokenizer_config)
     vocab_map = {f"tok{i}": i for i in range(vocab)}
     _write_json(root / "tokenizer.json", {"version": "1.0", "model": {"type": "WordLevel", "vocab": vocab_map,
                                                                      "unk_token": "tok0"}})
