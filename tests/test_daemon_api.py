@@ -215,16 +215,40 @@ async def test_the_listing_follows_changes_made_by_other_processes_at_once(daemo
         other.close()
 
 
-async def test_a_client_that_hangs_up_mid_stream_does_not_stop_the_fetch(short_dir: Path, model_copy: Path, s3,
-                                                                         fault_proxy) -> None:
+async def test_a_client_that_hangs_up_alone_stops_the_fetch(short_dir: Path, model_copy: Path, s3,
+                                                             fault_proxy) -> None:
+    s3.upload_dir(model_copy, "models", "tiny/")
+    fault_proxy.add("delay", seconds=1.0, method="GET", ranged_only=True, count=-1)
+    d = await start_daemon(short_dir, model_copy, config={
+        "endpoints": {"s3": {"endpointUrl": fault_proxy.endpoint_url}}, "concurrency": 1, "chunkSize": "64Ki"})
+    try:
+        async with d.http() as http, http.put("/v1/models?wait=1", json={"uri": "s3://models/tiny/"}) as r:
+            while json.loads(await r.content.readline())["progress"]["phase"] != "downloading":
+                pass
+        # hung up (Ctrl-C) mid-download and nobody else wants the model: the daemon stops fetching it
+        fetches = d.daemon.node.fetches
+        await eventually(lambda: fetches.depth() == (0, 0), what="the fetch to stop")
+        assert await asyncio.to_thread(d.daemon.node.store.lookup, parse_ref("s3://models/tiny/")) is None
+        metrics = await asyncio.to_thread(d.client.metrics)
+        assert "weightcache_fetch_failures_total{reason=\"fetch_cancelled\",scheme=\"s3\"} 1.0" in metrics, [
+            line for line in metrics.splitlines() if "failures" in line]
+    finally:
+        await d.daemon.stop()
+
+
+async def test_a_client_that_hangs_up_does_not_stop_a_fetch_someone_else_wants(short_dir: Path, model_copy: Path,
+                                                                               s3, fault_proxy) -> None:
     s3.upload_dir(model_copy, "models", "tiny/")
     fault_proxy.add("delay", seconds=0.2, method="GET", ranged_only=True, count=-1)
     d = await start_daemon(short_dir, model_copy, config={
         "endpoints": {"s3": {"endpointUrl": fault_proxy.endpoint_url}}, "concurrency": 1, "chunkSize": "64Ki"})
     try:
-        async with d.http() as http, http.put("/v1/models?wait=1", json={"uri": "s3://models/tiny/"}) as r:
-            assert "progress" in json.loads(await r.content.readline())
-        # hung up after one line: nobody asks again, yet the fetch finishes
+        async with d.http() as http:
+            async with http.put("/v1/models", json={"uri": "s3://models/tiny/"}) as r:  # fire and forget: kept
+                assert r.status == 202
+            async with http.put("/v1/models?wait=1", json={"uri": "s3://models/tiny/"}) as r:
+                assert "progress" in json.loads(await r.content.readline())
+        # hung up after one line, but the first request still wants the model: the fetch finishes
         ref = parse_ref("s3://models/tiny/")
         snap = await eventually(lambda: d.daemon.node.store.lookup(ref), what="the fetch to finish")
         assert _tree(snap.path) == _tree(model_copy)

@@ -9,6 +9,7 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,7 +20,7 @@ from tests.sample import make_model
 from weightcache.daemon.fetches import FetchQueue
 from weightcache.fetch import FetchCancelledError, Fetcher
 from weightcache.store import Snapshot, Store
-from weightcache.uri import parse_ref
+from weightcache.uri import ModelRef, parse_ref
 
 
 @dataclass
@@ -152,3 +153,27 @@ async def test_daemon_counts_fetch_failures_by_reason(short_dir: Path, model_cop
         assert 'weightcache_fetch_failures_total{reason="source_not_found",scheme="file"} 1.0' in metrics
     finally:
         await d.daemon.stop()
+
+
+async def test_a_running_fetch_whose_last_waiter_leaves_is_stopped(tmp_path: Path, fault_proxy: FaultProxy,
+                                                                   models: list[str]) -> None:
+    store = Store(tmp_path / "store")
+
+    def ensure(ref: ModelRef, *, progress: Any, cancel: threading.Event) -> Snapshot:  # one Fetcher per fetch
+        return Fetcher(store, endpoint_url=fault_proxy.endpoint_url, cancel=cancel).ensure(ref, progress=progress)
+
+    queue = FetchQueue(ensure, store.lookup, parallel=1)
+    try:
+        fault_proxy.add("delay", method="GET", path="/a/", seconds=1.0, count=-1)
+        waiter = asyncio.ensure_future(queue.ensure(parse_ref("s3://models/a/")))  # a client following the fetch
+        while not [r for r in fault_proxy.requests_for("GET", "/a/") if r.path.endswith(".safetensors")]:
+            await asyncio.sleep(0.02)
+        waiter.cancel()  # it hung up
+        await asyncio.gather(waiter, return_exceptions=True)
+        while queue.depth() != (0, 0):
+            await asyncio.sleep(0.02)
+        assert store.lookup(parse_ref("s3://models/a/")) is None, "the fetch stopped instead of publishing"
+        assert list((store.root / "partial").glob("*.part")), "what arrived is kept for a resume"
+    finally:
+        queue.close()
+        store.close()

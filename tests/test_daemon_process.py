@@ -17,7 +17,8 @@ import yaml
 
 from tests.fixtures_daemon import short_dir  # noqa: F401
 from tests.sample import make_model
-from weightcache.daemon.client import DaemonClient, DaemonError
+from weightcache.daemon.client import DaemonClient
+from weightcache.errors import FetchCancelledError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -115,7 +116,8 @@ def test_sigterm_parks_a_download_and_the_next_daemon_resumes_it(spawn, short_di
     assert started.wait(60)
     assert d.stop() == 0
     worker.join(30)
-    assert isinstance(outcome[0], DaemonError) and "resume" in str(outcome[0])
+    assert isinstance(outcome[0], FetchCancelledError) and "daemon is stopping" in str(outcome[0])
+    assert "resumes where it stopped" in str(outcome[0])
     assert not d.socket.exists()
     parts = list((short_dir / "root" / "partial").glob("*.part"))
     assert parts and sum(p.stat().st_size for p in parts) > 0

@@ -70,14 +70,16 @@ class Fetcher:
     def __init__(self, store: Store, *, concurrency: int = defaults.CONCURRENCY, chunk_size: int = defaults.CHUNK_SIZE,
                  endpoint_url: str | None = None, connect_timeout: float = defaults.CONNECT_TIMEOUT,
                  read_timeout: float = defaults.READ_TIMEOUT,
-                 source_factory: Callable[[ModelRef], Source] | None = None) -> None:
+                 source_factory: Callable[[ModelRef], Source] | None = None,
+                 cancel: threading.Event | None = None) -> None:
+        """`cancel`: an event that, once set, stops this fetcher's downloads like close() (a caller's own stop)."""
         self.store = store
         self.concurrency = max(1, concurrency)
         self.chunk_size = max(64 << 10, chunk_size)
         self.endpoint_url = endpoint_url
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
         self._source_factory = source_factory
-        self._closing = threading.Event()
+        self._closing = cancel if cancel is not None else threading.Event()
         self._stats_lock = threading.Lock()
         self.stats: dict[str, int] = {"hits": 0, "misses": 0, "origin_bytes": 0, "fetches_in_flight": 0}
         self.origin_bytes_by_scheme: dict[str, int] = {}

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 ProgressCallback = Callable[[Progress], None]
 Lookup = Callable[[ModelRef], "Snapshot | None"]
 Ensure = Callable[..., Snapshot]  # engine.ensure(ref, *, progress=..., [cancel=threading.Event])
+STOPPING = "the daemon is stopping"
 MAX_FETCH_THREADS = 64  # a ceiling only: `parallel` bounds the running jobs, threads are made on demand
 
 
@@ -122,11 +123,17 @@ class FetchQueue:
         return len(self._running), len(self._queued)
 
     def close(self) -> None:
-        """Stop: queued jobs fail, running ones are asked to stop (engines park their partial files)."""
+        """Stop: every job's callers hear it at once; running engines are asked to stop (they park their partial
+        files, and the next start resumes them)."""
         for job in list(self._queued):
-            self._drop(job, "the daemon is stopping")
+            self._drop(job, STOPPING)
         for job in self._running:
             job.cancel.set()
+            if not job.future.done():
+                job.future.set_exception(FetchCancelledError(f"{STOPPING} before the fetch of {job.ref} finished; "
+                                                             "run the command again: the download resumes where "
+                                                             "it stopped"))
+                job.future.exception()  # retrieved, whether or not a caller is left to read it
         self._fetch_pool.shutdown(wait=False, cancel_futures=True)
         self._lookup_pool.shutdown(wait=False, cancel_futures=True)
 

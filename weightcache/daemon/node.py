@@ -34,26 +34,24 @@ ProgressCallback = Callable[[Progress], None]
 
 
 class MeteredFetcher:
-    """Fetcher facade: one Fetcher per (endpoint override, scheme), so each one's own counters (origin bytes,
-    fetches in flight) are per scheme and can be exported at scrape time; counts hits, misses, failures and
-    times fetches around ensure."""
+    """Fetcher facade: a Fetcher per fetch (so one fetch can be stopped alone: its `cancel` event), their own
+    counters (origin bytes, fetches in flight) summed per scheme for export at scrape time; counts hits, misses,
+    failures by reason and times fetches around ensure."""
 
     def __init__(self, store: Store, settings: Settings, metrics: Metrics) -> None:
         self._store = store
         self._settings = settings
         self._metrics = metrics
-        self._fetchers: dict[tuple[str | None, str], Fetcher] = {}
+        self._live: dict[Fetcher, str] = {}  # running fetchers -> scheme
+        self._done: dict[str, dict[str, int]] = {}  # scheme -> counters of finished fetchers
+        self._closed = threading.Event()
         self._lock = threading.Lock()
 
-    def _fetcher(self, ref: ModelRef) -> Fetcher:
-        key = (self._settings.endpoint_for(ref), ref.scheme)
-        with self._lock:
-            if key not in self._fetchers:
-                self._fetchers[key] = Fetcher(self._store, concurrency=self._settings.concurrency,
-                                              chunk_size=self._settings.chunk_size, endpoint_url=key[0],
-                                              connect_timeout=self._settings.connect_timeout,
-                                              read_timeout=self._settings.read_timeout)
-            return self._fetchers[key]
+    def _fetcher(self, ref: ModelRef, cancel: threading.Event | None = None) -> Fetcher:
+        s = self._settings
+        return Fetcher(self._store, concurrency=s.concurrency, chunk_size=s.chunk_size,
+                       endpoint_url=s.endpoint_for(ref), connect_timeout=s.connect_timeout,
+                       read_timeout=s.read_timeout, cancel=cancel)
 
     def lookup(self, ref: ModelRef) -> Snapshot | None:
         """The cached snapshot (a hit), or None; blocking."""
@@ -62,19 +60,31 @@ class MeteredFetcher:
             self._metrics.cache_hits.labels(ref.scheme).inc()
         return cached
 
-    def ensure(self, ref: ModelRef, *, progress: ProgressCallback | None = None) -> Snapshot:
-        """Blocking, like Fetcher.ensure."""
+    def ensure(self, ref: ModelRef, *, progress: ProgressCallback | None = None,
+               cancel: threading.Event | None = None) -> Snapshot:
+        """Blocking, like Fetcher.ensure; setting `cancel` stops this fetch at its next read (chunks kept)."""
         cached = self.lookup(ref)
         if cached is not None:
             return cached
         self._metrics.cache_misses.labels(ref.scheme).inc()
         start = time.monotonic()
+        fetcher = self._fetcher(ref, cancel or threading.Event())
+        with self._lock:
+            self._live[fetcher] = ref.scheme
+        if self._closed.is_set():
+            fetcher.close()
         try:
-            snapshot = self._fetcher(ref).ensure(ref, progress=progress)
+            snapshot = fetcher.ensure(ref, progress=progress)
         except Exception as exc:
             reason = error_code(type(exc)) if isinstance(exc, WeightcacheError) else "internal"
             self._metrics.fetch_failures.labels(ref.scheme, reason).inc()
             raise
+        finally:
+            with self._lock:
+                del self._live[fetcher]
+                done = self._done.setdefault(ref.scheme, {})
+                for name, value in fetcher.stats.items():
+                    done[name] = done.get(name, 0) + value
         self._metrics.fetch_seconds.labels(ref.scheme).observe(time.monotonic() - start)
         return snapshot
 
@@ -83,8 +93,9 @@ class MeteredFetcher:
 
     def close(self) -> None:
         """Park every download (partials and journals stay for the next start)."""
+        self._closed.set()
         with self._lock:
-            fetchers = list(self._fetchers.values())
+            fetchers = list(self._live)
         for fetcher in fetchers:
             fetcher.close()
 
@@ -92,7 +103,8 @@ class MeteredFetcher:
         """Per-scheme sums of the fetchers' own counters (origin_bytes, fetches_in_flight, ...)."""
         out: dict[str, dict[str, float]] = {}
         with self._lock:
-            items = [((key[1]), dict(f.stats)) for key, f in self._fetchers.items()]
+            items = [*((scheme, dict(f.stats)) for f, scheme in self._live.items()),
+                     *((scheme, dict(stats)) for scheme, stats in self._done.items())]
         for scheme, stats in items:
             for name, value in stats.items():
                 per = out.setdefault(name, {})
