@@ -207,3 +207,26 @@ def test_an_unreachable_api_server_is_a_retryable_claim_error() -> None:
     read = claim_reader(kubernetes.client.ApiClient(config))
     with pytest.raises(ClusterError, match="did not answer; kubelet retries"):
         read(ALLOWED_NS, "llama")
+
+
+async def test_a_symlink_planted_at_the_spec_path_is_replaced_not_followed(dra: DraHarness) -> None:
+    await dra.kubelet.register()
+    claim = dra.allocate(ALLOWED_NS, "llama", [dra.device(dra.snapshots[0])])
+    victim = dra.root / "victim"
+    victim.write_text("keep me")
+    dra.cdi_dir.mkdir(parents=True, exist_ok=True)
+    spec_file(dra, uid_of(claim)).symlink_to(victim)
+    assert (await dra.kubelet.prepare(claim)).claims[uid_of(claim)].error == ""
+    assert victim.read_text() == "keep me"
+    assert not spec_file(dra, uid_of(claim)).is_symlink()
+    check_cdi(json.loads(spec_file(dra, uid_of(claim)).read_text()))
+    (dra.root / "elsewhere").mkdir()
+    claims_dir = dra.store.root / "dra" / "claims"
+    for record in claims_dir.iterdir():
+        record.unlink()
+    claims_dir.rmdir()
+    claims_dir.symlink_to(dra.root / "elsewhere")  # a planted directory symlink: records never land outside
+    other = dra.allocate(ALLOWED_NS, "other", [dra.device(dra.snapshots[1])])
+    await dra.restart()
+    assert (await dra.kubelet.prepare(other)).claims[uid_of(other)].error == ""
+    assert list((dra.root / "elsewhere").iterdir()) == []
