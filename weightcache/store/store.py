@@ -139,7 +139,9 @@ class Store:
             return os.open(path.name, flags, 0o644, dir_fd=dfd)
 
     def partial_path(self, name: str) -> Path:
-        """Where a download in flight keeps file `name` (partial/ is a real directory: checked at start)."""
+        """Where a download in flight keeps file `name`. partial/ is checked (and healed) to be a real directory
+        each time; the download opens the file itself with O_NOFOLLOW."""
+        self.tree.ensure_dir(self.layout.partial)
         return self.layout.partial / name
 
     # -- reading ----------------------------------------------------------------------------------------------
