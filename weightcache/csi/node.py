@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
@@ -51,6 +51,7 @@ from weightcache.errors import (
     VolumeConflictError,
     VolumeNotFoundError,
 )
+from weightcache.hf_layout import hub_cache, validate_repo_id
 from weightcache.memory import MemoryTier
 from weightcache.policy import Decision
 from weightcache.store import Snapshot, Store
@@ -82,6 +83,7 @@ class PublishArgs:
     pod_namespace: str
     pod_name: str
     pod_uid: str
+    hf_repo: str | None = None  # volume_context.hfRepo: mount the snapshot as a hub cache for this repo
 
     def record(self, snapshot_id: str) -> VolumeRecord:
         return VolumeRecord(self.volume_id, self.target_path, str(self.ref), snapshot_id, self.tier,
@@ -157,12 +159,18 @@ def parse_publish(request: csi_pb2.NodePublishVolumeRequest) -> PublishArgs:
     tier = ctx.get("tier") or "disk"
     if tier not in TIERS:
         raise InvalidRequestError("volume_context.tier", f"{tier!r} is not one of {', '.join(TIERS)}")
+    hf_repo = ctx.get("hfRepo") or None
+    if hf_repo is not None:
+        try:
+            validate_repo_id(hf_repo)
+        except InvalidReferenceError as exc:
+            raise InvalidRequestError("volume_context.hfRepo", str(exc)) from None
     namespace = ctx.get(POD_NAMESPACE, "")
     if not namespace:
         raise InvalidRequestError(f"volume_context.{POD_NAMESPACE}", "is missing; the CSIDriver "
                                   "csi.weightcache.io must have podInfoOnMount: true")
     return PublishArgs(volume_id, target, ref, tier, parse_timeout(ctx.get("timeout", "")), namespace,
-                       ctx.get(POD_NAME, ""), ctx.get(POD_UID, ""))
+                       ctx.get(POD_NAME, ""), ctx.get(POD_UID, ""), hf_repo)
 
 
 class VolumeLocks:
@@ -222,7 +230,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
 
     @rpc
     async def NodePublishVolume(self, request: csi_pb2.NodePublishVolumeRequest,
-                                context: grpc.aio.ServicerContext) -> csi_pb2.NodePublishVolumeResponse:
+                                context: grpc.aio.ServicerContext[Any, Any]) -> csi_pb2.NodePublishVolumeResponse:
         args = parse_publish(request)
         await self._io(self._targets.refuse_links, args.target_path)
         with self._locks.hold(args.volume_id):
@@ -241,7 +249,8 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
                 raise NotAllowedError(decision.reason)
             snapshot = await self._ensure(args, context)
             await self._io(self._keep_resident, snapshot, args.tier)
-            await finish_even_if_cancelled(self._io(self._mount, args.record(snapshot.id), snapshot))
+            await finish_even_if_cancelled(self._io(self._mount, args.record(snapshot.id), snapshot, args.hf_repo,
+                                                            args.ref.revision))
         logger.info("published %s (snapshot %s) for pod %s/%s at %s", args.ref, snapshot.id,
                     args.pod_namespace, args.pod_name, args.target_path)
         return csi_pb2.NodePublishVolumeResponse()
@@ -260,20 +269,26 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         except MemoryTierError as exc:
             logger.warning("serving %s from disk: %s", snapshot.uri, exc)
 
-    def _mount(self, record: VolumeRecord, snapshot: Snapshot) -> None:
-        """Lease, record, then mount: a crash in between leaves a lease that reconcile settles."""
+    def _mount(self, record: VolumeRecord, snapshot: Snapshot, hf_repo: str | None = None,
+               revision: str | None = None) -> None:
+        """Lease, record, then mount: a crash in between leaves a lease that reconcile settles. With `hf_repo` the
+        source is the snapshot's hub cache layout (weightcache.hf_layout: hard links, built once), where the
+        reference's `revision` (a branch or tag) resolves too."""
         self._store.lease(record.holder, snapshot.id)
         self._book.put(record)
         try:
+            source = snapshot.path
+            if hf_repo is not None:
+                source = hub_cache(self._store, snapshot, hf_repo, refs=(revision,) if revision else ())
             with self._targets.open_parent(record.target_path, create=True) as parent:
                 self._unmount_ours(record.target_path)  # a stale mount of ours from a crashed attempt
-                mounts.bind_readonly_at(snapshot.path, parent, "mount", record.target_path)
+                mounts.bind_readonly_at(source, parent, "mount", record.target_path)
         except BaseException:
             self._book.remove(record.volume_id)
             self._store.release(record.holder)
             raise
 
-    def _wait_budget(self, args: PublishArgs, context: grpc.aio.ServicerContext) -> float:
+    def _wait_budget(self, args: PublishArgs, context: grpc.aio.ServicerContext[Any, Any]) -> float:
         """As long as the caller waits: its deadline less a margin (kubelet: 2 minutes), capped by
         volume_context.timeout."""
         remaining = context.time_remaining()
@@ -282,7 +297,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
             budget = min(budget, args.timeout)
         return max(budget, 0.0)
 
-    async def _ensure(self, args: PublishArgs, context: grpc.aio.ServicerContext) -> Snapshot:
+    async def _ensure(self, args: PublishArgs, context: grpc.aio.ServicerContext[Any, Any]) -> Snapshot:
         """The model's snapshot: at once when cached; else join its one fetch for as long as the caller waits,
         then raise FetchPendingError with the progress and let the fetch run on for kubelet's retry."""
         cached = await self._fetches.lookup(args.ref)
@@ -299,7 +314,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
 
     @rpc
     async def NodeUnpublishVolume(self, request: csi_pb2.NodeUnpublishVolumeRequest,
-                                  context: grpc.aio.ServicerContext) -> csi_pb2.NodeUnpublishVolumeResponse:
+                                  context: grpc.aio.ServicerContext[Any, Any]) -> csi_pb2.NodeUnpublishVolumeResponse:
         volume_id = _require_id(request.volume_id, "volume_id")
         target = _require_path(request.target_path, "target_path")
         self._targets.check(target)
@@ -349,7 +364,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
 
     @quiet_rpc
     async def NodeGetVolumeStats(self, request: csi_pb2.NodeGetVolumeStatsRequest,
-                                 context: grpc.aio.ServicerContext) -> csi_pb2.NodeGetVolumeStatsResponse:
+                                 context: grpc.aio.ServicerContext[Any, Any]) -> csi_pb2.NodeGetVolumeStatsResponse:
         volume_id = _require_id(request.volume_id, "volume_id")
         if not request.volume_path:
             raise InvalidRequestError("volume_path", "is required")
@@ -369,28 +384,28 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
 
     @quiet_rpc
     async def NodeGetCapabilities(self, request: csi_pb2.NodeGetCapabilitiesRequest,
-                                  context: grpc.aio.ServicerContext) -> csi_pb2.NodeGetCapabilitiesResponse:
+                                  context: grpc.aio.ServicerContext[Any, Any]) -> csi_pb2.NodeGetCapabilitiesResponse:
         rpc_cap = csi_pb2.NodeServiceCapability.RPC(type=csi_pb2.NodeServiceCapability.RPC.GET_VOLUME_STATS)
         return csi_pb2.NodeGetCapabilitiesResponse(capabilities=[csi_pb2.NodeServiceCapability(rpc=rpc_cap)])
 
     @quiet_rpc
     async def NodeGetInfo(self, request: csi_pb2.NodeGetInfoRequest,
-                          context: grpc.aio.ServicerContext) -> csi_pb2.NodeGetInfoResponse:
+                          context: grpc.aio.ServicerContext[Any, Any]) -> csi_pb2.NodeGetInfoResponse:
         return csi_pb2.NodeGetInfoResponse(node_id=self._node_id)
 
     # ---- not advertised ----
 
     @rpc
     async def NodeStageVolume(self, request: csi_pb2.NodeStageVolumeRequest,
-                              context: grpc.aio.ServicerContext) -> csi_pb2.NodeStageVolumeResponse:
+                              context: grpc.aio.ServicerContext[Any, Any]) -> csi_pb2.NodeStageVolumeResponse:
         raise NotImplementedError("NodeStageVolume: weightcache does not advertise STAGE_UNSTAGE_VOLUME")
 
     @rpc
     async def NodeUnstageVolume(self, request: csi_pb2.NodeUnstageVolumeRequest,
-                                context: grpc.aio.ServicerContext) -> csi_pb2.NodeUnstageVolumeResponse:
+                                context: grpc.aio.ServicerContext[Any, Any]) -> csi_pb2.NodeUnstageVolumeResponse:
         raise NotImplementedError("NodeUnstageVolume: weightcache does not advertise STAGE_UNSTAGE_VOLUME")
 
     @rpc
     async def NodeExpandVolume(self, request: csi_pb2.NodeExpandVolumeRequest,
-                               context: grpc.aio.ServicerContext) -> csi_pb2.NodeExpandVolumeResponse:
+                               context: grpc.aio.ServicerContext[Any, Any]) -> csi_pb2.NodeExpandVolumeResponse:
         raise NotImplementedError("NodeExpandVolume: model volumes are read-only snapshots and never expand")

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from weightcache.csi import mounts
 from weightcache.errors import NotCachedError
+from weightcache.hf_layout import HF_DIR
 from weightcache.store import Store
 
 logger = logging.getLogger(__name__)
@@ -192,10 +193,15 @@ class SnapshotMounts:
         return cls(base.device, prefix, store.root / "snapshots")
 
     def snapshot_id(self, entry: mounts.MountEntry) -> str | None:
-        """The snapshot `entry` is a bind mount of, or None when it is not one of ours."""
+        """The snapshot `entry` is a bind mount of, or None when it is not one of ours: `<snapshots>/<id>`, or its
+        hub cache layout `<root>/hf/<id>/models--org--name` (weightcache.hf_layout)."""
         parent, _, snapshot_id = entry.root.rpartition("/")
-        if entry.device == self.device and parent == self.prefix and snapshot_id and \
-                (self.snapshots / snapshot_id).is_dir():
+        if parent != self.prefix:  # a hub cache layout?
+            is_repo = snapshot_id.startswith("models--")
+            hf, _, snapshot_id = parent.rpartition("/")
+            if not is_repo or hf != os.path.join(os.path.dirname(self.prefix), HF_DIR):
+                return None
+        if entry.device == self.device and snapshot_id and (self.snapshots / snapshot_id).is_dir():
             return snapshot_id
         return None
 

@@ -10,6 +10,8 @@
     weightcache.io/require-cached: "true" | "false"          older spelling of placement: require | prefer
     weightcache.io/include: "*.safetensors,*.json"           only these files of every model (or a JSON list);
     weightcache.io/exclude: "*.bin"                          must stay within what the ModelCache grants
+    weightcache.io/hf-repo: org/name                         one model: mounted as a hub cache for that repo,
+                                                             env HF_HUB_CACHE (the mount) and HF_HUB_OFFLINE=1
 
 Every error message shows a line the user can paste instead.
 """
@@ -22,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from weightcache.errors import AnnotationError, InvalidReferenceError
+from weightcache.hf_layout import validate_repo_id
 from weightcache.uri import ModelRef, parse_globs, parse_ref, readiness_label
 
 PREFIX = "weightcache.io/"
@@ -34,7 +37,8 @@ REQUIRE_CACHED = PREFIX + "require-cached"
 INCLUDE = PREFIX + "include"
 EXCLUDE = PREFIX + "exclude"
 PLACEMENT = PREFIX + "placement"
-KNOWN = (MODEL, MODELS, MOUNT_PATH, CONTAINERS, TIER, REQUIRE_CACHED, INCLUDE, EXCLUDE, PLACEMENT)
+HF_REPO = PREFIX + "hf-repo"
+KNOWN = (MODEL, MODELS, MOUNT_PATH, CONTAINERS, TIER, REQUIRE_CACHED, INCLUDE, EXCLUDE, PLACEMENT, HF_REPO)
 PLACEMENTS = ("require", "prefer", "gate")
 
 TIERS = ("disk", "memory")
@@ -56,6 +60,7 @@ class ModelMount:
     mount_path: str
     env: str
     label: str  # node label key the daemon sets to "ready" where the model is cached
+    hf_repo: str | None = None  # mounted as a hub cache for this repo (weightcache.hf_layout)
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,7 @@ def _parse(items: tuple[tuple[str, str], ...]) -> Injection:
             mount_path=(base or "/models/model") if single else f"{base or '/models'}/{name}",
             env=ENV_SINGLE if single else f"{ENV_SINGLE}_{name.upper().replace('-', '_')}",
             label=readiness_label(ref.uri),
+            hf_repo=_hf_repo(values.get(HF_REPO), single),
         )
         for name, ref in named
     )
@@ -109,6 +115,18 @@ def _parse(items: tuple[tuple[str, str], ...]) -> Injection:
         tier=_tier(values.get(TIER)),
         placement=_placement(values.get(PLACEMENT), values.get(REQUIRE_CACHED)),
     )
+
+
+def _hf_repo(text: str | None, single: bool) -> str | None:
+    if text is None:
+        return None
+    if not single:
+        raise AnnotationError(f"{HF_REPO} applies to one model ({MODEL}); with {MODELS} mount each model's "
+                              f"directory and load it by path")
+    try:
+        return validate_repo_id(text)
+    except InvalidReferenceError as exc:
+        raise AnnotationError(f"{exc}; write e.g. {HF_REPO}: meta-llama/Llama-3.1-8B") from None
 
 
 def _ref(key: str, text: str, globs: tuple[tuple[str, ...], tuple[str, ...]], name: str | None = None) -> ModelRef:

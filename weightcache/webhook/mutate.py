@@ -7,6 +7,8 @@ API server sent):
                                              volumeAttributes: {model, revision, tier}}}
     /spec/containers/<i>/volumeMounts/-     {name: wc-<name>, mountPath: /models/<name>, readOnly: true}
     /spec/containers/<i>/env/-              {name: WEIGHTCACHE_MODEL_PATH[_<NAME>], value: <mountPath>}
+                                            with weightcache.io/hf-repo also HF_HUB_CACHE=<mountPath>,
+                                            HF_HUB_OFFLINE=1 (and volumeAttributes.hfRepo)
     /spec/affinity/nodeAffinity/...         weightcache.io/<model-key> In [ready]: required (ANDed into every
                                             existing required term) or preferred, per weightcache.io/placement
     /spec/schedulingGates/-                 {name: weightcache.io/model}: placement require with no node the pod
@@ -114,6 +116,7 @@ def plan(pod: Mapping[str, Any], injection: Injection, nodes: Sequence[NodeFacts
     for path, container in _chosen(spec, injection.containers):
         mounts = [{"name": m.volume, "mountPath": m.mount_path, "readOnly": True} for m in injection.models]
         env = [{"name": m.env, "value": m.mount_path} for m in injection.models]
+        env += [e for m in injection.models if m.hf_repo for e in _hub_env(m)]
         _check_mounts(container, mounts)
         _check_names(f"container {container['name']!r} env", _list(container, "env"), env)
         ops += _extend(container, path, ["volumeMounts"], mounts)
@@ -171,8 +174,15 @@ def _annotations(pod: Mapping[str, Any]) -> dict[str, Any]:
     return _dict(_dict(pod, "metadata"), "annotations")
 
 
+def _hub_env(m: ModelMount) -> list[dict[str, str]]:
+    """A hub cache volume: huggingface_hub, transformers and vLLM resolve `org/name` from it, never online."""
+    return [{"name": "HF_HUB_CACHE", "value": m.mount_path}, {"name": "HF_HUB_OFFLINE", "value": "1"}]
+
+
 def _volume(m: ModelMount, tier: str) -> dict[str, Any]:
     attributes = {"model": m.ref.uri, "revision": m.ref.revision or "", "tier": tier}
+    if m.hf_repo:
+        attributes["hfRepo"] = m.hf_repo
     for field, globs in (("include", m.ref.include), ("exclude", m.ref.exclude)):
         if globs:  # a JSON list: globs may hold commas (docs/csi.md)
             attributes[field] = json.dumps(list(globs))
