@@ -7,6 +7,7 @@ Real gRPC over a Unix socket, real bind mounts, real S3 (moto) behind the fault 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import statistics
 import time
@@ -229,3 +230,17 @@ async def test_a_publish_whose_caller_gave_up_never_leaves_a_stray_mount_lease_o
     await csi.node.NodeUnpublishVolume(csi.unpublish_request("warm"))
     assert [e for e in mounts.mount_table() if str(csi.kubelet_dir) in e.mount_point] == []
     assert os.listdir(csi.store.root / "csi" / "volumes") == []
+
+
+async def test_debug_request_log_and_errors_never_show_credentials_in_volume_context(
+        csi: CsiHarness, caplog: pytest.LogCaptureFixture) -> None:
+    secret = "wJalrXUtnFEMI/K7MDENG@bPxRfi%2FCYEXAMPLEKEY"
+    model = f"s3://AKIAIOSFODNN7EXAMPLE:{secret}@models/llama/"
+    with caplog.at_level(logging.DEBUG, logger="weightcache.csi"):
+        code, details = await status_of(csi.node.NodePublishVolume(csi.publish_request("leak", model=model)))
+    assert code != grpc.StatusCode.OK
+    request_lines = [r.getMessage() for r in caplog.records if "NodePublishVolume request" in r.getMessage()]
+    assert request_lines and "volume_context" in request_lines[0], "the debug log shows the request"
+    for text in [details, caplog.text]:
+        for piece in ("wJalrXUtnFEMI", "K7MDENG", "bPxRfi", "CYEXAMPLEKEY", "AKIAIOSFODNN7EXAMPLE"):
+            assert piece not in text, (piece, text)
