@@ -476,6 +476,7 @@ class _Server(ThreadingHTTPServer):
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body go out in separate writes: no 40 ms delayed-ACK stall
     server: _Server
 
     def log_message(self, format: str, *args: Any) -> None:
