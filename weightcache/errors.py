@@ -123,6 +123,11 @@ class InUseError(StoreError):
     answer = Answer(4, 409, "FAILED_PRECONDITION")
 
 
+class BlobMissingError(StoreError):
+    """A blob the fetch planned to reuse vanished before publish (evicted meanwhile): plan again."""
+    answer = Answer(1, 503, "ABORTED")  # the fetch replans by itself; seen outside only if that keeps failing
+
+
 class NotAllowedError(WeightcacheError, PermissionError):
     """Policy refuses this namespace the model (no ModelCache declares it for the namespace)."""
     answer = Answer(8, 403, "PERMISSION_DENIED")

@@ -25,13 +25,12 @@ from pathlib import Path
 
 from weightcache import defaults
 from weightcache.errors import (
-    Answer,
+    BlobMissingError,
     DamagedRecordError,
     HostileKeyError,
     InsufficientSpaceError,
     InUseError,
     NotCachedError,
-    StoreError,
 )
 from weightcache.store import recovery
 from weightcache.store.evict import plan_eviction
@@ -67,12 +66,6 @@ log = logging.getLogger(__name__)
 DEFAULT_MIN_FREE_PERCENT = defaults.MIN_FREE_PERCENT
 DEFAULT_MIN_FREE_BYTES = defaults.MIN_FREE_BYTES
 RESERVE_BYTES = 4 << 20  # preallocated; released when a full disk refuses an index write, so eviction can finish
-
-
-class BlobMissingError(StoreError):
-    """A blob the fetch planned to reuse vanished before publish (evicted meanwhile): plan again."""
-
-    answer = Answer(1, 503, "ABORTED")  # the fetch replans by itself; seen outside only if that keeps failing
 
 
 def ref_name(ref: ModelRef) -> str:
