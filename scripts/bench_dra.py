@@ -27,22 +27,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_csi  # noqa: E402
-import grpc  # noqa: E402
+import bench_csi
+import grpc
 
-from tests.fake_apiserver import FakeApiServer  # noqa: E402
-from tests.sample import make_model  # noqa: E402
-from weightcache.csi import mounts  # noqa: E402
-from weightcache.csi._pb import csi_pb2, csi_pb2_grpc  # noqa: E402
-from weightcache.csi.server import serve_csi  # noqa: E402
-from weightcache.daemon.fetches import FetchQueue  # noqa: E402
-from weightcache.dra import DRIVER_NAME  # noqa: E402
-from weightcache.dra._pb import dra_v1_pb2, dra_v1_pb2_grpc  # noqa: E402
-from weightcache.dra.devices import device_name  # noqa: E402
-from weightcache.dra.server import claim_reader, plugin_socket, serve_dra  # noqa: E402
-from weightcache.fetch import Fetcher  # noqa: E402
-from weightcache.policy import Decision  # noqa: E402
-from weightcache.store import Store  # noqa: E402
+from tests.fake_apiserver import FakeApiServer
+from tests.sample import make_model
+from weightcache.csi import mounts
+from weightcache.csi._pb import csi_pb2, csi_pb2_grpc
+from weightcache.csi.server import serve_csi
+from weightcache.daemon.fetches import FetchQueue
+from weightcache.dra import DRIVER_NAME
+from weightcache.dra._pb import dra_v1_pb2, dra_v1_pb2_grpc
+from weightcache.dra.devices import device_name
+from weightcache.dra.server import claim_reader, plugin_socket, serve_dra
+from weightcache.fetch import Fetcher
+from weightcache.policy import Decision
+from weightcache.store import Store
 
 NODE = "bench"
 
