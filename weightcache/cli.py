@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from weightcache import __version__, defaults
 from weightcache.errors import (
@@ -28,6 +28,10 @@ from weightcache.progress import Progress
 from weightcache.redact import redact, redact_log_handlers
 from weightcache.units import fmt_bytes, parse_size
 
+if TYPE_CHECKING:  # imported lazily at run time: `weightcache --help` stays fast
+    from weightcache.daemon.client import DaemonClient
+    from weightcache.store import Snapshot, Store
+
 log = logging.getLogger("weightcache")
 
 # -- helpers ----------------------------------------------------------------------------------------------------
@@ -35,13 +39,13 @@ def _root(args: argparse.Namespace) -> str:
     return str(args.root or defaults.root())
 
 
-def _store(args: argparse.Namespace, *, budget: int | None = None):
+def _store(args: argparse.Namespace, *, budget: int | None = None) -> Store:
     from weightcache.store import Store
 
     return Store(_root(args), budget_bytes=budget)
 
 
-def _daemon(args: argparse.Namespace):
+def _daemon(args: argparse.Namespace) -> DaemonClient | None:
     """A client of the node daemon when its socket exists and no explicit --root asks for the store itself."""
     if args.root or getattr(args, "no_daemon", False):
         return None
@@ -72,7 +76,7 @@ class ProgressPrinter:
         self.tty = out.isatty()
         self._last = 0.0
 
-    def __call__(self, p: Progress | dict) -> None:
+    def __call__(self, p: Progress | dict[str, Any]) -> None:
         if isinstance(p, dict):
             p = Progress.from_json(p)
         now = time.monotonic()
@@ -105,7 +109,7 @@ def _ago(ts: float) -> str:
     return f"{d:.0f}s ago" if d < 120 else f"{d / 60:.0f}m ago" if d < 7200 else f"{d / 3600:.0f}h ago"
 
 
-def _snapshot_json(snap: Any) -> dict:
+def _snapshot_json(snap: Any) -> dict[str, Any]:
     return {"id": snap.id, "path": str(snap.path), "uri": snap.uri, "revision": snap.revision, "size": snap.size,
             "files": len(snap.files)}
 
@@ -171,7 +175,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
-def _resolve(store: Any, text: str) -> list:
+def _resolve(store: Store, text: str) -> list[Snapshot]:
     snaps = store.find(text)
     if not snaps:
         raise NotCachedError(f"nothing cached matches {text!r}; see `weightcache ls`")
@@ -255,7 +259,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         return status(api, args.name, out=sys.stdout, output=args.output)
     store = _store(args)
     infos = store.list()
-    summary = {"root": str(store.root), "snapshots": len(infos), "used_bytes": store.used_bytes(),
+    summary: dict[str, Any] = {"root": str(store.root), "snapshots": len(infos), "used_bytes": store.used_bytes(),
                "budget_bytes": store.budget_bytes, "leases": len(store.leases()),
                "pinned": sum(1 for i in infos if i.pinned)}
     if args.output == "json":

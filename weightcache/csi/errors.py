@@ -46,7 +46,7 @@ class Redacted:
 
 def _strip(message: Message) -> None:
     for field, value in message.ListFields():
-        if field.GetOptions().Extensions[csi_pb2.csi_secret]:
+        if field.GetOptions().Extensions[csi_pb2.csi_secret]:  # type: ignore[index]  # stubs type it loosely
             message.ClearField(field.name)
         elif field.message_type is not None and not field.message_type.GetOptions().map_entry:
             for item in value if field.is_repeated else (value,):
@@ -55,7 +55,7 @@ def _strip(message: Message) -> None:
 
 Req = TypeVar("Req", bound=Message)
 Resp = TypeVar("Resp", bound=Message)
-Handler = Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]
+Handler = Callable[[Any, Req, grpc.aio.ServicerContext[Any, Any]], Awaitable[Resp]]
 
 
 def rpc(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
@@ -70,7 +70,7 @@ def quiet_rpc(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
 
 def _wrap(handler: Handler[Req, Resp], ok_level: int) -> Handler[Req, Resp]:
     @functools.wraps(handler)
-    async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
+    async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext[Any, Any]) -> Resp:
         name = handler.__name__
         start = time.monotonic()
         logger.debug("%s request: %s", name, Redacted(request))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from concurrent.futures import Executor
+from typing import Any
 
 import grpc
 
@@ -27,18 +28,19 @@ class IdentityServicer(csi_pb2_grpc.IdentityServicer):
 
     @quiet_rpc
     async def GetPluginInfo(self, request: csi_pb2.GetPluginInfoRequest,
-                            context: grpc.aio.ServicerContext) -> csi_pb2.GetPluginInfoResponse:
+                            context: grpc.aio.ServicerContext[Any, Any]) -> csi_pb2.GetPluginInfoResponse:
         return csi_pb2.GetPluginInfoResponse(name=DRIVER_NAME, vendor_version=__version__)
 
     @quiet_rpc
-    async def GetPluginCapabilities(self, request: csi_pb2.GetPluginCapabilitiesRequest,
-                                    context: grpc.aio.ServicerContext) -> csi_pb2.GetPluginCapabilitiesResponse:
+    async def GetPluginCapabilities(
+            self, request: csi_pb2.GetPluginCapabilitiesRequest, context: grpc.aio.ServicerContext[Any, Any],
+    ) -> csi_pb2.GetPluginCapabilitiesResponse:
         # No CONTROLLER_SERVICE: ephemeral inline volumes need no provisioning or attach.
         return csi_pb2.GetPluginCapabilitiesResponse()
 
     @quiet_rpc
     async def Probe(self, request: csi_pb2.ProbeRequest,
-                    context: grpc.aio.ServicerContext) -> csi_pb2.ProbeResponse:
+                    context: grpc.aio.ServicerContext[Any, Any]) -> csi_pb2.ProbeResponse:
         try:
             await asyncio.get_running_loop().run_in_executor(self._pool, self._check)
         except Exception as exc:

@@ -130,7 +130,7 @@ def _alive(path: Path) -> bool:
 
 def claim_reader(api_client: Any, api_version: str = "v1") -> ClaimSource:
     """ResourceClaims through the official client; API failures become ClusterError (a per-claim error)."""
-    import kubernetes  # type: ignore[import-untyped]
+    import kubernetes
     import urllib3
 
     api = kubernetes.client.CustomObjectsApi(api_client)

@@ -61,7 +61,7 @@ class SlicePublisher:
 
     def __init__(self, api_client: Any, node_name: str, devices: Devices, *, api_version: str = "v1",
                  change_token: Callable[[], object] = lambda: None, resync_s: float = 10.0) -> None:
-        import kubernetes  # type: ignore[import-untyped]
+        import kubernetes
 
         self._api = kubernetes.client.CustomObjectsApi(api_client)
         self._node = node_name
