@@ -134,7 +134,6 @@ class Daemon:
             node.metrics.evictions.labels("budget").inc(len(evicted))
         if merged.memory_budget != old.memory_budget:
             await asyncio.to_thread(self._resize_tier, merged.memory_budget)
-        node.fetches.parallel = max(1, merged.parallel_models)
         node.metrics.reloads.labels("applied").inc()
         node.kick()
 
