@@ -71,14 +71,11 @@ class PartialFile:
         return self._missing()
 
     def _load_journal(self, header: dict[str, Any]) -> list[tuple[int, int]] | None:
-        try:
-            lines = self.journal.read_text().splitlines()
-        except FileNotFoundError:
-            return None
-        try:
-            if not lines or json.loads(lines[0]) != header or not self.part.exists():
+        try:  # a journal is data from disk: anything unexpected in it means "start this file again"
+            lines = self.journal.read_bytes().decode().splitlines()
+            if not lines or json.loads(lines[0]) != header or os.lstat(self.part).st_size != self.obj.size:
                 return None
-        except ValueError:
+        except (OSError, ValueError, RecursionError):
             return None
         out = []
         for line in lines[1:]:
