@@ -178,6 +178,7 @@ def test_malicious_safetensors_header_is_refused_before_publish(tmp_path: Path, 
     with pytest.raises(SafetensorsHeaderError, match="model.safetensors"):
         f.ensure(parse_ref("s3://models/bad/"))
     assert f.store.list() == [] and list(f.store.layout.snapshots.iterdir()) == []
+    assert not list(f.store.layout.partial.glob("*.part")), "a refused file's partial must not be kept for a retry"
 
 
 def test_huge_header_length_is_refused(tmp_path: Path, s3) -> None:  # noqa: ANN001

@@ -10,22 +10,36 @@ and sliced without any further bounds check: every tensor lies inside the file, 
 overlap, and the data has no gap and no trailing bytes (the rules the reference Rust implementation enforces).
 
 Only the standard library: the daemon and the fetch engine call this without torch or numpy.
+
+The header is untrusted input of up to 100 MB: the check is linear in its size (one C JSON parse, then one pass
+that never multiplies unbounded numbers: every dimension and offset is range-checked first, and an element
+count stops growing once it exceeds what the file could hold), errors quote at most a few dozen characters of
+what they found, and every failure is a SafetensorsHeaderError naming the tensor (never OverflowError or
+RecursionError). scripts/bench_header_check.py times a 100 MB header.
 """
 
 from __future__ import annotations
 
+import gc
 import json
-import math
 import os
 import struct
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import chain, repeat
+from math import prod
+from operator import itemgetter, methodcaller, mul, sub
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 from weightcache.errors import SafetensorsHeaderError
 
 MAX_HEADER_BYTES = 100_000_000  # the reference implementation's limit
+MAX_DIM = 2**63 - 1  # torch sizes are int64; the reference implementation parses them as usize
+MAX_NDIM = 64  # numpy's limit; no tool writes more dimensions
+QUOTE = 60  # characters of a found value an error message shows
 
 # Size in bits: the sub-byte float formats (F4, F6_*) pack several elements per byte.
 DTYPE_BITS: dict[str, int] = {
@@ -37,9 +51,9 @@ DTYPE_BITS: dict[str, int] = {
 }
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    """One tensor. `start`/`end` are ABSOLUTE byte offsets in the file (data_start + data_offsets)."""
+class TensorSpec(NamedTuple):
+    """One tensor. `start`/`end` are ABSOLUTE byte offsets in the file (data_start + data_offsets).
+    A NamedTuple: a 100 MB header holds over a million of them, built at C speed."""
 
     dtype: str
     shape: tuple[int, ...]
@@ -80,13 +94,85 @@ def parse_header(f: BinaryIO | str | os.PathLike[str], file_size: int) -> Header
     raw = f.read(n)
     if len(raw) != n:
         raise _err(name, f"the file ends inside the header ({len(raw)} of {n} bytes)")
-    obj = _decode(name, raw)
-    metadata = _metadata(name, obj.pop("__metadata__", None))
-    data_size = file_size - 8 - n
-    tensors = {key: _tensor(name, key, value, 8 + n) for key, value in obj.items()}
-    ordered = dict(sorted(tensors.items(), key=lambda kv: (kv[1].start, kv[1].end)))
-    _check_layout(name, ordered, 8 + n, data_size)
+    with _gc_paused():  # millions of new containers, none cyclic: collections would cost 20x the parse itself
+        obj = _decode(name, raw)
+        del raw
+        metadata = _metadata(name, obj.pop("__metadata__", None))
+        data_size = file_size - 8 - n
+        ordered = _fast_specs(obj, 8 + n, data_size)
+        if ordered is None:  # something is wrong: find it, one tensor at a time, and say which
+            tensors = {key: _tensor(name, key, value, 8 + n, data_size) for key, value in obj.items()}
+            ordered = dict(sorted(tensors.items(), key=lambda kv: (kv[1].start, kv[1].end)))
+            _check_layout(name, ordered, 8 + n, data_size)
     return Header(header_len=n, data_start=8 + n, file_size=file_size, tensors=ordered, metadata=metadata)
+
+
+_gc_lock = threading.Lock()
+_gc_pausers = 0
+_gc_was_enabled = True
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Cyclic GC off while any thread parses a header (it is process-wide: the last one out turns it back on)."""
+    global _gc_pausers, _gc_was_enabled
+    with _gc_lock:
+        _gc_pausers += 1
+        if _gc_pausers == 1:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_pausers -= 1
+            if _gc_pausers == 0 and _gc_was_enabled:
+                gc.enable()
+
+
+def _fast_specs(obj: dict[str, Any], data_start: int, data_size: int) -> dict[str, TensorSpec] | None:
+    """The same rules as `_tensor` + `_check_layout`, column by column with builtins that loop in C (a million
+    tensors in well under a second); None when any rule fails, and the slow path names the culprit."""
+    try:
+        return _columns(obj, data_start, data_size)
+    except TypeError:  # an unhashable dtype, a list where a number belongs: the slow path says which
+        return None
+
+
+def _columns(obj: dict[str, Any], data_start: int, data_size: int) -> dict[str, TensorSpec] | None:
+    if not obj:
+        return {} if data_size == 0 else None
+    pairs = list(obj.values())
+    if set(map(type, pairs)) != {tuple}:
+        return None
+    values = list(map(dict, pairs))
+    if list(map(len, values)) != list(map(len, pairs)):  # a duplicate key inside a tensor's object
+        return None
+    dtypes = list(map(methodcaller("get", "dtype"), values))
+    shapes = list(map(methodcaller("get", "shape"), values))
+    offsets = list(map(methodcaller("get", "data_offsets"), values))
+    if not set(dtypes) <= DTYPE_BITS.keys() or set(map(type, shapes)) != {list} or set(map(type, offsets)) != {list}:
+        return None
+    if max(map(len, shapes)) > MAX_NDIM or set(map(len, offsets)) != {2}:
+        return None
+    dims = list(chain.from_iterable(shapes))
+    begins, ends = list(map(itemgetter(0), offsets)), list(map(itemgetter(1), offsets))
+    for column, top in ((dims, MAX_DIM), (begins, data_size), (ends, data_size)):
+        if column and (not set(map(type, column)) <= {int} or min(column) < 0 or max(column) > top):
+            return None
+    # at most MAX_NDIM dimensions below 2**63 each: products stay small enough for C-speed arithmetic
+    bits = list(map(mul, map(prod, shapes), map(DTYPE_BITS.__getitem__, dtypes)))
+    if list(map(mul, map(sub, ends, begins), repeat(8))) != bits:
+        return None  # also catches end < begin: a negative extent never equals bits >= 0
+    order = sorted(range(len(values)), key=list(zip(begins, ends, strict=True)).__getitem__)
+    first, last = list(map(begins.__getitem__, order)), list(map(ends.__getitem__, order))
+    if first[0] != 0 or last[-1] != data_size or first[1:] != last[:-1]:
+        return None
+    names = list(obj)
+    rows = zip(dtypes, map(tuple, shapes), map(data_start.__add__, begins), map(data_start.__add__, ends),
+               strict=True)
+    specs = list(map(tuple.__new__, repeat(TensorSpec), rows))  # TensorSpec._make without a Python call each
+    return dict(zip(map(names.__getitem__, order), map(specs.__getitem__, order), strict=True))
 
 
 def check_file(path: str | os.PathLike[str]) -> Header:
@@ -108,22 +194,24 @@ def _decode(name: str, raw: bytes) -> dict[str, Any]:
     except UnicodeDecodeError as exc:
         raise _err(name, f"the header is not UTF-8 ({exc.reason} at byte {exc.start})") from None
     try:
-        obj = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
+        # JSON objects become tuples of (key, value) pairs (a C builtin as the hook: no Python call per object),
+        # JSON arrays stay lists; _object() turns pairs into a dict, refusing duplicate keys
+        obj = json.loads(text, object_pairs_hook=tuple, parse_constant=_no_constants)
     except RecursionError:
         raise _err(name, "the header JSON is nested too deeply") from None
     except ValueError as exc:  # JSONDecodeError and our hooks
         raise _err(name, f"the header is not valid JSON ({exc})") from None
-    if not isinstance(obj, dict):
+    if not isinstance(obj, tuple):
         raise _err(name, f"the header must be a JSON object, not {type(obj).__name__}")
-    return obj
+    return _object(name, "the header", obj)
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
+def _object(name: str, what: str, pairs: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        duplicate = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise _err(name, f"{what} has a duplicate key {_quote(duplicate)}")
     return out
 
 
@@ -134,33 +222,63 @@ def _no_constants(token: str) -> Any:
 def _metadata(name: str, value: Any) -> dict[str, str]:
     if value is None:
         return {}
-    if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+    if not isinstance(value, tuple):
         raise _err(name, "__metadata__ must map strings to strings")
-    return dict(value)
+    meta = _object(name, "__metadata__", value)
+    if set(map(type, meta)) | set(map(type, meta.values())) > {str}:
+        raise _err(name, "__metadata__ must map strings to strings")
+    return meta
 
 
-def _tensor(name: str, key: str, value: Any, data_start: int) -> TensorSpec:
+def _tensor(name: str, key: str, value: Any, data_start: int, data_size: int) -> TensorSpec:
+    label = f"tensor {_quote(key)}"
+    if isinstance(value, tuple):
+        value = _object(name, label, value)
     if not isinstance(value, Mapping):
-        raise _err(name, f"tensor {key!r} must be an object with dtype, shape and data_offsets")
+        raise _err(name, f"{label} must be an object with dtype, shape and data_offsets")
     dtype, shape, offsets = value.get("dtype"), value.get("shape"), value.get("data_offsets")
     if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
-        raise _err(name, f"tensor {key!r} has unknown dtype {dtype!r} (known: {', '.join(DTYPE_BITS)})")
-    if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
-        raise _err(name, f"tensor {key!r} shape must be a list of non-negative integers, got {shape!r}")
-    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_uint(o) for o in offsets):
-        raise _err(name, f"tensor {key!r} data_offsets must be [begin, end] non-negative integers, got {offsets!r}")
+        raise _err(name, f"{label} has unknown dtype {_quote(dtype)} (known: {', '.join(DTYPE_BITS)})")
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(_is_uint(d, MAX_DIM) for d in shape):
+        raise _err(name, f"{label} shape must be a list of at most {MAX_NDIM} non-negative integers below 2**63, "
+                         f"got {_quote(shape)}")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_uint(o, data_size) for o in offsets):
+        raise _err(name, f"{label} data_offsets must be [begin, end] within the {data_size} data bytes "
+                         f"(truncated?), got {_quote(offsets)}")
     begin, end = offsets
     if begin > end:
-        raise _err(name, f"tensor {key!r} data_offsets [{begin}, {end}] end before they begin")
-    bits = math.prod(shape) * DTYPE_BITS[dtype]
-    if bits % 8 or bits // 8 != end - begin:
-        raise _err(name, f"tensor {key!r}: shape {shape} of {dtype} needs {bits / 8:g} bytes "
+        raise _err(name, f"{label} data_offsets [{begin}, {end}] end before they begin")
+    bits = _bits(shape, DTYPE_BITS[dtype], limit=max(8 * data_size, 1 << 64))
+    if bits is None or bits % 8 or bits // 8 != end - begin:
+        needs = "more bytes than the file holds" if bits is None else f"{bits // 8}{'.5' if bits % 8 else ''} bytes"
+        raise _err(name, f"{label}: shape {_quote(shape)} of {dtype} needs {needs} "
                          f"but data_offsets [{begin}, {end}] hold {end - begin}")
     return TensorSpec(dtype=dtype, shape=tuple(shape), start=data_start + begin, end=data_start + end)
 
 
-def _is_uint(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+def _bits(shape: list[int], dtype_bits: int, *, limit: int) -> int | None:
+    """shape's element count x dtype_bits, or None once it passes `limit`: every step multiplies numbers below
+    2**64 by one below 2**63, so a long shape costs linear time, never big-number arithmetic."""
+    if 0 in shape:
+        return 0
+    total = dtype_bits
+    for dim in shape:
+        total *= dim
+        if total > limit:
+            return None
+    return total
+
+
+def _is_uint(value: Any, maximum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= maximum
+
+
+def _quote(value: Any) -> str:
+    """A short repr of untrusted input: an error message must not carry megabytes of it."""
+    if isinstance(value, (str, list, tuple)) and len(value) > QUOTE:
+        value = value[:QUOTE]  # repr of a slice: never of the whole thing
+    text = repr(value)
+    return text if len(text) <= QUOTE else f"{text[:QUOTE]}... ({len(text)} characters)"
 
 
 def _check_layout(name: str, tensors: dict[str, TensorSpec], data_start: int, data_size: int) -> None:
@@ -169,7 +287,7 @@ def _check_layout(name: str, tensors: dict[str, TensorSpec], data_start: int, da
     for key, spec in tensors.items():
         if spec.start != pos:
             what = "overlaps the previous tensor" if spec.start < pos else f"leaves a gap of {spec.start - pos} bytes"
-            raise _err(name, f"tensor {key!r} at data offset {spec.start - data_start} {what}")
+            raise _err(name, f"tensor {_quote(key)} at data offset {spec.start - data_start} {what}")
         pos = spec.end
     covered = pos - data_start
     if covered > data_size:
