@@ -22,11 +22,12 @@ from dataclasses import dataclass
 from weightcache.errors import InvalidReferenceError
 from weightcache.redact import redact
 
-SCHEMES = ("s3", "gs", "az", "http", "https", "file", "memory")
+SCHEMES = ("s3", "gs", "az", "http", "https", "file", "memory", "hf")
 EXAMPLE = "s3://models/llama-3-8b/ (optionally s3://models/llama-3-8b/@<revision>)"
 
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-_]{1,253}[a-z0-9]$")
 _HOST = re.compile(r"^(?:[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?$")  # host[:port], never user:secret
+_HF_PART = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?$")  # hub org or repo name
 _REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,127}$")
 
 
@@ -164,6 +165,8 @@ def _check_bucket(text: str, scheme: str, bucket: str) -> None:
     elif scheme in ("http", "https"):
         if not bucket or not _HOST.match(bucket):
             raise _fail(text, f"host {bucket!r} is not a valid host[:port]")
+    elif scheme == "hf" and (not _HF_PART.match(bucket) or "--" in bucket or ".." in bucket):
+        raise _fail(text, f"{bucket!r} is not a Hugging Face org or repo name; write hf://org/name[@revision]")
     elif scheme == "memory" and bucket and not _BUCKET.match(bucket):
         raise _fail(text, f"memory root {bucket!r} is not a valid name")
 

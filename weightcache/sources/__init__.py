@@ -9,6 +9,7 @@ without gcsfs still serves s3:// models, and asking for gs:// there says what to
     file, memory        sources.fsspec.FsspecSource    -
     gs                  sources.fsspec.FsspecSource    gcsfs
     az                  sources.fsspec.FsspecSource    adlfs
+    hf                  sources.hf.HfSource            huggingface_hub (hf://org/name[@revision])
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ BACKENDS: dict[str, tuple[str, str | None]] = {
     "memory": ("weightcache.sources.fsspec:FsspecSource", None),
     "gs": ("weightcache.sources.fsspec:FsspecSource", "gcsfs"),
     "az": ("weightcache.sources.fsspec:FsspecSource", "adlfs"),
+    "hf": ("weightcache.sources.hf:HfSource", "huggingface_hub"),
 }
 
 
