@@ -49,8 +49,8 @@ ENV = {
 }
 
 # Fields a running daemon can change without a restart (the rest are logged and kept until the next start).
-LIVE_FIELDS = frozenset({"disk_budget", "min_free_bytes", "min_free_percent", "memory_budget", "models", "allow_undeclared_models",
-                         "log_level", "resync_seconds"})
+LIVE_FIELDS = frozenset({"disk_budget", "min_free_bytes", "min_free_percent", "memory_budget", "models",
+                         "allow_undeclared_models", "log_level", "resync_seconds"})
 
 
 
@@ -308,7 +308,7 @@ def _tcp(value: Any) -> TcpSettings:
 def _dra(value: Any) -> DraSettings | None:
     """`dra: {slotsPerModel: 8, shared: false, cdiDir: /var/run/cdi, apiVersion: v1, publishSeconds: 2}`;
     `true` (the --dra flag) is the defaults, `false` turns it off."""
-    if isinstance(value, bool) or isinstance(value, str):
+    if isinstance(value, (bool, str)):
         return DraSettings() if _bool("dra")(value) else None
     if not isinstance(value, dict):
         raise ConfigError("dra: expected true, false or a mapping such as {slotsPerModel: 8}")

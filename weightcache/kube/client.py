@@ -19,7 +19,8 @@ log = logging.getLogger(__name__)
 def in_cluster() -> bool:
     """True inside a pod with a service account (the same test the official client's in-cluster loader makes)."""
     token = Path(kubernetes.config.incluster_config.SERVICE_TOKEN_FILENAME)
-    return bool(os.environ.get("KUBERNETES_SERVICE_HOST") and os.environ.get("KUBERNETES_SERVICE_PORT")) and token.is_file()
+    env = os.environ
+    return bool(env.get("KUBERNETES_SERVICE_HOST") and env.get("KUBERNETES_SERVICE_PORT")) and token.is_file()
 
 
 def _kubeconfig_paths() -> list[Path]:

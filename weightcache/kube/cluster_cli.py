@@ -80,7 +80,8 @@ def prefetch_cluster(
         _emit(out, json_lines, {"event": "done", "result": "nothing-to-wait-for"},
               "no --node-selector: the ModelCache declares the model but prefetches on no node; nothing to wait for")
         return EXIT_READY
-    return _wait(api_client, mc, node_selector, timeout=timeout, out=out, json_lines=json_lines, poll_interval=poll_interval)
+    return _wait(api_client, mc, node_selector, timeout=timeout, out=out, json_lines=json_lines,
+                 poll_interval=poll_interval)
 
 
 def status(api_client: kubernetes.client.ApiClient, name: str | None, *, out: TextIO,
@@ -89,14 +90,16 @@ def status(api_client: kubernetes.client.ApiClient, name: str | None, *, out: Te
     custom = kubernetes.client.CustomObjectsApi(api_client)
     if name:
         try:
-            mcs = [_call(f"reading ModelCache {name}", lambda: custom.get_cluster_custom_object(GROUP, VERSION, MODELCACHES, name))]
+            read = functools.partial(custom.get_cluster_custom_object, GROUP, VERSION, MODELCACHES, name)
+            mcs = [_call(f"reading ModelCache {name}", read)]
         except ClusterError as exc:
             if exc.status == 404 and f'"{name}" not found' in str(exc):  # not "the server could not find the resource"
                 out.write(f"ModelCache {name!r} not found; list them with `weightcache status`\n")
                 return 1
             raise
     else:
-        mcs = list(_call("listing ModelCaches", lambda: list(_paged(custom.list_cluster_custom_object, GROUP, VERSION, MODELCACHES))))
+        listing = functools.partial(_paged, custom.list_cluster_custom_object, GROUP, VERSION, MODELCACHES)
+        mcs = list(_call("listing ModelCaches", lambda: list(listing())))
     reports = _node_reports(custom)
     core = kubernetes.client.CoreV1Api(api_client)
     result = []
@@ -109,7 +112,8 @@ def status(api_client: kubernetes.client.ApiClient, name: str | None, *, out: Te
         result.append((mc, states))
     if output == "json":
         payload = [{"name": mc["metadata"]["name"], "spec": mc.get("spec") or {},
-                    "nodes": [{"node": n, **_state_json(s)} for n, s in sorted(states.items())]} for mc, states in result]
+                    "nodes": [{"node": n, **_state_json(s)} for n, s in sorted(states.items())]}
+                   for mc, states in result]
         out.write(json.dumps({"modelCaches": payload}, indent=2) + "\n")
         return 0
     rows = [("MODELCACHE", "NODE", "PHASE", "PROGRESS", "SNAPSHOT", "UPDATED", "MESSAGE")]
@@ -124,21 +128,25 @@ def status(api_client: kubernetes.client.ApiClient, name: str | None, *, out: Te
 
 
 # create / update --------------------------------------------------------------------------------------------------
-def _apply(custom: kubernetes.client.CustomObjectsApi, body: dict[str, Any], attempts: int = 3) -> tuple[dict[str, Any], str]:
+def _apply(custom: kubernetes.client.CustomObjectsApi, body: dict[str, Any],
+           attempts: int = 3) -> tuple[dict[str, Any], str]:
     name = body["metadata"]["name"]
     try:
-        return _call(f"creating ModelCache {name}", lambda: custom.create_cluster_custom_object(GROUP, VERSION, MODELCACHES, body)), "created"
+        create = functools.partial(custom.create_cluster_custom_object, GROUP, VERSION, MODELCACHES, body)
+        return _call(f"creating ModelCache {name}", create), "created"
     except ClusterError as exc:
         if exc.status != 409:
             raise
     for _ in range(attempts):  # exists: read-modify-replace with resourceVersion (optimistic concurrency)
-        current = _call(f"reading ModelCache {name}", lambda: custom.get_cluster_custom_object(GROUP, VERSION, MODELCACHES, name))
+        read = functools.partial(custom.get_cluster_custom_object, GROUP, VERSION, MODELCACHES, name)
+        current = _call(f"reading ModelCache {name}", read)
         spec = {k: v for k, v in (current.get("spec") or {}).items() if k not in ("revision", "include", "exclude")}
         spec.update(body["spec"])  # the reference decides revision and globs: absent in it means none
         current["spec"] = spec
         try:
-            return _call(f"updating ModelCache {name}",
-                         functools.partial(custom.replace_cluster_custom_object, GROUP, VERSION, MODELCACHES, name, current)), "updated"
+            replace = functools.partial(custom.replace_cluster_custom_object, GROUP, VERSION, MODELCACHES, name,
+                                        current)
+            return _call(f"updating ModelCache {name}", replace), "updated"
         except ClusterError as exc:
             if exc.status != 409:
                 raise
@@ -213,13 +221,14 @@ def _selected_nodes(core: kubernetes.client.CoreV1Api, selector: dict[str, str])
 
 
 def _node_reports(custom: kubernetes.client.CustomObjectsApi) -> dict[str, dict[str, Any]]:
-    objs = _call("listing ModelCacheNodes", lambda: list(_paged(custom.list_cluster_custom_object, GROUP, VERSION, MODELCACHENODES)))
+    listing = functools.partial(_paged, custom.list_cluster_custom_object, GROUP, VERSION, MODELCACHENODES)
+    objs = _call("listing ModelCacheNodes", lambda: list(listing()))
     return {o["metadata"]["name"]: ((o.get("status") or {}).get("models") or {}) for o in objs}
 
 
 def _states_for(name: str, reports: dict[str, dict[str, Any]], selected: list[str]) -> dict[str, ModelState | None]:
     """Selected nodes (None until they report) plus any other node that reports this ModelCache."""
-    states: dict[str, ModelState | None] = {n: None for n in selected}
+    states: dict[str, ModelState | None] = dict.fromkeys(selected)
     for node, models in reports.items():
         if isinstance(models.get(name), dict):
             states[node] = from_wire(models[name])
@@ -254,7 +263,7 @@ def _cells(state: ModelState | None) -> tuple[str, str, str, str, str]:
 
 def _table(out: TextIO, rows: Sequence[Sequence[str]]) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    out.writelines("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() + "\n" for row in rows)
+    out.writelines("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() + "\n" for row in rows)
 
 
 def _emit(out: TextIO, json_lines: bool, payload: dict[str, Any], text: str) -> None:
@@ -294,4 +303,5 @@ def _translate(exc: ApiException, what: str) -> ClusterError:
         409: f"{msg}; run the command again",
         422: f"the API server rejected it: {msg}",
     }
-    return ClusterError(f"{what} failed: {hints.get(exc.status or 0, f'HTTP {exc.status}: {msg}')}", status=exc.status or 0)
+    hint = hints.get(exc.status or 0, f"HTTP {exc.status}: {msg}")
+    return ClusterError(f"{what} failed: {hint}", status=exc.status or 0)

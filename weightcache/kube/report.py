@@ -8,7 +8,8 @@ Wire format of the per-node object, written only by the daemon on node `<node>` 
     status:
       updated: 2026-12-02T16:00:00Z
       models:
-        <ModelCache name>: {phase: Fetching, bytesDone: 1, bytesTotal: 4, snapshot: "", message: "", time: ..., observedGeneration: 3}
+        <ModelCache name>: {phase: Fetching, bytesDone: 1, bytesTotal: 4, snapshot: "", message: "", time: ...,
+                            observedGeneration: 3}
 
 Progress is coalesced: a phase change is written at once, byte counts at most once per `min_interval` seconds,
 so a fetch costs the API server a handful of writes. Every message passes `redact` first.
@@ -272,9 +273,11 @@ class NodeReporter:
         }
         try:  # owned by the Node: the garbage collector removes it with the Node
             uid = self._core.read_node(self.node_name).metadata.uid
-            body["metadata"]["ownerReferences"] = [{"apiVersion": "v1", "kind": "Node", "name": self.node_name, "uid": uid}]
+            owner = {"apiVersion": "v1", "kind": "Node", "name": self.node_name, "uid": uid}
+            body["metadata"]["ownerReferences"] = [owner]
         except (ApiException, urllib3.exceptions.HTTPError) as exc:
-            log.warning("Node %s not readable (%s); ModelCacheNode created without owner", self.node_name, type(exc).__name__)
+            log.warning("Node %s not readable (%s); ModelCacheNode created without owner", self.node_name,
+                        type(exc).__name__)
         try:
             with _api(f"creating ModelCacheNode {self.node_name}"):
                 self._custom.create_cluster_custom_object(GROUP, VERSION, MODELCACHENODES, body)
@@ -329,6 +332,7 @@ class NodeReporter:
                 self._core.patch_namespaced_event(name, self.namespace_for_events,
                                                   {"count": count + 1, "lastTimestamp": now}, _content_type=MERGE_PATCH)
         except ApiException as exc:  # Events are best effort: never fail a reconcile because of one
-            log.warning("recording Event %s on ModelCache %s failed: HTTP %s %s", reason, mc_name, exc.status, exc.reason)
+            log.warning("recording Event %s on ModelCache %s failed: HTTP %s %s", reason, mc_name, exc.status,
+                        exc.reason)
         except urllib3.exceptions.HTTPError as exc:
             log.warning("recording Event %s on ModelCache %s failed: %s", reason, mc_name, exc.__class__.__name__)

@@ -136,7 +136,8 @@ class ModelCacheWatcher:
         token: str | None = None
         rv = ""
         while True:
-            kwargs: dict[str, Any] = {"limit": self.page_size, "_request_timeout": (self.connect_timeout, self.inactivity_timeout)}
+            timeouts = (self.connect_timeout, self.inactivity_timeout)
+            kwargs: dict[str, Any] = {"limit": self.page_size, "_request_timeout": timeouts}
             if token:
                 kwargs["_continue"] = token
             page = self._list(**kwargs)
