@@ -15,6 +15,9 @@ with `proxy.add(...)` are applied to the next matching requests:
 
 Faults match by method, a substring of the path, and optionally only requests with a Range header; each fires
 `count` times (-1: forever), in the order they were added. Bodies are buffered: it is a test tool, not a fast path.
+
+`proxy.reverse_etags = True` plays a store whose ETags are not MD5s (SSE-KMS, SSE-C): every ETag it answers
+(header or listing XML) is reversed, and every If-Match it forwards is reversed back.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import http.client
 import http.server
 import io
+import re
 import socket
 import struct
 import sys
@@ -82,6 +86,7 @@ class FaultProxy:
         self.target = (parts.hostname or "127.0.0.1", parts.port or 80)
         self.requests: list[RecordedRequest] = []
         self.faults: list[Fault] = []
+        self.reverse_etags = False
         self._lock = threading.Lock()
         handler = type("Handler", (_Handler,), {"proxy": self})
         self._server = QuietHTTPServer(("127.0.0.1", 0), handler)
@@ -131,11 +136,15 @@ class FaultProxy:
         return None
 
 
+def _reverse_etag(value: str) -> str:
+    return re.sub(r"[0-9a-f]{32}", lambda m: m[0][::-1], value)
+
+
 class _Handler(http.server.BaseHTTPRequestHandler):
     proxy: FaultProxy
     protocol_version = "HTTP/1.1"  # keep-alive, as clients' pools expect
 
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - quiet test output
+    def log_message(self, format: str, *args: object) -> None:
         pass
 
     def _handle(self) -> None:
@@ -149,6 +158,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             status, code = (503, "SlowDown") if fault.kind == "slowdown" else (fault.status, fault.code)
             return self._send_error(status, code, fault.retry_after)
         status, reason, headers, payload = self._forward(body)
+        if self.proxy.reverse_etags:
+            headers = [(k, _reverse_etag(v) if k.lower() == "etag" else v) for k, v in headers]
+            payload = re.sub(rb"(<ETag>(?:&quot;|\")?)([0-9a-f]{32})", lambda m: m[1] + m[2][::-1], payload)
         if fault and fault.kind == "flip" and payload:
             at = len(payload) // 2 if fault.at is None else fault.at
             payload = payload[:at] + bytes([payload[at] ^ 0xFF]) + payload[at + 1:]
@@ -181,6 +193,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         conn = http.client.HTTPConnection(*self.proxy.target, timeout=60)
         try:
             headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
+            if self.proxy.reverse_etags and "If-Match" in headers:
+                headers["If-Match"] = _reverse_etag(headers["If-Match"])
             if body or self.command in ("PUT", "POST"):
                 headers["Content-Length"] = str(len(body))
             conn.request(self.command, self.path, body=body or None, headers=headers)
