@@ -10,8 +10,10 @@ from pathlib import Path
 import grpc
 import pytest
 
+from tests.faultproxy import FaultProxy
 from tests.fixtures_csi import publish_request, unmount_under
 from tests.fixtures_daemon import model_copy, off_cluster, short_dir, start_daemon, tiny_model  # noqa: F401
+from tests.fixtures_s3 import S3
 from weightcache.csi._pb import csi_pb2, csi_pb2_grpc
 
 
@@ -36,7 +38,8 @@ async def test_a_csi_publish_shows_up_as_a_lease_in_the_daemon_api(short_dir: Pa
     d = await start_daemon(short_dir, model_copy, config={"csiEndpoint": f"unix://{csi_sock}",
                                                           "kubeletDir": str(kubelet),
                                                           # pods get a file:// model only where it is declared
-                                                          "models": [{"source": f"file://{model_copy}/", "pin": False}]},
+                                                          "models": [{"source": f"file://{model_copy}/",
+                                                                      "pin": False}]},
                            env={"NODE_NAME": "n"})
     target = kubelet / "pods" / "uid-1" / "volumes" / "kubernetes.io~csi" / "llama" / "mount"
     try:
@@ -66,6 +69,37 @@ async def test_a_csi_publish_shows_up_as_a_lease_in_the_daemon_api(short_dir: Pa
             await stub.NodeUnpublishVolume(csi_pb2.NodeUnpublishVolumeRequest(volume_id="vol-1",
                                                                               target_path=str(target)))
         assert await asyncio.to_thread(d.client.leases) == {}
+    finally:
+        await d.daemon.stop()
+        unmount_under(short_dir)
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="bind mounts need root")
+async def test_reconcile_the_api_and_csi_share_one_download(short_dir: Path, model_copy: Path, s3: S3,
+                                                            fault_proxy: FaultProxy) -> None:
+    s3.upload_dir(model_copy, "models", "shared/")
+    uri = "s3://models/shared/"
+    fault_proxy.add("delay", seconds=1.0, method="GET", path=".safetensors", count=-1)
+    csi_sock, kubelet = short_dir / "csi.sock", short_dir / "kubelet"
+    d = await start_daemon(short_dir, model_copy, env={"NODE_NAME": "n"}, config={
+        "csiEndpoint": f"unix://{csi_sock}", "kubeletDir": str(kubelet), "models": [{"source": uri}],
+        "endpoints": {"s3": {"endpointUrl": fault_proxy.endpoint_url}}})
+    target = kubelet / "pods" / "uid-1" / "volumes" / "kubernetes.io~csi" / "llama" / "mount"
+    try:
+        while not fault_proxy.requests_for("GET", ".safetensors"):  # reconcile (keep-warm) started the fetch
+            await asyncio.sleep(0.02)
+        async with grpc.aio.insecure_channel(f"unix://{csi_sock}") as channel:
+            publish = csi_pb2_grpc.NodeStub(channel).NodePublishVolume(
+                publish_request("vol-1", target, model=uri, namespace="ml", pod_uid="uid-1"), timeout=60)
+            api = asyncio.to_thread(d.client.ensure, uri)
+            _, snapshot = await asyncio.gather(publish, api)
+            assert (target / "config.json").read_bytes() == (model_copy / "config.json").read_bytes()
+            weights = [r.path for r in fault_proxy.requests_for("GET", ".safetensors")]
+            assert weights and len(weights) == len(set(weights)), "one download for the three callers"
+            assert snapshot["id"] in (await asyncio.to_thread(d.client.leases)).values()
+            await csi_pb2_grpc.NodeStub(channel).NodeUnpublishVolume(
+                csi_pb2.NodeUnpublishVolumeRequest(volume_id="vol-1", target_path=str(target)))
     finally:
         await d.daemon.stop()
         unmount_under(short_dir)
