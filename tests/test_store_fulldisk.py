@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures_daemon import off_cluster, start_daemon  # noqa: F401  (off_cluster: no kube config leaks in)
 from tests.fixtures_store import fetch, make_models
 from weightcache.errors import InsufficientSpaceError
 from weightcache.store import Store
@@ -142,3 +144,23 @@ def test_floor_is_configured_by_the_daemon_config(tmp_path: Path) -> None:
             parse_settings(bad)
     store = Store(tmp_path / "root", min_free_bytes=s.min_free_bytes, min_free_percent=s.min_free_percent)
     assert store.floor_bytes(100 << 30) == 5 << 30 and store.floor_bytes(10 << 30) == 2 << 30
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+async def test_daemon_starts_on_a_full_disk_answers_and_gives_space_back(tmpfs: Path, tmp_path: Path) -> None:
+    import asyncio
+    import tempfile
+
+    _, ids = await asyncio.to_thread(populate, tmpfs, tmp_path, pin="b")
+    await asyncio.to_thread(fill, tmpfs)
+    sock_dir = Path(tempfile.mkdtemp(prefix="wcs-"))  # a Unix socket path must stay under 108 bytes
+    running = await start_daemon(tmpfs, tmp_path / "src" / "a", socket=sock_dir / "d.sock")
+    try:
+        listed = await asyncio.to_thread(running.client.list)
+        assert [m["id"] for m in listed] == [ids["b"]]  # a (unpinned) gave its space back at start
+        assert (await asyncio.to_thread(running.client.verify, ids["b"]))["damaged"] == []
+        assert disk_free(tmpfs)[0] > 0
+    finally:
+        await running.daemon.stop()
+        shutil.rmtree(sock_dir, ignore_errors=True)
