@@ -213,3 +213,19 @@ def test_index_of_a_newer_schema_is_rebuilt_not_used(tmp_path: Path) -> None:
     again = Store(tmp_path / "root")
     assert [i.snapshot.id for i in again.list()] == [a.id]
     assert sqlite3.connect(store.layout.index).execute("PRAGMA user_version").fetchone()[0] == 1
+
+
+def test_a_tampered_index_row_is_refused_and_evict_uses_the_manifest(tmp_path: Path) -> None:
+    outside = canary(tmp_path)
+    models = make_models(tmp_path / "src", "a")
+    store = Store(tmp_path / "root")
+    a = fetch(store, models["a"])
+    depth = len(store.layout.blob(SHA).relative_to(tmp_path).parts) - 1
+    escape = "/".join([".."] * depth) + "/outside/precious"
+    store.index.write(lambda db: db.execute("UPDATE files SET sha256=? WHERE snapshot_id=? AND path=?",
+                                            (escape, a.id, a.files[0].path)))
+    with pytest.raises(DamagedRecordError, match="sha256"):
+        store.get(a.id)
+    store.evict(a.id)  # the file list comes from the (valid) manifest, not from the index
+    assert store.list() == [] and not a.path.exists()
+    assert_untouched(outside)
