@@ -44,7 +44,7 @@ def deep_object(depth: int) -> bytes:
     (b"{", "is not valid JSON"),
 ])
 @pytest.mark.parametrize(("method", "path"), [("PUT", "/v1/models"), ("POST", "/v1/leases")])
-async def test_hostile_bodies_are_400_with_what_to_send(daemon: RunningDaemon, method: str, path: str,  # noqa: F811
+async def test_hostile_bodies_are_400_with_what_to_send(daemon: RunningDaemon, method: str, path: str,
                                                          body: bytes, says: str) -> None:
     async with daemon.http() as http, http.request(method, path, data=body) as r:
         answer = await r.json()
@@ -54,7 +54,7 @@ async def test_hostile_bodies_are_400_with_what_to_send(daemon: RunningDaemon, m
 
 @pytest.mark.parametrize("path", ["/v1/leases/..", "/v1/leases/%2e%2e", "/v1/leases/..%2F..%2Fetc",
                                   "/v1/leases/a%00b", "/v1/models/..", "/v1/models/%2e%2e%2findex.db"])
-async def test_path_tricks_are_4xx_never_500(daemon: RunningDaemon, path: str) -> None:  # noqa: F811
+async def test_path_tricks_are_4xx_never_500(daemon: RunningDaemon, path: str) -> None:
     sock = socket.socket(socket.AF_UNIX)
     sock.connect(str(daemon.socket))
     try:  # a raw request: aiohttp's client would normalise the path before sending it
@@ -75,7 +75,7 @@ def _read_all(sock: socket.socket) -> bytes:
     return b"".join(chunks)
 
 
-async def test_csi_leases_cannot_be_released_through_the_api(daemon: RunningDaemon) -> None:  # noqa: F811
+async def test_csi_leases_cannot_be_released_through_the_api(daemon: RunningDaemon) -> None:
     snap = await asyncio.to_thread(daemon.client.ensure, daemon.model_uri)
     store = daemon.daemon.node.store  # type: ignore[union-attr]
     VolumeBook(store.root).put(VolumeRecord("vol-1", "/kubelet/pods/u1/volumes/kubernetes.io~csi/m/mount",
@@ -105,7 +105,7 @@ api_bodies = st.one_of(
 )
 
 
-async def test_fuzzed_api_bodies_never_get_a_500(daemon: RunningDaemon) -> None:  # noqa: F811
+async def test_fuzzed_api_bodies_never_get_a_500(daemon: RunningDaemon) -> None:
     socket_path = str(daemon.socket)
 
     @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), database=None)

@@ -31,7 +31,7 @@ Listening = tuple[RunningDaemon, GuardedTCPSite, io.StringIO]  # the daemon, its
 
 
 @pytest.fixture
-async def tcp_daemon(short_dir: Path, model_copy: Path,  # noqa: F811
+async def tcp_daemon(short_dir: Path, model_copy: Path,
                      monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Listening]:
     monkeypatch.setattr(daemon_app, "TCP_LIMITS", LIMITS)
     (short_dir / "token").write_text(TOKEN)

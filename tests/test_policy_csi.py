@@ -23,7 +23,7 @@ GRANT = [{"metadata": {"name": "llama-weights"},
 
 @needs_root
 async def test_a_glob_grant_mounts_and_fetches_only_the_granted_files(
-        safe_tmp: Path, model_in_s3: str, fault_proxy: FaultProxy) -> None:  # noqa: F811
+        safe_tmp: Path, model_in_s3: str, fault_proxy: FaultProxy) -> None:
     def policy(ref: ModelRef, namespace: str) -> Decision:
         return decide(ref, namespace, GRANT, allow_undeclared=True)
 
@@ -50,7 +50,7 @@ async def test_a_glob_grant_mounts_and_fetches_only_the_granted_files(
 
 @pytest.mark.parametrize(("attribute", "value"), [("include", '["*.bin", 3]'), ("exclude", "/etc/*")])
 async def test_bad_glob_attributes_are_invalid_argument_naming_the_attribute(
-        safe_tmp: Path, model_in_s3: str, fault_proxy: FaultProxy, attribute: str, value: str) -> None:  # noqa: F811
+        safe_tmp: Path, model_in_s3: str, fault_proxy: FaultProxy, attribute: str, value: str) -> None:
     h = await fixtures_csi.start_harness(safe_tmp, fault_proxy)
     try:
         with pytest.raises(grpc.aio.AioRpcError) as caught:

@@ -123,7 +123,7 @@ def test_the_cli_never_prints_the_secret(tmp_path: Path, ref: str) -> None:
 
 @pytest.mark.parametrize("attribute", ["model", "include"])
 async def test_csi_error_messages_and_request_logs_never_carry_the_secret(
-        csi: CsiHarness, caplog: pytest.LogCaptureFixture, attribute: str) -> None:  # noqa: F811
+        csi: CsiHarness, caplog: pytest.LogCaptureFixture, attribute: str) -> None:
     caplog.set_level(logging.DEBUG)
     if attribute == "model":
         request = csi.publish_request("vol-secret", model=HOSTILE_REFS[0])
@@ -141,7 +141,7 @@ async def test_csi_error_messages_and_request_logs_never_carry_the_secret(
 
 
 async def test_daemon_api_answers_and_logs_never_carry_the_secret(
-        daemon: RunningDaemon, caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
+        daemon: RunningDaemon, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG)
     async with daemon.http() as http:
         for ref in HOSTILE_REFS:

@@ -10,15 +10,15 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from weightcache import __version__, defaults
+from weightcache.cli_backends import DaemonCache, StoreCache, match, open_cache
 from weightcache.errors import (
     ConfigError,
-    InUseError,
     InvalidReferenceError,
     NotCachedError,
     WeightcacheError,
@@ -30,7 +30,8 @@ from weightcache.units import fmt_bytes, parse_size
 
 if TYPE_CHECKING:  # imported lazily at run time: `weightcache --help` stays fast
     from weightcache.daemon.client import DaemonClient
-    from weightcache.store import Snapshot, Store
+    from weightcache.store import Store
+    from weightcache.uri import ModelRef
 
 log = logging.getLogger("weightcache")
 
@@ -40,24 +41,22 @@ def _root(args: argparse.Namespace) -> str:
 
 
 def _store(args: argparse.Namespace, *, budget: int | None = None) -> Store:
+    """The store itself, created if missing: for a direct prefetch only (every other command: `_cache`)."""
     from weightcache.store import Store
 
     return Store(_root(args), budget_bytes=budget)
 
 
-def _daemon(args: argparse.Namespace) -> DaemonClient | None:
-    """A client of the node daemon when its socket exists and no explicit --root asks for the store itself."""
-    if args.root or getattr(args, "no_daemon", False):
-        return None
-    try:
-        from weightcache.daemon.client import DaemonClient
-    except ImportError:
-        return None
-    sock = Path(getattr(args, "socket", None) or defaults.socket())
-    if not sock.exists():
-        return None
-    client = DaemonClient(sock)
-    return client if client.available() else None  # a socket file left by a crash: use the store directly
+def _cache(args: argparse.Namespace) -> DaemonCache | StoreCache:
+    """The node daemon when its socket answers (and no --root or --no-daemon), else the store at the root."""
+    return open_cache(args.root, defaults.root(), args.socket or defaults.socket(), use_daemon=not args.no_daemon,
+                      endpoint_url=getattr(args, "endpoint_url", None))
+
+
+def _say(args: argparse.Namespace, text: str) -> None:
+    """A line for people on stdout, unless --quiet."""
+    if not args.quiet:
+        print(text)
 
 
 def size_arg(text: str) -> int:
@@ -71,12 +70,15 @@ def size_arg(text: str) -> int:
 class ProgressPrinter:
     """A progress bar on a terminal; JSON lines otherwise (stderr, so stdout keeps the result)."""
 
-    def __init__(self, out: TextIO = sys.stderr) -> None:
+    def __init__(self, out: TextIO = sys.stderr, *, quiet: bool = False) -> None:
         self.out = out
         self.tty = out.isatty()
+        self.quiet = quiet
         self._last = 0.0
 
     def __call__(self, p: Progress | dict[str, Any]) -> None:
+        if self.quiet:
+            return
         if isinstance(p, dict):
             p = Progress.from_json(p)
         now = time.monotonic()
@@ -94,7 +96,7 @@ class ProgressPrinter:
         self.out.flush()
 
     def close(self) -> None:
-        if self.tty:
+        if self.tty and not self.quiet and self._last:
             self.out.write("\n")
 
 
@@ -107,11 +109,6 @@ def _print_table(rows: list[list[str]], headers: list[str], out: TextIO = sys.st
 def _ago(ts: float) -> str:
     d = max(0, time.time() - ts)
     return f"{d:.0f}s ago" if d < 120 else f"{d / 60:.0f}m ago" if d < 7200 else f"{d / 3600:.0f}h ago"
-
-
-def _snapshot_json(snap: Any) -> dict[str, Any]:
-    return {"id": snap.id, "path": str(snap.path), "uri": snap.uri, "revision": snap.revision, "size": snap.size,
-            "files": len(snap.files)}
 
 
 # -- commands ---------------------------------------------------------------------------------------------------
@@ -130,41 +127,107 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
         return prefetch_cluster(api, ref, name=args.name, node_selector=selector, tier=args.tier,
                                 allowed_namespaces=args.allow_namespace, wait=args.wait, timeout=args.timeout,
                                 out=sys.stdout, json_lines=not sys.stdout.isatty())
-    printer = ProgressPrinter()
-    client = _daemon(args)
+    cache = _cache(args)
+    if args.dry_run:
+        return _dry_run(args, ref, cache)
+    printer = ProgressPrinter(quiet=args.quiet)
     try:
-        if client is not None:
-            result = client.ensure(ref.uri, revision=ref.revision, include=list(ref.include),
-                                   exclude=list(ref.exclude), tier=args.tier, pin=args.pin, on_progress=printer)
+        if isinstance(cache, DaemonCache):
+            result = _prefetch_through(cache.client, ref, args, printer)
         else:
-            from weightcache.fetch import Fetcher
-
-            store = _store(args, budget=args.disk_budget)
-            fetcher = Fetcher(store, concurrency=args.concurrency, chunk_size=args.chunk_size,
-                              connect_timeout=args.connect_timeout, read_timeout=args.read_timeout,
-                              endpoint_url=args.endpoint_url)
-            snap = fetcher.ensure(ref, progress=printer)
-            if args.pin:
-                store.pin(snap.id)
-            result = _snapshot_json(snap)
-    finally:
+            result = _prefetch_here(ref, args, printer)
+    except _Stopped as stop:
         printer.close()
+        print(stop, file=sys.stderr)
+        return 130
+    printer.close()
     if args.output == "json":
         print(json.dumps(result))
+    elif args.quiet:
+        print(result["path"])  # as `hf download --quiet`: only where the model is
     else:
         print(f"{ref}: snapshot {result['id'][:12]} at {result['path']} ({fmt_bytes(result['size'])})")
     return 0
 
 
+class _Stopped(Exception):
+    """Ctrl-C during a prefetch; the message says what happens to the download."""
+
+
+def _prefetch_through(client: DaemonClient, ref: ModelRef, args: argparse.Namespace,
+                      printer: ProgressPrinter) -> dict[str, Any]:
+    """Join the daemon's fetch. On Ctrl-C the daemon stops it unless someone else wants it: the last progress
+    line said which (`kept`), so the message says plainly whether the download goes on."""
+    kept = False
+
+    def on_progress(p: dict[str, Any]) -> None:
+        nonlocal kept
+        kept = bool(p.get("kept"))
+        printer(p)
+
+    try:
+        return client.ensure(ref.uri, revision=ref.revision, include=list(ref.include), exclude=list(ref.exclude),
+                             tier=args.tier, pin=args.pin, on_progress=on_progress)
+    except KeyboardInterrupt:
+        if kept:
+            raise _Stopped(f"stopped waiting; the daemon goes on fetching {ref} for another client, a pod or a "
+                           "ModelCache that wants it (`weightcache ls` shows it once cached)") from None
+        raise _Stopped(f"cancelled: the daemon stops fetching {ref}; the chunks it finished are kept and the next "
+                       "prefetch resumes from them") from None
+
+
+def _prefetch_here(ref: ModelRef, args: argparse.Namespace, printer: ProgressPrinter) -> dict[str, Any]:
+    """Download into the store directly. Ctrl-C cancels the queued ranges at once; finished chunks and their
+    journal stay for the next run."""
+    from weightcache.daemon.listing import snapshot_body
+    from weightcache.fetch import Fetcher
+
+    store = _store(args, budget=args.disk_budget)
+    cancel = threading.Event()
+    fetcher = Fetcher(store, concurrency=args.concurrency, chunk_size=args.chunk_size,
+                      connect_timeout=args.connect_timeout, read_timeout=args.read_timeout,
+                      endpoint_url=args.endpoint_url, cancel=cancel)
+    try:
+        snap = fetcher.ensure(ref, progress=printer)
+    except KeyboardInterrupt:
+        cancel.set()
+        fetcher.close()
+        raise _Stopped(f"cancelled the download of {ref}; finished chunks are kept and the next prefetch resumes "
+                       "from them") from None
+    if args.pin:
+        store.pin(snap.id)
+    return dict(snapshot_body(snap))
+
+
+def _dry_run(args: argparse.Namespace, ref: ModelRef, cache: DaemonCache | StoreCache) -> int:
+    """What a prefetch would fetch: the source's files after the globs, their sizes, and what is cached."""
+    from weightcache.sources import open_source
+
+    source = open_source(ref, endpoint_url=args.endpoint_url, connect_timeout=args.connect_timeout,
+                         read_timeout=args.read_timeout)
+    try:
+        objects = source.list()
+    finally:
+        source.close()
+    try:
+        cached = match(cache.snapshots(), str(ref), where=cache.where)
+    except NotCachedError:
+        cached = []
+    total = sum(o.size for o in objects)
+    if args.output == "json":
+        print(json.dumps({"uri": ref.uri, "revision": ref.revision, "bytes": total, "cached": [c["id"] for c in cached],
+                          "files": [{"path": o.relpath, "size": o.size} for o in objects]}))
+        return 0
+    if not args.quiet:
+        _print_table([[o.relpath, fmt_bytes(o.size)] for o in objects], ["FILE", "SIZE"])
+    state = (f"cached as snapshot {', '.join(c['id'][:12] for c in cached)} in {cache.where}: a prefetch only checks "
+             "the source for changes" if cached else f"not cached in {cache.where}: a prefetch downloads it all")
+    print(f"{ref}: {len(objects)} files, {fmt_bytes(total)}; {state}")
+    return 0
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
-    client = _daemon(args)
-    if client is not None:
-        models = client.list()
-    else:
-        models = [{"id": i.snapshot.id, "path": str(i.snapshot.path), "uri": i.snapshot.uri,
-                   "refs": list(i.refs), "size": i.snapshot.size, "files": len(i.snapshot.files),
-                   "last_used": i.last_used, "pinned": i.pinned, "leases": list(i.leases)}
-                  for i in _store(args).list()]
+    models = _cache(args).snapshots()
     if args.output == "json":
         print(json.dumps(models, indent=1))
         return 0
@@ -175,77 +238,51 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
-def _resolve(store: Store, text: str) -> list[Snapshot]:
-    snaps = store.find(text)
-    if not snaps:
-        raise NotCachedError(f"nothing cached matches {text!r}; see `weightcache ls`")
-    return snaps
-
-
 def cmd_evict(args: argparse.Namespace) -> int:
-    store = _store(args)
+    cache = _cache(args)
     if args.to_size is not None:
-        gone = store.evict_to(args.to_size)
-        print(f"evicted {len(gone)} snapshot(s); store now uses {fmt_bytes(store.used_bytes())}")
+        gone, used = cache.evict_to(args.to_size)
+        _say(args, f"evicted {len(gone)} snapshot(s); {cache.where} now uses {fmt_bytes(used)}")
         return 0
     if not args.ref:
         raise InvalidReferenceError("give a model reference or snapshot id, or --to-size SIZE")
-    for snap in _resolve(store, args.ref):
-        try:
-            store.evict(snap.id)
-        except InUseError as exc:
-            from weightcache.csi import describe_holder
-
-            held = [describe_holder(store.root, h) for h, s in store.leases().items() if s == snap.id]
-            raise InUseError(f"{exc}" + (f". Held by: {'; '.join(held)}" if held else "")) from exc
-        print(f"evicted {snap.uri} snapshot {snap.id[:12]}")
+    for entry in match(cache.snapshots(), args.ref, where=cache.where):
+        cache.evict(entry["id"])
+        _say(args, f"evicted {entry['uri']} snapshot {entry['id'][:12]}")
     return 0
 
 
 def cmd_pin(args: argparse.Namespace) -> int:
-    store = _store(args)
-    for snap in _resolve(store, args.ref):
+    cache = _cache(args)
+    for entry in match(cache.snapshots(), args.ref, where=cache.where):
         if args.command == "pin":
-            store.pin(snap.id)
+            cache.pin(entry["id"])
         else:
-            store.unpin(snap.id, by="user")
-        print(f"{args.command}ned {snap.uri} snapshot {snap.id[:12]}")
+            cache.unpin(entry["id"])
+        _say(args, f"{args.command}ned {entry['uri']} snapshot {entry['id'][:12]}")
     return 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from weightcache.store import drop_damaged, verify_snapshot
-
-    store = _store(args)
-    snaps = _resolve(store, args.ref) if args.ref else [i.snapshot for i in store.list()]
+    cache = _cache(args)
+    entries = match(cache.snapshots(), args.ref, where=cache.where) if args.ref else cache.snapshots()
     damaged = 0
-    for snap in snaps:
-        bad = verify_snapshot(store, snap.id)
-        if not bad:
-            print(f"ok       {snap.uri} {snap.id[:12]} ({len(snap.files)} files)")
+    for entry in entries:
+        result = cache.verify(entry["id"], repair=args.repair)
+        if not result["damaged"]:
+            _say(args, f"ok       {result['uri']} {entry['id'][:12]} ({result['files']} files)")
             continue
-        damaged += 1
-        print(f"DAMAGED  {snap.uri} {snap.id[:12]}: {', '.join(bad)}")
-        if args.repair:
-            from weightcache.fetch import Fetcher
-            from weightcache.uri import parse_ref
-
-            refs = drop_damaged(store, snap.id, bad)
-            fetcher = Fetcher(store, endpoint_url=args.endpoint_url)
-            for text in refs or [snap.uri]:
-                new = fetcher.ensure(parse_ref(text))
-                print(f"repaired {text} -> snapshot {new.id[:12]}")
-                damaged -= 1 if text == (refs or [snap.uri])[0] else 0
+        print(f"DAMAGED  {result['uri']} {entry['id'][:12]}: {', '.join(result['damaged'])}")
+        for fixed in result["repaired"]:
+            print(f"repaired {fixed['ref']} -> snapshot {fixed['snapshot'][:12]}")
+        damaged += 0 if result["repaired"] else 1
     if damaged and not args.repair:
         print("run `weightcache verify --repair` to refetch damaged snapshots", file=sys.stderr)
     return 7 if damaged else 0
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from weightcache.store import collect_garbage
-
-    freed = collect_garbage(_store(args))
-    print(f"freed {fmt_bytes(freed)}")
+    _say(args, f"freed {fmt_bytes(_cache(args).gc())}")
     return 0
 
 
@@ -257,11 +294,12 @@ def cmd_status(args: argparse.Namespace) -> int:
         from weightcache.kube.cluster_cli import status
 
         return status(api, args.name, out=sys.stdout, output=args.output)
-    store = _store(args)
-    infos = store.list()
-    summary: dict[str, Any] = {"root": str(store.root), "snapshots": len(infos), "used_bytes": store.used_bytes(),
-               "budget_bytes": store.budget_bytes, "leases": len(store.leases()),
-               "pinned": sum(1 for i in infos if i.pinned)}
+    cache = _cache(args)
+    models = cache.snapshots()  # read-only: no store is created where none is
+    summary: dict[str, Any] = {"where": cache.where, "snapshots": len(models),
+                               "size_bytes": sum(m["size"] for m in models),
+                               "leases": sum(len(m.get("leases") or []) for m in models),
+                               "pinned": sum(1 for m in models if m.get("pinned"))}
     if args.output == "json":
         print(json.dumps(summary))
     else:
@@ -283,6 +321,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--root", help=f"store root (env WEIGHTCACHE_ROOT, default {defaults.ROOT}); "
                                       "given explicitly, the CLI uses the store directly, not the daemon")
         p.add_argument("-o", "--output", choices=["table", "json"], default="table")
+        p.add_argument("--socket", help=f"daemon socket (env WEIGHTCACHE_SOCKET, default {defaults.SOCKET})")
+        p.add_argument("--no-daemon", action="store_true", help="use the store directly even if a daemon runs")
+        p.add_argument("-q", "--quiet", action="store_true", help="no progress and no chatter: errors, and what "
+                                                                  "was asked for (prefetch: the snapshot path)")
         return p
 
     p = add("prefetch", cmd_prefetch, "fetch a model into the node store (or across a cluster with --cluster)")
@@ -303,8 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disk-budget", type=size_arg, default=None, help="evict LRU models to stay under this size")
     p.add_argument("--tier", choices=["disk", "memory"], default="disk")
     p.add_argument("--pin", action="store_true", help="never evict this model")
-    p.add_argument("--no-daemon", action="store_true", help="use the store directly even if a daemon runs")
-    p.add_argument("--socket", help="daemon socket (env WEIGHTCACHE_SOCKET)")
+    p.add_argument("--dry-run", action="store_true", help="list what would be fetched (files, sizes) and what "
+                                                          "is already cached; download nothing")
     p.add_argument("--cluster", action="store_true", help="declare a ModelCache so matching nodes prefetch it")
     p.add_argument("--node-selector", action="append", default=[], metavar="K=V")
     p.add_argument("--allow-namespace", action="append", default=[], metavar="NS",
@@ -314,7 +356,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=3600.0)
 
     p = add("ls", cmd_ls, "list cached models")
-    p.add_argument("--socket")
     p = add("evict", cmd_evict, "remove a cached model (refused while pods use it or it is pinned)")
     p.add_argument("ref", nargs="?", help="reference, snapshot id or id prefix")
     p.add_argument("--to-size", type=size_arg, help="evict least recently used models until the store fits")
@@ -350,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
-        print("interrupted; partial downloads are kept and resume on the next run", file=sys.stderr)
+        print("interrupted", file=sys.stderr)
         return 130
     except WeightcacheError as exc:
         print(redact(f"error: {exc}"), file=sys.stderr)

@@ -5,7 +5,11 @@
                                  else    -> 200 {"snapshot": ...} when cached, 202 {"fetching": uri, ...} otherwise
     GET    /v1/models            [SnapshotInfo...]
     GET    /v1/models/{id}       SnapshotInfo
-    DELETE /v1/models/{id}       evict; 409 naming the holders while leased or pinned
+    DELETE /v1/models/{id}       evict; 409 naming the holders (and who they are) while leased or pinned
+    PUT    /v1/models/{id}/pin   pin (by "user"); DELETE: unpin
+    POST   /v1/models/{id}/verify  {repair?} -> {id, damaged: [path], repaired: [{ref, snapshot}]}
+    POST   /v1/evict             {to_size} -> {evicted: [id], used_bytes}: LRU eviction down to a size
+    POST   /v1/gc                -> {freed}: unreferenced blobs and abandoned partial downloads
     GET    /v1/leases            {holder: snapshot id}
     POST   /v1/leases            {holder, uri | snapshot} -> {holder, snapshot, path}
     DELETE /v1/leases/{holder}   release (idempotent)
@@ -33,12 +37,13 @@ from weightcache import errors
 from weightcache.csi.reconcile import HOLDER_PREFIX as CSI_HOLDER_PREFIX
 from weightcache.csi.reconcile import describe_holder
 from weightcache.daemon.client import error_code
-from weightcache.daemon.listing import Listing
+from weightcache.daemon.fetches import FetchQueue
+from weightcache.daemon.listing import Listing, info_body, snapshot_body
 from weightcache.daemon.node import Node
 from weightcache.fetch import Progress
 from weightcache.jsonbody import parse_json
 from weightcache.redact import redact
-from weightcache.store import Snapshot, SnapshotInfo
+from weightcache.store import Snapshot, SnapshotInfo, collect_garbage, drop_damaged, verify_snapshot
 from weightcache.uri import ModelRef, parse_ref
 
 log = logging.getLogger(__name__)
@@ -56,23 +61,6 @@ _PROBES = frozenset({"/healthz", "/readyz"})
 class ErrorBody(TypedDict):
     error: str
     message: str
-
-
-class SnapshotBody(TypedDict):
-    id: str
-    path: str
-    uri: str
-    revision: str | None
-    size: int
-    files: int
-
-
-class InfoBody(SnapshotBody):
-    refs: list[str]
-    last_used: float
-    pinned: bool
-    leases: list[str]
-    unique_bytes: int
 
 
 class ProgressBody(TypedDict):
@@ -100,16 +88,6 @@ def error_body(exc: BaseException) -> ErrorBody:
     if not isinstance(exc, errors.WeightcacheError):
         return {"error": "internal", "message": "internal error; the daemon log has the details"}
     return {"error": error_code(type(exc)), "message": redact(str(exc))}
-
-
-def snapshot_body(s: Snapshot) -> SnapshotBody:
-    return {"id": s.id, "path": str(s.path), "uri": s.uri, "revision": s.revision, "size": s.size,
-            "files": len(s.files)}
-
-
-def info_body(i: SnapshotInfo) -> InfoBody:
-    return {**snapshot_body(i.snapshot), "refs": list(i.refs), "last_used": i.last_used,
-            "pinned": i.pinned, "leases": list(i.leases), "unique_bytes": i.unique_bytes}
 
 
 def progress_body(p: Progress) -> ProgressBody:
@@ -248,7 +226,7 @@ async def _follow(request: web.Request, response: web.StreamResponse, req: Ensur
                   task: asyncio.Task[Snapshot], updates: asyncio.Queue[Progress]) -> None:
     fetches = request.app[NODE].fetches
     latest = fetches.progress(req.ref) or Progress(req.ref.uri, "queued", 0, 0, 0, 0, 0.0, None)
-    await _line(response, {"progress": progress_body(latest)})  # says at once whether it is queued, and behind what
+    await _line(response, _progress_line(fetches, req, latest))  # says at once whether it is queued, and behind what
     last_line = time.monotonic()
     while not task.done():
         getter = asyncio.ensure_future(updates.get())
@@ -267,7 +245,7 @@ async def _follow(request: web.Request, response: web.StreamResponse, req: Ensur
             latest = getter.result()
         while not updates.empty():  # coalesce: a slow reader gets the newest state, not a backlog
             latest = updates.get_nowait()
-        await _line(response, {"progress": progress_body(latest)})  # also the heartbeat while nothing moves
+        await _line(response, _progress_line(fetches, req, latest))  # also the heartbeat while nothing moves
         last_line = time.monotonic()
     if task.cancelled():  # the daemon is stopping
         await _line(response, {"error": "unavailable", "message": "the daemon stopped before the fetch finished; "
@@ -277,6 +255,11 @@ async def _follow(request: web.Request, response: web.StreamResponse, req: Ensur
     else:
         await _line(response, {"snapshot": snapshot_body(task.result())})
     await response.write_eof()
+
+
+def _progress_line(fetches: FetchQueue, req: EnsureRequest, progress: Progress) -> dict[str, Any]:
+    """A progress line; `kept`: the fetch goes on if this client leaves (another caller wants it)."""
+    return {"progress": {**progress_body(progress), "kept": fetches.kept(req.ref)}}
 
 
 async def _line(response: web.StreamResponse, value: Any) -> None:
@@ -319,9 +302,54 @@ async def delete_model(request: web.Request) -> web.Response:
         await asyncio.to_thread(_evict, node, sid)
     except errors.InUseError as exc:
         holders = sorted(h for h, s in (await asyncio.to_thread(node.store.leases)).items() if s == sid)
-        return web.json_response({**error_body(exc), "holders": holders}, status=409)
+        held_by = [await asyncio.to_thread(describe_holder, node.store.root, h) for h in holders]
+        return web.json_response({**error_body(exc), "holders": holders, "held_by": held_by}, status=409)
     node.metrics.evictions.labels("api").inc()
     return web.json_response({"evicted": sid})
+
+
+async def pin_model(request: web.Request) -> web.Response:
+    node, sid = request.app[NODE], _snapshot_id(request)
+    await asyncio.to_thread(node.store.get, sid)  # NotCachedError naming the id
+    if request.method == "PUT":
+        await asyncio.to_thread(node.store.pin, sid)
+        return web.json_response({"pinned": sid})
+    await asyncio.to_thread(node.store.unpin, sid, by="user")
+    return web.json_response({"unpinned": sid})
+
+
+async def verify_model(request: web.Request) -> web.Response:
+    """Re-hash a snapshot (blocking reads on a thread); `repair` drops damaged files and fetches them again
+    through the node's fetch queue."""
+    node, sid = request.app[NODE], _snapshot_id(request)
+    body = parse_json(await request.read() or b"{}", example='{"repair": true}')
+    repair = body.get("repair", False) if isinstance(body, dict) else None
+    if not isinstance(repair, bool):
+        raise errors.InvalidReferenceError('send {"repair": true} or {"repair": false}')
+    snapshot = await asyncio.to_thread(node.store.get, sid)
+    damaged = await asyncio.to_thread(verify_snapshot, node.store, sid)
+    repaired = []
+    if damaged and repair:
+        refs = await asyncio.to_thread(drop_damaged, node.store, sid, damaged) or [snapshot.uri]
+        for text in refs:
+            fresh = await node.fetches.ensure(parse_ref(text), keep=True)
+            repaired.append({"ref": text, "snapshot": fresh.id})
+    return web.json_response({"id": sid, "uri": snapshot.uri, "files": len(snapshot.files), "damaged": damaged,
+                              "repaired": repaired})
+
+
+async def evict_to(request: web.Request) -> web.Response:
+    node, body = request.app[NODE], parse_json(await request.read(), example='{"to_size": 200000000000}')
+    size = body.get("to_size") if isinstance(body, dict) else None
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise errors.InvalidReferenceError('to_size is a number of bytes, as in {"to_size": 200000000000}')
+    evicted = await asyncio.to_thread(node.store.evict_to, size)
+    node.metrics.evictions.labels("api").inc(len(evicted))
+    return web.json_response({"evicted": list(evicted), "used_bytes": await asyncio.to_thread(node.store.used_bytes)})
+
+
+async def gc(request: web.Request) -> web.Response:
+    return web.json_response({"freed": await asyncio.to_thread(collect_garbage, request.app[NODE].store)})
 
 
 def _evict(node: Node, snapshot_id: str) -> None:
@@ -398,6 +426,11 @@ def make_app(node: Node, *, token: bytes | None = None) -> web.Application:
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{id}", get_model)
     app.router.add_delete("/v1/models/{id}", delete_model)
+    app.router.add_put("/v1/models/{id}/pin", pin_model)
+    app.router.add_delete("/v1/models/{id}/pin", pin_model)
+    app.router.add_post("/v1/models/{id}/verify", verify_model)
+    app.router.add_post("/v1/evict", evict_to)
+    app.router.add_post("/v1/gc", gc)
     app.router.add_get("/v1/leases", list_leases)
     app.router.add_post("/v1/leases", take_lease)
     app.router.add_delete("/v1/leases/{holder}", release_lease)

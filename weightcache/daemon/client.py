@@ -22,7 +22,7 @@ TIMEOUT_S = 30.0  # per socket operation; a streaming ensure may last hours, but
 
 
 class _UnixConnection(http.client.HTTPConnection):
-    def __init__(self, path: Path, timeout: float) -> None:
+    def __init__(self, path: Path, timeout: float | None) -> None:
         super().__init__("localhost", timeout=timeout)
         self._path = path
 
@@ -62,11 +62,14 @@ def raise_for(status: int, body: Any) -> None:
     """Raise the exception an error answer stands for."""
     code = body.get("error", "internal") if isinstance(body, dict) else "internal"
     message = body.get("message", "") if isinstance(body, dict) else str(body)[:500]
+    held_by = body.get("held_by") if isinstance(body, dict) else None
+    if isinstance(held_by, list) and held_by:  # a refused eviction: say who holds the model, as the store does
+        message += f". Held by: {'; '.join(map(str, held_by))}"
     cls = _classes().get(code)
     try:
         exc = cls(message) if cls is not None else None
     except TypeError:  # a class whose constructor wants more than a message
-        exc = None
+        exc = errors.InvalidReferenceError(message) if status == 400 else None
     raise exc or DaemonError(message or f"daemon answered HTTP {status}", code=code, status=status)
 
 
@@ -118,6 +121,23 @@ class DaemonClient:
     def delete(self, snapshot_id: str) -> dict[str, Any]:
         return self._call("DELETE", f"/v1/models/{quote(snapshot_id, safe='')}")  # type: ignore[no-any-return]
 
+    def pin(self, snapshot_id: str) -> dict[str, Any]:
+        return self._call("PUT", f"/v1/models/{quote(snapshot_id, safe='')}/pin")  # type: ignore[no-any-return]
+
+    def unpin(self, snapshot_id: str) -> dict[str, Any]:
+        return self._call("DELETE", f"/v1/models/{quote(snapshot_id, safe='')}/pin")  # type: ignore[no-any-return]
+
+    def verify(self, snapshot_id: str, *, repair: bool = False) -> dict[str, Any]:
+        """Re-hash one snapshot on the daemon (which may take minutes on a big model: no socket timeout)."""
+        return self._call("POST", f"/v1/models/{quote(snapshot_id, safe='')}/verify",  # type: ignore[no-any-return]
+                          {"repair": repair}, long=True)
+
+    def evict_to(self, size: int) -> dict[str, Any]:
+        return self._call("POST", "/v1/evict", {"to_size": size})  # type: ignore[no-any-return]
+
+    def gc(self) -> dict[str, Any]:
+        return self._call("POST", "/v1/gc", {}, long=True)  # type: ignore[no-any-return]
+
     def leases(self) -> dict[str, str]:
         return self._call("GET", "/v1/leases")  # type: ignore[no-any-return]
 
@@ -134,12 +154,13 @@ class DaemonClient:
     def metrics(self) -> str:
         return self._call("GET", "/metrics", raw=True)  # type: ignore[no-any-return]
 
-    def _connect(self) -> _UnixConnection:
-        return _UnixConnection(self.socket_path, self.timeout)
+    def _connect(self, *, long: bool = False) -> _UnixConnection:
+        """`long`: a request that works before it answers (verify, gc): no timeout on the wait."""
+        return _UnixConnection(self.socket_path, None if long else self.timeout)
 
     def _call(self, method: str, path: str, body: Any = None, *, ok: tuple[int, ...] = (200, 201, 202),
-              raw: bool = False) -> Any:
-        conn = self._connect()
+              raw: bool = False, long: bool = False) -> Any:
+        conn = self._connect(long=long)
         try:
             data = None if body is None else json.dumps(body)
             conn.request(method, path, data, {"Content-Type": "application/json"} if data else {})

@@ -118,6 +118,12 @@ class FetchQueue:
         return Progress(ref.uri, "queued", 0, 0, 0, 0, 0.0, None,
                         f"behind {ahead} download{'s' if ahead != 1 else ''}")
 
+    def kept(self, ref: ModelRef) -> bool:
+        """Whether the fetch of `ref` goes on when one of its waiters leaves (kept, or another waiter): what a
+        client hears before its Ctrl-C, so it can say whether the download stops."""
+        job = self._jobs.get(job_key(ref))
+        return job is not None and (job.keep or job.waiters > 1)
+
     def depth(self) -> tuple[int, int]:
         """(running, queued) jobs."""
         return len(self._running), len(self._queued)

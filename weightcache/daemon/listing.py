@@ -16,10 +16,40 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable
+from typing import TypedDict
 
-from weightcache.store import SnapshotInfo, Store
+from weightcache.store import Snapshot, SnapshotInfo, Store
 
 RACY_S = 0.05
+
+
+class SnapshotBody(TypedDict):
+    id: str
+    path: str
+    uri: str
+    revision: str | None
+    size: int
+    files: int
+
+
+class InfoBody(SnapshotBody):
+    refs: list[str]
+    last_used: float
+    pinned: bool
+    leases: list[str]
+    unique_bytes: int
+
+
+def snapshot_body(s: Snapshot) -> SnapshotBody:
+    """A snapshot as the API and the CLI show it."""
+    return {"id": s.id, "path": str(s.path), "uri": s.uri, "revision": s.revision, "size": s.size,
+            "files": len(s.files)}
+
+
+def info_body(i: SnapshotInfo) -> InfoBody:
+    """A listed snapshot as `GET /v1/models` and `weightcache ls` show it, whichever way the CLI went."""
+    return {**snapshot_body(i.snapshot), "refs": list(i.refs), "last_used": i.last_used,
+            "pinned": i.pinned, "leases": list(i.leases), "unique_bytes": i.unique_bytes}
 
 
 class Listing:

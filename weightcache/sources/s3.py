@@ -202,7 +202,7 @@ class S3Source:
         try:
             resp = self._client.get_object(**args)
         except (botocore.exceptions.ClientError, botocore.exceptions.NoCredentialsError) as exc:
-            raise translate(exc, what) from exc
+            raise translate(exc, what, uri=self.ref.uri) from exc
         except NETWORK_ERRORS as exc:
             raise Retryable(self._network_reason(exc, "GET")) from exc
         self._note_encryption(obj.key, resp)
@@ -228,7 +228,7 @@ class S3Source:
             try:
                 return fn()
             except (botocore.exceptions.ClientError, botocore.exceptions.NoCredentialsError) as exc:
-                translated = translate(exc, what)
+                translated = translate(exc, what, uri=self.ref.uri)
                 raise translated from exc
             except WeightcacheError:
                 raise
@@ -238,8 +238,10 @@ class S3Source:
         return self.options.retry(what).call(attempt)
 
 
-def translate(exc: botocore.exceptions.ClientError | botocore.exceptions.NoCredentialsError, what: str) -> Exception:
-    """The one S3 error table: a ClientError becomes `Retryable` or one of our SourceErrors (cause chained)."""
+def translate(exc: botocore.exceptions.ClientError | botocore.exceptions.NoCredentialsError, what: str, *,
+              uri: str) -> Exception:
+    """The one S3 error table: a ClientError becomes `Retryable` or one of our SourceErrors (cause chained).
+    `what` is the request that failed ("listing s3://..."), `uri` the model's prefix the hints name."""
     if isinstance(exc, botocore.exceptions.NoCredentialsError):
         denied = SourceAccessDeniedError(f"{what}: no AWS credentials found; set AWS_ACCESS_KEY_ID and "
                                          "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or give the node an IAM role")
@@ -252,7 +254,7 @@ def translate(exc: botocore.exceptions.ClientError | botocore.exceptions.NoCrede
         retry_after = meta.get("HTTPHeaders", {}).get("retry-after", "")
         return Retryable(f"{code} (HTTP {status})", float(retry_after) if retry_after.isdigit() else None)
     cls, hint = ERRORS.get(code) or ERRORS.get(str(status)) or (SourceError, "see the chained cause")
-    err = cls(f"{what}: {code} (HTTP {status}); {hint.format(uri=what)}")
+    err = cls(f"{what}: {code} (HTTP {status}); {hint.format(uri=uri)}")
     err.__cause__ = exc
     return err
 

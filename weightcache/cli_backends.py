@@ -1,0 +1,188 @@
+"""Where a CLI command acts: the node daemon when its socket answers, else the store at --root directly.
+
+Every command but `prefetch --cluster` goes through `open_cache(...)`, so `ls`, `evict`, `pin`, `unpin`,
+`verify` and `gc` see the same store as the daemon (which may run on another root than the CLI's default) and
+join its single flight. Both backends speak in the listing's dicts (`weightcache.daemon.listing.info_body`).
+
+Read-only commands never create a store: where no store exists at the root, `StoreCache` lists nothing and
+says "nothing is cached" instead of making empty directories at /var/lib/weightcache.
+
+Snapshots are named by a reference (`s3://models/llama/[@rev]`), a full snapshot id, or an id prefix of at
+least `MIN_PREFIX` characters; a prefix that matches several snapshots is refused, naming them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from weightcache.errors import InUseError, InvalidReferenceError, NotCachedError
+
+if TYPE_CHECKING:
+    from weightcache.daemon.client import DaemonClient
+    from weightcache.store import Store
+
+MIN_PREFIX = 4
+
+
+class Cache(Protocol):
+    """What the CLI's store commands need, whichever way they go."""
+
+    where: str  # for messages: "the daemon at /run/weightcache/weightcache.sock" or "the store at /var/lib/..."
+
+    def snapshots(self) -> list[dict[str, Any]]: ...
+    def evict(self, snapshot_id: str) -> None: ...
+    def evict_to(self, size: int) -> tuple[list[str], int]: ...
+    def pin(self, snapshot_id: str) -> None: ...
+    def unpin(self, snapshot_id: str) -> None: ...
+    def verify(self, snapshot_id: str, *, repair: bool) -> dict[str, Any]: ...
+    def gc(self) -> int: ...
+
+
+@dataclass
+class DaemonCache:
+    client: DaemonClient
+
+    @property
+    def where(self) -> str:
+        return f"the daemon at {self.client.socket_path}"
+
+    def snapshots(self) -> list[dict[str, Any]]:
+        return self.client.list()
+
+    def evict(self, snapshot_id: str) -> None:
+        self.client.delete(snapshot_id)  # a 409 comes back as InUseError naming who holds it
+
+    def evict_to(self, size: int) -> tuple[list[str], int]:
+        answer = self.client.evict_to(size)
+        return list(answer["evicted"]), int(answer["used_bytes"])
+
+    def pin(self, snapshot_id: str) -> None:
+        self.client.pin(snapshot_id)
+
+    def unpin(self, snapshot_id: str) -> None:
+        self.client.unpin(snapshot_id)
+
+    def verify(self, snapshot_id: str, *, repair: bool) -> dict[str, Any]:
+        return self.client.verify(snapshot_id, repair=repair)
+
+    def gc(self) -> int:
+        return int(self.client.gc()["freed"])
+
+
+@dataclass
+class StoreCache:
+    root: Path
+    endpoint_url: str | None = None  # for verify --repair's refetch
+    _store: Store | None = None
+
+    @property
+    def where(self) -> str:
+        return f"the store at {self.root}"
+
+    def exists(self) -> bool:
+        from weightcache.store.layout import Layout
+
+        return Layout(self.root).manifests.is_dir()
+
+    def open(self) -> Store:
+        """The store, created if missing: only for commands that write."""
+        if self._store is None:
+            from weightcache.store import Store
+
+            self._store = Store(self.root)
+        return self._store
+
+    def _existing(self) -> Store | None:
+        return self.open() if self._store is not None or self.exists() else None
+
+    def snapshots(self) -> list[dict[str, Any]]:
+        from weightcache.daemon.listing import info_body
+
+        store = self._existing()
+        return [dict(info_body(i)) for i in store.list()] if store is not None else []
+
+    def evict(self, snapshot_id: str) -> None:
+        from weightcache.csi.reconcile import describe_holder
+
+        store = self.open()
+        try:
+            store.evict(snapshot_id)
+        except InUseError as exc:
+            held = [describe_holder(store.root, h) for h, s in store.leases().items() if s == snapshot_id]
+            raise InUseError(f"{exc}" + (f". Held by: {'; '.join(held)}" if held else "")) from exc
+
+    def evict_to(self, size: int) -> tuple[list[str], int]:
+        store = self._existing()
+        if store is None:
+            return [], 0
+        return store.evict_to(size), store.used_bytes()
+
+    def pin(self, snapshot_id: str) -> None:
+        self.open().pin(snapshot_id)
+
+    def unpin(self, snapshot_id: str) -> None:
+        self.open().unpin(snapshot_id, by="user")
+
+    def verify(self, snapshot_id: str, *, repair: bool) -> dict[str, Any]:
+        from weightcache.store import drop_damaged, verify_snapshot
+
+        store = self.open()
+        snapshot = store.get(snapshot_id)
+        damaged = verify_snapshot(store, snapshot_id)
+        repaired = []
+        if damaged and repair:
+            from weightcache.fetch import Fetcher
+            from weightcache.uri import parse_ref
+
+            fetcher = Fetcher(store, endpoint_url=self.endpoint_url)
+            for text in drop_damaged(store, snapshot_id, damaged) or [snapshot.uri]:
+                repaired.append({"ref": text, "snapshot": fetcher.ensure(parse_ref(text)).id})
+        return {"id": snapshot_id, "uri": snapshot.uri, "files": len(snapshot.files), "damaged": damaged,
+                "repaired": repaired}
+
+    def gc(self) -> int:
+        from weightcache.store import collect_garbage
+
+        store = self._existing()
+        return collect_garbage(store) if store is not None else 0
+
+
+def open_cache(root: str | None, default_root: str | Path, socket: str | Path, *, use_daemon: bool = True,
+               endpoint_url: str | None = None) -> DaemonCache | StoreCache:
+    """The daemon when `use_daemon`, no explicit `root`, and a daemon answers on `socket`; else the store."""
+    if use_daemon and not root and Path(socket).exists():
+        from weightcache.daemon.client import DaemonClient
+
+        client = DaemonClient(socket)
+        if client.available():  # a socket file left by a crash is not a daemon
+            return DaemonCache(client)
+    return StoreCache(Path(root or default_root), endpoint_url)
+
+
+def match(entries: list[dict[str, Any]], text: str, *, where: str) -> list[dict[str, Any]]:
+    """The listed snapshots `text` names: a reference (every cached revision, or the one asked for), a snapshot
+    id, or an id prefix of at least MIN_PREFIX characters that is not ambiguous."""
+    text = text.strip()
+    if "://" in text:
+        from weightcache.uri import parse_ref
+
+        ref = parse_ref(text)
+        found = [e for e in entries if e["uri"] == ref.uri]
+        if ref.revision:
+            rev = ref.revision
+            found = [e for e in found if rev in (e.get("revision"), e["id"]) or e["id"].startswith(rev)
+                     or f"{ref.uri}@{rev}" in (e.get("refs") or [])]
+    else:
+        if len(text) < MIN_PREFIX:
+            raise InvalidReferenceError(f"{text!r} is too short to name a snapshot; give at least {MIN_PREFIX} "
+                                        "characters of its id, or the model's reference (see `weightcache ls`)")
+        found = [e for e in entries if e["id"].startswith(text)]
+        if len(found) > 1 and not any(e["id"] == text for e in found):
+            names = ", ".join(f"{e['id'][:12]} ({e['uri']})" for e in found[:10])
+            raise InvalidReferenceError(f"{text!r} matches {len(found)} snapshots: {names}; give more characters "
+                                        "of the id")
+    if not found:
+        raise NotCachedError(f"nothing cached in {where} matches {text!r}; see `weightcache ls`")
+    return found
