@@ -9,6 +9,7 @@ with `proxy.add(...)` are applied to the next matching requests:
     proxy.add("reset", keep=0.25)            # a quarter arrives, then RST (SO_LINGER 0)
     proxy.add("flip", at=10)                 # byte 10 of the body is flipped, status and headers unchanged
     proxy.add("delay", seconds=0.5)          # answer after a pause (trips client read timeouts)
+    proxy.add("throttle", rate=200_000)      # the body trickles at 200 kB/s (a slow origin), in 50 ms steps
     proxy.add("status", status=403, code="AccessDenied")
 
     proxy.requests[-1].range == "bytes=0-99"
@@ -34,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-KINDS = ("slowdown", "reset", "truncate", "flip", "delay", "status")
+KINDS = ("slowdown", "reset", "truncate", "flip", "delay", "status", "throttle")
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection"}
 
 
@@ -58,6 +59,7 @@ class Fault:
     keep: float = 0.5  # reset/truncate: fraction of the body sent first
     at: int | None = None  # flip: body offset (default: the middle)
     seconds: float = 0.0  # delay
+    rate: int = 0  # throttle: body bytes per second
     status: int = 500  # status
     code: str = "InternalError"  # status: the S3 error code in the XML body
     retry_after: int | None = None  # slowdown/status: Retry-After header
@@ -173,8 +175,21 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if fault and fault.kind in ("reset", "truncate"):
             self.wfile.write(payload[:int(len(payload) * fault.keep)])
             return self._hang_up(reset=fault.kind == "reset")
+        if fault and fault.kind == "throttle" and self.command != "HEAD":
+            return self._trickle(payload, fault.rate)
         if self.command != "HEAD":
             self.wfile.write(payload)
+
+    def _trickle(self, payload: bytes, rate: int) -> None:
+        step = max(1, rate // 20)
+        for pos in range(0, len(payload), step):
+            try:
+                self.wfile.write(payload[pos:pos + step])
+                self.wfile.flush()
+            except OSError:  # the client went away (cancelled): stop sending
+                self.close_connection = True
+                return
+            time.sleep(0.05)
 
     do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
 

@@ -183,6 +183,11 @@ class _Told:
         self.count = 0
 
 
+#: Bytes asked of one readinto: a buffered socket read blocks until it has them all, so this bounds how long
+#: progress and a cancel wait on a slow origin (128 KiB at 0.8 MB/s: 0.16 s), at ~24k calls/s at 3 GB/s.
+READ_SLICE = 128 << 10
+
+
 def _readinto_all(resp: Any, view: memoryview, on_bytes: OnBytes | None = None) -> int:
     """Fill `view` from the body until it is full or the body ends; PartialRead(done) on a failure.
 
@@ -194,7 +199,7 @@ def _readinto_all(resp: Any, view: memoryview, on_bytes: OnBytes | None = None) 
     done = 0
     while done < len(view):
         try:
-            n = readinto(view[done:])
+            n = readinto(view[done:done + READ_SLICE])
         except Exception as exc:
             raise PartialRead(done, f"{type(exc).__name__} after {done} bytes of the body") from exc
         if not n:

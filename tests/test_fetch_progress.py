@@ -1,0 +1,71 @@
+"""Progress counts bytes as they arrive, and Ctrl-C stops a download at once, keeping what is journalled."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.faultproxy import FaultProxy
+from tests.fixtures_s3 import S3
+from weightcache.fetch import Fetcher
+from weightcache.progress import Progress
+from weightcache.store import Store
+from weightcache.uri import parse_ref
+
+SIZE = 1 << 20
+
+
+def test_a_slow_origin_shows_progress_before_a_chunk_completes(tmp_path: Path, s3: S3, fault_proxy: FaultProxy) -> None:
+    s3.put("models", "m/w.bin", bytes(SIZE))
+    fault_proxy.add("throttle", method="GET", ranged_only=True, count=-1, rate=SIZE // 2)  # about 2 s
+    seen: list[Progress] = []
+    # one chunk is the whole file: counting per finished chunk would show 0 until the very end
+    f = Fetcher(Store(tmp_path / "root"), endpoint_url=fault_proxy.endpoint_url, chunk_size=SIZE, concurrency=1)
+    f.ensure(parse_ref("s3://models/m/"), progress=seen.append)
+    midway = [p.bytes_done for p in seen if p.phase == "downloading" and 0 < p.bytes_done < SIZE]
+    assert midway, [(p.phase, p.bytes_done) for p in seen]
+    assert midway == sorted(midway) and all(p.bytes_done <= SIZE for p in seen)
+    assert len(seen) < 40, "progress events must stay rate-limited"
+
+
+def test_ctrl_c_stops_a_download_within_a_second_and_resume_asks_only_for_the_rest(
+        tmp_path: Path, s3: S3, fault_proxy: FaultProxy) -> None:
+    size, chunk = 4 << 20, 64 << 10
+    body = bytes(range(256)) * (size // 256)
+    s3.put("models", "big/w.bin", body)
+    throttle = fault_proxy.add("throttle", method="GET", ranged_only=True, count=-1, rate=400_000)  # ~10 s in all
+    root = tmp_path / "root"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "weightcache", "prefetch", "--no-daemon", "-o", "json", "s3://models/big/", "--root",
+         str(root), "--endpoint-url", fault_proxy.endpoint_url, "--chunk-size", str(chunk), "--concurrency", "2"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    journal = None
+    while journal is None and time.monotonic() < deadline:  # wait for the journal to record two chunks
+        found = [j for j in root.glob("partial/*.journal") if len(j.read_text().splitlines()) >= 3]
+        journal = found[0] if found else None
+        time.sleep(0.02)
+    assert journal is not None, "the download never got going"
+    proc.send_signal(signal.SIGINT)
+    sent = time.monotonic()
+    _, err = proc.communicate(timeout=30)
+    stopped = time.monotonic() - sent
+    assert proc.returncode == 130, err
+    assert stopped < 2.0, f"Ctrl-C took {stopped:.1f} s to stop the download"
+    assert "Traceback" not in err and "resume" in err
+
+    journalled = [tuple(map(int, line.split())) for line in journal.read_text().splitlines()[1:]]
+    assert journalled and all(n == chunk for _, n in journalled)
+    fault_proxy.faults.remove(throttle)
+    fault_proxy.clear()
+    snap = Fetcher(Store(root), endpoint_url=fault_proxy.endpoint_url, chunk_size=chunk).ensure(
+        parse_ref("s3://models/big/"))
+    assert (snap.path / "w.bin").read_bytes() == body
+    asked = [tuple(int(x) for x in r.range.removeprefix("bytes=").split("-"))
+             for r in fault_proxy.requests_for("GET", "/models/big/w.bin") if r.range]
+    for a, b in asked:
+        assert not any(a < off + n and off <= b for off, n in journalled), f"journalled bytes refetched: {a}-{b}"
+    assert sum(b - a + 1 for a, b in asked) == size - sum(n for _, n in journalled)
