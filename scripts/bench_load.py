@@ -21,8 +21,8 @@ import json
 import mmap
 import os
 import resource
-import statistics
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -68,7 +68,7 @@ def make_model(directory: Path, size_gb: float, shards: int) -> list[Path]:
 # ---- one trial, in a child process ----------------------------------------------------------------------------
 
 
-def touch(t) -> None:  # noqa: ANN001 (torch is imported lazily)
+def touch(t) -> None:
     """Read one byte per 4 KiB page; a cuda tensor is complete once the stream is synchronized."""
     import torch
     if not t.is_cuda and t.numel():

@@ -57,7 +57,7 @@ def make_model(dest: Path, size_gb: float, shards: int) -> int:
             i += 1
         name = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
         save_file(tensors, str(dest / name))
-        weight_map.update({k: name for k in tensors})
+        weight_map.update(dict.fromkeys(tensors, name))
     (dest / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     (dest / "config.json").write_text(json.dumps({"model_type": "llama"}))
     return sum(p.stat().st_size for p in dest.iterdir())

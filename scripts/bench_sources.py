@@ -100,7 +100,7 @@ def source_reader(source: Source, obj: ObjectInfo) -> Callable[[int, memoryview]
     return lambda pos, view: source.read_into(obj, pos, view)
 
 
-def copying_read_body_into(resp, view: memoryview) -> int:  # noqa: ANN001 - the variant readinto replaced
+def copying_read_body_into(resp, view: memoryview) -> int:
     data = resp.read(len(view))
     view[:len(data)] = data
     return len(data)

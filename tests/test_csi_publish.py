@@ -29,7 +29,7 @@ from weightcache.memory import MemoryTier
 pytestmark = ROOT_MARKS
 
 
-async def code_of(call) -> grpc.StatusCode:  # noqa: ANN001
+async def code_of(call) -> grpc.StatusCode:
     try:
         await call
     except grpc.aio.AioRpcError as exc:
@@ -201,7 +201,7 @@ async def test_evicting_a_mounted_model_is_refused_and_names_the_pod(csi: CsiHar
 
 
 async def test_memory_tier_volume_is_made_resident_and_served_from_disk_when_it_cannot_be(
-        safe_tmp, fault_proxy, model_in_s3) -> None:  # noqa: ANN001
+        safe_tmp, fault_proxy, model_in_s3) -> None:
     tier = MemoryTier(64 << 20, mode="mlock")
     csi = await start_harness(safe_tmp, fault_proxy, tier=tier)
     try:

@@ -13,7 +13,15 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.fixtures_daemon import (  # noqa: F401 - fixtures are used by name
-    RunningDaemon, daemon, eventually, model_copy, off_cluster, short_dir, start_daemon, tiny_model)
+    RunningDaemon,
+    daemon,
+    eventually,
+    model_copy,
+    off_cluster,
+    short_dir,
+    start_daemon,
+    tiny_model,
+)
 from weightcache.errors import InUseError, InvalidReferenceError, NotCachedError
 from weightcache.uri import parse_ref
 

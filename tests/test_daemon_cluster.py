@@ -10,8 +10,7 @@ import pytest
 import yaml
 
 from tests.fake_apiserver import ApiError, FakeApiServer
-from tests.fixtures_daemon import (eventually, model_copy, off_cluster, short_dir,  # noqa: F401
-                                   start_daemon, tiny_model)
+from tests.fixtures_daemon import eventually, model_copy, off_cluster, short_dir, start_daemon, tiny_model  # noqa: F401
 from weightcache.daemon.reconcile import PIN_OWNER
 from weightcache.uri import readiness_label
 

@@ -28,7 +28,7 @@ def allocated(api: FakeApiServer, namespace: str, name: str, device: str) -> dic
 
 
 async def test_daemon_publishes_prepares_and_withdraws_models(
-        cluster: FakeApiServer, short_dir: Path, model_copy: Path) -> None:  # noqa: F811 - fixtures
+        cluster: FakeApiServer, short_dir: Path, model_copy: Path) -> None:
     uri = f"file://{model_copy}/"
     cluster.create("modelcaches", model_cache("llama", uri, "a100", ["ml"]))
     kubelet_dir = short_dir / "k"

@@ -6,7 +6,15 @@ import asyncio
 from pathlib import Path
 
 from tests.fixtures_daemon import (  # noqa: F401 - fixtures are used by name
-    RunningDaemon, daemon, eventually, model_copy, off_cluster, short_dir, start_daemon, tiny_model)
+    RunningDaemon,
+    daemon,
+    eventually,
+    model_copy,
+    off_cluster,
+    short_dir,
+    start_daemon,
+    tiny_model,
+)
 from weightcache.daemon.config import parse_settings
 from weightcache.daemon.reconcile import PIN_OWNER, READY, Actual, Held, Want, settle, wants
 from weightcache.uri import parse_ref

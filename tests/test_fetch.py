@@ -39,7 +39,7 @@ def _same_tree(snap_path: Path, src: Path) -> bool:
     return files == got and all((snap_path / f).read_bytes() == (src / f).read_bytes() for f in files)
 
 
-def _origin_get_bytes(proxy, path: str = "") -> int:  # noqa: ANN001
+def _origin_get_bytes(proxy, path: str = "") -> int:
     total = 0
     for r in proxy.requests_for("GET", path):
         if r.range:
@@ -48,7 +48,7 @@ def _origin_get_bytes(proxy, path: str = "") -> int:  # noqa: ANN001
     return total
 
 
-def test_fetch_from_s3_is_exact_and_pinned_with_if_match(tmp_path: Path, s3, fault_proxy, model: Path) -> None:  # noqa: ANN001
+def test_fetch_from_s3_is_exact_and_pinned_with_if_match(tmp_path: Path, s3, fault_proxy, model: Path) -> None:
     s3.upload_dir(model, "models", "llama/")
     snap = _fetcher(tmp_path / "root", fault_proxy.endpoint_url).ensure(parse_ref("s3://models/llama/"))
     assert _same_tree(snap.path, model)
@@ -56,7 +56,7 @@ def test_fetch_from_s3_is_exact_and_pinned_with_if_match(tmp_path: Path, s3, fau
     assert gets and all(r.if_match for r in gets), "every ranged GET must be pinned to the listed ETag"
 
 
-def test_two_revisions_share_blobs_and_only_changed_files_are_fetched(tmp_path: Path, s3, fault_proxy,  # noqa: ANN001
+def test_two_revisions_share_blobs_and_only_changed_files_are_fetched(tmp_path: Path, s3, fault_proxy,
                                                                      model: Path) -> None:
     s3.upload_dir(model, "models", "llama/")
     f = _fetcher(tmp_path / "root", fault_proxy.endpoint_url)
@@ -79,7 +79,7 @@ def test_two_revisions_share_blobs_and_only_changed_files_are_fetched(tmp_path: 
     assert len([p for p in f.store.layout.blobs.rglob("*") if p.is_file()]) == len(first.files) + 1
 
 
-def test_throttling_and_resets_and_short_bodies_are_retried(tmp_path: Path, s3, fault_proxy, model: Path) -> None:  # noqa: ANN001
+def test_throttling_and_resets_and_short_bodies_are_retried(tmp_path: Path, s3, fault_proxy, model: Path) -> None:
     s3.upload_dir(model, "models", "llama/")
     fault_proxy.add("slowdown", method="GET", ranged_only=True, count=2)
     fault_proxy.add("reset", method="GET", ranged_only=True, count=1, keep=0.3)
@@ -90,7 +90,7 @@ def test_throttling_and_resets_and_short_bodies_are_retried(tmp_path: Path, s3, 
     assert all(fault.fired == fault.count for fault in fault_proxy.faults)
 
 
-def test_flipped_byte_is_detected_by_md5_etag_and_refetched(tmp_path: Path, s3, fault_proxy, model: Path) -> None:  # noqa: ANN001
+def test_flipped_byte_is_detected_by_md5_etag_and_refetched(tmp_path: Path, s3, fault_proxy, model: Path) -> None:
     s3.upload_dir(model, "models", "llama/")
     target = "/models/llama/model-00001-of-00002.safetensors"
     flip = fault_proxy.add("flip", method="GET", path=target, ranged_only=True, count=1, at=100)
@@ -101,7 +101,7 @@ def test_flipped_byte_is_detected_by_md5_etag_and_refetched(tmp_path: Path, s3, 
     assert _origin_get_bytes(fault_proxy, target) == 2 * size, "the damaged file must be fetched again, once"
 
 
-def test_corruption_that_persists_fails_with_integrity_error_and_publishes_nothing(tmp_path: Path, s3, fault_proxy,  # noqa: ANN001
+def test_corruption_that_persists_fails_with_integrity_error_and_publishes_nothing(tmp_path: Path, s3, fault_proxy,
                                                                                   model: Path) -> None:
     s3.upload_dir(model, "models", "llama/")
     fault_proxy.add("flip", method="GET", path="config.json", ranged_only=True, count=-1, at=1)
@@ -112,21 +112,21 @@ def test_corruption_that_persists_fails_with_integrity_error_and_publishes_nothi
     assert list(f.store.layout.snapshots.iterdir()) == []
 
 
-def test_sha256_checksum_from_s3_is_verified(tmp_path: Path, s3, fault_proxy, model: Path) -> None:  # noqa: ANN001
+def test_sha256_checksum_from_s3_is_verified(tmp_path: Path, s3, fault_proxy, model: Path) -> None:
     for p in sorted(model.iterdir()):
         s3.put("models", f"llama/{p.name}", p.read_bytes(), ChecksumAlgorithm="SHA256")
     snap = _fetcher(tmp_path / "root", fault_proxy.endpoint_url).ensure(parse_ref("s3://models/llama/"))
     assert _same_tree(snap.path, model)
 
 
-def test_sidecar_sha256_mismatch_is_refused(tmp_path: Path, s3, model: Path) -> None:  # noqa: ANN001
+def test_sidecar_sha256_mismatch_is_refused(tmp_path: Path, s3, model: Path) -> None:
     s3.upload_dir(model, "models", "llama/")
     s3.put("models", "llama/config.json.sha256", b"0" * 64 + b"  config.json\n")
     with pytest.raises(IntegrityError, match="config.json"):
         _fetcher(tmp_path / "root", s3.endpoint_url).ensure(parse_ref("s3://models/llama/"))
 
 
-def test_object_replaced_mid_download_restarts_and_never_mixes(tmp_path: Path, s3, fault_proxy, model: Path) -> None:  # noqa: ANN001
+def test_object_replaced_mid_download_restarts_and_never_mixes(tmp_path: Path, s3, fault_proxy, model: Path) -> None:
     s3.upload_dir(model, "models", "llama/")
     name = "model-00001-of-00002.safetensors"
     new_body = (model / "model-00002-of-00002.safetensors").read_bytes()
@@ -148,7 +148,7 @@ def test_object_replaced_mid_download_restarts_and_never_mixes(tmp_path: Path, s
     assert any(r.if_match for r in fault_proxy.requests_for("GET", name))
 
 
-def test_hostile_keys_from_s3_are_refused_and_nothing_written_outside(tmp_path: Path, s3, model: Path) -> None:  # noqa: ANN001
+def test_hostile_keys_from_s3_are_refused_and_nothing_written_outside(tmp_path: Path, s3, model: Path) -> None:
     for key in ["evil/../../x", "evil//abs", "evil/" + "n" * 256]:
         s3.put("hostile", "evil/config.json", b"{}")
         s3.put("hostile", key, b"owned")
@@ -170,7 +170,7 @@ def test_hostile_keys_from_s3_are_refused_and_nothing_written_outside(tmp_path: 
     b'{"w": {"dtype": "X99", "shape": [1], "data_offsets": [0, 16]}}',  # unknown dtype
     b"not json at all",
 ])
-def test_malicious_safetensors_header_is_refused_before_publish(tmp_path: Path, s3, header: bytes) -> None:  # noqa: ANN001
+def test_malicious_safetensors_header_is_refused_before_publish(tmp_path: Path, s3, header: bytes) -> None:
     body = struct.pack("<Q", len(header)) + header + b"\0" * 16
     s3.put("models", "bad/model.safetensors", body)
     s3.put("models", "bad/config.json", b"{}")
@@ -181,7 +181,7 @@ def test_malicious_safetensors_header_is_refused_before_publish(tmp_path: Path, 
     assert not list(f.store.layout.partial.glob("*.part")), "a refused file's partial must not be kept for a retry"
 
 
-def test_huge_header_length_is_refused(tmp_path: Path, s3) -> None:  # noqa: ANN001
+def test_huge_header_length_is_refused(tmp_path: Path, s3) -> None:
     s3.put("models", "bad/model.safetensors", struct.pack("<Q", 1 << 60) + b"{}")
     with pytest.raises(SafetensorsHeaderError):
         _fetcher(tmp_path / "root", s3.endpoint_url).ensure(parse_ref("s3://models/bad/"))
@@ -190,7 +190,7 @@ def test_huge_header_length_is_refused(tmp_path: Path, s3) -> None:  # noqa: ANN
 _PREFETCH = [sys.executable, "-m", "weightcache", "prefetch", "--no-daemon", "-o", "json"]
 
 
-def test_single_flight_across_three_processes(tmp_path: Path, s3, fault_proxy, model: Path) -> None:  # noqa: ANN001
+def test_single_flight_across_three_processes(tmp_path: Path, s3, fault_proxy, model: Path) -> None:
     s3.upload_dir(model, "models", "llama/")
     fault_proxy.add("delay", method="GET", ranged_only=True, count=6, seconds=0.2)
     root = tmp_path / "root"
@@ -205,7 +205,7 @@ def test_single_flight_across_three_processes(tmp_path: Path, s3, fault_proxy, m
     assert _origin_get_bytes(fault_proxy) == model_bytes, "three processes must cause exactly one download"
 
 
-def test_kill_9_mid_download_resumes_without_refetching_journalled_ranges(tmp_path: Path, s3, fault_proxy) -> None:  # noqa: ANN001
+def test_kill_9_mid_download_resumes_without_refetching_journalled_ranges(tmp_path: Path, s3, fault_proxy) -> None:
     src = tmp_path / "big"
     make_model(src, layers=2, hidden=256, shards=1)  # one ~7 MB file: > 100 chunks
     s3.upload_dir(src, "models", "big/")

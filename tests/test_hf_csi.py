@@ -24,7 +24,7 @@ from weightcache.hf_layout import commit_of
 pytestmark = ROOT_MARKS
 
 
-async def test_hf_repo_volume_is_a_read_only_hub_cache(csi: CsiHarness) -> None:  # noqa: F811
+async def test_hf_repo_volume_is_a_read_only_hub_cache(csi: CsiHarness) -> None:
     await csi.node.NodePublishVolume(csi.publish_request("vol-hf", hfRepo="acme/llama"))
     target = csi.target("vol-hf")
     snapshot = csi.store.list()[0].snapshot
@@ -47,7 +47,7 @@ async def test_hf_repo_volume_is_a_read_only_hub_cache(csi: CsiHarness) -> None:
 
 
 @pytest.mark.parametrize("repo", ["../etc", "a/b/c", "org--x/y", "x" * 200])
-async def test_malformed_hf_repo_is_invalid_argument_naming_the_field(csi: CsiHarness, repo: str) -> None:  # noqa: F811
+async def test_malformed_hf_repo_is_invalid_argument_naming_the_field(csi: CsiHarness, repo: str) -> None:
     code, details = await status_of(csi.node.NodePublishVolume(csi.publish_request("vol-bad", hfRepo=repo)))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "hfRepo" in details
     assert not csi.weight_gets()  # refused before any download

@@ -30,7 +30,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[int]
 
 
 @pytest.fixture(autouse=True)
-def hub_env(monkeypatch: pytest.MonkeyPatch, fake_hub: FakeHub, tmp_path: Path) -> None:  # noqa: F811
+def hub_env(monkeypatch: pytest.MonkeyPatch, fake_hub: FakeHub, tmp_path: Path) -> None:
     monkeypatch.setenv("HF_ENDPOINT", fake_hub.url)
     for name in ("HF_TOKEN", "HF_TOKEN_PATH", "HUGGING_FACE_HUB_TOKEN"):
         monkeypatch.delenv(name, raising=False)
@@ -38,7 +38,7 @@ def hub_env(monkeypatch: pytest.MonkeyPatch, fake_hub: FakeHub, tmp_path: Path) 
 
 
 def test_public_repo_fetches_every_file_from_the_listed_commit(
-        fake_hub: FakeHub, model_dir: tuple[Path, list[int]], tmp_path: Path) -> None:  # noqa: F811
+        fake_hub: FakeHub, model_dir: tuple[Path, list[int]], tmp_path: Path) -> None:
     src, _ = model_dir
     repo = fake_hub.add(REPO, src)
     store = Store(tmp_path / "root")
@@ -50,7 +50,7 @@ def test_public_repo_fetches_every_file_from_the_listed_commit(
     assert any(s.path.startswith("/cdn/") and s.host.startswith("localhost") for s in fake_hub.seen)
 
 
-def test_lfs_sha256_is_the_listed_checksum(fake_hub: FakeHub, model_dir: tuple[Path, list[int]]) -> None:  # noqa: F811
+def test_lfs_sha256_is_the_listed_checksum(fake_hub: FakeHub, model_dir: tuple[Path, list[int]]) -> None:
     src, _ = model_dir
     fake_hub.add(REPO, src)
     source = open_source(parse_ref(f"hf://{REPO}@main"))
@@ -65,7 +65,7 @@ def test_lfs_sha256_is_the_listed_checksum(fake_hub: FakeHub, model_dir: tuple[P
 
 @pytest.mark.parametrize("how", ["HF_TOKEN", "HF_TOKEN_PATH"])
 def test_private_repo_needs_the_token_which_goes_to_the_hub_only_and_is_never_logged(
-        fake_hub: FakeHub, model_dir: tuple[Path, list[int]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+        fake_hub: FakeHub, model_dir: tuple[Path, list[int]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture, how: str) -> None:
     src, _ = model_dir
     fake_hub.add(REPO, src, private=True)
@@ -92,7 +92,7 @@ def test_private_repo_needs_the_token_which_goes_to_the_hub_only_and_is_never_lo
 
 
 def test_wrong_token_is_refused_without_echoing_it(
-        fake_hub: FakeHub, model_dir: tuple[Path, list[int]], tmp_path: Path,  # noqa: F811
+        fake_hub: FakeHub, model_dir: tuple[Path, list[int]], tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     fake_hub.add(REPO, model_dir[0], private=True)
     monkeypatch.setenv("HF_TOKEN", "hf_wrong_token_value_123456")
@@ -101,7 +101,7 @@ def test_wrong_token_is_refused_without_echoing_it(
     assert "hf_wrong_token_value_123456" not in str(err.value) and "refused" in str(err.value)
 
 
-def test_unknown_revision_and_repo_are_not_found(fake_hub: FakeHub, model_dir: tuple[Path, list[int]],  # noqa: F811
+def test_unknown_revision_and_repo_are_not_found(fake_hub: FakeHub, model_dir: tuple[Path, list[int]],
                                                  tmp_path: Path) -> None:
     fake_hub.add(REPO, model_dir[0])
     with pytest.raises(SourceNotFoundError, match="no revision 'v9'"):
@@ -110,7 +110,7 @@ def test_unknown_revision_and_repo_are_not_found(fake_hub: FakeHub, model_dir: t
         Fetcher(Store(tmp_path / "b")).ensure(parse_ref("hf://acme/other"))
 
 
-def test_fetched_repo_loads_offline_as_org_name(fake_hub: FakeHub, model_dir: tuple[Path, list[int]],  # noqa: F811
+def test_fetched_repo_loads_offline_as_org_name(fake_hub: FakeHub, model_dir: tuple[Path, list[int]],
                                                 tmp_path: Path) -> None:
     from tests.test_hf_layout import load_offline
 

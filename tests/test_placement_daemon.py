@@ -24,7 +24,7 @@ NS = "inference"
 
 
 @pytest.fixture
-def cluster(short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeApiServer]:  # noqa: F811
+def cluster(short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeApiServer]:
     with FakeApiServer(schemas=crd_schemas()) as server:
         server.create("nodes", {"metadata": {"name": NODE, "labels": {"pool": "a100"}},
                                 "status": {"allocatable": {"nvidia.com/gpu": "1"}}})
@@ -40,8 +40,8 @@ def cluster(short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeAp
         yield server
 
 
-async def test_gated_pod_waits_for_a_real_daemon_then_lands_on_its_node(cluster: FakeApiServer, short_dir: Path,  # noqa: F811
-                                                                        model_copy: Path) -> None:  # noqa: F811
+async def test_gated_pod_waits_for_a_real_daemon_then_lands_on_its_node(cluster: FakeApiServer, short_dir: Path,
+                                                                        model_copy: Path) -> None:
     uri = f"file://{model_copy}/"
     ref = parse_ref(uri)
     # A grant only (no nodeSelector): nothing is prefetched until a pod asks.
