@@ -10,8 +10,11 @@ from collections.abc import Iterable
 
 from weightcache.errors import HostileKeyError
 
-MAX_NAME_BYTES = 255
-MAX_PATH_BYTES = 4096
+MAX_NAME_BYTES = 255  # NAME_MAX
+# PATH_MAX is 4096 for the whole path: the store root and snapshot id, or a pod's mount path, come first
+MAX_PATH_BYTES = 3072
+MAX_DEPTH = 64  # directories in one key; real models nest a few levels
+MAX_FILES = 100_000  # objects in one model
 
 
 def validate_relpath(key: str) -> str:
@@ -27,7 +30,9 @@ def validate_relpath(key: str) -> str:
     if key.startswith("/"):
         raise HostileKeyError(key, "absolute path")
     if len(key.encode()) > MAX_PATH_BYTES:
-        raise HostileKeyError(key, f"path longer than {MAX_PATH_BYTES} bytes")
+        raise HostileKeyError(key, f"path longer than {MAX_PATH_BYTES} bytes (PATH_MAX less room for the mount)")
+    if key.count("/") >= MAX_DEPTH:
+        raise HostileKeyError(key, f"more than {MAX_DEPTH} directories deep")
     for part in key.split("/"):
         if part in ("", ".", ".."):
             raise HostileKeyError(key, f"path segment {part!r} is not allowed (empty, '.' or '..')")
@@ -37,8 +42,12 @@ def validate_relpath(key: str) -> str:
 
 
 def validate_tree(keys: Iterable[str]) -> list[str]:
-    """Validate every key and refuse duplicates and keys that are both a file and a directory."""
+    """Validate every key and refuse duplicates, keys that are both a file and a directory, and more than
+    MAX_FILES keys."""
     files = sorted(validate_relpath(k) for k in keys)
+    if len(files) > MAX_FILES:
+        raise HostileKeyError(files[MAX_FILES], f"the model has {len(files)} files, more than {MAX_FILES}; "
+                                                "narrow it with --include/--exclude")
     seen = set()
     dirs: set[str] = set()
     for key in files:
