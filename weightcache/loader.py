@@ -12,13 +12,8 @@ written: an in-place op (`t.add_(1)`, an optimizer step on parameters loaded wit
 pages it touches into the process's own memory. The file, opened read-only, never changes. Before a tensor is
 handed out, its 64 MiB chunks are faulted in by READ_THREADS threads with madvise(MADV_POPULATE_READ), with
 sequential read-ahead hints on the file and the mapping; this keeps the disk queue full where page-fault-at-a-time
-reading does not, and maps cached pages faster than the consumer's own faults. Measured on the 2-core dev VM:
-- cold, one 2 GiB file, 1 s after a page-cache drop, medians of 5 (GB/s): page faults 0.87, posix_fadvise(WILLNEED)
-  1.26, parallel pread into reused buffers 1.52, MADV_POPULATE_READ x2 threads 2.13, x4 2.18, x8 1.36;
-- cold, 4 x 512 MB shards, 4 s after the drop, medians of 3: MADV_POPULATE_READ x4 1.64 with the sequential hints,
-  0.61 without; safetensors.torch.load_file 1.20; MADV_HUGEPAGE on the mapping 0.50 (so not used here: the
-  memory tier builds 2 MiB folios instead, see weightcache.memory);
-- warm (pages locked by the memory tier), medians of 5: populate x4 25 GB/s, consumer's own faults 15 GB/s.
+reading does not, and maps cached pages faster than the consumer's own faults. No MADV_HUGEPAGE on the mapping:
+it slowed cold loads; the memory tier builds 2 MiB folios instead (the measurements: docs/loader.md).
 On cuda each chunk is page-locked in place with cudaHostRegister(ReadOnly) and copied on one of several streams
 while later chunks are still being read; where registering is refused (older drivers, some filesystems) chunks go
 through a few reused pinned bounce buffers instead.
@@ -206,7 +201,7 @@ def _open_files(layout: dict[Path, frozenset[str]], keys: set[str] | None) -> li
             if absent:
                 raise ModelLayoutError(f"the index maps {len(absent)} tensors to {p.name}, which does not hold them, "
                                        f"e.g. {sorted(absent)[:3]}; re-fetch the model or fix the index")
-            # Larger read-ahead per fault: measured 2.7x faster cold loads on the dev VM (see the module docstring).
+            # Larger read-ahead per fault: measured 2.7x faster cold loads on the dev VM (docs/loader.md).
             os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
             # copy-on-write: shared page-cache pages until written, then private copies of the written pages only
             mm = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_COPY)

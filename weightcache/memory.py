@@ -10,14 +10,11 @@ the copy instead (`path_for`). It costs a second copy in RAM and the copy time, 
 drivers (the loader tries it and falls back to pinned bounce buffers); where a fleet's driver refuses it and
 the bounce copy is too slow, tmpfs (shmem) pages are the documented fallback. scripts/gpu_check.py checks this.
 
-Measured on the 2-core dev VM, 2 GiB file already in the page cache, 3 back-to-back runs:
-mlock in place 0.065-0.19 s; tmpfs copy 0.79-2.6 s + mlock 0.13-0.30 s. So mlock in place is the default.
+mlock in place is the default: it is several times faster than the tmpfs copy and costs no second copy.
 Where transparent huge pages are not "never", promote first re-reads each file into 2 MiB page-cache folios
-(drop its unmapped pages, MADV_HUGEPAGE, populate): pods then map 2 MiB per page-table entry. Measured, 4 x 512 MB
-shards: promote 0.96 s; loader + touch from the locked pages 88-96 GB/s, against 25 GB/s from 4 KiB folios
-(safetensors.load_file: 112-125 against 17 GB/s). Seen but not yet explained: for some seconds (up to ~30) after
-such a promote, loads of those pages ran slow (safetensors 0.5 GB/s, the loader 4-30 GB/s); `huge_folios=False`
-turns the re-read off.
+(drop its unmapped pages, MADV_HUGEPAGE, populate): pods then map 2 MiB per page-table entry, which loads several
+times faster from the locked pages; `huge_folios=False` turns the re-read off. The measurements behind both
+choices, and a slow spell seen after a promote that is not yet explained, are in docs/loader.md.
 
 Locked pages are charged to the daemon's memory cgroup and bounded by RLIMIT_MEMLOCK unless the process holds
 CAP_IPC_LOCK: `check_limits` says which DaemonSet setting to raise before anything is locked. The tier never
