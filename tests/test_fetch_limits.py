@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import fsspec
 import pytest
@@ -17,7 +18,7 @@ from weightcache.uri import parse_ref
 
 
 @pytest.fixture
-def memfs() -> Iterator[object]:
+def memfs() -> Iterator[Any]:
     fs = fsspec.filesystem("memory")
     yield fs
     if fs.exists("/lim"):
@@ -29,7 +30,7 @@ def memfs() -> Iterator[object]:
     ("/".join(["p" * 200] * 17), "path longer than 3072 bytes"),
     ("n" * 256, "a name is longer than 255 bytes"),
 ])
-def test_limits_are_checked_before_any_download(tmp_path: Path, memfs, key: str, problem: str) -> None:  # noqa: ANN001
+def test_limits_are_checked_before_any_download(tmp_path: Path, memfs: Any, key: str, problem: str) -> None:
     memfs.pipe("/lim/m/config.json", b"{}")
     memfs.pipe(f"/lim/m/{key}", b"x")
     store = Store(tmp_path / "root")
@@ -39,7 +40,8 @@ def test_limits_are_checked_before_any_download(tmp_path: Path, memfs, key: str,
     assert store.list() == [] and not list(store.layout.partial.glob("*.part"))
 
 
-def test_too_many_files_are_refused_naming_the_limit(tmp_path: Path, memfs, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+def test_too_many_files_are_refused_naming_the_limit(tmp_path: Path, memfs: Any,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(paths, "MAX_FILES", 10)
     for i in range(11):
         memfs.pipe(f"/lim/m/f{i:02d}", b"x")
