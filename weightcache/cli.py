@@ -86,7 +86,7 @@ class ProgressPrinter:
             return
         self._last = now
         if not self.tty:
-            self.out.write(json.dumps({"event": "progress", **p.to_json()}) + "\n")
+            self.out.write(redact(json.dumps({"event": "progress", **p.to_json()})) + "\n")
         else:
             frac = p.bytes_done / p.bytes_total if p.bytes_total else 0.0
             bar = "#" * int(frac * 30)

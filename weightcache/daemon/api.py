@@ -93,7 +93,7 @@ def error_body(exc: BaseException) -> ErrorBody:
 def progress_body(p: Progress) -> ProgressBody:
     return {"uri": p.uri, "phase": p.phase, "bytes_done": p.bytes_done, "bytes_total": p.bytes_total,
             "files_done": p.files_done, "files_total": p.files_total, "rate": p.rate, "eta": p.eta,
-            "message": p.message, "text": p.describe()}
+            "message": redact(p.message), "text": redact(p.describe())}  # a failure's note may quote a source
 
 
 def parse_ensure(body: Any) -> EnsureRequest:

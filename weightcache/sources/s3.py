@@ -19,7 +19,6 @@ import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 import boto3
 import botocore.exceptions
@@ -34,6 +33,7 @@ from weightcache.errors import (
     SourceNotFoundError,
     WeightcacheError,
 )
+from weightcache.redact import redact
 from weightcache.sources.base import (
     ObjectInfo,
     OnBytes,
@@ -116,7 +116,7 @@ class S3Source:
         return f"S3Source({self.ref.uri!r}, endpoint={self._endpoint()!r})"
 
     def _endpoint(self) -> str | None:
-        return _without_userinfo(self.endpoint_url) if self.endpoint_url else None
+        return redact(self.endpoint_url) if self.endpoint_url else None  # an endpoint may carry user:password@
 
     def list(self) -> list[ObjectInfo]:
         listed, with_checksum = self._call(self._list_once, f"listing {self.ref.uri}")
@@ -257,12 +257,6 @@ def translate(exc: botocore.exceptions.ClientError | botocore.exceptions.NoCrede
     err = cls(f"{what}: {code} (HTTP {status}); {hint.format(uri=uri)}")
     err.__cause__ = exc
     return err
-
-
-def _without_userinfo(url: str) -> str:
-    """An endpoint URL may carry user:password@; a repr must not."""
-    parts = urlsplit(url)
-    return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
 
 
 def _unquote(etag: str | None) -> str | None:
