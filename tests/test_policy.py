@@ -135,3 +135,26 @@ def test_glob_attributes_are_comma_separated_or_json(text: str, globs: tuple[str
 def test_bad_glob_attributes_say_what_to_write(text: str) -> None:
     with pytest.raises(InvalidReferenceError, match="include"):
         parse_globs(text, "include")
+
+
+def test_the_webhook_carries_annotation_globs_into_the_volume_and_checks_them() -> None:
+    from tests.fixtures_webhook import admission_review, apply_response, deployment_pod
+    from weightcache.webhook.mutate import review
+
+    caches = [mc("llama-weights", "s3://models/llama/", ["inference"], include=["*.safetensors", "*.json"])]
+    narrow = deployment_pod({"weightcache.io/model": "s3://models/llama/",
+                             "weightcache.io/include": "*.safetensors, *.json"})
+    answer = review(admission_review(narrow), model_caches=caches, allow_undeclared=False)
+    assert answer["response"]["allowed"], answer
+    pod = apply_response(narrow, dict(answer))
+    (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "wc-model"]
+    assert volume["csi"]["volumeAttributes"]["include"] == '["*.safetensors", "*.json"]'
+    assert parse_globs(volume["csi"]["volumeAttributes"]["include"], "include") == ("*.safetensors", "*.json")
+
+    whole = deployment_pod({"weightcache.io/model": "s3://models/llama/"})
+    denied = review(admission_review(whole), model_caches=caches, allow_undeclared=False)["response"]
+    assert not denied["allowed"] and denied["status"]["code"] == 403
+    assert "weightcache.io/include" in denied["status"]["message"]
+    bad = deployment_pod({"weightcache.io/model": "s3://models/llama/", "weightcache.io/include": '["/etc/*"]'})
+    refused = review(admission_review(bad), model_caches=caches, allow_undeclared=False)["response"]
+    assert not refused["allowed"] and "weightcache.io/include" in refused["status"]["message"]
