@@ -126,7 +126,6 @@ class Reconciler:
         self._wake = asyncio.Event()
         self._reported: dict[str, tuple[str, str | None]] = {}  # name -> (phase, snapshot or message)
         self._fetching: dict[str, asyncio.Task[None]] = {}  # want name -> its fetch
-        self._limit = asyncio.Semaphore(node.settings.parallel_models)
         self.passes = 0
 
     def kick(self) -> None:
@@ -176,17 +175,17 @@ class Reconciler:
         return {name: snapshot for name, snapshot in found.items() if snapshot is not None}
 
     async def _fetch(self, w: Want) -> None:
-        """Fetch one missing model, `parallelModels` at a time. Success wakes the loop (to pin and label it);
-        a failure is reported and retried on the next pass, not at once."""
+        """Fetch one missing model through the daemon's fetch queue (`parallelModels` downloads at once, in the
+        order asked: highest priority first). Success wakes the loop (to pin and label it); a failure is reported
+        and retried on the next pass, not at once."""
         cluster = self.node.cluster
         progress = None
         if cluster is not None and w.model_cache is not None:
             def progress(p: Progress) -> None:  # on the fetch's thread; the reporter coalesces these
                 cluster.progress(w, p.bytes_done, p.bytes_total)
         try:
-            async with self._limit:
-                await self._report([(w, "Fetching", None, "")])
-                snapshot = await self.node.ensure(w.ref, progress=progress)
+            await self._report([(w, "Fetching", None, "")])
+            snapshot = await self.node.ensure(w.ref, progress=progress)
         except Exception as exc:  # one bad model must not stop the others; its status says why
             log.warning("keeping %s warm failed: %s", w.ref, exc)
             await self._report([(w, "Failed", None, str(exc))])
