@@ -164,3 +164,22 @@ async def test_daemon_starts_on_a_full_disk_answers_and_gives_space_back(tmpfs: 
     finally:
         await running.daemon.stop()
         shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_an_eviction_cut_short_is_finished_before_the_index_is_opened(tmpfs: Path, tmp_path: Path) -> None:
+    """Crash after the eviction's commit, no reserve left, disk at 0 bytes: only finishing the eviction's file
+    deletes before opening the index (which needs new bytes for its WAL) lets the store open at all."""
+    root, ids = populate(tmpfs, tmp_path, pin="b")
+    code = ("import os, sys; from weightcache.store.store import Store; "
+            "setattr(Store, 'finish_eviction', lambda *a, **k: os._exit(137)); Store(sys.argv[1]).evict(sys.argv[2])")
+    proc = subprocess.run([sys.executable, "-c", code, str(root), ids["a"]], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 137, proc.stderr
+    for name in ("reserve", "index.db-wal", "index.db-shm"):  # the index is derived: losing its WAL loses nothing
+        (root / name).unlink(missing_ok=True)
+    fill(tmpfs)
+    store = Store(root, min_free_bytes=0, min_free_percent=0)  # no floor: only the eviction may free anything
+    assert [i.snapshot.id for i in store.list()] == [ids["b"]]
+    assert list(store.layout.evicting.iterdir()) == [] and disk_free(tmpfs)[0] > 0

@@ -155,3 +155,19 @@ def test_lock_files_are_flock_compatible_with_other_processes(tmp_path: Path) ->
         assert not _other_process_can_lock(store.layout.lock("mkey"))
     finally:
         os.close(fd)
+
+
+def test_evicting_a_snapshot_keeps_the_blobs_another_one_shares(tmp_path: Path) -> None:
+    from weightcache.store import verify_snapshot
+
+    models = make_models(tmp_path / "src", "a")
+    copy = tmp_path / "src" / "a2"
+    copy.mkdir()
+    for p in models["a"].iterdir():
+        (copy / p.name).write_bytes(p.read_bytes())
+    (copy / "extra.json").write_text("{}")
+    store = Store(tmp_path / "root")
+    a, a2 = fetch(store, models["a"]), fetch(store, copy)
+    store.evict(a.id)
+    assert verify_snapshot(store, a2.id) == []
+    assert all(store.layout.blob(f.sha256).exists() for f in a2.files)

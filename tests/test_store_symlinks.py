@@ -147,3 +147,36 @@ def test_symlink_inside_a_snapshot_counts_as_damage_not_as_content(tmp_path: Pat
     assert verify_snapshot(store, snap.id) == [snap.files[0].path]
     store.evict(snap.id)
     assert_untouched(outside)
+
+
+def test_a_manifest_symlinked_to_a_valid_manifest_outside_is_not_adopted(tmp_path: Path) -> None:
+    models = make_models(tmp_path / "src", "a")
+    store = Store(tmp_path / "root")
+    a = fetch(store, models["a"])
+    store.close()
+    copy = tmp_path / "outside-manifest.json"
+    copy.write_bytes(store.layout.manifest(a.id).read_bytes())
+    store.layout.manifest(a.id).unlink()
+    store.layout.manifest(a.id).symlink_to(copy)  # a valid manifest, but not one the store wrote in its tree
+    again = Store(tmp_path / "root")
+    assert again.list() == [] and not a.path.exists()
+    assert copy.read_bytes() and not store.layout.manifest(a.id).exists()
+
+
+def test_an_index_symlinked_to_another_database_leaves_that_database_alone(tmp_path: Path) -> None:
+    import sqlite3
+
+    other = tmp_path / "someone-elses.db"
+    db = sqlite3.connect(other)
+    db.execute("CREATE TABLE t (x)")
+    db.execute("INSERT INTO t VALUES (1)")
+    db.commit()
+    db.close()
+    before = other.read_bytes()
+    root = tmp_path / "root"
+    Store(root).close()
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{root}/index.db{suffix}").unlink(missing_ok=True)
+    (root / "index.db").symlink_to(other)
+    Store(root).list()
+    assert other.read_bytes() == before and not Path(f"{other}-wal").exists()
