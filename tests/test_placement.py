@@ -206,3 +206,23 @@ def test_daemon_reads_node_names_and_memory_nodes() -> None:
     assert {(w.name, w.tier) for w in wanted} == {(mc["metadata"]["name"], "memory"), ("pool", "disk")}
     assert [w.name for w in desired_plan([mc], {}, "n2")[0]] == [], "a node not named is not asked"
     assert desired_plan([mc], {}, None)[0] == [], "without its name a node matches no nodeNames"
+
+
+async def test_the_webhook_server_passes_its_node_view_to_the_decision() -> None:
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from weightcache.webhook.server import Policy, make_app
+
+    views: list[list[NodeFacts] | None] = [None]
+    policy = Policy(model_caches=list, allow_undeclared=True, nodes=lambda: views[0])
+    async with TestClient(TestServer(make_app(policy))) as client:
+        async def gated() -> bool:
+            body = admission_review(deployment_pod({"weightcache.io/model": REF}))
+            answer = await (await client.post("/mutate", json=body)).json()
+            return bool(apply_response(body["request"]["object"], answer)["spec"].get("schedulingGates"))
+
+        assert not await gated(), "no view of the nodes yet: a preference, no gate"
+        views[0] = [facts("a")]
+        assert await gated(), "nodes known, none holds the model: gated"
+        views[0] = [facts("a", {LABEL: "ready"})]
+        assert not await gated()

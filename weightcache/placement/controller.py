@@ -243,7 +243,8 @@ class Controller:
         if not force and seen is not None and (now - seen.at < self.event_interval or seen.message == message):
             return
         self._seen[key] = _Seen(now, message, bytes_done)
-        name, ns, stamp = f"{meta['name']}.weightcache-placement", meta["namespace"], _now()
+        # pod names run to 253 characters; the Event's must stay within them
+        name, ns, stamp = f"{str(meta['name'])[:230]}.weightcache-placement", meta["namespace"], _now()
         message = redact(message)[:1024]
         patch = {"message": message, "reason": reason, "type": kind, "lastTimestamp": stamp}
         try:

@@ -1,0 +1,295 @@
+#!/usr/bin/env python3
+"""Cold start of one GPU pod, end to end on this machine: pod create -> volume ready -> every tensor loaded.
+
+    sudo .venv/bin/python scripts/bench_coldstart.py [--size-gb 0.5 | --size-gb 2] [--slow-origin 0.5]
+
+Everything runs here, for real, on 127.0.0.1: an S3 origin (moto server, own process; `--slow-origin S` puts
+tests/faultproxy.py in front of it, delaying every ranged GET by S seconds: a slow origin / long download),
+an API server stand-in (tests/fake_apiserver.py, the real `kubernetes` client talks to it), the webhook's
+admission decision and the leader-elected placement controller (`weightcache webhook --controller` wiring:
+weightcache.webhook.command._policy), the node daemon with its CSI server (root: real bind mounts), a kubelet
+stand-in that sends NodePublishVolume over the CSI socket exactly as kubelet does for the pod's inline volume
+(target under <kubelet>/pods/<uid>/volumes/kubernetes.io~csi/<volume>/mount, pod info in the volume context),
+and a "container" process that loads every tensor with weightcache.loader and reads one byte per page.
+
+Rows (one run each, in this order):
+  cold      the model only at the origin: webhook gates the pod, controller asks the node, daemon fetches,
+            controller releases it, kubelet publishes (immediate), container loads from the page cache
+  warm      the model on the node's disk only (no label, no pin; page cache dropped): the same path, no download
+  hot       a ModelCache with memory: {nodes: 1} keeps it pinned and resident in the RAM tier: no gate at all
+  baseline  what a user has today: an init container downloading with boto3 (TransferConfig tuned: 16 threads,
+            64 MiB parts), then safetensors.torch.load_file of every file (same byte-per-page touch)
+The scheduler stand-in binds the pod the moment it is released and its affinity matches the node; the pod's
+process start (python + torch import) is inside "loaded" for every row alike. "ratio" is baseline / row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import boto3  # noqa: E402
+import yaml  # noqa: E402
+
+from scripts.bench_load import drop_caches, make_model  # noqa: E402
+from scripts.bench_prefetch import BOTO, PY, Moto  # noqa: E402
+from tests.fake_apiserver import FakeApiServer, crd_schemas  # noqa: E402
+from tests.faultproxy import FaultProxy  # noqa: E402
+from weightcache.uri import parse_ref  # noqa: E402
+
+NODE, NS, URI = "bench-node", "bench", "s3://bench/model/"
+CONTAINER = """
+import sys, time
+sys.path.insert(0, {root!r})
+import torch
+started = time.time()  # after the imports: what follows is the load itself
+from scripts.bench_load import touch
+if sys.argv[1] == "weightcache":
+    from weightcache.loader import load_state_dict
+    tensors = load_state_dict(sys.argv[2])
+else:
+    import glob
+    from safetensors.torch import load_file
+    tensors = {{}}
+    for f in sorted(glob.glob(sys.argv[2] + "/*.safetensors")):
+        tensors.update(load_file(f))
+for t in tensors.values():
+    touch(t)
+print(started, time.time(), len(tensors))
+"""
+
+
+def container(how: str, path: Path) -> tuple[float, int]:
+    """(seconds the load took inside the process, tensors); the process start (python, torch) is outside it."""
+    out = subprocess.run([PY, "-c", CONTAINER.format(root=str(ROOT)), how, str(path)], check=True,
+                         capture_output=True, text=True)
+    started, ended, count = out.stdout.split()[-3:]
+    return float(ended) - float(started), int(count)
+
+
+def wait(check: Any, what: str, timeout: float = 3600.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.01)
+    raise RuntimeError(f"timed out waiting for {what}")
+
+
+class Node:
+    """The daemon (with CSI) of one node, in this process's event loop."""
+
+    def __init__(self, base: Path, origin: str, memory_budget: int) -> None:
+        self.base, self.origin, self.memory_budget = base, origin, memory_budget
+        self.daemon: Any = None
+
+    async def start(self) -> None:
+        from weightcache.daemon.app import Daemon
+        from weightcache.daemon.config import load_settings
+
+        config = {"endpoints": {"s3": {"endpointUrl": self.origin}}, "memoryBudget": self.memory_budget,
+                  "csiEndpoint": f"unix://{self.base}/csi.sock", "kubeletDir": str(self.base / "kubelet")}
+        path = self.base / "config.yaml"
+        path.write_text(yaml.safe_dump(config))
+        flags = {"root": str(self.base / "root"), "socket": str(self.base / "d.sock")}
+        env = {"NODE_NAME": NODE}
+        self.daemon = Daemon(load_settings(path, env=env, flags=flags), env=env, flags=flags)
+        await self.daemon.start()
+
+    async def stop(self) -> None:
+        await self.daemon.stop()
+
+
+async def publish(base: Path, pod: dict[str, Any]) -> Path:
+    """kubelet: NodePublishVolume for the pod's inline CSI volume, as kubelet sends it."""
+    import grpc
+
+    from weightcache.csi._pb import csi_pb2, csi_pb2_grpc
+
+    volume = next(v for v in pod["spec"]["volumes"] if v.get("csi"))
+    uid = pod["metadata"]["uid"]
+    target: Path = base / "kubelet" / "pods" / uid / "volumes" / "kubernetes.io~csi" / volume["name"] / "mount"
+    target.parent.mkdir(parents=True, exist_ok=True)  # kubelet makes the volume directory, the driver the mount
+    context = {**volume["csi"]["volumeAttributes"], "csi.storage.k8s.io/pod.namespace": NS,
+               "csi.storage.k8s.io/pod.name": pod["metadata"]["name"], "csi.storage.k8s.io/pod.uid": uid,
+               "csi.storage.k8s.io/serviceAccount.name": "default", "csi.storage.k8s.io/ephemeral": "true"}
+    mode = csi_pb2.VolumeCapability.AccessMode(mode=csi_pb2.VolumeCapability.AccessMode.SINGLE_NODE_WRITER)
+    request = csi_pb2.NodePublishVolumeRequest(
+        volume_id=f"csi-{uuid.uuid4().hex}", target_path=str(target), readonly=True, volume_context=context,
+        volume_capability=csi_pb2.VolumeCapability(mount=csi_pb2.VolumeCapability.MountVolume(), access_mode=mode))
+    async with grpc.aio.insecure_channel(f"unix://{base}/csi.sock") as channel:
+        # kubelet's csi plugin gives one NodePublishVolume 2 minutes (csiTimeout); a failure is retried with backoff
+        await csi_pb2_grpc.NodeStub(channel).NodePublishVolume(request, timeout=120)  # type: ignore[no-untyped-call]
+    return target
+
+
+async def unpublish(base: Path, target: Path) -> None:
+    import grpc
+
+    from weightcache.csi._pb import csi_pb2, csi_pb2_grpc
+
+    async with grpc.aio.insecure_channel(f"unix://{base}/csi.sock") as channel:
+        await csi_pb2_grpc.NodeStub(channel).NodeUnpublishVolume(  # type: ignore[no-untyped-call]
+            csi_pb2.NodeUnpublishVolumeRequest(volume_id="x", target_path=str(target)), timeout=60)
+
+
+def schedulable(api: FakeApiServer, name: str) -> dict[str, Any] | None:
+    """The scheduler stand-in: the pod once it has no gate and its required affinity matches the node."""
+    from weightcache.placement import choice
+    from weightcache.placement.nodes import eligible, node_facts
+
+    pod = api.get("pods", name, NS)
+    if choice.gated(pod) or not eligible(pod, node_facts(api.get("nodes", NODE))):
+        return None
+    return pod
+
+
+async def pod_start(api: FakeApiServer, policy: Any, base: Path, name: str) -> dict[str, float]:
+    """pod create -> volume ready -> all tensors loaded, through webhook, controller, daemon, kubelet."""
+    from tests.fixtures_webhook import admission_review, apply_response, deployment_pod
+    from weightcache.webhook.mutate import review
+
+    pod = deployment_pod({"weightcache.io/model": URI})
+    pod["metadata"].update(name=name, namespace=NS)
+    t0 = time.perf_counter()
+    answer = review(admission_review(pod, namespace=NS), model_caches=policy.model_caches(),
+                    allow_undeclared=policy.allow_undeclared, nodes=policy.nodes())
+    if not answer["response"]["allowed"]:
+        raise RuntimeError(answer["response"]["status"]["message"])
+    created = api.create("pods", apply_response(pod, answer), NS)
+    gated = bool(created["spec"].get("schedulingGates"))
+    labelled: list[float] = []  # when the node's readiness label appeared (the model ready there)
+    label = parse_ref(URI).label_key
+
+    def label_seen() -> bool:
+        if api.get("nodes", NODE)["metadata"].get("labels", {}).get(label) != "ready":
+            return False
+        labelled.append(time.perf_counter())
+        return True
+
+    watcher = asyncio.create_task(asyncio.to_thread(wait, label_seen, "the readiness label", 3600))
+    bound = await asyncio.to_thread(wait, lambda: schedulable(api, name), "the pod to be schedulable")
+    t_bound = time.perf_counter()
+    target = await publish(base, bound)
+    t_ready = time.perf_counter()
+    load, count = await asyncio.to_thread(container, "weightcache", target)
+    t_loaded = time.perf_counter()
+    await watcher
+    await unpublish(base, target)
+    api.delete("pods", name, NS)
+    return {"model": max(0.0, labelled[0] - t0), "scheduled": t_bound - t0, "ready": t_ready - t0, "load": load,
+            "loaded": t_loaded - t0, "tensors": count, "gated": float(gated)}
+
+
+def baseline(origin: str, base: Path) -> dict[str, float]:
+    out = base / "baseline"
+    out.mkdir()
+    t0 = time.perf_counter()
+    subprocess.run([PY, "-c", BOTO, origin, "tuned", str(out)], check=True, capture_output=True)
+    t_ready = time.perf_counter()
+    load, count = container("safetensors", out)
+    return {"model": t_ready - t0, "scheduled": 0.0, "ready": t_ready - t0, "load": load,
+            "loaded": time.perf_counter() - t0, "tensors": count, "gated": 0.0}
+
+
+async def run(args: argparse.Namespace, base: Path) -> dict[str, dict[str, float]]:
+    from weightcache.webhook.command import _policy
+
+    src = base / "src"
+    files = make_model(src, args.size_gb, args.shards)
+    size = sum(f.stat().st_size for f in src.iterdir() if f.is_file())
+    moto = Moto()
+    proxy = FaultProxy(moto.url) if args.slow_origin else None
+    origin = proxy.endpoint_url if proxy else moto.url
+    s3 = boto3.client("s3", endpoint_url=moto.url, aws_access_key_id="bench", aws_secret_access_key="bench",
+                      region_name="us-east-1")
+    s3.create_bucket(Bucket="bench")
+    for f in sorted(src.iterdir()):
+        if f.is_file() and f.name != "bench.json":
+            s3.upload_file(str(f), "bench", f"model/{f.name}")
+    if proxy:
+        proxy.add("delay", method="GET", path="/bench/model/", ranged_only=True, seconds=args.slow_origin, count=-1)
+    results: dict[str, dict[str, float]] = {}
+    with FakeApiServer(schemas=crd_schemas()) as api:
+        api.create("nodes", {"metadata": {"name": NODE, "labels": {"pool": "gpu"}},
+                             "status": {"allocatable": {"nvidia.com/gpu": "1"}}})
+        api.create("modelcaches", {"metadata": {"name": "grant"},
+                                   "spec": {"source": URI, "allowedNamespaces": [NS]}})
+        kubeconfig = base / "kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "b",
+            "clusters": [{"name": "c", "cluster": {"server": api.url}}],
+            "users": [{"name": "u", "user": {"token": "bench"}}],
+            "contexts": [{"name": "b", "context": {"cluster": "c", "user": "u"}}]}))
+        os.environ.update(KUBECONFIG=str(kubeconfig), POD_NAMESPACE="weightcache", POD_NAME="bench-webhook",
+                          AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
+        policy, stop_policy = _policy(None, controller=True)
+        node = Node(base, origin, memory_budget=int(size * 1.25) + (64 << 20))
+        try:
+            wait(lambda: policy.synced() and policy.nodes(), "the webhook's view", 30)
+            await node.start()
+            print(f"model: {len(files)} shards, {size / 1e9:.2f} GB; origin {'slow ' if proxy else ''}S3 (moto)",
+                  file=sys.stderr)
+            results["cold (origin only)"] = await pod_start(api, policy, base, "cold")
+            label = parse_ref(URI).label_key
+            await asyncio.to_thread(wait, lambda: label not in api.get("nodes", NODE)["metadata"].get("labels", {}),
+                                    "the demand to go and the daemon to take its label back", 60)
+            drop_caches()
+            results["warm (node disk)"] = await pod_start(api, policy, base, "warm")
+            api.create("modelcaches", {"metadata": {"name": "hot"}, "spec": {
+                "source": URI, "nodeSelector": {"pool": "gpu"}, "allowedNamespaces": [NS], "memory": {"nodes": 1}}})
+            tier = node.daemon.node.tier
+            await asyncio.to_thread(wait, lambda: tier is not None and tier.resident(), "the model in RAM", 600)
+            await asyncio.to_thread(wait, lambda: policy.nodes() and any(
+                v == "ready" for n in (policy.nodes() or []) for v in n.labels.values()), "the readiness label", 60)
+            results["hot (RAM tier)"] = await pod_start(api, policy, base, "hot")
+        finally:
+            await node.stop()
+            stop_policy()
+        drop_caches()
+        results["baseline: boto3 tuned + load_file"] = baseline(origin, base)
+    if proxy:
+        proxy.close()
+    moto.stop()
+    return results
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size-gb", type=float, default=0.5, help="model size (default 0.5; the issue's case: 2)")
+    ap.add_argument("--shards", type=int, default=2)
+    ap.add_argument("--slow-origin", type=float, default=0.0, metavar="S",
+                    help="delay every ranged GET by S seconds (a slow origin, e.g. a 5-minute download)")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        print("bench_coldstart needs root (CSI bind mounts, dropping the page cache): run it with sudo",
+              file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="wc-cold-", dir="/tmp") as tmp:
+        results = asyncio.run(run(args, Path(tmp)))
+    base = results["baseline: boto3 tuned + load_file"]["loaded"]
+    print(f"\n{'':34} {'gated':>5} {'on node':>8} {'scheduled':>9} {'vol ready':>9} {'load':>6} "
+          f"{'all loaded':>10} {'ratio':>6}")
+    for name, r in results.items():
+        print(f"{name:34} {'yes' if r['gated'] else 'no':>5} {r['model']:8.2f} {r['scheduled']:9.2f} "
+              f"{r['ready']:9.2f} {r['load']:6.2f} {r['loaded']:10.2f} {base / r['loaded']:5.2f}x")
+    print(f"seconds from pod create; one run each; {int(next(iter(results.values()))['tensors'])} tensors. on node: "
+          "the node's readiness label appeared (baseline: download done); load: inside the container after its "
+          "python/torch start, which 'all loaded' includes; ratio = baseline all-loaded / row")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
