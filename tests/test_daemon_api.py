@@ -150,7 +150,7 @@ async def test_a_second_daemon_on_a_live_socket_is_refused(daemon: RunningDaemon
 
     other = short_dir / "other"
     other.mkdir()
-    with pytest.raises(ConfigError, match="another daemon is serving"):
+    with pytest.raises(ConfigError, match="another process serves"):
         await start_daemon(other, model_copy, socket=daemon.socket)
     assert await asyncio.to_thread(daemon.client.available)  # the running one kept its socket
 

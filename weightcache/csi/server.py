@@ -13,7 +13,6 @@ import functools
 import logging
 import os
 import signal
-import stat
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,6 +30,7 @@ from weightcache.fetch import Fetcher
 from weightcache.memory import MemoryTier
 from weightcache.redact import redact_log_handlers
 from weightcache.store import Store
+from weightcache.unixsock import claim_socket_path
 
 logger = logging.getLogger(__name__)
 
@@ -41,17 +41,6 @@ def socket_path(endpoint: str) -> Path:
     if not path.startswith("/") or "://" in path:
         raise ConfigError(f"CSI endpoint {endpoint!r} must look like unix:///csi/csi.sock (an absolute socket path)")
     return Path(path)
-
-
-def _clear_stale_socket(path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        mode = path.lstat().st_mode
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(mode):
-        raise ConfigError(f"{path} exists and is not a socket; remove it or choose another --csi-endpoint")
-    path.unlink()  # left by a killed plugin; kubelet reconnects to the new one
 
 
 def check_store(store: Store) -> None:
@@ -85,7 +74,7 @@ async def serve_csi(endpoint: str, *, store: Store, fetches: FetchQueue, node_id
         NodeServicer(store, fetches, node_id=node_id, policy=policy, kubelet_dir=kubelet_dir,
                      publish_timeout=publish_timeout, book=book, tier=tier, pool=pool, observe=observe),
         server)
-    _clear_stale_socket(path)
+    claim_socket_path(path, change="--csi-endpoint")  # kubelet reconnects to the new socket
     server.add_insecure_port(f"unix://{path}")
     await server.start()
     os.chmod(path, 0o660)

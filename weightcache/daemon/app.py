@@ -15,7 +15,6 @@ import logging
 import os
 import signal
 import socket
-import stat
 import sys
 import time
 from collections.abc import Mapping
@@ -36,6 +35,7 @@ from weightcache.daemon.tasks import Tasks
 from weightcache.errors import ConfigError, MemoryTierError, StoreError
 from weightcache.redact import RedactingFormatter
 from weightcache.store import Store
+from weightcache.unixsock import claim_socket_path
 
 log = logging.getLogger(__name__)
 
@@ -214,13 +214,7 @@ def run(settings: Settings, *, env: Mapping[str, str] | None = None, flags: Mapp
 
 def _bind_unix(path: Path) -> socket.socket:
     """A listening Unix socket with mode 0660 from the start (bound under a umask, not chmod-ed later)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.exists() or path.is_symlink():
-        if not stat.S_ISSOCK(path.lstat().st_mode):
-            raise ConfigError(f"{path} exists and is not a socket; remove it or choose another socket path")
-        if _alive(path):
-            raise ConfigError(f"another daemon is serving on {path}; stop it or choose another --socket")
-        path.unlink()  # stale, left by a crash
+    claim_socket_path(path, change="--socket")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o117)
     try:
@@ -231,15 +225,6 @@ def _bind_unix(path: Path) -> socket.socket:
     sock.listen(128)
     sock.setblocking(False)
     return sock
-
-
-def _alive(path: Path) -> bool:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        try:
-            probe.connect(str(path))
-        except OSError:
-            return False
-    return True
 
 
 def _unlink_socket(path: Path) -> None:

@@ -17,7 +17,6 @@ import contextlib
 import logging
 import os
 import socket
-import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +32,7 @@ from weightcache.dra.registration import RegistrationServicer
 from weightcache.dra.slices import API_TIMEOUT_S, SlicePublisher
 from weightcache.errors import ClusterError, ConfigError
 from weightcache.store import Store
+from weightcache.unixsock import claim_socket_path
 
 if TYPE_CHECKING:
     from weightcache.daemon.node import Node
@@ -107,25 +107,12 @@ async def _listen(server: grpc.aio.Server, path: Path) -> None:
     if len(os.fsencode(path)) > MAX_SOCKET_PATH:
         raise ConfigError(f"socket path {path} is longer than {MAX_SOCKET_PATH} bytes, the Unix limit; "
                           "use a shorter kubeletDir")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(FileNotFoundError):
-        if not stat.S_ISSOCK(path.lstat().st_mode):
-            raise ConfigError(f"{path} exists and is not a socket; remove it (the DRA plugin creates it)")
-        if _alive(path):
-            raise ConfigError(f"another process serves {path}; stop the other weightcache daemon on this node")
-        path.unlink()  # stale, left by a killed daemon
+    claim_socket_path(path, change="kubeletDir")
     server.add_insecure_port(f"unix://{path}")
     await server.start()
     os.chmod(path, 0o600)  # kubelet runs as root; nobody else has business here
 
 
-def _alive(path: Path) -> bool:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        try:
-            probe.connect(str(path))
-        except OSError:
-            return False
-    return True
 
 
 def claim_reader(api_client: Any, api_version: str = "v1") -> ClaimSource:
