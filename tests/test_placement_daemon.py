@@ -81,3 +81,24 @@ async def test_gated_pod_waits_for_a_real_daemon_then_lands_on_its_node(cluster:
             await d.daemon.stop()
     finally:
         stop()
+
+
+async def test_memory_nodes_put_the_model_in_the_ram_tier_of_the_picked_node(cluster: FakeApiServer,
+                                                                             short_dir: Path,
+                                                                             model_copy: Path) -> None:
+    uri = f"file://{model_copy}/"
+    cluster.create("modelcaches", {"metadata": {"name": "llama"}, "spec": {
+        "source": uri, "nodeSelector": {"pool": "a100"}, "allowedNamespaces": [NS], "memory": {"nodes": 1}}})
+    _, stop = _policy(None, controller=True)
+    d = await start_daemon(short_dir, model_copy, env={"NODE_NAME": NODE}, config={"memoryBudget": "64Mi"})
+    try:
+        tier = d.daemon.node.tier
+        assert tier is not None
+        await eventually(lambda: cluster.get("modelcaches", "llama").get("status", {}).get("memoryNodes") == [NODE],
+                         timeout=30, what="the controller's pick")
+        (info,) = await eventually(lambda: d.daemon.node.store.list(), what="the model on disk")
+        await eventually(lambda: [r for r in tier.resident() if r.id == info.snapshot.id], timeout=30,
+                         what="the model resident in the RAM tier")
+    finally:
+        await d.daemon.stop()
+        stop()
