@@ -1,8 +1,9 @@
 """CSI node plugin: cached models as read-only ephemeral inline volumes (driver `csi.weightcache.io`).
 
 `serve_csi` (server.py) starts the gRPC server the daemon hosts; node.py and identity.py are the services,
-mounts.py the bind mounts, reconcile.py the volume records and their repair after a restart. Names are
-imported lazily, so `weightcache evict` can call `describe_holder` without loading gRPC.
+mounts.py the bind mounts, targets.py where they may go (kubelet's volume paths, no symlinks), reconcile.py the
+volume records and their repair after a restart. Names are imported lazily, so `weightcache evict` can call
+`describe_holder` without loading gRPC.
 """
 
 from __future__ import annotations
