@@ -183,3 +183,17 @@ def test_an_eviction_cut_short_is_finished_before_the_index_is_opened(tmpfs: Pat
     store = Store(root, min_free_bytes=0, min_free_percent=0)  # no floor: only the eviction may free anything
     assert [i.snapshot.id for i in store.list()] == [ids["b"]]
     assert list(store.layout.evicting.iterdir()) == [] and disk_free(tmpfs)[0] > 0
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_a_full_disk_is_never_taken_for_a_damaged_index(tmpfs: Path, tmp_path: Path) -> None:
+    """Nothing to free and no reserve left: opening fails with the fix to make, and the index is kept as it is."""
+    root, ids = populate(tmpfs, tmp_path, pin="ab")
+    (root / "reserve").unlink()
+    fill(tmpfs)
+    with pytest.raises(InsufficientSpaceError, match=r"disk .* is full"):
+        Store(root)
+    assert not list((root / "quarantine").iterdir())
+    (tmpfs / "filler").unlink()
+    assert sorted(i.snapshot.id for i in Store(root).list()) == sorted(ids.values())
