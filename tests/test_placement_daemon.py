@@ -102,3 +102,15 @@ async def test_memory_nodes_put_the_model_in_the_ram_tier_of_the_picked_node(clu
     finally:
         await d.daemon.stop()
         stop()
+
+
+def test_without_the_controller_the_webhook_never_gates(cluster: FakeApiServer) -> None:
+    policy, stop = _policy(True, controller=False)
+    try:
+        assert policy.nodes() is None, "nobody would lift the gate"
+        pod = deployment_pod({"weightcache.io/model": "s3://models/llama/"})
+        patched = apply_response(pod, review(admission_review(pod), model_caches=[], allow_undeclared=True,
+                                             nodes=policy.nodes()))
+        assert "schedulingGates" not in patched["spec"]
+    finally:
+        stop()

@@ -134,7 +134,8 @@ def _policy(allow_undeclared: bool | None, *, controller: bool = False) -> tuple
 
     watcher = ModelCacheWatcher(api_client)
     watcher.start()
-    nodes, stop_nodes = node_view(api_client)
+    # Gating needs someone to lift the gate: without the controller the webhook does not look at nodes at all
+    nodes, stop_nodes = node_view(api_client) if controller else (lambda: None, lambda: None)
     stops = [watcher.stop, stop_nodes] + ([start_controller(api_client)] if controller else [])
     allow = False if allow_undeclared is None else allow_undeclared
 
