@@ -104,7 +104,7 @@ class Daemon:
         s = self.settings
         token = _read_token(s.tcp.token_file) if s.tcp is not None else None
         self._runner = web.AppRunner(make_app(node, token=token), shutdown_timeout=SHUTDOWN_GRACE_S,
-                                     access_log=None, handle_signals=False)
+                                     access_log=None, handle_signals=False, **TCP_LIMITS.runner_args())
         await self._runner.setup()
         await web.SockSite(self._runner, _bind_unix(s.socket)).start()
         self._bound = s.socket

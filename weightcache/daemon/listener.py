@@ -5,11 +5,14 @@ connection the kernel hands it: a few hundred half-sent requests (slowloris) exh
 descriptors, and then the Unix-socket API, CSI and the store's own files fail too. Each TCP connection here is
 wrapped in a guard that:
 
-- refuses connections beyond `max_connections` at once (closed at accept: the fd is freed at once);
-- closes a connection whose request headers are not complete `header_timeout_s` after its first byte or after
-  it connected (with a 408 saying so), and one whose body (Content-Length or chunked) is not complete
-  `body_timeout_s` after its headers; a connection waiting for the answer, or idle between requests, is left
-  to aiohttp (its keep-alive timeout), so a long streaming ensure is never cut;
+- holds at most `max_connections` at once: a new connection takes the place of the oldest one still waiting for
+  its request headers (a half-sent request loses its slot to a client that sends whole requests), and is closed
+  at accept only when every slot holds a real request (the fd is freed at once);
+- closes a connection whose request headers are not complete `header_timeout_s` after it connected or after
+  the first byte of its next request (with a 408 saying so), and one whose body (Content-Length or chunked) is
+  not complete `body_timeout_s` after its headers; a connection waiting for its answer is never cut (a
+  streaming ensure lasts hours), and one idle between requests is closed by aiohttp after `idle_timeout_s`
+  (the runner's keep-alive timeout: `Limits.runner_args`);
 - logs what it refused at most once per `LOG_EVERY_S`, with counts, and rate-limits the error logs of asyncio,
   aiohttp and the API (`RateLimitFilter`): a flood of bad connections costs kilobytes of log, not megabytes.
 
@@ -20,6 +23,7 @@ aiohttp's. Requests on the Unix socket do not pass through it (its file mode alr
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 import time
@@ -40,6 +44,12 @@ class Limits:
     max_connections: int = 64
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
+    idle_timeout_s: float = 15.0
+
+    def runner_args(self) -> dict[str, Any]:
+        """aiohttp runner arguments: its keep-alive timeout closes connections idle between requests (it never
+        fires while a request is being answered)."""
+        return {"keepalive_timeout": self.idle_timeout_s}
 
 
 @dataclass
@@ -48,16 +58,18 @@ class GuardStats:
 
     active: int = 0
     refused: int = 0
+    shed: int = 0  # half-sent requests closed to make room for a new connection
     header_timeouts: int = 0
     body_timeouts: int = 0
+    waiting: dict[_Guard, None] = field(default_factory=dict)  # connections reading headers, oldest first
     _logged: dict[str, int] = field(default_factory=dict)
     _last_log: float = 0.0
 
     def note(self) -> None:
         """Log the counters when they moved, at most once per LOG_EVERY_S."""
         now = time.monotonic()
-        counts = {"refused (connection cap)": self.refused, "header timeouts": self.header_timeouts,
-                  "body timeouts": self.body_timeouts}
+        counts = {"refused (connection cap)": self.refused, "half-sent requests shed for new connections": self.shed,
+                  "header timeouts": self.header_timeouts, "body timeouts": self.body_timeouts}
         if now - self._last_log < LOG_EVERY_S or counts == self._logged:
             return
         moved = {k: v - self._logged.get(k, 0) for k, v in counts.items() if v != self._logged.get(k, 0)}
@@ -74,7 +86,8 @@ class _Guard(asyncio.Protocol):
         self._limits = limits
         self._stats = stats
         self._transport: asyncio.Transport | None = None
-        self._admitted = False
+        self._admitted = False  # forwarded to aiohttp
+        self._counted = False  # holds one of the `max_connections` slots
         self._timer: asyncio.TimerHandle | None = None
         self._state = "head"  # head: reading headers; body: reading a body; wait: request read, answer pending
         self._head = bytearray()
@@ -86,11 +99,15 @@ class _Guard(asyncio.Protocol):
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
         if self._stats.active >= self._limits.max_connections:
-            self._stats.refused += 1
-            self._stats.note()
-            transport.abort()
-            return
-        self._admitted = True
+            victim = next(iter(self._stats.waiting), None)
+            if victim is None:  # every slot holds a real request
+                self._stats.refused += 1
+                self._stats.note()
+                transport.abort()
+                return
+            self._stats.shed += 1
+            victim._close("shed")
+        self._admitted = self._counted = True
         self._stats.active += 1
         self._arm(self._limits.header_timeout_s, "header")
         self._inner.connection_made(transport)
@@ -106,10 +123,17 @@ class _Guard(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._release()
         if self._admitted:
             self._admitted = False
-            self._stats.active -= 1
             self._inner.connection_lost(exc)
+
+    def _release(self) -> None:
+        """Give the slot back (at once when shed: the new connection takes it before the old one is gone)."""
+        self._stats.waiting.pop(self, None)
+        if self._counted:
+            self._counted = False
+            self._stats.active -= 1
 
     def pause_writing(self) -> None:
         self._inner.pause_writing()
@@ -169,26 +193,35 @@ class _Guard(asyncio.Protocol):
     def _arm(self, seconds: float, what: str) -> None:
         self._disarm()
         self._timer = asyncio.get_running_loop().call_later(seconds, self._expire, what)
+        if what == "header":
+            self._stats.waiting[self] = None
 
     def _disarm(self) -> None:
+        self._stats.waiting.pop(self, None)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
 
     def _expire(self, what: str) -> None:
         self._timer = None
+        if what == "header":
+            self._stats.header_timeouts += 1
+        else:
+            self._stats.body_timeouts += 1
+        self._stats.note()
+        self._close(what)
+
+    def _close(self, what: str) -> None:
+        """Answer 408 and close (`what`: header, body or shed); the slot is free at once."""
+        self._disarm()
+        self._release()
         transport = self._transport
         if transport is None or transport.is_closing():
             return
-        if what == "header":
-            self._stats.header_timeouts += 1
-            part, limit = "headers", self._limits.header_timeout_s
-        else:
-            self._stats.body_timeouts += 1
-            part, limit = "body", self._limits.body_timeout_s
-        self._stats.note()
-        message = (f'{{"error": "request_timeout", "message": "the request\'s {part} did not arrive within '
-                   f'{limit:g}s; send the whole request at once"}}').encode()
+        why = {"header": f"the request's headers did not arrive within {self._limits.header_timeout_s:g}s",
+               "body": f"the request's body did not arrive within {self._limits.body_timeout_s:g}s",
+               "shed": "the listener needed this connection's slot while its request headers were incomplete"}[what]
+        message = json.dumps({"error": "request_timeout", "message": f"{why}; send the whole request at once"}).encode()
         transport.write(b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\nConnection: close\r\n"
                         b"Content-Length: " + str(len(message)).encode() + b"\r\n\r\n" + message)
         transport.close()
