@@ -1,20 +1,34 @@
+# syntax=docker/dockerfile:1
 # The one image every component runs: the node daemon (with the CSI plugin), the webhook, the CLI.
-# No weights inside: models are fetched at run time into the node's store.
-FROM python:3.11-slim-bookworm
+# No weights inside: models are fetched at run time into the node's store. No torch either: pods that use
+# weightcache.loader install `weightcache[torch]` in their own image.
+#
+# Reproducible: the base is a precise Python release (pin its digest too: docs/operations.md, "Building the
+# image"), every dependency is installed from requirements.lock by exact version and sha256 hash (pip refuses
+# anything else), nothing comes from apt. Multi-arch (amd64, arm64 for GH200/Grace):
+#   docker buildx build --platform linux/amd64,linux/arm64 -t REGISTRY/weightcache:0.1.0 --push .
+ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
 
-# util-linux: mount/umount/findmnt for the CSI plugin's bind mounts; tini reaps and forwards SIGTERM.
-RUN apt-get update \
- && apt-get install -y --no-install-recommends util-linux mount tini \
- && rm -rf /var/lib/apt/lists/*
+FROM ${PYTHON_IMAGE} AS build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
+RUN python -m venv /opt/weightcache
+COPY requirements.lock /src/requirements.lock
+# --only-binary: every locked package ships wheels for both architectures; no compiler in the image
+RUN /opt/weightcache/bin/pip install --require-hashes --only-binary :all: -r /src/requirements.lock
+COPY pyproject.toml README.md /src/
+COPY weightcache /src/weightcache
+# our own package only: its dependencies are all in the lock above
+RUN /opt/weightcache/bin/pip install --no-deps --no-build-isolation /src \
+ && /opt/weightcache/bin/pip uninstall -y pip \
+ && find /opt/weightcache -name '__pycache__' -prune -exec rm -rf {} +
 
-WORKDIR /src
-COPY pyproject.toml README.md ./
-COPY weightcache ./weightcache
-# The daemon needs no torch; pods that use weightcache.loader install `weightcache[torch]` in their own image.
-RUN pip install --no-cache-dir . && rm -rf /src
-
-ENV WEIGHTCACHE_ROOT=/var/lib/weightcache \
-    PYTHONUNBUFFERED=1
-WORKDIR /
-ENTRYPOINT ["/usr/bin/tini", "--", "weightcache"]
+FROM ${PYTHON_IMAGE}
+COPY --from=build /opt/weightcache /opt/weightcache
+ENV PATH=/opt/weightcache/bin:$PATH \
+    WEIGHTCACHE_ROOT=/var/lib/weightcache \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1
+# The daemon mounts with mount(2) through libc (no util-linux) and handles SIGTERM itself as PID 1; it starts
+# no child processes, so no init is needed to reap them.
+ENTRYPOINT ["weightcache"]
 CMD ["daemon"]

@@ -130,7 +130,7 @@ class HfSource:
             except OSError as exc:  # connection refused, reset, DNS, timeouts (httpx errors are not OSError)
                 retry.failed(Retryable(f"{type(exc).__name__} listing {self.repo_id}"))
             except Exception as exc:  # httpx transport errors
-                if type(exc).__module__.split(".")[0] != "httpx":
+                if not type(exc).__module__.startswith("httpx"):  # httpx or httpx2, by version
                     raise
                 retry.failed(Retryable(f"{type(exc).__name__} listing {self.repo_id}"))
         self.commit = info.sha
