@@ -60,6 +60,15 @@ def test_covers_compares_globs_as_written() -> None:
     assert covers(parse_ref("s3://mmm/x/"), parse_ref("s3://mmm/x/", include=["a"]))
 
 
+def test_exact_files_are_covered_by_what_the_grant_selects() -> None:
+    grant = parse_ref("s3://mmm/x/", include=["*.safetensors", "*.json"], exclude=["tokenizer*"])
+    assert covers(grant, parse_ref("s3://mmm/x/", include=["model-1.safetensors", "config.json"]))
+    assert not covers(grant, parse_ref("s3://mmm/x/", include=["model-1.safetensors", "tokenizer.json"]))
+    assert not covers(grant, parse_ref("s3://mmm/x/", include=["model-1.safetensors", "weights.bin"]))
+    assert decide(parse_ref("s3://models/llama/", include=["a.safetensors"]), "team-a", SAFETENSORS_ONLY,
+                  allow_undeclared=False).allowed
+
+
 def test_malformed_grants_grant_nothing() -> None:
     caches = [mc("bad", "s3://models/llama/", ["team-a"], include="*.safetensors"),
               {"metadata": {"name": "worse"}, "spec": ["not", "a", "mapping"]}]

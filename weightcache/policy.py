@@ -8,7 +8,8 @@ globs, and is allowed when a grant for the same source and namespace covers ever
     grant include ⊇ request include (a grant without include covers any)   grant exclude ⊆ request exclude
 
 Globs are compared as written, not by what they match: a request that asks for less in other words
-(`model-*.safetensors` under a grant of `*.safetensors`) is refused with the globs to send instead.
+(`model-*.safetensors` under a grant of `*.safetensors`) is refused with the globs to send instead. A request
+naming exact files (a cached snapshot's list, as DRA checks it) is allowed when the grant selects each file.
 The revision is not part of a grant.
 
 Off-cluster, `allow_undeclared` (the config's `allowUndeclaredModels`) lets every model through that no
@@ -95,10 +96,18 @@ def decide(
 
 
 def covers(grant: ModelRef, request: ModelRef) -> bool:
-    """True when every file `request` selects is selected by `grant` (same source assumed)."""
+    """True when every file `request` selects is selected by `grant` (same source assumed). A request that
+    names its files exactly (includes without glob characters, as for a cached snapshot's own file list) is
+    covered when the grant selects each of them."""
+    if request.include and not any(_is_glob(g) for g in request.include):
+        return all(grant.matches(path) for path in request.include)
     if not set(grant.exclude) <= set(request.exclude):
         return False
     return not grant.include or (bool(request.include) and set(request.include) <= set(grant.include))
+
+
+def _is_glob(pattern: str) -> bool:
+    return any(c in pattern for c in "*?[")
 
 
 def file_source_problem(ref: ModelRef, forbidden_paths: Sequence[str | Path] = ()) -> str | None:

@@ -130,7 +130,8 @@ class ModelClaims:
                 raise InvalidRequestError("status.allocation.devices.results.device",
                                           f"{item.device!r} is not a device this driver publishes")
             snapshot = self._store.get(snapshot_id)  # NotCachedError: evicted between allocation and now
-            decision = self._policy(parse_ref(snapshot.uri), namespace)
+            # the snapshot's own files: a grant limited by include/exclude covers exactly what it fetched
+            decision = self._policy(parse_ref(snapshot.uri, include=[f.path for f in snapshot.files]), namespace)
             if not decision.allowed:
                 raise NotAllowedError(decision.reason)
             prepared.append(PreparedDevice(item.request, self._pool, item.device, snapshot_id,
