@@ -248,7 +248,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
             if not decision.allowed:
                 raise NotAllowedError(decision.reason)
             snapshot = await self._ensure(args, context)
-            await self._io(self._keep_resident, snapshot, args.tier)
+            await asyncio.to_thread(self._keep_resident, snapshot, args.tier)  # long (page locking): not our pool
             await finish_even_if_cancelled(self._io(self._mount, args.record(snapshot.id), snapshot, args.hf_repo,
                                                             args.ref.revision))
         logger.info("published %s (snapshot %s) for pod %s/%s at %s", args.ref, snapshot.id,

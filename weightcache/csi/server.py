@@ -68,7 +68,8 @@ async def serve_csi(endpoint: str, *, store: Store, fetches: FetchQueue, node_id
     await asyncio.get_running_loop().run_in_executor(
         pool, functools.partial(reconcile, store, book, kubelet_dir=kubelet_dir))
     server = grpc.aio.server()
-    identity = IdentityServicer(functools.partial(check_store, store), pool)
+    probe_pool = ThreadPoolExecutor(1, thread_name_prefix="wc-csi-probe")  # liveness never queues behind mounts
+    identity = IdentityServicer(functools.partial(check_store, store), probe_pool)
     csi_pb2_grpc.add_IdentityServicer_to_server(identity, server)  # type: ignore[no-untyped-call]
     csi_pb2_grpc.add_NodeServicer_to_server(  # type: ignore[no-untyped-call]
         NodeServicer(store, fetches, node_id=node_id, policy=policy, kubelet_dir=kubelet_dir,
