@@ -206,20 +206,6 @@ class Store:
             (snapshot_id,))
         return tuple(_row_entry(r) for r in rows)
 
-    def find(self, text: str) -> builtins.list[Snapshot]:
-        """Snapshots matching a reference string, a snapshot id or an id prefix (for the CLI)."""
-        from weightcache.uri import parse_ref as parse_model_ref
-
-        rows = (self.index.query("SELECT id FROM snapshots WHERE id LIKE ?", (_like_prefix(text),))
-                if len(text) >= 8 else [])
-        if not rows and "://" in text:
-            ref = parse_model_ref(text)
-            if ref.revision:
-                snap = self.lookup(ref)
-                return [snap] if snap else []
-            rows = self.index.query("SELECT DISTINCT snapshot_id FROM refs WHERE uri=?", (ref.uri,))
-        return [self.get(r[0]) for r in rows]
-
     def list(self) -> builtins.list[SnapshotInfo]:
         leases: dict[str, builtins.list[str]] = {}
         for holder, snap_id in self.leases().items():
@@ -267,18 +253,21 @@ class Store:
             "WHERE s.uri=? AND f.path=? AND f.etag=? AND f.size=? LIMIT 1", (uri, path, etag, size))
         return str(rows[0][0]) if rows and self.has_blob(rows[0][0]) else None
 
-    def add_blob(self, path: Path, sha256: str) -> None:
+    def add_blob(self, path: Path, sha256: str, *, durable: bool = True) -> None:
         """Move a fully written, verified file into blobs/ (0444); a blob that exists already wins (dedup).
 
         `path` is a file the caller wrote under the root; a symlink found there instead is refused, not followed.
+        `durable=False` skips the fsyncs: only for a caller that synced the file's data before (a blob name
+        promises its content) and syncs the filesystem before it publishes (fetch: syncfs, twice per model).
         """
         blob = self.layout.blob(sha256)
         with self.tree.dir(path.parent) as dfd:
             fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
             try:
                 os.fchmod(fd, 0o444)
-                os.fsync(fd)
-                self.tree.link_in(fd, blob)
+                if durable:
+                    os.fsync(fd)
+                self.tree.link_in(fd, blob, durable=durable)
             finally:
                 os.close(fd)
             os.unlink(path.name, dir_fd=dfd)
