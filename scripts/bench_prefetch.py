@@ -86,7 +86,7 @@ http {{
     def bytes_served(self, prefix: str) -> int:
         total = 0
         for line in self.log.read_text().splitlines():
-            uri, status, sent = line.split()
+            uri, _status, sent = line.split()
             if uri.startswith(prefix) and not uri.endswith("/"):
                 total += int(sent)
         return total
@@ -137,8 +137,10 @@ import sys, boto3
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 tuned = sys.argv[2] == "tuned"
-s3 = boto3.client("s3", endpoint_url=sys.argv[1], config=Config(max_pool_connections=32, s3={"addressing_style": "path"}))
-cfg = TransferConfig(max_concurrency=16, multipart_chunksize=64 << 20, io_chunksize=1 << 20) if tuned else TransferConfig()
+config = Config(max_pool_connections=32, s3={"addressing_style": "path"})
+s3 = boto3.client("s3", endpoint_url=sys.argv[1], config=config)
+tuned_config = TransferConfig(max_concurrency=16, multipart_chunksize=64 << 20, io_chunksize=1 << 20)
+cfg = tuned_config if tuned else TransferConfig()
 for o in s3.list_objects_v2(Bucket="bench", Prefix="model/")["Contents"]:
     s3.download_file("bench", o["Key"], sys.argv[3] + "/" + o["Key"].rsplit("/", 1)[1], Config=cfg)
 """
@@ -213,8 +215,8 @@ def run_all(args: argparse.Namespace, work: Path, src: Path, size: int, files: l
         "weightcache prefetch http (cold)": ("nginx", lambda d: [*wc, f"{nginx.url}/model/", "--root", str(d)]),
         "aria2c -x8 -s8": ("nginx", lambda d: ["aria2c", "-q", "-Z", "-x", "8", "-s", "8", "-k", "8M", "-d", str(d),
                                                "--file-allocation=none", *[f"{nginx.url}/model/{f}" for f in files]]),
-        "curl": ("nginx", lambda d: ["curl", "-s", "--output-dir", str(d), *sum(
-            [["-o", f, f"{nginx.url}/model/{f}"] for f in files], [])]),
+        "curl": ("nginx", lambda d: ["curl", "-s", "--output-dir", str(d),
+                                     *(arg for f in files for arg in ("-o", f, f"{nginx.url}/model/{f}"))]),
     }
     if moto:
         clients |= {

@@ -33,8 +33,8 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.fixtures_webhook import admission_review, container, deployment_pod
-from weightcache.webhook.certs import make_ca, make_serving_cert
+from tests.fixtures_webhook import admission_review, container, deployment_pod  # noqa: E402
+from weightcache.webhook.certs import make_ca, make_serving_cert  # noqa: E402
 
 SNI = "weightcache-webhook.weightcache.svc"
 

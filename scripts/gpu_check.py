@@ -8,7 +8,8 @@
 2. The CUDA tests of tests/test_loader.py (bit-exact against safetensors, every dtype, register and bounce paths).
 3. Speed with the model held by a MemoryTier (locked in RAM), in-process, medians of 3 after a warm-up:
    plain pinned H2D copy (the PCIe ceiling), safetensors.torch.load_file(device="cuda"), and the loader with
-   host_register None (auto) / True (in place) / False (bounce buffers). Targets: >= 0.85x the ceiling, >= 2x safetensors.
+   host_register None (auto) / True (in place) / False (bounce buffers).
+   Targets: >= 0.85x the ceiling, >= 2x safetensors.
 """
 
 from __future__ import annotations

@@ -306,7 +306,8 @@ class FakeApiServer:
                 try:
                     new = jsonpatch.apply_patch(old, body)
                 except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as exc:
-                    raise ApiError(422, "Invalid", f"the server rejected our request due to an error in our request: {exc}")
+                    raise ApiError(422, "Invalid",
+                                   f"the server rejected our request due to an error in our request: {exc}") from None
             else:  # merge patch; strategic merge behaves the same for the maps (labels) core objects use here
                 if not isinstance(body, dict):
                     raise ApiError(400, "BadRequest", "json: cannot unmarshal array into Go value of type map[string]interface {}")
@@ -423,7 +424,8 @@ class FakeApiServer:
                 token = json.loads(base64.urlsafe_b64decode(query["continue"]))
                 start, list_rv = token["start"], int(token["rv"])
             except (ValueError, KeyError, TypeError):
-                raise ApiError(400, "BadRequest", "continue key is not valid: incorrect encoded start resourceVersion (version meta.k8s.io/v1)")
+                raise ApiError(400, "BadRequest", "continue key is not valid: incorrect encoded start resourceVersion "
+                                                  "(version meta.k8s.io/v1)") from None
         with self._cond:
             if list_rv is not None and list_rv < self._oldest:
                 raise ApiError(410, "Expired", "The provided continue parameter is too old to display a consistent list result. "
@@ -680,7 +682,7 @@ def _check_pod_update(name: str, old: Obj, new: Obj) -> None:
         ok = len(old_terms) == len(new_terms) and all(
             o.get("matchFields") == n.get("matchFields")
             and (n.get("matchExpressions") or [])[: len(o.get("matchExpressions") or [])] == (o.get("matchExpressions") or [])
-            for o, n in zip(old_terms, new_terms))
+            for o, n in zip(old_terms, new_terms, strict=True))
         if not ok:
             raise invalid(f"spec.affinity.nodeAffinity.{req}",
                           "Invalid value: only additions to matchExpressions of existing nodeSelectorTerms are allowed")

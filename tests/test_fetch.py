@@ -106,7 +106,7 @@ def test_corruption_that_persists_fails_with_integrity_error_and_publishes_nothi
     s3.upload_dir(model, "models", "llama/")
     fault_proxy.add("flip", method="GET", path="config.json", ranged_only=True, count=-1, at=1)
     f = _fetcher(tmp_path / "root", fault_proxy.endpoint_url)
-    with pytest.raises(IntegrityError, match="config.json"):
+    with pytest.raises(IntegrityError, match=r"config\.json"):
         f.ensure(parse_ref("s3://models/llama/"))
     assert f.store.list() == []
     assert list(f.store.layout.snapshots.iterdir()) == []
@@ -122,7 +122,7 @@ def test_sha256_checksum_from_s3_is_verified(tmp_path: Path, s3, fault_proxy, mo
 def test_sidecar_sha256_mismatch_is_refused(tmp_path: Path, s3, model: Path) -> None:
     s3.upload_dir(model, "models", "llama/")
     s3.put("models", "llama/config.json.sha256", b"0" * 64 + b"  config.json\n")
-    with pytest.raises(IntegrityError, match="config.json"):
+    with pytest.raises(IntegrityError, match=r"config\.json"):
         _fetcher(tmp_path / "root", s3.endpoint_url).ensure(parse_ref("s3://models/llama/"))
 
 
@@ -175,7 +175,7 @@ def test_malicious_safetensors_header_is_refused_before_publish(tmp_path: Path, 
     s3.put("models", "bad/model.safetensors", body)
     s3.put("models", "bad/config.json", b"{}")
     f = _fetcher(tmp_path / "root", s3.endpoint_url)
-    with pytest.raises(SafetensorsHeaderError, match="model.safetensors"):
+    with pytest.raises(SafetensorsHeaderError, match=r"model\.safetensors"):
         f.ensure(parse_ref("s3://models/bad/"))
     assert f.store.list() == [] and list(f.store.layout.snapshots.iterdir()) == []
     assert not list(f.store.layout.partial.glob("*.part")), "a refused file's partial must not be kept for a retry"
@@ -218,7 +218,7 @@ def test_kill_9_mid_download_resumes_without_refetching_journalled_ranges(tmp_pa
     journal = None
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        journals = [j for j in (root / "partial").glob("*.journal")] if (root / "partial").exists() else []
+        journals = list((root / "partial").glob("*.journal")) if (root / "partial").exists() else []
         big = [j for j in journals if len(j.read_text().splitlines()) > 10]
         if big:
             journal = big[0]

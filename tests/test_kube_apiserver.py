@@ -38,7 +38,8 @@ def status_of(exc: ApiException) -> dict:
 
 
 def test_wrong_group_version_or_plural_is_404(custom):
-    for group, version, plural in ((G, "v1", "modelcaches"), ("weightcache.example", V, "modelcaches"), (G, V, "modelcache")):
+    wrong = ((G, "v1", "modelcaches"), ("weightcache.example", V, "modelcaches"), (G, V, "modelcache"))
+    for group, version, plural in wrong:
         with pytest.raises(ApiException) as info:
             custom.list_cluster_custom_object(group, version, plural)
         assert info.value.status == 404
@@ -63,8 +64,8 @@ def test_custom_resources_refuse_strategic_merge_patch(custom):
         custom.patch_cluster_custom_object(G, V, "modelcaches", "a", {"spec": {"tier": "memory"}},
                                            _content_type="application/strategic-merge-patch+json")
     assert info.value.status == 415
-    custom.patch_cluster_custom_object(G, V, "modelcaches", "a", [{"op": "add", "path": "/spec/tier", "value": "memory"}],
-                                       _content_type="application/json-patch+json")
+    add_tier = [{"op": "add", "path": "/spec/tier", "value": "memory"}]
+    custom.patch_cluster_custom_object(G, V, "modelcaches", "a", add_tier, _content_type="application/json-patch+json")
     assert custom.get_cluster_custom_object(G, V, "modelcaches", "a")["spec"]["tier"] == "memory"
 
 
@@ -92,13 +93,14 @@ def test_replace_needs_current_resource_version(custom):
 
 
 def test_status_subresource_separates_spec_and_status(custom):
-    custom.create_cluster_custom_object(G, V, "modelcachenodes", {"metadata": {"name": "n1"}, "spec": {"nodeName": "n1"},
-                                                                  "status": {"models": {"x": {"phase": "Ready"}}}})
+    ready = {"models": {"x": {"phase": "Ready"}}}
+    custom.create_cluster_custom_object(G, V, "modelcachenodes",
+                                        {"metadata": {"name": "n1"}, "spec": {"nodeName": "n1"}, "status": ready})
     assert "status" not in custom.get_cluster_custom_object(G, V, "modelcachenodes", "n1")  # ignored on create
     custom.patch_cluster_custom_object(G, V, "modelcachenodes", "n1", {"status": {"models": {"x": {"phase": "Ready"}}}})
     assert "status" not in custom.get_cluster_custom_object(G, V, "modelcachenodes", "n1")  # main resource ignores it
-    custom.patch_cluster_custom_object_status(G, V, "modelcachenodes", "n1", {"spec": {"nodeName": "other"},
-                                                                              "status": {"models": {"x": {"phase": "Ready"}}}})
+    custom.patch_cluster_custom_object_status(G, V, "modelcachenodes", "n1",
+                                              {"spec": {"nodeName": "other"}, "status": ready})
     obj = custom.get_cluster_custom_object(G, V, "modelcachenodes", "n1")
     assert obj["status"]["models"]["x"]["phase"] == "Ready" and obj["spec"]["nodeName"] == "n1"
 
@@ -143,7 +145,8 @@ def test_watch_from_an_expired_version_is_410(custom, server):
 
 
 def test_event_for_cluster_scoped_object_must_be_in_default(core):
-    event = {"metadata": {"name": "e1"}, "involvedObject": {"kind": "ModelCache", "name": "a"}, "reason": "X", "message": "m"}
+    event = {"metadata": {"name": "e1"}, "involvedObject": {"kind": "ModelCache", "name": "a"}, "reason": "X",
+             "message": "m"}
     with pytest.raises(ApiException) as info:
         core.create_namespaced_event("weightcache", event)
     assert info.value.status == 422

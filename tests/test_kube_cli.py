@@ -56,7 +56,8 @@ def play_daemon(server: FakeApiServer, phases: dict[str, list[ModelState]]) -> t
 def test_name_is_a_stable_dns_label():
     name = model_cache_name(REF)
     assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", name) and len(name) <= 63
-    assert name.startswith("llama-3-8b-") and name == model_cache_name(parse_ref("s3://models/Llama-3_8B/", include=["*.safetensors"]))
+    ref = parse_ref("s3://models/Llama-3_8B/", include=["*.safetensors"])
+    assert name.startswith("llama-3-8b-") and name == model_cache_name(ref)
     assert model_cache_name(parse_ref("s3://models/" + "x" * 200 + "/")).__len__() <= 63
 
 
@@ -84,13 +85,14 @@ def test_prefetch_again_updates_with_optimistic_concurrency(server):
 
 
 def test_invalid_spec_is_rejected_by_the_crd_schema(server):
-    with pytest.raises(ClusterError, match="rejected it: .*tier"):
+    with pytest.raises(ClusterError, match=r"rejected it: .*tier"):
         run(server, tier="ssd")
     assert server.list("modelcaches") == []
 
 
 def test_wait_follows_each_selected_node_until_ready(server):
-    states = [ModelState("Fetching", bytes_done=512, bytes_total=2048), ModelState("Ready", bytes_done=2048, bytes_total=2048, snapshot="abcdef0123456789")]
+    states = [ModelState("Fetching", bytes_done=512, bytes_total=2048),
+              ModelState("Ready", bytes_done=2048, bytes_total=2048, snapshot="abcdef0123456789")]
     daemon = play_daemon(server, {"n1": states, "n2": states})
     code, text = run(server, wait=True)
     daemon.join(5)
@@ -101,7 +103,8 @@ def test_wait_follows_each_selected_node_until_ready(server):
 
 
 def test_wait_stops_at_the_first_failure(server):
-    daemon = play_daemon(server, {"n1": [ModelState("Ready")], "n2": [ModelState("Failed", message="bucket not found")]})
+    daemon = play_daemon(server, {"n1": [ModelState("Ready")],
+                                  "n2": [ModelState("Failed", message="bucket not found")]})
     code, text = run(server, wait=True)
     daemon.join(5)
     assert code == 1
@@ -132,14 +135,16 @@ def test_json_lines_output(server):
     code, text = run(server, wait=True, json_lines=True)
     daemon.join(5)
     lines = [json.loads(line) for line in text.splitlines()]
-    assert code == 0 and lines[0]["event"] == "created" and lines[-1] == {"event": "done", "result": "ready", "nodes": 2}
+    assert code == 0 and lines[0]["event"] == "created"
+    assert lines[-1] == {"event": "done", "result": "ready", "nodes": 2}
     assert {ln["node"] for ln in lines if ln["event"] == "progress"} == {"n1", "n2"}
 
 
 def test_status_table_and_json(server):
     run(server)
     name = model_cache_name(REF)
-    NodeReporter(server.api_client(), "n1", min_interval=0).report(name, ModelState("Fetching", bytes_done=1 << 30, bytes_total=4 << 30))
+    fetching = ModelState("Fetching", bytes_done=1 << 30, bytes_total=4 << 30)
+    NodeReporter(server.api_client(), "n1", min_interval=0).report(name, fetching)
     out = io.StringIO()
     assert status(server.api_client(), None, out=out) == 0
     lines = out.getvalue().splitlines()

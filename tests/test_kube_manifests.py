@@ -52,7 +52,8 @@ def _walk(schema: dict[str, Any], path: str = "") -> list[str]:
 
 
 def test_crds_are_structural_cluster_scoped_with_status_and_printer_columns():
-    for name, kind, short in (("crd-modelcache.yaml", "ModelCache", "mc"), ("crd-modelcachenode.yaml", "ModelCacheNode", "mcn")):
+    crds = (("crd-modelcache.yaml", "ModelCache", "mc"), ("crd-modelcachenode.yaml", "ModelCacheNode", "mcn"))
+    for name, kind, short in crds:
         (crd,) = docs(name)
         spec = crd["spec"]
         assert crd["metadata"]["name"] == f"{spec['names']['plural']}.weightcache.io"
@@ -63,12 +64,14 @@ def test_crds_are_structural_cluster_scoped_with_status_and_printer_columns():
         assert version["subresources"] == {"status": {}}
         assert any(c["name"] == "Age" and c["type"] == "date" for c in version["additionalPrinterColumns"])
         assert _walk(version["schema"]["openAPIV3Schema"]) == []
-    columns = {c["name"]: c["jsonPath"] for c in docs("crd-modelcache.yaml")[0]["spec"]["versions"][0]["additionalPrinterColumns"]}
+    version = docs("crd-modelcache.yaml")[0]["spec"]["versions"][0]
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
     assert columns["Source"] == ".spec.source" and columns["Tier"] == ".spec.tier"
 
 
 GOOD = model_cache("llama", "s3://models/llama-3-8b/", node_selector={"gpu": "h100"}, tier="memory", revision="v1",
-                   include=["*.safetensors", "*.json"], exclude=["original/*"], allowedNamespaces=["team-a", "*"], priority=10)
+                   include=["*.safetensors", "*.json"], exclude=["original/*"], allowedNamespaces=["team-a", "*"],
+                   priority=10)
 
 
 def _spec_errors(obj: dict[str, Any]) -> list[str]:
@@ -115,7 +118,8 @@ def _needed(requests: list[Any]) -> set[tuple[str, str, str, str]]:
     """(apiGroup, resource[/sub], verb, namespace) for each request, as RBAC's authorizer sees it."""
     needed = set()
     for r in requests:
-        m = re.match(r"^/apis?/(?:(?P<group>[^/]+)/)?v[^/]+(?:/namespaces/(?P<ns>[^/]+))?/(?P<res>[^/]+)(?:/(?P<name>[^/]+)(?:/(?P<sub>[^/]+))?)?$", r.path)
+        m = re.match(r"^/apis?/(?:(?P<group>[^/]+)/)?v[^/]+(?:/namespaces/(?P<ns>[^/]+))?/(?P<res>[^/]+)"
+                     r"(?:/(?P<name>[^/]+)(?:/(?P<sub>[^/]+))?)?$", r.path)
         assert m, r.path
         group = "" if r.path.startswith("/api/") else m["group"]
         resource = m["res"] + (f"/{m['sub']}" if m["sub"] else "")
@@ -138,7 +142,8 @@ def _roles(subject: str) -> list[tuple[str, list[dict[str, Any]]]]:
     for b in all_docs:
         if b["kind"] in ("ClusterRoleBinding", "RoleBinding") and any(s["name"] == subject for s in b["subjects"]):
             ns = b["metadata"].get("namespace", "")
-            found.append((ns, roles[(b["roleRef"]["kind"], ns if b["roleRef"]["kind"] == "Role" else "", b["roleRef"]["name"])]))
+            kind = b["roleRef"]["kind"]
+            found.append((ns, roles[(kind, ns if kind == "Role" else "", b["roleRef"]["name"])]))
     return found
 
 
@@ -163,13 +168,15 @@ def test_the_daemons_requests_are_exactly_covered_by_its_rbac():
         reporter.event(mc, "FetchFailed", "x")
         reporter.event(mc, "FetchFailed", "x")
         needed = _needed(server.requests)  # setup wrote directly, not over HTTP
-    assert all(_permitted("weightcache-daemon", n) for n in needed), [n for n in needed if not _permitted("weightcache-daemon", n)]
+    refused = [n for n in needed if not _permitted("weightcache-daemon", n)]
+    assert not refused, refused
     assert ("", "events", "create", "default") in needed
     assert not _permitted("weightcache-daemon", ("", "events", "create", "weightcache"))
-    for ns, rules in _roles("weightcache-daemon"):
+    dangerous = {"delete", "deletecollection", "escalate", "bind", "impersonate", "update"}
+    for _ns, rules in _roles("weightcache-daemon"):
         for rule in rules:
             assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"]
-            assert not {"delete", "deletecollection", "escalate", "bind", "impersonate", "update"} & set(rule["verbs"]) or \
+            assert not dangerous & set(rule["verbs"]) or \
                 rule["resources"] == ["modelcachenodes/status"]
             for resource in rule["resources"]:
                 for verb in rule["verbs"]:
@@ -178,7 +185,8 @@ def test_the_daemons_requests_are_exactly_covered_by_its_rbac():
 
 def test_webhook_may_only_read_model_caches():
     (only,) = _roles("weightcache-webhook")
-    assert only == ("", [{"apiGroups": ["weightcache.io"], "resources": ["modelcaches"], "verbs": ["get", "list", "watch"]}])
+    read = {"apiGroups": ["weightcache.io"], "resources": ["modelcaches"], "verbs": ["get", "list", "watch"]}
+    assert only == ("", [read])
 
 
 def test_cli_role_is_unbound_and_cannot_touch_node_status():

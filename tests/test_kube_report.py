@@ -50,7 +50,7 @@ def test_report_creates_own_object_owned_by_the_node_and_writes_status_subresour
     obj = server.get("modelcachenodes", "n1")
     assert obj["spec"] == {"nodeName": "n1"}
     owner = obj["metadata"]["ownerReferences"][0]
-    assert owner["kind"] == "Node" and owner["name"] == "n1" and owner["uid"] == server.get("nodes", "n1")["metadata"]["uid"]
+    assert (owner["kind"], owner["name"], owner["uid"]) == ("Node", "n1", server.get("nodes", "n1")["metadata"]["uid"])
     state = models_of(server, "n1")["llama"]
     assert state["phase"] == "Fetching" and state["bytesDone"] == 1 and state["observedGeneration"] == 2
     patch = server.requests_matching("PATCH", MCN)[-1]
@@ -107,7 +107,8 @@ def test_invalid_phase_is_refused():
 
 
 SECRET_MESSAGE = (
-    "GET https://AKIAIOSFODNN7EXAMPLE:wJalrXUtnFEMI@bucket.example/x?X-Amz-Signature=deadbeef&X-Amz-Credential=AKIAIOSFODNN7EXAMPLE%2F "
+    "GET https://AKIAIOSFODNN7EXAMPLE:wJalrXUtnFEMI@bucket.example/x?X-Amz-Signature=deadbeef"
+    "&X-Amz-Credential=AKIAIOSFODNN7EXAMPLE%2F "
     "failed; Authorization: Bearer eyJhbGciOi.secret aws_secret_access_key=wJalrXUtnFEMI"
 )
 
@@ -133,7 +134,8 @@ def test_event_is_about_the_model_cache_in_default_and_repeats_count(server):
     (event,) = server.list("events")
     assert event["metadata"]["namespace"] == "default"
     assert event["involvedObject"] == {"apiVersion": "weightcache.io/v1alpha1", "kind": "ModelCache", "name": "llama",
-                                       "uid": mc["metadata"]["uid"], "resourceVersion": mc["metadata"]["resourceVersion"]}
+                                       "uid": mc["metadata"]["uid"],
+                                       "resourceVersion": mc["metadata"]["resourceVersion"]}
     assert event["type"] == "Warning" and event["reason"] == "FetchFailed" and event["count"] == 2
     assert event["source"] == {"component": "weightcache-daemon", "host": "n1"}
     assert server.requests_matching("POST", "/api/v1/namespaces/default/events")

@@ -117,7 +117,7 @@ def test_lowering_the_budget_demotes_lru_and_refuses_below_pinned(snapshot, tier
     tier.promote(c)
     assert tier.set_budget(pages(a) + pages(c)) == ["b"]
     assert sorted(i.id for i in tier.resident()) == ["a", "c"]
-    with pytest.raises(MemoryTierError, match="pinned snapshots hold .* more than the new memory budget"):
+    with pytest.raises(MemoryTierError, match=r"pinned snapshots hold .* more than the new memory budget"):
         tier.set_budget(pages(a) // 2)
     assert [i.id for i in tier.resident()] == ["a"] and tier.budget_bytes == pages(a) // 2
 
@@ -141,7 +141,7 @@ def test_pinned_snapshots_are_never_demoted_and_refusal_has_numbers(snapshot, ti
 
 def test_a_model_larger_than_the_budget_is_refused(snapshot) -> None:
     tier = MemoryTier(4096)
-    with pytest.raises(MemoryTierError, match="raise the memory budget.*tier: disk"):
+    with pytest.raises(MemoryTierError, match=r"raise the memory budget.*tier: disk"):
         tier.promote(snapshot("a"))
     assert tier.locked_bytes() == 0
 
