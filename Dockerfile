@@ -12,14 +12,15 @@ ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
 RUN python -m venv /opt/weightcache
-COPY requirements.lock /src/requirements.lock
+COPY requirements.lock requirements-build.lock /src/
 # --only-binary: every locked package ships wheels for both architectures; no compiler in the image
-RUN /opt/weightcache/bin/pip install --require-hashes --only-binary :all: -r /src/requirements.lock
+RUN /opt/weightcache/bin/pip install --require-hashes --only-binary :all: -r /src/requirements.lock \
+ && /opt/weightcache/bin/pip install --require-hashes --only-binary :all: -r /src/requirements-build.lock
 COPY pyproject.toml README.md /src/
 COPY weightcache /src/weightcache
-# our own package only: its dependencies are all in the lock above
+# our own package only, built with the locked setuptools: its dependencies are all in the lock above
 RUN /opt/weightcache/bin/pip install --no-deps --no-build-isolation /src \
- && /opt/weightcache/bin/pip uninstall -y pip \
+ && /opt/weightcache/bin/pip uninstall -y setuptools pip \
  && find /opt/weightcache -name '__pycache__' -prune -exec rm -rf {} +
 
 FROM ${PYTHON_IMAGE}

@@ -92,6 +92,9 @@ def test_the_image_installs_only_locked_hashed_wheels() -> None:
                               (ROOT / "requirements.lock").read_text(), re.M)
     names = {name.lower().replace("_", "-") for name, _, _ in requirements}
     assert {"boto3", "aiohttp", "grpcio", "kubernetes", "huggingface-hub"} <= names
-    lock = (ROOT / "requirements.lock").read_text()
-    pinned = re.findall(r"^[A-Za-z0-9_.-]+==", lock, re.M)
-    assert len(pinned) == len(requirements)  # every pin carries hashes
+    for name in ("requirements.lock", "requirements-build.lock"):
+        lock = (ROOT / name).read_text()
+        pinned = re.findall(r"^[A-Za-z0-9_.-]+==", lock, re.M)
+        hashed = re.findall(r"^[A-Za-z0-9_.-]+==\S+ \\\n\s+--hash=sha256:[0-9a-f]{64}", lock, re.M)
+        assert pinned and len(pinned) == len(hashed), name  # every pin carries hashes
+        assert f"-r /src/{name}" in dockerfile
