@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import time
 from pathlib import Path
 
 import grpc
@@ -100,6 +101,48 @@ async def test_reconcile_the_api_and_csi_share_one_download(short_dir: Path, mod
             assert snapshot["id"] in (await asyncio.to_thread(d.client.leases)).values()
             await csi_pb2_grpc.NodeStub(channel).NodeUnpublishVolume(
                 csi_pb2.NodeUnpublishVolumeRequest(volume_id="vol-1", target_path=str(target)))
+    finally:
+        await d.daemon.stop()
+        unmount_under(short_dir)
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="bind mounts need root")
+async def test_csi_answers_while_the_api_queues_eight_slow_downloads(short_dir: Path, model_copy: Path, s3: S3,
+                                                                     fault_proxy: FaultProxy) -> None:
+    for prefix in ["warm/"] + [f"slow-{i}/" for i in range(8)]:
+        s3.upload_dir(model_copy, "models", prefix)
+    csi_sock, kubelet = short_dir / "csi.sock", short_dir / "kubelet"
+    d = await start_daemon(short_dir, model_copy, env={"NODE_NAME": "n"}, config={
+        "csiEndpoint": f"unix://{csi_sock}", "kubeletDir": str(kubelet), "parallelModels": 2,
+        "endpoints": {"s3": {"endpointUrl": fault_proxy.endpoint_url}}})
+    target = kubelet / "pods" / "uid-1" / "volumes" / "kubernetes.io~csi" / "llama" / "mount"
+    try:
+        await asyncio.to_thread(d.client.ensure, "s3://models/warm/")
+        fault_proxy.add("delay", seconds=3.0, method="GET", path="/slow-", count=-1)
+        async with d.http() as http:
+            for i in range(8):
+                async with http.put("/v1/models", json={"uri": f"s3://models/slow-{i}/"}) as r:
+                    assert r.status == 202
+        while len({r.path.split("/")[2] for r in fault_proxy.requests_for("GET", "/slow-")}) < 2:
+            await asyncio.sleep(0.02)
+        metrics = await asyncio.to_thread(d.client.metrics)
+        assert "weightcache_fetches_queued 6.0" in metrics, "parallelModels=2 run, the other 6 wait their turn"
+        async with grpc.aio.insecure_channel(f"unix://{csi_sock}") as channel:
+            identity, node = csi_pb2_grpc.IdentityStub(channel), csi_pb2_grpc.NodeStub(channel)
+            start = time.monotonic()
+            for _ in range(3):
+                await identity.Probe(csi_pb2.ProbeRequest())
+            probe = (time.monotonic() - start) / 3
+            start = time.monotonic()
+            await node.NodePublishVolume(publish_request("vol-w", target, model="s3://models/warm/",
+                                                         namespace="ml", pod_uid="uid-1"))
+            publish = time.monotonic() - start
+            print(f"\nAPI queue 2 running + 6 queued: Probe {probe * 1000:.1f} ms, cached publish "
+                  f"{publish * 1000:.1f} ms")
+            assert probe < 1.0 and publish < 0.5
+            await node.NodeUnpublishVolume(csi_pb2.NodeUnpublishVolumeRequest(volume_id="vol-w",
+                                                                              target_path=str(target)))
     finally:
         await d.daemon.stop()
         unmount_under(short_dir)
