@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -179,6 +180,7 @@ def test_malicious_safetensors_header_is_refused_before_publish(tmp_path: Path, 
         f.ensure(parse_ref("s3://models/bad/"))
     assert f.store.list() == [] and list(f.store.layout.snapshots.iterdir()) == []
     assert not list(f.store.layout.partial.glob("*.part")), "a refused file's partial must not be kept for a retry"
+    assert f.store.has_blob(hashlib.sha256(b"{}").hexdigest()), "a verified file is kept as a blob for the rerun"
 
 
 def test_huge_header_length_is_refused(tmp_path: Path, s3) -> None:

@@ -13,6 +13,7 @@ page cache, so hashing overlaps the download.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
@@ -30,9 +31,10 @@ class PartialFile:
     """Download state of one object; thread-safe for many workers writing disjoint chunks."""
 
     def __init__(self, part: Path, obj: ObjectInfo, *, range_size: int,
-                 source_check: Callable[[], Hasher] | None = None) -> None:
+                 source_check: Callable[[], Hasher] | None = None, journalled: bool = True) -> None:
         self.part = part
         self.journal = part.with_suffix(".journal")
+        self.journalled = journalled  # without a journal a rerun starts the file over (small files: cheaper)
         self.obj = obj
         self.range_size = range_size  # bytes asked for in one request; each chunk written inside is journalled
         self._mu = threading.Lock()
@@ -61,6 +63,8 @@ class PartialFile:
         self._fd = os.open(self.part, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         if fresh and self.obj.size:
             os.posix_fallocate(self._fd, 0, self.obj.size)
+        if not self.journalled:
+            return self._missing()
         self._jfd = os.open(self.journal, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
         if fresh or not ranges:
             os.ftruncate(self._jfd, 0)
@@ -117,7 +121,8 @@ class PartialFile:
         while view:
             n = os.pwrite(self._fd, view, pos)
             view, pos = view[n:], pos + n
-        os.write(self._jfd, f"{offset} {len(data)}\n".encode())
+        if self._jfd >= 0:
+            os.write(self._jfd, f"{offset} {len(data)}\n".encode())
         with self._mu:
             self._done[offset] = len(data)
             if self._hashing:
@@ -165,8 +170,21 @@ class PartialFile:
         """The size of what is on disk (a manifest records this, never a listing's claim)."""
         return os.fstat(self._fd).st_size
 
-    def fsync(self) -> None:
-        os.fsync(self._fd)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def sync_filesystem(path: Path) -> None:
+    """syncfs(2) the filesystem holding `path`: every file's data and every directory entry written so far is
+    durable when it returns (os has no syncfs; os.sync would flush every disk of the node)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        if _libc.syncfs(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"syncfs {path}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
 
 
 def _split(start: int, length: int, chunk: int) -> list[tuple[int, int]]:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from weightcache import defaults
 from weightcache.checksums import Hasher, new_hasher
-from weightcache.download import PartialFile
+from weightcache.download import PartialFile, sync_filesystem
 from weightcache.errors import (
     FetchCancelledError,
     InsufficientSpaceError,
@@ -201,7 +201,8 @@ class Fetcher:
             check = item.source_check
             item.partial = PartialFile(
                 self.store.partial_path(f"{ref.key}.{hashlib.sha256(item.relpath.encode()).hexdigest()[:16]}.part"),
-                item.obj, range_size=range_size, source_check=_hasher_factory(check[0]) if check else None)
+                item.obj, range_size=range_size, source_check=_hasher_factory(check[0]) if check else None,
+                journalled=item.obj.size > self.chunk_size)  # a one-chunk file has nothing to resume
         resumed = sum(_partial_size(i) for i in todo)
         self.store.ensure_space(sum(i.obj.size for i in todo) - resumed, uri=ref.uri)
         fetched = self._download(source, todo, reporter)
@@ -274,24 +275,39 @@ class Fetcher:
         """Download every item; a file failing verification is refetched once. Returns origin bytes."""
         fetched = 0
         pending = todo
-        for round_ in (1, 2):
-            fetched += self._download_round(source, pending, reporter)
-            failed = []
-            for item in pending:
-                try:
-                    self._finish(item, source)
-                    reporter.add(0, 1)
-                except IntegrityError as exc:
-                    if round_ == 2:
-                        raise
-                    log.warning("%s; refetching %s", exc, item.relpath)
-                    _partial(item).discard()
-                    reporter.add(-item.obj.size, 0)
-                    failed.append(item)
-            if not failed:
-                break
-            pending = failed
+        try:
+            for round_ in (1, 2):
+                fetched += self._download_round(source, pending, reporter)
+                failed = []
+                for item in pending:
+                    try:
+                        self._finish(item, source)
+                        reporter.add(0, 1)
+                    except IntegrityError as exc:
+                        if round_ == 2:
+                            raise
+                        log.warning("%s; refetching %s", exc, item.relpath)
+                        _partial(item).discard()
+                        reporter.add(-item.obj.size, 0)
+                        failed.append(item)
+                if not failed:
+                    break
+                pending = failed
+        finally:  # verified files become blobs even when another file failed: a rerun need not fetch them again
+            self._add_blobs([i for i in todo if i.sha256])
         return fetched
+
+    def _add_blobs(self, items: list[_Item]) -> None:
+        """Verified files become blobs with two syncfs calls instead of three fsyncs each (2,000 small files:
+        seconds -> tens of ms): data durable before any blob name promises it, names durable before publish."""
+        if not items:
+            return
+        sync_filesystem(self.store.layout.partial)
+        for item in items:
+            part = _partial(item)
+            self.store.add_blob(part.part, item.sha256 or "", durable=False)
+            part.journal.unlink(missing_ok=True)
+        sync_filesystem(self.store.layout.partial)
 
     def _download_round(self, source: Source, items: list[_Item], reporter: _Reporter) -> int:
         pieces: list[tuple[_Item, int, int]] = []
@@ -405,11 +421,8 @@ class Fetcher:
                 raise SafetensorsHeaderError(f"{item.relpath}: {exc}; the model at the source is damaged or "
                                              f"not safetensors: fix or exclude that file") from exc
         item.size = part.written_size()
-        part.fsync()
         part.close()
-        part.journal.unlink(missing_ok=True)
-        self.store.add_blob(part.part, sha)
-        item.sha256 = sha
+        item.sha256 = sha  # _add_blobs moves it into blobs/ once every file is verified
 
 
 def source_revision(objects: list[ObjectInfo]) -> str:

@@ -162,14 +162,16 @@ class Tree:
         with self.dir(src.parent) as sfd, self.dir(dst.parent, create=True) as dfd:
             os.rename(src.name, dst.name, src_dir_fd=sfd, dst_dir_fd=dfd)
 
-    def link_in(self, src_fd: int, dst: Path) -> bool:
-        """Hard-link the open file `src_fd` as `dst`; False when `dst` exists already."""
+    def link_in(self, src_fd: int, dst: Path, *, durable: bool = True) -> bool:
+        """Hard-link the open file `src_fd` as `dst`; False when `dst` exists already. `durable=False` skips the
+        directory fsync, for a caller that syncs the whole filesystem once after many links."""
         with self.dir(dst.parent, create=True) as dfd:
             try:
                 os.link(f"/proc/self/fd/{src_fd}", dst.name, dst_dir_fd=dfd, follow_symlinks=True)
             except FileExistsError:
                 return False
-            os.fsync(dfd)
+            if durable:
+                os.fsync(dfd)
             return True
 
     def write_atomic(self, path: Path, data: bytes, *, mode: int = 0o644, durable: bool = True) -> None:
