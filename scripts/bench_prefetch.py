@@ -8,15 +8,19 @@ peak RSS), interleaved round-robin, each after the same idle pause, median of --
   prefetches of one model (origin bytes counted from nginx's access log); boto3 download_file (defaults and
   tuned) and s3fs get against moto; aria2c -x 8 -s 8 and curl against nginx; dd write+fsync as the disk ceiling.
 
-    .venv/bin/python scripts/bench_prefetch.py [--size-gb 2] [--runs 3] [--idle 3] [--skip-moto]
+    .venv/bin/python scripts/bench_prefetch.py [--size-gb 2] [--runs 3] [--idle 3] [--skip-moto] [--small-files 2000]
 
-Needs nginx, aria2 and curl (apt-get install nginx aria2 curl): the script installs them when root.
+Needs nginx, aria2 and curl (apt-get install nginx aria2 curl): the script installs them when root. The s3fs row
+needs the bench extra (pip install -e '.[bench]'); without it the row is skipped with a note.
+A second table: --small-files files of 4 KB from file://, weightcache's fetch (timed in its process, without
+interpreter start) against `cp -r` + `sync`, both ending with the data durable.
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
+import importlib.util
 import json
 import os
 import shutil
@@ -152,6 +156,48 @@ fs.get("bench/model/", sys.argv[2] + "/", recursive=True)
 """
 
 
+SMALL = """
+import sys, time
+from weightcache.fetch import Fetcher
+from weightcache.store import Store
+from weightcache.uri import parse_ref
+store = Store(sys.argv[2])
+start = time.perf_counter()
+Fetcher(store).ensure(parse_ref("file://" + sys.argv[1] + "/"))
+print(time.perf_counter() - start)
+"""
+
+
+def small_files(work: Path, count: int, runs: int, idle: float) -> None:
+    """`count` files of 4 KB in 20 directories: weightcache's fetch (syncfs before publish) vs cp -r + sync."""
+    src = work / "src"
+    for i in range(count):
+        d = src / f"d{i % 20:02d}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"f{i:05d}.bin").write_bytes(os.urandom(4096))
+    subprocess.run(["sync"], check=True)
+    cp, wc = [], []
+    for run in range(runs):
+        for dest in (work / "cp", work / "root"):
+            shutil.rmtree(dest, ignore_errors=True)
+        time.sleep(idle)
+        start = time.perf_counter()
+        subprocess.run(["cp", "-r", str(src), str(work / "cp")], check=True)
+        subprocess.run(["sync"], check=True)
+        cp.append(time.perf_counter() - start)
+        time.sleep(idle)
+        out = subprocess.run([PY, "-c", SMALL, str(src), str(work / "root")], check=True, capture_output=True,
+                             text=True).stdout
+        wc.append(float(out.strip().splitlines()[-1]))
+        print(f"  run {run + 1}: small files: cp -r + sync {cp[-1]:.2f} s, weightcache {wc[-1]:.2f} s", flush=True)
+        subprocess.run(["chmod", "-R", "u+w", str(work / "root")], check=False)
+    a, b = statistics.median(cp), statistics.median(wc)
+    print(f"\n{'small files (' + str(count) + ' x 4 KB)':<36} {'seconds':>8} {'files/s':>8} {'x cp':>6}")
+    print(f"{'cp -r + sync':<36} {a:>8.2f} {count / a:>8.0f} {1.0:>6.2f}")
+    print(f"{'weightcache fetch (file://)':<36} {b:>8.2f} {count / b:>8.0f} {b / a:>6.2f}")
+    print(f"Medians of {runs} runs; weightcache timed inside its process (no interpreter start).\n")
+
+
 def main() -> int:
     if len(sys.argv) == 5 and sys.argv[1] == "--make":
         make_model(Path(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]))
@@ -163,12 +209,18 @@ def main() -> int:
     ap.add_argument("--idle", type=float, default=3.0, help="seconds of idle before every client run")
     ap.add_argument("--skip-moto", action="store_true", help="moto re-reads whole objects per ranged GET: slow")
     ap.add_argument("--dir", default=None, help="work directory (default: a temp dir on the store's disk)")
+    ap.add_argument("--small-files", type=int, default=2000, help="files of 4 KB for the small-files table (0: skip)")
     args = ap.parse_args()
     for tool, pkg in (("nginx", "nginx"), ("aria2c", "aria2"), ("curl", "curl")):
         if shutil.which(tool) is None and os.geteuid() == 0:
             subprocess.run(["apt-get", "install", "-y", "-qq", pkg], check=True, stdout=subprocess.DEVNULL)
 
     work = Path(tempfile.mkdtemp(prefix="wc-bench-", dir=args.dir))
+    if args.small_files:
+        try:
+            small_files(work / "small", args.small_files, args.runs, args.idle)
+        finally:
+            shutil.rmtree(work / "small", ignore_errors=True)
     src = work / "origin" / "model"
     # made in a child: a forked client's ru_maxrss would otherwise include this process's model buffers
     subprocess.run([PY, __file__, "--make", str(src), str(args.size_gb), str(args.shards)], check=True)
@@ -224,8 +276,11 @@ def run_all(args: argparse.Namespace, work: Path, src: Path, size: int, files: l
                                                                    "--endpoint-url", moto.url]),
             "boto3 download_file (defaults)": ("moto", lambda d: [PY, "-c", BOTO, moto.url, "defaults", str(d)]),
             "boto3 download_file (tuned)": ("moto", lambda d: [PY, "-c", BOTO, moto.url, "tuned", str(d)]),
-            "s3fs get": ("moto", lambda d: [PY, "-c", S3FS, moto.url, str(d)]),
         }
+        if importlib.util.find_spec("s3fs") is not None:
+            clients["s3fs get"] = ("moto", lambda d: [PY, "-c", S3FS, moto.url, str(d)])
+        else:
+            print("s3fs row skipped: s3fs is not installed (pip install -e '.[bench]')")
     results: dict[str, list[tuple[float, float, float]]] = {k: [] for k in clients}
     hits: list[tuple[float, float, float]] = []
     for run in range(args.runs):
