@@ -1,0 +1,41 @@
+"""Docs say what the code does: the defaults docs/config.md and the CLI's help print are the code's defaults."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from weightcache import defaults
+from weightcache.daemon.config import _SNAKE, Settings, parse_settings
+from weightcache.units import parse_size
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+# | `field` | env | flag | `default` ... | applies | meaning |: the rows whose default is a literal value
+ROWS = re.findall(r"^\| `(\w+)` \|[^|\n]*\|[^|\n]*\| `([^`]*)`[^|\n]*\|", (DOCS / "config.md").read_text(),
+                  re.MULTILINE)
+SPECIAL = {"allowUndeclaredModels"}  # its default depends on where the daemon runs; the row says both
+
+
+def test_the_table_was_read() -> None:
+    assert {"root", "chunkSize", "concurrency", "socket", "kubeletDir"} <= {key for key, _ in ROWS}
+
+
+@pytest.mark.parametrize(("key", "documented"), [r for r in ROWS if r[0] not in SPECIAL], ids=lambda v: str(v))
+def test_documented_defaults_are_the_code_defaults(key: str, documented: str) -> None:
+    parsed = parse_settings({key: yaml.safe_load(documented)})
+    assert getattr(parsed, _SNAKE[key]) == getattr(Settings(), _SNAKE[key]), f"docs/config.md: {key} default"
+
+
+def test_cli_help_states_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    from weightcache.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["prefetch", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"default {defaults.ROOT}" in text and f"default {defaults.SOCKET}" in text
+    assert f"(default {defaults.CONCURRENCY})" in text
+    chunk = re.search(r"--chunk-size CHUNK_SIZE [^\[]*?\(default (\w+)\)", text)
+    assert chunk and parse_size(chunk.group(1)) == defaults.CHUNK_SIZE
