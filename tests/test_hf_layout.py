@@ -17,7 +17,7 @@ import pytest
 from tests.fixtures_hf import make_tiny_llama
 from weightcache.errors import InvalidReferenceError
 from weightcache.fetch import Fetcher
-from weightcache.hf_layout import commit_of, hub_cache, repo_folder, validate_repo_id
+from weightcache.hf_layout import commit_of, hub_cache, prune, repo_folder, validate_repo_id
 from weightcache.store import Snapshot, Store
 from weightcache.uri import parse_ref
 
@@ -90,9 +90,13 @@ def test_trees_of_evicted_snapshots_are_pruned(tmp_path: Path) -> None:
         (src / "config.json").write_text(json.dumps({"name": name}))
         snaps.append(Fetcher(store).ensure(parse_ref(f"file://{src}/")))
     first = hub_cache(store, snaps[0], "acme/a")
+    second = hub_cache(store, snaps[1], "acme/b")
+    blob = store.root / "blobs" / "sha256" / snaps[0].files[0].sha256[:2] / snaps[0].files[0].sha256
+    assert blob.stat().st_nlink == 3  # blob, snapshot, hub cache view: one inode, no copy
     store.evict(snaps[0].id)
-    hub_cache(store, snaps[1], "acme/b")
-    assert not first.exists()  # its hard links no longer hold the evicted bytes
+    assert prune(store) == 1  # what the daemon's reconcile pass runs
+    assert not first.exists() and second.exists()  # its hard links no longer hold the evicted bytes
+    assert prune(store) == 0
 
 
 def test_a_source_commit_names_the_snapshot(published: tuple[Store, Snapshot, list[int]]) -> None:

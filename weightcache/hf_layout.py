@@ -12,7 +12,8 @@ The hub's own cache makes snapshots/ relative symlinks into blobs/; a bind mount
 as one points outside it, so regular files (hard links) are used, which huggingface_hub reads the same way. The
 commit is the source's (hf:// snapshots record the 40-hex commit as their revision), else one derived from the
 snapshot id, stable across nodes. A tree is built once per (snapshot, repo) in a temporary directory and renamed
-into place, so a partial tree is never visible; trees of evicted snapshots are pruned on the next build.
+into place, so a partial tree is never visible. Trees of evicted snapshots are pruned on the next build and by
+every reconcile pass of the daemon: until then their links keep the evicted bytes on disk (at most resyncSeconds).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def hub_cache(store: Store, snapshot: Snapshot, repo_id: str, *, refs: tuple[str
     if final.is_dir() and not final.is_symlink():
         return final
     base.mkdir(mode=0o755, exist_ok=True)
-    _prune(store, base)
+    prune(store)
     parent = final.parent
     parent.mkdir(mode=0o755, exist_ok=True)
     tmp = tmp_name(final)
@@ -104,12 +105,19 @@ def _build(repo: Path, snapshot: Snapshot, commit: str, refs: tuple[str, ...]) -
     os.chmod(repo.parent, 0o555)
 
 
-def _prune(store: Store, base: Path) -> None:
-    """Drop trees of snapshots the store no longer has: their hard links would keep evicted bytes on disk."""
+def prune(store: Store) -> int:
+    """Drop the trees of snapshots the store no longer has: their hard links would keep evicted bytes on disk.
+    Run on every build and by the daemon's reconcile pass (blocking: call it from a thread). Returns how many."""
+    base = store.root / HF_DIR
+    if not base.is_dir() or base.is_symlink():
+        return 0
     live = {_safe(info.snapshot.id) for info in store.list()}
-    for entry in base.iterdir():
-        if entry.name not in live and not entry.name.startswith("."):
-            _remove(entry)
+    gone = [entry for entry in base.iterdir() if entry.name not in live and not entry.name.startswith(".")]
+    for entry in gone:
+        _remove(entry)
+    if gone:
+        log.info("removed the hub cache layouts of %d evicted snapshots", len(gone))
+    return len(gone)
 
 
 def _remove(path: Path) -> None:

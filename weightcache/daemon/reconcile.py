@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from weightcache import hf_layout
 from weightcache.daemon.config import ModelSpec
 from weightcache.daemon.node import Node
 from weightcache.fetch import Progress
@@ -158,6 +159,7 @@ class Reconciler:
         results = {name: snapshot.id for name, snapshot in cached.items()}
         outcome = settle(self.held, wanted, results, await asyncio.to_thread(self._actual))
         await asyncio.to_thread(self._apply, outcome)
+        await asyncio.to_thread(hf_layout.prune, node.store)  # hub cache views of snapshots evicted meanwhile
         await self._report_labels(outcome)
         self.held = outcome.held
         self.passes += 1
