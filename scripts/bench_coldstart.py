@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Cold start of one GPU pod, end to end on this machine: pod create -> volume ready -> every tensor loaded.
 
-    sudo .venv/bin/python scripts/bench_coldstart.py [--size-gb 0.5 | --size-gb 2] [--slow-origin 0.5]
+    sudo .venv/bin/python scripts/bench_coldstart.py [--size-gb 0.5 | --size-gb 2] [--slow-origin MBPS]
 
-Everything runs here, for real, on 127.0.0.1: an S3 origin (moto server, own process; `--slow-origin S` puts
-tests/faultproxy.py in front of it, delaying every ranged GET by S seconds: a slow origin / long download),
+Everything runs here, for real, on 127.0.0.1: an S3 origin (moto server, own process; `--slow-origin MBPS` puts
+tests/faultproxy.py in front of it, throttling every GET of the model to MBPS MB/s per connection: a long
+download, e.g. `--size-gb 0.3 --slow-origin 0.15` takes about 4 minutes at our 8 connections),
 an API server stand-in (tests/fake_apiserver.py, the real `kubernetes` client talks to it), the webhook's
 admission decision and the leader-elected placement controller (`weightcache webhook --controller` wiring:
 weightcache.webhook.command._policy), the node daemon with its CSI server (root: real bind mounts), a kubelet
@@ -220,7 +221,7 @@ async def run(args: argparse.Namespace, base: Path) -> dict[str, dict[str, float
         if f.is_file() and f.name != "bench.json":
             s3.upload_file(str(f), "bench", f"model/{f.name}")
     if proxy:
-        proxy.add("delay", method="GET", path="/bench/model/", ranged_only=True, seconds=args.slow_origin, count=-1)
+        proxy.add("throttle", method="GET", path="/bench/model/", rate=int(args.slow_origin * 1e6), count=-1)
     results: dict[str, dict[str, float]] = {}
     with FakeApiServer(schemas=crd_schemas()) as api:
         api.create("nodes", {"metadata": {"name": NODE, "labels": {"pool": "gpu"}},
@@ -270,8 +271,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-gb", type=float, default=0.5, help="model size (default 0.5; the issue's case: 2)")
     ap.add_argument("--shards", type=int, default=2)
-    ap.add_argument("--slow-origin", type=float, default=0.0, metavar="S",
-                    help="delay every ranged GET by S seconds (a slow origin, e.g. a 5-minute download)")
+    ap.add_argument("--slow-origin", type=float, default=0.0, metavar="MBPS",
+                    help="throttle the origin to MBPS MB/s per connection (a long download)")
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("bench_coldstart needs root (CSI bind mounts, dropping the page cache): run it with sudo",
