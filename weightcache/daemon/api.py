@@ -15,8 +15,8 @@
     DELETE /v1/leases/{holder}   release (idempotent)
     GET    /healthz /readyz /metrics
 
-Errors are `{"error": code, "message": text}`; the status comes from one table. Over TCP every route except
-the probes needs `Authorization: Bearer <token>`.
+Errors are `{"error": code, "message": text}`; the status is the one each error declares (weightcache/errors.py).
+Over TCP every route except the probes needs `Authorization: Bearer <token>`.
 """
 
 from __future__ import annotations
