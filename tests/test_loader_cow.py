@@ -119,3 +119,20 @@ def test_loaded_values_match_safetensors(model: Path) -> None:
         want.update(load_file(f))
     got = load_state_dict(model)
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_the_loader_refuses_what_the_stores_header_check_refuses(tmp_path: Path) -> None:
+    """One check for both (weightcache.safetensors_check): a shape the store refuses never reaches torch here."""
+    import struct
+
+    from weightcache.errors import SafetensorsHeaderError
+    from weightcache.safetensors_check import check_file
+
+    header = json.dumps({"a": {"dtype": "F32", "shape": [2**70, 0], "data_offsets": [0, 0]}}).encode()
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header)
+    with pytest.raises(SafetensorsHeaderError) as by_store:
+        check_file(path)
+    with pytest.raises(SafetensorsHeaderError) as by_loader:
+        load_state_dict(path)
+    assert str(by_loader.value) == str(by_store.value)
