@@ -26,9 +26,16 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Iterable, Mapping, Sequence
+from http import HTTPStatus
 from typing import Any, NotRequired, TypedDict
 
-from weightcache.errors import AnnotationError, BadAdmissionReviewError, InjectionConflictError
+from weightcache.errors import (
+    AnnotationError,
+    BadAdmissionReviewError,
+    InjectionConflictError,
+    NotAllowedError,
+    WeightcacheError,
+)
 from weightcache.placement.choice import GATE, ready_nodes
 from weightcache.placement.nodes import NodeFacts
 from weightcache.policy import decide
@@ -88,18 +95,16 @@ def review(
         injection = parse_annotations(annotations)
         via = dra_claim.via(annotations)
     except AnnotationError as exc:
-        return _deny(uid, 400, "BadRequest", str(exc))
+        return _deny(uid, exc)
     caches = list(model_caches)  # read once: a generator would be spent after the first model
     for m in injection.models:
         decision = decide(m.ref, namespace, caches, allow_undeclared=allow_undeclared)
         if not decision.allowed:
-            return _deny(uid, 403, "Forbidden", f"model {m.name!r}: {decision.reason}")
+            return _deny(uid, NotAllowedError(f"model {m.name!r}: {decision.reason}"))
     try:
         ops = dra_claim.plan(pod, injection) if via == "dra" else plan(pod, injection, nodes)
-    except AnnotationError as exc:
-        return _deny(uid, 400, "BadRequest", str(exc))
-    except InjectionConflictError as exc:
-        return _deny(uid, 409, "Conflict", str(exc))
+    except (AnnotationError, InjectionConflictError) as exc:
+        return _deny(uid, exc)
     response: AdmissionResponse = {"uid": uid, "allowed": True}
     if ops:
         response["patchType"] = "JSONPatch"
@@ -166,8 +171,11 @@ def _answer(response: AdmissionResponse) -> AdmissionReview:
     return {"apiVersion": API_VERSION, "kind": "AdmissionReview", "response": response}
 
 
-def _deny(uid: str, code: int, reason: str, message: str) -> AdmissionReview:
-    return _answer({"uid": uid, "allowed": False, "status": {"code": code, "reason": reason, "message": message}})
+def _deny(uid: str, exc: WeightcacheError) -> AdmissionReview:
+    """Refuse the pod with the HTTP status the error declares (weightcache/errors.py) and its reason, `BadRequest`."""
+    code = exc.answer.http_status
+    status: Status = {"code": code, "reason": HTTPStatus(code).phrase.replace(" ", ""), "message": str(exc)}
+    return _answer({"uid": uid, "allowed": False, "status": status})
 
 
 def _annotations(pod: Mapping[str, Any]) -> dict[str, Any]:

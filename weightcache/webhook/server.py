@@ -147,9 +147,9 @@ def _review(body: Any, policy: Policy) -> AdmissionReview:
                                           f"{REVIEW_EXAMPLE}") from exc
         problem = str(exc) if isinstance(exc, BadAdmissionReviewError) else f"{type(exc).__name__}: {str(exc)[:200]}"
         log.warning("denied a malformed pod: %s", problem)
-        return deny(uid, 400, "BadRequest", f"weightcache cannot read this pod ({problem}); names in "
-                    "spec.containers, initContainers, volumes, env and volumeMounts must be strings and lists must "
-                    "be lists of objects, as the Pod API requires")
+        return deny(uid, BadAdmissionReviewError(
+            f"weightcache cannot read this pod ({problem}); names in spec.containers, initContainers, volumes, env "
+            "and volumeMounts must be strings and lists must be lists of objects, as the Pod API requires"))
 
 
 async def _healthz(request: web.Request) -> web.Response:
