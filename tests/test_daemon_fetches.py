@@ -5,6 +5,7 @@ the fault proxy, which holds downloads open."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -177,3 +178,24 @@ async def test_a_running_fetch_whose_last_waiter_leaves_is_stopped(tmp_path: Pat
     finally:
         queue.close()
         store.close()
+
+
+async def test_an_api_client_sees_where_its_fetch_waits(short_dir: Path, model_copy: Path, s3: S3,
+                                                       fault_proxy: FaultProxy) -> None:
+    for prefix in ("first/", "second/"):
+        s3.upload_dir(model_copy, "models", prefix)
+    fault_proxy.add("delay", seconds=1.0, method="GET", path="/first/", count=-1)
+    d = await start_daemon(short_dir, model_copy, config={
+        "parallelModels": 1, "endpoints": {"s3": {"endpointUrl": fault_proxy.endpoint_url}}})
+    try:
+        async with d.http() as http:
+            async with http.put("/v1/models", json={"uri": "s3://models/first/"}) as r:
+                assert r.status == 202
+            async with http.put("/v1/models?wait=1", json={"uri": "s3://models/second/"}) as r:
+                lines = [json.loads(line) async for line in r.content]
+        texts = [line["progress"]["text"] for line in lines if "progress" in line]
+        last = lines[-1]
+        assert "fetching s3://models/second/: queued behind 1 download" in texts, texts
+        assert "snapshot" in last, "then it ran in its turn"
+    finally:
+        await d.daemon.stop()
