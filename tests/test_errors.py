@@ -66,7 +66,7 @@ def test_anything_else_is_unexpected() -> None:
     assert errors.answer_for(RuntimeError("x")) == errors.answer_for(errors.WeightcacheError("x")) == unexpected
 
 
-def test_the_boundaries_use_the_answers() -> None:
+def test_the_boundaries_use_the_answers(tmp_path: Path) -> None:
     from weightcache.cli import main
     from weightcache.daemon.api import error_body
 
@@ -76,7 +76,7 @@ def test_the_boundaries_use_the_answers() -> None:
     assert error_body(KeyError("secret detail"))["message"].startswith("internal error")
     assert error_body(errors.NotCachedError("s3://m/x/ is not cached")) == {
         "error": "not_cached", "message": "s3://m/x/ is not cached"}
-    assert main(["evict", "s3://models/never-fetched/", "--root", "/nonexistent/wc-test-root"]) == 3
+    assert main(["evict", "s3://models/never-fetched/", "--root", str(tmp_path / "root")]) == 3
 
 
 def test_every_exit_code_is_documented() -> None:
