@@ -10,6 +10,7 @@ with `proxy.add(...)` are applied to the next matching requests:
     proxy.add("flip", at=10)                 # byte 10 of the body is flipped, status and headers unchanged
     proxy.add("delay", seconds=0.5)          # answer after a pause (trips client read timeouts)
     proxy.add("throttle", rate=200_000)      # the body trickles at 200 kB/s (a slow origin), in 50 ms steps
+    hold = proxy.add("hold")                 # the request waits: hold.arrived is set, then hold.release.set()
     proxy.add("status", status=403, code="AccessDenied")
 
     proxy.requests[-1].range == "bytes=0-99"
@@ -35,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-KINDS = ("slowdown", "reset", "truncate", "flip", "delay", "status", "throttle")
+KINDS = ("slowdown", "reset", "truncate", "flip", "delay", "status", "throttle", "hold")
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection"}
 
 
@@ -60,6 +61,8 @@ class Fault:
     at: int | None = None  # flip: body offset (default: the middle)
     seconds: float = 0.0  # delay
     rate: int = 0  # throttle: body bytes per second
+    arrived: threading.Event = field(default_factory=threading.Event)  # hold: a matching request is waiting
+    release: threading.Event = field(default_factory=threading.Event)  # hold: set it to let requests through
     status: int = 500  # status
     code: str = "InternalError"  # status: the S3 error code in the XML body
     retry_after: int | None = None  # slowdown/status: Retry-After header
@@ -156,6 +159,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                                                  self.headers.get("If-Match"), dict(self.headers.items())))
         if fault and fault.kind == "delay":
             time.sleep(fault.seconds)
+        if fault and fault.kind == "hold":
+            fault.arrived.set()
+            fault.release.wait(60)
         if fault and fault.kind in ("slowdown", "status"):
             status, code = (503, "SlowDown") if fault.kind == "slowdown" else (fault.status, fault.code)
             return self._send_error(status, code, fault.retry_after)

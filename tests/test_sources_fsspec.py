@@ -346,3 +346,13 @@ def test_a_missing_backend_says_what_to_install(uri: str, package: str) -> None:
 def test_an_unknown_scheme_is_refused() -> None:
     with pytest.raises(InvalidReferenceError, match="use one of: s3, http"):
         open_source(ModelRef("ftp", "host", "m/"))
+
+
+def test_prefetch_of_a_missing_backend_exits_2_with_the_pip_command(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    if importlib.util.find_spec("gcsfs"):
+        pytest.skip("gcsfs is installed")
+    from weightcache.cli import main
+
+    assert main(["prefetch", "--no-daemon", "gs://models/m/", "--root", str(tmp_path / "root")]) == 2
+    assert "pip install gcsfs" in capsys.readouterr().err

@@ -9,7 +9,6 @@ that arrived are kept and only the remainder is asked for again.
 
 from __future__ import annotations
 
-import http.client
 import logging
 import threading
 from collections.abc import Callable, Generator
@@ -189,17 +188,12 @@ READ_SLICE = 128 << 10
 
 
 def _readinto_all(resp: Any, view: memoryview, on_bytes: OnBytes | None = None) -> int:
-    """Fill `view` from the body until it is full or the body ends; PartialRead(done) on a failure.
-
-    http.client's readinto receives straight into our buffer, urllib3's and botocore's copy through bytes, so
-    the first is used when the response wraps one.
-    """
-    fp = getattr(resp, "_fp", None)
-    readinto = fp.readinto if isinstance(fp, http.client.HTTPResponse) else resp.readinto
+    """Fill `view` from the body (urllib3's public readinto) until it is full or the body ends; PartialRead(done)
+    on a failure."""
     done = 0
     while done < len(view):
         try:
-            n = readinto(view[done:done + READ_SLICE])
+            n = resp.readinto(view[done:done + READ_SLICE])
         except Exception as exc:
             raise PartialRead(done, f"{type(exc).__name__} after {done} bytes of the body") from exc
         if not n:
@@ -211,10 +205,8 @@ def _readinto_all(resp: Any, view: memoryview, on_bytes: OnBytes | None = None) 
 
 
 def _at_eof(resp: Any) -> bool:
-    fp = getattr(resp, "_fp", None)
-    if isinstance(fp, http.client.HTTPResponse):
-        return fp.isclosed() or fp.length == 0
-    return bool(getattr(resp, "closed", False))
+    """The whole body was read (so the connection may serve the next request)."""
+    return bool(resp.length_remaining == 0 or resp.closed)
 
 
 def finish_listing(ref: ModelRef, objects: list[ObjectInfo], *, hint: str) -> list[ObjectInfo]:

@@ -72,6 +72,7 @@ class HfSource:
     """The hub's model API for the listing, pinned ranged GETs of `resolve/{commit}` for the bytes."""
 
     name = "hf"
+    resolves_revision = True  # @revision is the hub's branch, tag or commit; the listing is that commit's files
 
     def __init__(self, ref: ModelRef, options: SourceOptions | None = None) -> None:
         self.ref = ref
@@ -201,7 +202,8 @@ class HfSource:
             after = resp.headers.get("Retry-After", "")
             raise Retryable(f"HTTP {status}", float(after) if after.isdigit() else None)
         if status in (401, 403):
-            raise SourceAccessDeniedError(f"{self.repo_id}/{obj.key}: HTTP {status}; check the token's access")
+            raise SourceAccessDeniedError(f"{self.repo_id}/{obj.key}: HTTP {status}; check the token's access "
+                                          f"(a gated repo: {_GATED})")
         if status == 404:
             raise SourceNotFoundError(f"{self.repo_id}/{obj.key}: HTTP 404 at commit {obj.version_id}; fetch again")
         self._pinned(resp, obj)

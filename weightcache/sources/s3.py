@@ -213,6 +213,7 @@ class S3Source:
         if not resp.get("ContentRange", "").startswith(f"bytes {pos}-") and pos:
             raw.close()
             raise SourceError(f"{what}: the store ignored the Range header; use an S3 endpoint that supports it")
+        raw.enforce_content_length = False  # a short body returns what came; we count and resume from there
         return raw
 
     def _network_reason(self, exc: BaseException, request: str) -> str:
