@@ -194,3 +194,21 @@ async def test_a_list_used_as_a_name_in_the_request_is_a_bad_request(webhook: Te
     r = await webhook.post("/mutate", json=review)
     assert r.status == 400
     assert "uid" in (await r.json())["message"]
+
+
+@pytest.mark.parametrize(("method", "path", "status", "says"), [
+    ("GET", "/v1/nothing-here", 404, "GET /v1/models"),
+    ("POST", "/v1/models", 405, "this path takes"),
+    ("PATCH", "/v1/leases/x", 405, "DELETE"),
+])
+async def test_unknown_routes_and_methods_say_what_exists(daemon: RunningDaemon, method: str, path: str, status: int,
+                                                          says: str) -> None:
+    async with daemon.http() as http, http.request(method, path, data=b"{}") as r:
+        answer = await r.json()
+    assert r.status == status and says in answer["message"], answer
+
+
+async def test_a_body_over_1_mib_is_413_saying_the_limit(daemon: RunningDaemon) -> None:
+    async with daemon.http() as http, http.put("/v1/models", data=b"[" + b"0," * 600_000 + b"0]") as r:
+        answer = await r.json()
+    assert r.status == 413 and "at most 1 MiB" in answer["message"], answer

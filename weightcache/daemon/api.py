@@ -148,8 +148,12 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
+        hint = {404: "; the routes are listed in `weightcache/daemon/api.py` (GET /v1/models, PUT /v1/models, ...)",
+                405: f"; this path takes {exc.headers.get('Allow', 'other methods')}",
+                413: "; a request body is at most 1 MiB"}.get(exc.status, "")
         return web.json_response({"error": exc.reason.lower().replace(" ", "_"),
-                                  "message": f"{request.method} {request.path}: {exc.reason}"}, status=exc.status)
+                                  "message": redact(f"{request.method} {request.path[:200]}: {exc.reason}{hint}")},
+                                 status=exc.status)
     except ConnectionResetError:  # the client went away (or the TCP guard cut a body that never came)
         log.debug("%s %s: the client closed the connection", request.method, request.path)
         return web.Response(status=499)
