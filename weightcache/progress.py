@@ -30,7 +30,7 @@ class Progress:
     message: str = ""
 
     def describe(self) -> str:
-        """`fetching s3://models/llama/: 37% (12.3 GiB of 33.0 GiB), ETA 40s`"""
+        """`fetching s3://models/llama/: 37% (12.3 GiB of 33 GiB), ETA 40s`"""
         if self.phase in ("queued", "listing"):  # a queued fetch's message is its place: "behind 2 downloads"
             return f"fetching {self.uri}: {self.phase}" + (f" {self.message}" if self.message else "")
         pct = 100.0 * self.bytes_done / self.bytes_total if self.bytes_total else 100.0
