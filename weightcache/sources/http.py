@@ -88,7 +88,8 @@ class HttpSource(FsspecSource):
         except NETWORK_ERRORS as exc:
             raise Retryable(f"{type(exc).__name__} on GET") from exc
         self._check(resp, obj, pos)
-        resp.enforce_content_length = False  # a short body returns what came; we count and resume from there
+        if isinstance(resp, urllib3.HTTPResponse):
+            resp.enforce_content_length = False  # a short body returns what came; we count and resume from there
         return resp
 
     def _check(self, resp: Any, obj: ObjectInfo, pos: int) -> None:
