@@ -199,3 +199,13 @@ async def test_an_api_client_sees_where_its_fetch_waits(short_dir: Path, model_c
         assert "snapshot" in last, "then it ran in its turn"
     finally:
         await d.daemon.stop()
+
+
+async def test_raising_parallel_starts_a_queued_fetch_at_once(one_at_a_time: Queue) -> None:
+    q = one_at_a_time
+    running = await q.hold_a(1.0)
+    queued = asyncio.ensure_future(q.queue.ensure(parse_ref("s3://models/b/")))
+    await q.until((1, 1))
+    q.queue.set_parallel(2)  # parallelModels raised in the live config
+    assert q.queue.depth() == (2, 0)
+    await asyncio.gather(running, queued)

@@ -134,6 +134,8 @@ class Daemon:
             node.metrics.evictions.labels("budget").inc(len(evicted))
         if merged.memory_budget != old.memory_budget:
             await asyncio.to_thread(self._resize_tier, merged.memory_budget)
+        if merged.parallel_models != old.parallel_models:
+            node.fetches.set_parallel(merged.parallel_models)
         node.metrics.reloads.labels("applied").inc()
         node.kick()
 

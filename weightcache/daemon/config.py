@@ -50,7 +50,7 @@ ENV = {
 
 # Fields a running daemon can change without a restart (the rest are logged and kept until the next start).
 LIVE_FIELDS = frozenset({"disk_budget", "min_free_bytes", "min_free_percent", "memory_budget", "models",
-                         "allow_undeclared_models", "log_level", "resync_seconds"})
+                         "allow_undeclared_models", "log_level", "resync_seconds", "parallel_models"})
 
 
 

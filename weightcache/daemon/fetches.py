@@ -124,6 +124,11 @@ class FetchQueue:
         job = self._jobs.get(job_key(ref))
         return job is not None and (job.keep or job.waiters > 1)
 
+    def set_parallel(self, parallel: int) -> None:
+        """A new bound on running fetches (live config): more start at once; fewer let running ones finish."""
+        self.parallel = max(1, parallel)
+        self._pump()
+
     def depth(self) -> tuple[int, int]:
         """(running, queued) jobs."""
         return len(self._running), len(self._queued)
