@@ -50,6 +50,17 @@ def test_public_repo_fetches_every_file_from_the_listed_commit(
     assert any(s.path.startswith("/cdn/") and s.host.startswith("localhost") for s in fake_hub.seen)
 
 
+@pytest.mark.parametrize("revision", ["main", COMMIT])
+def test_a_branch_or_commit_revision_fetches_and_names_the_hub_commit(
+        fake_hub: FakeHub, model_dir: tuple[Path, list[int]], tmp_path: Path, revision: str) -> None:
+    fake_hub.add(REPO, model_dir[0])
+    store = Store(tmp_path / "root")
+    snapshot = Fetcher(store).ensure(parse_ref(f"hf://{REPO}@{revision}"))
+    assert commit_of(snapshot) == COMMIT  # the hub cache layout uses the repo's real commit
+    assert (hub_cache(store, snapshot, REPO, refs=(revision,)) / "models--acme--tiny-llama" / "refs" / revision
+            ).read_text() == COMMIT
+
+
 def test_lfs_sha256_is_the_listed_checksum(fake_hub: FakeHub, model_dir: tuple[Path, list[int]]) -> None:
     src, _ = model_dir
     fake_hub.add(REPO, src)

@@ -189,7 +189,7 @@ class Fetcher:
         started = time.monotonic()
         objects = source.list()
         validate_tree(o.relpath for o in objects)
-        self._check_revision(ref, objects)
+        self._check_revision(ref, source, objects)
         items = [_Item(o, o.relpath) for o in objects]
         self._expectations(ref, source, items)
         todo = [i for i in items if i.sha256 is None]
@@ -216,9 +216,10 @@ class Fetcher:
         reporter.phase("done")
         return snap
 
-    def _check_revision(self, ref: ModelRef, objects: list[ObjectInfo]) -> None:
-        """A revision that is not a cached snapshot must name the source's current content (its ETag set)."""
-        if not ref.revision:
+    def _check_revision(self, ref: ModelRef, source: Source, objects: list[ObjectInfo]) -> None:
+        """A revision that is not a cached snapshot must name the source's current content (its ETag set), unless
+        the source resolved the revision itself (hf://: a branch, tag or commit of the repo)."""
+        if not ref.revision or getattr(source, "resolves_revision", False):
             return
         current = source_revision(objects)
         if not current.startswith(ref.revision) or len(ref.revision) < 6:

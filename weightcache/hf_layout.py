@@ -53,9 +53,15 @@ def repo_folder(repo_id: str) -> str:
 
 
 def commit_of(snapshot: Snapshot) -> str:
-    """The commit the hub cache names: the source's when it is one, else derived from the snapshot id."""
+    """The commit the hub cache names: the source's when it is one (hf:// records it as every file's version),
+    else derived from the snapshot id."""
     if snapshot.revision and COMMIT.fullmatch(snapshot.revision):
         return snapshot.revision
+    versions = {entry.version_id for entry in snapshot.files}
+    if len(versions) == 1 and snapshot.uri.startswith("hf://"):
+        (version,) = versions
+        if version and COMMIT.fullmatch(version):
+            return version
     return hashlib.sha1(f"weightcache:{snapshot.id}".encode()).hexdigest()  # a name shaped like a commit
 
 
