@@ -79,3 +79,12 @@ def test_a_local_file_rewritten_in_place_mid_read_is_refetched_whole(tmp_path: P
     snap = Fetcher(Store(tmp_path / "root"), chunk_size=1 << 20).ensure(parse_ref(f"file://{src}/"))
     assert rewritten
     assert (snap.path / "w.bin").read_bytes() == new, "a mix of two versions was published"
+
+
+def test_the_stores_sha256_is_verified_not_only_trusted(tmp_path: Path, s3: S3, fault_proxy: FaultProxy) -> None:
+    s3.put("models", "m/w.bin", BODY, ChecksumAlgorithm="SHA256")
+    fault_proxy.add("flip", method="GET", path="w.bin", ranged_only=True, count=-1, at=7)
+    f = Fetcher(Store(tmp_path / "root"), endpoint_url=fault_proxy.endpoint_url)
+    with pytest.raises(IntegrityError, match=r"w\.bin: sha256 .* does not match"):
+        f.ensure(parse_ref("s3://models/m/"))
+    assert f.store.list() == []
