@@ -12,6 +12,8 @@ from pathlib import Path
 
 import grpc
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.fixtures_csi import (  # noqa: F401 - fixtures are used by name
     CsiHarness,
@@ -154,3 +156,18 @@ async def test_daemon_api_answers_and_logs_never_carry_the_secret(
                 assert_clean(await r.text())
     for record in caplog.records:
         assert_clean(record.getMessage())
+
+
+USER_CHARS = "abcXYZ019/@:%"
+SECRET_CHARS = "abcXYZ019/@:%+=._-"
+
+
+@settings(max_examples=500, deadline=None)
+@given(user=st.text(USER_CHARS, min_size=1, max_size=20), secret=st.text(SECRET_CHARS, min_size=8, max_size=40),
+       scheme=st.sampled_from(["s3", "gs", "az", "https"]), host=st.sampled_from(["models", "host.example:8443"]),
+       prefix=st.sampled_from(["", "x/", "llama/3/", "m/@rev1", "a/b/@v.2"]))
+def test_any_key_secret_userinfo_is_hidden(user: str, secret: str, scheme: str, host: str, prefix: str) -> None:
+    text = f"fetching {scheme}://{user}:{secret}@{host}/{prefix} failed; retry"
+    clean = redact(text)
+    assert secret not in clean, clean
+    assert clean.endswith(" failed; retry")
