@@ -6,7 +6,7 @@ the same idle pause; the table shows the median of --runs, in GB/s, the ratio to
 the client spent (user+sys of this process, or of the aria2c child), which a busy machine disturbs less.
 
   http: weightcache HttpSource (urllib3, readinto)     vs fsspec HTTPFileSystem.cat_file   vs aria2c -x N -s N
-  s3:   weightcache S3Source (readinto, no copy)        vs the same with body.read() copies vs boto3 download_file
+  s3:   weightcache S3Source (urllib3 readinto)         vs the same with body.read() copies vs boto3 download_file
         (nginx stands in for the S3 endpoint: path-style GET /bucket/key with Range and If-Match is plain HTTP,
         so this measures the client, which moto, a Python server, would hide.)
 
