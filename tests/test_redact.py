@@ -112,6 +112,16 @@ def test_log_lines_and_tracebacks_pass_the_formatter() -> None:
     assert_clean(out.getvalue())
 
 
+def test_records_of_our_loggers_are_clean_for_any_handler(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    logging.getLogger("weightcache.sources.s3").warning("GET %s failed", HOSTILE_REFS[0])
+    logging.getLogger("weightcache.sources.s3").warning("plain %s line", "words")
+    (record, plain) = caplog.records
+    assert_clean(record.getMessage())
+    assert "s3://***@models/x/" in record.getMessage()
+    assert (plain.msg, plain.args) == ("plain %s line", ("words",))  # untouched when nothing is secret
+
+
 @pytest.mark.parametrize("ref", HOSTILE_REFS[:3])
 def test_the_cli_never_prints_the_secret(tmp_path: Path, ref: str) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "WEIGHTCACHE_SOCKET")}
