@@ -6,12 +6,15 @@ import asyncio
 import json
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.faultproxy import FaultProxy
 from tests.fixtures_daemon import (  # noqa: F401 - fixtures are used by name
     RunningDaemon,
     daemon,
@@ -22,6 +25,7 @@ from tests.fixtures_daemon import (  # noqa: F401 - fixtures are used by name
     start_daemon,
     tiny_model,
 )
+from tests.fixtures_s3 import S3
 from weightcache.errors import InUseError, InvalidReferenceError, NotCachedError
 from weightcache.uri import parse_ref
 
@@ -30,7 +34,7 @@ def _tree(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-async def _ensure_lines(d: RunningDaemon, body: dict) -> list[dict]:
+async def _ensure_lines(d: RunningDaemon, body: dict[str, Any]) -> list[dict[str, Any]]:
     async with d.http() as http, http.put("/v1/models?wait=1", json=body) as r:
         assert r.status == 200
         assert r.headers["Content-Type"].startswith("application/x-ndjson")
@@ -62,7 +66,7 @@ async def test_ensure_without_wait_answers_202_then_200_with_the_snapshot(daemon
 
 
 async def test_client_ensure_list_get_and_errors_map_back_to_exceptions(daemon: RunningDaemon) -> None:
-    seen: list[dict] = []
+    seen: list[dict[str, Any]] = []
     snap = await asyncio.to_thread(daemon.client.ensure, daemon.model_uri, include=["*.json"],
                                    on_progress=seen.append)
     assert snap["files"] == 4  # config, index, tokenizer, tokenizer_config: the globs reached the fetch
@@ -210,7 +214,8 @@ async def test_the_listing_follows_changes_made_by_other_processes_at_once(daemo
     snap = await asyncio.to_thread(daemon.client.ensure, daemon.model_uri)
     other = Store(daemon.root)  # another process's view: its own index connection, its own files
     try:
-        steps = [(lambda: other.lease("cli-holder", snap["id"]), lambda m: m[0]["leases"] == ["cli-holder"]),
+        steps: list[tuple[Callable[[], None], Callable[[list[dict[str, Any]]], bool]]] = [
+                 (lambda: other.lease("cli-holder", snap["id"]), lambda m: m[0]["leases"] == ["cli-holder"]),
                  (lambda: other.pin(snap["id"]), lambda m: m[0]["pinned"]),
                  (lambda: other.unpin(snap["id"]), lambda m: not m[0]["pinned"]),
                  (lambda: other.release("cli-holder"), lambda m: m[0]["leases"] == []),
@@ -223,8 +228,8 @@ async def test_the_listing_follows_changes_made_by_other_processes_at_once(daemo
         other.close()
 
 
-async def test_a_client_that_hangs_up_alone_stops_the_fetch(short_dir: Path, model_copy: Path, s3,
-                                                             fault_proxy) -> None:
+async def test_a_client_that_hangs_up_alone_stops_the_fetch(short_dir: Path, model_copy: Path, s3: S3,
+                                                             fault_proxy: FaultProxy) -> None:
     s3.upload_dir(model_copy, "models", "tiny/")
     fault_proxy.add("delay", seconds=1.0, method="GET", ranged_only=True, count=-1)
     d = await start_daemon(short_dir, model_copy, config={
@@ -234,9 +239,10 @@ async def test_a_client_that_hangs_up_alone_stops_the_fetch(short_dir: Path, mod
             while json.loads(await r.content.readline())["progress"]["phase"] != "downloading":
                 pass
         # hung up (Ctrl-C) mid-download and nobody else wants the model: the daemon stops fetching it
-        fetches = d.daemon.node.fetches
-        await eventually(lambda: fetches.depth() == (0, 0), what="the fetch to stop")
-        assert await asyncio.to_thread(d.daemon.node.store.lookup, parse_ref("s3://models/tiny/")) is None
+        node = d.daemon.node
+        assert node is not None
+        await eventually(lambda: node.fetches.depth() == (0, 0), what="the fetch to stop")
+        assert await asyncio.to_thread(node.store.lookup, parse_ref("s3://models/tiny/")) is None
         metrics = await asyncio.to_thread(d.client.metrics)
         assert "weightcache_fetch_failures_total{reason=\"fetch_cancelled\",scheme=\"s3\"} 1.0" in metrics, [
             line for line in metrics.splitlines() if "failures" in line]
@@ -245,7 +251,7 @@ async def test_a_client_that_hangs_up_alone_stops_the_fetch(short_dir: Path, mod
 
 
 async def test_a_client_that_hangs_up_does_not_stop_a_fetch_someone_else_wants(short_dir: Path, model_copy: Path,
-                                                                               s3, fault_proxy) -> None:
+                                                                               s3: S3, fault_proxy: FaultProxy) -> None:
     s3.upload_dir(model_copy, "models", "tiny/")
     fault_proxy.add("delay", seconds=0.2, method="GET", ranged_only=True, count=-1)
     d = await start_daemon(short_dir, model_copy, config={
@@ -258,7 +264,9 @@ async def test_a_client_that_hangs_up_does_not_stop_a_fetch_someone_else_wants(s
                 assert "progress" in json.loads(await r.content.readline())
         # hung up after one line, but the first request still wants the model: the fetch finishes
         ref = parse_ref("s3://models/tiny/")
-        snap = await eventually(lambda: d.daemon.node.store.lookup(ref), what="the fetch to finish")
+        node = d.daemon.node
+        assert node is not None
+        snap = await eventually(lambda: node.store.lookup(ref), what="the fetch to finish")
         assert _tree(snap.path) == _tree(model_copy)
         size = sum(p.stat().st_size for p in model_copy.iterdir())
         metrics = await asyncio.to_thread(d.client.metrics)
