@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.faultproxy import FaultProxy
 from tests.fixtures_daemon import (  # noqa: F401 - fixtures are used by name
     RunningDaemon,
     model_copy,
@@ -22,6 +23,7 @@ from tests.fixtures_daemon import (  # noqa: F401 - fixtures are used by name
     start_daemon,
     tiny_model,
 )
+from tests.fixtures_s3 import S3, fault_proxy, s3, s3_server  # noqa: F401
 from weightcache.daemon import app as daemon_app
 from weightcache.daemon.listener import GuardedTCPSite, Limits, RateLimitFilter
 
@@ -189,3 +191,26 @@ async def _eventually(check: object, timeout: float = 10.0) -> None:
     while not check():  # type: ignore[operator]
         assert time.monotonic() < deadline, "condition not reached"
         await asyncio.sleep(0.05)
+
+
+async def test_a_streaming_ensure_longer_than_every_timeout_is_never_cut(
+        short_dir: Path, model_copy: Path, s3: S3, fault_proxy: FaultProxy,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(daemon_app, "TCP_LIMITS", Limits(max_connections=4, header_timeout_s=0.5,
+                                                          body_timeout_s=0.5, idle_timeout_s=0.5))
+    s3.upload_dir(model_copy, "models", "tiny/")
+    fault_proxy.add("delay", seconds=0.4, method="GET", ranged_only=True, count=-1)
+    (short_dir / "token").write_text(TOKEN)
+    d = await start_daemon(short_dir, model_copy, config={
+        "tcp": {"port": 0, "tokenFile": str(short_dir / "token")}, "concurrency": 1, "chunkSize": "64Ki",
+        "endpoints": {"s3": {"endpointUrl": fault_proxy.endpoint_url}}})
+    try:
+        body = b'{"uri": "s3://models/tiny/"}'
+        started = time.monotonic()
+        reply = await asyncio.to_thread(_request, d.daemon.tcp_port or 0,
+                                        _authorized("PUT", "/v1/models?wait=1", body), wait=120)
+        took = time.monotonic() - started
+    finally:
+        await d.daemon.stop()
+    assert took > 2.0, "the download was meant to outlast every timeout of the listener"
+    assert reply.startswith(b"HTTP/1.1 200") and b'{"snapshot": ' in reply, reply[-300:]
