@@ -169,7 +169,10 @@ class FetchQueue:
             done.add_done_callback(functools.partial(self._finish_soon, loop, job))
 
     def _finish_soon(self, loop: asyncio.AbstractEventLoop, job: _Job, done: Future[Snapshot]) -> None:
-        loop.call_soon_threadsafe(self._finished, job, done)  # from the fetch thread back to the loop
+        try:
+            loop.call_soon_threadsafe(self._finished, job, done)  # from the fetch thread back to the loop
+        except RuntimeError:  # the daemon stopped and closed its loop before this engine noticed the cancel
+            log.debug("the fetch of %s ended after the daemon stopped", job.ref)
 
     def _run(self, job: _Job) -> Snapshot:
         if job.cancel.is_set():
