@@ -8,6 +8,7 @@ import json
 import struct
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
+from weightcache import safetensors_check
 from weightcache.errors import SafetensorsHeaderError
 from weightcache.safetensors_check import MAX_HEADER_BYTES, check_file, parse_header
 
@@ -186,3 +188,61 @@ def test_any_integers_only_raise_header_errors(shape: list[int], offsets: list[i
     except SafetensorsHeaderError:
         return
     assert all(0 <= d < 2**63 for t in parsed.tensors.values() for d in t.shape)
+
+
+def _outcome(blob: bytes) -> Any:
+    try:
+        header = check_bytes(blob)
+    except SafetensorsHeaderError:
+        return "refused"
+    return list(header.tensors.items()), header.metadata
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.dictionaries(st.text(max_size=6), st.one_of(_entry, _json), max_size=5), st.integers(0, 48))
+def test_the_fast_column_check_agrees_with_the_per_tensor_check(header: dict[str, Any], data_len: int) -> None:
+    """The column check (C builtins) must accept exactly what the per-tensor check accepts, with the same result."""
+    blob = raw_file(header, bytes(data_len))
+    with mock.patch.object(safetensors_check, "_fast_specs", return_value=None):
+        slow = _outcome(blob)
+    assert _outcome(blob) == slow
+
+
+@st.composite
+def _near_valid(draw: st.DrawFn) -> tuple[dict[str, Any], int]:
+    """Contiguous, consistent headers, sometimes with one number nudged: both checks must say the same."""
+    header: dict[str, Any] = {}
+    pos = 0
+    for i in range(draw(st.integers(0, 5))):
+        dtype = draw(st.sampled_from(["F32", "I8", "BF16", "F4"]))
+        shape = draw(st.lists(st.integers(0, 4), max_size=3))
+        bits = safetensors_check.DTYPE_BITS[dtype]
+        for d in shape:
+            bits *= d
+        size = bits // 8 if bits % 8 == 0 else -1
+        if size < 0:
+            continue
+        header[f"t{i}"] = {"dtype": dtype, "shape": shape, "data_offsets": [pos, pos + size]}
+        pos += size
+    data_len = pos
+    if header and draw(st.booleans()):
+        name = draw(st.sampled_from(sorted(header)))
+        field = draw(st.sampled_from(["shape", "data_offsets", "data_len"]))
+        delta = draw(st.sampled_from([-1, 1, 2**63, True]))
+        if field == "data_len":
+            data_len = max(0, data_len + (1 if delta is True else int(delta) % 3 - 1))
+        elif field == "shape" and header[name]["shape"]:
+            header[name]["shape"][0] = delta if delta is True else header[name]["shape"][0] + delta
+        else:
+            header[name]["data_offsets"][1] = header[name]["data_offsets"][1] + (0 if delta is True else delta)
+    return header, data_len
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_near_valid())
+def test_both_checks_agree_on_near_valid_headers(case: tuple[dict[str, Any], int]) -> None:
+    header, data_len = case
+    blob = raw_file(header, bytes(data_len))
+    with mock.patch.object(safetensors_check, "_fast_specs", return_value=None):
+        slow = _outcome(blob)
+    assert _outcome(blob) == slow
