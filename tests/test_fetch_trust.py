@@ -48,3 +48,20 @@ def test_a_true_sidecar_still_checks_the_bytes_it_names(tmp_path: Path, s3: S3) 
     snap = Fetcher(Store(tmp_path / "root"), endpoint_url=s3.endpoint_url).ensure(parse_ref("s3://models/m/"))
     assert (snap.path / "w.bin").read_bytes() == body
     assert {f.path: f.size for f in snap.files}["w.bin"] == len(body)
+
+
+def test_a_symlink_planted_at_a_small_files_partial_is_replaced_not_followed(tmp_path: Path) -> None:
+    import hashlib
+
+    src = tmp_path / "model"
+    src.mkdir()
+    (src / "config.json").write_bytes(b'{"a": 1}')
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    ref = parse_ref(f"file://{src}/")
+    store = Store(tmp_path / "root")
+    part = store.layout.partial / f"{ref.key}.{hashlib.sha256(b'config.json').hexdigest()[:16]}.part"
+    part.symlink_to(victim)
+    snap = Fetcher(store).ensure(ref)
+    assert (snap.path / "config.json").read_bytes() == b'{"a": 1}'
+    assert victim.read_bytes() == b"precious" and not part.is_symlink()

@@ -14,6 +14,7 @@ page cache, so hashing overlaps the download.
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import json
 import os
@@ -51,6 +52,11 @@ class PartialFile:
     # -- lifecycle ----------------------------------------------------------------------------------------------
     def open(self) -> list[tuple[int, int]]:
         """Open (resuming when the journal matches) and return the (offset, length) ranges still to fetch."""
+        if not self.journalled:  # nothing to resume: start over in one open (many small files: fewer syscalls)
+            self._fd = _create_truncated(self.part)
+            if self.obj.size:
+                os.posix_fallocate(self._fd, 0, self.obj.size)
+            return self._missing()
         header = {"key": self.obj.key, "size": self.obj.size, "etag": self.obj.etag,
                   "version_id": self.obj.version_id}
         if self.part.is_symlink() or self.journal.is_symlink():  # planted: drop the links, never follow them
@@ -63,8 +69,6 @@ class PartialFile:
         self._fd = os.open(self.part, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         if fresh and self.obj.size:
             os.posix_fallocate(self._fd, 0, self.obj.size)
-        if not self.journalled:
-            return self._missing()
         self._jfd = os.open(self.journal, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
         if fresh or not ranges:
             os.ftruncate(self._jfd, 0)
@@ -170,6 +174,18 @@ class PartialFile:
         """The size of what is on disk (a manifest records this, never a listing's claim)."""
         return os.fstat(self._fd).st_size
 
+
+
+def _create_truncated(path: Path) -> int:
+    """Open `path` empty for writing; a symlink planted there is removed, never followed."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(path, flags, 0o600)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+    path.unlink()
+    return os.open(path, flags, 0o600)
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
