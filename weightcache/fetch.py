@@ -25,6 +25,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import closing, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from weightcache import defaults
 from weightcache.checksums import Hasher, new_hasher
@@ -37,11 +38,15 @@ from weightcache.errors import (
     SafetensorsHeaderError,
     SourceNotFoundError,
 )
+from weightcache.peers.source import PeerSource
 from weightcache.progress import Progress, RateMeter, read_progress_file, write_progress_file
 from weightcache.sources import ObjectInfo, Source, SourceOptions
 from weightcache.store import BlobMissingError, FileEntry, Snapshot, Store, validate_tree
 from weightcache.units import fmt_bytes
 from weightcache.uri import ModelRef
+
+if TYPE_CHECKING:
+    from weightcache.peers import PeerSet
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +65,7 @@ class _Item:
     expect_sha256: str | None = None  # the bytes we download must hash to this
     source_check: tuple[str, str] | None = None  # (algorithm, hex) the source declares: crc32, ..., md5 (ETag)
     sha256: str | None = None  # known without download (trusted dedup) or computed
+    trusted_sha256: str | None = None  # on evidence a peer cannot forge: the store's checksum, our own manifest
     size: int = 0  # of the blob linked or the file written, never the listing's claim
     partial: PartialFile | None = field(default=None, repr=False)
 
@@ -71,17 +77,20 @@ class Fetcher:
                  endpoint_url: str | None = None, connect_timeout: float = defaults.CONNECT_TIMEOUT,
                  read_timeout: float = defaults.READ_TIMEOUT,
                  source_factory: Callable[[ModelRef], Source] | None = None,
-                 cancel: threading.Event | None = None) -> None:
-        """`cancel`: an event that, once set, stops this fetcher's downloads like close() (a caller's own stop)."""
+                 cancel: threading.Event | None = None, peers: PeerSet | None = None) -> None:
+        """`cancel`: an event that, once set, stops this fetcher's downloads like close() (a caller's own stop).
+        `peers`: blobs with a trusted sha256 are read from these peers first (weightcache/peers)."""
         self.store = store
         self.concurrency = max(1, concurrency)
         self.chunk_size = max(64 << 10, chunk_size)
         self.endpoint_url = endpoint_url
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
         self._source_factory = source_factory
+        self.peers = peers
         self._closing = cancel if cancel is not None else threading.Event()
         self._stats_lock = threading.Lock()
-        self.stats: dict[str, int] = {"hits": 0, "misses": 0, "origin_bytes": 0, "fetches_in_flight": 0}
+        self.stats: dict[str, int] = {"hits": 0, "misses": 0, "origin_bytes": 0, "peer_bytes": 0,
+                                      "fetches_in_flight": 0}
         self.origin_bytes_by_scheme: dict[str, int] = {}
 
     # -- public -------------------------------------------------------------------------------------------------
@@ -204,6 +213,8 @@ class Fetcher:
                 item.obj, range_size=range_size, source_check=_hasher_factory(check[0]) if check else None,
                 journalled=item.obj.size > self.chunk_size)  # a one-chunk file has nothing to resume
         resumed = sum(_partial_size(i) for i in todo)
+        if self.peers is not None and todo:
+            source = self._with_peers(ref, source, todo)
         self.store.ensure_space(sum(i.obj.size for i in todo) - resumed, uri=ref.uri)
         fetched = self._download(source, todo, reporter)
         reporter.phase("publishing")
@@ -215,6 +226,16 @@ class Fetcher:
                  fetched / secs / 1e9 if secs else 0.0)
         reporter.phase("done")
         return snap
+
+    def _with_peers(self, ref: ModelRef, source: Source, todo: list[_Item]) -> Source:
+        """Peers may serve only blobs whose sha256 we know on trusted evidence: a digest the source merely claims
+        could name another model's blob, and asking peers for it would widen this node's access."""
+        assert self.peers is not None
+        digests = {i.obj.key: (i.trusted_sha256, i.obj.size) for i in todo if i.trusted_sha256}
+        if len(digests) < len(todo):
+            log.info("%s: %d of %d files have no trusted sha256 (no S3 SHA-256 checksum, never fetched here "
+                     "before): they come from the origin only", ref, len(todo) - len(digests), len(todo))
+        return self.peers.wrap(source, digests) if digests else source
 
     def _check_revision(self, ref: ModelRef, source: Source, objects: list[ObjectInfo]) -> None:
         """A revision that is not a cached snapshot must name the source's current content (its ETag set), unless
@@ -242,8 +263,11 @@ class Fetcher:
             if item.expect_sha256 is None and item.relpath in sidecars:
                 item.expect_sha256 = sidecars[item.relpath]  # a claim: it checks downloaded bytes, never links
             known = trusted or self.store.known_sha256(ref.uri, item.relpath, obj.etag, obj.size)
+            item.trusted_sha256 = known
             if known and self._blob_size(known) == obj.size:
                 item.sha256, item.size = known, obj.size
+            elif known and item.expect_sha256 is None:
+                item.expect_sha256 = known  # this very object version hashed to it here before
 
     def _blob_size(self, sha256: str) -> int | None:
         return self.store.blob_size(sha256)
@@ -288,14 +312,20 @@ class Fetcher:
                         if round_ == 2:
                             raise
                         log.warning("%s; refetching %s", exc, item.relpath)
+                        if isinstance(source, PeerSource):
+                            source.verification_failed(item.obj)
                         _partial(item).discard()
                         reporter.add(-item.obj.size, 0)
                         failed.append(item)
                 if not failed:
                     break
                 pending = failed
-        finally:  # verified files become blobs even when another file failed: a rerun need not fetch them again
+        except (KeyboardInterrupt, FetchCancelledError):
+            raise  # stop now: a syncfs could take seconds; journalled files resume, small ones are refetched
+        except BaseException:  # verified files become blobs even when another file failed: a rerun reuses them
             self._add_blobs([i for i in todo if i.sha256])
+            raise
+        self._add_blobs(todo)
         return fetched
 
     def _add_blobs(self, items: list[_Item]) -> None:
@@ -322,6 +352,7 @@ class Fetcher:
             raise _space_error(exc, items) from exc
         local = threading.local()
         abort = threading.Event()
+        peer_before = source.peer_bytes if isinstance(source, PeerSource) else 0
         fetched = 0
         fetched_lock = threading.Lock()
 
@@ -369,8 +400,11 @@ class Fetcher:
                     wait(not_done)
                     self._handle_failure(errors[0], items)
         finally:
+            peer = (source.peer_bytes if isinstance(source, PeerSource) else 0) - peer_before
             with fetched_lock:
+                fetched -= peer
                 self._count("origin_bytes", fetched)  # bytes of a failed round came from the origin all the same
+                self._count("peer_bytes", peer)
         return fetched
 
     def _range_size(self, total: int) -> int:
