@@ -64,6 +64,12 @@ def test_an_http_range_read_from_a_refused_server_is_retried() -> None:
         src.read_into(ObjectInfo(url, "w.bin", 10, None, None, None), 0, memoryview(bytearray(10)))
 
 
+def test_an_http_listing_from_a_refused_server_is_retried_not_taken_for_an_empty_directory() -> None:
+    src = open_source(parse_ref(f"http://127.0.0.1:{_closed_port()}/m/"), max_attempts=3, backoff=0.01)
+    with pytest.raises(RetriesExceededError, match=r"listing .* failed 3 times"):
+        src.list()
+
+
 def test_a_blackholed_endpoint_times_out_each_attempt(blackhole: str) -> None:
     src = open_source(parse_ref("s3://models/m/"), endpoint_url=blackhole, max_attempts=2, backoff=0.01,
                       connect_timeout=0.5, read_timeout=0.5)

@@ -98,7 +98,7 @@ class FsspecSource:
         def attempt() -> list[ObjectInfo]:
             try:
                 return walk()
-            except WeightcacheError:
+            except (WeightcacheError, Retryable):
                 raise
             except RETRYABLE as exc:
                 raise Retryable(f"{type(exc).__name__} listing {self.ref.uri}") from exc

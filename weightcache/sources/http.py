@@ -53,6 +53,7 @@ class HttpSource(FsspecSource):
 
     def list(self) -> list[ObjectInfo]:
         def walk() -> list[ObjectInfo]:
+            self._probe()
             self.fs.invalidate_cache(self.root)
             urls = [u for u in self.fs.find(self.root) if "?" not in u]  # skip index sort links (?C=N;O=D)
             return [self._object(u, self.fs.info(u)) for u in urls]
@@ -91,6 +92,19 @@ class HttpSource(FsspecSource):
         if isinstance(resp, urllib3.HTTPResponse):
             resp.enforce_content_length = False  # a short body returns what came; we count and resume from there
         return resp
+
+    def _probe(self) -> None:
+        """GET the directory index first: fsspec's listing reports a refused or failing server as an empty
+        directory, and an outage must be retried (and then named), not read as "no files here"."""
+        try:
+            resp = self._pool.request("GET", self.root, preload_content=False, redirect=True)
+        except NETWORK_ERRORS as exc:
+            raise Retryable(f"GET {self.root} failed ({type(exc).__name__})") from exc
+        resp.drain_conn()
+        resp.release_conn()
+        if resp.status == 429 or resp.status >= 500:
+            after = resp.headers.get("Retry-After", "")
+            raise Retryable(f"HTTP {resp.status} listing {self.root}", float(after) if after.isdigit() else None)
 
     def _check(self, resp: Any, obj: ObjectInfo, pos: int) -> None:
         status = resp.status
