@@ -22,6 +22,7 @@ from tests.fixtures_csi import (  # noqa: F401
     MODEL_URI,
     ROOT_MARKS,
     CsiHarness,
+    bind_readonly,
     csi,
     model_in_s3,
     publish_request,
@@ -190,7 +191,7 @@ async def test_unpublish_touches_only_what_the_plugin_mounted(csi: CsiHarness, s
     foreign_src.mkdir()
     (foreign_src / "data").write_text("theirs")
     foreign = csi.target("foreign")
-    mounts.bind_readonly(foreign_src, foreign)
+    bind_readonly(foreign_src, foreign)
     assert (await status_of(csi.node.NodeUnpublishVolume(csi.unpublish_request("foreign"))))[0] == \
         grpc.StatusCode.OK
     assert mounts.mounted_at(foreign) is not None and (foreign / "data").read_text() == "theirs"

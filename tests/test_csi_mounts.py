@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures_csi import needs_root, safe_tmp  # noqa: F401
+from tests.fixtures_csi import bind_readonly, needs_root, safe_tmp  # noqa: F401
 from weightcache.csi import mounts
 from weightcache.errors import MountError
 
@@ -39,7 +39,7 @@ def test_bind_readonly_mounts_verifies_and_unmounts(safe_tmp: Path) -> None:
     source.mkdir()
     (source / "weights.bin").write_bytes(b"w" * 100)
     target = safe_tmp / "pods" / "u" / "mount"
-    entry = mounts.bind_readonly(source, target)
+    entry = bind_readonly(source, target)
     assert entry.mount_point == str(target) and {"ro", "nosuid", "nodev"} <= entry.options
     assert (target / "weights.bin").read_bytes() == b"w" * 100
     with pytest.raises(OSError) as err:
@@ -54,7 +54,7 @@ def test_bind_readonly_mounts_verifies_and_unmounts(safe_tmp: Path) -> None:
 @needs_root
 def test_bind_of_missing_source_fails_with_mount_error(safe_tmp: Path) -> None:
     with pytest.raises(MountError) as err:
-        mounts.bind_readonly(safe_tmp / "nope", safe_tmp / "target")
+        bind_readonly(safe_tmp / "nope", safe_tmp / "target")
     assert err.value.errno == errno.ENOENT and "target" in str(err.value)
     assert mounts.mounted_at(safe_tmp / "target") is None
 

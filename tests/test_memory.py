@@ -134,7 +134,7 @@ def test_pinned_snapshots_are_never_demoted_and_refusal_has_numbers(snapshot, ti
                                               rf"{kib[0]} KiB held by pinned"):
         tier.promote(b)
     assert [i.id for i in tier.resident()] == ["a"] and vmlck() == before
-    tier.set_pinned("a", False)
+    tier.demote("a")  # what the daemon does when a model leaves the memory tier
     tier.promote(b)
     assert [i.id for i in tier.resident()] == ["b"]
 

@@ -134,11 +134,6 @@ def iter_tensors(
              total / max(seconds, 1e-9) / 1e9)
 
 
-def model_files(path: str | os.PathLike[str]) -> list[Path]:
-    """The safetensors files that make up a model, shards in index order."""
-    return list(_layout(path))
-
-
 def _layout(path: str | os.PathLike[str]) -> dict[Path, frozenset[str]]:
     """Each file of the model -> the tensors an index says it holds (empty: whatever its header lists)."""
     p = Path(path)

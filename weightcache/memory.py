@@ -164,13 +164,6 @@ class MemoryTier:
             if entry is not None:
                 entry.info = replace(entry.info, last_used=self._clock())
 
-    def set_pinned(self, snapshot_id: str, pinned: bool) -> None:
-        """A pinned snapshot is never demoted to make room."""
-        with self._state:
-            entry = self._entries.get(snapshot_id)
-            if entry is not None:
-                entry.info = replace(entry.info, pinned=pinned)
-
     def resident(self) -> list[ResidentInfo]:
         with self._state:
             return sorted((e.info for e in self._entries.values()), key=lambda i: i.last_used, reverse=True)

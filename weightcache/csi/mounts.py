@@ -93,17 +93,6 @@ def _syscall(name: str, rc: int, what: str) -> None:
         raise MountError(err, f"{name} failed for {what}: {os.strerror(err)}")
 
 
-def bind_readonly(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> MountEntry:
-    """`bind_readonly_at` for a plain path (tools, tests): `target` and its parents are made when missing."""
-    path = os.path.abspath(target)
-    os.makedirs(os.path.dirname(path), mode=0o750, exist_ok=True)
-    parent = os.open(os.path.dirname(path), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        return bind_readonly_at(source, parent, os.path.basename(path), path)
-    finally:
-        os.close(parent)
-
-
 def bind_readonly_at(source: str | os.PathLike[str], parent_fd: int, name: str, shown: str) -> MountEntry:
     """Bind-mount `source` read-only, nosuid, nodev on directory `name` (made if missing) of the directory open
     as `parent_fd`; verified in mountinfo. The mount goes through /proc/self/fd/N of the directory's O_PATH fd,
