@@ -29,7 +29,6 @@ GROUP = "resource.k8s.io"
 PLURAL = "resourceslices"
 MAX_DEVICES_PER_SLICE = 128
 API_TIMEOUT_S = 10.0
-API_VERSIONS = ("v1", "v1beta2")  # v1: Kubernetes 1.34+; v1beta2: 1.33 (same flat device layout)
 
 Devices = Callable[[], list[dict[str, Any]]]
 

@@ -49,7 +49,6 @@ log = logging.getLogger(__name__)
 
 Phase = Literal["Pending", "Fetching", "Ready", "Failed"]
 PHASES: tuple[str, ...] = ("Pending", "Fetching", "Ready", "Failed")
-LABEL_VALUES = {"Pending": "fetching", "Fetching": "fetching", "Ready": "ready", "Failed": "failed"}
 MERGE_PATCH = "application/merge-patch+json"
 def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
