@@ -18,8 +18,8 @@ Rows (one run each, in this order):
             controller releases it, kubelet publishes (immediate), container loads from the page cache
   warm      the model on the node's disk only (no label, no pin; page cache dropped): the same path, no download
   hot       a ModelCache with memory: {nodes: 1} keeps it pinned and resident in the RAM tier: no gate at all
-  baseline  what a user has today: an init container downloading with boto3 (TransferConfig tuned: 16 threads,
-            64 MiB parts), then safetensors.torch.load_file of every file (same byte-per-page touch)
+  baseline  what a user has today: an init container downloading with boto3 tuned (every file at once, 16 MiB
+            parts on up to 16 connections each), then safetensors.torch.load_file of every file (same touch)
 The scheduler stand-in binds the pod the moment it is released and its affinity matches the node; the pod's
 process start (python + torch import) is inside "loaded" for every row alike. "ratio" is baseline / row.
 """
@@ -44,12 +44,25 @@ import boto3  # noqa: E402
 import yaml  # noqa: E402
 
 from scripts.bench_load import drop_caches, make_model  # noqa: E402
-from scripts.bench_prefetch import BOTO, PY, Moto  # noqa: E402
+from scripts.bench_prefetch import PY, Moto  # noqa: E402
 from tests.fake_apiserver import FakeApiServer, crd_schemas  # noqa: E402
 from tests.faultproxy import FaultProxy  # noqa: E402
 from weightcache.uri import parse_ref  # noqa: E402
 
 NODE, NS, URI = "bench-node", "bench", "s3://bench/model/"
+# The init container a user would write: every file at once, each in 16 MiB parts on up to 16 connections
+BOTO = """
+import sys, boto3
+from concurrent.futures import ThreadPoolExecutor
+from boto3.s3.transfer import TransferConfig
+from botocore.config import Config
+s3 = boto3.client("s3", endpoint_url=sys.argv[1],
+                  config=Config(max_pool_connections=64, s3={"addressing_style": "path"}))
+cfg = TransferConfig(max_concurrency=16, multipart_chunksize=16 << 20, io_chunksize=1 << 20)
+keys = [o["Key"] for o in s3.list_objects_v2(Bucket="bench", Prefix="model/")["Contents"]]
+with ThreadPoolExecutor(len(keys)) as pool:
+    list(pool.map(lambda k: s3.download_file("bench", k, sys.argv[2] + "/" + k.rsplit("/", 1)[1], Config=cfg), keys))
+"""
 CONTAINER = """
 import sys, time
 sys.path.insert(0, {root!r})
@@ -198,7 +211,7 @@ def baseline(origin: str, base: Path) -> dict[str, float]:
     out = base / "baseline"
     out.mkdir()
     t0 = time.perf_counter()
-    subprocess.run([PY, "-c", BOTO, origin, "tuned", str(out)], check=True, capture_output=True)
+    subprocess.run([PY, "-c", BOTO, origin, str(out)], check=True, capture_output=True)
     t_ready = time.perf_counter()
     load, count = container("safetensors", out)
     return {"model": t_ready - t0, "scheduled": 0.0, "ready": t_ready - t0, "load": load,
