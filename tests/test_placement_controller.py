@@ -257,3 +257,24 @@ def test_leader_change_keeps_demand_and_releases_nothing_early(api: FakeApiServe
         first.stop(release=False)
         second.stop()
     assert api.get("leases", "placement", "weightcache")["spec"]["holderIdentity"] == "", "released on shutdown"
+
+
+def test_a_ready_node_without_room_does_not_release_while_a_node_with_room_fetches(api: FakeApiServer,
+                                                                                  controller: Controller) -> None:
+    api.create("nodes", gpu_node("busy", {LABEL: "ready"}))
+    api.create("pods", {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "other", "namespace": NS},
+                        "spec": {"nodeName": "busy", "containers": [{"name": "c", "image": "x", "resources": {
+                            "limits": {"nvidia.com/gpu": "1"}}}]}}, NS)
+    api.create("nodes", gpu_node("idle"))
+    pod = deployment_pod({"weightcache.io/model": REF, "weightcache.io/placement": "gate"})
+    pod["metadata"]["name"] = "llama-2"
+    pod["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": "1"}}
+    nodes = [node_facts(n) for n in api.list("nodes")]
+    api.create("pods", apply_response(pod, review(admission_review(pod), model_caches=[], allow_undeclared=True,
+                                                   nodes=nodes)), NS)
+    assert gated(api, "llama-2"), "placement: gate holds the pod even though a node holds the model"
+    eventually(lambda: "idle" in (demand_nodes(api) or []), what="the node with a free GPU to be asked")
+    settle(controller)
+    assert gated(api, "llama-2"), "released to a node whose only GPU is taken"
+    set_label(api, "idle", "ready")
+    eventually(lambda: not gated(api, "llama-2"), what="the release once the node with room is ready")
