@@ -65,7 +65,7 @@ class _Item:
     expect_sha256: str | None = None  # the bytes we download must hash to this
     source_check: tuple[str, str] | None = None  # (algorithm, hex) the source declares: crc32, ..., md5 (ETag)
     sha256: str | None = None  # known without download (trusted dedup) or computed
-    trusted_sha256: str | None = None  # on evidence a peer cannot forge: the store's checksum, our own manifest
+    trusted_sha256: str | None = None  # on evidence no source or peer can forge (peers may serve it)
     size: int = 0  # of the blob linked or the file written, never the listing's claim
     partial: PartialFile | None = field(default=None, repr=False)
 
@@ -233,8 +233,8 @@ class Fetcher:
         assert self.peers is not None
         digests = {i.obj.key: (i.trusted_sha256, i.obj.size) for i in todo if i.trusted_sha256}
         if len(digests) < len(todo):
-            log.info("%s: %d of %d files have no trusted sha256 (no S3 SHA-256 checksum, never fetched here "
-                     "before): they come from the origin only", ref, len(todo) - len(digests), len(todo))
+            log.info("%s: %d of %d files have no trusted sha256 (no S3 SHA-256 checksum): they come from the "
+                     "origin only", ref, len(todo) - len(digests), len(todo))
         return self.peers.wrap(source, digests) if digests else source
 
     def _check_revision(self, ref: ModelRef, source: Source, objects: list[ObjectInfo]) -> None:
@@ -266,8 +266,6 @@ class Fetcher:
             item.trusted_sha256 = known
             if known and self._blob_size(known) == obj.size:
                 item.sha256, item.size = known, obj.size
-            elif known and item.expect_sha256 is None:
-                item.expect_sha256 = known  # this very object version hashed to it here before
 
     def _blob_size(self, sha256: str) -> int | None:
         return self.store.blob_size(sha256)

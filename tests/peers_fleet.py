@@ -1,0 +1,82 @@
+"""Test and benchmark helper: nodes of a fleet on 127.0.0.1, each with its own store root and a real peer server.
+
+    with Fleet(tmp_path, token) as fleet:
+        a = fleet.node("a")                      # store at tmp_path/a, peer server on 127.0.0.1:0
+        b = fleet.node("b", peers=[a.url])
+        b.fetcher(endpoint_url=proxy.endpoint_url).ensure(ref)
+
+Each peer server runs on its own event loop thread, as in the daemon (the fetch engine's threads never share it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+from weightcache.fetch import Fetcher
+from weightcache.peers import PeerClient, PeerSet
+from weightcache.peers.server import PeerLimits, PeerServer
+from weightcache.store import Store
+
+
+@dataclass
+class FleetNode:
+    name: str
+    store: Store
+    server: PeerServer
+    url: str
+    peers: PeerSet
+    fetchers: list[Fetcher] = field(default_factory=list)
+
+    def fetcher(self, **options: object) -> Fetcher:
+        f = Fetcher(self.store, peers=self.peers, **options)  # type: ignore[arg-type]
+        self.fetchers.append(f)
+        return f
+
+
+class Fleet:
+    """Nodes sharing one event loop thread for their peer servers."""
+
+    def __init__(self, root: Path, token: bytes, limits: PeerLimits | None = None) -> None:
+        self.root, self.token = root, token
+        self.limits = limits or PeerLimits(max_streams=64)  # every test node is 127.0.0.1: one "peer"
+        self.nodes: list[FleetNode] = []
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="peer-servers", daemon=True)
+        self._thread.start()
+
+    def run(self, coro: object) -> object:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)  # type: ignore[arg-type]
+
+    def node(self, name: str, peers: Sequence[str] = ()) -> FleetNode:
+        store = Store(self.root / name)
+        server = PeerServer(store.layout.blobs, self.token, self.limits)
+        port = self.run(server.start("127.0.0.1", 0))
+        clients = [PeerClient(u, self.token, connect_timeout=2.0, read_timeout=5.0) for u in peers]
+        node = FleetNode(name, store, server, f"http://127.0.0.1:{port}", PeerSet(clients))
+        self.nodes.append(node)
+        return node
+
+    def stop(self, node: FleetNode) -> None:
+        """Kill a node's peer server (its connections are dropped)."""
+        self.run(node.server.stop())
+
+    def close(self) -> None:
+        for n in self.nodes:
+            for f in n.fetchers:
+                f.close()
+            n.peers.close()
+            self.run(n.server.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+    def __enter__(self) -> Fleet:
+        return self
+
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()

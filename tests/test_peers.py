@@ -1,0 +1,140 @@
+"""Fleet fill end to end: nodes with their own roots and real peer servers, one moto origin behind the fault
+proxy (which records every ranged GET, so origin bytes are counted where they leave the origin)."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.faultproxy import FaultProxy
+from tests.fixtures_s3 import S3
+from tests.peers_fleet import Fleet, FleetNode
+from weightcache.store import Snapshot
+from weightcache.uri import parse_ref
+
+TOKEN = b"peer-token-0123456789abcdef"
+FILES = {"model-00001.safetensors.bin": os.urandom(3 << 20) + b"a", "model-00002.bin": os.urandom(2 << 20),
+         "config.json": b'{"hidden": 64}'}
+MODEL_BYTES = sum(len(b) for b in FILES.values())
+REF = parse_ref("s3://models/llama/")
+OPTIONS = {"chunk_size": 256 << 10, "concurrency": 4}
+
+
+def origin_bytes(proxy: FaultProxy) -> int:
+    """Bytes the origin sent for ranged GETs of the model's objects (listing and HEADs are not body bytes)."""
+    total = 0
+    for r in proxy.requests_for("GET", "/models/llama/"):
+        m = re.fullmatch(r"bytes=(\d+)-(\d+)", r.range or "")
+        if m:
+            total += int(m[2]) - int(m[1]) + 1
+        elif r.range is None:
+            total += len(FILES[r.path.rsplit("/", 1)[-1]])
+    return total
+
+
+def assert_model(snap: Snapshot) -> None:
+    for name, body in FILES.items():
+        assert (snap.path / name).read_bytes() == body
+
+
+@pytest.fixture
+def origin(s3: S3, fault_proxy: FaultProxy) -> FaultProxy:
+    for name, body in FILES.items():
+        s3.put("models", f"llama/{name}", body, ChecksumAlgorithm="SHA256")
+    return fault_proxy
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    with Fleet(tmp_path, TOKEN) as f:
+        yield f
+
+
+def ensure(node: FleetNode, proxy: FaultProxy) -> Snapshot:
+    return node.fetcher(endpoint_url=proxy.endpoint_url, **OPTIONS).ensure(REF)
+
+
+def test_model_fetched_by_one_node_then_three_more_costs_the_origin_one_model(origin: FaultProxy,
+                                                                               fleet: Fleet) -> None:
+    first = fleet.node("n0")
+    assert_model(ensure(first, origin))
+    one = origin_bytes(origin)
+    assert one == MODEL_BYTES
+    others = []
+    for i in range(1, 4):  # each later node knows every earlier one
+        node = fleet.node(f"n{i}", peers=[n.url for n in fleet.nodes])
+        assert_model(ensure(node, origin))
+        others.append(node)
+    assert origin_bytes(origin) == MODEL_BYTES  # the origin served the model's bodies once in all
+    for node in others:
+        stats = node.peers.stats
+        assert sum(stats.bytes_by_peer.values()) == MODEL_BYTES
+        assert not stats.errors_by_peer
+        assert node.fetchers[-1].stats["peer_bytes"] == MODEL_BYTES
+        assert node.fetchers[-1].stats["origin_bytes"] == 0
+    # the last node's pieces came from several peers at once, not one peer at a time
+    assert len([p for p, n in others[-1].peers.stats.bytes_by_peer.items() if n]) >= 2
+
+
+def test_a_peer_that_flips_a_byte_costs_its_piece_and_is_not_asked_again(origin: FaultProxy, fleet: Fleet) -> None:
+    good = fleet.node("good")
+    assert_model(ensure(good, origin))
+    with FaultProxy(good.url) as liar:  # the same peer, one byte of one body flipped on its way
+        flip = liar.add("flip", method="GET", path="/v1/blobs/", count=1)
+        node = fleet.node("victim", peers=[liar.endpoint_url])
+        snap = ensure(node, origin)
+        assert flip.fired == 1
+        assert_model(snap)
+        assert liar.endpoint_url in node.peers.stats.banned
+        assert node.peers.stats.errors_by_peer[liar.endpoint_url] >= 1
+        # the origin re-sent the blob that failed, not the model
+        assert origin_bytes(origin) - MODEL_BYTES <= max(len(b) for b in FILES.values())
+        # a banned peer is not asked by the node's next fetch
+        asked = len(liar.requests)
+        later = fleet.node("later-store", peers=[])
+        later.peers = node.peers
+        assert_model(ensure(later, origin))
+        assert len(liar.requests) == asked
+
+
+def test_a_peer_killed_mid_transfer_costs_a_retry_elsewhere(origin: FaultProxy, fleet: Fleet) -> None:
+    holder = fleet.node("holder")
+    assert_model(ensure(holder, origin))
+    other = fleet.node("other", peers=[holder.url])
+    assert_model(ensure(other, origin))
+    with FaultProxy(holder.url) as dying:
+        dying.add("reset", method="GET", path="/v1/blobs/", keep=0.5, count=-1)  # every body cut, RST
+        node = fleet.node("node", peers=[dying.endpoint_url, other.url])
+        assert_model(ensure(node, origin))
+        assert node.peers.stats.errors_by_peer[dying.endpoint_url] >= 1
+        assert dying.endpoint_url not in node.peers.stats.banned  # dead is not dishonest
+    assert origin_bytes(origin) == MODEL_BYTES  # the healthy peer took over; the origin paid nothing more
+
+
+def test_a_dead_peer_and_a_stopped_one_leave_the_origin_to_serve(origin: FaultProxy, fleet: Fleet) -> None:
+    gone = fleet.node("gone")
+    assert_model(ensure(gone, origin))
+    fleet.stop(gone)
+    node = fleet.node("alone", peers=[gone.url, "http://127.0.0.1:9"])
+    assert_model(ensure(node, origin))
+    assert origin_bytes(origin) == 2 * MODEL_BYTES
+    assert node.fetchers[-1].stats["peer_bytes"] == 0
+
+
+def test_peers_are_never_asked_for_blobs_known_only_by_claim(s3: S3, fault_proxy: FaultProxy, fleet: Fleet) -> None:
+    """Without the store's own SHA-256 (no checksum on upload) a digest is a claim: peers could serve another
+    namespace's model for it, so the node reads the origin only."""
+    for name, body in FILES.items():
+        s3.put("models", f"llama/{name}", body)
+    holder = fleet.node("holder")
+    assert_model(ensure(holder, fault_proxy))
+    with FaultProxy(holder.url) as watch:
+        node = fleet.node("node", peers=[watch.endpoint_url])
+        assert_model(ensure(node, fault_proxy))
+        assert watch.requests == []
+    assert origin_bytes(fault_proxy) == 2 * MODEL_BYTES
+

@@ -1,0 +1,86 @@
+"""Talking to one peer's blob server: does it hold a blob (HEAD), and a ranged body of it (GET).
+
+A peer is untrusted like an origin: it may lie about holding a blob, send other bytes, stall or vanish. The
+client only reports what the peer said; `weightcache/peers/source.py` decides what to believe (every byte is
+hashed, every blob verified against the origin's evidence before publish).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+from urllib.parse import urlsplit
+
+import urllib3
+
+from weightcache.errors import ConfigError
+from weightcache.redact import redact
+from weightcache.retry import Retryable
+
+log = logging.getLogger(__name__)
+
+NETWORK_ERRORS = (urllib3.exceptions.HTTPError, OSError)
+
+
+def peer_base_url(url: str) -> str:
+    """`http(s)://host:port` of a configured peer, without path, query or userinfo; ConfigError otherwise."""
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.username or parts.password:
+        raise ConfigError(f"peer {redact(url)!r}: expected http(s)://HOST:PORT (no userinfo: the token comes "
+                          "from peerTokenFile)")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ConfigError(f"peer {url!r}: expected http(s)://HOST:PORT with no path")
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise ConfigError(f"peer {url!r}: {exc}") from exc
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return f"{parts.scheme}://{host}" + (f":{port}" if port else "")
+
+
+class PeerClient:
+    """One peer's blob endpoint; thread-safe (urllib3 pool)."""
+
+    def __init__(self, url: str, token: bytes, *, connect_timeout: float, read_timeout: float,
+                 pool_size: int = 8, ca_certs: str | None = None) -> None:
+        self.url = peer_base_url(url)
+        self._auth = {"Authorization": "Bearer " + token.decode("ascii", "replace")}
+        self._pool = urllib3.PoolManager(maxsize=pool_size, retries=False, ca_certs=ca_certs,
+                                         timeout=urllib3.Timeout(connect=connect_timeout, read=read_timeout))
+
+    def __repr__(self) -> str:
+        return f"PeerClient({self.url})"
+
+    def blob_url(self, sha256: str) -> str:
+        return f"{self.url}/v1/blobs/sha256/{sha256}"
+
+    def holds(self, sha256: str, size: int) -> bool:
+        """The peer says it has the blob, with the size the origin lists (a different size: not the same blob,
+        so no point asking). Network failures and refusals read as 'no'."""
+        try:
+            resp = self._pool.request("HEAD", self.blob_url(sha256), headers=self._auth, redirect=False)
+        except NETWORK_ERRORS as exc:
+            log.info("peer %s unreachable: %s", self.url, type(exc).__name__)
+            return False
+        if resp.status == 401:
+            log.warning("peer %s refuses our token (401): the daemons' peerTokenFile must hold the same token",
+                        self.url)
+        return resp.status == 200 and resp.headers.get("Content-Length") == str(size)
+
+    def open_range(self, sha256: str, pos: int, end: int) -> Any:
+        """GET bytes [pos, end) of a blob: the checked response, body unread; Retryable for anything else."""
+        headers = {**self._auth, "Range": f"bytes={pos}-{end - 1}", "Accept-Encoding": "identity"}
+        try:
+            resp = self._pool.request("GET", self.blob_url(sha256), headers=headers, preload_content=False,
+                                      redirect=False)
+        except NETWORK_ERRORS as exc:
+            raise Retryable(f"{type(exc).__name__} from peer {self.url}") from exc
+        if resp.status != 206 or not resp.headers.get("Content-Range", "").startswith(f"bytes {pos}-{end - 1}/"):
+            resp.close()
+            raise Retryable(f"peer {self.url} answered HTTP {resp.status} to bytes {pos}-{end - 1}")
+        if isinstance(resp, urllib3.HTTPResponse):
+            resp.enforce_content_length = False  # a short body returns what came: the caller resumes elsewhere
+        return resp
+
+    def close(self) -> None:
+        self._pool.clear()

@@ -1,0 +1,204 @@
+"""The peer server: a node's verified blobs, read-only, to other weightcache daemons holding the shared token.
+
+    HEAD /v1/blobs/sha256/<64 hex>     200 with Content-Length when the blob is published here, else 404
+    GET  /v1/blobs/sha256/<64 hex>     the body; one `Range: bytes=a-b` (or a-, -n) answers 206, else 200
+
+Only `blobs/sha256/` is reachable: the digest must be 64 lowercase hex digits, and the file is opened component by
+component with O_NOFOLLOW under a descriptor of the blobs directory, so a symlink planted in the store (or a
+digest naming one) is refused, never followed. Partial downloads are not served (see docs/peers.md).
+Every request needs `Authorization: Bearer <token>`, compared in constant time. Each peer (remote address) gets
+at most `max_streams` bodies at once (429 beyond, with Retry-After) and a token bucket of `rate_bytes_s`, so
+serving never starves the node's own pods; file reads run in threads, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import re
+import stat
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiohttp import web
+
+from weightcache.daemon.listener import GuardedTCPSite, Limits
+
+log = logging.getLogger(__name__)
+
+BLOB_ROUTE = "/v1/blobs/sha256/{digest}"
+_HEX = re.compile(r"[0-9a-f]{64}")
+_RANGE = re.compile(r"bytes=(\d*)-(\d*)")
+SEND_SLICE = 1 << 20  # bytes read and written per step: bounds memory per stream and rate-limit granularity
+WRITE_TIMEOUT_S = 30.0  # a peer that stops reading loses its stream (and its slot) after this
+
+
+@dataclass(frozen=True)
+class PeerLimits:
+    """Per-peer serving limits; a peer is its remote address."""
+
+    rate_bytes_s: int = 500 << 20  # token bucket refill; 0 = unlimited
+    max_streams: int = 4  # bodies served to one peer at once
+    listener: Limits = field(default_factory=lambda: Limits(max_connections=128, header_timeout_s=10.0,
+                                                              body_timeout_s=10.0, idle_timeout_s=30.0))
+
+
+class TokenBucket:
+    """Bytes per second with a one-second burst; `take` waits (on the loop) until `n` bytes are allowed."""
+
+    def __init__(self, rate: int) -> None:
+        self.rate = rate
+        self.tokens = float(rate)
+        self.stamp = time.monotonic()
+
+    async def take(self, n: int) -> None:
+        if self.rate <= 0:
+            return
+        while True:
+            now = time.monotonic()
+            self.tokens = min(float(self.rate), self.tokens + (now - self.stamp) * self.rate)
+            self.stamp = now
+            if self.tokens >= min(n, self.rate):
+                self.tokens -= n
+                return
+            await asyncio.sleep((min(n, self.rate) - self.tokens) / self.rate)
+
+
+@dataclass
+class _Peer:
+    bucket: TokenBucket
+    streams: int = 0
+
+
+class PeerServer:
+    """aiohttp app serving `blobs_dir` (the store's `blobs/sha256`) to bearers of `token`."""
+
+    def __init__(self, blobs_dir: Path, token: bytes, limits: PeerLimits | None = None) -> None:
+        self.blobs_dir = blobs_dir
+        self._token = b"Bearer " + token
+        self.limits = limits or PeerLimits()
+        self._peers: dict[str, _Peer] = {}
+        self.bytes_served = 0
+        self.app = web.Application()
+        self.app.router.add_get(BLOB_ROUTE, self._blob)  # and HEAD
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on host:port (port 0: any); returns the port. Header and body timeouts and a connection cap
+        come from the daemon's guarded TCP listener."""
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False,
+                                     **self.limits.listener.runner_args())
+        await self._runner.setup()
+        site = GuardedTCPSite(self._runner, host, port, limits=self.limits.listener)
+        await site.start()
+        self.port = site.port
+        log.info("peer server on %s:%d serving %s", host, self.port, self.blobs_dir)
+        return self.port
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    def _authorized(self, request: web.Request) -> bool:
+        given = request.headers.get("Authorization", "").encode("utf-8", "replace")
+        return hmac.compare_digest(given, self._token)
+
+    async def _blob(self, request: web.Request) -> web.StreamResponse:
+        if not self._authorized(request):
+            return web.Response(status=401, text="peer token required: Authorization: Bearer <peerTokenFile>\n",
+                                headers={"WWW-Authenticate": 'Bearer realm="weightcache-peers"'})
+        digest = request.match_info["digest"]
+        if not _HEX.fullmatch(digest):
+            return web.Response(status=400, text="a blob is named by 64 lowercase hex digits of its sha256\n")
+        try:
+            fd = await asyncio.to_thread(open_blob, self.blobs_dir, digest)
+        except FileNotFoundError:
+            return web.Response(status=404, text="blob not held by this node\n")
+        except OSError as exc:
+            log.warning("peer request for blob %s refused: %s", digest, exc)
+            return web.Response(status=404, text="blob not held by this node\n")
+        try:
+            return await self._send(request, fd, digest)
+        finally:
+            os.close(fd)
+
+    async def _send(self, request: web.Request, fd: int, digest: str) -> web.StreamResponse:
+        size = os.fstat(fd).st_size
+        span = parse_range(request.headers.get("Range"), size)
+        if span is None:
+            return web.Response(status=416, headers={"Content-Range": f"bytes */{size}"})
+        start, end, ranged = span
+        headers = {"Content-Length": str(end - start), "Accept-Ranges": "bytes", "ETag": f'"{digest}"',
+                   "Content-Type": "application/octet-stream"}
+        if ranged:
+            headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
+        if request.method == "HEAD":
+            return web.Response(status=206 if ranged else 200, headers=headers)
+        peer_key = request.remote or "?"
+        peer = self._peers.setdefault(peer_key, _Peer(TokenBucket(self.limits.rate_bytes_s)))
+        if peer.streams >= self.limits.max_streams:
+            return web.Response(status=429, headers={"Retry-After": "1"},
+                                text=f"at most {self.limits.max_streams} streams per peer; retry elsewhere\n")
+        peer.streams += 1
+        try:
+            resp = web.StreamResponse(status=206 if ranged else 200, headers=headers)
+            await resp.prepare(request)
+            pos = start
+            while pos < end:
+                n = min(SEND_SLICE, end - pos)
+                await peer.bucket.take(n)
+                data = await asyncio.to_thread(os.pread, fd, n, pos)
+                if not data:
+                    raise OSError(f"blob {digest} shorter than its size")  # never pad: the client sees a cut body
+                await asyncio.wait_for(resp.write(data), WRITE_TIMEOUT_S)
+                pos += len(data)
+                self.bytes_served += len(data)
+            await resp.write_eof()
+            return resp
+        finally:
+            peer.streams -= 1
+
+
+def open_blob(blobs_dir: Path, digest: str) -> int:
+    """A read-only fd of blobs/sha256/<2>/<digest>, each component opened with O_NOFOLLOW (a symlink anywhere
+    below the blobs directory raises OSError ELOOP/ENOTDIR); only regular files."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    top = os.open(blobs_dir, flags | os.O_DIRECTORY)
+    try:
+        sub = os.open(digest[:2], flags | os.O_DIRECTORY, dir_fd=top)
+    finally:
+        os.close(top)
+    try:
+        fd = os.open(digest, flags | os.O_NONBLOCK, dir_fd=sub)  # NONBLOCK: a planted FIFO cannot hang us
+    finally:
+        os.close(sub)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"blob {digest} is not a regular file")
+    return fd
+
+
+def parse_range(header: str | None, size: int) -> tuple[int, int, bool] | None:
+    """(start, end, ranged) for one `bytes=` range (RFC 9110 14.1.2): ranged=False, the whole body, for no or an
+    unparsable Range (a server may ignore it); None when unsatisfiable (416)."""
+    whole = (0, size, False)
+    if header is None:
+        return whole
+    m = _RANGE.fullmatch(header.strip())
+    if m is None or (not m[1] and not m[2]):
+        return whole
+    if not m[1]:  # suffix: the last n bytes
+        n = int(m[2])
+        return (max(0, size - n), size, True) if n > 0 and size > 0 else None
+    first = int(m[1])
+    last = int(m[2]) if m[2] else size - 1
+    if last < first:
+        return whole
+    if first >= size:
+        return None
+    return first, min(last, size - 1) + 1, True

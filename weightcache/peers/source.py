@@ -1,0 +1,174 @@
+"""A Source that reads a blob's byte ranges from peers first, then from the origin, every piece accounted for.
+
+The fetch engine asks for ranges of an object (`read_pieces`); this wrapper serves a range from a peer that holds
+the object's blob when the blob's sha256 is known on trusted evidence (the store's own SHA-256 checksum, or a
+manifest this node wrote for that very object version); for any other object peers are never asked (a digest the
+source merely claims could name another namespace's model: asking peers for it would widen access).
+
+Concurrent ranges of one blob go to different holders in turn, so a blob's pieces come from several peers at
+once. A peer failing mid-range (dead, cut, 429) costs a retry of the rest of that range on the next holder, then
+on the origin. Bytes from peers are hashed like any others by the fetch engine; when a blob fails verification,
+`verification_failed` makes the next round read that blob from the origin only, and each piece a peer served is
+compared with the origin's: a peer whose piece differs is never asked again by this node.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import threading
+import typing
+from collections.abc import Iterable
+from contextlib import closing
+from dataclasses import dataclass, field
+
+from weightcache.errors import SourceError
+from weightcache.peers.client import PeerClient
+from weightcache.retry import Retry
+from weightcache.sources.base import ObjectInfo, OnBytes, Pieces, Source, stream_range
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PeerStats:
+    """Counters of one node's peer traffic, shared by every fetch (the daemon exports them)."""
+
+    bytes_by_peer: dict[str, int] = field(default_factory=dict)
+    errors_by_peer: dict[str, int] = field(default_factory=dict)
+    banned: set[str] = field(default_factory=set)  # peers that sent bytes the origin contradicts
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add_bytes(self, peer: str, n: int) -> None:
+        with self.lock:
+            self.bytes_by_peer[peer] = self.bytes_by_peer.get(peer, 0) + n
+
+    def error(self, peer: str) -> None:
+        with self.lock:
+            self.errors_by_peer[peer] = self.errors_by_peer.get(peer, 0) + 1
+
+
+class PeerSet:
+    """The configured peers of a node and what it learnt about them; `wrap` gives a fetch its PeerSource."""
+
+    def __init__(self, clients: Iterable[PeerClient]) -> None:
+        self.clients = list(clients)
+        self.stats = PeerStats()
+
+    def wrap(self, origin: Source, digests: dict[str, tuple[str, int]]) -> PeerSource:
+        """`digests`: object key -> (trusted sha256, size) for the objects peers may serve."""
+        with self.stats.lock:
+            usable = [c for c in self.clients if c.url not in self.stats.banned]
+        return PeerSource(origin, usable, digests, self.stats)
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+
+
+class PeerSource:
+    """`origin` with peer-first ranged reads for the objects in `digests`; thread-safe like any Source."""
+
+    def __init__(self, origin: Source, peers: typing.List[PeerClient],  # noqa: UP006
+                 digests: dict[str, tuple[str, int]], stats: PeerStats) -> None:
+        self.origin = origin
+        self.ref, self.name = origin.ref, origin.name
+        self._peers = peers
+        self._digests = digests
+        self._stats = stats
+        self._lock = threading.Lock()
+        self._holders: dict[str, typing.List[PeerClient]] = {}  # noqa: UP006 (`list` is a method here)  # sha256 -> peers that said they hold it
+        self._turn = itertools.count()
+        self._origin_only: set[str] = set()  # object keys that failed verification once
+        self._served: dict[tuple[str, int], tuple[str, bytes]] = {}  # (key, offset) -> (peer, piece digest)
+        self.peer_bytes = 0
+
+    # -- the Source interface: everything but read_pieces goes to the origin ----------------------------------
+    def list(self) -> list[ObjectInfo]:
+        return self.origin.list()
+
+    def read_into(self, obj: ObjectInfo, offset: int, buf: memoryview) -> None:
+        self.origin.read_into(obj, offset, buf)
+
+    def etag_md5(self, obj: ObjectInfo) -> str | None:
+        return self.origin.etag_md5(obj)
+
+    def close(self) -> None:
+        self.origin.close()
+
+    def read_pieces(self, obj: ObjectInfo, offset: int, length: int, buf: memoryview,
+                    on_bytes: OnBytes | None = None) -> Pieces:
+        pos, end = offset, offset + length
+        trusted = self._digests.get(obj.key)
+        if trusted is not None and obj.key not in self._origin_only:
+            for peer in self._holders_in_turn(*trusted):
+                try:
+                    for at, view in self._from_peer(peer, obj.key, trusted[0], pos, end, buf, on_bytes):
+                        yield at, view
+                        pos = at + len(view)
+                except SourceError as exc:
+                    self._stats.error(peer.url)
+                    self._drop_holder(trusted[0], peer)
+                    log.warning("peer %s failed at byte %d of %s (%s); the rest of the range from another source",
+                                peer.url, pos, obj.relpath, exc)
+                if pos >= end:
+                    return
+        with closing(self.origin.read_pieces(obj, pos, end - pos, buf, on_bytes)) as pieces:
+            for at, view in pieces:
+                self._blame(obj.key, at, view)
+                yield at, view
+
+    # -- peers ------------------------------------------------------------------------------------------------
+    def _holders_in_turn(self, sha256: str, size: int) -> typing.List[PeerClient]:  # noqa: UP006
+        """Peers holding the blob, asked once per fetch, rotated per range so concurrent ranges spread out."""
+        with self._lock:
+            known = self._holders.get(sha256)
+        if known is None:
+            known = [p for p in self._peers if p.holds(sha256, size)]
+            with self._lock:
+                known = self._holders.setdefault(sha256, known)
+        with self._lock:
+            holders = [p for p in known if p.url not in self._stats.banned]
+        if not holders:
+            return []
+        start = next(self._turn) % len(holders)
+        return holders[start:] + holders[:start]
+
+    def _drop_holder(self, sha256: str, peer: PeerClient) -> None:
+        with self._lock:
+            self._holders[sha256] = [p for p in self._holders.get(sha256, []) if p is not peer]
+
+    def _from_peer(self, peer: PeerClient, key: str, sha256: str, pos: int, end: int, buf: memoryview,
+                   on_bytes: OnBytes | None) -> Pieces:
+        """Yield pieces of [pos, end) from one peer. One attempt: a failure raises SourceError and the caller
+        goes on with the bytes not yet yielded."""
+        retry = Retry(f"reading blob {sha256[:12]} bytes {pos}-{end - 1} from peer {peer.url}", 1)
+        with closing(stream_range(lambda a, b: peer.open_range(sha256, a, b), pos, end - pos, buf, retry,
+                                  on_bytes)) as pieces:
+            for at, view in pieces:
+                with self._lock:
+                    self._served[(key, at)] = (peer.url, hashlib.sha256(view).digest())
+                    self.peer_bytes += len(view)
+                self._stats.add_bytes(peer.url, len(view))
+                yield at, view
+
+    # -- blame ------------------------------------------------------------------------------------------------
+    def verification_failed(self, obj: ObjectInfo) -> None:
+        """The blob assembled for `obj` failed its checks: its next round reads from the origin only."""
+        with self._lock:
+            self._origin_only.add(obj.key)
+
+    def _blame(self, key: str, at: int, view: memoryview) -> None:
+        """An origin piece of a blob that failed verification: a peer that served other bytes here is banned."""
+        with self._lock:
+            served = self._served.pop((key, at), None) if key in self._origin_only else None
+        if served is None:
+            return
+        peer, digest = served
+        if hashlib.sha256(view).digest() != digest:
+            with self._stats.lock:
+                self._stats.banned.add(peer)
+            self._stats.error(peer)
+            log.warning("peer %s sent bytes at offset %d of %s that the origin contradicts; not asking it again",
+                        peer, at, key)
