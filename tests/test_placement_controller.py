@@ -227,7 +227,7 @@ def test_leader_change_keeps_demand_and_releases_nothing_early(api: FakeApiServe
 
     def candidate(identity: str) -> Controller:
         elector = LeaderElector(api.api_client(), namespace="weightcache", name="placement", identity=identity,
-                                lease_duration=2.0, renew_deadline=1.5, retry_period=0.2)
+                                lease_duration=4.0, renew_deadline=3.0, retry_period=0.3)
         ctl = Controller(api.api_client(), elector=elector, event_interval=0.5, resync=0.1)
         ctl.start()
         return ctl
