@@ -42,7 +42,6 @@ class LeaderElector:
         self._observed: tuple[str, str] | None = None  # (holder, renewTime) of another holder's record
         self._observed_at = 0.0
         self._stop = threading.Event()
-        self._changed = threading.Event()
         self._thread: threading.Thread | None = None
         self.transitions = 0  # times this candidate became leader
 
@@ -52,11 +51,6 @@ class LeaderElector:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="leader-election", daemon=True)
         self._thread.start()
-
-    def wait_changed(self, timeout: float) -> None:
-        """Block until leadership may have changed (or timeout)."""
-        self._changed.wait(timeout)
-        self._changed.clear()
 
     def stop(self, release: bool = True) -> None:
         self._stop.set()
@@ -81,7 +75,6 @@ class LeaderElector:
             if self.is_leader() != was:
                 log.info("%s %s leadership (Lease %s/%s)", self.identity,
                          "acquired" if self.is_leader() else "lost", self.namespace, self.name)
-                self._changed.set()
             self._stop.wait(self.retry_period)
 
     def try_acquire_or_renew(self, release: bool = False) -> bool:
