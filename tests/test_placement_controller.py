@@ -278,3 +278,23 @@ def test_a_ready_node_without_room_does_not_release_while_a_node_with_room_fetch
     assert gated(api, "llama-2"), "released to a node whose only GPU is taken"
     set_label(api, "idle", "ready")
     eventually(lambda: not gated(api, "llama-2"), what="the release once the node with room is ready")
+
+
+def test_lease_takeover_only_after_the_record_stood_still_for_the_lease_duration(api: FakeApiServer) -> None:
+    def elector(identity: str) -> LeaderElector:
+        return LeaderElector(api.api_client(), namespace="ns", name="l", identity=identity,
+                             lease_duration=1.0, renew_deadline=0.5, retry_period=0.1)
+
+    a, b = elector("a"), elector("b")
+    assert a.try_acquire_or_renew() and a.is_leader()
+    assert not b.try_acquire_or_renew(), "held and fresh"
+    time.sleep(0.6)
+    assert a.try_acquire_or_renew(), "renewal"
+    assert not b.try_acquire_or_renew(), "a renewed record restarts the wait"
+    time.sleep(1.1)
+    assert b.try_acquire_or_renew() and b.is_leader(), "the holder stopped renewing for a lease duration"
+    assert not a.try_acquire_or_renew()
+    time.sleep(0.6)
+    assert not a.is_leader(), "a leader that cannot renew stops leading within renew_deadline"
+    lease = api.get("leases", "l", "ns")
+    assert (lease["spec"]["holderIdentity"], lease["spec"]["leaseTransitions"]) == ("b", 1)
