@@ -52,10 +52,9 @@ class PartialFile:
     # -- lifecycle ----------------------------------------------------------------------------------------------
     def open(self) -> list[tuple[int, int]]:
         """Open (resuming when the journal matches) and return the (offset, length) ranges still to fetch."""
-        if not self.journalled:  # nothing to resume: start over in one open (many small files: fewer syscalls)
-            self._fd = _create_truncated(self.part)
-            if self.obj.size:
-                os.posix_fallocate(self._fd, 0, self.obj.size)
+        if not self.journalled:  # nothing to resume: the worker that writes it creates it (in parallel)
+            if not self.obj.size:
+                self._create()
             return self._missing()
         header = {"key": self.obj.key, "size": self.obj.size, "etag": self.obj.etag,
                   "version_id": self.obj.version_id}
@@ -77,6 +76,17 @@ class PartialFile:
             self._done[start] = length
             self.resumed_bytes += length
         return self._missing()
+
+    def _create(self) -> None:
+        """Start the file over, empty and preallocated, in one O_TRUNC|O_NOFOLLOW open."""
+        fd = _create_truncated(self.part)
+        try:
+            if self.obj.size:
+                os.posix_fallocate(fd, 0, self.obj.size)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
 
     def _load_journal(self, header: dict[str, Any]) -> list[tuple[int, int]] | None:
         try:  # a journal is data from disk: anything unexpected in it means "start this file again"
@@ -120,6 +130,10 @@ class PartialFile:
     # -- writing ------------------------------------------------------------------------------------------------
     def write(self, offset: int, data: memoryview, scratch: memoryview) -> None:
         """Write a finished chunk, journal it, then advance the in-order hash (using `scratch` to re-read)."""
+        if self._fd < 0:
+            with self._mu:
+                if self._fd < 0:
+                    self._create()
         view = data
         pos = offset
         while view:
