@@ -8,6 +8,7 @@ from pathlib import Path
 ROOT = Path("/var/lib/weightcache")  # the store (env WEIGHTCACHE_ROOT)
 SOCKET = Path("/run/weightcache/weightcache.sock")  # the daemon's API (env WEIGHTCACHE_SOCKET)
 KUBELET_DIR = Path("/var/lib/kubelet")  # where kubelet publishes volumes (k3s, microk8s differ)
+CDI_DIR = Path("/var/run/cdi")  # where the container runtime reads CDI specs (DRA)
 CHUNK_SIZE = 16 << 20  # bytes of buffer per download worker; one journalled unit of resume
 CONCURRENCY = 8  # parallel ranged reads per fetch
 CONNECT_TIMEOUT = 5.0  # seconds to open a connection to a model source

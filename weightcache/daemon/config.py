@@ -83,7 +83,7 @@ class DraSettings:
 
     slots_per_model: int = 8  # devices per cached snapshot: how many claims on the node can hold it at once
     shared: bool = False  # one device per snapshot with allowMultipleAllocations (DRAConsumableCapacity gate)
-    cdi_dir: Path = Path("/var/run/cdi")  # where the container runtime reads CDI specs
+    cdi_dir: Path = defaults.CDI_DIR
     api_version: str = "v1"  # resource.k8s.io version: v1 (Kubernetes 1.34+) or v1beta2 (1.33)
     publish_seconds: float = 2.0  # how often the store is checked for new or evicted snapshots
 
@@ -325,7 +325,7 @@ def _dra(value: Any) -> DraSettings | None:
     if not 0.1 <= every <= 3600:
         raise ConfigError(f"dra.publishSeconds: expected seconds between 0.1 and 3600, got {value['publishSeconds']!r}")
     return DraSettings(slots, _bool("dra.shared")(value.get("shared", False)),
-                       _path("dra.cdiDir")(value.get("cdiDir", "/var/run/cdi")), version, every)
+                       _path("dra.cdiDir")(value.get("cdiDir", defaults.CDI_DIR)), version, every)
 
 
 def _optional_bytes(what: str) -> Callable[[Any], int]:
