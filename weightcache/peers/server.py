@@ -145,12 +145,13 @@ class PeerServer:
             return web.Response(status=429, headers={"Retry-After": "1"},
                                 text=f"at most {self.limits.max_streams} streams per peer; retry elsewhere\n")
         peer.streams += 1
+        pos = start
+        resp = web.StreamResponse(status=206 if ranged else 200, headers=headers)
         try:
-            resp = web.StreamResponse(status=206 if ranged else 200, headers=headers)
             await resp.prepare(request)
-            pos = start
+            step = min(SEND_SLICE, self.limits.rate_bytes_s or SEND_SLICE)  # the bucket paces slices, not bodies
             while pos < end:
-                n = min(SEND_SLICE, end - pos)
+                n = min(step, end - pos)
                 await peer.bucket.take(n)
                 data = await asyncio.to_thread(os.pread, fd, n, pos)
                 if not data:
@@ -159,6 +160,9 @@ class PeerServer:
                 pos += len(data)
                 self.bytes_served += len(data)
             await resp.write_eof()
+            return resp
+        except (ConnectionError, TimeoutError):  # the peer went away or stopped reading: its loss, not an error
+            log.info("peer %s stopped reading blob %s at a stream's byte %d", peer_key, digest[:12], pos - start)
             return resp
         finally:
             peer.streams -= 1
@@ -196,7 +200,7 @@ def parse_range(header: str | None, size: int) -> tuple[int, int, bool] | None:
         n = int(m[2])
         return (max(0, size - n), size, True) if n > 0 and size > 0 else None
     first = int(m[1])
-    last = int(m[2]) if m[2] else size - 1
+    last = int(m[2]) if m[2] else max(first, size - 1)
     if last < first:
         return whole
     if first >= size:

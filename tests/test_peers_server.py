@@ -1,0 +1,163 @@
+"""The peer server as an attacker meets it: no token, a wrong one, names that are not digests, traversal, blobs
+that are symlinks, FIFOs or sit under a symlinked directory, bad ranges, too many streams."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import urllib3
+
+from tests.peers_fleet import Fleet, FleetNode
+from weightcache.errors import ConfigError
+from weightcache.peers import PeerClient, peer_base_url
+from weightcache.peers.server import PeerLimits, parse_range
+
+TOKEN = b"peer-token-0123456789abcdef"
+BODY = os.urandom(300_000)
+SHA = hashlib.sha256(BODY).hexdigest()
+AUTH = {"Authorization": "Bearer " + TOKEN.decode()}
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    with Fleet(tmp_path, TOKEN, PeerLimits(rate_bytes_s=0, max_streams=1)) as f:
+        yield f
+
+
+def holding_node(fleet: Fleet) -> FleetNode:
+    n = fleet.node("n")
+    blob = n.store.layout.blob(SHA)
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    blob.write_bytes(BODY)
+    return n
+
+
+@pytest.fixture
+def node(fleet: Fleet) -> FleetNode:
+    return holding_node(fleet)
+
+
+@pytest.fixture
+def http() -> Iterator[urllib3.PoolManager]:
+    pool = urllib3.PoolManager(retries=False, timeout=10)
+    yield pool
+    pool.clear()
+
+
+def get(http: urllib3.PoolManager, node: FleetNode, path: str, headers: dict[str, str] | None = None,
+        method: str = "GET") -> urllib3.BaseHTTPResponse:
+    return http.request(method, node.url + path, headers=headers if headers is not None else AUTH)
+
+
+def test_requests_without_the_token_are_401(http: urllib3.PoolManager, node: FleetNode) -> None:
+    for headers in ({}, {"Authorization": "Bearer wrong-token-0123456789abc"},
+                    {"Authorization": "Bearer " + TOKEN.decode() + "x"}, {"Authorization": TOKEN.decode()}):
+        for method in ("GET", "HEAD"):
+            resp = get(http, node, f"/v1/blobs/sha256/{SHA}", headers, method)
+            assert resp.status == 401, (headers, method)
+            assert BODY[:100] not in resp.data
+
+
+def test_a_published_blob_is_served_whole_ranged_and_by_head(http: urllib3.PoolManager, node: FleetNode) -> None:
+    whole = get(http, node, f"/v1/blobs/sha256/{SHA}")
+    assert whole.status == 200 and whole.data == BODY
+    part = get(http, node, f"/v1/blobs/sha256/{SHA}", {**AUTH, "Range": "bytes=1000-1999"})
+    assert part.status == 206 and part.data == BODY[1000:2000]
+    assert part.headers["Content-Range"] == f"bytes 1000-1999/{len(BODY)}"
+    tail = get(http, node, f"/v1/blobs/sha256/{SHA}", {**AUTH, "Range": "bytes=-10"})
+    assert tail.status == 206 and tail.data == BODY[-10:]
+    head = get(http, node, f"/v1/blobs/sha256/{SHA}", method="HEAD")
+    assert head.status == 200 and head.headers["Content-Length"] == str(len(BODY))
+    beyond = get(http, node, f"/v1/blobs/sha256/{SHA}", {**AUTH, "Range": f"bytes={len(BODY)}-"})
+    assert beyond.status == 416 and beyond.headers["Content-Range"] == f"bytes */{len(BODY)}"
+
+
+def test_names_that_are_not_digests_are_refused(http: urllib3.PoolManager, node: FleetNode) -> None:
+    assert get(http, node, f"/v1/blobs/sha256/{SHA.upper()}").status == 400
+    assert get(http, node, f"/v1/blobs/sha256/{SHA[:-1]}").status == 400
+    assert get(http, node, f"/v1/blobs/sha256/{SHA}0").status == 400
+    assert get(http, node, "/v1/blobs/sha256/..%2F..%2Findex.db").status in (400, 404)
+    for path in ("/v1/blobs/sha256/../../index.db", "/v1/blobs/../manifests", "/v1/blobs/sha256/",
+                 f"/v1/blobs/sha256/{SHA}/x"):
+        resp = get(http, node, path)
+        assert resp.status in (400, 404), path
+        assert BODY[:100] not in resp.data
+    assert get(http, node, f"/v1/blobs/sha256/{SHA}", method="PUT").status == 405  # read-only
+
+
+def test_symlinks_and_fifos_in_the_store_are_never_followed(http: urllib3.PoolManager, node: FleetNode,
+                                                            tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"private bytes of another tenant")
+    link_sha = "a" * 64
+    link = node.store.layout.blob(link_sha)
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(secret)  # a symlinked blob
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    dir_sha = "b" * 64
+    (outside / dir_sha).write_bytes(b"private bytes of another tenant")
+    node.store.layout.blob(dir_sha).parent.symlink_to(outside)  # a symlinked fan-out directory
+    fifo_sha = "c" * 64
+    fifo = node.store.layout.blob(fifo_sha)
+    fifo.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(fifo)
+    for sha in (link_sha, dir_sha, fifo_sha, "d" * 64):
+        for method in ("GET", "HEAD"):
+            resp = get(http, node, f"/v1/blobs/sha256/{sha}", method=method)
+            assert resp.status == 404, (sha, method)
+            assert b"private" not in resp.data
+
+
+def test_a_peer_gets_at_most_its_streams_and_its_byte_rate(http: urllib3.PoolManager, tmp_path: Path) -> None:
+    with Fleet(tmp_path, TOKEN, PeerLimits(rate_bytes_s=8 << 10, max_streams=1)) as fleet:
+        rate_limited(http, holding_node(fleet))
+
+
+def rate_limited(http: urllib3.PoolManager, node: FleetNode) -> None:
+    slow = http.request("GET", f"{node.url}/v1/blobs/sha256/{SHA}", headers=AUTH, preload_content=False)
+    try:
+        assert slow.status == 200
+        slow.read(1024)  # the stream is open and rate-limited: 8 KiB/s, about 36 s for the whole body
+        second = get(http, node, f"/v1/blobs/sha256/{SHA}")
+        assert second.status == 429 and second.headers["Retry-After"] == "1"
+        assert get(http, node, f"/v1/blobs/sha256/{SHA}", method="HEAD").status == 200  # HEADs cost no stream
+    finally:
+        slow.release_conn()
+        slow.close()
+
+
+def test_the_client_reads_a_peer_as_holding_only_with_the_listed_size(node: FleetNode) -> None:
+    client = PeerClient(node.url, TOKEN, connect_timeout=2, read_timeout=5)
+    wrong = PeerClient(node.url, b"another-token-0123456789", connect_timeout=2, read_timeout=5)
+    try:
+        assert client.holds(SHA, len(BODY))
+        assert not client.holds(SHA, len(BODY) + 1)
+        assert not client.holds("e" * 64, 1)
+        assert not wrong.holds(SHA, len(BODY))
+    finally:
+        client.close()
+        wrong.close()
+
+
+def test_peer_urls_are_host_and_port_only() -> None:
+    assert peer_base_url("http://10.0.0.5:9479/") == "http://10.0.0.5:9479"
+    assert peer_base_url("https://[fd00::5]:9479") == "https://[fd00::5]:9479"
+    for bad in ("ftp://h:1", "http://user:secret@h:1", "http://h:1/v1", "h:1", "http://h:99999", "http://h:1?x"):
+        with pytest.raises(ConfigError) as err:
+            peer_base_url(bad)
+        assert "secret" not in str(err.value)
+
+
+@pytest.mark.parametrize(("header", "want"), [
+    (None, (0, 100, False)), ("bytes=0-9", (0, 10, True)), ("bytes=90-", (90, 100, True)), ("bytes=100-", None),
+    ("bytes=-5", (95, 100, True)), ("bytes=50-500", (50, 100, True)), ("bytes=100-", None), ("bytes=-0", None),
+    ("bytes=9-1", (0, 100, False)), ("bytes=0-1,5-6", (0, 100, False)), ("items=0-1", (0, 100, False)),
+    ("bytes=-", (0, 100, False)),
+])
+def test_range_headers(header: str | None, want: tuple[int, int, bool] | None) -> None:
+    assert parse_range(header, 100) == want
