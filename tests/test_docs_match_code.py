@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 from pathlib import Path
 
@@ -39,3 +40,36 @@ def test_cli_help_states_the_defaults(capsys: pytest.CaptureFixture[str]) -> Non
     assert f"(default {defaults.CONCURRENCY})" in text
     chunk = re.search(r"--chunk-size CHUNK_SIZE [^\[]*?\(default (\w+)\)", text)
     assert chunk and parse_size(chunk.group(1)) == defaults.CHUNK_SIZE
+
+
+def _parser_flags() -> set[str]:
+    from weightcache.cli import build_parser
+
+    flags: set[str] = set()
+    parsers = [build_parser()]
+    while parsers:
+        parser = parsers.pop()
+        for action in parser._actions:
+            flags.update(o for o in action.option_strings if o.startswith("--"))
+            if isinstance(action, argparse._SubParsersAction):
+                parsers += action.choices.values()
+    return flags
+
+
+def _documented_commands() -> list[str]:
+    """`weightcache ...` as the docs write it: in inline code, and as lines of code blocks (continuations joined)."""
+    text = "\n".join(p.read_text() for p in [DOCS.parent / "README.md", *sorted(DOCS.glob("*.md"))])
+    commands = re.findall(r"`(weightcache [^`]+)`", text)
+    for block in re.findall(r"```[a-z]*\n(.*?)```", text, re.DOTALL):
+        joined = block.replace("\\\n", " ")
+        commands += [line.strip() for line in joined.splitlines() if line.strip().startswith("weightcache ")]
+    return commands
+
+
+def test_documented_cli_flags_exist() -> None:
+    commands = _documented_commands()
+    assert len(commands) >= 10
+    flags = _parser_flags()
+    unknown = {(flag, cmd) for cmd in commands for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", cmd)
+               if flag not in flags}
+    assert not unknown, f"docs show flags the CLI does not have: {sorted(unknown)}"
