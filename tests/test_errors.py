@@ -110,3 +110,12 @@ def test_a_missing_optional_backend_exits_2_with_the_pip_install(
 
     assert main(["prefetch", uri, "--root", str(tmp_path / "root")]) == 2
     assert f"pip install {package}" in capsys.readouterr().err
+
+
+def test_docs_errors_md_is_the_table_the_code_declares() -> None:
+    text = (ROOT / "docs" / "errors.md").read_text()
+    rows = re.findall(r"^\| `(\w+)` \| (\d+) \| (\d+) \| ([A-Z_]+) \|", text, re.MULTILINE)
+    documented = {name: errors.Answer(int(code), int(status), grpc_code) for name, code, status, grpc_code in rows}
+    declared = {cls.__name__: cls.answer for cls in ALL}
+    differ = sorted(set(documented.items()) ^ set(declared.items()))
+    assert not differ, f"docs/errors.md and weightcache/errors.py differ: {differ}"

@@ -1,9 +1,9 @@
 """One exception module for the whole package, and how each boundary answers each exception.
 
 Every error we raise on purpose names its own `answer`: the CLI's exit code, the daemon API's HTTP status and the
-gRPC code (CSI, DRA). Boundaries call `answer_for(exc)`; anything that is not a WeightcacheError is unexpected
+gRPC code (CSI). Boundaries call `answer_for(exc)`; anything that is not a WeightcacheError is unexpected
 (exit 1, HTTP 500, INTERNAL) and logged with its traceback. tests/test_errors.py checks that every subclass,
-wherever it is defined, declares its own answer.
+wherever it is defined, declares its own answer, and that docs/errors.md (the table for operators) agrees.
 
 Exit codes: 0 ok, 1 unexpected, 2 bad input, 3 not cached / not found, 4 in use, 5 no space, 6 object store or
 Kubernetes API failure, 7 integrity failure, 8 refused by policy, 9 still in progress elsewhere (retry), 130
@@ -22,7 +22,7 @@ from typing import ClassVar, NamedTuple
 class Answer(NamedTuple):
     exit_code: int  # the CLI
     http_status: int  # the daemon API
-    grpc_code: str  # a grpc.StatusCode name (CSI, DRA); a name, so the loader in pods needs no grpc
+    grpc_code: str  # a grpc.StatusCode name (CSI); a name, so the loader in pods needs no grpc
 
 
 UNEXPECTED = Answer(1, 500, "INTERNAL")
