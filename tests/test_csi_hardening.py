@@ -13,6 +13,7 @@ import statistics
 import time
 from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -209,10 +210,18 @@ async def test_unpublish_touches_only_what_the_plugin_mounted(csi: CsiHarness, s
 
 # ---- cancellation ----
 
-async def test_a_publish_whose_caller_gave_up_never_leaves_a_stray_mount_lease_or_record(csi: CsiHarness) -> None:
+async def test_a_publish_whose_caller_gave_up_never_leaves_a_stray_mount_lease_or_record(
+        csi: CsiHarness, monkeypatch: pytest.MonkeyPatch) -> None:
     await csi.node.NodePublishVolume(csi.publish_request("warm"))  # cached: the deadline lands in the mount step
+    real_bind = mounts.bind_readonly_at
+
+    def slow_bind(*args: Any, **kwargs: Any) -> Any:  # a mount step long enough for deadlines to land inside it
+        time.sleep(0.03)
+        return real_bind(*args, **kwargs)
+
+    monkeypatch.setattr(mounts, "bind_readonly_at", slow_bind)
     outcomes = []
-    for i, deadline in enumerate([0.00025 * k for k in range(2, 30)]):  # 0.5-7 ms: a cached publish takes ~5 ms
+    for i, deadline in enumerate([0.002 * k for k in range(1, 30)]):  # 2-58 ms around a ~35 ms publish
         volume = f"short-{i}"
         outcomes.append((await status_of(csi.node.NodePublishVolume(csi.publish_request(volume),
                                                                   timeout=deadline)))[0])
