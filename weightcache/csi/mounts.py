@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from weightcache.csi.targets import open_dir
-from weightcache.errors import MountError
+from weightcache.errors import InvalidRequestError, MountError
 
 logger = logging.getLogger(__name__)
 
@@ -78,11 +78,14 @@ def mount_table(path: Path = MOUNTINFO) -> list[MountEntry]:
 
 
 def mounted_at(target: str | os.PathLike[str], table: list[MountEntry] | None = None) -> MountEntry | None:
-    """The topmost mount on exactly `target` (the one a process sees), or None."""
-    wanted = os.path.abspath(target)
+    """The topmost mount on exactly `target` (the one a process sees), or None. A lookup by name, for reports and
+    reconcile; mountinfo names the real path, so symlinks in the parents (a moved kubeletDir) are resolved.
+    To act on a mount, use `top_mount_at` and `unmount_top_at`."""
+    path = os.path.abspath(target)
+    wanted = {path, os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))}
     found = None
     for entry in table if table is not None else mount_table():
-        if entry.mount_point == wanted:
+        if entry.mount_point in wanted:
             found = entry  # later lines are mounted on top of earlier ones
     return found
 
@@ -124,13 +127,36 @@ def _fd_path(fd: int) -> bytes:
     return f"/proc/self/fd/{fd}".encode()
 
 
-def _entry_of(fd: int) -> MountEntry | None:
-    """The mountinfo line of the mount `fd` lies on (by mount id, from /proc/self/fdinfo)."""
+def _mount_id(fd: int) -> int:
+    """The id of the mount `fd` lies on (/proc/self/fdinfo; O_PATH fds have one too)."""
     for line in Path(f"/proc/self/fdinfo/{fd}").read_text().splitlines():
         if line.startswith("mnt_id:"):
-            mount_id = int(line.split()[1])
-            return next((e for e in mount_table() if e.mount_id == mount_id), None)
-    return None
+            return int(line.split()[1])
+    raise MountError(errno.EIO, f"/proc/self/fdinfo/{fd} shows no mnt_id (is /proc mounted?)")
+
+
+def _entry_of(fd: int) -> MountEntry | None:
+    """The mountinfo line of the mount `fd` lies on."""
+    mount_id = _mount_id(fd)
+    return next((e for e in mount_table() if e.mount_id == mount_id), None)
+
+
+def top_mount_at(parent_fd: int, name: str, shown: str) -> MountEntry | None:
+    """The topmost mount on directory `name` of the directory open as `parent_fd`, or None when it is not a mount
+    point (or missing). Told by mount ids, not by path strings: the directory, opened without following a symlink,
+    lies on another mount than its parent exactly when something is mounted there. A file or a symlink there is
+    None too: we mount only on directories, and a link is never followed."""
+    try:
+        fd = open_dir(parent_fd, name, shown, create=False)
+    except (FileNotFoundError, InvalidRequestError):
+        return None
+    try:
+        mount_id = _mount_id(fd)
+        if mount_id == _mount_id(parent_fd):
+            return None
+        return next((e for e in mount_table() if e.mount_id == mount_id), None)
+    finally:
+        os.close(fd)
 
 
 def unmount(target: str | os.PathLike[str]) -> int:
@@ -141,14 +167,21 @@ def unmount(target: str | os.PathLike[str]) -> int:
     return count
 
 
-def unmount_top(target: str | os.PathLike[str]) -> bool:
+def unmount_top(target: str | os.PathLike[str], shown: str | None = None) -> bool:
     """Unmount the topmost mount on `target`; False when there was none (raced)."""
     if _libc.umount2(os.fsencode(os.path.abspath(target)), UMOUNT_NOFOLLOW) != 0:
         err = ctypes.get_errno()
         if err == errno.EINVAL:  # not a mount point (any more)
             return False
-        raise MountError(err, f"umount failed for {target}: {os.strerror(err)}")
+        raise MountError(err, f"umount failed for {shown or target}: {os.strerror(err)}")
     return True
+
+
+def unmount_top_at(parent_fd: int, name: str, shown: str) -> bool:
+    """`unmount_top` of directory `name` of the directory open as `parent_fd`: the parents are not walked again
+    (the kernel resolves /proc/self/fd/N to the very directory the caller checked) and `name` is not followed if
+    it became a symlink. No fd is held on the mount itself, which would make it busy."""
+    return unmount_top(f"/proc/self/fd/{parent_fd}/{name}", shown)
 
 
 def remove_target(target: str | os.PathLike[str]) -> None:

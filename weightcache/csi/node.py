@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import logging
 import os
@@ -46,6 +47,7 @@ from weightcache.errors import (
     InvalidReferenceError,
     InvalidRequestError,
     MemoryTierError,
+    MountError,
     NotAllowedError,
     OperationPendingError,
     VolumeConflictError,
@@ -240,7 +242,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
                     raise VolumeConflictError(
                         f"volume {args.volume_id} is already published with model {existing.model} for "
                         f"{existing.describe()}; unpublish it first")
-                if await self._io(mounts.mounted_at, args.target_path) is not None:
+                if await self._io(self._is_mounted, args.target_path):
                     if existing.adopted:  # learn the pod and model again from kubelet's retry
                         await self._io(self._book.put, args.record(existing.snapshot_id))
                     return csi_pb2.NodePublishVolumeResponse()
@@ -281,7 +283,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
             if hf_repo is not None:
                 source = hub_cache(self._store, snapshot, hf_repo, refs=(revision,) if revision else ())
             with self._targets.open_parent(record.target_path, create=True) as parent:
-                self._unmount_ours(record.target_path)  # a stale mount of ours from a crashed attempt
+                self._unmount_ours(parent, record.target_path)  # a stale mount of ours from a crashed attempt
                 mounts.bind_readonly_at(source, parent, "mount", record.target_path)
         except BaseException:
             self._book.remove(record.volume_id)
@@ -329,10 +331,14 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         ours = record is not None and record.target_path == target
         self._targets.refuse_links(target)
         try:
-            with self._targets.open_parent(target, create=False):
-                count = self._unmount_ours(target)
+            with self._targets.open_parent(target, create=False) as parent:
+                count = self._unmount_ours(parent, target)
+                foreign = mounts.top_mount_at(parent, "mount", target) if ours else None
         except TargetMissingError:
-            count = 0
+            count, foreign = 0, None
+        if foreign is not None:  # ours may lie under it: keep the lease and record until it is gone
+            raise MountError(errno.EBUSY, f"{target} has a mount that is not a weightcache snapshot on it "
+                             f"({foreign.fstype} {foreign.source} {foreign.root}); unmount it, kubelet retries")
         if count or ours:
             mounts.remove_target(target)
         if record is None:
@@ -345,19 +351,28 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         else:
             logger.info("unpublish of volume %s: nothing of ours at %s; left it untouched", volume_id, target)
 
-    def _unmount_ours(self, target: str) -> int:
-        """Unmount the snapshot bind mounts stacked on `target`, down to the first mount that is not ours."""
+    def _is_mounted(self, target: str) -> bool:
+        try:
+            with self._targets.open_parent(target, create=False) as parent:
+                return mounts.top_mount_at(parent, "mount", target) is not None
+        except TargetMissingError:
+            return False
+
+    def _unmount_ours(self, parent: int, target: str) -> int:
+        """Unmount the snapshot bind mounts stacked on `target` (directory "mount" of the walked `parent` fd), down
+        to the first mount that is not ours. Each mount is checked and unmounted through the same parent fd, so a
+        path swapped meanwhile cannot redirect the unmount."""
         count = 0
         while True:
-            table = mounts.mount_table()
-            entry = mounts.mounted_at(target, table)
-            snapshots = SnapshotMounts.of(self._store, table)
+            entry = mounts.top_mount_at(parent, "mount", target)
+            snapshots = SnapshotMounts.of(self._store, mounts.mount_table())
             if entry is None or snapshots is None or snapshots.snapshot_id(entry) is None:
                 if entry is not None and count == 0:
                     logger.warning("%s is a mount point that is not a weightcache snapshot; not unmounting it",
                                    target)
                 return count
-            mounts.unmount_top(target)
+            if not mounts.unmount_top_at(parent, "mount", target):
+                return count
             count += 1
 
     # ---- stats, capabilities, info ----
