@@ -61,6 +61,7 @@ class Daemon:
         self.tcp_port: int | None = None
         self._metrics_runner: web.AppRunner | None = None
         self.metrics_port: int | None = None
+        self.peer_port: int | None = None
 
     async def start(self) -> None:
         """Start everything; on failure, stop what had started and raise."""
@@ -75,7 +76,9 @@ class Daemon:
         store = await asyncio.to_thread(Store, s.root, budget_bytes=s.disk_budget, min_free_bytes=s.min_free_bytes,
                                         min_free_percent=s.min_free_percent)
         metrics = Metrics()
-        node = self.node = Node(s, store, metrics, MeteredFetcher(store, s, metrics), tier=_memory_tier(s))
+        peer_token = _read_token(s.peer_token_file, "peerTokenFile") if s.peer_token_file is not None else None
+        node = self.node = Node(s, store, metrics, MeteredFetcher(store, s, metrics, _peer_set(s, peer_token)),
+                                tier=_memory_tier(s))
         node.store_ready = True
         metrics.watch(node.sample)
         node.cluster = await _cluster(node)
@@ -89,6 +92,11 @@ class Daemon:
         await self._serve_api(node)
         if s.metrics_listen is not None:
             self._metrics_runner, self.metrics_port = await start_metrics_server(metrics, *s.metrics_listen)
+        if s.peer_listen is not None and peer_token is not None:
+            from weightcache.peers.server import PeerServer
+
+            node.peer_server = PeerServer(store.layout.blobs, peer_token)
+            self.peer_port = await node.peer_server.start(*s.peer_listen)
         self._csi = await _serve_csi(node)
         self._dra = await _serve_dra(node)
         self._loops.spawn("reconcile", self.reconciler.run())
@@ -102,7 +110,7 @@ class Daemon:
 
     async def _serve_api(self, node: Node) -> None:
         s = self.settings
-        token = _read_token(s.tcp.token_file) if s.tcp is not None else None
+        token = _read_token(s.tcp.token_file, "tcp.tokenFile") if s.tcp is not None else None
         self._runner = web.AppRunner(make_app(node, token=token), shutdown_timeout=SHUTDOWN_GRACE_S,
                                      access_log=None, handle_signals=False, **TCP_LIMITS.runner_args())
         await self._runner.setup()
@@ -183,6 +191,10 @@ class Daemon:
             await self._runner.cleanup()
         if self._metrics_runner is not None:
             await self._metrics_runner.cleanup()
+        if node is not None and node.peer_server is not None:
+            await node.peer_server.stop()
+        if node is not None and node.fetcher.peers is not None:
+            node.fetcher.peers.close()
         if node is not None:
             node.store.close()
         log.info("weightcache daemon stopped")
@@ -234,15 +246,25 @@ def _unlink_socket(path: Path) -> None:
         path.unlink()
 
 
-def _read_token(path: Path) -> bytes:
+def _read_token(path: Path, what: str) -> bytes:
     try:
         token = path.read_bytes().strip()
     except OSError as exc:
-        raise ConfigError(f"cannot read tcp.tokenFile {path}: {exc.strerror}") from exc
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from exc
     if len(token) < 16:
-        raise ConfigError(f"tcp.tokenFile {path} holds fewer than 16 characters; write a long random token "
+        raise ConfigError(f"{what} {path} holds fewer than 16 characters; write a long random token "
                           "(for example: openssl rand -hex 32)")
     return token
+
+
+def _peer_set(settings: Settings, token: bytes | None) -> Any:
+    """The configured peers (None: no peers, fetches read the origin only)."""
+    if not settings.peers or token is None:
+        return None
+    from weightcache.peers import PeerClient, PeerSet
+
+    return PeerSet(PeerClient(url, token, connect_timeout=settings.connect_timeout, read_timeout=settings.read_timeout)
+                   for url in settings.peers)
 
 
 def _memory_tier(settings: Settings) -> Any:

@@ -24,6 +24,13 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--metrics-listen", metavar="HOST:PORT",
                    help="also serve GET /metrics, read-only and without a token, on HOST:PORT "
                         "(env WEIGHTCACHE_METRICS_LISTEN)")
+    p.add_argument("--peer-listen", metavar="HOST:PORT",
+                   help="serve this node's verified blobs to peers on HOST:PORT (env WEIGHTCACHE_PEER_LISTEN; "
+                        "needs --peer-token-file; docs/peers.md)")
+    p.add_argument("--peer", action="append", metavar="URL", dest="peers",
+                   help="http(s)://HOST:PORT of another node's peer listener; repeat for each peer")
+    p.add_argument("--peer-token-file", metavar="FILE",
+                   help="the fleet's shared peer token (env WEIGHTCACHE_PEER_TOKEN_FILE)")
     p.add_argument("--csi-endpoint", help="serve CSI on unix:///PATH (env CSI_ENDPOINT)")
     p.add_argument("--node-name", help="this node's Kubernetes name (env NODE_NAME)")
     p.add_argument("--dra", action="store_true", default=None,
@@ -36,7 +43,8 @@ def add_commands(sub: Any) -> None:
 def flags_of(args: argparse.Namespace) -> dict[str, Any]:
     """Flags as config keys (None = not given)."""
     return {"root": args.root, "socket": args.socket, "csiEndpoint": args.csi_endpoint,
-            "metricsListen": args.metrics_listen, "nodeName": args.node_name, "dra": args.dra,
+            "metricsListen": args.metrics_listen, "peerListen": args.peer_listen, "peers": args.peers,
+            "peerTokenFile": args.peer_token_file, "nodeName": args.node_name, "dra": args.dra,
             "logFormat": args.log_format, "logLevel": args.log_level}
 
 

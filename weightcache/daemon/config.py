@@ -41,6 +41,9 @@ ENV = {
     "WEIGHTCACHE_ALLOW_UNDECLARED_MODELS": "allowUndeclaredModels",
     "WEIGHTCACHE_SOCKET": "socket",
     "WEIGHTCACHE_METRICS_LISTEN": "metricsListen",
+    "WEIGHTCACHE_PEER_LISTEN": "peerListen",
+    "WEIGHTCACHE_PEERS": "peers",
+    "WEIGHTCACHE_PEER_TOKEN_FILE": "peerTokenFile",
     "WEIGHTCACHE_LOG_FORMAT": "logFormat",
     "WEIGHTCACHE_LOG_LEVEL": "logLevel",
     "CSI_ENDPOINT": "csiEndpoint",
@@ -108,6 +111,9 @@ class Settings:
     socket: Path = defaults.SOCKET
     tcp: TcpSettings | None = None
     metrics_listen: tuple[str, int] | None = None  # (host, port) of the read-only /metrics listener
+    peer_listen: tuple[str, int] | None = None  # (host, port) serving this node's blobs to peers (docs/peers.md)
+    peers: tuple[str, ...] = ()  # http(s)://HOST:PORT of other daemons' peer listeners
+    peer_token_file: Path | None = None  # the fleet's shared bearer token (peerListen and peers need it)
     csi_endpoint: str | None = None
     dra: DraSettings | None = None  # None: the DRA plugin is off
     kubelet_dir: Path = defaults.KUBELET_DIR
@@ -170,6 +176,9 @@ def parse_settings(raw: Mapping[str, Any]) -> Settings:
         if model.tier == "memory" and settings.memory_budget <= 0:
             raise ConfigError(f"models[{i}].tier: memory needs the memory tier; set memoryBudget (e.g. 64Gi) "
                               "or use tier: disk")
+    if (settings.peer_listen or settings.peers) and settings.peer_token_file is None:
+        raise ConfigError("peerListen and peers need peerTokenFile: the fleet's shared token (for example "
+                          "`openssl rand -hex 32` in a Secret mounted on every node); docs/peers.md")
     return settings
 
 
@@ -344,13 +353,25 @@ def _percent(what: str) -> Callable[[Any], float]:
     return parse
 
 
-def _host_port(value: Any) -> tuple[str, int]:
+def _host_port(what: str, example: str) -> Callable[[Any], tuple[str, int]]:
     """`HOST:PORT` (`[::]:9478` for IPv6); port 0 picks a free one."""
-    host, sep, port = str(value).rpartition(":")
-    host = host.removeprefix("[").removesuffix("]")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ConfigError(f"metricsListen: expected HOST:PORT such as 0.0.0.0:9478, got {value!r}")
-    return host, int(port)
+    def parse(value: Any) -> tuple[str, int]:
+        host, sep, port = str(value).rpartition(":")
+        host = host.removeprefix("[").removesuffix("]")
+        if not sep or not host or not port.isdigit() or int(port) > 65535:
+            raise ConfigError(f"{what}: expected HOST:PORT such as {example}, got {value!r}")
+        return host, int(port)
+    return parse
+
+
+def _peers(value: Any) -> tuple[str, ...]:
+    """A list of peer URLs (a string: one URL, or several separated by commas, as env and flags give them)."""
+    from weightcache.peers.client import peer_base_url
+
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(u, str) for u in items):
+        raise ConfigError(f"peers: expected a list of http(s)://HOST:PORT, got {type(value).__name__}")
+    return tuple(peer_base_url(u) for u in items if u.strip())
 
 
 def _csi_endpoint(value: Any) -> str:
@@ -375,7 +396,10 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "allowUndeclaredModels": _bool("allowUndeclaredModels"),
     "socket": _path("socket"),
     "tcp": _tcp,
-    "metricsListen": _host_port,
+    "metricsListen": _host_port("metricsListen", "0.0.0.0:9478"),
+    "peerListen": _host_port("peerListen", "0.0.0.0:9479"),
+    "peers": _peers,
+    "peerTokenFile": _path("peerTokenFile"),
     "csiEndpoint": _csi_endpoint,
     "dra": _dra,
     "kubeletDir": _path("kubeletDir"),

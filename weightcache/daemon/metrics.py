@@ -41,6 +41,8 @@ class Metrics:
         self.fetch_seconds = Histogram("weightcache_fetch_duration_seconds", "Duration of ensures that missed "
                                        "the cache (fetched, or waited for another's fetch)", ["scheme"],
                                        buckets=FETCH_BUCKETS, registry=r)
+        self.model_bytes = Counter("weightcache_model_fetched_bytes", "Bytes fetched per model, from the origin "
+                                   "or from peers (fleet fill: docs/peers.md)", ["model", "source"], registry=r)
         self.evictions = Counter("weightcache_evictions", "Snapshots evicted by the daemon", ["reason"], registry=r)
         self.reloads = Counter("weightcache_config_reloads", "Config reloads", ["result"], registry=r)
         self.reconcile_seconds = Histogram("weightcache_reconcile_duration_seconds", "One reconcile pass",
@@ -79,6 +81,9 @@ SAMPLED: dict[str, tuple[str, str, str | None]] = {
     "weightcache_leases": ("gauge", "Leases held (mounted volumes and other holders)", None),
     "weightcache_memory_tier_locked_bytes": ("gauge", "Bytes held resident by the memory tier", None),
     "weightcache_memory_tier_budget_bytes": ("gauge", "Budget of the memory tier", None),
+    "weightcache_peer_bytes": ("counter", "Bytes fetched from each peer", "peer"),
+    "weightcache_peer_errors": ("counter", "Failed or contradicted reads from each peer", "peer"),
+    "weightcache_peer_served_bytes": ("counter", "Bytes this node's peer listener served", None),
 }
 # name -> a number, or {label value: number} for labelled ones; None or missing = not exported.
 Sample = Mapping[str, "float | Mapping[str, float] | None"]

@@ -27,6 +27,7 @@ from weightcache.uri import ModelRef, canonical_uri
 
 if TYPE_CHECKING:
     from weightcache.memory import MemoryTier  # imported only when a memory budget is set
+    from weightcache.peers import PeerSet
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +39,9 @@ class MeteredFetcher:
     counters (origin bytes, fetches in flight) summed per scheme for export at scrape time; counts hits, misses,
     failures by reason and times fetches around ensure."""
 
-    def __init__(self, store: Store, settings: Settings, metrics: Metrics) -> None:
+    def __init__(self, store: Store, settings: Settings, metrics: Metrics, peers: PeerSet | None = None) -> None:
         self._store = store
+        self.peers = peers  # blobs with a trusted sha256 come from these daemons first (docs/peers.md)
         self._settings = settings
         self._metrics = metrics
         self._live: dict[Fetcher, str] = {}  # running fetchers -> scheme
@@ -51,7 +53,7 @@ class MeteredFetcher:
         s = self._settings
         return Fetcher(self._store, concurrency=s.concurrency, chunk_size=s.chunk_size,
                        endpoint_url=s.endpoint_for(ref), connect_timeout=s.connect_timeout,
-                       read_timeout=s.read_timeout, cancel=cancel)
+                       read_timeout=s.read_timeout, cancel=cancel, peers=self.peers)
 
     def lookup(self, ref: ModelRef) -> Snapshot | None:
         """The cached snapshot (a hit), or None; blocking."""
@@ -80,6 +82,9 @@ class MeteredFetcher:
             self._metrics.fetch_failures.labels(ref.scheme, reason).inc()
             raise
         finally:
+            for source, stat in (("origin", "origin_bytes"), ("peers", "peer_bytes")):
+                if n := fetcher.stats.get(stat, 0):
+                    self._metrics.model_bytes.labels(ref.uri, source).inc(n)
             with self._lock:
                 del self._live[fetcher]
                 done = self._done.setdefault(ref.scheme, {})
@@ -125,6 +130,7 @@ class Node:
     tasks: Tasks = field(default_factory=Tasks)
     store_ready: bool = False
     kick: Callable[[], None] = lambda: None  # wakes the reconcile loop
+    peer_server: Any = None  # weightcache.peers.server.PeerServer when peerListen is set
     fetches: FetchQueue = field(init=False)  # the one queue every fetch of this daemon goes through
 
     def __post_init__(self) -> None:
@@ -216,4 +222,17 @@ class Node:
             "weightcache_leases": len(self.store.leases()),
             "weightcache_memory_tier_locked_bytes": self.tier.locked_bytes() if self.tier is not None else None,
             "weightcache_memory_tier_budget_bytes": self.settings.memory_budget if self.tier is not None else None,
+            **self.peer_sample(),
         }
+
+    def peer_sample(self) -> Sample:
+        """Bytes and errors per peer this node fetched from; bytes it served to peers."""
+        out: dict[str, float | Mapping[str, float] | None] = {}
+        peers = self.fetcher.peers
+        if peers is not None:
+            with peers.stats.lock:
+                out["weightcache_peer_bytes"] = dict(peers.stats.bytes_by_peer)
+                out["weightcache_peer_errors"] = dict(peers.stats.errors_by_peer)
+        if self.peer_server is not None:
+            out["weightcache_peer_served_bytes"] = self.peer_server.bytes_served
+        return out

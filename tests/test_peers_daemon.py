@@ -1,0 +1,90 @@
+"""Two real daemons (own roots, sockets and peer ports) configured with peerListen / peers / peerTokenFile, one
+moto origin behind the fault proxy: the second daemon's fetch costs the origin nothing, and both daemons say so
+in their metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.faultproxy import FaultProxy
+from tests.fixtures_daemon import RunningDaemon, model_copy, off_cluster, short_dir, start_daemon, tiny_model
+from tests.fixtures_s3 import S3
+from weightcache.cli import build_parser
+from weightcache.daemon.command import flags_of
+from weightcache.daemon.config import load_settings
+from weightcache.errors import ConfigError
+
+__all__ = ["model_copy", "off_cluster", "short_dir", "tiny_model"]  # fixtures used by name
+
+TOKEN = "fleet-token-0123456789abcdef"
+BODY = bytes(range(256)) * 8192  # 2 MiB
+
+
+def ranged_get_bytes(proxy: FaultProxy) -> int:
+    total = 0
+    for r in proxy.requests_for("GET", "/models/m/"):
+        m = re.fullmatch(r"bytes=(\d+)-(\d+)", r.range or "")
+        total += int(m[2]) - int(m[1]) + 1 if m else 0
+    return total
+
+
+async def test_a_daemon_fills_from_its_peer_and_the_metrics_say_where_bytes_came_from(
+        s3: S3, fault_proxy: FaultProxy, short_dir: Path, model_copy: Path) -> None:
+    s3.put("models", "m/w.bin", BODY, ChecksumAlgorithm="SHA256")
+    s3.put("models", "m/config.json", b"{}", ChecksumAlgorithm="SHA256")
+    token = short_dir / "peer-token"
+    token.write_text(TOKEN + "\n")
+    common = {"peerTokenFile": str(token), "endpoints": {"s3": {"endpointUrl": fault_proxy.endpoint_url}}}
+    (short_dir / "a").mkdir()
+    (short_dir / "b").mkdir()
+    a = await start_daemon(short_dir / "a", model_copy, config={**common, "peerListen": "127.0.0.1:0"})
+    b: RunningDaemon | None = None
+    try:
+        assert a.daemon.peer_port
+        b = await start_daemon(short_dir / "b", model_copy,
+                               config={**common, "peers": [f"http://127.0.0.1:{a.daemon.peer_port}"]})
+        await asyncio.to_thread(a.client.ensure, "s3://models/m/")
+        assert ranged_get_bytes(fault_proxy) == len(BODY) + 2
+        snap_b = await asyncio.to_thread(b.client.ensure, "s3://models/m/")
+        assert Path(snap_b["path"], "w.bin").read_bytes() == BODY
+        assert ranged_get_bytes(fault_proxy) == len(BODY) + 2  # b's bytes all came from a
+        assert b.daemon.node is not None and a.daemon.node is not None
+        sample = await asyncio.to_thread(b.daemon.node.sample)
+        assert sum(sample["weightcache_peer_bytes"].values()) == len(BODY) + 2  # type: ignore[union-attr]
+        served = (await asyncio.to_thread(a.daemon.node.sample))["weightcache_peer_served_bytes"]
+        assert served == len(BODY) + 2
+        text = (await asyncio.to_thread(b.daemon.node.metrics.exposition)).decode()
+        assert 'weightcache_model_fetched_bytes_total{model="s3://models/m/",source="peers"} 2.097154e+06' in text
+        assert 'source="origin"' not in text
+    finally:
+        if b is not None:
+            await b.daemon.stop()
+        await a.daemon.stop()
+
+
+def test_peer_flags_and_config_keys(tmp_path: Path) -> None:
+    token = tmp_path / "t"
+    token.write_text(TOKEN)
+    args = build_parser().parse_args(["daemon", "--peer-listen", "0.0.0.0:9479", "--peer", "http://10.0.0.2:9479",
+                                      "--peer", "http://10.0.0.3:9479/", "--peer-token-file", str(token)])
+    s = load_settings(None, env={}, flags=flags_of(args))
+    assert s.peer_listen == ("0.0.0.0", 9479)
+    assert s.peers == ("http://10.0.0.2:9479", "http://10.0.0.3:9479")
+    assert s.peer_token_file == token
+    env = {"WEIGHTCACHE_PEER_LISTEN": "127.0.0.1:0", "WEIGHTCACHE_PEER_TOKEN_FILE": str(token)}
+    assert load_settings(None, env=env).peer_listen == ("127.0.0.1", 0)
+    both = load_settings(None, env={**env, "WEIGHTCACHE_PEERS": "http://a:1, http://b:2"})
+    assert both.peers == ("http://a:1", "http://b:2")
+    with pytest.raises(ConfigError, match="peerTokenFile"):
+        load_settings(None, env={}, flags={"peerListen": "0.0.0.0:9479"})
+    with pytest.raises(ConfigError, match="peerTokenFile"):
+        load_settings(None, env={}, flags={"peers": ["http://10.0.0.2:9479"]})
+    with pytest.raises(ConfigError, match="peerListen"):
+        load_settings(None, env={}, flags={"peerListen": "nowhere", "peerTokenFile": str(token)})
+    with pytest.raises(ConfigError, match="no userinfo") as err:
+        load_settings(None, env={}, flags={"peers": ["http://u:hunter2@10.0.0.2:9479"], "peerTokenFile": "/t"})
+    assert "hunter2" not in str(err.value)
