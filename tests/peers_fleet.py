@@ -56,10 +56,17 @@ class Fleet:
         store = Store(self.root / name)
         server = PeerServer(store.layout.blobs, self.token, self.limits)
         port = self.run(server.start("127.0.0.1", 0))
-        clients = [PeerClient(u, self.token, connect_timeout=2.0, read_timeout=5.0) for u in peers]
-        node = FleetNode(name, store, server, f"http://127.0.0.1:{port}", PeerSet(clients))
+        node = FleetNode(name, store, server, f"http://127.0.0.1:{port}", self._peer_set(peers))
         self.nodes.append(node)
         return node
+
+    def connect(self, node: FleetNode, peers: Sequence[str]) -> None:
+        """Give a node its peer list after the fact (nodes of one wave list each other)."""
+        node.peers.close()
+        node.peers = self._peer_set(peers)
+
+    def _peer_set(self, peers: Sequence[str]) -> PeerSet:
+        return PeerSet(PeerClient(u, self.token, connect_timeout=2.0, read_timeout=5.0) for u in peers)
 
     def stop(self, node: FleetNode) -> None:
         """Kill a node's peer server (its connections are dropped)."""
