@@ -76,6 +76,9 @@ SAMPLED: dict[str, tuple[str, str, str | None]] = {
     "weightcache_fetches_queued": ("gauge", "Fetches waiting for a slot (parallelModels run at once)", None),
     "weightcache_store_used_bytes": ("gauge", "Bytes the store's blobs use", None),
     "weightcache_store_budget_bytes": ("gauge", "Disk budget of the store (absent when unlimited)", None),
+    "weightcache_store_quarantine_bytes": ("gauge", "Bytes of records and entries the store refused to read, "
+                                           "kept in quarantine/ for inspection (pruned by age and size)", None),
+    "weightcache_store_quarantine_entries": ("gauge", "Entries in the store's quarantine/", None),
     "weightcache_snapshots": ("gauge", "Published snapshots in the store", None),
     "weightcache_pinned_snapshots": ("gauge", "Snapshots pinned against eviction", None),
     "weightcache_leases": ("gauge", "Leases held (mounted volumes and other holders)", None),

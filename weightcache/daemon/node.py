@@ -22,7 +22,7 @@ from weightcache.daemon.tasks import Tasks
 from weightcache.errors import ConfigError, NotAllowedError, WeightcacheError
 from weightcache.fetch import Fetcher, Progress
 from weightcache.policy import Decision, decide, file_source_problem
-from weightcache.store import Snapshot, Store
+from weightcache.store import Snapshot, Store, quarantine_usage
 from weightcache.uri import ModelRef, canonical_uri
 
 if TYPE_CHECKING:
@@ -211,12 +211,15 @@ class Node:
         """Scrape-time gauges (blocking: reads the index)."""
         infos = self.store.list()
         fetched = self.fetcher.counters()
+        quarantined = quarantine_usage(self.store)
         return {
             "weightcache_origin_bytes": fetched.get("origin_bytes", {}),
             "weightcache_fetches_in_flight": sum(fetched.get("fetches_in_flight", {}).values()),
             "weightcache_fetches_queued": self.fetches.depth()[1],
             "weightcache_store_used_bytes": self.store.used_bytes(),
             "weightcache_store_budget_bytes": self.store.budget_bytes,
+            "weightcache_store_quarantine_bytes": quarantined.bytes,
+            "weightcache_store_quarantine_entries": quarantined.entries,
             "weightcache_snapshots": len(infos),
             "weightcache_pinned_snapshots": sum(1 for i in infos if i.pinned),
             "weightcache_leases": len(self.store.leases()),

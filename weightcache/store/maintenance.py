@@ -8,6 +8,7 @@ import hashlib
 import os
 
 from weightcache.errors import InUseError
+from weightcache.store import quarantine
 from weightcache.store.recovery import blob_dirs
 from weightcache.store.store import Store
 
@@ -58,8 +59,9 @@ def drop_damaged(store: Store, snapshot_id: str, bad_paths: list[str]) -> list[s
 
 
 def collect_garbage(store: Store) -> int:
-    """Remove blobs no snapshot links and partial downloads no fetch holds; returns bytes freed."""
-    freed = 0
+    """Remove blobs no snapshot links, partial downloads no fetch holds and quarantined entries past their age or
+    the quarantine's size bound; returns bytes freed."""
+    freed = quarantine.prune(store)
     tree, lay = store.tree, store.layout
     with store.locked():
         for d in blob_dirs(store):

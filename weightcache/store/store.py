@@ -32,7 +32,7 @@ from weightcache.errors import (
     InUseError,
     NotCachedError,
 )
-from weightcache.store import recovery
+from weightcache.store import quarantine, recovery
 from weightcache.store.evict import plan_eviction
 from weightcache.store.fsops import TMP_PREFIX, tmp_name
 from weightcache.store.index import Index
@@ -88,6 +88,8 @@ class Store:
         self._tlock = threading.RLock()
         self._depth = 0  # re-entry count of locked() in the thread that holds it
         manifests = recovery.free_space(self) if recover else {}  # before any write: on a full disk it makes room
+        if recover:
+            quarantine.prune(self)
         self.index = Index(self.layout.index, self.tree, on_full=self._release_reserve)
         if recover:
             recovery.sync(self, manifests)
