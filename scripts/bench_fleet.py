@@ -3,8 +3,8 @@
 One origin: the embedded S3 server (moto, its own process) behind tests/faultproxy.py, which counts every ranged
 GET (origin bytes are read there, where they leave the origin) and throttles each origin connection to
 --origin-mbps (a remote bucket, not loopback; per connection, so N independent fetches are not slowed by sharing
-an origin limit as a real bucket prefix would: the wall-time ratio understates fleet fill). Each node is a Fetcher with its own store root and a real peer
-server on 127.0.0.1 (tests/peers_fleet.py), all in this process.
+an origin limit as a real bucket prefix would: the wall-time ratio understates fleet fill). Each node is a Fetcher
+with its own store root and a real peer server on 127.0.0.1 (tests/peers_fleet.py), all in this process.
 
 Rows, per N:
   independent   N nodes fetch at once from the origin, no peers (what every node does without fleet fill)
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -35,20 +34,12 @@ from botocore.config import Config
 
 from scripts.bench_prefetch import Moto
 from tests.faultproxy import FaultProxy
-from tests.peers_fleet import Fleet, FleetNode
+from tests.peers_fleet import Fleet, FleetNode, origin_bytes
 from weightcache.uri import parse_ref
 
 TOKEN = b"bench-fleet-token-0123456789abcdef"
 REF = parse_ref("s3://fleet/model/")
 OPTIONS = {"chunk_size": 4 << 20, "concurrency": 8}
-
-
-def origin_bytes(proxy: FaultProxy) -> int:
-    total = 0
-    for r in proxy.requests_for("GET", "/fleet/model/"):
-        m = re.fullmatch(r"bytes=(\d+)-(\d+)", r.range or "")
-        total += int(m[2]) - int(m[1]) + 1 if m else 0
-    return total
 
 
 def upload(url: str, size: int) -> None:
@@ -88,7 +79,7 @@ def run(mode: str, n: int, proxy: FaultProxy) -> tuple[int, float]:
             started = time.perf_counter()
             fetch_all([seed], proxy)
             fetch_all(others, proxy)
-        return origin_bytes(proxy), time.perf_counter() - started
+        return origin_bytes(proxy, "/fleet/model/"), time.perf_counter() - started
 
 
 def main() -> int:

@@ -11,12 +11,14 @@ Each peer server runs on its own event loop thread, as in the daemon (the fetch 
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+from tests.faultproxy import FaultProxy
 from weightcache.fetch import Fetcher
 from weightcache.peers import PeerClient, PeerSet
 from weightcache.peers.server import PeerLimits, PeerServer
@@ -87,3 +89,16 @@ class Fleet:
 
     def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
+
+
+def origin_bytes(proxy: FaultProxy, prefix: str) -> int:
+    """Body bytes the origin sent for ranged GETs under `prefix` (the fetch engine always asks for ranges;
+    listings and HEADs carry no model bytes)."""
+    total = 0
+    for r in proxy.requests_for("GET", prefix):
+        m = re.fullmatch(r"bytes=(\d+)-(\d+)", r.range or "")
+        if m is None:
+            raise AssertionError(f"a GET of {r.path} without a byte range ({r.range!r}): bytes not counted")
+        total += int(m[2]) - int(m[1]) + 1
+    return total
+

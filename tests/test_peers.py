@@ -4,7 +4,6 @@ proxy (which records every ranged GET, so origin bytes are counted where they le
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 from tests.faultproxy import FaultProxy
 from tests.fixtures_s3 import S3
 from tests.peers_fleet import Fleet, FleetNode
+from tests.peers_fleet import origin_bytes as fleet_origin_bytes
 from weightcache.store import Snapshot
 from weightcache.uri import parse_ref
 
@@ -25,15 +25,7 @@ OPTIONS = {"chunk_size": 256 << 10, "concurrency": 4}
 
 
 def origin_bytes(proxy: FaultProxy) -> int:
-    """Bytes the origin sent for ranged GETs of the model's objects (listing and HEADs are not body bytes)."""
-    total = 0
-    for r in proxy.requests_for("GET", "/models/llama/"):
-        m = re.fullmatch(r"bytes=(\d+)-(\d+)", r.range or "")
-        if m:
-            total += int(m[2]) - int(m[1]) + 1
-        elif r.range is None:
-            total += len(FILES[r.path.rsplit("/", 1)[-1]])
-    return total
+    return fleet_origin_bytes(proxy, "/models/llama/")
 
 
 def assert_model(snap: Snapshot) -> None:

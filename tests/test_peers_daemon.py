@@ -5,7 +5,6 @@ in their metrics."""
 from __future__ import annotations
 
 import asyncio
-import re
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import pytest
 from tests.faultproxy import FaultProxy
 from tests.fixtures_daemon import RunningDaemon, model_copy, off_cluster, short_dir, start_daemon, tiny_model
 from tests.fixtures_s3 import S3
+from tests.peers_fleet import origin_bytes
 from weightcache.cli import build_parser
 from weightcache.daemon.command import flags_of
 from weightcache.daemon.config import load_settings
@@ -25,11 +25,7 @@ BODY = bytes(range(256)) * 8192  # 2 MiB
 
 
 def ranged_get_bytes(proxy: FaultProxy) -> int:
-    total = 0
-    for r in proxy.requests_for("GET", "/models/m/"):
-        m = re.fullmatch(r"bytes=(\d+)-(\d+)", r.range or "")
-        total += int(m[2]) - int(m[1]) + 1 if m else 0
-    return total
+    return origin_bytes(proxy, "/models/m/")
 
 
 async def test_a_daemon_fills_from_its_peer_and_the_metrics_say_where_bytes_came_from(
