@@ -80,7 +80,18 @@ def parse_header(f: BinaryIO | str | os.PathLike[str], file_size: int) -> Header
     """Read and validate the header of a safetensors file of `file_size` bytes (a path or a binary file object)."""
     if isinstance(f, (str, os.PathLike)):
         with open(f, "rb") as fh:
-            return parse_header(fh, file_size)
+            return _parse(fh, file_size, build=True)
+    return _parse(f, file_size, build=True)
+
+
+def check_file(path: str | os.PathLike[str]) -> None:
+    """Validate a safetensors file on disk (its header and that the data region matches the file's size): the
+    same rules as parse_header, without building the tensor table nobody reads (the fetch engine's check)."""
+    with open(path, "rb") as fh:
+        _parse(fh, os.fstat(fh.fileno()).st_size, build=False)
+
+
+def _parse(f: BinaryIO, file_size: int, *, build: bool) -> Header:
     name = str(getattr(f, "name", "<stream>"))
     f.seek(0)
     prefix = f.read(8)
@@ -99,7 +110,7 @@ def parse_header(f: BinaryIO | str | os.PathLike[str], file_size: int) -> Header
         del raw
         metadata = _metadata(name, obj.pop("__metadata__", None))
         data_size = file_size - 8 - n
-        ordered = _fast_specs(obj, 8 + n, data_size)
+        ordered = _fast_specs(obj, 8 + n, data_size, build=build)
         if ordered is None:  # something is wrong: find it, one tensor at a time, and say which
             tensors = {key: _tensor(name, key, value, 8 + n, data_size) for key, value in obj.items()}
             ordered = dict(sorted(tensors.items(), key=lambda kv: (kv[1].start, kv[1].end)))
@@ -130,16 +141,18 @@ def _gc_paused() -> Iterator[None]:
                 gc.enable()
 
 
-def _fast_specs(obj: dict[str, Any], data_start: int, data_size: int) -> dict[str, TensorSpec] | None:
+def _fast_specs(obj: dict[str, Any], data_start: int, data_size: int, *,
+                build: bool = True) -> dict[str, TensorSpec] | None:
     """The same rules as `_tensor` + `_check_layout`, column by column with builtins that loop in C (a million
     tensors in well under a second); None when any rule fails, and the slow path names the culprit."""
     try:
-        return _columns(obj, data_start, data_size)
+        return _columns(obj, data_start, data_size, build)
     except TypeError:  # an unhashable dtype, a list where a number belongs: the slow path says which
         return None
 
 
-def _columns(obj: dict[str, Any], data_start: int, data_size: int) -> dict[str, TensorSpec] | None:
+def _columns(obj: dict[str, Any], data_start: int, data_size: int, build: bool) -> dict[str, TensorSpec] | None:
+    """The tensor table in file order, None when a rule fails; {} (valid, not built) when `build` is false."""
     if not obj:
         return {} if data_size == 0 else None
     pairs = list(obj.values())
@@ -168,17 +181,13 @@ def _columns(obj: dict[str, Any], data_start: int, data_size: int) -> dict[str, 
     first, last = list(map(begins.__getitem__, order)), list(map(ends.__getitem__, order))
     if first[0] != 0 or last[-1] != data_size or first[1:] != last[:-1]:
         return None
+    if not build:
+        return {}
     names = list(obj)
     rows = zip(dtypes, map(tuple, shapes), map(data_start.__add__, begins), map(data_start.__add__, ends),
                strict=True)
     specs = list(map(tuple.__new__, repeat(TensorSpec), rows))  # TensorSpec._make without a Python call each
     return dict(zip(map(names.__getitem__, order), map(specs.__getitem__, order), strict=True))
-
-
-def check_file(path: str | os.PathLike[str]) -> Header:
-    """Validate a safetensors file on disk (its header and that the data region matches the file's size)."""
-    with open(path, "rb") as fh:
-        return parse_header(fh, os.fstat(fh.fileno()).st_size)
 
 
 def _err(name: str, problem: str) -> SafetensorsHeaderError:
