@@ -94,7 +94,7 @@ def parse_globs(text: str, field: str) -> tuple[str, ...]:
     if text.startswith("["):
         try:
             value = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested past the parser's depth
             value = None
         if not isinstance(value, list) or not all(isinstance(g, str) for g in value):
             raise InvalidReferenceError(f"{field} {redact(text)[:100]!r} is not a JSON list of strings; write it "

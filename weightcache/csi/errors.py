@@ -41,7 +41,20 @@ class Redacted:
         clean = type(self.message)()
         clean.CopyFrom(self.message)
         _strip(clean)
-        return redact(str(clean).replace("\n", " ").strip()) or "{}"  # volume_context carries the model ref
+        return shorten(redact(str(clean).replace("\n", " ").strip()) or "{}", LOGGED_REQUEST_CHARS)
+
+
+MESSAGE_CHARS = 2048  # gRPC drops a status whose details outgrow the 16 KiB metadata limit (RESOURCE_EXHAUSTED)
+LOGGED_REQUEST_CHARS = 8192
+
+
+def shorten(text: str, limit: int = MESSAGE_CHARS) -> str:
+    """`text` cut in the middle to at most about `limit` characters: a hostile field echoed in a message must
+    neither replace the answer by a transport error nor fill the log."""
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]}...({len(text) - 2 * half} characters left out)...{text[-half:]}"
 
 
 def _strip(message: Message) -> None:
@@ -84,11 +97,11 @@ def _wrap(handler: Handler[Req, Resp], ok_level: int) -> Handler[Req, Resp]:
         except Exception as exc:  # the boundary: every error becomes a status
             code = code_for(exc)
             if code is grpc.StatusCode.INTERNAL:
-                logger.exception("%s failed: %s (request: %s)", name, exc, Redacted(request))
-                message = redact(f"internal error: {exc}; see the weightcache daemon's log")
+                message = shorten(redact(f"internal error: {exc}; see the weightcache daemon's log"))
+                logger.exception("%s failed: %s (request: %s)", name, message, Redacted(request))
             else:
-                logger.info("%s -> %s: %s", name, code.name, exc)
-                message = redact(str(exc))  # kubelet copies it into the pod's events
+                message = shorten(redact(str(exc)))  # kubelet copies it into the pod's events
+                logger.info("%s -> %s: %s", name, code.name, message)
             _observe(self, name, start, code.name)
             await context.abort(code, message)
         _observe(self, name, start, "OK")

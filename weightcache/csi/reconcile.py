@@ -15,6 +15,7 @@ mount is dropped, and a snapshot mount under the kubelet directory without a lea
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -60,9 +61,20 @@ class VolumeRecord:
         return f"{pod} (CSI volume {self.volume_id} at {self.target_path})"
 
 
+MAX_QUOTED_ID = 200  # a quoted id becomes one file name (record, lease): NAME_MAX is 255 bytes
+
+
+def file_id(volume_id: str) -> str:
+    """The volume id as it names files: itself when its quoted form fits a file name, else `sha256-<hex>`. CSI
+    allows any 128 bytes, and '%' or 'é' triple when quoted."""
+    if len(urllib.parse.quote(volume_id, safe="")) <= MAX_QUOTED_ID:
+        return volume_id
+    return "sha256-" + hashlib.sha256(volume_id.encode()).hexdigest()
+
+
 def holder_for(volume_id: str) -> str:
     """The store lease holder id of a published volume."""
-    return HOLDER_PREFIX + volume_id
+    return HOLDER_PREFIX + file_id(volume_id)
 
 
 def kubelet_volume_id(target_path: str) -> str | None:
@@ -81,12 +93,21 @@ class VolumeBook:
         self.dir.mkdir(parents=True, exist_ok=True)
 
     def _path(self, volume_id: str) -> Path:
-        return self.dir / (urllib.parse.quote(volume_id, safe="") + ".json")
+        return self.dir / (urllib.parse.quote(file_id(volume_id), safe="") + ".json")
 
     def get(self, volume_id: str) -> VolumeRecord | None:
+        """The volume's record; None when there is none, or when it is damaged (then it is set aside as
+        `<name>.damaged` with a warning, so a bad file cannot make every call for the volume fail)."""
+        path = self._path(volume_id)
         try:
-            return VolumeRecord(**json.loads(self._path(volume_id).read_text()))
+            return VolumeRecord(**json.loads(path.read_text()))
         except FileNotFoundError:
+            return None
+        except (OSError, ValueError, TypeError) as exc:
+            logger.warning("volume record %s is unreadable (%s); set aside as %s.damaged, the mount table decides",
+                           path, exc, path.name)
+            with contextlib.suppress(OSError):
+                os.replace(path, path.with_name(path.name + ".damaged"))
             return None
 
     def find_target(self, target_path: str) -> VolumeRecord | None:
