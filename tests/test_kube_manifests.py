@@ -16,6 +16,7 @@ import yaml
 from tests.fake_apiserver import FakeApiServer, crd_schemas, model_cache, node
 from weightcache.kube.report import ModelState, NodeReporter
 from weightcache.kube.watch import ModelCacheWatcher
+from weightcache.peers.discovery import discover as discover_peers
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "daemonset"
 FILES = ["crd-modelcache.yaml", "crd-modelcachenode.yaml", "rbac.yaml"]
@@ -167,6 +168,7 @@ def test_the_daemons_requests_are_exactly_covered_by_its_rbac():
         reporter.forget("llama")
         reporter.event(mc, "FetchFailed", "x")
         reporter.event(mc, "FetchFailed", "x")
+        assert discover_peers(server.api_client(), "n1") == []  # peers read each other's ModelCacheNode status
         needed = _needed(server.requests)  # setup wrote directly, not over HTTP
     refused = [n for n in needed if not _permitted("weightcache-daemon", n)]
     assert not refused, refused

@@ -6,19 +6,30 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from tests.fake_apiserver import FakeApiServer
 from tests.faultproxy import FaultProxy
-from tests.fixtures_daemon import RunningDaemon, model_copy, off_cluster, short_dir, start_daemon, tiny_model
+from tests.fixtures_daemon import (
+    RunningDaemon,
+    eventually,
+    model_copy,
+    off_cluster,
+    short_dir,
+    start_daemon,
+    tiny_model,
+)
 from tests.fixtures_s3 import S3
 from tests.peers_fleet import origin_bytes
+from tests.test_daemon_cluster import cluster
 from weightcache.cli import build_parser
 from weightcache.daemon.command import flags_of
 from weightcache.daemon.config import load_settings
 from weightcache.errors import ConfigError
 
-__all__ = ["model_copy", "off_cluster", "short_dir", "tiny_model"]  # fixtures used by name
+__all__ = ["cluster", "model_copy", "off_cluster", "short_dir", "tiny_model"]  # fixtures used by name
 
 TOKEN = "fleet-token-0123456789abcdef"
 BODY = bytes(range(256)) * 8192  # 2 MiB
@@ -84,3 +95,44 @@ def test_peer_flags_and_config_keys(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="no userinfo") as err:
         load_settings(None, env={}, flags={"peers": ["http://u:hunter2@10.0.0.2:9479"], "peerTokenFile": "/t"})
     assert "hunter2" not in str(err.value)
+
+
+def model_cache(name: str, pool: str) -> dict[str, Any]:
+    return {"metadata": {"name": name},
+            "spec": {"source": "s3://models/m/", "nodeSelector": {"pool": pool}, "allowedNamespaces": ["*"]}}
+
+
+async def test_in_a_cluster_daemons_find_each_other_through_modelcachenode_status(
+        cluster: FakeApiServer, s3: S3, fault_proxy: FaultProxy, short_dir: Path, model_copy: Path) -> None:
+    s3.put("models", "m/w.bin", BODY, ChecksumAlgorithm="SHA256")
+    token = short_dir / "peer-token"
+    token.write_text(TOKEN)
+    config = {"peerTokenFile": str(token), "peerListen": "127.0.0.1:0",
+              "endpoints": {"s3": {"endpointUrl": fault_proxy.endpoint_url}}}
+    cluster.create("nodes", {"metadata": {"name": "gpu-2", "labels": {"pool": "b"}}})  # gpu-1 is in pool a100
+    cluster.create("modelcaches", model_cache("on-a", "a100"))
+    (short_dir / "a").mkdir()
+    (short_dir / "b").mkdir()
+    a = await start_daemon(short_dir / "a", model_copy, config=config, env={"NODE_NAME": "gpu-1"})
+    b: RunningDaemon | None = None
+    try:
+        def status(name: str) -> dict[str, Any]:
+            found = [o for o in cluster.list("modelcachenodes") if o["metadata"]["name"] == name]
+            return dict(found[0].get("status") or {}) if found else {}
+
+        await eventually(lambda: status("gpu-1").get("models", {}).get("on-a", {}).get("phase") == "Ready",
+                         what="node a to cache the model")
+        assert status("gpu-1")["peerAddress"] == f"http://127.0.0.1:{a.daemon.peer_port}"
+        b = await start_daemon(short_dir / "b", model_copy, config=config, env={"NODE_NAME": "gpu-2"})
+        assert b.daemon.node is not None and b.daemon.node.fetcher.peers is not None
+        peers = b.daemon.node.fetcher.peers
+        await eventually(lambda: peers.urls == [f"http://127.0.0.1:{a.daemon.peer_port}"], what="b to find a")
+        cluster.create("modelcaches", model_cache("on-b", "b"))
+        await eventually(lambda: status("gpu-2").get("models", {}).get("on-b", {}).get("phase") == "Ready",
+                         what="node b to cache the model")
+        assert origin_bytes(fault_proxy, "/models/m/") == len(BODY)  # b's copy came from a
+        assert sum(peers.stats.bytes_by_peer.values()) == len(BODY)
+    finally:
+        if b is not None:
+            await b.daemon.stop()
+        await a.daemon.stop()

@@ -97,6 +97,8 @@ class Daemon:
 
             node.peer_server = PeerServer(store.layout.blobs, peer_token)
             self.peer_port = await node.peer_server.start(*s.peer_listen)
+        if node.cluster is not None and node.fetcher.peers is not None:
+            self._start_discovery(node)
         self._csi = await _serve_csi(node)
         self._dra = await _serve_dra(node)
         self._loops.spawn("reconcile", self.reconciler.run())
@@ -107,6 +109,21 @@ class Daemon:
             self._loops.spawn("config-watch", self._watcher.run())
         log.info("weightcache daemon serving on %s (root %s, %s)", s.socket, s.root,
                  "cluster mode" if node.cluster is not None else "no cluster")
+
+    def _start_discovery(self, node: Node) -> None:
+        """In a cluster, peers find each other through ModelCacheNode status (docs/peers.md)."""
+        from weightcache.peers.discovery import advertised_url, keep_discovering
+
+        assert node.fetcher.peers is not None
+        if self.peer_port is not None and self.settings.peer_listen is not None:
+            env = self._env if self._env is not None else os.environ
+            address = advertised_url(self.settings.peer_listen[0], self.peer_port, env)
+            if address is None:
+                log.warning("peerListen %s:%d is not advertised to other nodes: set POD_IP (downward API) or "
+                            "listen on the node's address", *self.settings.peer_listen)
+            node.cluster.reporter.peer_address = address
+        self._loops.spawn("peer-discovery", keep_discovering(node.cluster.api_client, node.cluster.node_name,
+                                                             node.fetcher.peers))
 
     async def _serve_api(self, node: Node) -> None:
         s = self.settings
@@ -258,13 +275,15 @@ def _read_token(path: Path, what: str) -> bytes:
 
 
 def _peer_set(settings: Settings, token: bytes | None) -> Any:
-    """The configured peers (None: no peers, fetches read the origin only)."""
-    if not settings.peers or token is None:
+    """The configured peers, and those discovered in a cluster later (None without a token: the origin only)."""
+    if token is None:
         return None
     from weightcache.peers import PeerClient, PeerSet
 
-    return PeerSet(PeerClient(url, token, connect_timeout=settings.connect_timeout, read_timeout=settings.read_timeout)
-                   for url in settings.peers)
+    def client(url: str) -> PeerClient:
+        return PeerClient(url, token, connect_timeout=settings.connect_timeout, read_timeout=settings.read_timeout)
+
+    return PeerSet((client(url) for url in settings.peers), client)
 
 
 def _memory_tier(settings: Settings) -> Any:

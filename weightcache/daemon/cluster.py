@@ -29,6 +29,7 @@ class Cluster:
         from weightcache.kube.watch import ModelCacheWatcher
 
         self.node_name = node_name
+        self.api_client = api_client  # also read by peer discovery (weightcache/peers/discovery.py)
         self.watcher = ModelCacheWatcher(api_client, on_change=lambda _items: on_change())
         self.reporter = NodeReporter(api_client, node_name)
         self._disk_budget = disk_budget  # read at each report: the budget is a live setting

@@ -7,6 +7,7 @@ Wire format of the per-node object, written only by the daemon on node `<node>` 
     metadata: {name: <node>, ownerReferences: [Node <node>]}   # deleted with its Node
     status:
       updated: 2026-12-02T16:00:00Z
+      peerAddress: http://10.0.0.5:9479        # this node's peer listener (docs/peers.md), when peerListen is set
       models:
         <ModelCache name>: {phase: Fetching, bytesDone: 1, bytesTotal: 4, snapshot: "", message: "", time: ...,
                             observedGeneration: 3}
@@ -154,6 +155,7 @@ class NodeReporter:
         self._event_counts: dict[str, int] = {}
         self.writes = 0  # status writes sent (for tests and metrics)
         self.disk_budget: int | None = None  # sent with each status write: placement asks no more of the node
+        self.peer_address: str | None = None  # sent with each status write: other daemons fetch from it
 
     # labels -----------------------------------------------------------------------------------------------------
     def node_labels(self) -> dict[str, str]:
@@ -212,6 +214,8 @@ class NodeReporter:
                                             "models": {k: (to_wire(v) if v else None) for k, v in pending.items()}}}
         if self.disk_budget is not None:
             patch["status"]["diskBudgetBytes"] = self.disk_budget
+        if self.peer_address is not None:
+            patch["status"]["peerAddress"] = self.peer_address
         try:
             self._patch_status(patch)
         except ClusterError:

@@ -19,12 +19,12 @@ import itertools
 import logging
 import threading
 import typing
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import closing
 from dataclasses import dataclass, field
 
 from weightcache.errors import SourceError
-from weightcache.peers.client import PeerClient
+from weightcache.peers.client import PeerClient, peer_base_url
 from weightcache.retry import Retry
 from weightcache.sources.base import ObjectInfo, OnBytes, Pieces, Source, stream_range
 
@@ -50,10 +50,13 @@ class PeerStats:
 
 
 class PeerSet:
-    """The configured peers of a node and what it learnt about them; `wrap` gives a fetch its PeerSource."""
+    """The peers of a node and what it learnt about them; `wrap` gives a fetch its PeerSource. `update` replaces
+    the discovered peers (ModelCacheNode status) while the configured ones stay."""
 
-    def __init__(self, clients: Iterable[PeerClient]) -> None:
+    def __init__(self, clients: Iterable[PeerClient], make_client: Callable[[str], PeerClient] | None = None) -> None:
         self.clients = list(clients)
+        self._static = {c.url for c in self.clients}
+        self._make_client = make_client
         self.stats = PeerStats()
 
     def wrap(self, origin: Source, digests: dict[str, tuple[str, int]]) -> PeerSource:
@@ -62,8 +65,28 @@ class PeerSet:
             usable = [c for c in self.clients if c.url not in self.stats.banned]
         return PeerSource(origin, usable, digests, self.stats)
 
+    def update(self, urls: Iterable[str]) -> None:
+        """Discovered peers now: new ones get a client, gone ones are dropped (fetches in flight keep theirs)."""
+        if self._make_client is None:
+            raise AssertionError("PeerSet.update needs make_client")
+        with self.stats.lock:
+            known = {c.url: c for c in self.clients}
+        wanted = {peer_base_url(u) for u in urls} | self._static
+        clients = [known.get(u) or self._make_client(u) for u in sorted(wanted)]
+        with self.stats.lock:
+            self.clients = clients
+        if added := wanted - set(known):
+            log.info("peers discovered: %s", ", ".join(sorted(added)))
+
+    @property
+    def urls(self) -> list[str]:
+        with self.stats.lock:
+            return [c.url for c in self.clients]
+
     def close(self) -> None:
-        for c in self.clients:
+        with self.stats.lock:
+            clients = list(self.clients)
+        for c in clients:
             c.close()
 
 
