@@ -25,6 +25,7 @@ from typing import Any
 
 import grpc
 
+from weightcache.csi.errors import shorten
 from weightcache.dra import DRIVER_NAME, cdi
 from weightcache.dra._pb import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
 from weightcache.dra.claims import ClaimBook, ClaimRecord, PreparedDevice, claim_of_holder, holder_for, valid_uid
@@ -41,6 +42,8 @@ ClaimSource = Callable[[str, str], dict[str, Any]]  # (namespace, name) -> Resou
 DEFAULT_CONTAINER_PATH = "/models/model"  # the webhook's single-model path
 _ENV = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 _CONFIG_KEYS = {"apiVersion", "kind", "mountPath", "env"}
+_NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # DNS-1123 label
+_NAME = re.compile(r"^(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")  # subdomain
 
 
 @dataclass(frozen=True)
@@ -114,7 +117,12 @@ class ModelClaims:
             if not value:
                 raise InvalidRequestError(f"claims[].{field}", "is required")
         if not valid_uid(uid):
-            raise InvalidRequestError("claims[].uid", f"{uid!r} is not a Kubernetes uid")
+            raise InvalidRequestError("claims[].uid", f"{uid[:80]!r} is not a Kubernetes uid")
+        # checked before they become a URL path of the API request (no '/', '..', NUL or 100 KB names)
+        if not _NAMESPACE.match(namespace):
+            raise InvalidRequestError("claims[].namespace", f"{namespace[:80]!r} is not a namespace name")
+        if not _NAME.match(name):
+            raise InvalidRequestError("claims[].name", f"{name[:80]!r} is not a ResourceClaim name")
         record = self._book.get(uid)
         if record is not None:
             return self._restore(record)
@@ -171,7 +179,7 @@ class ModelClaims:
 
     def unprepare(self, uid: str) -> None:
         if not valid_uid(uid):
-            raise InvalidRequestError("claims[].uid", f"{uid!r} is not a Kubernetes uid")
+            raise InvalidRequestError("claims[].uid", f"{uid[:80]!r} is not a Kubernetes uid")
         record = self._book.get(uid)
         holders = set(record.holders()) if record else set()
         holders |= {h for h in self._store.leases() if claim_of_holder(h) == uid}
@@ -204,11 +212,14 @@ def _mounts(record: ClaimRecord) -> list[cdi.ModelMount]:
 
 
 def _error_text(exc: BaseException, what: str) -> str:
+    """The claim's error entry (kubelet shows it in the pod's events), bounded in size."""
+    what = shorten(what, 300)
     if isinstance(exc, WeightcacheError):
-        log.info("%s: %s", what, exc)
-        return str(exc)
+        text = shorten(str(exc))
+        log.info("%s: %s", what, text)
+        return text
     log.exception("%s failed", what)
-    return f"internal error: {exc}; see the weightcache daemon's log"
+    return shorten(f"internal error: {exc}; see the weightcache daemon's log")
 
 
 class DRAServicer(dra_v1_pb2_grpc.DRAPluginServicer):
@@ -226,6 +237,8 @@ class DRAServicer(dra_v1_pb2_grpc.DRAPluginServicer):
                                    ) -> dra_v1_pb2.NodePrepareResourcesResponse:
         response = dra_v1_pb2.NodePrepareResourcesResponse()
         for claim in request.claims:
+            if claim.uid in response.claims:  # the same claim twice: one answer, its devices once
+                continue
             entry = response.claims[claim.uid]
             async with self._lock(claim.uid):
                 try:
