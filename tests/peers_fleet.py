@@ -21,6 +21,7 @@ from types import TracebackType
 from tests.faultproxy import FaultProxy
 from weightcache.fetch import Fetcher
 from weightcache.peers import PeerClient, PeerSet
+from weightcache.peers.inflight import InFlight
 from weightcache.peers.server import PeerLimits, PeerServer
 from weightcache.store import Store
 
@@ -56,19 +57,21 @@ class Fleet:
 
     def node(self, name: str, peers: Sequence[str] = ()) -> FleetNode:
         store = Store(self.root / name)
-        server = PeerServer(store.layout.blobs, self.token, self.limits)
+        inflight = InFlight()
+        server = PeerServer(store.layout.blobs, self.token, self.limits, inflight)
         port = self.run(server.start("127.0.0.1", 0))
-        node = FleetNode(name, store, server, f"http://127.0.0.1:{port}", self._peer_set(peers))
+        node = FleetNode(name, store, server, f"http://127.0.0.1:{port}", self._peer_set(peers, inflight))
         self.nodes.append(node)
         return node
 
     def connect(self, node: FleetNode, peers: Sequence[str]) -> None:
         """Give a node its peer list after the fact (nodes of one wave list each other)."""
         node.peers.close()
-        node.peers = self._peer_set(peers)
+        node.peers = self._peer_set(peers, node.peers.inflight)
 
-    def _peer_set(self, peers: Sequence[str]) -> PeerSet:
-        return PeerSet(PeerClient(u, self.token, connect_timeout=2.0, read_timeout=5.0) for u in peers)
+    def _peer_set(self, peers: Sequence[str], inflight: InFlight) -> PeerSet:
+        clients = [PeerClient(u, self.token, connect_timeout=2.0, read_timeout=5.0) for u in peers]
+        return PeerSet(clients, inflight=inflight)
 
     def stop(self, node: FleetNode) -> None:
         """Kill a node's peer server (its connections are dropped)."""

@@ -3,8 +3,11 @@ proxy (which records every ranged GET, so origin bytes are counted where they le
 
 from __future__ import annotations
 
+import hashlib
 import os
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -130,3 +133,40 @@ def test_peers_are_never_asked_for_blobs_known_only_by_claim(s3: S3, fault_proxy
         assert watch.requests == []
     assert origin_bytes(fault_proxy) == 2 * MODEL_BYTES
 
+
+
+def test_a_node_still_downloading_serves_the_pieces_it_has(origin: FaultProxy, fleet: Fleet) -> None:
+    """A's first range of the big file is held at the origin; everything else A has journalled is served to B
+    while A is still downloading, and B reads only the held range from the origin."""
+    big = "model-00001.safetensors.bin"
+    hold = origin.add("hold", method="GET", path=f"/models/llama/{big}", ranged_only=True, count=1)
+    a = fleet.node("a")
+    pool = ThreadPoolExecutor(1)
+    try:
+        a_done = pool.submit(ensure, a, origin)
+        assert hold.arrived.wait(30)
+        held = next(r for r in origin.requests_for("GET", f"/models/llama/{big}") if r.range)
+        start, end = (int(x) for x in (held.range or "").removeprefix("bytes=").split("-"))
+        sha = hashlib.sha256(FILES[big]).hexdigest()
+
+        def a_has_all_but_the_held_range() -> bool:
+            part = a.peers.inflight.get(sha)
+            others = [a.peers.inflight.get(hashlib.sha256(b).hexdigest()) for n, b in FILES.items() if n != big]
+            return (part is not None and part.holds(0, start) and part.holds(end + 1, len(FILES[big]))
+                    and all(p is not None and p.holds(0, p.obj.size) for p in others))
+
+        deadline = time.monotonic() + 30
+        while not a_has_all_but_the_held_range():
+            assert time.monotonic() < deadline, "a never journalled the ranges it was not held on"
+            time.sleep(0.02)
+        before = origin_bytes(origin)
+        b = fleet.node("b", peers=[a.url])
+        assert_model(ensure(b, origin))
+        assert origin_bytes(origin) - before == end - start + 1  # only what a did not have yet
+        assert not b.peers.stats.errors_by_peer  # lacking a range is no fault of a's
+        assert b.fetchers[-1].stats["peer_bytes"] == MODEL_BYTES - (end - start + 1)
+    finally:
+        hold.release.set()
+        assert_model(a_done.result(30))
+        pool.shutdown()
+    assert a.peers.inflight.get(sha) is None  # published: served as a blob from now on

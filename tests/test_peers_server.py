@@ -12,9 +12,11 @@ import pytest
 import urllib3
 
 from tests.peers_fleet import Fleet, FleetNode
+from weightcache.download import PartialFile
 from weightcache.errors import ConfigError
 from weightcache.peers import PeerClient, peer_base_url
 from weightcache.peers.server import PeerLimits, parse_range
+from weightcache.sources import ObjectInfo
 
 TOKEN = b"peer-token-0123456789abcdef"
 BODY = os.urandom(300_000)
@@ -161,3 +163,25 @@ def test_peer_urls_are_host_and_port_only() -> None:
 ])
 def test_range_headers(header: str | None, want: tuple[int, int, bool] | None) -> None:
     assert parse_range(header, 100) == want
+
+
+def test_a_download_in_flight_is_served_only_where_it_is_journalled(http: urllib3.PoolManager, fleet: Fleet,
+                                                                    tmp_path: Path) -> None:
+    n = fleet.node("busy")
+    part = PartialFile(tmp_path / "x.part", ObjectInfo("k", "k", len(BODY), "e", None, None), range_size=1 << 16)
+    part.open()
+    part.write(0, memoryview(BODY)[:100_000], memoryview(bytearray(1 << 16)))
+    n.server.inflight.add(SHA, part)  # type: ignore[union-attr]
+    try:
+        head = get(http, n, f"/v1/blobs/sha256/{SHA}", method="HEAD")
+        assert head.status == 200 and head.headers["X-Weightcache-Partial"] == "1"
+        have = get(http, n, f"/v1/blobs/sha256/{SHA}", {**AUTH, "Range": "bytes=10-99999"})
+        assert have.status == 206 and have.data == BODY[10:100_000]
+        lack = get(http, n, f"/v1/blobs/sha256/{SHA}", {**AUTH, "Range": "bytes=99990-100010"})
+        assert lack.status == 404 and lack.headers["X-Weightcache-Partial"] == "1"
+        assert BODY[99_990:100_000] not in lack.data
+        assert get(http, n, f"/v1/blobs/sha256/{SHA}").status == 404  # the whole blob is not there yet
+    finally:
+        n.server.inflight.remove(SHA, part)  # type: ignore[union-attr]
+        part.close()
+    assert get(http, n, f"/v1/blobs/sha256/{SHA}", method="HEAD").status == 404

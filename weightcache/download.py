@@ -180,6 +180,19 @@ class PartialFile:
             self._hashing = True
         self.advance_hash(scratch)
 
+    def holds(self, start: int, end: int) -> bool:
+        """Bytes [start, end) are written and journalled (a peer may be served them while the download goes on)."""
+        with self._mu:
+            ranges = sorted(self._done.items())
+        pos = start
+        for offset, length in ranges:
+            if offset > pos:
+                break
+            pos = max(pos, offset + length)
+            if pos >= end:
+                return True
+        return pos >= end
+
     @property
     def complete(self) -> bool:
         return self._hash_at >= self.obj.size

@@ -95,7 +95,8 @@ class Daemon:
         if s.peer_listen is not None and peer_token is not None:
             from weightcache.peers.server import PeerServer
 
-            node.peer_server = PeerServer(store.layout.blobs, peer_token)
+            inflight = node.fetcher.peers.inflight if node.fetcher.peers is not None else None
+            node.peer_server = PeerServer(store.layout.blobs, peer_token, inflight=inflight)
             self.peer_port = await node.peer_server.start(*s.peer_listen)
         if node.cluster is not None and node.fetcher.peers is not None:
             self._start_discovery(node)

@@ -13,13 +13,19 @@ from urllib.parse import urlsplit
 
 import urllib3
 
-from weightcache.errors import ConfigError
+from weightcache.errors import ConfigError, SourceError
 from weightcache.redact import redact
 from weightcache.retry import Retryable
 
 log = logging.getLogger(__name__)
 
 NETWORK_ERRORS = (urllib3.exceptions.HTTPError, OSError)
+PARTIAL_HEADER = "X-Weightcache-Partial"  # set on answers about a blob still being downloaded
+
+
+class PeerRangeMissing(SourceError):
+    """The peer is still downloading the blob and lacks the bytes asked for (404 to a range of a blob it said
+    it had): ask the next source, without counting it against the peer."""
 
 
 def peer_base_url(url: str) -> str:
@@ -75,6 +81,9 @@ class PeerClient:
                                       redirect=False)
         except NETWORK_ERRORS as exc:
             raise Retryable(f"{type(exc).__name__} from peer {self.url}") from exc
+        if resp.status == 404 and resp.headers.get(PARTIAL_HEADER):
+            resp.close()
+            raise PeerRangeMissing(f"peer {self.url} has not downloaded bytes {pos}-{end - 1} yet")
         if resp.status != 206 or not resp.headers.get("Content-Range", "").startswith(f"bytes {pos}-{end - 1}/"):
             resp.close()
             raise Retryable(f"peer {self.url} answered HTTP {resp.status} to bytes {pos}-{end - 1}")

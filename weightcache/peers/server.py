@@ -5,7 +5,8 @@
 
 Only `blobs/sha256/` is reachable: the digest must be 64 lowercase hex digits, and the file is opened component by
 component with O_NOFOLLOW under a descriptor of the blobs directory, so a symlink planted in the store (or a
-digest naming one) is refused, never followed. Partial downloads are not served (see docs/peers.md).
+digest naming one) is refused, never followed. A blob still downloading (registered in `InFlight`) is served only
+for ranges its partial file has written and journalled; other ranges answer 404 with `X-Weightcache-Partial: 1`.
 Every request needs `Authorization: Bearer <token>`, compared in constant time. Each peer (remote address) gets
 at most `max_streams` bodies at once (429 beyond, with Retry-After) and a token bucket of `rate_bytes_s`, so
 serving never starves the node's own pods; file reads run in threads, never on the event loop.
@@ -26,6 +27,9 @@ from pathlib import Path
 from aiohttp import web
 
 from weightcache.daemon.listener import GuardedTCPSite, Limits
+from weightcache.download import PartialFile
+from weightcache.peers.client import PARTIAL_HEADER
+from weightcache.peers.inflight import InFlight
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +80,11 @@ class _Peer:
 class PeerServer:
     """aiohttp app serving `blobs_dir` (the store's `blobs/sha256`) to bearers of `token`."""
 
-    def __init__(self, blobs_dir: Path, token: bytes, limits: PeerLimits | None = None) -> None:
+    def __init__(self, blobs_dir: Path, token: bytes, limits: PeerLimits | None = None,
+                 inflight: InFlight | None = None) -> None:
+        """`inflight`: downloads of this node whose journalled ranges may be served before they are blobs."""
         self.blobs_dir = blobs_dir
+        self.inflight = inflight
         self._token = b"Bearer " + token
         self.limits = limits or PeerLimits()
         self._peers: dict[str, _Peer] = {}
@@ -115,19 +122,27 @@ class PeerServer:
         digest = request.match_info["digest"]
         if not _HEX.fullmatch(digest):
             return web.Response(status=400, text="a blob is named by 64 lowercase hex digits of its sha256\n")
+        partial = None
         try:
             fd = await asyncio.to_thread(open_blob, self.blobs_dir, digest)
         except FileNotFoundError:
-            return web.Response(status=404, text="blob not held by this node\n")
+            partial = self.inflight.get(digest) if self.inflight is not None else None
+            if partial is None:
+                return web.Response(status=404, text="blob not held by this node\n")
+            try:
+                fd = await asyncio.to_thread(os.open, partial.part, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:  # finished or discarded meanwhile
+                return web.Response(status=404, text="blob not held by this node\n")
         except OSError as exc:
             log.warning("peer request for blob %s refused: %s", digest, exc)
             return web.Response(status=404, text="blob not held by this node\n")
         try:
-            return await self._send(request, fd, digest)
+            return await self._send(request, fd, digest, partial)
         finally:
             os.close(fd)
 
-    async def _send(self, request: web.Request, fd: int, digest: str) -> web.StreamResponse:
+    async def _send(self, request: web.Request, fd: int, digest: str,
+                    partial: PartialFile | None) -> web.StreamResponse:
         size = os.fstat(fd).st_size
         span = parse_range(request.headers.get("Range"), size)
         if span is None:
@@ -135,6 +150,11 @@ class PeerServer:
         start, end, ranged = span
         headers = {"Content-Length": str(end - start), "Accept-Ranges": "bytes", "ETag": f'"{digest}"',
                    "Content-Type": "application/octet-stream"}
+        if partial is not None:  # a download in flight: only what it has written and journalled
+            headers[PARTIAL_HEADER] = "1"
+            if request.method != "HEAD" and not partial.holds(start, end):
+                return web.Response(status=404, headers={PARTIAL_HEADER: "1"},
+                                    text=f"bytes {start}-{end - 1} not downloaded yet\n")
         if ranged:
             headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
         if request.method == "HEAD":

@@ -24,7 +24,8 @@ from contextlib import closing
 from dataclasses import dataclass, field
 
 from weightcache.errors import SourceError
-from weightcache.peers.client import PeerClient, peer_base_url
+from weightcache.peers.client import PeerClient, PeerRangeMissing, peer_base_url
+from weightcache.peers.inflight import InFlight
 from weightcache.retry import Retry
 from weightcache.sources.base import ObjectInfo, OnBytes, Pieces, Source, stream_range
 
@@ -53,11 +54,13 @@ class PeerSet:
     """The peers of a node and what it learnt about them; `wrap` gives a fetch its PeerSource. `update` replaces
     the discovered peers (ModelCacheNode status) while the configured ones stay."""
 
-    def __init__(self, clients: Iterable[PeerClient], make_client: Callable[[str], PeerClient] | None = None) -> None:
+    def __init__(self, clients: Iterable[PeerClient], make_client: Callable[[str], PeerClient] | None = None,
+                 inflight: InFlight | None = None) -> None:
         self.clients = list(clients)
         self._static = {c.url for c in self.clients}
         self._make_client = make_client
         self.stats = PeerStats()
+        self.inflight = inflight or InFlight()  # this node's downloads its peer server may serve from
 
     def wrap(self, origin: Source, digests: dict[str, tuple[str, int]]) -> PeerSource:
         """`digests`: object key -> (trusted sha256, size) for the objects peers may serve."""
@@ -130,6 +133,8 @@ class PeerSource:
                     for at, view in self._from_peer(peer, obj.key, trusted[0], pos, end, buf, on_bytes):
                         yield at, view
                         pos = at + len(view)
+                except PeerRangeMissing:
+                    continue  # a peer still downloading the blob lacks these bytes: no fault of its own
                 except SourceError as exc:
                     self._stats.error(peer.url)
                     self._drop_holder(trusted[0], peer)
