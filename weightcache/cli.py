@@ -40,17 +40,25 @@ def _root(args: argparse.Namespace) -> str:
     return str(args.root or defaults.root())
 
 
+def _floor(args: argparse.Namespace) -> tuple[int, float]:
+    """The free-space floor: --min-free-bytes/--min-free-percent, else the daemon's env variables, else defaults."""
+    from weightcache.store.floor import floor_from
+
+    return floor_from(os.environ, min_free_bytes=args.min_free_bytes, min_free_percent=args.min_free_percent)
+
+
 def _store(args: argparse.Namespace, *, budget: int | None = None) -> Store:
     """The store itself, created if missing: for a direct prefetch only (every other command: `_cache`)."""
     from weightcache.store import Store
 
-    return Store(_root(args), budget_bytes=budget)
+    min_free_bytes, min_free_percent = _floor(args)
+    return Store(_root(args), budget_bytes=budget, min_free_bytes=min_free_bytes, min_free_percent=min_free_percent)
 
 
 def _cache(args: argparse.Namespace) -> DaemonCache | StoreCache:
     """The node daemon when its socket answers (and no --root or --no-daemon), else the store at the root."""
     return open_cache(args.root, defaults.root(), args.socket or defaults.socket(), use_daemon=not args.no_daemon,
-                      endpoint_url=getattr(args, "endpoint_url", None))
+                      endpoint_url=getattr(args, "endpoint_url", None), floor=_floor(args))
 
 
 def _say(args: argparse.Namespace, text: str) -> None:
@@ -65,6 +73,16 @@ def size_arg(text: str) -> int:
         return parse_size(text, "size")
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("size: ")) from None
+
+
+def percent_arg(text: str) -> float:
+    """A share-of-disk flag (0 to 90), with the same message as the config file's."""
+    from weightcache.store.floor import parse_percent
+
+    try:
+        return parse_percent(text, "percent")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("percent: ")) from None
 
 
 class ProgressPrinter:
@@ -323,6 +341,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("-o", "--output", choices=["table", "json"], default="table")
         p.add_argument("--socket", help=f"daemon socket (env WEIGHTCACHE_SOCKET, default {defaults.SOCKET})")
         p.add_argument("--no-daemon", action="store_true", help="use the store directly even if a daemon runs")
+        p.add_argument("--min-free-bytes", type=size_arg, default=None, metavar="SIZE",
+                       help="keep at least this much of the store's filesystem free, used directly (env "
+                            f"WEIGHTCACHE_MIN_FREE_BYTES, default {fmt_bytes(defaults.MIN_FREE_BYTES)})")
+        p.add_argument("--min-free-percent", type=percent_arg, default=None, metavar="PERCENT",
+                       help="keep at least this share of it free, the larger of the two wins (env "
+                            f"WEIGHTCACHE_MIN_FREE_PERCENT, default {defaults.MIN_FREE_PERCENT:g})")
         p.add_argument("-q", "--quiet", action="store_true", help="no progress and no chatter: errors, and what "
                                                                   "was asked for (prefetch: the snapshot path)")
         return p

@@ -75,6 +75,7 @@ class DaemonCache:
 class StoreCache:
     root: Path
     endpoint_url: str | None = None  # for verify --repair's refetch
+    floor: tuple[int, float] | None = None  # (min free bytes, percent); None: the store's defaults
     _store: Store | None = None
 
     @property
@@ -91,7 +92,10 @@ class StoreCache:
         if self._store is None:
             from weightcache.store import Store
 
-            self._store = Store(self.root)
+            if self.floor is None:
+                self._store = Store(self.root)
+            else:
+                self._store = Store(self.root, min_free_bytes=self.floor[0], min_free_percent=self.floor[1])
         return self._store
 
     def _existing(self) -> Store | None:
@@ -150,7 +154,7 @@ class StoreCache:
 
 
 def open_cache(root: str | None, default_root: str | Path, socket: str | Path, *, use_daemon: bool = True,
-               endpoint_url: str | None = None) -> DaemonCache | StoreCache:
+               endpoint_url: str | None = None, floor: tuple[int, float] | None = None) -> DaemonCache | StoreCache:
     """The daemon when `use_daemon`, no explicit `root`, and a daemon answers on `socket`; else the store."""
     if use_daemon and not root and Path(socket).exists():
         from weightcache.daemon.client import DaemonClient
@@ -158,7 +162,7 @@ def open_cache(root: str | None, default_root: str | Path, socket: str | Path, *
         client = DaemonClient(socket)
         if client.available():  # a socket file left by a crash is not a daemon
             return DaemonCache(client)
-    return StoreCache(Path(root or default_root), endpoint_url)
+    return StoreCache(Path(root or default_root), endpoint_url, floor)
 
 
 def match(entries: list[dict[str, Any]], text: str, *, where: str) -> list[dict[str, Any]]:

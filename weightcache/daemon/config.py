@@ -23,6 +23,8 @@ import yaml
 
 from weightcache import defaults
 from weightcache.errors import ConfigError, InvalidReferenceError
+from weightcache.store import floor
+from weightcache.store.floor import parse_percent
 from weightcache.units import parse_size
 from weightcache.uri import ModelRef, parse_ref
 
@@ -30,8 +32,8 @@ from weightcache.uri import ModelRef, parse_ref
 ENV = {
     "WEIGHTCACHE_ROOT": "root",
     "WEIGHTCACHE_DISK_BUDGET": "diskBudget",
-    "WEIGHTCACHE_MIN_FREE_BYTES": "minFreeBytes",
-    "WEIGHTCACHE_MIN_FREE_PERCENT": "minFreePercent",
+    floor.ENV_BYTES: "minFreeBytes",
+    floor.ENV_PERCENT: "minFreePercent",
     "WEIGHTCACHE_MEMORY_BUDGET": "memoryBudget",
     "WEIGHTCACHE_CONCURRENCY": "concurrency",
     "WEIGHTCACHE_CHUNK_SIZE": "chunkSize",
@@ -342,15 +344,7 @@ def _optional_bytes(what: str) -> Callable[[Any], int]:
 
 
 def _percent(what: str) -> Callable[[Any], float]:
-    def parse(value: Any) -> float:
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            number = -1.0
-        if not 0 <= number <= 90:
-            raise ConfigError(f"{what}: expected a percentage of the disk between 0 and 90 (e.g. 11), got {value!r}")
-        return number
-    return parse
+    return lambda value: parse_percent(value, what)  # the CLI reads the floor the same way (store/floor.py)
 
 
 def _host_port(what: str, example: str) -> Callable[[Any], tuple[str, int]]:

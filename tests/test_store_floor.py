@@ -1,0 +1,66 @@
+"""The CLI keeps the same free-space floor as the daemon: --min-free-bytes / --min-free-percent, else the daemon's
+WEIGHTCACHE_MIN_FREE_BYTES / _PERCENT, else the defaults; both read them through weightcache/store/floor.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures_store import make_models
+from weightcache import defaults
+from weightcache.daemon.config import load_settings
+from weightcache.errors import ConfigError
+from weightcache.store.floor import ENV_BYTES, ENV_PERCENT, floor_from
+from weightcache.store.store import disk_free
+
+
+def prefetch(tmp_path: Path, *flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    model = make_models(tmp_path / "src", "m")["m"]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTCACHE_")}
+    return subprocess.run([sys.executable, "-m", "weightcache", "prefetch", f"file://{model}/", "--root",
+                           str(tmp_path / "root"), "-q", *flags], capture_output=True, text=True, timeout=120,
+                          env={**clean, **(env or {})})
+
+
+def test_the_daemons_env_floor_refuses_a_direct_prefetch(tmp_path: Path) -> None:
+    beyond = str(disk_free(tmp_path)[1] + (1 << 30))  # more than the disk holds: nothing fits above this floor
+    done = prefetch(tmp_path, env={ENV_BYTES: beyond})
+    assert done.returncode == 5, done.stderr  # InsufficientSpaceError
+    assert not list((tmp_path / "root" / "snapshots").glob("*"))
+
+
+def test_a_flag_wins_over_the_env(tmp_path: Path) -> None:
+    beyond = str(disk_free(tmp_path)[1] + (1 << 30))
+    done = prefetch(tmp_path, "--min-free-bytes", "0", "--min-free-percent", "0", env={ENV_BYTES: beyond})
+    assert done.returncode == 0, done.stderr
+    assert Path(done.stdout.strip()).is_dir()
+    done = prefetch(tmp_path, "--min-free-bytes", beyond)
+    assert done.returncode == 5, done.stderr
+
+
+@pytest.mark.parametrize(("env", "name"), [({ENV_BYTES: "64m"}, ENV_BYTES), ({ENV_PERCENT: "95"}, ENV_PERCENT),
+                                           ({ENV_PERCENT: "nan"}, ENV_PERCENT)])
+def test_a_bad_env_value_is_exit_2_naming_the_variable(tmp_path: Path, env: dict[str, str], name: str) -> None:
+    done = prefetch(tmp_path, env=env)
+    assert done.returncode == 2 and name in done.stderr, done.stderr
+
+
+def test_a_bad_flag_is_a_usage_error(tmp_path: Path) -> None:
+    done = prefetch(tmp_path, "--min-free-percent", "120")
+    assert done.returncode == 2 and "between 0 and 90" in done.stderr
+
+
+def test_daemon_config_and_cli_read_the_env_alike() -> None:
+    env = {ENV_BYTES: "1Gi", ENV_PERCENT: "20"}
+    settings = load_settings(None, env=env, flags={})
+    assert (settings.min_free_bytes, settings.min_free_percent) == floor_from(env) == (1 << 30, 20.0)
+    assert floor_from({}) == (defaults.MIN_FREE_BYTES, defaults.MIN_FREE_PERCENT)
+    for bad in ({ENV_PERCENT: "91"}, {ENV_BYTES: "-1"}):
+        with pytest.raises(ConfigError):
+            floor_from(bad)
+        with pytest.raises(ConfigError):
+            load_settings(None, env=bad, flags={})
