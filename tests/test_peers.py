@@ -118,6 +118,8 @@ def test_a_dead_peer_and_a_stopped_one_leave_the_origin_to_serve(origin: FaultPr
     assert_model(ensure(node, origin))
     assert origin_bytes(origin) == 2 * MODEL_BYTES
     assert node.fetchers[-1].stats["peer_bytes"] == 0
+    # each unreachable peer was asked once by the fetch, not once per blob
+    assert node.peers.stats.errors_by_peer == {gone.url: 1, "http://127.0.0.1:9": 1}
 
 
 def test_peers_are_never_asked_for_blobs_known_only_by_claim(s3: S3, fault_proxy: FaultProxy, fleet: Fleet) -> None:

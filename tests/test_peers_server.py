@@ -15,6 +15,7 @@ from tests.peers_fleet import Fleet, FleetNode
 from weightcache.download import PartialFile
 from weightcache.errors import ConfigError
 from weightcache.peers import PeerClient, peer_base_url
+from weightcache.peers.client import PeerUnreachable
 from weightcache.peers.server import PeerLimits, parse_range
 from weightcache.sources import ObjectInfo
 
@@ -136,14 +137,17 @@ def rate_limited(http: urllib3.PoolManager, node: FleetNode) -> None:
 def test_the_client_reads_a_peer_as_holding_only_with_the_listed_size(node: FleetNode) -> None:
     client = PeerClient(node.url, TOKEN, connect_timeout=2, read_timeout=5)
     wrong = PeerClient(node.url, b"another-token-0123456789", connect_timeout=2, read_timeout=5)
+    dead = PeerClient("http://127.0.0.1:9", TOKEN, connect_timeout=2, read_timeout=5)
     try:
         assert client.holds(SHA, len(BODY))
         assert not client.holds(SHA, len(BODY) + 1)
         assert not client.holds("e" * 64, 1)
         assert not wrong.holds(SHA, len(BODY))
+        with pytest.raises(PeerUnreachable, match=r"127\.0\.0\.1:9\b"):
+            dead.holds(SHA, len(BODY))
     finally:
-        client.close()
-        wrong.close()
+        for c in (client, wrong, dead):
+            c.close()
 
 
 def test_peer_urls_are_host_and_port_only() -> None:

@@ -28,6 +28,10 @@ class PeerRangeMissing(SourceError):
     it had): ask the next source, without counting it against the peer."""
 
 
+class PeerUnreachable(SourceError):
+    """The peer did not answer (refused, timed out, reset): not asked again during this fetch."""
+
+
 def peer_base_url(url: str) -> str:
     """`http(s)://host:port` of a configured peer, without path, query or userinfo; ConfigError otherwise."""
     parts = urlsplit(url.strip())
@@ -62,12 +66,11 @@ class PeerClient:
 
     def holds(self, sha256: str, size: int) -> bool:
         """The peer says it has the blob, with the size the origin lists (a different size: not the same blob,
-        so no point asking). Network failures and refusals read as 'no'."""
+        so no point asking). Refusals read as 'no'; PeerUnreachable when the peer cannot be reached."""
         try:
             resp = self._pool.request("HEAD", self.blob_url(sha256), headers=self._auth, redirect=False)
         except NETWORK_ERRORS as exc:
-            log.info("peer %s unreachable: %s", self.url, type(exc).__name__)
-            return False
+            raise PeerUnreachable(f"peer {self.url} unreachable: {type(exc).__name__}") from exc
         if resp.status == 401:
             log.warning("peer %s refuses our token (401): the daemons' peerTokenFile must hold the same token",
                         self.url)

@@ -24,7 +24,7 @@ from contextlib import closing
 from dataclasses import dataclass, field
 
 from weightcache.errors import SourceError
-from weightcache.peers.client import PeerClient, PeerRangeMissing, peer_base_url
+from weightcache.peers.client import PeerClient, PeerRangeMissing, PeerUnreachable, peer_base_url
 from weightcache.peers.inflight import InFlight
 from weightcache.retry import Retry
 from weightcache.sources.base import ObjectInfo, OnBytes, Pieces, Source, stream_range
@@ -104,9 +104,11 @@ class PeerSource:
         self._digests = digests
         self._stats = stats
         self._lock = threading.Lock()
+        self._probing = threading.Lock()
         self._holders: dict[str, typing.List[PeerClient]] = {}  # noqa: UP006 (`list` is a method here)  # sha256 -> peers that said they hold it
         self._turn = itertools.count()
         self._origin_only: set[str] = set()  # object keys that failed verification once
+        self._dead: set[str] = set()  # peers that did not answer a HEAD during this fetch
         self._served: dict[tuple[str, int], tuple[str, bytes]] = {}  # (key, offset) -> (peer, piece digest)
         self.peer_bytes = 0
 
@@ -153,15 +155,35 @@ class PeerSource:
         with self._lock:
             known = self._holders.get(sha256)
         if known is None:
-            known = [p for p in self._peers if p.holds(sha256, size)]
-            with self._lock:
-                known = self._holders.setdefault(sha256, known)
+            with self._probing:  # one prober at a time: a dead peer is found once, then skipped by the others
+                with self._lock:
+                    known = self._holders.get(sha256)
+                if known is None:
+                    known = [p for p in self._live_peers() if self._asks(p, sha256, size)]
+                    with self._lock:
+                        self._holders[sha256] = known
         with self._lock:
             holders = [p for p in known if p.url not in self._stats.banned]
         if not holders:
             return []
         start = next(self._turn) % len(holders)
         return holders[start:] + holders[:start]
+
+    def _live_peers(self) -> typing.List[PeerClient]:  # noqa: UP006
+        with self._lock:
+            return [p for p in self._peers if p.url not in self._dead]
+
+    def _asks(self, peer: PeerClient, sha256: str, size: int) -> bool:
+        """HEAD one peer; one that cannot be reached is not asked again by this fetch (a blackholed peer costs
+        one connect timeout per fetch, not one per blob)."""
+        try:
+            return peer.holds(sha256, size)
+        except PeerUnreachable as exc:
+            log.info("%s; this fetch goes on without it", exc)
+            self._stats.error(peer.url)
+            with self._lock:
+                self._dead.add(peer.url)
+            return False
 
     def _drop_holder(self, sha256: str, peer: PeerClient) -> None:
         with self._lock:
