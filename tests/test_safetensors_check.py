@@ -12,7 +12,7 @@ from unittest import mock
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
@@ -248,6 +248,32 @@ def test_both_checks_agree_on_near_valid_headers(case: tuple[dict[str, Any], int
         slow = _outcome(blob)
     assert _outcome(blob) == slow
     try:  # the fetch's check (no tensor table built) accepts exactly the same
+        safetensors_check._parse(io.BytesIO(blob), len(blob), build=False)
+        check_only = "accepted"
+    except SafetensorsHeaderError:
+        check_only = "refused"
+    assert check_only == ("refused" if slow == "refused" else "accepted")
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 3)), max_size=5), st.integers(0, 12),
+       st.permutations(range(5)))
+@example([(0, 3), (1, 0)], 3, [0, 1, 2, 3, 4])  # an empty tensor inside another: refused, as the reference does
+@example([(0, 2), (2, 0), (2, 1)], 3, [2, 1, 0, 3, 4])  # an empty tensor at a boundary: accepted
+@example([(0, 2), (1, 2)], 3, [0, 1, 2, 3, 4])  # overlapping: refused
+def test_both_checks_agree_on_overlaps_gaps_and_any_order(spans: list[tuple[int, int]], data_len: int,
+                                                         order: list[int]) -> None:
+    """Every tensor's size matches its shape, so only the layout decides: overlapping, gapped, empty tensors
+    sharing an offset, any order in the JSON. The column check sorts begins and ends apart (and by pairs when a
+    tensor is empty); it must accept exactly the contiguous tilings the per-tensor check accepts."""
+    names = [f"t{i}" for i in order if i < len(spans)]
+    header = {name: {"dtype": "I8", "shape": [size], "data_offsets": [begin, begin + size]}
+              for name, (begin, size) in zip(names, spans, strict=False)}
+    blob = raw_file(header, bytes(data_len))
+    with mock.patch.object(safetensors_check, "_fast_specs", return_value=None):
+        slow = _outcome(blob)
+    assert _outcome(blob) == slow
+    try:
         safetensors_check._parse(io.BytesIO(blob), len(blob), build=False)
         check_only = "accepted"
     except SafetensorsHeaderError:

@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import chain, repeat
 from math import prod
-from operator import itemgetter, methodcaller, mul, sub
+from operator import mul, sub
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
@@ -40,6 +40,7 @@ MAX_HEADER_BYTES = 100_000_000  # the reference implementation's limit
 MAX_DIM = 2**63 - 1  # torch sizes are int64; the reference implementation parses them as usize
 MAX_NDIM = 64  # numpy's limit; no tool writes more dimensions
 QUOTE = 60  # characters of a found value an error message shows
+_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
 
 # Size in bits: the sub-byte float formats (F4, F6_*) pack several elements per byte.
 DTYPE_BITS: dict[str, int] = {
@@ -115,6 +116,7 @@ def _parse(f: BinaryIO, file_size: int, *, build: bool) -> Header:
             tensors = {key: _tensor(name, key, value, 8 + n, data_size) for key, value in obj.items()}
             ordered = dict(sorted(tensors.items(), key=lambda kv: (kv[1].start, kv[1].end)))
             _check_layout(name, ordered, 8 + n, data_size)
+        del obj  # freed while collections are off: the first one after would otherwise walk all of it
     return Header(header_len=n, data_start=8 + n, file_size=file_size, tensors=ordered, metadata=metadata)
 
 
@@ -155,39 +157,51 @@ def _columns(obj: dict[str, Any], data_start: int, data_size: int, build: bool) 
     """The tensor table in file order, None when a rule fails; {} (valid, not built) when `build` is false."""
     if not obj:
         return {} if data_size == 0 else None
-    pairs = list(obj.values())
-    if set(map(type, pairs)) != {tuple}:
+    entries = list(obj.values())  # each a tuple of (key, value) pairs, the JSON object as parsed
+    if set(map(type, entries)) != {tuple} or set(map(len, entries)) != {3}:
         return None
-    values = list(map(dict, pairs))
-    if list(map(len, values)) != list(map(len, pairs)):  # a duplicate key inside a tensor's object
+    # Writers give every tensor's members in one order: take the first tensor's, and read all members from one
+    # flat list (key, value, key, value, ...) by position instead of building a dict per tensor. Three distinct
+    # keys per object also rules out a duplicate key inside a tensor.
+    order = [key for key, _ in entries[0]]
+    if set(order) != _FIELDS:
         return None
-    dtypes = list(map(methodcaller("get", "dtype"), values))
-    shapes = list(map(methodcaller("get", "shape"), values))
-    offsets = list(map(methodcaller("get", "data_offsets"), values))
+    flat = list(chain.from_iterable(chain.from_iterable(entries)))
+    if flat[0::2] != order * len(entries):
+        return None
+    dtypes, shapes, offsets = (flat[2 * order.index(field) + 1::6] for field in ("dtype", "shape", "data_offsets"))
+    del flat
     if not set(dtypes) <= DTYPE_BITS.keys() or set(map(type, shapes)) != {list} or set(map(type, offsets)) != {list}:
         return None
     if max(map(len, shapes)) > MAX_NDIM or set(map(len, offsets)) != {2}:
         return None
-    dims = list(chain.from_iterable(shapes))
-    begins, ends = list(map(itemgetter(0), offsets)), list(map(itemgetter(1), offsets))
-    for column, top in ((dims, MAX_DIM), (begins, data_size), (ends, data_size)):
+    dims, bounds = list(chain.from_iterable(shapes)), list(chain.from_iterable(offsets))
+    for column, top in ((dims, MAX_DIM), (bounds, data_size)):
         if column and (not set(map(type, column)) <= {int} or min(column) < 0 or max(column) > top):
             return None
+    del dims
+    begins, ends = bounds[0::2], bounds[1::2]
+    del bounds
     # at most MAX_NDIM dimensions below 2**63 each: products stay small enough for C-speed arithmetic
     bits = list(map(mul, map(prod, shapes), map(DTYPE_BITS.__getitem__, dtypes)))
     if list(map(mul, map(sub, ends, begins), repeat(8))) != bits:
         return None  # also catches end < begin: a negative extent never equals bits >= 0
-    order = sorted(range(len(values)), key=list(zip(begins, ends, strict=True)).__getitem__)
-    first, last = list(map(begins.__getitem__, order)), list(map(ends.__getitem__, order))
+    rank: list[int] = []
+    if 0 in bits:  # empty tensors may share an offset with the next one: file order is by (begin, end)
+        rank = sorted(range(len(begins)), key=list(zip(begins, ends, strict=True)).__getitem__)
+        first, last = list(map(begins.__getitem__, rank)), list(map(ends.__getitem__, rank))
+    else:  # all sizes > 0: each column sorted on its own tiles the data iff the tensors do (begins then distinct)
+        first, last = sorted(begins), sorted(ends)
     if first[0] != 0 or last[-1] != data_size or first[1:] != last[:-1]:
         return None
     if not build:
         return {}
+    rank = rank or sorted(range(len(begins)), key=begins.__getitem__)
     names = list(obj)
     rows = zip(dtypes, map(tuple, shapes), map(data_start.__add__, begins), map(data_start.__add__, ends),
                strict=True)
     specs = list(map(tuple.__new__, repeat(TensorSpec), rows))  # TensorSpec._make without a Python call each
-    return dict(zip(map(names.__getitem__, order), map(specs.__getitem__, order), strict=True))
+    return dict(zip(map(names.__getitem__, rank), map(specs.__getitem__, rank), strict=True))
 
 
 def _err(name: str, problem: str) -> SafetensorsHeaderError:
