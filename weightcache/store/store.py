@@ -19,7 +19,7 @@ import sqlite3
 import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -34,7 +34,7 @@ from weightcache.errors import (
 )
 from weightcache.store import quarantine, recovery
 from weightcache.store.evict import plan_eviction
-from weightcache.store.fsops import TMP_PREFIX, tmp_name
+from weightcache.store.fsops import TMP_PREFIX, HeldDirs, link_in, tmp_name
 from weightcache.store.index import Index
 from weightcache.store.layout import Layout
 from weightcache.store.paths import validate_relpath
@@ -239,12 +239,20 @@ class Store:
     def has_blob(self, sha256: str) -> bool:
         return self.blob_size(sha256) is not None
 
-    def blob_size(self, sha256: str) -> int | None:
-        """Size of the blob with this hex digest; None when absent (or not a digest, or not a regular file)."""
+    def blob_size(self, sha256: str, dirs: HeldDirs | None = None) -> int | None:
+        """Size of the blob with this hex digest; None when absent (or not a digest, or not a regular file).
+        `dirs`: directories held open by a caller that asks about many blobs."""
         if not is_hex(sha256, SHA256_HEX):
             return None
-        st = self.tree.lstat(self.layout.blob(sha256))
-        return st.st_size if st is not None and stat.S_ISREG(st.st_mode) else None
+        if dirs is None:
+            with self.tree.held() as held:
+                return self.blob_size(sha256, held)
+        blob = self.layout.blob(sha256)
+        try:
+            st = os.stat(blob.name, dir_fd=dirs.fd(blob.parent), follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        return st.st_size if stat.S_ISREG(st.st_mode) else None
 
     def known_sha256(self, uri: str, path: str, etag: str | None, size: int) -> str | None:
         """sha256 of a file we already hold with the same source ETag and size (skips re-downloading it)."""
@@ -262,29 +270,35 @@ class Store:
         `durable=False` skips the fsyncs: only for a caller that synced the file's data before (a blob name
         promises its content) and syncs the filesystem before it publishes (fetch: syncfs, twice per model).
         """
-        blob = self.layout.blob(sha256)
-        with self.tree.dir(path.parent) as dfd:
-            fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
-            try:
-                os.fchmod(fd, 0o444)
-                if durable:
-                    os.fsync(fd)
-                self.tree.link_in(fd, blob, durable=durable)
-            finally:
-                os.close(fd)
-            os.unlink(path.name, dir_fd=dfd)
+        self.add_blobs([(path, sha256)], durable=durable)
+
+    def add_blobs(self, files: Iterable[tuple[Path, str]], *, durable: bool = True) -> None:
+        """add_blob for many (path, sha256) files, each directory opened once (about five calls per file)."""
+        with self.tree.held() as dirs:
+            for path, sha256 in files:
+                blob = self.layout.blob(sha256)
+                dfd = dirs.fd(path.parent)
+                fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+                try:
+                    os.fchmod(fd, 0o444)
+                    if durable:
+                        os.fsync(fd)
+                    link_in(fd, dirs.fd(blob.parent, create=True), blob.name, durable=durable)
+                finally:
+                    os.close(fd)
+                os.unlink(path.name, dir_fd=dfd)
 
     def publish(self, ref: ModelRef, files: builtins.list[FileEntry]) -> Snapshot:
         """Build the snapshot tree from blobs, rename it into place, write the manifest, index it, point the ref."""
         snap_id = snapshot_id_for(files)
-        with self.locked():
+        with self.locked(), self.tree.held() as dirs:
             for f in files:
-                if not self.has_blob(f.sha256):
+                if self.blob_size(f.sha256, dirs) is None:
                     raise BlobMissingError(f"blob {f.sha256} for {f.path} vanished before publish")
             final = self.layout.snapshot(snap_id)
             if not self.is_complete(snap_id):
                 self.tree.remove_tree(final)  # a tree without manifest: an interrupted publish; rebuild it
-                self._commit_tree(self._build_tree(final, files), final)
+                self._commit_tree(self._build_tree(final, files, dirs), final)
                 self._write_manifest(Manifest(snap_id, ref.uri, ref.revision, time.time(), tuple(files)))
             self._index_snapshot(ref, snap_id, files)
             self._write_ref(ref, snap_id)
@@ -292,7 +306,7 @@ class Store:
                  sum(f.size for f in files))
         return self.get(snap_id)
 
-    def _build_tree(self, final: Path, files: builtins.list[FileEntry]) -> Path:
+    def _build_tree(self, final: Path, files: builtins.list[FileEntry], dirs: HeldDirs) -> Path:
         """A temporary tree of hard links to the blobs, directories fsynced and made 0555; returns its path."""
         tmp = tmp_name(final)
         with self.tree.dir(tmp.parent) as sfd:
@@ -304,8 +318,8 @@ class Store:
                     for f in files:
                         _make_parents(tfd, f.path, made)
                         blob = self.layout.blob(f.sha256)
-                        with self.tree.dir(blob.parent) as bfd:
-                            os.link(blob.name, f.path, src_dir_fd=bfd, dst_dir_fd=tfd, follow_symlinks=False)
+                        os.link(blob.name, f.path, src_dir_fd=dirs.fd(blob.parent), dst_dir_fd=tfd,
+                                follow_symlinks=False)
                     for _, _, _, dfd in os.fwalk(".", topdown=False, dir_fd=tfd):
                         os.fsync(dfd)
                         os.fchmod(dfd, 0o555)
