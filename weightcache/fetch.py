@@ -77,13 +77,16 @@ class Fetcher:
                  endpoint_url: str | None = None, connect_timeout: float = defaults.CONNECT_TIMEOUT,
                  read_timeout: float = defaults.READ_TIMEOUT,
                  source_factory: Callable[[ModelRef], Source] | None = None,
-                 cancel: threading.Event | None = None, peers: PeerSet | None = None) -> None:
+                 cancel: threading.Event | None = None, peers: PeerSet | None = None,
+                 proxy_url: str | None = None) -> None:
         """`cancel`: an event that, once set, stops this fetcher's downloads like close() (a caller's own stop).
-        `peers`: blobs with a trusted sha256 are read from these peers first (weightcache/peers)."""
+        `peers`: blobs with a trusted sha256 are read from these peers first (weightcache/peers).
+        `proxy_url`: the source's HTTP(S) forward proxy (s3 and http ranged reads)."""
         self.store = store
         self.concurrency = max(1, concurrency)
         self.chunk_size = max(64 << 10, chunk_size)
         self.endpoint_url = endpoint_url
+        self.proxy_url = proxy_url
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
         self._source_factory = source_factory
         self.peers = peers
@@ -190,7 +193,8 @@ class Fetcher:
             return self._source_factory(ref)
         from weightcache.sources import open_source
 
-        return open_source(ref, SourceOptions(endpoint_url=self.endpoint_url, pool_size=max(10, self.concurrency * 2),
+        return open_source(ref, SourceOptions(endpoint_url=self.endpoint_url, proxy_url=self.proxy_url,
+                                              pool_size=max(10, self.concurrency * 2),
                                               connect_timeout=self.connect_timeout, read_timeout=self.read_timeout,
                                               cancel=self._closing))
 

@@ -23,6 +23,7 @@ import yaml
 
 from weightcache import defaults
 from weightcache.errors import ConfigError, InvalidReferenceError
+from weightcache.redact import redact
 from weightcache.store import floor
 from weightcache.store.floor import parse_percent
 from weightcache.units import parse_size
@@ -108,6 +109,7 @@ class Settings:
     read_timeout: float = defaults.READ_TIMEOUT  # seconds a model source may stay silent
     parallel_models: int = 2  # models fetched at once by the reconcile loop
     endpoints: tuple[tuple[str, str], ...] = ()  # ("s3" or "s3://bucket", endpoint url), most specific wins
+    proxies: tuple[tuple[str, str], ...] = ()  # ("s3" or "s3://bucket", HTTP(S) forward proxy url), the same way
     models: tuple[ModelSpec, ...] = ()
     allow_undeclared_models: bool | None = None  # None = auto: true off-cluster, false in-cluster
     socket: Path = defaults.SOCKET
@@ -127,11 +129,19 @@ class Settings:
 
     def endpoint_for(self, ref: ModelRef) -> str | None:
         """The endpoint override for a reference: `scheme://bucket` beats `scheme`; None = the SDK's default."""
-        table = dict(self.endpoints)
-        return table.get(f"{ref.scheme}://{ref.bucket}") or table.get(ref.scheme)
+        return _most_specific(self.endpoints, ref)
+
+    def proxy_for(self, ref: ModelRef) -> str | None:
+        """The forward proxy for a reference's source, chosen like its endpoint; None = no proxy of ours."""
+        return _most_specific(self.proxies, ref)
 
     def allow_undeclared(self, *, cluster: bool) -> bool:
         return (not cluster) if self.allow_undeclared_models is None else self.allow_undeclared_models
+
+
+def _most_specific(entries: tuple[tuple[str, str], ...], ref: ModelRef) -> str | None:
+    table = dict(entries)
+    return table.get(f"{ref.scheme}://{ref.bucket}") or table.get(ref.scheme)
 
 
 def load_settings(
@@ -259,14 +269,28 @@ def _endpoints(value: Any) -> tuple[tuple[str, str], ...]:
         if not isinstance(entry, dict):
             raise ConfigError(f"endpoints.{key}: expected a mapping with endpointUrl")
         _reject_unknown(entry, {"endpointUrl": None}, f"endpoints.{key}")
-        url = entry.get("endpointUrl")
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise ConfigError(f"endpoints.{key}.endpointUrl: expected an http(s) URL, got {url!r}")
-        if "@" in url.partition("://")[2].partition("/")[0]:
-            raise ConfigError(f"endpoints.{key}.endpointUrl: credentials do not belong in the URL; "
-                              "use the environment's credentials (AWS_* or the pod's service account)")
-        out.append((str(key), url))
+        out.append((str(key), _http_url(f"endpoints.{key}.endpointUrl", entry.get("endpointUrl"),
+                                        "use the environment's credentials (AWS_* or the pod's service account)")))
     return tuple(out)
+
+
+def _proxies(value: Any) -> tuple[tuple[str, str], ...]:
+    """`{s3: http://127.0.0.1:65001, "s3://special-bucket": ...}`: a forward proxy per scheme or bucket."""
+    if not isinstance(value, dict):
+        raise ConfigError("proxies: expected a mapping such as {s3: http://127.0.0.1:65001}")
+    return tuple((str(key), _http_url(f"proxies.{key}", url, "run the proxy without authentication on the node "
+                                                              "(dfdaemon listens on the node)"))
+                 for key, url in value.items())
+
+
+def _http_url(where: str, url: Any, credentials_hint: str) -> str:
+    """An http(s) URL without userinfo (credentials never live in the config)."""
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        shown = redact(url) if isinstance(url, str) else url
+        raise ConfigError(f"{where}: expected an http(s) URL, got {shown!r}")
+    if "@" in url.partition("://")[2].partition("/")[0]:
+        raise ConfigError(f"{where}: credentials do not belong in the URL; {credentials_hint}")
+    return url
 
 
 _MODEL_KEYS = {"source": None, "revision": None, "include": None, "exclude": None, "tier": None, "pin": None}
@@ -386,6 +410,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "readTimeout": _seconds("readTimeout"),
     "parallelModels": _int("parallelModels", 1),
     "endpoints": _endpoints,
+    "proxies": _proxies,
     "models": _models,
     "allowUndeclaredModels": _bool("allowUndeclaredModels"),
     "socket": _path("socket"),

@@ -52,8 +52,8 @@ class MeteredFetcher:
     def _fetcher(self, ref: ModelRef, cancel: threading.Event | None = None) -> Fetcher:
         s = self._settings
         return Fetcher(self._store, concurrency=s.concurrency, chunk_size=s.chunk_size,
-                       endpoint_url=s.endpoint_for(ref), connect_timeout=s.connect_timeout,
-                       read_timeout=s.read_timeout, cancel=cancel, peers=self.peers)
+                       endpoint_url=s.endpoint_for(ref), proxy_url=s.proxy_for(ref),
+                       connect_timeout=s.connect_timeout, read_timeout=s.read_timeout, cancel=cancel, peers=self.peers)
 
     def lookup(self, ref: ModelRef) -> Snapshot | None:
         """The cached snapshot (a hit), or None; blocking."""

@@ -30,6 +30,7 @@ class SourceOptions:
     """How a source talks to its store: every backend takes these, `open_source` builds them."""
 
     endpoint_url: str | None = None  # s3 only (else AWS_ENDPOINT_URL)
+    proxy_url: str | None = None  # s3, http: an HTTP(S) forward proxy for this source (e.g. Dragonfly's dfdaemon)
     max_attempts: int = 5  # per request or range, failures included
     backoff: float = 0.2  # first retry pause's upper bound, doubling per failure up to retry.MAX_BACKOFF
     pool_size: int = 16  # pooled connections (s3, http)

@@ -48,8 +48,9 @@ class HttpSource(FsspecSource):
     def __init__(self, ref: ModelRef, options: SourceOptions | None = None) -> None:
         super().__init__(ref, options)
         o = self.options
-        self._pool = urllib3.PoolManager(maxsize=o.pool_size, retries=False,
-                                         timeout=urllib3.Timeout(connect=o.connect_timeout, read=o.read_timeout))
+        timeout = urllib3.Timeout(connect=o.connect_timeout, read=o.read_timeout)
+        self._pool = (urllib3.ProxyManager(o.proxy_url, maxsize=o.pool_size, retries=False, timeout=timeout)
+                      if o.proxy_url else urllib3.PoolManager(maxsize=o.pool_size, retries=False, timeout=timeout))
 
     def list(self) -> list[ObjectInfo]:
         def walk() -> list[ObjectInfo]:

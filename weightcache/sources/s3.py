@@ -109,6 +109,7 @@ class S3Source:
             # a custom endpoint (MinIO, moto, 127.0.0.1) rarely has wildcard DNS for virtual-hosted buckets
             s3={"addressing_style": "path" if self.endpoint_url else "auto"},
             response_checksum_validation="when_required",
+            proxies={"http": o.proxy_url, "https": o.proxy_url} if o.proxy_url else None,
         )
         self._client = boto3.session.Session().client("s3", endpoint_url=self.endpoint_url, config=config)
 
