@@ -5,6 +5,9 @@ in their metrics."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
+import json
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +27,7 @@ from tests.fixtures_daemon import (
 from tests.fixtures_s3 import S3
 from tests.peers_fleet import origin_bytes
 from tests.test_daemon_cluster import cluster
-from weightcache.cli import build_parser
+from weightcache.cli import build_parser, main
 from weightcache.daemon.command import flags_of
 from weightcache.daemon.config import load_settings
 from weightcache.errors import ConfigError
@@ -37,6 +40,14 @@ BODY = bytes(range(256)) * 8192  # 2 MiB
 
 def ranged_get_bytes(proxy: FaultProxy) -> int:
     return origin_bytes(proxy, "/models/m/")
+
+
+def status_json(d: RunningDaemon) -> dict[str, Any]:
+    """`weightcache status -o json` against a daemon: where its bytes came from."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["status", "--socket", str(d.socket), "-o", "json"]) == 0
+    return dict(json.loads(out.getvalue()))
 
 
 async def test_a_daemon_fills_from_its_peer_and_the_metrics_say_where_bytes_came_from(
@@ -67,6 +78,9 @@ async def test_a_daemon_fills_from_its_peer_and_the_metrics_say_where_bytes_came
         text = (await asyncio.to_thread(b.daemon.node.metrics.exposition)).decode()
         assert 'weightcache_model_fetched_bytes_total{model="s3://models/m/",source="peers"} 2.097154e+06' in text
         assert 'source="origin"' not in text
+        status = await asyncio.to_thread(status_json, b)
+        assert (status["peer_bytes"], status["origin_bytes"]) == (len(BODY) + 2, 0)
+        assert (await asyncio.to_thread(status_json, a))["origin_bytes"] == len(BODY) + 2
     finally:
         if b is not None:
             await b.daemon.stop()

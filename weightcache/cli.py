@@ -318,6 +318,9 @@ def cmd_status(args: argparse.Namespace) -> int:
                                "size_bytes": sum(m["size"] for m in models),
                                "leases": sum(len(m.get("leases") or []) for m in models),
                                "pinned": sum(1 for m in models if m.get("pinned"))}
+    if isinstance(cache, DaemonCache):  # where the daemon's bytes came from (fleet fill: docs/peers.md)
+        fetched = cache.fetched_bytes()
+        summary.update(origin_bytes=int(fetched["origin"]), peer_bytes=int(fetched["peers"]))
     if args.output == "json":
         print(json.dumps(summary))
     else:

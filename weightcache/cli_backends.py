@@ -70,6 +70,18 @@ class DaemonCache:
     def gc(self) -> int:
         return int(self.client.gc()["freed"])
 
+    def fetched_bytes(self) -> dict[str, float]:
+        """Bytes this daemon fetched, by where they came from ("origin", "peers"), read from its own metrics."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        out = {"origin": 0.0, "peers": 0.0}
+        for family in text_string_to_metric_families(self.client.metrics()):
+            if family.name == "weightcache_model_fetched_bytes":
+                for sample in family.samples:
+                    if sample.name.endswith("_total") and sample.labels.get("source") in out:
+                        out[sample.labels["source"]] += sample.value
+        return out
+
 
 @dataclass
 class StoreCache:
