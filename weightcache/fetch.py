@@ -351,10 +351,9 @@ class Fetcher:
         if not items:
             return
         sync_filesystem(self.store.layout.partial)
+        self.store.add_blobs(((_partial(item).part, item.sha256 or "") for item in items), durable=False)
         for item in items:
-            part = _partial(item)
-            self.store.add_blob(part.part, item.sha256 or "", durable=False)
-            part.journal.unlink(missing_ok=True)
+            _partial(item).journal.unlink(missing_ok=True)
         sync_filesystem(self.store.layout.partial)
 
     def _download_round(self, source: Source, items: list[_Item], reporter: _Reporter) -> int:
