@@ -60,10 +60,13 @@ class Tree:
 
     def open_dir(self, path: Path, *, create: bool = False) -> int:
         """`dir()` for a caller that closes the descriptor itself (HeldDirs)."""
+        parts = path.relative_to(self.root).parts
+        if any(p in ("", ".", "..") for p in parts):  # '..' is no symlink: O_NOFOLLOW would not stop it
+            raise ValueError(f"{path} is not a path inside the store at {self.root}")
         fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             done: list[str] = []
-            for name in path.relative_to(self.root).parts:
+            for name in parts:
                 child = self._step(fd, name, done, create)
                 os.close(fd)
                 fd = child
