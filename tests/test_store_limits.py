@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from weightcache.errors import HostileKeyError
-from weightcache.store import Store, collect_garbage, validate_relpath, validate_tree
+from weightcache.store import Store, collect_garbage, fsops, validate_relpath, validate_tree
 from weightcache.store.fsops import _read_all
 from weightcache.store.paths import MAX_DEPTH, MAX_FILES, MAX_NAME_BYTES, MAX_PATH_BYTES
 
@@ -95,3 +95,18 @@ def test_gc_quarantines_a_planted_link_among_blobs_and_leaves_its_target(tmp_pat
     collect_garbage(store)
     assert target.read_text() == "keep" and not list(blob_dir.iterdir())
     assert any("%2Fab%2Fab0000" in name for name in os.listdir(store.layout.quarantine))
+
+
+def test_write_atomic_never_writes_through_a_link_planted_at_its_temporary_name(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The temporary name is random, but one guessed or left behind is refused (O_EXCL|O_NOFOLLOW), not followed."""
+    store = Store(tmp_path / "root")
+    outside = tmp_path / "outside"
+    outside.write_text("keep")
+    path = store.layout.refs / "r.json"
+    fixed = path.with_name(".tmp-planted")
+    monkeypatch.setattr(fsops, "tmp_name", lambda p: fixed)
+    fixed.symlink_to(outside)
+    with pytest.raises(FileExistsError):
+        store.tree.write_atomic(path, b"{}")
+    assert outside.read_text() == "keep" and not path.exists()
