@@ -116,7 +116,7 @@ def test_symlinks_and_fifos_in_the_store_are_never_followed(http: urllib3.PoolMa
             assert b"private" not in resp.data
 
 
-def test_a_peer_gets_at_most_its_streams_and_its_byte_rate(http: urllib3.PoolManager, tmp_path: Path) -> None:
+def test_a_paced_stream_holds_its_peers_only_slot_and_a_second_gets_429(http: urllib3.PoolManager, tmp_path: Path) -> None:
     with Fleet(tmp_path, TOKEN, PeerLimits(rate_bytes_s=8 << 10, max_streams=1)) as fleet:
         rate_limited(http, holding_node(fleet))
 
