@@ -14,6 +14,7 @@ Memory stays bounded: each worker owns one reusable chunk buffer; bodies stream 
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -398,10 +399,21 @@ class Fetcher:
         def hash_resumed(item: _Item) -> None:
             _partial(item).hash_resumed(buffers()[1])
 
+        tasks = [*(functools.partial(hash_resumed, i) for i in items if _partial(i).resumed_bytes),
+                 *(functools.partial(run, *p) for p in pieces)]
+        queue = iter(tasks)
+
+        def worker() -> None:
+            """Take the next task until none is left or the round aborts: one future per worker, not per
+            piece (2,000 small files: no future, condition and queue hand-off each)."""
+            for task in queue:  # a list iterator hands each task to exactly one thread (atomic under the GIL)
+                if abort.is_set():
+                    return
+                task()
+
         try:
             with ThreadPoolExecutor(self.concurrency, thread_name_prefix="wc-fetch") as pool:
-                futures = [pool.submit(hash_resumed, i) for i in items if _partial(i).resumed_bytes]
-                futures += [pool.submit(run, *p) for p in pieces]
+                futures = [pool.submit(worker) for _ in range(min(self.concurrency, len(tasks)))]
                 try:
                     done, not_done = wait(futures, return_when=FIRST_EXCEPTION)
                 except BaseException:  # KeyboardInterrupt in the main thread: stop the workers, keep the journal
