@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from weightcache.errors import HostileKeyError
+from weightcache.errors import HostileKeyError, NotCachedError
 from weightcache.store import Store, collect_garbage, fsops, validate_relpath, validate_tree
 from weightcache.store.fsops import _read_all
 from weightcache.store.paths import MAX_DEPTH, MAX_FILES, MAX_NAME_BYTES, MAX_PATH_BYTES
@@ -110,3 +110,20 @@ def test_write_atomic_never_writes_through_a_link_planted_at_its_temporary_name(
     with pytest.raises(FileExistsError):
         store.tree.write_atomic(path, b"{}")
     assert outside.read_text() == "keep" and not path.exists()
+
+
+@pytest.mark.parametrize("snapshot_id", ["../../x", "z" * 40, "A" * 40, "a" * 39])
+def test_evicting_what_is_not_a_snapshot_id_is_not_cached(tmp_path: Path, snapshot_id: str) -> None:
+    """Refused as 'not in the store' before any path is made of it (not as a damaged record, exit 3 not 1)."""
+    store = Store(tmp_path / "root")
+    before = sorted(p.name for p in store.root.iterdir())
+    with pytest.raises(NotCachedError, match="not in the store"):
+        store.evict(snapshot_id)
+    assert sorted(p.name for p in store.root.iterdir()) == before
+
+
+def test_held_directory_descriptors_refuse_a_climbing_path(tmp_path: Path) -> None:
+    store = Store(tmp_path / "root")
+    (tmp_path / "outside").mkdir()
+    with fsops.HeldDirs(store.tree) as held, pytest.raises(ValueError, match="not a path inside the store"):
+        held.fd(store.root / "snapshots" / ".." / ".." / "outside")

@@ -62,6 +62,7 @@ def test_a_link_inside_an_entry_is_counted_as_a_link_and_never_followed(tmp_path
     (planted / "a" / "b").mkdir(parents=True)
     (planted / "a" / "b" / "f").write_bytes(b"z" * 7)
     (planted / "a" / "link").symlink_to(outside)
+    (planted / "a" / "b" / "file-link").symlink_to(outside / "big")
     store.tree.quarantine(planted, "is a test tree")
     usage = quarantine_usage(store)
     assert usage.entries == 1 and 7 <= usage.bytes < 1000

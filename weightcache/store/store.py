@@ -407,6 +407,8 @@ class Store:
     # -- eviction ------------------------------------------------------------------------------------------------
     def evict(self, snapshot_id: str) -> None:
         """Remove a snapshot: refs, tree, unshared blobs; raises InUseError naming the leases/pins that hold it."""
+        if not is_snapshot_id(snapshot_id):  # before any path is made of it
+            raise NotCachedError(f"snapshot {snapshot_id[:80]!r} is not in the store at {self.root}: not a snapshot id")
         with self.locked():
             holders = sorted(h for h, s in self.leases().items() if s == snapshot_id)
             pins = self.pins(snapshot_id)
@@ -422,8 +424,6 @@ class Store:
     def _remove_snapshot(self, snapshot_id: str) -> None:
         """Commit the eviction by moving the manifest to evicting/ (a rename: no new bytes on a full disk), then
         finish it; a crash in between is finished by recovery."""
-        if not is_snapshot_id(snapshot_id):
-            raise NotCachedError(f"snapshot {snapshot_id[:80]} is not in the store at {self.root}")
         if self.tree.lstat(self.layout.manifest(snapshot_id)) is not None:
             self.tree.rename(self.layout.manifest(snapshot_id), self.layout.eviction(snapshot_id))
         self.finish_eviction(snapshot_id)
