@@ -213,3 +213,19 @@ async def test_raising_parallel_starts_a_queued_fetch_at_once(one_at_a_time: Que
     q.queue.set_parallel(2)  # parallelModels raised in the live config
     assert q.queue.depth() == (2, 0)
     await asyncio.gather(running, queued)
+
+
+async def test_a_request_after_close_hears_the_daemon_stops(tmp_path: Path, fault_proxy: FaultProxy,
+                                                            models: list[str]) -> None:
+    """A CSI or API call racing shutdown: a clear FetchCancelledError, not the pool's 'cannot schedule' error."""
+    q = await make_queue(tmp_path, fault_proxy, parallel=1)
+    q.queue.close()
+    try:
+        for call in (q.queue.ensure(parse_ref("s3://models/a/")), q.queue.lookup(parse_ref("s3://models/a/"))):
+            with pytest.raises(FetchCancelledError, match="the daemon is stopping"):
+                await call
+        with pytest.raises(FetchCancelledError, match="the daemon is stopping"):
+            q.queue.start(parse_ref("s3://models/b/"))  # reconcile's fire-and-forget fetch
+        assert q.weight_gets("a") == [] and q.queue.depth() == (0, 0)
+    finally:
+        q.store.close()

@@ -77,10 +77,12 @@ class FetchQueue:
         self._running: set[_Job] = set()
         self._fetch_pool = ThreadPoolExecutor(MAX_FETCH_THREADS, thread_name_prefix="wc-fetches")
         self._lookup_pool = ThreadPoolExecutor(2, thread_name_prefix="wc-lookup")
+        self._closed = False
 
     # -- callers ------------------------------------------------------------------------------------------------
     async def lookup(self, ref: ModelRef) -> Snapshot | None:
         """The cached snapshot, or None; on the queue's lookup pool (never behind a download)."""
+        self._refuse_if_closed(ref)
         return await asyncio.get_running_loop().run_in_executor(self._lookup_pool, self._lookup, ref)
 
     async def ensure(self, ref: ModelRef, *, progress: ProgressCallback | None = None,
@@ -136,6 +138,7 @@ class FetchQueue:
     def close(self) -> None:
         """Stop: every job's callers hear it at once; running engines are asked to stop (they park their partial
         files, and the next start resumes them)."""
+        self._closed = True
         for job in list(self._queued):
             self._drop(job, STOPPING)
         for job in self._running:
@@ -149,7 +152,13 @@ class FetchQueue:
         self._lookup_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- the queue ----------------------------------------------------------------------------------------------
+    def _refuse_if_closed(self, ref: ModelRef) -> None:
+        """A request racing the daemon's shutdown hears that it stops (not a pool's 'cannot schedule' error)."""
+        if self._closed:
+            raise FetchCancelledError(f"{STOPPING}: {ref} was not fetched; run the command again once it is up")
+
     def _join(self, ref: ModelRef, *, keep: bool) -> _Job:
+        self._refuse_if_closed(ref)
         key = job_key(ref)
         job = self._jobs.get(key)
         if job is None:
