@@ -114,3 +114,18 @@ async def test_a_damaged_volume_record_does_not_wedge_the_volume(csi: CsiHarness
     assert mounts.mounted_at(csi.target("vol")) is None and csi.store.leases() == {}
     assert (await status_of(csi.node.NodePublishVolume(csi.publish_request("vol"))))[0] == grpc.StatusCode.OK
     await csi.node.NodeUnpublishVolume(csi.unpublish_request("vol"))
+
+
+@pytest.mark.parametrize("spelling", ["trailing slash", "double slash", "dot segment", "relative", "NUL"])
+async def test_publish_to_an_odd_spelling_of_the_target_is_invalid(csi: CsiHarness, spelling: str) -> None:
+    """kubelet sends the target exactly as RULE spells it; another spelling is refused, never normalised into it."""
+    target = str(csi.target("vol"))
+    odd = {"trailing slash": target + "/", "double slash": target.replace("/pods/", "//pods/"),
+           "dot segment": target.replace("/pods/", "/pods/./"), "relative": target.lstrip("/"),
+           "NUL": target + "\0"}[spelling]
+    request = csi.publish_request("vol")
+    request.target_path = odd
+    before = mounts.mount_table()
+    code, details = await status_of(csi.node.NodePublishVolume(request))
+    assert code == INVALID and "target_path" in details, details
+    assert mounts.mount_table() == before and csi.store.leases() == {}
