@@ -6,7 +6,8 @@ peak RSS), interleaved round-robin, each after the same idle pause, median of --
 
   weightcache prefetch (cold) from nginx (http source) and from moto (s3 source); a cache hit; 8 concurrent
   prefetches of one model (origin bytes counted from nginx's access log); boto3 download_file (defaults and
-  tuned) and s3fs get against moto; aria2c -x 8 -s 8 and curl against nginx; dd write+fsync as the disk ceiling.
+  tuned) and s3fs get against moto; aria2c -x 8 -s 8 (alone, and followed by `sync -f` for the same durability
+  as weightcache's publish) and curl against nginx; dd write+fsync as the disk ceiling.
 
     .venv/bin/python scripts/bench_prefetch.py [--size-gb 2] [--runs 3] [--idle 3] [--skip-moto] [--small-files 2000]
 
@@ -23,6 +24,7 @@ import atexit
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -31,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -42,7 +45,8 @@ PY = sys.executable
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def make_model(dest: Path, size_gb: float, shards: int) -> int:
@@ -125,6 +129,12 @@ def wait_port(port: int) -> None:
     raise RuntimeError(f"nothing listens on 127.0.0.1:{port}")
 
 
+def then_sync(cmd: list[str], d: Path) -> list[str]:
+    """`cmd`, then syncfs(2) of the filesystem holding `d`: its data on disk when it returns, the durability
+    weightcache's publish has (the plain row leaves the data in the page cache)."""
+    return ["sh", "-c", f"{shlex.join(cmd)} && sync -f {shlex.quote(str(d))}"]
+
+
 def timed(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, float, float]:
     """(wall seconds, CPU seconds, peak RSS MB) of one subprocess, from wait4."""
     t0 = time.perf_counter()
@@ -132,7 +142,8 @@ def timed(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, flo
     _, status, ru = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
     if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"{' '.join(cmd[:6])}... failed: {proc.stderr.read().decode()[-2000:]}")
+        err = proc.stderr.read().decode()[-2000:] if proc.stderr else ""
+        raise RuntimeError(f"{' '.join(cmd[:6])}... failed: {err}")
     return wall, ru.ru_utime + ru.ru_stime, ru.ru_maxrss / 1024
 
 
@@ -260,13 +271,18 @@ def run_all(args: argparse.Namespace, work: Path, src: Path, size: int, files: l
         return dest
 
     wc = [PY, "-m", "weightcache", "prefetch", "--no-daemon", "-o", "json"]
-    clients: dict[str, tuple[str, callable]] = {
+
+    def aria2c(d: Path) -> list[str]:
+        return ["aria2c", "-q", "-Z", "-x", "8", "-s", "8", "-k", "8M", "-d", str(d), "--file-allocation=none",
+                *[f"{nginx.url}/model/{f}" for f in files]]
+
+    clients: dict[str, tuple[str, Callable[[Path], list[str]]]] = {
         "disk write+fsync (dd)": ("ceiling", lambda d: ["dd", "if=/dev/zero", f"of={d}/zero", "bs=8M",
                                                          f"count={max(1, size // (8 << 20))}", "conv=fsync",
                                                          "status=none"]),
         "weightcache prefetch http (cold)": ("nginx", lambda d: [*wc, f"{nginx.url}/model/", "--root", str(d)]),
-        "aria2c -x8 -s8": ("nginx", lambda d: ["aria2c", "-q", "-Z", "-x", "8", "-s", "8", "-k", "8M", "-d", str(d),
-                                               "--file-allocation=none", *[f"{nginx.url}/model/{f}" for f in files]]),
+        "aria2c -x8 -s8": ("nginx", lambda d: aria2c(d)),
+        "aria2c -x8 -s8 + sync -f": ("nginx", lambda d: then_sync(aria2c(d), d)),
         "curl": ("nginx", lambda d: ["curl", "-s", "--output-dir", str(d),
                                      *(arg for f in files for arg in ("-o", f, f"{nginx.url}/model/{f}"))]),
     }
@@ -317,7 +333,8 @@ def run_all(args: argparse.Namespace, work: Path, src: Path, size: int, files: l
     print(f"{'weightcache prefetch (cache hit)':<36} {'-':<8} {'':>6} {med(hits, 1):>7.2f} {med(hits, 2):>7.0f}"
           f"   wall {med(hits, 0):.3f} s (incl. interpreter start)")
     print(f"8 concurrent prefetches: exit codes {codes}, origin bytes = {origin_ratio:.2f} x model size")
-    print("x ref: nginx rows vs aria2c, moto rows vs the best of boto3 and s3fs. Medians of "
+    print("x ref: nginx rows vs aria2c (without sync: its data may still be in the page cache; the '+ sync -f' "
+          "row has weightcache's durability), moto rows vs the best of boto3 and s3fs. Medians of "
           f"{args.runs} interleaved runs, {args.idle}s idle before each.")
     if moto:
         moto.stop()
