@@ -60,22 +60,35 @@ class Fleet:
         inflight = InFlight()
         server = PeerServer(store.layout.blobs, self.token, self.limits, inflight)
         port = self.run(server.start("127.0.0.1", 0))
-        node = FleetNode(name, store, server, f"http://127.0.0.1:{port}", self._peer_set(peers, inflight))
+        url = f"http://127.0.0.1:{port}"
+        node = FleetNode(name, store, server, url, self._peer_set(peers, inflight, url))
         self.nodes.append(node)
         return node
 
     def connect(self, node: FleetNode, peers: Sequence[str]) -> None:
         """Give a node its peer list after the fact (nodes of one wave list each other)."""
         node.peers.close()
-        node.peers = self._peer_set(peers, node.peers.inflight)
+        node.peers = self._peer_set(peers, node.peers.inflight, node.url)
 
-    def _peer_set(self, peers: Sequence[str], inflight: InFlight) -> PeerSet:
+    def _peer_set(self, peers: Sequence[str], inflight: InFlight, url: str) -> PeerSet:
         clients = [PeerClient(u, self.token, connect_timeout=2.0, read_timeout=5.0) for u in peers]
-        return PeerSet(clients, inflight=inflight)
+        return PeerSet(clients, inflight=inflight, self_url=url)
 
     def stop(self, node: FleetNode) -> None:
-        """Kill a node's peer server (its connections are dropped)."""
+        """Stop a node's peer server (bodies being sent may finish)."""
         self.run(node.server.stop())
+
+    def kill(self, node: FleetNode) -> None:
+        """A node's peer server dies: every connection is cut at once (bodies mid-way included), then it stops."""
+        async def cut() -> None:
+            runner = node.server._runner  # a crash is not part of the server's API
+            if runner is not None and runner.server is not None:
+                for conn in runner.server.connections:
+                    if conn.transport is not None:
+                        conn.transport.abort()
+            await node.server.stop()
+
+        self.run(cut())
 
     def close(self) -> None:
         for n in self.nodes:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from weightcache.download import PartialFile
 from weightcache.errors import ConfigError
 from weightcache.peers import PeerClient, peer_base_url
 from weightcache.peers.client import PeerUnreachable
-from weightcache.peers.server import PeerLimits, parse_range
+from weightcache.peers.server import STALL_S, PeerLimits, parse_range
 from weightcache.sources import ObjectInfo
 
 TOKEN = b"peer-token-0123456789abcdef"
@@ -116,7 +117,8 @@ def test_symlinks_and_fifos_in_the_store_are_never_followed(http: urllib3.PoolMa
             assert b"private" not in resp.data
 
 
-def test_a_paced_stream_holds_its_peers_only_slot_and_a_second_gets_429(http: urllib3.PoolManager, tmp_path: Path) -> None:
+def test_a_paced_stream_holds_its_peers_only_slot_and_a_second_gets_429(http: urllib3.PoolManager,
+                                                                       tmp_path: Path) -> None:
     with Fleet(tmp_path, TOKEN, PeerLimits(rate_bytes_s=8 << 10, max_streams=1)) as fleet:
         rate_limited(http, holding_node(fleet))
 
@@ -181,11 +183,54 @@ def test_a_download_in_flight_is_served_only_where_it_is_journalled(http: urllib
         assert head.status == 200 and head.headers["X-Weightcache-Partial"] == "1"
         have = get(http, n, f"/v1/blobs/sha256/{SHA}", {**AUTH, "Range": "bytes=10-99999"})
         assert have.status == 206 and have.data == BODY[10:100_000]
-        lack = get(http, n, f"/v1/blobs/sha256/{SHA}", {**AUTH, "Range": "bytes=99990-100010"})
+        # a range that runs past the journalled bytes gets what there is, as a shorter range
+        short = get(http, n, f"/v1/blobs/sha256/{SHA}", {**AUTH, "Range": "bytes=99990-100010"})
+        assert short.status == 206 and short.headers["Content-Range"] == f"bytes 99990-99999/{len(BODY)}"
+        assert short.data == BODY[99_990:100_000]
+        lack = get(http, n, f"/v1/blobs/sha256/{SHA}", {**AUTH, "Range": "bytes=100000-100010"})
         assert lack.status == 404 and lack.headers["X-Weightcache-Partial"] == "1"
-        assert BODY[99_990:100_000] not in lack.data
-        assert get(http, n, f"/v1/blobs/sha256/{SHA}").status == 404  # the whole blob is not there yet
+        assert BODY[100_000:100_010] not in lack.data
+        whole = get(http, n, f"/v1/blobs/sha256/{SHA}")  # the whole blob is not there yet: what is, as a range
+        assert whole.status == 206 and whole.data == BODY[:100_000]
     finally:
         n.server.inflight.remove(SHA, part)  # type: ignore[union-attr]
         part.close()
     assert get(http, n, f"/v1/blobs/sha256/{SHA}", method="HEAD").status == 404
+
+
+def test_a_range_the_node_is_fetching_now_is_streamed_as_it_is_journalled(http: urllib3.PoolManager, fleet: Fleet,
+                                                                          tmp_path: Path) -> None:
+    """A claimed range (this node reads it from the origin now) is answered at once and its body follows the
+    journal; a claim whose bytes stop coming is cut after STALL_S, never padded."""
+    n = fleet.node("fetching")
+    part = PartialFile(tmp_path / "y.part", ObjectInfo("k", "k", len(BODY), "e", None, None), range_size=1 << 16)
+    part.open()
+    inflight = n.server.inflight
+    assert inflight is not None
+    inflight.add(SHA, part)
+    claim = inflight.claim(SHA, 0, 1 << 16)
+    scratch = memoryview(bytearray(1 << 16))
+    try:
+        resp = http.request("GET", f"{n.url}/v1/blobs/sha256/{SHA}", headers={**AUTH, "Range": "bytes=0-65535"},
+                            preload_content=False)
+        assert resp.status == 206 and resp.headers["Content-Range"] == f"bytes 0-65535/{len(BODY)}"
+        part.write(0, memoryview(BODY)[:1 << 15], scratch)  # the first half arrives, then the second
+        first = resp.read(1 << 15)
+        part.write(1 << 15, memoryview(BODY)[1 << 15:1 << 16], scratch)
+        assert first + resp.read() == BODY[:1 << 16]
+        resp.release_conn()
+        # bytes past the claim are neither journalled nor claimed: not offered
+        assert get(http, n, f"/v1/blobs/sha256/{SHA}", {**AUTH, "Range": f"bytes={1 << 16}-{1 << 17}"}).status == 404
+        stalled = inflight.claim(SHA, 1 << 16, 1 << 17)
+        resp = http.request("GET", f"{n.url}/v1/blobs/sha256/{SHA}",
+                            headers={**AUTH, "Range": f"bytes={1 << 16}-{(1 << 17) - 1}"}, preload_content=False)
+        assert resp.status == 206
+        started = time.monotonic()
+        with pytest.raises(urllib3.exceptions.ProtocolError):
+            resp.read()  # nothing is journalled: the stream is cut, short
+        assert time.monotonic() - started >= STALL_S
+        inflight.release(stalled)
+    finally:
+        inflight.release(claim)
+        inflight.remove(SHA, part)
+        part.close()

@@ -368,6 +368,8 @@ class Fetcher:
         except OSError as exc:
             self._discard_all(items)
             raise _space_error(exc, items) from exc
+        if isinstance(source, PeerSource):  # nodes started together fetch different ranges first
+            pieces = source.spread(pieces, lambda p: (p[0].obj.key, p[1]))
         local = threading.local()
         abort = threading.Event()
         peer_before = source.peer_bytes if isinstance(source, PeerSource) else 0

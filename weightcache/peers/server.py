@@ -29,7 +29,7 @@ from aiohttp import web
 from weightcache.daemon.listener import GuardedTCPSite, Limits
 from weightcache.download import PartialFile
 from weightcache.peers.client import PARTIAL_HEADER
-from weightcache.peers.inflight import InFlight
+from weightcache.peers.inflight import InFlight, held_end
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,8 @@ _HEX = re.compile(r"[0-9a-f]{64}")
 _RANGE = re.compile(r"bytes=(\d*)-(\d*)")
 SEND_SLICE = 1 << 20  # bytes read and written per step: bounds memory per stream and rate-limit granularity
 WRITE_TIMEOUT_S = 30.0  # a peer that stops reading loses its stream (and its slot) after this
+STALL_S = 3.0  # a claimed range that gains no journalled byte for this long is cut (below peers' read timeout)
+POLL_S = 0.02  # how often a stream waiting on a claimed range looks at the journal
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,10 @@ class TokenBucket:
                 self.tokens -= n
                 return
             await asyncio.sleep((min(n, self.rate) - self.tokens) / self.rate)
+
+
+class _Stalled(Exception):
+    """A claimed range stopped arriving at this node."""
 
 
 @dataclass
@@ -150,11 +156,17 @@ class PeerServer:
         start, end, ranged = span
         headers = {"Content-Length": str(end - start), "Accept-Ranges": "bytes", "ETag": f'"{digest}"',
                    "Content-Type": "application/octet-stream"}
-        if partial is not None:  # a download in flight: only what it has written and journalled
+        if partial is not None:  # a download in flight: what it has journalled, and what it is fetching now
             headers[PARTIAL_HEADER] = "1"
-            if request.method != "HEAD" and not partial.holds(start, end):
-                return web.Response(status=404, headers={PARTIAL_HEADER: "1"},
-                                    text=f"bytes {start}-{end - 1} not downloaded yet\n")
+            if request.method != "HEAD":
+                assert self.inflight is not None
+                servable = self.inflight.servable_end(digest, partial, start, end)
+                if servable <= start:
+                    return web.Response(status=404, headers={PARTIAL_HEADER: "1"},
+                                        text=f"bytes {start}-{end - 1} not downloaded yet\n")
+                if servable < end:  # a shorter range than asked: the asker takes the rest elsewhere
+                    end, ranged = servable, True
+                    headers["Content-Length"] = str(end - start)
         if ranged:
             headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
         if request.method == "HEAD":
@@ -172,6 +184,8 @@ class PeerServer:
             step = min(SEND_SLICE, self.limits.rate_bytes_s or SEND_SLICE)  # the bucket paces slices, not bodies
             while pos < end:
                 n = min(step, end - pos)
+                if partial is not None:
+                    n = await self._journalled(digest, partial, pos, pos + n) - pos
                 await peer.bucket.take(n)
                 data = await asyncio.to_thread(os.pread, fd, n, pos)
                 if not data:
@@ -181,11 +195,31 @@ class PeerServer:
                 self.bytes_served += len(data)
             await resp.write_eof()
             return resp
+        except _Stalled as exc:  # cut the connection: a short body tells the asker to take the rest elsewhere
+            log.info("peer %s: stream of blob %s cut at byte %d: %s", peer_key, digest[:12], pos, exc)
+            if request.transport is not None:
+                request.transport.close()
+            return resp
         except (ConnectionError, TimeoutError):  # the peer went away or stopped reading: its loss, not an error
             log.info("peer %s stopped reading blob %s at a stream's byte %d", peer_key, digest[:12], pos - start)
             return resp
         finally:
             peer.streams -= 1
+
+
+    async def _journalled(self, digest: str, partial: PartialFile, start: int, end: int) -> int:
+        """Wait until bytes from `start` of a claimed range are journalled and return how far (at most `end`);
+        _Stalled (the stream is cut, the asker goes on elsewhere) when none arrive for STALL_S or the download
+        was withdrawn."""
+        assert self.inflight is not None
+        waited_since = time.monotonic()
+        while (got := held_end(partial, start, end)) == start:
+            if self.inflight.get(digest) is not partial:
+                raise _Stalled(f"download of {digest[:12]} withdrawn")
+            if time.monotonic() - waited_since > STALL_S:
+                raise _Stalled(f"no bytes of {digest[:12]} journalled for {STALL_S:.0f}s")
+            await asyncio.sleep(POLL_S)
+        return got
 
 
 def open_blob(blobs_dir: Path, digest: str) -> int:

@@ -14,10 +14,13 @@ compared with the origin's: a peer whose piece differs is never asked again by t
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import itertools
 import logging
+import socket
 import threading
+import time
 import typing
 from collections.abc import Callable, Iterable
 from contextlib import closing
@@ -26,10 +29,15 @@ from dataclasses import dataclass, field
 from weightcache.errors import SourceError
 from weightcache.peers.client import PeerClient, PeerRangeMissing, PeerUnreachable, peer_base_url
 from weightcache.peers.inflight import InFlight
-from weightcache.retry import Retry
+from weightcache.retry import Retry, Retryable
 from weightcache.sources.base import ObjectInfo, OnBytes, Pieces, Source, stream_range
 
 log = logging.getLogger(__name__)
+
+T = typing.TypeVar("T")
+GRACE_S = 1.0  # how long a range of another node's first share waits for that node to start fetching it
+POLL_S = 0.05  # between asks while waiting
+REASK_S = 0.25  # a peer that lacked a blob is asked again after this (nodes started together register late)
 
 
 @dataclass
@@ -55,8 +63,11 @@ class PeerSet:
     the discovered peers (ModelCacheNode status) while the configured ones stay."""
 
     def __init__(self, clients: Iterable[PeerClient], make_client: Callable[[str], PeerClient] | None = None,
-                 inflight: InFlight | None = None) -> None:
+                 inflight: InFlight | None = None, self_url: str | None = None) -> None:
+        """`self_url`: this node's own peer address, as the others list it (its rank among them spreads the
+        pieces that nodes started together fetch first); unknown: a hash of the host name stands in."""
         self.clients = list(clients)
+        self.self_url = self_url
         self._static = {c.url for c in self.clients}
         self._make_client = make_client
         self.stats = PeerStats()
@@ -66,7 +77,11 @@ class PeerSet:
         """`digests`: object key -> (trusted sha256, size) for the objects peers may serve."""
         with self.stats.lock:
             usable = [c for c in self.clients if c.url not in self.stats.banned]
-        return PeerSource(origin, usable, digests, self.stats)
+            everyone = sorted({c.url for c in self.clients} - {self.self_url})
+        me = self.self_url or socket.gethostname()
+        rank = (bisect.bisect_left(everyone, me) if self.self_url
+                else int.from_bytes(hashlib.sha256(me.encode()).digest()[:4], "big") % (len(everyone) + 1))
+        return PeerSource(origin, usable, digests, self.stats, self.inflight, (rank, len(everyone) + 1))
 
     def update(self, urls: Iterable[str]) -> None:
         """Discovered peers now: new ones get a client, gone ones are dropped (fetches in flight keep theirs)."""
@@ -97,15 +112,21 @@ class PeerSource:
     """`origin` with peer-first ranged reads for the objects in `digests`; thread-safe like any Source."""
 
     def __init__(self, origin: Source, peers: typing.List[PeerClient],  # noqa: UP006
-                 digests: dict[str, tuple[str, int]], stats: PeerStats) -> None:
+                 digests: dict[str, tuple[str, int]], stats: PeerStats, inflight: InFlight | None = None,
+                 rank: tuple[int, int] = (0, 1)) -> None:
+        """`rank`: (this node's place, nodes) among its peers and itself: which share of pieces it fetches first."""
         self.origin = origin
+        self._inflight = inflight or InFlight()
+        self._rank = rank
+        self._own: set[tuple[str, int]] = set()  # (key, offset) of the ranges this node fetches first
         self.ref, self.name = origin.ref, origin.name
         self._peers = peers
         self._digests = digests
         self._stats = stats
         self._lock = threading.Lock()
         self._probing = threading.Lock()
-        self._holders: dict[str, typing.List[PeerClient]] = {}  # noqa: UP006 (`list` is a method here)  # sha256 -> peers that said they hold it
+        # sha256 -> (when asked, peers that said they hold or are downloading it)
+        self._holders: dict[str, tuple[float, typing.List[PeerClient]]] = {}  # noqa: UP006 (`list` is a method)
         self._turn = itertools.count()
         self._origin_only: set[str] = set()  # object keys that failed verification once
         self._dead: set[str] = set()  # peers that did not answer a HEAD during this fetch
@@ -125,18 +146,41 @@ class PeerSource:
     def close(self) -> None:
         self.origin.close()
 
+    def spread(self, ranges: typing.List[T], key: Callable[[T], tuple[str, int]]) -> typing.List[T]:  # noqa: UP006
+        """The fetch's ranges in this node's order: rotated by its rank, so nodes started together fetch different
+        ranges from the origin first; that first share is this node's own (`key`: (object key, offset))."""
+        place, nodes = self._rank
+        if nodes <= 1 or not ranges:
+            return ranges
+        cut = len(ranges) * place // nodes
+        mine = ranges[cut:cut + -(-len(ranges) // nodes)]
+        with self._lock:
+            self._own = {key(r) for r in mine}
+        return ranges[cut:] + ranges[:cut]
+
     def read_pieces(self, obj: ObjectInfo, offset: int, length: int, buf: memoryview,
                     on_bytes: OnBytes | None = None) -> Pieces:
+        """Peers first: those holding the blob, or fetching these bytes now (their server streams them as they
+        arrive). A range outside this node's own share that no peer has yet, while peers are downloading the
+        blob, is asked again for up to GRACE_S (the node it falls to first is about to fetch it); then the
+        origin, with a claim that lets this node's peer server stream it to the others."""
         pos, end = offset, offset + length
         trusted = self._digests.get(obj.key)
-        if trusted is not None and obj.key not in self._origin_only:
+        if trusted is None or obj.key in self._origin_only:
+            yield from self._from_origin(obj, pos, end, buf, on_bytes, None)
+            return
+        with self._lock:
+            wait = (obj.key, offset) not in self._own and self._rank[1] > 1
+        deadline = time.monotonic() + GRACE_S
+        while True:
+            progressed, downloading = False, False
             for peer in self._holders_in_turn(*trusted):
                 try:
                     for at, view in self._from_peer(peer, obj.key, trusted[0], pos, end, buf, on_bytes):
                         yield at, view
-                        pos = at + len(view)
+                        pos, progressed = at + len(view), True
                 except PeerRangeMissing:
-                    continue  # a peer still downloading the blob lacks these bytes: no fault of its own
+                    downloading = True  # a peer still downloading the blob lacks these bytes: no fault of its own
                 except SourceError as exc:
                     self._stats.error(peer.url)
                     self._drop_holder(trusted[0], peer)
@@ -144,24 +188,40 @@ class PeerSource:
                                 peer.url, pos, obj.relpath, exc)
                 if pos >= end:
                     return
-        with closing(self.origin.read_pieces(obj, pos, end - pos, buf, on_bytes)) as pieces:
-            for at, view in pieces:
-                self._blame(obj.key, at, view)
-                yield at, view
+            if progressed:
+                continue
+            if not (wait and downloading) or time.monotonic() >= deadline:
+                break
+            time.sleep(POLL_S)
+        yield from self._from_origin(obj, pos, end, buf, on_bytes, trusted[0])
+
+    def _from_origin(self, obj: ObjectInfo, pos: int, end: int, buf: memoryview, on_bytes: OnBytes | None,
+                     sha256: str | None) -> Pieces:
+        claim = self._inflight.claim(sha256, pos, end) if sha256 else None
+        try:
+            with closing(self.origin.read_pieces(obj, pos, end - pos, buf, on_bytes)) as pieces:
+                for at, view in pieces:
+                    self._blame(obj.key, at, view)
+                    yield at, view
+        finally:
+            if claim is not None:
+                self._inflight.release(claim)
 
     # -- peers ------------------------------------------------------------------------------------------------
     def _holders_in_turn(self, sha256: str, size: int) -> typing.List[PeerClient]:  # noqa: UP006
-        """Peers holding the blob, asked once per fetch, rotated per range so concurrent ranges spread out."""
+        """Peers holding or downloading the blob, rotated per range so concurrent ranges spread out. Asked once
+        per fetch when every peer has it; peers that did not are asked again after REASK_S (they may have
+        started downloading it since)."""
         with self._lock:
-            known = self._holders.get(sha256)
-        if known is None:
+            asked, known = self._holders.get(sha256, (-REASK_S, []))
+        if time.monotonic() - asked >= REASK_S and len(known) < len(self._live_peers()):
             with self._probing:  # one prober at a time: a dead peer is found once, then skipped by the others
                 with self._lock:
-                    known = self._holders.get(sha256)
-                if known is None:
-                    known = [p for p in self._live_peers() if self._asks(p, sha256, size)]
+                    asked, known = self._holders.get(sha256, (-REASK_S, []))
+                if time.monotonic() - asked >= REASK_S:
+                    known = [p for p in self._live_peers() if p in known or self._asks(p, sha256, size)]
                     with self._lock:
-                        self._holders[sha256] = known
+                        self._holders[sha256] = (time.monotonic(), known)
         with self._lock:
             holders = [p for p in known if p.url not in self._stats.banned]
         if not holders:
@@ -177,7 +237,7 @@ class PeerSource:
         """HEAD one peer; one that cannot be reached is not asked again by this fetch (a blackholed peer costs
         one connect timeout per fetch, not one per blob)."""
         try:
-            return peer.holds(sha256, size)
+            return peer.probe(sha256, size) is not None
         except PeerUnreachable as exc:
             log.info("%s; this fetch goes on without it", exc)
             self._stats.error(peer.url)
@@ -187,15 +247,27 @@ class PeerSource:
 
     def _drop_holder(self, sha256: str, peer: PeerClient) -> None:
         with self._lock:
-            self._holders[sha256] = [p for p in self._holders.get(sha256, []) if p is not peer]
+            asked, known = self._holders.get(sha256, (time.monotonic(), []))
+            self._holders[sha256] = (asked, [p for p in known if p is not peer])
 
     def _from_peer(self, peer: PeerClient, key: str, sha256: str, pos: int, end: int, buf: memoryview,
                    on_bytes: OnBytes | None) -> Pieces:
-        """Yield pieces of [pos, end) from one peer. One attempt: a failure raises SourceError and the caller
-        goes on with the bytes not yet yielded."""
-        retry = Retry(f"reading blob {sha256[:12]} bytes {pos}-{end - 1} from peer {peer.url}", 1)
-        with closing(stream_range(lambda a, b: peer.open_range(sha256, a, b), pos, end - pos, buf, retry,
-                                  on_bytes)) as pieces:
+        """Yield pieces of [pos, end), or of the shorter span a peer still downloading the blob serves, from one
+        peer. One attempt: a failure raises SourceError and the caller goes on with the bytes not yet yielded."""
+        try:
+            resp, served = peer.open_span(sha256, pos, end)
+        except Retryable as exc:
+            raise SourceError(str(exc)) from exc
+        opened = iter([resp])
+
+        def open_once(a: int, b: int) -> typing.Any:
+            resp = next(opened, None)
+            if resp is None:
+                raise Retryable(f"peer {peer.url} cut blob {sha256[:12]} at byte {a}")
+            return resp
+
+        retry = Retry(f"reading blob {sha256[:12]} bytes {pos}-{served - 1} from peer {peer.url}", 1)
+        with closing(stream_range(open_once, pos, served - pos, buf, retry, on_bytes)) as pieces:
             for at, view in pieces:
                 with self._lock:
                     self._served[(key, at)] = (peer.url, hashlib.sha256(view).digest())
