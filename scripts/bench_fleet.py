@@ -9,11 +9,13 @@ with its own store root and a real peer server on 127.0.0.1 (tests/peers_fleet.p
 Rows, per N:
   independent   N nodes fetch at once from the origin, no peers (what every node does without fleet fill)
   fleet         one node fetches, then the other N-1 at once with every node as a peer
+  at once       all N nodes fetch at once with every node as a peer (a fleet scaling out together)
 
 Columns: origin bytes as a multiple of the model, wall seconds until every node has the snapshot (median of
---runs), and ratio = independent wall / fleet wall. Each run uses fresh roots.
+--runs), ratio = independent wall / this row's wall, and "vs one" = this row's wall / one node's wall alone
+(the target for "at once": <= 1.3). Each run uses fresh roots.
 
-    .venv/bin/python scripts/bench_fleet.py [--size-mb 64] [--nodes 2,4,8] [--runs 1] [--origin-mbps 50]
+    .venv/bin/python scripts/bench_fleet.py [--size-mb 64] [--nodes 2,4,8] [--runs 1] [--origin-mbps 10]
 """
 
 from __future__ import annotations
@@ -71,6 +73,12 @@ def run(mode: str, n: int, proxy: FaultProxy) -> tuple[int, float]:
             nodes = [fleet.node(f"n{i}") for i in range(n)]
             started = time.perf_counter()
             fetch_all(nodes, proxy)
+        elif mode == "at once":
+            nodes = [fleet.node(f"n{i}") for i in range(n)]
+            for node in nodes:
+                fleet.connect(node, [o.url for o in nodes if o is not node])
+            started = time.perf_counter()
+            fetch_all(nodes, proxy)
         else:
             seed = fleet.node("n0")
             others = [fleet.node(f"n{i}") for i in range(1, n)]
@@ -87,7 +95,7 @@ def main() -> int:
     parser.add_argument("--size-mb", type=int, default=64)
     parser.add_argument("--nodes", default="2,4,8")
     parser.add_argument("--runs", type=int, default=1)
-    parser.add_argument("--origin-mbps", type=float, default=50.0, help="per origin connection, MB/s")
+    parser.add_argument("--origin-mbps", type=float, default=10.0, help="per origin connection, MB/s")
     args = parser.parse_args()
     size = args.size_mb << 20
     moto = Moto()
@@ -99,15 +107,17 @@ def main() -> int:
                       rate=int(args.origin_mbps * 1e6), count=-1)
             print(f"model {model / 2**20:.0f} MiB, origin throttled to {args.origin_mbps:.0f} MB/s per connection, "
                   f"{OPTIONS['concurrency']} connections per fetch, median of {args.runs} run(s)")
-            print(f"{'N':>3} {'mode':<12} {'origin bytes':>13} {'wall s':>8} {'ratio':>6}")
+            one = statistics.median(run("independent", 1, proxy)[1] for _ in range(args.runs))
+            print(f"one node alone: {one:.2f} s")
+            print(f"{'N':>3} {'mode':<12} {'origin bytes':>13} {'wall s':>8} {'ratio':>6} {'vs one':>7}")
             for n in [int(x) for x in args.nodes.split(",")]:
                 rows = {}
-                for mode in ("independent", "fleet"):
+                for mode in ("independent", "fleet", "at once"):
                     results = [run(mode, n, proxy) for _ in range(args.runs)]
                     rows[mode] = (statistics.median(r[0] for r in results), statistics.median(r[1] for r in results))
                 for mode, (sent, wall) in rows.items():
                     ratio = rows["independent"][1] / wall if wall else 0.0
-                    print(f"{n:>3} {mode:<12} {sent / model:>12.2f}x {wall:>8.2f} {ratio:>6.2f}")
+                    print(f"{n:>3} {mode:<12} {sent / model:>12.2f}x {wall:>8.2f} {ratio:>6.2f} {wall / one:>7.2f}")
     finally:
         moto.stop()
     return 0

@@ -123,6 +123,7 @@ class Daemon:
                 log.warning("peerListen %s:%d is not advertised to other nodes: set POD_IP (downward API) or "
                             "listen on the node's address", *self.settings.peer_listen)
             node.cluster.reporter.peer_address = address
+            node.fetcher.peers.self_url = address  # its rank among the peers spreads first ranges
         self._loops.spawn("peer-discovery", keep_discovering(node.cluster.api_client, node.cluster.node_name,
                                                              node.fetcher.peers))
 

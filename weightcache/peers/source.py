@@ -119,6 +119,7 @@ class PeerSource:
         self._inflight = inflight or InFlight()
         self._rank = rank
         self._own: set[tuple[str, int]] = set()  # (key, offset) of the ranges this node fetches first
+        self._grace_until: float | None = None  # until when ranges of others' shares wait for any peer
         self.ref, self.name = origin.ref, origin.name
         self._peers = peers
         self._digests = digests
@@ -161,9 +162,10 @@ class PeerSource:
     def read_pieces(self, obj: ObjectInfo, offset: int, length: int, buf: memoryview,
                     on_bytes: OnBytes | None = None) -> Pieces:
         """Peers first: those holding the blob, or fetching these bytes now (their server streams them as they
-        arrive). A range outside this node's own share that no peer has yet, while peers are downloading the
-        blob, is asked again for up to GRACE_S (the node it falls to first is about to fetch it); then the
-        origin, with a claim that lets this node's peer server stream it to the others."""
+        arrive). A range outside this node's own share that no peer has yet is asked again for up to GRACE_S
+        (the node it falls to first is about to fetch it), counted from the fetch's first ask unless a peer is
+        downloading the blob, then from this range's; then the origin, with a claim that lets this node's peer
+        server stream it to the others."""
         pos, end = offset, offset + length
         trusted = self._digests.get(obj.key)
         if trusted is None or obj.key in self._origin_only:
@@ -171,6 +173,11 @@ class PeerSource:
             return
         with self._lock:
             wait = (obj.key, offset) not in self._own and self._rank[1] > 1
+            # peers that start later register later: ranges may wait for them until GRACE_S after this fetch's
+            # first ask (once per fetch, so peers that never fetch the model cost that once, not per blob)
+            if self._grace_until is None:
+                self._grace_until = time.monotonic() + GRACE_S
+            fetch_deadline = self._grace_until
         deadline = time.monotonic() + GRACE_S
         while True:
             progressed, downloading = False, False
@@ -190,7 +197,8 @@ class PeerSource:
                     return
             if progressed:
                 continue
-            if not (wait and downloading) or time.monotonic() >= deadline:
+            now = time.monotonic()
+            if not wait or (now >= fetch_deadline and not (downloading and now < deadline)):
                 break
             time.sleep(POLL_S)
         yield from self._from_origin(obj, pos, end, buf, on_bytes, trusted[0])
