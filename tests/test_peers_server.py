@@ -16,7 +16,7 @@ from tests.peers_fleet import Fleet, FleetNode
 from weightcache.download import PartialFile
 from weightcache.errors import ConfigError
 from weightcache.peers import PeerClient, peer_base_url
-from weightcache.peers.client import PeerUnreachable
+from weightcache.peers.client import PeerBusy, PeerUnreachable
 from weightcache.peers.server import STALL_S, PeerLimits, parse_range
 from weightcache.sources import ObjectInfo
 
@@ -131,6 +131,10 @@ def rate_limited(http: urllib3.PoolManager, node: FleetNode) -> None:
         second = get(http, node, f"/v1/blobs/sha256/{SHA}")
         assert second.status == 429 and second.headers["Retry-After"] == "1"
         assert get(http, node, f"/v1/blobs/sha256/{SHA}", method="HEAD").status == 200  # HEADs cost no stream
+        client = PeerClient(node.url, TOKEN, connect_timeout=2, read_timeout=5)
+        with pytest.raises(PeerBusy):  # busy is no fault of the peer's: the asker waits or goes elsewhere
+            client.open_range(SHA, 0, 10)
+        client.close()
     finally:
         slow.release_conn()
         slow.close()

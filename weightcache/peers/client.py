@@ -31,6 +31,10 @@ class PeerRangeMissing(SourceError):
     answer = Answer(6, 502, "UNAVAILABLE")  # handled inside a fetch; this is what shows if one ever escapes
 
 
+class PeerBusy(PeerRangeMissing):
+    """The peer serves this node as many streams as it allows (429): ask again shortly or elsewhere, no fault."""
+
+
 class PeerUnreachable(SourceError):
     """The peer did not answer (refused, timed out, reset): not asked again during this fetch."""
     answer = Answer(6, 502, "UNAVAILABLE")  # handled inside a fetch; this is what shows if one ever escapes
@@ -106,6 +110,9 @@ class PeerClient:
         if resp.status == 404 and resp.headers.get(PARTIAL_HEADER):
             resp.close()
             raise PeerRangeMissing(f"peer {self.url} has not downloaded bytes {pos}-{end - 1} yet")
+        if resp.status == 429:
+            resp.close()
+            raise PeerBusy(f"peer {self.url} is serving us all the streams it allows")
         m = _CONTENT_RANGE.fullmatch(resp.headers.get("Content-Range", "")) if resp.status == 206 else None
         if m is None or int(m[1]) != pos or not pos <= int(m[2]) < end:
             resp.close()

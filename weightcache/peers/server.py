@@ -47,7 +47,7 @@ class PeerLimits:
     """Per-peer serving limits; a peer is its remote address."""
 
     rate_bytes_s: int = 500 << 20  # token bucket refill; 0 = unlimited
-    max_streams: int = 4  # bodies served to one peer at once
+    max_streams: int = 8  # bodies served to one peer at once: one fetch's workers (8) may all wait on this node
     listener: Limits = field(default_factory=lambda: Limits(max_connections=128, header_timeout_s=10.0,
                                                               body_timeout_s=10.0, idle_timeout_s=30.0))
 

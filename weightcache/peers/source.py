@@ -6,8 +6,10 @@ manifest this node wrote for that very object version); for any other object pee
 source merely claims could name another namespace's model: asking peers for it would widen access).
 
 Concurrent ranges of one blob go to different holders in turn, so a blob's pieces come from several peers at
-once. A peer failing mid-range (dead, cut, 429) costs a retry of the rest of that range on the next holder, then
-on the origin. Bytes from peers are hashed like any others by the fetch engine; when a blob fails verification,
+once. Nodes started together rotate their ranges by rank (`spread`) and wait for a range a peer is fetching from
+the origin now (its claim) rather than ask the origin again (docs/peers.md, "Nodes started together"). A peer
+failing mid-range (dead, cut) costs a retry of the rest of that range on the next holder, then on the origin.
+Bytes from peers are hashed like any others by the fetch engine; when a blob fails verification,
 `verification_failed` makes the next round read that blob from the origin only, and each piece a peer served is
 compared with the origin's: a peer whose piece differs is never asked again by this node.
 """
