@@ -7,8 +7,9 @@
 After `kill -9` a rerun keeps every journalled range and refetches only what was in flight. A header that does
 not match the object (new ETag, size or version) discards both files: a body is never mixed from two versions.
 Chunks finish out of order; whichever worker completes the next contiguous range feeds it to sha256 (and to
-the source's own checksum: a full-object CRC32 or the like, or the MD5 an ETag is) by re-reading it from the
-page cache, so hashing overlaps the download.
+the source's own checksum: a full-object CRC32 or the like, or the MD5 an ETag is), from its own buffer when the
+chunk it just wrote is next, else by re-reading the ranges that wait from the page cache, so hashing overlaps
+the download.
 """
 
 from __future__ import annotations
@@ -141,6 +142,11 @@ class PartialFile:
             if self._hashing:
                 return
             self._hashing = True
+            in_hand = offset == self._hash_at
+        if in_hand:  # the next bytes to hash are these: feed them now instead of re-reading them from the page cache
+            self._feed(data)
+            with self._mu:
+                self._hash_at = offset + len(data)
         self.advance_hash(scratch)
 
     def advance_hash(self, scratch: memoryview) -> None:
@@ -162,10 +168,13 @@ class PartialFile:
             n = os.preadv(self._fd, [scratch[:min(len(scratch), end - start)]], start)
             if n <= 0:
                 raise OSError(f"short read of {self.part} at {start}")
-            self.sha256.update(scratch[:n])
-            if self.source_check is not None:
-                self.source_check.update(scratch[:n])
+            self._feed(scratch[:n])
             start += n
+
+    def _feed(self, data: memoryview) -> None:
+        self.sha256.update(data)
+        if self.source_check is not None:
+            self.source_check.update(data)
 
     def hash_resumed(self, scratch: memoryview) -> None:
         """Feed already-journalled bytes at the start of the file to the hashes (after a resume)."""
