@@ -33,6 +33,7 @@ class PeerRangeMissing(SourceError):
 
 class PeerBusy(PeerRangeMissing):
     """The peer serves this node as many streams as it allows (429): ask again shortly or elsewhere, no fault."""
+    answer = Answer(6, 502, "UNAVAILABLE")  # handled inside a fetch; this is what shows if one ever escapes
 
 
 class PeerUnreachable(SourceError):
