@@ -1,6 +1,7 @@
 """A full disk is survivable: on a real tmpfs filled to 0 bytes, daemon start (opening the store), `ls`,
-`verify`, `gc`, `unpin` and `evict` all work, and they give space back. The store keeps a free-space floor
-(minFreeBytes / minFreePercent) that a fetch may not cut into."""
+`verify`, `gc`, `unpin` and `evict` all work; daemon start, `gc` and `evict` give space back down to the floor,
+while read-only commands (`ls`, `verify`) evict nothing. The store keeps a free-space floor (minFreeBytes /
+minFreePercent) that a fetch may not cut into."""
 
 from __future__ import annotations
 
@@ -44,9 +45,9 @@ def fill(fs: Path) -> None:
     assert disk_free(fs)[0] == 0
 
 
-def cli(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def cli(root: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "weightcache", *args, "--root", str(root)], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120, env={**os.environ, **(env or {})})
 
 
 def populate(fs: Path, tmp_path: Path, *, pin: str) -> tuple[Path, dict[str, str]]:
@@ -74,12 +75,14 @@ def test_every_command_works_on_a_full_disk_with_everything_pinned(tmpfs: Path, 
     proc = cli(root, "gc")
     assert proc.returncode == 0 and "freed" in proc.stdout, proc.stderr
     assert not (root / "partial" / "mabandoned.0123.part").exists()
-    before = disk_free(tmpfs)[0]
     assert cli(root, "unpin", ids["a"]).returncode == 0
-    proc = cli(root, "ls")  # below the floor: the next start evicts what is no longer pinned
-    assert proc.returncode == 0 and ids["a"][:12] not in proc.stdout, proc.stderr
+    proc = cli(root, "ls")  # below the floor, but a read-only command evicts nothing
+    assert proc.returncode == 0 and ids["a"][:12] in proc.stdout, proc.stderr
+    before = disk_free(tmpfs)[0]
+    proc = cli(root, "gc")  # gives space back down to the floor: a, no longer pinned, goes
+    assert proc.returncode == 0, proc.stderr
     assert disk_free(tmpfs)[0] > before + (256 << 10)
-    store = Store(root)
+    store = Store(root, evict_to_floor=False)
     assert [i.snapshot.id for i in store.list()] == [ids["b"]]
     assert list(store.layout.evicting.iterdir()) == []
 
@@ -89,7 +92,7 @@ def test_every_command_works_on_a_full_disk_with_everything_pinned(tmpfs: Path, 
 def test_store_start_on_a_full_disk_gives_space_back_down_to_the_floor(tmpfs: Path, tmp_path: Path) -> None:
     root, ids = populate(tmpfs, tmp_path, pin="b")
     fill(tmpfs)
-    store = Store(root)  # what daemon start, and every CLI command, do first
+    store = Store(root)  # what daemon start does first (the CLI's read-only commands pass evict_to_floor=False)
     assert [i.snapshot.id for i in store.list()] == [ids["b"]]  # a (unpinned) evicted; b (pinned) kept
     assert disk_free(tmpfs)[0] > 0
     assert list(store.layout.evicting.iterdir()) == [] and not (root / "snapshots" / ids["a"]).exists()
@@ -112,6 +115,29 @@ def test_eviction_on_a_full_disk_finishes_even_when_its_blobs_are_shared(tmpfs: 
     store.evict(a.id)
     assert [i.snapshot.id for i in store.list()] == [a2.id]
     assert not store.layout.eviction(a.id).exists()
+
+
+def test_ls_below_the_floor_evicts_nothing_and_evict_gives_space_back(tmp_path: Path) -> None:
+    """A disk below the floor but not full (a laptop at 90%): `ls` and `verify` leave every model cached;
+    `evict` of one model also gives space back, least recently used first, keeping what is pinned."""
+    models = make_models(tmp_path / "src", "a", "b", "c")
+    root = tmp_path / "root"
+    store = Store(root, min_free_bytes=0, min_free_percent=0)
+    ids = {name: fetch(store, models[name]).id for name in ("a", "b", "c")}
+    store.pin(ids["c"])
+    store.close()
+    below = {"WEIGHTCACHE_MIN_FREE_BYTES": str(disk_free(tmp_path)[0] + (1 << 40))}
+    for args in (["ls"], ["verify"], ["status"]):
+        proc = cli(root, *args, env=below)
+        assert proc.returncode == 0, proc.stderr
+    listed = cli(root, "ls", env=below).stdout
+    assert all(snap_id[:12] in listed for snap_id in ids.values()), listed
+    assert sorted(p.name for p in (root / "snapshots").iterdir()) == sorted(ids.values())
+    proc = cli(root, "evict", ids["a"], env=below)
+    assert proc.returncode == 0, proc.stderr
+    left = Store(root, evict_to_floor=False)
+    assert [i.snapshot.id for i in left.list()] == [ids["c"]]  # a asked for, b for the floor, c pinned
+    assert sorted(p.name for p in (root / "snapshots").iterdir()) == [ids["c"]]
 
 
 def test_a_fetch_may_not_cut_into_the_free_space_floor(tmp_path: Path) -> None:

@@ -100,14 +100,16 @@ class StoreCache:
         return Layout(self.root).manifests.is_dir()
 
     def open(self) -> Store:
-        """The store, created if missing: only for commands that write."""
+        """The store, created if missing: only for commands that write. Opening evicts nothing: only the commands
+        that free space (`gc`, `evict`) give space back down to the floor, after their own work."""
         if self._store is None:
             from weightcache.store import Store
 
             if self.floor is None:
-                self._store = Store(self.root)
+                self._store = Store(self.root, evict_to_floor=False)
             else:
-                self._store = Store(self.root, min_free_bytes=self.floor[0], min_free_percent=self.floor[1])
+                self._store = Store(self.root, min_free_bytes=self.floor[0], min_free_percent=self.floor[1],
+                                    evict_to_floor=False)
         return self._store
 
     def _existing(self) -> Store | None:
@@ -128,12 +130,13 @@ class StoreCache:
         except InUseError as exc:
             held = [describe_holder(store.root, h) for h, s in store.leases().items() if s == snapshot_id]
             raise InUseError(f"{exc}" + (f". Held by: {'; '.join(held)}" if held else "")) from exc
+        store.restore_floor()
 
     def evict_to(self, size: int) -> tuple[list[str], int]:
         store = self._existing()
         if store is None:
             return [], 0
-        return store.evict_to(size), store.used_bytes()
+        return store.evict_to(size) + store.restore_floor(), store.used_bytes()
 
     def pin(self, snapshot_id: str) -> None:
         self.open().pin(snapshot_id)
@@ -162,7 +165,11 @@ class StoreCache:
         from weightcache.store import collect_garbage
 
         store = self._existing()
-        return collect_garbage(store) if store is not None else 0
+        if store is None:
+            return 0
+        freed = collect_garbage(store)
+        store.restore_floor()
+        return freed
 
 
 def open_cache(root: str | None, default_root: str | Path, socket: str | Path, *, use_daemon: bool = True,

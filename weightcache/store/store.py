@@ -73,11 +73,13 @@ def ref_name(ref: ModelRef) -> str:
 
 
 class Store:
-    """Thread-safe and multi-process-safe. Constructing one creates the layout and runs startup recovery."""
+    """Thread-safe and multi-process-safe. Constructing one creates the layout and runs startup recovery, which
+    ends by giving space back down to the floor unless `evict_to_floor` is False (read-only commands: `ls` on a
+    nearly full laptop disk must not delete cached models)."""
 
     def __init__(self, root: str | Path, *, budget_bytes: int | None = None,
                  min_free_bytes: int = DEFAULT_MIN_FREE_BYTES, min_free_percent: float = DEFAULT_MIN_FREE_PERCENT,
-                 recover: bool = True) -> None:
+                 recover: bool = True, evict_to_floor: bool = True) -> None:
         self.layout = Layout(root)
         self.root = self.layout.root
         self.tree = self.layout.tree
@@ -93,7 +95,8 @@ class Store:
         self.index = Index(self.layout.index, self.tree, on_full=self._release_reserve)
         if recover:
             recovery.sync(self, manifests)
-            self.restore_floor()
+            if evict_to_floor:
+                self.restore_floor()
             self.keep_reserve()
 
     def close(self) -> None:
