@@ -92,6 +92,8 @@ def test_every_command_works_on_a_full_disk_with_everything_pinned(tmpfs: Path, 
 def test_store_start_on_a_full_disk_gives_space_back_down_to_the_floor(tmpfs: Path, tmp_path: Path) -> None:
     root, ids = populate(tmpfs, tmp_path, pin="b")
     fill(tmpfs)
+    proc = cli(root, "ls")  # 0 bytes free and a evictable: a read-only command still works and keeps it
+    assert proc.returncode == 0 and ids["a"][:12] in proc.stdout, proc.stderr
     store = Store(root)  # what daemon start does first (the CLI's read-only commands pass evict_to_floor=False)
     assert [i.snapshot.id for i in store.list()] == [ids["b"]]  # a (unpinned) evicted; b (pinned) kept
     assert disk_free(tmpfs)[0] > 0
