@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -23,8 +24,9 @@ from tests.fixtures_csi import (  # noqa: F401 - fixtures are used by name
 )
 from tests.fixtures_daemon import RunningDaemon, daemon, model_copy, short_dir, tiny_model  # noqa: F401
 from tests.fixtures_s3 import fault_proxy, s3, s3_server  # noqa: F401
+from weightcache.daemon.app import setup_logging
 from weightcache.errors import InvalidReferenceError
-from weightcache.redact import RedactingFormatter, redact
+from weightcache.redact import redact
 from weightcache.uri import parse_ref
 
 KEY_ID = "AKIAIOSFODNN7EXAMPLE"
@@ -95,31 +97,71 @@ def test_limit_cuts_after_redacting() -> None:
     assert_clean(clean)
 
 
-def test_log_lines_and_tracebacks_pass_the_formatter() -> None:
-    out = io.StringIO()
-    handler = logging.StreamHandler(out)
-    handler.setFormatter(RedactingFormatter(logging.Formatter("%(levelname)s %(message)s")))
-    logger = logging.getLogger("test_redact.formatter")
-    logger.addHandler(handler)
+@pytest.fixture
+def process_log() -> Iterator[Callable[[], str]]:
+    """The daemon's real log setup (`setup_logging`, as `weightcache daemon` runs it), its stderr handler pointed
+    at a buffer; yields a function returning what the process has written so far. Root's handlers are put back."""
+    root = logging.getLogger()
+    before, level = root.handlers[:], root.level
+    setup_logging("text", "DEBUG")
+    ours = [h for h in root.handlers if h not in before]
+    written = io.StringIO()
+    for handler in ours:
+        assert isinstance(handler, logging.StreamHandler)
+        handler.setStream(written)
     try:
-        try:
-            raise RuntimeError(f"cannot open {HOSTILE_REFS[0]}")
-        except RuntimeError:
-            logger.exception("fetch of %s failed", HOSTILE_REFS[2])
+        yield written.getvalue
     finally:
-        logger.removeHandler(handler)
-    assert "Traceback" in out.getvalue() and "RuntimeError" in out.getvalue()
-    assert_clean(out.getvalue())
+        for handler in ours:
+            root.removeHandler(handler)
+        for handler in before:  # pytest's own capture handlers come and go with its phases
+            if not type(handler).__module__.startswith("_pytest") and handler not in root.handlers:
+                root.addHandler(handler)
+        root.setLevel(level)
 
 
-def test_records_of_our_loggers_are_clean_for_any_handler(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO)
-    logging.getLogger("weightcache.sources.s3").warning("GET %s failed", HOSTILE_REFS[0])
-    logging.getLogger("weightcache.sources.s3").warning("plain %s line", "words")
-    (record, plain) = caplog.records
-    assert_clean(record.getMessage())
-    assert "s3://***@models/x/" in record.getMessage()
-    assert (plain.msg, plain.args) == ("plain %s line", ("words",))  # untouched when nothing is secret
+def test_log_lines_and_tracebacks_pass_the_formatter(process_log: Callable[[], str]) -> None:
+    logger = logging.getLogger("weightcache.sources.s3")
+    try:
+        raise RuntimeError(f"cannot open {HOSTILE_REFS[0]}")
+    except RuntimeError:
+        logger.exception("fetch of %s failed", HOSTILE_REFS[2])
+    written = process_log()
+    assert "Traceback" in written and "RuntimeError" in written and "fetch of https://***@host.example" in written
+    assert_clean(written)
+
+
+@pytest.mark.parametrize("name", ["weightcache.sources.s3", "botocore.endpoint", "urllib3.connectionpool", "app"])
+def test_every_line_the_process_writes_is_clean_whichever_library_logs_it(
+        process_log: Callable[[], str], name: str) -> None:
+    logging.getLogger(name).warning("GET %s failed", HOSTILE_REFS[0])
+    logging.getLogger(name).warning("Authorization: Bearer %s", SECRET_PARTS[0])
+    logging.getLogger(name).warning("plain %s line", "words")
+    written = process_log()
+    assert_clean(written)
+    assert "GET s3://***@models/x/ failed" in written and "Authorization: Bearer ***" in written
+    assert f"{name}: plain words line" in written  # untouched when nothing is secret
+
+
+def test_the_cli_log_setup_redacts_other_libraries_lines() -> None:
+    """`weightcache` (cli.main) sets up its log once; a library's line (urllib3 quoting a URL) passes it too."""
+    code = ("import logging, sys; from weightcache import cli; "
+            "cli.cmd_ls = lambda args: [logging.getLogger(n).warning('GET %s failed', sys.argv[1]) "
+            "for n in ('urllib3.connectionpool', 'botocore.endpoint')] and 0; "
+            "sys.exit(cli.main(['--log-level', 'debug', 'ls']))")
+    r = subprocess.run([sys.executable, "-c", code, HOSTILE_REFS[2]], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "urllib3.connectionpool: GET https://***@host.example:8443/models/x/ failed" in r.stderr
+    assert "botocore.endpoint: GET https://***@" in r.stderr
+    assert_clean(r.stdout + r.stderr)
+
+
+def test_importing_the_package_leaves_global_logging_alone() -> None:
+    code = ("import logging; factory = logging.getLogRecordFactory(); handlers = list(logging.getLogger().handlers); "
+            "import weightcache, weightcache.loader, weightcache.redact, weightcache.uri; "
+            "print(logging.getLogRecordFactory() is factory, logging.getLogger().handlers == handlers)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "True"]
 
 
 @pytest.mark.parametrize("ref", HOSTILE_REFS[:3])
@@ -135,7 +177,7 @@ def test_the_cli_never_prints_the_secret(tmp_path: Path, ref: str) -> None:
 
 @pytest.mark.parametrize("attribute", ["model", "include"])
 async def test_csi_error_messages_and_request_logs_never_carry_the_secret(
-        csi: CsiHarness, caplog: pytest.LogCaptureFixture, attribute: str) -> None:
+        csi: CsiHarness, caplog: pytest.LogCaptureFixture, process_log: Callable[[], str], attribute: str) -> None:
     caplog.set_level(logging.DEBUG)
     if attribute == "model":
         request = csi.publish_request("vol-secret", model=HOSTILE_REFS[0])
@@ -146,14 +188,14 @@ async def test_csi_error_messages_and_request_logs_never_carry_the_secret(
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert f"volume_context.{attribute}" in (caught.value.details() or "")
     assert_clean(caught.value.details() or "")
-    assert "NodePublishVolume request" in caplog.text  # the debug request log ran, with volume_context
-    assert_clean(caplog.text)
-    for record in caplog.records:
+    assert "NodePublishVolume request" in process_log()  # the debug request log ran, with volume_context
+    assert_clean(process_log())
+    for record in caplog.records:  # the records themselves too: an embedding application's handlers see them
         assert_clean(record.getMessage())
 
 
 async def test_daemon_api_answers_and_logs_never_carry_the_secret(
-        daemon: RunningDaemon, caplog: pytest.LogCaptureFixture) -> None:
+        daemon: RunningDaemon, caplog: pytest.LogCaptureFixture, process_log: Callable[[], str]) -> None:
     caplog.set_level(logging.DEBUG)
     async with daemon.http() as http:
         for ref in HOSTILE_REFS:
@@ -164,7 +206,8 @@ async def test_daemon_api_answers_and_logs_never_carry_the_secret(
             async with http.post("/v1/leases", json={"holder": "h1", "uri": ref}) as r:
                 assert r.status == 400
                 assert_clean(await r.text())
-    for record in caplog.records:
+    assert_clean(process_log())
+    for record in caplog.records:  # the records themselves too: an embedding application's handlers see them
         assert_clean(record.getMessage())
 
 

@@ -10,12 +10,15 @@ path, revision and query the way weightcache reads references (weightcache/uri.p
 
 Outside references, `Authorization:` values and `aws_secret_access_key=`-style assignments are blanked.
 Over-redacting a harmless word is preferred to leaking a key.
+
+Log lines are redacted by the handlers our entry points install (`RedactingFormatter`, `redact_log_handlers`):
+importing the package changes no global logging state, so an embedding application keeps its own factory and
+handlers, while every line a weightcache process writes (botocore's and urllib3's included) passes `redact`.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
 from urllib.parse import unquote
 
 SECRET_PARAMS = frozenset({
@@ -161,30 +164,6 @@ def _word_end(text: str, start: int) -> int:
     while end < len(text) and text[end] not in " \t\r\n,;'\"&":
         end += 1
     return end
-
-
-def redact_own_records() -> None:
-    """Redact the records of weightcache's own loggers as they are made, whichever handler gets them (a test's
-    capture, an embedding application's): called once when the package is imported. Records of other libraries
-    are left alone here; the handlers our entry points install redact those (`redact_log_handlers`)."""
-    previous = logging.getLogRecordFactory()
-    if getattr(previous, "redacts_weightcache", False):
-        return
-
-    def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
-        record = previous(*args, **kwargs)
-        if record.name.startswith("weightcache"):
-            try:
-                message = record.getMessage()
-            except Exception:  # a bad format string: logging reports it when the record is emitted
-                return record
-            clean = redact(message)
-            if clean != message:
-                record.msg, record.args = clean, ()
-        return record
-
-    factory.redacts_weightcache = True  # type: ignore[attr-defined]
-    logging.setLogRecordFactory(factory)
 
 
 class RedactingFormatter(logging.Formatter):

@@ -9,6 +9,7 @@ from typing import Any
 
 from weightcache import defaults
 from weightcache.errors import ConfigError
+from weightcache.redact import redact_log_handlers
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ def run_daemon(args: argparse.Namespace) -> int:
         settings = load_settings(args.config, env=os.environ, flags=flags)
     except ConfigError as exc:
         logging.basicConfig(format="%(levelname)s: %(message)s")
+        redact_log_handlers()
         log.error("%s", exc)
         return 2
     return run(settings, env=dict(os.environ), flags=flags)
