@@ -195,6 +195,7 @@ async def test_an_api_client_sees_where_its_fetch_waits(short_dir: Path, model_c
         async with d.http() as http:
             async with http.put("/v1/models", json={"uri": "s3://models/first/"}) as r:
                 assert r.status == 202
+                assert (await r.json())["progress"]["phase"] in ("queued", "listing"), "in the queue before the 202"
             async with http.put("/v1/models?wait=1", json={"uri": "s3://models/second/"}) as r:
                 lines = [json.loads(line) async for line in r.content]
         texts = [line["progress"]["text"] for line in lines if "progress" in line]

@@ -191,6 +191,7 @@ async def ensure(request: web.Request) -> web.StreamResponse:
     if cached is not None:
         await node.settle(cached, tier=req.tier, pin=req.pin)
         return web.json_response({"snapshot": snapshot_body(cached)})
+    node.fetches.start(req.ref)  # in the queue before the answer: requests keep their order, the answer its place
     _start(node, req, keep=True)
     progress = node.fetches.progress(req.ref)
     return web.json_response({"fetching": str(req.ref), "progress": progress and progress_body(progress)},
