@@ -10,6 +10,7 @@ peak RSS), interleaved round-robin, each after the same idle pause, median of --
   as weightcache's publish) and curl against nginx; dd write+fsync as the disk ceiling.
 
     .venv/bin/python scripts/bench_prefetch.py [--size-gb 2] [--runs 3] [--idle 3] [--skip-moto] [--small-files 2000]
+    .venv/bin/python scripts/bench_prefetch.py --small-only [--dir DIR]     # the small-files table alone
 
 Needs nginx, aria2 and curl (apt-get install nginx aria2 curl): the script installs them when root. The s3fs row
 needs the bench extra (pip install -e '.[bench]'); without it the row is skipped with a note.
@@ -221,17 +222,20 @@ def main() -> int:
     ap.add_argument("--skip-moto", action="store_true", help="moto re-reads whole objects per ranged GET: slow")
     ap.add_argument("--dir", default=None, help="work directory (default: a temp dir on the store's disk)")
     ap.add_argument("--small-files", type=int, default=2000, help="files of 4 KB for the small-files table (0: skip)")
+    ap.add_argument("--small-only", action="store_true", help="the small-files table alone (no model, no servers)")
     args = ap.parse_args()
-    for tool, pkg in (("nginx", "nginx"), ("aria2c", "aria2"), ("curl", "curl")):
-        if shutil.which(tool) is None and os.geteuid() == 0:
-            subprocess.run(["apt-get", "install", "-y", "-qq", pkg], check=True, stdout=subprocess.DEVNULL)
-
     work = Path(tempfile.mkdtemp(prefix="wc-bench-", dir=args.dir))
     if args.small_files:
         try:
             small_files(work / "small", args.small_files, args.runs, args.idle)
         finally:
             shutil.rmtree(work / "small", ignore_errors=True)
+    if args.small_only:
+        shutil.rmtree(work, ignore_errors=True)
+        return 0
+    for tool, pkg in (("nginx", "nginx"), ("aria2c", "aria2"), ("curl", "curl")):
+        if shutil.which(tool) is None and os.geteuid() == 0:
+            subprocess.run(["apt-get", "install", "-y", "-qq", pkg], check=True, stdout=subprocess.DEVNULL)
     src = work / "origin" / "model"
     # made in a child: a forked client's ru_maxrss would otherwise include this process's model buffers
     subprocess.run([PY, __file__, "--make", str(src), str(args.size_gb), str(args.shards)], check=True)

@@ -49,6 +49,7 @@ class PartialFile:
         self.resumed_bytes = 0
         self._fd = -1
         self._jfd = -1
+        self._whole_size: int | None = None  # bytes written by write_whole (its descriptor is closed at once)
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
     def open(self) -> list[tuple[int, int]]:
@@ -120,12 +121,16 @@ class PartialFile:
         self.journal.unlink(missing_ok=True)
         self._done.clear()
         self._hash_at = 0
+        self._whole_size = None
         self.sha256 = hashlib.sha256()
         self.source_check = self._source_check() if self._source_check else None
 
     # -- writing ------------------------------------------------------------------------------------------------
     def write(self, offset: int, data: memoryview, scratch: memoryview) -> None:
         """Write a finished chunk, journal it, then advance the in-order hash (using `scratch` to re-read)."""
+        if not self.journalled and offset == 0 and len(data) == self.obj.size:
+            self._write_whole(data)
+            return
         if self._fd < 0:
             with self._mu:
                 if self._fd < 0:
@@ -148,6 +153,20 @@ class PartialFile:
             with self._mu:
                 self._hash_at = offset + len(data)
         self.advance_hash(scratch)
+
+    def _write_whole(self, data: memoryview) -> None:
+        """A one-request file in one go: create, write, hash from the caller's buffer, close. Its descriptor is not
+        kept until verification, so a model of many small files never holds one descriptor per file (EMFILE)."""
+        fd = _create_truncated(self.part)
+        try:
+            view = data
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+        self._feed(data)
+        with self._mu:
+            self._done[0] = self._hash_at = self._whole_size = len(data)
 
     def advance_hash(self, scratch: memoryview) -> None:
         """Hash every contiguous finished byte; one hasher at a time, others just leave their ranges."""
@@ -202,7 +221,9 @@ class PartialFile:
         return self._hash_at >= self.obj.size
 
     def written_size(self) -> int:
-        """The size of what is on disk (a manifest records this, never a listing's claim)."""
+        """The size of what was written (a manifest records this, never a listing's claim)."""
+        if self._whole_size is not None:
+            return self._whole_size
         return os.fstat(self._fd).st_size
 
 

@@ -211,10 +211,11 @@ class Fetcher:
         reporter.start(total, len(items), already=total - sum(i.obj.size for i in todo),
                        files_already=len(items) - len(todo))
         range_size = self._range_size(sum(i.obj.size for i in todo))
+        partial = self.store.partial_dir()  # checked once: every part is opened O_NOFOLLOW by its writer
         for item in todo:
             check = item.source_check
             item.partial = PartialFile(
-                self.store.partial_path(f"{ref.key}.{hashlib.sha256(item.relpath.encode()).hexdigest()[:16]}.part"),
+                partial / f"{ref.key}.{hashlib.sha256(item.relpath.encode()).hexdigest()[:16]}.part",
                 item.obj, range_size=range_size, source_check=_hasher_factory(check[0]) if check else None,
                 journalled=item.obj.size > self.chunk_size)  # a one-chunk file has nothing to resume
         resumed = sum(_partial_size(i) for i in todo)
@@ -354,7 +355,8 @@ class Fetcher:
         sync_filesystem(self.store.layout.partial)
         self.store.add_blobs(((_partial(item).part, item.sha256 or "") for item in items), durable=False)
         for item in items:
-            _partial(item).journal.unlink(missing_ok=True)
+            if _partial(item).journalled:
+                _partial(item).journal.unlink(missing_ok=True)
         sync_filesystem(self.store.layout.partial)
 
     def _download_round(self, source: Source, items: list[_Item], reporter: _Reporter) -> int:

@@ -137,10 +137,14 @@ class Store:
             return os.open(path.name, flags, 0o644, dir_fd=dfd)
 
     def partial_path(self, name: str) -> Path:
-        """Where a download in flight keeps file `name`. partial/ is checked (and healed) to be a real directory
-        each time; the download opens the file itself with O_NOFOLLOW."""
+        """Where a download in flight keeps file `name`: see partial_dir."""
+        return self.partial_dir() / name
+
+    def partial_dir(self) -> Path:
+        """partial/, checked (and healed) to be a real directory on each call: a fetch calls it once per plan
+        and names its many files in it; the download opens each file itself with O_NOFOLLOW."""
         self.tree.ensure_dir(self.layout.partial)
-        return self.layout.partial / name
+        return self.layout.partial
 
     # -- reading ----------------------------------------------------------------------------------------------
     def lookup(self, ref: ModelRef) -> Snapshot | None:
