@@ -14,7 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from weightcache.errors import HostileKeyError, ObjectChangedError, SourceError
 from weightcache.fetch import Fetcher
+from weightcache.sources import open_source
+from weightcache.sources.fsspec import stat_token
 from weightcache.store import Store, verify_snapshot
 from weightcache.uri import parse_ref
 
@@ -52,3 +55,50 @@ def test_a_model_of_more_files_than_descriptors_is_fetched(tmp_path: Path, few_d
     got = {f.path: (snap.path / f.path).read_bytes() for f in snap.files}
     assert got == files
     assert verify_snapshot(store, snap.id) == []
+
+
+def test_the_local_listing_confines_a_symlink_in_a_subdirectory(tmp_path: Path) -> None:
+    """Only symlink entries are resolved now (real directories are walked, a symlinked one is not descended):
+    a link deep in the tree that leads out is still refused, naming the key."""
+    model = tmp_path / "model"
+    _small_model(model, 10)
+    (tmp_path / "secret").write_bytes(b"another tenant's weights")
+    (model / "d3" / "deep").mkdir()
+    (model / "d3" / "deep" / "w.bin").symlink_to(tmp_path / "secret")
+    with pytest.raises(HostileKeyError, match=r"d3/deep/w\.bin.*leads outside"):
+        open_source(parse_ref(f"file://{model}/")).list()
+
+
+def test_the_local_listing_refuses_a_fifo(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    _small_model(model, 3)
+    os.mkfifo(model / "d1" / "pipe")
+    with pytest.raises(SourceError, match=r"d1/pipe is not a regular file"):
+        open_source(parse_ref(f"file://{model}/")).list()
+
+
+def test_a_file_swapped_for_a_fifo_after_listing_is_a_change_not_a_hang(tmp_path: Path) -> None:
+    """A read opens the path without blocking: a FIFO put there after listing (nobody writes to it) raises
+    ObjectChangedError at once instead of hanging the worker in open()."""
+    model = tmp_path / "model"
+    _small_model(model, 3)
+    source = open_source(parse_ref(f"file://{model}/"))
+    obj = next(o for o in source.list() if o.relpath == "d1/f00001.bin")
+    os.unlink(obj.key)
+    os.mkfifo(obj.key)
+    with pytest.raises(ObjectChangedError):
+        source.read_into(obj, 0, memoryview(bytearray(obj.size)))
+
+
+def test_the_local_listing_walks_real_directories_with_exact_tokens(tmp_path: Path) -> None:
+    """Every file of every real directory, each pinned by its own stat (inode, ctime, mtime, size in ns)."""
+    model = tmp_path / "model"
+    files = _small_model(model, 40, dirs=4)
+    (model / "d2" / "x" / "y").mkdir(parents=True)
+    (model / "d2" / "x" / "y" / "z.bin").write_bytes(b"z")
+    files["d2/x/y/z.bin"] = b"z"
+    objects = open_source(parse_ref(f"file://{model}/")).list()
+    assert [o.relpath for o in objects] == sorted(files)
+    for o in objects:
+        st = os.stat(model / o.relpath)
+        assert (o.key, o.size, o.etag) == (str(model / o.relpath), len(files[o.relpath]), stat_token(st))
