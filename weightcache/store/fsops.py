@@ -253,6 +253,15 @@ class HeldDirs:
     def __init__(self, tree: Tree) -> None:
         self._tree = tree
         self._fds: dict[Path, int] = {}
+        self._children: dict[tuple[Path, str], int] = {}  # (parent, name) -> fd: no Path built per file
+
+    def child(self, parent: Path, name: str, *, create: bool = False) -> int:
+        """Descriptor of directory `parent/name`, held like fd(); for a caller naming many files in a few
+        directories (blobs/sha256/<ab>), where building a Path per file cost more than the system calls."""
+        fd = self._children.get((parent, name))
+        if fd is None:
+            fd = self._children[parent, name] = self.fd(parent / name, create=create)
+        return fd
 
     def fd(self, path: Path, *, create: bool = False) -> int:
         """Descriptor of directory `path` (the tree's root or below it); owned by this object."""
@@ -268,6 +277,7 @@ class HeldDirs:
 
     def close(self) -> None:
         fds, self._fds = self._fds, {}
+        self._children.clear()
         for fd in fds.values():
             os.close(fd)
 

@@ -52,9 +52,14 @@ class Layout:
             self.tree.ensure_dir(d)
 
     def blob(self, sha256: str) -> Path:
-        if not is_hex(sha256, SHA256_HEX):  # the last guard before a digest becomes a path
+        return self.blobs / self.blob_dir_name(sha256) / sha256
+
+    @staticmethod
+    def blob_dir_name(sha256: str) -> str:
+        """The name of the blob's directory under `blobs`, after the last guard before a digest becomes a path."""
+        if not is_hex(sha256, SHA256_HEX):
             raise DamagedRecordError(f"{sha256[:80]!r} is not a sha256 digest")
-        return self.blobs / sha256[:2] / sha256
+        return sha256[:2]
 
     def snapshot(self, snapshot_id: str) -> Path:
         return self.snapshots / _name(snapshot_id)

@@ -67,8 +67,12 @@ class RefRecord:
 
 # -- writing ----------------------------------------------------------------------------------------------------
 def manifest_bytes(m: Manifest) -> bytes:
-    return json.dumps({"version": MANIFEST_VERSION, "id": m.id, "uri": m.uri, "revision": m.revision,
-                       "created": m.created, "files": [f.__dict__ for f in m.files]}, indent=1).encode()
+    """JSON with one file per line: readable, and each line made by the C encoder (indent= would use the
+    pure-Python one: 2,000 files took 45 ms)."""
+    head = json.dumps({"version": MANIFEST_VERSION, "id": m.id, "uri": m.uri, "revision": m.revision,
+                       "created": m.created})
+    files = ",\n ".join(json.dumps(f.__dict__) for f in m.files)
+    return f'{head[:-1]}, "files": [\n {files}\n]}}\n'.encode()
 
 
 def ref_bytes(r: RefRecord, include: Iterable[str] = (), exclude: Iterable[str] = ()) -> bytes:

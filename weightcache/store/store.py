@@ -254,9 +254,8 @@ class Store:
         if dirs is None:
             with self.tree.held() as held:
                 return self.blob_size(sha256, held)
-        blob = self.layout.blob(sha256)
         try:
-            st = os.stat(blob.name, dir_fd=dirs.fd(blob.parent), follow_symlinks=False)
+            st = os.stat(sha256, dir_fd=self._blob_dir(dirs, sha256), follow_symlinks=False)
         except FileNotFoundError:
             return None
         return st.st_size if stat.S_ISREG(st.st_mode) else None
@@ -283,17 +282,21 @@ class Store:
         """add_blob for many (path, sha256) files, each directory opened once (about five calls per file)."""
         with self.tree.held() as dirs:
             for path, sha256 in files:
-                blob = self.layout.blob(sha256)
+                blob_dir = self._blob_dir(dirs, sha256, create=True)
                 dfd = dirs.fd(path.parent)
                 fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
                 try:
                     os.fchmod(fd, 0o444)
                     if durable:
                         os.fsync(fd)
-                    link_in(fd, dirs.fd(blob.parent, create=True), blob.name, durable=durable)
+                    link_in(fd, blob_dir, sha256, durable=durable)
                 finally:
                     os.close(fd)
                 os.unlink(path.name, dir_fd=dfd)
+
+    def _blob_dir(self, dirs: HeldDirs, sha256: str, *, create: bool = False) -> int:
+        """Descriptor of blobs/sha256/<ab> for this digest (refused unless it is one), held in `dirs`."""
+        return dirs.child(self.layout.blobs, self.layout.blob_dir_name(sha256), create=create)
 
     def publish(self, ref: ModelRef, files: builtins.list[FileEntry]) -> Snapshot:
         """Build the snapshot tree from blobs, rename it into place, write the manifest, index it, point the ref."""
@@ -309,9 +312,19 @@ class Store:
                 self._write_manifest(Manifest(snap_id, ref.uri, ref.revision, time.time(), tuple(files)))
             self._index_snapshot(ref, snap_id, files)
             self._write_ref(ref, snap_id)
-        log.info("published %s as snapshot %s (%d files, %d bytes)", ref, snap_id, len(files),
-                 sum(f.size for f in files))
-        return self.get(snap_id)
+        size = sum(f.size for f in files)
+        log.info("published %s as snapshot %s (%d files, %d bytes)", ref, snap_id, len(files), size)
+        return self._published(snap_id, files, size)
+
+    def _published(self, snap_id: str, files: builtins.list[FileEntry], size: int) -> Snapshot:
+        """The snapshot just published, as get() reads it back, from the files in hand (the id is their digest:
+        the same list) instead of re-reading and re-validating every index row."""
+        rows = self.index.query("SELECT uri, revision FROM snapshots WHERE id=?", (snap_id,))
+        if not rows or not self.is_complete(snap_id):
+            return self.get(snap_id)  # evicted at once by another process: get() says so
+        uri, revision = rows[0]
+        return Snapshot(snap_id, self.layout.snapshot(snap_id), uri, revision, size,
+                        tuple(sorted(files, key=lambda f: f.path)))
 
     def _build_tree(self, final: Path, files: builtins.list[FileEntry], dirs: HeldDirs) -> Path:
         """A temporary tree of hard links to the blobs, directories fsynced and made 0555; returns its path."""
@@ -324,8 +337,7 @@ class Store:
                     made: set[str] = set()
                     for f in files:
                         _make_parents(tfd, f.path, made)
-                        blob = self.layout.blob(f.sha256)
-                        os.link(blob.name, f.path, src_dir_fd=dirs.fd(blob.parent), dst_dir_fd=tfd,
+                        os.link(f.sha256, f.path, src_dir_fd=self._blob_dir(dirs, f.sha256), dst_dir_fd=tfd,
                                 follow_symlinks=False)
                     for _, _, _, dfd in os.fwalk(".", topdown=False, dir_fd=tfd):
                         os.fsync(dfd)
