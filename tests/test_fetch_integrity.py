@@ -62,20 +62,20 @@ def test_a_local_file_rewritten_in_place_mid_read_is_refetched_whole(tmp_path: P
     path.write_bytes(BODY)
     os.utime(path, ns=(10**18, 10**18))  # an old mtime: the rewrite surely changes it, whatever the clock's tick
     new = bytes(reversed(BODY))
-    real_fill = fsspec_source._fill
+    real_fill = fsspec_source._pread_fill
     rewritten: list[bool] = []
 
-    def fill_then_rewrite(f: Any, view: memoryview) -> int:
+    def fill_then_rewrite(fd: int, view: memoryview, pos: int) -> int:
         """Read half, rewrite the file in place (same inode, same size), read the rest: a torn read."""
         if rewritten:
-            return real_fill(f, view)
-        half = real_fill(f, view[: len(view) // 2])
+            return real_fill(fd, view, pos)
+        half = real_fill(fd, view[: len(view) // 2], pos)
         with open(path, "r+b") as out:
             out.write(new)
         rewritten.append(True)
-        return half + real_fill(f, view[half:])
+        return half + real_fill(fd, view[half:], pos + half)
 
-    monkeypatch.setattr(fsspec_source, "_fill", fill_then_rewrite)
+    monkeypatch.setattr(fsspec_source, "_pread_fill", fill_then_rewrite)
     snap = Fetcher(Store(tmp_path / "root"), chunk_size=1 << 20).ensure(parse_ref(f"file://{src}/"))
     assert rewritten
     assert (snap.path / "w.bin").read_bytes() == new, "a mix of two versions was published"
