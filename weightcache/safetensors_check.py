@@ -9,13 +9,19 @@ the start of the data, plus an optional `"__metadata__"` str -> str map. A file 
 and sliced without any further bounds check: every tensor lies inside the file, tensors are contiguous and do not
 overlap, and the data has no gap and no trailing bytes (the rules the reference Rust implementation enforces).
 
-Only the standard library: the daemon and the fetch engine call this without torch or numpy.
+No torch or numpy: the daemon and the fetch engine call this in worker threads, never on an event loop.
 
-The header is untrusted input of up to 100 MB: the check is linear in its size (one C JSON parse, then one pass
-that never multiplies unbounded numbers: every dimension and offset is range-checked first, and an element
-count stops growing once it exceeds what the file could hold), errors quote at most a few dozen characters of
-what they found, and every failure is a SafetensorsHeaderError naming the tensor (never OverflowError or
-RecursionError). scripts/bench_header_check.py times a 100 MB header.
+The header is untrusted input of up to 100 MB: the check is linear in its size and never multiplies unbounded
+numbers (every dimension and offset is range-checked first, and an element count stops growing once it exceeds
+what the file could hold); errors quote at most a few dozen characters of what they found, and every failure is
+a SafetensorsHeaderError naming the tensor (never OverflowError or RecursionError).
+
+Parsing: orjson first (the standard library's json alone takes longer than the 2 s budget for 100 MB). orjson
+keeps the last of repeated keys where json refuses them, reads integers past 64 bits as floats and refuses some
+texts json reads (lone surrogates, 1e400); so its tree is used only when counting proves that no key was dropped
+(_no_duplicates), and otherwise the standard library's json decides, as it always did: both give the same verdict
+and the same message on every header (tests/test_safetensors_check_fast.py). scripts/bench_header_check.py times
+100 MB headers.
 """
 
 from __future__ import annotations
@@ -25,14 +31,16 @@ import json
 import os
 import struct
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from itertools import chain, repeat
+from itertools import chain, compress, islice, repeat
 from math import prod
-from operator import mul, sub
+from operator import eq, is_, itemgetter, mul, sub
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
+
+import orjson
 
 from weightcache.errors import SafetensorsHeaderError
 
@@ -40,7 +48,9 @@ MAX_HEADER_BYTES = 100_000_000  # the reference implementation's limit
 MAX_DIM = 2**63 - 1  # torch sizes are int64; the reference implementation parses them as usize
 MAX_NDIM = 64  # numpy's limit; no tool writes more dimensions
 QUOTE = 60  # characters of a found value an error message shows
-_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
+FAST_DEPTH = 32  # orjson trees nested deeper (no real header is) are left to json, whose recursion guard decides
+_DTYPE, _SHAPE, _OFFSETS = itemgetter("dtype"), itemgetter("shape"), itemgetter("data_offsets")
+_BEGIN, _END = itemgetter(0), itemgetter(1)
 
 # Size in bits: the sub-byte float formats (F4, F6_*) pack several elements per byte.
 DTYPE_BITS: dict[str, int] = {
@@ -106,18 +116,108 @@ def _parse(f: BinaryIO, file_size: int, *, build: bool) -> Header:
     raw = f.read(n)
     if len(raw) != n:
         raise _err(name, f"the file ends inside the header ({len(raw)} of {n} bytes)")
+    where = (8 + n, file_size - 8 - n, build)  # data start, data size, whether to build the tensor table
     with _gc_paused():  # millions of new containers, none cyclic: collections would cost 20x the parse itself
-        obj = _decode(name, raw)
+        checked = _check_fast(name, raw, *where)
+        if checked is None:  # orjson could not read it, or its tree may not be json's: json decides
+            tree = _decode(name, raw)
+            checked = _check(name, tree, tree.pop("__metadata__", None), *where)[:2]
         del raw
-        metadata = _metadata(name, obj.pop("__metadata__", None))
-        data_size = file_size - 8 - n
-        ordered = _fast_specs(obj, 8 + n, data_size, build=build)
-        if ordered is None:  # something is wrong: find it, one tensor at a time, and say which
-            tensors = {key: _tensor(name, key, value, 8 + n, data_size) for key, value in obj.items()}
-            ordered = dict(sorted(tensors.items(), key=lambda kv: (kv[1].start, kv[1].end)))
-            _check_layout(name, ordered, 8 + n, data_size)
-        del obj  # freed while collections are off: the first one after would otherwise walk all of it
-    return Header(header_len=n, data_start=8 + n, file_size=file_size, tensors=ordered, metadata=metadata)
+    metadata, tensors = checked
+    return Header(header_len=n, data_start=8 + n, file_size=file_size, tensors=tensors, metadata=metadata)
+
+
+class _Census(NamedTuple):
+    pairs: int  # key-value pairs in all objects
+    colons: int  # ':' characters in all keys and string values
+    floats: bool  # any float: orjson's reading of an integer past 64 bits, where json keeps the integer
+
+
+def _check_fast(name: str, raw: bytes, data_start: int, data_size: int,
+                build: bool) -> tuple[dict[str, str], dict[str, TensorSpec]] | None:
+    """The verdict on orjson's tree, or None where json must decide: orjson refused the text (json reads lone
+    surrogates and 1e400), the tree is too deep, or orjson may have dropped a repeated key; and for a refusal, a
+    float anywhere (orjson's reading of a big integer: json's message would quote the integer)."""
+    try:
+        tree = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    if type(tree) is not dict:
+        return None
+    had_meta = int("__metadata__" in tree)
+    meta = tree.pop("__metadata__", None)
+    try:
+        metadata, tensors, by_columns = _check(name, tree, meta, data_start, data_size, build)
+    except SafetensorsHeaderError:
+        census = _census([tree, meta])
+        if census is None or census.floats or not _no_duplicates(raw, census.pairs + had_meta, census.colons):
+            return None
+        raise
+    if by_columns:  # every tensor is {dtype: known name, shape: ints, data_offsets: ints}: count without a walk
+        pairs = 4 * len(tree) + had_meta + len(metadata)
+        colons = _colons(tree) + _colons(metadata) + _colons(metadata.values())
+    else:  # valid, with extra fields: walk it all
+        census = _census([tree, meta])
+        if census is None:
+            return None
+        pairs, colons = census.pairs + had_meta, census.colons
+    return (metadata, tensors) if _no_duplicates(raw, pairs, colons) else None
+
+
+def _no_duplicates(raw: bytes, pairs: int, colons: int) -> bool:
+    """Whether the JSON text `raw` holds exactly `pairs` key-value pairs and `colons` colons in its strings, as
+    counted in the tree orjson made of it: then orjson dropped no pair for a repeated key. Each ':' byte of valid
+    JSON separates a pair or lies in a string; a string's colons decode from those bytes and from '\\u003a'
+    escapes, counted apart (with escaped backslashes removed, each backslash left starts an escape). A dropped
+    pair takes its separator with it, so the text's sum exceeds the tree's exactly when something was dropped."""
+    escaped = 0
+    if b"\\u003" in raw:
+        unescaped = raw.replace(b"\\\\", b"")
+        escaped = unescaped.count(b"\\u003a") + unescaped.count(b"\\u003A")
+    return raw.count(b":") + escaped == pairs + colons
+
+
+def _colons(strings: Iterable[str]) -> int:
+    return sum(map(str.count, strings, repeat(":")))
+
+
+def _census(roots: list[Any]) -> _Census | None:
+    """Pairs, string colons and floats in the trees `roots`, one level at a time with loops in C (a million
+    tensors in well under a second); None when deeper than FAST_DEPTH."""
+    pairs = colons = 0
+    floats = False
+    level = roots
+    for _ in range(FAST_DEPTH + 1):
+        if not level:
+            return _Census(pairs, colons, floats)
+        kinds = list(map(type, level))
+        dicts = list(compress(level, map(is_, kinds, repeat(dict))))
+        lists = list(compress(level, map(is_, kinds, repeat(list))))
+        colons += _colons(compress(level, map(is_, kinds, repeat(str)))) + _colons(chain.from_iterable(dicts))
+        pairs += sum(map(len, dicts))
+        floats = floats or float in kinds
+        try:  # numbers only (shapes, offsets): one C loop says so, and nothing below them needs counting
+            floats = floats or type(sum(chain.from_iterable(lists))) is float
+            below: list[Any] = []
+        except TypeError:
+            below = list(chain.from_iterable(lists))
+        level = list(chain(chain.from_iterable(map(dict.values, dicts)), below))
+    return None
+
+
+def _check(name: str, tree: dict[str, Any], meta: Any, data_start: int, data_size: int,
+           build: bool) -> tuple[dict[str, str], dict[str, TensorSpec], bool]:
+    """Metadata and the tensor table (in file order; {} when not `build` and the columns pass) of a header whose
+    "__metadata__" value `meta` was taken out of `tree`; last, whether the column check decided."""
+    metadata = _metadata(name, meta)
+    ordered = _fast_specs(tree, data_start, data_size, build=build)
+    if ordered is not None:
+        return metadata, ordered, True
+    # something is wrong, or unusual (extra fields): find it, one tensor at a time, and say which
+    tensors = {key: _tensor(name, key, value, data_start, data_size) for key, value in tree.items()}
+    ordered = dict(sorted(tensors.items(), key=lambda kv: (kv[1].start, kv[1].end)))
+    _check_layout(name, ordered, data_start, data_size)
+    return metadata, ordered, False
 
 
 _gc_lock = threading.Lock()
@@ -149,50 +249,49 @@ def _fast_specs(obj: dict[str, Any], data_start: int, data_size: int, *,
     tensors in well under a second); None when any rule fails, and the slow path names the culprit."""
     try:
         return _columns(obj, data_start, data_size, build)
-    except TypeError:  # an unhashable dtype, a list where a number belongs: the slow path says which
+    except (TypeError, KeyError):  # an unhashable dtype, a missing field: the slow path says which
         return None
 
 
 def _columns(obj: dict[str, Any], data_start: int, data_size: int, build: bool) -> dict[str, TensorSpec] | None:
-    """The tensor table in file order, None when a rule fails; {} (valid, not built) when `build` is false."""
+    """The tensor table in file order, None when a rule fails; {} (valid, not built) when `build` is false.
+    Each line is one or two C loops over a column (a pass costs ~50 ms per million tensors): as few as the rules
+    allow, and no check whose work a later one does anyway."""
     if not obj:
         return {} if data_size == 0 else None
-    entries = list(obj.values())  # each a tuple of (key, value) pairs, the JSON object as parsed
-    if set(map(type, entries)) != {tuple} or set(map(len, entries)) != {3}:
+    entries = list(obj.values())
+    if set(map(len, entries)) != {3}:
         return None
-    # Writers give every tensor's members in one order: take the first tensor's, and read all members from one
-    # flat list (key, value, key, value, ...) by position instead of building a dict per tensor. Three distinct
-    # keys per object also rules out a duplicate key inside a tensor.
-    order = [key for key, _ in entries[0]]
-    if set(order) != _FIELDS:
+    # three fields found in an object of three are exactly these; itemgetter raises on anything but a dict
+    dtypes, shapes, offsets = list(map(_DTYPE, entries)), list(map(_SHAPE, entries)), list(map(_OFFSETS, entries))
+    del entries
+    unit = list(map(DTYPE_BITS.__getitem__, dtypes))  # KeyError: unknown; TypeError: not even a string
+    if set(map(type, shapes)) != {list} or max(map(len, shapes)) > MAX_NDIM or set(map(len, offsets)) != {2}:
         return None
-    flat = list(chain.from_iterable(chain.from_iterable(entries)))
-    if flat[0::2] != order * len(entries):
+    # a str or dict of two fails below: its items are characters or keys, never ints
+    begins, ends = list(map(_BEGIN, offsets)), list(map(_END, offsets))
+    del offsets
+    dims = list(chain.from_iterable(shapes))
+    if not set(map(type, dims)) | set(map(type, begins)) | set(map(type, ends)) <= {int}:
         return None
-    dtypes, shapes, offsets = (flat[2 * order.index(field) + 1::6] for field in ("dtype", "shape", "data_offsets"))
-    del flat
-    if not set(dtypes) <= DTYPE_BITS.keys() or set(map(type, shapes)) != {list} or set(map(type, offsets)) != {list}:
+    if dims and (min(dims) < 0 or max(dims) > MAX_DIM):
         return None
-    if max(map(len, shapes)) > MAX_NDIM or set(map(len, offsets)) != {2}:
-        return None
-    dims, bounds = list(chain.from_iterable(shapes)), list(chain.from_iterable(offsets))
-    for column, top in ((dims, MAX_DIM), (bounds, data_size)):
-        if column and (not set(map(type, column)) <= {int} or min(column) < 0 or max(column) > top):
-            return None
     del dims
-    begins, ends = bounds[0::2], bounds[1::2]
-    del bounds
+    first, last = sorted(begins), sorted(ends)
+    if first[0] != 0 or last[-1] != data_size or first[-1] > data_size or last[0] < 0:
+        return None  # every offset now in 0..data_size
+    sizes = list(map(sub, ends, begins))
     # at most MAX_NDIM dimensions below 2**63 each: products stay small enough for C-speed arithmetic
-    bits = list(map(mul, map(prod, shapes), map(DTYPE_BITS.__getitem__, dtypes)))
-    if list(map(mul, map(sub, ends, begins), repeat(8))) != bits:
+    if not all(map(eq, map(mul, sizes, repeat(8)), map(mul, map(prod, shapes), unit))):
         return None  # also catches end < begin: a negative extent never equals bits >= 0
     rank: list[int] = []
-    if 0 in bits:  # empty tensors may share an offset with the next one: file order is by (begin, end)
+    if 0 in sizes:  # empty tensors may share an offset with the next one: file order is by (begin, end)
         rank = sorted(range(len(begins)), key=list(zip(begins, ends, strict=True)).__getitem__)
         first, last = list(map(begins.__getitem__, rank)), list(map(ends.__getitem__, rank))
-    else:  # all sizes > 0: each column sorted on its own tiles the data iff the tensors do (begins then distinct)
-        first, last = sorted(begins), sorted(ends)
-    if first[0] != 0 or last[-1] != data_size or first[1:] != last[:-1]:
+        if first[0] != 0 or last[-1] != data_size:
+            return None
+    # all sizes > 0: each column sorted on its own tiles the data iff the tensors do (begins then distinct)
+    if not all(map(eq, islice(first, 1, None), last)):
         return None
     if not build:
         return {}
@@ -212,6 +311,8 @@ def _err(name: str, problem: str) -> SafetensorsHeaderError:
 
 
 def _decode(name: str, raw: bytes) -> dict[str, Any]:
+    """The header as the standard library's json reads it, refusing repeated keys in the header, its metadata and
+    its tensors: the reference _check_fast must agree with."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -226,7 +327,13 @@ def _decode(name: str, raw: bytes) -> dict[str, Any]:
         raise _err(name, f"the header is not valid JSON ({exc})") from None
     if not isinstance(obj, tuple):
         raise _err(name, f"the header must be a JSON object, not {type(obj).__name__}")
-    return _object(name, "the header", obj)
+    tree = _object(name, "the header", obj)
+    values = list(tree.values())
+    if set(map(type, values)) == {tuple}:  # all objects: dicts for the column check, when no key repeats
+        dicts = list(map(dict, values))
+        if list(map(len, dicts)) == list(map(len, values)):
+            return dict(zip(tree, dicts, strict=True))
+    return tree  # _metadata and _tensor turn pairs into dicts one by one, and name a repeated key
 
 
 def _object(name: str, what: str, pairs: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
@@ -245,9 +352,11 @@ def _no_constants(token: str) -> Any:
 def _metadata(name: str, value: Any) -> dict[str, str]:
     if value is None:
         return {}
-    if not isinstance(value, tuple):
+    if isinstance(value, tuple):
+        value = _object(name, "__metadata__", value)
+    if not isinstance(value, dict):
         raise _err(name, "__metadata__ must map strings to strings")
-    meta = _object(name, "__metadata__", value)
+    meta: dict[str, str] = value
     if set(map(type, meta)) | set(map(type, meta.values())) > {str}:
         raise _err(name, "__metadata__ must map strings to strings")
     return meta
@@ -298,10 +407,24 @@ def _is_uint(value: Any, maximum: int) -> bool:
 
 def _quote(value: Any) -> str:
     """A short repr of untrusted input: an error message must not carry megabytes of it."""
-    if isinstance(value, (str, list, tuple)) and len(value) > QUOTE:
-        value = value[:QUOTE]  # repr of a slice: never of the whole thing
-    text = repr(value)
+    text = repr(_shown(value))
     return text if len(text) <= QUOTE else f"{text[:QUOTE]}... ({len(text)} characters)"
+
+
+def _shown(value: Any, depth: int = 0) -> Any:
+    """What a message shows of `value`: at most QUOTE items of each container, 3 levels deep, JSON objects as dicts
+    whichever parser read them (json's hook gives tuples of pairs), so both parsers' messages are the same."""
+    if isinstance(value, str):
+        return value[:QUOTE]
+    if isinstance(value, (list, tuple, dict)) and depth >= 3:
+        return ...
+    if isinstance(value, tuple):
+        value = dict(value[:QUOTE])
+    if isinstance(value, dict):
+        return {key: _shown(item, depth + 1) for key, item in islice(value.items(), QUOTE)}
+    if isinstance(value, list):
+        return [_shown(item, depth + 1) for item in value[:QUOTE]]
+    return value
 
 
 def _check_layout(name: str, tensors: dict[str, TensorSpec], data_start: int, data_size: int) -> None:

@@ -1,0 +1,255 @@
+"""The orjson path of the header check gives the same verdict and message as the standard library's json path on
+every header: repeated keys (which orjson silently collapses), escapes that hide a colon or a quote, big integers
+(which orjson reads as floats), lone surrogates (which only json reads), metadata and nested extra fields."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import struct
+from collections.abc import Iterator
+from typing import Any
+from unittest import mock
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from weightcache import safetensors_check
+from weightcache.errors import SafetensorsHeaderError
+
+ESCAPES = ["plain", "ascii", "colons", "colons upper", "all"]
+
+
+def jstr(text: str, escape: str = "plain") -> str:
+    """`text` as a JSON string, its characters written as the header's author chose: raw, \\uXXXX for non-ASCII,
+    \\u003a for colons, or every character escaped."""
+    if escape == "all":  # json.dumps escapes astral characters as surrogate pairs
+        return '"' + "".join(f"\\u{ord(c):04x}" if ord(c) < 0x10000 else json.dumps(c)[1:-1] for c in text) + '"'
+    out = json.dumps(text, ensure_ascii=escape != "plain")
+    if escape.startswith("colons"):
+        out = out.replace(":", "\\u003A" if escape.endswith("upper") else "\\u003a")
+    return out
+
+
+def blob_of(header_text: str, data_len: int) -> bytes:
+    body = header_text.encode("utf-8", "surrogatepass")  # a raw lone surrogate is invalid UTF-8: both refuse it
+    return struct.pack("<Q", len(body)) + body + bytes(data_len)
+
+
+def verdict(blob: bytes, *, reference: bool, build: bool = True) -> Any:
+    """What the check says: the table and metadata, or the refusal's message; `reference`: json path only."""
+    f = io.BytesIO(blob)
+    f.name = "/m/model.safetensors"
+    path = mock.patch.object(safetensors_check, "_check_fast", return_value=None) if reference else \
+        contextlib.nullcontext()
+    with path:
+        try:
+            header = safetensors_check._parse(f, len(blob), build=build)
+        except SafetensorsHeaderError as exc:
+            return "refused", str(exc)
+    return "ok", list(header.tensors.items()), header.metadata, header.data_start
+
+
+def assert_same(blob: bytes) -> Any:
+    reference = verdict(blob, reference=True)
+    assert verdict(blob, reference=False) == reference
+    assert verdict(blob, reference=False, build=False)[0] == reference[0]  # the fetch's check: same verdict
+    return reference
+
+
+@contextlib.contextmanager
+def json_forbidden() -> Iterator[None]:
+    """The standard library's json must not be asked: the orjson path decided on its own."""
+    with mock.patch.object(json, "loads", side_effect=AssertionError("json path taken")):
+        yield
+
+
+# --- headers as text, so that keys can repeat and be spelled with escapes -------------------------------------
+
+_pieces = st.sampled_from([*'ab:"\\ é', "\U0001f600", "\ud800", "data_offsets", "\\u003a", "dtype"])
+_names = st.lists(_pieces, max_size=4).map("".join)
+_escape = st.sampled_from(ESCAPES)
+_key = st.builds(jstr, _names, _escape)
+_scalar = st.one_of(
+    st.integers(-(2**70), 2**70).map(str),
+    st.floats(allow_nan=False, allow_infinity=False).map(json.dumps),
+    st.sampled_from(["true", "false", "null", "1e400", "-0", "0.5"]),
+    _key,
+)
+_value = st.recursive(
+    _scalar,
+    lambda inner: st.lists(inner, max_size=3).map(lambda xs: "[" + ",".join(xs) + "]")
+    | st.lists(st.tuples(_key, inner), max_size=3).map(lambda kvs: "{" + ",".join(f"{k}:{v}" for k, v in kvs) + "}"),
+    max_leaves=8,
+)
+_BITS = {"F32": 32, "I8": 8, "BF16": 16, "F4": 4}
+
+
+@st.composite
+def headers(draw: st.DrawFn) -> tuple[str, int]:
+    """A consistent header (tensors back to back, sizes matching shapes), then perhaps spoilt: a field repeated,
+    reordered, renamed by an escape, a number out of range or of another type, a pair repeated, metadata with
+    colons, escapes or a repeated key, extra fields holding any JSON; and the data perhaps a byte off."""
+    pairs: list[tuple[str, str]] = []
+    pos = 0
+    for i in range(draw(st.integers(0, 4))):
+        dtype = draw(st.sampled_from(sorted(_BITS)))
+        shape = draw(st.lists(st.integers(0, 4), max_size=3))
+        bits = _BITS[dtype]
+        for d in shape:
+            bits *= d
+        if bits % 8:
+            shape.append(2)
+            bits *= 2
+        size = bits // 8
+        fields = [("dtype", jstr(dtype)), ("shape", json.dumps(shape)), ("data_offsets", json.dumps([pos, pos + size]))]
+        pos += size
+        if draw(st.integers(0, 5)) == 5:  # a number spoilt
+            which = draw(st.sampled_from([1, 2]))
+            spoilt = draw(st.sampled_from(["-1", "true", "1.0", str(2**63), str(2**70), '"1"', "{}", "[1]"]))
+            items = json.loads(fields[which][1])
+            fields[which] = (fields[which][0], "[" + ",".join([spoilt, *map(str, items[1:])]) + "]")
+        if draw(st.integers(0, 5)) == 5:  # an extra field, ignored by the check
+            fields.append((draw(_names), draw(_value)))
+        if draw(st.integers(0, 5)) == 5:  # a field twice
+            fields.append(draw(st.sampled_from(fields)))
+        order = draw(st.permutations(range(len(fields))))
+        body = ",".join(f"{jstr(fields[i][0], draw(_escape))}:{fields[i][1]}" for i in order)
+        pairs.append((f"{i}{draw(_names)}", "{" + body + "}"))  # distinct names; repeats come below
+    if draw(st.booleans()):
+        meta = [(jstr(f"{i}{draw(_names)}", draw(_escape)),
+                 draw(_value) if draw(st.integers(0, 5)) == 5 else draw(_key)) for i in range(draw(st.integers(0, 3)))]
+        if meta and draw(st.integers(0, 3)) == 3:  # a metadata key twice
+            meta.append((draw(st.sampled_from(meta))[0], draw(_key)))
+        pairs.insert(draw(st.integers(0, len(pairs))), ("__metadata__",
+                                                       "{" + ",".join(f"{k}:{v}" for k, v in meta) + "}"))
+    if pairs and draw(st.integers(0, 4)) == 4:  # a pair twice
+        pairs.append(draw(st.sampled_from(pairs)))
+    sep = draw(st.sampled_from([(",", ":"), (", ", ": "), (",\n  ", " : ")]))
+    text = "{" + sep[0].join(f"{jstr(k, draw(_escape))}{sep[1]}{v}" for k, v in pairs) + "}"
+    text += " " * draw(st.integers(0, 3))  # the format allows padding
+    return text, pos + draw(st.sampled_from([0, 0, 0, 1, -1]))
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(headers())
+@example(('{"a":{"dtype":"I8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"I8","shape":[1],'
+          '"data_offsets":[0,1]}}', 1))
+def test_orjson_and_json_agree_on_any_header(case: tuple[str, int]) -> None:
+    text, data_len = case
+    assert_same(blob_of(text, max(data_len, 0)))
+
+
+_SIGNIFICANT = list(b':",{}[]\\u003aA 0-9e.')
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(headers(), st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from(["insert", "delete", "replace"]),
+                                     st.sampled_from(_SIGNIFICANT)), min_size=1, max_size=3))
+def test_orjson_and_json_agree_on_mutated_bytes(case: tuple[str, int], edits: list[tuple[int, str, int]]) -> None:
+    """Bytes inserted, deleted or replaced anywhere in the header (JSON's significant characters)."""
+    text, data_len = case
+    body = bytearray(text.encode("utf-8", "surrogatepass"))
+    for at, how, byte in edits:
+        i = at % (len(body) + 1)
+        if how == "insert":
+            body[i:i] = bytes([byte])
+        elif i < len(body):
+            body[i:i + 1] = b"" if how == "delete" else bytes([byte])
+    assert_same(struct.pack("<Q", len(body)) + bytes(body) + bytes(max(data_len, 0)))
+
+
+# --- cases the counting must get right, each of which a naive count gets wrong ---------------------------------
+
+
+def t8(begin: int) -> str:
+    """A one-byte tensor at `begin`."""
+    return '{"dtype":"I8","shape":[1],"data_offsets":[' + f"{begin},{begin + 1}" + "]}"
+
+
+def test_a_repeated_valid_tensor_is_refused_as_before() -> None:
+    """orjson keeps one of the two, which alone is a valid header: only the count says a pair was dropped."""
+    ok, message = verdict(blob_of('{"a":' + t8(0) + ',"a":' + t8(0) + "}", 1), reference=False)[:2]
+    assert ok == "refused" and "duplicate key 'a'" in message
+
+
+@pytest.mark.parametrize("escape", [r"\u003a", r"\u003A"])
+def test_an_escaped_colon_does_not_hide_a_repeated_metadata_key(escape: str) -> None:
+    """The escape decodes to a colon that has no ':' byte in the text: counted apart, or it would make up for the
+    ':' of the dropped metadata pair and the header would pass with one of two values."""
+    text = '{"__metadata__":{"k":"v","k":"w"},"x' + escape + '":' + t8(0) + "}"
+    ok, message = verdict(blob_of(text, 1), reference=False)[:2]
+    assert ok == "refused" and "duplicate key 'k'" in message
+
+
+def test_an_escaped_backslash_before_u003a_is_no_colon() -> None:
+    r"""'\\u003a' is a backslash and the text u003a: counting it as a colon would miss a repeated key."""
+    text = r'{"__metadata__":{"k":"v","k":"w","p":"\\u003a"},"x":' + t8(0) + "}"
+    ok, message = verdict(blob_of(text, 1), reference=False)[:2]
+    assert ok == "refused" and "duplicate key 'k'" in message
+
+
+def test_a_repeated_field_inside_a_tensor_is_refused_as_before() -> None:
+    text = '{"a":{"dtype":"F32","dtype":"I8","shape":[1],"data_offsets":[0,1]}}'
+    ok, message = verdict(blob_of(text, 1), reference=False)[:2]
+    assert ok == "refused" and "tensor 'a' has a duplicate key 'dtype'" in message
+
+
+def test_a_repeated_key_deep_in_an_extra_field_stays_accepted() -> None:
+    """json's path refuses repeated keys in the header, its metadata and its tensors only; one deeper (in a field
+    the check ignores) was accepted and still is (the count sends it to json, which decides)."""
+    text = '{"a":{"dtype":"I8","shape":[1],"data_offsets":[0,1],"x":{"k":1,"k":2}}}'
+    assert assert_same(blob_of(text, 1))[0] == "ok"
+
+
+def test_an_integer_past_64_bits_is_quoted_as_json_reads_it() -> None:
+    """orjson reads it as a float; the message must quote the integer (json decides)."""
+    text = '{"w":{"dtype":"F32","shape":[' + str(2**70) + ',0],"data_offsets":[0,0]}}'
+    ok, message = verdict(blob_of(text, 0), reference=False)[:2]
+    assert ok == "refused" and str(2**70) in message and "tensor 'w'" in message
+
+
+def test_a_lone_surrogate_name_is_read_by_json() -> None:
+    """orjson refuses a lone surrogate escape, json reads it: the header is valid, as before."""
+    result = assert_same(blob_of(r'{"\ud800":' + t8(0) + "}", 1))
+    assert result[0] == "ok" and result[1][0][0] == "\ud800"
+
+
+def test_a_nesting_json_refuses_is_refused() -> None:
+    """orjson reads 1,024 levels, json's recursion guard stops near 1,000: trees deeper than FAST_DEPTH are left
+    to json, so such a header is refused as before rather than accepted by orjson's reading."""
+    deep = "[" * 1010 + "]" * 1010
+    text = '{"a":{"dtype":"I8","shape":[1],"data_offsets":[0,1],"x":' + deep + "}}"
+    result = assert_same(blob_of(text, 1))
+    assert result[0] == "refused" and "nested too deeply" in result[1]
+    shallow = "[" * (safetensors_check.FAST_DEPTH - 3) + "]" * (safetensors_check.FAST_DEPTH - 3)
+    with json_forbidden():
+        assert verdict(blob_of(text.replace(deep, shallow), 1), reference=False)[0] == "ok"
+
+
+FAST = {
+    "plain": ('{"__metadata__":{"format":"pt"},"a":' + t8(0) + ',"b":' + t8(1) + "}", 2, "ok"),
+    "colons in names and metadata": ('{"__metadata__":{"url":"s3://b/k:v"},"l:1":' + t8(1) + ',"l:2":' + t8(0)
+                                     + "}", 2, "ok"),
+    "escaped colon and quote": (r'{"a\u003ab\u0022":' + t8(0) + r',"\"data_offsets\"":' + t8(1) + "}", 2, "ok"),
+    "fake escape": (r'{"a\\u003a":' + t8(0) + "}", 1, "ok"),
+    "fields in any order": ('{"a":{"data_offsets":[0,4],"shape":[2,2],"dtype":"I8"}}', 4, "ok"),
+    "extra field": ('{"a":{"dtype":"I8","shape":[1],"data_offsets":[0,1],"x":{"y":["z:",1.5]}}}', 1, "ok"),
+    "empty tensors": ('{"e":{"dtype":"F32","shape":[0,3],"data_offsets":[1,1]},"a":' + t8(0) + ',"b":' + t8(1)
+                      + "}", 2, "ok"),
+    "refused: size": ('{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}', 4, "refused"),
+    "refused: long shape": ('{"w":{"dtype":"I8","shape":[' + ",".join(["1"] * 100) + '],"data_offsets":[0,1]}}', 1,
+                            "refused"),
+}
+
+
+@pytest.mark.parametrize(("text", "data_len", "expect"), FAST.values(), ids=list(FAST))
+def test_real_and_hostile_headers_take_the_fast_path(text: str, data_len: int, expect: str) -> None:
+    """No json: orjson and the count decide, accepting or refusing with json's own message."""
+    blob = blob_of(text, data_len)
+    reference = verdict(blob, reference=True)
+    assert reference[0] == expect
+    with json_forbidden():
+        assert verdict(blob, reference=False) == reference
