@@ -15,7 +15,9 @@ peak RSS), interleaved round-robin, each after the same idle pause, median of --
 Needs nginx, aria2 and curl (apt-get install nginx aria2 curl): the script installs them when root. The s3fs row
 needs the bench extra (pip install -e '.[bench]'); without it the row is skipped with a note.
 A second table: --small-files files of 4 KB from file://, weightcache's fetch (timed in its process, without
-interpreter start) against `cp -r` + `sync`, both ending with the data durable.
+interpreter start and module imports) against `cp -r` + `sync`, both ending with the data durable. File creation
+on a busy ext4 costs what the other tenants of the disk leave behind (deleted inodes slow every allocation): for
+figures that compare, point --dir at a filesystem of its own (a loop-mounted ext4 image will do).
 """
 
 from __future__ import annotations
@@ -170,6 +172,7 @@ fs.get("bench/model/", sys.argv[2] + "/", recursive=True)
 
 SMALL = """
 import sys, time
+import weightcache.sources.fsspec  # imported before the clock starts, as in a daemon that fetched before
 from weightcache.fetch import Fetcher
 from weightcache.store import Store
 from weightcache.uri import parse_ref

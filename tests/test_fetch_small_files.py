@@ -9,6 +9,9 @@ from __future__ import annotations
 import hashlib
 import os
 import resource
+import stat
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +21,8 @@ from weightcache.errors import HostileKeyError, ObjectChangedError, SourceError
 from weightcache.fetch import Fetcher
 from weightcache.sources import open_source
 from weightcache.sources.fsspec import stat_token
-from weightcache.store import Store, verify_snapshot
+from weightcache.store import Store, fsops, verify_snapshot
+from weightcache.store import store as store_module
 from weightcache.uri import parse_ref
 
 
@@ -102,3 +106,99 @@ def test_the_local_listing_walks_real_directories_with_exact_tokens(tmp_path: Pa
     for o in objects:
         st = os.stat(model / o.relpath)
         assert (o.key, o.size, o.etag) == (str(model / o.relpath), len(files[o.relpath]), stat_token(st))
+
+
+def _part(store: Store, name: str, data: bytes, mode: int) -> tuple[Path, str]:
+    part = store.partial_dir() / name
+    part.write_bytes(data)
+    part.chmod(mode)
+    return part, hashlib.sha256(data).hexdigest()
+
+
+@pytest.mark.parametrize("renameat2", [True, False], ids=["renameat2", "link-unlink"])
+def test_parts_become_0444_blobs_by_a_move_and_an_existing_blob_wins(tmp_path: Path, renameat2: bool,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A part already 0444 is moved as it is, another is made 0444 first (never through a link); when the blob
+    exists, the part is dropped and the blob keeps its inode (dedup). Both with renameat2 and without it."""
+    monkeypatch.setattr(fsops, "_renameat2_works", renameat2)
+    store = Store(tmp_path / "root")
+    ro, ro_sha = _part(store, "ro.part", b"small", 0o444)
+    rw, rw_sha = _part(store, "rw.part", b"large", 0o600)
+    store.add_blobs([(ro, ro_sha), (rw, rw_sha)], durable=False)
+    for sha, data in ((ro_sha, b"small"), (rw_sha, b"large")):
+        blob = store.layout.blob(sha)
+        assert blob.read_bytes() == data and stat.S_IMODE(blob.stat().st_mode) == 0o444
+    inode = store.layout.blob(ro_sha).stat().st_ino
+    again, _ = _part(store, "again.part", b"small", 0o444)
+    store.add_blobs([(again, ro_sha)])
+    assert not again.exists() and store.layout.blob(ro_sha).stat().st_ino == inode
+    assert not list(store.partial_dir().iterdir())
+
+
+@pytest.mark.parametrize("planted", ["symlink", "another file"])
+def test_a_part_swapped_while_it_is_moved_is_quarantined_not_a_blob(tmp_path: Path, planted: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The blob must be the regular file checked before the move: a symlink put at the part's path in between,
+    or another file (a different inode: the checked one is still linked elsewhere here, so its number is not
+    reused), is quarantined and the batch fails, instead of becoming the blob; a link's target is not touched."""
+    store = Store(tmp_path / "root")
+    part, sha = _part(store, "p.part", b"verified bytes", 0o444)
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"another tenant's weights")
+    real_move = fsops.move_noreplace
+
+    def swap_then_move(src_dir_fd: int, src: str, dst_dir_fd: int, dst: str) -> bool:
+        os.link(part, tmp_path / "kept")
+        part.unlink()
+        if planted == "symlink":
+            part.symlink_to(secret)
+        else:
+            part.write_bytes(b"planted bytes!")
+            part.chmod(0o444)
+        return real_move(src_dir_fd, src, dst_dir_fd, dst)
+
+    monkeypatch.setattr(store_module, "move_noreplace", swap_then_move)
+    with pytest.raises(OSError, match="was replaced while it became blob"):
+        store.add_blobs([(part, sha)], durable=False)
+    assert not store.has_blob(sha) and not store.layout.blob(sha).is_symlink()
+    quarantined, = store.layout.quarantine.iterdir()
+    assert quarantined.is_symlink() == (planted == "symlink")
+    assert stat.S_IMODE(secret.stat().st_mode) != 0o444 and secret.read_bytes() == b"another tenant's weights"
+
+
+def test_fetched_small_files_are_created_read_only_and_a_read_only_leftover_is_replaced(tmp_path: Path) -> None:
+    """Small parts are created 0444 (their blob's mode, so the move needs no chmod); a 0444 part left by a
+    killed run is replaced, not an error, and not written through."""
+    files = _small_model(tmp_path / "model", 3)
+    store = Store(tmp_path / "root", recover=False)
+    ref = parse_ref(f"file://{tmp_path / 'model'}/")
+    name = f"{ref.key}.{hashlib.sha256(b'd1/f00001.bin').hexdigest()[:16]}.part"
+    stale = store.partial_dir() / name
+    stale.write_bytes(b"from a killed run" * 100)
+    stale.chmod(0o444)
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"keep")
+    snap = Fetcher(store).ensure(ref)
+    assert {f.path: (snap.path / f.path).read_bytes() for f in snap.files} == files
+    for f in snap.files:
+        assert stat.S_IMODE((snap.path / f.path).stat().st_mode) == 0o444
+    assert outside.read_bytes() == b"keep"
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a child as another user")
+def test_a_daemon_that_is_not_root_replaces_a_read_only_leftover_part(tmp_path: Path) -> None:
+    """Without root, O_TRUNC on a 0444 part left by a killed run fails with EACCES: the part is removed and
+    created again (never written through), so the rerun does not fail on its own leftover."""
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    os.chown(partial, 65534, 65534)
+    leftover = partial / "x.part"
+    leftover.write_bytes(b"from a killed run")
+    os.chown(leftover, 65534, 65534)
+    leftover.chmod(0o444)
+    code = ("import os, sys; from pathlib import Path; from weightcache.download import _create_truncated\n"
+            "os.chdir(sys.argv[1]); os.setgid(65534); os.setuid(65534)\n"  # tmp_path's parents are 0700
+            "fd = _create_truncated(Path('x.part')); os.write(fd, b'new'); os.close(fd)")
+    subprocess.run([sys.executable, "-c", code, str(partial)], check=True, cwd=Path(__file__).parent.parent)
+    assert leftover.read_bytes() == b"new" and stat.S_IMODE(leftover.stat().st_mode) == 0o444

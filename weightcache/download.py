@@ -229,15 +229,16 @@ class PartialFile:
 
 
 def _create_truncated(path: Path) -> int:
-    """Open `path` empty for writing; a symlink planted there is removed, never followed."""
+    """Open `path` empty for writing; a symlink planted there is removed, never followed. Created 0444, the
+    mode its blob has (the descriptor still writes): the store then moves it without a chmod of its own."""
     flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        return os.open(path, flags, 0o600)
+        return os.open(path, flags, 0o444)
     except OSError as exc:
-        if exc.errno != errno.ELOOP:
+        if exc.errno not in (errno.ELOOP, errno.EACCES):  # EACCES: a 0444 leftover, to a daemon that is not root
             raise
     path.unlink()
-    return os.open(path, flags, 0o600)
+    return os.open(path, flags, 0o444)
 
 
 _libc = ctypes.CDLL(None, use_errno=True)

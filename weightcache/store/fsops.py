@@ -9,6 +9,7 @@ caller creates, replaced by a fresh directory: the store heals instead of failin
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import os
@@ -288,16 +289,30 @@ class HeldDirs:
         self.close()
 
 
-def link_in(src_fd: int, dir_fd: int, name: str, *, durable: bool = True) -> bool:
-    """Hard-link the open file `src_fd` (that inode, whatever its path is now) as `name` in directory `dir_fd`;
-    False when `name` exists already. `durable=False` skips the directory fsync, for a caller that syncs the
-    whole filesystem once after many links."""
+_libc = ctypes.CDLL(None, use_errno=True)
+_RENAME_NOREPLACE = 1
+_renameat2_works = True  # until a filesystem says it has no RENAME_NOREPLACE (then link + unlink)
+
+
+def move_noreplace(src_dir_fd: int, src: str, dst_dir_fd: int, dst: str) -> bool:
+    """Move entry `src` to `dst` in one step that neither follows nor replaces anything: renameat2 with
+    RENAME_NOREPLACE (one call where link + unlink took two), else link (not following) then unlink. False, and
+    `src` left in place, when `dst` exists."""
+    global _renameat2_works
+    if _renameat2_works:
+        if _libc.renameat2(src_dir_fd, os.fsencode(src), dst_dir_fd, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+            return True
+        err = ctypes.get_errno()
+        if err == errno.EEXIST:
+            return False
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise OSError(err, f"rename {src} -> {dst}: {os.strerror(err)}")
+        _renameat2_works = False
     try:
-        os.link(f"/proc/self/fd/{src_fd}", name, dst_dir_fd=dir_fd, follow_symlinks=True)
+        os.link(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd, follow_symlinks=False)
     except FileExistsError:
         return False
-    if durable:
-        os.fsync(dir_fd)
+    os.unlink(src, dir_fd=src_dir_fd)
     return True
 
 

@@ -34,7 +34,7 @@ from weightcache.errors import (
 )
 from weightcache.store import quarantine, recovery
 from weightcache.store.evict import plan_eviction
-from weightcache.store.fsops import TMP_PREFIX, HeldDirs, link_in, tmp_name
+from weightcache.store.fsops import TMP_PREFIX, HeldDirs, move_noreplace, tmp_name
 from weightcache.store.index import Index
 from weightcache.store.layout import Layout
 from weightcache.store.paths import validate_relpath
@@ -279,20 +279,28 @@ class Store:
         self.add_blobs([(path, sha256)], durable=durable)
 
     def add_blobs(self, files: Iterable[tuple[Path, str]], *, durable: bool = True) -> None:
-        """add_blob for many (path, sha256) files, each directory opened once (about five calls per file)."""
+        """add_blob for many (path, sha256) files, each directory opened once.
+
+        Each file is moved by a rename that neither follows nor replaces (fsops.move_noreplace), and the blob is
+        then checked to be the very regular file found at `path` (same inode): a symlink planted at `path` is
+        refused before anything moves, one swapped in meanwhile is quarantined. A file that is 0444 already (the
+        fetch creates its small files so) costs three calls: lstat, rename, lstat.
+        """
         with self.tree.held() as dirs:
             for path, sha256 in files:
                 blob_dir = self._blob_dir(dirs, sha256, create=True)
                 dfd = dirs.fd(path.parent)
-                fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
-                try:
-                    os.fchmod(fd, 0o444)
-                    if durable:
-                        os.fsync(fd)
-                    link_in(fd, blob_dir, sha256, durable=durable)
-                finally:
-                    os.close(fd)
-                os.unlink(path.name, dir_fd=dfd)
+                inode = _sealed_inode(dfd, path.name, durable=durable)
+                if not move_noreplace(dfd, path.name, blob_dir, sha256):
+                    os.unlink(path.name, dir_fd=dfd)  # the blob exists already: same content, one inode
+                    continue
+                st = os.stat(sha256, dir_fd=blob_dir, follow_symlinks=False)
+                if st.st_ino != inode or not stat.S_ISREG(st.st_mode):
+                    blob = self.layout.blob(sha256)
+                    self.tree.quarantine(blob, f"was swapped for {path} while it became a blob")
+                    raise OSError(errno.ESTALE, f"{path} was replaced while it became blob {sha256}; fetch again")
+                if durable:
+                    os.fsync(blob_dir)
 
     def _blob_dir(self, dirs: HeldDirs, sha256: str, *, create: bool = False) -> int:
         """Descriptor of blobs/sha256/<ab> for this digest (refused unless it is one), held in `dirs`."""
@@ -568,6 +576,25 @@ def _row_entry(row: tuple[object, ...]) -> FileEntry:
     except HostileKeyError as exc:
         raise DamagedRecordError(f"index row: {exc}; delete index.db to rebuild it from the tree") from None
     return entry
+
+
+def _sealed_inode(dir_fd: int, name: str, *, durable: bool) -> int:
+    """The inode of regular file `name`, made 0444 (and fsynced when `durable`) through a descriptor opened
+    without following; a file already 0444 and not to be synced only needs an lstat."""
+    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    if stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o444 and not durable:
+        return st.st_ino
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)  # ELOOP: a link
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, f"{name} is not a regular file; it cannot become a blob")
+        os.fchmod(fd, 0o444)
+        if durable:
+            os.fsync(fd)
+        return st.st_ino
+    finally:
+        os.close(fd)
 
 
 def _make_parents(dir_fd: int, relpath: str, made: set[str]) -> None:
