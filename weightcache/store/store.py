@@ -347,9 +347,13 @@ class Store:
                         _make_parents(tfd, f.path, made)
                         os.link(f.sha256, f.path, src_dir_fd=self._blob_dir(dirs, f.sha256), dst_dir_fd=tfd,
                                 follow_symlinks=False)
+                    # every directory 0555 first, then each fsynced: on ext4 the first fsync commits all of
+                    # them in one journal transaction and the others find nothing left to commit (fsync then
+                    # chmod per directory made one commit each: 21 for 2,000 files in 20 directories)
+                    for _, _, _, dfd in os.fwalk(".", topdown=False, dir_fd=tfd):
+                        os.fchmod(dfd, 0o555)
                     for _, _, _, dfd in os.fwalk(".", topdown=False, dir_fd=tfd):
                         os.fsync(dfd)
-                        os.fchmod(dfd, 0o555)
                 finally:
                     os.close(tfd)
             except BaseException:
