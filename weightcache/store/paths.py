@@ -6,6 +6,7 @@ whose every segment is a legal file name, and no key may be both a file and a di
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 from weightcache.errors import HostileKeyError
@@ -15,6 +16,7 @@ MAX_NAME_BYTES = 255  # NAME_MAX
 MAX_PATH_BYTES = 3072
 MAX_DEPTH = 64  # directories in one key; real models nest a few levels
 MAX_FILES = 100_000  # objects in one model
+_CONTROL = re.compile(r"[\x00-\x1f]")
 
 
 def validate_relpath(key: str) -> str:
@@ -23,7 +25,7 @@ def validate_relpath(key: str) -> str:
         raise HostileKeyError(key, "empty path")
     if "\0" in key:
         raise HostileKeyError(key, "contains a NUL byte")
-    if any(ord(c) < 0x20 for c in key):
+    if _CONTROL.search(key):
         raise HostileKeyError(key, "contains a control character")
     if "\\" in key:
         raise HostileKeyError(key, "contains a backslash")
