@@ -202,3 +202,24 @@ def test_a_daemon_that_is_not_root_replaces_a_read_only_leftover_part(tmp_path: 
             "fd = _create_truncated(Path('x.part')); os.write(fd, b'new'); os.close(fd)")
     subprocess.run([sys.executable, "-c", code, str(partial)], check=True, cwd=Path(__file__).parent.parent)
     assert leftover.read_bytes() == b"new" and stat.S_IMODE(leftover.stat().st_mode) == 0o444
+
+
+def test_files_recorded_here_are_linked_once_and_fetched_again_once_evicted(tmp_path: Path) -> None:
+    """A file this node fetched before (same path, version token and size, from one query for the listing) is
+    linked without a download; once its blob is evicted, the record alone is not enough: it is fetched again."""
+    files = _small_model(tmp_path / "model", 30)
+    store = Store(tmp_path / "root")
+    ref = parse_ref(f"file://{tmp_path / 'model'}/")
+    first = Fetcher(store).ensure(ref)
+    (tmp_path / "model" / "d0" / "f00000.bin").write_bytes(b"changed")  # a new token for this file only
+    files["d0/f00000.bin"] = b"changed"
+    fetcher = Fetcher(store)
+    second = fetcher._fetch(ref, None)
+    assert fetcher.stats["origin_bytes"] == len(b"changed"), "only the changed file was read"
+    store.evict(first.id)
+    store.evict(second.id)
+    assert not any(store.layout.blobs.rglob("*")) or all(p.is_dir() for p in store.layout.blobs.rglob("*"))
+    third = Fetcher(store)
+    snap = third.ensure(ref)
+    assert third.stats["origin_bytes"] == sum(len(d) for d in files.values())
+    assert {f.path: (snap.path / f.path).read_bytes() for f in snap.files} == files

@@ -260,6 +260,7 @@ class Fetcher:
     def _expectations(self, ref: ModelRef, source: Source, items: list[_Item]) -> None:
         """Fill in what downloaded bytes must match, and link (dedup) only on trusted evidence."""
         sidecars = self._read_sidecars(source, items)
+        known_here = self.store.known_sha256(ref.uri)
         for item in items:
             obj = item.obj
             trusted = None
@@ -271,7 +272,10 @@ class Fetcher:
                 item.source_check = ("md5", md5)
             if item.expect_sha256 is None and item.relpath in sidecars:
                 item.expect_sha256 = sidecars[item.relpath]  # a claim: it checks downloaded bytes, never links
-            known = trusted or self.store.known_sha256(ref.uri, item.relpath, obj.etag, obj.size)
+            recorded = known_here.get((item.relpath, obj.etag, obj.size)) if obj.etag else None
+            if recorded is not None and self._blob_size(recorded) is None:
+                recorded = None  # evicted since: download it (peers serve only what the bytes are checked against)
+            known = trusted or recorded
             item.trusted_sha256 = known
             if known and self._blob_size(known) == obj.size:
                 item.sha256, item.size = known, obj.size

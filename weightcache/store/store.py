@@ -260,14 +260,14 @@ class Store:
             return None
         return st.st_size if stat.S_ISREG(st.st_mode) else None
 
-    def known_sha256(self, uri: str, path: str, etag: str | None, size: int) -> str | None:
-        """sha256 of a file we already hold with the same source ETag and size (skips re-downloading it)."""
-        if not etag:
-            return None
+    def known_sha256(self, uri: str) -> dict[tuple[str, str, int], str]:
+        """(path, source ETag, size) -> sha256 of every file of `uri` this node recorded (one query for a whole
+        listing: a query per file cost more than the rest of planning). The blob may have been evicted since:
+        the caller checks that it still exists before it skips a download."""
         rows = self.index.query(
-            "SELECT f.sha256 FROM files f JOIN snapshots s ON s.id = f.snapshot_id "
-            "WHERE s.uri=? AND f.path=? AND f.etag=? AND f.size=? LIMIT 1", (uri, path, etag, size))
-        return str(rows[0][0]) if rows and self.has_blob(rows[0][0]) else None
+            "SELECT f.path, f.etag, f.size, f.sha256 FROM files f JOIN snapshots s ON s.id = f.snapshot_id "
+            "WHERE s.uri=? AND f.etag IS NOT NULL AND f.etag != ''", (uri,))
+        return {(str(path), str(etag), int(size)): str(sha) for path, etag, size, sha in rows}
 
     def add_blob(self, path: Path, sha256: str, *, durable: bool = True) -> None:
         """Move a fully written, verified file into blobs/ (0444); a blob that exists already wins (dedup).
