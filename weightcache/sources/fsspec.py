@@ -1,7 +1,8 @@
 """Every non-S3 store through fsspec: file://, memory:// (tests, local mirrors), gs:// (gcsfs), az:// (adlfs).
 
-fsspec lists (`find`); reads go straight into the caller's buffer for local files (unbuffered `readinto`) and
-memory files, and through `cat_file` ranges for remote filesystems.
+fsspec lists (`find`), except local files: one `scandir` per directory, one stat per file. Reads go straight
+into the caller's buffer for local files (`preadv`) and memory files, and through `cat_file` ranges for remote
+filesystems.
 Every object is pinned to the version listed: the store's generation (gs) or ETag (az), else a token of inode,
 ctime, mtime and size (local), or creation time and size (memory). Each range read checks the token before and
 after reading, so a file replaced or rewritten in place after listing, even during the read, raises
