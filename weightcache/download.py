@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -35,7 +36,6 @@ class PartialFile:
     def __init__(self, part: Path, obj: ObjectInfo, *, range_size: int,
                  source_check: Callable[[], Hasher] | None = None, journalled: bool = True) -> None:
         self.part = part
-        self.journal = part.with_suffix(".journal")
         self.journalled = journalled  # without a journal a rerun starts the file over (small files: cheaper)
         self.obj = obj
         self.range_size = range_size  # bytes asked for in one request; each chunk written inside is journalled
@@ -50,6 +50,11 @@ class PartialFile:
         self._fd = -1
         self._jfd = -1
         self._whole_size: int | None = None  # bytes written by write_whole (its descriptor is closed at once)
+
+    @functools.cached_property
+    def journal(self) -> Path:
+        """partial/<name>.journal (made only when asked: most small files never need it)."""
+        return self.part.with_suffix(".journal")
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
     def open(self) -> list[tuple[int, int]]:

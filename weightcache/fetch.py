@@ -211,11 +211,11 @@ class Fetcher:
         reporter.start(total, len(items), already=total - sum(i.obj.size for i in todo),
                        files_already=len(items) - len(todo))
         range_size = self._range_size(sum(i.obj.size for i in todo))
-        partial = self.store.partial_dir()  # checked once: every part is opened O_NOFOLLOW by its writer
+        partial, key = self.store.partial_dir(), ref.key  # partial/ checked once: each writer opens O_NOFOLLOW
         for item in todo:
             check = item.source_check
             item.partial = PartialFile(
-                partial / f"{ref.key}.{hashlib.sha256(item.relpath.encode()).hexdigest()[:16]}.part",
+                partial / f"{key}.{hashlib.sha256(item.relpath.encode()).hexdigest()[:16]}.part",
                 item.obj, range_size=range_size, source_check=_hasher_factory(check[0]) if check else None,
                 journalled=item.obj.size > self.chunk_size)  # a one-chunk file has nothing to resume
         resumed = sum(_partial_size(i) for i in todo)
@@ -526,6 +526,8 @@ def _hasher_factory(algorithm: str) -> Callable[[], Hasher]:
 
 
 def _partial_size(item: _Item) -> int:
+    if not _partial(item).journalled:
+        return 0  # started over: nothing of it is kept
     try:
         return _partial(item).part.stat().st_size if _partial(item).journal.exists() else 0
     except FileNotFoundError:
