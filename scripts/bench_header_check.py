@@ -18,7 +18,6 @@ import argparse
 import functools
 import gc
 import json
-import resource
 import statistics
 import struct
 import subprocess
@@ -109,9 +108,15 @@ def safetensors_seconds(path: Path) -> float | None:
     return median_seconds(run)
 
 
+def peak_rss_mb() -> float:
+    """This process's peak RSS (VmHWM: unlike ru_maxrss, not inherited across exec from the parent)."""
+    status = Path("/proc/self/status").read_text()
+    return int(status.split("VmHWM:")[1].split()[0]) / 1024
+
+
 def child(path: str) -> None:
     """In a fresh process: the check three times; prints seconds (median), peak RSS growth in MB and the result."""
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before = peak_rss_mb()
     times, result = [], "ok"
     for _ in range(3):
         start = time.perf_counter()
@@ -120,8 +125,7 @@ def child(path: str) -> None:
         except SafetensorsHeaderError as exc:
             result = f"refused: {str(exc).split('invalid safetensors file: ')[-1][:50]}"
         times.append(time.perf_counter() - start)
-    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
-    print(json.dumps([statistics.median(times), grown, result]))
+    print(json.dumps([statistics.median(times), peak_rss_mb() - before, result]))
 
 
 def main() -> None:

@@ -31,14 +31,14 @@ import json
 import os
 import struct
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import chain, compress, islice, repeat
 from math import prod
-from operator import eq, is_, itemgetter, mul, sub
+from operator import eq, is_, itemgetter, mul, ne, not_, sub
 from pathlib import Path
-from typing import Any, BinaryIO, NamedTuple
+from typing import Any, BinaryIO, NamedTuple, TypeGuard
 
 import orjson
 
@@ -116,15 +116,32 @@ def _parse(f: BinaryIO, file_size: int, *, build: bool) -> Header:
     raw = f.read(n)
     if len(raw) != n:
         raise _err(name, f"the file ends inside the header ({len(raw)} of {n} bytes)")
-    where = (8 + n, file_size - 8 - n, build)  # data start, data size, whether to build the tensor table
+    where = _Where(name, 8 + n, file_size - 8 - n)
+    refusal: SafetensorsHeaderError | None = None
     with _gc_paused():  # millions of new containers, none cyclic: collections would cost 20x the parse itself
-        checked = _check_fast(name, raw, *where)
-        if checked is None:  # orjson could not read it, or its tree may not be json's: json decides
-            tree = _decode(name, raw)
-            checked = _check(name, tree, tree.pop("__metadata__", None), *where)[:2]
+        try:
+            metadata, tensors = _decide(where, raw, build)
+        except SafetensorsHeaderError as exc:
+            refusal = exc.with_traceback(None)  # its frames hold the tree: freed now, while collections are off
         del raw
-    metadata, tensors = checked
+    if refusal is not None:
+        raise refusal
     return Header(header_len=n, data_start=8 + n, file_size=file_size, tensors=tensors, metadata=metadata)
+
+
+def _decide(where: _Where, raw: bytes, build: bool) -> tuple[dict[str, str], dict[str, TensorSpec]]:
+    checked = _check_fast(where, raw, build)
+    if checked is None:  # orjson could not read it, or its tree may not be json's: json decides
+        tree = _decode(where.name, raw)
+        meta = tree.pop("__metadata__", None)
+        checked = _check(where, tree, meta, _columns(tree, where.data_size), build)
+    return checked
+
+
+class _Where(NamedTuple):
+    name: str  # the file's, for messages
+    data_start: int  # 8 + header length
+    data_size: int  # the bytes after the header
 
 
 class _Census(NamedTuple):
@@ -133,8 +150,7 @@ class _Census(NamedTuple):
     floats: bool  # any float: orjson's reading of an integer past 64 bits, where json keeps the integer
 
 
-def _check_fast(name: str, raw: bytes, data_start: int, data_size: int,
-                build: bool) -> tuple[dict[str, str], dict[str, TensorSpec]] | None:
+def _check_fast(where: _Where, raw: bytes, build: bool) -> tuple[dict[str, str], dict[str, TensorSpec]] | None:
     """The verdict on orjson's tree, or None where json must decide: orjson refused the text (json reads lone
     surrogates and 1e400), the tree is too deep, or orjson may have dropped a repeated key; and for a refusal, a
     float anywhere (orjson's reading of a big integer: json's message would quote the integer)."""
@@ -144,37 +160,44 @@ def _check_fast(name: str, raw: bytes, data_start: int, data_size: int,
         return None
     if type(tree) is not dict:
         return None
-    had_meta = int("__metadata__" in tree)
+    had_meta = "__metadata__" in tree
     meta = tree.pop("__metadata__", None)
+    columns = _columns(tree, where.data_size)
     try:
-        metadata, tensors, by_columns = _check(name, tree, meta, data_start, data_size, build)
+        checked = _check(where, tree, meta, columns, build)
     except SafetensorsHeaderError:
-        census = _census([tree, meta])
-        if census is None or census.floats or not _no_duplicates(raw, census.pairs + had_meta, census.colons):
+        regular = columns is not None and (meta is None or _is_str_map(meta))
+        census = _count(tree, meta, had_meta, regular)
+        if census is None or census.floats or not _no_duplicates(raw, census):
             return None
         raise
-    if by_columns:  # every tensor is {dtype: known name, shape: ints, data_offsets: ints}: count without a walk
-        pairs = 4 * len(tree) + had_meta + len(metadata)
-        colons = _colons(tree) + _colons(metadata) + _colons(metadata.values())
-    else:  # valid, with extra fields: walk it all
-        census = _census([tree, meta])
-        if census is None:
-            return None
-        pairs, colons = census.pairs + had_meta, census.colons
-    return (metadata, tensors) if _no_duplicates(raw, pairs, colons) else None
+    census = _count(tree, checked[0], had_meta, regular=columns is not None)
+    return checked if census is not None and _no_duplicates(raw, census) else None
 
 
-def _no_duplicates(raw: bytes, pairs: int, colons: int) -> bool:
-    """Whether the JSON text `raw` holds exactly `pairs` key-value pairs and `colons` colons in its strings, as
-    counted in the tree orjson made of it: then orjson dropped no pair for a repeated key. Each ':' byte of valid
-    JSON separates a pair or lies in a string; a string's colons decode from those bytes and from '\\u003a'
-    escapes, counted apart (with escaped backslashes removed, each backslash left starts an escape). A dropped
-    pair takes its separator with it, so the text's sum exceeds the tree's exactly when something was dropped."""
+def _count(tree: dict[str, Any], meta: Any, had_meta: bool, regular: bool) -> _Census | None:
+    """The census of a header's tree whose "__metadata__" value `meta` was taken out; None when too deep to take.
+    `regular`: every tensor is {dtype: a known name, shape: ints, data_offsets: ints} and the metadata maps str to
+    str (or is absent), so the count needs no walk."""
+    if regular:
+        meta = meta or {}
+        return _Census(4 * len(tree) + had_meta + len(meta), _colons(tree) + _colons(meta) + _colons(meta.values()),
+                       floats=False)
+    census = _census([tree, meta])
+    return census._replace(pairs=census.pairs + had_meta) if census else None
+
+
+def _no_duplicates(raw: bytes, census: _Census) -> bool:
+    """Whether the JSON text `raw` holds exactly the pairs and string colons `census` counted in the tree orjson
+    made of it: then orjson dropped no pair for a repeated key. Each ':' byte of valid JSON separates a pair or
+    lies in a string; a string's colons decode from those bytes and from '\\u003a' escapes, counted apart (with
+    escaped backslashes removed, each backslash left starts an escape). A dropped pair takes its separator with
+    it, so the text's sum exceeds the tree's exactly when something was dropped."""
     escaped = 0
     if b"\\u003" in raw:
         unescaped = raw.replace(b"\\\\", b"")
         escaped = unescaped.count(b"\\u003a") + unescaped.count(b"\\u003A")
-    return raw.count(b":") + escaped == pairs + colons
+    return raw.count(b":") + escaped == census.pairs + census.colons
 
 
 def _colons(strings: Iterable[str]) -> int:
@@ -183,7 +206,7 @@ def _colons(strings: Iterable[str]) -> int:
 
 def _census(roots: list[Any]) -> _Census | None:
     """Pairs, string colons and floats in the trees `roots`, one level at a time with loops in C (a million
-    tensors in well under a second); None when deeper than FAST_DEPTH."""
+    tensors in about a second); None when deeper than FAST_DEPTH."""
     pairs = colons = 0
     floats = False
     level = roots
@@ -203,21 +226,6 @@ def _census(roots: list[Any]) -> _Census | None:
             below = list(chain.from_iterable(lists))
         level = list(chain(chain.from_iterable(map(dict.values, dicts)), below))
     return None
-
-
-def _check(name: str, tree: dict[str, Any], meta: Any, data_start: int, data_size: int,
-           build: bool) -> tuple[dict[str, str], dict[str, TensorSpec], bool]:
-    """Metadata and the tensor table (in file order; {} when not `build` and the columns pass) of a header whose
-    "__metadata__" value `meta` was taken out of `tree`; last, whether the column check decided."""
-    metadata = _metadata(name, meta)
-    ordered = _fast_specs(tree, data_start, data_size, build=build)
-    if ordered is not None:
-        return metadata, ordered, True
-    # something is wrong, or unusual (extra fields): find it, one tensor at a time, and say which
-    tensors = {key: _tensor(name, key, value, data_start, data_size) for key, value in tree.items()}
-    ordered = dict(sorted(tensors.items(), key=lambda kv: (kv[1].start, kv[1].end)))
-    _check_layout(name, ordered, data_start, data_size)
-    return metadata, ordered, False
 
 
 _gc_lock = threading.Lock()
@@ -243,64 +251,111 @@ def _gc_paused() -> Iterator[None]:
                 gc.enable()
 
 
-def _fast_specs(obj: dict[str, Any], data_start: int, data_size: int, *,
-                build: bool = True) -> dict[str, TensorSpec] | None:
-    """The same rules as `_tensor` + `_check_layout`, column by column with builtins that loop in C (a million
-    tensors in well under a second); None when any rule fails, and the slow path names the culprit."""
+class _Columns(NamedTuple):
+    """Every tensor's fields in header order, each field of each tensor checked on its own (type and range):
+    what remains to check is arithmetic (size = shape x dtype) and layout. Built by loops in C over columns
+    (each pass costs ~50 ms per million tensors), never a Python call per tensor."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    begins: list[int]
+    ends: list[int]
+    unit: list[int]  # bits per element of each dtype
+    first: list[int]  # begins, sorted
+    last: list[int]  # ends, sorted
+
+
+def _columns(tree: dict[str, Any], data_size: int) -> _Columns | None:
+    """The columns, or None when some tensor is not {dtype: a known name, shape: at most MAX_NDIM ints in
+    0..MAX_DIM, data_offsets: two ints in 0..data_size} and nothing else (the per-tensor pass says which)."""
+    entries = list(tree.values())
     try:
-        return _columns(obj, data_start, data_size, build)
-    except (TypeError, KeyError):  # an unhashable dtype, a missing field: the slow path says which
+        if entries and set(map(len, entries)) != {3}:
+            return None
+        # three fields found in an object of three are exactly these; itemgetter raises on anything but a dict
+        dtypes, shapes, offsets = list(map(_DTYPE, entries)), list(map(_SHAPE, entries)), list(map(_OFFSETS, entries))
+        unit = list(map(DTYPE_BITS.__getitem__, dtypes))  # KeyError: unknown; TypeError: not even a string
+        if entries and (set(map(type, shapes)) != {list} or max(map(len, shapes)) > MAX_NDIM
+                        or set(map(len, offsets)) != {2}):
+            return None
+        # a str or dict of two passes here and fails below: its items are characters or keys, never ints
+        begins, ends = list(map(_BEGIN, offsets)), list(map(_END, offsets))
+    except (TypeError, KeyError):
         return None
-
-
-def _columns(obj: dict[str, Any], data_start: int, data_size: int, build: bool) -> dict[str, TensorSpec] | None:
-    """The tensor table in file order, None when a rule fails; {} (valid, not built) when `build` is false.
-    Each line is one or two C loops over a column (a pass costs ~50 ms per million tensors): as few as the rules
-    allow, and no check whose work a later one does anyway."""
-    if not obj:
-        return {} if data_size == 0 else None
-    entries = list(obj.values())
-    if set(map(len, entries)) != {3}:
-        return None
-    # three fields found in an object of three are exactly these; itemgetter raises on anything but a dict
-    dtypes, shapes, offsets = list(map(_DTYPE, entries)), list(map(_SHAPE, entries)), list(map(_OFFSETS, entries))
-    del entries
-    unit = list(map(DTYPE_BITS.__getitem__, dtypes))  # KeyError: unknown; TypeError: not even a string
-    if set(map(type, shapes)) != {list} or max(map(len, shapes)) > MAX_NDIM or set(map(len, offsets)) != {2}:
-        return None
-    # a str or dict of two fails below: its items are characters or keys, never ints
-    begins, ends = list(map(_BEGIN, offsets)), list(map(_END, offsets))
-    del offsets
     dims = list(chain.from_iterable(shapes))
     if not set(map(type, dims)) | set(map(type, begins)) | set(map(type, ends)) <= {int}:
         return None
     if dims and (min(dims) < 0 or max(dims) > MAX_DIM):
         return None
-    del dims
     first, last = sorted(begins), sorted(ends)
-    if first[0] != 0 or last[-1] != data_size or first[-1] > data_size or last[0] < 0:
-        return None  # every offset now in 0..data_size
-    sizes = list(map(sub, ends, begins))
-    # at most MAX_NDIM dimensions below 2**63 each: products stay small enough for C-speed arithmetic
-    if not all(map(eq, map(mul, sizes, repeat(8)), map(mul, map(prod, shapes), unit))):
-        return None  # also catches end < begin: a negative extent never equals bits >= 0
-    rank: list[int] = []
-    if 0 in sizes:  # empty tensors may share an offset with the next one: file order is by (begin, end)
-        rank = sorted(range(len(begins)), key=list(zip(begins, ends, strict=True)).__getitem__)
-        first, last = list(map(begins.__getitem__, rank)), list(map(ends.__getitem__, rank))
-        if first[0] != 0 or last[-1] != data_size:
-            return None
-    # all sizes > 0: each column sorted on its own tiles the data iff the tensors do (begins then distinct)
-    if not all(map(eq, islice(first, 1, None), last)):
+    if entries and (min(first[0], last[0]) < 0 or max(first[-1], last[-1]) > data_size):
         return None
-    if not build:
-        return {}
-    rank = rank or sorted(range(len(begins)), key=begins.__getitem__)
-    names = list(obj)
-    rows = zip(dtypes, map(tuple, shapes), map(data_start.__add__, begins), map(data_start.__add__, ends),
-               strict=True)
+    return _Columns(list(tree), dtypes, shapes, begins, ends, unit, first, last)
+
+
+def _check(where: _Where, tree: dict[str, Any], meta: Any, columns: _Columns | None,
+           build: bool) -> tuple[dict[str, str], dict[str, TensorSpec]]:
+    """Metadata and the tensor table in file order ({} when not `build` and `columns` decide) of a header whose
+    "__metadata__" value `meta` was taken out of `tree`. Refusals name the first tensor in header order that is
+    wrong on its own, else the first place in file order where the layout breaks: the per-tensor pass's words."""
+    metadata = _metadata(where.name, meta)
+    if columns is None:  # something is malformed, or unusual (extra fields): one tensor at a time
+        return metadata, _per_tensor(where, tree)
+    bad = _mismatch(columns)
+    if bad is not None:  # that tensor's size is not its shape x dtype: the per-tensor check words it
+        _tensor(where, bad, tree[bad])
+        return metadata, _per_tensor(where, tree)  # not reached: _tensor refuses what _mismatch finds
+    if _tiled(columns, where.data_size):
+        return metadata, _table(columns, where.data_start) if build else {}
+    _check_layout(where, _table(columns, where.data_start))  # refuses: the tensors do not tile the data
+    return metadata, _per_tensor(where, tree)  # not reached
+
+
+def _mismatch(columns: _Columns) -> str | None:
+    """The first tensor (header order) whose data_offsets do not hold exactly shape x dtype bits, or None."""
+    sizes = map(sub, columns.ends, columns.begins)
+    # at most MAX_NDIM dimensions below 2**63 each: products stay small enough for C-speed arithmetic
+    fits = map(eq, map(mul, sizes, repeat(8)), map(mul, map(prod, columns.shapes), columns.unit))
+    return next(compress(columns.names, map(not_, fits)), None)
+
+
+def _tiled(columns: _Columns, data_size: int) -> bool:
+    """Whether the tensors (each of the right size) tile the data: contiguous from its first byte, no overlap, and
+    the last one ends exactly at the end of the file."""
+    if not columns.names:
+        return data_size == 0
+    first, last = columns.first, columns.last
+    if any(map(eq, columns.begins, columns.ends)):  # empty tensors may share an offset with the next one
+        rank = _file_order(columns)
+        first, last = list(map(columns.begins.__getitem__, rank)), list(map(columns.ends.__getitem__, rank))
+    # all sizes > 0: each column sorted on its own tiles the data iff the tensors do (begins then distinct)
+    return first[0] == 0 and last[-1] == data_size and all(map(eq, islice(first, 1, None), last))
+
+
+def _file_order(columns: _Columns) -> list[int]:
+    """Tensor indexes by (begin, end): file order, empty tensors before the one that starts where they are."""
+    begins, ends = columns.begins, columns.ends
+    if all(map(ne, columns.first, islice(columns.first, 1, None))):  # no two begins alike: no pairs to build
+        return sorted(range(len(begins)), key=begins.__getitem__)
+    return sorted(range(len(begins)), key=list(zip(begins, ends, strict=True)).__getitem__)
+
+
+def _table(columns: _Columns, data_start: int) -> dict[str, TensorSpec]:
+    """The tensor table in file order, with absolute offsets."""
+    rank = _file_order(columns)
+    rows = zip(columns.dtypes, map(tuple, columns.shapes), map(data_start.__add__, columns.begins),
+               map(data_start.__add__, columns.ends), strict=True)
     specs = list(map(tuple.__new__, repeat(TensorSpec), rows))  # TensorSpec._make without a Python call each
-    return dict(zip(map(names.__getitem__, rank), map(specs.__getitem__, rank), strict=True))
+    return dict(zip(map(columns.names.__getitem__, rank), map(specs.__getitem__, rank), strict=True))
+
+
+def _per_tensor(where: _Where, tree: dict[str, Any]) -> dict[str, TensorSpec]:
+    """The thorough path, one tensor at a time: each checked on its own in header order, then the layout."""
+    tensors = {key: _tensor(where, key, value) for key, value in tree.items()}
+    ordered = dict(sorted(tensors.items(), key=lambda kv: (kv[1].start, kv[1].end)))
+    _check_layout(where, ordered)
+    return ordered
 
 
 def _err(name: str, problem: str) -> SafetensorsHeaderError:
@@ -354,38 +409,40 @@ def _metadata(name: str, value: Any) -> dict[str, str]:
         return {}
     if isinstance(value, tuple):
         value = _object(name, "__metadata__", value)
-    if not isinstance(value, dict):
+    if not _is_str_map(value):
         raise _err(name, "__metadata__ must map strings to strings")
-    meta: dict[str, str] = value
-    if set(map(type, meta)) | set(map(type, meta.values())) > {str}:
-        raise _err(name, "__metadata__ must map strings to strings")
-    return meta
+    return value
 
 
-def _tensor(name: str, key: str, value: Any, data_start: int, data_size: int) -> TensorSpec:
-    label = f"tensor {_quote(key)}"
+def _is_str_map(value: Any) -> TypeGuard[dict[str, str]]:
+    return isinstance(value, dict) and set(map(type, value)) | set(map(type, value.values())) <= {str}
+
+
+def _tensor(where: _Where, key: str, value: Any) -> TensorSpec:
+    """One tensor checked on its own, or a refusal naming it; a Python call per tensor, for the thorough path."""
+    name, data_size = where.name, where.data_size
     if isinstance(value, tuple):
-        value = _object(name, label, value)
-    if not isinstance(value, Mapping):
-        raise _err(name, f"{label} must be an object with dtype, shape and data_offsets")
+        value = _object(name, f"tensor {_quote(key)}", value)
+    if not isinstance(value, dict):
+        raise _err(name, f"tensor {_quote(key)} must be an object with dtype, shape and data_offsets")
     dtype, shape, offsets = value.get("dtype"), value.get("shape"), value.get("data_offsets")
     if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
-        raise _err(name, f"{label} has unknown dtype {_quote(dtype)} (known: {', '.join(DTYPE_BITS)})")
-    if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(_is_uint(d, MAX_DIM) for d in shape):
-        raise _err(name, f"{label} shape must be a list of at most {MAX_NDIM} non-negative integers below 2**63, "
-                         f"got {_quote(shape)}")
-    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_uint(o, data_size) for o in offsets):
-        raise _err(name, f"{label} data_offsets must be [begin, end] within the {data_size} data bytes "
+        raise _err(name, f"tensor {_quote(key)} has unknown dtype {_quote(dtype)} (known: {', '.join(DTYPE_BITS)})")
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM or not _uints(shape, MAX_DIM):
+        raise _err(name, f"tensor {_quote(key)} shape must be a list of at most {MAX_NDIM} non-negative integers "
+                         f"below 2**63, got {_quote(shape)}")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not _uints(offsets, data_size):
+        raise _err(name, f"tensor {_quote(key)} data_offsets must be [begin, end] within the {data_size} data bytes "
                          f"(truncated?), got {_quote(offsets)}")
     begin, end = offsets
     if begin > end:
-        raise _err(name, f"{label} data_offsets [{begin}, {end}] end before they begin")
+        raise _err(name, f"tensor {_quote(key)} data_offsets [{begin}, {end}] end before they begin")
     bits = _bits(shape, DTYPE_BITS[dtype], limit=max(8 * data_size, 1 << 64))
     if bits is None or bits % 8 or bits // 8 != end - begin:
         needs = "more bytes than the file holds" if bits is None else f"{bits // 8}{'.5' if bits % 8 else ''} bytes"
-        raise _err(name, f"{label}: shape {_quote(shape)} of {dtype} needs {needs} "
+        raise _err(name, f"tensor {_quote(key)}: shape {_quote(shape)} of {dtype} needs {needs} "
                          f"but data_offsets [{begin}, {end}] hold {end - begin}")
-    return TensorSpec(dtype=dtype, shape=tuple(shape), start=data_start + begin, end=data_start + end)
+    return TensorSpec(dtype=dtype, shape=tuple(shape), start=where.data_start + begin, end=where.data_start + end)
 
 
 def _bits(shape: list[int], dtype_bits: int, *, limit: int) -> int | None:
@@ -401,8 +458,9 @@ def _bits(shape: list[int], dtype_bits: int, *, limit: int) -> int | None:
     return total
 
 
-def _is_uint(value: Any, maximum: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= maximum
+def _uints(values: list[Any], maximum: int) -> bool:
+    """All ints (not bools) in 0..maximum."""
+    return not values or (set(map(type, values)) <= {int} and min(values) >= 0 and max(values) <= maximum)
 
 
 def _quote(value: Any) -> str:
@@ -427,8 +485,9 @@ def _shown(value: Any, depth: int = 0) -> Any:
     return value
 
 
-def _check_layout(name: str, tensors: dict[str, TensorSpec], data_start: int, data_size: int) -> None:
+def _check_layout(where: _Where, tensors: dict[str, TensorSpec]) -> None:
     """Contiguous from the first data byte, no overlap, and the last tensor ends exactly at the end of the file."""
+    name, data_start, data_size = where
     pos = data_start
     for key, spec in tensors.items():
         if spec.start != pos:
