@@ -54,6 +54,10 @@ def test_a_model_of_more_files_than_descriptors_is_fetched(tmp_path: Path, few_d
     """A small file's descriptor is closed once it is written: a node's open-file limit never caps the number of
     files a model may have (it held one per file until verification, so 1,000 files failed with EMFILE here)."""
     files = _small_model(tmp_path / "model", 1000)
+    for i in range(500):  # empty files too, more than the headroom: each is created and closed at once
+        (tmp_path / "model" / "empty" / f"e{i:03d}").parent.mkdir(exist_ok=True)
+        (tmp_path / "model" / "empty" / f"e{i:03d}").write_bytes(b"")
+        files[f"empty/e{i:03d}"] = b""
     store = Store(tmp_path / "root")
     snap = Fetcher(store).ensure(parse_ref(f"file://{tmp_path / 'model'}/"))
     got = {f.path: (snap.path / f.path).read_bytes() for f in snap.files}

@@ -61,7 +61,7 @@ class PartialFile:
         """Open (resuming when the journal matches) and return the (offset, length) ranges still to fetch."""
         if not self.journalled:  # nothing to resume: the worker that writes it creates it (in parallel)
             if not self.obj.size:
-                self._create()
+                self._write_whole(memoryview(b""))
             return self._missing()
         header = {"key": self.obj.key, "size": self.obj.size, "etag": self.obj.etag,
                   "version_id": self.obj.version_id}
@@ -83,12 +83,6 @@ class PartialFile:
             self._done[start] = length
             self.resumed_bytes += length
         return self._missing()
-
-    def _create(self) -> None:
-        """Start a one-request file over, empty, in one O_TRUNC|O_NOFOLLOW open. Not preallocated: its bytes
-        follow at once in one stream of writes (a full disk shows on the first), and on ext4 preallocating
-        4 KB files cost a call and an extent conversion each (2,000 small files)."""
-        self._fd = _create_truncated(self.part)
 
     def _load_journal(self, header: dict[str, Any]) -> list[tuple[int, int]] | None:
         try:  # a journal is data from disk: anything unexpected in it means "start this file again"
@@ -136,10 +130,6 @@ class PartialFile:
         if not self.journalled and offset == 0 and len(data) == self.obj.size:
             self._write_whole(data)
             return
-        if self._fd < 0:
-            with self._mu:
-                if self._fd < 0:
-                    self._create()
         view = data
         pos = offset
         while view:
@@ -160,8 +150,10 @@ class PartialFile:
         self.advance_hash(scratch)
 
     def _write_whole(self, data: memoryview) -> None:
-        """A one-request file in one go: create, write, hash from the caller's buffer, close. Its descriptor is not
-        kept until verification, so a model of many small files never holds one descriptor per file (EMFILE)."""
+        """A one-request file in one go: create (started over, O_TRUNC|O_NOFOLLOW), write, hash from the caller's
+        buffer, close. Its descriptor is not kept until verification, so a model of many small files never holds
+        one descriptor per file (EMFILE). Not preallocated: its bytes follow at once (a full disk shows on the
+        first write), and on ext4 preallocating 4 KB files cost a call and an extent conversion each."""
         fd = _create_truncated(self.part)
         try:
             view = data
