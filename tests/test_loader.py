@@ -166,7 +166,7 @@ def test_bad_layouts_say_what_to_do(tmp_path: Path) -> None:
         load_state_dict(tmp_path)
 
 
-ALLOWED_IMPORTS = {"torch", "numpy", "safetensors", "weightcache", "orjson"}  # orjson: the header check's parser
+ALLOWED_IMPORTS = {"torch", "numpy", "safetensors", "weightcache", "msgspec"}  # msgspec: the header check's parser
 ALLOWED_PACKAGE_MODULES = {"weightcache", "weightcache.loader", "weightcache.errors", "weightcache.safetensors_check"}
 
 

@@ -1,6 +1,6 @@
-"""The orjson path of the header check gives the same verdict and message as the standard library's json path on
-every header: repeated keys (which orjson silently collapses), escapes that hide a colon or a quote, big integers
-(which orjson reads as floats), lone surrogates (which only json reads), metadata and nested extra fields."""
+"""The header check's msgspec roads (typed tensors; the plain tree) give the same verdict and message as the
+standard library's json road on every header: repeated keys (which msgspec silently collapses), escapes that hide
+a colon or a quote, big integers, lone surrogates (which only json reads), metadata and nested extra fields."""
 
 from __future__ import annotations
 
@@ -38,13 +38,17 @@ def blob_of(header_text: str, data_len: int) -> bytes:
     return struct.pack("<Q", len(body)) + body + bytes(data_len)
 
 
-def verdict(blob: bytes, *, reference: bool, build: bool = True) -> Any:
-    """What the check says: the table and metadata, or the refusal's message; `reference`: json path only."""
+ROADS = {"all": (), "tree": ("_check_typed",), "json": ("_check_typed", "_check_tree")}
+
+
+def verdict(blob: bytes, *, roads: str = "all", build: bool = True) -> Any:
+    """What the check says: the table and metadata, or the refusal's message. `roads`: all three; the tree road
+    and json; json alone (the reference)."""
     f = io.BytesIO(blob)
     f.name = "/m/model.safetensors"
-    path = mock.patch.object(safetensors_check, "_check_fast", return_value=None) if reference else \
-        contextlib.nullcontext()
-    with path:
+    with contextlib.ExitStack() as stack:
+        for road in ROADS[roads]:
+            stack.enter_context(mock.patch.object(safetensors_check, road, return_value=None))
         try:
             header = safetensors_check._parse(f, len(blob), build=build)
         except SafetensorsHeaderError as exc:
@@ -53,16 +57,20 @@ def verdict(blob: bytes, *, reference: bool, build: bool = True) -> Any:
 
 
 def assert_same(blob: bytes) -> Any:
-    reference = verdict(blob, reference=True)
-    assert verdict(blob, reference=False) == reference
-    assert verdict(blob, reference=False, build=False)[0] == reference[0]  # the fetch's check: same verdict
+    reference = verdict(blob, roads="json")
+    assert verdict(blob) == reference
+    assert verdict(blob, roads="tree") == reference
+    assert verdict(blob, build=False)[0] == reference[0]  # the fetch's check: same verdict
     return reference
 
 
 @contextlib.contextmanager
-def json_forbidden() -> Iterator[None]:
-    """The standard library's json must not be asked: the orjson path decided on its own."""
-    with mock.patch.object(json, "loads", side_effect=AssertionError("json path taken")):
+def forbidden(*roads: str) -> Iterator[None]:
+    """These roads must not be taken ("json", "_check_tree"): an earlier one decided on its own."""
+    with contextlib.ExitStack() as stack:
+        for road in roads:
+            target = (json, "loads") if road == "json" else (safetensors_check, road)
+            stack.enter_context(mock.patch.object(*target, side_effect=AssertionError(f"{road} taken")))
         yield
 
 
@@ -137,7 +145,7 @@ def headers(draw: st.DrawFn) -> tuple[str, int]:
 @given(headers())
 @example(('{"a":{"dtype":"I8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"I8","shape":[1],'
           '"data_offsets":[0,1]}}', 1))
-def test_orjson_and_json_agree_on_any_header(case: tuple[str, int]) -> None:
+def test_msgspec_and_json_agree_on_any_header(case: tuple[str, int]) -> None:
     text, data_len = case
     assert_same(blob_of(text, max(data_len, 0)))
 
@@ -148,7 +156,7 @@ _SIGNIFICANT = list(b':",{}[]\\u003aA 0-9e.')
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(headers(), st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from(["insert", "delete", "replace"]),
                                      st.sampled_from(_SIGNIFICANT)), min_size=1, max_size=3))
-def test_orjson_and_json_agree_on_mutated_bytes(case: tuple[str, int], edits: list[tuple[int, str, int]]) -> None:
+def test_msgspec_and_json_agree_on_mutated_bytes(case: tuple[str, int], edits: list[tuple[int, str, int]]) -> None:
     """Bytes inserted, deleted or replaced anywhere in the header (JSON's significant characters)."""
     text, data_len = case
     body = bytearray(text.encode("utf-8", "surrogatepass"))
@@ -170,8 +178,8 @@ def t8(begin: int) -> str:
 
 
 def test_a_repeated_valid_tensor_is_refused_as_before() -> None:
-    """orjson keeps one of the two, which alone is a valid header: only the count says a pair was dropped."""
-    ok, message = verdict(blob_of('{"a":' + t8(0) + ',"a":' + t8(0) + "}", 1), reference=False)[:2]
+    """msgspec keeps one of the two, which alone is a valid header: only the count says a pair was dropped."""
+    ok, message = verdict(blob_of('{"a":' + t8(0) + ',"a":' + t8(0) + "}", 1))[:2]
     assert ok == "refused" and "duplicate key 'a'" in message
 
 
@@ -180,20 +188,20 @@ def test_an_escaped_colon_does_not_hide_a_repeated_metadata_key(escape: str) -> 
     """The escape decodes to a colon that has no ':' byte in the text: counted apart, or it would make up for the
     ':' of the dropped metadata pair and the header would pass with one of two values."""
     text = '{"__metadata__":{"k":"v","k":"w"},"x' + escape + '":' + t8(0) + "}"
-    ok, message = verdict(blob_of(text, 1), reference=False)[:2]
+    ok, message = verdict(blob_of(text, 1))[:2]
     assert ok == "refused" and "duplicate key 'k'" in message
 
 
 def test_an_escaped_backslash_before_u003a_is_no_colon() -> None:
     r"""'\\u003a' is a backslash and the text u003a: counting it as a colon would miss a repeated key."""
     text = r'{"__metadata__":{"k":"v","k":"w","p":"\\u003a"},"x":' + t8(0) + "}"
-    ok, message = verdict(blob_of(text, 1), reference=False)[:2]
+    ok, message = verdict(blob_of(text, 1))[:2]
     assert ok == "refused" and "duplicate key 'k'" in message
 
 
 def test_a_repeated_field_inside_a_tensor_is_refused_as_before() -> None:
     text = '{"a":{"dtype":"F32","dtype":"I8","shape":[1],"data_offsets":[0,1]}}'
-    ok, message = verdict(blob_of(text, 1), reference=False)[:2]
+    ok, message = verdict(blob_of(text, 1))[:2]
     assert ok == "refused" and "tensor 'a' has a duplicate key 'dtype'" in message
 
 
@@ -205,51 +213,56 @@ def test_a_repeated_key_deep_in_an_extra_field_stays_accepted() -> None:
 
 
 def test_an_integer_past_64_bits_is_quoted_as_json_reads_it() -> None:
-    """orjson reads it as a float; the message must quote the integer (json decides)."""
+    """The message quotes the integer as written, whichever road refuses it."""
     text = '{"w":{"dtype":"F32","shape":[' + str(2**70) + ',0],"data_offsets":[0,0]}}'
-    ok, message = verdict(blob_of(text, 0), reference=False)[:2]
-    assert ok == "refused" and str(2**70) in message and "tensor 'w'" in message
+    result = assert_same(blob_of(text, 0))
+    assert result[0] == "refused" and str(2**70) in result[1] and "tensor 'w'" in result[1]
 
 
 def test_a_lone_surrogate_name_is_read_by_json() -> None:
-    """orjson refuses a lone surrogate escape, json reads it: the header is valid, as before."""
+    """msgspec refuses a lone surrogate escape, json reads it: the header is valid, as before."""
     result = assert_same(blob_of(r'{"\ud800":' + t8(0) + "}", 1))
     assert result[0] == "ok" and result[1][0][0] == "\ud800"
 
 
 def test_a_nesting_json_refuses_is_refused() -> None:
-    """orjson reads 1,024 levels, json's recursion guard stops near 1,000: trees deeper than FAST_DEPTH are left
-    to json, so such a header is refused as before rather than accepted by orjson's reading."""
+    """Recursion guards stop near 1,000 levels, at a depth that depends on the caller's stack: trees deeper than
+    FAST_DEPTH are left to json, so such a header is refused as before, never accepted by another reading."""
     deep = "[" * 1010 + "]" * 1010
     text = '{"a":{"dtype":"I8","shape":[1],"data_offsets":[0,1],"x":' + deep + "}}"
     result = assert_same(blob_of(text, 1))
     assert result[0] == "refused" and "nested too deeply" in result[1]
     shallow = "[" * (safetensors_check.FAST_DEPTH - 3) + "]" * (safetensors_check.FAST_DEPTH - 3)
-    with json_forbidden():
-        assert verdict(blob_of(text.replace(deep, shallow), 1), reference=False)[0] == "ok"
+    with forbidden("json"):
+        assert verdict(blob_of(text.replace(deep, shallow), 1))[0] == "ok"
 
 
+# the road that decides each: typed tensors for valid headers of the usual form, the plain tree for the rest
 FAST = {
-    "plain": ('{"__metadata__":{"format":"pt"},"a":' + t8(0) + ',"b":' + t8(1) + "}", 2, "ok"),
+    "plain": ('{"__metadata__":{"format":"pt"},"a":' + t8(0) + ',"b":' + t8(1) + "}", 2, "typed"),
     "colons in names and metadata": ('{"__metadata__":{"url":"s3://b/k:v"},"l:1":' + t8(1) + ',"l:2":' + t8(0)
-                                     + "}", 2, "ok"),
-    "escaped colon and quote": (r'{"a\u003ab\u0022":' + t8(0) + r',"\"data_offsets\"":' + t8(1) + "}", 2, "ok"),
-    "fake escape": (r'{"a\\u003a":' + t8(0) + "}", 1, "ok"),
-    "fields in any order": ('{"a":{"data_offsets":[0,4],"shape":[2,2],"dtype":"I8"}}', 4, "ok"),
-    "extra field": ('{"a":{"dtype":"I8","shape":[1],"data_offsets":[0,1],"x":{"y":["z:",1.5]}}}', 1, "ok"),
+                                     + "}", 2, "typed"),
+    "escaped colon and quote": (r'{"a\u003ab\u0022":' + t8(0) + r',"\"data_offsets\"":' + t8(1) + "}", 2, "typed"),
+    "fake escape": (r'{"a\\u003a":' + t8(0) + "}", 1, "typed"),
+    "fields in any order": ('{"a":{"data_offsets":[0,4],"shape":[2,2],"dtype":"I8"}}', 4, "typed"),
     "empty tensors": ('{"e":{"dtype":"F32","shape":[0,3],"data_offsets":[1,1]},"a":' + t8(0) + ',"b":' + t8(1)
-                      + "}", 2, "ok"),
-    "refused: size": ('{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}', 4, "refused"),
+                      + "}", 2, "typed"),
+    "no tensors": ('{"__metadata__":{}}', 0, "typed"),
+    "extra field": ('{"a":{"dtype":"I8","shape":[1],"data_offsets":[0,1],"x":{"y":["z:",1.5]}}}', 1, "tree"),
+    "refused: size": ('{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}', 4, "tree"),
     "refused: long shape": ('{"w":{"dtype":"I8","shape":[' + ",".join(["1"] * 100) + '],"data_offsets":[0,1]}}', 1,
-                            "refused"),
+                            "tree"),
+    "refused: gap": ('{"a":' + t8(0) + ',"b":' + t8(2) + "}", 3, "tree"),
 }
 
 
-@pytest.mark.parametrize(("text", "data_len", "expect"), FAST.values(), ids=list(FAST))
-def test_real_and_hostile_headers_take_the_fast_path(text: str, data_len: int, expect: str) -> None:
-    """No json: orjson and the count decide, accepting or refusing with json's own message."""
+@pytest.mark.parametrize("case", list(FAST))
+def test_real_and_hostile_headers_take_a_msgspec_road(case: str) -> None:
+    """No json: msgspec and the count decide, accepting or refusing with json's own message; valid headers of
+    the usual form on the typed road, without the plain tree."""
+    text, data_len, road = FAST[case]
     blob = blob_of(text, data_len)
-    reference = verdict(blob, reference=True)
-    assert reference[0] == expect
-    with json_forbidden():
-        assert verdict(blob, reference=False) == reference
+    reference = verdict(blob, roads="json")
+    assert reference[0] == ("refused" if case.startswith("refused") else "ok")
+    with forbidden("json", *(["_check_tree"] if road == "typed" else [])):
+        assert verdict(blob) == reference

@@ -16,12 +16,15 @@ numbers (every dimension and offset is range-checked first, and an element count
 what the file could hold); errors quote at most a few dozen characters of what they found, and every failure is
 a SafetensorsHeaderError naming the tensor (never OverflowError or RecursionError).
 
-Parsing: orjson first (the standard library's json alone takes longer than the 2 s budget for 100 MB). orjson
-keeps the last of repeated keys where json refuses them, reads integers past 64 bits as floats and refuses some
-texts json reads (lone surrogates, 1e400); so its tree is used only when counting proves that no key was dropped
-(_no_duplicates), and otherwise the standard library's json decides, as it always did: both give the same verdict
-and the same message on every header (tests/test_safetensors_check_fast.py). scripts/bench_header_check.py times
-100 MB headers.
+Parsing (the standard library's json alone takes longer than the 2 s budget for 100 MB), three roads:
+1. msgspec decodes the header straight into typed tensors, checking types and ranges in C as it reads: a valid
+   header of the usual form is accepted here, nothing is refused (_check_typed).
+2. Anything else: msgspec's plain tree, checked column by column (_check_tree), refusals named from it.
+3. Where msgspec refuses the text (json reads lone surrogates and 1e400) or may have read it otherwise: the
+   standard library's json decides, as it always did (_decode).
+msgspec keeps the last of repeated keys where json refuses them, so roads 1 and 2 stand only when counting proves
+that no key was dropped (_no_duplicates). All three give the same verdict and the same message on every header
+(tests/test_safetensors_check_fast.py). scripts/bench_header_check.py times 100 MB headers.
 """
 
 from __future__ import annotations
@@ -31,16 +34,16 @@ import json
 import os
 import struct
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import chain, compress, islice, repeat
 from math import prod
-from operator import eq, is_, itemgetter, mul, ne, not_, sub
+from operator import and_, attrgetter, eq, is_, itemgetter, le, mul, ne, not_, sub
 from pathlib import Path
-from typing import Any, BinaryIO, NamedTuple, TypeGuard
+from typing import Annotated, Any, BinaryIO, NamedTuple, TypeGuard
 
-import orjson
+import msgspec
 
 from weightcache.errors import SafetensorsHeaderError
 
@@ -48,7 +51,7 @@ MAX_HEADER_BYTES = 100_000_000  # the reference implementation's limit
 MAX_DIM = 2**63 - 1  # torch sizes are int64; the reference implementation parses them as usize
 MAX_NDIM = 64  # numpy's limit; no tool writes more dimensions
 QUOTE = 60  # characters of a found value an error message shows
-FAST_DEPTH = 32  # orjson trees nested deeper (no real header is) are left to json, whose recursion guard decides
+FAST_DEPTH = 32  # msgspec trees nested deeper (no real header is) are left to json, whose recursion guard decides
 _DTYPE, _SHAPE, _OFFSETS = itemgetter("dtype"), itemgetter("shape"), itemgetter("data_offsets")
 _BEGIN, _END = itemgetter(0), itemgetter(1)
 
@@ -130,11 +133,13 @@ def _parse(f: BinaryIO, file_size: int, *, build: bool) -> Header:
 
 
 def _decide(where: _Where, raw: bytes, build: bool) -> tuple[dict[str, str], dict[str, TensorSpec]]:
-    checked = _check_fast(where, raw, build)
-    if checked is None:  # orjson could not read it, or its tree may not be json's: json decides
+    checked = _check_typed(where, raw, build)
+    if checked is None:  # unusual, wrong, or keys may repeat: msgspec's plain tree
+        checked = _check_tree(where, raw, build)
+    if checked is None:  # msgspec could not read it, or its tree may not be json's: json decides
         tree = _decode(where.name, raw)
         meta = tree.pop("__metadata__", None)
-        checked = _check(where, tree, meta, _columns(tree, where.data_size), build)
+        checked = _check(where, tree, meta, _columns(tree), build)
     return checked
 
 
@@ -147,28 +152,76 @@ class _Where(NamedTuple):
 class _Census(NamedTuple):
     pairs: int  # key-value pairs in all objects
     colons: int  # ':' characters in all keys and string values
-    floats: bool  # any float: orjson's reading of an integer past 64 bits, where json keeps the integer
 
 
-def _check_fast(where: _Where, raw: bytes, build: bool) -> tuple[dict[str, str], dict[str, TensorSpec]] | None:
-    """The verdict on orjson's tree, or None where json must decide: orjson refused the text (json reads lone
-    surrogates and 1e400), the tree is too deep, or orjson may have dropped a repeated key; and for a refusal, a
-    float anywhere (orjson's reading of a big integer: json's message would quote the integer)."""
+_Dim = Annotated[int, msgspec.Meta(ge=0, le=MAX_DIM)]
+_Offset = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class _Tensor(msgspec.Struct, gc=False):
+    """A tensor as msgspec checks it while decoding. The fields are optional so that "__metadata__" decodes too
+    (as fields it does not have: _Metadata reads it); a tensor without one goes to the tree road."""
+
+    dtype: str | None = None
+    shape: Annotated[list[_Dim], msgspec.Meta(max_length=MAX_NDIM)] | None = None
+    data_offsets: tuple[_Offset, _Offset] | None = None
+
+
+class _Metadata(msgspec.Struct):
+    """The header's "__metadata__" alone: msgspec skips the tensors."""
+
+    metadata: dict[str, str] | None = msgspec.field(name="__metadata__", default=None)
+
+
+_TENSORS = msgspec.json.Decoder(dict[str, _Tensor])
+_METADATA = msgspec.json.Decoder(_Metadata)
+_FIELDS = attrgetter("dtype"), attrgetter("shape"), attrgetter("data_offsets")
+
+
+def _check_typed(where: _Where, raw: bytes, build: bool) -> tuple[dict[str, str], dict[str, TensorSpec]] | None:
+    """Road 1: metadata and table of a valid header of the usual form (tensors of exactly dtype, shape and
+    data_offsets, metadata str -> str); None for anything else, which the other roads decide."""
     try:
-        tree = orjson.loads(raw)
-    except orjson.JSONDecodeError:
+        tensors = _TENSORS.decode(raw)
+        had_meta = tensors.pop("__metadata__", None) is not None
+        metadata = (_METADATA.decode(raw).metadata or {}) if had_meta else {}
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    entries = list(tensors.values())
+    dtypes, shapes, offsets = (list(map(field, entries)) for field in _FIELDS)
+    if any(map(is_, chain(dtypes, shapes, offsets), repeat(None))) or not set(dtypes) <= DTYPE_BITS.keys():
+        return None
+    if not _no_duplicates(raw, _regular_census(tensors, metadata, had_meta)):
+        return None
+    begins, ends = list(map(_BEGIN, offsets)), list(map(_END, offsets))
+    unit = list(map(DTYPE_BITS.__getitem__, dtypes))
+    columns = _Columns(list(tensors), dtypes, shapes, begins, ends, unit, sorted(begins), sorted(ends))
+    return metadata, _settle(where, columns, lambda key: _entry(tensors[key]), build)
+
+
+def _entry(tensor: _Tensor) -> dict[str, Any]:
+    """A typed tensor as the plain tree has it, for the per-tensor check's words."""
+    return {"dtype": tensor.dtype, "shape": tensor.shape, "data_offsets": list(tensor.data_offsets or ())}
+
+
+def _check_tree(where: _Where, raw: bytes, build: bool) -> tuple[dict[str, str], dict[str, TensorSpec]] | None:
+    """Road 2: the verdict on msgspec's plain tree, or None where json must decide: msgspec refused the text
+    (json reads lone surrogates and 1e400), the tree is too deep, or msgspec may have dropped a repeated key."""
+    try:
+        tree = msgspec.json.decode(raw)
+    except (msgspec.DecodeError, RecursionError):
         return None
     if type(tree) is not dict:
         return None
     had_meta = "__metadata__" in tree
     meta = tree.pop("__metadata__", None)
-    columns = _columns(tree, where.data_size)
+    columns = _columns(tree)
     try:
         checked = _check(where, tree, meta, columns, build)
     except SafetensorsHeaderError:
         regular = columns is not None and (meta is None or _is_str_map(meta))
         census = _count(tree, meta, had_meta, regular)
-        if census is None or census.floats or not _no_duplicates(raw, census):
+        if census is None or not _no_duplicates(raw, census):
             return None
         raise
     census = _count(tree, checked[0], had_meta, regular=columns is not None)
@@ -177,19 +230,23 @@ def _check_fast(where: _Where, raw: bytes, build: bool) -> tuple[dict[str, str],
 
 def _count(tree: dict[str, Any], meta: Any, had_meta: bool, regular: bool) -> _Census | None:
     """The census of a header's tree whose "__metadata__" value `meta` was taken out; None when too deep to take.
-    `regular`: every tensor is {dtype: a known name, shape: ints, data_offsets: ints} and the metadata maps str to
-    str (or is absent), so the count needs no walk."""
+    `regular`: as for _regular_census, which then counts it."""
     if regular:
-        meta = meta or {}
-        return _Census(4 * len(tree) + had_meta + len(meta), _colons(tree) + _colons(meta) + _colons(meta.values()),
-                       floats=False)
+        return _regular_census(tree, meta or {}, had_meta)
     census = _census([tree, meta])
     return census._replace(pairs=census.pairs + had_meta) if census else None
 
 
+def _regular_census(tensors: dict[str, Any], metadata: dict[str, str], had_meta: bool) -> _Census:
+    """The census of a header whose tensors are each exactly {dtype: a known name, shape: ints, data_offsets:
+    ints} (so three pairs and no colon each) and whose metadata maps str to str: counted without a walk."""
+    return _Census(4 * len(tensors) + had_meta + len(metadata),
+                   _colons(tensors) + _colons(metadata) + _colons(metadata.values()))
+
+
 def _no_duplicates(raw: bytes, census: _Census) -> bool:
-    """Whether the JSON text `raw` holds exactly the pairs and string colons `census` counted in the tree orjson
-    made of it: then orjson dropped no pair for a repeated key. Each ':' byte of valid JSON separates a pair or
+    """Whether the JSON text `raw` holds exactly the pairs and string colons `census` counted in the tree msgspec
+    made of it: then msgspec dropped no pair for a repeated key. Each ':' byte of valid JSON separates a pair or
     lies in a string; a string's colons decode from those bytes and from '\\u003a' escapes, counted apart (with
     escaped backslashes removed, each backslash left starts an escape). A dropped pair takes its separator with
     it, so the text's sum exceeds the tree's exactly when something was dropped."""
@@ -205,22 +262,20 @@ def _colons(strings: Iterable[str]) -> int:
 
 
 def _census(roots: list[Any]) -> _Census | None:
-    """Pairs, string colons and floats in the trees `roots`, one level at a time with loops in C (a million
-    tensors in about a second); None when deeper than FAST_DEPTH."""
+    """Pairs and string colons in the trees `roots`, one level at a time with loops in C (a million tensors in
+    about a second); None when deeper than FAST_DEPTH."""
     pairs = colons = 0
-    floats = False
     level = roots
     for _ in range(FAST_DEPTH + 1):
         if not level:
-            return _Census(pairs, colons, floats)
+            return _Census(pairs, colons)
         kinds = list(map(type, level))
         dicts = list(compress(level, map(is_, kinds, repeat(dict))))
         lists = list(compress(level, map(is_, kinds, repeat(list))))
         colons += _colons(compress(level, map(is_, kinds, repeat(str)))) + _colons(chain.from_iterable(dicts))
         pairs += sum(map(len, dicts))
-        floats = floats or float in kinds
         try:  # numbers only (shapes, offsets): one C loop says so, and nothing below them needs counting
-            floats = floats or type(sum(chain.from_iterable(lists))) is float
+            sum(chain.from_iterable(lists))
             below: list[Any] = []
         except TypeError:
             below = list(chain.from_iterable(lists))
@@ -266,9 +321,9 @@ class _Columns(NamedTuple):
     last: list[int]  # ends, sorted
 
 
-def _columns(tree: dict[str, Any], data_size: int) -> _Columns | None:
+def _columns(tree: dict[str, Any]) -> _Columns | None:
     """The columns, or None when some tensor is not {dtype: a known name, shape: at most MAX_NDIM ints in
-    0..MAX_DIM, data_offsets: two ints in 0..data_size} and nothing else (the per-tensor pass says which)."""
+    0..MAX_DIM, data_offsets: two ints >= 0} and nothing else (the per-tensor pass says which)."""
     entries = list(tree.values())
     try:
         if entries and set(map(len, entries)) != {3}:
@@ -289,7 +344,7 @@ def _columns(tree: dict[str, Any], data_size: int) -> _Columns | None:
     if dims and (min(dims) < 0 or max(dims) > MAX_DIM):
         return None
     first, last = sorted(begins), sorted(ends)
-    if entries and (min(first[0], last[0]) < 0 or max(first[-1], last[-1]) > data_size):
+    if entries and min(first[0], last[0]) < 0:
         return None
     return _Columns(list(tree), dtypes, shapes, begins, ends, unit, first, last)
 
@@ -302,21 +357,31 @@ def _check(where: _Where, tree: dict[str, Any], meta: Any, columns: _Columns | N
     metadata = _metadata(where.name, meta)
     if columns is None:  # something is malformed, or unusual (extra fields): one tensor at a time
         return metadata, _per_tensor(where, tree)
-    bad = _mismatch(columns)
-    if bad is not None:  # that tensor's size is not its shape x dtype: the per-tensor check words it
-        _tensor(where, bad, tree[bad])
-        return metadata, _per_tensor(where, tree)  # not reached: _tensor refuses what _mismatch finds
-    if _tiled(columns, where.data_size):
-        return metadata, _table(columns, where.data_start) if build else {}
-    _check_layout(where, _table(columns, where.data_start))  # refuses: the tensors do not tile the data
-    return metadata, _per_tensor(where, tree)  # not reached
+    return metadata, _settle(where, columns, tree.__getitem__, build)
 
 
-def _mismatch(columns: _Columns) -> str | None:
-    """The first tensor (header order) whose data_offsets do not hold exactly shape x dtype bits, or None."""
+def _settle(where: _Where, columns: _Columns, entry: Callable[[str], Any], build: bool) -> dict[str, TensorSpec]:
+    """The table in file order ({} when not `build`) when every tensor's size and place are right; else the
+    refusal in the per-tensor check's words: the first tensor (header order) wrong on its own, else the first
+    place (file order) where the layout breaks. `entry`: a tensor's value in the tree, by name."""
+    bad = _mismatch(columns, where.data_size)
+    if bad is not None:
+        _tensor(where, bad, entry(bad))  # refuses: its size is not its shape x dtype, or it ends past the data
+    elif _tiled(columns, where.data_size):
+        return _table(columns, where.data_start) if build else {}
+    else:
+        _check_layout(where, _table(columns, where.data_start))  # refuses: the tensors do not tile the data
+    raise _err(where.name, "the tensors' sizes or layout are wrong")  # not reached: the checks above refuse
+
+
+def _mismatch(columns: _Columns, data_size: int) -> str | None:
+    """The first tensor (header order) whose data_offsets do not hold exactly shape x dtype bits or that ends
+    past the data (one that begins past it then ends before it begins), or None."""
     sizes = map(sub, columns.ends, columns.begins)
     # at most MAX_NDIM dimensions below 2**63 each: products stay small enough for C-speed arithmetic
     fits = map(eq, map(mul, sizes, repeat(8)), map(mul, map(prod, columns.shapes), columns.unit))
+    if columns.last and columns.last[-1] > data_size:
+        fits = map(and_, fits, map(le, columns.ends, repeat(data_size)))
     return next(compress(columns.names, map(not_, fits)), None)
 
 
