@@ -282,9 +282,9 @@ class Store:
         """add_blob for many (path, sha256) files, each directory opened once.
 
         Each file is moved by a rename that neither follows nor replaces (fsops.move_noreplace), and the blob is
-        then checked to be the very regular file found at `path` (same inode): a symlink planted at `path` is
-        refused before anything moves, one swapped in meanwhile is quarantined. A file that is 0444 already (the
-        fetch creates its small files so) costs three calls: lstat, rename, lstat.
+        then checked to be a regular file with the inode found at `path`: a symlink planted at `path` is refused
+        before anything moves, a symlink or another inode swapped in meanwhile is quarantined. A file that is
+        0444 already (the fetch creates its small files so) costs three calls: lstat, rename, lstat.
         """
         with self.tree.held() as dirs:
             for path, sha256 in files:
