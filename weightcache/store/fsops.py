@@ -291,7 +291,8 @@ class HeldDirs:
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _RENAME_NOREPLACE = 1
-_renameat2_works = True  # until a filesystem says it has no RENAME_NOREPLACE (then link + unlink)
+# until the C library lacks it or a filesystem says it has no RENAME_NOREPLACE: then link + unlink
+_renameat2_works = hasattr(_libc, "renameat2")
 
 
 def move_noreplace(src_dir_fd: int, src: str, dst_dir_fd: int, dst: str) -> bool:
