@@ -199,6 +199,13 @@ def test_an_escaped_backslash_before_u003a_is_no_colon() -> None:
     assert ok == "refused" and "duplicate key 'k'" in message
 
 
+def test_a_repeated_key_goes_from_the_typed_road_straight_to_json() -> None:
+    """The tree would collapse it the same way: json names it, and the tree is not built for nothing."""
+    with forbidden("_check_tree"):
+        ok, message = verdict(blob_of('{"a":' + t8(0) + ',"b":' + t8(1) + ',"a":' + t8(0) + "}", 2))[:2]
+    assert ok == "refused" and "duplicate key 'a'" in message
+
+
 def test_a_repeated_field_inside_a_tensor_is_refused_as_before() -> None:
     text = '{"a":{"dtype":"F32","dtype":"I8","shape":[1],"data_offsets":[0,1]}}'
     ok, message = verdict(blob_of(text, 1))[:2]
@@ -228,8 +235,8 @@ def test_a_lone_surrogate_name_is_read_by_json() -> None:
 def test_a_nesting_json_refuses_is_refused() -> None:
     """Recursion guards stop near 1,000 levels, at a depth that depends on the caller's stack: trees deeper than
     FAST_DEPTH are left to json, so such a header is refused as before, never accepted by another reading."""
-    deep = "[" * 1010 + "]" * 1010
-    text = '{"a":{"dtype":"I8","shape":[1],"data_offsets":[0,1],"x":' + deep + "}}"
+    deep = "[" * 1010 + "]" * 1010  # "__metadata__": null (valid) sends it past the typed road, to the tree
+    text = '{"__metadata__":null,"a":{"dtype":"I8","shape":[1],"data_offsets":[0,1],"x":' + deep + "}}"
     result = assert_same(blob_of(text, 1))
     assert result[0] == "refused" and "nested too deeply" in result[1]
     shallow = "[" * (safetensors_check.FAST_DEPTH - 3) + "]" * (safetensors_check.FAST_DEPTH - 3)
@@ -248,7 +255,8 @@ FAST = {
     "empty tensors": ('{"e":{"dtype":"F32","shape":[0,3],"data_offsets":[1,1]},"a":' + t8(0) + ',"b":' + t8(1)
                       + "}", 2, "typed"),
     "no tensors": ('{"__metadata__":{}}', 0, "typed"),
-    "extra field": ('{"a":{"dtype":"I8","shape":[1],"data_offsets":[0,1],"x":{"y":["z:",1.5]}}}', 1, "tree"),
+    "extra field": ('{"__metadata__":null,"a":{"dtype":"I8","shape":[1],"data_offsets":[0,1],"x":{"y":["z:",1.5]}}}',
+                    1, "tree"),
     "refused: size": ('{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}', 4, "tree"),
     "refused: long shape": ('{"w":{"dtype":"I8","shape":[' + ",".join(["1"] * 100) + '],"data_offsets":[0,1]}}', 1,
                             "tree"),
@@ -266,3 +274,20 @@ def test_real_and_hostile_headers_take_a_msgspec_road(case: str) -> None:
     assert reference[0] == ("refused" if case.startswith("refused") else "ok")
     with forbidden("json", *(["_check_tree"] if road == "typed" else [])):
         assert verdict(blob) == reference
+
+
+def test_threads_share_the_decoders_and_the_collector_pause() -> None:
+    """The fetch engine checks files in worker threads at once: the module's decoders are shared and the cyclic
+    collector is paused while any check runs; each thread still gets its own verdict, and collections come back."""
+    import gc
+    from concurrent.futures import ThreadPoolExecutor
+
+    good = blob_of('{"__metadata__":{"k":"v:w"},"a":' + t8(0) + ',"b":' + t8(1) + "}", 2)
+    many = blob_of("{" + ",".join(f'"t{i}":{t8(i)}' for i in range(20_000)) + "}", 20_000)
+    bad = blob_of('{"a":' + t8(0) + ',"a":' + t8(0) + "}", 1)
+    blobs = [good, many, bad] * 6
+    expected = [verdict(blob)[0] for blob in blobs]
+    assert expected[:3] == ["ok", "ok", "refused"]
+    with ThreadPoolExecutor(6) as pool:
+        assert list(pool.map(lambda blob: verdict(blob)[0], blobs)) == expected
+    assert gc.isenabled()

@@ -37,6 +37,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from enum import Enum
 from itertools import chain, compress, islice, repeat
 from math import prod
 from operator import and_, attrgetter, eq, is_, itemgetter, le, mul, ne, not_, sub
@@ -133,10 +134,10 @@ def _parse(f: BinaryIO, file_size: int, *, build: bool) -> Header:
 
 
 def _decide(where: _Where, raw: bytes, build: bool) -> tuple[dict[str, str], dict[str, TensorSpec]]:
-    checked = _check_typed(where, raw, build)
-    if checked is None:  # unusual, wrong, or keys may repeat: msgspec's plain tree
+    checked: tuple[dict[str, str], dict[str, TensorSpec]] | _Next | None = _check_typed(where, raw, build)
+    if checked is _Next.TREE:  # unusual or wrong: msgspec's plain tree
         checked = _check_tree(where, raw, build)
-    if checked is None:  # msgspec could not read it, or its tree may not be json's: json decides
+    if not isinstance(checked, tuple):  # msgspec could not read it, or its tree may not be json's: json decides
         tree = _decode(where.name, raw)
         meta = tree.pop("__metadata__", None)
         checked = _check(where, tree, meta, _columns(tree), build)
@@ -147,6 +148,13 @@ class _Where(NamedTuple):
     name: str  # the file's, for messages
     data_start: int  # 8 + header length
     data_size: int  # the bytes after the header
+
+
+class _Next(Enum):
+    """Where a road that cannot decide sends the header."""
+
+    TREE = "msgspec's plain tree"
+    JSON = "the standard library's json"
 
 
 class _Census(NamedTuple):
@@ -178,24 +186,27 @@ _METADATA = msgspec.json.Decoder(_Metadata)
 _FIELDS = attrgetter("dtype"), attrgetter("shape"), attrgetter("data_offsets")
 
 
-def _check_typed(where: _Where, raw: bytes, build: bool) -> tuple[dict[str, str], dict[str, TensorSpec]] | None:
-    """Road 1: metadata and table of a valid header of the usual form (tensors of exactly dtype, shape and
-    data_offsets, metadata str -> str); None for anything else, which the other roads decide."""
+def _check_typed(where: _Where, raw: bytes,
+                 build: bool) -> tuple[dict[str, str], dict[str, TensorSpec]] | _Next:
+    """Road 1: the verdict on a header of the usual form (tensors of dtype, shape and data_offsets, metadata
+    str -> str, no key repeated), refusals included; else the road that decides."""
     try:
         tensors = _TENSORS.decode(raw)
         had_meta = tensors.pop("__metadata__", None) is not None
         metadata = (_METADATA.decode(raw).metadata or {}) if had_meta else {}
     except (msgspec.DecodeError, RecursionError):
-        return None
+        return _Next.TREE
     entries = list(tensors.values())
     dtypes, shapes, offsets = (list(map(field, entries)) for field in _FIELDS)
     if any(map(is_, chain(dtypes, shapes, offsets), repeat(None))) or not set(dtypes) <= DTYPE_BITS.keys():
-        return None
+        return _Next.TREE
     if not _no_duplicates(raw, _regular_census(tensors, metadata, had_meta)):
-        return None
+        # a key repeats, or a field msgspec skipped (which the tree would count): json says which, faster than
+        # the tree road and then json would
+        return _Next.JSON
     begins, ends = list(map(_BEGIN, offsets)), list(map(_END, offsets))
     unit = list(map(DTYPE_BITS.__getitem__, dtypes))
-    columns = _Columns(list(tensors), dtypes, shapes, begins, ends, unit, sorted(begins), sorted(ends))
+    columns = _Columns(list(tensors), dtypes, shapes, begins, ends, unit, sorted(begins), sorted(ends), exact=True)
     return metadata, _settle(where, columns, lambda key: _entry(tensors[key]), build)
 
 
@@ -219,12 +230,12 @@ def _check_tree(where: _Where, raw: bytes, build: bool) -> tuple[dict[str, str],
     try:
         checked = _check(where, tree, meta, columns, build)
     except SafetensorsHeaderError:
-        regular = columns is not None and (meta is None or _is_str_map(meta))
+        regular = columns is not None and columns.exact and (meta is None or _is_str_map(meta))
         census = _count(tree, meta, had_meta, regular)
         if census is None or not _no_duplicates(raw, census):
             return None
         raise
-    census = _count(tree, checked[0], had_meta, regular=columns is not None)
+    census = _count(tree, checked[0], had_meta, regular=columns is not None and columns.exact)
     return checked if census is not None and _no_duplicates(raw, census) else None
 
 
@@ -319,16 +330,17 @@ class _Columns(NamedTuple):
     unit: list[int]  # bits per element of each dtype
     first: list[int]  # begins, sorted
     last: list[int]  # ends, sorted
+    exact: bool  # no tensor has fields besides these three
 
 
 def _columns(tree: dict[str, Any]) -> _Columns | None:
     """The columns, or None when some tensor is not {dtype: a known name, shape: at most MAX_NDIM ints in
-    0..MAX_DIM, data_offsets: two ints >= 0} and nothing else (the per-tensor pass says which)."""
+    0..MAX_DIM, data_offsets: two ints >= 0, and perhaps fields the check ignores} (the per-tensor pass says
+    which)."""
     entries = list(tree.values())
     try:
-        if entries and set(map(len, entries)) != {3}:
-            return None
-        # three fields found in an object of three are exactly these; itemgetter raises on anything but a dict
+        fields = set(map(len, entries))
+        # itemgetter raises on anything but a dict (a list or str of three: TypeError) and on a missing field
         dtypes, shapes, offsets = list(map(_DTYPE, entries)), list(map(_SHAPE, entries)), list(map(_OFFSETS, entries))
         unit = list(map(DTYPE_BITS.__getitem__, dtypes))  # KeyError: unknown; TypeError: not even a string
         if entries and (set(map(type, shapes)) != {list} or max(map(len, shapes)) > MAX_NDIM
@@ -346,7 +358,7 @@ def _columns(tree: dict[str, Any]) -> _Columns | None:
     first, last = sorted(begins), sorted(ends)
     if entries and min(first[0], last[0]) < 0:
         return None
-    return _Columns(list(tree), dtypes, shapes, begins, ends, unit, first, last)
+    return _Columns(list(tree), dtypes, shapes, begins, ends, unit, first, last, exact=fields <= {3})
 
 
 def _check(where: _Where, tree: dict[str, Any], meta: Any, columns: _Columns | None,
