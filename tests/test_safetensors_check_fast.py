@@ -257,10 +257,17 @@ FAST = {
     "no tensors": ('{"__metadata__":{}}', 0, "typed"),
     "extra field": ('{"__metadata__":null,"a":{"dtype":"I8","shape":[1],"data_offsets":[0,1],"x":{"y":["z:",1.5]}}}',
                     1, "tree"),
-    "refused: size": ('{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}', 4, "tree"),
+    "refused: size": ('{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}', 4, "typed"),
     "refused: long shape": ('{"w":{"dtype":"I8","shape":[' + ",".join(["1"] * 100) + '],"data_offsets":[0,1]}}', 1,
-                            "tree"),
-    "refused: gap": ('{"a":' + t8(0) + ',"b":' + t8(2) + "}", 3, "tree"),
+                            "typed"),
+    "refused: wrong size before a long shape": ('{"a":{"dtype":"F32","shape":[2],"data_offsets":[1,5]},"w":'
+                                                '{"dtype":"I8","shape":[' + ",".join(["1"] * 65) +
+                                                '],"data_offsets":[0,1]}}', 5, "typed"),
+    "refused: long shape before a wrong size": ('{"w":{"dtype":"I8","shape":[' + ",".join(["1"] * 65) +
+                                                '],"data_offsets":[0,1]},"a":{"dtype":"F32","shape":[2],'
+                                                '"data_offsets":[1,5]}}', 5, "typed"),
+    "refused: gap": ('{"a":' + t8(0) + ',"b":' + t8(2) + "}", 3, "typed"),
+    "refused: metadata not strings": ('{"__metadata__":{"k":1},"a":' + t8(0) + "}", 1, "tree"),
 }
 
 

@@ -38,9 +38,9 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
-from itertools import chain, compress, islice, repeat
+from itertools import chain, compress, count, islice, repeat
 from math import prod
-from operator import and_, attrgetter, eq, is_, itemgetter, le, mul, ne, not_, sub
+from operator import and_, attrgetter, eq, gt, is_, itemgetter, le, mul, ne, not_, sub
 from pathlib import Path
 from typing import Annotated, Any, BinaryIO, NamedTuple, TypeGuard
 
@@ -171,7 +171,7 @@ class _Tensor(msgspec.Struct, gc=False):
     (as fields it does not have: _Metadata reads it); a tensor without one goes to the tree road."""
 
     dtype: str | None = None
-    shape: Annotated[list[_Dim], msgspec.Meta(max_length=MAX_NDIM)] | None = None
+    shape: list[_Dim] | None = None  # its length is checked with the sizes: a refusal named from the columns
     data_offsets: tuple[_Offset, _Offset] | None = None
 
 
@@ -387,14 +387,18 @@ def _settle(where: _Where, columns: _Columns, entry: Callable[[str], Any], build
 
 
 def _mismatch(columns: _Columns, data_size: int) -> str | None:
-    """The first tensor (header order) whose data_offsets do not hold exactly shape x dtype bits or that ends
-    past the data (one that begins past it then ends before it begins), or None."""
+    """The first tensor (header order) with more than MAX_NDIM dimensions, or whose data_offsets do not hold
+    exactly shape x dtype bits, or that ends past the data (one that begins past it then ends before it
+    begins); None when there is none."""
+    names = columns.names
+    too_long = next(compress(count(), map(gt, map(len, columns.shapes), repeat(MAX_NDIM))), len(names))
     sizes = map(sub, columns.ends, columns.begins)
-    # at most MAX_NDIM dimensions below 2**63 each: products stay small enough for C-speed arithmetic
-    fits = map(eq, map(mul, sizes, repeat(8)), map(mul, map(prod, columns.shapes), columns.unit))
+    # before that one, at most MAX_NDIM dimensions below 2**63 each: products small enough for C-speed arithmetic
+    fits = map(eq, map(mul, sizes, repeat(8)), map(mul, map(prod, islice(columns.shapes, too_long)), columns.unit))
     if columns.last and columns.last[-1] > data_size:
         fits = map(and_, fits, map(le, columns.ends, repeat(data_size)))
-    return next(compress(columns.names, map(not_, fits)), None)
+    bad = next(compress(names, map(not_, fits)), None)  # the maps stop at too_long
+    return bad if bad is not None or too_long == len(names) else names[too_long]
 
 
 def _tiled(columns: _Columns, data_size: int) -> bool:
