@@ -17,9 +17,9 @@ what the file could hold); errors quote at most a few dozen characters of what t
 a SafetensorsHeaderError naming the tensor (never OverflowError or RecursionError).
 
 Parsing (the standard library's json alone takes longer than the 2 s budget for 100 MB), three roads:
-1. msgspec decodes the header straight into typed tensors, checking types and ranges in C as it reads: a valid
-   header of the usual form is accepted here, nothing is refused (_check_typed).
-2. Anything else: msgspec's plain tree, checked column by column (_check_tree), refusals named from it.
+1. msgspec decodes the header straight into typed tensors, checking types and ranges in C as it reads; a few
+   passes over columns check sizes and layout: a header of the usual form is decided here (_check_typed).
+2. Anything else: msgspec's plain tree, checked column by column (_check_tree).
 3. Where msgspec refuses the text (json reads lone surrogates and 1e400) or may have read it otherwise: the
    standard library's json decides, as it always did (_decode).
 msgspec keeps the last of repeated keys where json refuses them, so roads 1 and 2 stand only when counting proves
