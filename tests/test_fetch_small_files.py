@@ -12,6 +12,8 @@ import resource
 import stat
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +21,8 @@ import pytest
 
 from weightcache.errors import HostileKeyError, ObjectChangedError, SourceError
 from weightcache.fetch import Fetcher
-from weightcache.sources import open_source
+from weightcache.sources import ObjectInfo, open_source
+from weightcache.sources.base import OnBytes, Pieces
 from weightcache.sources.fsspec import stat_token
 from weightcache.store import Store, fsops, verify_snapshot
 from weightcache.store import store as store_module
@@ -227,3 +230,52 @@ def test_files_recorded_here_are_linked_once_and_fetched_again_once_evicted(tmp_
     snap = third.ensure(ref)
     assert third.stats["origin_bytes"] == sum(len(d) for d in files.values())
     assert {f.path: (snap.path / f.path).read_bytes() for f in snap.files} == files
+
+
+class _ThreadRecordingSource:
+    """A file:// source that records which threads read, each read held `pause` seconds (so every worker the
+    round starts gets a piece), and says whether it is local."""
+
+    def __init__(self, ref_uri: str, *, local: bool, pause: float) -> None:
+        self.inner = open_source(parse_ref(ref_uri))
+        self.ref, self.name, self.local, self.pause = self.inner.ref, self.inner.name, local, pause
+        self.threads: set[str] = set()
+
+    def list(self) -> list[ObjectInfo]:
+        return self.inner.list()
+
+    def read_into(self, obj: ObjectInfo, offset: int, buf: memoryview) -> None:
+        self.inner.read_into(obj, offset, buf)
+
+    def read_pieces(self, obj: ObjectInfo, offset: int, length: int, buf: memoryview,
+                    on_bytes: OnBytes | None = None) -> Pieces:
+        self.threads.add(threading.current_thread().name)
+        time.sleep(self.pause)
+        return self.inner.read_pieces(obj, offset, length, buf, on_bytes)
+
+    def etag_md5(self, obj: ObjectInfo) -> str | None:
+        return None
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@pytest.mark.parametrize(("local", "sizes", "threads"), [
+    (True, [4096] * 40, 1),  # local and small: one worker, no GIL hand-off per system call
+    (True, [1 << 20] * 3 + [4096] * 20, 3),  # a worker per large piece
+    (False, [4096] * 40, 8),  # requests: every worker hides latency
+])
+def test_a_local_round_of_small_pieces_runs_on_one_worker(tmp_path: Path, local: bool, sizes: list[int],
+                                                          threads: int) -> None:
+    """Threads hide request latency; a local source's small reads have none, so they take one worker (8 took
+    nearly twice as long as one for 2,000 files of 4 KB), and large local pieces one worker each."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for i, size in enumerate(sizes):
+        (model / f"f{i:03d}.bin").write_bytes(os.urandom(size))
+    uri = f"file://{model}/"
+    source = _ThreadRecordingSource(uri, local=local, pause=0.05 if threads > 1 else 0.0)
+    snap = Fetcher(Store(tmp_path / "root"), concurrency=8, chunk_size=1 << 20,
+                   source_factory=lambda ref: source).ensure(parse_ref(uri))
+    assert len(snap.files) == len(sizes)
+    assert len(source.threads) == threads, source.threads

@@ -78,6 +78,7 @@ class FsspecSource:
             ) from exc
         self.root = self.fs._strip_protocol(ref.uri).rstrip("/") + "/"
         self._protocol = protocol
+        self.local = protocol in ("file", "memory")  # reads are system calls (or memory), not requests
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.ref.uri!r})"
@@ -170,9 +171,12 @@ class FsspecSource:
         try:
             if self._protocol == "file":  # preadv lands in `view` directly; O_NONBLOCK: a FIFO put there never
                 fd = os.open(obj.key, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # blocks (its token differs)
-                try:
-                    self._same_version(obj, stat_token(os.fstat(fd)))
-                    n = _pread_fill(fd, view, pos)
+                try:  # one check, after the read: a change before it shows then too (new inode or ctime)
+                    try:
+                        n = _pread_fill(fd, view, pos)
+                    except OSError:  # a FIFO or directory swapped in (ESPIPE, EISDIR) is a change, not a failure
+                        self._same_version(obj, stat_token(os.fstat(fd)))
+                        raise
                     self._same_version(obj, stat_token(os.fstat(fd)))
                     return n
                 finally:

@@ -19,7 +19,7 @@ import sqlite3
 import stat
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -254,11 +254,7 @@ class Store:
         if dirs is None:
             with self.tree.held() as held:
                 return self.blob_size(sha256, held)
-        try:
-            st = os.stat(sha256, dir_fd=self._blob_dir(dirs, sha256), follow_symlinks=False)
-        except FileNotFoundError:
-            return None
-        return st.st_size if stat.S_ISREG(st.st_mode) else None
+        return _blob_size(self._blob_dirs(dirs), sha256)
 
     def known_sha256(self, uri: str) -> dict[tuple[str, str, int], str]:
         """(path, source ETag, size) -> sha256 of every file of `uri` this node recorded (one query for a whole
@@ -287,9 +283,14 @@ class Store:
         0444 already (the fetch creates its small files so) costs three calls: lstat, rename, lstat.
         """
         with self.tree.held() as dirs:
+            blob_dirs = self._blob_dirs(dirs, create=True)
+            parents: dict[str, int] = {}  # the parts' directories by name: no Path built per file
             for path, sha256 in files:
-                blob_dir = self._blob_dir(dirs, sha256, create=True)
-                dfd = dirs.fd(path.parent)
+                blob_dir = blob_dirs(sha256)
+                head = os.path.dirname(path)
+                dfd = parents.get(head)
+                if dfd is None:
+                    dfd = parents[head] = dirs.fd(path.parent)
                 inode = _sealed_inode(dfd, path.name, durable=durable)
                 if not move_noreplace(dfd, path.name, blob_dir, sha256):
                     os.unlink(path.name, dir_fd=dfd)  # the blob exists already: same content, one inode
@@ -302,21 +303,32 @@ class Store:
                 if durable:
                     os.fsync(blob_dir)
 
-    def _blob_dir(self, dirs: HeldDirs, sha256: str, *, create: bool = False) -> int:
-        """Descriptor of blobs/sha256/<ab> for this digest (refused unless it is one), held in `dirs`."""
-        return dirs.child(self.layout.blobs, self.layout.blob_dir_name(sha256), create=create)
+    def _blob_dirs(self, dirs: HeldDirs, *, create: bool = False) -> Callable[[str], int]:
+        """sha256 -> descriptor of its blobs/sha256/<ab> directory (refused unless it is a digest), held in `dirs`;
+        one dict lookup per file for a caller naming thousands of blobs."""
+        fds: dict[str, int] = {}
+
+        def blob_dir(sha256: str) -> int:
+            name = self.layout.blob_dir_name(sha256)
+            fd = fds.get(name)
+            if fd is None:
+                fd = fds[name] = dirs.child(self.layout.blobs, name, create=create)
+            return fd
+
+        return blob_dir
 
     def publish(self, ref: ModelRef, files: builtins.list[FileEntry]) -> Snapshot:
         """Build the snapshot tree from blobs, rename it into place, write the manifest, index it, point the ref."""
         snap_id = snapshot_id_for(files)
         with self.locked(), self.tree.held() as dirs:
+            blob_dirs = self._blob_dirs(dirs)
             for f in files:
-                if self.blob_size(f.sha256, dirs) is None:
+                if not is_hex(f.sha256, SHA256_HEX) or _blob_size(blob_dirs, f.sha256) is None:
                     raise BlobMissingError(f"blob {f.sha256} for {f.path} vanished before publish")
             final = self.layout.snapshot(snap_id)
             if not self.is_complete(snap_id):
                 self.tree.remove_tree(final)  # a tree without manifest: an interrupted publish; rebuild it
-                self._commit_tree(self._build_tree(final, files, dirs), final)
+                self._commit_tree(self._build_tree(final, files, blob_dirs), final)
                 self._write_manifest(Manifest(snap_id, ref.uri, ref.revision, time.time(), tuple(files)))
             self._index_snapshot(ref, snap_id, files)
             self._write_ref(ref, snap_id)
@@ -334,7 +346,7 @@ class Store:
         return Snapshot(snap_id, self.layout.snapshot(snap_id), uri, revision, size,
                         tuple(sorted(files, key=lambda f: f.path)))
 
-    def _build_tree(self, final: Path, files: builtins.list[FileEntry], dirs: HeldDirs) -> Path:
+    def _build_tree(self, final: Path, files: builtins.list[FileEntry], blob_dirs: Callable[[str], int]) -> Path:
         """A temporary tree of hard links to the blobs, directories fsynced and made 0555; returns its path."""
         tmp = tmp_name(final)
         with self.tree.dir(tmp.parent) as sfd:
@@ -345,7 +357,7 @@ class Store:
                     made: set[str] = set()
                     for f in files:
                         _make_parents(tfd, f.path, made)
-                        os.link(f.sha256, f.path, src_dir_fd=self._blob_dir(dirs, f.sha256), dst_dir_fd=tfd,
+                        os.link(f.sha256, f.path, src_dir_fd=blob_dirs(f.sha256), dst_dir_fd=tfd,
                                 follow_symlinks=False)
                     # every directory 0555 first, then each fsynced: on ext4 the first fsync commits all of
                     # them in one journal transaction and the others find nothing left to commit (fsync then
@@ -580,6 +592,15 @@ def _row_entry(row: tuple[object, ...]) -> FileEntry:
     except HostileKeyError as exc:
         raise DamagedRecordError(f"index row: {exc}; delete index.db to rebuild it from the tree") from None
     return entry
+
+
+def _blob_size(blob_dirs: Callable[[str], int], sha256: str) -> int | None:
+    """Size of the blob (not followed); None when it or its directory is missing, or it is no regular file."""
+    try:
+        st = os.stat(sha256, dir_fd=blob_dirs(sha256), follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
 
 
 def _sealed_inode(dir_fd: int, name: str, *, durable: bool) -> int:
