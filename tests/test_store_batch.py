@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from weightcache.store import Store
+from weightcache.store import BlobMissingError, Store
 from weightcache.store.types import FileEntry
 from weightcache.uri import parse_ref
 
@@ -89,3 +89,35 @@ def test_a_part_that_is_a_symlink_is_refused_and_the_batch_stops(tmp_path: Path)
         store.add_blobs([(good, good_sha), (bad, secret_sha)])
     assert store.has_blob(good_sha) and not store.has_blob(secret_sha)
     assert secret.stat().st_mode & 0o777 != 0o444, "the target was not chmod-ed"
+
+
+@pytest.mark.parametrize("planted", ["missing", "symlink", "fifo"])
+def test_publish_refuses_a_blob_that_vanished_or_is_not_a_regular_file(tmp_path: Path, planted: str) -> None:
+    """Publish links what is there under the store lock: a blob gone since add_blobs (gc) or replaced by a
+    symlink or FIFO is refused with BlobMissingError (the fetch starts over), and no snapshot, manifest or
+    symlink is left where a pod could mount it."""
+    store = Store(tmp_path / "root")
+    parts = _write_parts(store, 5)
+    store.add_blobs((part, sha) for part, sha, _ in parts)
+    victim = store.layout.blob(parts[3][1])
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"another tenant's weights")
+    victim.chmod(0o644)
+    victim.unlink()
+    if planted == "symlink":
+        victim.symlink_to(secret)
+    elif planted == "fifo":
+        os.mkfifo(victim)
+    files = [FileEntry(f"d/f{i}", len(data), sha) for i, (_, sha, data) in enumerate(parts)]
+    with pytest.raises(BlobMissingError):
+        store.publish(parse_ref("file:///models/five/"), files)
+    assert not any(store.layout.manifests.iterdir()), "nothing published"
+    assert [p.name for p in store.layout.snapshots.iterdir()] == [], "the temporary tree is removed"
+    assert store.lookup(parse_ref("file:///models/five/")) is None
+
+
+def test_publish_refuses_a_digest_that_is_not_one(tmp_path: Path) -> None:
+    store = Store(tmp_path / "root")
+    with pytest.raises(BlobMissingError, match="not a sha256 digest"):
+        store.publish(parse_ref("file:///models/x/"), [FileEntry("f", 1, "../../etc/passwd")])
+    assert not any(store.layout.snapshots.iterdir())

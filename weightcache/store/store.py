@@ -320,13 +320,17 @@ class Store:
     def publish(self, ref: ModelRef, files: builtins.list[FileEntry]) -> Snapshot:
         """Build the snapshot tree from blobs, rename it into place, write the manifest, index it, point the ref."""
         snap_id = snapshot_id_for(files)
+        for f in files:
+            if not is_hex(f.sha256, SHA256_HEX):
+                raise BlobMissingError(f"{f.path} has no blob: {f.sha256[:80]!r} is not a sha256 digest")
         with self.locked(), self.tree.held() as dirs:
             blob_dirs = self._blob_dirs(dirs)
-            for f in files:
-                if not is_hex(f.sha256, SHA256_HEX) or _blob_size(blob_dirs, f.sha256) is None:
-                    raise BlobMissingError(f"blob {f.sha256} for {f.path} vanished before publish")
             final = self.layout.snapshot(snap_id)
-            if not self.is_complete(snap_id):
+            if self.is_complete(snap_id):
+                for f in files:
+                    if _blob_size(blob_dirs, f.sha256) is None:
+                        raise BlobMissingError(f"blob {f.sha256} for {f.path} vanished before publish")
+            else:
                 self.tree.remove_tree(final)  # a tree without manifest: an interrupted publish; rebuild it
                 self._commit_tree(self._build_tree(final, files, blob_dirs), final)
                 self._write_manifest(Manifest(snap_id, ref.uri, ref.revision, time.time(), tuple(files)))
@@ -347,7 +351,12 @@ class Store:
                         tuple(sorted(files, key=lambda f: f.path)))
 
     def _build_tree(self, final: Path, files: builtins.list[FileEntry], blob_dirs: Callable[[str], int]) -> Path:
-        """A temporary tree of hard links to the blobs, directories fsynced and made 0555; returns its path."""
+        """A temporary tree of hard links to the blobs, directories fsynced and made 0555; returns its path.
+
+        Linking checks each blob: a missing one fails the link, and what was linked is checked to be regular files
+        from the directory listings the walk reads anyway (no stat per file; nothing swapped in between a check
+        and the link goes unseen). Either raises BlobMissingError (under the store lock: nothing evicts meanwhile).
+        """
         tmp = tmp_name(final)
         with self.tree.dir(tmp.parent) as sfd:
             os.mkdir(tmp.name, 0o755, dir_fd=sfd)
@@ -357,12 +366,16 @@ class Store:
                     made: set[str] = set()
                     for f in files:
                         _make_parents(tfd, f.path, made)
-                        os.link(f.sha256, f.path, src_dir_fd=blob_dirs(f.sha256), dst_dir_fd=tfd,
-                                follow_symlinks=False)
+                        try:
+                            os.link(f.sha256, f.path, src_dir_fd=blob_dirs(f.sha256), dst_dir_fd=tfd,
+                                    follow_symlinks=False)
+                        except FileNotFoundError:
+                            raise BlobMissingError(f"blob {f.sha256} for {f.path} vanished before publish") from None
                     # every directory 0555 first, then each fsynced: on ext4 the first fsync commits all of
                     # them in one journal transaction and the others find nothing left to commit (fsync then
                     # chmod per directory made one commit each: 21 for 2,000 files in 20 directories)
                     for _, _, _, dfd in os.fwalk(".", topdown=False, dir_fd=tfd):
+                        _only_regular_files(dfd, tmp)
                         os.fchmod(dfd, 0o555)
                     for _, _, _, dfd in os.fwalk(".", topdown=False, dir_fd=tfd):
                         os.fsync(dfd)
@@ -601,6 +614,16 @@ def _blob_size(blob_dirs: Callable[[str], int], sha256: str) -> int | None:
     except FileNotFoundError:
         return None
     return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+
+def _only_regular_files(dir_fd: int, tree: Path) -> None:
+    """Every entry of the directory is a directory or a regular file (the type its listing gives: no stat where
+    the filesystem reports types); a blob found to be anything else was planted (a symlink) and is not linked."""
+    with os.scandir(dir_fd) as entries:
+        for entry in entries:
+            if not entry.is_dir(follow_symlinks=False) and not entry.is_file(follow_symlinks=False):
+                raise BlobMissingError(f"{entry.name} in {tree} would link a blob that is not a regular file "
+                                       f"(planted?); run `weightcache verify` and fetch again")
 
 
 def _sealed_inode(dir_fd: int, name: str, *, durable: bool) -> int:
