@@ -255,13 +255,20 @@ class HeldDirs:
         self._tree = tree
         self._fds: dict[Path, int] = {}
         self._children: dict[tuple[Path, str], int] = {}  # (parent, name) -> fd: no Path built per file
+        self._walked: dict[Path, list[str]] = {}  # parent -> its components below the root (for messages)
 
     def child(self, parent: Path, name: str, *, create: bool = False) -> int:
         """Descriptor of directory `parent/name`, held like fd(); for a caller naming many files in a few
         directories (blobs/sha256/<ab>), where building a Path per file cost more than the system calls."""
         fd = self._children.get((parent, name))
         if fd is None:
-            fd = self._children[parent, name] = self.fd(parent / name, create=create)
+            if not name or "/" in name or name in (".", ".."):
+                raise ValueError(f"{name!r} is not a directory name")
+            parent_fd = self.fd(parent, create=create)
+            done = self._walked.get(parent)
+            if done is None:
+                done = self._walked[parent] = list(self._tree._parts(parent)) if parent != self._tree.root else []
+            fd = self._children[parent, name] = self._tree._step(parent_fd, name, done, create)
         return fd
 
     def fd(self, path: Path, *, create: bool = False) -> int:
@@ -277,9 +284,9 @@ class HeldDirs:
         return fd
 
     def close(self) -> None:
-        fds, self._fds = self._fds, {}
-        self._children.clear()
-        for fd in fds.values():
+        fds = [*self._fds.values(), *self._children.values()]
+        self._fds, self._children = {}, {}
+        for fd in fds:
             os.close(fd)
 
     def __enter__(self) -> HeldDirs:
