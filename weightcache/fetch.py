@@ -428,7 +428,8 @@ class Fetcher:
                     return
                 task()
 
-        workers = self._workers(source, pieces, len(tasks))
+        workers = self._workers(source, [*(_partial(i).resumed_bytes for i in items if _partial(i).resumed_bytes),
+                                         *(n for _, _, n in pieces)])
         try:
             with ThreadPoolExecutor(workers, thread_name_prefix="wc-fetch") as pool:
                 futures = [pool.submit(worker) for _ in range(workers)]
@@ -454,15 +455,15 @@ class Fetcher:
                 self._count("peer_bytes", peer)
         return fetched
 
-    def _workers(self, source: Source, pieces: list[tuple[_Item, int, int]], tasks: int) -> int:
+    def _workers(self, source: Source, task_bytes: list[int]) -> int:
         """Threads hide request latency. A local source's reads are system calls with none to hide, and each
         call hands the GIL to another thread and back: 2,000 files of 4 KB took 180 ms on 8 workers, 100 ms on
-        one. So a local round gets one worker per large piece (disk reads and hashing of those overlap), up to
-        `concurrency`, and one for all the small ones."""
+        one. So a local round gets one worker per large task (disk reads and hashing of those overlap; a resumed
+        file's hashing is a task too), up to `concurrency`, and one for all the small ones."""
         if not getattr(source, "local", False):
-            return max(1, min(self.concurrency, tasks))
-        large = sum(1 for _, _, n in pieces if n >= LOCAL_LARGE_PIECE)
-        return max(1, min(self.concurrency, tasks, large))
+            return max(1, min(self.concurrency, len(task_bytes)))
+        large = sum(1 for n in task_bytes if n >= LOCAL_LARGE_PIECE)
+        return max(1, min(self.concurrency, len(task_bytes), large))
 
     def _range_size(self, total: int) -> int:
         """Bytes per request: enough requests to keep every worker busy, few enough that per-request cost (and
