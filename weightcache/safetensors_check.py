@@ -171,18 +171,10 @@ _DType = Literal["BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E4M3FNUZ", "F8_E5
 
 
 class _Tensor(msgspec.Struct, gc=False):
-    """A tensor as msgspec checks it while decoding, for a header whose text has no "__metadata__": every field
-    required (a tensor without one goes to the tree road). The shape is a tuple, as TensorSpec keeps it; its
-    length is checked with the sizes, so that a refusal is named from the columns."""
-
-    dtype: _DType
-    shape: tuple[_Dim, ...]
-    data_offsets: tuple[_Offset, _Offset]
-
-
-class _TensorOrMetadata(msgspec.Struct, gc=False):
-    """The same for a header with "__metadata__": the fields are optional so that its value decodes too (as fields
-    it does not have: _Metadata reads it); a tensor without one goes to the tree road."""
+    """A tensor as msgspec checks it while decoding. The fields are optional so that "__metadata__" decodes too
+    (as fields it does not have: _Metadata reads it); a tensor without one goes to the tree road. The shape is a
+    tuple, as TensorSpec keeps it; its length is checked with the sizes, so that a refusal is named from the
+    columns."""
 
     dtype: _DType | None = None
     shape: tuple[_Dim, ...] | None = None
@@ -196,7 +188,6 @@ class _Metadata(msgspec.Struct):
 
 
 _TENSORS = msgspec.json.Decoder(dict[str, _Tensor])
-_TENSORS_OR_METADATA = msgspec.json.Decoder(dict[str, _TensorOrMetadata])
 _METADATA = msgspec.json.Decoder(_Metadata)
 _FIELDS = attrgetter("dtype"), attrgetter("shape"), attrgetter("data_offsets")
 
@@ -205,24 +196,15 @@ def _check_typed(where: _Where, raw: bytes,
                  build: bool) -> tuple[dict[str, str], dict[str, TensorSpec]] | _Next:
     """Road 1: the verdict on a header of the usual form (tensors of dtype, shape and data_offsets, metadata
     str -> str, no key repeated), refusals included; else the road that decides."""
-    tensors: dict[str, _Tensor] | dict[str, _TensorOrMetadata]
     try:
-        # a key spelt with escapes ("\\u005f_metadata__") is not found here: the strict decoder reads it as a
-        # tensor, or refuses it, and the tree road decides either way
-        loose = b'"__metadata__"' in raw
-        if loose:
-            tensors = _TENSORS_OR_METADATA.decode(raw)
-            had_meta = tensors.pop("__metadata__", None) is not None
-            metadata = (_METADATA.decode(raw).metadata or {}) if had_meta else {}
-        else:
-            tensors, metadata, had_meta = _TENSORS.decode(raw), {}, False
+        tensors = _TENSORS.decode(raw)
+        had_meta = tensors.pop("__metadata__", None) is not None
+        metadata = (_METADATA.decode(raw).metadata or {}) if had_meta else {}
     except (msgspec.DecodeError, RecursionError):
-        return _Next.TREE
-    if "__metadata__" in tensors:
         return _Next.TREE
     entries = list(tensors.values())
     dtypes, shapes, offsets = (list(map(field, entries)) for field in _FIELDS)
-    if loose and any(map(is_, chain(dtypes, shapes, offsets), repeat(None))):
+    if None in dtypes or None in shapes or None in offsets:  # identity tests in C, no call per item
         return _Next.TREE
     if not _no_duplicates(raw, _regular_census(tensors, metadata, had_meta)):
         # a key repeats, or a field msgspec skipped (which the tree would count): json says which, faster than
@@ -234,7 +216,7 @@ def _check_typed(where: _Where, raw: bytes,
     return metadata, _settle(where, columns, lambda key: _entry(tensors[key]), build)
 
 
-def _entry(tensor: _Tensor | _TensorOrMetadata) -> dict[str, Any]:
+def _entry(tensor: _Tensor) -> dict[str, Any]:
     """A typed tensor as the plain tree has it, for the per-tensor check's words."""
     return {"dtype": tensor.dtype, "shape": list(tensor.shape or ()), "data_offsets": list(tensor.data_offsets or ())}
 
@@ -286,14 +268,14 @@ def _no_duplicates(raw: bytes, census: _Census) -> bool:
     escaped backslashes removed, each backslash left starts an escape). A dropped pair takes its separator with
     it, so the text's sum exceeds the tree's exactly when something was dropped."""
     escaped = 0
-    if b"\\u003" in raw:
+    if b"\\" in raw and b"\\u003" in raw:  # a one-byte search is a memchr: 15 times faster than the other
         unescaped = raw.replace(b"\\\\", b"")
         escaped = unescaped.count(b"\\u003a") + unescaped.count(b"\\u003A")
     return raw.count(b":") + escaped == census.pairs + census.colons
 
 
 def _colons(strings: Iterable[str]) -> int:
-    return sum(map(str.count, strings, repeat(":")))
+    return "".join(strings).count(":")  # no call per string; the copy is at most the header's size
 
 
 def _census(roots: list[Any]) -> _Census | None:
