@@ -4,8 +4,9 @@ fsspec lists (`find`), except local files: one `scandir` per directory, one stat
 into the caller's buffer for local files (`preadv`) and memory files, and through `cat_file` ranges for remote
 filesystems.
 Every object is pinned to the version listed: the store's generation (gs) or ETag (az), else a token of inode,
-ctime, mtime and size (local), or creation time and size (memory). Each range read checks the token before and
-after reading, so a file replaced or rewritten in place after listing, even during the read, raises
+ctime, mtime and size (local), or creation time and size (memory). Each range read checks the token after
+reading (memory before too; a local file's inode or ctime changes with any rewrite, so a change before the read
+shows after it), so a file replaced or rewritten in place after listing, even during the read, raises
 ObjectChangedError (the fetch restarts from a new listing) instead of mixing bytes of two versions.
 Local symlinks to files count as the files they point to (a Hugging Face cache snapshot is a tree of them).
 """
