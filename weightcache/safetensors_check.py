@@ -134,11 +134,11 @@ def _parse(f: BinaryIO, file_size: int, *, build: bool) -> Header:
 
 
 def _decide(where: _Where, raw: bytes, build: bool) -> tuple[dict[str, str], dict[str, TensorSpec]]:
-    checked: tuple[dict[str, str], dict[str, TensorSpec]] | _Next | None = _check_typed(where, raw, build)
+    checked: tuple[dict[str, str], dict[str, TensorSpec]] | _Next | int | None = _check_typed(where, raw, build)
     if checked is _Next.TREE:  # unusual or wrong: msgspec's plain tree
         checked = _check_tree(where, raw, build)
     if not isinstance(checked, tuple):  # msgspec could not read it, or its tree may not be json's: json decides
-        tree = _decode(where.name, raw)
+        tree = _decode(where.name, raw, keys=checked if isinstance(checked, int) else None)
         meta = tree.pop("__metadata__", None)
         checked = _check(where, tree, meta, _columns(tree), build)
     return checked
@@ -151,10 +151,9 @@ class _Where(NamedTuple):
 
 
 class _Next(Enum):
-    """Where a road that cannot decide sends the header."""
+    """Where a road that cannot decide sends the header (an int from the typed road: to json, with a count)."""
 
     TREE = "msgspec's plain tree"
-    JSON = "the standard library's json"
 
 
 class _Census(NamedTuple):
@@ -193,9 +192,10 @@ _FIELDS = attrgetter("dtype"), attrgetter("shape"), attrgetter("data_offsets")
 
 
 def _check_typed(where: _Where, raw: bytes,
-                 build: bool) -> tuple[dict[str, str], dict[str, TensorSpec]] | _Next:
+                 build: bool) -> tuple[dict[str, str], dict[str, TensorSpec]] | _Next | int:
     """Road 1: the verdict on a header of the usual form (tensors of dtype, shape and data_offsets, metadata
-    str -> str, no key repeated), refusals included; else the road that decides."""
+    str -> str, no key repeated), refusals included; else the road that decides: the tree, or json given the
+    number of distinct keys msgspec found at the top (more pairs in json's reading: one of them repeats)."""
     try:
         tensors = _TENSORS.decode(raw)
         had_meta = tensors.pop("__metadata__", None) is not None
@@ -209,7 +209,7 @@ def _check_typed(where: _Where, raw: bytes,
     if not _no_duplicates(raw, _regular_census(tensors, metadata, had_meta)):
         # a key repeats, or a field msgspec skipped (which the tree would count): json says which, faster than
         # the tree road and then json would
-        return _Next.JSON
+        return len(tensors) + had_meta
     begins, ends = list(map(_BEGIN, offsets)), list(map(_END, offsets))
     unit = list(map(DTYPE_BITS.__getitem__, dtypes))
     columns = _Columns(list(tensors), dtypes, shapes, begins, ends, unit, sorted(begins), sorted(ends), exact=True)
@@ -462,9 +462,10 @@ def _err(name: str, problem: str) -> SafetensorsHeaderError:
     )
 
 
-def _decode(name: str, raw: bytes) -> dict[str, Any]:
+def _decode(name: str, raw: bytes, keys: int | None = None) -> dict[str, Any]:
     """The header as the standard library's json reads it, refusing repeated keys in the header, its metadata and
-    its tensors: the reference _check_fast must agree with."""
+    its tensors: the reference the msgspec roads agree with. `keys`: the distinct keys at the top of this text
+    (msgspec's count), when known: fewer than json's pairs names a repeated one without building the dict."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -479,6 +480,8 @@ def _decode(name: str, raw: bytes) -> dict[str, Any]:
         raise _err(name, f"the header is not valid JSON ({exc})") from None
     if not isinstance(obj, tuple):
         raise _err(name, f"the header must be a JSON object, not {type(obj).__name__}")
+    if keys is not None and len(obj) > keys:
+        raise _repeated(name, "the header", obj)
     tree = _object(name, "the header", obj)
     values = list(tree.values())
     if set(map(type, values)) == {tuple}:  # all objects: dicts for the column check, when no key repeats
@@ -491,10 +494,15 @@ def _decode(name: str, raw: bytes) -> dict[str, Any]:
 def _object(name: str, what: str, pairs: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
     out = dict(pairs)
     if len(out) != len(pairs):
-        seen: set[str] = set()
-        duplicate = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-        raise _err(name, f"{what} has a duplicate key {_quote(duplicate)}")
+        raise _repeated(name, what, pairs)
     return out
+
+
+def _repeated(name: str, what: str, pairs: tuple[tuple[str, Any], ...]) -> SafetensorsHeaderError:
+    """The refusal naming the first key of `pairs` that repeats an earlier one (there must be one)."""
+    seen: set[str] = set()
+    duplicate = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+    return _err(name, f"{what} has a duplicate key {_quote(duplicate)}")
 
 
 def _no_constants(token: str) -> Any:
