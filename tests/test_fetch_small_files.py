@@ -13,7 +13,6 @@ import stat
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -233,13 +232,15 @@ def test_files_recorded_here_are_linked_once_and_fetched_again_once_evicted(tmp_
 
 
 class _ThreadRecordingSource:
-    """A file:// source that records which threads read, each read held `pause` seconds (so every worker the
-    round starts gets a piece), and says whether it is local."""
+    """A file:// source that records which threads read and says whether it is local. Each read waits (up to
+    10 s) until `expect` threads have read, so every worker the round starts gets a piece however loaded the
+    machine is (a round with fewer workers waits out the 10 s and fails the count)."""
 
-    def __init__(self, ref_uri: str, *, local: bool, pause: float) -> None:
+    def __init__(self, ref_uri: str, *, local: bool, expect: int) -> None:
         self.inner = open_source(parse_ref(ref_uri))
-        self.ref, self.name, self.local, self.pause = self.inner.ref, self.inner.name, local, pause
+        self.ref, self.name, self.local, self.expect = self.inner.ref, self.inner.name, local, expect
         self.threads: set[str] = set()
+        self._seen = threading.Condition()
 
     def list(self) -> list[ObjectInfo]:
         return self.inner.list()
@@ -249,8 +250,10 @@ class _ThreadRecordingSource:
 
     def read_pieces(self, obj: ObjectInfo, offset: int, length: int, buf: memoryview,
                     on_bytes: OnBytes | None = None) -> Pieces:
-        self.threads.add(threading.current_thread().name)
-        time.sleep(self.pause)
+        with self._seen:
+            self.threads.add(threading.current_thread().name)
+            self._seen.notify_all()
+            self._seen.wait_for(lambda: len(self.threads) >= self.expect, timeout=10)
         return self.inner.read_pieces(obj, offset, length, buf, on_bytes)
 
     def etag_md5(self, obj: ObjectInfo) -> str | None:
@@ -274,7 +277,7 @@ def test_a_local_round_of_small_pieces_runs_on_one_worker(tmp_path: Path, local:
     for i, size in enumerate(sizes):
         (model / f"f{i:03d}.bin").write_bytes(os.urandom(size))
     uri = f"file://{model}/"
-    source = _ThreadRecordingSource(uri, local=local, pause=0.05 if threads > 1 else 0.0)
+    source = _ThreadRecordingSource(uri, local=local, expect=threads)
     snap = Fetcher(Store(tmp_path / "root"), concurrency=8, chunk_size=1 << 20,
                    source_factory=lambda ref: source).ensure(parse_ref(uri))
     assert len(snap.files) == len(sizes)
