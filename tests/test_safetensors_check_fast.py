@@ -268,6 +268,8 @@ FAST = {
     "refused: size": ('{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}', 4, "typed"),
     "refused: long shape": ('{"w":{"dtype":"I8","shape":[' + ",".join(["1"] * 100) + '],"data_offsets":[0,1]}}', 1,
                             "typed"),
+    "refused: shape longer than the quote": ('{"w":{"dtype":"I8","shape":[' + ",".join(map(str, range(300))) +
+                                             '],"data_offsets":[0,1]}}', 1, "typed"),
     "refused: wrong size before a long shape": ('{"a":{"dtype":"F32","shape":[2],"data_offsets":[1,5]},"w":'
                                                 '{"dtype":"I8","shape":[' + ",".join(["1"] * 65) +
                                                 '],"data_offsets":[0,1]}}', 5, "typed"),

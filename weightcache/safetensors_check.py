@@ -217,8 +217,10 @@ def _check_typed(where: _Where, raw: bytes,
 
 
 def _entry(tensor: _Tensor) -> dict[str, Any]:
-    """A typed tensor as the plain tree has it, for the per-tensor check's words."""
-    return {"dtype": tensor.dtype, "shape": list(tensor.shape or ()), "data_offsets": list(tensor.data_offsets or ())}
+    """A typed tensor as the plain tree has it, for the per-tensor check's words. A shape is cut after MAX_NDIM +
+    QUOTE dimensions: still too long, and quoted the same (a quote shows QUOTE items), without copying millions."""
+    return {"dtype": tensor.dtype, "shape": list((tensor.shape or ())[:MAX_NDIM + QUOTE]),
+            "data_offsets": list(tensor.data_offsets or ())}
 
 
 def _check_tree(where: _Where, raw: bytes, build: bool) -> tuple[dict[str, str], dict[str, TensorSpec]] | None:
