@@ -206,7 +206,8 @@ def _check_typed(where: _Where, raw: bytes,
     dtypes, shapes, offsets = (list(map(field, entries)) for field in _FIELDS)
     if None in dtypes or None in shapes or None in offsets:  # identity tests in C, no call per item
         return _Next.TREE
-    if not _no_duplicates(raw, _regular_census(tensors, metadata, had_meta)):
+    pairs = 4 * len(tensors) + had_meta + len(metadata)
+    if not (_colon_free(raw, pairs) or _no_duplicates(raw, _regular_census(tensors, metadata, had_meta))):
         # a key repeats, or a field msgspec skipped (which the tree would count): json says which, faster than
         # the tree road and then json would
         return len(tensors) + had_meta
@@ -274,6 +275,14 @@ def _no_duplicates(raw: bytes, census: _Census) -> bool:
         unescaped = raw.replace(b"\\\\", b"")
         escaped = unescaped.count(b"\\u003a") + unescaped.count(b"\\u003A")
     return raw.count(b":") + escaped == census.pairs + census.colons
+
+
+def _colon_free(raw: bytes, pairs: int) -> bool:
+    """Whether the JSON text `raw` holds exactly the `pairs` pairs msgspec put in its tree (whose keys and values
+    each came from one of them) when no string has a ':' byte: the text's ':' bytes are its pairs and its
+    strings' colons, so exactly `pairs` of them leave no dropped pair (nor a string colon). The usual case,
+    decided without reading a string; else _no_duplicates counts them."""
+    return raw.count(b":") == pairs
 
 
 def _colons(strings: Iterable[str]) -> int:
