@@ -164,7 +164,7 @@ class _Census(NamedTuple):
 _Dim = Annotated[int, msgspec.Meta(ge=0, le=MAX_DIM)]
 _Offset = Annotated[int, msgspec.Meta(ge=0)]
 # DTYPE_BITS's names (a test checks): msgspec checks a dtype in C and hands back one shared str per name, so the
-# header's million copies of "F16" are never allocated (a quarter of the decode's time)
+# header's million copies of "F16" are never allocated (with tuple shapes: 1.3 -> 1.0 s for 1.3M tensors)
 _DType = Literal["BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "F8_E8M0", "I16", "U16",
                  "F16", "BF16", "I32", "U32", "F32", "I64", "U64", "F64", "C64", "F4", "F6_E2M3", "F6_E3M2"]
 
