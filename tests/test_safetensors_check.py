@@ -28,7 +28,7 @@ def raw_file(header: Any, data: bytes = b"", *, n: int | None = None) -> bytes:
 
 def check_bytes(blob: bytes, name: str = "model.safetensors") -> Any:
     f = io.BytesIO(blob)
-    f.name = name  # type: ignore[attr-defined]
+    f.name = name
     return parse_header(f, len(blob))
 
 
@@ -41,7 +41,7 @@ def two_tensors() -> dict[str, Any]:
 
 
 def test_accepts_what_safetensors_writes_with_absolute_offsets(tmp_path: Path) -> None:
-    arrays = {
+    arrays: dict[str, np.ndarray[Any, Any]] = {
         "f16": np.arange(6, dtype=np.float16).reshape(2, 3), "f64": np.arange(3, dtype=np.float64),
         "i8": np.arange(5, dtype=np.int8), "u64": np.arange(2, dtype=np.uint64), "b": np.array([True, False]),
         "empty": np.zeros((0, 4), dtype=np.float32),
@@ -227,7 +227,8 @@ def _near_valid(draw: st.DrawFn) -> tuple[dict[str, Any], int]:
         header[f"t{i}"] = {"dtype": dtype, "shape": shape, "data_offsets": [pos, pos + size]}
         pos += size
     data_len = pos
-    if header and draw(st.booleans()):
+    nudge: bool = draw(st.booleans())
+    if header and nudge:
         name = draw(st.sampled_from(sorted(header)))
         field = draw(st.sampled_from(["shape", "data_offsets", "data_len"]))
         delta = draw(st.sampled_from([-1, 1, 2**63, True]))
