@@ -21,11 +21,13 @@ import functools
 import gc
 import importlib
 import json
+import resource
 import statistics
 import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -129,17 +131,33 @@ def peak_rss_mb() -> float:
 
 
 def child(path: str) -> None:
-    """In a fresh process: the check three times; prints seconds (median), peak RSS growth in MB and the result."""
+    """In a fresh process: the check three times; prints seconds (median), peak RSS growth in MB, the result, the
+    longest this process's other thread waited for the GIL meanwhile (ms) and the largest worker's peak RSS."""
     before = peak_rss_mb()
-    times, result = [], "ok"
+    times, result, stalls = [], "ok", []
     for _ in range(3):
+        done = threading.Event()
+        ticker = threading.Thread(target=lambda d=done: stalls.append(longest_wait(d)))
+        ticker.start()
         start = time.perf_counter()
         try:
             check_file(path)
         except SafetensorsHeaderError as exc:
             result = f"refused: {str(exc).split('invalid safetensors file: ')[-1][:50]}"
         times.append(time.perf_counter() - start)
-    print(json.dumps([statistics.median(times), peak_rss_mb() - before, result]))
+        done.set()
+        ticker.join()
+    workers = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    print(json.dumps([statistics.median(times), peak_rss_mb() - before, result, max(stalls) * 1000, workers]))
+
+
+def longest_wait(done: threading.Event) -> float:
+    """The longest a thread that wants to run every millisecond waited, until `done` (a CSI Probe's view)."""
+    longest, last = 0.0, time.perf_counter()
+    while not done.wait(0.001):
+        now = time.perf_counter()
+        longest, last = max(longest, now - last), now
+    return longest
 
 
 def main() -> None:
@@ -150,8 +168,8 @@ def main() -> None:
     if args.child:
         return child(args.child)
     size = int(args.mb * 1e6)
-    print(f"{'header':<13} {'bytes':>11} {'check s':>7} {'MB/s':>5} {'RSS +MB':>7} {'table s':>7} {'msgspec':>7} "
-          f"{'orjson':>6} {'json s':>6} {'rust s':>6} {'x rust':>6}  result", flush=True)
+    print(f"{'header':<13} {'bytes':>11} {'check s':>7} {'MB/s':>5} {'stall ms':>8} {'RSS +MB':>7} {'workers':>7} "
+          f"{'table s':>7} {'msgspec':>7} {'orjson':>6} {'json s':>6} {'rust s':>6} {'x rust':>6}  result", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for name, make in CASES.items():
             raw, data = make(int(size * 0.97))  # the generators overshoot a little; 100 MB is the hard limit
@@ -160,7 +178,7 @@ def main() -> None:
             n = path.stat().st_size
             out = subprocess.run([sys.executable, __file__, "--child", str(path)], check=True, capture_output=True,
                                  text=True).stdout
-            secs, grown, result = json.loads(out)
+            secs, grown, result, stall, workers = json.loads(out)
             table = median_seconds(functools.partial(parse_header, path, n)) if result == "ok" else None
             fast = median_seconds(functools.partial(msgspec.json.decode, raw))
             other = orjson_seconds(raw)
@@ -170,9 +188,13 @@ def main() -> None:
             rust_cols = f"{rust:>6.2f} {secs / rust:>6.2f}" if rust else f"{'-':>6} {'-':>6}"
             table_col = f"{table:>7.2f}" if table is not None else f"{'-':>7}"
             other_col = f"{other:>6.2f}" if other is not None else f"{'-':>6}"
-            print(f"{name:<13} {n:>11,} {secs:>7.2f} {n / secs / 1e6:>5.0f} {grown:>7.0f} {table_col} {fast:>7.2f} "
+            print(f"{name:<13} {n:>11,} {secs:>7.2f} {n / secs / 1e6:>5.0f} {stall:>8.0f} {grown:>7.0f} "
+                  f"{workers:>7.0f} {table_col} {fast:>7.2f} "
                   f"{other_col} {parse:>6.2f} {rust_cols}  {result}", flush=True)
-    print("check s: check_file (the fetch engine's check); table s: parse_header (the loader's, tensor table built); "
+    print("check s: check_file (the fetch engine's check: headers of 4 MiB or more in worker processes); stall ms: the "
+          "longest another thread of the checking process waited meanwhile (what a CSI Probe in the daemon would); "
+          "RSS +MB: the checking process's peak growth; workers: the largest worker's peak RSS; "
+          "table s: parse_header (the loader's, tensor table built); "
           "msgspec / orjson / json s: msgspec.json.decode / orjson.loads / the standard library's json.loads alone "
           "(the floors of a check built on each); rust s: safetensors' own parser (safe_open), which a user of "
           "the format would otherwise run; x rust: check s / rust s. Medians of 3.")

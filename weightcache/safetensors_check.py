@@ -51,6 +51,7 @@ from weightcache.errors import SafetensorsHeaderError
 MAX_HEADER_BYTES = 100_000_000  # the reference implementation's limit
 MAX_DIM = 2**63 - 1  # torch sizes are int64; the reference implementation parses them as usize
 MAX_NDIM = 64  # numpy's limit; no tool writes more dimensions
+CHILD_MIN_BYTES = 4 << 20  # check_file checks a header this long or longer in child processes
 QUOTE = 60  # characters of a found value an error message shows
 FAST_DEPTH = 32  # msgspec trees nested deeper (no real header is) are left to json, whose recursion guard decides
 _DTYPE, _SHAPE, _OFFSETS = itemgetter("dtype"), itemgetter("shape"), itemgetter("data_offsets")
@@ -101,13 +102,28 @@ def parse_header(f: BinaryIO | str | os.PathLike[str], file_size: int) -> Header
 
 def check_file(path: str | os.PathLike[str]) -> None:
     """Validate a safetensors file on disk (its header and that the data region matches the file's size): the
-    same rules as parse_header, without building the tensor table nobody reads (the fetch engine's check)."""
+    same rules as parse_header, without building the tensor table nobody reads (the fetch engine's check).
+    A header of CHILD_MIN_BYTES or more is checked in child processes (weightcache/safetensors_split.py), so that
+    its seconds of parsing never hold this process's GIL and its tree never grows this process."""
     with open(path, "rb") as fh:
-        _parse(fh, os.fstat(fh.fileno()).st_size, build=False)
+        size = os.fstat(fh.fileno()).st_size
+        prefix = fh.read(8)
+        n = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else 0
+        if CHILD_MIN_BYTES <= n <= MAX_HEADER_BYTES and 8 + n <= size:
+            from weightcache.safetensors_split import check_in_children
+
+            check_in_children(fh.fileno(), os.fspath(path), n, size)
+        else:
+            check_open(fh, os.fspath(path))
 
 
-def _parse(f: BinaryIO, file_size: int, *, build: bool) -> Header:
-    name = str(getattr(f, "name", "<stream>"))
+def check_open(fh: BinaryIO, name: str) -> None:
+    """check_file's rules on an open file, in this process; `name` is the file's, for messages."""
+    _parse(fh, os.fstat(fh.fileno()).st_size, build=False, name=name)
+
+
+def _parse(f: BinaryIO, file_size: int, *, build: bool, name: str | None = None) -> Header:
+    name = name or str(getattr(f, "name", "<stream>"))
     f.seek(0)
     prefix = f.read(8)
     if len(prefix) < 8 or file_size < 8:
@@ -191,11 +207,19 @@ _METADATA = msgspec.json.Decoder(_Metadata)
 _FIELDS = attrgetter("dtype"), attrgetter("shape"), attrgetter("data_offsets")
 
 
-def _check_typed(where: _Where, raw: bytes,
-                 build: bool) -> tuple[dict[str, str], dict[str, TensorSpec]] | _Next | int:
-    """Road 1: the verdict on a header of the usual form (tensors of dtype, shape and data_offsets, metadata
-    str -> str, no key repeated), refusals included; else the road that decides: the tree, or json given the
-    number of distinct keys msgspec found at the top (more pairs in json's reading: one of them repeats)."""
+class _Typed(NamedTuple):
+    """A header of the usual form as the typed road read it: every tensor checked on its own, none repeated."""
+
+    tensors: dict[str, _Tensor]
+    metadata: dict[str, str]
+    had_meta: bool
+    columns: _Columns
+
+
+def _decode_typed(raw: bytes) -> _Typed | _Next | int:
+    """The typed reading of a header of the usual form (tensors of dtype, shape and data_offsets, metadata
+    str -> str, no key repeated); else the road that decides: the tree, or json given the number of distinct keys
+    msgspec found at the top (more pairs in json's reading: one of them repeats)."""
     try:
         tensors = _TENSORS.decode(raw)
         had_meta = tensors.pop("__metadata__", None) is not None
@@ -214,7 +238,16 @@ def _check_typed(where: _Where, raw: bytes,
     begins, ends = list(map(_BEGIN, offsets)), list(map(_END, offsets))
     unit = list(map(DTYPE_BITS.__getitem__, dtypes))
     columns = _Columns(list(tensors), dtypes, shapes, begins, ends, unit, sorted(begins), sorted(ends), exact=True)
-    return metadata, _settle(where, columns, lambda key: _entry(tensors[key]), build)
+    return _Typed(tensors, metadata, had_meta, columns)
+
+
+def _check_typed(where: _Where, raw: bytes,
+                 build: bool) -> tuple[dict[str, str], dict[str, TensorSpec]] | _Next | int:
+    """Road 1: the verdict on a header of the usual form, refusals included; else the road that decides."""
+    typed = _decode_typed(raw)
+    if not isinstance(typed, _Typed):
+        return typed
+    return typed.metadata, _settle(where, typed.columns, lambda key: _entry(typed.tensors[key]), build)
 
 
 def _entry(tensor: _Tensor) -> dict[str, Any]:

@@ -1,0 +1,206 @@
+"""A big header is checked in child processes, cut into parts (weightcache/safetensors_split.py): on every header,
+cut anywhere, the verdict and the words are the in-process check's; the parts road decides the usual headers and
+the first tensor wrong on its own; a repeated key across parts, a broken layout or anything unusual goes to one
+child running the whole check; a worker that dies is an error, never a verdict."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import struct
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from tests.test_safetensors_check_fast import blob_of, headers, t8
+from weightcache import safetensors_check, safetensors_split
+from weightcache.errors import SafetensorsHeaderError, StoreError
+from weightcache.fetch import Fetcher
+from weightcache.store import Store
+from weightcache.uri import parse_ref
+
+PARTS = 3
+
+
+@pytest.fixture
+def every_header_in_parts(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Headers of any size go to the children, in PARTS parts whatever the cores here."""
+    monkeypatch.setattr(safetensors_check, "CHILD_MIN_BYTES", 2)
+    monkeypatch.setattr(safetensors_split, "_part_count", lambda header_len: PARTS)
+    yield
+
+
+def verdicts(path: Path) -> tuple[Any, Any]:
+    """(in child processes, in this process): ("ok",) or ("refused", message)."""
+    out = []
+    for check in (safetensors_check.check_file, _in_process):
+        try:
+            check(path)
+            out.append(("ok",))
+        except SafetensorsHeaderError as exc:
+            out.append(("refused", str(exc)))
+    return out[0], out[1]
+
+
+def _in_process(path: Path) -> None:
+    with open(path, "rb") as fh:
+        safetensors_check.check_open(fh, str(path))
+
+
+def write(tmp_path: Path, text: str, data_len: int) -> Path:
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(blob_of(text, max(data_len, 0)))
+    return path
+
+
+def tensors(count: int, *, start: int = 0, name: str = "t") -> list[str]:
+    return [f'"{name}{i:06d}":{t8(start + i)}' for i in range(count)]
+
+
+def header(*pairs: str) -> str:
+    return "{" + ",".join(pairs) + "}"
+
+
+no_whole = mock.patch.object(safetensors_split, "_run_whole", side_effect=AssertionError("the whole road was taken"))
+
+
+@pytest.mark.usefixtures("every_header_in_parts")
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(headers())
+def test_parts_and_one_process_agree_on_any_header(tmp_path: Path, case: tuple[str, int]) -> None:
+    text, data_len = case
+    parts, whole = verdicts(write(tmp_path, text, data_len))
+    assert parts == whole
+
+
+@pytest.mark.usefixtures("every_header_in_parts")
+def test_the_usual_header_is_decided_by_its_parts(tmp_path: Path) -> None:
+    path = write(tmp_path, header('"__metadata__":{"format":"pt"}', *tensors(3000)), 3000)
+    with no_whole:
+        safetensors_check.check_file(path)
+
+
+@pytest.mark.usefixtures("every_header_in_parts")
+def test_parts_out_of_file_order_are_sorted_before_the_layout_check(tmp_path: Path) -> None:
+    late, early = tensors(1500, start=1500, name="a"), tensors(1500, name="b")
+    path = write(tmp_path, header(*late, *early, '"__metadata__":{"format":"pt"}'), 3000)
+    with no_whole:
+        safetensors_check.check_file(path)
+
+
+@pytest.mark.usefixtures("every_header_in_parts")
+def test_the_first_wrong_tensor_in_a_later_part_is_refused_in_the_whole_checks_words(tmp_path: Path) -> None:
+    pairs = tensors(3000)
+    pairs[2500] = '"t002500":{"dtype":"I16","shape":[1],"data_offsets":[2500,2501]}'
+    pairs[2900] = '"t002900":{"dtype":"I8","shape":[1],"data_offsets":[2900,2902]}'
+    path = write(tmp_path, header(*pairs), 3000)
+    parts, whole = verdicts(path)
+    assert parts == whole and "'t002500'" in whole[1]
+    with no_whole, pytest.raises(SafetensorsHeaderError, match="t002500"):
+        safetensors_check.check_file(path)
+
+
+@pytest.mark.usefixtures("every_header_in_parts")
+@pytest.mark.parametrize("case", ["key in two parts", "metadata in two parts", "gap across parts",
+                                  "overlap across parts", "empty tensor", "past the data", "data left over"])
+def test_what_the_parts_cannot_pass_gets_the_whole_checks_verdict(tmp_path: Path, case: str) -> None:
+    pairs, data = tensors(3000), 3000
+    if case == "key in two parts":
+        pairs[2900] = '"t000010":' + t8(2900)
+    elif case == "metadata in two parts":
+        pairs[5:5] = ['"__metadata__":{"a":"b"}']
+        pairs[2950:2950] = ['"__metadata__":{"c":"d"}']
+    elif case == "gap across parts":
+        pairs = tensors(1500) + tensors(1500, start=1501, name="u")
+        data = 3001
+    elif case == "overlap across parts":
+        pairs = tensors(1500) + tensors(1500, start=1499, name="u")
+        data = 2999
+    elif case == "empty tensor":
+        pairs[2000:2000] = ['"empty":{"dtype":"F32","shape":[0],"data_offsets":[2000,2000]}']
+    elif case == "past the data":
+        data = 2999
+    else:
+        data = 3001
+    parts, whole = verdicts(write(tmp_path, header(*pairs), data))
+    assert parts == whole
+    assert whole[0] == ("ok" if case == "empty tensor" else "refused")
+
+
+@pytest.mark.usefixtures("every_header_in_parts")
+@pytest.mark.parametrize("spoiler", [
+    ('"__metadata__":{"x":"y},","z":"w"}', 3000),  # a value ending in '},': the cut's '}' and ',' in a string
+    ('"name},":' + t8(3000), 3001),  # a key ending in '},'
+])
+def test_a_cut_inside_a_string_is_never_taken_for_a_tensor_boundary(tmp_path: Path, spoiler: tuple[str, int]) -> None:
+    pair, data = spoiler
+    pairs = tensors(3000)
+    pairs.insert(1500, pair)
+    path = write(tmp_path, header(*pairs), data)
+    text = path.read_bytes()[8:]
+    inside = [i for i in range(len(text)) if text.startswith(b'},"', i) and text[i - 1:i] != b"]"]
+    assert inside, "the spoiler puts a '},\"' inside a string"
+    with mock.patch.object(safetensors_split, "_cuts", return_value=inside[:1]):
+        parts, whole = verdicts(path)
+    assert parts == whole == ("ok",)
+
+
+@pytest.mark.usefixtures("every_header_in_parts")
+def test_a_worker_killed_is_an_error_that_says_so_never_a_verdict(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write(tmp_path, header(*tensors(3000)), 3000)
+    real = safetensors_split._spawn
+
+    def doomed(args: list[str], fd: int, seed: int) -> subprocess.Popen[bytes]:
+        proc = real(args, fd, seed)
+        proc.send_signal(signal.SIGKILL)
+        return proc
+
+    monkeypatch.setattr(safetensors_split, "_spawn", doomed)
+    with pytest.raises(StoreError, match=r"model\.safetensors.*killed by signal 9.*more memory"):
+        safetensors_check.check_file(path)
+
+
+@pytest.mark.usefixtures("every_header_in_parts")
+def test_no_process_to_be_had_checks_here_with_the_same_words(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pairs = tensors(3000)
+    pairs[2999] = '"t002999":{"dtype":"F32","shape":[1],"data_offsets":[2999,3000]}'
+    path = write(tmp_path, header(*pairs), 3000)
+    _, whole = verdicts(path)
+    monkeypatch.setattr(safetensors_split, "_spawn", mock.Mock(side_effect=BlockingIOError(11, "EAGAIN")))
+    with pytest.raises(SafetensorsHeaderError) as refused:
+        safetensors_check.check_file(path)
+    assert ("refused", str(refused.value)) == whole
+
+
+def test_a_fetch_refuses_a_big_hostile_header_from_the_workers_with_exit_7(tmp_path: Path) -> None:
+    """No patching: a header over CHILD_MIN_BYTES, as the fetch engine meets it."""
+    count = safetensors_check.CHILD_MIN_BYTES // 40 + 1000
+    pairs = tensors(count)
+    pairs[-1] = pairs[-1].replace('"I8"', '"I16"')
+    text = header(*pairs)
+    assert len(text) > safetensors_check.CHILD_MIN_BYTES
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "model.safetensors").write_bytes(blob_of(text, count))
+    (src / "config.json").write_text(json.dumps({"a": 1}))
+    fetcher = Fetcher(Store(tmp_path / "root"))
+    with pytest.raises(SafetensorsHeaderError, match=rf"model\.safetensors.*'t{count - 1:06d}'") as refused:
+        fetcher.ensure(parse_ref(f"file://{src}"))
+    assert refused.value.answer.exit_code == 7
+    assert fetcher.store.list() == []
+    assert not list(fetcher.store.layout.partial.glob("*.part"))
+
+
+def test_a_big_valid_header_passes_as_the_fetch_meets_it(tmp_path: Path) -> None:
+    count = safetensors_check.CHILD_MIN_BYTES // 40 + 1000
+    path = write(tmp_path, header('"__metadata__":{"format":"pt"}', *tensors(count)), count)
+    safetensors_check.check_file(path)
+    assert struct.unpack("<Q", path.read_bytes()[:8])[0] > safetensors_check.CHILD_MIN_BYTES

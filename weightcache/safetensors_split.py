@@ -1,0 +1,233 @@
+"""Check a big safetensors header in child processes (check_file sends every header of CHILD_MIN_BYTES or more).
+
+Why children: msgspec decodes a 100 MB header in over a second of one core without letting go of the GIL, and the
+tree grows the process by ~600 MB. In the daemon, the CSI plugin's Probe and the API would wait that long and the
+memory would stay. Here the caller's thread only waits on pipes, the memory leaves with the children (which end by
+os._exit: freeing millions of objects would cost a third of a second), and the parts decode at once on as many
+cores as the process may use.
+
+Parts. The text is cut where one tensor's object ends and the next key begins (`},"`, as every writer without
+spaces puts it); part i is its slice with `{` before and `}` after where the cut took them. When every part is a
+valid JSON object, the whole text is one holding the parts' pairs in order: a valid first part leaves the parser
+at the top level right after a value, where the `,"` of the whole text starts the next pair, the state that a part's
+own `{"` starts in; a cut inside a string leaves its part's string unterminated, so that part is invalid.
+
+A child reads its part as safetensors_check's typed road does (types, ranges, no repeated key, each tensor's size)
+and sends back (msgpack) its tensors' begins and ends, each sorted, and the hashes of its keys under a seed drawn
+for this check; or, beside the hashes, the refusal of its first tensor wrong on its own. The parent checks that no
+key is in two parts (a hash in two, even by collision, counts as a repeat). Then the first part's refusal is the
+whole check's words (json validity and repeated keys are decided before any tensor), and with none the tensors
+must tile the data (with no empty tensor, sorted begins and ends tile it exactly when begins[i + 1] == ends[i],
+from 0 to the data's size).
+
+Whatever a part or the parent cannot pass - a refusal, an unusual form, an empty tensor, a header with no cut - goes
+to one child that runs the in-process check (safetensors_check.check_open) on the whole file: its verdict and its
+words are the answer, the same as in this process.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import random
+import subprocess
+import sys
+from itertools import chain, pairwise
+from pathlib import Path
+
+import msgspec
+
+from weightcache.errors import SafetensorsHeaderError, StoreError
+from weightcache.safetensors_check import _decode_typed, _entry, _mismatch, _tensor, _Typed, _Where, check_open
+
+log = logging.getLogger(__name__)
+
+MAX_PARTS = 8
+MIN_PART_BYTES = 2 << 20  # smaller parts cost more in process starts than they save
+_CUT = b'},"'
+_WINDOW = 1 << 20  # bytes read at a time while looking for a cut
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])
+
+
+class _Part(msgspec.Struct, array_like=True):
+    """What a child found in one part: its tensors' begins and ends (each sorted) and its keys' hashes."""
+
+    first: list[int]
+    last: list[int]
+    keys: list[int]
+    refusal: str | None = None  # the refusal of the part's first tensor wrong on its own (then first, last: [])
+
+
+_PART = msgspec.msgpack.Decoder(_Part | None)
+
+
+def check_in_children(fd: int, name: str, header_len: int, file_size: int) -> None:
+    """check_file's verdict on the open file `fd` (its `header_len` already read and within bounds), reached in
+    child processes; raises SafetensorsHeaderError with the in-process check's words."""
+    cuts = _cuts(fd, header_len, _part_count(header_len))
+    if cuts:
+        parts = _run_parts(fd, name, header_len, file_size - 8 - header_len, cuts)
+        if parts is not None and _distinct_keys(parts):  # the whole text is valid, keys and all
+            refusal = next((p.refusal for p in parts if p.refusal is not None), None)
+            if refusal is not None:  # the first tensor in header order wrong on its own: as the whole check says
+                raise SafetensorsHeaderError(refusal)
+            if _tiled(parts, file_size - 8 - header_len):
+                return
+    _run_whole(fd, name)  # its words for a layout that breaks, a repeated key, anything unusual
+
+
+def _part_count(header_len: int) -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, MAX_PARTS, header_len // MIN_PART_BYTES))
+
+
+def _cuts(fd: int, header_len: int, parts: int) -> list[int]:
+    """Offsets in the header text of the `}` of a `},"` near each 1/parts of it, ascending (fewer where a stretch
+    has none)."""
+    cuts: list[int] = []
+    for i in range(1, parts):
+        pos, stop = max(header_len * i // parts, cuts[-1] + len(_CUT) if cuts else 0), header_len * (i + 1) // parts
+        while pos < stop:
+            window = os.pread(fd, min(_WINDOW, header_len - pos), 8 + pos)
+            found = window.find(_CUT)
+            if found >= 0:
+                cuts.append(pos + found)
+                break
+            pos += max(1, len(window) - (len(_CUT) - 1))  # overlap: a `},"` across two windows is found
+            if len(window) < len(_CUT):
+                break
+    return cuts
+
+
+def _spawn(args: list[str], fd: int, seed: int) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, PYTHONHASHSEED=str(seed),
+               PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")])))
+    return subprocess.Popen([sys.executable, "-m", "weightcache.safetensors_split", *args], pass_fds=(fd,),
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+
+
+def _collect(proc: subprocess.Popen[bytes], name: str) -> bytes:
+    """A child's output once it exited 0; else StoreError saying what became of it."""
+    out, err = proc.communicate()
+    if proc.returncode == 0:
+        return out
+    how = (f"was killed by signal {-proc.returncode}" + (" (out of memory?)" if proc.returncode == -9 else "")
+           if proc.returncode < 0 else f"exited with status {proc.returncode}")
+    last = err.decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
+    log.warning("safetensors header check of %s: worker %s: %s", name, how, last[0][:200])
+    raise StoreError(f"{Path(name).name}: the safetensors header check's worker process {how}; give the daemon "
+                     "more memory, or exclude the file")
+
+
+def _run_parts(fd: int, name: str, header_len: int, data_size: int, cuts: list[int]) -> list[_Part] | None:
+    """Each part checked by its own child, all at once; None when some part is not plain sailing."""
+    bounds = list(zip([0, *(c + 2 for c in cuts)], [*(c + 1 for c in cuts), header_len], strict=True))
+    seed = random.SystemRandom().randint(1, 2**32 - 1)  # drawn per check: nobody can aim collisions at it
+    try:
+        procs = [_spawn(["part", str(fd), str(header_len), str(data_size), str(start), str(end), name], fd, seed)
+                 for start, end in bounds]
+    except OSError as exc:  # no process to be had (EAGAIN, ENOMEM): the whole header in one
+        log.warning("safetensors header check: cannot start its workers (%s); checking in one", exc)
+        return None
+    try:
+        outs = [_collect(proc, name) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    parts = list(map(_PART.decode, outs))
+    return None if None in parts else [p for p in parts if p is not None]
+
+
+def _run_whole(fd: int, name: str) -> None:
+    try:
+        proc = _spawn(["whole", str(fd), name], fd, 0)
+    except OSError as exc:
+        log.warning("safetensors header check: cannot start its worker (%s); checking here", exc)
+        with os.fdopen(os.dup(fd), "rb") as fh:
+            check_open(fh, name)
+        return
+    said = json.loads(_collect(proc, name).partition(b"\n")[0])
+    if "refused" in said:
+        raise SafetensorsHeaderError(str(said["refused"]))
+
+
+def _distinct_keys(parts: list[_Part]) -> bool:
+    """No key (nor "__metadata__") in two parts: each part's own are distinct already."""
+    seen = set(parts[0].keys)
+    for part in parts[1:]:
+        if not seen.isdisjoint(part.keys):
+            return False
+        seen.update(part.keys)
+    return True
+
+
+def _tiled(parts: list[_Part], data_size: int) -> bool:
+    """Whether the parts' tensors (each of the right size, none empty) tile the data: sorted begins and ends, each
+    begin after the first is the end before it, from 0 to the end of the file. Parts in file order (as safetensors
+    writes) are sorted by joining them; else by sorting."""
+    first, last = list(chain.from_iterable(p.first for p in parts)), list(chain.from_iterable(p.last for p in parts))
+    if not first:
+        return data_size == 0
+    filled = [p.first for p in parts if p.first]
+    if any(a[-1] >= b[0] for a, b in pairwise(filled)):  # interleaved parts: sort the lot
+        first.sort()
+        last.sort()
+    return first[0] == 0 and last[-1] == data_size and first[1:] == last[:-1]
+
+
+def _part_main(fd: int, header_len: int, data_size: int, start: int, end: int, name: str) -> bytes:
+    """A child's answer for one part (msgpack): its _Part, or nil when the part is not plain sailing (the whole
+    check then decides)."""
+    text = os.pread(fd, end - start, 8 + start)
+    if len(text) != end - start:
+        return msgspec.msgpack.encode(None)
+    text = (b"{" if start > 0 else b"") + text + (b"}" if end < header_len else b"")
+    typed = _decode_typed(text)
+    del text
+    if not isinstance(typed, _Typed):
+        return msgspec.msgpack.encode(None)
+    columns = typed.columns
+    keys = list(map(hash, columns.names)) + ([hash("__metadata__")] if typed.had_meta else [])
+    bad = _mismatch(columns, data_size)
+    if bad is not None:
+        try:
+            _tensor(_Where(name, 8 + header_len, data_size), bad, _entry(typed.tensors[bad]))
+        except SafetensorsHeaderError as exc:
+            return msgspec.msgpack.encode(_Part([], [], keys, str(exc)))
+        return msgspec.msgpack.encode(None)
+    if any(map(int.__eq__, columns.begins, columns.ends)):  # an empty tensor: the whole check places it
+        return msgspec.msgpack.encode(None)
+    return msgspec.msgpack.encode(_Part(columns.first, columns.last, keys))
+
+
+def _whole_main(fd: int, name: str) -> bytes:
+    with os.fdopen(fd, "rb", closefd=False) as fh:
+        try:
+            check_open(fh, name)
+        except SafetensorsHeaderError as exc:
+            return json.dumps({"refused": str(exc)}).encode() + b"\n"
+    return b'{"ok": true}\n'
+
+
+def main(argv: list[str]) -> None:
+    """The child's side: `part FD HEADER_LEN DATA_SIZE START END NAME` or `whole FD NAME`."""
+    gc.disable()  # millions of new containers, none cyclic
+    if argv[0] == "part":
+        fd, header_len, data_size, start, end = map(int, argv[1:6])
+        out = _part_main(fd, header_len, data_size, start, end, argv[6])
+    else:
+        out = _whole_main(int(argv[1]), argv[2])
+    sys.stdout.buffer.write(out)
+    sys.stdout.buffer.flush()
+    os._exit(0)  # the parent has its answer; freeing the tree would only cost time
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
