@@ -30,6 +30,13 @@ if TYPE_CHECKING:
     from weightcache.sources import ObjectInfo
 
 
+#: Bytes of a large file written, journalled and hashed at a time. They arrive from the socket into a buffer that
+#: stays in the core's L2 cache (1 MiB or more on current servers), go on to the page cache and into sha256 from
+#: there: with 16 MiB pieces every byte came back from RAM for each of those steps, and the same download took
+#: three times the CPU (see docs/fetch.md, "Big files").
+PIECE = 1 << 20
+
+
 class PartialFile:
     """Download state of one object; thread-safe for many workers writing disjoint chunks."""
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from weightcache import defaults
 from weightcache.checksums import Hasher, new_hasher
-from weightcache.download import PartialFile, sync_filesystem
+from weightcache.download import PIECE, PartialFile, sync_filesystem
 from weightcache.errors import (
     FetchCancelledError,
     InsufficientSpaceError,
@@ -382,11 +382,14 @@ class Fetcher:
         peer_before = source.peer_bytes if isinstance(source, PeerSource) else 0
         fetched = 0
         fetched_lock = threading.Lock()
-        # a worker's buffer: a chunk, or the largest piece when all are smaller (bytearray() writes every byte:
-        # eight workers zeroing 20 MiB each cost more CPU than fetching 2,000 small files)
-        buf_size = max(64 << 10, min(self.chunk_size, max((n for _, _, n in pieces), default=0)))
-        # scratch re-reads what waits to be hashed: only journalled (large) files have any
-        scratch_size = min(self.chunk_size if any(_partial(i).journalled for i in items) else buf_size, 4 << 20)
+        # a worker's buffer: a whole small file, or one piece of a large one (download.PIECE: written, journalled
+        # and hashed while still in the core's cache); bytearray() writes every byte, so never more than needed
+        piece = min(PIECE, self.chunk_size)
+        journalled = any(_partial(i).journalled for i in items)
+        buf_size = max(64 << 10, piece if journalled else 0,
+                       min(self.chunk_size, max((n for i, _, n in pieces if not _partial(i).journalled), default=0)))
+        # scratch re-reads what waits to be hashed, a piece at a time: only journalled (large) files have any
+        scratch_size = piece if journalled else 64 << 10
 
         def buffers() -> tuple[memoryview, memoryview]:
             if not hasattr(local, "buf"):
@@ -409,7 +412,8 @@ class Fetcher:
         def run(item: _Item, offset: int, length: int) -> None:
             buf, scratch = buffers()
             check_cancel()
-            with closing(source.read_pieces(item.obj, offset, length, buf, arrived)) as pieces:
+            into = buf[:piece] if _partial(item).journalled else buf
+            with closing(source.read_pieces(item.obj, offset, length, into, arrived)) as pieces:
                 for pos, view in pieces:
                     _partial(item).write(pos, view, scratch)
 

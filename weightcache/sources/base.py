@@ -9,6 +9,7 @@ that arrived are kept and only the remainder is asked for again.
 
 from __future__ import annotations
 
+import http.client
 import logging
 import threading
 from collections.abc import Callable, Generator
@@ -189,12 +190,12 @@ READ_SLICE = 128 << 10
 
 
 def _readinto_all(resp: Any, view: memoryview, on_bytes: OnBytes | None = None) -> int:
-    """Fill `view` from the body (urllib3's public readinto) until it is full or the body ends; PartialRead(done)
-    on a failure."""
+    """Fill `view` from the body until it is full or the body ends; PartialRead(done) on a failure."""
+    readinto = body_readinto(resp)
     done = 0
     while done < len(view):
         try:
-            n = resp.readinto(view[done:done + READ_SLICE])
+            n = readinto(view[done:done + READ_SLICE])
         except Exception as exc:
             raise PartialRead(done, f"{type(exc).__name__} after {done} bytes of the body") from exc
         if not n:
@@ -203,6 +204,20 @@ def _readinto_all(resp: Any, view: memoryview, on_bytes: OnBytes | None = None) 
         if on_bytes is not None:
             on_bytes(n)  # outside the try: a cancel it raises is no network failure
     return done
+
+
+def body_readinto(resp: Any) -> Callable[[memoryview], int]:
+    """The readinto that fills our buffer straight from the socket. urllib3 2's `readinto` reads a new bytes
+    object and copies it over (a malloc and a memmove per call, and twice the cache footprint); below it,
+    http.client's fills the buffer itself and keeps its own count, closing at the body's end (urllib3's `closed`
+    then says so, and `release_conn` pools the connection as before). Only where urllib3 has nothing to decode:
+    a body it would decompress (Content-Encoding, with decode_content on) goes through urllib3."""
+    fp = getattr(resp, "_fp", None)
+    encoded = getattr(resp, "decode_content", False) and \
+        str(resp.headers.get("Content-Encoding", "identity")).strip().lower() not in ("", "identity")
+    if isinstance(fp, http.client.HTTPResponse) and not encoded and not getattr(resp, "_decoded_buffer", None):
+        return fp.readinto
+    return resp.readinto  # type: ignore[no-any-return]
 
 
 def _at_eof(resp: Any) -> bool:

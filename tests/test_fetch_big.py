@@ -1,0 +1,149 @@
+"""Big files: written, journalled and hashed a piece at a time; bodies read from the socket straight into the
+worker's buffer, over connections the pool keeps."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import http.server
+import random
+import threading
+import tracemalloc
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import urllib3
+
+from tests.faultproxy import FaultProxy, QuietHTTPServer
+from tests.fixtures_s3 import S3
+from weightcache.download import PIECE
+from weightcache.errors import FetchCancelledError
+from weightcache.fetch import Fetcher
+from weightcache.progress import Progress
+from weightcache.sources import ObjectInfo, SourceOptions
+from weightcache.sources.base import body_readinto
+from weightcache.sources.http import HttpSource
+from weightcache.store import Store
+from weightcache.uri import parse_ref
+
+CHUNK = 4 * PIECE  # a chunk (a request's unit) of several pieces: what the defaults have (16 MiB, 1 MiB)
+
+
+def test_a_big_file_is_journalled_a_piece_at_a_time_and_resumes_from_the_last_piece(
+        tmp_path: Path, s3: S3, fault_proxy: FaultProxy) -> None:
+    size = 2 * CHUNK + 12_345
+    body = random.Random(9).randbytes(size)
+    s3.put("models", "big/w.bin", body)
+    throttle = fault_proxy.add("throttle", method="GET", ranged_only=True, count=-1, rate=2 * PIECE)
+    root = tmp_path / "root"
+    f = Fetcher(Store(root), endpoint_url=fault_proxy.endpoint_url, chunk_size=CHUNK, concurrency=3)
+
+    def stop_after_four_pieces(_: Progress) -> None:  # three requests: one of them has written two pieces
+        if any(len(j.read_text().splitlines()) >= 5 for j in root.glob("partial/*.journal")):
+            f.close()
+
+    with pytest.raises(FetchCancelledError):
+        f.ensure(parse_ref("s3://models/big/"), progress=stop_after_four_pieces)
+    (journal,) = root.glob("partial/*.journal")
+    journalled = [tuple(map(int, line.split())) for line in journal.read_text().splitlines()[1:]]
+    assert len(journalled) >= 4 and all(0 < n <= PIECE for _, n in journalled), journalled
+    assert any(off % CHUNK for off, _ in journalled), "pieces inside a request are journalled as they are written"
+
+    fault_proxy.faults.remove(throttle)
+    fault_proxy.clear()
+    snap = Fetcher(Store(root), endpoint_url=fault_proxy.endpoint_url, chunk_size=CHUNK).ensure(
+        parse_ref("s3://models/big/"))
+    assert (snap.path / "w.bin").read_bytes() == body
+    asked = [tuple(int(x) for x in r.range.removeprefix("bytes=").split("-"))
+             for r in fault_proxy.requests_for("GET", "/models/big/w.bin") if r.range]
+    assert sum(b - a + 1 for a, b in asked) == size - sum(n for _, n in journalled), "journalled pieces refetched"
+
+
+def test_workers_hold_a_piece_each_not_a_chunk(tmp_path: Path) -> None:
+    """Memory per worker is a piece to read into and one to re-read for hashing, whatever the chunk size."""
+    src = tmp_path / "src"
+    src.mkdir()
+    body = random.Random(3).randbytes(3 * CHUNK)
+    (src / "w.bin").write_bytes(body)
+    tracemalloc.start()
+    try:
+        snap = Fetcher(Store(tmp_path / "root"), chunk_size=CHUNK, concurrency=3).ensure(parse_ref(f"file://{src}/"))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert hashlib.sha256((snap.path / "w.bin").read_bytes()).digest() == hashlib.sha256(body).digest()
+    assert peak < 3 * 2 * PIECE + 2 * PIECE, f"{peak / PIECE:.1f} pieces allocated for 3 workers"
+
+
+# --- the body read ---------------------------------------------------------------------------------------------
+
+DATA = random.Random(5).randbytes(300_001)
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    """Ranges of DATA; `?gzip` answers the whole body gzip-encoded. Counts the connections it serves."""
+
+    protocol_version = "HTTP/1.1"
+    connections: list[int]
+
+    def setup(self) -> None:
+        super().setup()
+        self.connections.append(1)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        if self.path.endswith("?gzip"):
+            status, data, extra = 200, gzip.compress(DATA), {"Content-Encoding": "gzip"}
+        else:
+            first, last = (int(x) for x in self.headers["Range"].removeprefix("bytes=").split("-"))
+            status, data = 206, DATA[first:last + 1]
+            extra = {"Content-Range": f"bytes {first}-{last}/{len(DATA)}", "ETag": '"v1"'}
+        self.send_response(status)
+        for name, value in extra.items():
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[str, list[int]]]:
+    connections: list[int] = []
+    httpd = QuietHTTPServer(("127.0.0.1", 0), type("H", (_Handler,), {"connections": connections}))
+    thread = threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}", connections
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_range_bodies_are_exact_and_their_connection_is_reused(server: tuple[str, list[int]]) -> None:
+    url, connections = server
+    source = HttpSource(parse_ref(f"{url}/m/"), SourceOptions())
+    obj = ObjectInfo(f"{url}/m/w.bin", "w.bin", len(DATA), "v1", None, None)
+    buf = memoryview(bytearray(64 << 10))
+    for offset, length in ((0, 100_000), (100_000, 200_001), (7, 3)):
+        got = b"".join(bytes(view) for _, view in source.read_pieces(obj, offset, length, buf))
+        assert got == DATA[offset:offset + length]
+    assert len(connections) == 1, "a body read to its end must give its connection back to the pool"
+    source.close()
+
+
+def test_a_plain_body_is_read_by_http_client_and_an_encoded_one_decoded_by_urllib3(
+        server: tuple[str, list[int]]) -> None:
+    url, _ = server
+    pool = urllib3.PoolManager(retries=False)
+    plain = pool.request("GET", f"{url}/w.bin", headers={"Range": "bytes=0-99"}, preload_content=False)
+    assert isinstance(plain, urllib3.HTTPResponse) and plain._fp is not None
+    assert body_readinto(plain) == plain._fp.readinto, "no copy through urllib3's read for a plain body"
+    plain.close()
+    encoded = pool.request("GET", f"{url}/w.bin?gzip", preload_content=False)
+    readinto = body_readinto(encoded)
+    buf = memoryview(bytearray(len(DATA)))
+    done = 0
+    while n := readinto(buf[done:]):
+        done += n
+    assert bytes(buf[:done]) == DATA, "a gzip-encoded body is decoded as urllib3 always did"
