@@ -6,6 +6,8 @@ giving anything up: no descriptor held per file, one directory check per plan, n
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import hashlib
 import os
 import resource
@@ -15,15 +17,26 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
-from weightcache.errors import HostileKeyError, ObjectChangedError, SourceError
+from weightcache import download
+from weightcache import fetch as fetch_module
+from weightcache.errors import (
+    HostileKeyError,
+    IntegrityError,
+    ObjectChangedError,
+    SafetensorsHeaderError,
+    SourceError,
+)
 from weightcache.fetch import Fetcher
 from weightcache.sources import ObjectInfo, open_source
 from weightcache.sources.base import OnBytes, Pieces
 from weightcache.sources.fsspec import stat_token
-from weightcache.store import Store, fsops, verify_snapshot
+from weightcache.store import Store, blobwrite, fsops, verify_snapshot
 from weightcache.store import store as store_module
 from weightcache.uri import parse_ref
 
@@ -282,3 +295,200 @@ def test_a_local_round_of_small_pieces_runs_on_one_worker(tmp_path: Path, local:
                    source_factory=lambda ref: source).ensure(parse_ref(uri))
     assert len(snap.files) == len(sizes)
     assert len(source.threads) == threads, source.threads
+
+
+# -- small files written straight to their blobs (weightcache/store/blobwrite.py) -------------------------------
+
+def _count_parts(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """Every part file the fetch creates (download._create_truncated), recorded."""
+    made: list[Path] = []
+    real = download._create_truncated
+
+    def counting(path: Path) -> int:
+        made.append(path)
+        return real(path)
+
+    monkeypatch.setattr(download, "_create_truncated", counting)
+    return made
+
+
+def _no_tmpfile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """os.open refuses O_TMPFILE as a filesystem without it does (EOPNOTSUPP); every other open goes through."""
+    real = os.open
+
+    def refusing(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if flags & os.O_TMPFILE == os.O_TMPFILE:
+            raise OSError(errno.EOPNOTSUPP, "no O_TMPFILE here")
+        return real(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refusing)  # blobwrite calls os.open
+
+
+def _needs_tmpfile(path: Path) -> None:
+    try:
+        os.close(os.open(path, os.O_TMPFILE | os.O_RDWR, 0o444))
+    except OSError as exc:
+        pytest.skip(f"the test filesystem has no O_TMPFILE ({exc.strerror})")
+
+
+def test_small_files_are_written_straight_to_their_blobs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file read whole is hashed before it is written, so it goes to an unnamed file in its blob directory that
+    is linked under its digest: no part is created, every blob is 0444 and holds the bytes its name says."""
+    _needs_tmpfile(tmp_path)
+    parts = _count_parts(monkeypatch)
+    files = _small_model(tmp_path / "model", 60)
+    files["dup/copy.bin"] = files["d0/f00000.bin"]  # the same bytes twice: one blob
+    (tmp_path / "model" / "dup").mkdir()
+    (tmp_path / "model" / "dup" / "copy.bin").write_bytes(files["dup/copy.bin"])
+    store = Store(tmp_path / "root")
+    snap = Fetcher(store).ensure(parse_ref(f"file://{tmp_path / 'model'}/"))
+    assert parts == []
+    assert {f.path: (snap.path / f.path).read_bytes() for f in snap.files} == files
+    blobs = [p for p in store.layout.blobs.rglob("*") if p.is_file()]
+    assert len(blobs) == len(set(files.values()))
+    for blob in blobs:
+        assert hashlib.sha256(blob.read_bytes()).hexdigest() == blob.name
+        assert stat.S_IMODE(blob.stat().st_mode) == 0o444 and blob.stat().st_nlink >= 2
+    assert verify_snapshot(store, snap.id) == []
+
+
+@pytest.mark.parametrize("missing", ["O_TMPFILE", "/proc"])
+def test_without_o_tmpfile_or_proc_small_files_go_through_parts(tmp_path: Path, missing: str,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the filesystem refuses O_TMPFILE or /proc is not mounted, small files take the part path as before,
+    and the writer stops trying after the first refusal."""
+    if missing == "O_TMPFILE":
+        _no_tmpfile(monkeypatch)
+    else:
+        monkeypatch.setattr(blobwrite, "_PROC_FD", str(tmp_path / "no-proc"))
+    parts = _count_parts(monkeypatch)
+    files = _small_model(tmp_path / "model", 20)
+    store = Store(tmp_path / "root")
+    snap = Fetcher(store).ensure(parse_ref(f"file://{tmp_path / 'model'}/"))
+    assert len(parts) == len(files)
+    assert {f.path: (snap.path / f.path).read_bytes() for f in snap.files} == files
+    assert verify_snapshot(store, snap.id) == []
+    assert not list(store.partial_dir().glob("*.part"))
+    with store.blob_writer() as writer:
+        assert writer.write(hashlib.sha256(b"x").hexdigest(), memoryview(b"x")) is False
+        assert not writer.usable
+
+
+@pytest.mark.parametrize("planted", ["empty", "short", "other bytes", "symlink", "fifo"])
+def test_a_blob_name_holding_other_bytes_is_quarantined_and_replaced(tmp_path: Path, planted: str) -> None:
+    """A blob name may reach the disk before its bytes (they are synced once, before publish): one found empty
+    or short after a crash, or anything else at the name, is compared with the bytes in hand, quarantined and
+    replaced, never trusted; a symlink there is not followed."""
+    data = b"the real bytes" * 300
+    sha = hashlib.sha256(data).hexdigest()
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "w.bin").write_bytes(data)
+    secret = tmp_path / "secret"
+    secret.write_bytes(data[:-1] + b"!")
+    store = Store(tmp_path / "root")
+    blob = store.layout.blob(sha)
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    if planted == "symlink":
+        blob.symlink_to(secret)
+    elif planted == "fifo":
+        os.mkfifo(blob)
+    else:
+        blob.write_bytes({"empty": b"", "short": data[:100], "other bytes": data[:-1] + b"?"}[planted])
+    snap = Fetcher(store).ensure(parse_ref(f"file://{tmp_path / 'model'}/"))
+    assert (snap.path / "w.bin").read_bytes() == data
+    assert not blob.is_symlink() and blob.read_bytes() == data
+    assert blob.stat().st_ino == (snap.path / "w.bin").stat().st_ino
+    quarantined, = store.layout.quarantine.iterdir()
+    assert quarantined.is_symlink() == (planted == "symlink")
+    assert secret.read_bytes() == data[:-1] + b"!"
+
+
+def test_a_blob_that_holds_the_same_bytes_is_kept(tmp_path: Path) -> None:
+    """An existing blob with the bytes in hand wins (dedup: one inode), and the unnamed file goes with its
+    descriptor."""
+    data = b"shared" * 1000
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "w.bin").write_bytes(data)
+    store = Store(tmp_path / "root")
+    blob = store.layout.blob(hashlib.sha256(data).hexdigest())
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    blob.write_bytes(data)
+    blob.chmod(0o444)
+    inode = blob.stat().st_ino
+    snap = Fetcher(store).ensure(parse_ref(f"file://{tmp_path / 'model'}/"))
+    assert (snap.path / "w.bin").stat().st_ino == inode
+    assert not any(store.layout.quarantine.iterdir())
+
+
+def test_a_small_file_failing_its_check_is_never_named_a_blob(tmp_path: Path) -> None:
+    """Verification comes before the name: bytes that do not match the digest SHA256SUMS gives are fetched again,
+    then refused, and no blob of them exists."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "w.bin").write_bytes(b"what the source serves")
+    (model / "SHA256SUMS").write_text(f"{hashlib.sha256(b'what it claims').hexdigest()}  w.bin\n")
+    store = Store(tmp_path / "root")
+    with pytest.raises(IntegrityError, match=r"w\.bin: sha256"):
+        Fetcher(store).ensure(parse_ref(f"file://{model}/"))
+    assert not store.has_blob(hashlib.sha256(b"what the source serves").hexdigest())
+
+
+def test_a_small_safetensors_file_is_checked_before_it_is_named(tmp_path: Path) -> None:
+    """The header check reads the unnamed file (through /proc/self/fd): a good one becomes its blob, a bad one
+    is refused naming the file, and no blob of it exists."""
+    model = tmp_path / "model"
+    model.mkdir()
+    save_file({"w": np.arange(16, dtype=np.float32)}, str(model / "good.safetensors"))
+    store = Store(tmp_path / "root")
+    snap = Fetcher(store).ensure(parse_ref(f"file://{model}/"))
+    assert (snap.path / "good.safetensors").read_bytes() == (model / "good.safetensors").read_bytes()
+    bad = tmp_path / "damaged" / "bad.safetensors"
+    bad.parent.mkdir()
+    header = b'{"w": {"dtype": "F32", "shape": [1000], "data_offsets": [0, 4000]}}'
+    bad.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 16)  # 4,000 bytes promised, 16 there
+    with pytest.raises(SafetensorsHeaderError, match=r"bad\.safetensors"):
+        Fetcher(store).ensure(parse_ref(f"file://{bad.parent}/"))
+    assert not store.has_blob(hashlib.sha256(bad.read_bytes()).hexdigest())
+
+
+class _ChecksumSource:
+    """A file:// source whose listing carries each file's full-object SHA-256, as S3 gives it."""
+
+    def __init__(self, ref_uri: str) -> None:
+        self.inner = open_source(parse_ref(ref_uri))
+        self.ref, self.name = self.inner.ref, self.inner.name
+
+    def list(self) -> list[ObjectInfo]:
+        return [dataclasses.replace(o, checksum=("sha256", hashlib.sha256(Path(o.key).read_bytes()).hexdigest()))
+                for o in self.inner.list()]
+
+    def read_into(self, obj: ObjectInfo, offset: int, buf: memoryview) -> None:
+        self.inner.read_into(obj, offset, buf)
+
+    def read_pieces(self, obj: ObjectInfo, offset: int, length: int, buf: memoryview,
+                    on_bytes: OnBytes | None = None) -> Pieces:
+        return self.inner.read_pieces(obj, offset, length, buf, on_bytes)
+
+    def etag_md5(self, obj: ObjectInfo) -> str | None:
+        return None
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_a_fetch_that_links_blobs_on_a_checksum_alone_syncs_before_it_publishes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A blob found by the store's checksum may be another fetch's, named before its bytes were synced: a fetch
+    that downloads nothing but links such blobs syncs the filesystem once before its manifest promises them."""
+    files = _small_model(tmp_path / "model", 10)
+    _small_model(tmp_path / "copy", 10)
+    store = Store(tmp_path / "root")
+    Fetcher(store).ensure(parse_ref(f"file://{tmp_path / 'model'}/"))
+    syncs: list[Path] = []
+    monkeypatch.setattr(fetch_module, "sync_filesystem", syncs.append)
+    uri = f"file://{tmp_path / 'copy'}/"  # the same bytes from another source: nothing of it recorded here
+    fetcher = Fetcher(store, source_factory=lambda ref: _ChecksumSource(uri))
+    snap = fetcher.ensure(parse_ref(uri))
+    assert fetcher.stats["origin_bytes"] == 0, "every file linked on its checksum"
+    assert {f.path: (snap.path / f.path).read_bytes() for f in snap.files} == files
+    assert len(syncs) == 1

@@ -161,6 +161,11 @@ class PartialFile:
         buffer, close. Its descriptor is not kept until verification, so a model of many small files never holds
         one descriptor per file (EMFILE). Not preallocated: its bytes follow at once (a full disk shows on the
         first write), and on ext4 preallocating 4 KB files cost a call and an extent conversion each."""
+        self.write_whole_part(data)
+        self.hash_whole(data)
+
+    def write_whole_part(self, data: memoryview) -> None:
+        """The file part of _write_whole: the bytes to the part, no hashing (hash_whole did it)."""
         fd = _create_truncated(self.part)
         try:
             view = data
@@ -168,6 +173,10 @@ class PartialFile:
                 view = view[os.write(fd, view):]
         finally:
             os.close(fd)
+
+    def hash_whole(self, data: memoryview) -> None:
+        """Hash a one-request file's bytes and count it complete; the fetch then writes them to its blob
+        directly (weightcache/store/blobwrite.py), or to the part with write_whole_part."""
         self._feed(data)
         with self._mu:
             self._done[0] = self._hash_at = self._whole_size = len(data)

@@ -42,7 +42,7 @@ from weightcache.errors import (
 from weightcache.peers.source import PeerSource
 from weightcache.progress import Progress, RateMeter, read_progress_file, write_progress_file
 from weightcache.sources import ObjectInfo, Source, SourceOptions
-from weightcache.store import BlobMissingError, FileEntry, Snapshot, Store, validate_tree
+from weightcache.store import BlobMissingError, BlobWriter, FileEntry, Snapshot, Store, validate_tree
 from weightcache.units import fmt_bytes
 from weightcache.uri import ModelRef
 
@@ -70,6 +70,8 @@ class _Item:
     trusted_sha256: str | None = None  # on evidence no source or peer can forge (peers may serve it)
     size: int = 0  # of the blob linked or the file written, never the listing's claim
     partial: PartialFile | None = field(default=None, repr=False)
+    in_blob: bool = False  # written straight to its blob (a whole small file): no part to move
+    unsynced_blob: bool = False  # linked on the store's checksum alone: its blob may be another fetch's, not synced
 
 
 class Fetcher:
@@ -227,6 +229,8 @@ class Fetcher:
             fetched = self._download(source, todo, reporter)
         finally:  # the blobs have their names now (or the fetch failed): peers find one or nothing
             self._serve_partials(todo, False)
+        if not todo and any(i.unsynced_blob for i in items):  # a download's own syncfs covers them (_add_blobs)
+            sync_filesystem(self.store.layout.partial)  # another fetch may have named them before their bytes synced
         reporter.phase("publishing")
         entries = [FileEntry(i.relpath, i.size, i.sha256 or "", i.obj.etag, i.obj.version_id) for i in items]
         snap = self.store.publish(ref, entries)
@@ -280,6 +284,7 @@ class Fetcher:
             item.trusted_sha256 = known
             if known and self._blob_size(known) == obj.size:
                 item.sha256, item.size = known, obj.size
+                item.unsynced_blob = recorded is None  # a recorded blob was synced before its manifest
 
     def _blob_size(self, sha256: str) -> int | None:
         return self.store.blob_size(sha256)
@@ -314,7 +319,8 @@ class Fetcher:
         pending = todo
         try:
             for round_ in (1, 2):
-                fetched += self._download_round(source, pending, reporter)
+                with self.store.blob_writer() as blobs:
+                    fetched += self._download_round(source, pending, reporter, blobs)
                 failed = []
                 for item in pending:
                     try:
@@ -353,18 +359,23 @@ class Fetcher:
                     self.peers.inflight.remove(item.trusted_sha256, item.partial)
 
     def _add_blobs(self, items: list[_Item]) -> None:
-        """Verified files become blobs with two syncfs calls instead of three fsyncs each (2,000 small files:
-        seconds -> tens of ms): data durable before any blob name promises it, names durable before publish."""
+        """Verified files become blobs with one or two syncfs calls instead of three fsyncs each (2,000 small
+        files: seconds -> tens of ms). Whole small files are in their blobs already (store/blobwrite.py): the
+        first syncfs makes their bytes and names durable before publish. Parts then move to their blobs (data
+        durable before a moved name promises it), and a second syncfs makes those names durable."""
         if not items:
             return
         sync_filesystem(self.store.layout.partial)
-        self.store.add_blobs(((_partial(item).part, item.sha256 or "") for item in items), durable=False)
-        for item in items:
+        parts = [item for item in items if not item.in_blob]
+        if not parts:
+            return
+        self.store.add_blobs(((_partial(item).part, item.sha256 or "") for item in parts), durable=False)
+        for item in parts:
             if _partial(item).journalled:
                 _partial(item).journal.unlink(missing_ok=True)
         sync_filesystem(self.store.layout.partial)
 
-    def _download_round(self, source: Source, items: list[_Item], reporter: _Reporter) -> int:
+    def _download_round(self, source: Source, items: list[_Item], reporter: _Reporter, blobs: BlobWriter) -> int:
         pieces: list[tuple[_Item, int, int]] = []
         try:
             for item in items:
@@ -415,7 +426,11 @@ class Fetcher:
             into = buf[:piece] if _partial(item).journalled else buf
             with closing(source.read_pieces(item.obj, offset, length, into, arrived)) as pieces:
                 for pos, view in pieces:
-                    _partial(item).write(pos, view, scratch)
+                    part = _partial(item)
+                    if part.journalled or pos or len(view) != item.obj.size or not blobs.usable:
+                        part.write(pos, view, scratch)
+                    else:
+                        self._write_whole(item, view, source, blobs)
 
         def hash_resumed(item: _Item) -> None:
             _partial(item).hash_resumed(buffers()[1])
@@ -493,33 +508,66 @@ class Fetcher:
             if item.partial is not None:
                 item.partial.discard()
 
+    def _write_whole(self, item: _Item, data: memoryview, source: Source, blobs: BlobWriter) -> None:
+        """A file read whole in one request: hashed from the worker's buffer, so its digest is known before any
+        byte is written; verified, it goes straight to its blob (store/blobwrite.py), else to a part as before.
+        A file failing verification is not written at all: _finish says why and it is fetched again."""
+        part = _partial(item)
+        part.hash_whole(data)
+        try:
+            sha = _verified(item, source)
+        except IntegrityError:
+            return
+        check = functools.partial(_check_header, item) if item.relpath.endswith(".safetensors") else None
+        try:
+            item.in_blob = blobs.write(sha, data, check)
+        except SafetensorsHeaderError:  # not named: _finish checks its part and refuses it after the round, while
+            item.in_blob = False  # the other files of the round become blobs for a rerun
+        if not item.in_blob:
+            part.write_whole_part(data)
+
     def _finish(self, item: _Item, source: Source) -> None:
         """Verify a fully downloaded file, validate safetensors headers, move it into blobs/."""
         part = _partial(item)
         if not part.complete:
             part.hash_resumed(memoryview(bytearray(4 << 20)))
-        sha = part.sha256.hexdigest()
-        if item.expect_sha256 and sha != item.expect_sha256:
-            raise IntegrityError(f"{item.relpath}: sha256 {sha} does not match the expected {item.expect_sha256}")
-        if item.source_check is not None and part.source_check is not None:
-            algorithm, want = item.source_check
-            if algorithm == "md5":  # a GET may have shown SSE-KMS/SSE-C since planning: then the ETag is no MD5
-                want = source.etag_md5(item.obj) or ""
-            got = part.source_check.hexdigest()
-            if want and got != want:
-                raise IntegrityError(f"{item.relpath}: {algorithm} {got} does not match the source's {want}")
-        if item.relpath.endswith(".safetensors"):
-            from weightcache.safetensors_check import check_file
-
+        sha = _verified(item, source)
+        if item.relpath.endswith(".safetensors") and not item.in_blob:  # in_blob: checked before it was named
             try:
-                check_file(part.part)
-            except SafetensorsHeaderError as exc:
+                _check_header(item, part.part)
+            except SafetensorsHeaderError:
                 part.discard()  # a retry must not find it and check it again
-                raise SafetensorsHeaderError(f"{item.relpath}: {exc}; the model at the source is damaged or "
-                                             f"not safetensors: fix or exclude that file") from exc
+                raise
         item.size = part.written_size()
         part.close()
         item.sha256 = sha  # _add_blobs moves it into blobs/ once every file is verified
+
+
+def _verified(item: _Item, source: Source) -> str:
+    """The sha256 of a fully hashed download once it matches what it must (IntegrityError when not)."""
+    part = _partial(item)
+    sha = part.sha256.hexdigest()
+    if item.expect_sha256 and sha != item.expect_sha256:
+        raise IntegrityError(f"{item.relpath}: sha256 {sha} does not match the expected {item.expect_sha256}")
+    if item.source_check is not None and part.source_check is not None:
+        algorithm, want = item.source_check
+        if algorithm == "md5":  # a GET may have shown SSE-KMS/SSE-C since planning: then the ETag is no MD5
+            want = source.etag_md5(item.obj) or ""
+        got = part.source_check.hexdigest()
+        if want and got != want:
+            raise IntegrityError(f"{item.relpath}: {algorithm} {got} does not match the source's {want}")
+    return sha
+
+
+def _check_header(item: _Item, path: str | Path) -> None:
+    """The safetensors header check of a downloaded file, read through `path`, naming the file of the model."""
+    from weightcache.safetensors_check import check_file
+
+    try:
+        check_file(path)
+    except SafetensorsHeaderError as exc:
+        raise SafetensorsHeaderError(f"{item.relpath}: {exc}; the model at the source is damaged or not "
+                                     f"safetensors: fix or exclude that file") from exc
 
 
 def source_revision(objects: list[ObjectInfo]) -> str:

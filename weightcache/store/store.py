@@ -33,6 +33,7 @@ from weightcache.errors import (
     NotCachedError,
 )
 from weightcache.store import quarantine, recovery
+from weightcache.store.blobwrite import BlobWriter
 from weightcache.store.evict import plan_eviction
 from weightcache.store.fsops import TMP_PREFIX, HeldDirs, move_noreplace, tmp_name
 from weightcache.store.index import Index
@@ -302,6 +303,11 @@ class Store:
                     raise OSError(errno.ESTALE, f"{path} was replaced while it became blob {sha256}; fetch again")
                 if durable:
                     os.fsync(blob_dir)
+
+    def blob_writer(self) -> BlobWriter:
+        """A writer of small verified files straight to their blobs, for one fetch (close it: `with`)."""
+        dirs = self.tree.held()
+        return BlobWriter(self.layout, dirs, self._blob_dirs(dirs, create=True))
 
     def _blob_dirs(self, dirs: HeldDirs, *, create: bool = False) -> Callable[[str], int]:
         """sha256 -> descriptor of its blobs/sha256/<ab> directory (refused unless it is a digest), held in `dirs`;
