@@ -6,7 +6,6 @@ child running the whole check; a worker that dies is an error, never a verdict."
 from __future__ import annotations
 
 import json
-import os
 import signal
 import struct
 import subprocess
@@ -38,7 +37,7 @@ def every_header_in_parts(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 def verdicts(path: Path) -> tuple[Any, Any]:
     """(in child processes, in this process): ("ok",) or ("refused", message)."""
-    out = []
+    out: list[tuple[str, ...]] = []
     for check in (safetensors_check.check_file, _in_process):
         try:
             check(path)
@@ -204,3 +203,21 @@ def test_a_big_valid_header_passes_as_the_fetch_meets_it(tmp_path: Path) -> None
     path = write(tmp_path, header('"__metadata__":{"format":"pt"}', *tensors(count)), count)
     safetensors_check.check_file(path)
     assert struct.unpack("<Q", path.read_bytes()[:8])[0] > safetensors_check.CHILD_MIN_BYTES
+
+
+@pytest.mark.usefixtures("every_header_in_parts")
+def test_the_workers_that_parse_hostile_bytes_get_no_credentials(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "hunter2-secret")
+    path = write(tmp_path, header(*tensors(3000)), 3000)
+    environments: list[dict[str, str]] = []
+    real = subprocess.Popen
+
+    def spy(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
+        environments.append(kwargs["env"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", spy)
+    safetensors_check.check_file(path)
+    assert len(environments) == PARTS
+    assert all("hunter2-secret" not in env.values() and "PYTHONHASHSEED" in env for env in environments)

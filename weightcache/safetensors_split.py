@@ -13,12 +13,13 @@ at the top level right after a value, where the `,"` of the whole text starts th
 own `{"` starts in; a cut inside a string leaves its part's string unterminated, so that part is invalid.
 
 A child reads its part as safetensors_check's typed road does (types, ranges, no repeated key, each tensor's size)
-and sends back (msgpack) its tensors' begins and ends, each sorted, and the hashes of its keys under a seed drawn
-for this check; or, beside the hashes, the refusal of its first tensor wrong on its own. The parent checks that no
-key is in two parts (a hash in two, even by collision, counts as a repeat). Then the first part's refusal is the
-whole check's words (json validity and repeated keys are decided before any tensor), and with none the tensors
-must tile the data (with no empty tensor, sorted begins and ends tile it exactly when begins[i + 1] == ends[i],
-from 0 to the data's size).
+and answers (msgpack) with its tensors' begins and ends, each sorted (or the one stretch they tile, as safetensors
+writers lay them out), or the refusal of its first tensor wrong on its own; and with the hashes of its keys, under a
+seed drawn for this check, in one bucket per child (hash % children). Then each child is handed one bucket from
+every part and says whether a hash repeats in it: a key in two parts (or a collision) is a repeat, and no process
+ever holds every key. With no repeat, the first part's refusal is the whole check's words (json validity and
+repeated keys are decided before any tensor); with none, the tensors must tile the data (with no empty tensor,
+sorted begins and ends tile it exactly when begins[i + 1] == ends[i], from 0 to the data's size).
 
 Whatever a part or the parent cannot pass - a refusal, an unusual form, an empty tensor, a header with no cut - goes
 to one child that runs the in-process check (safetensors_check.check_open) on the whole file: its verdict and its
@@ -27,15 +28,19 @@ words are the answer, the same as in this process.
 
 from __future__ import annotations
 
+import contextlib
 import gc
-import json
 import logging
 import os
 import random
+import struct
 import subprocess
 import sys
-from itertools import chain, pairwise
+from array import array
+from itertools import chain, compress, pairwise, repeat
+from operator import eq
 from pathlib import Path
+from typing import IO
 
 import msgspec
 
@@ -49,18 +54,22 @@ MIN_PART_BYTES = 2 << 20  # smaller parts cost more in process starts than they 
 _CUT = b'},"'
 _WINDOW = 1 << 20  # bytes read at a time while looking for a cut
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])
+_ENVIRONMENT = ("PATH", "LD_LIBRARY_PATH", "PYTHONHOME", "LANG", "LC_ALL", "TMPDIR")
 
 
 class _Part(msgspec.Struct, array_like=True):
-    """What a child found in one part: its tensors' begins and ends (each sorted) and its keys' hashes."""
+    """What a child found in one part: its tensors' begins and ends (each sorted; one span [first, last) for tensors
+    that tile one stretch by themselves: the layout check treats them as one tensor), its keys' hashes (int64s) in
+    one bucket per part (hash % parts), and the refusal of its first tensor wrong on its own (then no begins)."""
 
     first: list[int]
     last: list[int]
-    keys: list[int]
-    refusal: str | None = None  # the refusal of the part's first tensor wrong on its own (then first, last: [])
+    buckets: list[bytes]
+    refusal: str | None = None
 
 
 _PART = msgspec.msgpack.Decoder(_Part | None)
+_LENGTH = struct.Struct("<Q")
 
 
 def check_in_children(fd: int, name: str, header_len: int, file_size: int) -> None:
@@ -69,7 +78,7 @@ def check_in_children(fd: int, name: str, header_len: int, file_size: int) -> No
     cuts = _cuts(fd, header_len, _part_count(header_len))
     if cuts:
         parts = _run_parts(fd, name, header_len, file_size - 8 - header_len, cuts)
-        if parts is not None and _distinct_keys(parts):  # the whole text is valid, keys and all
+        if parts is not None:  # the whole text is valid, keys and all
             refusal = next((p.refusal for p in parts if p.refusal is not None), None)
             if refusal is not None:  # the first tensor in header order wrong on its own: as the whole check says
                 raise SafetensorsHeaderError(refusal)
@@ -105,44 +114,75 @@ def _cuts(fd: int, header_len: int, parts: int) -> list[int]:
 
 
 def _spawn(args: list[str], fd: int, seed: int) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, PYTHONHASHSEED=str(seed),
+    # a process that parses hostile bytes gets no more than it needs: no credentials from the environment
+    env = {key: os.environ[key] for key in _ENVIRONMENT if key in os.environ}
+    env.update(PYTHONHASHSEED=str(seed),
                PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")])))
     return subprocess.Popen([sys.executable, "-m", "weightcache.safetensors_split", *args], pass_fds=(fd,),
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
 
 
-def _collect(proc: subprocess.Popen[bytes], name: str) -> bytes:
-    """A child's output once it exited 0; else StoreError saying what became of it."""
-    out, err = proc.communicate()
-    if proc.returncode == 0:
-        return out
-    how = (f"was killed by signal {-proc.returncode}" + (" (out of memory?)" if proc.returncode == -9 else "")
-           if proc.returncode < 0 else f"exited with status {proc.returncode}")
+def _receive(proc: subprocess.Popen[bytes], name: str) -> bytes:
+    """A child's next message (length, then bytes); StoreError saying what became of the child when it ends first."""
+    assert proc.stdout is not None
+    length = proc.stdout.read(_LENGTH.size)
+    message = proc.stdout.read(_LENGTH.unpack(length)[0]) if len(length) == _LENGTH.size else b""
+    if len(length) == _LENGTH.size and len(message) == _LENGTH.unpack(length)[0]:
+        return message
+    assert proc.stderr is not None
+    err = proc.stderr.read()
+    code = proc.wait()
+    how = (f"was killed by signal {-code}" + (" (out of memory?)" if code == -9 else "") if code < 0
+           else f"exited with status {code}")
     last = err.decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
     log.warning("safetensors header check of %s: worker %s: %s", name, how, last[0][:200])
     raise StoreError(f"{Path(name).name}: the safetensors header check's worker process {how}; give the daemon "
                      "more memory, or exclude the file")
 
 
+def _reap(proc: subprocess.Popen[bytes]) -> None:
+    """The child gone (killed if it still runs: its answer is in or no longer wanted) and its pipes closed."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
+        with contextlib.suppress(OSError):
+            if stream is not None:
+                stream.close()
+
+
+def _send(stream: IO[bytes], message: bytes) -> None:
+    stream.write(_LENGTH.pack(len(message)))
+    stream.write(message)
+    stream.flush()
+
+
 def _run_parts(fd: int, name: str, header_len: int, data_size: int, cuts: list[int]) -> list[_Part] | None:
-    """Each part checked by its own child, all at once; None when some part is not plain sailing."""
+    """Each part checked by its own child, all at once, then each child checks one bucket of every part's key
+    hashes for repeats (so no process holds them all); None when some part is not plain sailing or a key hash is
+    in two parts."""
     bounds = list(zip([0, *(c + 2 for c in cuts)], [*(c + 1 for c in cuts), header_len], strict=True))
     seed = random.SystemRandom().randint(1, 2**32 - 1)  # drawn per check: nobody can aim collisions at it
     try:
-        procs = [_spawn(["part", str(fd), str(header_len), str(data_size), str(start), str(end), name], fd, seed)
-                 for start, end in bounds]
+        procs = [_spawn(["part", str(fd), str(header_len), str(data_size), str(start), str(end), name,
+                         str(len(bounds))], fd, seed) for start, end in bounds]
     except OSError as exc:  # no process to be had (EAGAIN, ENOMEM): the whole header in one
         log.warning("safetensors header check: cannot start its workers (%s); checking in one", exc)
         return None
     try:
-        outs = [_collect(proc, name) for proc in procs]
+        parts = [_PART.decode(_receive(proc, name)) for proc in procs]
+        if None in parts:
+            return None
+        found = [p for p in parts if p is not None]
+        for i, proc in enumerate(procs):
+            assert proc.stdin is not None
+            _send(proc.stdin, b"".join(p.buckets[i] for p in found))
+            proc.stdin.close()
+        distinct = [msgspec.msgpack.decode(_receive(proc, name), type=bool) for proc in procs]
+        return found if all(distinct) else None
     finally:
         for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    parts = list(map(_PART.decode, outs))
-    return None if None in parts else [p for p in parts if p is not None]
+            _reap(proc)
 
 
 def _run_whole(fd: int, name: str) -> None:
@@ -153,19 +193,12 @@ def _run_whole(fd: int, name: str) -> None:
         with os.fdopen(os.dup(fd), "rb") as fh:
             check_open(fh, name)
         return
-    said = json.loads(_collect(proc, name).partition(b"\n")[0])
-    if "refused" in said:
-        raise SafetensorsHeaderError(str(said["refused"]))
-
-
-def _distinct_keys(parts: list[_Part]) -> bool:
-    """No key (nor "__metadata__") in two parts: each part's own are distinct already."""
-    seen = set(parts[0].keys)
-    for part in parts[1:]:
-        if not seen.isdisjoint(part.keys):
-            return False
-        seen.update(part.keys)
-    return True
+    try:
+        refusal = msgspec.msgpack.decode(_receive(proc, name), type=str | None)
+    finally:
+        _reap(proc)
+    if refusal is not None:
+        raise SafetensorsHeaderError(refusal)
 
 
 def _tiled(parts: list[_Part], data_size: int) -> bool:
@@ -182,50 +215,68 @@ def _tiled(parts: list[_Part], data_size: int) -> bool:
     return first[0] == 0 and last[-1] == data_size and first[1:] == last[:-1]
 
 
-def _part_main(fd: int, header_len: int, data_size: int, start: int, end: int, name: str) -> bytes:
-    """A child's answer for one part (msgpack): its _Part, or nil when the part is not plain sailing (the whole
-    check then decides)."""
+def _part_main(fd: int, header_len: int, data_size: int, start: int, end: int, name: str,
+               buckets: int) -> _Part | None:
+    """A child's _Part for one part of the header, or None when it is not plain sailing (the whole check then
+    decides)."""
     text = os.pread(fd, end - start, 8 + start)
     if len(text) != end - start:
-        return msgspec.msgpack.encode(None)
+        return None
     text = (b"{" if start > 0 else b"") + text + (b"}" if end < header_len else b"")
     typed = _decode_typed(text)
     del text
     if not isinstance(typed, _Typed):
-        return msgspec.msgpack.encode(None)
+        return None
     columns = typed.columns
     keys = list(map(hash, columns.names)) + ([hash("__metadata__")] if typed.had_meta else [])
+    which = list(map(buckets.__rmod__, keys))  # hash % buckets
+    hashes = [array("q", compress(keys, map(eq, which, repeat(b)))).tobytes() for b in range(buckets)]
     bad = _mismatch(columns, data_size)
     if bad is not None:
         try:
             _tensor(_Where(name, 8 + header_len, data_size), bad, _entry(typed.tensors[bad]))
         except SafetensorsHeaderError as exc:
-            return msgspec.msgpack.encode(_Part([], [], keys, str(exc)))
-        return msgspec.msgpack.encode(None)
+            return _Part([], [], hashes, str(exc))
+        return None
     if any(map(int.__eq__, columns.begins, columns.ends)):  # an empty tensor: the whole check places it
-        return msgspec.msgpack.encode(None)
-    return msgspec.msgpack.encode(_Part(columns.first, columns.last, keys))
+        return None
+    first, last = columns.first, columns.last
+    if first[1:] == last[:-1]:  # the part's tensors tile a stretch alone (header order is file order): one span
+        first, last = first[:1], last[-1:]
+    return _Part(first, last, hashes)
 
 
-def _whole_main(fd: int, name: str) -> bytes:
+def _distinct(hashes: bytes) -> bool:
+    """Whether no int64 repeats in `hashes` (one bucket of every part's key hashes)."""
+    column = array("q")
+    column.frombytes(hashes)
+    return len(set(column)) == len(column)
+
+
+def _refusal(fd: int, name: str) -> str | None:
+    """The whole check's refusal of the file, None when it passes."""
     with os.fdopen(fd, "rb", closefd=False) as fh:
         try:
             check_open(fh, name)
         except SafetensorsHeaderError as exc:
-            return json.dumps({"refused": str(exc)}).encode() + b"\n"
-    return b'{"ok": true}\n'
+            return str(exc)
+    return None
 
 
 def main(argv: list[str]) -> None:
-    """The child's side: `part FD HEADER_LEN DATA_SIZE START END NAME` or `whole FD NAME`."""
+    """The child's side: `part FD HEADER_LEN DATA_SIZE START END NAME BUCKETS` (then a bucket of hashes on stdin) or
+    `whole FD NAME`; answers are length-prefixed msgpack on stdout."""
     gc.disable()  # millions of new containers, none cyclic
+    out, source = sys.stdout.buffer, sys.stdin.buffer
     if argv[0] == "part":
         fd, header_len, data_size, start, end = map(int, argv[1:6])
-        out = _part_main(fd, header_len, data_size, start, end, argv[6])
+        part = _part_main(fd, header_len, data_size, start, end, argv[6], int(argv[7]))
+        _send(out, msgspec.msgpack.encode(part))
+        if part is not None:
+            length = source.read(_LENGTH.size)
+            _send(out, msgspec.msgpack.encode(_distinct(source.read(_LENGTH.unpack(length)[0]))))
     else:
-        out = _whole_main(int(argv[1]), argv[2])
-    sys.stdout.buffer.write(out)
-    sys.stdout.buffer.flush()
+        _send(out, msgspec.msgpack.encode(_refusal(int(argv[1]), argv[2])))
     os._exit(0)  # the parent has its answer; freeing the tree would only cost time
 
 
