@@ -6,6 +6,7 @@ giving anything up: no descriptor held per file, one directory check per plan, n
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import errno
 import hashlib
@@ -372,6 +373,30 @@ def test_without_o_tmpfile_or_proc_small_files_go_through_parts(tmp_path: Path, 
     with store.blob_writer() as writer:
         assert writer.write(hashlib.sha256(b"x").hexdigest(), memoryview(b"x")) is False
         assert not writer.usable
+
+
+def test_without_the_privilege_to_link_a_descriptor_blobs_are_named_through_proc(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """linkat(AT_EMPTY_PATH) needs CAP_DAC_READ_SEARCH before Linux 6.10: refused once (ENOENT, as the kernel
+    says it), every blob is named through /proc/self/fd instead, and it is not asked again."""
+    _needs_tmpfile(tmp_path)
+    calls: list[int] = []
+
+    class Unprivileged:
+        @staticmethod
+        def linkat(*args: object) -> int:
+            calls.append(1)
+            ctypes.set_errno(errno.ENOENT)
+            return -1
+
+    monkeypatch.setattr(blobwrite, "_libc", Unprivileged)
+    parts = _count_parts(monkeypatch)
+    files = _small_model(tmp_path / "model", 20)
+    store = Store(tmp_path / "root")
+    snap = Fetcher(store).ensure(parse_ref(f"file://{tmp_path / 'model'}/"))
+    assert {f.path: (snap.path / f.path).read_bytes() for f in snap.files} == files
+    assert parts == [] and len(calls) == 1
+    assert verify_snapshot(store, snap.id) == []
 
 
 @pytest.mark.parametrize("planted", ["empty", "short", "other bytes", "symlink", "fifo"])

@@ -14,6 +14,7 @@ has no `O_TMPFILE` or `/proc` is not mounted, `write` returns False and the call
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import stat
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
 # O_TMPFILE refused: the filesystem lacks it (EOPNOTSUPP), or a kernel before 3.11 read it as O_DIRECTORY (EISDIR)
 _NO_TMPFILE = (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL)
 _PROC_FD = "/proc/self/fd"
+_AT_EMPTY_PATH = 0x1000
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 class BlobWriter:
@@ -38,6 +41,9 @@ class BlobWriter:
         self._layout, self._dirs, self._blob_dir = layout, dirs, blob_dir
         self._mu = threading.Lock()  # blob_dir opens and holds directories: one thread at a time
         self.usable = hasattr(os, "O_TMPFILE") and os.path.isdir(_PROC_FD)  # False after the first refusal
+        # linkat(fd, "", AT_EMPTY_PATH) skips resolving /proc/self/fd/N (about a third of a link's cost); it needs
+        # CAP_DAC_READ_SEARCH before Linux 6.10, so a refusal sends the links through /proc
+        self._empty_path = True
 
     def write(self, sha256: str, data: memoryview, check: Callable[[str], None] | None = None) -> bool:
         """Make `data` (whose sha256 the caller computed from these very bytes) blob `sha256`, 0444. True when
@@ -69,15 +75,31 @@ class BlobWriter:
     def _link(self, fd: int, dfd: int, sha256: str, data: memoryview) -> None:
         """Name the unnamed file; an existing blob with other bytes than `data` is quarantined, then replaced."""
         for _ in range(2):
-            try:
-                os.link(f"{_PROC_FD}/{fd}", sha256, dst_dir_fd=dfd, follow_symlinks=True)
+            err = self._linkat(fd, dfd, sha256)
+            if not err:
                 return
-            except FileExistsError:
-                if _holds(dfd, sha256, data):
-                    return  # the same content, one inode: ours goes with its descriptor
+            if err != errno.EEXIST:
+                raise OSError(err, f"cannot name blob {sha256}: {os.strerror(err)}")
+            if _holds(dfd, sha256, data):
+                return  # the same content, one inode: ours goes with its descriptor
             self._layout.tree.quarantine(self._layout.blob(sha256), "does not hold the bytes its name is the digest of "
                                          "(written before a crash and never synced, or tampered with)")
         raise OSError(errno.EEXIST, f"blob {sha256} keeps being replaced by other bytes; fetch again")
+
+    def _linkat(self, fd: int, dfd: int, name: str) -> int:
+        """Link the file open as `fd` as `name` in `dfd` (never replacing); 0, or the errno."""
+        if self._empty_path:
+            if _libc.linkat(fd, b"", dfd, os.fsencode(name), _AT_EMPTY_PATH) == 0:
+                return 0
+            err = ctypes.get_errno()
+            if err not in (errno.ENOENT, errno.EPERM, errno.EINVAL):
+                return err
+            self._empty_path = False
+        try:
+            os.link(f"{_PROC_FD}/{fd}", name, dst_dir_fd=dfd, follow_symlinks=True)
+        except OSError as exc:
+            return exc.errno or errno.EIO
+        return 0
 
     def close(self) -> None:
         self._dirs.close()
