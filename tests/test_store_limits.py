@@ -22,6 +22,7 @@ from weightcache.store.paths import MAX_DEPTH, MAX_FILES, MAX_NAME_BYTES, MAX_PA
     ("/".join(["d"] * MAX_DEPTH) + "/f", f"more than {MAX_DEPTH} directories deep"),
     ("/".join(["x" * 200] * 16), f"path longer than {MAX_PATH_BYTES} bytes"),
     ("n" * (MAX_NAME_BYTES + 1), f"longer than {MAX_NAME_BYTES} bytes"),
+    (os.fsdecode(b"bad\xff.bin"), "not valid UTF-8"),  # a local file's name in raw bytes (it raised UnicodeEncodeError)
 ])
 def test_each_path_check_names_its_reason(key: str, reason: str) -> None:
     with pytest.raises(HostileKeyError) as caught:

@@ -31,7 +31,11 @@ def validate_relpath(key: str) -> str:
         raise HostileKeyError(key, "contains a backslash")
     if key.startswith("/"):
         raise HostileKeyError(key, "absolute path")
-    if len(key.encode()) > MAX_PATH_BYTES:
+    try:
+        size = len(key.encode())
+    except UnicodeEncodeError:  # a name a file:// source holds as raw bytes (surrogate escapes): no manifest takes it
+        raise HostileKeyError(key, "not valid UTF-8") from None
+    if size > MAX_PATH_BYTES:
         raise HostileKeyError(key, f"path longer than {MAX_PATH_BYTES} bytes (PATH_MAX less room for the mount)")
     if key.count("/") >= MAX_DEPTH:
         raise HostileKeyError(key, f"more than {MAX_DEPTH} directories deep")

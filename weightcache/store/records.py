@@ -15,6 +15,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from weightcache.errors import DamagedRecordError, HostileKeyError
 from weightcache.store.paths import validate_tree
 from weightcache.store.types import FileEntry
@@ -26,6 +28,7 @@ MAX_SIZE = (1 << 63) - 1  # what SQLite's INTEGER holds
 MAX_MANIFEST_BYTES = 256 << 20
 MAX_SMALL_RECORD_BYTES = 64 << 10  # refs and leases
 _HEX = frozenset("0123456789abcdef")
+_ENCODE = msgspec.json.Encoder().encode  # a file entry (a dataclass) as one JSON object, in C
 
 
 def is_hex(value: object, length: int) -> bool:
@@ -67,12 +70,12 @@ class RefRecord:
 
 # -- writing ----------------------------------------------------------------------------------------------------
 def manifest_bytes(m: Manifest) -> bytes:
-    """JSON with one file per line: readable, and each line made by the C encoder (indent= would use the
-    pure-Python one: 2,000 files took 45 ms)."""
+    """JSON with one file per line: readable, and each line made by msgspec's encoder (indent= would use json's
+    pure-Python one: 2,000 files took 45 ms; json.dumps per line 5 ms, msgspec 0.6 ms)."""
     head = json.dumps({"version": MANIFEST_VERSION, "id": m.id, "uri": m.uri, "revision": m.revision,
                        "created": m.created})
-    files = ",\n ".join(json.dumps(f.__dict__) for f in m.files)
-    return f'{head[:-1]}, "files": [\n {files}\n]}}\n'.encode()
+    files = b",\n ".join(map(_ENCODE, m.files))
+    return b'%s, "files": [\n %s\n]}\n' % (head[:-1].encode(), files)
 
 
 def ref_bytes(r: RefRecord, include: Iterable[str] = (), exclude: Iterable[str] = ()) -> bytes:
