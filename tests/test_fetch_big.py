@@ -60,6 +60,24 @@ def test_a_big_file_is_journalled_a_piece_at_a_time_and_resumes_from_the_last_pi
     assert sum(b - a + 1 for a, b in asked) == size - sum(n for _, n in journalled), "journalled pieces refetched"
 
 
+@pytest.mark.parametrize(("chunks", "concurrency", "ranges"), [
+    (16.001, 8, 5),  # a small model: 4 chunks a request (one first-byte wait per 64 MiB by default)
+    (32, 2, 4),  # a large one: two requests per worker
+])
+def test_requests_are_few_and_large(tmp_path: Path, s3: S3, fault_proxy: FaultProxy, chunks: float, concurrency: int,
+                                    ranges: int) -> None:
+    chunk = 64 << 10
+    body = random.Random(ranges).randbytes(int(chunks * chunk))
+    s3.put("models", "m/w.bin", body)
+    snap = Fetcher(Store(tmp_path / "root"), endpoint_url=fault_proxy.endpoint_url, chunk_size=chunk,
+                   concurrency=concurrency).ensure(parse_ref("s3://models/m/"))
+    assert (snap.path / "w.bin").read_bytes() == body
+    asked = sorted(tuple(int(x) for x in r.range.removeprefix("bytes=").split("-"))
+                   for r in fault_proxy.requests_for("GET", "/models/m/w.bin") if r.range)
+    assert len(asked) == ranges, asked
+    assert all((b + 1 - a) % chunk == 0 for a, b in asked[:-1]), "requests are whole chunks"
+
+
 def test_workers_hold_a_piece_each_not_a_chunk(tmp_path: Path) -> None:
     """Memory per worker is a piece to read into and one to re-read for hashing, whatever the chunk size."""
     src = tmp_path / "src"
