@@ -27,6 +27,7 @@ import atexit
 import importlib.util
 import json
 import os
+import resource
 import shlex
 import shutil
 import signal
@@ -171,46 +172,77 @@ fs.get("bench/model/", sys.argv[2] + "/", recursive=True)
 
 
 SMALL = """
-import sys, time
+import resource, sys, time
 import weightcache.sources.fsspec  # imported before the clock starts, as in a daemon that fetched before
 from weightcache.fetch import Fetcher
 from weightcache.store import Store
 from weightcache.uri import parse_ref
 store = Store(sys.argv[2])
-start = time.perf_counter()
+before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
 Fetcher(store).ensure(parse_ref("file://" + sys.argv[1] + "/"))
-print(time.perf_counter() - start)
+wall, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF)
+print(wall, after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
 """
 
 
+def _children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def small_files(work: Path, count: int, runs: int, idle: float) -> None:
-    """`count` files of 4 KB in 20 directories: weightcache's fetch (syncfs before publish) vs cp -r + sync -f."""
+    """`count` files of 4 KB in 20 directories: weightcache's fetch (syncfs before publish) vs cp -r + sync -f,
+    wall and CPU seconds (user + system: on a shared machine the wall time swings with the other tenants' disk
+    traffic, the CPU time much less)."""
     src = work / "src"
     for i in range(count):
         d = src / f"d{i % 20:02d}"
         d.mkdir(parents=True, exist_ok=True)
         (d / f"f{i:05d}.bin").write_bytes(os.urandom(4096))
     subprocess.run(["sync"], check=True)
-    cp, wc = [], []
+    cp, wc, cp_cpu, wc_cpu = [], [], [], []
     for run in range(runs):
         for dest in (work / "cp", work / "root"):
+            subprocess.run(["chmod", "-R", "u+w", str(dest)], check=False, stderr=subprocess.DEVNULL)
             shutil.rmtree(dest, ignore_errors=True)
+        subprocess.run(["sync"], check=True)  # the removals' writeback is no one's cost
         time.sleep(idle)
-        start = time.perf_counter()
+        cpu, start = _children_cpu(), time.perf_counter()
         subprocess.run(["cp", "-r", str(src), str(work / "cp")], check=True)
         subprocess.run(["sync", "-f", str(work / "cp")], check=True)  # syncfs, as weightcache's: not every disk
         cp.append(time.perf_counter() - start)
+        cp_cpu.append(_children_cpu() - cpu)
         time.sleep(idle)
         out = subprocess.run([PY, "-c", SMALL, str(src), str(work / "root")], check=True, capture_output=True,
                              text=True).stdout
-        wc.append(float(out.strip().splitlines()[-1]))
-        print(f"  run {run + 1}: small files: cp -r + sync -f {cp[-1]:.2f} s, weightcache {wc[-1]:.2f} s", flush=True)
-        subprocess.run(["chmod", "-R", "u+w", str(work / "root")], check=False)
+        wall, used = out.strip().splitlines()[-1].split()
+        wc.append(float(wall))
+        wc_cpu.append(float(used))
+        print(f"  run {run + 1}: small files: cp -r + sync -f {cp[-1]:.2f} s ({cp_cpu[-1]:.2f} CPU s), "
+              f"weightcache {wc[-1]:.2f} s ({wc_cpu[-1]:.2f} CPU s)", flush=True)
     a, b = statistics.median(cp), statistics.median(wc)
-    print(f"\n{'small files (' + str(count) + ' x 4 KB)':<36} {'seconds':>8} {'files/s':>8} {'x cp':>6}")
-    print(f"{'cp -r + sync -f':<36} {a:>8.2f} {count / a:>8.0f} {1.0:>6.2f}")
-    print(f"{'weightcache fetch (file://)':<36} {b:>8.2f} {count / b:>8.0f} {b / a:>6.2f}")
+    ca, cb = statistics.median(cp_cpu), statistics.median(wc_cpu)
+    print(f"\n{'small files (' + str(count) + ' x 4 KB)':<36} {'seconds':>8} {'files/s':>8} {'x cp':>6} "
+          f"{'CPU s':>6} {'x cp':>6}")
+    print(f"{'cp -r + sync -f':<36} {a:>8.2f} {count / a:>8.0f} {1.0:>6.2f} {ca:>6.2f} {1.0:>6.2f}")
+    print(f"{'weightcache fetch (file://)':<36} {b:>8.2f} {count / b:>8.0f} {b / a:>6.2f} {cb:>6.2f} "
+          f"{cb / ca if ca else 0.0:>6.2f}")
     print(f"Medians of {runs} runs; weightcache timed inside its process (no interpreter start).\n")
+
+
+BASELINE_MAIN = "import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); runpy.run_module('weightcache', " \
+                "run_name='__main__', alter_sys=True)"
+
+
+def sha256_cpu(size: int) -> float:
+    """CPU seconds hashlib's sha256 takes for `size` bytes on this machine (the part of a fetch's CPU that
+    verifying costs; 64 MiB hashed, scaled)."""
+    import hashlib
+
+    block = os.urandom(64 << 20)
+    start = time.process_time()
+    hashlib.sha256(block).digest()
+    return (time.process_time() - start) * size / len(block)
 
 
 def main() -> int:
