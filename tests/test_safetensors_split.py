@@ -134,6 +134,23 @@ def test_what_the_parts_cannot_pass_gets_the_whole_checks_verdict(tmp_path: Path
 
 
 @pytest.mark.usefixtures("every_header_in_parts")
+@pytest.mark.parametrize("second", [500, 1499, 1500])
+def test_keys_ascending_in_each_part_are_distinct_only_when_they_ascend_across(tmp_path: Path, second: int) -> None:
+    """Two parts, each with its keys ascending: the second's first key below or at the first's last is a repeat
+    (for 500 and 1499) that the key hashes must find; above it (1500), the keys are distinct without them."""
+    pairs = tensors(1500) + [f'"t{second + i:06d}":{t8(1500 + i)}' for i in range(1500)]
+    path = write(tmp_path, header(*pairs), 3000)
+    text = path.read_bytes()[8:]
+    cut = text.rindex(b'},"t%06d"' % second)  # the second part starts with tensor `second`
+    with mock.patch.object(safetensors_split, "_cuts", return_value=[cut]), \
+            mock.patch.object(safetensors_split, "_send", wraps=safetensors_split._send) as sent:
+        parts, whole = verdicts(path)
+    assert parts == whole == (("ok",) if second == 1500 else ("refused", whole[1]))
+    asked = [c for c in sent.call_args_list if c.args[1] == b"buckets"]
+    assert len(asked) == (0 if second == 1500 else 2)
+
+
+@pytest.mark.usefixtures("every_header_in_parts")
 @pytest.mark.parametrize("spoiler", [
     ('"__metadata__":{"x":"y},","z":"w"}', 3000),  # a value ending in '},': the cut's '}' and ',' in a string
     ('"name},":' + t8(3000), 3001),  # a key ending in '},'

@@ -37,8 +37,8 @@ import struct
 import subprocess
 import sys
 from array import array
-from itertools import chain, compress, pairwise, repeat
-from operator import eq
+from itertools import chain, compress, islice, pairwise, repeat
+from operator import eq, lt
 from pathlib import Path
 from typing import IO
 
@@ -59,12 +59,14 @@ _ENVIRONMENT = ("PATH", "LD_LIBRARY_PATH", "PYTHONHOME", "LANG", "LC_ALL", "TMPD
 
 class _Part(msgspec.Struct, array_like=True):
     """What a child found in one part: its tensors' begins and ends (each sorted; one span [first, last) for tensors
-    that tile one stretch by themselves: the layout check treats them as one tensor), its keys' hashes (int64s) in
-    one bucket per part (hash % parts), and the refusal of its first tensor wrong on its own (then no begins)."""
+    that tile one stretch by themselves: the layout check treats them as one tensor), its first and last key when
+    its keys ascend (None when not), whether it holds "__metadata__", and the refusal of its first tensor wrong on
+    its own (then no begins)."""
 
     first: list[int]
     last: list[int]
-    buckets: list[bytes]
+    names: list[str] | None
+    metadata: bool
     refusal: str | None = None
 
 
@@ -158,9 +160,9 @@ def _send(stream: IO[bytes], message: bytes) -> None:
 
 
 def _run_parts(fd: int, name: str, header_len: int, data_size: int, cuts: list[int]) -> list[_Part] | None:
-    """Each part checked by its own child, all at once, then each child checks one bucket of every part's key
-    hashes for repeats (so no process holds them all); None when some part is not plain sailing or a key hash is
-    in two parts."""
+    """Each part checked by its own child, all at once; None when some part is not plain sailing or a key is in two
+    parts. Keys that ascend from part to part are distinct; else each child hands over its key hashes in one bucket
+    per child and checks one bucket of every part's (so no process holds them all)."""
     bounds = list(zip([0, *(c + 2 for c in cuts)], [*(c + 1 for c in cuts), header_len], strict=True))
     seed = random.SystemRandom().randint(1, 2**32 - 1)  # drawn per check: nobody can aim collisions at it
     try:
@@ -171,18 +173,31 @@ def _run_parts(fd: int, name: str, header_len: int, data_size: int, cuts: list[i
         return None
     try:
         parts = [_PART.decode(_receive(proc, name)) for proc in procs]
-        if None in parts:
-            return None
         found = [p for p in parts if p is not None]
-        for i, proc in enumerate(procs):
-            assert proc.stdin is not None
-            _send(proc.stdin, b"".join(p.buckets[i] for p in found))
-            proc.stdin.close()
+        if len(found) < len(parts):
+            return None
+        if _ascending(found):
+            return found
+        pipes = [proc.stdin for proc in procs if proc.stdin is not None]
+        for pipe in pipes:
+            _send(pipe, b"buckets")
+        buckets = [msgspec.msgpack.decode(_receive(proc, name), type=list[bytes]) for proc in procs]
+        for i, pipe in enumerate(pipes):
+            _send(pipe, b"".join(b[i] for b in buckets))
         distinct = [msgspec.msgpack.decode(_receive(proc, name), type=bool) for proc in procs]
         return found if all(distinct) else None
     finally:
         for proc in procs:
             _reap(proc)
+
+
+def _ascending(parts: list[_Part]) -> bool:
+    """Whether the parts' keys ascend from the first to the last (so no key repeats) with one "__metadata__" at
+    most."""
+    if any(p.names is None for p in parts) or sum(p.metadata for p in parts) > 1:
+        return False
+    spans = [p.names for p in parts if p.names]
+    return all(a[-1] < b[0] for a, b in pairwise(spans))
 
 
 def _run_whole(fd: int, name: str) -> None:
@@ -215,35 +230,42 @@ def _tiled(parts: list[_Part], data_size: int) -> bool:
     return first[0] == 0 and last[-1] == data_size and first[1:] == last[:-1]
 
 
-def _part_main(fd: int, header_len: int, data_size: int, start: int, end: int, name: str,
-               buckets: int) -> _Part | None:
-    """A child's _Part for one part of the header, or None when it is not plain sailing (the whole check then
-    decides)."""
+def _read_part(fd: int, header_len: int, start: int, end: int) -> _Typed | None:
+    """One part of the header: read as the typed road reads a header, or None when it is not plain sailing (the
+    whole check then decides)."""
     text = os.pread(fd, end - start, 8 + start)
     if len(text) != end - start:
         return None
     text = (b"{" if start > 0 else b"") + text + (b"}" if end < header_len else b"")
     typed = _decode_typed(text)
-    del text
-    if not isinstance(typed, _Typed):
-        return None
+    return typed if isinstance(typed, _Typed) else None
+
+
+def _part_of(typed: _Typed, header_len: int, data_size: int, name: str) -> _Part | None:
+    """What the parent is told of a part the typed road read, or None when the whole check must decide."""
     columns = typed.columns
-    keys = list(map(hash, columns.names)) + ([hash("__metadata__")] if typed.had_meta else [])
-    which = list(map(buckets.__rmod__, keys))  # hash % buckets
-    hashes = [array("q", compress(keys, map(eq, which, repeat(b)))).tobytes() for b in range(buckets)]
+    names = columns.names
+    ascending = names[:1] + names[-1:] if all(map(lt, names, islice(names, 1, None))) else None
     bad = _mismatch(columns, data_size)
     if bad is not None:
         try:
             _tensor(_Where(name, 8 + header_len, data_size), bad, _entry(typed.tensors[bad]))
         except SafetensorsHeaderError as exc:
-            return _Part([], [], hashes, str(exc))
+            return _Part([], [], ascending, typed.had_meta, str(exc))
         return None
-    if any(map(int.__eq__, columns.begins, columns.ends)):  # an empty tensor: the whole check places it
+    if any(map(eq, columns.begins, columns.ends)):  # an empty tensor: the whole check places it
         return None
     first, last = columns.first, columns.last
     if first[1:] == last[:-1]:  # the part's tensors tile a stretch alone (header order is file order): one span
         first, last = first[:1], last[-1:]
-    return _Part(first, last, hashes)
+    return _Part(first, last, ascending, typed.had_meta)
+
+
+def _buckets(typed: _Typed, count: int) -> list[bytes]:
+    """The hashes of a part's keys as int64s, in `count` buckets by hash % count."""
+    keys = list(map(hash, typed.columns.names)) + ([hash("__metadata__")] if typed.had_meta else [])
+    which = list(map(count.__rmod__, keys))
+    return [array("q", compress(keys, map(eq, which, repeat(b)))).tobytes() for b in range(count)]
 
 
 def _distinct(hashes: bytes) -> bool:
@@ -264,20 +286,28 @@ def _refusal(fd: int, name: str) -> str | None:
 
 
 def main(argv: list[str]) -> None:
-    """The child's side: `part FD HEADER_LEN DATA_SIZE START END NAME BUCKETS` (then a bucket of hashes on stdin) or
-    `whole FD NAME`; answers are length-prefixed msgpack on stdout."""
+    """The child's side, answering in length-prefixed msgpack on stdout: `part FD HEADER_LEN DATA_SIZE START END NAME
+    WORKERS` (its _Part; then, asked for "buckets" on stdin, its key hashes, and given a bucket of every part's,
+    whether one repeats) or `whole FD NAME` (the refusal, or nil)."""
     gc.disable()  # millions of new containers, none cyclic
     out, source = sys.stdout.buffer, sys.stdin.buffer
     if argv[0] == "part":
-        fd, header_len, data_size, start, end = map(int, argv[1:6])
-        part = _part_main(fd, header_len, data_size, start, end, argv[6], int(argv[7]))
+        fd, header_len, data_size, start, end, workers = map(int, [*argv[1:6], argv[7]])
+        typed = _read_part(fd, header_len, start, end)
+        part = typed and _part_of(typed, header_len, data_size, argv[6])
         _send(out, msgspec.msgpack.encode(part))
-        if part is not None:
-            length = source.read(_LENGTH.size)
-            _send(out, msgspec.msgpack.encode(_distinct(source.read(_LENGTH.unpack(length)[0]))))
+        if typed is not None and part is not None and _message(source) == b"buckets":
+            _send(out, msgspec.msgpack.encode(_buckets(typed, workers)))
+            _send(out, msgspec.msgpack.encode(_distinct(_message(source))))
     else:
         _send(out, msgspec.msgpack.encode(_refusal(int(argv[1]), argv[2])))
     os._exit(0)  # the parent has its answer; freeing the tree would only cost time
+
+
+def _message(stream: IO[bytes]) -> bytes:
+    """The parent's next message to a child; b"" when it has closed the pipe (no more questions)."""
+    length = stream.read(_LENGTH.size)
+    return stream.read(_LENGTH.unpack(length)[0]) if len(length) == _LENGTH.size else b""
 
 
 if __name__ == "__main__":
