@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from weightcache.store import BlobMissingError, Store
+from weightcache.store import BlobMissingError, Store, fsops
+from weightcache.store import store as store_module
 from weightcache.store.types import FileEntry
 from weightcache.uri import parse_ref
 
@@ -121,3 +124,54 @@ def test_publish_refuses_a_digest_that_is_not_one(tmp_path: Path) -> None:
     with pytest.raises(BlobMissingError, match="not a sha256 digest"):
         store.publish(parse_ref("file:///models/x/"), [FileEntry("f", 1, "../../etc/passwd")])
     assert not any(store.layout.snapshots.iterdir())
+
+
+@pytest.mark.parametrize("in_order", [True, False], ids=["ordered-log", "other"])
+def test_a_tree_is_fsynced_once_where_the_filesystem_commits_in_order(tmp_path: Path, in_order: bool,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every fsync flushes the disk's cache: where one commits every earlier change (ext4 with a journal, xfs),
+    publish fsyncs the tree's top directory, changed last; elsewhere each directory of the tree."""
+    store = Store(tmp_path / "root")
+    parts = _write_parts(store, 40)
+    store.add_blobs((part, sha) for part, sha, _ in parts)
+    files = [FileEntry(f"d{i % 4}/e{i % 3}/f{i}", len(data), sha) for i, (_, sha, data) in enumerate(parts)]
+    monkeypatch.setattr(store_module, "commits_in_order", lambda fd: in_order)
+    synced: list[str] = []
+    real = os.fsync
+
+    def recording(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", recording)
+    snap = store.publish(parse_ref("file:///models/tree/"), files)
+    in_tree = [p for p in synced if "/snapshots/.tmp-" in p]
+    tree_dirs = 1 + 4 + 4 * 3
+    assert len(in_tree) == (1 if in_order else tree_dirs), in_tree
+    assert in_tree[-1].endswith(snap.id) or ".tmp-" + snap.id in in_tree[-1], "the top directory is fsynced last"
+    assert sorted(f.path for f in snap.files) == sorted(f.path for f in files)
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("mkfs.ext4") is None, reason="needs root and mkfs.ext4")
+@pytest.mark.parametrize(("features", "expected"), [((), True), (("-O", "^has_journal"), False)],
+                         ids=["journal", "no-journal"])
+def test_an_ext4_with_a_journal_is_known_to_commit_in_order(tmp_path: Path, features: tuple[str, ...],
+                                                            expected: bool) -> None:
+    """The check that lets publish fsync one directory: a loop-mounted ext4 with its journal says yes, the same
+    without a journal (each directory must then be fsynced) says no."""
+    image, mnt = tmp_path / "fs.img", tmp_path / "mnt"
+    mnt.mkdir()
+    with image.open("wb") as f:
+        f.truncate(32 << 20)
+    subprocess.run(["mkfs.ext4", "-q", *features, str(image)], check=True)
+    if subprocess.run(["mount", "-o", "loop", str(image), str(mnt)], check=False).returncode:
+        pytest.skip("cannot loop-mount here")
+    try:
+        fd = os.open(mnt, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            assert fsops.commits_in_order(fd) is expected
+        finally:
+            os.close(fd)
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)

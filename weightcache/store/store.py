@@ -35,7 +35,7 @@ from weightcache.errors import (
 from weightcache.store import quarantine, recovery
 from weightcache.store.blobwrite import BlobWriter
 from weightcache.store.evict import plan_eviction
-from weightcache.store.fsops import TMP_PREFIX, HeldDirs, move_noreplace, tmp_name
+from weightcache.store.fsops import TMP_PREFIX, HeldDirs, commits_in_order, move_noreplace, tmp_name
 from weightcache.store.index import Index
 from weightcache.store.layout import Layout
 from weightcache.store.paths import validate_relpath
@@ -377,14 +377,17 @@ class Store:
                                     follow_symlinks=False)
                         except FileNotFoundError:
                             raise BlobMissingError(f"blob {f.sha256} for {f.path} vanished before publish") from None
-                    # every directory 0555 first, then each fsynced: on ext4 the first fsync commits all of
-                    # them in one journal transaction and the others find nothing left to commit (fsync then
-                    # chmod per directory made one commit each: 21 for 2,000 files in 20 directories)
+                    # every directory 0555 first (bottom up: the top one last), then fsynced: where the
+                    # filesystem commits metadata in order, the top one's fsync makes the whole tree durable;
+                    # elsewhere each one's (20 directories: 20 disk cache flushes, 3-4 ms each on a busy disk)
                     for _, _, _, dfd in os.fwalk(".", topdown=False, dir_fd=tfd):
                         _only_regular_files(dfd, tmp)
                         os.fchmod(dfd, 0o555)
-                    for _, _, _, dfd in os.fwalk(".", topdown=False, dir_fd=tfd):
-                        os.fsync(dfd)
+                    if commits_in_order(tfd):
+                        os.fsync(tfd)
+                    else:
+                        for _, _, _, dfd in os.fwalk(".", topdown=False, dir_fd=tfd):
+                            os.fsync(dfd)
                 finally:
                     os.close(tfd)
             except BaseException:
