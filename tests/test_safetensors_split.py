@@ -238,3 +238,33 @@ def test_the_workers_that_parse_hostile_bytes_get_no_credentials(tmp_path: Path,
     safetensors_check.check_file(path)
     assert len(environments) == PARTS
     assert all("hunter2-secret" not in env.values() and "PYTHONHASHSEED" in env for env in environments)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(headers())
+def test_the_whole_worker_told_of_a_repeat_reads_with_json_alone_and_says_the_same(tmp_path: Path,
+                                                                                  case: tuple[str, int]) -> None:
+    """A repeat found across parts sends the whole worker straight to json (the reference, which names it): on any
+    header, repeat or not (a hash collision), its verdict is the full check's."""
+    path = write(tmp_path, *case)
+    said = []
+    for repeated in (False, True):
+        with open(path, "rb") as fh:
+            try:
+                safetensors_check.check_open(fh, str(path), repeated=repeated)
+                said.append("ok")
+            except SafetensorsHeaderError as exc:
+                said.append(str(exc))
+    assert said[0] == said[1]
+
+
+@pytest.mark.usefixtures("every_header_in_parts")
+def test_a_repeat_across_parts_sends_the_whole_worker_to_json(tmp_path: Path) -> None:
+    pairs = tensors(3000)
+    pairs[2900] = '"t000010":' + t8(2900)
+    path = write(tmp_path, header(*pairs), 3000)
+    with mock.patch.object(safetensors_split, "_spawn", wraps=safetensors_split._spawn) as spawned:
+        parts, whole = verdicts(path)
+    assert parts == whole and "duplicate key 't000010'" in whole[1]
+    assert spawned.call_args_list[-1].args[0][-1] == "repeated"

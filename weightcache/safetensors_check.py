@@ -117,12 +117,13 @@ def check_file(path: str | os.PathLike[str]) -> None:
             check_open(fh, os.fspath(path))
 
 
-def check_open(fh: BinaryIO, name: str) -> None:
-    """check_file's rules on an open file, in this process; `name` is the file's, for messages."""
-    _parse(fh, os.fstat(fh.fileno()).st_size, build=False, name=name)
+def check_open(fh: BinaryIO, name: str, *, repeated: bool = False) -> None:
+    """check_file's rules on an open file, in this process; `name` is the file's, for messages. `repeated`: a key
+    is known to repeat, so the roads that cannot name it are skipped (json, the reference, decides at once)."""
+    _parse(fh, os.fstat(fh.fileno()).st_size, build=False, name=name, reference=repeated)
 
 
-def _parse(f: BinaryIO, file_size: int, *, build: bool, name: str | None = None) -> Header:
+def _parse(f: BinaryIO, file_size: int, *, build: bool, name: str | None = None, reference: bool = False) -> Header:
     name = name or str(getattr(f, "name", "<stream>"))
     f.seek(0)
     prefix = f.read(8)
@@ -140,7 +141,7 @@ def _parse(f: BinaryIO, file_size: int, *, build: bool, name: str | None = None)
     refusal: SafetensorsHeaderError | None = None
     with _gc_paused():  # millions of new containers, none cyclic: collections would cost 20x the parse itself
         try:
-            metadata, tensors = _decide(where, raw, build)
+            metadata, tensors = _decide(where, raw, build, reference)
         except SafetensorsHeaderError as exc:
             refusal = exc.with_traceback(None)  # its frames hold the tree: freed now, while collections are off
         del raw
@@ -149,8 +150,10 @@ def _parse(f: BinaryIO, file_size: int, *, build: bool, name: str | None = None)
     return Header(header_len=n, data_start=8 + n, file_size=file_size, tensors=tensors, metadata=metadata)
 
 
-def _decide(where: _Where, raw: bytes, build: bool) -> tuple[dict[str, str], dict[str, TensorSpec]]:
-    checked: tuple[dict[str, str], dict[str, TensorSpec]] | _Next | int | None = _check_typed(where, raw, build)
+def _decide(where: _Where, raw: bytes, build: bool,
+            reference: bool = False) -> tuple[dict[str, str], dict[str, TensorSpec]]:
+    checked: tuple[dict[str, str], dict[str, TensorSpec]] | _Next | int | None = (
+        None if reference else _check_typed(where, raw, build))
     if checked is _Next.TREE:  # unusual or wrong: msgspec's plain tree
         checked = _check_tree(where, raw, build)
     if not isinstance(checked, tuple):  # msgspec could not read it, or its tree may not be json's: json decides

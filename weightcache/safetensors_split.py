@@ -37,6 +37,7 @@ import struct
 import subprocess
 import sys
 from array import array
+from enum import Enum
 from itertools import chain, compress, islice, pairwise, repeat
 from operator import eq, lt
 from pathlib import Path
@@ -70,6 +71,13 @@ class _Part(msgspec.Struct, array_like=True):
     refusal: str | None = None
 
 
+class _Repeated(Enum):
+    """A key hash is in two parts: a key repeats (or, once in 2**64, two hashes collide)."""
+
+    KEY = "a key repeats"
+
+
+_REPEATED = _Repeated.KEY
 _PART = msgspec.msgpack.Decoder(_Part | None)
 _LENGTH = struct.Struct("<Q")
 
@@ -78,15 +86,14 @@ def check_in_children(fd: int, name: str, header_len: int, file_size: int) -> No
     """check_file's verdict on the open file `fd` (its `header_len` already read and within bounds), reached in
     child processes; raises SafetensorsHeaderError with the in-process check's words."""
     cuts = _cuts(fd, header_len, _part_count(header_len))
-    if cuts:
-        parts = _run_parts(fd, name, header_len, file_size - 8 - header_len, cuts)
-        if parts is not None:  # the whole text is valid, keys and all
-            refusal = next((p.refusal for p in parts if p.refusal is not None), None)
-            if refusal is not None:  # the first tensor in header order wrong on its own: as the whole check says
-                raise SafetensorsHeaderError(refusal)
-            if _tiled(parts, file_size - 8 - header_len):
-                return
-    _run_whole(fd, name)  # its words for a layout that breaks, a repeated key, anything unusual
+    parts = _run_parts(fd, name, header_len, file_size - 8 - header_len, cuts) if cuts else None
+    if isinstance(parts, list):  # the whole text is valid, keys and all
+        refusal = next((p.refusal for p in parts if p.refusal is not None), None)
+        if refusal is not None:  # the first tensor in header order wrong on its own: as the whole check says
+            raise SafetensorsHeaderError(refusal)
+        if _tiled(parts, file_size - 8 - header_len):
+            return
+    _run_whole(fd, name, repeated=parts is _REPEATED)  # its words for a broken layout, a repeat, anything unusual
 
 
 def _part_count(header_len: int) -> int:
@@ -159,10 +166,11 @@ def _send(stream: IO[bytes], message: bytes) -> None:
     stream.flush()
 
 
-def _run_parts(fd: int, name: str, header_len: int, data_size: int, cuts: list[int]) -> list[_Part] | None:
-    """Each part checked by its own child, all at once; None when some part is not plain sailing or a key is in two
-    parts. Keys that ascend from part to part are distinct; else each child hands over its key hashes in one bucket
-    per child and checks one bucket of every part's (so no process holds them all)."""
+def _run_parts(fd: int, name: str, header_len: int, data_size: int,
+               cuts: list[int]) -> list[_Part] | _Repeated | None:
+    """Each part checked by its own child, all at once; None when some part is not plain sailing, _REPEATED when a
+    key hash is in two parts. Keys that ascend from part to part are distinct; else each child hands over its key
+    hashes in one bucket per child and checks one bucket of every part's (so no process holds them all)."""
     bounds = list(zip([0, *(c + 2 for c in cuts)], [*(c + 1 for c in cuts), header_len], strict=True))
     seed = random.SystemRandom().randint(1, 2**32 - 1)  # drawn per check: nobody can aim collisions at it
     try:
@@ -185,7 +193,7 @@ def _run_parts(fd: int, name: str, header_len: int, data_size: int, cuts: list[i
         for i, pipe in enumerate(pipes):
             _send(pipe, b"".join(b[i] for b in buckets))
         distinct = [msgspec.msgpack.decode(_receive(proc, name), type=bool) for proc in procs]
-        return found if all(distinct) else None
+        return found if all(distinct) else _REPEATED
     finally:
         for proc in procs:
             _reap(proc)
@@ -200,13 +208,14 @@ def _ascending(parts: list[_Part]) -> bool:
     return all(a[-1] < b[0] for a, b in pairwise(spans))
 
 
-def _run_whole(fd: int, name: str) -> None:
+def _run_whole(fd: int, name: str, *, repeated: bool) -> None:
+    """The in-process check's verdict on the whole file, from one child (here when none can be started)."""
     try:
-        proc = _spawn(["whole", str(fd), name], fd, 0)
+        proc = _spawn(["whole", str(fd), name, "repeated" if repeated else "any"], fd, 0)
     except OSError as exc:
         log.warning("safetensors header check: cannot start its worker (%s); checking here", exc)
         with os.fdopen(os.dup(fd), "rb") as fh:
-            check_open(fh, name)
+            check_open(fh, name, repeated=repeated)
         return
     try:
         refusal = msgspec.msgpack.decode(_receive(proc, name), type=str | None)
@@ -275,11 +284,11 @@ def _distinct(hashes: bytes) -> bool:
     return len(set(column)) == len(column)
 
 
-def _refusal(fd: int, name: str) -> str | None:
+def _refusal(fd: int, name: str, repeated: bool) -> str | None:
     """The whole check's refusal of the file, None when it passes."""
     with os.fdopen(fd, "rb", closefd=False) as fh:
         try:
-            check_open(fh, name)
+            check_open(fh, name, repeated=repeated)
         except SafetensorsHeaderError as exc:
             return str(exc)
     return None
@@ -288,7 +297,7 @@ def _refusal(fd: int, name: str) -> str | None:
 def main(argv: list[str]) -> None:
     """The child's side, answering in length-prefixed msgpack on stdout: `part FD HEADER_LEN DATA_SIZE START END NAME
     WORKERS` (its _Part; then, asked for "buckets" on stdin, its key hashes, and given a bucket of every part's,
-    whether one repeats) or `whole FD NAME` (the refusal, or nil)."""
+    whether one repeats) or `whole FD NAME repeated|any` (the refusal, or nil)."""
     gc.disable()  # millions of new containers, none cyclic
     out, source = sys.stdout.buffer, sys.stdin.buffer
     if argv[0] == "part":
@@ -300,7 +309,7 @@ def main(argv: list[str]) -> None:
             _send(out, msgspec.msgpack.encode(_buckets(typed, workers)))
             _send(out, msgspec.msgpack.encode(_distinct(_message(source))))
     else:
-        _send(out, msgspec.msgpack.encode(_refusal(int(argv[1]), argv[2])))
+        _send(out, msgspec.msgpack.encode(_refusal(int(argv[1]), argv[2], argv[3] == "repeated")))
     os._exit(0)  # the parent has its answer; freeing the tree would only cost time
 
 
