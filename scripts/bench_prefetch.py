@@ -10,6 +10,7 @@ peak RSS), interleaved round-robin, each after the same idle pause, median of --
   as weightcache's publish) and curl against nginx; dd write+fsync as the disk ceiling.
 
     .venv/bin/python scripts/bench_prefetch.py [--size-gb 2] [--runs 3] [--idle 3] [--skip-moto] [--small-files 2000]
+        [--baseline DIR]    # also weightcache from another checkout (git worktree add DIR REV), interleaved
     .venv/bin/python scripts/bench_prefetch.py --small-only [--dir DIR]     # the small-files table alone
 
 Needs nginx, aria2 and curl (apt-get install nginx aria2 curl): the script installs them when root. The s3fs row
@@ -258,6 +259,8 @@ def main() -> int:
     ap.add_argument("--dir", default=None, help="work directory (default: a temp dir on the store's disk)")
     ap.add_argument("--small-files", type=int, default=2000, help="files of 4 KB for the small-files table (0: skip)")
     ap.add_argument("--small-only", action="store_true", help="the small-files table alone (no model, no servers)")
+    ap.add_argument("--baseline", default=None, help="a checkout of other code (e.g. `git worktree add DIR HEAD~3`): "
+                    "its cold prefetch rows run interleaved with this one's, in the same session")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="wc-bench-", dir=args.dir))
     if args.small_files:
@@ -310,6 +313,9 @@ def run_all(args: argparse.Namespace, work: Path, src: Path, size: int, files: l
         return dest
 
     wc = [PY, "-m", "weightcache", "prefetch", "--no-daemon", "-o", "json"]
+    # the baseline's package first on sys.path (python -m would put the current directory's first)
+    base = [PY, "-c", BASELINE_MAIN, str(Path(args.baseline).resolve()), "prefetch", "--no-daemon", "-o", "json"] \
+        if args.baseline else None
 
     def aria2c(d: Path) -> list[str]:
         return ["aria2c", "-q", "-Z", "-x", "8", "-s", "8", "-k", "8M", "-d", str(d), "--file-allocation=none",
@@ -320,6 +326,8 @@ def run_all(args: argparse.Namespace, work: Path, src: Path, size: int, files: l
                                                          f"count={max(1, size // (8 << 20))}", "conv=fsync",
                                                          "status=none"]),
         "weightcache prefetch http (cold)": ("nginx", lambda d: [*wc, f"{nginx.url}/model/", "--root", str(d)]),
+        **({"baseline prefetch http (cold)": ("nginx", lambda d: [*base, f"{nginx.url}/model/", "--root", str(d)])}
+           if base else {}),
         "aria2c -x8 -s8": ("nginx", lambda d: aria2c(d)),
         "aria2c -x8 -s8 + sync -f": ("nginx", lambda d: then_sync(aria2c(d), d)),
         "curl": ("nginx", lambda d: ["curl", "-s", "--output-dir", str(d),
@@ -329,6 +337,8 @@ def run_all(args: argparse.Namespace, work: Path, src: Path, size: int, files: l
         clients |= {
             "weightcache prefetch s3 (cold)": ("moto", lambda d: [*wc, "s3://bench/model/", "--root", str(d),
                                                                    "--endpoint-url", moto.url]),
+            **({"baseline prefetch s3 (cold)": ("moto", lambda d: [*base, "s3://bench/model/", "--root", str(d),
+                                                                    "--endpoint-url", moto.url])} if base else {}),
             "boto3 download_file (defaults)": ("moto", lambda d: [PY, "-c", BOTO, moto.url, "defaults", str(d)]),
             "boto3 download_file (tuned)": ("moto", lambda d: [PY, "-c", BOTO, moto.url, "tuned", str(d)]),
         }
@@ -372,6 +382,17 @@ def run_all(args: argparse.Namespace, work: Path, src: Path, size: int, files: l
     print(f"{'weightcache prefetch (cache hit)':<36} {'-':<8} {'':>6} {med(hits, 1):>7.2f} {med(hits, 2):>7.0f}"
           f"   wall {med(hits, 0):.3f} s (incl. interpreter start)")
     print(f"8 concurrent prefetches: exit codes {codes}, origin bytes = {origin_ratio:.2f} x model size")
+    sha = sha256_cpu(size)
+    cpu = {k: med(v, 1) for k, v in results.items()}
+    print(f"targets (issue 9): cold fetch >= 1.0x the reference, CPU s <= the reference's + sha256's "
+          f"({sha:.2f} s for these bytes here, one thread)")
+    refs = {"nginx": ("aria2c -x8 -s8", ref_http), "moto": (max((k for k in gbps if k.startswith(("boto3", "s3fs"))),
+                                                                key=gbps.__getitem__, default=""), ref_s3)}
+    for name in results:
+        ref_name, ref_gbps = refs.get(clients[name][0], ("", None))
+        if name.startswith(("weightcache prefetch", "baseline")) and ref_gbps:
+            print(f"  {name}: {gbps[name] / ref_gbps:.2f}x {ref_name}; CPU {cpu[name]:.2f} s against "
+                  f"{cpu[ref_name]:.2f} + {sha:.2f} = {cpu[ref_name] + sha:.2f} s")
     print("x ref: nginx rows vs aria2c (without sync: its data may still be in the page cache; the '+ sync -f' "
           "row has weightcache's durability), moto rows vs the best of boto3 and s3fs. Medians of "
           f"{args.runs} interleaved runs, {args.idle}s idle before each.")

@@ -362,8 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=defaults.CONCURRENCY,
                    help=f"parallel ranged reads (default {defaults.CONCURRENCY})")
     p.add_argument("--chunk-size", type=size_arg, default=defaults.CHUNK_SIZE,
-                   help="buffer per parallel read and the unit of resume; memory used is concurrency x chunk size; "
-                        "each request asks for up to 256Mi (default 16Mi)")
+                   help="files up to this size are read whole, larger ones journalled every 1Mi piece; memory "
+                        "used is at most concurrency x (chunk size + 1Mi); requests ask for 4 chunks or more, up "
+                        "to 256Mi (default 16Mi)")
     p.add_argument("--endpoint-url", default=None, help="S3 endpoint (default: AWS_ENDPOINT_URL or AWS)")
     p.add_argument("--connect-timeout", type=float, default=defaults.CONNECT_TIMEOUT, metavar="SECONDS",
                    help=f"seconds to connect to the source (default {defaults.CONNECT_TIMEOUT:g})")

@@ -5,7 +5,7 @@ without gcsfs still serves s3:// models, and asking for gs:// there says what to
 
     scheme              backend                        extra package
     s3                  sources.s3.S3Source            (boto3, always installed)
-    http, https         sources.http.HttpSource        (urllib3 for ranges, fsspec+aiohttp for the listing)
+    http, https         sources.http.HttpSource        (urllib3: HTML index listing, ranges)
     file, memory        sources.fsspec.FsspecSource    -
     gs                  sources.fsspec.FsspecSource    gcsfs
     az                  sources.fsspec.FsspecSource    adlfs

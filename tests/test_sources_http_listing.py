@@ -1,0 +1,89 @@
+"""The http(s) listing reads the server's HTML indexes itself: what it follows, what it skips, where it stops."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from tests.faultproxy import QuietHTTPServer
+from weightcache.errors import HostileKeyError, SourceError
+from weightcache.sources import open_source
+from weightcache.store.paths import MAX_DEPTH
+from weightcache.uri import parse_ref
+
+PAGES: dict[str, str | bytes] = {
+    "/m/": '<a href="../">../</a> <a href="?C=N;O=D">Name</a> <a href="w.bin">w.bin</a> '
+           '<a HREF="sub%20dir/">sub dir/</a> <a href="/m/abs.json">abs</a> <a href="http://elsewhere/x">x</a> '
+           '<a href="/other/y.bin">y</a> <a href="w.bin#frag">again</a> <a href="./sub%20dir/../w.bin">w</a>',
+    "/m/sub%20dir/": '<a href="../">up</a> <a href="a%25b.json">a%b.json</a> <a href="/m/">root</a>',
+    "/m/w.bin": b"0123456789",
+    "/m/abs.json": b"{}",
+    "/m/sub%20dir/a%25b.json": b'{"a": 1}',
+    "/other/y.bin": b"not the model's",
+}
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        path = self.path
+        if path.startswith("/deep/"):  # an index without end: every directory links one more below it
+            return self._send(b'<a href="d/">d/</a> <a href="f.bin">f</a>' if path.endswith("/") else b"x")
+        if path.startswith("/nolength/"):
+            if path.endswith("/"):
+                return self._send(b'<a href="f.bin">f</a>')
+            self.send_response(200)
+            self.send_header("Connection", "close")
+            self.end_headers()
+            if self.command == "GET":
+                self.wfile.write(b"no length")
+            return None
+        page = PAGES.get(path)
+        if page is None:
+            return self._send(b"not found", 404)
+        return self._send(page.encode() if isinstance(page, str) else page)
+
+    do_HEAD = do_GET
+
+    def _send(self, data: bytes, status: int = 200) -> None:
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("ETag", f'"{len(data):x}"')
+        self.end_headers()
+        if self.command == "GET":
+            self.wfile.write(data)
+
+
+@pytest.fixture
+def url() -> Iterator[str]:
+    httpd = QuietHTTPServer(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_links_below_the_model_are_followed_and_the_rest_skipped(url: str) -> None:
+    objects = open_source(parse_ref(f"{url}/m/")).list()
+    assert [(o.relpath, o.size, o.etag) for o in objects] == [
+        ("abs.json", 2, "2"), ("sub dir/a%b.json", 8, "8"), ("w.bin", 10, "a")]
+    assert objects[1].key == f"{url}/m/sub%20dir/a%25b.json"
+
+
+def test_an_endless_index_is_refused_at_the_depth_limit_naming_the_path(url: str) -> None:
+    with pytest.raises(HostileKeyError, match=f"more than {MAX_DEPTH} directories deep") as info:
+        open_source(parse_ref(f"{url}/deep/")).list()
+    assert "d/" * MAX_DEPTH in str(info.value)
+
+
+def test_a_file_without_a_length_is_refused_with_a_hint(url: str) -> None:
+    with pytest.raises(SourceError, match="no Content-Length; serve it from a static file server"):
+        open_source(parse_ref(f"{url}/nolength/")).list()
