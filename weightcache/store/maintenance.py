@@ -3,13 +3,12 @@ garbage. Everything goes through the store's public methods and its symlink-safe
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
 
 from weightcache.errors import InUseError
 from weightcache.store import quarantine
-from weightcache.store.recovery import blob_dirs
+from weightcache.store.recovery import blob_dirs, fetches_in_flight
 from weightcache.store.store import Store
 
 
@@ -59,25 +58,16 @@ def drop_damaged(store: Store, snapshot_id: str, bad_paths: list[str]) -> list[s
 
 
 def collect_garbage(store: Store) -> int:
-    """Remove blobs no snapshot links, partial downloads no fetch holds and quarantined entries past their age or
-    the quarantine's size bound; returns bytes freed."""
+    """Remove blobs no snapshot links (none while a fetch runs: see recovery.fetches_in_flight), partial
+    downloads no fetch holds and quarantined entries past their age or the quarantine's size bound; returns bytes
+    freed."""
     freed = quarantine.prune(store)
     tree, lay = store.tree, store.layout
+    busy = fetches_in_flight(store)
     with store.locked():
-        for d in blob_dirs(store):
+        for d in blob_dirs(store) if not busy else ():
             for name in tree.listdir(d):
                 freed += tree.unlink_if_single_link(d / name)
-    busy = set()
-    for name in tree.listdir(lay.locks):
-        if not (name.startswith("m") and name.endswith(".lock")):
-            continue
-        fd = store.open_lock(name.removesuffix(".lock"))
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            busy.add(name.removesuffix(".lock"))
-        finally:
-            os.close(fd)
     for name in tree.listdir(lay.partial):
         if name.split(".")[0] not in busy:
             st = tree.lstat(lay.partial / name)

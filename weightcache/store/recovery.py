@@ -11,7 +11,9 @@ reuses them), a manifest without an index row (indexed), a ref not yet written (
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 import sqlite3
 import time
 from pathlib import Path
@@ -51,10 +53,11 @@ def free_space(store: Store) -> dict[str, Manifest]:
             for name in tree.listdir(d):
                 if name.startswith(TMP_PREFIX) and _age(store, d / name, now) > TMP_GRACE_S:
                     tree.unlink(d / name)
-        for d in blob_dirs(store):
-            for name in tree.listdir(d):
-                if _age(store, d / name, now, ctime=True) > ORPHAN_BLOB_GRACE_S:
-                    tree.unlink_if_single_link(d / name)
+        if not fetches_in_flight(store):  # a fetch names its blobs before it publishes them
+            for d in blob_dirs(store):
+                for name in tree.listdir(d):
+                    if _age(store, d / name, now, ctime=True) > ORPHAN_BLOB_GRACE_S:
+                        tree.unlink_if_single_link(d / name)
         for name in tree.listdir(lay.partial):
             if _age(store, lay.partial / name, now) > STALE_PARTIAL_S:
                 tree.unlink(lay.partial / name)
@@ -98,6 +101,25 @@ def valid_manifests(store: Store) -> dict[str, Manifest]:
         if manifest is not None:
             out[snap_id] = manifest
     return out
+
+
+def fetches_in_flight(store: Store) -> set[str]:
+    """Model keys whose fetch lock (`locks/<key>.lock`) some process holds now. Their blobs are linked by no
+    snapshot until publish, and a small file's blob is named as soon as it is read (store/blobwrite.py), maybe
+    long before: no orphan blob is removed while any fetch runs (its snapshot would miss the blob, and a fetch
+    that restarts downloads what it cannot trust again)."""
+    busy = set()
+    for name in store.tree.listdir(store.layout.locks):
+        if not (name.startswith("m") and name.endswith(".lock")):
+            continue
+        fd = store.open_lock(name.removesuffix(".lock"))
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            busy.add(name.removesuffix(".lock"))
+        finally:
+            os.close(fd)
+    return busy
 
 
 def ref_dirs(store: Store) -> list[Path]:

@@ -1,0 +1,45 @@
+"""Blobs of a fetch in flight: a small file's blob is named as soon as it is read, long before the snapshot that
+links it is published, so neither `gc` nor another process's startup recovery may take it for an orphan."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from weightcache.store import Store, collect_garbage, recovery
+from weightcache.uri import parse_ref
+
+
+def _orphan(store: Store, data: bytes) -> Path:
+    """A blob no snapshot links (link count 1), as a fetch leaves it until it publishes."""
+    sha = hashlib.sha256(data).hexdigest()
+    blob = store.layout.blob(sha)
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    blob.write_bytes(data)
+    blob.chmod(0o444)
+    return blob
+
+
+@pytest.mark.parametrize("sweep", ["gc", "recovery"])
+@pytest.mark.parametrize("fetching", [True, False], ids=["fetch in flight", "no fetch"])
+def test_orphan_blobs_are_kept_while_a_fetch_holds_its_lock(tmp_path: Path, sweep: str, fetching: bool,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    store = Store(tmp_path / "root")
+    blob = _orphan(store, b"a small file of a fetch in flight")
+    lock = store.open_lock(parse_ref("file:///models/m/").key)
+    try:
+        if fetching:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as Fetcher.ensure holds it, here another process
+        if sweep == "gc":
+            collect_garbage(store)
+        else:
+            monkeypatch.setattr(recovery, "ORPHAN_BLOB_GRACE_S", -1.0)  # every orphan is old enough
+            Store(tmp_path / "root").close()
+    finally:
+        os.close(lock)
+    assert blob.exists() == fetching
+    assert recovery.fetches_in_flight(store) == set()
