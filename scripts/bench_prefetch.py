@@ -140,16 +140,22 @@ def then_sync(cmd: list[str], d: Path) -> list[str]:
     return ["sh", "-c", f"{shlex.join(cmd)} && sync -f {shlex.quote(str(d))}"]
 
 
+#: Starts the client from a bare interpreter and reports its wait4 figures: a client spawned by this process would
+#: count this process's memory (the model's tooling, ~95 MB) in its peak RSS, which exec does not reset.
+SPAWN = ("import json, os, sys, time; t = time.perf_counter(); pid = os.posix_spawnp(sys.argv[1], sys.argv[1:], "
+         "os.environ); _, st, ru = os.wait4(pid, 0); print(json.dumps([time.perf_counter() - t, ru.ru_utime + "
+         "ru.ru_stime, ru.ru_maxrss / 1024, os.waitstatus_to_exitcode(st)]), file=sys.stderr)")
+
+
 def timed(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, float, float]:
     """(wall seconds, CPU seconds, peak RSS MB) of one subprocess, from wait4."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, ru = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t0
-    if os.waitstatus_to_exitcode(status) != 0:
-        err = proc.stderr.read().decode()[-2000:] if proc.stderr else ""
-        raise RuntimeError(f"{' '.join(cmd[:6])}... failed: {err}")
-    return wall, ru.ru_utime + ru.ru_stime, ru.ru_maxrss / 1024
+    proc = subprocess.run([PY, "-I", "-S", "-c", SPAWN, *cmd], env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True, check=False)
+    lines = proc.stderr.splitlines()
+    wall, cpu, rss, code = json.loads(lines[-1]) if proc.returncode == 0 and lines else (0, 0, 0, proc.returncode)
+    if code != 0:
+        raise RuntimeError(f"{' '.join(cmd[:6])}... failed: {proc.stderr[-2000:]}")
+    return wall, cpu, rss
 
 
 BOTO = """
