@@ -5,13 +5,14 @@ from __future__ import annotations
 import http.server
 import threading
 from collections.abc import Iterator
+from typing import ClassVar
 
 import pytest
 
 from tests.faultproxy import QuietHTTPServer
 from weightcache.errors import HostileKeyError, SourceError
 from weightcache.sources import open_source
-from weightcache.store.paths import MAX_DEPTH
+from weightcache.store.paths import MAX_DEPTH, MAX_FILES
 from weightcache.uri import parse_ref
 
 PAGES: dict[str, str | bytes] = {
@@ -26,14 +27,22 @@ PAGES: dict[str, str | bytes] = {
 }
 
 
+MANY = "".join(f'<a href="f{i}.bin">f</a>' for i in range(MAX_FILES + 1)).encode()
+
+
 class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    heads: ClassVar[list[str]] = []  # paths asked for with HEAD
 
     def log_message(self, format: str, *args: object) -> None:
         pass
 
     def do_GET(self) -> None:
         path = self.path
+        if self.command == "HEAD":
+            self.heads.append(path)
+        if path == "/many/":
+            return self._send(MANY)
         if path.startswith("/deep/"):  # an index without end: every directory links one more below it
             return self._send(b'<a href="d/">d/</a> <a href="f.bin">f</a>' if path.endswith("/") else b"x")
         if path.startswith("/nolength/"):
@@ -87,3 +96,10 @@ def test_an_endless_index_is_refused_at_the_depth_limit_naming_the_path(url: str
 def test_a_file_without_a_length_is_refused_with_a_hint(url: str) -> None:
     with pytest.raises(SourceError, match="no Content-Length; serve it from a static file server"):
         open_source(parse_ref(f"{url}/nolength/")).list()
+
+
+def test_too_many_files_are_refused_while_walking_before_any_head(url: str) -> None:
+    _Handler.heads.clear()
+    with pytest.raises(HostileKeyError, match=f"more than {MAX_FILES} files"):
+        open_source(parse_ref(f"{url}/many/")).list()
+    assert _Handler.heads == []

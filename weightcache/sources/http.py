@@ -132,10 +132,12 @@ class HttpSource:
         if len(text) > _INDEX_MAX:
             raise SourceError(f"{url}: the directory index is over {_INDEX_MAX >> 20} MiB; serve a smaller tree")
         out = []
-        for href in _HREF.findall(text.decode("utf-8", "replace")):
-            link = urldefrag(urljoin(url, href)).url
-            if "?" not in link and link.startswith(self.root) and len(link) > len(url) and link.startswith(url):
+        for match in _HREF.finditer(text.decode("utf-8", "replace")):
+            link = urldefrag(urljoin(url, match.group(1))).url
+            if "?" not in link and len(link) > len(url) and link.startswith(url):
                 out.append(link)
+                if len(out) > MAX_FILES:  # _walk refuses the model; no need to hold millions of links first
+                    break
         return out
 
     def _get(self, url: str, what: str) -> Any:
