@@ -399,7 +399,7 @@ def test_without_the_privilege_to_link_a_descriptor_blobs_are_named_through_proc
     assert verify_snapshot(store, snap.id) == []
 
 
-@pytest.mark.parametrize("planted", ["empty", "short", "other bytes", "symlink", "fifo"])
+@pytest.mark.parametrize("planted", ["empty", "short", "other bytes", "symlink", "fifo", "directory"])
 def test_a_blob_name_holding_other_bytes_is_quarantined_and_replaced(tmp_path: Path, planted: str) -> None:
     """A blob name may reach the disk before its bytes (they are synced once, before publish): one found empty
     or short after a crash, or anything else at the name, is compared with the bytes in hand, quarantined and
@@ -417,6 +417,8 @@ def test_a_blob_name_holding_other_bytes_is_quarantined_and_replaced(tmp_path: P
         blob.symlink_to(secret)
     elif planted == "fifo":
         os.mkfifo(blob)
+    elif planted == "directory":
+        (blob / "inside").mkdir(parents=True)
     else:
         blob.write_bytes({"empty": b"", "short": data[:100], "other bytes": data[:-1] + b"?"}[planted])
     snap = Fetcher(store).ensure(parse_ref(f"file://{tmp_path / 'model'}/"))

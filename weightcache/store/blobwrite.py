@@ -2,9 +2,10 @@
 
 A file the fetch reads whole in one request is hashed from the worker's buffer before it is written, so its
 digest is known first. Its bytes then go to an unnamed file made in its own blob directory (`O_TMPFILE`), which
-gets its name by `linkat` of `/proc/self/fd/<fd>`: linkat never replaces (an existing blob wins) and links the
-inode this descriptor wrote, so nothing can be swapped in and no partial file is ever visible under a blob name.
-Per file: open, write, link, close, where the part path took create, write, close, lstat, rename, lstat.
+gets its name by `linkat(fd, "", AT_EMPTY_PATH)` (or of `/proc/self/fd/<fd>`): linkat never replaces (an existing
+blob wins) and links the inode this descriptor wrote, so nothing can be swapped in and no partial file is ever
+visible under a blob name. Per file: open, write, link, close, where the part path took create, write, close,
+lstat, rename, lstat.
 
 A blob name may now reach the disk before its bytes do (the fetch syncs the filesystem once, before it
 publishes). So an existing blob found at the name is compared with the bytes in hand: one left by a crash
@@ -112,8 +113,12 @@ class BlobWriter:
 
 
 def _holds(dfd: int, name: str, data: memoryview) -> bool:
-    """Whether entry `name` is a regular file of exactly these bytes (never followed: a symlink is not)."""
+    """Whether entry `name` is a regular file of exactly these bytes. Anything else there (a symlink, FIFO,
+    device, directory) is never opened, and the file opened is checked again (it may have been swapped)."""
     try:
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != len(data):
+            return False
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOENT):
