@@ -6,7 +6,9 @@ from __future__ import annotations
 import gzip
 import hashlib
 import http.server
+import json
 import random
+import re
 import threading
 import tracemalloc
 from collections.abc import Iterator
@@ -14,10 +16,12 @@ from pathlib import Path
 
 import pytest
 import urllib3
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.faultproxy import FaultProxy, QuietHTTPServer
 from tests.fixtures_s3 import S3
-from weightcache.download import PIECE
+from weightcache.download import PIECE, PartialFile
 from weightcache.errors import FetchCancelledError
 from weightcache.fetch import Fetcher
 from weightcache.progress import Progress
@@ -165,3 +169,36 @@ def test_a_plain_body_is_read_by_http_client_and_an_encoded_one_decoded_by_urlli
     while n := readinto(buf[done:]):
         done += n
     assert bytes(buf[:done]) == DATA, "a gzip-encoded body is decoded as urllib3 always did"
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pieces=st.lists(st.tuples(st.integers(0, 63), st.integers(1, 5)), max_size=40),
+       resumed=st.lists(st.tuples(st.integers(0, 63), st.integers(1, 8)), max_size=4),
+       asks=st.lists(st.tuples(st.integers(0, 320), st.integers(0, 320)), min_size=1, max_size=20))
+def test_holds_says_exactly_which_bytes_are_written(tmp_path: Path, pieces: list[tuple[int, int]],
+                                                    resumed: list[tuple[int, int]],
+                                                    asks: list[tuple[int, int]]) -> None:
+    """What a peer may be served: every byte of [start, end) journalled (resumed or written), in any order."""
+    size, unit = 320, 5
+    obj = ObjectInfo("k", "w.bin", size, "e", None, None)
+    part = tmp_path / "h.part"
+    written = bytearray(size)
+    part.write_bytes(bytes(size))
+    header = json.dumps({"key": obj.key, "size": obj.size, "etag": obj.etag, "version_id": obj.version_id})
+    lines = [f"{o * unit} {min(n * unit, size - o * unit)}" for o, n in resumed]
+    part.with_suffix(".journal").write_text("\n".join([header, *lines]) + "\n")
+    pf = PartialFile(part, obj, range_size=size)
+    pf.open()
+    for o, n in resumed:
+        written[o * unit:o * unit + n * unit] = b"\1" * len(written[o * unit:o * unit + n * unit])
+    scratch = memoryview(bytearray(64))
+    try:
+        for o, n in pieces:
+            start, length = o * unit, min(n * unit, size - o * unit)
+            pf.write(start, memoryview(bytes(length)), scratch)
+            written[start:start + length] = b"\1" * length
+            runs = [(m.start(), m.end()) for m in re.finditer(b"\1+", bytes(written))]  # each written run whole
+            for a, b in [*asks, *runs, *((a, b + 1) for a, b in runs), *((a - 1, b) for a, b in runs if a)]:
+                assert pf.holds(a, b) == (a >= b or (b <= size and all(written[a:b]))), (a, b)
+    finally:
+        pf.discard()
