@@ -2,7 +2,7 @@
 
 Origins, started here on 127.0.0.1: the embedded S3 server (moto, its own process) and nginx (Debian's package,
 autoindex on) serving the same files over HTTP. Clients, each a subprocess measured with wait4 (CPU seconds,
-peak RSS), interleaved round-robin, each after the same idle pause, median of --runs:
+peak RSS), interleaved (a new order each run), each after the same idle pause, median of --runs:
 
   weightcache prefetch (cold) from nginx (http source) and from moto (s3 source); a cache hit; 8 concurrent
   prefetches of one model (origin bytes counted from nginx's access log); boto3 download_file (defaults and
@@ -28,6 +28,7 @@ import atexit
 import importlib.util
 import json
 import os
+import random
 import resource
 import shlex
 import shutil
@@ -355,7 +356,11 @@ def run_all(args: argparse.Namespace, work: Path, src: Path, size: int, files: l
     results: dict[str, list[tuple[float, float, float]]] = {k: [] for k in clients}
     hits: list[tuple[float, float, float]] = []
     for run in range(args.runs):
-        for name, (_, cmd) in clients.items():
+        # a new order each run: on the development VM a client's page-cache writes took twice the CPU right
+        # after certain others (a profile: 59% of weightcache's CPU copying into new page-cache pages after one
+        # client, 4% after another), so a fixed order charged one row for its neighbour every time
+        for name in random.Random(run).sample(list(clients), len(clients)):
+            cmd = clients[name][1]
             d = fresh()
             time.sleep(args.idle)
             results[name].append(timed(cmd(d), env))
