@@ -6,14 +6,17 @@ child running the whole check; a worker that dies is an error, never a verdict."
 from __future__ import annotations
 
 import json
+import random
 import signal
 import struct
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 
@@ -260,11 +263,55 @@ def test_the_whole_worker_told_of_a_repeat_reads_with_json_alone_and_says_the_sa
 
 
 @pytest.mark.usefixtures("every_header_in_parts")
-def test_a_repeat_across_parts_sends_the_whole_worker_to_json(tmp_path: Path) -> None:
+@pytest.mark.parametrize("where", ["key", "metadata"])
+def test_a_repeat_across_parts_is_named_as_json_names_it(tmp_path: Path, where: str) -> None:
+    """The first key that repeats an earlier one, in header order (json's words); the workers find it from the
+    keys behind repeated hashes, without the whole worker; a repeated "__metadata__" goes to it, straight to json."""
     pairs = tensors(3000)
-    pairs[2900] = '"t000010":' + t8(2900)
+    if where == "key":
+        pairs[2900] = '"t000010":' + t8(2900)
+        pairs[2950] = '"t000005":' + t8(2950)  # repeats an earlier key, but later in the header than t000010 does
+    else:
+        pairs[5:5] = ['"__metadata__":{"a":"b"}']
+        pairs[2950:2950] = ['"__metadata__":{"c":"d"}']
     path = write(tmp_path, header(*pairs), 3000)
     with mock.patch.object(safetensors_split, "_spawn", wraps=safetensors_split._spawn) as spawned:
         parts, whole = verdicts(path)
-    assert parts == whole and "duplicate key 't000010'" in whole[1]
-    assert spawned.call_args_list[-1].args[0][-1] == "repeated"
+    assert parts == whole and f"duplicate key '{'t000010' if where == 'key' else '__metadata__'}'" in whole[1]
+    modes = [c.args[0][0] for c in spawned.call_args_list]
+    assert modes == ["part"] * PARTS + ([] if where == "key" else ["whole"])
+    if where == "metadata":
+        assert spawned.call_args_list[-1].args[0][-1] == "repeated"
+
+
+@pytest.mark.usefixtures("every_header_in_parts")
+@pytest.mark.parametrize("collide", [False, True])
+def test_keys_in_no_order_are_told_apart_by_their_hashes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          collide: bool) -> None:
+    """Keys in descending order (their order proves nothing): the hash buckets show them distinct, and the parts
+    decide. With a hash said to repeat (a collision: none can be aimed at a seed drawn per check, so the workers'
+    answer is doctored), the keys behind it show that no key repeats."""
+    count = 3000
+    pairs = [f'"t{count - 1 - i:06d}":{t8(i)}' for i in range(count)]
+    path = write(tmp_path, header(*pairs), count)
+    monkeypatch.setattr(random, "SystemRandom", lambda: mock.Mock(randint=lambda a, b: 12345))
+    seeded = subprocess.run([sys.executable, "-c", "print(hash('t000100'))"], env={"PYTHONHASHSEED": "12345"},
+                            capture_output=True, text=True, check=True)
+    real = safetensors_split._receive
+    answers: list[subprocess.Popen[bytes]] = []
+    doctored = []
+
+    def receive(proc: subprocess.Popen[bytes], name: str) -> bytes:
+        message = real(proc, name)
+        answers.append(proc)
+        if collide and answers.count(proc) == 3:  # its third answer, a bucket's repeats: none, said to be one
+            assert msgspec.msgpack.decode(message) == []
+            doctored.append(proc)
+            return msgspec.msgpack.encode([int(seeded.stdout)])
+        return message
+
+    monkeypatch.setattr(safetensors_split, "_receive", receive)
+    with no_whole:
+        parts, whole = verdicts(path)
+    assert parts == whole == ("ok",)
+    assert len(doctored) == (PARTS if collide else 0)

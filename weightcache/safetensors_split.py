@@ -37,6 +37,7 @@ import struct
 import subprocess
 import sys
 from array import array
+from collections import Counter
 from enum import Enum
 from itertools import chain, compress, islice, pairwise, repeat
 from operator import eq, lt
@@ -46,7 +47,16 @@ from typing import IO
 import msgspec
 
 from weightcache.errors import SafetensorsHeaderError, StoreError
-from weightcache.safetensors_check import _decode_typed, _entry, _mismatch, _tensor, _Typed, _Where, check_open
+from weightcache.safetensors_check import (
+    _decode_typed,
+    _entry,
+    _mismatch,
+    _repeated,
+    _tensor,
+    _Typed,
+    _Where,
+    check_open,
+)
 
 log = logging.getLogger(__name__)
 
@@ -168,9 +178,11 @@ def _send(stream: IO[bytes], message: bytes) -> None:
 
 def _run_parts(fd: int, name: str, header_len: int, data_size: int,
                cuts: list[int]) -> list[_Part] | _Repeated | None:
-    """Each part checked by its own child, all at once; None when some part is not plain sailing, _REPEATED when a
-    key hash is in two parts. Keys that ascend from part to part are distinct; else each child hands over its key
-    hashes in one bucket per child and checks one bucket of every part's (so no process holds them all)."""
+    """Each part checked by its own child, all at once; None when some part is not plain sailing. Keys that ascend
+    from part to part are distinct; else each child hands over its key hashes in one bucket per child and finds
+    the repeats in one bucket of every part's (so no process holds them all); the keys behind repeated hashes, in
+    header order, then name the first repeated key as json would (refused here), or show a mere collision;
+    _REPEATED where "__metadata__" is among them (json says where it stands)."""
     bounds = list(zip([0, *(c + 2 for c in cuts)], [*(c + 1 for c in cuts), header_len], strict=True))
     seed = random.SystemRandom().randint(1, 2**32 - 1)  # drawn per check: nobody can aim collisions at it
     try:
@@ -192,8 +204,20 @@ def _run_parts(fd: int, name: str, header_len: int, data_size: int,
         buckets = [msgspec.msgpack.decode(_receive(proc, name), type=list[bytes]) for proc in procs]
         for i, pipe in enumerate(pipes):
             _send(pipe, b"".join(b[i] for b in buckets))
-        distinct = [msgspec.msgpack.decode(_receive(proc, name), type=bool) for proc in procs]
-        return found if all(distinct) else _REPEATED
+        repeats = set(chain.from_iterable(msgspec.msgpack.decode(_receive(proc, name), type=list[int])
+                                          for proc in procs))
+        if not repeats:
+            return found
+        wanted = array("q", sorted(repeats)).tobytes()
+        for pipe in pipes:
+            _send(pipe, wanted)
+        named = [msgspec.msgpack.decode(_receive(proc, name), type=list[str] | None) for proc in procs]
+        if None in named:  # "__metadata__" is one of them: json names the first repeat where it stands
+            return _REPEATED
+        candidates = list(chain.from_iterable(n for n in named if n is not None))
+        if len(set(candidates)) == len(candidates):  # hashes collided, keys did not
+            return found
+        raise _repeated(name, "the header", tuple((key, None) for key in candidates))  # json's words
     finally:
         for proc in procs:
             _reap(proc)
@@ -277,11 +301,22 @@ def _buckets(typed: _Typed, count: int) -> list[bytes]:
     return [array("q", compress(keys, map(eq, which, repeat(b)))).tobytes() for b in range(count)]
 
 
-def _distinct(hashes: bytes) -> bool:
-    """Whether no int64 repeats in `hashes` (one bucket of every part's key hashes)."""
+def _repeats(hashes: bytes) -> list[int]:
+    """The int64s that occur more than once in `hashes` (one bucket of every part's key hashes)."""
     column = array("q")
     column.frombytes(hashes)
-    return len(set(column)) == len(column)
+    if len(set(column)) == len(column):
+        return []
+    return [h for h, n in Counter(column).items() if n > 1]
+
+
+def _named(typed: _Typed, hashes: bytes) -> list[str] | None:
+    """A part's keys whose hash is among `hashes`, in header order; None when "__metadata__" is one of them."""
+    wanted = set(array("q", hashes))
+    if typed.had_meta and hash("__metadata__") in wanted:
+        return None
+    names = typed.columns.names
+    return list(compress(names, map(wanted.__contains__, map(hash, names))))
 
 
 def _refusal(fd: int, name: str, repeated: bool) -> str | None:
@@ -296,8 +331,9 @@ def _refusal(fd: int, name: str, repeated: bool) -> str | None:
 
 def main(argv: list[str]) -> None:
     """The child's side, answering in length-prefixed msgpack on stdout: `part FD HEADER_LEN DATA_SIZE START END NAME
-    WORKERS` (its _Part; then, asked for "buckets" on stdin, its key hashes, and given a bucket of every part's,
-    whether one repeats) or `whole FD NAME repeated|any` (the refusal, or nil)."""
+    WORKERS` (its _Part; then, asked for "buckets" on stdin, its key hashes; given a bucket of every part's, the
+    hashes that repeat in it; given repeated hashes, its keys that have them) or `whole FD NAME repeated|any` (the
+    refusal, or nil)."""
     gc.disable()  # millions of new containers, none cyclic
     out, source = sys.stdout.buffer, sys.stdin.buffer
     if argv[0] == "part":
@@ -307,7 +343,10 @@ def main(argv: list[str]) -> None:
         _send(out, msgspec.msgpack.encode(part))
         if typed is not None and part is not None and _message(source) == b"buckets":
             _send(out, msgspec.msgpack.encode(_buckets(typed, workers)))
-            _send(out, msgspec.msgpack.encode(_distinct(_message(source))))
+            _send(out, msgspec.msgpack.encode(_repeats(_message(source))))
+            wanted = _message(source)
+            if wanted:
+                _send(out, msgspec.msgpack.encode(_named(typed, wanted)))
     else:
         _send(out, msgspec.msgpack.encode(_refusal(int(argv[1]), argv[2], argv[3] == "repeated")))
     os._exit(0)  # the parent has its answer; freeing the tree would only cost time
