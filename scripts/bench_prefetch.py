@@ -269,6 +269,8 @@ def main() -> int:
     ap.add_argument("--baseline", default=None, help="a checkout of other code (e.g. `git worktree add DIR HEAD~3`): "
                     "its cold prefetch rows run interleaved with this one's, in the same session")
     args = ap.parse_args()
+    if args.baseline and not (Path(args.baseline) / "weightcache" / "__init__.py").is_file():
+        ap.error(f"--baseline {args.baseline}: no weightcache package there (git worktree add DIR REV makes one)")
     work = Path(tempfile.mkdtemp(prefix="wc-bench-", dir=args.dir))
     if args.small_files:
         try:
