@@ -83,8 +83,10 @@ def test_parts_and_one_process_agree_on_any_header(tmp_path: Path, case: tuple[s
 
 
 @pytest.mark.usefixtures("every_header_in_parts")
-def test_the_usual_header_is_decided_by_its_parts(tmp_path: Path) -> None:
-    path = write(tmp_path, header('"__metadata__":{"format":"pt"}', *tensors(3000)), 3000)
+@pytest.mark.parametrize("separator", [",", ", ", ",\n  "])
+def test_the_usual_header_is_decided_by_its_parts(tmp_path: Path, separator: str) -> None:
+    text = "{" + separator.join(['"__metadata__":{"format":"pt"}', *tensors(3000)]) + "}"
+    path = write(tmp_path, text, 3000)
     with no_whole:
         safetensors_check.check_file(path)
 

@@ -6,11 +6,12 @@ memory would stay. Here the caller's thread only waits on pipes, the memory leav
 os._exit: freeing millions of objects would cost a third of a second), and the parts decode at once on as many
 cores as the process may use.
 
-Parts. The text is cut where one tensor's object ends and the next key begins (`},"`, as every writer without
-spaces puts it); part i is its slice with `{` before and `}` after where the cut took them. When every part is a
-valid JSON object, the whole text is one holding the parts' pairs in order: a valid first part leaves the parser
-at the top level right after a value, where the `,"` of the whole text starts the next pair, the state that a part's
-own `{"` starts in; a cut inside a string leaves its part's string unterminated, so that part is invalid.
+Parts. The text is cut where one tensor's object ends and the next pair begins (`},`); part i is its slice with
+`{` before and `}` after where the cut took them (the comma dropped). When every part is a valid JSON object, the
+whole text is one holding the parts' pairs in order: a valid first part leaves the parser at the top level right
+after a value, where the whole text's `,` leads to the next pair, the state that a part's own `{` starts in; a cut
+inside a string leaves its part's string unterminated, and one inside a nested array or object leaves that
+unclosed, so that part is invalid (and the whole check decides).
 
 A child reads its part as safetensors_check's typed road does (types, ranges, no repeated key, each tensor's size)
 and answers (msgpack) with its tensors' begins and ends, each sorted (or the one stretch they tile, as safetensors
@@ -62,7 +63,7 @@ log = logging.getLogger(__name__)
 
 MAX_PARTS = 8
 MIN_PART_BYTES = 2 << 20  # smaller parts cost more in process starts than they save
-_CUT = b'},"'
+_CUT = b"},"
 _WINDOW = 1 << 20  # bytes read at a time while looking for a cut
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])
 _ENVIRONMENT = ("PATH", "LD_LIBRARY_PATH", "PYTHONHOME", "LANG", "LC_ALL", "TMPDIR")
@@ -115,7 +116,7 @@ def _part_count(header_len: int) -> int:
 
 
 def _cuts(fd: int, header_len: int, parts: int) -> list[int]:
-    """Offsets in the header text of the `}` of a `},"` near each 1/parts of it, ascending (fewer where a stretch
+    """Offsets in the header text of the `}` of a `},` near each 1/parts of it, ascending (fewer where a stretch
     has none)."""
     cuts: list[int] = []
     for i in range(1, parts):
@@ -126,7 +127,7 @@ def _cuts(fd: int, header_len: int, parts: int) -> list[int]:
             if found >= 0:
                 cuts.append(pos + found)
                 break
-            pos += max(1, len(window) - (len(_CUT) - 1))  # overlap: a `},"` across two windows is found
+            pos += max(1, len(window) - (len(_CUT) - 1))  # overlap: a `},` across two windows is found
             if len(window) < len(_CUT):
                 break
     return cuts
