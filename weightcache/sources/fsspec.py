@@ -51,8 +51,6 @@ PROTOCOLS: dict[str, tuple[str, str | None]] = {
     "memory": ("memory", None),
     "gs": ("gcs", "gcsfs"),
     "az": ("az", "adlfs"),
-    "http": ("http", "aiohttp"),
-    "https": ("https", "aiohttp"),
 }
 _CHANGED = "the object changed since it was listed; fetch again to get the new version"
 #: builtin exception fsspec raises -> ours; checked in order (the first match wins).
@@ -72,7 +70,7 @@ class FsspecSource:
         self.options = options or SourceOptions()  # endpoint_url and pool_size are s3's and http's
         protocol, package = PROTOCOLS[ref.scheme]
         try:
-            self.fs: Any = fsspec.filesystem(protocol, **_timeouts(protocol, self.options))
+            self.fs: Any = fsspec.filesystem(protocol)
         except ImportError as exc:
             raise BackendMissingError(
                 f"reading {ref.scheme}:// models needs the {package} package: pip install {package}", name=package
@@ -204,16 +202,6 @@ class FsspecSource:
     def _same_version(obj: ObjectInfo, token: str | None) -> None:
         if obj.etag and token != obj.etag:
             raise ObjectChangedError(f"{obj.key} was modified after listing; {_CHANGED}")
-
-
-def _timeouts(protocol: str, options: SourceOptions) -> dict[str, Any]:
-    """The filesystem's own connect/read timeouts, where fsspec lets us set them (http listing via aiohttp)."""
-    if protocol not in ("http", "https"):
-        return {}
-    import aiohttp
-
-    timeout = aiohttp.ClientTimeout(sock_connect=options.connect_timeout, sock_read=options.read_timeout)
-    return {"client_kwargs": {"timeout": timeout}}
 
 
 def translate(exc: BaseException, what: str) -> SourceError:
