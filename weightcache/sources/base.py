@@ -95,6 +95,16 @@ Pieces = Generator[tuple[int, memoryview], None, None]
 OnBytes = Callable[[int], None]
 
 
+def read_range_into(options: SourceOptions, name: str, obj: ObjectInfo, offset: int, buf: memoryview,
+                    reader: Reader) -> None:
+    """`read_into` for a backend with a `reader`: a range inside the object, read with retries under `options`
+    (`name`: the object as errors call it)."""
+    if offset < 0 or offset + len(buf) > obj.size:
+        raise ValueError(f"range {offset}+{len(buf)} outside {name} of {obj.size} bytes")
+    if len(buf):
+        read_with_retries(reader, offset, buf, options.retry(f"reading {name} bytes {offset}-{offset + len(buf) - 1}"))
+
+
 def read_with_retries(reader: Reader, offset: int, buf: memoryview, retry: Retry) -> None:
     """Call `reader` until `buf` is full, retrying only the missing remainder; `retry` counts the failures."""
     done = 0

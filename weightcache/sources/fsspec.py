@@ -39,7 +39,7 @@ from weightcache.sources.base import (
     SourceOptions,
     finish_listing,
     pieces_by_read_into,
-    read_with_retries,
+    read_range_into,
 )
 from weightcache.uri import ModelRef
 
@@ -144,11 +144,7 @@ class FsspecSource:
         return ObjectInfo(entry.path, relpath, st.st_size, stat_token(st), None, None)
 
     def read_into(self, obj: ObjectInfo, offset: int, buf: memoryview) -> None:
-        if offset < 0 or offset + len(buf) > obj.size:
-            raise ValueError(f"range {offset}+{len(buf)} outside {obj.key} of {obj.size} bytes")
-        if len(buf):
-            read_with_retries(lambda pos, view: self._read_range(obj, pos, view), offset, buf,
-                              self.options.retry(f"reading {obj.key} bytes {offset}-{offset + len(buf) - 1}"))
+        read_range_into(self.options, obj.key, obj, offset, buf, lambda pos, view: self._read_range(obj, pos, view))
 
     def read_pieces(self, obj: ObjectInfo, offset: int, length: int, buf: memoryview,
                     on_bytes: OnBytes | None = None) -> Pieces:

@@ -35,7 +35,7 @@ from weightcache.sources.base import (
     SourceOptions,
     finish_listing,
     read_body_into,
-    read_with_retries,
+    read_range_into,
     stream_range,
 )
 from weightcache.uri import ModelRef
@@ -149,8 +149,8 @@ class HfSource:
                           checksum=("sha256", sha256.lower()) if sha256 else None)
 
     def read_into(self, obj: ObjectInfo, offset: int, buf: memoryview) -> None:
-        read_with_retries(lambda pos, view: read_body_into(self._open_range(obj, pos, pos + len(view)), view),
-                          offset, buf, self.options.retry(f"reading {obj.key} bytes {offset}-{offset + len(buf) - 1}"))
+        read_range_into(self.options, obj.key, obj, offset, buf,
+                        lambda pos, view: read_body_into(self._open_range(obj, pos, pos + len(view)), view))
 
     def read_pieces(self, obj: ObjectInfo, offset: int, length: int, buf: memoryview,
                     on_bytes: OnBytes | None = None) -> Pieces:

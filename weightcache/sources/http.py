@@ -34,7 +34,7 @@ from weightcache.sources.base import (
     SourceOptions,
     finish_listing,
     read_body_into,
-    read_with_retries,
+    read_range_into,
     stream_range,
 )
 from weightcache.store.paths import MAX_DEPTH, MAX_FILES
@@ -84,11 +84,7 @@ class HttpSource:
                                                       "(nginx: autoindex on)")
 
     def read_into(self, obj: ObjectInfo, offset: int, buf: memoryview) -> None:
-        if offset < 0 or offset + len(buf) > obj.size:
-            raise ValueError(f"range {offset}+{len(buf)} outside {obj.key} of {obj.size} bytes")
-        if len(buf):
-            read_with_retries(lambda pos, view: self._read_range(obj, pos, view), offset, buf,
-                              self.options.retry(f"reading {obj.key} bytes {offset}-{offset + len(buf) - 1}"))
+        read_range_into(self.options, obj.key, obj, offset, buf, lambda pos, view: self._read_range(obj, pos, view))
 
     def etag_md5(self, obj: ObjectInfo) -> str | None:
         return None  # S3's alone

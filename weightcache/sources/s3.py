@@ -42,7 +42,7 @@ from weightcache.sources.base import (
     SourceOptions,
     finish_listing,
     read_body_into,
-    read_with_retries,
+    read_range_into,
     stream_range,
 )
 from weightcache.uri import ModelRef
@@ -128,12 +128,8 @@ class S3Source:
             return list(pool.map(lambda o: self._with_checksum(o) if o.key in with_checksum else o, kept))
 
     def read_into(self, obj: ObjectInfo, offset: int, buf: memoryview) -> None:
-        if offset < 0 or offset + len(buf) > obj.size:
-            raise ValueError(f"range {offset}+{len(buf)} outside {obj.key} of {obj.size} bytes")
-        if len(buf):
-            what = f"reading {self._uri(obj.key)} bytes {offset}-{offset + len(buf) - 1}"
-            read_with_retries(lambda pos, view: self._read_range(obj, pos, view), offset, buf,
-                              self.options.retry(what))
+        read_range_into(self.options, self._uri(obj.key), obj, offset, buf,
+                        lambda pos, view: self._read_range(obj, pos, view))
 
     def read_pieces(self, obj: ObjectInfo, offset: int, length: int, buf: memoryview,
                     on_bytes: OnBytes | None = None) -> Pieces:
