@@ -65,8 +65,9 @@ def test_a_big_file_is_journalled_a_piece_at_a_time_and_resumes_from_the_last_pi
 
 
 @pytest.mark.parametrize(("chunks", "concurrency", "ranges"), [
-    (16.001, 8, 5),  # a small model: 4 chunks a request (one first-byte wait per 64 MiB by default)
-    (32, 2, 4),  # a large one: two requests per worker
+    (32, 8, 8),  # 4 chunks a request (one first-byte wait per 64 MiB by default), one for every worker
+    (8, 8, 8),  # smaller requests rather than idle workers
+    (64, 2, 4),  # a large model: two requests per worker
 ])
 def test_requests_are_few_and_large(tmp_path: Path, s3: S3, fault_proxy: FaultProxy, chunks: float, concurrency: int,
                                     ranges: int) -> None:

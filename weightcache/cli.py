@@ -363,8 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"parallel ranged reads (default {defaults.CONCURRENCY})")
     p.add_argument("--chunk-size", type=size_arg, default=defaults.CHUNK_SIZE,
                    help="files up to this size are read whole, larger ones journalled every 1Mi piece; memory "
-                        "used is at most concurrency x (chunk size + 1Mi); requests ask for 4 chunks or more, up "
-                        "to 256Mi (default 16Mi)")
+                        "used is at most concurrency x (chunk size + 1Mi); requests ask for 4 chunks or more while "
+                        "every worker gets one, up to 256Mi (default 16Mi)")
     p.add_argument("--endpoint-url", default=None, help="S3 endpoint (default: AWS_ENDPOINT_URL or AWS)")
     p.add_argument("--connect-timeout", type=float, default=defaults.CONNECT_TIMEOUT, metavar="SECONDS",
                    help=f"seconds to connect to the source (default {defaults.CONNECT_TIMEOUT:g})")

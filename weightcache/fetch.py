@@ -56,7 +56,7 @@ __all__ = ["FetchCancelledError", "Fetcher", "Progress"]
 SIDECAR_MAX = 1 << 20
 MAX_RESTARTS = 3  # object replaced mid-download, or a planned blob evicted meanwhile
 LOCAL_LARGE_PIECE = 1 << 20  # a local source's piece this large is worth a thread of its own (see _workers)
-MIN_RANGE_CHUNKS = 4  # a request asks for 4 chunks or more (64 MiB by default; see _range_size)
+MIN_RANGE_CHUNKS = 4  # requests of 4 chunks or more (64 MiB by default) while every worker gets one (_range_size)
 
 
 @dataclass
@@ -486,14 +486,15 @@ class Fetcher:
         return max(1, min(self.concurrency, len(task_bytes), large))
 
     def _range_size(self, total: int) -> int:
-        """Bytes per request, in whole chunks: about two per worker (one that drew a slow connection leaves the
-        rest to the queue), at most 256 MiB, and at least MIN_RANGE_CHUNKS chunks: each request waits a first
-        byte (at 100 MB/s per connection a 30 ms wait is 15% of a 16 MiB request, 4% of a 64 MiB one) and some
-        servers re-read the whole object per GET. Memory and retries do not grow with it: a range streams
-        through one piece, and a failure resumes from its first missing piece."""
-        per_worker = -(-total // (2 * self.concurrency))
-        chunks = max(MIN_RANGE_CHUNKS, -(-min(256 << 20, per_worker) // self.chunk_size))
-        return chunks * self.chunk_size
+        """Bytes per request, in whole chunks, at most 256 MiB: about two per worker (one that drew a slow
+        connection leaves the rest to the queue), but MIN_RANGE_CHUNKS chunks or more as long as every worker
+        still gets one: each request waits a first byte (at 100 MB/s per connection a 30 ms wait is 15% of a
+        16 MiB request, 4% of a 64 MiB one) and some servers re-read the whole object per GET. Memory and
+        retries do not grow with it: a range streams through one piece, and a failure resumes from its first
+        missing piece."""
+        one_each = -(-total // self.concurrency)
+        size = max(min(MIN_RANGE_CHUNKS * self.chunk_size, one_each), -(-one_each // 2))
+        return max(1, -(-min(256 << 20, size) // self.chunk_size)) * self.chunk_size
 
     def _handle_failure(self, exc: BaseException, items: list[_Item]) -> None:
         for item in items:
