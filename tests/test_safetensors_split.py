@@ -6,6 +6,7 @@ child running the whole check; a worker that dies is an error, never a verdict."
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import struct
@@ -317,3 +318,13 @@ def test_keys_in_no_order_are_told_apart_by_their_hashes(tmp_path: Path, monkeyp
         parts, whole = verdicts(path)
     assert parts == whole == ("ok",)
     assert len(doctored) == (PARTS if collide else 0)
+
+
+@pytest.mark.parametrize(("cpu_max", "cores"), [("max 100000\n", None), ("50000 100000\n", 1),
+                                                ("150000 100000\n", 2), ("garbage", None)])
+def test_a_cgroup_cpu_quota_caps_the_workers(tmp_path: Path, cpu_max: str, cores: int | None) -> None:
+    path = tmp_path / "cpu.max"
+    path.write_text(cpu_max)
+    affinity = len(os.sched_getaffinity(0))
+    assert safetensors_split._cores(path) == min(affinity, cores or affinity)
+    assert safetensors_split._cores(tmp_path / "absent") == affinity

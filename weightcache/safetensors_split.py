@@ -30,6 +30,7 @@ words are the answer, the same as in this process.
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import logging
 import os
@@ -108,11 +109,23 @@ def check_in_children(fd: int, name: str, header_len: int, file_size: int) -> No
 
 
 def _part_count(header_len: int) -> int:
+    return max(1, min(_cores(), MAX_PARTS, header_len // MIN_PART_BYTES))
+
+
+def _cores(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
+    """The cores this process may keep busy: its CPU affinity, capped by its cgroup's quota (a daemon limited to
+    500m on a 64-core node must not start 8 workers that then wait for each other)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    return max(1, min(cores, MAX_PARTS, header_len // MIN_PART_BYTES))
+    try:
+        quota, period = cpu_max.read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 quota to read: the affinity stands
+    return cores
 
 
 def _cuts(fd: int, header_len: int, parts: int) -> list[int]:
@@ -134,6 +147,9 @@ def _cuts(fd: int, header_len: int, parts: int) -> list[int]:
 
 
 def _spawn(args: list[str], fd: int, seed: int) -> subprocess.Popen[bytes]:
+    """A worker (OSError where none can be started: the caller checks in its own process then)."""
+    if not sys.executable:  # an embedded interpreter: nothing to start
+        raise OSError(errno.ENOEXEC, "no Python executable to start a worker with")
     # a process that parses hostile bytes gets no more than it needs: no credentials from the environment
     env = {key: os.environ[key] for key in _ENVIRONMENT if key in os.environ}
     env.update(PYTHONHASHSEED=str(seed),
