@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 
 from weightcache.errors import InUseError
 from weightcache.store import quarantine
-from weightcache.store.recovery import blob_dirs, fetches_in_flight
+from weightcache.store.recovery import fetches_in_flight, remove_old_orphan_blobs
 from weightcache.store.store import Store
 
 
@@ -58,16 +59,13 @@ def drop_damaged(store: Store, snapshot_id: str, bad_paths: list[str]) -> list[s
 
 
 def collect_garbage(store: Store) -> int:
-    """Remove blobs no snapshot links (none while a fetch runs: see recovery.fetches_in_flight), partial
-    downloads no fetch holds and quarantined entries past their age or the quarantine's size bound; returns bytes
-    freed."""
+    """Remove blobs no snapshot links past their grace (recovery.remove_old_orphan_blobs), partial downloads no
+    fetch holds and quarantined entries past their age or the quarantine's size bound; returns bytes freed."""
     freed = quarantine.prune(store)
     tree, lay = store.tree, store.layout
     busy = fetches_in_flight(store)
     with store.locked():
-        for d in blob_dirs(store) if not busy else ():
-            for name in tree.listdir(d):
-                freed += tree.unlink_if_single_link(d / name)
+        freed += remove_old_orphan_blobs(store, time.time())
     for name in tree.listdir(lay.partial):
         if name.split(".")[0] not in busy:
             st = tree.lstat(lay.partial / name)

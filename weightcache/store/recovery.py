@@ -15,6 +15,7 @@ import fcntl
 import logging
 import os
 import sqlite3
+import stat
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TMP_GRACE_S = 60.0  # a temp file younger than this may belong to a live writer in another process
-ORPHAN_BLOB_GRACE_S = 600.0  # a fetch links blobs a little before it publishes the snapshot
+ORPHAN_BLOB_GRACE_S = 600.0  # a fetch names its blobs before it publishes the snapshot that links them
 STALE_PARTIAL_S = 7 * 86400.0
 
 
@@ -53,11 +54,7 @@ def free_space(store: Store) -> dict[str, Manifest]:
             for name in tree.listdir(d):
                 if name.startswith(TMP_PREFIX) and _age(store, d / name, now) > TMP_GRACE_S:
                     tree.unlink(d / name)
-        if not fetches_in_flight(store):  # a fetch names its blobs before it publishes them
-            for d in blob_dirs(store):
-                for name in tree.listdir(d):
-                    if _age(store, d / name, now, ctime=True) > ORPHAN_BLOB_GRACE_S:
-                        tree.unlink_if_single_link(d / name)
+        remove_old_orphan_blobs(store, now)
         for name in tree.listdir(lay.partial):
             if _age(store, lay.partial / name, now) > STALE_PARTIAL_S:
                 tree.unlink(lay.partial / name)
@@ -103,11 +100,27 @@ def valid_manifests(store: Store) -> dict[str, Manifest]:
     return out
 
 
+def remove_old_orphan_blobs(store: Store, now: float) -> int:
+    """Remove blobs no snapshot links whose inode changed more than ORPHAN_BLOB_GRACE_S ago; bytes freed.
+
+    A fetch names a small file's blob as soon as it is read (store/blobwrite.py), before the snapshot that links
+    it is published: a young orphan may be one of those, whether or not a fetch held its lock when the sweep
+    began (one may start during it). The age, not the fetch locks, decides, so a node that is always fetching
+    still collects its old orphans. ctime, not mtime: linking or unlinking a name updates it, writing content
+    with an old mtime does not hide a new file. Anything not a regular file is quarantined whatever its age."""
+    tree, freed = store.tree, 0
+    for d in blob_dirs(store):
+        for name in tree.listdir(d):
+            st = tree.lstat(d / name)
+            if st is None or (stat.S_ISREG(st.st_mode) and now - st.st_ctime <= ORPHAN_BLOB_GRACE_S):
+                continue
+            freed += tree.unlink_if_single_link(d / name)
+    return freed
+
+
 def fetches_in_flight(store: Store) -> set[str]:
-    """Model keys whose fetch lock (`locks/<key>.lock`) some process holds now. Their blobs are linked by no
-    snapshot until publish, and a small file's blob is named as soon as it is read (store/blobwrite.py), maybe
-    long before: no orphan blob is removed while any fetch runs (its snapshot would miss the blob, and a fetch
-    that restarts downloads what it cannot trust again)."""
+    """Model keys whose fetch lock (`locks/<key>.lock`) some process holds now: their partial downloads are
+    kept by gc."""
     busy = set()
     for name in store.tree.listdir(store.layout.locks):
         if not (name.startswith("m") and name.endswith(".lock")):
@@ -182,8 +195,6 @@ def _mtime(store: Store, path: Path) -> float:
     return st.st_mtime if st is not None else time.time()
 
 
-def _age(store: Store, path: Path, now: float, *, ctime: bool = False) -> float:
+def _age(store: Store, path: Path, now: float) -> float:
     st = store.tree.lstat(path)
-    if st is None:
-        return 0.0
-    return now - (st.st_ctime if ctime else st.st_mtime)
+    return 0.0 if st is None else now - st.st_mtime
