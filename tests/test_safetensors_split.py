@@ -12,6 +12,7 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -328,3 +329,81 @@ def test_a_cgroup_cpu_quota_caps_the_workers(tmp_path: Path, cpu_max: str, cores
     affinity = len(os.sched_getaffinity(0))
     assert safetensors_split._cores(path) == min(affinity, cores or affinity)
     assert safetensors_split._cores(tmp_path / "absent") == affinity
+
+
+@pytest.mark.usefixtures("every_header_in_parts")
+def test_workers_started_before_one_fails_to_start_are_reaped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write(tmp_path, header(*tensors(3000)), 3000)
+    real = safetensors_split._spawn
+    started: list[subprocess.Popen[bytes]] = []
+
+    def second_fails(args: list[str], fd: int, seed: int) -> subprocess.Popen[bytes]:
+        if len(started) == 1 and args[0] == "part":
+            raise BlockingIOError(11, "EAGAIN")
+        started.append(real(args, fd, seed))
+        return started[-1]
+
+    monkeypatch.setattr(safetensors_split, "_spawn", second_fails)
+    safetensors_check.check_file(path)
+    assert [proc for proc in started if proc.returncode is None] == []  # each waited for, none left running
+    assert len(started) == 2  # the first part's worker, then the whole one
+
+
+@pytest.mark.usefixtures("every_header_in_parts")
+def test_a_worker_gone_between_questions_is_an_error_that_says_so(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    count = 3000
+    path = write(tmp_path, header(*[f'"t{count - 1 - i:06d}":{t8(i)}' for i in range(count)]), count)  # no order
+    real = safetensors_split._receive
+
+    def receive(proc: subprocess.Popen[bytes], name: str) -> bytes:
+        message = real(proc, name)
+        proc.kill()  # after its first answer, before the parent asks for its key hashes
+        proc.wait()
+        return message
+
+    monkeypatch.setattr(safetensors_split, "_receive", receive)
+    with pytest.raises(StoreError, match="killed by signal 9"):
+        safetensors_check.check_file(path)
+
+
+@pytest.mark.usefixtures("every_header_in_parts")
+def test_a_weightcache_package_in_the_working_directory_is_not_what_the_workers_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    planted = tmp_path / "cwd" / "weightcache"
+    planted.mkdir(parents=True)
+    marker = tmp_path / "ran"
+    (planted / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    (planted / "safetensors_split.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    path = write(tmp_path, header(*tensors(3000)), 3000)
+    monkeypatch.chdir(planted.parent)
+    safetensors_check.check_file(path)
+    assert not marker.exists()
+
+
+@pytest.mark.usefixtures("every_header_in_parts")
+def test_big_headers_are_checked_one_at_a_time_in_a_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    paths = []
+    for i in range(3):
+        (tmp_path / str(i)).mkdir()
+        paths.append(write(tmp_path / str(i), header(*tensors(3000)), 3000))
+    real, running, most = safetensors_split._run_parts, [0], [0]
+    lock = threading.Lock()
+
+    def counted(*args: Any) -> Any:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        try:
+            return real(*args)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(safetensors_split, "_run_parts", counted)
+    threads = [threading.Thread(target=safetensors_check.check_file, args=(p,)) for p in paths]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert most[0] == 1

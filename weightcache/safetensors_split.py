@@ -38,6 +38,7 @@ import random
 import struct
 import subprocess
 import sys
+import threading
 from array import array
 from collections import Counter
 from enum import Enum
@@ -92,20 +93,24 @@ class _Repeated(Enum):
 _REPEATED = _Repeated.KEY
 _PART = msgspec.msgpack.Decoder(_Part | None)
 _LENGTH = struct.Struct("<Q")
+# one big header checked at a time per process: no real model has a header of CHILD_MIN_BYTES (a 70B model's is
+# ~100 KB), so only a hostile source waits here
+_ONE_AT_A_TIME = threading.Lock()
 
 
 def check_in_children(fd: int, name: str, header_len: int, file_size: int) -> None:
     """check_file's verdict on the open file `fd` (its `header_len` already read and within bounds), reached in
     child processes; raises SafetensorsHeaderError with the in-process check's words."""
-    cuts = _cuts(fd, header_len, _part_count(header_len))
-    parts = _run_parts(fd, name, header_len, file_size - 8 - header_len, cuts) if cuts else None
-    if isinstance(parts, list):  # the whole text is valid, keys and all
-        refusal = next((p.refusal for p in parts if p.refusal is not None), None)
-        if refusal is not None:  # the first tensor in header order wrong on its own: as the whole check says
-            raise SafetensorsHeaderError(refusal)
-        if _tiled(parts, file_size - 8 - header_len):
-            return
-    _run_whole(fd, name, repeated=parts is _REPEATED)  # its words for a broken layout, a repeat, anything unusual
+    with _ONE_AT_A_TIME:  # a source of many big headers must not start workers by the dozen
+        cuts = _cuts(fd, header_len, _part_count(header_len))
+        parts = _run_parts(fd, name, header_len, file_size - 8 - header_len, cuts) if cuts else None
+        if isinstance(parts, list):  # the whole text is valid, keys and all
+            refusal = next((p.refusal for p in parts if p.refusal is not None), None)
+            if refusal is not None:  # the first tensor in header order wrong on its own: the whole check's words
+                raise SafetensorsHeaderError(refusal)
+            if _tiled(parts, file_size - 8 - header_len):
+                return
+        _run_whole(fd, name, repeated=parts is _REPEATED)  # its words for a broken layout, a repeat, the unusual
 
 
 def _part_count(header_len: int) -> int:
@@ -154,7 +159,8 @@ def _spawn(args: list[str], fd: int, seed: int) -> subprocess.Popen[bytes]:
     env = {key: os.environ[key] for key in _ENVIRONMENT if key in os.environ}
     env.update(PYTHONHASHSEED=str(seed),
                PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")])))
-    return subprocess.Popen([sys.executable, "-m", "weightcache.safetensors_split", *args], pass_fds=(fd,),
+    # -P: the working directory is not searched (a weightcache/ there must not be imported instead)
+    return subprocess.Popen([sys.executable, "-P", "-m", "weightcache.safetensors_split", *args], pass_fds=(fd,),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
 
 
@@ -187,6 +193,16 @@ def _reap(proc: subprocess.Popen[bytes]) -> None:
                 stream.close()
 
 
+def _tell(proc: subprocess.Popen[bytes], name: str, message: bytes) -> None:
+    """Send a child a message; StoreError saying what became of it when it is gone (not a BrokenPipeError)."""
+    assert proc.stdin is not None
+    try:
+        _send(proc.stdin, message)
+    except OSError:
+        _receive(proc, name)  # its output ends: raises, saying how the child ended
+        raise
+
+
 def _send(stream: IO[bytes], message: bytes) -> None:
     stream.write(_LENGTH.pack(len(message)))
     stream.write(message)
@@ -202,32 +218,33 @@ def _run_parts(fd: int, name: str, header_len: int, data_size: int,
     _REPEATED where "__metadata__" is among them (json says where it stands)."""
     bounds = list(zip([0, *(c + 2 for c in cuts)], [*(c + 1 for c in cuts), header_len], strict=True))
     seed = random.SystemRandom().randint(1, 2**32 - 1)  # drawn per check: nobody can aim collisions at it
+    procs: list[subprocess.Popen[bytes]] = []
     try:
-        procs = [_spawn(["part", str(fd), str(header_len), str(data_size), str(start), str(end), name,
-                         str(len(bounds))], fd, seed) for start, end in bounds]
-    except OSError as exc:  # no process to be had (EAGAIN, ENOMEM): the whole header in one
-        log.warning("safetensors header check: cannot start its workers (%s); checking in one", exc)
-        return None
-    try:
+        try:
+            for start, end in bounds:
+                procs.append(_spawn(["part", str(fd), str(header_len), str(data_size), str(start), str(end), name,
+                                     str(len(bounds))], fd, seed))
+        except OSError as exc:  # no process to be had (EAGAIN, ENOMEM): the whole header in one
+            log.warning("safetensors header check: cannot start its workers (%s); checking in one", exc)
+            return None
         parts = [_PART.decode(_receive(proc, name)) for proc in procs]
         found = [p for p in parts if p is not None]
         if len(found) < len(parts):
             return None
         if _ascending(found):
             return found
-        pipes = [proc.stdin for proc in procs if proc.stdin is not None]
-        for pipe in pipes:
-            _send(pipe, b"buckets")
+        for proc in procs:
+            _tell(proc, name, b"buckets")
         buckets = [msgspec.msgpack.decode(_receive(proc, name), type=list[bytes]) for proc in procs]
-        for i, pipe in enumerate(pipes):
-            _send(pipe, b"".join(b[i] for b in buckets))
+        for i, proc in enumerate(procs):
+            _tell(proc, name, b"".join(b[i] for b in buckets))
         repeats = set(chain.from_iterable(msgspec.msgpack.decode(_receive(proc, name), type=list[int])
                                           for proc in procs))
         if not repeats:
             return found
         wanted = array("q", sorted(repeats)).tobytes()
-        for pipe in pipes:
-            _send(pipe, wanted)
+        for proc in procs:
+            _tell(proc, name, wanted)
         named = [msgspec.msgpack.decode(_receive(proc, name), type=list[str] | None) for proc in procs]
         if None in named:  # "__metadata__" is one of them: json names the first repeat where it stands
             return _REPEATED
