@@ -519,3 +519,35 @@ def test_a_fetch_that_links_blobs_on_a_checksum_alone_syncs_before_it_publishes(
     assert fetcher.stats["origin_bytes"] == 0, "every file linked on its checksum"
     assert {f.path: (snap.path / f.path).read_bytes() for f in snap.files} == files
     assert len(syncs) == 1
+
+
+def test_a_peer_is_told_a_whole_file_is_held_only_once_its_part_holds_the_bytes(tmp_path: Path) -> None:
+    """hash_whole hashes a one-request file before any byte is written (it may go to its blob, never the part):
+    `holds`, which the peer server asks before serving a download in flight, says yes only after
+    write_whole_part wrote them, so a part left at that name by an earlier run is never served as this one."""
+    data = b"the bytes of this run" * 10
+    obj = ObjectInfo("k", "f.bin", len(data), "etag-1", None, None)
+    part = download.PartialFile(tmp_path / "f.part", obj, range_size=1 << 20, journalled=False)
+    (tmp_path / "f.part").write_bytes(b"stale bytes of an earlier run" * 10)
+    part.hash_whole(memoryview(data))
+    assert part.complete and not part.holds(0, 1) and not part.holds(0, len(data))
+    part.write_whole_part(memoryview(data))
+    assert part.holds(0, len(data)) and (tmp_path / "f.part").read_bytes() == data
+
+
+def test_a_part_and_journal_left_at_a_small_files_name_are_removed_when_it_is_fetched(tmp_path: Path) -> None:
+    """A one-request file starts over: what an earlier run left at its part's name (a crash, or a smaller chunk
+    size then, with a journal) is removed before the round, not left for a peer to open as in flight."""
+    _needs_tmpfile(tmp_path)
+    files = _small_model(tmp_path / "model", 3)
+    store = Store(tmp_path / "root", recover=False)
+    ref = parse_ref(f"file://{tmp_path / 'model'}/")
+    stale = store.partial_dir() / f"{ref.key}.{hashlib.sha256(b'd1/f00001.bin').hexdigest()[:16]}.part"
+    stale.write_bytes(b"from a killed run" * 100)
+    stale.with_suffix(".journal").write_text('{"key": "old"}\n0 1700\n')
+    other = store.partial_dir() / "m0000.0123456789abcdef.part"  # another model's download: not ours to remove
+    other.write_bytes(b"another model's")
+    snap = Fetcher(store).ensure(ref)
+    assert {f.path: (snap.path / f.path).read_bytes() for f in snap.files} == files
+    assert not stale.exists() and not stale.with_suffix(".journal").exists()
+    assert other.read_bytes() == b"another model's"

@@ -170,7 +170,8 @@ class PartialFile:
         self.hash_whole(data)
 
     def write_whole_part(self, data: memoryview) -> None:
-        """The file part of _write_whole: the bytes to the part, no hashing (hash_whole did it)."""
+        """The file part of _write_whole: the bytes to the part, no hashing (hash_whole did it). Only now does the
+        part hold them, so only now may a peer be served them (a part left by an earlier run holds other bytes)."""
         fd = _create_truncated(self.part)
         try:
             view = data
@@ -178,14 +179,16 @@ class PartialFile:
                 view = view[os.write(fd, view):]
         finally:
             os.close(fd)
+        with self._mu:
+            self._held.add(0, len(data))
 
     def hash_whole(self, data: memoryview) -> None:
         """Hash a one-request file's bytes and count it complete; the fetch then writes them to its blob
-        directly (weightcache/store/blobwrite.py), or to the part with write_whole_part."""
+        directly (weightcache/store/blobwrite.py), or to the part with write_whole_part. The part holds nothing
+        of them yet: `holds` stays false."""
         self._feed(data)
         with self._mu:
             self._done[0] = self._hash_at = self._whole_size = len(data)
-            self._held.add(0, len(data))
 
     def advance_hash(self, scratch: memoryview) -> None:
         """Hash every contiguous finished byte; one hasher at a time, others just leave their ranges."""

@@ -222,6 +222,7 @@ class Fetcher:
                 partial / f"{key}.{hashlib.sha256(item.relpath.encode()).hexdigest()[:16]}.part",
                 item.obj, range_size=range_size, source_check=_hasher_factory(check[0]) if check else None,
                 journalled=item.obj.size > self.chunk_size)  # a one-chunk file has nothing to resume
+        _drop_leftover_parts(partial, [_partial(i) for i in todo if not _partial(i).journalled])
         resumed = sum(_partial_size(i) for i in todo)
         if self.peers is not None and todo:
             source = self._with_peers(ref, source, todo)
@@ -593,6 +594,17 @@ def _hasher_factory(algorithm: str) -> Callable[[], Hasher]:
     if algorithm == "md5":
         return lambda: hashlib.md5(usedforsecurity=False)
     return lambda: new_hasher(algorithm) or hashlib.sha256()  # _expectations keeps only computable ones
+
+
+def _drop_leftover_parts(partial: Path, started_over: list[PartialFile]) -> None:
+    """A one-request file is started over, so a part or journal an earlier run left at its name (a crash, or a
+    smaller chunk size then) is removed before a peer can open it as this download in flight. One listing of
+    partial/ rather than an unlink per file: most small files find nothing."""
+    names = set(os.listdir(partial)) if started_over else set()
+    for part in started_over:
+        for path in (part.part, part.journal):
+            if path.name in names:
+                path.unlink(missing_ok=True)
 
 
 def _partial_size(item: _Item) -> int:
