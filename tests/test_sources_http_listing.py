@@ -27,6 +27,12 @@ PAGES: dict[str, str | bytes] = {
 }
 
 
+#: indexes that make a backtracking href pattern take hours: a good link first, then the hostile rest
+HOSTILE: dict[str, bytes] = {
+    "spaces": b'<a href="ok.bin">ok</a> <a' + b" " * 100_000,
+    "nested": b'<a href="ok.bin">ok</a> ' + b"<div <span <a <b " * 50_000 + b'<a href="last.bin">last</a>',
+    "repeated": b'<a href="ok.bin">ok</a> ' + b"<a " * ((10 << 20) // 3),
+}
 MANY = "".join(f'<a href="f{i}.bin">f</a>' for i in range(MAX_FILES + 1)).encode()
 
 
@@ -41,6 +47,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         path = self.path
         if self.command == "HEAD":
             self.heads.append(path)
+        if path.startswith("/hostile/"):
+            name = path.split("/")[2]
+            return self._send(HOSTILE[name] if path.endswith("/") else b"x")
         if path == "/many/":
             return self._send(MANY)
         if path.startswith("/deep/"):  # an index without end: every directory links one more below it
@@ -103,3 +112,15 @@ def test_too_many_files_are_refused_while_walking_before_any_head(url: str) -> N
     with pytest.raises(HostileKeyError, match=f"more than {MAX_FILES} files"):
         open_source(parse_ref(f"{url}/many/")).list()
     assert _Handler.heads == []
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_a_hostile_index_is_listed_in_linear_time(url: str, name: str) -> None:
+    # a daemon thread so that a regression fails the test instead of hanging the suite
+    result: list[list[str]] = []
+    thread = threading.Thread(target=lambda: result.append(
+        [o.relpath for o in open_source(parse_ref(f"{url}/hostile/{name}/")).list()]), daemon=True)
+    thread.start()
+    thread.join(20)
+    assert not thread.is_alive(), f"listing {name} took over 20 s"
+    assert result == [["last.bin", "ok.bin"] if name == "nested" else ["ok.bin"]]
