@@ -460,22 +460,41 @@ def test_a_small_file_failing_its_check_is_never_named_a_blob(tmp_path: Path) ->
     assert not store.has_blob(hashlib.sha256(b"what the source serves").hexdigest())
 
 
-def test_a_small_safetensors_file_is_checked_before_it_is_named(tmp_path: Path) -> None:
+def test_a_small_safetensors_file_is_checked_once_before_it_is_named(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The header check reads the unnamed file (through /proc/self/fd): a good one becomes its blob, a bad one
-    is refused naming the file, and no blob of it exists."""
+    is refused naming the file (by its path in the model, not the descriptor it was read through), checked
+    once (not again after the round, which would start a big header's worker processes twice), no part of it
+    written and no blob of it made. A file named a blob is verified once, not again after the round."""
+    _needs_tmpfile(tmp_path)
+    from weightcache import safetensors_check
+
+    checked: list[str] = []
+    check_file = safetensors_check.check_file
+    monkeypatch.setattr(safetensors_check, "check_file", lambda path: (checked.append(str(path)), check_file(path)))
+    verified: list[str] = []
+    verify = fetch_module._verified
+    monkeypatch.setattr(fetch_module, "_verified", lambda item, source: (verified.append(item.relpath),
+                                                                         verify(item, source))[1])
     model = tmp_path / "model"
     model.mkdir()
     save_file({"w": np.arange(16, dtype=np.float32)}, str(model / "good.safetensors"))
+    (model / "config.json").write_text("{}")
     store = Store(tmp_path / "root")
     snap = Fetcher(store).ensure(parse_ref(f"file://{model}/"))
     assert (snap.path / "good.safetensors").read_bytes() == (model / "good.safetensors").read_bytes()
-    bad = tmp_path / "damaged" / "bad.safetensors"
-    bad.parent.mkdir()
+    assert len(checked) == 1 and sorted(verified) == ["config.json", "good.safetensors"]
+    checked.clear()
+    bad = tmp_path / "damaged" / "sub" / "bad.safetensors"
+    bad.parent.mkdir(parents=True)
     header = b'{"w": {"dtype": "F32", "shape": [1000], "data_offsets": [0, 4000]}}'
     bad.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 16)  # 4,000 bytes promised, 16 there
-    with pytest.raises(SafetensorsHeaderError, match=r"bad\.safetensors"):
-        Fetcher(store).ensure(parse_ref(f"file://{bad.parent}/"))
+    with pytest.raises(SafetensorsHeaderError) as refused:
+        Fetcher(store).ensure(parse_ref(f"file://{tmp_path / 'damaged'}/"))
+    assert str(refused.value).startswith("sub/bad.safetensors: invalid safetensors file: "), refused.value
+    assert "/proc" not in str(refused.value) and len(checked) == 1 and checked[0].startswith("/proc/self/fd/")
     assert not store.has_blob(hashlib.sha256(bad.read_bytes()).hexdigest())
+    assert os.listdir(store.partial_dir()) == []
 
 
 class _ChecksumSource:

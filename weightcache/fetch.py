@@ -72,6 +72,7 @@ class _Item:
     size: int = 0  # of the blob linked or the file written, never the listing's claim
     partial: PartialFile | None = field(default=None, repr=False)
     in_blob: bool = False  # written straight to its blob (a whole small file): no part to move
+    header_error: SafetensorsHeaderError | None = None  # its header check's refusal before naming it: _finish raises
     unsynced_blob: bool = False  # linked on the store's checksum alone: its blob may be another fetch's, not synced
 
 
@@ -517,7 +518,9 @@ class Fetcher:
     def _write_whole(self, item: _Item, data: memoryview, source: Source, blobs: BlobWriter) -> None:
         """A file read whole in one request: hashed from the worker's buffer, so its digest is known before any
         byte is written; verified, it goes straight to its blob (store/blobwrite.py), else to a part as before.
-        A file failing verification is not written at all: _finish says why and it is fetched again."""
+        A file failing verification is not written at all: _finish says why and it is fetched again. One failing
+        its header check is not written either: _finish raises that refusal after the round, while the other
+        files of the round become blobs for a rerun."""
         part = _partial(item)
         part.hash_whole(data)
         try:
@@ -527,17 +530,23 @@ class Fetcher:
         check = functools.partial(_check_header, item) if item.relpath.endswith(".safetensors") else None
         try:
             item.in_blob = blobs.write(sha, data, check)
-        except SafetensorsHeaderError:  # not named: _finish checks its part and refuses it after the round, while
-            item.in_blob = False  # the other files of the round become blobs for a rerun
-        if not item.in_blob:
+        except SafetensorsHeaderError as exc:
+            item.header_error = exc
+            return
+        if item.in_blob:
+            item.sha256 = sha  # verified: _finish need not hash-compare it again
+        else:
             part.write_whole_part(data)
 
     def _finish(self, item: _Item, source: Source) -> None:
         """Verify a fully downloaded file, validate safetensors headers, move it into blobs/."""
         part = _partial(item)
+        if item.header_error is not None:  # refused before it was named: never checked (nor its workers run) twice
+            part.discard()
+            raise item.header_error
         if not part.complete:
             part.hash_resumed(memoryview(bytearray(4 << 20)))
-        sha = _verified(item, source)
+        sha = item.sha256 if item.in_blob and item.sha256 else _verified(item, source)  # in_blob: verified already
         if item.relpath.endswith(".safetensors") and not item.in_blob:  # in_blob: checked before it was named
             try:
                 _check_header(item, part.part)
@@ -566,13 +575,16 @@ def _verified(item: _Item, source: Source) -> str:
 
 
 def _check_header(item: _Item, path: str | Path) -> None:
-    """The safetensors header check of a downloaded file, read through `path`, naming the file of the model."""
+    """The safetensors header check of a downloaded file, read through `path` (a part, or /proc/self/fd/N of an
+    unnamed blob), naming the file of the model: the check names what it read, a name that means nothing to the
+    user, so that name is dropped from its message."""
     from weightcache.safetensors_check import check_file
 
     try:
         check_file(path)
     except SafetensorsHeaderError as exc:
-        raise SafetensorsHeaderError(f"{item.relpath}: {exc}; the model at the source is damaged or not "
+        problem = str(exc).removeprefix(f"{Path(path).name}: ")
+        raise SafetensorsHeaderError(f"{item.relpath}: {problem}; the model at the source is damaged or not "
                                      f"safetensors: fix or exclude that file") from exc
 
 
