@@ -11,8 +11,9 @@ import pytest
 
 from tests.faultproxy import QuietHTTPServer
 from weightcache.errors import HostileKeyError, SourceError
+from weightcache.sources import http as http_source
 from weightcache.sources import open_source
-from weightcache.store.paths import MAX_DEPTH, MAX_FILES
+from weightcache.store.paths import MAX_DEPTH, MAX_FILES, MAX_PATH_BYTES
 from weightcache.uri import parse_ref
 
 PAGES: dict[str, str | bytes] = {
@@ -33,20 +34,29 @@ HOSTILE: dict[str, bytes] = {
     "nested": b'<a href="ok.bin">ok</a> ' + b"<div <span <a <b " * 50_000 + b'<a href="last.bin">last</a>',
     "repeated": b'<a href="ok.bin">ok</a> ' + b"<a " * ((10 << 20) // 3),
 }
+#: each file linked three times, as Apache's IconsAreLinks and '#frag' anchors do
+DUPS = "".join(f'<a href="{f}"><img src="/icons/f.gif"></a> <a href="{f}">{f}</a> <a href="{f}#top">top</a>'
+               for f in ("a.bin", "b.bin", "c.bin")).encode()
+LONG = b'<a href="' + b"x" * MAX_PATH_BYTES + b'.bin">long</a>'
 MANY = "".join(f'<a href="f{i}.bin">f</a>' for i in range(MAX_FILES + 1)).encode()
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     heads: ClassVar[list[str]] = []  # paths asked for with HEAD
+    gets: ClassVar[list[str]] = []  # and with GET
 
     def log_message(self, format: str, *args: object) -> None:
         pass
 
     def do_GET(self) -> None:
         path = self.path
-        if self.command == "HEAD":
-            self.heads.append(path)
+        (self.heads if self.command == "HEAD" else self.gets).append(path)
+        if path in ("/dups/", "/dirs/", "/long/"):
+            return self._send({"/dups/": DUPS, "/long/": LONG,
+                               "/dirs/": b'<a href="a/">a/</a> <a href="b/">b/</a> <a href="c.bin">c</a>'}[path])
+        if path.startswith(("/dups/", "/dirs/")):
+            return self._send(b"x")
         if path.startswith("/hostile/"):
             name = path.split("/")[2]
             return self._send(HOSTILE[name] if path.endswith("/") else b"x")
@@ -124,3 +134,30 @@ def test_a_hostile_index_is_listed_in_linear_time(url: str, name: str) -> None:
     thread.join(20)
     assert not thread.is_alive(), f"listing {name} took over 20 s"
     assert result == [["last.bin", "ok.bin"] if name == "nested" else ["ok.bin"]]
+
+
+def test_repeated_links_count_once(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(http_source, "MAX_FILES", 3)
+    assert [o.relpath for o in open_source(parse_ref(f"{url}/dups/")).list()] == ["a.bin", "b.bin", "c.bin"]
+
+
+def test_directories_count_toward_the_file_limit_before_they_are_read(url: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(http_source, "MAX_FILES", 2)
+    _Handler.gets.clear()
+    with pytest.raises(HostileKeyError, match="more than 2 files and directories"):
+        open_source(parse_ref(f"{url}/dirs/")).list()
+    assert _Handler.gets == ["/dirs/"]  # neither a/ nor b/ was read
+
+
+def test_a_link_longer_than_a_path_may_be_is_refused(url: str) -> None:
+    with pytest.raises(HostileKeyError, match=f"path longer than {MAX_PATH_BYTES} bytes"):
+        open_source(parse_ref(f"{url}/long/")).list()
+
+
+def test_files_outside_the_globs_are_neither_counted_nor_asked_for(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(http_source, "MAX_FILES", 1)
+    _Handler.heads.clear()
+    objects = open_source(parse_ref(f"{url}/dups/", exclude=["[ab].bin"])).list()
+    assert [o.relpath for o in objects] == ["c.bin"]
+    assert _Handler.heads == ["/dups/c.bin"]

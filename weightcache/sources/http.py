@@ -1,11 +1,11 @@
 """http(s):// models from a plain web server (nginx autoindex, a static mirror).
 
 The listing walks the server's HTML directory indexes (links to files below the model's URL; parent, query
-and foreign links skipped; at most MAX_DEPTH levels and MAX_FILES files), then one HEAD per file, 16 at a time,
-for its size and ETag. Everything goes through one pooled urllib3 client; range reads land straight in the
-caller's buffer (measured faster than fsspec's aiohttp path: scripts/bench_sources.py, and the listing no
-longer imports aiohttp: 0.15 s of every CLI prefetch). A strong ETag pins the version with `If-Match`; 412 means
-the file changed.
+and foreign links skipped; files outside the globs neither read nor counted; at most MAX_DEPTH levels, MAX_FILES
+files and directories, paths of MAX_PATH_BYTES), then one HEAD per file, 16 at a time, for its size and ETag.
+Everything goes through one pooled urllib3 client; range reads land straight in the caller's buffer (measured
+faster than fsspec's aiohttp path: scripts/bench_sources.py, and the listing no longer imports aiohttp: 0.15 s
+of every CLI prefetch). A strong ETag pins the version with `If-Match`; 412 means the file changed.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import builtins
 import html
 import logging
 import re
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -39,7 +40,7 @@ from weightcache.sources.base import (
     read_range_into,
     stream_range,
 )
-from weightcache.store.paths import MAX_DEPTH, MAX_FILES
+from weightcache.store.paths import MAX_DEPTH, MAX_FILES, MAX_PATH_BYTES
 from weightcache.uri import ModelRef
 
 log = logging.getLogger(__name__)
@@ -107,32 +108,42 @@ class HttpSource:
         self._pool.clear()
 
     def _walk(self) -> builtins.list[str]:
-        """The URLs of the files below the root, from its index pages (one GET each, breadth first)."""
-        files: builtins.list[str] = []
-        dirs, seen = [self.root], {self.root}
+        """The URLs of the files below the root that pass the globs, from its index pages (one GET each, breadth
+        first). Directories count toward MAX_FILES with the files and no path may be longer than MAX_PATH_BYTES,
+        so a wide or deep tree of directories or links costs bounded GETs and memory."""
+        files: set[str] = set()
+        dirs, seen = deque([self.root]), {self.root}
         while dirs:
-            url = dirs.pop()
+            url = dirs.popleft()
             if url[len(self.root):].count("/") >= MAX_DEPTH:
                 raise HostileKeyError(unquote(url[len(self.root):]), f"more than {MAX_DEPTH} directories deep")
             for link in self._links(url):
-                if link.endswith("/"):
-                    if link not in seen:
-                        seen.add(link)
-                        dirs.append(link)
+                if link in seen or link in files:  # '#frag' forms and Apache's icon links repeat a link
+                    continue
+                relpath = unquote(link[len(self.root):])
+                is_dir = link.endswith("/")
+                if not is_dir and not self.ref.matches(relpath):
+                    continue
+                if len(relpath.encode()) > MAX_PATH_BYTES:
+                    raise HostileKeyError(relpath[:200] + "...", f"path longer than {MAX_PATH_BYTES} bytes")
+                if is_dir:
+                    seen.add(link)
+                    dirs.append(link)
                 else:
-                    files.append(link)
-            if len(files) > MAX_FILES:
-                raise HostileKeyError(unquote(files[MAX_FILES][len(self.root):]),
-                                      f"the model has more than {MAX_FILES} files; narrow it with --include/--exclude")
-        return sorted(set(files))
+                    files.add(link)
+                if len(files) + len(seen) - 1 > MAX_FILES:
+                    raise HostileKeyError(relpath, f"the model has more than {MAX_FILES} files and directories; "
+                                                   "narrow it with --include/--exclude")
+        return sorted(files)
 
-    def _links(self, url: str) -> builtins.list[str]:
+    def _links(self, url: str) -> Iterator[str]:
         """Links of one index page to files and directories below the root (parents, queries such as the sort
-        links ?C=N;O=D, and other hosts skipped); none where there is no such directory (404, 410)."""
+        links ?C=N;O=D, and other hosts skipped), repeats included, one at a time so that the walk refuses a page
+        of millions at MAX_FILES without holding them; none where there is no such directory (404, 410)."""
         try:
             resp = self._get(url, "listing")
         except SourceNotFoundError:
-            return []
+            return
         try:
             text = resp.read(_INDEX_MAX + 1, decode_content=True)
         except NETWORK_ERRORS as exc:
@@ -141,14 +152,10 @@ class HttpSource:
             resp.release_conn()
         if len(text) > _INDEX_MAX:
             raise SourceError(f"{url}: the directory index is over {_INDEX_MAX >> 20} MiB; serve a smaller tree")
-        out = []
         for href in hrefs(text.decode("utf-8", "replace")):
             link = urldefrag(urljoin(url, href)).url
             if "?" not in link and len(link) > len(url) and link.startswith(url):
-                out.append(link)
-                if len(out) > MAX_FILES:  # _walk refuses the model; no need to hold millions of links first
-                    break
-        return out
+                yield link
 
     def _get(self, url: str, what: str) -> Any:
         try:
