@@ -10,9 +10,10 @@ from typing import ClassVar
 import pytest
 
 from tests.faultproxy import QuietHTTPServer
-from weightcache.errors import HostileKeyError, SourceError
+from weightcache.errors import HostileKeyError, SourceError, SourceNotFoundError
 from weightcache.sources import http as http_source
 from weightcache.sources import open_source
+from weightcache.sources.base import SourceOptions
 from weightcache.store.paths import MAX_DEPTH, MAX_FILES, MAX_PATH_BYTES
 from weightcache.uri import parse_ref
 
@@ -45,6 +46,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     heads: ClassVar[list[str]] = []  # paths asked for with HEAD
     gets: ClassVar[list[str]] = []  # and with GET
+    busy: ClassVar[int] = 0  # answers of 503 still to give
 
     def log_message(self, format: str, *args: object) -> None:
         pass
@@ -55,6 +57,22 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if path in ("/dups/", "/dirs/", "/long/"):
             return self._send({"/dups/": DUPS, "/long/": LONG,
                                "/dirs/": b'<a href="a/">a/</a> <a href="b/">b/</a> <a href="c.bin">c</a>'}[path])
+        if path.startswith("/busy/") and self.busy:  # '²'.isdigit() is True: a Retry-After to read as ASCII
+            type(self).busy -= 1
+            self.send_response(503)
+            self.send_header("Retry-After", "\u00b2")
+            self.send_header("Content-Length", "0")
+            return self.end_headers()
+        if path.startswith(("/busy/", "/headless/", "/badlength/")):
+            if path.endswith("/"):
+                return self._send(b'<a href="f.bin">f</a>')
+            if self.command == "HEAD" and path.startswith("/headless/"):
+                return self._send(b"", 404)
+            if self.command == "HEAD" and path.startswith("/badlength/"):
+                self.send_response(200)
+                self.send_header("Content-Length", "\u00b2")
+                return self.end_headers()
+            return self._send(b"x")
         if path.startswith(("/dups/", "/dirs/")):
             return self._send(b"x")
         if path.startswith("/hostile/"):
@@ -161,3 +179,20 @@ def test_files_outside_the_globs_are_neither_counted_nor_asked_for(url: str, mon
     objects = open_source(parse_ref(f"{url}/dups/", exclude=["[ab].bin"])).list()
     assert [o.relpath for o in objects] == ["c.bin"]
     assert _Handler.heads == ["/dups/c.bin"]
+
+
+def test_a_head_that_answers_404_is_not_found(url: str) -> None:
+    with pytest.raises(SourceNotFoundError, match=r"HEAD .*/headless/f.bin: HTTP 404; check the URL"):
+        open_source(parse_ref(f"{url}/headless/")).list()
+
+
+def test_a_length_in_non_ascii_digits_is_refused_with_a_hint(url: str) -> None:
+    with pytest.raises(SourceError, match=r"Content-Length '\u00b2' is not a byte count; serve it from a static"):
+        open_source(parse_ref(f"{url}/badlength/")).list()
+
+
+def test_a_busy_server_is_retried_whatever_its_retry_after(url: str) -> None:
+    _Handler.busy = 2  # the index, then the HEAD
+    source = open_source(parse_ref(f"{url}/busy/"), SourceOptions(backoff=0.01))
+    assert [(o.relpath, o.size) for o in source.list()] == [("f.bin", 1)]
+    assert _Handler.busy == 0

@@ -55,6 +55,8 @@ ERRORS: dict[int, tuple[type[SourceError], str]] = {
     412: (ObjectChangedError, _CHANGED),
 }
 NETWORK_ERRORS = (urllib3.exceptions.HTTPError, OSError)
+_STATIC = "serve it from a static file server"
+_RANGES = "serve it from a server that supports Range (nginx, any static file server)"
 #: one <a ...> start tag. Linear: `hrefs` cuts the page after its last '>', so every attempt ends at the next '>'
 #: and the scan resumes behind it (a hostile `<a <a <a` index costs one pass, never a backtracking storm).
 _A_TAG = re.compile(r"<a\s[^>]*>", re.IGNORECASE)
@@ -162,17 +164,7 @@ class HttpSource:
             resp = self._pool.request("GET", url, preload_content=False, redirect=True)
         except NETWORK_ERRORS as exc:
             raise Retryable(f"GET {url} failed ({type(exc).__name__})") from exc
-        if resp.status == 429 or resp.status >= 500:
-            resp.drain_conn()
-            after = resp.headers.get("Retry-After", "")
-            raise Retryable(f"HTTP {resp.status} {what} {url}", float(after) if after.isdigit() else None)
-        if resp.status in ERRORS:
-            resp.drain_conn()
-            cls, hint = ERRORS[resp.status]
-            raise cls(f"{what} {url}: HTTP {resp.status}; {hint}")
-        if resp.status != 200:
-            resp.drain_conn()
-            raise SourceError(f"{what} {url}: HTTP {resp.status}; serve the model's directory as an HTML index")
+        raise_for_status(resp, f"{what} {url}", (200,), "serve the model's directory as an HTML index")
         return resp
 
     def _object(self, url: str) -> ObjectInfo:
@@ -182,20 +174,18 @@ class HttpSource:
                 resp = self._pool.request("HEAD", url, redirect=True)
             except NETWORK_ERRORS as exc:
                 raise Retryable(f"HEAD {url} failed ({type(exc).__name__})") from exc
-            if resp.status == 429 or resp.status >= 500:
-                raise Retryable(f"HTTP {resp.status} on HEAD {url}")
-            if resp.status in ERRORS:
-                cls, hint = ERRORS[resp.status]
-                raise cls(f"{url}: HTTP {resp.status}; {hint}")
+            raise_for_status(resp, f"HEAD {url}", (200,), _STATIC)
             return resp
 
         resp = self.options.retry(f"HEAD {url}").call(head)
         length = resp.headers.get("Content-Length", "")
-        if not length.isdigit():
-            raise SourceError(f"{url}: the server gives no Content-Length; serve it from a static file server")
+        size = header_int(length)
+        if size is None:
+            raise SourceError(f"{url}: the server gives no Content-Length; {_STATIC}" if not length else
+                              f"{url}: the server's Content-Length {length[:40]!r} is not a byte count; {_STATIC}")
         etag = resp.headers.get("ETag")
         strong = etag.strip('"') if etag and not etag.startswith("W/") else None  # If-Match needs a strong one
-        return ObjectInfo(url, unquote(url[len(self.root):]), int(length), strong, None, None)
+        return ObjectInfo(url, unquote(url[len(self.root):]), size, strong, None, None)
 
     def read_pieces(self, obj: ObjectInfo, offset: int, length: int, buf: memoryview,
                     on_bytes: OnBytes | None = None) -> Pieces:
@@ -220,18 +210,28 @@ class HttpSource:
         return resp
 
     def _check(self, resp: Any, obj: ObjectInfo, pos: int) -> None:
-        status = resp.status
-        if status != 206 and status != 200:
-            resp.close()
-        if status == 429 or status >= 500:
-            after = resp.headers.get("Retry-After", "")
-            raise Retryable(f"HTTP {status}", float(after) if after.isdigit() else None)
-        if status in ERRORS:
-            cls, hint = ERRORS[status]
-            raise cls(f"{obj.key}: HTTP {status}; {hint}")
-        if status == 200 and pos == 0:
+        raise_for_status(resp, obj.key, (200, 206), _RANGES)
+        if resp.status == 200 and pos == 0:
             return  # the whole file from byte 0: the first len(view) bytes are the ones wanted
-        if status != 206 or not resp.headers.get("Content-Range", "").startswith(f"bytes {pos}-"):
+        if resp.status != 206 or not resp.headers.get("Content-Range", "").startswith(f"bytes {pos}-"):
             resp.close()
-            raise SourceError(f"{obj.key}: HTTP {status} to a range request; serve it from a server that "
-                              "supports Range (nginx, any static file server)")
+            raise SourceError(f"{obj.key}: HTTP {resp.status} to a range request; {_RANGES}")
+
+
+def raise_for_status(resp: Any, what: str, ok: tuple[int, ...], hint: str) -> None:
+    """Return for a status in `ok`; else raise: 429 and 5xx Retryable (after the server's Retry-After), the
+    refusals of ERRORS with their hints, anything else SourceError with `hint`. The module's one status table."""
+    status = resp.status
+    if status in ok:
+        return
+    resp.close()  # an error's body is never read: its size is the server's choice
+    if status == 429 or status >= 500:
+        raise Retryable(f"HTTP {status} on {what}", header_int(resp.headers.get("Retry-After", "")))
+    cls, fix = ERRORS.get(status, (SourceError, hint))
+    raise cls(f"{what}: HTTP {status}; {fix}")
+
+
+def header_int(value: str) -> int | None:
+    """A header's non-negative integer (Content-Length, Retry-After seconds), or None. ASCII digits only:
+    '²'.isdigit() is True and int('²') raises."""
+    return int(value) if value.isascii() and value.isdigit() else None
