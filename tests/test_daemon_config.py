@@ -74,6 +74,7 @@ def test_defaults_and_allow_undeclared_auto() -> None:
     ({"logFormat": "xml"}, "logFormat: expected one of text, json"),
     ({"csiEndpoint": "/csi/csi.sock"}, "csiEndpoint: expected unix:///"),
     ({"models": [{"source": "s3://models/x/", "tier": "memory"}]}, r"models\[0\].tier: memory needs the memory tier"),
+    ({"metricsListen": "127.0.0.1:9\u00b2"}, "metricsListen: expected HOST:PORT"),  # '²'.isdigit() is True
 ])
 def test_invalid_settings_name_the_field(raw: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):

@@ -78,3 +78,13 @@ def test_a_name_without_a_stamp_ages_by_its_mtime(tmp_path: Path) -> None:
     old = time.time() - q.QUARANTINE_MAX_AGE_S - 60
     os.utime(stray, (old, old))
     assert q.prune(store) == 5 and not stray.exists()
+
+
+def test_a_stamp_of_other_digits_ages_by_its_mtime(tmp_path: Path) -> None:
+    """'٣'.isdigit() is True and int() reads it: a planted name's "stamp" of such digits is no stamp."""
+    store = Store(tmp_path / "store")
+    stray = store.layout.quarantine / ("planted." + "\u0663" * 19)
+    stray.write_bytes(b"s" * 5)
+    old = time.time() - q.QUARANTINE_MAX_AGE_S - 60
+    os.utime(stray, (old, old))
+    assert q.prune(store) == 5 and not stray.exists()

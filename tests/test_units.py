@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from weightcache.errors import ConfigError
-from weightcache.units import MAX_BYTES, fmt_bytes, parse_size
+from weightcache.units import MAX_BYTES, ascii_int, fmt_bytes, parse_size
 
 
 @pytest.mark.parametrize(("text", "expected"), [
@@ -54,3 +54,9 @@ def test_cli_size_flags_use_the_same_grammar(capsys: pytest.CaptureFixture[str])
         parser.parse_args(["prefetch", "s3://m/x/", "--chunk-size", "1m"])
     assert exc.value.code == 2
     assert "milli" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("text", "expected"), [("0", 0), ("120", 120), ("", None), ("-1", None), ("1.5", None),
+                                                ("\u00b2", None), ("\u0663", None), (" 1", None)])
+def test_ascii_int_reads_ascii_digits_only(text: str, expected: int | None) -> None:
+    assert ascii_int(text) == expected

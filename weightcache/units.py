@@ -39,6 +39,12 @@ def parse_size(value: object, what: str = "size") -> int:
     return _checked(math.ceil(exact) if exact <= MAX_BYTES else MAX_BYTES + 1, value, what)
 
 
+def ascii_int(text: str) -> int | None:
+    """`text` as a non-negative integer when it is ASCII digits only, else None: str.isdigit() is also True for
+    '²' or '٣', which int() then refuses or reads (a header, a port or a file name is untrusted text)."""
+    return int(text) if text.isascii() and text.isdigit() else None
+
+
 def fmt_bytes(n: int | float | None) -> str:
     """'512 B', '64 KiB', '1.25 GiB', '12.3 GiB', '931 GiB': binary units, three significant digits; None -> '?'."""
     if n is None:

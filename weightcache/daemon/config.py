@@ -26,7 +26,7 @@ from weightcache.errors import ConfigError, InvalidReferenceError
 from weightcache.redact import redact
 from weightcache.store import floor
 from weightcache.store.floor import parse_percent
-from weightcache.units import parse_size
+from weightcache.units import ascii_int, parse_size
 from weightcache.uri import ModelRef, parse_ref
 
 # Environment variable -> config key. Flags use the same keys (see command.py).
@@ -376,9 +376,10 @@ def _host_port(what: str, example: str) -> Callable[[Any], tuple[str, int]]:
     def parse(value: Any) -> tuple[str, int]:
         host, sep, port = str(value).rpartition(":")
         host = host.removeprefix("[").removesuffix("]")
-        if not sep or not host or not port.isdigit() or int(port) > 65535:
+        number = ascii_int(port)
+        if not sep or not host or number is None or number > 65535:
             raise ConfigError(f"{what}: expected HOST:PORT such as {example}, got {value!r}")
-        return host, int(port)
+        return host, number
     return parse
 
 

@@ -38,6 +38,7 @@ from weightcache.sources.base import (
     read_range_into,
     stream_range,
 )
+from weightcache.units import ascii_int
 from weightcache.uri import ModelRef
 
 log = logging.getLogger(__name__)
@@ -200,7 +201,7 @@ class HfSource:
             resp.close()
         if status == 429 or status >= 500:
             after = resp.headers.get("Retry-After", "")
-            raise Retryable(f"HTTP {status}", float(after) if after.isdigit() else None)
+            raise Retryable(f"HTTP {status}", ascii_int(after))
         if status in (401, 403):
             raise SourceAccessDeniedError(f"{self.repo_id}/{obj.key}: HTTP {status}; check the token's access "
                                           f"(a gated repo: {_GATED})")

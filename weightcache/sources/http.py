@@ -41,6 +41,7 @@ from weightcache.sources.base import (
     stream_range,
 )
 from weightcache.store.paths import MAX_DEPTH, MAX_FILES, MAX_PATH_BYTES
+from weightcache.units import ascii_int
 from weightcache.uri import ModelRef
 
 log = logging.getLogger(__name__)
@@ -179,7 +180,7 @@ class HttpSource:
 
         resp = self.options.retry(f"HEAD {url}").call(head)
         length = resp.headers.get("Content-Length", "")
-        size = header_int(length)
+        size = ascii_int(length)
         if size is None:
             raise SourceError(f"{url}: the server gives no Content-Length; {_STATIC}" if not length else
                               f"{url}: the server's Content-Length {length[:40]!r} is not a byte count; {_STATIC}")
@@ -226,12 +227,6 @@ def raise_for_status(resp: Any, what: str, ok: tuple[int, ...], hint: str) -> No
         return
     resp.close()  # an error's body is never read: its size is the server's choice
     if status == 429 or status >= 500:
-        raise Retryable(f"HTTP {status} on {what}", header_int(resp.headers.get("Retry-After", "")))
+        raise Retryable(f"HTTP {status} on {what}", ascii_int(resp.headers.get("Retry-After", "")))
     cls, fix = ERRORS.get(status, (SourceError, hint))
     raise cls(f"{what}: HTTP {status}; {fix}")
-
-
-def header_int(value: str) -> int | None:
-    """A header's non-negative integer (Content-Length, Retry-After seconds), or None. ASCII digits only:
-    '²'.isdigit() is True and int('²') raises."""
-    return int(value) if value.isascii() and value.isdigit() else None

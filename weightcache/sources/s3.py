@@ -45,6 +45,7 @@ from weightcache.sources.base import (
     read_range_into,
     stream_range,
 )
+from weightcache.units import ascii_int
 from weightcache.uri import ModelRef
 
 log = logging.getLogger(__name__)
@@ -250,7 +251,7 @@ def translate(exc: botocore.exceptions.ClientError | botocore.exceptions.NoCrede
     code = str(exc.response.get("Error", {}).get("Code") or status)
     if code in RETRYABLE or status == 429 or status >= 500:
         retry_after = meta.get("HTTPHeaders", {}).get("retry-after", "")
-        return Retryable(f"{code} (HTTP {status})", float(retry_after) if retry_after.isdigit() else None)
+        return Retryable(f"{code} (HTTP {status})", ascii_int(retry_after))
     cls, hint = ERRORS.get(code) or ERRORS.get(str(status)) or (SourceError, "see the chained cause")
     err = cls(f"{what}: {code} (HTTP {status}); {hint.format(uri=uri)}")
     err.__cause__ = exc

@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from weightcache.units import ascii_int
+
 if TYPE_CHECKING:
     from weightcache.store.store import Store
 
@@ -50,7 +52,8 @@ def entries(store: Store) -> list[Entry]:
             except FileNotFoundError:
                 continue
             stamp = name.rpartition(".")[2]
-            moved_at = int(stamp) / 1e9 if stamp.isdigit() and len(stamp) >= 18 else st.st_mtime
+            nanoseconds = ascii_int(stamp) if len(stamp) >= 18 else None
+            moved_at = nanoseconds / 1e9 if nanoseconds is not None else st.st_mtime
             size = _size_below(qfd, name) if stat.S_ISDIR(st.st_mode) else st.st_size
             found.append(Entry(name, moved_at, size))
     return sorted(found, key=lambda e: (e.moved_at, e.name))
