@@ -16,7 +16,8 @@ peak RSS), interleaved (a new order each run), each after the same idle pause, m
 Needs nginx, aria2 and curl (apt-get install nginx aria2 curl): the script installs them when root. The s3fs row
 needs the bench extra (pip install -e '.[bench]'); without it the row is skipped with a note.
 A second table: --small-files files of 4 KB from file://, weightcache's fetch (timed in its process, without
-interpreter start and module imports) against `cp -r` + `sync`, both ending with the data durable. File creation
+interpreter start and module imports) against `cp -r` + `sync`, both ending with the data durable, and the store
+layout's floor (a bare loop making the fetch's system calls per file, then one syncfs). File creation
 on a busy ext4 costs what the other tenants of the disk leave behind (deleted inodes slow every allocation): for
 figures that compare, point --dir at a filesystem of its own (a loop-mounted ext4 image will do).
 """
@@ -193,6 +194,43 @@ print(wall, after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
 """
 
 
+FLOOR = """
+import ctypes, hashlib, os, resource, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+src, dst = sys.argv[1], sys.argv[2]
+before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+os.makedirs(dst + "/blobs"); os.makedirs(dst + "/tree")
+blobs = os.open(dst + "/blobs", os.O_RDONLY | os.O_DIRECTORY)
+tree = os.open(dst + "/tree", os.O_RDONLY | os.O_DIRECTORY)
+files = []
+for d in sorted(os.listdir(src)):
+    with os.scandir(src + "/" + d) as it:
+        files += [(d, e.name, e.stat(follow_symlinks=False).st_size) for e in it]
+buf, dirs, made = memoryview(bytearray(1 << 20)), {}, set()
+for d, name, size in files:
+    fd = os.open(f"{src}/{d}/{name}", os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    n = os.preadv(fd, [buf[:size]], 0)
+    os.fstat(fd)
+    os.close(fd)
+    digest = hashlib.sha256(buf[:n]).hexdigest()
+    sub = dirs.get(digest[:2])
+    if sub is None:
+        os.mkdir(digest[:2], dir_fd=blobs)
+        sub = dirs[digest[:2]] = os.open(digest[:2], os.O_RDONLY | os.O_DIRECTORY, dir_fd=blobs)
+    fd = os.open(".", os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o444, dir_fd=sub)
+    os.write(fd, buf[:n])
+    libc.linkat(fd, b"", sub, digest.encode(), 0x1000)
+    os.close(fd)
+    if d not in made:
+        os.mkdir(d, dir_fd=tree)
+        made.add(d)
+    os.link(digest, f"{d}/{name}", src_dir_fd=sub, dst_dir_fd=tree)
+libc.syncfs(blobs)
+wall, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF)
+print(wall, after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
+"""
+
+
 def _children_cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
     return r.ru_utime + r.ru_stime
@@ -201,16 +239,17 @@ def _children_cpu() -> float:
 def small_files(work: Path, count: int, runs: int, idle: float) -> None:
     """`count` files of 4 KB in 20 directories: weightcache's fetch (syncfs before publish) vs cp -r + sync -f,
     wall and CPU seconds (user + system: on a shared machine the wall time swings with the other tenants' disk
-    traffic, the CPU time much less)."""
+    traffic, the CPU time much less). A third row is the store layout's floor: a bare Python loop making exactly
+    the system calls a fetch makes per file (FLOOR), with none of the planning, checks, manifest or index."""
     src = work / "src"
     for i in range(count):
         d = src / f"d{i % 20:02d}"
         d.mkdir(parents=True, exist_ok=True)
         (d / f"f{i:05d}.bin").write_bytes(os.urandom(4096))
     subprocess.run(["sync"], check=True)
-    cp, wc, cp_cpu, wc_cpu = [], [], [], []
+    cp, wc, cp_cpu, wc_cpu, fl, fl_cpu = [], [], [], [], [], []
     for run in range(runs):
-        for dest in (work / "cp", work / "root"):
+        for dest in (work / "cp", work / "root", work / "floor"):
             subprocess.run(["chmod", "-R", "u+w", str(dest)], check=False, stderr=subprocess.DEVNULL)
             shutil.rmtree(dest, ignore_errors=True)
         subprocess.run(["sync"], check=True)  # the removals' writeback is no one's cost
@@ -221,20 +260,24 @@ def small_files(work: Path, count: int, runs: int, idle: float) -> None:
         cp.append(time.perf_counter() - start)
         cp_cpu.append(_children_cpu() - cpu)
         time.sleep(idle)
-        out = subprocess.run([PY, "-c", SMALL, str(src), str(work / "root")], check=True, capture_output=True,
-                             text=True).stdout
-        wall, used = out.strip().splitlines()[-1].split()
-        wc.append(float(wall))
-        wc_cpu.append(float(used))
+        for script, dest, walls, cpus in ((SMALL, "root", wc, wc_cpu), (FLOOR, "floor", fl, fl_cpu)):
+            out = subprocess.run([PY, "-c", script, str(src), str(work / dest)], check=True, capture_output=True,
+                                 text=True).stdout
+            wall, used = out.strip().splitlines()[-1].split()
+            walls.append(float(wall))
+            cpus.append(float(used))
+            time.sleep(idle)
         print(f"  run {run + 1}: small files: cp -r + sync -f {cp[-1]:.2f} s ({cp_cpu[-1]:.2f} CPU s), "
-              f"weightcache {wc[-1]:.2f} s ({wc_cpu[-1]:.2f} CPU s)", flush=True)
-    a, b = statistics.median(cp), statistics.median(wc)
-    ca, cb = statistics.median(cp_cpu), statistics.median(wc_cpu)
+              f"weightcache {wc[-1]:.2f} s ({wc_cpu[-1]:.2f} CPU s), floor {fl[-1]:.2f} s", flush=True)
+    a, b, f = statistics.median(cp), statistics.median(wc), statistics.median(fl)
+    ca, cb, cf = statistics.median(cp_cpu), statistics.median(wc_cpu), statistics.median(fl_cpu)
     print(f"\n{'small files (' + str(count) + ' x 4 KB)':<36} {'seconds':>8} {'files/s':>8} {'x cp':>6} "
           f"{'CPU s':>6} {'x cp':>6}")
     print(f"{'cp -r + sync -f':<36} {a:>8.2f} {count / a:>8.0f} {1.0:>6.2f} {ca:>6.2f} {1.0:>6.2f}")
     print(f"{'weightcache fetch (file://)':<36} {b:>8.2f} {count / b:>8.0f} {b / a:>6.2f} {cb:>6.2f} "
           f"{cb / ca if ca else 0.0:>6.2f}")
+    print(f"{'floor: its system calls, bare loop':<36} {f:>8.2f} {count / f:>8.0f} {f / a:>6.2f} {cf:>6.2f} "
+          f"{cf / ca if ca else 0.0:>6.2f}")
     print(f"Medians of {runs} runs; weightcache timed inside its process (no interpreter start).\n")
 
 

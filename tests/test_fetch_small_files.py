@@ -570,3 +570,43 @@ def test_a_part_and_journal_left_at_a_small_files_name_are_removed_when_it_is_fe
     assert {f.path: (snap.path / f.path).read_bytes() for f in snap.files} == files
     assert not stale.exists() and not stale.with_suffix(".journal").exists()
     assert other.read_bytes() == b"another model's"
+
+
+def test_publish_names_the_snapshot_only_after_the_syncfs_it_overlaps_returns(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The syncfs that makes a fetch's blobs durable runs while publish links the tree: the tree may be built
+    meanwhile, but no manifest, snapshot or ref names it until the syncfs has returned."""
+    files = _small_model(tmp_path / "model", 40)
+    store = Store(tmp_path / "root")
+    seen: dict[str, object] = {}
+
+    def slow_syncfs(path: Path) -> None:
+        threading.Event().wait(0.5)  # a slow disk: publish has long built its tree by now
+        seen["tree built meanwhile"] = any(p.name.startswith(fsops.TMP_PREFIX)
+                                           for p in store.layout.snapshots.iterdir())
+        seen["named at its end"] = sorted(p.name for d in (store.layout.manifests, store.layout.refs)
+                                          for p in d.iterdir()) + [p.name for p in store.layout.snapshots.iterdir()
+                                                                   if not p.name.startswith(fsops.TMP_PREFIX)]
+
+    monkeypatch.setattr(fetch_module, "sync_filesystem", slow_syncfs)
+    snap = Fetcher(store).ensure(parse_ref(f"file://{tmp_path / 'model'}/"))
+    assert seen == {"tree built meanwhile": True, "named at its end": []}
+    assert {f.path: (snap.path / f.path).read_bytes() for f in snap.files} == files
+
+
+def test_a_syncfs_that_fails_abandons_the_publish_and_leaves_no_tree(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """syncfs failing (EIO: the disk lost writes) means the blobs may not be on disk: the fetch fails with that
+    error, the tree publish built meanwhile is removed, and nothing names a snapshot."""
+    _small_model(tmp_path / "model", 10)
+    store = Store(tmp_path / "root")
+
+    def failing_syncfs(path: Path) -> None:
+        raise OSError(errno.EIO, "syncfs: Input/output error")
+
+    monkeypatch.setattr(fetch_module, "sync_filesystem", failing_syncfs)
+    ref = parse_ref(f"file://{tmp_path / 'model'}/")
+    with pytest.raises(OSError, match="Input/output error"):
+        Fetcher(store).ensure(ref)
+    assert store.lookup(ref) is None
+    assert [*store.layout.snapshots.iterdir(), *store.layout.manifests.iterdir()] == []

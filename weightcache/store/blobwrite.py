@@ -23,6 +23,8 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from weightcache.store.records import SHA256_HEX, is_hex
+
 if TYPE_CHECKING:
     from weightcache.store.fsops import HeldDirs
     from weightcache.store.layout import Layout
@@ -41,6 +43,7 @@ class BlobWriter:
         """`dirs` holds the blob directories that `blob_dir` (sha256 -> descriptor) opens; closed with this."""
         self._layout, self._dirs, self._blob_dir = layout, dirs, blob_dir
         self._mu = threading.Lock()  # blob_dir opens and holds directories: one thread at a time
+        self._dfds: dict[str, int] = {}  # a digest's first two characters -> its directory, once blob_dir opened it
         self.usable = hasattr(os, "O_TMPFILE") and os.path.isdir(_PROC_FD)  # False after the first refusal
         # linkat(fd, "", AT_EMPTY_PATH) skips resolving /proc/self/fd/N (about a third of a link's cost); it needs
         # CAP_DAC_READ_SEARCH before Linux 6.10, so a refusal sends the links through /proc
@@ -53,8 +56,10 @@ class BlobWriter:
         name and raises to refuse it (the safetensors header check)."""
         if not self.usable:
             return False
-        with self._mu:
-            dfd = self._blob_dir(sha256)
+        dfd = self._dfds.get(sha256[:2]) if is_hex(sha256, SHA256_HEX) else None
+        if dfd is None:
+            with self._mu:
+                dfd = self._dfds[sha256[:2]] = self._blob_dir(sha256)  # refuses what is not a digest
         try:
             fd = os.open(".", os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o444, dir_fd=dfd)
         except OSError as exc:
@@ -90,7 +95,7 @@ class BlobWriter:
     def _linkat(self, fd: int, dfd: int, name: str) -> int:
         """Link the file open as `fd` as `name` in `dfd` (never replacing); 0, or the errno."""
         if self._empty_path:
-            if _libc.linkat(fd, b"", dfd, os.fsencode(name), _AT_EMPTY_PATH) == 0:
+            if _libc.linkat(fd, b"", dfd, name.encode(), _AT_EMPTY_PATH) == 0:
                 return 0
             err = ctypes.get_errno()
             if err not in (errno.ENOENT, errno.EPERM, errno.EINVAL):

@@ -323,8 +323,11 @@ class Store:
 
         return blob_dir
 
-    def publish(self, ref: ModelRef, files: builtins.list[FileEntry]) -> Snapshot:
-        """Build the snapshot tree from blobs, rename it into place, write the manifest, index it, point the ref."""
+    def publish(self, ref: ModelRef, files: builtins.list[FileEntry], *,
+                before_commit: Callable[[], object] | None = None) -> Snapshot:
+        """Build the snapshot tree from blobs, rename it into place, write the manifest, index it, point the ref.
+        `before_commit()` runs once the tree is built, before anything names the snapshot: the fetch waits there
+        for the syncfs that makes the blobs durable (it raises to abandon the publish)."""
         snap_id = snapshot_id_for(files)
         for f in files:
             if not is_hex(f.sha256, SHA256_HEX):
@@ -336,9 +339,18 @@ class Store:
                 for f in files:
                     if _blob_size(blob_dirs, f.sha256) is None:
                         raise BlobMissingError(f"blob {f.sha256} for {f.path} vanished before publish")
+                if before_commit is not None:
+                    before_commit()
             else:
                 self.tree.remove_tree(final)  # a tree without manifest: an interrupted publish; rebuild it
-                self._commit_tree(self._build_tree(final, files, blob_dirs), final)
+                tmp = self._build_tree(final, files, blob_dirs)
+                if before_commit is not None:
+                    try:
+                        before_commit()
+                    except BaseException:
+                        self.tree.remove_tree(tmp)
+                        raise
+                self._commit_tree(tmp, final)
                 self._write_manifest(Manifest(snap_id, ref.uri, ref.revision, time.time(), tuple(files)))
             self._index_snapshot(ref, snap_id, files)
             self._write_ref(ref, snap_id)
