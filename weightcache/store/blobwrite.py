@@ -19,11 +19,8 @@ import ctypes
 import errno
 import os
 import stat
-import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
-
-from weightcache.store.records import SHA256_HEX, is_hex
 
 if TYPE_CHECKING:
     from weightcache.store.fsops import HeldDirs
@@ -40,10 +37,9 @@ class BlobWriter:
     """Writes verified small files as blobs for one fetch; thread-safe (workers share it). Close it (`with`)."""
 
     def __init__(self, layout: Layout, dirs: HeldDirs, blob_dir: Callable[[str], int]) -> None:
-        """`dirs` holds the blob directories that `blob_dir` (sha256 -> descriptor) opens; closed with this."""
+        """`dirs` holds the blob directories that `blob_dir` (sha256 -> descriptor, thread-safe) opens; closed with
+        this."""
         self._layout, self._dirs, self._blob_dir = layout, dirs, blob_dir
-        self._mu = threading.Lock()  # blob_dir opens and holds directories: one thread at a time
-        self._dfds: dict[str, int] = {}  # a digest's first two characters -> its directory, once blob_dir opened it
         self.usable = hasattr(os, "O_TMPFILE") and os.path.isdir(_PROC_FD)  # False after the first refusal
         # linkat(fd, "", AT_EMPTY_PATH) skips resolving /proc/self/fd/N (about a third of a link's cost); it needs
         # CAP_DAC_READ_SEARCH before Linux 6.10, so a refusal sends the links through /proc
@@ -56,10 +52,7 @@ class BlobWriter:
         name and raises to refuse it (the safetensors header check)."""
         if not self.usable:
             return False
-        dfd = self._dfds.get(sha256[:2]) if is_hex(sha256, SHA256_HEX) else None
-        if dfd is None:
-            with self._mu:
-                dfd = self._dfds[sha256[:2]] = self._blob_dir(sha256)  # refuses what is not a digest
+        dfd = self._blob_dir(sha256)  # refuses what is not a digest
         try:
             fd = os.open(".", os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o444, dir_fd=dfd)
         except OSError as exc:

@@ -313,12 +313,16 @@ class Store:
         """sha256 -> descriptor of its blobs/sha256/<ab> directory (refused unless it is a digest), held in `dirs`;
         one dict lookup per file for a caller naming thousands of blobs."""
         fds: dict[str, int] = {}
+        opening = threading.Lock()  # HeldDirs is not thread-safe: a BlobWriter's workers share this
 
         def blob_dir(sha256: str) -> int:
             name = self.layout.blob_dir_name(sha256)
             fd = fds.get(name)
             if fd is None:
-                fd = fds[name] = dirs.child(self.layout.blobs, name, create=create)
+                with opening:
+                    fd = fds.get(name)
+                    if fd is None:
+                        fd = fds[name] = dirs.child(self.layout.blobs, name, create=create)
             return fd
 
         return blob_dir
