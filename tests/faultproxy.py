@@ -120,6 +120,15 @@ class FaultProxy:
         with self._lock:
             return [r for r in self.requests if r.method == method and path in r.path]
 
+    def ranges_for(self, path: str) -> list[tuple[int, int]]:
+        """The [first, last] byte ranges (inclusive, as Range says) of the ranged GETs of `path`, in order."""
+        out = []
+        for r in self.requests_for("GET", path):
+            if r.range:
+                first, last = r.range.removeprefix("bytes=").split("-")
+                out.append((int(first), int(last)))
+        return out
+
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()

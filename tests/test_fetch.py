@@ -41,12 +41,7 @@ def _same_tree(snap_path: Path, src: Path) -> bool:
 
 
 def _origin_get_bytes(proxy, path: str = "") -> int:
-    total = 0
-    for r in proxy.requests_for("GET", path):
-        if r.range:
-            a, b = r.range.removeprefix("bytes=").split("-")
-            total += int(b) - int(a) + 1
-    return total
+    return sum(b - a + 1 for a, b in proxy.ranges_for(path))
 
 
 def test_fetch_from_s3_is_exact_and_pinned_with_if_match(tmp_path: Path, s3, fault_proxy, model: Path) -> None:
@@ -234,8 +229,7 @@ def test_kill_9_mid_download_resumes_without_refetching_journalled_ranges(tmp_pa
     fault_proxy.clear()
     snap = _fetcher(root, fault_proxy.endpoint_url).ensure(parse_ref("s3://models/big/"))
     assert _same_tree(snap.path, src)
-    asked = [tuple(int(x) for x in r.range.removeprefix("bytes=").split("-"))
-             for r in fault_proxy.requests_for("GET", "/models/big/model.safetensors") if r.range]
+    asked = fault_proxy.ranges_for("/models/big/model.safetensors")
     for a, b in asked:  # requests are [a, b] inclusive; journal entries are (offset, length)
         assert not any(a < off + n and off <= b for off, n in journalled), f"journalled bytes refetched: {a}-{b}"
     size = (src / "model.safetensors").stat().st_size
