@@ -177,3 +177,23 @@ def test_the_documented_claim_selects_exactly_that_models_devices(tmp_path: Path
     validate_strict(with_path, "1.34")
     assert with_path["spec"]["spec"]["devices"]["config"][0]["opaque"]["parameters"] == {
         "mountPath": "/models/mistral"}
+
+
+def test_a_bad_snapshot_costs_only_its_own_devices(tmp_path: Path, store: Store, dra_api: FakeApiServer,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """One damaged index row (an id that makes no device name) or a size past int64 (the API refuses the whole
+    slice for it) used to fail every publish of the node: now that snapshot alone is left out, with a warning."""
+    [good] = fetch_models(store, tmp_path / "src", 1)
+    bad_id = Snapshot("Z" * 40, tmp_path, "s3://models/bad/", None, 1)
+    too_big = Snapshot("c" * 40, tmp_path, "s3://models/huge/", None, 1 << 64)
+    not_text = Snapshot("d" * 40, tmp_path, None, None, 1)  # type: ignore[arg-type]  # a damaged record
+    assert {d["name"] for d in devices_for([bad_id, good, too_big, not_text], slots=2, shared=False)} == {
+        f"m-{good.id}-0", f"m-{good.id}-1"}
+    assert "ZZZZ" in caplog.text and "huge" in caplog.text and "int64" in caplog.text
+
+    def devices() -> list[dict[str, Any]]:
+        return devices_for([bad_id, *(i.snapshot for i in store.list()), too_big], slots=2, shared=False)
+    assert SlicePublisher(dra_api.api_client(), NODE, devices).sync() is True
+    [published] = slices_of(dra_api)
+    check_slice(published)
+    assert {snapshot_of(d["name"]) for d in published["spec"]["devices"]} == {good.id}

@@ -22,6 +22,7 @@ out rather than cut, because a cut value would match the wrong claim:
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Collection, Iterable
 from typing import Any
@@ -29,12 +30,16 @@ from typing import Any
 from weightcache.store import Snapshot
 from weightcache.uri import model_key
 
+log = logging.getLogger(__name__)
+
 MAX_STRING = 64  # DeviceAttribute.string
 MAX_ATTRIBUTES = 32  # attributes + capacities per device
 MAX_SLOTS = 64
+MAX_INT = (1 << 63) - 1  # DeviceAttribute.int is an int64: a larger value fails the whole slice's write
 _NAME = re.compile(r"^m-(?P<id>[0-9a-f]{40})(?:-(?P<slot>[0-9]{1,2}))?$")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _C_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,31}$")
+_reported: set[tuple[str, str]] = set()  # snapshots already warned about (bounded)
 
 
 def device_name(snapshot_id: str, slot: int | None) -> str:
@@ -65,23 +70,41 @@ def attributes(snapshot: Snapshot, *, resident: bool, slot: int | None) -> dict[
         attrs["revision"] = {"string": snapshot.revision}
     if slot is not None:
         attrs["slot"] = {"int": slot}
-    assert len(attrs) <= MAX_ATTRIBUTES and all(_C_IDENTIFIER.match(k) for k in attrs)
+    if not isinstance(snapshot.size, int) or not 0 <= snapshot.size <= MAX_INT:
+        raise ValueError(f"size {snapshot.size!r} is not an int64 byte count")
+    if len(attrs) > MAX_ATTRIBUTES or not all(_C_IDENTIFIER.match(k) for k in attrs):
+        raise ValueError(f"attributes {sorted(attrs)} break the API's rules for device attributes")
     return attrs
 
 
 def devices_for(snapshots: Iterable[Snapshot], *, slots: int, shared: bool,
                 resident: Collection[str] = ()) -> list[dict[str, Any]]:
-    """The devices of a node holding `snapshots`, sorted by name (stable output: equal input, equal slices)."""
+    """The devices of a node holding `snapshots`, sorted by name (stable output: equal input, equal slices).
+
+    A snapshot that makes no valid device (a damaged index row, a size past int64) is logged and left out: the API
+    server would refuse the whole slice for it, and with it every other model of the node."""
     if not 1 <= slots <= MAX_SLOTS:
         raise ValueError(f"slots must be 1..{MAX_SLOTS}, got {slots}")
     devices = []
     for snapshot in snapshots:
-        for slot in (None,) if shared else range(slots):
-            device: dict[str, Any] = {
-                "name": device_name(snapshot.id, slot),
-                "attributes": attributes(snapshot, resident=snapshot.id in resident, slot=slot),
-            }
-            if shared:
-                device["allowMultipleAllocations"] = True
-            devices.append(device)
+        try:
+            devices.extend(_devices_of(snapshot, slots=slots, shared=shared, resident=snapshot.id in resident))
+        except (ValueError, TypeError) as exc:
+            if len(_reported) < 1024 and (snapshot.id, str(exc)) not in _reported:  # once, not every resync
+                _reported.add((snapshot.id, str(exc)))
+                log.warning("snapshot %r (%r) is not published as a DRA device: %s; run `weightcache verify "
+                            "--repair`, or evict it", snapshot.id, snapshot.uri, exc)
     return sorted(devices, key=lambda d: str(d["name"]))
+
+
+def _devices_of(snapshot: Snapshot, *, slots: int, shared: bool, resident: bool) -> list[dict[str, Any]]:
+    devices = []
+    for slot in (None,) if shared else range(slots):
+        device: dict[str, Any] = {
+            "name": device_name(snapshot.id, slot),
+            "attributes": attributes(snapshot, resident=resident, slot=slot),
+        }
+        if shared:
+            device["allowMultipleAllocations"] = True
+        devices.append(device)
+    return devices
