@@ -9,6 +9,13 @@
     GET /cdn/{sha256}                         the LFS bytes, Range honoured
 
 Every request is recorded (path, host, Authorization present or not, Range) so tests can check what was sent where.
+
+A hub can lie, as a hostile mirror or HF_ENDPOINT would: `claims` lists another sha256 for a file than its bytes
+have, `patch` overrides fields of a file's listing entry, `listing` replaces the whole listing body, `redirect`
+sends resolves of LFS files to another base URL (a host the node does not allow) or, with "loop", back to
+themselves forever.
+
+    ensure(fetcher, "hf://org/name")          Fetcher.ensure as the admin: the one line that follows its signature
 """
 
 from __future__ import annotations
@@ -21,8 +28,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from tests.grants import admin
+from weightcache.fetch import Fetcher
+from weightcache.store import Snapshot
+from weightcache.uri import parse_ref
 
 COMMIT = "4f1c2d3e4f5a6b7c8d9e0f1a2b3c4d5e6f7a8b9c"
 
@@ -53,6 +66,10 @@ class FakeHub:
     token: str
     repos: dict[str, Repo] = field(default_factory=dict)
     seen: list[Seen] = field(default_factory=list)
+    claims: dict[str, str] = field(default_factory=dict)  # file name -> the sha256 its listing claims
+    patch: dict[str, dict[str, Any]] = field(default_factory=dict)  # file name -> listing fields replaced
+    listing: bytes | None = None  # the listing's raw body instead of the repo's
+    redirect: str | None = None  # base URL LFS resolves redirect to instead of the CDN, or "loop"
 
     @property
     def url(self) -> str:
@@ -109,13 +126,15 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             for name, data in repo.files.items():
                 entry: dict[str, object] = {"rfilename": name, "size": len(data), "blobId": _blob_id(data)}
                 if repo.is_lfs(name):
-                    entry["lfs"] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
+                    entry["lfs"] = {"sha256": hub.claims.get(name, hashlib.sha256(data).hexdigest()),
+                                    "size": len(data), "pointerSize": 134}
+                entry.update(hub.patch.get(name, {}))
                 siblings.append(entry)
             body = {"_id": "0" * 24, "id": repo_id, "modelId": repo_id, "sha": repo.commit, "private": repo.private,
                     "gated": False, "disabled": False, "downloads": 0, "likes": 0, "tags": [],
                     "lastModified": "2026-01-01T00:00:00.000Z", "createdAt": "2026-01-01T00:00:00.000Z",
                     "library_name": "transformers", "siblings": siblings}
-            raw = json.dumps(body).encode()
+            raw = json.dumps(body).encode() if hub.listing is None else hub.listing
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(raw)))
@@ -133,7 +152,8 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             if repo.is_lfs(name):
                 sha = hashlib.sha256(data).hexdigest()
                 self.send_response(302)
-                self.send_header("Location", f"http://localhost:{hub.port}/cdn/{sha}")
+                location = f"{hub.redirect or f'http://localhost:{hub.port}'}/cdn/{sha}"
+                self.send_header("Location", self.path if hub.redirect == "loop" else location)
                 self.send_header("X-Linked-Etag", f'"{sha}"')
                 self.send_header("X-Linked-Size", str(len(data)))
                 for k, v in headers.items():
@@ -182,3 +202,9 @@ def fake_hub() -> Iterator[FakeHub]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def ensure(fetcher: Fetcher, uri: str) -> Snapshot:
+    """`fetcher.ensure` of `uri` as the admin (a test is the node's admin): the one line to change when the
+    fetch engine's signature does."""
+    return fetcher.ensure(admin(parse_ref(uri)))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures_hf import make_tiny_llama
-from tests.fixtures_hub import COMMIT, FakeHub, fake_hub  # noqa: F401
+from tests.fixtures_hub import COMMIT, FakeHub, ensure, fake_hub  # noqa: F401
 from weightcache.errors import SourceNotFoundError, WeightcacheError
 from weightcache.fetch import Fetcher
 from weightcache.hf_layout import commit_of, hub_cache
@@ -35,6 +35,7 @@ def hub_env(monkeypatch: pytest.MonkeyPatch, fake_hub: FakeHub, tmp_path: Path) 
     for name in ("HF_TOKEN", "HF_TOKEN_PATH", "HUGGING_FACE_HUB_TOKEN"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # no stored login of the developer leaks in
+    monkeypatch.setenv("WEIGHTCACHE_HF_REDIRECT_HOSTS", "localhost")  # the fake hub's CDN
 
 
 def test_public_repo_fetches_every_file_from_the_listed_commit(
@@ -42,7 +43,7 @@ def test_public_repo_fetches_every_file_from_the_listed_commit(
     src, _ = model_dir
     repo = fake_hub.add(REPO, src)
     store = Store(tmp_path / "root")
-    snapshot = Fetcher(store, chunk_size=64 << 10).ensure(parse_ref(f"hf://{REPO}"))
+    snapshot = ensure(Fetcher(store, chunk_size=64 << 10), f"hf://{REPO}")
     assert {e.path: (snapshot.path / e.path).read_bytes() for e in snapshot.files} == repo.files
     resolves = [s for s in fake_hub.seen if "/resolve/" in s.path]
     assert resolves and all(f"/resolve/{COMMIT}/" in s.path for s in resolves)  # pinned to the commit, not main
@@ -55,22 +56,24 @@ def test_a_branch_or_commit_revision_fetches_and_names_the_hub_commit(
         fake_hub: FakeHub, model_dir: tuple[Path, list[int]], tmp_path: Path, revision: str) -> None:
     fake_hub.add(REPO, model_dir[0])
     store = Store(tmp_path / "root")
-    snapshot = Fetcher(store).ensure(parse_ref(f"hf://{REPO}@{revision}"))
+    snapshot = ensure(Fetcher(store), f"hf://{REPO}@{revision}")
     assert commit_of(snapshot) == COMMIT  # the hub cache layout uses the repo's real commit
     assert (hub_cache(store, snapshot, REPO, refs=(revision,)) / "models--acme--tiny-llama" / "refs" / revision
             ).read_text() == COMMIT
 
 
-def test_lfs_sha256_is_the_listed_checksum(fake_hub: FakeHub, model_dir: tuple[Path, list[int]]) -> None:
+def test_lfs_sha256_is_a_claim_not_the_stores_checksum(fake_hub: FakeHub, model_dir: tuple[Path, list[int]]) -> None:
     src, _ = model_dir
     fake_hub.add(REPO, src)
     source = open_source(parse_ref(f"hf://{REPO}@main"))
     try:
         objects = {o.relpath: o for o in source.list()}
+        weights = objects["model.safetensors"]
+        claimed = source.claimed_sha256(weights)  # type: ignore[attr-defined]
     finally:
         source.close()
-    weights = objects["model.safetensors"]
-    assert weights.checksum == ("sha256", hashlib.sha256((src / "model.safetensors").read_bytes()).hexdigest())
+    assert claimed == hashlib.sha256((src / "model.safetensors").read_bytes()).hexdigest()
+    assert weights.checksum is None  # the fetch engine links and asks peers only on a store's own checksum
     assert weights.version_id == COMMIT and objects["config.json"].checksum is None
 
 
@@ -82,7 +85,7 @@ def test_private_repo_needs_the_token_which_goes_to_the_hub_only_and_is_never_lo
     fake_hub.add(REPO, src, private=True)
     store = Store(tmp_path / "root")
     with pytest.raises(SourceNotFoundError, match="HF_TOKEN") as err:
-        Fetcher(store).ensure(parse_ref(f"hf://{REPO}"))
+        ensure(Fetcher(store), f"hf://{REPO}")
     assert fake_hub.token not in str(err.value)
 
     if how == "HF_TOKEN":
@@ -92,7 +95,7 @@ def test_private_repo_needs_the_token_which_goes_to_the_hub_only_and_is_never_lo
         monkeypatch.setenv("HF_TOKEN_PATH", str(tmp_path / "token"))
     caplog.set_level(logging.DEBUG)
     fake_hub.seen.clear()
-    snapshot = Fetcher(store).ensure(parse_ref(f"hf://{REPO}"))
+    snapshot = ensure(Fetcher(store), f"hf://{REPO}")
     assert (snapshot.path / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
     to_hub = [s for s in fake_hub.seen if s.host.startswith("127.0.0.1")]
     to_cdn = [s for s in fake_hub.seen if s.host.startswith("localhost")]
@@ -108,7 +111,7 @@ def test_wrong_token_is_refused_without_echoing_it(
     fake_hub.add(REPO, model_dir[0], private=True)
     monkeypatch.setenv("HF_TOKEN", "hf_wrong_token_value_123456")
     with pytest.raises(WeightcacheError) as err:
-        Fetcher(Store(tmp_path / "root")).ensure(parse_ref(f"hf://{REPO}"))
+        ensure(Fetcher(Store(tmp_path / "root")), f"hf://{REPO}")
     assert "hf_wrong_token_value_123456" not in str(err.value) and "refused" in str(err.value)
 
 
@@ -116,9 +119,9 @@ def test_unknown_revision_and_repo_are_not_found(fake_hub: FakeHub, model_dir: t
                                                  tmp_path: Path) -> None:
     fake_hub.add(REPO, model_dir[0])
     with pytest.raises(SourceNotFoundError, match="no revision 'v9'"):
-        Fetcher(Store(tmp_path / "a")).ensure(parse_ref(f"hf://{REPO}@v9"))
+        ensure(Fetcher(Store(tmp_path / "a")), f"hf://{REPO}@v9")
     with pytest.raises(SourceNotFoundError, match="acme/other not found"):
-        Fetcher(Store(tmp_path / "b")).ensure(parse_ref("hf://acme/other"))
+        ensure(Fetcher(Store(tmp_path / "b")), "hf://acme/other")
 
 
 def test_fetched_repo_loads_offline_as_org_name(fake_hub: FakeHub, model_dir: tuple[Path, list[int]],
@@ -128,7 +131,7 @@ def test_fetched_repo_loads_offline_as_org_name(fake_hub: FakeHub, model_dir: tu
     src, reference = model_dir
     fake_hub.add(REPO, src)
     store = Store(tmp_path / "root")
-    snapshot = Fetcher(store).ensure(parse_ref(f"hf://{REPO}"))
+    snapshot = ensure(Fetcher(store), f"hf://{REPO}")
     cache = hub_cache(store, snapshot, REPO)
     result = load_offline(cache, tmp_path)
     assert result["tokens"] == reference

@@ -277,7 +277,7 @@ class Fetcher:
         for item in items:
             obj = item.obj
             trusted = None
-            if obj.checksum and obj.checksum[0] == "sha256":
+            if obj.checksum and obj.checksum[0] == "sha256":  # only S3's (sources/base.py: the store's own)
                 item.expect_sha256 = trusted = obj.checksum[1].lower()  # computed and verified by the store
             elif obj.checksum and new_hasher(obj.checksum[0]) is not None:
                 item.source_check = obj.checksum
@@ -298,8 +298,13 @@ class Fetcher:
         return self.store.blob_size(sha256)
 
     def _read_sidecars(self, source: Source, items: list[_Item]) -> dict[str, str]:
-        """`<file>.sha256` ("<hex> [name]") and `SHA256SUMS` (sha256sum format) the model carries."""
+        """`<file>.sha256` ("<hex> [name]") and `SHA256SUMS` (sha256sum format) the model carries, and the digests
+        the source's listing names (`claimed_sha256`: the hub's lfs.sha256). All claims: they check bytes."""
         out: dict[str, str] = {}
+        if (claimed := getattr(source, "claimed_sha256", None)) is not None:
+            for item in items:
+                if digest := claimed(item.obj):
+                    out[item.relpath] = digest
         for item in items:
             name = item.relpath
             if not (name.endswith(".sha256") or name.rsplit("/", 1)[-1] == "SHA256SUMS"):
@@ -313,12 +318,12 @@ class Fetcher:
             if name.endswith(".sha256"):
                 digest = text.split()[0].lower() if text.split() else ""
                 if re.fullmatch(r"[0-9a-f]{64}", digest):
-                    out[name[: -len(".sha256")]] = digest
+                    out.setdefault(name[: -len(".sha256")], digest)  # the listing's own claim first
             else:
                 for line in text.splitlines():
                     m = re.fullmatch(r"([0-9a-fA-F]{64})\s+\*?(?:\./)?(.+)", line.strip())
                     if m:
-                        out[base + m.group(2)] = m.group(1).lower()
+                        out.setdefault(base + m.group(2), m.group(1).lower())
         return out
 
     def _download(self, source: Source, todo: list[_Item], reporter: _Reporter) -> int:

@@ -182,3 +182,17 @@ def _normalise_path(text: str, scheme: str, path: str) -> str:
     if not parts:
         return lead
     return lead + "/".join(parts) + "/"
+
+
+# The hub's rule for repo ids (huggingface_hub.utils.validate_repo_id): an optional namespace, a name of at most
+# 96 characters from [A-Za-z0-9._-], no "--" or ".." anywhere, not starting or ending with "-" or ".". Here, not in
+# hf_layout, so the webhook and the sources check an hfRepo without importing the store.
+_HF_REPO_ID = re.compile(r"(?:{p}/)?{p}".format(p=_HF_PART.pattern.strip("^$")))
+
+
+def validate_repo_id(repo_id: str) -> str:
+    """`org/name` as the hub accepts it; InvalidReferenceError says what is wrong."""
+    if not _HF_REPO_ID.fullmatch(repo_id) or "--" in repo_id or ".." in repo_id:
+        raise InvalidReferenceError(f"hfRepo {repo_id[:200]!r} is not a Hugging Face repo id such as "
+                                    f"meta-llama/Llama-3.1-8B (letters, digits, '.', '_', '-'; no '--' or '..')")
+    return repo_id
