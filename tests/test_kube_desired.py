@@ -66,3 +66,15 @@ def test_five_hundred_model_caches_plan_fast():
     wanted, _ = plan(mcs, GPU)
     assert time.perf_counter() - start < 0.5  # a loose bound: the real figure is in scripts/bench_daemon.py
     assert len(wanted) == 250
+
+
+def test_demand_says_who_asked_and_an_admins_modelcache_says_nobody():
+    """The daemon authorizes the controller's demand for the namespaces of its pods, never as an admin's."""
+    admin = model_cache("admin", "s3://models/a/", node_selector={"gpu": "h100"}, allowedNamespaces=["x"],
+                        demandNamespaces=["forged"])  # not the controller's: the field means nothing
+    demand = model_cache("placement-1", "s3://models/b/", nodeNames=["n1"], demandNamespaces=["team-b", "team-a"])
+    nobody = model_cache("placement-2", "s3://models/c/", nodeNames=["n1"])
+    for mc in (demand, nobody):
+        mc["metadata"]["labels"] = {"app.kubernetes.io/managed-by": "weightcache-placement"}
+    got = {d.name: d.namespaces for d in plan([admin, demand, nobody], GPU, "n1")[0]}
+    assert got == {"admin": None, "placement-1": ("team-a", "team-b"), "placement-2": ()}

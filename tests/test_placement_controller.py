@@ -88,9 +88,16 @@ def settle(ctl: Controller, passes: int = 3) -> None:
     eventually(lambda: ctl.passes >= start + passes, what=f"{passes} controller passes")
 
 
+def grant(api: FakeApiServer, name: str, source: str, namespaces: list[str]) -> None:
+    """A cluster admin's ModelCache that lets `namespaces` mount `source` (and prefetches it nowhere)."""
+    api.create("modelcaches", {"apiVersion": "weightcache.io/v1alpha1", "kind": "ModelCache",
+                               "metadata": {"name": name}, "spec": {"source": source, "allowedNamespaces": namespaces}})
+
+
 @pytest.fixture
 def api() -> Iterator[FakeApiServer]:
     with FakeApiServer(schemas=crd_schemas()) as server:
+        grant(server, "grant-llama", REF, [NS])  # demand is made only for pods the policy allows
         yield server
 
 
@@ -266,6 +273,9 @@ def test_a_ready_node_without_room_does_not_release_while_a_node_with_room_fetch
                         "spec": {"nodeName": "busy", "containers": [{"name": "c", "image": "x", "resources": {
                             "limits": {"nvidia.com/gpu": "1"}}}]}}, NS)
     api.create("nodes", gpu_node("idle"))
+    # the controller's node watch must have seen both nodes: with only `busy` (no room anywhere) it would
+    # rightly release the pod there
+    eventually(lambda: len(controller.nodes.items()) == 2 and len(controller.pods.items()) == 1, what="the watches")
     pod = deployment_pod({"weightcache.io/model": REF, "weightcache.io/placement": "gate"})
     pod["metadata"]["name"] = "llama-2"
     pod["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": "1"}}

@@ -56,8 +56,8 @@ class ModelRef:
 
     @property
     def label_key(self) -> str:
-        """Node label the daemon sets when this model is ready there (`weightcache.io/<key>`)."""
-        return readiness_label(self.uri)
+        """Node label the daemon sets when this selection of the model is ready there (`weightcache.io/<key>`)."""
+        return readiness_label(self)
 
     def matches(self, relpath: str) -> bool:
         """True when a path relative to the prefix passes the include and exclude globs."""
@@ -75,9 +75,22 @@ def model_key(uri: str, include: tuple[str, ...] = (), exclude: tuple[str, ...] 
     return "m" + hashlib.sha256(material.encode()).hexdigest()[:20]
 
 
-def readiness_label(uri: str) -> str:
-    """The node label key for a model: one function for the daemon and the webhook."""
-    return "weightcache.io/" + model_key(canonical_uri(uri))
+LABEL_DOMAIN = "weightcache.io/"
+_READINESS_LABEL = re.compile(r"weightcache\.io/m[0-9a-f]{20}")
+
+
+def readiness_label(ref: ModelRef | str) -> str:
+    """The node label key for a model's selection: one function for the daemon, the webhook and the controller.
+
+    It hashes the globs with the URI (`ref.key`): a node holding only `include: [config.json]` of a model must
+    not look ready to a pod that wants all of it. A string is a reference without globs."""
+    return LABEL_DOMAIN + (ref if isinstance(ref, ModelRef) else parse_ref(ref)).key
+
+
+def is_readiness_label(key: str) -> bool:
+    """True for exactly the keys `readiness_label` makes: the daemon removes stale ones of these and no other
+    label (an operator's `weightcache.io/memory-pool` shares the prefix)."""
+    return bool(_READINESS_LABEL.fullmatch(key))
 
 
 def canonical_uri(text: str) -> str:
@@ -147,6 +160,8 @@ def parse_ref(
         path, _, rev_from_text = path.rpartition("@")
         if not rev_from_text:
             raise _fail(text, "'@' must be followed by a revision")
+        if "@" in path:  # the canonical form without its revision would read the last '@' as one
+            raise _fail(text, "'@' may appear once, before the revision; a prefix with '@' in it cannot be named")
     rev = revision or rev_from_text or None
     if rev is not None and not _REVISION.match(rev):
         raise _fail(text, f"revision {rev!r} must be 1-128 characters of letters, digits, '.', '_' or '-'")

@@ -2,6 +2,8 @@
 
 Selection is matchLabels-style: every key of `spec.nodeSelector` must be a node label with exactly that value;
 `spec.nodeNames` (written by the placement controller for the pods it holds back) names nodes outright.
+Demand the controller wrote (label app.kubernetes.io/managed-by: weightcache-placement) carries the namespaces
+of the pods it was made for in `spec.demandNamespaces`: the daemon authorizes it for them, never as an admin's.
 With `spec.memory.nodes: N` the placement controller picks N selected nodes (spread over zones) into
 `status.memoryNodes`: those keep the model in the RAM tier, the others on disk.
 An empty or missing nodeSelector selects NO node: such a ModelCache only declares a model for the namespace
@@ -18,6 +20,7 @@ from typing import Any
 
 from weightcache.errors import InvalidReferenceError
 from weightcache.kube import MESSAGE_MAX
+from weightcache.placement import CONTROLLER, MANAGED_BY  # the package only: its names, no controller
 from weightcache.redact import redact
 from weightcache.uri import ModelRef, parse_ref
 
@@ -32,8 +35,11 @@ class DesiredModel:
     ref: ModelRef
     tier: str
     priority: int
-    label_key: str  # node label reporting readiness: weightcache.uri.readiness_label(ref.uri)
+    label_key: str  # node label reporting readiness: weightcache.uri.readiness_label(ref)
     generation: int | None = None  # ModelCache metadata.generation, echoed as observedGeneration in reports
+    # Who asked: None for a ModelCache a cluster admin wrote; for the placement controller's demand, the
+    # namespaces of its pods (spec.demandNamespaces; empty when missing: nobody asked, so nothing is granted).
+    namespaces: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -69,7 +75,8 @@ def plan(model_caches: Iterable[Mapping[str, Any]], node_labels: Mapping[str, st
         if not named and not selects(node_labels, selector):
             continue
         try:
-            wanted.append(_desired(name, spec, meta.get("generation"), _in_memory(mc, node_name)))
+            wanted.append(_desired(name, spec, meta.get("generation"), _in_memory(mc, node_name),
+                                   _demand_namespaces(meta, spec)))
         except (InvalidReferenceError, ValueError, TypeError) as exc:
             invalid.append(InvalidSpec(name, redact(str(exc), limit=MESSAGE_MAX)))
     wanted.sort(key=lambda d: (-d.priority, d.name))
@@ -88,7 +95,16 @@ def _in_memory(mc: Mapping[str, Any], node_name: str | None) -> bool | None:
     return node_name is not None and node_name in _strings(status.get("memoryNodes"))  # type: ignore[union-attr]
 
 
-def _desired(name: str, spec: Mapping[str, Any], generation: Any, in_memory: bool | None = None) -> DesiredModel:
+def _demand_namespaces(meta: Mapping[str, Any], spec: Mapping[str, Any]) -> tuple[str, ...] | None:
+    """None for an admin's ModelCache; the namespaces a controller demand was made for (empty: nobody's)."""
+    labels = meta.get("labels")
+    if not isinstance(labels, Mapping) or labels.get(MANAGED_BY) != CONTROLLER:
+        return None
+    return tuple(sorted(set(_strings(spec.get("demandNamespaces")))))
+
+
+def _desired(name: str, spec: Mapping[str, Any], generation: Any, in_memory: bool | None = None,
+             namespaces: tuple[str, ...] | None = None) -> DesiredModel:
     tier = spec.get("tier") or "disk"
     if in_memory is not None:
         tier = "memory" if in_memory else "disk"
@@ -104,7 +120,7 @@ def _desired(name: str, spec: Mapping[str, Any], generation: Any, in_memory: boo
         exclude=_globs(spec, "exclude"),
     )
     gen = generation if isinstance(generation, int) else None
-    return DesiredModel(name, ref, tier, priority, ref.label_key, gen)
+    return DesiredModel(name, ref, tier, priority, ref.label_key, gen, namespaces)
 
 
 def _globs(spec: Mapping[str, Any], field: str) -> tuple[str, ...]:

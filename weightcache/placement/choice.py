@@ -1,6 +1,9 @@
 """Placement decisions as pure functions of API objects: which nodes fetch, which pods go, which nodes keep RAM.
 
-    pod_state(pod)            -> gated / bound / waiting / done, and the models its annotations name
+    pod_state(pod)            -> gated / bound / waiting / done / invalid, and the models its annotations name
+    admit(pods, grants)       -> the pods whose demand the controller makes, and why each other one is refused:
+                                   the namespace policy (weightcache.policy.decide, as in cluster mode), the
+                                   webhook's cap on models a pod, `per_namespace` demanded models a namespace
     ready_nodes(pod, refs, N) -> the nodes it may run on that hold every one of its models (label = ready)
     plan(pods, nodes, current)-> model -> nodes that must hold it:
                                    gated pod  : its chosen node (one per pod; see `_rank`)
@@ -9,25 +12,33 @@
                                    point at any of them, so they keep the model until it is bound)
     memory_nodes(nodes, N, prev) -> N of the nodes, spread over zones, keeping previous picks
 
-Every input is untrusted: a pod with unparsable annotations is skipped (the webhook would have denied it).
+Every input is untrusted: annotations stay editable after CREATE and a tenant may set spec.nodeName itself, so
+the webhook's checks at CREATE prove nothing here. A pod whose annotations do not parse, or that the policy or a
+cap refuses, is left out of the demand with the reason (the controller puts it in an Event on the pod); an
+error in one pod never costs another pod its pass.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from weightcache.errors import AnnotationError
+from weightcache.errors import AnnotationError, InvalidReferenceError
 from weightcache.placement.nodes import NodeFacts, eligible, gpu_request
+from weightcache.policy import decide
 from weightcache.uri import ModelRef
-from weightcache.webhook.annotations import parse_annotations, wants_injection
+from weightcache.webhook.annotations import MAX_MODELS, parse_annotations, wants_injection
+
+log = logging.getLogger(__name__)
 
 GATE = "weightcache.io/model"
 READY = "ready"
 ZONE = "topology.kubernetes.io/zone"
-State = Literal["gated", "bound", "waiting", "done"]
+MAX_DEMAND_PER_NAMESPACE = 64  # demanded models (demand names) one namespace's pods may hold at once
+State = Literal["gated", "bound", "waiting", "done", "invalid"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +46,21 @@ class PodModels:
     state: State
     refs: tuple[ModelRef, ...] = ()
     node: str = ""  # spec.nodeName of a bound pod
+    error: str = ""  # why an `invalid` pod's annotations cannot be used
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why the controller makes no demand for a pod: an Event `reason` and a message that says what to do."""
+
+    reason: str
+    message: str
+
+
+@dataclass
+class Admission:
+    pods: list[Mapping[str, Any]] = field(default_factory=list)  # the pods whose demand the controller makes
+    refused: dict[str, Refusal] = field(default_factory=dict)  # pod (ns/name) -> why not
 
 
 @dataclass
@@ -42,6 +68,8 @@ class Plan:
     nodes: dict[str, set[str]] = field(default_factory=dict)  # demand name -> nodes
     refs: dict[str, ModelRef] = field(default_factory=dict)  # demand name -> model
     chosen: dict[str, str] = field(default_factory=dict)  # gated pod (ns/name) -> the node chosen to fetch for it
+    namespaces: dict[str, set[str]] = field(default_factory=dict)  # demand name -> namespaces of its pods
+    failed: dict[str, str] = field(default_factory=dict)  # pod (ns/name) -> an error met planning it (skipped)
 
 
 def demand_name(ref: ModelRef) -> str:
@@ -60,7 +88,8 @@ def gated(pod: Mapping[str, Any]) -> bool:
     return isinstance(gates, list) and any(isinstance(g, Mapping) and g.get("name") == GATE for g in gates)
 
 
-def pod_state(pod: Mapping[str, Any]) -> PodModels:
+def pod_state(pod: Mapping[str, Any], *, max_models: int = MAX_MODELS) -> PodModels:
+    """`max_models`: the webhook's cap (its `--max-models`), checked again: annotations change after CREATE."""
     meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
     annotations = meta.get("annotations") or {}
     phase = (pod.get("status") or {}).get("phase")
@@ -69,15 +98,71 @@ def pod_state(pod: Mapping[str, Any]) -> PodModels:
     if not wants_injection(annotations):
         return PodModels("done")
     try:
-        refs = tuple(m.ref for m in parse_annotations(annotations).models)
-    except AnnotationError:
-        return PodModels("done")
+        refs = tuple(m.ref for m in parse_annotations(annotations, max_models=max_models).models)
+    except (AnnotationError, InvalidReferenceError) as exc:  # edited after CREATE, past the webhook
+        return PodModels("invalid", error=str(exc))
     if gated(pod):
         return PodModels("gated", refs)
     node = spec.get("nodeName")
     if isinstance(node, str) and node:
         return PodModels("bound", refs, node)
     return PodModels("waiting", refs)
+
+
+def admit(pods: Iterable[Mapping[str, Any]], grants: Sequence[Mapping[str, Any]], *,
+          per_namespace: int = MAX_DEMAND_PER_NAMESPACE, max_models: int = MAX_MODELS) -> Admission:
+    """The pods the controller makes demand for, and a Refusal for each other pod that names models.
+
+    `grants`: the ModelCaches an admin wrote (never the controller's own demand: it grants nothing); each of a
+    pod's models must be allowed to its namespace as in cluster mode (`allow_undeclared` False), because a
+    demand makes a node fetch and pin it. Pods in use come first (bound, then released), then gated pods oldest
+    first: a namespace at its cap keeps what runs, and its newest pods wait."""
+    out = Admission()
+    decided: dict[tuple[ModelRef, str], str | None] = {}  # a Deployment's pods ask alike: decide once a pass
+    held: dict[str, set[str]] = {}  # namespace -> demand names admitted so far
+    states: list[tuple[Mapping[str, Any], PodModels]] = []
+    for pod in pods:
+        try:
+            states.append((pod, pod_state(pod, max_models=max_models)))
+        except Exception as exc:  # a bug only a hostile pod finds: it costs that pod, not the pass
+            log.exception("pod %s: annotations unreadable", pod_key(pod))
+            out.refused[pod_key(pod)] = Refusal("InvalidAnnotations", f"the placement controller cannot read this "
+                                                f"pod's annotations ({type(exc).__name__}); fix or remove them")
+    order = {"bound": 0, "waiting": 1, "gated": 2}
+    states.sort(key=lambda ps: (order.get(ps[1].state, 3), _created(ps[0]), pod_key(ps[0])))
+    for pod, state in states:
+        key, ns = pod_key(pod), str((pod.get("metadata") or {}).get("namespace") or "")
+        if state.state == "invalid":
+            out.refused[key] = Refusal("InvalidAnnotations", f"{state.error}; no model is fetched for this pod "
+                                                             "until its annotations are fixed")
+            continue
+        if state.state == "done":
+            continue
+        why = None
+        for ref in state.refs:
+            if (ref, ns) not in decided:
+                decision = decide(ref, ns, grants, allow_undeclared=False)
+                decided[ref, ns] = None if decision.allowed else decision.reason
+            if why := decided[ref, ns]:
+                break
+        if why:
+            out.refused[key] = Refusal("NotAllowed", f"no model is fetched for this pod: {why}")
+            continue
+        have = held.setdefault(ns, set())
+        names = {demand_name(r) for r in state.refs}
+        if len(have | names) > per_namespace:
+            out.refused[key] = Refusal("TooManyModels", (
+                f"namespace {ns} already holds {len(have)} models demanded for its pods, and the placement "
+                f"controller demands at most {per_namespace} per namespace; this pod waits until fewer are "
+                f"demanded (or a cluster admin prefetches its models with a ModelCache)"))
+            continue
+        have |= names
+        out.pods.append(pod)
+    return out
+
+
+def _created(pod: Mapping[str, Any]) -> str:
+    return str((pod.get("metadata") or {}).get("creationTimestamp") or "")
 
 
 def holds(node: NodeFacts, refs: Iterable[ModelRef]) -> int:
@@ -90,7 +175,8 @@ def ready_nodes(pod: Mapping[str, Any], refs: Sequence[ModelRef], nodes: Iterabl
 
 
 def plan(pods: Iterable[Mapping[str, Any]], nodes: Sequence[NodeFacts], current: Mapping[str, Iterable[str]],
-         *, budgets: Mapping[str, int] | None = None, sizes: Mapping[str, int] | None = None) -> Plan:
+         *, budgets: Mapping[str, int] | None = None, sizes: Mapping[str, int] | None = None,
+         max_models: int = MAX_MODELS) -> Plan:
     """Which nodes must hold which models. `current`: demand name -> nodes already asked (from the API).
     `budgets` (node -> disk budget in bytes) and `sizes` (demand name -> bytes, where a node reported it) keep
     a node from being asked for more than its budget holds; an unknown budget or size does not limit."""
@@ -99,19 +185,28 @@ def plan(pods: Iterable[Mapping[str, Any]], nodes: Sequence[NodeFacts], current:
     assigned: dict[str, int] = {}  # node -> GPUs promised to gated pods in this plan
     by_name = {n.name: n for n in nodes}
     gated_pods: list[tuple[Mapping[str, Any], PodModels]] = []
+
+    def ask(ref: ModelRef, pod: Mapping[str, Any], nodes: Iterable[str]) -> None:
+        name = demand_name(ref)
+        out.refs.setdefault(name, ref)
+        out.nodes.setdefault(name, set()).update(nodes)
+        out.namespaces.setdefault(name, set()).add(str((pod.get("metadata") or {}).get("namespace") or ""))
+
     for pod in pods:
-        state = pod_state(pod)
-        for ref in state.refs:
-            out.refs.setdefault(demand_name(ref), ref)
+        try:
+            state = pod_state(pod, max_models=max_models)
+        except Exception as exc:  # admit() refused it already in the controller; a pure caller learns it here
+            out.failed[pod_key(pod)] = f"{type(exc).__name__}: {exc}"
+            continue
         if state.state == "gated":
             gated_pods.append((pod, state))
         elif state.state == "bound":
             for ref in state.refs:
-                out.nodes.setdefault(demand_name(ref), set()).add(state.node)
+                ask(ref, pod, (state.node,))
         elif state.state == "waiting":
             for ref in state.refs:
-                out.nodes.setdefault(demand_name(ref), set()).update(asked.get(demand_name(ref), ()))
-    gated_pods.sort(key=lambda p: ((p[0].get("metadata") or {}).get("creationTimestamp") or "", pod_key(p[0])))
+                ask(ref, pod, asked.get(demand_name(ref), ()))
+    gated_pods.sort(key=lambda p: (_created(p[0]), pod_key(p[0])))
     on_node: dict[str, set[str]] = {}  # node -> demand names it is asked to hold
     for name, ns in [*asked.items(), *out.nodes.items()]:
         for n in ns:
@@ -125,15 +220,19 @@ def plan(pods: Iterable[Mapping[str, Any]], nodes: Sequence[NodeFacts], current:
         return sum((sizes or {}).get(name, 0) for name in held) <= budget
 
     for pod, state in gated_pods:
-        need = gpu_request(pod)
-        candidates = [n for n in nodes if eligible(pod, n) and (holds(n, state.refs) or fits(n, state.refs))]
-        if not candidates:
-            continue  # nothing can run it: no demand; the progress Event says why
-        best = min(candidates, key=lambda n: _rank(n, state.refs, asked, need, assigned))
+        try:
+            need = gpu_request(pod)
+            candidates = [n for n in nodes if eligible(pod, n) and (holds(n, state.refs) or fits(n, state.refs))]
+            if not candidates:
+                continue  # nothing can run it: no demand; the progress Event says why
+            best = min(candidates, key=lambda n: _rank(n, state.refs, asked, need, assigned))
+        except Exception as exc:  # one pod's spec must not stop the choice for the others
+            out.failed[pod_key(pod)] = f"{type(exc).__name__}: {exc}"
+            continue
         out.chosen[pod_key(pod)] = best.name
         assigned[best.name] = assigned.get(best.name, 0) + need
         for ref in state.refs:
-            out.nodes.setdefault(demand_name(ref), set()).add(best.name)
+            ask(ref, pod, (best.name,))
             asked.setdefault(demand_name(ref), set()).add(best.name)
             on_node.setdefault(best.name, set()).add(demand_name(ref))
     out.nodes = {name: {n for n in ns if n in by_name} for name, ns in out.nodes.items()}

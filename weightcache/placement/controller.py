@@ -5,16 +5,23 @@ ModelCaches it owns, node labels, ModelCacheNode reports), so a restart or a new
 last one stopped, and nothing is released on a memory of readiness — only on the node labels of this pass.
 
     watch pods, nodes, ModelCaches, ModelCacheNodes ─► pass (leader only, on change and every `resync` s):
-        choice.plan  ─► ModelCache placement-<hash> {source, nodeNames}   create / patch nodeNames / delete
+        choice.admit ─► the pods the policy and the caps allow; a Warning Event on each other one
+        choice.plan  ─► ModelCache placement-<hash> {source, nodeNames, demandNamespaces}   create / patch / delete
+                        (at most `max_writes` a pass, round-robin over the namespaces that asked)
         memory       ─► status.memoryNodes of every ModelCache with spec.memory.nodes
         per gated pod: ready on a node it may run on (with room for its GPUs when one has room)?
             yes ─► one JSON patch: test resourceVersion, add required affinity (label In [ready]), remove gate
             no  ─► Event on the pod: the model's bytes and ETA on the chosen node, at most every `event_interval`
+
+Every pod is untrusted (annotations stay editable after CREATE): an error in one pod is logged and put in an
+Event on that pod, and the pass goes on for the others.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
+import itertools
 import logging
 import threading
 import time
@@ -30,11 +37,13 @@ from weightcache.kube import API_VERSION, GROUP, MODELCACHES, VERSION, listers
 from weightcache.kube.cluster_cli import model_cache_body
 from weightcache.kube.watch import ModelCacheWatcher
 from weightcache.placement import CONTROLLER, MANAGED_BY, choice
+from weightcache.placement.choice import MAX_DEMAND_PER_NAMESPACE
 from weightcache.placement.lease import LeaderElector
 from weightcache.placement.nodes import NodeFacts, eligible, gpu_request, node_facts
 from weightcache.progress import Progress
 from weightcache.redact import redact
-from weightcache.webhook.annotations import PLACEMENT
+from weightcache.uri import ModelRef
+from weightcache.webhook.annotations import MAX_MODELS, PLACEMENT
 from weightcache.webhook.mutate import required_affinity
 
 log = logging.getLogger(__name__)
@@ -57,17 +66,25 @@ class Pass:
     """What one pass did (for tests and logs)."""
 
     released: tuple[str, ...]
-    demand: dict[str, tuple[str, ...]]
+    demand: dict[str, tuple[str, ...]]  # demand name -> nodes
+    refused: dict[str, choice.Refusal]  # pod (ns/name) -> why it makes no demand
+    pending: int = 0  # demand writes left for the next pass (over `max_writes`)
 
 
 class Controller:
     def __init__(self, api_client: kubernetes.client.ApiClient, *, elector: LeaderElector | None = None,
                  event_interval: float = 5.0, resync: float = 2.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 max_demand_per_namespace: int = MAX_DEMAND_PER_NAMESPACE, max_writes: int = 64,
+                 max_models: int = MAX_MODELS) -> None:
         self._core = kubernetes.client.CoreV1Api(api_client)
         self._custom = kubernetes.client.CustomObjectsApi(api_client)
         self.elector = elector
         self.event_interval, self.resync, self._clock = event_interval, resync, clock
+        # A namespace may hold at most this many demanded models; a pass writes at most `max_writes` demand
+        # changes, so one tenant's thousand models cannot hold up another tenant's one for long.
+        self.max_demand_per_namespace, self.max_writes = max_demand_per_namespace, max_writes
+        self.max_models = max_models  # the webhook's --max-models: a pod over it makes no demand
         self._wake = threading.Event()
 
         def kick(_items: list[dict[str, Any]]) -> None:
@@ -84,13 +101,15 @@ class Controller:
         self.passes = 0
 
     # lifecycle --------------------------------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, *, loop: bool = True) -> None:
+        """`loop=False` only watches: the caller runs `reconcile()` itself (tests that count one pass's writes)."""
         for w in self._watchers:
             w.start()
         if self.elector is not None:
             self.elector.start()
-        self._thread = threading.Thread(target=self._run, name="placement", daemon=True)
-        self._thread.start()
+        if loop:
+            self._thread = threading.Thread(target=self._run, name="placement", daemon=True)
+            self._thread.start()
 
     def stop(self, *, release: bool = True) -> None:
         """`release=False` leaves the Lease to expire, as a crashed leader would."""
@@ -131,39 +150,76 @@ class Controller:
         owned = {mc["metadata"]["name"]: mc for mc in caches if _owned(mc)}
         current = {name: _names((mc.get("spec") or {}).get("nodeNames")) for name, mc in owned.items()}
         budgets, sizes = _budgets_and_sizes(self.reports.items())
-        plan = choice.plan(pods, facts, current, budgets=budgets, sizes=sizes)
+        admission = choice.admit(pods, [mc for mc in caches if not _owned(mc)],
+                                 per_namespace=self.max_demand_per_namespace, max_models=self.max_models)
+        plan = choice.plan(admission.pods, facts, current, budgets=budgets, sizes=sizes, max_models=self.max_models)
+        refused = dict(admission.refused)
+        refused.update({k: choice.Refusal("PlacementFailed", f"the placement controller could not place this pod "
+                                                             f"({why}); it stays as it is")
+                        for k, why in plan.failed.items()})
         demand = {name: tuple(sorted(nodes)) for name, nodes in plan.nodes.items() if nodes}
-        self._write_demand(demand, plan, owned)
+        pending = self._write_demand(demand, plan, owned)
         self._memory(caches, facts)
-        released = [choice.pod_key(p) for p in pods if choice.gated(p) and self._release_or_report(p, facts, plan)]
-        self._seen = {k: v for k, v in self._seen.items() if k in {choice.pod_key(p) for p in pods if choice.gated(p)}}
+        by_key = {choice.pod_key(p): p for p in pods}
+        budget = self.max_writes  # refusal Events are bounded too: a thousand bad pods must not delay a pass
+        for key, refusal in refused.items():
+            if budget > 0 and key in by_key and self.leading():
+                budget -= self._event(by_key[key], refusal.reason, refusal.message, "Warning")
+        admitted = {choice.pod_key(p) for p in admission.pods} - set(plan.failed)
+        released = [choice.pod_key(p) for p in pods
+                    if choice.pod_key(p) in admitted and choice.gated(p) and self._release_or_report(p, facts, plan)]
+        self._seen = {k: v for k, v in self._seen.items() if k in by_key}
         self.passes += 1
-        return Pass(tuple(released), demand)
+        if pending:
+            self._wake.set()  # the rest of the demand goes out in the next pass, without waiting for `resync`
+        return Pass(tuple(released), demand, refused, pending)
 
     def _write_demand(self, demand: Mapping[str, tuple[str, ...]], plan: choice.Plan,
-                      owned: Mapping[str, dict[str, Any]]) -> None:
+                      owned: Mapping[str, dict[str, Any]]) -> int:
+        """Create, patch and delete demand, at most `max_writes` a pass taken round-robin over the namespaces
+        that asked (deletes take turns as one more), so a namespace with many models delays another's first
+        model by one turn, not by all of its own. Returns how many writes are left for the next pass."""
+        queues: dict[str, list[Callable[[], bool]]] = {}
         for name, nodes in demand.items():
-            mc = owned.get(name)
-            if mc is not None and _names((mc.get("spec") or {}).get("nodeNames")) == list(nodes):
+            namespaces = sorted(plan.namespaces.get(name, ()))
+            spec = (owned.get(name) or {}).get("spec") or {}
+            if name in owned and (_names(spec.get("nodeNames")), _names(spec.get("demandNamespaces"))) == (
+                    list(nodes), namespaces):
                 continue
-            if not self.leading():
-                return
-            if mc is None:
-                body = model_cache_body(plan.refs[name], name=name, node_selector={}, tier="disk",
-                                        allowed_namespaces=[])  # grants no namespace anything
-                body["metadata"]["labels"] = {MANAGED_BY: CONTROLLER}
-                body["spec"]["nodeNames"] = list(nodes)
-                self._call(f"creating ModelCache {name}", self._custom.create_cluster_custom_object,
-                           GROUP, VERSION, MODELCACHES, body)
-            else:
-                self._call(f"patching ModelCache {name}", self._custom.patch_cluster_custom_object,
-                           GROUP, VERSION, MODELCACHES, name, {"spec": {"nodeNames": list(nodes)}})
-            log.info("demand %s (%s) on %s", name, plan.refs[name], ", ".join(nodes))
+            queues.setdefault(namespaces[0] if namespaces else "", []).append(
+                functools.partial(self._put_demand, name, plan.refs[name], nodes, namespaces, name in owned))
         for name in owned:
-            if name not in demand and self.leading():  # no pod needs it any more: the daemons unpin it
-                self._call(f"deleting ModelCache {name}", self._custom.delete_cluster_custom_object,
-                           GROUP, VERSION, MODELCACHES, name)
-                log.info("demand %s released: no pod needs it", name)
+            if name not in demand:  # no pod needs it any more: the daemons unpin it
+                queues.setdefault("(deletes)", []).append(functools.partial(self._delete_demand, name))
+        writes = [w for turn in itertools.zip_longest(*(queues[k] for k in sorted(queues))) for w in turn if w]
+        done = 0
+        for write in writes[:self.max_writes]:
+            if not self.leading():
+                return 0
+            done += write()
+        # Left over only counts when this pass got writes through: a failing API waits for `resync`, unhurried.
+        return max(0, len(writes) - self.max_writes) if done else 0
+
+    def _put_demand(self, name: str, ref: ModelRef, nodes: tuple[str, ...], namespaces: list[str],
+                    exists: bool) -> bool:
+        if exists:
+            ok = self._call(f"patching ModelCache {name}", self._custom.patch_cluster_custom_object, GROUP, VERSION,
+                            MODELCACHES, name, {"spec": {"nodeNames": list(nodes), "demandNamespaces": namespaces}})
+        else:
+            body = model_cache_body(ref, name=name, node_selector={}, tier="disk", allowed_namespaces=[])
+            body["metadata"]["labels"] = {MANAGED_BY: CONTROLLER}
+            # demand grants no namespace anything; it says which asked, and each node decides for them
+            body["spec"].update(nodeNames=list(nodes), demandNamespaces=namespaces, allowedNamespaces=[])
+            ok = self._call(f"creating ModelCache {name}", self._custom.create_cluster_custom_object,
+                            GROUP, VERSION, MODELCACHES, body)
+        log.info("demand %s (%s) on %s for %s", name, ref, ", ".join(nodes), ", ".join(namespaces))
+        return ok
+
+    def _delete_demand(self, name: str) -> bool:
+        ok = self._call(f"deleting ModelCache {name}", self._custom.delete_cluster_custom_object,
+                        GROUP, VERSION, MODELCACHES, name)
+        log.info("demand %s released: no pod needs it", name)
+        return ok
 
     def _memory(self, caches: list[dict[str, Any]], facts: list[NodeFacts]) -> None:
         """status.memoryNodes of every ModelCache with spec.memory.nodes (desired.plan reads it on each node)."""
@@ -183,7 +239,16 @@ class Controller:
                            GROUP, VERSION, MODELCACHES, name, {"status": {"memoryNodes": picked}})
 
     def _release_or_report(self, pod: dict[str, Any], facts: list[NodeFacts], plan: choice.Plan) -> bool:
-        state = choice.pod_state(pod)
+        try:
+            return self._release_or_report_one(pod, facts, plan)
+        except Exception as exc:  # one pod's odd spec must not stop the release of the others
+            log.exception("placement of pod %s failed", choice.pod_key(pod))
+            self._event(pod, "PlacementFailed", f"the placement controller could not place this pod "
+                        f"({type(exc).__name__}); it stays gated", "Warning")
+            return False
+
+    def _release_or_report_one(self, pod: dict[str, Any], facts: list[NodeFacts], plan: choice.Plan) -> bool:
+        state = choice.pod_state(pod, max_models=self.max_models)
         if state.state != "gated" or not self.leading():
             return False
         ready = set(choice.ready_nodes(pod, state.refs, facts))
@@ -233,15 +298,15 @@ class Controller:
         message = f"waiting for the model on node {node}: {line} [{'; '.join(parts)}]"
         self._event(pod, "FetchingModel", message, "Normal", bytes_done=done)
 
-    def _event(self, pod: dict[str, Any], reason: str, message: str, kind: str, *, force: bool = False,
-               bytes_done: int = 0) -> None:
+    def _event(self, pod: Mapping[str, Any], reason: str, message: str, kind: str, *, force: bool = False,
+               bytes_done: int = 0) -> bool:
         """One Event per pod (created, then patched): at most every `event_interval` seconds, and only when it
-        says something new."""
+        says something new. True when it tried to write one."""
         meta = pod.get("metadata") or {}
         key, now = choice.pod_key(pod), self._clock()
         seen = self._seen.get(key)
         if not force and seen is not None and (now - seen.at < self.event_interval or seen.message == message):
-            return
+            return False
         self._seen[key] = _Seen(now, message, bytes_done)
         # pod names run to 253 characters; the Event's must stay within them
         name, ns, stamp = f"{str(meta['name'])[:230]}.weightcache-placement", meta["namespace"], _now()
@@ -249,14 +314,14 @@ class Controller:
         patch = {"message": message, "reason": reason, "type": kind, "lastTimestamp": stamp}
         try:
             self._core.patch_namespaced_event(name, ns, patch, _content_type=MERGE)
-            return
+            return True
         except ApiException as exc:
             if exc.status != 404:
                 log.warning("Event on pod %s not written: HTTP %s", key, exc.status)
-                return
+                return True
         except urllib3.exceptions.HTTPError as exc:
             log.warning("Event on pod %s not written: %s", key, type(exc).__name__)
-            return
+            return True
         body = {"apiVersion": "v1", "kind": "Event", "metadata": {"name": name, "namespace": ns},
                 "involvedObject": {"apiVersion": "v1", "kind": "Pod", "name": meta["name"], "namespace": ns,
                                    "uid": meta.get("uid")},
@@ -264,6 +329,7 @@ class Controller:
                 "reportingComponent": f"{GROUP}/placement", "reportingInstance": CONTROLLER,
                 "firstTimestamp": stamp, "lastTimestamp": stamp, "count": 1}
         self._call(f"recording an Event on pod {key}", self._core.create_namespaced_event, ns, body)
+        return True
 
     def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
         """Writes are level-triggered: a failure is logged and the next pass tries again."""
