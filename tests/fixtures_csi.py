@@ -23,6 +23,7 @@ import pytest
 from tests.faultproxy import FaultProxy
 from tests.fixtures_s3 import S3
 from tests.sample import make_model
+from weightcache.access import Authority
 from weightcache.csi import mounts
 from weightcache.csi._pb import csi_pb2, csi_pb2_grpc
 from weightcache.csi.node import CSI_TIMEOUT_S
@@ -30,7 +31,6 @@ from weightcache.csi.server import serve_csi
 from weightcache.daemon.fetches import FetchQueue
 from weightcache.fetch import Fetcher
 from weightcache.memory import MemoryTier
-from weightcache.policy import decide
 from weightcache.store import Store
 
 ROOT_MARKS = [pytest.mark.root,
@@ -83,9 +83,10 @@ def model_in_s3(s3: S3, tmp_path: Path) -> str:
     return MODEL_URI
 
 
-def policy_for(uri: str) -> Any:
+def policy_for(uri: str) -> Authority:
+    """In cluster: one ModelCache grants `uri` to ALLOWED_NS, nothing undeclared."""
     caches = [{"metadata": {"name": "llama"}, "spec": {"source": uri, "allowedNamespaces": [ALLOWED_NS]}}]
-    return lambda model, namespace: decide(model, namespace, caches, allow_undeclared=False)
+    return Authority(model_caches=lambda: caches, allow_undeclared=lambda: False)
 
 
 def bind_readonly(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> mounts.MountEntry:
@@ -145,13 +146,14 @@ def publish_request(volume_id: str, target: Path, *, model: str = MODEL_URI, nam
 
 
 async def start_harness(root: Path, proxy: FaultProxy, *, publish_timeout: float = CSI_TIMEOUT_S,
-                        tier: MemoryTier | None = None, parallel: int = 2, policy: Any = None) -> CsiHarness:
+                        tier: MemoryTier | None = None, parallel: int = 2,
+                        authority: Authority | None = None) -> CsiHarness:
     store = Store(root / "store")
     fetcher = Fetcher(store, endpoint_url=proxy.endpoint_url)
-    fetches = FetchQueue(fetcher.ensure, store.lookup, parallel=parallel)
+    fetches = FetchQueue(fetcher.ensure, fetcher.lookup, parallel=parallel)
     socket = root / "csi.sock"
     server = await serve_csi(f"unix://{socket}", store=store, fetches=fetches, node_id="node-a",
-                             policy=policy or policy_for(MODEL_URI), publish_timeout=publish_timeout,
+                             authority=authority or policy_for(MODEL_URI), publish_timeout=publish_timeout,
                              kubelet_dir=root / "kubelet", tier=tier)
     channel = grpc.aio.insecure_channel(f"unix://{socket}")
     return CsiHarness(root, store, fetcher, fetches, server, channel, csi_pb2_grpc.IdentityStub(channel),

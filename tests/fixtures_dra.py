@@ -21,7 +21,9 @@ import grpc
 import pytest
 
 from tests.fake_apiserver import FakeApiServer
+from tests.grants import granted
 from tests.sample import make_model
+from weightcache.access import Authority
 from weightcache.dra import DRIVER_NAME
 from weightcache.dra._pb import (
     dra_v1_pb2,
@@ -34,9 +36,7 @@ from weightcache.dra._pb import (
 from weightcache.dra.devices import device_name
 from weightcache.dra.server import DraPlugin, claim_reader, registration_socket, serve_dra
 from weightcache.fetch import Fetcher
-from weightcache.policy import Decision, decide
 from weightcache.store import Snapshot, Store
-from weightcache.uri import ModelRef, parse_ref
 
 NODE = "node-1"
 ALLOWED_NS = "ml"
@@ -47,16 +47,16 @@ def fetch_models(store: Store, src: Path, count: int) -> list[Snapshot]:
     snapshots = []
     for i in range(count):
         make_model(src / f"model-{i}", layers=1, hidden=32, seed=i + 1)
-        snapshots.append(Fetcher(store, chunk_size=64 << 10).ensure(parse_ref(f"file://{src}/model-{i}/")))
+        snapshots.append(Fetcher(store, chunk_size=64 << 10).ensure(granted(f"file://{src}/model-{i}/")))
     return snapshots
 
 
-def namespace_policy(allowed: str) -> Any:
-    """The CSI publish's policy with one ModelCache per model granting `allowed` (here: any source)."""
-    def policy(ref: ModelRef, namespace: str) -> Decision:
-        grant = [{"metadata": {"name": "mc"}, "spec": {"source": ref.uri, "allowedNamespaces": [allowed]}}]
-        return decide(ref, namespace, grant, allow_undeclared=False)
-    return policy
+def namespace_policy(allowed: str, store: Store) -> Authority:
+    """In cluster: a ModelCache for each model in `store` granting it to `allowed`, nothing undeclared."""
+    def caches() -> list[dict[str, Any]]:
+        return [{"metadata": {"name": f"mc-{i}"}, "spec": {"source": info.snapshot.uri, "allowedNamespaces": [allowed]}}
+                for i, info in enumerate(store.list())]
+    return Authority(model_caches=caches, allow_undeclared=lambda: False)
 
 
 class Kubelet:
@@ -143,7 +143,7 @@ class DraHarness:
 
 async def start_plugin(root: Path, store: Store, api: FakeApiServer, policy: Any) -> DraPlugin:
     return await serve_dra(store=store, pool=NODE, kubelet_dir=root / "kubelet", cdi_dir=root / "cdi",
-                           policy=policy, claims=claim_reader(api.api_client()))
+                           authority=policy, claims=claim_reader(api.api_client()))
 
 
 @pytest.fixture
@@ -157,7 +157,7 @@ async def dra(dra_api: FakeApiServer) -> AsyncIterator[DraHarness]:
     tmp_path = Path(tempfile.mkdtemp(prefix="dra-", dir="/tmp"))  # Unix socket paths are limited to 107 bytes
     store = Store(tmp_path / "store")
     snapshots = fetch_models(store, tmp_path / "src", 2)
-    policy = namespace_policy(ALLOWED_NS)
+    policy = namespace_policy(ALLOWED_NS, store)
     plugin = await start_plugin(tmp_path, store, dra_api, policy)
     kubelet = Kubelet(tmp_path / "kubelet")
     harness = DraHarness(tmp_path, store, dra_api, snapshots, plugin, kubelet, policy)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tests.grants import granted
 from tests.sample import make_model
 from weightcache.fetch import Fetcher
 from weightcache.store import Snapshot, Store
 from weightcache.store.records import snapshot_id_for
 from weightcache.store.types import FileEntry
-from weightcache.uri import parse_ref
 
 
 def make_models(where: Path, *names: str, hidden: int = 64) -> dict[str, Path]:
@@ -23,7 +23,7 @@ def make_models(where: Path, *names: str, hidden: int = 64) -> dict[str, Path]:
 
 
 def fetch(store: Store, model: Path) -> Snapshot:
-    return Fetcher(store, chunk_size=64 << 10).ensure(parse_ref(f"file://{model}/"))
+    return Fetcher(store, chunk_size=64 << 10).ensure(granted(f"file://{model}/"))
 
 
 def rewrite_manifest(store: Store, snap_id: str, edit_files: object) -> str:

@@ -3,7 +3,7 @@
     with Fleet(tmp_path, token) as fleet:
         a = fleet.node("a")                      # store at tmp_path/a, peer server on 127.0.0.1:0
         b = fleet.node("b", peers=[a.url])
-        b.fetcher(endpoint_url=proxy.endpoint_url).ensure(ref)
+        b.fetcher(endpoint_url=proxy.endpoint_url).ensure(admin(ref))
 
 Each peer server runs on its own event loop thread, as in the daemon (the fetch engine's threads never share it).
 """
@@ -118,3 +118,93 @@ def origin_bytes(proxy: FaultProxy, prefix: str) -> int:
         total += int(m[2]) - int(m[1]) + 1
     return total
 
+
+
+class HostilePeer:
+    """A peer server that lies in the ways a hostile node can, on a real socket (127.0.0.1, one thread per
+    connection): it says it holds every blob in `sizes` (HEAD: 200 and the listed size), and answers a GET
+    with `mode`:
+
+        "trickle-body"     a correct 206 head, then the right bytes one every `every_s` seconds
+        "trickle-headers"  the status line and headers one byte every `every_s` seconds
+        "huge-range"       a 206 whose Content-Range holds 5,000-digit numbers (int() refuses them)
+
+    `requests` counts the GETs it answered; `close()` stops every connection at once."""
+
+    def __init__(self, sizes: dict[str, int], bodies: dict[str, bytes], mode: str, every_s: float = 2.0) -> None:
+        import socket
+
+        self.sizes, self.bodies, self.mode, self.every_s = sizes, bodies, mode, every_s
+        self.requests = 0
+        self._stop = threading.Event()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, name="hostile-peer", daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: object) -> None:
+        import socket
+        assert isinstance(conn, socket.socket)
+        with conn, conn.makefile("rb") as reader:
+            try:
+                while not self._stop.is_set():
+                    line = reader.readline()
+                    if not line:
+                        return
+                    method, path = line.split()[:2]
+                    headers = {}
+                    while (h := reader.readline()) not in (b"\r\n", b"\n", b""):
+                        k, _, v = h.decode().partition(":")
+                        headers[k.strip().lower()] = v.strip()
+                    sha = path.decode().rsplit("/", 1)[-1]
+                    size = self.sizes.get(sha)
+                    if size is None:
+                        conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+                        continue
+                    if method == b"HEAD":
+                        conn.sendall(f"HTTP/1.1 200 OK\r\nContent-Length: {size}\r\n\r\n".encode())
+                        continue
+                    self.requests += 1
+                    first, last = (int(x) for x in headers["range"].removeprefix("bytes=").split("-"))
+                    self._answer(conn, sha, first, last, size)
+            except OSError:
+                return  # the asker cut us: what a hostile peer gets
+
+    def _answer(self, conn: object, sha: str, first: int, last: int, size: int) -> None:
+        import socket
+        assert isinstance(conn, socket.socket)
+        huge = "9" * 5000
+        span = f"{huge}-{huge}" if self.mode == "huge-range" else f"{first}-{last}"
+        head = (f"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes {span}/{size}\r\n"
+                f"Content-Length: {last - first + 1}\r\n\r\n").encode()
+        if self.mode == "trickle-headers":
+            for i in range(len(head)):
+                conn.sendall(head[i:i + 1])
+                if self._stop.wait(self.every_s):
+                    return
+        else:
+            conn.sendall(head)
+        if self.mode == "huge-range":
+            return
+        body = self.bodies[sha][first:last + 1]
+        for i in range(len(body)):
+            conn.sendall(body[i:i + 1])
+            if self._stop.wait(self.every_s):
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._listener.close()
+
+    def __enter__(self) -> HostilePeer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

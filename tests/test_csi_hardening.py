@@ -34,16 +34,15 @@ from tests.fixtures_csi import (  # noqa: F401
 )
 from tests.fixtures_s3 import S3, fault_proxy, s3, s3_server  # noqa: F401
 from tests.sample import make_model
+from weightcache.access import Authority
 from weightcache.csi import mounts
 from weightcache.csi._pb import csi_pb2
-from weightcache.policy import Decision
 
 pytestmark = ROOT_MARKS
 SLOW = 8  # downloads held open at once
 
 
-def allow_all(ref: object, namespace: str) -> Decision:
-    return Decision(True, "test")
+allow_all = Authority()  # off-cluster: every undeclared model allowed
 
 
 def upload_models(s3: S3, tmp: Path, count: int) -> list[str]:
@@ -57,7 +56,7 @@ def upload_models(s3: S3, tmp: Path, count: int) -> list[str]:
 @pytest.fixture
 async def wide(safe_tmp: Path, model_in_s3: str, fault_proxy: FaultProxy) -> AsyncIterator[CsiHarness]:
     """A harness that runs SLOW downloads at once and lets any model through policy."""
-    harness = await start_harness(safe_tmp, fault_proxy, parallel=SLOW, policy=allow_all)
+    harness = await start_harness(safe_tmp, fault_proxy, parallel=SLOW, authority=allow_all)
     try:
         yield harness
     finally:
@@ -107,7 +106,7 @@ async def test_probe_and_cached_publish_answer_fast_while_eight_slow_downloads_r
 
 async def test_a_queued_download_says_what_it_waits_behind(safe_tmp: Path, fault_proxy: FaultProxy, s3: S3,
                                                            model_in_s3: str) -> None:
-    csi = await start_harness(safe_tmp, fault_proxy, parallel=1, policy=allow_all)
+    csi = await start_harness(safe_tmp, fault_proxy, parallel=1, authority=allow_all)
     try:
         first, second = upload_models(s3, safe_tmp, 2)
         csi.proxy.add("delay", method="GET", path="/slow-0/", seconds=2.0, count=-1)

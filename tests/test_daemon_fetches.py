@@ -17,11 +17,13 @@ import pytest
 from tests.faultproxy import FaultProxy
 from tests.fixtures_daemon import model_copy, off_cluster, short_dir, start_daemon, tiny_model  # noqa: F401
 from tests.fixtures_s3 import S3
+from tests.grants import granted
 from tests.sample import make_model
+from weightcache.access import Grant
 from weightcache.daemon.fetches import FetchQueue
 from weightcache.fetch import FetchCancelledError, Fetcher
 from weightcache.store import Snapshot, Store
-from weightcache.uri import ModelRef, parse_ref
+from weightcache.uri import parse_ref
 
 
 @dataclass
@@ -40,7 +42,7 @@ class Queue:
     async def hold_a(self, seconds: float) -> asyncio.Future[Snapshot]:
         """Start the fetch of model a, its requests held `seconds` by the proxy; return once it is downloading."""
         self.proxy.add("delay", method="GET", path="/a/", seconds=seconds, count=-1)
-        running = asyncio.ensure_future(self.queue.ensure(parse_ref("s3://models/a/")))
+        running = asyncio.ensure_future(self.queue.ensure(granted("s3://models/a/")))
         await self.wait_for_request("a")
         return running
 
@@ -61,7 +63,7 @@ def models(s3: S3, tmp_path: Path) -> list[str]:
 async def make_queue(tmp_path: Path, proxy: FaultProxy, parallel: int) -> Queue:
     store = Store(tmp_path / "store")
     fetcher = Fetcher(store, endpoint_url=proxy.endpoint_url)
-    return Queue(FetchQueue(fetcher.ensure, store.lookup, parallel=parallel), store, proxy)
+    return Queue(FetchQueue(fetcher.ensure, fetcher.lookup, parallel=parallel), store, proxy)
 
 
 @pytest.fixture
@@ -80,7 +82,7 @@ async def test_fifty_waiters_share_one_fetch_and_hold_no_thread_each(tmp_path: P
     try:
         fault_proxy.add("delay", method="GET", path="/a/", seconds=1.0, count=-1)
         before = threading.active_count()
-        waiters = [asyncio.ensure_future(q.queue.ensure(parse_ref("s3://models/a/"))) for _ in range(50)]
+        waiters = [asyncio.ensure_future(q.queue.ensure(granted("s3://models/a/"))) for _ in range(50)]
         await q.wait_for_request("a")
         during = threading.active_count()
         snapshots = await asyncio.gather(*waiters)
@@ -96,7 +98,7 @@ async def test_fifty_waiters_share_one_fetch_and_hold_no_thread_each(tmp_path: P
 async def test_a_queued_fetch_says_what_it_waits_behind_and_runs_in_its_turn(one_at_a_time: Queue) -> None:
     q = one_at_a_time
     first = await q.hold_a(1.0)
-    second = asyncio.ensure_future(q.queue.ensure(parse_ref("s3://models/b/")))
+    second = asyncio.ensure_future(q.queue.ensure(granted("s3://models/b/")))
     await q.until((1, 1))  # it looked up the cache and joined the queue
     progress = q.queue.progress(parse_ref("s3://models/b/"))
     assert progress is not None and progress.describe() == "fetching s3://models/b/: queued behind 1 download"
@@ -109,8 +111,8 @@ async def test_a_queued_fetch_says_what_it_waits_behind_and_runs_in_its_turn(one
 async def test_a_queued_fetch_nobody_waits_for_is_dropped_and_a_kept_one_is_not(one_at_a_time: Queue) -> None:
     q = one_at_a_time
     running = await q.hold_a(1.0)
-    left = asyncio.ensure_future(q.queue.ensure(parse_ref("s3://models/b/")))  # a client that will hang up
-    kept = asyncio.ensure_future(q.queue.ensure(parse_ref("s3://models/c/"), keep=True))  # CSI, reconcile
+    left = asyncio.ensure_future(q.queue.ensure(granted("s3://models/b/")))  # a client that will hang up
+    kept = asyncio.ensure_future(q.queue.ensure(granted("s3://models/c/"), keep=True))  # CSI, reconcile
     await q.until((1, 2))
     left.cancel()
     kept.cancel()
@@ -126,7 +128,7 @@ async def test_a_queued_fetch_nobody_waits_for_is_dropped_and_a_kept_one_is_not(
 
 async def test_a_fetch_started_with_nobody_waiting_runs_to_the_end(one_at_a_time: Queue) -> None:
     q = one_at_a_time
-    q.queue.start(parse_ref("s3://models/a/"))  # an API ensure without ?wait
+    q.queue.start(granted("s3://models/a/"))  # an API ensure without ?wait
     assert q.queue.progress(parse_ref("s3://models/a/")) is not None
     await q.until((0, 0))
     assert q.store.lookup(parse_ref("s3://models/a/")) is not None
@@ -135,7 +137,7 @@ async def test_a_fetch_started_with_nobody_waiting_runs_to_the_end(one_at_a_time
 async def test_close_fails_queued_fetches(one_at_a_time: Queue) -> None:
     q = one_at_a_time
     running = await q.hold_a(0.5)
-    queued = asyncio.ensure_future(q.queue.ensure(parse_ref("s3://models/b/")))
+    queued = asyncio.ensure_future(q.queue.ensure(granted("s3://models/b/")))
     await q.until((1, 1))
     q.queue.close()
     with pytest.raises(FetchCancelledError, match="stopping"):
@@ -160,13 +162,13 @@ async def test_a_running_fetch_whose_last_waiter_leaves_is_stopped(tmp_path: Pat
                                                                    models: list[str]) -> None:
     store = Store(tmp_path / "store")
 
-    def ensure(ref: ModelRef, *, progress: Any, cancel: threading.Event) -> Snapshot:  # one Fetcher per fetch
-        return Fetcher(store, endpoint_url=fault_proxy.endpoint_url, cancel=cancel).ensure(ref, progress=progress)
+    def ensure(grant: Grant, *, progress: Any, cancel: threading.Event) -> Snapshot:  # one Fetcher per fetch
+        return Fetcher(store, endpoint_url=fault_proxy.endpoint_url, cancel=cancel).ensure(grant, progress=progress)
 
-    queue = FetchQueue(ensure, store.lookup, parallel=1)
+    queue = FetchQueue(ensure, Fetcher(store).lookup, parallel=1)
     try:
         fault_proxy.add("delay", method="GET", path="/a/", seconds=1.0, count=-1)
-        waiter = asyncio.ensure_future(queue.ensure(parse_ref("s3://models/a/")))  # a client following the fetch
+        waiter = asyncio.ensure_future(queue.ensure(granted("s3://models/a/")))  # a client following the fetch
         while not [r for r in fault_proxy.requests_for("GET", "/a/") if r.path.endswith(".safetensors")]:
             await asyncio.sleep(0.02)
         waiter.cancel()  # it hung up
@@ -209,7 +211,7 @@ async def test_an_api_client_sees_where_its_fetch_waits(short_dir: Path, model_c
 async def test_raising_parallel_starts_a_queued_fetch_at_once(one_at_a_time: Queue) -> None:
     q = one_at_a_time
     running = await q.hold_a(1.0)
-    queued = asyncio.ensure_future(q.queue.ensure(parse_ref("s3://models/b/")))
+    queued = asyncio.ensure_future(q.queue.ensure(granted("s3://models/b/")))
     await q.until((1, 1))
     q.queue.set_parallel(2)  # parallelModels raised in the live config
     assert q.queue.depth() == (2, 0)
@@ -222,11 +224,11 @@ async def test_a_request_after_close_hears_the_daemon_stops(tmp_path: Path, faul
     q = await make_queue(tmp_path, fault_proxy, parallel=1)
     q.queue.close()
     try:
-        for call in (q.queue.ensure(parse_ref("s3://models/a/")), q.queue.lookup(parse_ref("s3://models/a/"))):
+        for call in (q.queue.ensure(granted("s3://models/a/")), q.queue.lookup(granted("s3://models/a/"))):
             with pytest.raises(FetchCancelledError, match="the daemon is stopping"):
                 await call
         with pytest.raises(FetchCancelledError, match="the daemon is stopping"):
-            q.queue.start(parse_ref("s3://models/b/"))  # reconcile's fire-and-forget fetch
+            q.queue.start(granted("s3://models/b/"))  # reconcile's fire-and-forget fetch
         assert q.weight_gets("a") == [] and q.queue.depth() == (0, 0)
     finally:
         q.store.close()

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.grants import granted
 from tests.sample import make_model
 from weightcache.errors import HostileKeyError, InsufficientSpaceError, IntegrityError, SafetensorsHeaderError
 from weightcache.fetch import Fetcher
@@ -46,7 +47,7 @@ def _origin_get_bytes(proxy, path: str = "") -> int:
 
 def test_fetch_from_s3_is_exact_and_pinned_with_if_match(tmp_path: Path, s3, fault_proxy, model: Path) -> None:
     s3.upload_dir(model, "models", "llama/")
-    snap = _fetcher(tmp_path / "root", fault_proxy.endpoint_url).ensure(parse_ref("s3://models/llama/"))
+    snap = _fetcher(tmp_path / "root", fault_proxy.endpoint_url).ensure(granted("s3://models/llama/"))
     assert _same_tree(snap.path, model)
     gets = [r for r in fault_proxy.requests_for("GET", "/models/llama/") if r.range]
     assert gets and all(r.if_match for r in gets), "every ranged GET must be pinned to the listed ETag"
@@ -56,7 +57,7 @@ def test_two_revisions_share_blobs_and_only_changed_files_are_fetched(tmp_path: 
                                                                      model: Path) -> None:
     s3.upload_dir(model, "models", "llama/")
     f = _fetcher(tmp_path / "root", fault_proxy.endpoint_url)
-    first = f.ensure(parse_ref("s3://models/llama/"))
+    first = f.ensure(granted("s3://models/llama/"))
     s3.put("models", "llama/config.json", b'{"v": 2}\n')
     # a new listing for the same model is a new ref name: ask for the current content by its revision digest
     from weightcache.fetch import source_revision
@@ -66,7 +67,7 @@ def test_two_revisions_share_blobs_and_only_changed_files_are_fetched(tmp_path: 
     rev = source_revision(src.list())[:12]
     src.close()
     fault_proxy.clear()
-    second = f.ensure(parse_ref(f"s3://models/llama/@{rev}"))
+    second = f.ensure(granted(f"s3://models/llama/@{rev}"))
     assert second.id != first.id
     fetched = {r.path for r in fault_proxy.requests_for("GET") if r.range}
     assert fetched == {"/models/llama/config.json"}, "unchanged files (same ETag and size) must not be refetched"
@@ -81,7 +82,7 @@ def test_throttling_and_resets_and_short_bodies_are_retried(tmp_path: Path, s3, 
     fault_proxy.add("reset", method="GET", ranged_only=True, count=1, keep=0.3)
     fault_proxy.add("truncate", method="GET", ranged_only=True, count=1, keep=0.5)
     fault_proxy.add("status", method="GET", ranged_only=True, count=1, status=500, code="InternalError")
-    snap = _fetcher(tmp_path / "root", fault_proxy.endpoint_url).ensure(parse_ref("s3://models/llama/"))
+    snap = _fetcher(tmp_path / "root", fault_proxy.endpoint_url).ensure(granted("s3://models/llama/"))
     assert _same_tree(snap.path, model)
     assert all(fault.fired == fault.count for fault in fault_proxy.faults)
 
@@ -90,7 +91,7 @@ def test_flipped_byte_is_detected_by_md5_etag_and_refetched(tmp_path: Path, s3, 
     s3.upload_dir(model, "models", "llama/")
     target = "/models/llama/model-00001-of-00002.safetensors"
     flip = fault_proxy.add("flip", method="GET", path=target, ranged_only=True, count=1, at=100)
-    snap = _fetcher(tmp_path / "root", fault_proxy.endpoint_url).ensure(parse_ref("s3://models/llama/"))
+    snap = _fetcher(tmp_path / "root", fault_proxy.endpoint_url).ensure(granted("s3://models/llama/"))
     assert flip.fired == 1
     assert _same_tree(snap.path, model)
     size = (model / target.rsplit("/", 1)[1]).stat().st_size
@@ -103,7 +104,7 @@ def test_corruption_that_persists_fails_with_integrity_error_and_publishes_nothi
     fault_proxy.add("flip", method="GET", path="config.json", ranged_only=True, count=-1, at=1)
     f = _fetcher(tmp_path / "root", fault_proxy.endpoint_url)
     with pytest.raises(IntegrityError, match=r"config\.json"):
-        f.ensure(parse_ref("s3://models/llama/"))
+        f.ensure(granted("s3://models/llama/"))
     assert f.store.list() == []
     assert list(f.store.layout.snapshots.iterdir()) == []
 
@@ -111,7 +112,7 @@ def test_corruption_that_persists_fails_with_integrity_error_and_publishes_nothi
 def test_sha256_checksum_from_s3_is_verified(tmp_path: Path, s3, fault_proxy, model: Path) -> None:
     for p in sorted(model.iterdir()):
         s3.put("models", f"llama/{p.name}", p.read_bytes(), ChecksumAlgorithm="SHA256")
-    snap = _fetcher(tmp_path / "root", fault_proxy.endpoint_url).ensure(parse_ref("s3://models/llama/"))
+    snap = _fetcher(tmp_path / "root", fault_proxy.endpoint_url).ensure(granted("s3://models/llama/"))
     assert _same_tree(snap.path, model)
 
 
@@ -119,7 +120,7 @@ def test_sidecar_sha256_mismatch_is_refused(tmp_path: Path, s3, model: Path) -> 
     s3.upload_dir(model, "models", "llama/")
     s3.put("models", "llama/config.json.sha256", b"0" * 64 + b"  config.json\n")
     with pytest.raises(IntegrityError, match=r"config\.json"):
-        _fetcher(tmp_path / "root", s3.endpoint_url).ensure(parse_ref("s3://models/llama/"))
+        _fetcher(tmp_path / "root", s3.endpoint_url).ensure(granted("s3://models/llama/"))
 
 
 def test_object_replaced_mid_download_restarts_and_never_mixes(tmp_path: Path, s3, fault_proxy, model: Path) -> None:
@@ -137,7 +138,7 @@ def test_object_replaced_mid_download_restarts_and_never_mixes(tmp_path: Path, s
 
     t = threading.Thread(target=replace)
     t.start()
-    snap = _fetcher(tmp_path / "root", fault_proxy.endpoint_url, concurrency=2).ensure(parse_ref("s3://models/llama/"))
+    snap = _fetcher(tmp_path / "root", fault_proxy.endpoint_url, concurrency=2).ensure(granted("s3://models/llama/"))
     t.join()
     assert replaced.is_set()
     assert (snap.path / name).read_bytes() == new_body, "a body mixed from two object versions was published"
@@ -150,14 +151,14 @@ def test_hostile_keys_from_s3_are_refused_and_nothing_written_outside(tmp_path: 
         s3.put("hostile", key, b"owned")
         f = _fetcher(tmp_path / "root", s3.endpoint_url)
         with pytest.raises(HostileKeyError):
-            f.ensure(parse_ref("s3://hostile/evil/"))
+            f.ensure(granted("s3://hostile/evil/"))
         s3.client.delete_object(Bucket="hostile", Key=key)
     assert not (tmp_path / "x").exists() and not Path("/abs").exists()
     assert list((tmp_path / "root" / "snapshots").iterdir()) == []
     s3.put("hostile", "evil/a", b"file")
     s3.put("hostile", "evil/a/b", b"file below a file")
     with pytest.raises(HostileKeyError, match="both a file and a directory"):
-        _fetcher(tmp_path / "root", s3.endpoint_url).ensure(parse_ref("s3://hostile/evil/"))
+        _fetcher(tmp_path / "root", s3.endpoint_url).ensure(granted("s3://hostile/evil/"))
 
 
 @pytest.mark.parametrize("header", [
@@ -172,7 +173,7 @@ def test_malicious_safetensors_header_is_refused_before_publish(tmp_path: Path, 
     s3.put("models", "bad/config.json", b"{}")
     f = _fetcher(tmp_path / "root", s3.endpoint_url)
     with pytest.raises(SafetensorsHeaderError, match=r"model\.safetensors"):
-        f.ensure(parse_ref("s3://models/bad/"))
+        f.ensure(granted("s3://models/bad/"))
     assert f.store.list() == [] and list(f.store.layout.snapshots.iterdir()) == []
     assert not list(f.store.layout.partial.glob("*.part")), "a refused file's partial must not be kept for a retry"
     assert f.store.has_blob(hashlib.sha256(b"{}").hexdigest()), "a verified file is kept as a blob for the rerun"
@@ -181,7 +182,7 @@ def test_malicious_safetensors_header_is_refused_before_publish(tmp_path: Path, 
 def test_huge_header_length_is_refused(tmp_path: Path, s3) -> None:
     s3.put("models", "bad/model.safetensors", struct.pack("<Q", 1 << 60) + b"{}")
     with pytest.raises(SafetensorsHeaderError):
-        _fetcher(tmp_path / "root", s3.endpoint_url).ensure(parse_ref("s3://models/bad/"))
+        _fetcher(tmp_path / "root", s3.endpoint_url).ensure(granted("s3://models/bad/"))
 
 
 _PREFETCH = [sys.executable, "-m", "weightcache", "prefetch", "--no-daemon", "-o", "json"]
@@ -227,7 +228,7 @@ def test_kill_9_mid_download_resumes_without_refetching_journalled_ranges(tmp_pa
     journalled = [tuple(map(int, line.split())) for line in journal.read_text().splitlines()[1:]
                   if len(line.split()) == 2]
     fault_proxy.clear()
-    snap = _fetcher(root, fault_proxy.endpoint_url).ensure(parse_ref("s3://models/big/"))
+    snap = _fetcher(root, fault_proxy.endpoint_url).ensure(granted("s3://models/big/"))
     assert _same_tree(snap.path, src)
     asked = fault_proxy.ranges_for("/models/big/model.safetensors")
     for a, b in asked:  # requests are [a, b] inclusive; journal entries are (offset, length)
@@ -253,9 +254,9 @@ def test_enospc_on_a_small_tmpfs_fails_cleanly_and_keeps_the_store(tmp_path: Pat
         make_model(small, layers=1, hidden=32, shards=1)
         no_floor = {"min_free_bytes": 0, "min_free_percent": 0.0}  # this test is about ENOSPC, not the floor
         store = Store(mnt / "root", **no_floor)
-        first = Fetcher(store).ensure(parse_ref(f"file://{small}/"))
+        first = Fetcher(store).ensure(granted(f"file://{small}/"))
         with pytest.raises(InsufficientSpaceError, match="needs"):
-            Fetcher(store).ensure(parse_ref(f"file://{model}/"))
+            Fetcher(store).ensure(granted(f"file://{model}/"))
         assert [i.snapshot.id for i in store.list()] == [first.id]
         assert verify_snapshot(store, first.id) == []
         assert list(store.layout.partial.iterdir()) == []
@@ -272,7 +273,7 @@ def test_enospc_on_a_small_tmpfs_fails_cleanly_and_keeps_the_store(tmp_path: Pat
         store2 = Store(mnt / "root", **no_floor)
         store2.ensure_space = lambda needed, uri: None  # type: ignore[method-assign]  # only the disk refuses now
         with pytest.raises(InsufficientSpaceError, match="disk full"):
-            Fetcher(store2).ensure(parse_ref(f"file://{model}/"))
+            Fetcher(store2).ensure(granted(f"file://{model}/"))
         assert list(store2.layout.partial.iterdir()) == []
         assert [i.snapshot.id for i in store2.list()] == [first.id]
     finally:

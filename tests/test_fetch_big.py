@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from tests.faultproxy import FaultProxy, QuietHTTPServer
 from tests.fixtures_s3 import S3
+from tests.grants import admin, granted
 from weightcache.download import PIECE, PartialFile
 from weightcache.errors import FetchCancelledError
 from weightcache.fetch import Fetcher
@@ -48,7 +49,7 @@ def test_a_big_file_is_journalled_a_piece_at_a_time_and_resumes_from_the_last_pi
             f.close()
 
     with pytest.raises(FetchCancelledError):
-        f.ensure(parse_ref("s3://models/big/"), progress=stop_after_four_pieces)
+        f.ensure(granted("s3://models/big/"), progress=stop_after_four_pieces)
     (journal,) = root.glob("partial/*.journal")
     journalled = [tuple(map(int, line.split())) for line in journal.read_text().splitlines()[1:]]
     assert len(journalled) >= 4 and all(0 < n <= PIECE for _, n in journalled), journalled
@@ -56,8 +57,8 @@ def test_a_big_file_is_journalled_a_piece_at_a_time_and_resumes_from_the_last_pi
 
     fault_proxy.faults.remove(throttle)
     fault_proxy.clear()
-    snap = Fetcher(Store(root), endpoint_url=fault_proxy.endpoint_url, chunk_size=CHUNK).ensure(
-        parse_ref("s3://models/big/"))
+    snap = Fetcher(Store(root), endpoint_url=fault_proxy.endpoint_url, chunk_size=CHUNK).ensure(admin(
+        parse_ref("s3://models/big/")))
     assert (snap.path / "w.bin").read_bytes() == body
     asked = fault_proxy.ranges_for("/models/big/w.bin")
     assert sum(b - a + 1 for a, b in asked) == size - sum(n for _, n in journalled), "journalled pieces refetched"
@@ -74,7 +75,7 @@ def test_requests_are_few_and_large(tmp_path: Path, s3: S3, fault_proxy: FaultPr
     body = random.Random(ranges).randbytes(int(chunks * chunk))
     s3.put("models", "m/w.bin", body)
     snap = Fetcher(Store(tmp_path / "root"), endpoint_url=fault_proxy.endpoint_url, chunk_size=chunk,
-                   concurrency=concurrency).ensure(parse_ref("s3://models/m/"))
+                   concurrency=concurrency).ensure(granted("s3://models/m/"))
     assert (snap.path / "w.bin").read_bytes() == body
     asked = sorted(fault_proxy.ranges_for("/models/m/w.bin"))
     assert len(asked) == ranges, asked
@@ -89,7 +90,7 @@ def test_workers_hold_a_piece_each_not_a_chunk(tmp_path: Path) -> None:
     (src / "w.bin").write_bytes(body)
     tracemalloc.start()
     try:
-        snap = Fetcher(Store(tmp_path / "root"), chunk_size=CHUNK, concurrency=3).ensure(parse_ref(f"file://{src}/"))
+        snap = Fetcher(Store(tmp_path / "root"), chunk_size=CHUNK, concurrency=3).ensure(granted(f"file://{src}/"))
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()

@@ -13,10 +13,10 @@ from botocore.config import Config
 import weightcache.sources.fsspec as fsspec_source
 from tests.faultproxy import FaultProxy
 from tests.fixtures_s3 import S3
+from tests.grants import granted
 from weightcache.errors import IntegrityError
 from weightcache.fetch import Fetcher
 from weightcache.store import Store
-from weightcache.uri import parse_ref
 
 BODY = bytes(range(256)) * 1024  # 256 KiB
 
@@ -33,7 +33,7 @@ def test_a_full_object_crc32_catches_corruption_without_an_md5(tmp_path: Path, s
     fault_proxy.add("flip", method="GET", path="w.bin", ranged_only=True, count=-1, at=7)
     f = Fetcher(Store(tmp_path / "root"), endpoint_url=fault_proxy.endpoint_url)
     with pytest.raises(IntegrityError, match=r"w\.bin: crc32"):
-        f.ensure(parse_ref("s3://models/m/"))
+        f.ensure(granted("s3://models/m/"))
     assert f.store.list() == []
 
 
@@ -41,7 +41,7 @@ def test_sse_kms_etags_are_not_checked_as_md5s(tmp_path: Path, s3: S3, fault_pro
     s3.create_bucket("models")
     _plain_client(s3.endpoint_url).put_object(Bucket="models", Key="m/w.bin", Body=BODY, ServerSideEncryption="aws:kms")
     fault_proxy.reverse_etags = True  # 32 hex digits that are not the MD5 of the body, as KMS ETags are
-    snap = Fetcher(Store(tmp_path / "root"), endpoint_url=fault_proxy.endpoint_url).ensure(parse_ref("s3://models/m/"))
+    snap = Fetcher(Store(tmp_path / "root"), endpoint_url=fault_proxy.endpoint_url).ensure(granted("s3://models/m/"))
     assert (snap.path / "w.bin").read_bytes() == BODY
 
 
@@ -51,7 +51,7 @@ def test_an_md5_etag_still_catches_corruption_when_nothing_else_does(tmp_path: P
     _plain_client(s3.endpoint_url).put_object(Bucket="models", Key="m/w.bin", Body=BODY)
     fault_proxy.add("flip", method="GET", path="w.bin", ranged_only=True, count=-1, at=7)
     with pytest.raises(IntegrityError, match=r"w\.bin: md5"):
-        Fetcher(Store(tmp_path / "root"), endpoint_url=fault_proxy.endpoint_url).ensure(parse_ref("s3://models/m/"))
+        Fetcher(Store(tmp_path / "root"), endpoint_url=fault_proxy.endpoint_url).ensure(granted("s3://models/m/"))
 
 
 def test_a_local_file_rewritten_in_place_mid_read_is_refetched_whole(tmp_path: Path,
@@ -76,7 +76,7 @@ def test_a_local_file_rewritten_in_place_mid_read_is_refetched_whole(tmp_path: P
         return half + real_fill(fd, view[half:], pos + half)
 
     monkeypatch.setattr(fsspec_source, "_pread_fill", fill_then_rewrite)
-    snap = Fetcher(Store(tmp_path / "root"), chunk_size=1 << 20).ensure(parse_ref(f"file://{src}/"))
+    snap = Fetcher(Store(tmp_path / "root"), chunk_size=1 << 20).ensure(granted(f"file://{src}/"))
     assert rewritten
     assert (snap.path / "w.bin").read_bytes() == new, "a mix of two versions was published"
 
@@ -86,5 +86,5 @@ def test_the_stores_sha256_is_verified_not_only_trusted(tmp_path: Path, s3: S3, 
     fault_proxy.add("flip", method="GET", path="w.bin", ranged_only=True, count=-1, at=7)
     f = Fetcher(Store(tmp_path / "root"), endpoint_url=fault_proxy.endpoint_url)
     with pytest.raises(IntegrityError, match=r"w\.bin: sha256 .* does not match"):
-        f.ensure(parse_ref("s3://models/m/"))
+        f.ensure(granted("s3://models/m/"))
     assert f.store.list() == []

@@ -10,11 +10,11 @@ import fsspec
 import pytest
 
 import weightcache.store.paths as paths
+from tests.grants import granted
 from weightcache.cli import main
 from weightcache.errors import HostileKeyError, answer_for
 from weightcache.fetch import Fetcher
 from weightcache.store import Store
-from weightcache.uri import parse_ref
 
 
 @pytest.fixture
@@ -35,7 +35,7 @@ def test_limits_are_checked_before_any_download(tmp_path: Path, memfs: Any, key:
     memfs.pipe(f"/lim/m/{key}", b"x")
     store = Store(tmp_path / "root")
     with pytest.raises(HostileKeyError, match=problem) as info:
-        Fetcher(store).ensure(parse_ref("memory://lim/m/"))
+        Fetcher(store).ensure(granted("memory://lim/m/"))
     assert info.value.key == key and answer_for(info.value).exit_code == 2
     assert store.list() == [] and not list(store.layout.partial.glob("*.part"))
 
@@ -46,7 +46,7 @@ def test_too_many_files_are_refused_naming_the_limit(tmp_path: Path, memfs: Any,
     for i in range(11):
         memfs.pipe(f"/lim/m/f{i:02d}", b"x")
     with pytest.raises(HostileKeyError, match="11 files, more than 10"):
-        Fetcher(Store(tmp_path / "root")).ensure(parse_ref("memory://lim/m/"))
+        Fetcher(Store(tmp_path / "root")).ensure(granted("memory://lim/m/"))
 
 
 def test_the_cli_exits_2_for_a_deep_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

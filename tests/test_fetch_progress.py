@@ -10,6 +10,7 @@ from pathlib import Path
 
 from tests.faultproxy import FaultProxy
 from tests.fixtures_s3 import S3
+from tests.grants import admin, granted
 from weightcache.fetch import Fetcher
 from weightcache.progress import Progress
 from weightcache.store import Store
@@ -24,7 +25,7 @@ def test_a_slow_origin_shows_progress_before_a_chunk_completes(tmp_path: Path, s
     seen: list[Progress] = []
     # one chunk is the whole file: counting per finished chunk would show 0 until the very end
     f = Fetcher(Store(tmp_path / "root"), endpoint_url=fault_proxy.endpoint_url, chunk_size=SIZE, concurrency=1)
-    f.ensure(parse_ref("s3://models/m/"), progress=seen.append)
+    f.ensure(granted("s3://models/m/"), progress=seen.append)
     midway = [p.bytes_done for p in seen if p.phase == "downloading" and 0 < p.bytes_done < SIZE]
     assert midway, [(p.phase, p.bytes_done) for p in seen]
     assert midway == sorted(midway) and all(p.bytes_done <= SIZE for p in seen)
@@ -61,8 +62,8 @@ def test_ctrl_c_stops_a_download_within_a_second_and_resume_asks_only_for_the_re
     assert journalled and all(n == chunk for _, n in journalled)
     fault_proxy.faults.remove(throttle)
     fault_proxy.clear()
-    snap = Fetcher(Store(root), endpoint_url=fault_proxy.endpoint_url, chunk_size=chunk).ensure(
-        parse_ref("s3://models/big/"))
+    snap = Fetcher(Store(root), endpoint_url=fault_proxy.endpoint_url, chunk_size=chunk).ensure(admin(
+        parse_ref("s3://models/big/")))
     assert (snap.path / "w.bin").read_bytes() == body
     asked = fault_proxy.ranges_for("/models/big/w.bin")
     for a, b in asked:

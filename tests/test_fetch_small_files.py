@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from tests.grants import admin, granted
 from weightcache import download
 from weightcache import fetch as fetch_module
 from weightcache.errors import (
@@ -75,7 +76,7 @@ def test_a_model_of_more_files_than_descriptors_is_fetched(tmp_path: Path, few_d
         (tmp_path / "model" / "empty" / f"e{i:03d}").write_bytes(b"")
         files[f"empty/e{i:03d}"] = b""
     store = Store(tmp_path / "root")
-    snap = Fetcher(store).ensure(parse_ref(f"file://{tmp_path / 'model'}/"))
+    snap = Fetcher(store).ensure(granted(f"file://{tmp_path / 'model'}/"))
     got = {f.path: (snap.path / f.path).read_bytes() for f in snap.files}
     assert got == files
     assert verify_snapshot(store, snap.id) == []
@@ -198,7 +199,7 @@ def test_fetched_small_files_are_created_read_only_and_a_read_only_leftover_is_r
     stale.chmod(0o444)
     outside = tmp_path / "outside"
     outside.write_bytes(b"keep")
-    snap = Fetcher(store).ensure(ref)
+    snap = Fetcher(store).ensure(admin(ref))
     assert {f.path: (snap.path / f.path).read_bytes() for f in snap.files} == files
     for f in snap.files:
         assert stat.S_IMODE((snap.path / f.path).stat().st_mode) == 0o444
@@ -230,7 +231,7 @@ def test_files_recorded_here_are_linked_once_and_fetched_again_once_evicted(tmp_
     files = _small_model(tmp_path / "model", 30)
     store = Store(tmp_path / "root")
     ref = parse_ref(f"file://{tmp_path / 'model'}/")
-    first = Fetcher(store).ensure(ref)
+    first = Fetcher(store).ensure(admin(ref))
     (tmp_path / "model" / "d0" / "f00000.bin").write_bytes(b"changed")  # a new token for this file only
     files["d0/f00000.bin"] = b"changed"
     fetcher = Fetcher(store)
@@ -240,7 +241,7 @@ def test_files_recorded_here_are_linked_once_and_fetched_again_once_evicted(tmp_
     store.evict(second.id)
     assert not any(store.layout.blobs.rglob("*")) or all(p.is_dir() for p in store.layout.blobs.rglob("*"))
     third = Fetcher(store)
-    snap = third.ensure(ref)
+    snap = third.ensure(admin(ref))
     assert third.stats["origin_bytes"] == sum(len(d) for d in files.values())
     assert {f.path: (snap.path / f.path).read_bytes() for f in snap.files} == files
 
@@ -293,7 +294,7 @@ def test_a_local_round_of_small_pieces_runs_on_one_worker(tmp_path: Path, local:
     uri = f"file://{model}/"
     source = _ThreadRecordingSource(uri, local=local, expect=threads)
     snap = Fetcher(Store(tmp_path / "root"), concurrency=8, chunk_size=1 << 20,
-                   source_factory=lambda ref: source).ensure(parse_ref(uri))
+                   source_factory=lambda ref: source).ensure(granted(uri))
     assert len(snap.files) == len(sizes)
     assert len(source.threads) == threads, source.threads
 
@@ -342,7 +343,7 @@ def test_small_files_are_written_straight_to_their_blobs(tmp_path: Path, monkeyp
     (tmp_path / "model" / "dup").mkdir()
     (tmp_path / "model" / "dup" / "copy.bin").write_bytes(files["dup/copy.bin"])
     store = Store(tmp_path / "root")
-    snap = Fetcher(store).ensure(parse_ref(f"file://{tmp_path / 'model'}/"))
+    snap = Fetcher(store).ensure(granted(f"file://{tmp_path / 'model'}/"))
     assert parts == []
     assert {f.path: (snap.path / f.path).read_bytes() for f in snap.files} == files
     blobs = [p for p in store.layout.blobs.rglob("*") if p.is_file()]
@@ -365,7 +366,7 @@ def test_without_o_tmpfile_or_proc_small_files_go_through_parts(tmp_path: Path, 
     parts = _count_parts(monkeypatch)
     files = _small_model(tmp_path / "model", 20)
     store = Store(tmp_path / "root")
-    snap = Fetcher(store).ensure(parse_ref(f"file://{tmp_path / 'model'}/"))
+    snap = Fetcher(store).ensure(granted(f"file://{tmp_path / 'model'}/"))
     assert len(parts) == len(files)
     assert {f.path: (snap.path / f.path).read_bytes() for f in snap.files} == files
     assert verify_snapshot(store, snap.id) == []
@@ -393,7 +394,7 @@ def test_without_the_privilege_to_link_a_descriptor_blobs_are_named_through_proc
     parts = _count_parts(monkeypatch)
     files = _small_model(tmp_path / "model", 20)
     store = Store(tmp_path / "root")
-    snap = Fetcher(store).ensure(parse_ref(f"file://{tmp_path / 'model'}/"))
+    snap = Fetcher(store).ensure(granted(f"file://{tmp_path / 'model'}/"))
     assert {f.path: (snap.path / f.path).read_bytes() for f in snap.files} == files
     assert parts == [] and len(calls) == 1
     assert verify_snapshot(store, snap.id) == []
@@ -421,7 +422,7 @@ def test_a_blob_name_holding_other_bytes_is_quarantined_and_replaced(tmp_path: P
         (blob / "inside").mkdir(parents=True)
     else:
         blob.write_bytes({"empty": b"", "short": data[:100], "other bytes": data[:-1] + b"?"}[planted])
-    snap = Fetcher(store).ensure(parse_ref(f"file://{tmp_path / 'model'}/"))
+    snap = Fetcher(store).ensure(granted(f"file://{tmp_path / 'model'}/"))
     assert (snap.path / "w.bin").read_bytes() == data
     assert not blob.is_symlink() and blob.read_bytes() == data
     assert blob.stat().st_ino == (snap.path / "w.bin").stat().st_ino
@@ -442,7 +443,7 @@ def test_a_blob_that_holds_the_same_bytes_is_kept(tmp_path: Path) -> None:
     blob.write_bytes(data)
     blob.chmod(0o444)
     inode = blob.stat().st_ino
-    snap = Fetcher(store).ensure(parse_ref(f"file://{tmp_path / 'model'}/"))
+    snap = Fetcher(store).ensure(granted(f"file://{tmp_path / 'model'}/"))
     assert (snap.path / "w.bin").stat().st_ino == inode
     assert not any(store.layout.quarantine.iterdir())
 
@@ -456,7 +457,7 @@ def test_a_small_file_failing_its_check_is_never_named_a_blob(tmp_path: Path) ->
     (model / "SHA256SUMS").write_text(f"{hashlib.sha256(b'what it claims').hexdigest()}  w.bin\n")
     store = Store(tmp_path / "root")
     with pytest.raises(IntegrityError, match=r"w\.bin: sha256"):
-        Fetcher(store).ensure(parse_ref(f"file://{model}/"))
+        Fetcher(store).ensure(granted(f"file://{model}/"))
     assert not store.has_blob(hashlib.sha256(b"what the source serves").hexdigest())
 
 
@@ -481,7 +482,7 @@ def test_a_small_safetensors_file_is_checked_once_before_it_is_named(tmp_path: P
     save_file({"w": np.arange(16, dtype=np.float32)}, str(model / "good.safetensors"))
     (model / "config.json").write_text("{}")
     store = Store(tmp_path / "root")
-    snap = Fetcher(store).ensure(parse_ref(f"file://{model}/"))
+    snap = Fetcher(store).ensure(granted(f"file://{model}/"))
     assert (snap.path / "good.safetensors").read_bytes() == (model / "good.safetensors").read_bytes()
     assert len(checked) == 1 and sorted(verified) == ["config.json", "good.safetensors"]
     checked.clear()
@@ -490,7 +491,7 @@ def test_a_small_safetensors_file_is_checked_once_before_it_is_named(tmp_path: P
     header = b'{"w": {"dtype": "F32", "shape": [1000], "data_offsets": [0, 4000]}}'
     bad.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 16)  # 4,000 bytes promised, 16 there
     with pytest.raises(SafetensorsHeaderError) as refused:
-        Fetcher(store).ensure(parse_ref(f"file://{tmp_path / 'damaged'}/"))
+        Fetcher(store).ensure(granted(f"file://{tmp_path / 'damaged'}/"))
     assert str(refused.value).startswith("sub/bad.safetensors: invalid safetensors file: "), refused.value
     assert "/proc" not in str(refused.value) and len(checked) == 1 and checked[0].startswith("/proc/self/fd/")
     assert not store.has_blob(hashlib.sha256(bad.read_bytes()).hexdigest())
@@ -529,12 +530,12 @@ def test_a_fetch_that_links_blobs_on_a_checksum_alone_syncs_before_it_publishes(
     files = _small_model(tmp_path / "model", 10)
     _small_model(tmp_path / "copy", 10)
     store = Store(tmp_path / "root")
-    Fetcher(store).ensure(parse_ref(f"file://{tmp_path / 'model'}/"))
+    Fetcher(store).ensure(granted(f"file://{tmp_path / 'model'}/"))
     syncs: list[Path] = []
     monkeypatch.setattr(fetch_module, "sync_filesystem", syncs.append)
     uri = f"file://{tmp_path / 'copy'}/"  # the same bytes from another source: nothing of it recorded here
     fetcher = Fetcher(store, source_factory=lambda ref: _ChecksumSource(uri))
-    snap = fetcher.ensure(parse_ref(uri))
+    snap = fetcher.ensure(granted(uri))
     assert fetcher.stats["origin_bytes"] == 0, "every file linked on its checksum"
     assert {f.path: (snap.path / f.path).read_bytes() for f in snap.files} == files
     assert len(syncs) == 1
@@ -566,7 +567,7 @@ def test_a_part_and_journal_left_at_a_small_files_name_are_removed_when_it_is_fe
     stale.with_suffix(".journal").write_text('{"key": "old"}\n0 1700\n')
     other = store.partial_dir() / "m0000.0123456789abcdef.part"  # another model's download: not ours to remove
     other.write_bytes(b"another model's")
-    snap = Fetcher(store).ensure(ref)
+    snap = Fetcher(store).ensure(admin(ref))
     assert {f.path: (snap.path / f.path).read_bytes() for f in snap.files} == files
     assert not stale.exists() and not stale.with_suffix(".journal").exists()
     assert other.read_bytes() == b"another model's"
@@ -589,7 +590,7 @@ def test_publish_names_the_snapshot_only_after_the_syncfs_it_overlaps_returns(
                                                                    if not p.name.startswith(fsops.TMP_PREFIX)]
 
     monkeypatch.setattr(fetch_module, "sync_filesystem", slow_syncfs)
-    snap = Fetcher(store).ensure(parse_ref(f"file://{tmp_path / 'model'}/"))
+    snap = Fetcher(store).ensure(granted(f"file://{tmp_path / 'model'}/"))
     assert seen == {"tree built meanwhile": True, "named at its end": []}
     assert {f.path: (snap.path / f.path).read_bytes() for f in snap.files} == files
 
@@ -607,6 +608,6 @@ def test_a_syncfs_that_fails_abandons_the_publish_and_leaves_no_tree(
     monkeypatch.setattr(fetch_module, "sync_filesystem", failing_syncfs)
     ref = parse_ref(f"file://{tmp_path / 'model'}/")
     with pytest.raises(OSError, match="Input/output error"):
-        Fetcher(store).ensure(ref)
+        Fetcher(store).ensure(admin(ref))
     assert store.lookup(ref) is None
     assert [*store.layout.snapshots.iterdir(), *store.layout.manifests.iterdir()] == []

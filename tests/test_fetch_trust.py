@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures_s3 import S3
+from tests.grants import admin, granted
 from tests.sample import make_model
 from weightcache.errors import IntegrityError
 from weightcache.fetch import Fetcher
@@ -22,7 +23,7 @@ def test_a_sidecar_naming_another_models_digest_never_links_that_blob(tmp_path: 
     make_model(tmp_path / "victim", layers=1, hidden=64, shards=1)
     s3.upload_dir(tmp_path / "victim", "victim", "private/")
     fetcher = Fetcher(Store(tmp_path / "root"), endpoint_url=s3.endpoint_url)
-    victim = fetcher.ensure(parse_ref("s3://victim/private/"))
+    victim = fetcher.ensure(granted("s3://victim/private/"))
     target = next(f for f in victim.files if f.path.endswith(".safetensors"))
     blob = fetcher.store.layout.blob(target.sha256)
     links = os.stat(blob).st_nlink
@@ -33,7 +34,7 @@ def test_a_sidecar_naming_another_models_digest_never_links_that_blob(tmp_path: 
     s3.put("attacker", f"m/{sidecar}", line.encode())
 
     with pytest.raises(IntegrityError, match=r"weights\.safetensors"):
-        fetcher.ensure(parse_ref("s3://attacker/m/"))
+        fetcher.ensure(granted("s3://attacker/m/"))
 
     assert [i.snapshot.id for i in fetcher.store.list()] == [victim.id]
     assert os.stat(blob).st_nlink == links, "the victim's blob was linked into another snapshot"
@@ -45,7 +46,7 @@ def test_a_true_sidecar_still_checks_the_bytes_it_names(tmp_path: Path, s3: S3) 
     body = b"weights"
     s3.put("models", "m/w.bin", body)
     s3.put("models", "m/SHA256SUMS", f"{hashlib.sha256(body).hexdigest()} *./w.bin\n".encode())
-    snap = Fetcher(Store(tmp_path / "root"), endpoint_url=s3.endpoint_url).ensure(parse_ref("s3://models/m/"))
+    snap = Fetcher(Store(tmp_path / "root"), endpoint_url=s3.endpoint_url).ensure(granted("s3://models/m/"))
     assert (snap.path / "w.bin").read_bytes() == body
     assert {f.path: f.size for f in snap.files}["w.bin"] == len(body)
 
@@ -68,7 +69,7 @@ def test_a_symlink_planted_at_a_small_files_partial_is_replaced_not_followed(tmp
     store = Store(tmp_path / "root")
     part = store.layout.partial / f"{ref.key}.{hashlib.sha256(b'config.json').hexdigest()[:16]}.part"
     part.symlink_to(victim)
-    snap = Fetcher(store).ensure(ref)
+    snap = Fetcher(store).ensure(admin(ref))
     assert (snap.path / "config.json").read_bytes() == b'{"a": 1}'
     assert victim.read_bytes() == b"precious"
     assert not part.is_symlink()  # a leftover at a small file's part is removed before the round, never followed

@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures_hf import make_tiny_llama
-from weightcache.errors import InvalidReferenceError
+from tests.grants import granted
+from weightcache.errors import InvalidReferenceError, InvalidRequestError
 from weightcache.fetch import Fetcher
-from weightcache.hf_layout import commit_of, hub_cache, prune, repo_folder, validate_repo_id
+from weightcache.hf_layout import HF_DIR, MAX_VIEWS_PER_SNAPSHOT, commit_of, hub_cache, prune, release_views, repo_folder
+from weightcache.uri import validate_repo_id
 from weightcache.store import Snapshot, Store
-from weightcache.uri import parse_ref
 
 REPO = "acme/tiny-llama"
 LOAD = textwrap.dedent("""
@@ -40,7 +41,7 @@ def published(tmp_path_factory: pytest.TempPathFactory) -> tuple[Store, Snapshot
     base = tmp_path_factory.mktemp("hf")
     reference = make_tiny_llama(base / "src" / "tiny-llama")
     store = Store(base / "root")
-    snapshot = Fetcher(store).ensure(parse_ref(f"file://{base / 'src' / 'tiny-llama'}/"))
+    snapshot = Fetcher(store).ensure(granted(f"file://{base / 'src' / 'tiny-llama'}/"))
     return store, snapshot, reference
 
 
@@ -81,22 +82,80 @@ def test_layout_files_are_the_snapshots_inodes_and_read_only(
     assert not [p for p in cache.parent.iterdir() if p.name.startswith(".tmp-")]
 
 
-def test_trees_of_evicted_snapshots_are_pruned(tmp_path: Path) -> None:
-    store = Store(tmp_path / "root")
+def small_snapshots(store: Store, tmp_path: Path, *names: str) -> list[Snapshot]:
     snaps = []
-    for name in ("a", "b"):
+    for name in names:
         src = tmp_path / "src" / name
         src.mkdir(parents=True)
         (src / "config.json").write_text(json.dumps({"name": name}))
-        snaps.append(Fetcher(store).ensure(parse_ref(f"file://{src}/")))
+        (src / "sub").mkdir()
+        (src / "sub" / "w.bin").write_bytes(name.encode() * 10)
+        snaps.append(Fetcher(store).ensure(granted(f"file://{src}/")))
+    return snaps
+
+
+def test_eviction_removes_the_views_so_their_links_keep_no_evicted_bytes(tmp_path: Path) -> None:
+    store = Store(tmp_path / "root")
+    snaps = small_snapshots(store, tmp_path, "a", "b")
+    for snap in snaps:
+        store.lease(f"pod-{snap.id}", snap.id)
     first = hub_cache(store, snaps[0], "acme/a")
     second = hub_cache(store, snaps[1], "acme/b")
-    blob = store.root / "blobs" / "sha256" / snaps[0].files[0].sha256[:2] / snaps[0].files[0].sha256
+    blob = store.layout.blob(snaps[0].files[0].sha256)
     assert blob.stat().st_nlink == 3  # blob, snapshot, hub cache view: one inode, no copy
+    store.release(f"pod-{snaps[0].id}")
     store.evict(snaps[0].id)
-    assert prune(store) == 1  # what the daemon's reconcile pass runs
-    assert not first.exists() and second.exists()  # its hard links no longer hold the evicted bytes
-    assert prune(store) == 0
+    assert not first.exists() and not first.parent.exists() and second.exists()
+    assert not blob.exists(), "the view's hard links kept the evicted bytes on disk"
+    assert prune(store) == 0  # what the daemon's reconcile pass runs: nothing left to do
+
+
+def test_views_of_a_snapshot_nothing_holds_are_removed_and_rebuilt_on_the_next_mount(tmp_path: Path) -> None:
+    store = Store(tmp_path / "root")
+    held, idle = small_snapshots(store, tmp_path, "a", "b")
+    store.lease("pod-1", held.id)
+    store.lease("pod-2", idle.id)
+    kept, dropped = hub_cache(store, held, "acme/a"), hub_cache(store, idle, "acme/b")
+    assert not release_views(store, idle.id)  # still leased
+    store.release("pod-2")
+    assert prune(store) == 1
+    assert kept.exists() and not dropped.parent.exists()
+    store.lease("pod-3", idle.id)
+    assert (hub_cache(store, idle, "acme/b") / "models--acme--b" / "snapshots").is_dir()
+    store.release("pod-3")
+    assert release_views(store, idle.id) and not dropped.parent.exists()
+
+
+def test_repo_names_per_snapshot_are_capped_and_the_next_costs_only_its_pod(tmp_path: Path) -> None:
+    store = Store(tmp_path / "root")
+    (snap,) = small_snapshots(store, tmp_path, "a")
+    store.lease("pod", snap.id)
+    views = [hub_cache(store, snap, f"acme/name-{i}") for i in range(MAX_VIEWS_PER_SNAPSHOT)]
+    with pytest.raises(InvalidRequestError, match=r"volume_context\.hfRepo: 'evil/one-more' would be the 9th"):
+        hub_cache(store, snap, "evil/one-more")
+    assert hub_cache(store, snap, "acme/name-0") == views[0]  # the names already shown still mount
+    assert not [n for n in os.listdir(views[0].parent) if "one-more" in n]  # no half-built tree left
+
+
+def test_a_symlink_planted_in_the_view_path_is_not_followed(tmp_path: Path) -> None:
+    store = Store(tmp_path / "root")
+    (snap,) = small_snapshots(store, tmp_path, "a")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (store.root / HF_DIR).mkdir()
+    (store.root / HF_DIR / snap.id).symlink_to(outside)
+    view = hub_cache(store, snap, "acme/a")
+    assert os.listdir(outside) == []
+    snapshots = view / "models--acme--a" / "snapshots"
+    assert not view.parent.is_symlink() and snapshots.is_dir()
+    assert (next(snapshots.iterdir()) / "sub" / "w.bin").read_bytes() == b"a" * 10
+
+
+def test_the_webhook_checks_hf_repo_names_without_importing_the_store() -> None:
+    code = ("import sys, weightcache.webhook.mutate; "
+            "print(sorted(m for m in ('sqlite3', 'weightcache.store', 'weightcache.hf_layout') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 def test_a_source_commit_names_the_snapshot(published: tuple[Store, Snapshot, list[int]]) -> None:
@@ -109,7 +168,7 @@ def test_a_source_commit_names_the_snapshot(published: tuple[Store, Snapshot, li
 
 
 @pytest.mark.parametrize("bad", ["", "a/b/c", "../x", "org/..", "org--x/y", "-org/x", "org/x-", "a b/c",
-                                 "o/" + "x" * 97, "org/na\x00me", "/abs"])
+                                 "o/" + "x" * 97, "org/na\x00me", "/abs", "org/name\n"])
 def test_bad_repo_ids_are_refused(bad: str) -> None:
     with pytest.raises(InvalidReferenceError, match="not a Hugging Face repo id"):
         validate_repo_id(bad)

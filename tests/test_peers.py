@@ -14,6 +14,7 @@ import pytest
 
 from tests.faultproxy import FaultProxy
 from tests.fixtures_s3 import S3
+from tests.grants import admin
 from tests.peers_fleet import Fleet, FleetNode
 from tests.peers_fleet import origin_bytes as fleet_origin_bytes
 from weightcache.store import Snapshot
@@ -50,7 +51,7 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
 
 
 def ensure(node: FleetNode, proxy: FaultProxy) -> Snapshot:
-    return node.fetcher(endpoint_url=proxy.endpoint_url, **OPTIONS).ensure(REF)
+    return node.fetcher(endpoint_url=proxy.endpoint_url, **OPTIONS).ensure(admin(REF))
 
 
 def test_model_fetched_by_one_node_then_three_more_costs_the_origin_one_model(origin: FaultProxy,

@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from tests.fixtures_s3 import S3
+from tests.grants import admin
 from weightcache.daemon.config import load_settings
 from weightcache.errors import ConfigError
 from weightcache.fetch import Fetcher
@@ -82,8 +83,8 @@ def proxy() -> Iterator[ForwardProxy]:
 def test_the_s3_source_reads_through_its_proxy(s3: S3, proxy: ForwardProxy, tmp_path: Path) -> None:
     s3.put("models", "m/w.bin", BODY, ChecksumAlgorithm="SHA256")
     store = Store(tmp_path / "store")
-    snap = Fetcher(store, endpoint_url=s3.endpoint_url, proxy_url=proxy.url, chunk_size=256 << 10).ensure(
-        parse_ref("s3://models/m/"))
+    snap = Fetcher(store, endpoint_url=s3.endpoint_url, proxy_url=proxy.url, chunk_size=256 << 10).ensure(admin(
+        parse_ref("s3://models/m/")))
     assert (snap.path / "w.bin").read_bytes() == BODY
     ranged = [url for method, url, rng in proxy.seen if method == "GET" and rng and url.endswith("/models/m/w.bin")]
     assert ranged and all(url.startswith(s3.endpoint_url) for url in ranged)  # absolute form: a forward proxy

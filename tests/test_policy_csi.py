@@ -13,8 +13,7 @@ from tests import fixtures_csi
 from tests.faultproxy import FaultProxy
 from tests.fixtures_csi import ALLOWED_NS, MODEL_URI, model_in_s3, needs_root, safe_tmp  # noqa: F401
 from tests.fixtures_s3 import fault_proxy, s3, s3_server  # noqa: F401
-from weightcache.policy import Decision, decide
-from weightcache.uri import ModelRef
+from weightcache.access import Authority
 
 GRANT = [{"metadata": {"name": "llama-weights"},
           "spec": {"source": MODEL_URI, "include": ["*.safetensors", "*.json"], "exclude": ["tokenizer*"],
@@ -24,10 +23,8 @@ GRANT = [{"metadata": {"name": "llama-weights"},
 @needs_root
 async def test_a_glob_grant_mounts_and_fetches_only_the_granted_files(
         safe_tmp: Path, model_in_s3: str, fault_proxy: FaultProxy) -> None:
-    def policy(ref: ModelRef, namespace: str) -> Decision:
-        return decide(ref, namespace, GRANT, allow_undeclared=True)
-
-    h = await fixtures_csi.start_harness(safe_tmp, fault_proxy, policy=policy)
+    authority = Authority(model_caches=lambda: GRANT)
+    h = await fixtures_csi.start_harness(safe_tmp, fault_proxy, authority=authority)
     try:
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await h.node.NodePublishVolume(h.publish_request("vol-all"))

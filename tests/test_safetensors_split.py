@@ -22,12 +22,12 @@ import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 
+from tests.grants import granted
 from tests.test_safetensors_check_fast import blob_of, headers, t8
 from weightcache import safetensors_check, safetensors_split
 from weightcache.errors import SafetensorsHeaderError, StoreError
 from weightcache.fetch import Fetcher
 from weightcache.store import Store
-from weightcache.uri import parse_ref
 
 PARTS = 3
 
@@ -216,7 +216,7 @@ def test_a_fetch_refuses_a_big_hostile_header_from_the_workers_with_exit_7(tmp_p
     (src / "config.json").write_text(json.dumps({"a": 1}))
     fetcher = Fetcher(Store(tmp_path / "root"))
     with pytest.raises(SafetensorsHeaderError, match=rf"model\.safetensors.*'t{count - 1:06d}'") as refused:
-        fetcher.ensure(parse_ref(f"file://{src}"))
+        fetcher.ensure(granted(f"file://{src}"))
     assert refused.value.answer.exit_code == 7
     assert fetcher.store.list() == []
     assert not list(fetcher.store.layout.partial.glob("*.part"))

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.grants import granted
 from tests.sample import make_model
 from weightcache.errors import HostileKeyError, InsufficientSpaceError, InUseError
 from weightcache.fetch import Fetcher
@@ -25,7 +26,7 @@ def models(tmp_path: Path) -> Path:
 
 
 def fetch(store: Store, path: Path, **kw: object):
-    return Fetcher(store, chunk_size=64 << 10).ensure(parse_ref(f"file://{path}/", **kw))
+    return Fetcher(store, chunk_size=64 << 10).ensure(granted(f"file://{path}/", **kw))
 
 
 def test_layout_modes_and_hard_links(tmp_path: Path, models: Path) -> None:
@@ -141,7 +142,7 @@ def test_crash_at_each_publish_step_recovers(tmp_path: Path, models: Path, point
     code = ("import os, sys; from weightcache.store import Store; from weightcache.fetch import Fetcher; "
             "from weightcache.uri import parse_ref; "
             "setattr(Store, sys.argv[3], lambda *a, **k: os._exit(137)); "
-            "Fetcher(Store(sys.argv[1])).ensure(parse_ref(sys.argv[2]))")
+            "from tests.grants import granted; Fetcher(Store(sys.argv[1])).ensure(granted(sys.argv[2]))")
     ref = f"file://{models / 'a'}/"
     proc = subprocess.run([sys.executable, "-c", code, str(root), ref, CRASH_BEFORE[point]],
                           capture_output=True, text=True, timeout=120)
@@ -150,7 +151,7 @@ def test_crash_at_each_publish_step_recovers(tmp_path: Path, models: Path, point
     leftovers = [p.name for p in store.layout.snapshots.iterdir()]
     complete = [p for p in leftovers if store.layout.manifest(p).exists()]
     assert leftovers == complete, "an incomplete snapshot tree survived recovery"
-    snap = Fetcher(store).ensure(parse_ref(ref))
+    snap = Fetcher(store).ensure(granted(ref))
     assert verify_snapshot(store, snap.id) == []
     assert [i.snapshot.id for i in store.list()] == [snap.id]
     assert not any(p.name.startswith(".tmp-") for p in store.root.rglob("*"))

@@ -197,6 +197,7 @@ def _prefetch_through(client: DaemonClient, ref: ModelRef, args: argparse.Namesp
 def _prefetch_here(ref: ModelRef, args: argparse.Namespace, printer: ProgressPrinter) -> dict[str, Any]:
     """Download into the store directly. Ctrl-C cancels the queued ranges at once; finished chunks and their
     journal stay for the next run."""
+    from weightcache.access import ADMIN, node_admin
     from weightcache.daemon.listing import snapshot_body
     from weightcache.fetch import Fetcher
 
@@ -206,7 +207,7 @@ def _prefetch_here(ref: ModelRef, args: argparse.Namespace, printer: ProgressPri
                       connect_timeout=args.connect_timeout, read_timeout=args.read_timeout,
                       endpoint_url=args.endpoint_url, cancel=cancel)
     try:
-        snap = fetcher.ensure(ref, progress=printer)
+        snap = fetcher.ensure(node_admin(store.root).authorize(ref, ADMIN), progress=printer)
     except KeyboardInterrupt:
         cancel.set()
         fetcher.close()

@@ -152,12 +152,14 @@ class StoreCache:
         damaged = verify_snapshot(store, snapshot_id)
         repaired = []
         if damaged and repair:
+            from weightcache.access import ADMIN, node_admin
             from weightcache.fetch import Fetcher
             from weightcache.uri import parse_ref
 
-            fetcher = Fetcher(store, endpoint_url=self.endpoint_url)
+            fetcher, authority = Fetcher(store, endpoint_url=self.endpoint_url), node_admin(store.root)
             for text in drop_damaged(store, snapshot_id, damaged) or [snapshot.uri]:
-                repaired.append({"ref": text, "snapshot": fetcher.ensure(parse_ref(text)).id})
+                grant = authority.authorize(parse_ref(text), ADMIN)
+                repaired.append({"ref": text, "snapshot": fetcher.ensure(grant).id})
         return {"id": snapshot_id, "uri": snapshot.uri, "files": len(snapshot.files), "damaged": damaged,
                 "repaired": repaired}
 

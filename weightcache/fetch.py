@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from weightcache import defaults
+from weightcache.access import Grant
 from weightcache.checksums import Hasher, new_hasher
 from weightcache.download import PIECE, PartialFile, sync_filesystem
 from weightcache.errors import (
@@ -100,11 +101,12 @@ class Fetcher:
         self._stats_lock = threading.Lock()
         self.stats: dict[str, int] = {"hits": 0, "misses": 0, "origin_bytes": 0, "peer_bytes": 0,
                                       "fetches_in_flight": 0}
-        self.origin_bytes_by_scheme: dict[str, int] = {}
 
     # -- public -------------------------------------------------------------------------------------------------
-    def ensure(self, ref: ModelRef, *, progress: Callable[[Progress], None] | None = None) -> Snapshot:
-        """Blocking; call from a thread in async code. Cache hit returns at once."""
+    def ensure(self, grant: Grant, *, progress: Callable[[Progress], None] | None = None) -> Snapshot:
+        """The snapshot of the files `grant` gave (weightcache/access.py: no fetch without a decision).
+        Blocking; call from a thread in async code. Cache hit returns at once."""
+        ref = grant.ref
         snap = self.store.lookup(ref)
         if snap is not None:
             self._count("hits")
@@ -124,11 +126,9 @@ class Fetcher:
         finally:
             os.close(lock_fd)
 
-    def progress(self, ref: ModelRef) -> Progress | None:
-        """Progress of an in-flight fetch of `ref` (in this process, or another's via the store), else None."""
-        if not self._lock_held(ref):
-            return None
-        return read_progress_file(self._progress_path(ref)) or Progress(ref.uri, "queued", 0, 0, 0, 0, 0.0, None)
+    def lookup(self, grant: Grant) -> Snapshot | None:
+        """The cached snapshot of the granted files, or None (the store serves no file the grant leaves out)."""
+        return self.store.lookup(grant.ref)
 
     def close(self) -> None:
         """Cancel: in-flight fetches stop at their next read or retry wait (FetchCancelledError); journalled
@@ -138,16 +138,6 @@ class Fetcher:
     # -- locking ------------------------------------------------------------------------------------------------
     def _progress_path(self, ref: ModelRef) -> Path:
         return self.store.partial_path(f"{ref.key}.progress")
-
-    def _lock_held(self, ref: ModelRef) -> bool:
-        fd = self.store.open_lock(ref.key)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            return False
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)
 
     def _acquire(self, ref: ModelRef, progress: Callable[[Progress], None] | None) -> int:
         fd = self.store.open_lock(ref.key)

@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from weightcache.access import Authority, Grant, Requester
 from weightcache.csi import mounts
 from weightcache.csi._pb import csi_pb2, csi_pb2_grpc
 from weightcache.csi.errors import quiet_rpc, rpc
@@ -48,20 +49,17 @@ from weightcache.errors import (
     InvalidRequestError,
     MemoryTierError,
     MountError,
-    NotAllowedError,
     OperationPendingError,
     VolumeConflictError,
     VolumeNotFoundError,
 )
 from weightcache.hf_layout import hub_cache, validate_repo_id
 from weightcache.memory import MemoryTier
-from weightcache.policy import Decision
 from weightcache.store import Snapshot, Store
 from weightcache.uri import ModelRef, parse_globs, parse_ref
 
 logger = logging.getLogger(__name__)
 
-Policy = Callable[[ModelRef, str], Decision]  # (model with its globs, pod namespace) -> Decision
 POD_NAMESPACE, POD_NAME, POD_UID = (f"csi.storage.k8s.io/pod.{k}" for k in ("namespace", "name", "uid"))
 TIERS = ("disk", "memory")
 MAX_ID_BYTES = 128  # the CSI spec's size limit for ids
@@ -208,7 +206,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
     """`pool` runs the plugin's blocking work (records, mounts, stats); `observe(method, seconds, code)` is told
     about every call (the daemon's metrics)."""
 
-    def __init__(self, store: Store, fetches: FetchQueue, *, node_id: str, policy: Policy,
+    def __init__(self, store: Store, fetches: FetchQueue, *, node_id: str, authority: Authority,
                  kubelet_dir: str | Path, publish_timeout: float = CSI_TIMEOUT_S, book: VolumeBook | None = None,
                  tier: MemoryTier | None = None, pool: ThreadPoolExecutor | None = None,
                  observe: Callable[[str, float, str], None] | None = None) -> None:
@@ -216,7 +214,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         self._tier = tier
         self._fetches = fetches
         self._node_id = node_id
-        self._policy = policy
+        self._authority = authority
         self._targets = KubeletTargets(kubelet_dir)
         self._publish_timeout = publish_timeout
         self._book = book or VolumeBook(store.root)
@@ -246,10 +244,8 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
                     if existing.adopted:  # learn the pod and model again from kubelet's retry
                         await self._io(self._book.put, args.record(existing.snapshot_id))
                     return csi_pb2.NodePublishVolumeResponse()
-            decision = self._policy(args.ref, args.pod_namespace)
-            if not decision.allowed:
-                raise NotAllowedError(decision.reason)
-            snapshot = await self._ensure(args, context)
+            grant = self._authority.authorize(args.ref, Requester(args.pod_namespace))  # weightcache/access.py
+            snapshot = await self._ensure(args, grant, context)
             await asyncio.to_thread(self._keep_resident, snapshot, args.tier)  # long (page locking): not our pool
             await finish_even_if_cancelled(self._io(self._mount, args.record(snapshot.id), snapshot, args.hf_repo,
                                                             args.ref.revision))
@@ -299,15 +295,15 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
             budget = min(budget, args.timeout)
         return max(budget, 0.0)
 
-    async def _ensure(self, args: PublishArgs, context: grpc.aio.ServicerContext[Any, Any]) -> Snapshot:
+    async def _ensure(self, args: PublishArgs, grant: Grant, context: grpc.aio.ServicerContext[Any, Any]) -> Snapshot:
         """The model's snapshot: at once when cached; else join its one fetch for as long as the caller waits,
         then raise FetchPendingError with the progress and let the fetch run on for kubelet's retry."""
-        cached = await self._fetches.lookup(args.ref)
+        cached = await self._fetches.lookup(grant)
         if cached is not None:
             return cached
         budget = self._wait_budget(args, context)
         try:
-            return await asyncio.wait_for(self._fetches.ensure(args.ref, keep=True), budget)
+            return await asyncio.wait_for(self._fetches.ensure(grant, keep=True), budget)
         except TimeoutError:
             progress = self._fetches.progress(args.ref)
             text = progress.describe() if progress is not None else f"fetching {args.ref}: starting"

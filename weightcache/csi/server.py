@@ -20,9 +20,10 @@ from pathlib import Path
 import grpc
 
 from weightcache import defaults
+from weightcache.access import Authority
 from weightcache.csi._pb import csi_pb2_grpc
 from weightcache.csi.identity import IdentityServicer
-from weightcache.csi.node import CSI_TIMEOUT_S, NodeServicer, Policy
+from weightcache.csi.node import CSI_TIMEOUT_S, NodeServicer
 from weightcache.csi.reconcile import VolumeBook, reconcile
 from weightcache.daemon.fetches import FetchQueue
 from weightcache.errors import ConfigError, StoreError
@@ -52,7 +53,7 @@ def check_store(store: Store) -> None:
     store.leases()
 
 
-async def serve_csi(endpoint: str, *, store: Store, fetches: FetchQueue, node_id: str, policy: Policy,
+async def serve_csi(endpoint: str, *, store: Store, fetches: FetchQueue, node_id: str, authority: Authority,
                     publish_timeout: float = CSI_TIMEOUT_S, kubelet_dir: str | Path = defaults.KUBELET_DIR,
                     tier: MemoryTier | None = None,
                     observe: Callable[[str, float, str], None] | None = None) -> grpc.aio.Server:
@@ -72,7 +73,7 @@ async def serve_csi(endpoint: str, *, store: Store, fetches: FetchQueue, node_id
     identity = IdentityServicer(functools.partial(check_store, store), probe_pool)
     csi_pb2_grpc.add_IdentityServicer_to_server(identity, server)  # type: ignore[no-untyped-call]
     csi_pb2_grpc.add_NodeServicer_to_server(  # type: ignore[no-untyped-call]
-        NodeServicer(store, fetches, node_id=node_id, policy=policy, kubelet_dir=kubelet_dir,
+        NodeServicer(store, fetches, node_id=node_id, authority=authority, kubelet_dir=kubelet_dir,
                      publish_timeout=publish_timeout, book=book, tier=tier, pool=pool, observe=observe),
         server)
     claim_socket_path(path, change="--csi-endpoint")  # kubelet reconnects to the new socket
@@ -84,18 +85,12 @@ async def serve_csi(endpoint: str, *, store: Store, fetches: FetchQueue, node_id
 
 
 async def _main(args: argparse.Namespace) -> None:
-    from weightcache.policy import Decision, decide
-    from weightcache.uri import ModelRef
-
     store = Store(args.root)
     fetcher = Fetcher(store)
-    fetches = FetchQueue(fetcher.ensure, store.lookup)
-
-    def policy(ref: ModelRef, namespace: str) -> Decision:  # no cluster here: the flag alone decides
-        return decide(ref, namespace, [], allow_undeclared=args.allow_undeclared,
-                      forbidden_paths=(args.kubelet_dir, args.root))
-
-    server = await serve_csi(args.endpoint, store=store, fetches=fetches, node_id=args.node_name, policy=policy,
+    fetches = FetchQueue(fetcher.ensure, fetcher.lookup)
+    authority = Authority(allow_undeclared=lambda: bool(args.allow_undeclared),  # no cluster: the flag decides
+                          forbidden_paths=(args.kubelet_dir, args.root))
+    server = await serve_csi(args.endpoint, store=store, fetches=fetches, node_id=args.node_name, authority=authority,
                              publish_timeout=args.publish_timeout, kubelet_dir=args.kubelet_dir)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -34,6 +34,7 @@ from typing import Any, TypedDict
 from aiohttp import web
 
 from weightcache import errors
+from weightcache.access import Grant
 from weightcache.csi.reconcile import HOLDER_PREFIX as CSI_HOLDER_PREFIX
 from weightcache.csi.reconcile import describe_holder
 from weightcache.daemon.client import error_code
@@ -183,40 +184,40 @@ async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
 async def ensure(request: web.Request) -> web.StreamResponse:
     node = request.app[NODE]
     req = parse_ensure(await _json(request))
-    node.check_allowed(req.ref, req.namespace)
+    grant = node.authorize(req.ref, req.namespace)  # the one decision (weightcache/access.py)
     node.check_tier(req.tier)
     if request.query.get("wait") in ("1", "true"):
-        return await _ensure_stream(request, node, req)
-    cached = await node.fetches.lookup(req.ref)
+        return await _ensure_stream(request, node, req, grant)
+    cached = await node.fetches.lookup(grant)
     if cached is not None:
         await node.settle(cached, tier=req.tier, pin=req.pin)
         return web.json_response({"snapshot": snapshot_body(cached)})
-    node.fetches.start(req.ref)  # in the queue before the answer: requests keep their order, the answer its place
-    _start(node, req, keep=True)
+    node.fetches.start(grant)  # in the queue before the answer: requests keep their order, the answer its place
+    _start(node, req, grant, keep=True)
     progress = node.fetches.progress(req.ref)
     return web.json_response({"fetching": str(req.ref), "progress": progress and progress_body(progress)},
                              status=202)
 
 
-def _start(node: Node, req: EnsureRequest, on_progress: Callable[[Progress], None] | None = None, *,
+def _start(node: Node, req: EnsureRequest, grant: Grant, on_progress: Callable[[Progress], None] | None = None, *,
            keep: bool) -> asyncio.Task[Snapshot]:
     """The request's wait for the model's one fetch (node.fetches), as its own task. `keep`: the fetch goes on
     when this request goes away; else it stops unless another caller (CSI, reconcile, a client) wants it."""
     async def run() -> Snapshot:
-        snapshot = await node.fetches.ensure(req.ref, progress=on_progress, keep=keep)
+        snapshot = await node.fetches.ensure(grant, progress=on_progress, keep=keep)
         await node.settle(snapshot, tier=req.tier, pin=req.pin)
         return snapshot
     return node.tasks.spawn(f"ensure {req.ref}", run())
 
 
-async def _ensure_stream(request: web.Request, node: Node, req: EnsureRequest) -> web.StreamResponse:
+async def _ensure_stream(request: web.Request, node: Node, req: EnsureRequest, grant: Grant) -> web.StreamResponse:
     loop = asyncio.get_running_loop()
     updates: asyncio.Queue[Progress] = asyncio.Queue()
 
     def on_progress(p: Progress) -> None:  # called on the fetch's thread
         loop.call_soon_threadsafe(updates.put_nowait, p)
 
-    task = _start(node, req, on_progress, keep=False)
+    task = _start(node, req, grant, on_progress, keep=False)
     response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await response.prepare(request)
     try:
@@ -337,7 +338,7 @@ async def verify_model(request: web.Request) -> web.Response:
     if damaged and repair:
         refs = await asyncio.to_thread(drop_damaged, node.store, sid, damaged) or [snapshot.uri]
         for text in refs:
-            fresh = await node.fetches.ensure(parse_ref(text), keep=True)
+            fresh = await node.fetches.ensure(node.authorize(parse_ref(text), None), keep=True)
             repaired.append({"ref": text, "snapshot": fresh.id})
     return web.json_response({"id": sid, "uri": snapshot.uri, "files": len(snapshot.files), "damaged": damaged,
                               "repaired": repaired})
@@ -380,7 +381,7 @@ async def take_lease(request: web.Request) -> web.Response:
         snapshot = await asyncio.to_thread(node.store.get, body["snapshot"])
     else:
         req = parse_ensure({k: v for k, v in body.items() if k in ("uri", "revision", "include", "exclude")})
-        snapshot = await asyncio.to_thread(node.store.lookup, req.ref)
+        snapshot = await node.fetches.lookup(node.authorize(req.ref, None))
         if snapshot is None:
             raise errors.NotCachedError(f"{req.ref} is not cached on this node; ensure it first "
                                         f"(weightcache prefetch {req.ref})")

@@ -16,8 +16,6 @@ from typing import Any
 from weightcache.daemon.node import Node
 from weightcache.daemon.reconcile import Want
 from weightcache.errors import WeightcacheError
-from weightcache.policy import Decision
-from weightcache.uri import ModelRef
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +64,7 @@ class Cluster:
             if self._invalid.get(bad.name) != bad.error:
                 self._invalid[bad.name] = bad.error
                 self.reporter.event(caches[bad.name], "InvalidSpec", bad.error)
-        return [Want(d.name, d.ref, d.tier, True, d.priority, caches[d.name]) for d in wanted]
+        return [Want(d.name, d.ref, d.tier, True, d.priority, caches[d.name], d.namespaces) for d in wanted]
 
     def report_many(self, states: Sequence[tuple[Want, str, Any, str]]) -> None:
         """(want, phase, snapshot or None, message) for each ModelCache whose state changed; one write when the
@@ -136,13 +134,11 @@ async def connect(node: Node) -> Cluster | None:
 
 
 async def serve_csi(node: Node) -> Any:
-    """Start the CSI plugin on the daemon's loop, sharing its store, fetch queue, policy and metrics."""
+    """Start the CSI plugin on the daemon's loop, sharing its store, fetch queue, authority and metrics."""
     from weightcache.csi.server import serve_csi as serve
-
-    def policy(ref: ModelRef, namespace: str) -> Decision:
-        return node.decide(ref, namespace)
 
     s = node.settings
     node_id = s.node_name or socket.gethostname()
     return await serve(s.csi_endpoint or "", store=node.store, fetches=node.fetches, node_id=node_id,
-                       policy=policy, kubelet_dir=s.kubelet_dir, tier=node.tier, observe=node.metrics.observe_csi)
+                       authority=node.authority, kubelet_dir=s.kubelet_dir, tier=node.tier,
+                       observe=node.metrics.observe_csi)

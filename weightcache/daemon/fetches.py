@@ -1,6 +1,6 @@
 """The node's fetch queue: one in-flight fetch per model, a bounded number at once, awaited without threads.
 
-`FetchQueue.ensure(ref)` is how the API (and the CLI through it), CSI and the reconcile loop get a model:
+`FetchQueue.ensure(grant)` is how the API (and the CLI through it), CSI and the reconcile loop get a model:
   - a cache hit is a lookup on the queue's own small pool, so it never waits behind a download;
   - a miss joins the model's job (one per model key + revision) or queues a new one; jobs run `parallel` at a
     time on the queue's own executor, the rest wait in FIFO order and say so ("queued behind 2 downloads");
@@ -9,6 +9,8 @@
     CSI, fire-and-forget API ensures), a queued job is dropped and a running one is asked to stop, where the
     engine's `ensure` accepts a `cancel` event (finished chunks stay for a resume).
 Progress callbacks are called on the engine's thread, as the engine calls them.
+Every caller brings a Grant (weightcache/access.py): the queue takes no bare reference. Callers granted the same
+files share one job; the engine runs under the first caller's grant.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from weightcache.access import Grant
 from weightcache.fetch import FetchCancelledError
 from weightcache.progress import Progress
 from weightcache.store import Snapshot
@@ -32,8 +35,8 @@ from weightcache.uri import ModelRef
 log = logging.getLogger(__name__)
 
 ProgressCallback = Callable[[Progress], None]
-Lookup = Callable[[ModelRef], "Snapshot | None"]
-Ensure = Callable[..., Snapshot]  # engine.ensure(ref, *, progress=..., [cancel=threading.Event])
+Lookup = Callable[[Grant], "Snapshot | None"]
+Ensure = Callable[..., Snapshot]  # engine.ensure(grant, *, progress=..., [cancel=threading.Event])
 STOPPING = "the daemon is stopping"
 MAX_FETCH_THREADS = 64  # a ceiling only: `parallel` bounds the running jobs, threads are made on demand
 
@@ -45,7 +48,7 @@ def job_key(ref: ModelRef) -> tuple[str, str | None]:
 
 @dataclass(eq=False)
 class _Job:
-    ref: ModelRef
+    grant: Grant
     future: asyncio.Future[Snapshot]
     cancel: threading.Event = field(default_factory=threading.Event)
     listeners: list[ProgressCallback] = field(default_factory=list)
@@ -53,6 +56,10 @@ class _Job:
     waiters: int = 0
     keep: bool = False
     running: bool = False
+
+    @property
+    def ref(self) -> ModelRef:
+        return self.grant.ref
 
     def report(self, progress: Progress) -> None:
         """The engine's progress callback (its thread): remember it, pass it on."""
@@ -80,19 +87,19 @@ class FetchQueue:
         self._closed = False
 
     # -- callers ------------------------------------------------------------------------------------------------
-    async def lookup(self, ref: ModelRef) -> Snapshot | None:
+    async def lookup(self, grant: Grant) -> Snapshot | None:
         """The cached snapshot, or None; on the queue's lookup pool (never behind a download)."""
-        self._refuse_if_closed(ref)
-        return await asyncio.get_running_loop().run_in_executor(self._lookup_pool, self._lookup, ref)
+        self._refuse_if_closed(grant.ref)
+        return await asyncio.get_running_loop().run_in_executor(self._lookup_pool, self._lookup, grant)
 
-    async def ensure(self, ref: ModelRef, *, progress: ProgressCallback | None = None,
+    async def ensure(self, grant: Grant, *, progress: ProgressCallback | None = None,
                      keep: bool = False) -> Snapshot:
-        """The snapshot of `ref`: at once when cached, else when its one fetch ends. `keep`: the fetch goes on
-        when this caller leaves (it is wanted beyond this call)."""
-        cached = await self.lookup(ref)
+        """The snapshot of the granted files: at once when cached, else when its one fetch ends. `keep`: the
+        fetch goes on when this caller leaves (it is wanted beyond this call)."""
+        cached = await self.lookup(grant)
         if cached is not None:
             return cached
-        job = self._join(ref, keep=keep)
+        job = self._join(grant, keep=keep)
         job.waiters += 1
         if progress is not None:
             job.listeners.append(progress)
@@ -105,9 +112,9 @@ class FetchQueue:
             if job.waiters == 0 and not job.keep and not job.future.done():
                 self._abandon(job)
 
-    def start(self, ref: ModelRef) -> None:
+    def start(self, grant: Grant) -> None:
         """Queue a fetch nobody waits for (it is kept until it ends); a no-op when one is in flight."""
-        self._join(ref, keep=True)
+        self._join(grant, keep=True)
 
     def progress(self, ref: ModelRef) -> Progress | None:
         """Where the fetch of `ref` is: its engine's last report, or its place in the queue; None when idle."""
@@ -157,12 +164,12 @@ class FetchQueue:
         if self._closed:
             raise FetchCancelledError(f"{STOPPING}: {ref} was not fetched; run the command again once it is up")
 
-    def _join(self, ref: ModelRef, *, keep: bool) -> _Job:
-        self._refuse_if_closed(ref)
-        key = job_key(ref)
+    def _join(self, grant: Grant, *, keep: bool) -> _Job:
+        self._refuse_if_closed(grant.ref)
+        key = job_key(grant.ref)
         job = self._jobs.get(key)
         if job is None:
-            job = self._jobs[key] = _Job(ref, asyncio.get_running_loop().create_future())
+            job = self._jobs[key] = _Job(grant, asyncio.get_running_loop().create_future())
             self._queued.append(job)
             self._pump()
         job.keep = job.keep or keep
@@ -187,7 +194,7 @@ class FetchQueue:
         if job.cancel.is_set():
             raise FetchCancelledError(f"the fetch of {job.ref} was cancelled before it started")
         extra: dict[str, Any] = {"cancel": job.cancel} if self._cancellable else {}
-        return self._ensure(job.ref, progress=job.report, **extra)
+        return self._ensure(job.grant, progress=job.report, **extra)
 
     def _finished(self, job: _Job, done: Future[Snapshot]) -> None:
         self._running.discard(job)

@@ -14,16 +14,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from weightcache.access import ADMIN, Authority, Grant, Requester
 from weightcache.daemon.client import error_code
 from weightcache.daemon.config import Settings
 from weightcache.daemon.fetches import FetchQueue
 from weightcache.daemon.metrics import Metrics, Sample
 from weightcache.daemon.tasks import Tasks
-from weightcache.errors import ConfigError, NotAllowedError, WeightcacheError
+from weightcache.errors import ConfigError, WeightcacheError
 from weightcache.fetch import Fetcher, Progress
-from weightcache.policy import Decision, decide, file_source_problem
 from weightcache.store import Snapshot, Store, quarantine_usage
-from weightcache.uri import ModelRef, canonical_uri
+from weightcache.uri import ModelRef
 
 if TYPE_CHECKING:
     from weightcache.memory import MemoryTier  # imported only when a memory budget is set
@@ -55,19 +55,20 @@ class MeteredFetcher:
                        endpoint_url=s.endpoint_for(ref), proxy_url=s.proxy_for(ref),
                        connect_timeout=s.connect_timeout, read_timeout=s.read_timeout, cancel=cancel, peers=self.peers)
 
-    def lookup(self, ref: ModelRef) -> Snapshot | None:
+    def lookup(self, grant: Grant) -> Snapshot | None:
         """The cached snapshot (a hit), or None; blocking."""
-        cached = self._store.lookup(ref)
+        cached = self._store.lookup(grant.ref)
         if cached is not None:
-            self._metrics.cache_hits.labels(ref.scheme).inc()
+            self._metrics.cache_hits.labels(grant.ref.scheme).inc()
         return cached
 
-    def ensure(self, ref: ModelRef, *, progress: ProgressCallback | None = None,
+    def ensure(self, grant: Grant, *, progress: ProgressCallback | None = None,
                cancel: threading.Event | None = None) -> Snapshot:
         """Blocking, like Fetcher.ensure; setting `cancel` stops this fetch at its next read (chunks kept)."""
-        cached = self.lookup(ref)
+        cached = self.lookup(grant)
         if cached is not None:
             return cached
+        ref = grant.ref
         self._metrics.cache_misses.labels(ref.scheme).inc()
         start = time.monotonic()
         fetcher = self._fetcher(ref, cancel or threading.Event())
@@ -76,7 +77,7 @@ class MeteredFetcher:
         if self._closed.is_set():
             fetcher.close()
         try:
-            snapshot = fetcher.ensure(ref, progress=progress)
+            snapshot = fetcher.ensure(grant, progress=progress)
         except Exception as exc:
             reason = error_code(type(exc)) if isinstance(exc, WeightcacheError) else "internal"
             self._metrics.fetch_failures.labels(ref.scheme, reason).inc()
@@ -84,7 +85,7 @@ class MeteredFetcher:
         finally:
             for source, stat in (("origin", "origin_bytes"), ("peers", "peer_bytes")):
                 if n := fetcher.stats.get(stat, 0):
-                    self._metrics.model_bytes.labels(ref.uri, source).inc(n)
+                    self._metrics.model_bytes.labels(ref.key, source).inc(n)
             with self._lock:
                 del self._live[fetcher]
                 done = self._done.setdefault(ref.scheme, {})
@@ -92,9 +93,6 @@ class MeteredFetcher:
                     done[name] = done.get(name, 0) + value
         self._metrics.fetch_seconds.labels(ref.scheme).observe(time.monotonic() - start)
         return snapshot
-
-    def progress(self, ref: ModelRef) -> Progress | None:
-        return self._fetcher(ref).progress(ref)
 
     def close(self) -> None:
         """Park every download (partials and journals stay for the next start)."""
@@ -136,9 +134,9 @@ class Node:
     def __post_init__(self) -> None:
         self.fetches = FetchQueue(self.fetcher.ensure, self.fetcher.lookup, parallel=self.settings.parallel_models)
 
-    async def ensure(self, ref: ModelRef, *, progress: ProgressCallback | None = None) -> Snapshot:
+    async def ensure(self, grant: Grant, *, progress: ProgressCallback | None = None) -> Snapshot:
         """A model the node keeps wanting (reconcile): its fetch goes on whoever else stops waiting."""
-        return await self.fetches.ensure(ref, progress=progress, keep=True)
+        return await self.fetches.ensure(grant, progress=progress, keep=True)
 
     def check_tier(self, tier: str) -> None:
         if tier == "memory" and self.tier is None:
@@ -160,46 +158,16 @@ class Node:
     def allow_undeclared(self) -> bool:
         return self.settings.allow_undeclared(cluster=self.cluster is not None)
 
-    def decide(self, ref: ModelRef, namespace: str) -> Decision:
-        """The one policy (weightcache/policy.py) with this node's ModelCaches and its own directories.
+    @property
+    def authority(self) -> Authority:
+        """The one decision (weightcache/access.py) with this node's ModelCaches, settings and directories."""
+        return Authority(model_caches=self.model_caches, allow_undeclared=self.allow_undeclared,
+                         forbidden_paths=(self.settings.kubelet_dir, self.settings.root),
+                         declared=lambda: [m.ref for m in self.settings.models])
 
-        Where undeclared models are allowed (off-cluster), a file:// entry of the config's `models` declares that
-        directory for every namespace: the node's admin wrote it, as a cluster admin writes a ModelCache."""
-        caches = self.model_caches()
-        if self.allow_undeclared():
-            caches += [{"metadata": {"name": f"config models[{i}]"},
-                        "spec": {"source": m.ref.uri, "include": list(m.ref.include), "exclude": list(m.ref.exclude),
-                                 "allowedNamespaces": ["*"]}}
-                       for i, m in enumerate(self.settings.models) if m.ref.scheme == "file"]
-        return decide(ref, namespace, caches, allow_undeclared=self.allow_undeclared(),
-                      forbidden_paths=(self.settings.kubelet_dir, self.settings.root))
-
-    def check_allowed(self, ref: ModelRef, namespace: str | None) -> None:
-        """Namespace given: the one policy. None (an admin on the node): any declared model, or all if allowed;
-        never a file:// model overlapping the node's own directories."""
-        if namespace is not None:
-            decision = self.decide(ref, namespace)
-            if not decision.allowed:
-                raise NotAllowedError(decision.reason)
-            return
-        if ref.scheme == "file" and (problem := file_source_problem(
-                ref, (self.settings.kubelet_dir, self.settings.root))):
-            raise NotAllowedError(problem)
-        caches = self.model_caches()
-        if self.allow_undeclared() or ref.uri in self._declared(caches):
-            return
-        raise NotAllowedError(
-            f"no ModelCache or config entry declares {ref.uri} and allowUndeclaredModels is false on this node; "
-            f"declare it (weightcache prefetch {ref.uri} --cluster) or add it to the config's models")
-
-    def _declared(self, caches: list[Mapping[str, Any]]) -> set[str]:
-        uris = {m.ref.uri for m in self.settings.models}
-        for mc in caches:
-            try:
-                uris.add(canonical_uri(str((mc.get("spec") or {}).get("source", ""))))
-            except ValueError:
-                continue
-        return uris
+    def authorize(self, ref: ModelRef, namespace: str | None) -> Grant:
+        """A namespace's request, or (None) an admin's on the node: the one decision, or NotAllowedError."""
+        return self.authority.authorize(ref, ADMIN if namespace is None else Requester(namespace))
 
     def ready(self) -> dict[str, bool]:
         checks = {"store": self.store_ready}

@@ -20,17 +20,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weightcache import hf_layout
+from weightcache.access import ADMIN, Grant
 from weightcache.daemon.config import ModelSpec
 from weightcache.daemon.node import Node
+from weightcache.errors import NotAllowedError
 from weightcache.fetch import Progress
 from weightcache.store import Snapshot
-from weightcache.uri import ModelRef
+from weightcache.uri import ModelRef, is_readiness_label
 
 log = logging.getLogger(__name__)
 
 READY = "ready"
 PIN_OWNER = "daemon"  # the store keeps one pin per owner: a pin someone made by hand is never taken away
-LABEL_PREFIX = "weightcache.io/m"  # readiness labels (weightcache.uri.readiness_label)
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class Want:
     pin: bool = True
     priority: int = 0
     model_cache: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
+    namespaces: tuple[str, ...] | None = None  # who asked: None = an admin (config, ModelCache); else demand's
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,7 @@ def _label_changes(ready: set[str], labels: Mapping[str, str] | None) -> dict[st
     if labels is None:
         return {}
     changes: dict[str, str | None] = {k: READY for k in ready if labels.get(k) != READY}
-    changes.update({k: None for k in labels if k.startswith(LABEL_PREFIX) and k not in ready})
+    changes.update({k: None for k in labels if is_readiness_label(k) and k not in ready})
     return changes
 
 
@@ -150,12 +152,13 @@ class Reconciler:
     async def once(self) -> Outcome:
         start = time.monotonic()
         node = self.node
-        wanted = wants(node.settings.models, await self._desired())
-        cached = await asyncio.to_thread(self._lookup_all, wanted)  # one thread hop for all the hits
+        wanted, grants, refused = self._authorize(wants(node.settings.models, await self._desired()))
+        await self._report(refused)
+        cached = await asyncio.to_thread(self._lookup_all, grants)  # one thread hop for all the hits
         await self._report([(w, "Ready", cached[w.name], "") for w in wanted if w.name in cached])
         for w in wanted:
             if w.name not in cached and w.name not in self._fetching:
-                self._fetching[w.name] = self.node.tasks.spawn(f"keep warm {w.ref}", self._fetch(w))
+                self._fetching[w.name] = self.node.tasks.spawn(f"keep warm {w.ref}", self._fetch(w, grants[w.name]))
         results = {name: snapshot.id for name, snapshot in cached.items()}
         outcome = settle(self.held, wanted, results, await asyncio.to_thread(self._actual))
         await asyncio.to_thread(self._apply, outcome)
@@ -172,11 +175,30 @@ class Reconciler:
         cluster = self.node.cluster
         return [] if cluster is None else await asyncio.to_thread(cluster.desired)
 
-    def _lookup_all(self, wanted: Sequence[Want]) -> dict[str, Snapshot]:
-        found = {w.name: self.node.fetcher.lookup(w.ref) for w in wanted}
+    def _authorize(self, wanted: Sequence[Want]) -> tuple[list[Want], dict[str, Grant],
+                                                           list[tuple[Want, str, Snapshot | None, str]]]:
+        """The one decision for each want (weightcache/access.py): an admin's (config, ModelCache) for its file://
+        rules and declarations; demand for the namespaces of the pods that asked, decided again here, so demand
+        a namespace may not have is never fetched nor pinned. A refused want is reported Failed and not held."""
+        authority = self.node.authority
+        allowed: list[Want] = []
+        grants: dict[str, Grant] = {}
+        refused: list[tuple[Want, str, Snapshot | None, str]] = []
+        for w in wanted:
+            try:
+                grants[w.name] = (authority.authorize(w.ref, ADMIN) if w.namespaces is None
+                                  else authority.authorize_any(w.ref, w.namespaces))
+                allowed.append(w)
+            except NotAllowedError as exc:
+                log.warning("not keeping %s: %s", w.ref, exc)
+                refused.append((w, "Failed", None, f"refused by policy: {exc}"))
+        return allowed, grants, refused
+
+    def _lookup_all(self, grants: Mapping[str, Grant]) -> dict[str, Snapshot]:
+        found = {name: self.node.fetcher.lookup(grant) for name, grant in grants.items()}
         return {name: snapshot for name, snapshot in found.items() if snapshot is not None}
 
-    async def _fetch(self, w: Want) -> None:
+    async def _fetch(self, w: Want, grant: Grant) -> None:
         """Fetch one missing model through the daemon's fetch queue (`parallelModels` downloads at once, in the
         order asked: highest priority first). Success wakes the loop (to pin and label it); a failure is reported
         and retried on the next pass, not at once."""
@@ -187,7 +209,7 @@ class Reconciler:
                 cluster.progress(w, p.bytes_done, p.bytes_total)
         try:
             await self._report([(w, "Fetching", None, "")])
-            snapshot = await self.node.ensure(w.ref, progress=progress)
+            snapshot = await self.node.ensure(grant, progress=progress)
         except Exception as exc:  # one bad model must not stop the others; its status says why
             log.warning("keeping %s warm failed: %s", w.ref, exc)
             await self._report([(w, "Failed", None, str(exc))])

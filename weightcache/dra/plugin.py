@@ -25,19 +25,18 @@ from typing import Any
 
 import grpc
 
+from weightcache.access import Authority, Requester
 from weightcache.csi.errors import shorten
 from weightcache.dra import DRIVER_NAME, cdi
 from weightcache.dra._pb import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
 from weightcache.dra.claims import ClaimBook, ClaimRecord, PreparedDevice, claim_of_holder, holder_for, valid_uid
 from weightcache.dra.devices import snapshot_of
-from weightcache.errors import InvalidRequestError, NotAllowedError, NotCachedError, WeightcacheError
-from weightcache.policy import Decision
+from weightcache.errors import InvalidRequestError, NotCachedError, WeightcacheError
 from weightcache.store import Store
-from weightcache.uri import ModelRef, parse_ref
+from weightcache.uri import parse_ref
 
 log = logging.getLogger(__name__)
 
-Policy = Callable[[ModelRef, str], Decision]  # (model, namespace) -> Decision: the CSI publish's policy
 ClaimSource = Callable[[str, str], dict[str, Any]]  # (namespace, name) -> ResourceClaim; raises on failure
 DEFAULT_CONTAINER_PATH = "/models/model"  # the webhook's single-model path
 _ENV = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
@@ -104,13 +103,13 @@ class ModelClaims:
     """Prepare and unprepare claims (blocking: call from a thread)."""
 
     def __init__(self, store: Store, book: ClaimBook, *, pool: str, cdi_dir: Path, claims: ClaimSource,
-                 policy: Policy) -> None:
+                 authority: Authority) -> None:
         self._store = store
         self._book = book
         self._pool = pool
         self._cdi_dir = cdi_dir
         self._claims = claims
-        self._policy = policy
+        self._authority = authority
 
     def prepare(self, namespace: str, uid: str, name: str) -> ClaimRecord:
         for field, value in (("namespace", namespace), ("uid", uid), ("name", name)):
@@ -139,9 +138,8 @@ class ModelClaims:
                                           f"{item.device!r} is not a device this driver publishes")
             snapshot = self._store.get(snapshot_id)  # NotCachedError: evicted between allocation and now
             # the snapshot's own files: a grant limited by include/exclude covers exactly what it fetched
-            decision = self._policy(parse_ref(snapshot.uri, include=[f.path for f in snapshot.files]), namespace)
-            if not decision.allowed:
-                raise NotAllowedError(decision.reason)
+            self._authority.authorize(parse_ref(snapshot.uri, include=[f.path for f in snapshot.files]),
+                                      Requester(namespace))  # NotAllowedError: weightcache/access.py
             prepared.append(PreparedDevice(item.request, self._pool, item.device, snapshot_id,
                                            str(snapshot.path), item.container_path, item.env_name))
         record = ClaimRecord(uid, namespace, name, tuple(prepared), time.time())

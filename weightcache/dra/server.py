@@ -24,10 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from weightcache.access import Authority
 from weightcache.dra import DRIVER_NAME
 from weightcache.dra._pb import dra_v1_pb2_grpc, dra_v1beta1_pb2_grpc, pluginregistration_pb2_grpc
 from weightcache.dra.claims import ClaimBook
-from weightcache.dra.plugin import ClaimSource, DRAServicer, DRAServicerV1beta1, ModelClaims, Policy
+from weightcache.dra.plugin import ClaimSource, DRAServicer, DRAServicerV1beta1, ModelClaims
 from weightcache.dra.registration import RegistrationServicer
 from weightcache.dra.slices import API_TIMEOUT_S, SlicePublisher
 from weightcache.errors import ClusterError, ConfigError
@@ -75,12 +76,12 @@ class DraPlugin:
                 path.unlink()
 
 
-async def serve_dra(*, store: Store, pool: str, kubelet_dir: Path, cdi_dir: Path, policy: Policy,
+async def serve_dra(*, store: Store, pool: str, kubelet_dir: Path, cdi_dir: Path, authority: Authority,
                     claims: ClaimSource, publisher: SlicePublisher | None = None,
                     publish_interval: float = 2.0) -> DraPlugin:
     """Reconcile prepared claims with the store's leases, then serve DRA and register with kubelet."""
     model_claims = ModelClaims(store, ClaimBook(store.layout.tree), pool=pool, cdi_dir=cdi_dir, claims=claims,
-                               policy=policy)
+                               authority=authority)
     await asyncio.to_thread(model_claims.reconcile)
     plugin_path, reg_path = plugin_socket(kubelet_dir), registration_socket(kubelet_dir)
     dra_server = grpc.aio.server()
@@ -176,5 +177,5 @@ async def serve_for_node(node: Node) -> DraPlugin:
     publisher = SlicePublisher(api_client, node_name, node_devices(node), api_version=dra.api_version,
                                change_token=change_token(node))
     return await serve_dra(store=node.store, pool=node_name, kubelet_dir=s.kubelet_dir, cdi_dir=dra.cdi_dir,
-                           policy=node.decide, claims=claim_reader(api_client, dra.api_version), publisher=publisher,
-                           publish_interval=dra.publish_seconds)
+                           authority=node.authority, claims=claim_reader(api_client, dra.api_version),
+                           publisher=publisher, publish_interval=dra.publish_seconds)

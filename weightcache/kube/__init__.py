@@ -10,12 +10,17 @@ One writer per object means no write contention at 1,000 nodes; the node label `
 is what the scheduler and the webhook's node affinity read.
 """
 
-GROUP = "weightcache.io"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-MODELCACHES = "modelcaches"
-MODELCACHE_KIND = "ModelCache"
-MODELCACHENODES = "modelcachenodes"
-MODELCACHENODE_KIND = "ModelCacheNode"
+from weightcache.vocabulary import (
+    API_VERSION,
+    GROUP,
+    MODELCACHE_KIND,
+    MODELCACHENODE_KIND,
+    MODELCACHENODES,
+    MODELCACHES,
+    VERSION,
+)
+
+__all__ = ["API_VERSION", "GROUP", "MESSAGE_MAX", "MODELCACHENODES", "MODELCACHENODE_KIND", "MODELCACHES",
+           "MODELCACHE_KIND", "VERSION"]
 
 MESSAGE_MAX = 1024  # events.k8s.io caps a note at 1 kB; status messages keep to the same size

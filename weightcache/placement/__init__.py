@@ -7,5 +7,6 @@
     command.py     `weightcache controller`
 """
 
-MANAGED_BY = "app.kubernetes.io/managed-by"
-CONTROLLER = "weightcache-placement"  # MANAGED_BY value on the demand ModelCaches; Event source component
+from weightcache.vocabulary import CONTROLLER, MANAGED_BY  # MANAGED_BY value on demand ModelCaches; Event source
+
+__all__ = ["CONTROLLER", "MANAGED_BY"]

@@ -149,7 +149,11 @@ class Store:
 
     # -- reading ----------------------------------------------------------------------------------------------
     def lookup(self, ref: ModelRef) -> Snapshot | None:
-        """The snapshot `ref` resolves to (refs/ or a snapshot id as revision), touching last_used; None if absent."""
+        """The snapshot `ref` resolves to (refs/ or a snapshot id as revision), touching last_used; None if absent.
+
+        Only a snapshot whose every file `ref` selects: a snapshot id names a snapshot fetched
+        for anyone, so asking by id under narrower globs must not hand over the files they leave out
+        (weightcache/access.py: no other name for a snapshot widens what was granted)."""
         snap_id = self._read_ref(ref)
         if snap_id is None and ref.revision:
             snap_id = self._snapshot_by_id_prefix(ref.revision, ref.uri)
@@ -158,6 +162,9 @@ class Store:
         try:
             snap = self.get(snap_id)
         except NotCachedError:
+            return None
+        if not all(ref.matches(f.path) for f in snap.files):  # (its uri: refs/ and the id lookup are per model)
+            log.info("%s names snapshot %s, which holds files its globs leave out: not served", ref, snap_id[:12])
             return None
         self.index.touch(snap_id)
         return snap
@@ -524,6 +531,7 @@ class Store:
             if found is not None and found.snapshot == snapshot_id:
                 self.tree.unlink(ref_file)
         self.tree.remove_tree(self.layout.snapshot(snapshot_id))
+        self.tree.remove_tree(self.root / "hf" / snapshot_id)  # its hub cache views (hf_layout): links, too
         for sha in shas:
             self.tree.unlink_if_single_link(self.layout.blob(sha))
         if index:

@@ -1,0 +1,32 @@
+"""The names other parts and other tools rely on, defined once here and imported upward (docs/architecture.md).
+
+The webhook that adds a gate and the controller that removes it, the daemon that sets a readiness label and the
+webhook that requires it, the CSI plugin and the manifests that name its driver: each reads the name from here,
+so no two layers can drift apart. Nothing here imports anything.
+"""
+
+# Kubernetes API group of the ModelCache and ModelCacheNode resources (CRDs in deploy/daemonset/).
+GROUP = "weightcache.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+MODELCACHES = "modelcaches"
+MODELCACHE_KIND = "ModelCache"
+MODELCACHENODES = "modelcachenodes"
+MODELCACHENODE_KIND = "ModelCacheNode"
+
+# Driver names: the CSI plugin's, and the DRA driver's (its DeviceClass and ResourceSlices).
+CSI_DRIVER = "csi.weightcache.io"
+DRA_DRIVER = "models.weightcache.io"
+
+# Pod annotations all start with this (weightcache/webhook/annotations.py names each key).
+ANNOTATION_PREFIX = f"{GROUP}/"
+# The scheduling gate the webhook adds to a pod whose model is ready on no node, and the controller removes.
+GATE = f"{GROUP}/model"
+
+# Who owns the demand ModelCaches the placement controller writes (label MANAGED_BY = CONTROLLER).
+MANAGED_BY = "app.kubernetes.io/managed-by"
+CONTROLLER = "weightcache-placement"
+
+# Store lease holders: a mounted CSI volume (`csi:<volume>`), a prepared DRA claim (`dra:<claim uid>/<device>`).
+CSI_HOLDER_PREFIX = "csi:"
+DRA_HOLDER_PREFIX = "dra:"
