@@ -14,6 +14,7 @@ from weightcache.kube.watch import ModelCacheWatcher
 from weightcache.placement.controller import Controller
 from weightcache.placement.lease import LeaderElector
 from weightcache.placement.nodes import NodeFacts, node_facts
+from weightcache.webhook.annotations import MAX_MODELS
 
 LEASE_NAME = "weightcache-placement"
 
@@ -39,12 +40,13 @@ def node_view(api_client: Any) -> tuple[Callable[[], Sequence[NodeFacts] | None]
     return nodes, watcher.stop
 
 
-def start_controller(api_client: Any) -> Callable[[], None]:
+def start_controller(api_client: Any, *, max_models: int = MAX_MODELS) -> Callable[[], None]:
     """Start the controller under a Lease in the pod's namespace (POD_NAMESPACE, POD_NAME from the downward
-    API; the host name when unset); returns its stop."""
+    API; the host name when unset); returns its stop. `max_models`: the webhook's --max-models, so a pod the
+    webhook admits is not refused by the controller, nor the other way round."""
     namespace = os.environ.get("POD_NAMESPACE") or "weightcache"
     identity = os.environ.get("POD_NAME") or socket.gethostname()
     elector = LeaderElector(api_client, namespace=namespace, name=LEASE_NAME, identity=identity)
-    controller = Controller(api_client, elector=elector)
+    controller = Controller(api_client, elector=elector, max_models=max_models)
     controller.start()
     return controller.stop
