@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import socket
+import time
 from pathlib import Path
 
 import aiohttp
@@ -13,9 +15,12 @@ import pytest
 
 from tests import fixtures_daemon
 from tests.fixtures_daemon import start_daemon
+from weightcache.daemon import metrics_server
 from weightcache.daemon.command import add_commands, flags_of
 from weightcache.daemon.config import load_settings
+from weightcache.daemon.listener import Limits
 from weightcache.errors import ConfigError
+from weightcache.uri import parse_ref
 
 # fixtures, used by name
 off_cluster, tiny_model = fixtures_daemon.off_cluster, fixtures_daemon.tiny_model
@@ -47,6 +52,57 @@ async def test_metrics_port_serves_only_metrics(short_dir: Path, model_copy: Pat
         await running.daemon.stop()
     with pytest.raises(OSError):  # stopped with the daemon
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+async def test_half_sent_requests_on_the_metrics_port_cannot_take_the_daemons_descriptors(
+        short_dir: Path, model_copy: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hardening III: 562 half-sent requests on the (token-free, default-on) metrics port took every descriptor
+    and the Unix-socket API stopped answering. Replayed: 300 of them; the daemon holds at most its cap."""
+    limits = Limits(max_connections=8, header_timeout_s=1.0, body_timeout_s=1.0, idle_timeout_s=3.0)
+    monkeypatch.setattr(metrics_server, "LIMITS", limits)
+    running = await start_daemon(short_dir, model_copy, config={"metricsListen": "127.0.0.1:0"})
+    port = running.daemon.metrics_port
+    assert port
+    baseline = len(os.listdir("/proc/self/fd"))
+
+    def flood() -> list[socket.socket]:
+        socks = []
+        for _ in range(300):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: n\r\nX-Slow: ")  # headers never finish
+            socks.append(sock)
+        return socks
+
+    socks = await asyncio.to_thread(flood)
+    try:
+        await asyncio.sleep(0)  # let the loop accept what the kernel queued
+        started = time.monotonic()
+        assert await asyncio.wait_for(asyncio.to_thread(running.client.list), 5) == []  # the Unix API answers
+        assert time.monotonic() - started < 2
+        held_by_daemon = len(os.listdir("/proc/self/fd")) - baseline - len(socks)  # the test's own sockets aside
+        assert held_by_daemon <= limits.max_connections + 8, held_by_daemon
+        # Prometheus, sending whole requests, still scrapes during the flood
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as http, http.get("/metrics") as r:
+            assert r.status == 200 and "weightcache_build_info" in await r.text()
+    finally:
+        for sock in socks:
+            sock.close()
+        await running.daemon.stop()
+
+
+async def test_metrics_port_names_no_model_uri(short_dir: Path, model_copy: Path) -> None:
+    """Hardening III: /metrics (no token) listed every model URI, and bucket/prefix names leak tenants' models."""
+    running = await start_daemon(short_dir, model_copy, config={"metricsListen": "127.0.0.1:0"})
+    try:
+        await asyncio.to_thread(running.client.ensure, running.model_uri)
+        async with (aiohttp.ClientSession(f"http://127.0.0.1:{running.daemon.metrics_port}") as http,
+                    http.get("/metrics") as r):
+            body = await r.text()
+        key = parse_ref(running.model_uri).key
+        assert f'weightcache_model_fetched_bytes_total{{model="{key}",source="origin"}}' in body
+        assert running.model_uri not in body and str(running.model_dir) not in body
+    finally:
+        await running.daemon.stop()
 
 
 async def test_metrics_port_taken_is_a_config_error(short_dir: Path, model_copy: Path) -> None:

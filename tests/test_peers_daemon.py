@@ -31,6 +31,7 @@ from weightcache.cli import build_parser, main
 from weightcache.daemon.command import flags_of
 from weightcache.daemon.config import load_settings
 from weightcache.errors import ConfigError
+from weightcache.uri import parse_ref
 
 __all__ = ["cluster", "model_copy", "off_cluster", "short_dir", "tiny_model"]  # fixtures used by name
 
@@ -76,7 +77,9 @@ async def test_a_daemon_fills_from_its_peer_and_the_metrics_say_where_bytes_came
         served = (await asyncio.to_thread(a.daemon.node.sample))["weightcache_peer_served_bytes"]
         assert served == len(BODY) + 2
         text = (await asyncio.to_thread(b.daemon.node.metrics.exposition)).decode()
-        assert 'weightcache_model_fetched_bytes_total{model="s3://models/m/",source="peers"} 2.097154e+06' in text
+        key = parse_ref("s3://models/m/").key  # the metrics port names no URI
+        assert f'weightcache_model_fetched_bytes_total{{model="{key}",source="peers"}} 2.097154e+06' in text
+        assert "s3://" not in text
         assert 'source="origin"' not in text
         status = await asyncio.to_thread(status_json, b)
         assert (status["peer_bytes"], status["origin_bytes"]) == (len(BODY) + 2, 0)

@@ -18,7 +18,9 @@ from tests.fixtures_webhook import (
     envs,
 )
 from weightcache.errors import BadAdmissionReviewError
+from weightcache.policy import CacheIndex
 from weightcache.uri import readiness_label
+from weightcache.webhook.annotations import MAX_MODELS
 from weightcache.webhook.mutate import review
 
 OPEN = {"model_caches": [], "allow_undeclared": True}
@@ -302,3 +304,32 @@ def test_not_a_pod_create_review_raises_bad_review(body: Any, says: str) -> None
     with pytest.raises(BadAdmissionReviewError) as info:
         review(copy.deepcopy(body), **OPEN)
     assert says in str(info.value)
+
+
+def test_models_per_pod_are_capped_before_parsing_and_the_cap_is_configurable() -> None:
+    """Hardening III: a review cost O(models); past the cap it is a denial naming the cap and the flag."""
+    names = ",".join(f"n{i}=s3://models/m{i}/" for i in range(MAX_MODELS + 1))
+    request = admission_review(deployment_pod({"weightcache.io/models": names}))
+    answer = review(request, model_caches=[], allow_undeclared=True)["response"]
+    assert answer["allowed"] is False and "the webhook's --max-models" in answer["status"]["message"]
+    assert review(request, model_caches=[], allow_undeclared=True, max_models=MAX_MODELS + 1)["response"]["allowed"]
+    bad_refs = ",".join(f"n{i}=gopher://x/" for i in range(MAX_MODELS + 1))  # refused for the count, unparsed
+    answer = review(admission_review(deployment_pod({"weightcache.io/models": bad_refs})), model_caches=[],
+                    allow_undeclared=True)["response"]
+    assert "at most 16" in answer["status"]["message"] and "gopher" not in answer["status"]["message"]
+
+
+def test_a_cache_index_decides_as_the_list_does() -> None:
+    """policy.CacheIndex (built once per change of the list) gives the same answers as the ModelCache objects."""
+    caches = [
+        {"metadata": {"name": "other"}, "spec": {"source": "s3://models/other/", "allowedNamespaces": ["*"]}},
+        {"metadata": {"name": "narrow"}, "spec": {"source": REF, "allowedNamespaces": ["inference"],
+                                                   "include": ["*.json"]}},
+        {"metadata": {"name": "wide"}, "spec": {"source": REF, "allowedNamespaces": ["inference"]}},
+        {"metadata": {"name": "elsewhere"}, "spec": {"source": REF, "allowedNamespaces": ["team-b"]}},
+    ]
+    for wanted in ({"weightcache.io/model": REF}, {"weightcache.io/model": "s3://models/undeclared/"}):
+        for namespace in ("inference", "team-b", "team-c"):
+            request = admission_review(deployment_pod(wanted), namespace=namespace)
+            assert (review(request, model_caches=CacheIndex(caches), allow_undeclared=False)
+                    == review(request, model_caches=caches, allow_undeclared=False))

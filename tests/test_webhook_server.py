@@ -8,6 +8,7 @@ import base64
 import json
 import os
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -19,7 +20,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.fixtures_webhook import REF, admission_review, apply_response, check_pod, deployment_pod
+from tests.fixtures_webhook import REF, admission_review, apply_response, check_pod, container, deployment_pod
+from weightcache.daemon.listener import GuardedTCPSite, Limits
+from weightcache.webhook import server
+from weightcache.webhook.annotations import MAX_ANNOTATION_CHARS, MAX_MODELS
 from weightcache.webhook.certs import CertPair, make_ca, make_serving_cert, service_dns_names, write_service_certs
 from weightcache.webhook.server import Policy, Running, make_app, start
 
@@ -340,3 +344,148 @@ async def test_command_in_cluster_mode_follows_modelcaches(tmp_path: Path) -> No
 
 async def _ok(request: Any) -> bool:
     return (await request)[0] == 200
+
+
+# -- Hardening III: the TLS listener is guarded, and a review is bounded ------------------------------------------
+
+SMALL = Limits(max_connections=8, header_timeout_s=1.0, body_timeout_s=10.0, idle_timeout_s=3.0)  # 7 MB bodies
+CACHES = [  # 200 ModelCaches over 50 sources, as in the report
+    {"metadata": {"name": f"mc{i}"},
+     "spec": {"source": f"s3://models/m{i % 50}/", "allowedNamespaces": ["inference", f"team-{i}"]}}
+    for i in range(200)
+]
+
+
+@pytest.fixture
+async def guarded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[Running, CertPair]]:
+    """A webhook with 200 ModelCaches, undeclared models refused, and the small listener limits above."""
+    monkeypatch.setattr(server, "LIMITS", SMALL)
+    ca = make_ca()
+    cert, key = write_pair(tmp_path, make_serving_cert(ca, service_dns_names(SERVICE, NAMESPACE)))
+    running = await start(make_app(Policy(model_caches=lambda: CACHES, allow_undeclared=False)),
+                          cert=cert, key=key, host="127.0.0.1", port=0)
+    try:
+        yield running, ca
+    finally:
+        await running.stop()
+
+
+def _site(running: Running) -> GuardedTCPSite:
+    (site,) = [s for s in running.runner.sites if isinstance(s, GuardedTCPSite)]
+    return site
+
+
+def _read_all(sock: socket.socket, seconds: float) -> bytes:
+    sock.settimeout(seconds)
+    chunks = []
+    try:
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    except (ConnectionResetError, ssl.SSLError):
+        pass
+    return b"".join(chunks)
+
+
+async def test_half_open_tls_connections_cannot_take_the_webhook(guarded: Any) -> None:
+    """Hardening III: the webhook (failurePolicy Fail) had no guard. 100 connections that never finish a TLS
+    handshake (half send a partial ClientHello): the webhook holds at most its cap, keeps answering real clients
+    (whose connections take the half-open ones' slots) and closes every half-open one at the deadline."""
+    running, ca = guarded
+    site = _site(running)
+    baseline = len(os.listdir("/proc/self/fd"))
+
+    def flood() -> list[socket.socket]:
+        socks = []
+        for i in range(100):
+            sock = socket.create_connection(("127.0.0.1", running.port), timeout=10)
+            if i % 2:
+                sock.sendall(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03")  # a ClientHello that stops there
+            socks.append(sock)
+        return socks
+
+    socks = await asyncio.to_thread(flood)
+    try:
+        started = time.monotonic()
+        assert await get(running.port, ca, "/healthz") == (200, "ok")
+        assert time.monotonic() - started < 2
+        assert site.stats.active <= SMALL.max_connections
+        assert site.stats.shed + site.stats.refused >= 100 - SMALL.max_connections
+        held = len(os.listdir("/proc/self/fd")) - baseline - len(socks)  # the test's own sockets aside
+        assert held <= SMALL.max_connections + 8, held
+        answers = await asyncio.gather(*(asyncio.to_thread(_read_all, s, SMALL.header_timeout_s + 5) for s in socks))
+        assert all(a == b"" for a in answers)  # closed (no plaintext 408 on a TLS port), none left hanging
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+async def test_tls_requests_whole_or_trickled_after_the_handshake(guarded: Any) -> None:
+    """Through the guard over TLS: a request sent right behind the handshake is served; one whose headers
+    trickle after a completed handshake is answered 408 over TLS at the deadline."""
+    running, ca = guarded
+    context = client_context(ca)
+
+    def exchange(raw: bytes) -> bytes:
+        with context.wrap_socket(socket.create_connection(("127.0.0.1", running.port), timeout=10),
+                                 server_hostname=SNI) as tls:
+            tls.sendall(raw)
+            return _read_all(tls, SMALL.header_timeout_s + 5)
+
+    whole = await asyncio.to_thread(exchange, b"GET /healthz HTTP/1.1\r\nHost: w\r\nConnection: close\r\n\r\n")
+    assert whole.startswith(b"HTTP/1.1 200") and whole.endswith(b"ok")
+    started = time.monotonic()
+    cut = await asyncio.to_thread(exchange, b"POST /mutate HTTP/1.1\r\nHost: w\r\nX-Slow: ")
+    assert cut.startswith(b"HTTP/1.1 408") and b"did not arrive within 1s" in cut
+    assert time.monotonic() - started < SMALL.header_timeout_s + 3
+
+
+async def test_a_huge_annotation_is_denied_at_once_with_a_clear_message(guarded: Any) -> None:
+    """Hardening III: a 301 KB annotation with 200 ModelCaches took 2.4-3.7 s of the event loop. Now it is a
+    denial before anything is parsed, and so is a short annotation of more models than a pod may mount."""
+    running, ca = guarded
+    huge = ",".join(f"n{i}=s3://models/bucket-{i}/prefix/" for i in range(9000))  # 340 KB
+    started = time.monotonic()
+    status, answer = await call(running.port, ca, admission_review(deployment_pod({"weightcache.io/models": huge})))
+    assert time.monotonic() - started < 0.5
+    assert status == 200 and answer["response"]["allowed"] is False
+    message = answer["response"]["status"]["message"]
+    assert f"more than the {MAX_ANNOTATION_CHARS} a pod may use" in message and "at most 16 models" in message
+    many = ",".join(f"n{i}=s3://models/m{i}/" for i in range(MAX_MODELS + 1))
+    status, answer = await call(running.port, ca, admission_review(deployment_pod({"weightcache.io/models": many})))
+    assert answer["response"]["allowed"] is False and answer["response"]["status"]["code"] == 400
+    assert (f"names {MAX_MODELS + 1} models; a pod may mount at most {MAX_MODELS} (the webhook's --max-models)"
+            in answer["response"]["status"]["message"])
+    at_cap = ",".join(f"n{i}=s3://models/m{i}/" for i in range(MAX_MODELS))
+    status, answer = await call(running.port, ca, admission_review(deployment_pod({"weightcache.io/models": at_cap})))
+    assert answer["response"]["allowed"] is True and "patch" in answer["response"]
+
+
+def _maximal_review() -> bytes:
+    """The most a review may cost: 16 models (the cap) and a pod of ~7 MB (MAX_BODY is 8 MiB) whose container
+    already has 95,000 env vars, each compared with what is injected."""
+    models = ",".join(f"m{i}=s3://models/m{i}/" for i in range(MAX_MODELS))
+    env = [{"name": f"VAR_{i}", "value": "x" * 40} for i in range(95_000)]
+    pod = deployment_pod({"weightcache.io/models": models}, containers=[container("server", env=env)])
+    return json.dumps(admission_review(pod)).encode()
+
+
+async def test_healthz_keeps_answering_while_maximal_reviews_run(guarded: Any) -> None:
+    """Hardening III: /healthz waited up to 3 s behind one review. Two maximal reviews (about a second of CPU
+    each, on the loop before) run off the event loop: liveness, over the same TLS listener, answers within 0.5 s
+    throughout (json.loads of 7 MB holds the GIL for ~0.15 s; the rest is a loaded machine's scheduling)."""
+    running, ca = guarded
+    body = await asyncio.to_thread(_maximal_review)
+    assert len(body) < server.MAX_BODY
+    reviews = asyncio.gather(*(call(running.port, ca, body) for _ in range(2)))
+    worst, polls, context = 0.0, 0, client_context(ca)  # one context: one kept-alive connection
+    async with aiohttp.ClientSession() as session:
+        while not reviews.done():
+            started = time.monotonic()
+            async with session.get(f"https://127.0.0.1:{running.port}/healthz", ssl=context,
+                                   server_hostname=SNI) as resp:
+                assert resp.status == 200
+            worst, polls = max(worst, time.monotonic() - started), polls + 1
+            await asyncio.sleep(0.01)
+    for status, answer in await reviews:
+        assert status == 200 and answer["response"]["allowed"] is True and "patch" in answer["response"]
+    assert polls >= 3 and worst < 0.5, (polls, worst)

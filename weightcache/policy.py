@@ -39,16 +39,42 @@ class Decision:
     reason: str
 
 
+@dataclass(frozen=True)
+class _Grant:
+    name: str  # the ModelCache's
+    ref: ModelRef
+    namespaces: object  # spec.allowedNamespaces as written: checked per decision, a malformed one grants nothing
+
+
+class CacheIndex:
+    """ModelCaches parsed once and grouped by canonical source URI: a decision looks only at the grants of the
+    source it is asked about. Build one per change of the ModelCache list (the webhook does, on its watcher's
+    change), not per request: parsing every ModelCache per model is what made a review O(models x ModelCaches)."""
+
+    def __init__(self, model_caches: Iterable[Mapping[str, Any]]) -> None:
+        self._by_uri: dict[str, list[_Grant]] = {}
+        for mc in model_caches:
+            grant = _grant(mc)
+            if grant is not None:
+                name = str((mc.get("metadata") or {}).get("name", "?"))
+                namespaces = (mc.get("spec") or {}).get("allowedNamespaces") or []
+                self._by_uri.setdefault(grant.uri, []).append(_Grant(name, grant, namespaces))
+
+    def grants(self, uri: str) -> Sequence[_Grant]:
+        return self._by_uri.get(uri, ())
+
+
 def decide(
     model: str | ModelRef,
     namespace: str,
-    model_caches: Iterable[Mapping[str, Any]],
+    model_caches: Iterable[Mapping[str, Any]] | CacheIndex,
     *,
     allow_undeclared: bool,
     forbidden_paths: Sequence[str | Path] = (),
 ) -> Decision:
     """Decide whether pods in `namespace` may mount `model` (a reference string, or a parsed one with globs).
 
+    `model_caches`: the ModelCache objects, or a CacheIndex of them (the same answer, without parsing them all).
     `forbidden_paths` are the node's own directories (kubelet dir, store root) no `file://` model may touch."""
     try:
         wanted = model if isinstance(model, ModelRef) else parse_ref(model)
@@ -58,18 +84,15 @@ def decide(
         return Decision(False, problem)
     declaring: list[str] = []
     narrower: list[tuple[str, ModelRef]] = []
-    for mc in model_caches:
-        grant = _grant(mc)
-        if grant is None or grant.uri != wanted.uri:
-            continue
-        name = str((mc.get("metadata") or {}).get("name", "?"))
-        allowed = (mc.get("spec") or {}).get("allowedNamespaces") or []
+    index = model_caches if isinstance(model_caches, CacheIndex) else CacheIndex(model_caches)
+    for g in index.grants(wanted.uri):
+        allowed = g.namespaces
         if not isinstance(allowed, list) or not ("*" in allowed or namespace in allowed):
-            declaring.append(name)
-        elif covers(grant, wanted):
-            return Decision(True, f"ModelCache {name} allows namespace {namespace}")
+            declaring.append(g.name)
+        elif covers(g.ref, wanted):
+            return Decision(True, f"ModelCache {g.name} allows namespace {namespace}")
         else:
-            narrower.append((name, grant))
+            narrower.append((g.name, g.ref))
     if narrower:
         name, grant = narrower[0]
         return Decision(False, f"ModelCache {name} grants namespace {namespace!r} only {_globs_text(grant)} of "

@@ -18,6 +18,12 @@ wrapped in a guard that:
 
 The guard reads request framing only (end of headers, Content-Length, chunked's last chunk); parsing stays
 aiohttp's. Requests on the Unix socket do not pass through it (its file mode already limits who connects).
+
+Every TCP listener of the project is one of these sites (daemon API, metrics port, peer listener, webhook): a
+listener without it is the one a flood goes for. With `ssl_context` (the webhook) the guard holds the slot from
+the TCP accept: the TLS handshake runs inside it (`loop.start_tls`) and counts against the header deadline, so
+connections that never finish a handshake are shed and cut like half-sent headers (asyncio alone would let each
+hold a descriptor for its 60 s handshake timeout, uncounted).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import asyncio
 import json
 import logging
 import socket
+import ssl
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,6 +68,7 @@ class GuardStats:
     shed: int = 0  # half-sent requests closed to make room for a new connection
     header_timeouts: int = 0
     body_timeouts: int = 0
+    handshake_failures: int = 0  # TLS handshakes that failed (bad client, plain HTTP on a TLS port)
     waiting: dict[_Guard, None] = field(default_factory=dict)  # connections reading headers, oldest first
     _logged: dict[str, int] = field(default_factory=dict)
     _last_log: float = 0.0
@@ -69,24 +77,31 @@ class GuardStats:
         """Log the counters when they moved, at most once per LOG_EVERY_S."""
         now = time.monotonic()
         counts = {"refused (connection cap)": self.refused, "half-sent requests shed for new connections": self.shed,
-                  "header timeouts": self.header_timeouts, "body timeouts": self.body_timeouts}
+                  "header timeouts": self.header_timeouts, "body timeouts": self.body_timeouts,
+                  "failed TLS handshakes": self.handshake_failures}
         if now - self._last_log < LOG_EVERY_S or counts == self._logged:
             return
         moved = {k: v - self._logged.get(k, 0) for k, v in counts.items() if v != self._logged.get(k, 0)}
         self._logged, self._last_log = counts, now
-        log.warning("TCP API listener closed connections: %s (%d open); a client is too slow or too many "
+        log.warning("TCP listener closed connections: %s (%d open); a client is too slow or too many "
                     "connect at once", ", ".join(f"{n} {k}" for k, n in moved.items()), self.active)
 
 
 class _Guard(asyncio.Protocol):
-    """One TCP connection: forwards everything to aiohttp's protocol, enforcing the header and body deadlines."""
+    """One TCP connection: forwards everything to aiohttp's protocol, enforcing the header and body deadlines.
+    With `tls`, it is first the raw connection (slot, deadline), then the plaintext protocol of the TLS transport
+    that `start_tls` builds on it."""
 
-    def __init__(self, inner: Any, limits: Limits, stats: GuardStats) -> None:
+    def __init__(self, inner: Any, limits: Limits, stats: GuardStats, tls: ssl.SSLContext | None = None) -> None:
         self._inner = inner
         self._limits = limits
         self._stats = stats
-        self._transport: asyncio.Transport | None = None
+        self._tls = tls
+        self._transport: asyncio.Transport | None = None  # the raw one, then (TLS) the plaintext one
         self._admitted = False  # forwarded to aiohttp
+        self._handshake: asyncio.Task[None] | None = None  # TLS: runs until aiohttp has the connection
+        self._early: list[bytes] = []  # TLS: plaintext that arrived with the handshake's last flight
+        self._early_eof = False
         self._counted = False  # holds one of the `max_connections` slots
         self._timer: asyncio.TimerHandle | None = None
         self._state = "head"  # head: reading headers; body: reading a body; wait: request read, answer pending
@@ -107,19 +122,56 @@ class _Guard(asyncio.Protocol):
                 return
             self._stats.shed += 1
             victim._close("shed")
-        self._admitted = self._counted = True
+        self._counted = True
         self._stats.active += 1
-        self._arm(self._limits.header_timeout_s, "header")
+        self._arm(self._limits.header_timeout_s, "header")  # with TLS it covers the handshake too
+        if self._tls is None:
+            self._open(transport)
+        else:  # no byte may reach this protocol before start_tls puts TLS in between (it resumes reading)
+            transport.pause_reading()
+            self._handshake = asyncio.get_running_loop().create_task(self._start_tls(transport, self._tls))
+
+    async def _start_tls(self, raw: asyncio.Transport, context: ssl.SSLContext) -> None:
+        try:
+            plain = await asyncio.get_running_loop().start_tls(
+                raw, self, context, server_side=True, ssl_handshake_timeout=self._limits.header_timeout_s)
+        except OSError:  # ssl.SSLError, a reset, the handshake timeout: the client's problem, counted and quiet
+            if self._counted:
+                self._stats.handshake_failures += 1
+                self._stats.note()
+            plain = None
+        if plain is None or not self._counted:  # failed, or shed or timed out (we closed it) meanwhile
+            self._disarm()
+            self._release()
+            raw.abort()
+            return
+        self._open(plain)
+        for data in self._early:
+            self._inner.data_received(data)
+        self._early.clear()
+        if self._early_eof:
+            self._inner.eof_received()
+
+    def _open(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._admitted = True
         self._inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
-        if not self._admitted:
+        if not self._counted:
             return
         self._frame(data)
-        self._inner.data_received(data)
+        if self._admitted:
+            self._inner.data_received(data)
+        else:  # TLS: the request came with the handshake, before start_tls returned the transport
+            self._early.append(data)
 
     def eof_received(self) -> bool | None:
-        return self._inner.eof_received() if self._admitted else None
+        if not self._admitted:  # TLS: handed to aiohttp with the early data
+            self._early_eof = True
+            return None
+        keep: bool | None = self._inner.eof_received()
+        return keep
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -218,6 +270,9 @@ class _Guard(asyncio.Protocol):
         transport = self._transport
         if transport is None or transport.is_closing():
             return
+        if not self._admitted:  # mid-handshake: no TLS to answer over yet
+            transport.abort()
+            return
         why = {"header": f"the request's headers did not arrive within {self._limits.header_timeout_s:g}s",
                "body": f"the request's body did not arrive within {self._limits.body_timeout_s:g}s",
                "shed": "the listener needed this connection's slot while its request headers were incomplete"}[what]
@@ -244,16 +299,18 @@ def _body_framing(head: bytes) -> tuple[int, bool]:
 class GuardedTCPSite(web.BaseSite):
     """A TCPSite whose connections pass through the guard; `stats` says what it refused."""
 
-    def __init__(self, runner: web.BaseRunner, host: str, port: int, *, limits: Limits | None = None) -> None:
+    def __init__(self, runner: web.BaseRunner, host: str, port: int, *, limits: Limits | None = None,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         super().__init__(runner)
         self._host, self._port = host, port
+        self._tls = ssl_context
         self.limits = limits or Limits()
         self.stats = GuardStats()
         self.port = 0
 
     @property
     def name(self) -> str:
-        return f"http://{self._host}:{self.port or self._port}"
+        return f"{'https' if self._tls else 'http'}://{self._host}:{self.port or self._port}"
 
     async def start(self) -> None:
         await super().start()
@@ -261,7 +318,8 @@ class GuardedTCPSite(web.BaseSite):
         assert inner is not None
         install_log_rate_limits()
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Guard(inner(), self.limits, self.stats), self._host,
+        self._server = await loop.create_server(lambda: _Guard(inner(), self.limits, self.stats, self._tls),
+                                                self._host,
                                                 self._port, backlog=self._backlog, reuse_address=True)
         sock: socket.socket = self._server.sockets[0]
         self.port = sock.getsockname()[1]

@@ -41,8 +41,11 @@ class Metrics:
         self.fetch_seconds = Histogram("weightcache_fetch_duration_seconds", "Duration of ensures that missed "
                                        "the cache (fetched, or waited for another's fetch)", ["scheme"],
                                        buckets=FETCH_BUCKETS, registry=r)
-        self.model_bytes = Counter("weightcache_model_fetched_bytes", "Bytes fetched per model, from the origin "
-                                   "or from peers (fleet fill: docs/peers.md)", ["model", "source"], registry=r)
+        # `model` is the model's key (ModelRef.key), never its URI: the metrics port has no token, and bucket and
+        # prefix names say whose models a node holds
+        self.model_bytes = Counter("weightcache_model_fetched_bytes", "Bytes fetched per model (label: the model's "
+                                   "key, weightcache.uri.model_key), from the origin or from peers (fleet fill: "
+                                   "docs/peers.md)", ["model", "source"], registry=r)
         self.evictions = Counter("weightcache_evictions", "Snapshots evicted by the daemon", ["reason"], registry=r)
         self.reloads = Counter("weightcache_config_reloads", "Config reloads", ["result"], registry=r)
         self.reconcile_seconds = Histogram("weightcache_reconcile_duration_seconds", "One reconcile pass",

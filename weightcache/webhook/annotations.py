@@ -48,6 +48,12 @@ _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _MAX_NAME = 63 - len(VOLUME_PREFIX)  # the volume name wc-<name> must stay a DNS label
 _PATH = re.compile(r"^(/[A-Za-z0-9._\-]+)+/?$")
 _EXAMPLE_MODELS = f'{MODELS}: "llama=s3://models/llama-3-8b/,draft=s3://models/llama-draft/"'
+# Bounds of one review, checked before anything is parsed: the API server calls mutating webhooks before it
+# validates the pod (its own 256 KiB annotation limit comes later), so an annotation of any size reaches us, and a
+# review costs O(models): a 301 KB annotation of thousands of models took seconds. A model is a volume, a mount
+# and an env var in every chosen container: no real pod mounts dozens.
+MAX_MODELS = 16  # models per pod; `weightcache webhook --max-models` changes it
+MAX_ANNOTATION_CHARS = 32 * 1024  # the weightcache.io/* annotations together (16 long references fit many times)
 
 
 @dataclass(frozen=True)
@@ -77,16 +83,22 @@ def wants_injection(annotations: Mapping[str, object]) -> bool:
     return MODEL in annotations or MODELS in annotations
 
 
-def parse_annotations(annotations: Mapping[str, object]) -> Injection:
-    """Parse the `weightcache.io/*` annotations of a pod that `wants_injection`; raise AnnotationError."""
+def parse_annotations(annotations: Mapping[str, object], *, max_models: int = MAX_MODELS) -> Injection:
+    """Parse the `weightcache.io/*` annotations of a pod that `wants_injection`; raise AnnotationError (also
+    for more than `max_models` models or MAX_ANNOTATION_CHARS of annotations: both checked before any parsing)."""
     for key in KNOWN:
         if key in annotations and not isinstance(annotations[key], str):
             raise AnnotationError(f'annotation {key} must be a string; quote it in YAML, as in {key}: "..."')
-    return _parse(tuple((k, str(annotations[k]).strip()) for k in KNOWN if k in annotations))
+    items = tuple((k, str(annotations[k]).strip()) for k in KNOWN if k in annotations)
+    size = sum(len(v) for _, v in items)
+    if size > MAX_ANNOTATION_CHARS:
+        raise AnnotationError(f"the {PREFIX}* annotations hold {size} characters, more than the {MAX_ANNOTATION_CHARS} "
+                              f"a pod may use; name at most {max_models} models, each once, as in {_EXAMPLE_MODELS}")
+    return _parse(items, max_models)
 
 
-@functools.lru_cache(maxsize=1024)
-def _parse(items: tuple[tuple[str, str], ...]) -> Injection:
+@functools.lru_cache(maxsize=1024)  # at most MAX_ANNOTATION_CHARS each: a bounded cache whatever is sent
+def _parse(items: tuple[tuple[str, str], ...], max_models: int) -> Injection:
     """Cached: every pod of a Deployment carries the same annotations, and the result is a frozen value."""
     values = dict(items)
     if MODEL in values and MODELS in values:
@@ -94,7 +106,8 @@ def _parse(items: tuple[tuple[str, str], ...]) -> Injection:
             f"use either {MODEL} (one model) or {MODELS} (several), not both; for several write {_EXAMPLE_MODELS}"
         )
     globs = (_globs(INCLUDE, values.get(INCLUDE)), _globs(EXCLUDE, values.get(EXCLUDE)))
-    named = _parse_models(values[MODELS], globs) if MODELS in values else [("model", _ref(MODEL, values[MODEL], globs))]
+    named = (_parse_models(values[MODELS], globs, max_models) if MODELS in values
+             else [("model", _ref(MODEL, values[MODEL], globs))])
     single = MODELS not in values
     base = _mount_path(values.get(MOUNT_PATH))
     models = tuple(
@@ -144,10 +157,14 @@ def _globs(key: str, text: str | None) -> tuple[str, ...]:
         raise AnnotationError(f'{exc}; as in {key}: "*.safetensors,*.json"') from None
 
 
-def _parse_models(text: str, globs: tuple[tuple[str, ...], tuple[str, ...]]) -> list[tuple[str, ModelRef]]:
+def _parse_models(text: str, globs: tuple[tuple[str, ...], tuple[str, ...]],
+                  max_models: int) -> list[tuple[str, ModelRef]]:
     entries = [e.strip() for e in text.split(",") if e.strip()]
     if not entries:
         raise AnnotationError(f"{MODELS} is empty; write {_EXAMPLE_MODELS}")
+    if len(entries) > max_models:  # before any is parsed: the cost of a refusal must not grow with the list
+        raise AnnotationError(f"{MODELS} names {len(entries)} models; a pod may mount at most {max_models} (the "
+                              f"webhook's --max-models): split the workload into pods that need fewer models")
     seen: set[str] = set()
     out: list[tuple[str, ModelRef]] = []
     for entry in entries:

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from weightcache.errors import ConfigError
 
@@ -38,6 +39,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
         help="allow models no ModelCache declares (default: yes off-cluster, no in a cluster)",
     )
     hook.add_argument(
+        "--max-models",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="most models one pod may name; a pod with more is denied, saying so (default 16)",
+    )
+    hook.add_argument(
         "--controller",
         action="store_true",
         help="also run the placement controller (leader-elected on a Lease; docs/placement.md)",
@@ -61,6 +69,8 @@ def run_webhook(args: argparse.Namespace) -> int:
         return 2
     try:
         policy, stop = _policy(args.allow_undeclared, controller=args.controller)
+        if args.max_models is not None:
+            policy = dataclasses.replace(policy, max_models=args.max_models)
     except ConfigError as exc:
         print(f"weightcache webhook: {exc}", file=sys.stderr)
         return 2
@@ -83,6 +93,12 @@ def run_webhook(args: argparse.Namespace) -> int:
     finally:
         stop()
     return 0
+
+
+def _positive(text: str) -> int:
+    if not text.isascii() or not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1; write e.g. --max-models 16")
+    return int(text)
 
 
 def run_certs(args: argparse.Namespace) -> int:
@@ -131,8 +147,15 @@ def _policy(allow_undeclared: bool | None, *, controller: bool = False) -> tuple
         allow = True if allow_undeclared is None else allow_undeclared
         return Policy(model_caches=list, allow_undeclared=allow), lambda: None
     from weightcache.placement.command import node_view, start_controller
+    from weightcache.policy import CacheIndex
 
-    watcher = ModelCacheWatcher(api_client)
+    index = CacheIndex(())
+
+    def changed(items: list[dict[str, Any]]) -> None:  # the watcher's thread: reviews only read the new index
+        nonlocal index
+        index = CacheIndex(items)
+
+    watcher = ModelCacheWatcher(api_client, on_change=changed)
     watcher.start()
     # Gating needs someone to lift the gate: without the controller the webhook does not look at nodes at all
     nodes, stop_nodes = node_view(api_client) if controller else (lambda: None, lambda: None)
@@ -143,4 +166,4 @@ def _policy(allow_undeclared: bool | None, *, controller: bool = False) -> tuple
         for fn in reversed(stops):
             fn()
 
-    return Policy(watcher.items, allow, synced=lambda: watcher.wait_synced(0), nodes=nodes), stop
+    return Policy(lambda: index, allow, synced=lambda: watcher.wait_synced(0), nodes=nodes), stop

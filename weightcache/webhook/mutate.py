@@ -38,9 +38,9 @@ from weightcache.errors import (
 )
 from weightcache.placement.choice import GATE, ready_nodes
 from weightcache.placement.nodes import NodeFacts
-from weightcache.policy import decide
+from weightcache.policy import CacheIndex, decide
 from weightcache.webhook import dra_claim
-from weightcache.webhook.annotations import Injection, ModelMount, parse_annotations, wants_injection
+from weightcache.webhook.annotations import MAX_MODELS, Injection, ModelMount, parse_annotations, wants_injection
 
 API_VERSION = "admission.k8s.io/v1"
 DRIVER = "csi.weightcache.io"
@@ -79,12 +79,15 @@ class AdmissionReview(TypedDict):
 def review(
     body: object,
     *,
-    model_caches: Iterable[Mapping[str, Any]],
+    model_caches: Iterable[Mapping[str, Any]] | CacheIndex,
     allow_undeclared: bool,
     nodes: Sequence[NodeFacts] | None = None,
+    max_models: int = MAX_MODELS,
 ) -> AdmissionReview:
     """Answer one AdmissionReview: allow unchanged, allow with a patch, or deny with a message.
-    `nodes`: the cluster's nodes (labels, taints) for placement; None when unknown (off-cluster)."""
+    `model_caches`: a CacheIndex (built once per change of the list), or the objects themselves (indexed here,
+    once for every model of the pod). `nodes`: the cluster's nodes (labels, taints) for placement; None when
+    unknown (off-cluster). `max_models`: more models in one pod is a denial (annotations.MAX_MODELS)."""
     request = _request(body)
     uid, pod = request["uid"], request["object"]
     annotations = _annotations(pod)
@@ -92,11 +95,11 @@ def review(
         return _answer({"uid": uid, "allowed": True})
     namespace = request.get("namespace") or _dict(pod, "metadata").get("namespace") or ""
     try:
-        injection = parse_annotations(annotations)
+        injection = parse_annotations(annotations, max_models=max_models)
         via = dra_claim.via(annotations)
     except AnnotationError as exc:
         return _deny(uid, exc)
-    caches = list(model_caches)  # read once: a generator would be spent after the first model
+    caches = model_caches if isinstance(model_caches, CacheIndex) else CacheIndex(model_caches)
     for m in injection.models:
         decision = decide(m.ref, namespace, caches, allow_undeclared=allow_undeclared)
         if not decision.allowed:

@@ -8,21 +8,30 @@
     GET  /metrics                Prometheus text: reviews by outcome, review latency, certificate reloads
 
 The API server appends `?timeout=` to every call; a review takes well under a millisecond, so it is accepted
-and needs no deadline of its own. Rotated certificates (cert-manager, or a Secret update swapping the mounted
-`..data` link) are picked up without a restart: watchdog reports a change in the files' directories, a fresh
-SSLContext is built from the new files, and the TLS server-name callback hands it to every new handshake. A half
-written pair fails to load and the previous one stays in use.
+and needs no deadline of its own. What bounds a review: the body (MAX_BODY), the annotations and the models per
+pod (annotations.MAX_MODELS, MAX_ANNOTATION_CHARS: a denial past them), and the ModelCaches, indexed by source
+once per change of their list (policy.CacheIndex), so a review costs O(its models + the grants of their sources).
+A body over INLINE_BODY (a normal pod is a few KiB) is parsed and reviewed in a thread, SLOW_REVIEWS at a time,
+so /healthz and the small reviews keep being answered while it runs. The TLS listener is the daemon's guarded
+site (weightcache.daemon.listener, LIMITS): with failurePolicy Fail, a webhook whose descriptors a flood of
+half-open connections took refuses every annotated pod in the cluster.
+
+Rotated certificates (cert-manager, or a Secret update swapping the mounted `..data` link) are picked up without
+a restart: watchdog reports a change in the files' directories, a fresh SSLContext is built from the new files,
+and the TLS server-name callback hands it to every new handshake. A half written pair fails to load and the
+previous one stays in use.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import logging
 import signal
 import ssl
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,19 +42,27 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
+from weightcache.daemon.listener import GuardedTCPSite, Limits
 from weightcache.errors import BadAdmissionReviewError, ConfigError, InvalidRequestError
 from weightcache.jsonbody import parse_json
 from weightcache.placement.nodes import NodeFacts
+from weightcache.policy import CacheIndex
 from weightcache.redact import redact
+from weightcache.webhook.annotations import MAX_MODELS
 from weightcache.webhook.mutate import AdmissionReview, review
 from weightcache.webhook.mutate import _deny as deny  # the one way a denial is written
 from weightcache.webhook.mutate import _request as envelope  # the one check of a review's envelope
 
 log = logging.getLogger(__name__)
 
-ModelCaches = Callable[[], Sequence[Mapping[str, Any]]]
+ModelCaches = Callable[[], Iterable[Mapping[str, Any]] | CacheIndex]  # an index: built once per change
 REVIEW_EXAMPLE = '{"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {"uid": ..., ...}}'
 MAX_BODY = 8 * 1024 * 1024  # a Pod may be ~1.5 MiB in etcd; an AdmissionReview carries it once more as JSON
+INLINE_BODY = 64 * 1024  # bodies up to this are reviewed on the event loop (well under a millisecond)
+SLOW_REVIEWS = 1  # larger ones run in a thread, one at a time: each holds tens of MB of parsed JSON and the GIL
+# kube-apiserver keeps a pool of connections per replica and sends whole requests at once; a review must arrive
+# within seconds (the call's own timeout is 10 s by default)
+LIMITS = Limits(max_connections=256, header_timeout_s=10.0, body_timeout_s=10.0, idle_timeout_s=60.0)
 
 
 @dataclass(frozen=True)
@@ -86,11 +103,13 @@ class Policy:
     allow_undeclared: bool
     synced: Callable[[], bool] = lambda: True
     nodes: Callable[[], Sequence[NodeFacts] | None] = lambda: None  # placement's view; None: unknown
+    max_models: int = MAX_MODELS  # per pod (`--max-models`)
 
 
 METRICS = web.AppKey("metrics", Metrics)
 REGISTRY = web.AppKey("registry", CollectorRegistry)
 POLICY = web.AppKey("policy", Policy)
+SLOW = web.AppKey("slow", asyncio.Semaphore)
 
 
 def make_app(policy: Policy, *, registry: CollectorRegistry | None = None) -> web.Application:
@@ -98,6 +117,7 @@ def make_app(policy: Policy, *, registry: CollectorRegistry | None = None) -> we
     app[REGISTRY] = registry or CollectorRegistry()
     app[METRICS] = Metrics.create(app[REGISTRY])
     app[POLICY] = policy
+    app[SLOW] = asyncio.Semaphore(SLOW_REVIEWS)
     app.router.add_post("/mutate", _mutate)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
@@ -110,24 +130,35 @@ async def _mutate(request: web.Request) -> web.Response:
     started = time.perf_counter()
     outcome = "error"
     try:
-        try:
-            body = parse_json(await request.read(), what="request body", example=REVIEW_EXAMPLE)
-            answer = _review(body, policy)
-        except (InvalidRequestError, BadAdmissionReviewError) as exc:
-            outcome = "bad_request"
-            message = redact(str(exc))
-            log.warning("rejected webhook request: %s", message)
-            return web.json_response({"error": "bad_request", "message": message}, status=400)
-        response = answer["response"]
-        if "status" in response:  # a denial quotes the pod's annotation back: the API server records it in events
-            response["status"]["message"] = redact(response["status"]["message"])
-        outcome = "patched" if "patch" in response else "unchanged" if response["allowed"] else "denied"
-        if outcome == "denied":
-            log.info("denied pod in %s: %s", body["request"].get("namespace"), response["status"]["message"])
-        return web.json_response(answer)
+        length = request.content_length
+        if length is not None and length <= INLINE_BODY:
+            outcome, status, payload = _answer(await request.read(), policy)
+        else:  # read it too under the semaphore: a flood of big bodies holds SLOW_REVIEWS of them in memory
+            async with request.app[SLOW]:
+                raw = await request.read()
+                outcome, status, payload = await asyncio.to_thread(_answer, raw, policy)
+        return web.Response(body=payload, status=status, content_type="application/json")
     finally:
         metrics.reviews.labels(outcome).inc()
         metrics.latency.observe(time.perf_counter() - started)
+
+
+def _answer(raw: bytes, policy: Policy) -> tuple[str, int, bytes]:
+    """(outcome, HTTP status, JSON body) of one /mutate request; blocking, so big ones run in a thread."""
+    try:
+        body = parse_json(raw, what="request body", example=REVIEW_EXAMPLE)
+        answer = _review(body, policy)
+    except (InvalidRequestError, BadAdmissionReviewError) as exc:
+        message = redact(str(exc))
+        log.warning("rejected webhook request: %s", message)
+        return "bad_request", 400, json.dumps({"error": "bad_request", "message": message}).encode()
+    response = answer["response"]
+    if "status" in response:  # a denial quotes the pod's annotation back: the API server records it in events
+        response["status"]["message"] = redact(response["status"]["message"])
+    outcome = "patched" if "patch" in response else "unchanged" if response["allowed"] else "denied"
+    if outcome == "denied":
+        log.info("denied pod in %s: %s", body["request"].get("namespace"), response["status"]["message"])
+    return outcome, 200, json.dumps(answer).encode()
 
 
 def _review(body: Any, policy: Policy) -> AdmissionReview:
@@ -136,7 +167,7 @@ def _review(body: Any, policy: Policy) -> AdmissionReview:
     is a webhook failure it reports as "failed calling webhook". An unreadable review stays an HTTP 400."""
     try:
         return review(body, model_caches=policy.model_caches(), allow_undeclared=policy.allow_undeclared,
-                      nodes=policy.nodes())
+                      nodes=policy.nodes(), max_models=policy.max_models)
     except (BadAdmissionReviewError, TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
         try:
             uid = envelope(body)["uid"]
@@ -246,12 +277,17 @@ class Running:
 async def start(app: web.Application, *, cert: Path, key: Path, host: str, port: int) -> Running:
     """Serve `app` over TLS on host:port (0: any free port, read back in `Running.port`)."""
     reloader = CertReloader(cert, key, app[METRICS])
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.AppRunner(app, access_log=None, **LIMITS.runner_args())
     await runner.setup()
-    site = web.TCPSite(runner, host, port, ssl_context=reloader.context)
-    await site.start()
+    site = GuardedTCPSite(runner, host, port, limits=LIMITS, ssl_context=reloader.context)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}; pick another --port or stop what "
+                          "holds it") from exc
     reloader.start(asyncio.get_running_loop())
-    bound = runner.addresses[0][1]
+    bound = site.port
     log.info("webhook listening on https://%s:%d/mutate", host, bound)
     return Running(runner, reloader, bound)
 
