@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from tests.fixtures_csi import ROOT_MARKS, model_in_s3, publish_request, safe_tm
 from tests.fixtures_s3 import fault_proxy, s3, s3_server  # noqa: F401
 from weightcache.csi import mounts
 from weightcache.csi._pb import csi_pb2, csi_pb2_grpc
-from weightcache.csi.reconcile import VolumeBook, kubelet_volume_id
+from weightcache.csi.reconcile import VolumeBook, VolumeRecord, kubelet_volume_id
 from weightcache.store import Store
 
 pytestmark = ROOT_MARKS
@@ -106,3 +107,90 @@ async def test_killed_plugin_restarts_and_reconciles_leases_with_mounts(
     plugins[1].kill(signal.SIGTERM)
     assert plugins[1].proc.returncode == 0
     store.close()
+
+
+# -- the record book: written through the store's no-follow tree ------------------------------------------------
+def _record(volume_id: str = "vol-1") -> VolumeRecord:
+    return VolumeRecord(volume_id, f"/var/lib/kubelet/pods/u1/volumes/kubernetes.io~csi/{volume_id}/mount",
+                        "s3://models/llama/", "a" * 40, pod_namespace="ml", pod_name="vllm-0")
+
+
+@pytest.fixture
+def book_store(tmp_path: Path) -> Store:
+    return Store(tmp_path / "store")
+
+
+@pytest.fixture
+def outside(tmp_path: Path) -> Path:
+    """A directory and a file outside the store that a planted symlink points to; both must stay untouched."""
+    out = tmp_path / "outside"
+    out.mkdir()
+    (out / "victim").write_text("precious\n")
+    return out
+
+
+def _untouched(outside: Path) -> None:
+    assert sorted(p.name for p in outside.iterdir()) == ["victim"]
+    assert (outside / "victim").read_text() == "precious\n"
+
+
+@pytest.mark.parametrize("planted", ["csi", "csi/volumes"])
+def test_a_symlink_planted_at_the_records_directory_is_not_followed(book_store: Store, outside: Path,
+                                                                     planted: str) -> None:
+    """The records directory swapped for a symlink to elsewhere (before the plugin starts, or while it runs): the
+    link is quarantined and a real directory made; no record lands outside the root."""
+    root = book_store.root
+    (root / planted).parent.mkdir(parents=True, exist_ok=True)
+    os.symlink(outside, root / planted)
+    book = VolumeBook(book_store.tree)
+    book.put(_record())
+    _untouched(outside)
+    assert not (root / planted).is_symlink() and book.get("vol-1") == _record()
+    shutil.rmtree(root / "csi")
+    os.symlink(outside, root / "csi")  # swapped while running
+    assert book.get("vol-1") is None and book.all() == []
+    book.put(_record("vol-2"))
+    _untouched(outside)
+    assert [r.volume_id for r in book.all()] == ["vol-2"]
+    assert any(n.startswith("csi") for n in os.listdir(root / "quarantine"))
+
+
+def test_a_symlink_at_a_records_temp_name_or_name_is_not_followed(book_store: Store, outside: Path) -> None:
+    """The old writer's temp name was predictable (`.<name>.<pid>.tmp`, written following links): a symlink
+    planted there made the plugin overwrite any file on the host. A symlink planted at the record itself is
+    quarantined, never read through."""
+    book = VolumeBook(book_store.root)  # a store root path, as the daemon API passes it
+    for pid in range(os.getpid() - 2, os.getpid() + 3):
+        os.symlink(outside / "victim", book.dir / f".vol-1.json.{pid}.tmp")
+    book.put(_record())
+    _untouched(outside)
+    assert book.get("vol-1") == _record()
+    os.symlink(outside / "victim", book.dir / "vol-2.json")
+    assert book.get("vol-2") is None and [r.volume_id for r in book.all()] == ["vol-1"]
+    _untouched(outside)
+    assert not (book.dir / "vol-2.json").exists()
+
+
+@pytest.mark.parametrize("body", ['{"volume_id": "vol-1", "unexpected": 1', "[]", '{"volume_id": 1}',
+                                  '{"volume_id": "vol-1", "target_path": "/t", "model": "m", "snapshot_id": "s",'
+                                  ' "adopted": "yes"}', "[" * 100_000])
+def test_a_damaged_record_is_quarantined_not_a_crash(book_store: Store, body: str) -> None:
+    book = VolumeBook(book_store.tree)
+    book.put(_record("vol-2"))
+    (book.dir / "vol-1.json").write_text(body)
+    assert book.get("vol-1") is None
+    assert [r.volume_id for r in book.all()] == ["vol-2"]  # the others still read
+    assert not (book.dir / "vol-1.json").exists()
+    [kept] = [n for n in os.listdir(book_store.root / "quarantine") if "vol-1.json" in n]
+    assert (book_store.root / "quarantine" / kept).read_text() == body  # kept for a human
+    book.put(_record())
+    assert book.get("vol-1") == _record()
+
+
+def test_volume_ids_that_spell_hidden_or_temp_names_get_records(book_store: Store) -> None:
+    book = VolumeBook(book_store.tree)
+    for volume_id in (".tmp-x", ".", "..", "a/../../b"):
+        book.put(_record(volume_id))
+        assert book.get(volume_id) == _record(volume_id)
+    assert sorted(r.volume_id for r in book.all()) == sorted([".tmp-x", ".", "..", "a/../../b"])
+    assert all(not p.is_symlink() and p.parent == book.dir for p in book.dir.iterdir())

@@ -4,6 +4,7 @@ claims in the same request are prepared."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -109,3 +110,28 @@ async def test_hostile_opaque_config_is_refused(dra: DraHarness, params: Any, te
     assert text in entry.error and not entry.devices, entry.error
     assert dra.store.leases() == {}
     assert not any(Path(dra.cdi_dir).glob("*.json")) if dra.cdi_dir.exists() else True
+
+
+def test_claim_records_go_through_the_no_follow_book_and_damage_is_quarantined(tmp_path: Path) -> None:
+    """The claim book is the store's RecordBook, as the CSI volume book is: a symlink planted at `dra/claims` is
+    quarantined, not followed; a damaged record (or one naming another claim) reads as unknown and is kept in
+    quarantine/ for a human, and the others still read."""
+    from weightcache.dra.claims import ClaimBook, ClaimRecord, PreparedDevice
+    from weightcache.store import Store
+
+    store = Store(tmp_path / "store")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (store.root / "dra").mkdir()
+    os.symlink(outside, store.root / "dra" / "claims")
+    book = ClaimBook(store.tree)
+    device = PreparedDevice("model", "node-1", f"m-{'a' * 40}-0", "a" * 40, "/s", "/models/model", "P")
+    record = ClaimRecord(UID, ALLOWED_NS, "c1", (device,), 1.0)
+    book.put(record)
+    assert list(outside.iterdir()) == [] and book.get(UID) == record
+    other = UID.replace("0000-4000", "1111-4000")
+    book.put(dataclasses.replace(record, uid=other))
+    (book.dir / f"{other}.json").write_text((book.dir / f"{UID}.json").read_text())  # names another claim
+    (book.dir / f"{UID}.json").write_text('{"uid": ')
+    assert book.get(UID) is None and book.get(other) is None and book.uids() == []
+    assert len([n for n in os.listdir(store.root / "quarantine") if n.startswith("dra%2Fclaims%2F")]) == 2

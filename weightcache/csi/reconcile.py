@@ -15,10 +15,8 @@ mount is dropped, and a snapshot mount under the kubelet directory without a lea
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
-import json
 import logging
 import os
 import re
@@ -26,11 +24,12 @@ import time
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from weightcache.csi import mounts
 from weightcache.errors import NotCachedError
 from weightcache.hf_layout import HF_DIR
-from weightcache.store import Store
+from weightcache.store import RecordBook, Store, Tree
 
 logger = logging.getLogger(__name__)
 
@@ -86,52 +85,57 @@ def kubelet_volume_id(target_path: str) -> str | None:
 
 
 class VolumeBook:
-    """The record files of one store. Each write is a whole file renamed into place."""
+    """The volume records of one store: a RecordBook (weightcache/store/book.py) under `csi/volumes`, read and
+    written without following anything planted under the root. Not fsynced: only a power loss would lose a
+    record, and a power loss takes every mount with it, so reconcile has nothing to match it to."""
 
-    def __init__(self, store_root: str | Path) -> None:
-        self.dir = Path(store_root) / "csi" / "volumes"
-        self.dir.mkdir(parents=True, exist_ok=True)
-
-    def _path(self, volume_id: str) -> Path:
-        return self.dir / (urllib.parse.quote(file_id(volume_id), safe="") + ".json")
+    def __init__(self, store: Tree | str | Path) -> None:
+        # a Tree is the store's own (store.tree); a path is resolved as the store resolves its root
+        tree = store if isinstance(store, Tree) else Tree(Path(store).resolve())
+        self._book = RecordBook(tree, "csi", "volumes", durable=False)
+        self.dir = self._book.dir
 
     def get(self, volume_id: str) -> VolumeRecord | None:
-        """The volume's record; None when there is none, or when it is damaged (then it is set aside as
-        `<name>.damaged` with a warning, so a bad file cannot make every call for the volume fail)."""
-        path = self._path(volume_id)
-        try:
-            return VolumeRecord(**json.loads(path.read_text()))
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, TypeError) as exc:
-            logger.warning("volume record %s is unreadable (%s); set aside as %s.damaged, the mount table decides",
-                           path, exc, path.name)
-            with contextlib.suppress(OSError):
-                os.replace(path, path.with_name(path.name + ".damaged"))
-            return None
+        """The volume's record; None when there is none, or when it is damaged (then it is quarantined with a
+        warning, so a bad file cannot make every call for the volume fail; the mount table decides)."""
+        return self._book.get(_name(volume_id), _parse)
 
     def find_target(self, target_path: str) -> VolumeRecord | None:
         return next((r for r in self.all() if r.target_path == target_path), None)
 
     def all(self) -> list[VolumeRecord]:
-        records = []
-        for path in sorted(self.dir.glob("*.json")):
-            try:
-                records.append(VolumeRecord(**json.loads(path.read_text())))
-            except (OSError, ValueError, TypeError) as exc:
-                logger.warning("ignoring unreadable volume record %s: %s", path, exc)
-        return records
+        return [record for _, record in self._book.all(_parse)]
 
     def put(self, record: VolumeRecord) -> None:
-        # Renamed into place, so a killed plugin never leaves half a record. Not fsynced: only a power loss
-        # would lose it, and a power loss takes every mount with it, so reconcile has nothing to match it to.
-        path = self._path(record.volume_id)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(dataclasses.asdict(record)))
-        os.replace(tmp, path)
+        self._book.put(_name(record.volume_id), dataclasses.asdict(record))
 
     def remove(self, volume_id: str) -> None:
-        self._path(volume_id).unlink(missing_ok=True)
+        self._book.remove(_name(volume_id))
+
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(VolumeRecord))
+
+
+def _name(volume_id: str) -> str:
+    """The record's file name: the quoted file id, a leading '.' quoted too (never a hidden or temp name)."""
+    quoted = urllib.parse.quote(file_id(volume_id), safe="")
+    return "%2E" + quoted[1:] if quoted.startswith(".") else quoted
+
+
+def _parse(obj: Any) -> VolumeRecord:
+    """A record read back: exactly VolumeRecord's fields, each of its type (TypeError otherwise: quarantined)."""
+    if not isinstance(obj, dict) or not set(obj) <= set(_FIELDS):
+        raise TypeError(f"not an object of the fields {sorted(_FIELDS)}")
+    record = VolumeRecord(**obj)
+    for name, kind in (("volume_id", str), ("target_path", str), ("model", str), ("snapshot_id", str),
+                       ("tier", str), ("pod_namespace", str), ("pod_name", str), ("pod_uid", str)):
+        if not isinstance(getattr(record, name), kind):
+            raise TypeError(f"{name} is not a string")
+    if isinstance(record.published_at, bool) or not isinstance(record.published_at, (int, float)):
+        raise TypeError("published_at is not a number")
+    if not isinstance(record.adopted, bool):
+        raise TypeError("adopted is not a boolean")
+    return record
 
 
 def describe_holder(store_root: str | Path, holder: str) -> str:

@@ -13,18 +13,13 @@ spec, and removed after both are gone on unprepare.
 from __future__ import annotations
 
 import dataclasses
-import json
-import logging
 import re
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Any
 
-from weightcache.store.fsops import Tree
-
-log = logging.getLogger(__name__)
+from weightcache.store import RecordBook, Tree
 
 HOLDER_PREFIX = "dra:"
-MAX_RECORD_BYTES = 1 << 20
 _UID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,127}$")  # metadata.uid: a UUID in practice; never a path
 
 
@@ -68,38 +63,36 @@ def claim_of_holder(holder: str) -> str | None:
 
 
 class ClaimBook:
-    """The record files of one store, read and written symlink-safe through the store's Tree; each write is a
-    whole file renamed into place."""
+    """The claim records of one store: a RecordBook (weightcache/store/book.py) under `dra/claims`, durable."""
 
     def __init__(self, tree: Tree) -> None:
-        self._tree = tree
-        self.dir = tree.root / "dra" / "claims"
-        tree.ensure_dir(self.dir)
-
-    def _path(self, uid: str) -> Path:
-        if not valid_uid(uid):
-            raise ValueError(f"claim uid {uid!r} is not a Kubernetes uid")
-        return self.dir / f"{uid}.json"
+        self._book = RecordBook(tree, "dra", "claims")
+        self.dir = self._book.dir
 
     def get(self, uid: str) -> ClaimRecord | None:
-        data = self._tree.read(self._path(uid), limit=MAX_RECORD_BYTES)
-        if data is None:
-            return None
-        try:
-            obj = json.loads(data)
-            record = ClaimRecord(str(obj["uid"]), str(obj["namespace"]), str(obj["name"]),
-                                 tuple(PreparedDevice(**{k: str(v) for k, v in d.items()}) for d in obj["devices"]),
-                                 float(obj["prepared_at"]))
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # damaged: unknown; kubelet retries
-            log.warning("ignoring unreadable DRA claim record for %s: %s", uid, exc)
-            return None
-        return record if record.uid == uid else None
+        """The claim's record; None when there is none or it was damaged (quarantined: kubelet retries)."""
+        return self._book.get(_name(uid), lambda obj: _parse(obj, uid))
 
     def put(self, record: ClaimRecord) -> None:
-        self._tree.write_atomic(self._path(record.uid), json.dumps(dataclasses.asdict(record), sort_keys=True).encode())
+        self._book.put(_name(record.uid), dataclasses.asdict(record))
 
     def remove(self, uid: str) -> None:
-        self._tree.unlink(self._path(uid))
+        self._book.remove(_name(uid))
 
     def uids(self) -> list[str]:
-        return sorted(n[:-5] for n in self._tree.listdir(self.dir) if n.endswith(".json") and valid_uid(n[:-5]))
+        return [n for n in self._book.names() if valid_uid(n)]
+
+
+def _name(uid: str) -> str:
+    if not valid_uid(uid):
+        raise ValueError(f"claim uid {uid!r} is not a Kubernetes uid")
+    return uid
+
+
+def _parse(obj: Any, uid: str) -> ClaimRecord:
+    record = ClaimRecord(str(obj["uid"]), str(obj["namespace"]), str(obj["name"]),
+                         tuple(PreparedDevice(**{k: str(v) for k, v in d.items()}) for d in obj["devices"]),
+                         float(obj["prepared_at"]))
+    if record.uid != uid:
+        raise ValueError(f"the record names claim {record.uid!r}, not {uid!r}")
+    return record
