@@ -73,6 +73,14 @@ class Grant:
         return f"Grant({self.ref!s} to {self.who}: {self.reason})"
 
 
+def require_grant(grant: object) -> Grant:
+    """`grant`, checked at the engine's entrance: a bare reference (a door that did not ask) is a TypeError."""
+    if not isinstance(grant, Grant):
+        raise TypeError(f"the fetch engine takes a Grant from Authority.authorize, not {type(grant).__name__}: "
+                        "every door asks the one decision first (weightcache/access.py)")
+    return grant
+
+
 @dataclass(frozen=True)
 class Authority:
     """The node's policy inputs, read at each decision (ModelCaches and settings change live).
@@ -113,7 +121,7 @@ class Authority:
         raise NotAllowedError(refusals[0] if len(refusals) == 1 else "; ".join(refusals))
 
     def _grants(self) -> list[Mapping[str, Any]]:
-        caches = list(self.model_caches())
+        caches = [mc for mc in self.model_caches() if admin_written(mc)]  # demand grants nothing
         if self.allow_undeclared():  # off-cluster, the config's file:// models are declared for every namespace
             caches += [{"metadata": {"name": f"config models[{i}]"},
                         "spec": {"source": r.uri, "include": list(r.include), "exclude": list(r.exclude),

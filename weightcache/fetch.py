@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from weightcache import defaults
-from weightcache.access import Grant
+from weightcache.access import Grant, require_grant
 from weightcache.checksums import Hasher, new_hasher
 from weightcache.download import PIECE, PartialFile, sync_filesystem
 from weightcache.errors import (
@@ -106,7 +106,7 @@ class Fetcher:
     def ensure(self, grant: Grant, *, progress: Callable[[Progress], None] | None = None) -> Snapshot:
         """The snapshot of the files `grant` gave (weightcache/access.py: no fetch without a decision).
         Blocking; call from a thread in async code. Cache hit returns at once."""
-        ref = grant.ref
+        ref = require_grant(grant).ref
         snap = self.store.lookup(ref)
         if snap is not None:
             self._count("hits")

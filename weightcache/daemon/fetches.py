@@ -26,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from weightcache.access import Grant
+from weightcache.access import Grant, require_grant
 from weightcache.fetch import FetchCancelledError
 from weightcache.progress import Progress
 from weightcache.store import Snapshot
@@ -165,7 +165,7 @@ class FetchQueue:
             raise FetchCancelledError(f"{STOPPING}: {ref} was not fetched; run the command again once it is up")
 
     def _join(self, grant: Grant, *, keep: bool) -> _Job:
-        self._refuse_if_closed(grant.ref)
+        self._refuse_if_closed(require_grant(grant).ref)
         key = job_key(grant.ref)
         job = self._jobs.get(key)
         if job is None:
