@@ -18,9 +18,17 @@ from tests.fixtures_hf import make_tiny_llama
 from tests.grants import granted
 from weightcache.errors import InvalidReferenceError, InvalidRequestError
 from weightcache.fetch import Fetcher
-from weightcache.hf_layout import HF_DIR, MAX_VIEWS_PER_SNAPSHOT, commit_of, hub_cache, prune, release_views, repo_folder
-from weightcache.uri import validate_repo_id
+from weightcache.hf_layout import (
+    HF_DIR,
+    MAX_VIEWS_PER_SNAPSHOT,
+    commit_of,
+    hub_cache,
+    prune,
+    release_views,
+    repo_folder,
+)
 from weightcache.store import Snapshot, Store
+from weightcache.uri import validate_repo_id
 
 REPO = "acme/tiny-llama"
 LOAD = textwrap.dedent("""

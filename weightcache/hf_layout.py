@@ -11,9 +11,16 @@ instead of the plain snapshot, and the webhook points HF_HUB_CACHE at it with HF
 The hub's own cache makes snapshots/ relative symlinks into blobs/; a bind mount of a subtree breaks those as soon
 as one points outside it, so regular files (hard links) are used, which huggingface_hub reads the same way. The
 commit is the source's (hf:// snapshots record the 40-hex commit as their revision), else one derived from the
-snapshot id, stable across nodes. A tree is built once per (snapshot, repo) in a temporary directory and renamed
-into place, so a partial tree is never visible. Trees of evicted snapshots are pruned on the next build and by
-every reconcile pass of the daemon: until then their links keep the evicted bytes on disk (at most resyncSeconds).
+snapshot id, stable across nodes.
+
+A view is built once per (snapshot, repo name) in a temporary directory and renamed into place, so a partial tree
+is never visible; every path is walked with the store's no-follow tree (store/fsops.py), under the store lock.
+The repo name is the pod's choice, so views are bounded: at most MAX_VIEWS_PER_SNAPSHOT names per snapshot (one
+more is refused, costing only that pod), and they go when nothing holds the snapshot: `prune` (each daemon
+reconcile pass, and `release_views` after a lease is dropped) removes the views of snapshots evicted or without
+a lease, under the same lock a build takes, so a view being mounted (its lease is taken first) is never removed.
+Eviction removes a snapshot's views itself (Store.finish_eviction) before its blobs, so their hard links never
+keep evicted bytes on disk.
 """
 
 from __future__ import annotations
@@ -22,29 +29,19 @@ import hashlib
 import logging
 import os
 import re
-import shutil
+import stat
 from pathlib import Path
 
-from weightcache.errors import InvalidReferenceError
+from weightcache.errors import InvalidReferenceError, InvalidRequestError
 from weightcache.store import Snapshot, Store, tmp_name, validate_relpath
+from weightcache.uri import validate_repo_id as validate_repo_id  # csi/node.py still imports it from here
 
 log = logging.getLogger(__name__)
 
 HF_DIR = "hf"
 COMMIT = re.compile(r"[0-9a-f]{40}")
-# The hub's rule for repo ids (huggingface_hub.utils.validate_repo_id): an optional namespace, a name of at most
-# 96 characters from [A-Za-z0-9._-], no "--" or ".." anywhere, not starting or ending with "-" or ".".
-_PART = r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?"
-REPO_ID = re.compile(rf"^(?:{_PART}/)?{_PART}$")
-_REFS = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # branch or tag names we write under refs/
-
-
-def validate_repo_id(repo_id: str) -> str:
-    """`org/name` as the hub accepts it; InvalidReferenceError says what is wrong."""
-    if not REPO_ID.match(repo_id) or "--" in repo_id or ".." in repo_id:
-        raise InvalidReferenceError(f"hfRepo {repo_id[:200]!r} is not a Hugging Face repo id such as "
-                                    f"meta-llama/Llama-3.1-8B (letters, digits, '.', '_', '-'; no '--' or '..')")
-    return repo_id
+MAX_VIEWS_PER_SNAPSHOT = 8  # repo names one snapshot is shown as at once: a pod picks the name
+_REFS = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # branch or tag names we write under refs/ (fullmatch)
 
 
 def repo_folder(repo_id: str) -> str:
@@ -67,72 +64,87 @@ def commit_of(snapshot: Snapshot) -> str:
 
 def hub_cache(store: Store, snapshot: Snapshot, repo_id: str, *, refs: tuple[str, ...] = ()) -> Path:
     """The hub cache directory for `repo_id` backed by `snapshot`, built on first use (blocking: call it from a
-    thread). `refs` are extra names (the reference's branch or tag) that resolve to the snapshot besides main."""
+    thread) by a caller that holds a lease on the snapshot (else the next prune removes it). `refs` are extra
+    names (the reference's branch or tag) that resolve to the snapshot besides main."""
     folder = repo_folder(repo_id)
-    base = store.root / HF_DIR
-    final = base / _safe(snapshot.id) / folder
-    if final.is_dir() and not final.is_symlink():
-        return final
-    base.mkdir(mode=0o755, exist_ok=True)
-    prune(store)
-    parent = final.parent
-    parent.mkdir(mode=0o755, exist_ok=True)
-    tmp = tmp_name(final)
-    try:
-        _build(tmp / folder, snapshot, commit_of(snapshot), ("main", *[r for r in refs if _REFS.match(r)]))
-        os.rename(tmp, final)  # atomic: readers see no tree or a whole one
-    except FileExistsError:  # another thread built it first
-        shutil.rmtree(tmp, ignore_errors=True)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not final.is_dir():
+    parent = store.root / HF_DIR / _safe(snapshot.id)
+    final = parent / folder
+    tree = store.tree
+    with store.locked():  # prune removes views under this lock: never one between its build and its mount
+        found = tree.lstat(final)
+        if found is not None and stat.S_ISDIR(found.st_mode):
+            return final
+        prune(store, unleased=False)
+        views = [n for n in tree.listdir(parent) if n.startswith("models--")]
+        if len(views) >= MAX_VIEWS_PER_SNAPSHOT:
+            raise InvalidRequestError("volume_context.hfRepo", (
+                f"{repo_id!r} would be the {len(views) + 1}th repo name snapshot {snapshot.id} is shown as "
+                f"(at most {MAX_VIEWS_PER_SNAPSHOT}: {', '.join(sorted(views))}); use one of those names, or "
+                f"mount it once the pods using the others are gone"))
+        tmp = tmp_name(final)
+        try:
+            names = ("main", *[r for r in refs if _REFS.fullmatch(r)])
+            _build(store, tmp / folder, snapshot, commit_of(snapshot), names)
+            if found is not None:  # not a directory: planted or damaged; never followed
+                tree.quarantine(final, "is not a hub cache view directory")
+            tree.rename(tmp, final)  # atomic: readers see no tree or a whole one
+        except OSError as exc:
+            tree.remove_tree(tmp)
             raise OSError(exc.errno, f"building the hub cache layout for {repo_id} from snapshot {snapshot.id}: "
                                      f"{exc.strerror}") from exc
     log.info("hub cache for %s built from snapshot %s (commit %s)", repo_id, snapshot.id, commit_of(snapshot))
     return final
 
 
-def _build(repo: Path, snapshot: Snapshot, commit: str, refs: tuple[str, ...]) -> None:
+def _build(store: Store, repo: Path, snapshot: Snapshot, commit: str, refs: tuple[str, ...]) -> None:
+    """Hard links of the snapshot's files under `repo`, every directory opened without following a symlink."""
     files = repo / "snapshots" / commit
-    files.mkdir(parents=True)
-    (repo / "refs").mkdir()
-    for entry in snapshot.files:
-        rel = validate_relpath(entry.path)  # from a manifest: validated again before it becomes a path
-        source, target = snapshot.path / rel, files / rel
-        if source.is_symlink():
-            raise OSError(40, f"{source} is a symlink; a snapshot never holds one (run weightcache verify)")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.link(source, target, follow_symlinks=False)
-    for name in dict.fromkeys(refs):
-        (repo / "refs" / name).write_text(commit)  # the hub writes the bare commit, no newline
-        (repo / "refs" / name).chmod(0o444)
-    for directory, _, _ in os.walk(repo, topdown=False):
-        os.chmod(directory, 0o555)
-    os.chmod(repo.parent, 0o555)
+    made = {repo.parent, repo, repo / "snapshots", files, repo / "refs"}
+    with store.tree.held() as held:
+        for entry in snapshot.files:
+            rel = Path(validate_relpath(entry.path))  # from a manifest: validated again before it becomes a path
+            src_fd = held.fd((snapshot.path / rel).parent)
+            if not stat.S_ISREG(os.stat(rel.name, dir_fd=src_fd, follow_symlinks=False).st_mode):
+                raise OSError(40, f"{snapshot.path / rel} is not a regular file; a snapshot holds nothing else "
+                                  f"(run weightcache verify)")
+            target = (files / rel).parent
+            made.update(p for p in (target, *target.parents) if p.is_relative_to(files))
+            os.link(rel.name, rel.name, src_dir_fd=src_fd, dst_dir_fd=held.fd(target, create=True),
+                    follow_symlinks=False)
+        held.fd(repo / "refs", create=True)
+        for name in dict.fromkeys(refs):  # the hub writes the bare commit, no newline
+            store.tree.write_atomic(repo / "refs" / name, commit.encode(), mode=0o444, durable=False)
+        for directory in sorted(made, key=lambda p: len(p.parts), reverse=True):
+            os.fchmod(held.fd(directory, create=True), 0o555)
 
 
-def prune(store: Store) -> int:
-    """Drop the trees of snapshots the store no longer has: their hard links would keep evicted bytes on disk.
-    Run on every build and by the daemon's reconcile pass (blocking: call it from a thread). Returns how many."""
+def prune(store: Store, *, unleased: bool = True) -> int:
+    """Drop the views of snapshots the store no longer has (their hard links would keep evicted bytes on disk)
+    and, with `unleased`, of snapshots nothing holds (no pod mounts a view without a lease; the next mount builds
+    it again). Run on every build (evicted only) and by the daemon's reconcile pass (blocking: call it from a
+    thread). Returns how many snapshots' views were removed."""
     base = store.root / HF_DIR
-    if not base.is_dir() or base.is_symlink():
-        return 0
-    live = {_safe(info.snapshot.id) for info in store.list()}
-    gone = [entry for entry in base.iterdir() if entry.name not in live and not entry.name.startswith(".")]
-    for entry in gone:
-        _remove(entry)
+    with store.locked():
+        names = [n for n in store.tree.listdir(base) if not n.startswith(".")]
+        if not names:
+            return 0
+        live = {_safe(info.snapshot.id) for info in store.list()}
+        held = set(store.leases().values()) if unleased else live
+        gone = [n for n in names if n not in live or n not in held]
+        for name in gone:
+            store.tree.remove_tree(base / name)
     if gone:
-        log.info("removed the hub cache layouts of %d evicted snapshots", len(gone))
+        log.info("removed the hub cache views of %d snapshots evicted or no longer leased", len(gone))
     return len(gone)
 
 
-def _remove(path: Path) -> None:
-    if path.is_symlink() or not path.is_dir():
-        path.unlink(missing_ok=True)
-        return
-    for directory, _, _ in os.walk(path):
-        os.chmod(directory, 0o755)  # our own read-only dirs: make them removable
-    shutil.rmtree(path, ignore_errors=True)
+def release_views(store: Store, snapshot_id: str) -> bool:
+    """After a lease is dropped: remove the snapshot's views when no lease holds it any more. True if removed."""
+    with store.locked():
+        if snapshot_id in store.leases().values():
+            return False
+        store.tree.remove_tree(store.root / HF_DIR / _safe(snapshot_id))
+        return True
 
 
 def _safe(snapshot_id: str) -> str:

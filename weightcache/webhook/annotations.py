@@ -24,8 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from weightcache.errors import AnnotationError, InvalidReferenceError
-from weightcache.hf_layout import validate_repo_id
-from weightcache.uri import ModelRef, parse_globs, parse_ref, readiness_label
+from weightcache.uri import ModelRef, parse_globs, parse_ref, readiness_label, validate_repo_id
 
 PREFIX = "weightcache.io/"
 MODEL = PREFIX + "model"
