@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.fake_apiserver import FakeApiServer, crd_schemas, node
+from weightcache.dra.admission import MODEL_KEY_LABEL, model_key_label
 from weightcache.errors import ClusterError
 from weightcache.kube.cluster_cli import model_cache_name, prefetch_cluster, status
 from weightcache.kube.report import ModelState, NodeReporter
@@ -68,6 +69,8 @@ def test_prefetch_creates_the_model_cache(server):
     assert mc["metadata"]["name"] == model_cache_name(REF)
     assert mc["spec"] == {"source": "s3://models/Llama-3_8B/", "revision": "v1", "include": ["*.safetensors"],
                           "tier": "memory", "nodeSelector": {"gpu": "h100"}, "allowedNamespaces": ["team-a"]}
+    # the label deploy/dra/claim-policy.yaml matches claims by: the key the model's devices publish
+    assert mc["metadata"]["labels"][MODEL_KEY_LABEL] == model_key_label(REF.uri)
 
 
 def test_prefetch_again_updates_with_optimistic_concurrency(server):

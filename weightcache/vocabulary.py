@@ -30,3 +30,7 @@ CONTROLLER = "weightcache-placement"
 # Store lease holders: a mounted CSI volume (`csi:<volume>`), a prepared DRA claim (`dra:<claim uid>/<device>`).
 CSI_HOLDER_PREFIX = "csi:"
 DRA_HOLDER_PREFIX = "dra:"
+
+# The model key (weightcache.uri.model_key of the canonical source) a ModelCache carries as a label, so the DRA
+# claim admission policy (deploy/dra/claim-policy.yaml) can match claims to it: CEL cannot hash spec.source.
+MODEL_KEY_LABEL = f"{GROUP}/model-key"

@@ -14,8 +14,9 @@ import argparse
 import sys
 
 from weightcache.uri import model_key, parse_ref
+from weightcache.vocabulary import MODEL_KEY_LABEL
 
-MODEL_KEY_LABEL = "weightcache.io/model-key"
+__all__ = ["MODEL_KEY_LABEL", "model_key_label"]
 
 
 def model_key_label(source: str) -> str:

@@ -22,9 +22,9 @@ from kubernetes.client.exceptions import ApiException
 from weightcache.errors import ClusterError
 from weightcache.kube import API_VERSION, GROUP, MODELCACHE_KIND, MODELCACHENODES, MODELCACHES, VERSION
 from weightcache.kube.report import ModelState, from_wire
-from weightcache.placement import CONTROLLER, MANAGED_BY
 from weightcache.units import fmt_bytes
-from weightcache.uri import ModelRef
+from weightcache.uri import ModelRef, model_key
+from weightcache.vocabulary import CONTROLLER, MANAGED_BY, MODEL_KEY_LABEL
 
 T = TypeVar("T")
 EXIT_READY, EXIT_FAILED, EXIT_TIMEOUT = 0, 1, 2
@@ -49,7 +49,9 @@ def model_cache_body(ref: ModelRef, *, name: str, node_selector: dict[str, str],
         spec["exclude"] = list(ref.exclude)
     if allowed_namespaces:
         spec["allowedNamespaces"] = list(allowed_namespaces)
-    return {"apiVersion": API_VERSION, "kind": MODELCACHE_KIND, "metadata": {"name": name}, "spec": spec}
+    labels = {MODEL_KEY_LABEL: model_key(ref.uri)}  # what the DRA claim admission policy matches (docs/dra.md)
+    return {"apiVersion": API_VERSION, "kind": MODELCACHE_KIND, "metadata": {"name": name, "labels": labels},
+            "spec": spec}
 
 
 def prefetch_cluster(

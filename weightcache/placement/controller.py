@@ -207,7 +207,7 @@ class Controller:
                             MODELCACHES, name, {"spec": {"nodeNames": list(nodes), "demandNamespaces": namespaces}})
         else:
             body = model_cache_body(ref, name=name, node_selector={}, tier="disk", allowed_namespaces=[])
-            body["metadata"]["labels"] = {MANAGED_BY: CONTROLLER}
+            body["metadata"]["labels"][MANAGED_BY] = CONTROLLER
             # demand grants no namespace anything; it says which asked, and each node decides for them
             body["spec"].update(nodeNames=list(nodes), demandNamespaces=namespaces, allowedNamespaces=[])
             ok = self._call(f"creating ModelCache {name}", self._custom.create_cluster_custom_object,
