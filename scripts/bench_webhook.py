@@ -9,9 +9,13 @@ policy check, the patch and the metrics cost on top of HTTP + TLS + JSON. Both s
 Per run and server: (1) open loop at --rate reviews/s for --seconds, latency measured from each request's
 scheduled send time (a stall is not hidden by sending later); (2) closed loop with --concurrency requests in
 flight for --seconds: reviews/s. Runs are interleaved (ours, baseline, ours, ...) with the same idle time before
-each; the table shows medians over --runs. Targets at 200 reviews/s: p50 < 5 ms, p99 < 20 ms.
+each; the table shows medians over --runs. The webhook holds --model-caches ModelCaches (default 200, over 50
+sources, two of them the pod's models), indexed as the ModelCache watcher's changes index them, and refuses
+undeclared models as in a cluster. Targets at 200 reviews/s: p50 < 5 ms, p99 <= 10 ms; the load average is
+printed with the figures (on a shared machine it says how much of a miss is the machine).
 
     .venv/bin/python scripts/bench_webhook.py [--rate 200] [--seconds 5] [--runs 3] [--concurrency 8]
+                                              [--model-caches 200]
 """
 
 from __future__ import annotations
@@ -37,6 +41,22 @@ from tests.fixtures_webhook import admission_review, container, deployment_pod  
 from weightcache.webhook.certs import make_ca, make_serving_cert  # noqa: E402
 
 SNI = "weightcache-webhook.weightcache.svc"
+
+# The webhook with N ModelCaches, as `weightcache webhook` serves it in a cluster (an index built once per change).
+OURS = """
+import asyncio, sys
+from pathlib import Path
+from weightcache.policy import CacheIndex
+from weightcache.webhook.server import Policy, serve
+
+n = int(sys.argv[3])
+sources = ["s3://models/llama-3-8b/", "s3://models/llama-draft/"] + [f"s3://models/m{i}/" for i in range(48)]
+index = CacheIndex({"metadata": {"name": f"mc{i}"}, "spec": {"source": sources[i % len(sources)],
+                    "allowedNamespaces": [f"team-{i}", "inference"]}} for i in range(n))
+policy = Policy(model_caches=lambda: index, allow_undeclared=False)
+ready = lambda port: print(f"listening on https://127.0.0.1:{port}/mutate", file=sys.stderr, flush=True)
+asyncio.run(serve(policy, cert=Path(sys.argv[1]), key=Path(sys.argv[2]), host="127.0.0.1", port=0, on_ready=ready))
+"""
 
 BASELINE = """
 import asyncio, json, ssl, sys
@@ -143,6 +163,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--idle", type=float, default=1.0, help="seconds of idle before each measurement")
+    parser.add_argument("--model-caches", type=int, default=200, help="ModelCaches the webhook holds")
     opts = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -153,19 +174,7 @@ def main() -> None:
         key.write_bytes(serving.key_pem)
         context = ssl.create_default_context(cadata=ca.cert_pem.decode())
         servers = {
-            "weightcache": start(
-                "-m",
-                "weightcache",
-                "webhook",
-                "--cert",
-                str(cert),
-                "--key",
-                str(key),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-            ),
+            "weightcache": start("-c", OURS, str(cert), str(key), str(opts.model_caches)),
             "aiohttp echo": start("-c", BASELINE, str(cert), str(key)),
         }
         results: dict[str, dict[str, list[float]]] = {
@@ -199,9 +208,11 @@ def main() -> None:
 def report(results: dict[str, dict[str, list[float]]], opts: argparse.Namespace) -> None:
     ours, base = (results[n] for n in ("weightcache", "aiohttp echo"))
     med = statistics.median
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(
-        f"\nwebhook over TLS on loopback, {opts.rate:.0f} reviews/s open loop for {opts.seconds:.0f} s, "
-        f"concurrency {opts.concurrency} closed loop; median of {opts.runs} interleaved runs"
+        f"\nwebhook over TLS on loopback with {opts.model_caches} ModelCaches, {opts.rate:.0f} reviews/s open loop "
+        f"for {opts.seconds:.0f} s, concurrency {opts.concurrency} closed loop; median of {opts.runs} interleaved "
+        f"runs; load average {load} on {os.cpu_count()} CPUs"
     )
     print(f"{'metric':28s} {'weightcache':>12s} {'aiohttp echo':>13s} {'ratio':>7s}")
     rows = [
@@ -214,8 +225,8 @@ def report(results: dict[str, dict[str, list[float]]], opts: argparse.Namespace)
         a, b = med(ours[key]), med(base[key])
         print(f"{label:28s} {a:12.2f} {b:13.2f} {a / b:7.2f}x")
     p50, p99 = med(ours["p50"]), med(ours["p99"])
-    verdict = "met" if p50 < 5 and p99 < 20 else "MISSED"
-    print(f"targets at {opts.rate:.0f}/s: p50 < 5 ms ({p50:.2f}), p99 < 20 ms ({p99:.2f}): {verdict}")
+    verdict = "met" if p50 < 5 and p99 <= 10 else "MISSED"
+    print(f"targets at {opts.rate:.0f}/s: p50 < 5 ms ({p50:.2f}), p99 <= 10 ms ({p99:.2f}): {verdict}")
 
 
 if __name__ == "__main__":
