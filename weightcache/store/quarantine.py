@@ -15,12 +15,9 @@ import os
 import stat
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from weightcache.store.view import LayoutView
 from weightcache.units import ascii_int
-
-if TYPE_CHECKING:
-    from weightcache.store.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +38,7 @@ class QuarantineUsage:
     bytes: int
 
 
-def entries(store: Store) -> list[Entry]:
+def entries(store: LayoutView) -> list[Entry]:
     """The quarantine's entries, oldest first."""
     qdir = store.layout.quarantine
     found = []
@@ -59,12 +56,12 @@ def entries(store: Store) -> list[Entry]:
     return sorted(found, key=lambda e: (e.moved_at, e.name))
 
 
-def usage(store: Store) -> QuarantineUsage:
+def usage(store: LayoutView) -> QuarantineUsage:
     found = entries(store)
     return QuarantineUsage(len(found), sum(e.size for e in found))
 
 
-def prune(store: Store, *, max_age_s: float = QUARANTINE_MAX_AGE_S, max_bytes: int = QUARANTINE_MAX_BYTES,
+def prune(store: LayoutView, *, max_age_s: float = QUARANTINE_MAX_AGE_S, max_bytes: int = QUARANTINE_MAX_BYTES,
           now: float | None = None) -> int:
     """Remove entries older than `max_age_s`, then the oldest until the rest total at most `max_bytes`; returns
     the bytes freed. Only deletes (no index writes), so it is safe on a full disk."""

@@ -18,13 +18,10 @@ import sqlite3
 import stat
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from weightcache.store.fsops import TMP_PREFIX
 from weightcache.store.records import Manifest, RefRecord, is_hex, is_snapshot_id, ref_bytes
-
-if TYPE_CHECKING:
-    from weightcache.store.store import Store
+from weightcache.store.view import StoreView
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +30,7 @@ ORPHAN_BLOB_GRACE_S = 600.0  # a fetch names its blobs before it publishes the s
 STALE_PARTIAL_S = 7 * 86400.0
 
 
-def free_space(store: Store) -> dict[str, Manifest]:
+def free_space(store: StoreView) -> dict[str, Manifest]:
     """Phase one (no index writes): returns the valid manifests, by snapshot id."""
     lay, tree = store.layout, store.tree
     now = time.time()
@@ -61,7 +58,7 @@ def free_space(store: Store) -> dict[str, Manifest]:
     return manifests
 
 
-def sync(store: Store, manifests: dict[str, Manifest]) -> None:
+def sync(store: StoreView, manifests: dict[str, Manifest]) -> None:
     """Phase two: index rows for evictions finished, manifests, refs; dangling refs, leases and pins removed."""
     lay, tree = store.layout, store.tree
     with store.locked():
@@ -83,7 +80,7 @@ def sync(store: Store, manifests: dict[str, Manifest]) -> None:
                 tree.quarantine(lay.pins / name, "is not a snapshot id")
 
 
-def valid_manifests(store: Store) -> dict[str, Manifest]:
+def valid_manifests(store: StoreView) -> dict[str, Manifest]:
     """Every manifest that validates; the rest are quarantined (their trees then count as incomplete)."""
     lay, tree = store.layout, store.tree
     out = {}
@@ -100,7 +97,7 @@ def valid_manifests(store: Store) -> dict[str, Manifest]:
     return out
 
 
-def remove_old_orphan_blobs(store: Store, now: float) -> int:
+def remove_old_orphan_blobs(store: StoreView, now: float) -> int:
     """Remove blobs no snapshot links whose inode changed more than ORPHAN_BLOB_GRACE_S ago; bytes freed.
 
     A fetch names a small file's blob as soon as it is read (store/blobwrite.py), before the snapshot that links
@@ -118,7 +115,7 @@ def remove_old_orphan_blobs(store: Store, now: float) -> int:
     return freed
 
 
-def fetches_in_flight(store: Store) -> set[str]:
+def fetches_in_flight(store: StoreView) -> set[str]:
     """Model keys whose fetch lock (`locks/<key>.lock`) some process holds now: their partial downloads are
     kept by gc."""
     busy = set()
@@ -135,16 +132,16 @@ def fetches_in_flight(store: Store) -> set[str]:
     return busy
 
 
-def ref_dirs(store: Store) -> list[Path]:
+def ref_dirs(store: StoreView) -> list[Path]:
     return [store.layout.refs / key for key in store.tree.listdir(store.layout.refs)]
 
 
-def ref_files(store: Store) -> list[Path]:
+def ref_files(store: StoreView) -> list[Path]:
     """refs/<model-key>/<name> files (not temporaries)."""
     return [d / name for d in ref_dirs(store) for name in store.tree.listdir(d) if not name.startswith(TMP_PREFIX)]
 
 
-def blob_dirs(store: Store) -> list[Path]:
+def blob_dirs(store: StoreView) -> list[Path]:
     """blobs/sha256/<ab> directories; anything else there is quarantined."""
     out = []
     for name in store.tree.listdir(store.layout.blobs):
@@ -155,7 +152,7 @@ def blob_dirs(store: Store) -> list[Path]:
     return out
 
 
-def _sync_index(store: Store, manifests: dict[str, Manifest]) -> None:
+def _sync_index(store: StoreView, manifests: dict[str, Manifest]) -> None:
     """Index every valid manifest, drop rows whose manifest is gone, restore refs rows and files from each other.
 
     Writes only when something differs, so opening a consistent store on a full disk writes nothing.
@@ -190,11 +187,11 @@ def _sync_index(store: Store, manifests: dict[str, Manifest]) -> None:
     store.index.write(apply)
 
 
-def _mtime(store: Store, path: Path) -> float:
+def _mtime(store: StoreView, path: Path) -> float:
     st = store.tree.lstat(path)
     return st.st_mtime if st is not None else time.time()
 
 
-def _age(store: Store, path: Path, now: float) -> float:
+def _age(store: StoreView, path: Path, now: float) -> float:
     st = store.tree.lstat(path)
     return 0.0 if st is None else now - st.st_mtime
