@@ -34,7 +34,7 @@ from pathlib import Path
 
 from weightcache.errors import InvalidReferenceError, InvalidRequestError
 from weightcache.store import Snapshot, Store, tmp_name, validate_relpath
-from weightcache.uri import validate_repo_id as validate_repo_id  # csi/node.py still imports it from here
+from weightcache.uri import validate_repo_id
 
 log = logging.getLogger(__name__)
 

@@ -163,7 +163,7 @@ def parse_ref(
         if "@" in path:  # the canonical form without its revision would read the last '@' as one
             raise _fail(text, "'@' may appear once, before the revision; a prefix with '@' in it cannot be named")
     rev = revision or rev_from_text or None
-    if rev is not None and not _REVISION.match(rev):
+    if rev is not None and not _REVISION.fullmatch(rev):
         raise _fail(text, f"revision {rev!r} must be 1-128 characters of letters, digits, '.', '_' or '-'")
     _check_bucket(text, scheme, bucket)
     path = _normalise_path(text, scheme, path)
@@ -175,14 +175,14 @@ def parse_ref(
 
 def _check_bucket(text: str, scheme: str, bucket: str) -> None:
     if scheme in ("s3", "gs", "az"):
-        if not _BUCKET.match(bucket):
+        if not _BUCKET.fullmatch(bucket):
             raise _fail(text, f"bucket {bucket!r} is not a valid bucket name")
     elif scheme in ("http", "https"):
         if not bucket or not _HOST.match(bucket):
             raise _fail(text, f"host {bucket!r} is not a valid host[:port]")
-    elif scheme == "hf" and (not _HF_PART.match(bucket) or "--" in bucket or ".." in bucket):
+    elif scheme == "hf" and (not _HF_PART.fullmatch(bucket) or "--" in bucket or ".." in bucket):
         raise _fail(text, f"{bucket!r} is not a Hugging Face org or repo name; write hf://org/name[@revision]")
-    elif scheme == "memory" and bucket and not _BUCKET.match(bucket):
+    elif scheme == "memory" and bucket and not _BUCKET.fullmatch(bucket):
         raise _fail(text, f"memory root {bucket!r} is not a valid name")
 
 

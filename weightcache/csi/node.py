@@ -53,10 +53,10 @@ from weightcache.errors import (
     VolumeConflictError,
     VolumeNotFoundError,
 )
-from weightcache.hf_layout import hub_cache, validate_repo_id
+from weightcache.hf_layout import hub_cache
 from weightcache.memory import MemoryTier
 from weightcache.store import Snapshot, Store
-from weightcache.uri import ModelRef, parse_globs, parse_ref
+from weightcache.uri import ModelRef, parse_globs, parse_ref, validate_repo_id
 
 logger = logging.getLogger(__name__)
 

@@ -53,7 +53,10 @@ class ObjectInfo:
     size: int
     etag: str | None  # without quotes
     version_id: str | None
-    checksum: tuple[str, str] | None  # (algorithm, lowercase hex) of the FULL object, never a composite one
+    # (algorithm, lowercase hex) of the FULL object, never a composite one. A sha256 here is EVIDENCE: it links an
+    # existing blob without download and is asked of peers, so only a checksum the store computed and verified
+    # itself may go here (S3's ChecksumSHA256); a digest a listing merely names is a claim (claimed_sha256).
+    checksum: tuple[str, str] | None
 
 
 class Source(Protocol):

@@ -116,7 +116,7 @@ def _parse(items: tuple[tuple[str, str], ...], max_models: int) -> Injection:
             volume=VOLUME_PREFIX + name,
             mount_path=(base or "/models/model") if single else f"{base or '/models'}/{name}",
             env=ENV_SINGLE if single else f"{ENV_SINGLE}_{name.upper().replace('-', '_')}",
-            label=readiness_label(ref.uri),
+            label=readiness_label(ref),
             hf_repo=_hf_repo(values.get(HF_REPO), single),
         )
         for name, ref in named
