@@ -180,8 +180,10 @@ def test_a_download_in_flight_is_served_only_where_it_is_journalled(http: urllib
     n = fleet.node("busy")
     part = PartialFile(tmp_path / "x.part", ObjectInfo("k", "k", len(BODY), "e", None, None), range_size=1 << 16)
     part.open()
-    part.write(0, memoryview(BODY)[:100_000], memoryview(bytearray(1 << 16)))
     n.server.inflight.add(SHA, part)  # type: ignore[union-attr]
+    n.server.inflight.from_origin(SHA, 0, 100_000)  # type: ignore[union-attr]
+    part.write(0, memoryview(BODY)[:100_000], memoryview(bytearray(1 << 16)))
+    part.write(150_000, memoryview(BODY)[150_000:200_000], memoryview(bytearray(1 << 16)))  # from a peer
     try:
         head = get(http, n, f"/v1/blobs/sha256/{SHA}", method="HEAD")
         assert head.status == 200 and head.headers["X-Weightcache-Partial"] == "1"
@@ -194,6 +196,11 @@ def test_a_download_in_flight_is_served_only_where_it_is_journalled(http: urllib
         lack = get(http, n, f"/v1/blobs/sha256/{SHA}", {**AUTH, "Range": "bytes=100000-100010"})
         assert lack.status == 404 and lack.headers["X-Weightcache-Partial"] == "1"
         assert BODY[100_000:100_010] not in lack.data
+        # journalled bytes this node got from a peer are not relayed before the blob is verified: a hostile
+        # peer's piece would reach the asker from this node, and the asker would ban this node for it
+        relayed = get(http, n, f"/v1/blobs/sha256/{SHA}", {**AUTH, "Range": "bytes=150000-199999"})
+        assert relayed.status == 404 and relayed.headers["X-Weightcache-Partial"] == "1"
+        assert BODY[150_000:150_100] not in relayed.data
         whole = get(http, n, f"/v1/blobs/sha256/{SHA}")  # the whole blob is not there yet: what is, as a range
         assert whole.status == 206 and whole.data == BODY[:100_000]
     finally:
@@ -213,6 +220,7 @@ def test_a_range_the_node_is_fetching_now_is_streamed_as_it_is_journalled(http: 
     assert inflight is not None
     inflight.add(SHA, part)
     claim = inflight.claim(SHA, 0, 1 << 16)
+    inflight.from_origin(SHA, 0, 1 << 16)  # as PeerSource records each origin piece before it is written
     scratch = memoryview(bytearray(1 << 16))
     try:
         resp = http.request("GET", f"{n.url}/v1/blobs/sha256/{SHA}", headers={**AUTH, "Range": "bytes=0-65535"},

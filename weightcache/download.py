@@ -49,7 +49,7 @@ class PartialFile:
         self.range_size = range_size  # bytes asked for in one request; each chunk written inside is journalled
         self._mu = threading.Lock()
         self._done: dict[int, int] = {}  # offset -> length of finished ranges
-        self._held = _Runs()  # the same bytes as merged runs: `holds` answers in O(log n) under the lock
+        self._held = Runs()  # the same bytes as merged runs: `holds` answers in O(log n) under the lock
         self._hash_at = 0
         self._hashing = False
         self.sha256 = hashlib.sha256()
@@ -129,7 +129,7 @@ class PartialFile:
         self.part.unlink(missing_ok=True)
         self.journal.unlink(missing_ok=True)
         self._done.clear()
-        self._held = _Runs()
+        self._held = Runs()
         self._hash_at = 0
         self._whole_size = None
         self.sha256 = hashlib.sha256()
@@ -230,6 +230,11 @@ class PartialFile:
         with self._mu:
             return self._held.covers(start, end)
 
+    def held_end(self, start: int, end: int) -> int:
+        """How far from `start` (at most `end`) the bytes are written and journalled (`start`: none)."""
+        with self._mu:
+            return min(end, self._held.reach(start))
+
     @property
     def complete(self) -> bool:
         return self._hash_at >= self.obj.size
@@ -270,7 +275,7 @@ def sync_filesystem(path: Path) -> None:
         os.close(fd)
 
 
-class _Runs:
+class Runs:
     """Disjoint, sorted [start, end) runs of bytes, merged as they are added. A peer asks `holds` about thirty
     times per range it serves (a binary search for the journalled end): sorting a 10 GB file's 10,000 piece
     entries each time took 140 ms of the GIL per search."""
@@ -287,10 +292,12 @@ class _Runs:
         self.starts[i:j], self.ends[i:j] = [start], [end]
 
     def covers(self, start: int, end: int) -> bool:
-        if end <= start:
-            return True
+        return end <= start or self.reach(start) >= end
+
+    def reach(self, start: int) -> int:
+        """The end of the run holding byte `start`; `start` itself when none does."""
         i = bisect.bisect_right(self.starts, start) - 1
-        return i >= 0 and self.ends[i] >= end
+        return max(start, self.ends[i]) if i >= 0 else start
 
 
 def _split(start: int, length: int, chunk: int) -> list[tuple[int, int]]:

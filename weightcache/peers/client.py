@@ -7,8 +7,12 @@ hashed, every blob verified against the origin's evidence before publish).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
+import socket
+import threading
+import time
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -21,7 +25,8 @@ from weightcache.retry import Retryable
 log = logging.getLogger(__name__)
 
 NETWORK_ERRORS = (urllib3.exceptions.HTTPError, OSError)
-_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/\d+")
+# ASCII digits, at most 19 (below 2^63): a peer's header is untrusted, and int() of 4,300 digits raises
+_CONTENT_RANGE = re.compile(r"bytes ([0-9]{1,19})-([0-9]{1,19})/[0-9]{1,19}")
 PARTIAL_HEADER = "X-Weightcache-Partial"  # set on answers about a blob still being downloaded
 
 
@@ -33,6 +38,12 @@ class PeerRangeMissing(SourceError):
 
 class PeerBusy(PeerRangeMissing):
     """The peer serves this node as many streams as it allows (429): ask again shortly or elsewhere, no fault."""
+    answer = Answer(6, 502, "UNAVAILABLE")  # handled inside a fetch; this is what shows if one ever escapes
+
+
+class PeerTooSlow(SourceError):
+    """The peer sent a range below the rate floor (`Pace`): the rest comes from elsewhere, and this fetch asks
+    that peer no more (one slow peer costs about SLOW_GRACE_S per fetch, not per range)."""
     answer = Answer(6, 502, "UNAVAILABLE")  # handled inside a fetch; this is what shows if one ever escapes
 
 
@@ -66,6 +77,7 @@ class PeerClient:
         self._auth = {"Authorization": "Bearer " + token.decode("ascii", "replace")}
         self._pool = urllib3.PoolManager(maxsize=pool_size, retries=False, ca_certs=ca_certs,
                                          timeout=urllib3.Timeout(connect=connect_timeout, read=read_timeout))
+        self._pool.pool_classes_by_scheme = {"http": _HTTPPool, "https": _HTTPSPool}  # a Pace sees the socket
 
     def __repr__(self) -> str:
         return f"PeerClient({self.url})"
@@ -99,15 +111,19 @@ class PeerClient:
             raise Retryable(f"peer {self.url} answered bytes {pos}-{served - 1} to bytes {pos}-{end - 1}")
         return resp
 
-    def open_span(self, sha256: str, pos: int, end: int) -> tuple[Any, int]:
+    def open_span(self, sha256: str, pos: int, end: int, pace: Pace | None = None) -> tuple[Any, int]:
         """GET bytes [pos, end) of a blob; a peer still downloading it may answer a shorter span [pos, served):
-        (the checked response with its body unread, served)."""
+        (the checked response with its body unread, served). `pace`: the watchdog may cut this request's
+        connection, headers included, when it falls below its rate floor."""
         headers = {**self._auth, "Range": f"bytes={pos}-{end - 1}", "Accept-Encoding": "identity"}
+        _asking.pace = pace
         try:
             resp = self._pool.request("GET", self.blob_url(sha256), headers=headers, preload_content=False,
                                       redirect=False)
         except NETWORK_ERRORS as exc:
             raise Retryable(f"{type(exc).__name__} from peer {self.url}") from exc
+        finally:
+            _asking.pace = None
         if resp.status == 404 and resp.headers.get(PARTIAL_HEADER):
             resp.close()
             raise PeerRangeMissing(f"peer {self.url} has not downloaded bytes {pos}-{end - 1} yet")
@@ -124,3 +140,124 @@ class PeerClient:
 
     def close(self) -> None:
         self._pool.clear()
+
+
+#: The rate floor of a range from a peer: after SLOW_GRACE_S it must have sent SLOW_BYTES_S per second since it
+#: was asked, on average, or its connection is cut and the rest is read elsewhere. A peer trickling a byte every
+#: 2 s stays under every read timeout and held a whole fetch; now it costs SLOW_GRACE_S (and a watchdog tick).
+#: The floor is far below any healthy peer (500 MiB/s each) and below the slowest origins a claimed range is
+#: streamed at (a node streams what it reads from the origin as it arrives).
+SLOW_BYTES_S = 1 << 20
+SLOW_GRACE_S = 1.0
+WATCH_TICK_S = 0.05  # how often the watchdog looks at the streams it watches
+
+_asking = threading.local()  # the Pace of the request this thread is making now
+
+
+class Pace:
+    """One range asked of a peer: what it sent and since when; `cut` shuts its socket down (from the watchdog
+    thread), so the read blocked on it returns at once and the asker goes on with the bytes not yet received."""
+
+    def __init__(self, length: int, min_rate: int = SLOW_BYTES_S, grace_s: float = SLOW_GRACE_S) -> None:
+        self.started = time.monotonic()
+        self.length, self.min_rate, self.grace_s = length, min_rate, grace_s
+        self.got = 0
+        self.was_cut = False
+        self._done = False
+        self._conn: Any = None
+        self._lock = threading.Lock()
+
+    def attach(self, conn: Any) -> None:
+        with self._lock:
+            self._conn = conn
+
+    def expect(self, length: int) -> None:
+        """The peer answers this many bytes (a peer still downloading may answer a shorter span)."""
+        with self._lock:
+            self.length = length
+
+    def add(self, n: int) -> None:
+        """`n` bytes arrived; once all did, the connection is the pool's again and is never cut."""
+        with self._lock:
+            self.got += n
+            self._done = self._done or self.got >= self.length
+
+    def finish(self) -> None:
+        with self._lock:
+            self._done = True
+
+    def due(self, now: float) -> bool:
+        with self._lock:
+            return not self._done and self.got < self.min_rate * (now - self.started - self.grace_s)
+
+    def cut(self) -> bool:
+        """Shut the socket down; False while there is none yet (connecting: the connect timeout bounds that)."""
+        with self._lock:
+            if self._done or self.was_cut:
+                return True
+            sock = getattr(self._conn, "sock", None)
+            if not isinstance(sock, socket.socket):
+                return False
+            self.was_cut = True
+            # under the lock: a range that completes meanwhile must not see its pooled connection shut
+            with contextlib.suppress(OSError):  # closed meanwhile
+                sock.shutdown(socket.SHUT_RDWR)
+        return True
+
+    def describe(self) -> str:
+        took = time.monotonic() - self.started
+        return (f"{self.got} bytes in {took:.1f}s, below the floor of {self.min_rate >> 10} KiB/s after "
+                f"{self.grace_s:g}s")
+
+
+class _Watchdog:
+    """One thread for every Pace of the process: it cuts those that fall below their floor."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._paces: set[Pace] = set()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, pace: Pace) -> None:
+        with self._cv:
+            self._paces.add(pace)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="peer-watchdog", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+
+    def unwatch(self, pace: Pace) -> None:
+        with self._cv:
+            self._paces.discard(pace)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._paces:
+                    self._cv.wait()
+                now = time.monotonic()
+                due = [p for p in self._paces if p.due(now)]
+            cut = [pace for pace in due if pace.cut()]
+            with self._cv:
+                self._paces.difference_update(cut)
+            with self._cv:
+                self._cv.wait(WATCH_TICK_S)
+
+
+WATCHDOG = _Watchdog()
+
+
+class _HTTPPool(urllib3.HTTPConnectionPool):
+    def _get_conn(self, timeout: float | None = None) -> Any:
+        conn = super()._get_conn(timeout)
+        if (pace := getattr(_asking, "pace", None)) is not None:
+            pace.attach(conn)
+        return conn
+
+
+class _HTTPSPool(urllib3.HTTPSConnectionPool):
+    def _get_conn(self, timeout: float | None = None) -> Any:
+        conn = super()._get_conn(timeout)
+        if (pace := getattr(_asking, "pace", None)) is not None:
+            pace.attach(conn)
+        return conn

@@ -1,5 +1,5 @@
-"""Downloads in flight that peers may read from: blob sha256 -> the PartialFile being written, and the byte
-ranges this node is reading from the origin right now (its claims).
+"""Downloads in flight that peers may read from: blob sha256 -> the PartialFile being written, the byte ranges
+this node is reading from the origin right now (its claims), and which of its bytes came from the origin.
 
 The fetch engine registers a partial download when the blob's sha256 is known on trusted evidence (the same rule
 as for asking peers) and removes it once the blob is published; the peer server serves ranges the partial file
@@ -7,13 +7,19 @@ has written and journalled (`PartialFile.holds`) and streams a claimed range as 
 node that starts together with this one waits for a piece this node is fetching instead of asking the origin for
 it again. Those bytes are not verified yet: the asking node verifies the whole blob as always, and a download
 that fails verification is withdrawn here before it is discarded.
+
+Only bytes this node read from the origin itself, in this run, are served in flight (`origin_end`): bytes it got
+from a peer are not relayed before the blob is verified. A node that relayed a hostile peer's piece would be the
+one its asker compares with the origin and bans; serving origin bytes only, the node whose bytes are wrong is
+always the one that sent them (docs/peers.md, "Blame"). Resumed journal ranges are not served either: which
+source wrote them in an earlier run is unknown.
 """
 
 from __future__ import annotations
 
 import threading
 
-from weightcache.download import PartialFile
+from weightcache.download import PartialFile, Runs
 
 Claim = tuple[str, int, int]  # (sha256, start, end): a range being read from the origin
 
@@ -24,20 +30,48 @@ class InFlight:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._parts: dict[str, PartialFile] = {}
+        self._origin: dict[str, Runs] = {}  # sha256 -> bytes of the registered part that the origin sent
+        # sha256 -> other downloads of the same blob (two models sharing a file): while one runs, origin bytes
+        # are not recorded, since they could belong to either part
+        self._others: dict[str, list[PartialFile]] = {}
         self._claims: list[Claim] = []
 
     def add(self, sha256: str, part: PartialFile) -> None:
         with self._lock:
-            self._parts.setdefault(sha256, part)
+            registered = self._parts.setdefault(sha256, part)
+            if registered is part:
+                self._origin.setdefault(sha256, Runs())
+            elif not any(p is part for p in self._others.get(sha256, [])):
+                self._others.setdefault(sha256, []).append(part)
 
     def remove(self, sha256: str, part: PartialFile) -> None:
         with self._lock:
             if self._parts.get(sha256) is part:
                 del self._parts[sha256]
+                self._origin.pop(sha256, None)
+            elif others := self._others.get(sha256):
+                others[:] = [p for p in others if p is not part]
+                if not others:
+                    del self._others[sha256]
 
     def get(self, sha256: str) -> PartialFile | None:
         with self._lock:
             return self._parts.get(sha256)
+
+    def from_origin(self, sha256: str, start: int, end: int) -> None:
+        """Bytes [start, end) of the blob came from the origin (they are about to be written): servable once
+        journalled."""
+        with self._lock:
+            runs = self._origin.get(sha256)
+            if runs is not None and sha256 not in self._others:
+                runs.add(start, end)
+
+    def origin_end(self, sha256: str, part: PartialFile, start: int, end: int) -> int:
+        """How far from `start` (at most `end`) `part` holds journalled bytes that came from the origin."""
+        held = part.held_end(start, end)
+        with self._lock:
+            runs = self._origin.get(sha256) if self._parts.get(sha256) is part else None
+            return min(held, runs.reach(start)) if runs is not None else start
 
     def claim(self, sha256: str, start: int, end: int) -> Claim:
         """This node reads [start, end) of the blob from the origin now; `release` the result when done."""
@@ -56,24 +90,12 @@ class InFlight:
             return max([e for s, a, e in self._claims if s == sha256 and a <= pos < e], default=pos)
 
     def servable_end(self, sha256: str, part: PartialFile, start: int, end: int) -> int:
-        """How far from `start` (at most `end`) the peer server can send: journalled bytes, then claimed ranges
-        whose bytes are on their way."""
+        """How far from `start` (at most `end`) the peer server can send: journalled origin bytes, then claimed
+        ranges whose bytes are on their way."""
         pos = start
         while pos < end:
-            further = max(held_end(part, pos, end), min(end, self.claimed_end(sha256, pos)))
+            further = max(self.origin_end(sha256, part, pos, end), min(end, self.claimed_end(sha256, pos)))
             if further == pos:
                 break
             pos = further
         return pos
-
-
-def held_end(part: PartialFile, start: int, end: int) -> int:
-    """The end of the journalled bytes from `start` on, at most `end` (binary search over `holds`)."""
-    lo, hi = start, end
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if part.holds(start, mid):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo

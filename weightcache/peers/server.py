@@ -29,13 +29,15 @@ from aiohttp import web
 from weightcache.daemon.listener import GuardedTCPSite, Limits
 from weightcache.download import PartialFile
 from weightcache.peers.client import PARTIAL_HEADER
-from weightcache.peers.inflight import InFlight, held_end
+from weightcache.peers.inflight import InFlight
+from weightcache.units import ascii_int
 
 log = logging.getLogger(__name__)
 
 BLOB_ROUTE = "/v1/blobs/sha256/{digest}"
 _HEX = re.compile(r"[0-9a-f]{64}")
-_RANGE = re.compile(r"bytes=(\d*)-(\d*)")
+_RANGE = re.compile(r"bytes=([0-9]*)-([0-9]*)")  # ASCII only: \d also matches '٣', which int() reads
+_MAX_DIGITS = 19  # a longer number is past any blob (10^19 > 2^63): read as such, never given to int()
 SEND_SLICE = 1 << 20  # bytes read and written per step: bounds memory per stream and rate-limit granularity
 WRITE_TIMEOUT_S = 30.0  # a peer that stops reading loses its stream (and its slot) after this
 STALL_S = 3.0  # a claimed range that gains no journalled byte for this long is cut (below peers' read timeout)
@@ -152,7 +154,9 @@ class PeerServer:
         size = os.fstat(fd).st_size
         span = parse_range(request.headers.get("Range"), size)
         if span is None:
-            return web.Response(status=416, headers={"Content-Range": f"bytes */{size}"})
+            return web.Response(status=416, headers={"Content-Range": f"bytes */{size}"},
+                                text=f"Range starts past the end of this blob ({size} bytes): ask for bytes=FIRST-LAST "
+                                     "with FIRST below the size\n")
         start, end, ranged = span
         headers = {"Content-Length": str(end - start), "Accept-Ranges": "bytes", "ETag": f'"{digest}"',
                    "Content-Type": "application/octet-stream"}
@@ -208,12 +212,12 @@ class PeerServer:
 
 
     async def _journalled(self, digest: str, partial: PartialFile, start: int, end: int) -> int:
-        """Wait until bytes from `start` of a claimed range are journalled and return how far (at most `end`);
+        """Wait until origin bytes from `start` of a claimed range are journalled and return how far (at most `end`);
         _Stalled (the stream is cut, the asker goes on elsewhere) when none arrive for STALL_S or the download
         was withdrawn."""
         assert self.inflight is not None
         waited_since = time.monotonic()
-        while (got := held_end(partial, start, end)) == start:
+        while (got := self.inflight.origin_end(digest, partial, start, end)) == start:
             if self.inflight.get(digest) is not partial:
                 raise _Stalled(f"download of {digest[:12]} withdrawn")
             if time.monotonic() - waited_since > STALL_S:
@@ -251,12 +255,20 @@ def parse_range(header: str | None, size: int) -> tuple[int, int, bool] | None:
     if m is None or (not m[1] and not m[2]):
         return whole
     if not m[1]:  # suffix: the last n bytes
-        n = int(m[2])
+        n = _number(m[2])
         return (max(0, size - n), size, True) if n > 0 and size > 0 else None
-    first = int(m[1])
-    last = int(m[2]) if m[2] else max(first, size - 1)
+    first = _number(m[1])
+    last = _number(m[2]) if m[2] else max(first, size - 1)
     if last < first:
         return whole
     if first >= size:
         return None
     return first, min(last, size - 1) + 1, True
+
+
+def _number(digits: str) -> int:
+    """A Range header's ASCII digits as an int; more than _MAX_DIGITS of them as 2^64, past any blob (int() of
+    4,300 digits raises, which was a 500)."""
+    n = ascii_int(digits) if len(digits) <= _MAX_DIGITS else 1 << 64
+    assert n is not None  # the regex admits ASCII digits only
+    return n

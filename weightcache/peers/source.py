@@ -29,7 +29,15 @@ from contextlib import closing
 from dataclasses import dataclass, field
 
 from weightcache.errors import SourceError
-from weightcache.peers.client import PeerClient, PeerRangeMissing, PeerUnreachable, peer_base_url
+from weightcache.peers.client import (
+    WATCHDOG,
+    Pace,
+    PeerClient,
+    PeerRangeMissing,
+    PeerTooSlow,
+    PeerUnreachable,
+    peer_base_url,
+)
 from weightcache.peers.inflight import InFlight
 from weightcache.retry import Retry, Retryable
 from weightcache.sources.base import ObjectInfo, OnBytes, Pieces, Source, stream_range
@@ -40,6 +48,8 @@ T = typing.TypeVar("T")
 GRACE_S = 1.0  # how long a range of another node's first share waits for that node to start fetching it
 POLL_S = 0.05  # between asks while waiting
 REASK_S = 0.25  # a peer that lacked a blob is asked again after this (nodes started together register late)
+BAN_S = 600.0  # a peer whose bytes the origin contradicts is not asked for this long; doubled per repeat offence
+MAX_BAN_S = 24 * 3600.0
 
 
 @dataclass
@@ -48,8 +58,31 @@ class PeerStats:
 
     bytes_by_peer: dict[str, int] = field(default_factory=dict)
     errors_by_peer: dict[str, int] = field(default_factory=dict)
-    banned: set[str] = field(default_factory=set)  # peers that sent bytes the origin contradicts
+    ban_s: float = BAN_S  # the first ban's length; each repeat doubles it, up to MAX_BAN_S
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
+    # peer -> (banned until, offences): peers that sent bytes the origin contradicts. A ban ends: the peer may
+    # have been repaired or replaced at the same address, and a node banned by mistake must come back
+    bans: dict[str, tuple[float, int]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def banned(self) -> set[str]:
+        """The peers banned now."""
+        with self.lock:
+            return self._banned_now()
+
+    def _banned_now(self) -> set[str]:
+        now = self.clock()
+        return {peer for peer, (until, _) in self.bans.items() if now < until}
+
+    def ban(self, peer: str) -> float:
+        """Ban `peer` (its offence counts as an error too); returns the ban's length in seconds."""
+        with self.lock:
+            offences = self.bans.get(peer, (0.0, 0))[1] + 1
+            length = min(MAX_BAN_S, self.ban_s * (1 << min(offences - 1, 32)))
+            self.bans[peer] = (self.clock() + length, offences)
+            self.errors_by_peer[peer] = self.errors_by_peer.get(peer, 0) + 1
+        return length
 
     def add_bytes(self, peer: str, n: int) -> None:
         with self.lock:
@@ -65,20 +98,22 @@ class PeerSet:
     the discovered peers (ModelCacheNode status) while the configured ones stay."""
 
     def __init__(self, clients: Iterable[PeerClient], make_client: Callable[[str], PeerClient] | None = None,
-                 inflight: InFlight | None = None, self_url: str | None = None) -> None:
+                 inflight: InFlight | None = None, self_url: str | None = None, ban_s: float = BAN_S) -> None:
         """`self_url`: this node's own peer address, as the others list it (its rank among them spreads the
-        pieces that nodes started together fetch first); unknown: a hash of the host name stands in."""
+        pieces that nodes started together fetch first); unknown: a hash of the host name stands in. `ban_s`:
+        how long a peer whose bytes the origin contradicts is first left out (PeerStats.ban)."""
         self.clients = list(clients)
         self.self_url = self_url
         self._static = {c.url for c in self.clients}
         self._make_client = make_client
-        self.stats = PeerStats()
+        self.stats = PeerStats(ban_s=ban_s)
         self.inflight = inflight or InFlight()  # this node's downloads its peer server may serve from
 
     def wrap(self, origin: Source, digests: dict[str, tuple[str, int]]) -> PeerSource:
         """`digests`: object key -> (trusted sha256, size) for the objects peers may serve."""
         with self.stats.lock:
-            usable = [c for c in self.clients if c.url not in self.stats.banned]
+            banned = self.stats._banned_now()
+            usable = [c for c in self.clients if c.url not in banned]
             everyone = sorted({c.url for c in self.clients} - {self.self_url})
         me = self.self_url or socket.gethostname()
         rank = (bisect.bisect_left(everyone, me) if self.self_url
@@ -190,6 +225,11 @@ class PeerSource:
                         pos, progressed = at + len(view), True
                 except PeerRangeMissing:
                     downloading = True  # a peer still downloading the blob lacks these bytes: no fault of its own
+                except PeerTooSlow as exc:
+                    self._stats.error(peer.url)
+                    with self._lock:
+                        self._dead.add(peer.url)  # this fetch asks it no more: one slow peer costs ~1 s, once
+                    log.warning("%s at byte %d of %s; this fetch takes the rest elsewhere", exc, pos, obj.relpath)
                 except SourceError as exc:
                     self._stats.error(peer.url)
                     self._drop_holder(trusted[0], peer)
@@ -212,6 +252,8 @@ class PeerSource:
             with closing(self.origin.read_pieces(obj, pos, end - pos, buf, on_bytes)) as pieces:
                 for at, view in pieces:
                     self._blame(obj.key, at, view)
+                    if sha256:  # this node's peer server may relay these bytes while the download goes on
+                        self._inflight.from_origin(sha256, at, at + len(view))
                     yield at, view
         finally:
             if claim is not None:
@@ -232,8 +274,9 @@ class PeerSource:
                     known = [p for p in self._live_peers() if p in known or self._asks(p, sha256, size)]
                     with self._lock:
                         self._holders[sha256] = (time.monotonic(), known)
+        banned = self._stats.banned
         with self._lock:
-            holders = [p for p in known if p.url not in self._stats.banned]
+            holders = [p for p in known if p.url not in banned and p.url not in self._dead]
         if not holders:
             return []
         start = next(self._turn) % len(holders)
@@ -263,12 +306,35 @@ class PeerSource:
     def _from_peer(self, peer: PeerClient, key: str, sha256: str, pos: int, end: int, buf: memoryview,
                    on_bytes: OnBytes | None) -> Pieces:
         """Yield pieces of [pos, end), or of the shorter span a peer still downloading the blob serves, from one
-        peer. One attempt: a failure raises SourceError and the caller goes on with the bytes not yet yielded."""
+        peer. One attempt: a failure raises SourceError and the caller goes on with the bytes not yet yielded;
+        PeerTooSlow when the watchdog cut a range below its rate floor (client.Pace)."""
+        pace = Pace(end - pos)
+        WATCHDOG.watch(pace)
         try:
-            resp, served = peer.open_span(sha256, pos, end)
+            yield from self._paced(peer, key, sha256, pos, end, buf, on_bytes, pace)
+        except PeerRangeMissing:
+            raise
+        except SourceError as exc:
+            if pace.was_cut:
+                raise PeerTooSlow(f"peer {peer.url} sent {pace.describe()}") from exc
+            raise
+        finally:
+            pace.finish()
+            WATCHDOG.unwatch(pace)
+
+    def _paced(self, peer: PeerClient, key: str, sha256: str, pos: int, end: int, buf: memoryview,
+               on_bytes: OnBytes | None, pace: Pace) -> Pieces:
+        try:
+            resp, served = peer.open_span(sha256, pos, end, pace)
         except Retryable as exc:
             raise SourceError(str(exc)) from exc
+        pace.expect(served - pos)
         opened = iter([resp])
+
+        def counted(n: int) -> None:
+            pace.add(n)
+            if on_bytes is not None:
+                on_bytes(n)
 
         def open_once(a: int, b: int) -> typing.Any:
             resp = next(opened, None)
@@ -277,7 +343,7 @@ class PeerSource:
             return resp
 
         retry = Retry(f"reading blob {sha256[:12]} bytes {pos}-{served - 1} from peer {peer.url}", 1)
-        with closing(stream_range(open_once, pos, served - pos, buf, retry, on_bytes)) as pieces:
+        with closing(stream_range(open_once, pos, served - pos, buf, retry, counted)) as pieces:
             for at, view in pieces:
                 with self._lock:
                     self._served[(key, at)] = (peer.url, hashlib.sha256(view).digest())
@@ -299,8 +365,6 @@ class PeerSource:
             return
         peer, digest = served
         if hashlib.sha256(view).digest() != digest:
-            with self._stats.lock:
-                self._stats.banned.add(peer)
-            self._stats.error(peer)
-            log.warning("peer %s sent bytes at offset %d of %s that the origin contradicts; not asking it again",
-                        peer, at, key)
+            length = self._stats.ban(peer)
+            log.warning("peer %s sent bytes at offset %d of %s that the origin contradicts; not asking it for "
+                        "%.0f s", peer, at, key, length)

@@ -1,0 +1,231 @@
+"""Fleet fill against hostile peers ("Hardening III"): blame lands on the node whose bytes were wrong, bans end,
+a peer that trickles costs about a second, not the fetch, and untrusted digits in headers are bounded."""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import urllib3
+
+from tests.faultproxy import FaultProxy
+from tests.fixtures_s3 import S3
+from tests.peers_fleet import Fleet, FleetNode, HostilePeer
+from tests.test_peers import FILES, MODEL_BYTES, OPTIONS, TOKEN, assert_model, ensure, origin_bytes
+from weightcache.daemon.listener import Limits
+from weightcache.peers.client import SLOW_GRACE_S
+from weightcache.peers.server import PeerLimits
+
+BIG = "model-00001.safetensors.bin"
+SHAS = {name: hashlib.sha256(body).hexdigest() for name, body in FILES.items()}
+AUTH = {"Authorization": "Bearer " + TOKEN.decode()}
+
+
+@pytest.fixture
+def origin(s3: S3, fault_proxy: FaultProxy) -> FaultProxy:
+    for name, body in FILES.items():
+        s3.put("models", f"llama/{name}", body, ChecksumAlgorithm="SHA256")
+    return fault_proxy
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    with Fleet(tmp_path, TOKEN) as f:
+        yield f
+
+
+def test_a_liars_bytes_relayed_by_an_honest_node_in_flight_get_the_liar_banned_not_the_relay(
+        origin: FaultProxy, fleet: Fleet) -> None:
+    """H downloads the big file from liar X (one byte flipped) and is held on another file at the origin, so it is
+    still in flight when C asks it. H serves in flight only what it read from the origin itself: C never gets X's
+    byte through H, and does not ban H. H then finds the flipped blob and bans X, the node whose bytes were
+    wrong. (Before: H relayed X's piece, C compared it with the origin and banned H for good.)"""
+    good = fleet.node("good")
+    assert_model(ensure(good, origin))
+    small = "model-00002.bin"
+    with FaultProxy(good.url) as liar:
+        liar.add("flip", method="GET", path=SHAS[BIG], count=1)
+        liar.add("status", path=SHAS[small], status=404, count=-1)  # H reads this file from the origin ...
+        hold = origin.add("hold", method="GET", path=f"/models/llama/{small}", ranged_only=True, count=1)  # held
+        h = fleet.node("h", peers=[liar.endpoint_url])
+        pool = ThreadPoolExecutor(1)
+        try:
+            h_done = pool.submit(ensure, h, origin)
+            assert hold.arrived.wait(30)
+            part = h.peers.inflight
+
+            def h_journalled_the_big_file() -> bool:
+                p = part.get(SHAS[BIG])
+                return p is not None and p.holds(0, p.obj.size)
+
+            deadline = time.monotonic() + 30
+            while not h_journalled_the_big_file():
+                assert time.monotonic() < deadline, "h never journalled the big file"
+                time.sleep(0.02)
+            assert liar.faults[0].fired == 1  # the flipped piece is in H's journal now
+            c = fleet.node("c", peers=[h.url])
+            assert_model(ensure(c, origin))
+            assert h.url not in c.peers.stats.banned  # H relayed nothing it had from X
+            assert not c.peers.stats.bans
+        finally:
+            hold.release.set()
+            assert_model(h_done.result(30))
+            pool.shutdown()
+        assert liar.endpoint_url in h.peers.stats.banned  # blame where the wrong bytes came from
+
+
+def test_a_ban_ends_and_a_repeat_offence_lasts_twice_as_long(origin: FaultProxy, fleet: Fleet) -> None:
+    """A banned peer is asked again once its ban is over (it may have been repaired or replaced at the same
+    address, or banned by mistake); offending again bans it for twice as long. (Before: banned for good.)"""
+    good = fleet.node("good")
+    assert_model(ensure(good, origin))
+    with FaultProxy(good.url) as liar:
+        liar.add("flip", method="GET", path=SHAS[BIG], count=1)
+        node = fleet.node("victim", peers=[liar.endpoint_url])
+        stats = node.peers.stats
+        now = [time.monotonic()]
+        stats.clock = lambda: now[0]
+        assert_model(ensure(node, origin))
+        assert liar.endpoint_url in stats.banned
+        until, offences = stats.bans[liar.endpoint_url]
+        assert stats.ban_s == 600.0  # the default: ten minutes
+        assert offences == 1 and until - now[0] == pytest.approx(stats.ban_s)
+
+        def fetch_again(name: str) -> int:
+            later = fleet.node(name, peers=[])
+            later.peers = node.peers  # the same node's peers (and bans), a store without the model
+            asked = len(liar.requests)
+            assert_model(ensure(later, origin))
+            return len(liar.requests) - asked
+
+        now[0] += stats.ban_s - 1
+        assert fetch_again("still-banned") == 0
+        now[0] += 2  # the ban is over: the peer is asked again, and serves (its bytes are right this time)
+        assert liar.endpoint_url not in stats.banned
+        assert fetch_again("forgiven") > 0
+        assert liar.endpoint_url not in stats.banned
+        liar.add("flip", method="GET", path=SHAS[BIG], count=1)  # it lies again
+        assert fetch_again("repeat") > 0
+        until, offences = stats.bans[liar.endpoint_url]
+        assert offences == 2 and until - now[0] == pytest.approx(2 * stats.ban_s)
+
+
+@pytest.mark.parametrize("mode", ["trickle-body", "trickle-headers"])
+def test_a_peer_that_trickles_costs_about_a_second_not_the_fetch(origin: FaultProxy, fleet: Fleet,
+                                                                 mode: str) -> None:
+    """A hostile peer claims every blob, then sends a byte every 2 s (of the body, or of its headers): below
+    every read timeout, it held the whole fetch (0.45 s -> 40 s). Now its ranges are cut after the rate floor's
+    grace and taken from the origin, and the fetch asks it no more."""
+    sizes = {SHAS[n]: len(b) for n, b in FILES.items()}
+    pool = ThreadPoolExecutor(1)
+    with HostilePeer(sizes, {SHAS[n]: b for n, b in FILES.items()}, mode) as slow:
+        node = fleet.node("node", peers=[slow.url])
+        started = time.monotonic()
+        done = pool.submit(ensure, node, origin)
+        try:
+            assert_model(done.result(15))  # before: 3 MiB at a byte per 2 s, days (the peer hangs up on close)
+        finally:
+            slow.close()
+            pool.shutdown()
+        took = time.monotonic() - started
+    assert took < SLOW_GRACE_S + 2.5, f"a trickling peer held the fetch {took:.1f}s"
+    assert 1 <= slow.requests <= OPTIONS["concurrency"]  # cut once per worker at most, then left out
+    stats = node.peers.stats
+    peer_bytes = node.fetchers[-1].stats["peer_bytes"]  # its first byte comes at once: a 1-byte range may finish
+    assert peer_bytes <= 1
+    assert slow.requests - 1 <= stats.errors_by_peer[slow.url] <= slow.requests  # every other range was cut
+    assert slow.url not in stats.banned  # slow is not dishonest
+    assert origin_bytes(origin) == MODEL_BYTES - peer_bytes
+
+
+def test_a_peers_content_range_of_4300_digits_costs_only_that_peer(origin: FaultProxy, fleet: Fleet) -> None:
+    """int() of more than 4,300 digits raises ValueError: a hostile peer's Content-Range failed the whole fetch. Now it
+    is an answer that does not match, and the range comes from elsewhere."""
+    sizes = {SHAS[n]: len(b) for n, b in FILES.items()}
+    with HostilePeer(sizes, {}, "huge-range") as liar:
+        node = fleet.node("node", peers=[liar.url])
+        assert_model(ensure(node, origin))
+        assert liar.requests >= 1
+        assert node.peers.stats.errors_by_peer[liar.url] >= 1
+    assert origin_bytes(origin) == MODEL_BYTES
+
+
+def holder(fleet: Fleet) -> tuple[FleetNode, bytes, str]:
+    node = fleet.node("n")
+    body = FILES[BIG]
+    blob = node.store.layout.blob(SHAS[BIG])
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    blob.write_bytes(body)
+    return node, body, SHAS[BIG]
+
+
+def test_ranges_of_huge_or_non_ascii_digits_are_answered_not_a_500(fleet: Fleet) -> None:
+    node, body, sha = holder(fleet)
+    huge = "9" * 5000  # int() refuses more than 4,300 digits
+    http = urllib3.PoolManager(retries=False, timeout=10)
+    try:
+        def get(range_: str) -> urllib3.BaseHTTPResponse:
+            return http.request("GET", f"{node.url}/v1/blobs/sha256/{sha}", headers={**AUTH, "Range": range_})
+
+        past = get(f"bytes={huge}-")
+        assert past.status == 416 and past.headers["Content-Range"] == f"bytes */{len(body)}"
+        assert b"Range starts past the end of this blob" in past.data
+        both = get(f"bytes={huge}-{huge}")  # 10,000 characters: over aiohttp's header limit, a 400 that says so
+        assert both.status == 400 and b"Got more than 8190 bytes" in both.data
+        to_end = get(f"bytes=10-{huge}")  # a last byte past the end means the end (RFC 9110)
+        assert to_end.status == 206 and to_end.data == body[10:]
+        tail = get(f"bytes=-{huge}")  # a suffix longer than the blob is the blob
+        assert tail.status == 206 and tail.data == body
+        # '٣' is a digit to str.isdigit(), \d and int(): not to a Range header (the whole blob, as for any Range
+        # a server does not parse)
+        port = int(node.url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(f"GET /v1/blobs/sha256/{sha} HTTP/1.1\r\nHost: p\r\nAuthorization: {AUTH['Authorization']}"
+                      "\r\nConnection: close\r\nRange: bytes=\u0663-\r\n\r\n".encode())
+            reply = b""
+            while chunk := s.recv(1 << 20):
+                reply += chunk
+        assert reply.startswith(b"HTTP/1.1 200") and reply.endswith(body)
+    finally:
+        http.clear()
+
+
+def test_many_half_sent_requests_leave_the_peer_listener_serving(tmp_path: Path) -> None:
+    """The peer listener is the daemon's guarded TCP site: half-sent requests lose their slots to whole ones and
+    are cut after the header timeout; the node keeps serving its peers."""
+    limits = PeerLimits(max_streams=64, listener=Limits(max_connections=8, header_timeout_s=1.0,
+                                                        body_timeout_s=1.0, idle_timeout_s=5.0))
+    with Fleet(tmp_path, TOKEN, limits) as fleet:
+        node, body, sha = holder(fleet)
+        port = int(node.url.rsplit(":", 1)[1])
+        socks = []
+        try:
+            for _ in range(100):
+                s = socket.create_connection(("127.0.0.1", port), timeout=5)
+                s.sendall(f"GET /v1/blobs/sha256/{sha} HTTP/1.1\r\nHost: p\r\nX-Slow: ".encode())
+                socks.append(s)
+            started = time.monotonic()
+            http = urllib3.PoolManager(retries=False, timeout=5)
+            resp = http.request("GET", f"{node.url}/v1/blobs/sha256/{sha}", headers={**AUTH, "Range": "bytes=0-9"})
+            http.clear()
+            assert resp.status == 206 and resp.data == body[:10]
+            assert time.monotonic() - started < 2
+            deadline = time.monotonic() + limits.listener.header_timeout_s + 5
+            for s in socks:  # every half-sent request is closed, none served
+                s.settimeout(max(0.1, deadline - time.monotonic()))
+                got = b""
+                try:
+                    while chunk := s.recv(65536):
+                        got += chunk
+                except (ConnectionResetError, TimeoutError):
+                    pass
+                assert got == b"" or got.startswith(b"HTTP/1.1 408"), got[:200]
+                assert body[:64] not in got
+        finally:
+            for s in socks:
+                s.close()
