@@ -17,7 +17,7 @@ from tests.fixtures_csi import (  # noqa: F401
 )
 from tests.fixtures_s3 import fault_proxy, s3, s3_server  # noqa: F401
 from weightcache.csi import mounts
-from weightcache.csi.reconcile import holder_for
+from weightcache.store.holders import csi_holder as holder_for
 
 pytestmark = ROOT_MARKS
 

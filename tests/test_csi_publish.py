@@ -22,9 +22,9 @@ from tests.fixtures_csi import (  # noqa: F401
 )
 from tests.fixtures_s3 import fault_proxy, s3, s3_server  # noqa: F401
 from weightcache.csi import mounts
-from weightcache.csi.reconcile import describe_holder
 from weightcache.errors import InsufficientSpaceError, InUseError
 from weightcache.memory import MemoryTier
+from weightcache.store.holders import describe_holder
 
 pytestmark = ROOT_MARKS
 

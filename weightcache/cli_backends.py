@@ -122,7 +122,7 @@ class StoreCache:
         return [dict(info_body(i)) for i in store.list()] if store is not None else []
 
     def evict(self, snapshot_id: str) -> None:
-        from weightcache.csi.reconcile import describe_holder
+        from weightcache.store.holders import describe_holder
 
         store = self.open()
         try:

@@ -2,8 +2,8 @@
 
 `serve_csi` (server.py) starts the gRPC server the daemon hosts; node.py and identity.py are the services,
 mounts.py the bind mounts, targets.py where they may go (kubelet's volume paths, no symlinks), reconcile.py the
-volume records and their repair after a restart. Names are imported lazily, so `weightcache evict` can call
-`describe_holder` without loading gRPC.
+volume records and their repair after a restart. Names are imported lazily, so importing the package loads no
+gRPC (lease holders are named and described in weightcache/store/holders.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 DRIVER_NAME = "csi.weightcache.io"
 
-_LAZY = {"serve_csi": "server", "describe_holder": "reconcile", "holder_for": "reconcile"}
+_LAZY = {"serve_csi": "server", "holder_for": "reconcile"}
 __all__ = ["DRIVER_NAME", *_LAZY]
 
 

@@ -40,7 +40,7 @@ from weightcache.access import Authority, Grant, Requester
 from weightcache.csi import mounts
 from weightcache.csi._pb import csi_pb2, csi_pb2_grpc
 from weightcache.csi.errors import quiet_rpc, rpc
-from weightcache.csi.reconcile import SnapshotMounts, VolumeBook, VolumeRecord, holder_for
+from weightcache.csi.reconcile import SnapshotMounts, VolumeBook, VolumeRecord
 from weightcache.csi.targets import KubeletTargets, TargetMissingError
 from weightcache.daemon.fetches import FetchQueue
 from weightcache.errors import (
@@ -56,6 +56,7 @@ from weightcache.errors import (
 from weightcache.hf_layout import hub_cache
 from weightcache.memory import MemoryTier
 from weightcache.store import Snapshot, Store
+from weightcache.store.holders import csi_holder as holder_for
 from weightcache.uri import ModelRef, parse_globs, parse_ref, validate_repo_id
 
 logger = logging.getLogger(__name__)

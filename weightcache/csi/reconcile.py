@@ -21,7 +21,6 @@ import logging
 import os
 import re
 import time
-import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,10 +29,12 @@ from weightcache.csi import mounts
 from weightcache.errors import NotCachedError
 from weightcache.hf_layout import HF_DIR
 from weightcache.store import RecordBook, Store, Tree
+from weightcache.store.holders import CSI_RECORDS, describe_volume, volume_record_name
+from weightcache.store.holders import csi_holder as holder_for
+from weightcache.vocabulary import CSI_HOLDER_PREFIX
 
 logger = logging.getLogger(__name__)
 
-HOLDER_PREFIX = "csi:"
 # kubelet's target for an inline volume: <kubelet dir>/pods/<pod uid>/volumes/kubernetes.io~csi/<volume name>/mount
 _KUBELET_TARGET = re.compile(r"/pods/(?P<uid>[^/]+)/volumes/kubernetes\.io~csi/(?P<name>[^/]+)/mount$")
 
@@ -56,24 +57,8 @@ class VolumeRecord:
         return holder_for(self.volume_id)
 
     def describe(self) -> str:
-        pod = f"pod {self.pod_namespace}/{self.pod_name}" if self.pod_name else f"pod uid {self.pod_uid or '?'}"
-        return f"{pod} (CSI volume {self.volume_id} at {self.target_path})"
-
-
-MAX_QUOTED_ID = 200  # a quoted id becomes one file name (record, lease): NAME_MAX is 255 bytes
-
-
-def file_id(volume_id: str) -> str:
-    """The volume id as it names files: itself when its quoted form fits a file name, else `sha256-<hex>`. CSI
-    allows any 128 bytes, and '%' or 'é' triple when quoted."""
-    if len(urllib.parse.quote(volume_id, safe="")) <= MAX_QUOTED_ID:
-        return volume_id
-    return "sha256-" + hashlib.sha256(volume_id.encode()).hexdigest()
-
-
-def holder_for(volume_id: str) -> str:
-    """The store lease holder id of a published volume."""
-    return HOLDER_PREFIX + file_id(volume_id)
+        return describe_volume(volume_id=self.volume_id, target_path=self.target_path,
+                               pod_namespace=self.pod_namespace, pod_name=self.pod_name, pod_uid=self.pod_uid)
 
 
 def kubelet_volume_id(target_path: str) -> str | None:
@@ -92,13 +77,13 @@ class VolumeBook:
     def __init__(self, store: Tree | str | Path) -> None:
         # a Tree is the store's own (store.tree); a path is resolved as the store resolves its root
         tree = store if isinstance(store, Tree) else Tree(Path(store).resolve())
-        self._book = RecordBook(tree, "csi", "volumes", durable=False)
+        self._book = RecordBook(tree, *CSI_RECORDS, durable=False)
         self.dir = self._book.dir
 
     def get(self, volume_id: str) -> VolumeRecord | None:
         """The volume's record; None when there is none, or when it is damaged (then it is quarantined with a
         warning, so a bad file cannot make every call for the volume fail; the mount table decides)."""
-        return self._book.get(_name(volume_id), _parse)
+        return self._book.get(volume_record_name(volume_id), _parse)
 
     def find_target(self, target_path: str) -> VolumeRecord | None:
         return next((r for r in self.all() if r.target_path == target_path), None)
@@ -107,19 +92,13 @@ class VolumeBook:
         return [record for _, record in self._book.all(_parse)]
 
     def put(self, record: VolumeRecord) -> None:
-        self._book.put(_name(record.volume_id), dataclasses.asdict(record))
+        self._book.put(volume_record_name(record.volume_id), dataclasses.asdict(record))
 
     def remove(self, volume_id: str) -> None:
-        self._book.remove(_name(volume_id))
+        self._book.remove(volume_record_name(volume_id))
 
 
 _FIELDS = frozenset(f.name for f in dataclasses.fields(VolumeRecord))
-
-
-def _name(volume_id: str) -> str:
-    """The record's file name: the quoted file id, a leading '.' quoted too (never a hidden or temp name)."""
-    quoted = urllib.parse.quote(file_id(volume_id), safe="")
-    return "%2E" + quoted[1:] if quoted.startswith(".") else quoted
 
 
 def _parse(obj: Any) -> VolumeRecord:
@@ -136,14 +115,6 @@ def _parse(obj: Any) -> VolumeRecord:
     if not isinstance(record.adopted, bool):
         raise TypeError("adopted is not a boolean")
     return record
-
-
-def describe_holder(store_root: str | Path, holder: str) -> str:
-    """Human words for a lease holder, for `weightcache evict`: which pod holds a CSI lease."""
-    if not holder.startswith(HOLDER_PREFIX):
-        return holder
-    record = VolumeBook(store_root).get(holder[len(HOLDER_PREFIX):])
-    return record.describe() if record else f"CSI volume {holder[len(HOLDER_PREFIX):]}"
 
 
 @dataclass(frozen=True)
@@ -170,7 +141,7 @@ def reconcile(store: Store, book: VolumeBook, *, kubelet_dir: str | Path) -> Rec
             released.append(record.holder)
     recorded = {holder_for(v) for v in kept}
     for holder in leases:
-        if holder.startswith(HOLDER_PREFIX) and holder not in recorded and holder not in released:
+        if holder.startswith(CSI_HOLDER_PREFIX) and holder not in recorded and holder not in released:
             store.release(holder)
             released.append(holder)
     known_targets = {r.target_path for r in book.all()}

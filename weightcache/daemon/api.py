@@ -35,8 +35,6 @@ from aiohttp import web
 
 from weightcache import errors
 from weightcache.access import Grant
-from weightcache.csi.reconcile import HOLDER_PREFIX as CSI_HOLDER_PREFIX
-from weightcache.csi.reconcile import describe_holder
 from weightcache.daemon.client import error_code
 from weightcache.daemon.fetches import FetchQueue
 from weightcache.daemon.listing import Listing, info_body, snapshot_body
@@ -45,7 +43,9 @@ from weightcache.fetch import Progress
 from weightcache.jsonbody import parse_json
 from weightcache.redact import redact
 from weightcache.store import Snapshot, SnapshotInfo, collect_garbage, drop_damaged, verify_snapshot
+from weightcache.store.holders import describe_holder
 from weightcache.uri import ModelRef, parse_ref
+from weightcache.vocabulary import CSI_HOLDER_PREFIX
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightcache.store import RecordBook, Tree
+from weightcache.store.holders import DRA_RECORDS
+from weightcache.store.holders import dra_holder as holder_for
 
-HOLDER_PREFIX = "dra:"
 _UID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,127}$")  # metadata.uid: a UUID in practice; never a path
 
 
@@ -50,23 +51,11 @@ def valid_uid(uid: str) -> bool:
     return bool(_UID.match(uid))
 
 
-def holder_for(claim_uid: str, device: str) -> str:
-    """The store lease holder id of one prepared device."""
-    return f"{HOLDER_PREFIX}{claim_uid}/{device}"
-
-
-def claim_of_holder(holder: str) -> str | None:
-    """The claim uid of a `dra:` lease holder, or None for another holder."""
-    if not holder.startswith(HOLDER_PREFIX):
-        return None
-    return holder[len(HOLDER_PREFIX):].partition("/")[0] or None
-
-
 class ClaimBook:
     """The claim records of one store: a RecordBook (weightcache/store/book.py) under `dra/claims`, durable."""
 
     def __init__(self, tree: Tree) -> None:
-        self._book = RecordBook(tree, "dra", "claims")
+        self._book = RecordBook(tree, *DRA_RECORDS)
         self.dir = self._book.dir
 
     def get(self, uid: str) -> ClaimRecord | None:
