@@ -6,7 +6,8 @@
 Only `blobs/sha256/` is reachable: the digest must be 64 lowercase hex digits, and the file is opened component by
 component with O_NOFOLLOW under a descriptor of the blobs directory, so a symlink planted in the store (or a
 digest naming one) is refused, never followed. A blob still downloading (registered in `InFlight`) is served only
-for ranges its partial file has written and journalled; other ranges answer 404 with `X-Weightcache-Partial: 1`.
+for ranges its partial file has written and journalled from the origin (never a peer's bytes relayed before they
+are verified); other ranges answer 404 with `X-Weightcache-Partial: 1`.
 Every request needs `Authorization: Bearer <token>`, compared in constant time. Each peer (remote address) gets
 at most `max_streams` bodies at once (429 beyond, with Retry-After) and a token bucket of `rate_bytes_s`, so
 serving never starves the node's own pods; file reads run in threads, never on the event loop.

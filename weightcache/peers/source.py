@@ -11,7 +11,8 @@ the origin now (its claim) rather than ask the origin again (docs/peers.md, "Nod
 failing mid-range (dead, cut) costs a retry of the rest of that range on the next holder, then on the origin.
 Bytes from peers are hashed like any others by the fetch engine; when a blob fails verification,
 `verification_failed` makes the next round read that blob from the origin only, and each piece a peer served is
-compared with the origin's: a peer whose piece differs is never asked again by this node.
+compared with the origin's: a peer whose piece differs is banned (for BAN_S, doubled per repeat offence). A range
+from a peer below the rate floor (client.Pace) is cut and taken elsewhere, and that peer is left out of the fetch.
 """
 
 from __future__ import annotations
