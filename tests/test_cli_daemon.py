@@ -29,6 +29,7 @@ from tests.fixtures_daemon import (  # noqa: F401 - fixtures are used by name
     tiny_model,
 )
 from tests.fixtures_s3 import S3, fault_proxy, s3, s3_server  # noqa: F401
+from tests.tools import sigint_default
 from weightcache.cli_backends import match
 from weightcache.errors import InvalidReferenceError, NotCachedError
 
@@ -123,7 +124,7 @@ def test_no_such_bucket_hint_names_the_model(s3: S3, tmp_path: Path) -> None:
 
 def _start(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "weightcache", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+                            stderr=subprocess.PIPE, text=True, env=env, preexec_fn=sigint_default)
 
 
 def _wait_for_download(proc: subprocess.Popen[str], timeout: float = 60.0) -> None:

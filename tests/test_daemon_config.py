@@ -118,3 +118,17 @@ def test_every_field_and_env_variable_is_documented() -> None:
     doc = (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text()
     assert [f for f in _PARSERS if f"| `{f}` |" not in doc] == []
     assert [e for e in ENV if f"`{e}`" not in doc] == []
+
+
+def test_peer_ban_seconds_reaches_the_peer_set(tmp_path: Path) -> None:
+    from weightcache.daemon.app import _peer_set
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"peerBanSeconds": 30, "peers": ["http://10.0.0.2:9479"],
+                                    "peerTokenFile": str(tmp_path / "token")}))
+    s = load_settings(path, env={})
+    assert s.peer_ban_seconds == 30
+    assert _peer_set(s, b"x" * 16).stats.ban_s == 30
+    path.write_text(yaml.safe_dump({"peerBanSeconds": "soon"}))
+    with pytest.raises(ConfigError, match="peerBanSeconds"):
+        load_settings(path, env={})

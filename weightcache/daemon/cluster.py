@@ -67,8 +67,7 @@ class Cluster:
         return [Want(d.name, d.ref, d.tier, True, d.priority, caches[d.name], d.namespaces) for d in wanted]
 
     def report_many(self, states: Sequence[tuple[Want, str, Any, str]]) -> None:
-        """(want, phase, snapshot or None, message) for each ModelCache whose state changed; one write when the
-        reporter can batch (NodeReporter.report_many), else one per state."""
+        """(want, phase, snapshot or None, message) for each ModelCache whose state changed, in one write."""
         from weightcache.kube.report import ModelState
 
         batch: dict[str, ModelState | None] = {}
@@ -79,11 +78,7 @@ class Cluster:
                                           snapshot=snapshot.id if snapshot is not None else "",
                                           message=message, observed_generation=_generation(want))
         try:
-            if hasattr(self.reporter, "report_many"):
-                self.reporter.report_many(batch)
-            else:
-                for name, state in batch.items():
-                    self.reporter.report(name, state)  # type: ignore[arg-type]
+            self.reporter.report_many(batch)
         except WeightcacheError as exc:
             log.warning("reporting the state of %d ModelCaches failed: %s", len(batch), exc)
         for want, phase, _, message in states:

@@ -118,6 +118,7 @@ class Settings:
     peer_listen: tuple[str, int] | None = None  # (host, port) serving this node's blobs to peers (docs/peers.md)
     peers: tuple[str, ...] = ()  # http(s)://HOST:PORT of other daemons' peer listeners
     peer_token_file: Path | None = None  # the fleet's shared bearer token (peerListen and peers need it)
+    peer_ban_seconds: float = 600.0  # a peer whose bytes failed verification is skipped this long (doubling)
     csi_endpoint: str | None = None
     dra: DraSettings | None = None  # None: the DRA plugin is off
     kubelet_dir: Path = defaults.KUBELET_DIR
@@ -420,6 +421,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "peerListen": _host_port("peerListen", "0.0.0.0:9479"),
     "peers": _peers,
     "peerTokenFile": _path("peerTokenFile"),
+    "peerBanSeconds": _seconds("peerBanSeconds"),
     "csiEndpoint": _csi_endpoint,
     "dra": _dra,
     "kubeletDir": _path("kubeletDir"),
