@@ -34,8 +34,8 @@ from tests.sample import make_model
 from weightcache.csi import mounts
 from weightcache.csi._pb import csi_pb2, csi_pb2_grpc
 from weightcache.csi.server import serve_csi
-from weightcache.daemon.fetches import FetchQueue
 from weightcache.fetch import Fetcher
+from weightcache.fetch_queue import FetchQueue
 from weightcache.policy import Decision
 from weightcache.store import FileEntry, Snapshot, Store
 from weightcache.uri import parse_ref

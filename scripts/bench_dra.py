@@ -35,12 +35,12 @@ from tests.sample import make_model
 from weightcache.csi import mounts
 from weightcache.csi._pb import csi_pb2, csi_pb2_grpc
 from weightcache.csi.server import serve_csi
-from weightcache.daemon.fetches import FetchQueue
 from weightcache.dra import DRIVER_NAME
 from weightcache.dra._pb import dra_v1_pb2, dra_v1_pb2_grpc
 from weightcache.dra.devices import device_name
 from weightcache.dra.server import claim_reader, plugin_socket, serve_dra
 from weightcache.fetch import Fetcher
+from weightcache.fetch_queue import FetchQueue
 from weightcache.policy import Decision
 from weightcache.store import Store
 

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Run the whole test suite on a fresh machine: creates .venv, installs everything, then lint, types and pytest.
+# Run the whole test suite on a fresh machine: creates .venv, installs everything, then lint, types, layers and pytest.
 #   scripts/test.sh [pytest args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_venv.sh
 "$PY" -m ruff check weightcache tests scripts  # rules and line length: [tool.ruff] in pyproject.toml
 "$PY" -m mypy  # --strict on the package: [tool.mypy] in pyproject.toml
+"$VENV/bin/lint-imports"  # the layers of docs/architecture.md: [tool.importlinter] in pyproject.toml
 exec "$PY" -m pytest "$@"

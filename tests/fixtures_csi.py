@@ -28,8 +28,8 @@ from weightcache.csi import mounts
 from weightcache.csi._pb import csi_pb2, csi_pb2_grpc
 from weightcache.csi.node import CSI_TIMEOUT_S
 from weightcache.csi.server import serve_csi
-from weightcache.daemon.fetches import FetchQueue
 from weightcache.fetch import Fetcher
+from weightcache.fetch_queue import FetchQueue
 from weightcache.memory import MemoryTier
 from weightcache.store import Store
 

@@ -16,9 +16,9 @@ from tests.fake_apiserver import FakeApiServer
 from tests.fixtures_daemon import eventually, model_copy, short_dir, start_daemon, tiny_model  # noqa: F401
 from tests.test_placement_daemon import NODE, cluster  # noqa: F401 - the fake cluster with one GPU node
 from weightcache.access import ADMIN, Authority, Grant
-from weightcache.daemon.fetches import FetchQueue
 from weightcache.errors import NotAllowedError
 from weightcache.fetch import Fetcher
+from weightcache.fetch_queue import FetchQueue
 from weightcache.store import Store
 from weightcache.uri import parse_ref
 from weightcache.vocabulary import CONTROLLER, MANAGED_BY

@@ -20,8 +20,8 @@ from tests.fixtures_s3 import S3
 from tests.grants import granted
 from tests.sample import make_model
 from weightcache.access import Grant
-from weightcache.daemon.fetches import FetchQueue
 from weightcache.fetch import FetchCancelledError, Fetcher
+from weightcache.fetch_queue import FetchQueue
 from weightcache.store import Snapshot, Store
 from weightcache.uri import parse_ref
 

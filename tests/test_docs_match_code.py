@@ -73,3 +73,15 @@ def test_documented_cli_flags_exist() -> None:
     unknown = {(flag, cmd) for cmd in commands for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", cmd)
                if flag not in flags}
     assert not unknown, f"docs show flags the CLI does not have: {sorted(unknown)}"
+
+
+def test_the_house_plan_names_every_top_level_module() -> None:
+    """docs/architecture.md places each module and package of weightcache in a layer (lint-imports checks them)."""
+    import weightcache
+
+    plan = (DOCS / "architecture.md").read_text()
+    root = Path(weightcache.__file__).parent
+    names = {p.stem for p in root.glob("*.py") if p.stem != "__init__"}
+    names |= {p.name for p in root.iterdir() if (p / "__init__.py").is_file()}
+    missing = sorted(n for n in names if f"`{n}" not in plan)
+    assert not missing, f"docs/architecture.md does not place {missing}"

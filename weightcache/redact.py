@@ -182,3 +182,15 @@ def redact_log_handlers(logger: logging.Logger | None = None) -> None:
     for handler in (logger or logging.getLogger()).handlers:
         if not isinstance(handler.formatter, RedactingFormatter):
             handler.setFormatter(RedactingFormatter(handler.formatter))
+
+
+MESSAGE_CHARS = 2048  # gRPC drops a status whose details outgrow the 16 KiB metadata limit (RESOURCE_EXHAUSTED)
+
+
+def shorten(text: str, limit: int = MESSAGE_CHARS) -> str:
+    """`text` cut in the middle to at most about `limit` characters: a hostile field echoed in a message must
+    neither replace the answer by a transport error nor fill the log."""
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]}...({len(text) - 2 * half} characters left out)...{text[-half:]}"

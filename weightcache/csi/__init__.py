@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-DRIVER_NAME = "csi.weightcache.io"
+from weightcache.vocabulary import CSI_DRIVER as DRIVER_NAME
 
 _LAZY = {"serve_csi": "server", "holder_for": "reconcile"}
 __all__ = ["DRIVER_NAME", *_LAZY]

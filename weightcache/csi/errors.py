@@ -19,7 +19,9 @@ from google.protobuf.message import Message
 
 from weightcache import errors
 from weightcache.csi._pb import csi_pb2
-from weightcache.redact import redact
+from weightcache.redact import redact, shorten
+
+LOGGED_REQUEST_CHARS = 8192
 
 logger = logging.getLogger(__name__)
 
@@ -42,19 +44,6 @@ class Redacted:
         clean.CopyFrom(self.message)
         _strip(clean)
         return shorten(redact(str(clean).replace("\n", " ").strip()) or "{}", LOGGED_REQUEST_CHARS)
-
-
-MESSAGE_CHARS = 2048  # gRPC drops a status whose details outgrow the 16 KiB metadata limit (RESOURCE_EXHAUSTED)
-LOGGED_REQUEST_CHARS = 8192
-
-
-def shorten(text: str, limit: int = MESSAGE_CHARS) -> str:
-    """`text` cut in the middle to at most about `limit` characters: a hostile field echoed in a message must
-    neither replace the answer by a transport error nor fill the log."""
-    if len(text) <= limit:
-        return text
-    half = limit // 2
-    return f"{text[:half]}...({len(text) - 2 * half} characters left out)...{text[-half:]}"
 
 
 def _strip(message: Message) -> None:

@@ -42,7 +42,6 @@ from weightcache.csi._pb import csi_pb2, csi_pb2_grpc
 from weightcache.csi.errors import quiet_rpc, rpc
 from weightcache.csi.reconcile import SnapshotMounts, VolumeBook, VolumeRecord
 from weightcache.csi.targets import KubeletTargets, TargetMissingError
-from weightcache.daemon.fetches import FetchQueue
 from weightcache.errors import (
     FetchPendingError,
     InvalidReferenceError,
@@ -53,6 +52,7 @@ from weightcache.errors import (
     VolumeConflictError,
     VolumeNotFoundError,
 )
+from weightcache.fetch_queue import FetchQueue
 from weightcache.hf_layout import hub_cache
 from weightcache.memory import MemoryTier
 from weightcache.store import Snapshot, Store

@@ -25,9 +25,9 @@ from weightcache.csi._pb import csi_pb2_grpc
 from weightcache.csi.identity import IdentityServicer
 from weightcache.csi.node import CSI_TIMEOUT_S, NodeServicer
 from weightcache.csi.reconcile import VolumeBook, reconcile
-from weightcache.daemon.fetches import FetchQueue
 from weightcache.errors import ConfigError, StoreError
 from weightcache.fetch import Fetcher
+from weightcache.fetch_queue import FetchQueue
 from weightcache.memory import MemoryTier
 from weightcache.redact import redact_log_handlers
 from weightcache.store import Store

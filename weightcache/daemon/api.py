@@ -36,10 +36,10 @@ from aiohttp import web
 from weightcache import errors
 from weightcache.access import Grant
 from weightcache.daemon.client import error_code
-from weightcache.daemon.fetches import FetchQueue
 from weightcache.daemon.listing import Listing, info_body, snapshot_body
 from weightcache.daemon.node import Node
 from weightcache.fetch import Progress
+from weightcache.fetch_queue import FetchQueue
 from weightcache.jsonbody import parse_json
 from weightcache.redact import redact
 from weightcache.store import Snapshot, SnapshotInfo, collect_garbage, drop_damaged, verify_snapshot

@@ -285,7 +285,7 @@ def _peer_set(settings: Settings, token: bytes | None) -> Any:
     def client(url: str) -> PeerClient:
         return PeerClient(url, token, connect_timeout=settings.connect_timeout, read_timeout=settings.read_timeout)
 
-    return PeerSet((client(url) for url in settings.peers), client)
+    return PeerSet((client(url) for url in settings.peers), client, ban_s=settings.peer_ban_seconds)
 
 
 def _memory_tier(settings: Settings) -> Any:
@@ -308,7 +308,7 @@ async def _cluster(node: Node) -> Any:
 async def _serve_dra(node: Node) -> Any:
     if node.settings.dra is None:
         return None
-    from weightcache.dra.server import serve_for_node
+    from weightcache.daemon.dra import serve_for_node
     return await serve_for_node(node)
 
 

@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 from weightcache.access import ADMIN, Authority, Grant, Requester
 from weightcache.daemon.client import error_code
 from weightcache.daemon.config import Settings
-from weightcache.daemon.fetches import FetchQueue
 from weightcache.daemon.metrics import Metrics, Sample
 from weightcache.daemon.tasks import Tasks
 from weightcache.errors import ConfigError, WeightcacheError
 from weightcache.fetch import Fetcher, Progress
+from weightcache.fetch_queue import FetchQueue
 from weightcache.store import Snapshot, Store, quarantine_usage
 from weightcache.uri import ModelRef
 

@@ -8,7 +8,8 @@ them in the daemon. template.py renders the ResourceClaimTemplate a pod uses. Se
 
 from __future__ import annotations
 
-DRIVER_NAME = "models.weightcache.io"
+from weightcache.vocabulary import DRA_DRIVER as DRIVER_NAME
+
 CDI_KIND = DRIVER_NAME + "/model"
 # The DRAPlugin services this plugin serves, as kubelet expects them in PluginInfo.supported_versions
 # (k8s.io/kubelet/pkg/apis/dra/{v1,v1beta1} DRAPluginService): v1 for kubelet 1.34+, v1beta1 for 1.32-1.33.

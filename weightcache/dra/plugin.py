@@ -26,12 +26,12 @@ from typing import Any
 import grpc
 
 from weightcache.access import Authority, Requester
-from weightcache.csi.errors import shorten
 from weightcache.dra import DRIVER_NAME, cdi
 from weightcache.dra._pb import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
 from weightcache.dra.claims import ClaimBook, ClaimRecord, PreparedDevice, valid_uid
 from weightcache.dra.devices import snapshot_of
 from weightcache.errors import InvalidRequestError, NotCachedError, WeightcacheError
+from weightcache.redact import shorten
 from weightcache.store import Store
 from weightcache.store.holders import claim_of_holder
 from weightcache.store.holders import dra_holder as holder_for

@@ -6,8 +6,9 @@ Sockets (kubelet's layout for DRA drivers):
     <kubelet dir>/plugins_registry/models.weightcache.io-reg.sock       the Registration service
 
 The DRA service starts first and the registration socket last, so kubelet never finds an endpoint that does not
-answer; stopping goes the other way round. `serve_for_node` wires it to the daemon: its store, its policy, and
-the cluster's ResourceClaims and ResourceSlices through the official client.
+answer; stopping goes the other way round. weightcache/daemon/dra.py wires it to the daemon (its store, its
+policy, the cluster's ResourceClaims and ResourceSlices through the official client): the daemon composes the node
+services, so none of them imports the daemon.
 """
 
 from __future__ import annotations
@@ -16,11 +17,9 @@ import asyncio
 import contextlib
 import logging
 import os
-import socket
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 
@@ -34,9 +33,6 @@ from weightcache.dra.slices import API_TIMEOUT_S, SlicePublisher
 from weightcache.errors import ClusterError, ConfigError
 from weightcache.store import Store
 from weightcache.unixsock import claim_socket_path
-
-if TYPE_CHECKING:
-    from weightcache.daemon.node import Node
 
 log = logging.getLogger(__name__)
 
@@ -136,46 +132,3 @@ def claim_reader(api_client: Any, api_version: str = "v1") -> ClaimSource:
         return claim
 
     return read
-
-
-def node_devices(node: Node) -> Callable[[], list[dict[str, Any]]]:
-    from weightcache.dra.devices import devices_for
-
-    dra = node.settings.dra
-    assert dra is not None
-
-    def devices() -> list[dict[str, Any]]:
-        resident = {r.id for r in node.tier.resident()} if node.tier is not None else set()
-        return devices_for([i.snapshot for i in node.store.list()], slots=dra.slots_per_model, shared=dra.shared,
-                           resident=resident)
-    return devices
-
-
-def change_token(node: Node) -> Callable[[], object]:
-    """Cheap: the store's snapshot and manifest directories change on every publish and eviction."""
-    layout = node.store.layout
-
-    def token() -> object:
-        resident = frozenset(r.id for r in node.tier.resident()) if node.tier is not None else frozenset()
-        return layout.snapshots.stat().st_mtime_ns, layout.manifests.stat().st_mtime_ns, resident
-    return token
-
-
-async def serve_for_node(node: Node) -> DraPlugin:
-    """The daemon's DRA plugin: needs the cluster (ResourceClaims are read from the API server)."""
-    from weightcache.kube.client import load_api_client
-
-    s = node.settings
-    dra = s.dra
-    assert dra is not None
-    api_client = await asyncio.to_thread(load_api_client)
-    if api_client is None:
-        raise ConfigError("dra is enabled but no Kubernetes config was found: the DRA plugin reads ResourceClaims "
-                          "from the API server; run the daemon in the cluster or remove `dra` from the config")
-    node_name = s.node_name or socket.gethostname()
-
-    publisher = SlicePublisher(api_client, node_name, node_devices(node), api_version=dra.api_version,
-                               change_token=change_token(node))
-    return await serve_dra(store=node.store, pool=node_name, kubelet_dir=s.kubelet_dir, cdi_dir=dra.cdi_dir,
-                           authority=node.authority, claims=claim_reader(api_client, dra.api_version),
-                           publisher=publisher, publish_interval=dra.publish_seconds)

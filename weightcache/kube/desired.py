@@ -20,9 +20,9 @@ from typing import Any
 
 from weightcache.errors import InvalidReferenceError
 from weightcache.kube import MESSAGE_MAX
-from weightcache.placement import CONTROLLER, MANAGED_BY  # the package only: its names, no controller
 from weightcache.redact import redact
 from weightcache.uri import ModelRef, parse_ref
+from weightcache.vocabulary import CONTROLLER, MANAGED_BY
 
 TIERS = ("disk", "memory")
 

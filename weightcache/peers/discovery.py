@@ -18,9 +18,9 @@ import urllib3
 from kubernetes.client.exceptions import ApiException
 
 from weightcache.errors import ConfigError
-from weightcache.kube import GROUP, MODELCACHENODES, VERSION
 from weightcache.peers.client import peer_base_url
 from weightcache.peers.source import PeerSet
+from weightcache.vocabulary import GROUP, MODELCACHENODES, VERSION
 
 log = logging.getLogger(__name__)
 

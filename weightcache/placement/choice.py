@@ -30,11 +30,11 @@ from weightcache.errors import AnnotationError, InvalidReferenceError
 from weightcache.placement.nodes import NodeFacts, eligible, gpu_request
 from weightcache.policy import decide
 from weightcache.uri import ModelRef
+from weightcache.vocabulary import GATE as GATE  # re-exported: tests read choice.GATE
 from weightcache.webhook.annotations import MAX_MODELS, parse_annotations, wants_injection
 
 log = logging.getLogger(__name__)
 
-GATE = "weightcache.io/model"
 READY = "ready"
 ZONE = "topology.kubernetes.io/zone"
 MAX_DEMAND_PER_NAMESPACE = 64  # demanded models (demand names) one namespace's pods may hold at once

@@ -43,6 +43,7 @@ from weightcache.placement.nodes import NodeFacts, eligible, gpu_request, node_f
 from weightcache.progress import Progress
 from weightcache.redact import redact
 from weightcache.uri import ModelRef
+from weightcache.vocabulary import GATE
 from weightcache.webhook.annotations import MAX_MODELS, PLACEMENT
 from weightcache.webhook.mutate import required_affinity
 
@@ -262,7 +263,7 @@ class Controller:
     def _release(self, pod: dict[str, Any], state: choice.PodModels) -> bool:
         spec, meta = pod.get("spec") or {}, pod.get("metadata") or {}
         gates = spec.get("schedulingGates") or []
-        i = next(i for i, g in enumerate(gates) if isinstance(g, Mapping) and g.get("name") == choice.GATE)
+        i = next(i for i, g in enumerate(gates) if isinstance(g, Mapping) and g.get("name") == GATE)
         ops: list[Any] = [{"op": "test", "path": "/metadata/resourceVersion", "value": meta.get("resourceVersion")}]
         ops += required_affinity(spec, [r.label_key for r in state.refs])
         ops.append({"op": "remove", "path": f"/spec/schedulingGates/{i}"})

@@ -39,7 +39,7 @@ def via(annotations: Mapping[str, object]) -> str:
 
 def plan(pod: Mapping[str, Any], injection: Injection) -> list[Any]:
     """The JSON Patch adding the models' ResourceClaims; empty when everything is already there."""
-    from weightcache.placement.choice import GATE
+    from weightcache.vocabulary import GATE
     from weightcache.webhook.mutate import _check_names, _chosen, _dict, _extend, _list
 
     if injection.tier != "disk":

@@ -36,9 +36,10 @@ from weightcache.errors import (
     NotAllowedError,
     WeightcacheError,
 )
-from weightcache.placement.choice import GATE, ready_nodes
+from weightcache.placement.choice import ready_nodes
 from weightcache.placement.nodes import NodeFacts
 from weightcache.policy import CacheIndex, decide
+from weightcache.vocabulary import GATE
 from weightcache.webhook import dra_claim
 from weightcache.webhook.annotations import MAX_MODELS, Injection, ModelMount, parse_annotations, wants_injection
 
