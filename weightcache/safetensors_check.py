@@ -1,61 +1,70 @@
-"""Validate a .safetensors header before a file is published or loaded.
+"""Validate a .safetensors header before a file is published or loaded, by the rules of safetensors' own Rust parser.
 
 A safetensors file is
 
-    [8 bytes: n, little-endian u64][n bytes: UTF-8 JSON header, may end in spaces][data: exactly the tensors' bytes]
+    [8 bytes: n, little-endian u64][n bytes: UTF-8 JSON header, may end in whitespace][data: the tensors' bytes]
 
-and the header maps tensor names to `{"dtype", "shape", "data_offsets": [begin, end]}` with offsets relative to
-the start of the data, plus an optional `"__metadata__"` str -> str map. A file that passes here can be mapped
-and sliced without any further bounds check: every tensor lies inside the file, tensors are contiguous and do not
-overlap, and the data has no gap and no trailing bytes (the rules the reference Rust implementation enforces).
+A file passes here exactly when `safetensors.safe_open` opens it (tests/test_safetensors_check.py checks the two
+against each other on generated and mutated headers): publishing a file that transformers or vLLM then cannot
+open, or refusing one they can, would both be wrong. The Rust rules, as its serde_json decode and its
+Metadata::validate apply them:
 
-No torch or numpy: the daemon and the fetch engine call this in worker threads, never on an event loop.
+- n <= 100,000,000 and 8 + n <= the file's size; the header is UTF-8 and one JSON value with only ' \\t\\n\\r'
+  around it; no NaN/Infinity, no lone surrogate escape (anywhere, even in ignored fields), no number outside a
+  float64's range, no container nested deeper than 127;
+- the value is an object; "__metadata__" at most once, null or a str -> str object (a repeated key in it: the last
+  wins); every other key is a tensor, the last of a repeated name wins (the earlier ones must still be well-formed);
+- a tensor is an object with "dtype", "shape" and "data_offsets" once each (other fields ignored), or the array
+  [dtype, shape, data_offsets]; dtype a known name (or {name: null}); shape a list of ints in 0..2**64-1;
+  data_offsets two of them;
+- each tensor's element count (the product of its dims from the left) times its dtype's bits fits 64 bits and is
+  8 x (end - begin); sorted by (begin, end) the tensors tile the data from its first byte to the file's end.
 
-The header is untrusted input of up to 100 MB: the check is linear in its size and never multiplies unbounded
-numbers (every dimension and offset is range-checked first, and an element count stops growing once it exceeds
-what the file could hold); errors quote at most a few dozen characters of what they found, and every failure is
-a SafetensorsHeaderError naming the tensor (never OverflowError or RecursionError).
+A file that passes can be mapped and sliced without further bounds checks. No torch or numpy: the daemon and the
+fetch engine call this in worker threads, never on an event loop.
 
-Parsing (the standard library's json alone takes longer than the 2 s budget for 100 MB), three roads:
-1. msgspec decodes the header straight into typed tensors, checking types and ranges in C as it reads; a few
-   passes over columns check sizes and layout: a header of the usual form is decided here (_check_typed).
-2. Anything else: msgspec's plain tree, checked column by column (_check_tree).
-3. Where msgspec refuses the text (json reads lone surrogates and 1e400) or may have read it otherwise: the
-   standard library's json decides, as it always did (_decode).
-msgspec keeps the last of repeated keys where json refuses them, so roads 1 and 2 stand only when counting proves
-that no key was dropped (_no_duplicates). All three give the same verdict and the same message on every header
-(tests/test_safetensors_check_fast.py). scripts/bench_header_check.py times 100 MB headers.
+The header is untrusted input of up to 100 MB: one decode (the standard library's json, whose objects come as tuples
+of pairs so that repeated keys stay visible), then one pass over the tensors; linear in the header's size, every
+number range-checked before arithmetic, messages quoting a few dozen characters of what they found, every refusal
+a SafetensorsHeaderError (exit 7). A header of CHILD_MIN_BYTES or more (no real model has one: a 70B model's is
+~0.1 MB) is checked by check_file in one child process with a memory limit and a timeout, so that its seconds of
+parsing never hold this process's GIL and its tree never grows this process.
 """
 
 from __future__ import annotations
 
-import gc
 import json
 import os
+import re
 import struct
+import subprocess
+import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
-from enum import Enum
-from itertools import chain, compress, count, islice, repeat
-from math import prod
-from operator import and_, attrgetter, eq, gt, is_, itemgetter, le, mul, ne, not_, sub
+from itertools import chain, compress, repeat
+from math import isinf
+from operator import is_, itemgetter, sub
 from pathlib import Path
-from typing import Annotated, Any, BinaryIO, Literal, NamedTuple, TypeGuard
+from typing import Any, BinaryIO, NamedTuple
 
-import msgspec
-
-from weightcache.errors import SafetensorsHeaderError
+from weightcache.errors import SafetensorsHeaderError, StoreError
 
 MAX_HEADER_BYTES = 100_000_000  # the reference implementation's limit
-MAX_DIM = 2**63 - 1  # torch sizes are int64; the reference implementation parses them as usize
-MAX_NDIM = 64  # numpy's limit; no tool writes more dimensions
-CHILD_MIN_BYTES = 4 << 20  # check_file checks a header this long or longer in child processes
+MAX_DEPTH = 127  # serde_json's recursion limit: containers nested deeper are refused
+U64 = 2**64 - 1  # shapes and offsets are usize
+CHILD_MIN_BYTES = 1 << 20  # check_file checks a header this long or longer in a child process (~50 ms here)
+CHILD_TIMEOUT_S = 120.0  # 100 MB takes seconds; a child past this is killed and the fetch fails (not a verdict)
+CHILD_MEMORY_BYTES = 6 << 30  # RLIMIT_AS of the child: a 100 MB header's tree takes up to ~3 GB of address space
 QUOTE = 60  # characters of a found value an error message shows
-FAST_DEPTH = 32  # msgspec trees nested deeper (no real header is) are left to json, whose recursion guard decides
-_DTYPE, _SHAPE, _OFFSETS = itemgetter("dtype"), itemgetter("shape"), itemgetter("data_offsets")
-_BEGIN, _END = itemgetter(0), itemgetter(1)
+_F64_OVERFLOW = 2**1024 - 2**970  # integers from here on round to infinity as a float64: serde refuses them
+_META = "__metadata__"
+_FIELDS = ("dtype", "shape", "data_offsets")
+_KEY, _VALUE = itemgetter(0), itemgetter(1)
+_BEGIN, _END, _NEEDS = itemgetter(2), itemgetter(3), itemgetter(4)
+# a \uD800-\uDBFF escape not followed by a \uDC00-\uDFFF one, or the latter not after the former (escaped
+# backslashes replaced first: '\\ud800' is a backslash and text)
+_HIGH, _LOW = r"\\u[dD][89abAB][0-9a-fA-F]{2}", r"\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+_LONE_SURROGATE = re.compile(f"{_HIGH}(?!{_LOW})|(?<!{_HIGH}){_LOW}")
 
 # Size in bits: the sub-byte float formats (F4, F6_*) pack several elements per byte.
 DTYPE_BITS: dict[str, int] = {
@@ -68,8 +77,7 @@ DTYPE_BITS: dict[str, int] = {
 
 
 class TensorSpec(NamedTuple):
-    """One tensor. `start`/`end` are ABSOLUTE byte offsets in the file (data_start + data_offsets).
-    A NamedTuple: a 100 MB header holds over a million of them, built at C speed."""
+    """One tensor. `start`/`end` are ABSOLUTE byte offsets in the file (data_start + data_offsets)."""
 
     dtype: str
     shape: tuple[int, ...]
@@ -96,410 +104,212 @@ def parse_header(f: BinaryIO | str | os.PathLike[str], file_size: int) -> Header
     """Read and validate the header of a safetensors file of `file_size` bytes (a path or a binary file object)."""
     if isinstance(f, (str, os.PathLike)):
         with open(f, "rb") as fh:
-            return _parse(fh, file_size, build=True)
-    return _parse(f, file_size, build=True)
+            return _parse(fh, file_size, str(f), build=True)
+    return _parse(f, file_size, str(getattr(f, "name", "<stream>")), build=True)
 
 
 def check_file(path: str | os.PathLike[str]) -> None:
-    """Validate a safetensors file on disk (its header and that the data region matches the file's size): the
-    same rules as parse_header, without building the tensor table nobody reads (the fetch engine's check).
-    A header of CHILD_MIN_BYTES or more is checked in child processes (weightcache/safetensors_split.py), so that
-    its seconds of parsing never hold this process's GIL and its tree never grows this process."""
+    """Validate a safetensors file on disk (the fetch engine's check). A header of CHILD_MIN_BYTES or more is
+    checked in a child process; StoreError (never a verdict) when that child cannot start, runs out of memory or
+    time, or dies."""
     with open(path, "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
         prefix = fh.read(8)
         n = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else 0
         if CHILD_MIN_BYTES <= n <= MAX_HEADER_BYTES and 8 + n <= size:
-            from weightcache.safetensors_split import check_in_children
-
-            check_in_children(fh.fileno(), os.fspath(path), n, size)
+            _check_in_child(fh.fileno(), os.fspath(path))
         else:
-            check_open(fh, os.fspath(path))
+            _parse(fh, size, os.fspath(path), build=False)
 
 
-def check_open(fh: BinaryIO, name: str, *, repeated: bool = False) -> None:
-    """check_file's rules on an open file, in this process; `name` is the file's, for messages. `repeated`: a key
-    is known to repeat, so the roads that cannot name it are skipped (json, the reference, decides at once)."""
-    _parse(fh, os.fstat(fh.fileno()).st_size, build=False, name=name, reference=repeated)
-
-
-def _parse(f: BinaryIO, file_size: int, *, build: bool, name: str | None = None, reference: bool = False) -> Header:
-    name = name or str(getattr(f, "name", "<stream>"))
+def _parse(f: BinaryIO, file_size: int, name: str, *, build: bool) -> Header:
+    """The header; its tensor table only when `build` (check_file has no use for it)."""
     f.seek(0)
     prefix = f.read(8)
     if len(prefix) < 8 or file_size < 8:
         raise _err(name, f"the file has {max(file_size, len(prefix))} bytes, fewer than the 8-byte header length")
     (n,) = struct.unpack("<Q", prefix)
-    if n < 2 or n > MAX_HEADER_BYTES:
-        raise _err(name, f"header length {n} is outside 2..{MAX_HEADER_BYTES} bytes")
+    if n > MAX_HEADER_BYTES:
+        raise _err(name, f"header length {n} is over the format's {MAX_HEADER_BYTES} bytes")
     if 8 + n > file_size:
         raise _err(name, f"header length {n} runs past the end of the {file_size}-byte file (truncated?)")
     raw = f.read(n)
     if len(raw) != n:
         raise _err(name, f"the file ends inside the header ({len(raw)} of {n} bytes)")
-    where = _Where(name, 8 + n, file_size - 8 - n)
-    refusal: SafetensorsHeaderError | None = None
-    with _gc_paused():  # millions of new containers, none cyclic: collections would cost 20x the parse itself
-        try:
-            metadata, tensors = _decide(where, raw, build, reference)
-        except SafetensorsHeaderError as exc:
-            refusal = exc.with_traceback(None)  # its frames hold the tree: freed now, while collections are off
-        del raw
-    if refusal is not None:
-        raise refusal
+    pairs = _decode(name, raw)
+    del raw
+    metadata, tensors = _check(name, pairs, 8 + n, file_size - 8 - n, build)
     return Header(header_len=n, data_start=8 + n, file_size=file_size, tensors=tensors, metadata=metadata)
 
 
-def _decide(where: _Where, raw: bytes, build: bool,
-            reference: bool = False) -> tuple[dict[str, str], dict[str, TensorSpec]]:
-    checked: tuple[dict[str, str], dict[str, TensorSpec]] | _Next | int | None = (
-        None if reference else _check_typed(where, raw, build))
-    if checked is _Next.TREE:  # unusual or wrong: msgspec's plain tree
-        checked = _check_tree(where, raw, build)
-    if not isinstance(checked, tuple):  # msgspec could not read it, or its tree may not be json's: json decides
-        tree = _decode(where.name, raw, keys=checked if isinstance(checked, int) else None)
-        meta = tree.pop("__metadata__", None)
-        checked = _check(where, tree, meta, _columns(tree), build)
-    return checked
-
-
-class _Where(NamedTuple):
-    name: str  # the file's, for messages
-    data_start: int  # 8 + header length
-    data_size: int  # the bytes after the header
-
-
-class _Next(Enum):
-    """Where a road that cannot decide sends the header (an int from the typed road: to json, with a count)."""
-
-    TREE = "msgspec's plain tree"
-
-
-class _Census(NamedTuple):
-    pairs: int  # key-value pairs in all objects
-    colons: int  # ':' characters in all keys and string values
-
-
-_Dim = Annotated[int, msgspec.Meta(ge=0, le=MAX_DIM)]
-_Offset = Annotated[int, msgspec.Meta(ge=0)]
-# DTYPE_BITS's names (a test checks): msgspec checks a dtype in C and hands back one shared str per name, so the
-# header's million copies of "F16" are never allocated (with tuple shapes: 1.3 -> 1.0 s for 1.3M tensors)
-_DType = Literal["BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "F8_E8M0", "I16", "U16",
-                 "F16", "BF16", "I32", "U32", "F32", "I64", "U64", "F64", "C64", "F4", "F6_E2M3", "F6_E3M2"]
-
-
-class _Tensor(msgspec.Struct, gc=False):
-    """A tensor as msgspec checks it while decoding. The fields are optional so that "__metadata__" decodes too
-    (as fields it does not have: _Metadata reads it); a tensor without one goes to the tree road. The shape is a
-    tuple, as TensorSpec keeps it; its length is checked with the sizes, so that a refusal is named from the
-    columns."""
-
-    dtype: _DType | None = None
-    shape: tuple[_Dim, ...] | None = None
-    data_offsets: tuple[_Offset, _Offset] | None = None
-
-
-class _Metadata(msgspec.Struct):
-    """The header's "__metadata__" alone: msgspec skips the tensors."""
-
-    metadata: dict[str, str] | None = msgspec.field(name="__metadata__", default=None)
-
-
-_TENSORS = msgspec.json.Decoder(dict[str, _Tensor])
-_METADATA = msgspec.json.Decoder(_Metadata)
-_FIELDS = attrgetter("dtype"), attrgetter("shape"), attrgetter("data_offsets")
-
-
-class _Typed(NamedTuple):
-    """A header of the usual form as the typed road read it: every tensor checked on its own, none repeated."""
-
-    tensors: dict[str, _Tensor]
-    metadata: dict[str, str]
-    had_meta: bool
-    columns: _Columns
-
-
-def _decode_typed(raw: bytes) -> _Typed | _Next | int:
-    """The typed reading of a header of the usual form (tensors of dtype, shape and data_offsets, metadata
-    str -> str, no key repeated); else the road that decides: the tree, or json given the number of distinct keys
-    msgspec found at the top (more pairs in json's reading: one of them repeats)."""
+def _decode(name: str, raw: bytes) -> tuple[tuple[str, Any], ...]:
+    """The header's top-level pairs; JSON objects below are tuples of pairs too, arrays lists."""
     try:
-        tensors = _TENSORS.decode(raw)
-        had_meta = tensors.pop("__metadata__", None) is not None
-        metadata = (_METADATA.decode(raw).metadata or {}) if had_meta else {}
-    except (msgspec.DecodeError, RecursionError):
-        return _Next.TREE
-    entries = list(tensors.values())
-    dtypes, shapes, offsets = (list(map(field, entries)) for field in _FIELDS)
-    if None in dtypes or None in shapes or None in offsets:  # identity tests in C, no call per item
-        return _Next.TREE
-    pairs = 4 * len(tensors) + had_meta + len(metadata)
-    if not (_colon_free(raw, pairs) or _no_duplicates(raw, _regular_census(tensors, metadata, had_meta))):
-        # a key repeats, or a field msgspec skipped (which the tree would count): json says which, faster than
-        # the tree road and then json would
-        return len(tensors) + had_meta
-    begins, ends = list(map(_BEGIN, offsets)), list(map(_END, offsets))
-    unit = list(map(DTYPE_BITS.__getitem__, dtypes))
-    columns = _Columns(list(tensors), dtypes, shapes, begins, ends, unit, sorted(begins), sorted(ends), exact=True)
-    return _Typed(tensors, metadata, had_meta, columns)
-
-
-def _check_typed(where: _Where, raw: bytes,
-                 build: bool) -> tuple[dict[str, str], dict[str, TensorSpec]] | _Next | int:
-    """Road 1: the verdict on a header of the usual form, refusals included; else the road that decides."""
-    typed = _decode_typed(raw)
-    if not isinstance(typed, _Typed):
-        return typed
-    return typed.metadata, _settle(where, typed.columns, lambda key: _entry(typed.tensors[key]), build)
-
-
-def _entry(tensor: _Tensor) -> dict[str, Any]:
-    """A typed tensor as the plain tree has it, for the per-tensor check's words. A shape is cut after MAX_NDIM +
-    QUOTE dimensions: still too long, and quoted the same (a quote shows QUOTE items), without copying millions."""
-    return {"dtype": tensor.dtype, "shape": list((tensor.shape or ())[:MAX_NDIM + QUOTE]),
-            "data_offsets": list(tensor.data_offsets or ())}
-
-
-def _check_tree(where: _Where, raw: bytes, build: bool) -> tuple[dict[str, str], dict[str, TensorSpec]] | None:
-    """Road 2: the verdict on msgspec's plain tree, or None where json must decide: msgspec refused the text
-    (json reads lone surrogates and 1e400), the tree is too deep, or msgspec may have dropped a repeated key."""
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _err(name, f"the header is not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    if "\\u" in text and _LONE_SURROGATE.search(text.replace("\\\\", "..")):  # json reads them, serde does not
+        raise _err(name, "the header has a lone surrogate escape (\\uD800-\\uDFFF not in a pair)")
+    hooks: dict[str, Any] = {"parse_int": _int} if "-0" in text else {}  # a hook costs a call per integer
     try:
-        tree = msgspec.json.decode(raw)
-    except (msgspec.DecodeError, RecursionError):
-        return None
-    if type(tree) is not dict:
-        return None
-    had_meta = "__metadata__" in tree
-    meta = tree.pop("__metadata__", None)
-    columns = _columns(tree)
-    try:
-        checked = _check(where, tree, meta, columns, build)
-    except SafetensorsHeaderError:
-        regular = columns is not None and columns.exact and (meta is None or _is_str_map(meta))
-        census = _count(tree, meta, had_meta, regular)
-        if census is None or not _no_duplicates(raw, census):
+        # object_pairs_hook=tuple: a C builtin, no Python call per object, and repeated keys stay visible
+        tree = json.loads(text, object_pairs_hook=tuple, parse_constant=_no_constant, **hooks)
+    except RecursionError:  # Python's limit is past serde's, so serde refuses it too
+        raise _err(name, f"the header JSON is nested deeper than {MAX_DEPTH}") from None
+    except ValueError as exc:  # JSONDecodeError, our hooks, an integer of over 4,300 digits
+        raise _err(name, f"the header is not valid JSON ({_shorten(str(exc))})") from None
+    if type(tree) is not tuple:
+        raise _err(name, f"the header must be a JSON object, not {_quote(tree)}")
+    return tree
+
+
+def _int(text: str) -> int | float:
+    """serde_json reads "-0" as a float (so not a shape or an offset); json as the integer 0."""
+    return -0.0 if text == "-0" else int(text)
+
+
+def _no_constant(token: str) -> Any:
+    raise ValueError(f"{token} is not JSON")
+
+
+_Entry = tuple[str, list[int], int, int, int | None]  # dtype, shape, begin, end, bytes its shape x dtype needs
+
+
+def _check(name: str, pairs: tuple[tuple[str, Any], ...], data_start: int,
+           data_size: int, build: bool) -> tuple[dict[str, str], dict[str, TensorSpec]]:
+    """The metadata and the tensor table in file order ({} when not `build`), or the refusal."""
+    keys = list(map(_KEY, pairs))
+    metadata: dict[str, str] = {}
+    count = keys.count(_META)
+    if count > 1:
+        raise _err(name, f"the header has {_META!r} {count} times")
+    if count:
+        metadata = _metadata(name, pairs[keys.index(_META)][1])
+    entries: dict[str, _Entry] = {}
+    extras: list[Any] = []  # values of fields the format ignores, for the JSON-level limits below
+    for key, value in pairs:  # the one pass: every pair well-formed; the last of a repeated name kept
+        if key == _META:
+            continue
+        if type(value) is tuple and len(value) == 3 and len(fields := dict(value)) == 3 and "dtype" in fields \
+                and "shape" in fields and "data_offsets" in fields:  # the usual form
+            dtype, shape, offsets = fields["dtype"], fields["shape"], fields["data_offsets"]
+        elif type(value) is tuple:
+            dtype, shape, offsets = _fields(name, key, value, extras)
+        elif type(value) is list and len(value) == 3:
+            dtype, shape, offsets = value
+        else:
+            raise _err(name, f"tensor {_quote(key)} must be an object with dtype, shape and data_offsets, got "
+                             f"{_quote(value)}")
+        if type(dtype) is tuple and len(dtype) == 1 and dtype[0][1] is None:  # {"F16": null}: serde's enum form
+            dtype = dtype[0][0]
+        bits = DTYPE_BITS.get(dtype) if type(dtype) is str else None
+        if bits is None:
+            raise _err(name, f"tensor {_quote(key)} has unknown dtype {_quote(dtype)} (known: {', '.join(DTYPE_BITS)})")
+        elements = _elements(shape) if type(shape) is list else None
+        if elements is None:
+            raise _err(name, f"tensor {_quote(key)} shape must be a list of integers in 0..2**64-1, got "
+                             f"{_quote(shape)}")
+        if type(offsets) is not list or len(offsets) != 2 or type(begin := offsets[0]) is not int \
+                or type(end := offsets[1]) is not int or not 0 <= begin <= U64 or not 0 <= end <= U64:
+            raise _err(name, f"tensor {_quote(key)} data_offsets must be [begin, end], integers in 0..2**64-1, "
+                             f"got {_quote(offsets)}")
+        nbits = elements * bits
+        entries[key] = (dtype, shape, begin, end, nbits // 8 if nbits <= U64 and not nbits % 8 else None)
+    if extras:
+        _limits(name, extras)
+    rows = list(entries.values())
+    begins, ends = list(map(_BEGIN, rows)), list(map(_END, rows))
+    if list(map(_NEEDS, rows)) != list(map(sub, ends, begins)):  # sizes only of the tensors kept, as serde has it
+        bad = next(k for k, e in entries.items() if e[4] != e[3] - e[2])
+        raise _size_err(name, bad, entries[bad])
+    order = sorted(range(len(rows)), key=list(zip(begins, ends, strict=True)).__getitem__)
+    names = list(entries)
+    first, last = list(map(begins.__getitem__, order)), list(map(ends.__getitem__, order))
+    tiled = first[0] == 0 and first[1:] == last[:-1] and last[-1] == data_size if rows else data_size == 0
+    if not tiled:
+        _layout_err(name, [names[i] for i in order], first, last, data_size)
+    if not build:
+        return metadata, {}
+    return metadata, {names[i]: TensorSpec(rows[i][0], tuple(rows[i][1]), data_start + begins[i],
+                                           data_start + ends[i]) for i in order}
+
+
+def _metadata(name: str, value: Any) -> dict[str, str]:
+    if value is None:
+        return {}
+    if type(value) is not tuple:
+        raise _err(name, f"{_META} must be an object mapping strings to strings, got {_quote(value)}")
+    metadata = dict(value)  # a repeated key: the last wins, as in the reference
+    if not set(map(type, metadata.values())) <= {str}:
+        raise _err(name, f"{_META} must map strings to strings, got {_quote(value)}")
+    return metadata
+
+
+def _fields(name: str, key: str, pairs: tuple[tuple[str, Any], ...], extras: list[Any]) -> list[Any]:
+    """An unusual tensor object's dtype, shape and data_offsets, each there once (ignored fields may repeat); the
+    values of the others set aside in `extras`."""
+    keys = list(map(_KEY, pairs))
+    for field in _FIELDS:
+        if keys.count(field) != 1:
+            missing = "has no" if field not in keys else "repeats its"
+            raise _err(name, f"tensor {_quote(key)} {missing} field {field!r}")
+    extras.extend(v for k, v in pairs if k not in _FIELDS)
+    fields = dict(pairs)
+    return [fields[field] for field in _FIELDS]
+
+
+def _elements(shape: list[Any]) -> int | None:
+    """The element count as serde folds it, a checked u64 product from the left (past U64 here: an overflow, which a
+    later zero does not undo; multiplying stops there, so the numbers stay small); None when a dim is not an int
+    in 0..U64."""
+    elements = 1
+    for dim in shape:
+        if type(dim) is not int or not 0 <= dim <= U64:
             return None
-        raise
-    census = _count(tree, checked[0], had_meta, regular=columns is not None and columns.exact)
-    return checked if census is not None and _no_duplicates(raw, census) else None
+        if elements <= U64:
+            elements *= dim
+    return elements
 
 
-def _count(tree: dict[str, Any], meta: Any, had_meta: bool, regular: bool) -> _Census | None:
-    """The census of a header's tree whose "__metadata__" value `meta` was taken out; None when too deep to take.
-    `regular`: as for _regular_census, which then counts it."""
-    if regular:
-        return _regular_census(tree, meta or {}, had_meta)
-    census = _census([tree, meta])
-    return census._replace(pairs=census.pairs + had_meta) if census else None
-
-
-def _regular_census(tensors: dict[str, Any], metadata: dict[str, str], had_meta: bool) -> _Census:
-    """The census of a header whose tensors are each exactly {dtype: a known name, shape: ints, data_offsets:
-    ints} (so three pairs and no colon each) and whose metadata maps str to str: counted without a walk."""
-    return _Census(4 * len(tensors) + had_meta + len(metadata),
-                   _colons(tensors) + _colons(metadata) + _colons(metadata.values()))
-
-
-def _no_duplicates(raw: bytes, census: _Census) -> bool:
-    """Whether the JSON text `raw` holds exactly the pairs and string colons `census` counted in the tree msgspec
-    made of it: then msgspec dropped no pair for a repeated key. Each ':' byte of valid JSON separates a pair or
-    lies in a string; a string's colons decode from those bytes and from '\\u003a' escapes, counted apart (with
-    escaped backslashes removed, each backslash left starts an escape). A dropped pair takes its separator with
-    it, so the text's sum exceeds the tree's exactly when something was dropped."""
-    escaped = 0
-    if b"\\" in raw and b"\\u003" in raw:  # a one-byte search is a memchr: 15 times faster than the other
-        unescaped = raw.replace(b"\\\\", b"")
-        escaped = unescaped.count(b"\\u003a") + unescaped.count(b"\\u003A")
-    return raw.count(b":") + escaped == census.pairs + census.colons
-
-
-def _colon_free(raw: bytes, pairs: int) -> bool:
-    """Whether the JSON text `raw` holds exactly the `pairs` pairs msgspec put in its tree (whose keys and values
-    each came from one of them) when no string has a ':' byte: the text's ':' bytes are its pairs and its
-    strings' colons, so exactly `pairs` of them leave no dropped pair (nor a string colon). The usual case,
-    decided without reading a string; else _no_duplicates counts them."""
-    return raw.count(b":") == pairs
-
-
-def _colons(strings: Iterable[str]) -> int:
-    return "".join(strings).count(":")  # no call per string; the copy is at most the header's size
-
-
-def _census(roots: list[Any]) -> _Census | None:
-    """Pairs and string colons in the trees `roots`, one level at a time with loops in C (a million tensors in
-    about a second); None when deeper than FAST_DEPTH."""
-    pairs = colons = 0
-    level = roots
-    for _ in range(FAST_DEPTH + 1):
-        if not level:
-            return _Census(pairs, colons)
+def _limits(name: str, values: list[Any]) -> None:
+    """serde_json's limits on the fields it parses and ignores: depth, and numbers a float64 cannot hold; one
+    level at a time with loops in C. `values` sit at depth 3 (the header, a tensor, its field)."""
+    level, depth = values, 3
+    while level:
         kinds = list(map(type, level))
-        dicts = list(compress(level, map(is_, kinds, repeat(dict))))
-        lists = list(compress(level, map(is_, kinds, repeat(list))))
-        colons += _colons(compress(level, map(is_, kinds, repeat(str)))) + _colons(chain.from_iterable(dicts))
-        pairs += sum(map(len, dicts))
-        try:  # numbers only (shapes, offsets): one C loop says so, and nothing below them needs counting
-            sum(chain.from_iterable(lists))
-            below: list[Any] = []
-        except TypeError:
-            below = list(chain.from_iterable(lists))
-        level = list(chain(chain.from_iterable(map(dict.values, dicts)), below))
-    return None
+        if any(map(isinf, compress(level, map(is_, kinds, repeat(float))))):
+            raise _err(name, "the header has a number too large for a float64")
+        ints = list(compress(level, map(is_, kinds, repeat(int))))
+        if ints and max(max(ints), -min(ints)) >= _F64_OVERFLOW:
+            raise _err(name, "the header has a number too large for a float64")
+        objects = list(compress(level, map(is_, kinds, repeat(tuple))))
+        arrays = list(compress(level, map(is_, kinds, repeat(list))))
+        if (objects or arrays) and depth > MAX_DEPTH:
+            raise _err(name, f"the header JSON is nested deeper than {MAX_DEPTH}")
+        level = list(chain(map(_VALUE, chain.from_iterable(objects)), chain.from_iterable(arrays)))
+        depth += 1
 
 
-_gc_lock = threading.Lock()
-_gc_pausers = 0
-_gc_was_enabled = True
+def _size_err(name: str, key: str, entry: _Entry) -> SafetensorsHeaderError:
+    dtype, shape, begin, end, _ = entry
+    nbits = (_elements(shape) or 0) * DTYPE_BITS[dtype]
+    needs = ("more than 2**64 bits" if nbits > U64 else f"{nbits // 8} bytes" if nbits % 8 == 0
+             else f"{nbits} bits, not a whole number of bytes,")
+    return _err(name, f"tensor {_quote(key)}: shape {_quote(shape)} of {dtype} needs {needs} but data_offsets "
+                      f"[{begin}, {end}] hold {end - begin}")
 
 
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Cyclic GC off while any thread parses a header (it is process-wide: the last one out turns it back on)."""
-    global _gc_pausers, _gc_was_enabled
-    with _gc_lock:
-        _gc_pausers += 1
-        if _gc_pausers == 1:
-            _gc_was_enabled = gc.isenabled()
-            gc.disable()
-    try:
-        yield
-    finally:
-        with _gc_lock:
-            _gc_pausers -= 1
-            if _gc_pausers == 0 and _gc_was_enabled:
-                gc.enable()
-
-
-class _Columns(NamedTuple):
-    """Every tensor's fields in header order, each field of each tensor checked on its own (type and range):
-    what remains to check is arithmetic (size = shape x dtype) and layout. Built by loops in C over columns
-    (each pass costs ~50 ms per million tensors), never a Python call per tensor."""
-
-    names: list[str]
-    dtypes: list[str]
-    shapes: Sequence[Sequence[int]]  # lists from a tree, tuples from the typed road
-    begins: list[int]
-    ends: list[int]
-    unit: list[int]  # bits per element of each dtype
-    first: list[int]  # begins, sorted
-    last: list[int]  # ends, sorted
-    exact: bool  # no tensor has fields besides these three
-
-
-def _columns(tree: dict[str, Any]) -> _Columns | None:
-    """The columns, or None when some tensor is not {dtype: a known name, shape: at most MAX_NDIM ints in
-    0..MAX_DIM, data_offsets: two ints >= 0, and perhaps fields the check ignores} (the per-tensor pass says
-    which)."""
-    entries = list(tree.values())
-    try:
-        fields = set(map(len, entries))
-        # itemgetter raises on anything but a dict (a list or str of three: TypeError) and on a missing field
-        dtypes, shapes, offsets = list(map(_DTYPE, entries)), list(map(_SHAPE, entries)), list(map(_OFFSETS, entries))
-        unit = list(map(DTYPE_BITS.__getitem__, dtypes))  # KeyError: unknown; TypeError: not even a string
-        if entries and (set(map(type, shapes)) != {list} or max(map(len, shapes)) > MAX_NDIM
-                        or set(map(len, offsets)) != {2}):
-            return None
-        # a str or dict of two passes here and fails below: its items are characters or keys, never ints
-        begins, ends = list(map(_BEGIN, offsets)), list(map(_END, offsets))
-    except (TypeError, KeyError):
-        return None
-    dims = list(chain.from_iterable(shapes))
-    if not set(map(type, dims)) | set(map(type, begins)) | set(map(type, ends)) <= {int}:
-        return None
-    if dims and (min(dims) < 0 or max(dims) > MAX_DIM):
-        return None
-    first, last = sorted(begins), sorted(ends)
-    if entries and min(first[0], last[0]) < 0:
-        return None
-    return _Columns(list(tree), dtypes, shapes, begins, ends, unit, first, last, exact=fields <= {3})
-
-
-def _check(where: _Where, tree: dict[str, Any], meta: Any, columns: _Columns | None,
-           build: bool) -> tuple[dict[str, str], dict[str, TensorSpec]]:
-    """Metadata and the tensor table in file order ({} when not `build` and `columns` decide) of a header whose
-    "__metadata__" value `meta` was taken out of `tree`. Refusals name the first tensor in header order that is
-    wrong on its own, else the first place in file order where the layout breaks: the per-tensor pass's words."""
-    metadata = _metadata(where.name, meta)
-    if columns is None:  # something is malformed, or unusual (extra fields): one tensor at a time
-        return metadata, _per_tensor(where, tree)
-    return metadata, _settle(where, columns, tree.__getitem__, build)
-
-
-def _settle(where: _Where, columns: _Columns, entry: Callable[[str], Any], build: bool) -> dict[str, TensorSpec]:
-    """The table in file order ({} when not `build`) when every tensor's size and place are right; else the
-    refusal in the per-tensor check's words: the first tensor (header order) wrong on its own, else the first
-    place (file order) where the layout breaks. `entry`: a tensor's value in the tree, by name."""
-    bad = _mismatch(columns, where.data_size)
-    if bad is not None:
-        _tensor(where, bad, entry(bad))  # refuses: its size is not its shape x dtype, or it ends past the data
-    elif _tiled(columns, where.data_size):
-        return _table(columns, where.data_start) if build else {}
-    else:
-        _check_layout(where, _table(columns, where.data_start))  # refuses: the tensors do not tile the data
-    raise _err(where.name, "the tensors' sizes or layout are wrong")  # not reached: the checks above refuse
-
-
-def _mismatch(columns: _Columns, data_size: int) -> str | None:
-    """The first tensor (header order) with more than MAX_NDIM dimensions, or whose data_offsets do not hold
-    exactly shape x dtype bits, or that ends past the data (one that begins past it then ends before it
-    begins); None when there is none."""
-    names, shapes = columns.names, columns.shapes
-    too_long = len(names)
-    if shapes and max(map(len, shapes)) > MAX_NDIM:
-        too_long = next(compress(count(), map(gt, map(len, shapes), repeat(MAX_NDIM))))
-    # before that one, at most MAX_NDIM dimensions below 2**63 each: products small enough for C-speed arithmetic
-    needs = list(map(mul, map(prod, islice(shapes, too_long)), columns.unit))
-    holds = list(map(mul, map(sub, columns.ends, columns.begins), repeat(8)))
-    past = bool(columns.last) and columns.last[-1] > data_size
-    if too_long == len(names) and not past and needs == holds:  # one compare in C, mostly of identical ints
-        return None
-    fits = map(eq, needs, holds)
-    if past:
-        fits = map(and_, fits, map(le, columns.ends, repeat(data_size)))
-    bad = next(compress(names, map(not_, fits)), None)  # the maps stop at too_long
-    return bad if bad is not None or too_long == len(names) else names[too_long]
-
-
-def _tiled(columns: _Columns, data_size: int) -> bool:
-    """Whether the tensors (each of the right size) tile the data: contiguous from its first byte, no overlap, and
-    the last one ends exactly at the end of the file."""
-    if not columns.names:
-        return data_size == 0
-    first, last = columns.first, columns.last
-    if any(map(eq, columns.begins, columns.ends)):  # empty tensors may share an offset with the next one
-        rank = _file_order(columns)
-        first, last = list(map(columns.begins.__getitem__, rank)), list(map(columns.ends.__getitem__, rank))
-    # all sizes > 0: each column sorted on its own tiles the data iff the tensors do (begins then distinct)
-    return first[0] == 0 and last[-1] == data_size and all(map(eq, islice(first, 1, None), last))
-
-
-def _file_order(columns: _Columns) -> list[int]:
-    """Tensor indexes by (begin, end): file order, empty tensors before the one that starts where they are."""
-    begins, ends = columns.begins, columns.ends
-    if all(map(ne, columns.first, islice(columns.first, 1, None))):  # no two begins alike: no pairs to build
-        return sorted(range(len(begins)), key=begins.__getitem__)
-    return sorted(range(len(begins)), key=list(zip(begins, ends, strict=True)).__getitem__)
-
-
-def _table(columns: _Columns, data_start: int) -> dict[str, TensorSpec]:
-    """The tensor table in file order, with absolute offsets."""
-    rows = zip(columns.dtypes, map(tuple, columns.shapes), map(data_start.__add__, columns.begins),
-               map(data_start.__add__, columns.ends), strict=True)
-    specs = map(tuple.__new__, repeat(TensorSpec), rows)  # TensorSpec._make without a Python call each
-    if columns.begins == columns.first and columns.ends == columns.last:
-        # header order is file order (as safetensors writes them): no ranking, no list of the rows; the compares
-        # are of identical int objects (the sorted columns hold the same ones)
-        return dict(zip(columns.names, specs, strict=True))
-    rank, listed = _file_order(columns), list(specs)
-    return dict(zip(map(columns.names.__getitem__, rank), map(listed.__getitem__, rank), strict=True))
-
-
-def _per_tensor(where: _Where, tree: dict[str, Any]) -> dict[str, TensorSpec]:
-    """The thorough path, one tensor at a time: each checked on its own in header order, then the layout."""
-    tensors = {key: _tensor(where, key, value) for key, value in tree.items()}
-    ordered = dict(sorted(tensors.items(), key=lambda kv: (kv[1].start, kv[1].end)))
-    _check_layout(where, ordered)
-    return ordered
+def _layout_err(name: str, names: list[str], first: list[int], last: list[int], data_size: int) -> None:
+    """The refusal of tensors that do not tile the data, naming the first place (file order) where they break."""
+    pos = 0
+    for key, begin, end in zip(names, first, last, strict=True):
+        if begin != pos:
+            what = "overlaps the previous tensor" if begin < pos else f"leaves a gap of {begin - pos} bytes"
+            raise _err(name, f"tensor {_quote(key)} at data offset {begin} {what}")
+        pos = end
+    if pos > data_size:
+        raise _err(name, f"tensors need {pos} data bytes but the file holds {data_size} (truncated?)")
+    raise _err(name, f"{data_size - pos} bytes after the last tensor belong to no tensor")
 
 
 def _err(name: str, problem: str) -> SafetensorsHeaderError:
@@ -509,145 +319,86 @@ def _err(name: str, problem: str) -> SafetensorsHeaderError:
     )
 
 
-def _decode(name: str, raw: bytes, keys: int | None = None) -> dict[str, Any]:
-    """The header as the standard library's json reads it, refusing repeated keys in the header, its metadata and
-    its tensors: the reference the msgspec roads agree with. `keys`: the distinct keys at the top of this text
-    (msgspec's count), when known: fewer than json's pairs names a repeated one without building the dict."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise _err(name, f"the header is not UTF-8 ({exc.reason} at byte {exc.start})") from None
-    try:
-        # JSON objects become tuples of (key, value) pairs (a C builtin as the hook: no Python call per object),
-        # JSON arrays stay lists; _object() turns pairs into a dict, refusing duplicate keys
-        obj = json.loads(text, object_pairs_hook=tuple, parse_constant=_no_constants)
-    except RecursionError:
-        raise _err(name, "the header JSON is nested too deeply") from None
-    except ValueError as exc:  # JSONDecodeError and our hooks
-        raise _err(name, f"the header is not valid JSON ({exc})") from None
-    if not isinstance(obj, tuple):
-        raise _err(name, f"the header must be a JSON object, not {type(obj).__name__}")
-    if keys is not None and len(obj) > keys:
-        raise _repeated(name, "the header", obj)
-    tree = _object(name, "the header", obj)
-    values = list(tree.values())
-    if set(map(type, values)) == {tuple}:  # all objects: dicts for the column check, when no key repeats
-        dicts = list(map(dict, values))
-        if list(map(len, dicts)) == list(map(len, values)):
-            return dict(zip(tree, dicts, strict=True))
-    return tree  # _metadata and _tensor turn pairs into dicts one by one, and name a repeated key
-
-
-def _object(name: str, what: str, pairs: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        raise _repeated(name, what, pairs)
-    return out
-
-
-def _repeated(name: str, what: str, pairs: tuple[tuple[str, Any], ...]) -> SafetensorsHeaderError:
-    """The refusal naming the first key of `pairs` that repeats an earlier one (there must be one)."""
-    seen: set[str] = set()
-    duplicate = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-    return _err(name, f"{what} has a duplicate key {_quote(duplicate)}")
-
-
-def _no_constants(token: str) -> Any:
-    raise ValueError(f"{token} is not JSON")
-
-
-def _metadata(name: str, value: Any) -> dict[str, str]:
-    if value is None:
-        return {}
-    if isinstance(value, tuple):
-        value = _object(name, "__metadata__", value)
-    if not _is_str_map(value):
-        raise _err(name, "__metadata__ must map strings to strings")
-    return value
-
-
-def _is_str_map(value: Any) -> TypeGuard[dict[str, str]]:
-    return isinstance(value, dict) and set(map(type, value)) | set(map(type, value.values())) <= {str}
-
-
-def _tensor(where: _Where, key: str, value: Any) -> TensorSpec:
-    """One tensor checked on its own, or a refusal naming it; a Python call per tensor, for the thorough path."""
-    name, data_size = where.name, where.data_size
-    if isinstance(value, tuple):
-        value = _object(name, f"tensor {_quote(key)}", value)
-    if not isinstance(value, dict):
-        raise _err(name, f"tensor {_quote(key)} must be an object with dtype, shape and data_offsets")
-    dtype, shape, offsets = value.get("dtype"), value.get("shape"), value.get("data_offsets")
-    if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
-        raise _err(name, f"tensor {_quote(key)} has unknown dtype {_quote(dtype)} (known: {', '.join(DTYPE_BITS)})")
-    if not isinstance(shape, list) or len(shape) > MAX_NDIM or not _uints(shape, MAX_DIM):
-        raise _err(name, f"tensor {_quote(key)} shape must be a list of at most {MAX_NDIM} non-negative integers "
-                         f"below 2**63, got {_quote(shape)}")
-    if not isinstance(offsets, list) or len(offsets) != 2 or not _uints(offsets, data_size):
-        raise _err(name, f"tensor {_quote(key)} data_offsets must be [begin, end] within the {data_size} data bytes "
-                         f"(truncated?), got {_quote(offsets)}")
-    begin, end = offsets
-    if begin > end:
-        raise _err(name, f"tensor {_quote(key)} data_offsets [{begin}, {end}] end before they begin")
-    bits = _bits(shape, DTYPE_BITS[dtype], limit=max(8 * data_size, 1 << 64))
-    if bits is None or bits % 8 or bits // 8 != end - begin:
-        needs = "more bytes than the file holds" if bits is None else f"{bits // 8}{'.5' if bits % 8 else ''} bytes"
-        raise _err(name, f"tensor {_quote(key)}: shape {_quote(shape)} of {dtype} needs {needs} "
-                         f"but data_offsets [{begin}, {end}] hold {end - begin}")
-    return TensorSpec(dtype=dtype, shape=tuple(shape), start=where.data_start + begin, end=where.data_start + end)
-
-
-def _bits(shape: list[int], dtype_bits: int, *, limit: int) -> int | None:
-    """shape's element count x dtype_bits, or None once it passes `limit`: every step multiplies numbers below
-    2**64 by one below 2**63, so a long shape costs linear time, never big-number arithmetic."""
-    if 0 in shape:
-        return 0
-    total = dtype_bits
-    for dim in shape:
-        total *= dim
-        if total > limit:
-            return None
-    return total
-
-
-def _uints(values: list[Any], maximum: int) -> bool:
-    """All ints (not bools) in 0..maximum."""
-    return not values or (set(map(type, values)) <= {int} and min(values) >= 0 and max(values) <= maximum)
-
-
 def _quote(value: Any) -> str:
-    """A short repr of untrusted input: an error message must not carry megabytes of it."""
-    text = repr(_shown(value))
+    """A short repr of untrusted input (JSON objects shown as dicts): a message must not carry megabytes of it."""
+    return _shorten(repr(_shown(value)))
+
+
+def _shorten(text: str) -> str:
     return text if len(text) <= QUOTE else f"{text[:QUOTE]}... ({len(text)} characters)"
 
 
 def _shown(value: Any, depth: int = 0) -> Any:
-    """What a message shows of `value`: at most QUOTE items of each container, 3 levels deep, JSON objects as dicts
-    whichever parser read them (json's hook gives tuples of pairs), so both parsers' messages are the same."""
+    """At most QUOTE items of each container, 3 levels deep: never a copy of a whole hostile value."""
     if isinstance(value, str):
         return value[:QUOTE]
-    if isinstance(value, (list, tuple, dict)) and depth >= 3:
+    if isinstance(value, (list, tuple)) and depth >= 3:
         return ...
     if isinstance(value, tuple):
-        value = dict(value[:QUOTE])
-    if isinstance(value, dict):
-        return {key: _shown(item, depth + 1) for key, item in islice(value.items(), QUOTE)}
+        return {k: _shown(v, depth + 1) for k, v in value[:QUOTE]}
     if isinstance(value, list):
         return [_shown(item, depth + 1) for item in value[:QUOTE]]
     return value
 
 
-def _check_layout(where: _Where, tensors: dict[str, TensorSpec]) -> None:
-    """Contiguous from the first data byte, no overlap, and the last tensor ends exactly at the end of the file."""
-    name, data_start, data_size = where
-    pos = data_start
-    for key, spec in tensors.items():
-        if spec.start != pos:
-            what = "overlaps the previous tensor" if spec.start < pos else f"leaves a gap of {spec.start - pos} bytes"
-            raise _err(name, f"tensor {_quote(key)} at data offset {spec.start - data_start} {what}")
-        pos = spec.end
-    covered = pos - data_start
-    if covered > data_size:
-        raise _err(name, f"tensors need {covered} data bytes but the file holds {data_size} (truncated?)")
-    if covered < data_size:
-        raise _err(name, f"{data_size - covered} bytes after the last tensor belong to no tensor")
+# --- a big header in one child process ------------------------------------------------------------------------
+
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])
+_ENVIRONMENT = ("PATH", "LD_LIBRARY_PATH", "PYTHONHOME", "LANG", "LC_ALL", "TMPDIR")
+_REFUSED = 17  # the child's exit status for a refusal (its words on stdout); 0 for a valid header
+# one big header checked at a time per process: only a hostile source has them, and each child may take GBs
+_ONE_AT_A_TIME = threading.Lock()
+
+
+def _check_in_child(fd: int, name: str) -> None:
+    """check_file's verdict on the open file `fd`, reached in one child process (its answer on stdout)."""
+    if not sys.executable:  # an embedded interpreter: nothing to start, and this process must not stall
+        raise StoreError(f"{Path(name).name}: no Python executable to check its big safetensors header with")
+    # a process that parses hostile bytes gets no more than it needs: no credentials from the environment
+    env = {key: os.environ[key] for key in _ENVIRONMENT if key in os.environ}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")]))
+    # -P: the working directory is not searched (a weightcache/ there must not be imported instead)
+    args = [sys.executable, "-P", "-m", "weightcache.safetensors_check", str(fd), str(CHILD_MEMORY_BYTES), name]
+    with _ONE_AT_A_TIME:
+        try:
+            done = subprocess.run(args, pass_fds=(fd,), stdin=subprocess.DEVNULL, capture_output=True, env=env,
+                                  timeout=CHILD_TIMEOUT_S, check=False)
+        except subprocess.TimeoutExpired:
+            raise StoreError(f"{Path(name).name}: its safetensors header check took over {CHILD_TIMEOUT_S:.0f} s "
+                             "and was stopped; give the daemon more CPU, or exclude the file") from None
+        except OSError as exc:
+            raise StoreError(f"{Path(name).name}: could not start the safetensors header check's process "
+                             f"({exc}); retry, or exclude the file") from None
+    if done.returncode == 0:
+        return
+    if done.returncode == _REFUSED:
+        raise SafetensorsHeaderError(done.stdout.decode("utf-8", "replace"))
+    code = done.returncode
+    how = (f"was killed by signal {-code}" + (" (out of memory?)" if code == -9 else "") if code < 0
+           else f"exited with status {code}")
+    last = done.stderr.decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
+    raise StoreError(f"{Path(name).name}: the safetensors header check's process {how} ({_shorten(last[0])}); give "
+                     "the daemon more memory, or exclude the file")
+
+
+def _child(argv: list[str]) -> None:
+    """`FD MEMORY_BYTES NAME`: exit 0 when the header is valid, _REFUSED with the refusal on stdout; a MemoryError
+    past the limit exits 1 with its traceback (the parent's StoreError)."""
+    import gc
+    import resource
+
+    fd, memory = int(argv[0]), int(argv[1])
+    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))  # before a byte of the header is read
+    gc.disable()  # millions of new containers, none cyclic
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            _parse(fh, os.fstat(fd).st_size, argv[2], build=False)
+    except SafetensorsHeaderError as exc:
+        sys.stdout.write(str(exc))
+        sys.stdout.flush()
+        os._exit(_REFUSED)
+    os._exit(0)  # the verdict is in; freeing the tree would only cost time
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1:])
