@@ -7,4 +7,7 @@ source scripts/_venv.sh
 "$PY" -m ruff check weightcache tests scripts  # rules and line length: [tool.ruff] in pyproject.toml
 "$PY" -m mypy  # --strict on the package: [tool.mypy] in pyproject.toml
 "$VENV/bin/lint-imports"  # the layers of docs/architecture.md: [tool.importlinter] in pyproject.toml
-exec "$PY" -m pytest "$@"
+# One worker per CPU (at least 2: most tests wait on sockets and subprocesses, not the CPU); WEIGHTCACHE_TEST_WORKERS=0
+# runs in this process (pdb, -s). Each worker starts its own moto server and temp dirs; tests share nothing else.
+workers="${WEIGHTCACHE_TEST_WORKERS:-$(( $(nproc) > 2 ? $(nproc) : 2 ))}"
+exec "$PY" -m pytest -n "$workers" "$@"
