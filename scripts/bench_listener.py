@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SERVER = r"""
 import asyncio, logging, sys
 from aiohttp import web
-from weightcache.daemon.listener import GuardedTCPSite
+from weightcache.listener import GuardedTCPSite
 
 async def healthz(request):
     return web.json_response({"ok": True})

@@ -25,7 +25,7 @@ from tests.fixtures_daemon import (  # noqa: F401 - fixtures are used by name
 )
 from tests.fixtures_s3 import S3, fault_proxy, s3, s3_server  # noqa: F401
 from weightcache.daemon import app as daemon_app
-from weightcache.daemon.listener import GuardedTCPSite, Limits, RateLimitFilter
+from weightcache.listener import GuardedTCPSite, Limits, RateLimitFilter
 
 TOKEN = "s3cr3t-token-0123456789abcdef"
 LIMITS = Limits(max_connections=16, header_timeout_s=1.0, body_timeout_s=1.0, idle_timeout_s=3.0)

@@ -18,8 +18,8 @@ from tests.fixtures_daemon import start_daemon
 from weightcache.daemon import metrics_server
 from weightcache.daemon.command import add_commands, flags_of
 from weightcache.daemon.config import load_settings
-from weightcache.daemon.listener import Limits
 from weightcache.errors import ConfigError
+from weightcache.listener import Limits
 from weightcache.uri import parse_ref
 
 # fixtures, used by name

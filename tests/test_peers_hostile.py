@@ -17,7 +17,7 @@ from tests.faultproxy import FaultProxy
 from tests.fixtures_s3 import S3
 from tests.peers_fleet import Fleet, FleetNode, HostilePeer
 from tests.test_peers import FILES, MODEL_BYTES, OPTIONS, TOKEN, assert_model, ensure, origin_bytes
-from weightcache.daemon.listener import Limits
+from weightcache.listener import Limits
 from weightcache.peers.client import SLOW_GRACE_S
 from weightcache.peers.server import PeerLimits
 

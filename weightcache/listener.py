@@ -1,4 +1,5 @@
-"""The daemon API's TCP listener, safe to expose inside a cluster (any pod can open connections to it).
+"""The guarded TCP site every listener of the project uses, safe to expose inside a cluster (any pod can open
+connections to it). Foundation, beside unixsock: the daemon, the peer server and the webhook all import it.
 
 aiohttp alone keeps a connection that trickles a request's headers open for an hour and accepts every
 connection the kernel hands it: a few hundred half-sent requests (slowloris) exhaust the process's file

@@ -26,13 +26,13 @@ from aiohttp import web
 from weightcache.daemon.api import make_app
 from weightcache.daemon.config import Settings, apply_live
 from weightcache.daemon.configwatch import ConfigWatcher
-from weightcache.daemon.listener import GuardedTCPSite, Limits
 from weightcache.daemon.metrics import Metrics
 from weightcache.daemon.metrics_server import start_metrics_server
 from weightcache.daemon.node import MeteredFetcher, Node
 from weightcache.daemon.reconcile import Reconciler
 from weightcache.daemon.tasks import Tasks
 from weightcache.errors import ConfigError, MemoryTierError, StoreError
+from weightcache.listener import GuardedTCPSite, Limits
 from weightcache.redact import RedactingFormatter
 from weightcache.store import Store
 from weightcache.unixsock import claim_socket_path
@@ -40,7 +40,7 @@ from weightcache.unixsock import claim_socket_path
 log = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 5.0  # how long a request in progress (a streaming ensure) may take to finish on SIGTERM
-TCP_LIMITS = Limits()  # the TCP listener's connection cap and header/body timeouts (weightcache/daemon/listener.py)
+TCP_LIMITS = Limits()  # the TCP listener's connection cap and header/body timeouts (weightcache/listener.py)
 
 
 class Daemon:

@@ -4,7 +4,7 @@ Prometheus scrapes it without a credential, so it serves exactly one thing: `GET
 path is 404 and every other method 405; the admin API (PUT/DELETE models, leases) is never reachable here, so
 opening this port to the cluster network grants no control over the node. Being token-free and on by default,
 it is the daemon's most exposed listener: it is the same guarded site as the API's TCP listener
-(`weightcache.daemon.listener`: a connection cap, header and body deadlines), or a few hundred half-sent requests
+(`weightcache.listener`: a connection cap, header and body deadlines), or a few hundred half-sent requests
 would take the process's descriptors and with them the Unix-socket API, CSI and the store. Its series carry no
 model URI (bucket and prefix names say whose models a node holds): a model is labelled by its key (`ref.key`,
 the hash its readiness node label carries), which whoever knows the URI computes (`weightcache.uri.model_key`).
@@ -17,9 +17,9 @@ import logging
 
 from aiohttp import web
 
-from weightcache.daemon.listener import GuardedTCPSite, Limits
 from weightcache.daemon.metrics import Metrics
 from weightcache.errors import ConfigError
+from weightcache.listener import GuardedTCPSite, Limits
 
 log = logging.getLogger(__name__)
 

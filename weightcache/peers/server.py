@@ -27,8 +27,8 @@ from pathlib import Path
 
 from aiohttp import web
 
-from weightcache.daemon.listener import GuardedTCPSite, Limits
 from weightcache.download import PartialFile
+from weightcache.listener import GuardedTCPSite, Limits
 from weightcache.peers.client import PARTIAL_HEADER
 from weightcache.peers.inflight import InFlight
 from weightcache.units import ascii_int

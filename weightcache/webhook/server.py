@@ -13,7 +13,7 @@ pod (annotations.MAX_MODELS, MAX_ANNOTATION_CHARS: a denial past them), and the 
 once per change of their list (policy.CacheIndex), so a review costs O(its models + the grants of their sources).
 A body over INLINE_BODY (a normal pod is a few KiB) is parsed and reviewed in a thread, SLOW_REVIEWS at a time,
 so /healthz and the small reviews keep being answered while it runs. The TLS listener is the daemon's guarded
-site (weightcache.daemon.listener, LIMITS): with failurePolicy Fail, a webhook whose descriptors a flood of
+site (weightcache.listener, LIMITS): with failurePolicy Fail, a webhook whose descriptors a flood of
 half-open connections took refuses every annotated pod in the cluster.
 
 Rotated certificates (cert-manager, or a Secret update swapping the mounted `..data` link) are picked up without
@@ -42,9 +42,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
-from weightcache.daemon.listener import GuardedTCPSite, Limits
 from weightcache.errors import BadAdmissionReviewError, ConfigError, InvalidRequestError
 from weightcache.jsonbody import parse_json
+from weightcache.listener import GuardedTCPSite, Limits
 from weightcache.placement.nodes import NodeFacts
 from weightcache.policy import CacheIndex
 from weightcache.redact import redact
