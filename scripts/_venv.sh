@@ -19,4 +19,8 @@ PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 if ! command -v mount >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   apt-get update -qq && apt-get install -y -qq mount >/dev/null
 fi
+# docker-registry (the CNCF distribution registry) serves oci:// artifacts to tests/test_sources_oci.py.
+if [ ! -x /usr/bin/docker-registry ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  apt-get update -qq && apt-get install -y -qq docker-registry >/dev/null
+fi
 PY="$VENV/bin/python"

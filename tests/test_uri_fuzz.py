@@ -102,3 +102,43 @@ def test_is_readiness_label_matches_only_the_labels_readiness_label_makes() -> N
                 readiness_label("s3://models/llama/") + "0", readiness_label("s3://models/llama/") + "\n",
                 "x.weightcache.io/m" + "0" * 20, "weightcache.io/M" + "0" * 20, "weightcache.io/m" + "g" * 20):
         assert not is_readiness_label(key), key
+
+
+_oci_component = st.from_regex(r"\A[a-z0-9]{1,6}(?:(?:[._]|__|-{1,2})[a-z0-9]{1,4}){0,2}\Z")
+_oci_revision = st.one_of(st.none(), st.from_regex(r"\A[A-Za-z0-9_][A-Za-z0-9._-]{0,20}\Z"),
+                          st.from_regex(r"\A[0-9a-f]{64}\Z").map(lambda h: "sha256:" + h))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(["127.0.0.1:5000", "registry.example.com", "ghcr.io", "[::1]:5000", "localhost"]),
+       st.lists(_oci_component, min_size=1, max_size=4), _oci_revision, _globs)
+def test_oci_references_round_trip_through_their_canonical_form(
+        registry: str, parts: list[str], revision: str | None, include: list[str]) -> None:
+    """oci://REGISTRY/REPOSITORY:TAG and oci://REGISTRY/REPOSITORY@sha256:<hex> (../shared/DESIGN.md, Wave 3):
+    registry as bucket, repository as prefix, tag or digest as revision; the printed form parses to the same
+    reference, and so do `uri` with the revision as a flag and `uri@revision`."""
+    repo = "/".join(parts)
+    sep = "@" if revision and revision.startswith("sha256:") else ":"
+    text = f"oci://{registry}/{repo}" + (f"{sep}{revision}" if revision else "")
+    ref = parse_ref(text, include=include)
+    assert (ref.scheme, ref.bucket, ref.prefix, ref.revision) == ("oci", registry, repo + "/", revision)
+    assert str(ref) == text
+    assert parse_ref(str(ref), include=ref.include) == ref
+    assert parse_ref(ref.uri, revision=revision, include=ref.include) == ref
+    if revision:
+        assert parse_ref(f"{ref.uri}@{revision}", include=ref.include) == ref
+
+
+@pytest.mark.parametrize("text", [
+    "oci://127.0.0.1:5000/Models/tiny:v1",  # upper case repository
+    "oci://127.0.0.1:5000/models/../tiny:v1",
+    "oci://user:pw@127.0.0.1:5000/models/tiny:v1",
+    "oci://127.0.0.1:5000/models/tiny@sha512:" + "a" * 128,
+    "oci://127.0.0.1:5000/models/tiny@sha256:" + "A" * 64,
+    "oci://127.0.0.1:5000/models/tiny:-v1",
+    "oci://127.0.0.1:5000/models/tiny:v1?x=1",
+    "oci://127.0.0.1:5000/:v1",
+])
+def test_bad_oci_references_are_refused(text: str) -> None:
+    with pytest.raises(InvalidReferenceError):
+        parse_ref(text)

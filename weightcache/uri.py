@@ -22,13 +22,17 @@ from dataclasses import dataclass
 from weightcache.errors import InvalidReferenceError
 from weightcache.redact import redact
 
-SCHEMES = ("s3", "gs", "az", "http", "https", "file", "memory", "hf")
+SCHEMES = ("s3", "gs", "az", "http", "https", "file", "memory", "hf", "oci")
 EXAMPLE = "s3://models/llama-3-8b/ (optionally s3://models/llama-3-8b/@<revision>)"
 
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-_]{1,253}[a-z0-9]$")
 _HOST = re.compile(r"^(?:[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?$")  # host[:port], never user:secret
 _HF_PART = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?$")  # hub org or repo name
 _REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,127}$")
+# oci:// (the distribution spec's grammar): repository path components, a tag, a sha256 digest
+_OCI_COMPONENT = re.compile(r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*$")
+_OCI_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
+OCI_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,9 @@ class ModelRef:
         return not any(fnmatch.fnmatchcase(relpath, g) for g in self.exclude)
 
     def __str__(self) -> str:
+        if self.scheme == "oci":  # oci://registry/repository:tag or @sha256:<hex>; no revision: the tag latest
+            sep = "@" if self.revision and OCI_DIGEST.fullmatch(self.revision) else ":"
+            return self.uri.rstrip("/") + (f"{sep}{self.revision}" if self.revision else "")
         return self.uri + (f"@{self.revision}" if self.revision else "")
 
 
@@ -147,6 +154,12 @@ def parse_ref(
         raise _fail(text, "it has no scheme")
     if scheme not in SCHEMES:
         raise _fail(text, f"unknown scheme {scheme!r} (known: {', '.join(SCHEMES)})")
+    if scheme == "oci":
+        bucket, path, rev = _parse_oci(text, rest, revision)
+        for glob in (*include, *exclude):
+            if not glob or "\0" in glob or glob.startswith("/"):
+                raise _fail(text, f"glob {glob!r} must be a non-empty relative pattern such as '*.safetensors'")
+        return ModelRef(scheme, bucket, path, rev, tuple(include), tuple(exclude))
     if scheme == "file":
         bucket, path = "", rest
         if not path.startswith("/"):
@@ -171,6 +184,36 @@ def parse_ref(
         if not glob or "\0" in glob or glob.startswith("/"):
             raise _fail(text, f"glob {glob!r} must be a non-empty relative pattern such as '*.safetensors'")
     return ModelRef(scheme, bucket, path, rev, tuple(include), tuple(exclude))
+
+
+def _parse_oci(text: str, rest: str, revision: str | None) -> tuple[str, str, str | None]:
+    """`registry[:port]/repository[:tag|@sha256:<hex>]` (also `repository/@revision`, the form `uri@revision`
+    makes) -> (registry, "repository/", tag or digest or None); `revision` (a flag) wins."""
+    bucket, _, path = rest.partition("/")
+    if "@" in bucket:
+        raise _fail(text, "credentials or '@' in the registry part are not allowed; use a docker config file")
+    if not bucket or not _HOST.fullmatch(bucket):
+        raise _fail(text, f"registry {bucket!r} is not a valid host[:port]; write oci://registry/repository:tag")
+    rev: str | None = None
+    if "@" in path:
+        path, _, rev = path.partition("@")
+        if not OCI_DIGEST.fullmatch(rev) and not (path.endswith("/") and _OCI_TAG.fullmatch(rev)):
+            raise _fail(text, f"{rev[:80]!r} after '@' is not a digest sha256:<64 lowercase hex>")
+    last = path.rstrip("/").rpartition("/")[2]
+    if ":" in last and not path.endswith("/"):
+        path, _, tag = path.rpartition(":")
+        if not _OCI_TAG.fullmatch(tag):
+            raise _fail(text, f"tag {tag[:80]!r} must be 1-128 characters of letters, digits, '_', '.', '-'")
+        rev = rev or tag  # repository:tag@digest: the digest names the content
+    parts = path.strip("/").split("/")
+    if not path.strip("/") or not all(_OCI_COMPONENT.fullmatch(p) for p in parts) or len(path) > 255:
+        raise _fail(text, "the repository must be lowercase path components (a-z, 0-9, separated by '.', '_', "
+                          "'__' or '-'), at most 255 characters; write oci://registry/repository:tag")
+    if revision is not None:
+        if not (OCI_DIGEST.fullmatch(revision) or _OCI_TAG.fullmatch(revision)):
+            raise _fail(text, f"revision {revision[:80]!r} is neither a tag nor a digest sha256:<64 lowercase hex>")
+        rev = revision
+    return bucket, "/".join(parts) + "/", rev
 
 
 def _check_bucket(text: str, scheme: str, bucket: str) -> None:
