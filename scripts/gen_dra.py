@@ -19,7 +19,7 @@ from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = ROOT / "dra"
-PROTOS = ("dra_v1", "dra_v1beta1", "pluginregistration")
+PROTOS = ("dra_v1", "dra_v1beta1", "dra_health_v1alpha1", "pluginregistration")
 DEFAULT_OUT = ROOT / "weightcache" / "dra" / "_pb"
 PACKAGE = "weightcache.dra._pb"
 

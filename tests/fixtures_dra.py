@@ -143,7 +143,7 @@ class DraHarness:
 
 async def start_plugin(root: Path, store: Store, api: FakeApiServer, policy: Any) -> DraPlugin:
     return await serve_dra(store=store, pool=NODE, kubelet_dir=root / "kubelet", cdi_dir=root / "cdi",
-                           authority=policy, claims=claim_reader(api.api_client()))
+                           authority=policy, claims=claim_reader(api.api_client()), health_interval=0.1)
 
 
 @pytest.fixture

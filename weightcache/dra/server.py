@@ -3,6 +3,7 @@ ResourceSlice publisher.
 
 Sockets (kubelet's layout for DRA drivers):
     <kubelet dir>/plugins/models.weightcache.io/dra.sock                the DRAPlugin service (v1 and v1beta1)
+                                                                        and DRAResourceHealth (v1alpha1)
     <kubelet dir>/plugins_registry/models.weightcache.io-reg.sock       the Registration service
 
 The DRA service starts first and the registration socket last, so kubelet never finds an endpoint that does not
@@ -25,8 +26,14 @@ import grpc
 
 from weightcache.access import Authority
 from weightcache.dra import DRIVER_NAME
-from weightcache.dra._pb import dra_v1_pb2_grpc, dra_v1beta1_pb2_grpc, pluginregistration_pb2_grpc
+from weightcache.dra._pb import (
+    dra_health_v1alpha1_pb2_grpc,
+    dra_v1_pb2_grpc,
+    dra_v1beta1_pb2_grpc,
+    pluginregistration_pb2_grpc,
+)
 from weightcache.dra.claims import ClaimBook
+from weightcache.dra.health import DeviceHealth, HealthServicer
 from weightcache.dra.plugin import ClaimSource, DRAServicer, DRAServicerV1beta1, ModelClaims
 from weightcache.dra.registration import RegistrationServicer
 from weightcache.dra.slices import API_TIMEOUT_S, SlicePublisher
@@ -74,16 +81,19 @@ class DraPlugin:
 
 async def serve_dra(*, store: Store, pool: str, kubelet_dir: Path, cdi_dir: Path, authority: Authority,
                     claims: ClaimSource, publisher: SlicePublisher | None = None,
-                    publish_interval: float = 2.0) -> DraPlugin:
+                    publish_interval: float = 2.0, health_interval: float = 2.0) -> DraPlugin:
     """Reconcile prepared claims with the store's leases, then serve DRA and register with kubelet."""
-    model_claims = ModelClaims(store, ClaimBook(store.layout.tree), pool=pool, cdi_dir=cdi_dir, claims=claims,
-                               authority=authority)
+    book = ClaimBook(store.layout.tree)
+    model_claims = ModelClaims(store, book, pool=pool, cdi_dir=cdi_dir, claims=claims, authority=authority)
     await asyncio.to_thread(model_claims.reconcile)
     plugin_path, reg_path = plugin_socket(kubelet_dir), registration_socket(kubelet_dir)
     dra_server = grpc.aio.server()
     v1 = DRAServicer(model_claims)
     dra_v1_pb2_grpc.add_DRAPluginServicer_to_server(v1, dra_server)  # type: ignore[no-untyped-call]
     dra_v1beta1_pb2_grpc.add_DRAPluginServicer_to_server(DRAServicerV1beta1(v1), dra_server)  # type: ignore[no-untyped-call]
+    health = DeviceHealth(store, book, published=publisher.published_names if publisher is not None else lambda: ())
+    dra_health_v1alpha1_pb2_grpc.add_DRAResourceHealthServicer_to_server(  # type: ignore[no-untyped-call]
+        HealthServicer(health, pool=pool, interval=health_interval), dra_server)
     await _listen(dra_server, plugin_path)
     registration = RegistrationServicer(str(plugin_path))
     reg_server = grpc.aio.server()

@@ -9,6 +9,12 @@ kubelet deletes every ResourceSlice of its node when it starts, and a driver's s
 stays unreachable: so besides the cheap change check, the publisher re-reads its slices every `resync_s` (10 s)
 and puts back what is missing.
 
+Every slice names its Node as owner (`metadata.ownerReferences`, with the Node's uid, read once and again on each
+full sync), so the garbage collector deletes the slices of a Node that is deleted, as kubelet's own helper does:
+otherwise the scheduler would keep allocating devices of a node that no longer exists. A Node that cannot be
+read (a daemon started before its Node object, RBAC without `get nodes`) is logged once and its slices carry no
+owner until it can be read.
+
 `SlicePublisher.sync()` blocks (the kubernetes client is synchronous): the daemon runs it in a thread, from a
 loop that wakes every `interval` seconds. A tick costs one stat of the snapshot and manifest directories unless
 something changed. Every API call has a timeout, so a hung API server never holds a worker thread for long.
@@ -37,15 +43,24 @@ def slice_name(node_name: str, index: int) -> str:
     return f"{node_name}-{DRIVER_NAME}-{index}"
 
 
+def node_owner(node_name: str, uid: str) -> dict[str, Any]:
+    """The ownerReference that ties a node-local slice to its Node (garbage-collected with it)."""
+    return {"apiVersion": "v1", "kind": "Node", "name": node_name, "uid": uid, "controller": True}
+
+
 def build_slices(node_name: str, devices: list[dict[str, Any]], generation: int, *,
-                 api_version: str = "v1") -> list[dict[str, Any]]:
-    """The ResourceSlice objects of this node's pool at `generation` (at least one, possibly without devices)."""
+                 api_version: str = "v1", node_uid: str | None = None,
+                 shared_counters: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """The ResourceSlice objects of this node's pool at `generation` (at least one, possibly without devices);
+    owned by the Node when its uid is known. `shared_counters` go into the first slice (a counter set is
+    defined once per pool)."""
     chunks = [devices[i:i + MAX_DEVICES_PER_SLICE] for i in range(0, len(devices), MAX_DEVICES_PER_SLICE)] or [[]]
-    return [{
+    slices: list[dict[str, Any]] = [{
         "apiVersion": f"{GROUP}/{api_version}",
         "kind": "ResourceSlice",
         "metadata": {"name": slice_name(node_name, i),
-                     "labels": {"app.kubernetes.io/managed-by": "weightcache"}},
+                     "labels": {"app.kubernetes.io/managed-by": "weightcache"},
+                     **({"ownerReferences": [node_owner(node_name, node_uid)]} if node_uid else {})},
         "spec": {
             "driver": DRIVER_NAME,
             "nodeName": node_name,
@@ -53,6 +68,13 @@ def build_slices(node_name: str, devices: list[dict[str, Any]], generation: int,
             "devices": chunk,
         },
     } for i, chunk in enumerate(chunks)]
+    if shared_counters:
+        slices[0]["spec"]["sharedCounters"] = shared_counters
+    return slices
+
+
+def _owners(obj: dict[str, Any]) -> Any:
+    return (obj.get("metadata") or {}).get("ownerReferences")
 
 
 class SlicePublisher:
@@ -63,6 +85,9 @@ class SlicePublisher:
         import kubernetes
 
         self._api = kubernetes.client.CustomObjectsApi(api_client)
+        self._core = kubernetes.client.CoreV1Api(api_client)
+        self._node_uid: str | None = None
+        self._uid_warned = False
         self._node = node_name
         self._devices = devices
         self._version = api_version
@@ -82,17 +107,22 @@ class SlicePublisher:
         self._last_token = token
         if not full and devices == self._published:
             return False
+        if full or self._node_uid is None:
+            self._read_node_uid()
         existing = self._existing()
         if self._published is None:  # first sync of this process: continue the pool's generation
             self._generation = max((int(s["spec"]["pool"].get("generation", 0)) for s in existing.values()),
                                    default=0)
-        current = build_slices(self._node, devices, self._generation, api_version=self._version)
+        current = build_slices(self._node, devices, self._generation, api_version=self._version,
+                               node_uid=self._node_uid)
         if [existing.get(s["metadata"]["name"], {}).get("spec") for s in current] == [s["spec"] for s in current] \
+                and [_owners(existing[s["metadata"]["name"]]) for s in current] == [_owners(s) for s in current] \
                 and len(existing) == len(current):
             self._published = devices
             return False
         self._generation += 1
-        wanted = build_slices(self._node, devices, self._generation, api_version=self._version)
+        wanted = build_slices(self._node, devices, self._generation, api_version=self._version,
+                              node_uid=self._node_uid)
         for obj in wanted:
             name = obj["metadata"]["name"]
             if name in existing:
@@ -109,6 +139,26 @@ class SlicePublisher:
         log.info("ResourceSlice pool %s generation %d: %d devices in %d slices", self._node, self._generation,
                  len(devices), len(wanted))
         return True
+
+    def published_names(self) -> list[str]:
+        """The names of the devices last published (empty before the first write)."""
+        return [str(d["name"]) for d in self._published or ()]
+
+    def _read_node_uid(self) -> None:
+        import kubernetes
+
+        try:
+            node = self._core.read_node(self._node, _request_timeout=API_TIMEOUT_S)
+        except kubernetes.client.ApiException as exc:
+            if not self._uid_warned:
+                self._uid_warned = True
+                log.warning("reading Node %s for the ResourceSlices' owner failed: HTTP %s %s; publishing them "
+                            "without an owner until it can be read (the daemon needs `get` on nodes)",
+                            self._node, exc.status, exc.reason)
+            return
+        uid = node.metadata.uid if node.metadata is not None else None
+        if uid and uid != self._node_uid:
+            self._node_uid = uid
 
     def _existing(self) -> dict[str, dict[str, Any]]:
         listing = self._api.list_cluster_custom_object(
