@@ -20,8 +20,8 @@ from weightcache.kube.desired import plan as desired_plan
 from weightcache.placement import CONTROLLER, MANAGED_BY, choice
 from weightcache.placement.controller import Controller
 from weightcache.placement.nodes import NodeFacts, node_facts
+from weightcache.pods.annotations import MAX_MODELS
 from weightcache.uri import parse_ref
-from weightcache.webhook.annotations import MAX_MODELS
 from weightcache.webhook.mutate import review
 
 TENANT, OTHER = "team-a", "team-b"

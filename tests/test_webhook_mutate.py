@@ -18,9 +18,9 @@ from tests.fixtures_webhook import (
     envs,
 )
 from weightcache.errors import BadAdmissionReviewError
+from weightcache.pods.annotations import MAX_MODELS
 from weightcache.policy import CacheIndex
 from weightcache.uri import readiness_label
-from weightcache.webhook.annotations import MAX_MODELS
 from weightcache.webhook.mutate import review
 
 OPEN = {"model_caches": [], "allow_undeclared": True}

@@ -22,8 +22,8 @@ import pytest
 
 from tests.fixtures_webhook import REF, admission_review, apply_response, check_pod, container, deployment_pod
 from weightcache.listener import GuardedTCPSite, Limits
+from weightcache.pods.annotations import MAX_ANNOTATION_CHARS, MAX_MODELS
 from weightcache.webhook import server
-from weightcache.webhook.annotations import MAX_ANNOTATION_CHARS, MAX_MODELS
 from weightcache.webhook.certs import CertPair, make_ca, make_serving_cert, service_dns_names, write_service_certs
 from weightcache.webhook.server import Policy, Running, make_app, start
 

@@ -18,7 +18,7 @@ MODELCACHENODE_KIND = "ModelCacheNode"
 CSI_DRIVER = "csi.weightcache.io"
 DRA_DRIVER = "models.weightcache.io"
 
-# Pod annotations all start with this (weightcache/webhook/annotations.py names each key).
+# Pod annotations all start with this (weightcache/pods/annotations.py names each key).
 ANNOTATION_PREFIX = f"{GROUP}/"
 # The scheduling gate the webhook adds to a pod whose model is ready on no node, and the controller removes.
 GATE = f"{GROUP}/model"

@@ -28,10 +28,10 @@ from typing import Any, Literal
 
 from weightcache.errors import AnnotationError, InvalidReferenceError
 from weightcache.placement.nodes import NodeFacts, eligible, gpu_request
+from weightcache.pods.annotations import MAX_MODELS, parse_annotations, wants_injection
 from weightcache.policy import decide
 from weightcache.uri import ModelRef
 from weightcache.vocabulary import GATE as GATE  # re-exported: tests read choice.GATE
-from weightcache.webhook.annotations import MAX_MODELS, parse_annotations, wants_injection
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from weightcache.kube.watch import ModelCacheWatcher
 from weightcache.placement.controller import Controller
 from weightcache.placement.lease import LeaderElector
 from weightcache.placement.nodes import NodeFacts, node_facts
-from weightcache.webhook.annotations import MAX_MODELS
+from weightcache.pods.annotations import MAX_MODELS
 
 LEASE_NAME = "weightcache-placement"
 

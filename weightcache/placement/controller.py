@@ -40,12 +40,12 @@ from weightcache.placement import CONTROLLER, MANAGED_BY, choice
 from weightcache.placement.choice import MAX_DEMAND_PER_NAMESPACE
 from weightcache.placement.lease import LeaderElector
 from weightcache.placement.nodes import NodeFacts, eligible, gpu_request, node_facts
+from weightcache.pods.annotations import MAX_MODELS, PLACEMENT
+from weightcache.pods.patch import required_affinity
 from weightcache.progress import Progress
 from weightcache.redact import redact
 from weightcache.uri import ModelRef
 from weightcache.vocabulary import GATE
-from weightcache.webhook.annotations import MAX_MODELS, PLACEMENT
-from weightcache.webhook.mutate import required_affinity
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,9 @@ from typing import Any
 
 from weightcache.dra.template import template_name
 from weightcache.errors import AnnotationError
-from weightcache.webhook.annotations import ENV_SINGLE, PREFIX, Injection
+from weightcache.pods.annotations import ENV_SINGLE, PREFIX, Injection
+from weightcache.pods.patch import check_names, chosen, extend, list_at, mapping_at
+from weightcache.vocabulary import GATE
 
 VIA = PREFIX + "via"
 VIAS = ("csi", "dra")
@@ -39,23 +41,20 @@ def via(annotations: Mapping[str, object]) -> str:
 
 def plan(pod: Mapping[str, Any], injection: Injection) -> list[Any]:
     """The JSON Patch adding the models' ResourceClaims; empty when everything is already there."""
-    from weightcache.vocabulary import GATE
-    from weightcache.webhook.mutate import _check_names, _chosen, _dict, _extend, _list
-
     if injection.tier != "disk":
         raise AnnotationError(f"{PREFIX}tier: {injection.tier} needs the CSI volume; with {VIA}: dra a model is "
                               f"served from disk (remove {PREFIX}tier or use {VIA}: csi)")
-    spec = _dict(pod, "spec")
+    spec = mapping_at(pod, "spec")
     claims = [{"name": m.volume, "resourceClaimTemplateName": template_name(
         m.ref.uri, revision=m.ref.revision, mount_path=None if m.mount_path == DEFAULT_PATH else m.mount_path,
         env=None if m.env == ENV_SINGLE else m.env)} for m in injection.models]
-    _check_names("resource claim", _list(spec, "resourceClaims"), claims)
-    ops = _extend(spec, "/spec", ["resourceClaims"], claims)
-    for path, container in _chosen(spec, injection.containers):
+    check_names("resource claim", list_at(spec, "resourceClaims"), claims)
+    ops = extend(spec, "/spec", ["resourceClaims"], claims)
+    for path, container in chosen(spec, injection.containers):
         refs = [{"name": m.volume} for m in injection.models]
-        _check_names(f"container {container['name']!r} resource claim", _list(_dict(container, "resources"),
+        check_names(f"container {container['name']!r} resource claim", list_at(mapping_at(container, "resources"),
                                                                                "claims"), refs)
-        ops += _extend(container, path, ["resources", "claims"], refs)
+        ops += extend(container, path, ["resources", "claims"], refs)
     if injection.placement == "gate":
-        ops += _extend(spec, "/spec", ["schedulingGates"], [{"name": GATE}])
+        ops += extend(spec, "/spec", ["schedulingGates"], [{"name": GATE}])
     return ops

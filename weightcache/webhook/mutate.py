@@ -38,23 +38,16 @@ from weightcache.errors import (
 )
 from weightcache.placement.choice import ready_nodes
 from weightcache.placement.nodes import NodeFacts
+from weightcache.pods.annotations import MAX_MODELS, Injection, ModelMount, parse_annotations, wants_injection
+from weightcache.pods.patch import PatchOp, check_names, chosen, extend, list_at, mapping_at, ready, required_affinity
 from weightcache.policy import CacheIndex, decide
 from weightcache.vocabulary import GATE
 from weightcache.webhook import dra_claim
-from weightcache.webhook.annotations import MAX_MODELS, Injection, ModelMount, parse_annotations, wants_injection
 
 API_VERSION = "admission.k8s.io/v1"
 DRIVER = "csi.weightcache.io"
-READY = "ready"
 PREFERRED_WEIGHT = 50  # of 1..100: wins over weak user preferences, leaves room for stronger ones
-_REQUIRED = "requiredDuringSchedulingIgnoredDuringExecution"
 _PREFERRED = "preferredDuringSchedulingIgnoredDuringExecution"
-
-
-class PatchOp(TypedDict):
-    op: str
-    path: str
-    value: Any
 
 
 class Status(TypedDict):
@@ -94,7 +87,7 @@ def review(
     annotations = _annotations(pod)
     if not wants_injection(annotations):
         return _answer({"uid": uid, "allowed": True})
-    namespace = request.get("namespace") or _dict(pod, "metadata").get("namespace") or ""
+    namespace = request.get("namespace") or mapping_at(pod, "metadata").get("namespace") or ""
     try:
         injection = parse_annotations(annotations, max_models=max_models)
         via = dra_claim.via(annotations)
@@ -118,18 +111,18 @@ def review(
 
 def plan(pod: Mapping[str, Any], injection: Injection, nodes: Sequence[NodeFacts] | None = None) -> list[PatchOp]:
     """The JSON Patch that injects `injection` into `pod`; empty when everything is already there."""
-    spec = _dict(pod, "spec")
+    spec = mapping_at(pod, "spec")
     volumes = [_volume(m, injection.tier) for m in injection.models]
-    _check_names("volume", _list(spec, "volumes"), volumes)
-    ops = _extend(spec, "/spec", ["volumes"], volumes)
-    for path, container in _chosen(spec, injection.containers):
+    check_names("volume", list_at(spec, "volumes"), volumes)
+    ops = extend(spec, "/spec", ["volumes"], volumes)
+    for path, container in chosen(spec, injection.containers):
         mounts = [{"name": m.volume, "mountPath": m.mount_path, "readOnly": True} for m in injection.models]
         env = [{"name": m.env, "value": m.mount_path} for m in injection.models]
         env += [e for m in injection.models if m.hf_repo for e in _hub_env(m)]
         _check_mounts(container, mounts)
-        _check_names(f"container {container['name']!r} env", _list(container, "env"), env)
-        ops += _extend(container, path, ["volumeMounts"], mounts)
-        ops += _extend(container, path, ["env"], env)
+        check_names(f"container {container['name']!r} env", list_at(container, "env"), env)
+        ops += extend(container, path, ["volumeMounts"], mounts)
+        ops += extend(container, path, ["env"], env)
     return ops + _placement(pod, injection, nodes)
 
 
@@ -138,14 +131,14 @@ def _placement(pod: Mapping[str, Any], injection: Injection, nodes: Sequence[Nod
     nodes holding every model, or the scheduling gate while no node the pod may run on holds them all (a
     gated pod waits outside the scheduler and the autoscaler); `prefer`: a preference only; `gate`: always
     gated, the controller releases it to a ready node with room."""
-    spec = _dict(pod, "spec")
+    spec = mapping_at(pod, "spec")
     labels = [m.label for m in injection.models]
     mode = injection.placement or ("require" if nodes is not None else "prefer")
     if mode == "prefer":
         return _preferred(spec, labels)
     if mode == "require" and (nodes is None or ready_nodes(pod, [m.ref for m in injection.models], nodes)):
         return required_affinity(spec, labels)
-    return _extend(spec, "/spec", ["schedulingGates"], [{"name": GATE}])
+    return extend(spec, "/spec", ["schedulingGates"], [{"name": GATE}])
 
 
 def _request(body: object) -> dict[str, Any]:
@@ -183,7 +176,7 @@ def _deny(uid: str, exc: WeightcacheError) -> AdmissionReview:
 
 
 def _annotations(pod: Mapping[str, Any]) -> dict[str, Any]:
-    return _dict(_dict(pod, "metadata"), "annotations")
+    return mapping_at(mapping_at(pod, "metadata"), "annotations")
 
 
 def _hub_env(m: ModelMount) -> list[dict[str, str]]:
@@ -201,24 +194,8 @@ def _volume(m: ModelMount, tier: str) -> dict[str, Any]:
     return {"name": m.volume, "csi": {"driver": DRIVER, "readOnly": True, "volumeAttributes": attributes}}
 
 
-def _chosen(spec: Mapping[str, Any], names: tuple[str, ...] | None) -> list[tuple[str, dict[str, Any]]]:
-    """(JSON pointer, container) for each chosen container; by default every app container."""
-    app = [(f"/spec/containers/{i}", c) for i, c in enumerate(_containers(spec, "containers"))]
-    if names is None:
-        return app
-    init = [(f"/spec/initContainers/{i}", c) for i, c in enumerate(_containers(spec, "initContainers"))]
-    by_name = {c["name"]: (path, c) for path, c in init + app}
-    missing = [n for n in names if n not in by_name]
-    if missing:
-        raise AnnotationError(
-            f"weightcache.io/containers names {', '.join(missing)}, which this pod does not have; "
-            f"write one or more of: {', '.join(by_name)}"
-        )
-    return [by_name[n] for n in names]
-
-
 def _check_mounts(container: Mapping[str, Any], wanted: list[dict[str, Any]]) -> None:
-    for mount in _list(container, "volumeMounts") or []:
+    for mount in list_at(container, "volumeMounts") or []:
         for w in wanted:
             if mount != w and (mount.get("name") == w["name"] or mount.get("mountPath") == w["mountPath"]):
                 raise InjectionConflictError(
@@ -228,82 +205,6 @@ def _check_mounts(container: Mapping[str, Any], wanted: list[dict[str, Any]]) ->
                 )
 
 
-def _check_names(what: str, existing: list[Any] | None, wanted: list[dict[str, Any]]) -> None:
-    """An entry already there under an injected name must be exactly ours (re-invocation), else it is a conflict."""
-    ours = {w["name"]: w for w in wanted}
-    for entry in existing or []:
-        w = ours.get(entry.get("name"))
-        if w is not None and entry != w:
-            raise InjectionConflictError(
-                f"the pod already has {what} {w['name']!r}, a name weightcache injects for "
-                f"{w.get('value') or w.get('csi', {}).get('volumeAttributes', {}).get('model')!r}; "
-                f"rename or remove yours (names starting with 'wc-' and WEIGHTCACHE_MODEL_PATH* are reserved)"
-            )
-
-
 def _preferred(spec: Mapping[str, Any], labels: list[str]) -> list[PatchOp]:
-    terms = [{"weight": PREFERRED_WEIGHT, "preference": {"matchExpressions": [_ready(lb)]}} for lb in labels]
-    return _extend(spec, "/spec", ["affinity", "nodeAffinity", _PREFERRED], terms)
-
-
-def required_affinity(spec: Mapping[str, Any], labels: list[str]) -> list[PatchOp]:
-    """Node selector terms are ORed, so our expressions join every existing term (an empty term matches nothing).
-    Only adds expressions: allowed on a gated pod too (the placement controller uses it to release one)."""
-    wanted = [_ready(lb) for lb in labels]
-    keys = ["affinity", "nodeAffinity", _REQUIRED, "nodeSelectorTerms"]
-    terms = _list(_dict(_dict(_dict(spec, "affinity"), "nodeAffinity"), _REQUIRED), "nodeSelectorTerms")
-    if not terms:
-        return _extend(spec, "/spec", keys, [{"matchExpressions": wanted}])
-    ops: list[PatchOp] = []
-    for i, term in enumerate(terms):
-        if _list(term, "matchExpressions") or _list(term, "matchFields"):
-            ops += _extend(term, f"/spec/{'/'.join(keys)}/{i}", ["matchExpressions"], wanted)
-    return ops
-
-
-def _ready(label: str) -> dict[str, Any]:
-    return {"key": label, "operator": "In", "values": [READY]}
-
-
-def _extend(root: Mapping[str, Any], path: str, keys: list[str], items: list[Any]) -> list[PatchOp]:
-    """Ops adding the `items` not yet there to the list at root[keys[0]][keys[1]]..., adding missing parents whole."""
-    node: Mapping[str, Any] = root
-    for depth, key in enumerate(keys):
-        if node.get(key) is None:
-            value: Any = items
-            for parent in reversed(keys[depth + 1 :]):
-                value = {parent: value}
-            return [{"op": "add", "path": "/".join([path, *keys[: depth + 1]]), "value": value}]
-        if depth < len(keys) - 1:
-            node = _dict(node, key)
-    existing = _list(node, keys[-1]) or []
-    where = "/".join([path, *keys, "-"])
-    return [{"op": "add", "path": where, "value": item} for item in items if item not in existing]
-
-
-def _containers(spec: Mapping[str, Any], key: str) -> list[dict[str, Any]]:
-    containers = _list(spec, key) or []
-    for c in containers:
-        if not isinstance(c, dict) or not isinstance(c.get("name"), str):
-            raise BadAdmissionReviewError(f"pod spec.{key} holds an entry without a string name")
-    return containers
-
-
-def _dict(obj: Mapping[str, Any], key: str) -> dict[str, Any]:
-    """obj[key] as a dict ({} when absent or null); a pod of another shape is a bad request, not a crash."""
-    value = obj.get(key)
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise BadAdmissionReviewError(f"pod field {key!r} must be an object, got {type(value).__name__}")
-    return value
-
-
-def _list(obj: Mapping[str, Any], key: str) -> list[Any] | None:
-    """obj[key] as a list of objects, None when absent or null."""
-    value = obj.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
-        raise BadAdmissionReviewError(f"pod field {key!r} must be a list of objects")
-    return value
+    terms = [{"weight": PREFERRED_WEIGHT, "preference": {"matchExpressions": [ready(lb)]}} for lb in labels]
+    return extend(spec, "/spec", ["affinity", "nodeAffinity", _PREFERRED], terms)

@@ -46,9 +46,9 @@ from weightcache.errors import BadAdmissionReviewError, ConfigError, InvalidRequ
 from weightcache.jsonbody import parse_json
 from weightcache.listener import GuardedTCPSite, Limits
 from weightcache.placement.nodes import NodeFacts
+from weightcache.pods.annotations import MAX_MODELS
 from weightcache.policy import CacheIndex
 from weightcache.redact import redact
-from weightcache.webhook.annotations import MAX_MODELS
 from weightcache.webhook.mutate import AdmissionReview, review
 from weightcache.webhook.mutate import _deny as deny  # the one way a denial is written
 from weightcache.webhook.mutate import _request as envelope  # the one check of a review's envelope
