@@ -39,3 +39,9 @@ def pods(api_client: kubernetes.client.ApiClient) -> Lister:
 def model_cache_nodes(api_client: kubernetes.client.ApiClient) -> Lister:
     custom = kubernetes.client.CustomObjectsApi(api_client)
     return _raw(lambda **kw: custom.list_cluster_custom_object(GROUP, VERSION, MODELCACHENODES, **kw))
+
+
+def resource_slices(api_client: kubernetes.client.ApiClient, version: str = "v1") -> Lister:
+    """resource.k8s.io ResourceSlices (the placement controller checks that a node lists a model's devices)."""
+    custom = kubernetes.client.CustomObjectsApi(api_client)
+    return _raw(lambda **kw: custom.list_cluster_custom_object("resource.k8s.io", version, "resourceslices", **kw))

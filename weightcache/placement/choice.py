@@ -174,6 +174,49 @@ def ready_nodes(pod: Mapping[str, Any], refs: Sequence[ModelRef], nodes: Iterabl
     return sorted(n.name for n in nodes if holds(n, refs) == len(refs) and eligible(pod, n))
 
 
+VIA = "weightcache.io/via"
+
+
+def via_dra(pod: Mapping[str, Any]) -> bool:
+    """A pod whose models come as DRA claims (`weightcache.io/via: dra`): its node must list the devices."""
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    value = annotations.get(VIA) if isinstance(annotations, Mapping) else None
+    return isinstance(value, str) and value.strip() == "dra"
+
+
+def slice_models(slices: Iterable[Mapping[str, Any]], driver: str) -> dict[str, set[tuple[str, str | None]]]:
+    """node -> (model key, revision) of every held device `driver`'s ResourceSlices list for it. A device that
+    is only fetchable (attribute `ready` false, binding conditions) is not held."""
+    out: dict[str, set[tuple[str, str | None]]] = {}
+    for obj in slices:
+        spec = obj.get("spec") or {}
+        node = spec.get("nodeName")
+        if spec.get("driver") != driver or not isinstance(node, str) or not node:
+            continue
+        held = out.setdefault(node, set())
+        for device in spec.get("devices") or []:
+            attrs = device.get("attributes") or {} if isinstance(device, Mapping) else {}
+            if (attrs.get("ready") or {}).get("bool") is not True or device.get("bindingConditions"):
+                continue
+            key = (attrs.get("model") or {}).get("string")
+            if isinstance(key, str):
+                revision = (attrs.get("revision") or {}).get("string")
+                held.add((key, revision if isinstance(revision, str) else None))
+    return out
+
+
+def dra_ready_nodes(ready: Iterable[str], refs: Sequence[ModelRef],
+                    held: Mapping[str, set[tuple[str, str | None]]]) -> list[str]:
+    """The `ready` nodes whose ResourceSlices list a device of each model (of its revision, when one is asked):
+    a `via: dra` pod released earlier would find no device to allocate and fail scheduling."""
+    from weightcache.uri import model_key
+
+    def listed(node: str, ref: ModelRef) -> bool:
+        key = model_key(ref.uri)
+        return any(k == key and (not ref.revision or r == ref.revision) for k, r in held.get(node, ()))
+    return sorted(n for n in ready if all(listed(n, ref) for ref in refs))
+
+
 def plan(pods: Iterable[Mapping[str, Any]], nodes: Sequence[NodeFacts], current: Mapping[str, Iterable[str]],
          *, budgets: Mapping[str, int] | None = None, sizes: Mapping[str, int] | None = None,
          max_models: int = MAX_MODELS) -> Plan:

@@ -45,7 +45,7 @@ from weightcache.pods.patch import required_affinity
 from weightcache.progress import Progress
 from weightcache.redact import redact
 from weightcache.uri import ModelRef
-from weightcache.vocabulary import GATE
+from weightcache.vocabulary import DRA_DRIVER, GATE
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +96,9 @@ class Controller:
         self.reports = ModelCacheWatcher(api_client, lister=listers.model_cache_nodes(api_client), on_change=kick)
         self.caches = ModelCacheWatcher(api_client, on_change=kick)
         self._watchers = (self.pods, self.nodes, self.reports, self.caches)
+        # ResourceSlices, for `via: dra` pods only: not in `synced()`, so a cluster without resource.k8s.io/v1
+        # places CSI pods as before, and a DRA pod waits until the slices are listed.
+        self.slices = ModelCacheWatcher(api_client, lister=listers.resource_slices(api_client), on_change=kick)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._seen: dict[str, _Seen] = {}
@@ -104,7 +107,7 @@ class Controller:
     # lifecycle --------------------------------------------------------------------------------------------------
     def start(self, *, loop: bool = True) -> None:
         """`loop=False` only watches: the caller runs `reconcile()` itself (tests that count one pass's writes)."""
-        for w in self._watchers:
+        for w in (*self._watchers, self.slices):
             w.start()
         if self.elector is not None:
             self.elector.start()
@@ -118,7 +121,7 @@ class Controller:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(10.0)
-        for w in self._watchers:
+        for w in (*self._watchers, self.slices):
             w.stop()
         if self.elector is not None:
             self.elector.stop(release=release)
@@ -253,6 +256,9 @@ class Controller:
         if state.state != "gated" or not self.leading():
             return False
         ready = set(choice.ready_nodes(pod, state.refs, facts))
+        if choice.via_dra(pod):  # released only to a node whose ResourceSlice lists the models' devices
+            held = choice.slice_models(self.slices.items(), DRA_DRIVER) if self.slices.wait_synced(0) else {}
+            ready = set(choice.dra_ready_nodes(ready, state.refs, held))
         need = gpu_request(pod)
         roomy = {n.name for n in facts if n.gpus_free >= need and eligible(pod, n)}
         if ready and (ready & roomy or not roomy):  # a ready node with room, or no room anywhere to wait for
