@@ -6,9 +6,11 @@ Exit codes: each error declares its own (weightcache/errors.py lists them all).
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
+import shutil
 import sys
 import threading
 import time
@@ -86,13 +88,20 @@ def percent_arg(text: str) -> float:
 
 
 class ProgressPrinter:
-    """A progress bar on a terminal; JSON lines otherwise (stderr, so stdout keeps the result)."""
+    """A progress bar on a terminal; JSON lines otherwise (stderr, so stdout keeps the result).
+
+    The bar redraws in place with `\r`, so each draw erases what a longer previous draw left to its right
+    ("downloadingg"), and is cut to the terminal's width: a line that wraps cannot be redrawn by `\r` at all.
+    """
+
+    CLEAR_TO_EOL = "\x1b[K"  # ANSI erase-in-line, understood by every terminal emulator in use
 
     def __init__(self, out: TextIO = sys.stderr, *, quiet: bool = False) -> None:
         self.out = out
         self.tty = out.isatty()
         self.quiet = quiet
         self._last = 0.0
+        self._shown = 0  # width of the line on screen, padded over as well where ANSI is not understood
 
     def __call__(self, p: Progress | dict[str, Any]) -> None:
         if self.quiet:
@@ -106,12 +115,23 @@ class ProgressPrinter:
         if not self.tty:
             self.out.write(redact(json.dumps({"event": "progress", **p.to_json()})) + "\n")
         else:
-            frac = p.bytes_done / p.bytes_total if p.bytes_total else 0.0
-            bar = "#" * int(frac * 30)
-            eta = f" ETA {p.eta:.0f}s" if p.eta is not None and p.phase == "downloading" else ""
-            self.out.write(f"\r[{bar:<30}] {frac * 100:5.1f}% {fmt_bytes(p.bytes_done)}/{fmt_bytes(p.bytes_total)} "
-                           f"{fmt_bytes(p.rate)}/s{eta} files {p.files_done}/{p.files_total} {p.phase:<11}")
+            self.out.write(self.redraw(self.bar(p)))
         self.out.flush()
+
+    @staticmethod
+    def bar(p: Progress) -> str:
+        frac = p.bytes_done / p.bytes_total if p.bytes_total else 0.0
+        eta = f" ETA {p.eta:.0f}s" if p.eta is not None and p.phase == "downloading" else ""
+        return (f"[{'#' * int(frac * 30):<30}] {frac * 100:5.1f}% {fmt_bytes(p.bytes_done)}/{fmt_bytes(p.bytes_total)}"
+                f" {fmt_bytes(p.rate)}/s{eta} files {p.files_done}/{p.files_total} {p.phase}")
+
+    def redraw(self, line: str) -> str:
+        """What to write so that the terminal's current line shows exactly `line`."""
+        width = shutil.get_terminal_size((80, 24)).columns - 1  # the last column would wrap on some terminals
+        line = line[:max(width, 20)]
+        pad = " " * max(0, self._shown - len(line))
+        self._shown = len(line)
+        return f"\r{line}{pad}{self.CLEAR_TO_EOL}"
 
     def close(self) -> None:
         if self.tty and not self.quiet and self._last:
@@ -144,7 +164,7 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
         selector = dict(kv.split("=", 1) for kv in args.node_selector)
         return prefetch_cluster(api, ref, name=args.name, node_selector=selector, tier=args.tier,
                                 allowed_namespaces=args.allow_namespace, wait=args.wait, timeout=args.timeout,
-                                out=sys.stdout, json_lines=not sys.stdout.isatty())
+                                out=sys.stdout, json_lines=args.output == "json" or not sys.stdout.isatty())
     cache = _cache(args)
     if args.dry_run:
         return _dry_run(args, ref, cache)
@@ -261,24 +281,37 @@ def cmd_evict(args: argparse.Namespace) -> int:
     cache = _cache(args)
     if args.to_size is not None:
         gone, used = cache.evict_to(args.to_size)
-        _say(args, f"evicted {len(gone)} snapshot(s); {cache.where} now uses {fmt_bytes(used)}")
+        if args.output == "json":
+            print(json.dumps({"evicted": gone, "used_bytes": used}))
+        else:
+            _say(args, f"evicted {len(gone)} snapshot(s); {cache.where} now uses {fmt_bytes(used)}")
         return 0
     if not args.ref:
         raise InvalidReferenceError("give a model reference or snapshot id, or --to-size SIZE")
+    evicted = []
     for entry in match(cache.snapshots(), args.ref, where=cache.where):
         cache.evict(entry["id"])
-        _say(args, f"evicted {entry['uri']} snapshot {entry['id'][:12]}")
+        evicted.append(entry["id"])
+        if args.output != "json":
+            _say(args, f"evicted {entry['uri']} snapshot {entry['id'][:12]}")
+    if args.output == "json":
+        print(json.dumps({"evicted": evicted}))
     return 0
 
 
 def cmd_pin(args: argparse.Namespace) -> int:
     cache = _cache(args)
+    done = []
     for entry in match(cache.snapshots(), args.ref, where=cache.where):
         if args.command == "pin":
             cache.pin(entry["id"])
         else:
             cache.unpin(entry["id"])
-        _say(args, f"{args.command}ned {entry['uri']} snapshot {entry['id'][:12]}")
+        done.append(entry["id"])
+        if args.output != "json":
+            _say(args, f"{args.command}ned {entry['uri']} snapshot {entry['id'][:12]}")
+    if args.output == "json":
+        print(json.dumps({f"{args.command}ned": done}))
     return 0
 
 
@@ -286,6 +319,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     cache = _cache(args)
     entries = match(cache.snapshots(), args.ref, where=cache.where) if args.ref else cache.snapshots()
     damaged = 0
+    if args.output == "json":  # one document; the exit code still says whether damage is left
+        results = [cache.verify(entry["id"], repair=args.repair) for entry in entries]
+        left = sum(1 for r in results if r["damaged"] and not r["repaired"])
+        print(json.dumps({"snapshots": results, "damaged_left": left}))
+        return 7 if left else 0
     for entry in entries:
         result = cache.verify(entry["id"], repair=args.repair)
         if not result["damaged"]:
@@ -301,7 +339,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    _say(args, f"freed {fmt_bytes(_cache(args).gc())}")
+    freed = _cache(args).gc()
+    if args.output == "json":
+        print(json.dumps({"freed_bytes": freed}))
+    else:
+        _say(args, f"freed {fmt_bytes(freed)}")
     return 0
 
 
@@ -337,25 +379,32 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default=os.environ.get("WEIGHTCACHE_LOG_LEVEL", "WARNING"))
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def add(name: str, func: Callable[[argparse.Namespace], int], help_: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_)
-        p.set_defaults(func=func)
+    def add(name: str, func: Callable[[argparse.Namespace], int], help_: str, *, writes: bool = False,
+            quiet: str | None = "no chatter: errors, and what was asked for") -> argparse.ArgumentParser:
+        """A store command with the flags it uses and no others: every one finds the store (--root, --socket,
+        --no-daemon) and prints (-o); those that write the store take the free-space floor (`writes`); those
+        that say what they did take -q (`quiet`: what is still printed)."""
+        p = sub.add_parser(name, help=help_, description=help_[:1].upper() + help_[1:] + ".")
+        p.set_defaults(func=func, quiet=False, min_free_bytes=None, min_free_percent=None)
         p.add_argument("--root", help=f"store root (env WEIGHTCACHE_ROOT, default {defaults.ROOT}); "
                                       "given explicitly, the CLI uses the store directly, not the daemon")
-        p.add_argument("-o", "--output", choices=["table", "json"], default="table")
+        p.add_argument("-o", "--output", choices=["table", "json"], default="table",
+                       help="table for people (default) or one JSON document for scripts")
         p.add_argument("--socket", help=f"daemon socket (env WEIGHTCACHE_SOCKET, default {defaults.SOCKET})")
         p.add_argument("--no-daemon", action="store_true", help="use the store directly even if a daemon runs")
-        p.add_argument("--min-free-bytes", type=size_arg, default=None, metavar="SIZE",
-                       help="keep at least this much of the store's filesystem free, used directly (env "
-                            f"WEIGHTCACHE_MIN_FREE_BYTES, default {fmt_bytes(defaults.MIN_FREE_BYTES)})")
-        p.add_argument("--min-free-percent", type=percent_arg, default=None, metavar="PERCENT",
-                       help="keep at least this share of it free, the larger of the two wins (env "
-                            f"WEIGHTCACHE_MIN_FREE_PERCENT, default {defaults.MIN_FREE_PERCENT:g})")
-        p.add_argument("-q", "--quiet", action="store_true", help="no progress and no chatter: errors, and what "
-                                                                  "was asked for (prefetch: the snapshot path)")
+        if writes:
+            p.add_argument("--min-free-bytes", type=size_arg, default=None, metavar="SIZE",
+                           help="keep at least this much of the store's filesystem free, used directly (env "
+                                f"WEIGHTCACHE_MIN_FREE_BYTES, default {fmt_bytes(defaults.MIN_FREE_BYTES)})")
+            p.add_argument("--min-free-percent", type=percent_arg, default=None, metavar="PERCENT",
+                           help="keep at least this share of it free, the larger of the two wins (env "
+                                f"WEIGHTCACHE_MIN_FREE_PERCENT, default {defaults.MIN_FREE_PERCENT:g})")
+        if quiet is not None:
+            p.add_argument("-q", "--quiet", action="store_true", help=quiet)
         return p
 
-    p = add("prefetch", cmd_prefetch, "fetch a model into the node store (or across a cluster with --cluster)")
+    p = add("prefetch", cmd_prefetch, "fetch a model into the node store (or across a cluster with --cluster)",
+            writes=True, quiet="no progress and no chatter: errors, and the snapshot path")
     p.add_argument("ref", help="model reference, e.g. s3://models/llama-3-8b/[@revision]")
     p.add_argument("--revision")
     p.add_argument("--include", action="append", default=[], metavar="GLOB")
@@ -384,19 +433,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wait", action="store_true", help="with --cluster: wait until every selected node is ready")
     p.add_argument("--timeout", type=float, default=3600.0)
 
-    p = add("ls", cmd_ls, "list cached models")
-    p = add("evict", cmd_evict, "remove a cached model (refused while pods use it or it is pinned)")
+    add("ls", cmd_ls, "list cached models", quiet=None)
+    p = add("evict", cmd_evict, "remove a cached model (refused while pods use it or it is pinned)", writes=True)
     p.add_argument("ref", nargs="?", help="reference, snapshot id or id prefix")
     p.add_argument("--to-size", type=size_arg, help="evict least recently used models until the store fits")
     for name in ("pin", "unpin"):
         p = add(name, cmd_pin, f"{name} a cached model")
         p.add_argument("ref")
-    p = add("verify", cmd_verify, "re-hash cached models; --repair refetches damaged ones")
+    p = add("verify", cmd_verify, "re-hash cached models; --repair refetches damaged ones", writes=True)
     p.add_argument("ref", nargs="?")
-    p.add_argument("--repair", action="store_true")
-    p.add_argument("--endpoint-url", default=None)
-    add("gc", cmd_gc, "remove unreferenced blobs and abandoned partial downloads")
-    p = add("status", cmd_status, "per-node state of ModelCaches (cluster), or this store's summary")
+    p.add_argument("--repair", action="store_true", help="refetch damaged snapshots from their source")
+    p.add_argument("--endpoint-url", default=None, help="S3 endpoint for --repair (default: AWS_ENDPOINT_URL or AWS)")
+    add("gc", cmd_gc, "remove unreferenced blobs and abandoned partial downloads", writes=True)
+    p = add("status", cmd_status, "per-node state of ModelCaches (cluster), or this store's summary", quiet=None)
     p.add_argument("name", nargs="?")
 
     for module in ("weightcache.daemon.command", "weightcache.webhook.command"):
@@ -429,5 +478,18 @@ def main(argv: list[str] | None = None) -> int:
         print(redact(f"error: {exc}; run as root or point --root at a directory you own"), file=sys.stderr)
         return 1
     except OSError as exc:
-        print(redact(f"error: {exc}"), file=sys.stderr)
+        print(redact(f"error: {_os_error(exc, args)}"), file=sys.stderr)
         return 1
+
+
+def _os_error(exc: OSError, args: argparse.Namespace) -> str:
+    """An OS error in words that name the fix; the errno's own text stays at the end for searches."""
+    where = exc.filename or getattr(args, "root", None) or defaults.root()
+    if exc.errno == errno.EROFS:
+        return (f"{where} is on a read-only filesystem, and the store writes its index and downloads there; "
+                "point --root (or WEIGHTCACHE_ROOT) at a writable directory, or remount that filesystem "
+                f"read-write ({exc.strerror})")
+    if exc.errno == errno.ENOSPC:
+        return (f"no space left on the filesystem of {where}; free some with `weightcache gc` or `weightcache evict "
+                f"--to-size SIZE`, or point --root at a larger disk ({exc.strerror})")
+    return str(exc)

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from weightcache.errors import InUseError, InvalidReferenceError, NotCachedError
+from weightcache.errors import InUseError, InvalidReferenceError, NotCachedError, WeightcacheError
 
 if TYPE_CHECKING:
     from weightcache.daemon.client import DaemonClient
     from weightcache.store import Store
+    from weightcache.uri import ModelRef
 
 MIN_PREFIX = 4
 
@@ -156,12 +157,33 @@ class StoreCache:
             from weightcache.fetch import Fetcher
             from weightcache.uri import parse_ref
 
+            self._source_answers(parse_ref(snapshot.uri))  # before dropping: an unreachable source keeps it
             fetcher, authority = Fetcher(store, endpoint_url=self.endpoint_url), node_admin(store.root)
             for text in drop_damaged(store, snapshot_id, damaged) or [snapshot.uri]:
                 grant = authority.authorize(parse_ref(text), ADMIN)
-                repaired.append({"ref": text, "snapshot": fetcher.ensure(grant).id})
+                try:
+                    repaired.append({"ref": text, "snapshot": fetcher.ensure(grant).id})
+                except WeightcacheError as exc:
+                    raise repair_failed(exc, snapshot_id, text) from exc
         return {"id": snapshot_id, "uri": snapshot.uri, "files": len(snapshot.files), "damaged": damaged,
                 "repaired": repaired}
+
+    def _source_answers(self, ref: ModelRef) -> None:
+        """List the source before a repair drops anything: where it cannot be read (gone, no credentials, down),
+        the damaged snapshot stays listed and the error says why, instead of the model vanishing from `ls`.
+        (A snapshot id is its manifest's digest, so the refetch publishes under the same id: the old one cannot
+        stay beside the new one, only until we know the source answers.)"""
+        from weightcache.sources import open_source
+
+        source = open_source(ref, endpoint_url=self.endpoint_url)
+        try:
+            source.list()
+        except WeightcacheError as exc:
+            exc.args = (f"{exc}; the damaged snapshot is kept (nothing was removed): fix the source, then run "
+                        "`weightcache verify --repair` again",)
+            raise
+        finally:
+            source.close()
 
     def gc(self) -> int:
         from weightcache.store import collect_garbage
@@ -184,6 +206,14 @@ def open_cache(root: str | None, default_root: str | Path, socket: str | Path, *
         if client.available():  # a socket file left by a crash is not a daemon
             return DaemonCache(client)
     return StoreCache(Path(root or default_root), endpoint_url, floor)
+
+
+def repair_failed(exc: WeightcacheError, snapshot_id: str, ref: str) -> WeightcacheError:
+    """`exc` (same class, so the same exit code and HTTP status) saying plainly that the damaged snapshot is gone
+    and what brings the model back."""
+    exc.args = (f"snapshot {snapshot_id[:12]} of {ref} was damaged and has been removed, and refetching it failed: "
+                f"{exc}. The model is no longer cached; run `weightcache prefetch {ref}` once the source answers",)
+    return exc
 
 
 def match(entries: list[dict[str, Any]], text: str, *, where: str) -> list[dict[str, Any]]:

@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--root", default=str(defaults.root()))
     parser.add_argument("--endpoint", default=os.environ.get("CSI_ENDPOINT", "unix:///csi/csi.sock"))
     parser.add_argument("--node-name", default=os.environ.get("NODE_NAME", ""))
-    parser.add_argument("--kubelet-dir", default=str(defaults.KUBELET_DIR))
+    parser.add_argument("--kubelet-dir", default=os.environ.get("WEIGHTCACHE_KUBELET_DIR", str(defaults.KUBELET_DIR)))
     parser.add_argument("--publish-timeout", type=float, default=CSI_TIMEOUT_S,
                         help="how long a publish waits for a download when the call has no deadline")
     parser.add_argument("--allow-undeclared", action="store_true", help="allow every model (no cluster policy)")

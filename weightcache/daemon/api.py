@@ -338,7 +338,13 @@ async def verify_model(request: web.Request) -> web.Response:
     if damaged and repair:
         refs = await asyncio.to_thread(drop_damaged, node.store, sid, damaged) or [snapshot.uri]
         for text in refs:
-            fresh = await node.fetches.ensure(node.authorize(parse_ref(text), None), keep=True)
+            try:
+                fresh = await node.fetches.ensure(node.authorize(parse_ref(text), None), keep=True)
+            except errors.WeightcacheError as exc:  # the snapshot is gone: say so (same class: same status)
+                exc.args = (f"snapshot {sid[:12]} of {text} was damaged and has been removed, and refetching it "
+                            f"failed: {exc}. The model is no longer cached; run `weightcache prefetch {text}` once "
+                            "the source answers",)
+                raise
             repaired.append({"ref": text, "snapshot": fresh.id})
     return web.json_response({"id": sid, "uri": snapshot.uri, "files": len(snapshot.files), "damaged": damaged,
                               "repaired": repaired})
