@@ -79,6 +79,7 @@ RESOURCES = {
         Resource("coordination.k8s.io", "v1", "leases", "Lease", True, False),
         Resource("resource.k8s.io", "v1", "resourceslices", "ResourceSlice", False, False),
         Resource("resource.k8s.io", "v1", "resourceclaims", "ResourceClaim", True, True),
+        Resource("resource.k8s.io", "v1", "resourceclaimtemplates", "ResourceClaimTemplate", True, False),
         Resource("weightcache.io", "v1alpha1", "modelcaches", "ModelCache", False, True),
         Resource("weightcache.io", "v1alpha1", "modelcachenodes", "ModelCacheNode", False, True),
     )

@@ -42,7 +42,7 @@ from weightcache.pods.annotations import MAX_MODELS, Injection, ModelMount, pars
 from weightcache.pods.patch import PatchOp, check_names, chosen, extend, list_at, mapping_at, ready, required_affinity
 from weightcache.policy import CacheIndex, decide
 from weightcache.vocabulary import GATE
-from weightcache.webhook import dra_claim
+from weightcache.webhook import dra_claim, dra_templates
 
 API_VERSION = "admission.k8s.io/v1"
 DRIVER = "csi.weightcache.io"
@@ -100,6 +100,8 @@ def review(
             return _deny(uid, NotAllowedError(f"model {m.name!r}: {decision.reason}"))
     try:
         ops = dra_claim.plan(pod, injection) if via == "dra" else plan(pod, injection, nodes)
+        if via == "dra":
+            dra_templates.require(namespace, injection)  # a template that does not exist is refused
     except (AnnotationError, InjectionConflictError) as exc:
         return _deny(uid, exc)
     response: AdmissionResponse = {"uid": uid, "allowed": True}
