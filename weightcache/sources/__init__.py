@@ -10,6 +10,7 @@ without gcsfs still serves s3:// models, and asking for gs:// there says what to
     gs                  sources.fsspec.FsspecSource    gcsfs
     az                  sources.fsspec.FsspecSource    adlfs
     hf                  sources.hf.HfSource            huggingface_hub (hf://org/name[@revision])
+    oci                 sources.oci.OciSource          (urllib3: oci://registry/repository:tag or @sha256:...)
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ BACKENDS: dict[str, tuple[str, str | None]] = {
     "gs": ("weightcache.sources.fsspec:FsspecSource", "gcsfs"),
     "az": ("weightcache.sources.fsspec:FsspecSource", "adlfs"),
     "hf": ("weightcache.sources.hf:HfSource", "huggingface_hub"),
+    "oci": ("weightcache.sources.oci:OciSource", None),
 }
 
 

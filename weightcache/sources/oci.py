@@ -1,0 +1,521 @@
+"""oci:// models: ModelPack and ORAS artifacts in an OCI registry (the distribution API).
+
+    oci://registry[:port]/repository:tag          the tag is resolved at every listing
+    oci://registry[:port]/repository@sha256:<hex>  pinned: the manifest's bytes must hash to the digest
+
+The listing is the manifest (an OCI image manifest or a Docker v2 one; from an OCI index or a Docker manifest
+list the linux/amd64 entry, or the only entry of an artifact's index). Each layer is one file, named by its
+file-path annotation: ModelPack's `org.cncf.model.filepath` (and the earlier `org.cnai.model.filepath`), else
+ORAS's `org.opencontainers.image.title`; the name is checked like every key (`store.paths.validate_relpath`).
+Raw layers are files; tar layers (ModelPack's `*.tar`, `*.tar+gzip`, `*.tar+zstd`, an ORAS directory with
+`io.deis.oras.content.unpack`) are refused with a clear error for now: unpacking them means hashing the whole
+blob before a member is trusted, which the ranged engine does not yet do (docs/sources.md).
+
+Blobs are read by ranged GETs (`GET /v2/<repo>/blobs/<digest>`, redirects followed without credentials to other
+hosts), so the engine's parallel, resumable, verified download applies. Every layer's digest checks the bytes
+downloaded (a claim, `claimed_sha256`); it is evidence (`ObjectInfo.checksum`: dedup and peers) only when the
+reference was pinned by digest and the manifest's bytes hashed to it (docs/peers.md, "What counts as evidence").
+
+Everything the registry sends is untrusted: sizes, digests, counts, media types, annotations, token answers.
+Credentials come from a docker config file (`$DOCKER_CONFIG/config.json`, a mounted pull secret's
+`.dockerconfigjson`, else `~/.docker/config.json`): Basic, or the Bearer token a `WWW-Authenticate` challenge
+names. A registry on a loopback address is plain HTTP (as container runtimes treat localhost); other plain-HTTP
+registries are listed in `WEIGHTCACHE_OCI_INSECURE_REGISTRIES` (host or host:port, comma-separated).
+"""
+
+from __future__ import annotations
+
+import base64
+import builtins
+import hashlib
+import ipaddress
+import json
+import logging
+import os
+import re
+import threading
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlencode, urljoin, urlsplit
+
+import urllib3
+
+from weightcache.errors import (
+    HostileKeyError,
+    IntegrityError,
+    SourceAccessDeniedError,
+    SourceError,
+    SourceNotFoundError,
+)
+from weightcache.sources.base import (
+    ObjectInfo,
+    OnBytes,
+    Pieces,
+    Retryable,
+    SourceOptions,
+    finish_listing,
+    read_body_into,
+    read_range_into,
+    stream_range,
+)
+from weightcache.sources.http import raise_for_status
+from weightcache.store.paths import validate_relpath
+from weightcache.units import ascii_int
+from weightcache.uri import OCI_DIGEST, ModelRef
+
+log = logging.getLogger(__name__)
+
+INSECURE_ENV = "WEIGHTCACHE_OCI_INSECURE_REGISTRIES"
+MANIFEST_MAX = 4 << 20  # bytes of one manifest or index (the distribution registry's own limit)
+TOKEN_MAX = 1 << 20  # bytes of a token endpoint's answer
+CONFIG_MAX = 1 << 20  # bytes of a docker config file
+MAX_LAYERS = 10_000  # files of one artifact (a bigger model belongs in tar layers)
+MAX_INDEX = 1_000  # entries of one index
+MAX_REDIRECTS = 5
+MAX_BLOB = (1 << 63) - 1
+
+OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+OCI_INDEX = "application/vnd.oci.image.index.v1+json"
+DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
+DOCKER_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
+MANIFESTS = (OCI_MANIFEST, DOCKER_MANIFEST)
+INDEXES = (OCI_INDEX, DOCKER_LIST)
+ACCEPT = ", ".join((*MANIFESTS, *INDEXES))
+
+#: file-path annotations, the first present names the file
+FILEPATH_ANNOTATIONS = ("org.cncf.model.filepath", "org.cnai.model.filepath", "org.opencontainers.image.title")
+ORAS_UNPACK = "io.deis.oras.content.unpack"
+_MODEL_NS = re.compile(r"^application/vnd\.(?:cncf|cnai)\.model\.")
+_MODEL_LAYER = re.compile(r"^application/vnd\.(?:cncf|cnai)\.model\.(?:weight|weight\.config|config|doc|code|dataset)"
+                          r"\.v1\.(raw|tar|tar\+gzip|tar\+zstd)$")
+_MODEL_CONFIG = re.compile(r"^application/vnd\.(?:cncf|cnai)\.model\.config\.v1\+json$")
+_MODEL_ARTIFACT = re.compile(r"^application/vnd\.(?:cncf|cnai)\.model\.manifest\.v1\+json$")
+#: RFC 6838 type/subtype
+_MEDIA_TYPE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]{0,126}/[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]{0,126}$")
+_TAR_NEXT = ("tar layers are not unpacked yet (docs/sources.md, oci://): push each file as its own raw layer "
+             "(ModelPack `*.raw` media types, or `oras push` of files rather than a directory)")
+NETWORK_ERRORS = (urllib3.exceptions.HTTPError, OSError)
+
+
+class OciSource:
+    """A registry artifact's layers as files; ranged blob reads with the registry's auth."""
+
+    name = "oci"
+    local = False
+    resolves_revision = True  # @tag or @digest is the registry's; the listing is that manifest's layers
+
+    def __init__(self, ref: ModelRef, options: SourceOptions | None = None) -> None:
+        self.ref = ref
+        self.options = o = options or SourceOptions()
+        self.registry = ref.bucket
+        self.repository = ref.prefix.strip("/")
+        self.scheme = "http" if plain_http(self.registry) else "https"
+        self.base = f"{self.scheme}://{self.registry}/v2/{self.repository}/"
+        timeout = urllib3.Timeout(connect=o.connect_timeout, read=o.read_timeout)
+        self._pool = (urllib3.ProxyManager(o.proxy_url, maxsize=o.pool_size, retries=False, timeout=timeout)
+                      if o.proxy_url else urllib3.PoolManager(maxsize=o.pool_size, retries=False, timeout=timeout))
+        self._credentials = docker_credentials(self.registry)
+        self._lock = threading.Lock()
+        self._authorization: str | None = None  # what the registry's last challenge asked for
+        self.trusted = False  # the listing's manifest was pinned by digest and hashed to it
+        self.manifest_digest: str | None = None
+
+    def __repr__(self) -> str:
+        return f"OciSource({str(self.ref)!r})"
+
+    # -- the Source interface ---------------------------------------------------------------------------------
+    def list(self) -> builtins.list[ObjectInfo]:
+        manifest, trusted = self._resolve()
+        objects = self._objects(manifest, trusted)
+        self.trusted = trusted
+        return finish_listing(self.ref, objects, hint=f"the artifact {self.ref} has no file layers")
+
+    def claimed_sha256(self, obj: ObjectInfo) -> str | None:
+        """The layer's digest: the registry's content address, a claim that checks the downloaded bytes."""
+        return obj.etag
+
+    def read_into(self, obj: ObjectInfo, offset: int, buf: memoryview) -> None:
+        read_range_into(self.options, obj.relpath, obj, offset, buf,
+                        lambda pos, view: read_body_into(self._open_range(obj, pos, pos + len(view)), view))
+
+    def read_pieces(self, obj: ObjectInfo, offset: int, length: int, buf: memoryview,
+                    on_bytes: OnBytes | None = None) -> Pieces:
+        return stream_range(lambda pos, end: self._open_range(obj, pos, end), offset, length, buf,
+                            self.options.retry(f"reading {obj.relpath} bytes {offset}-{offset + length - 1}"),
+                            on_bytes)
+
+    def etag_md5(self, obj: ObjectInfo) -> str | None:
+        return None
+
+    def close(self) -> None:
+        self._pool.clear()
+
+    # -- manifests --------------------------------------------------------------------------------------------
+    def _resolve(self) -> tuple[dict[str, Any], bool]:
+        """The image manifest the reference names (through an index), and whether it is pinned: the reference
+        is a digest and every manifest on the way hashed to the digest that named it."""
+        reference = self.ref.revision or "latest"
+        pinned = bool(OCI_DIGEST.fullmatch(reference))
+        body, header_type = self._manifest(reference, reference if pinned else None)
+        doc = _json_object(body, f"the manifest of {self.ref}")
+        media_type = _media_type_of(doc, header_type, str(self.ref))
+        if media_type in INDEXES:
+            entry = _pick(doc, str(self.ref))
+            body, header_type = self._manifest(entry["digest"], entry["digest"], entry["size"])
+            doc = _json_object(body, f"the manifest {entry['digest']} of {self.ref}")
+            media_type = _media_type_of(doc, header_type, str(self.ref))
+            reference = entry["digest"]
+            if media_type not in MANIFESTS:
+                raise SourceError(f"{self.ref}: the index names a {media_type[:100]!r}, not an image manifest")
+        self.manifest_digest = reference if OCI_DIGEST.fullmatch(reference) else \
+            "sha256:" + hashlib.sha256(body).hexdigest()
+        return doc, pinned
+
+    def _manifest(self, reference: str, digest: str | None, size: int | None = None) -> tuple[bytes, str]:
+        """One manifest's bytes (at most MANIFEST_MAX) and Content-Type; `digest`: they must hash to it."""
+        url = f"{self.base}manifests/{reference}"
+
+        def get() -> tuple[bytes, str]:
+            resp = self._request(url, {"Accept": ACCEPT}, f"the manifest {reference[:80]}")
+            try:
+                body = resp.read(MANIFEST_MAX + 1, decode_content=True)
+            except NETWORK_ERRORS as exc:
+                raise Retryable(f"{type(exc).__name__} reading the manifest {reference[:80]}") from exc
+            finally:
+                resp.release_conn()
+            return body, str(resp.headers.get("Content-Type", "")).split(";")[0].strip()
+
+        body, content_type = self.options.retry(f"GET the manifest of {self.ref}").call(get)
+        if len(body) > MANIFEST_MAX:
+            raise SourceError(f"{self.ref}: the manifest {reference[:80]} is over {MANIFEST_MAX >> 20} MiB")
+        if digest is not None:
+            got = "sha256:" + hashlib.sha256(body).hexdigest()
+            if got != digest:
+                raise IntegrityError(f"{self.ref}: the manifest {digest} the registry sent hashes to {got}")
+            if size is not None and size != len(body):
+                raise IntegrityError(f"{self.ref}: the manifest {digest} is {len(body)} bytes, its index says {size}")
+        return body, content_type
+
+    def _objects(self, manifest: dict[str, Any], trusted: bool) -> builtins.list[ObjectInfo]:
+        """One ObjectInfo per file layer; every field checked before it is used."""
+        layers = manifest.get("layers")
+        if not isinstance(layers, builtins.list):
+            raise SourceError(f"{self.ref}: the manifest has no list of layers")
+        if len(layers) > MAX_LAYERS:
+            raise HostileKeyError(f"{self.ref} layer {MAX_LAYERS}", f"the artifact has {len(layers)} layers, "
+                                  f"more than {MAX_LAYERS}; pack its small files into fewer layers")
+        config = manifest.get("config")
+        config_type = config.get("mediaType") if isinstance(config, dict) else None
+        artifact_type = manifest.get("artifactType")
+        modelpack = any(isinstance(t, str) and (_MODEL_CONFIG.fullmatch(t) or _MODEL_ARTIFACT.fullmatch(t))
+                        for t in (config_type, artifact_type))
+        objects: builtins.list[ObjectInfo] = []
+        names: set[str] = set()
+        for i, raw in enumerate(layers):
+            layer = _descriptor(raw, f"{self.ref} layer {i}")
+            media_type, annotations = layer["mediaType"], layer["annotations"]
+            what = f"{self.ref} layer {i} ({media_type})"
+            name = next((annotations[a] for a in FILEPATH_ANNOTATIONS if annotations.get(a)), None)
+            if name is None:
+                raise SourceError(f"{what} names no file (no {' / '.join(FILEPATH_ANNOTATIONS)} annotation): "
+                                  "not a ModelPack or ORAS artifact")
+            relpath = validate_relpath(name)
+            if relpath in names:
+                raise HostileKeyError(relpath, f"named by two layers of {self.ref}")
+            names.add(relpath)
+            model = _MODEL_LAYER.fullmatch(media_type)
+            if not model and (_MODEL_NS.match(media_type) or modelpack):
+                raise SourceError(f"{what}: unknown media type for a ModelPack layer {media_type[:100]!r}; known: "
+                                  "application/vnd.cncf.model.{weight,weight.config,config,doc,code,dataset}"
+                                  ".v1.{raw,tar,tar+gzip,tar+zstd} (and vnd.cnai.model.*)")
+            if (model and model.group(1) != "raw") or annotations.get(ORAS_UNPACK, "").lower() == "true":
+                raise SourceError(f"{what} is a tar layer for {relpath!r}: {_TAR_NEXT}")
+            hexdigest = layer["digest"].partition(":")[2]
+            objects.append(ObjectInfo(f"{self.base}blobs/{layer['digest']}", relpath, layer["size"], hexdigest, None,
+                                      ("sha256", hexdigest) if trusted else None))
+        return objects
+
+    # -- HTTP -------------------------------------------------------------------------------------------------
+    def _open_range(self, obj: ObjectInfo, pos: int, end: int) -> Any:
+        """GET bytes [pos, end) of the blob: the checked response, body unread. A blob of another size than the
+        manifest's is an integrity failure (the bytes do not match what the manifest addressed)."""
+        resp = self._request(obj.key, {"Range": f"bytes={pos}-{end - 1}", "Accept-Encoding": "identity"},
+                             obj.relpath, ok=(200, 206, 416))
+        total: int | None
+        if resp.status == 416:
+            resp.close()
+            raise IntegrityError(f"{obj.relpath}: the registry's blob {obj.etag} is shorter than the {obj.size} "
+                                 "bytes its manifest says")
+        if resp.status == 200:
+            total = ascii_int(str(resp.headers.get("Content-Length", "")))
+            if pos != 0:
+                resp.close()
+                raise SourceError(f"{obj.relpath}: HTTP 200 to a range request; the registry must serve ranges")
+        else:
+            start, _, rest = str(resp.headers.get("Content-Range", "")).removeprefix("bytes ").partition("-")
+            total = ascii_int(rest.partition("/")[2])
+            if ascii_int(start) != pos:
+                resp.close()
+                raise SourceError(f"{obj.relpath}: the registry answered a range request with another range")
+        if total is not None and total != obj.size:
+            resp.close()
+            raise IntegrityError(f"{obj.relpath}: the registry's blob {obj.etag} is {total} bytes, its manifest says "
+                                 f"{obj.size}")
+        if isinstance(resp, urllib3.HTTPResponse):
+            resp.enforce_content_length = False  # a short body returns what came; we count and resume from there
+        return resp
+
+    def _request(self, url: str, headers: dict[str, str], what: str, ok: tuple[int, ...] = (200,)) -> Any:
+        """GET `url` with the registry's authorization, answering one challenge and following redirects (without
+        credentials to another host, never from https to http); the checked response, body unread."""
+        origin = _origin(url)
+        for _ in range(MAX_REDIRECTS + 1):
+            resp = self._get(url, headers, url if _origin(url) == origin else None)
+            if resp.status in (301, 302, 303, 307, 308):
+                location = resp.headers.get("Location", "")
+                resp.close()
+                target = urljoin(url, location)
+                if not location or urlsplit(target).scheme not in ("http", "https") or \
+                        (urlsplit(url).scheme == "https" and urlsplit(target).scheme != "https"):
+                    raise SourceError(f"{what}: the registry redirects to {_origin(target)[:100]!r}, refused")
+                url = target
+                continue
+            if resp.status == 401:
+                resp.close()
+                raise SourceAccessDeniedError(
+                    f"{what}: the registry {self.registry} refuses the credentials"
+                    f"{'' if self._credentials else ' (none found)'}; put them in a docker config file "
+                    f"($DOCKER_CONFIG/config.json or ~/.docker/config.json, `auths` for {self.registry})")
+            if resp.status == 403:
+                resp.close()
+                raise SourceAccessDeniedError(f"{what}: the registry {self.registry} forbids it; check the "
+                                              f"repository's permissions for these credentials")
+            if resp.status == 404:
+                resp.close()
+                raise SourceNotFoundError(f"{what}: not in {self.registry}/{self.repository}; check the repository, "
+                                          "tag or digest")
+            raise_for_status(resp, what, ok, "check that this is an OCI registry")
+            return resp
+        raise SourceError(f"{what}: more than {MAX_REDIRECTS} redirects")
+
+    def _get(self, url: str, headers: dict[str, str], authorize: str | None) -> Any:
+        """One GET; `authorize`: the registry's own URL, where its authorization goes and a 401 is answered once."""
+        sent = self._authorization if authorize else None
+        resp = self._send(url, {**headers, **({"Authorization": sent} if sent else {})})
+        if resp.status != 401 or not authorize:
+            return resp
+        challenge = str(resp.headers.get("WWW-Authenticate", ""))
+        resp.close()
+        with self._lock:
+            if self._authorization == sent:  # no other thread answered this challenge meanwhile
+                self._authorization = self._answer(challenge)
+            now = self._authorization
+        return self._send(url, {**headers, **({"Authorization": now} if now else {})})  # a 401 again: refused
+
+    def _send(self, url: str, headers: dict[str, str]) -> Any:
+        try:
+            return self._pool.request("GET", url, headers=headers, preload_content=False, redirect=False)
+        except NETWORK_ERRORS as exc:
+            raise Retryable(f"GET {_origin(url)} failed ({type(exc).__name__})") from exc
+
+    def _answer(self, challenge: str) -> str | None:
+        """The Authorization a WWW-Authenticate challenge asks for: Basic with our credentials, or a Bearer token
+        from the realm it names (with our credentials when we have them); None when we cannot answer."""
+        scheme, _, params = challenge.strip().partition(" ")
+        if scheme.lower() == "basic":
+            if self._credentials is None:
+                return None
+            return "Basic " + base64.b64encode(":".join(self._credentials).encode()).decode()
+        if scheme.lower() != "bearer":
+            return None
+        fields = dict(re.findall(r'([A-Za-z_]+)="([^"]*)"', params))
+        realm = fields.get("realm", "")
+        parts = urlsplit(realm)
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.username or parts.password:
+            raise SourceError(f"{self.registry}: the token realm {realm[:100]!r} is not a URL we may ask")
+        if parts.scheme == "http" and not plain_http(parts.netloc):
+            raise SourceError(f"{self.registry}: the token realm {_origin(realm)[:100]!r} is plain HTTP; only a "
+                              f"loopback or {INSECURE_ENV} host may be")
+        query = {k: fields[k] for k in ("service", "scope") if fields.get(k)}
+        url = realm + ("&" if parts.query else "?") + urlencode(query) if query else realm
+        headers = {"Accept": "application/json"}
+        if self._credentials is not None:
+            headers["Authorization"] = "Basic " + base64.b64encode(":".join(self._credentials).encode()).decode()
+        resp = self._send(url, headers)
+        if resp.status in (401, 403):
+            resp.close()
+            raise SourceAccessDeniedError(f"{self.registry}: its token service refuses the credentials"
+                                          f"{'' if self._credentials else ' (none found)'}; put them in a docker "
+                                          "config file ($DOCKER_CONFIG/config.json or ~/.docker/config.json)")
+        raise_for_status(resp, f"the token service of {self.registry}", (200,), "check the registry's token service")
+        try:
+            body = resp.read(TOKEN_MAX + 1, decode_content=True)
+        except NETWORK_ERRORS as exc:
+            raise Retryable(f"{type(exc).__name__} reading a token") from exc
+        finally:
+            resp.release_conn()
+        if len(body) > TOKEN_MAX:
+            raise SourceError(f"{self.registry}: its token service answered over {TOKEN_MAX >> 20} MiB")
+        try:
+            answer = json.loads(body)
+        except (ValueError, RecursionError):
+            answer = None
+        token = answer.get("token") or answer.get("access_token") if isinstance(answer, dict) else None
+        if not isinstance(token, str) or not re.fullmatch(r"[A-Za-z0-9._~+/=-]{1,8192}", token):
+            raise SourceError(f"{self.registry}: its token service gave no usable token")
+        return f"Bearer {token}"
+
+
+# -- registry documents ----------------------------------------------------------------------------------------
+def _json_object(body: bytes, what: str) -> dict[str, Any]:
+    """A JSON object; a key repeated at any level is refused (two parsers could read two different manifests)."""
+    def pairs(items: builtins.list[tuple[str, Any]]) -> dict[str, Any]:
+        out = dict(items)
+        if len(out) != len(items):
+            raise ValueError("a key repeated")
+        return out
+
+    try:
+        doc = json.loads(body, object_pairs_hook=pairs)
+    except (ValueError, RecursionError) as exc:
+        raise SourceError(f"{what} is not valid JSON ({str(exc)[:80]})") from None
+    if not isinstance(doc, dict):
+        raise SourceError(f"{what} is not a JSON object")
+    return doc
+
+
+def _media_type_of(doc: dict[str, Any], header: str, what: str) -> str:
+    media_type = doc.get("mediaType") or header
+    if doc.get("schemaVersion") != 2:
+        raise SourceError(f"{what}: manifest schemaVersion {str(doc.get('schemaVersion'))[:20]!r} is not 2")
+    if not isinstance(media_type, str) or media_type not in (*MANIFESTS, *INDEXES):
+        raise SourceError(f"{what}: unknown manifest media type {str(media_type)[:100]!r}; known: {ACCEPT}")
+    return media_type
+
+
+def _descriptor(raw: Any, what: str) -> dict[str, Any]:
+    """A checked descriptor: mediaType, digest (sha256 only), size in 0..2**63-1, annotations str -> str."""
+    if not isinstance(raw, dict):
+        raise SourceError(f"{what} is not a descriptor object")
+    media_type, digest, size = raw.get("mediaType"), raw.get("digest"), raw.get("size")
+    annotations = raw.get("annotations") or {}
+    if not isinstance(media_type, str) or not _MEDIA_TYPE.fullmatch(media_type):
+        raise SourceError(f"{what}: media type {str(media_type)[:100]!r} is not a media type")
+    if not isinstance(digest, str) or not OCI_DIGEST.fullmatch(digest):
+        raise SourceError(f"{what}: digest {str(digest)[:100]!r} is not sha256:<64 lowercase hex> (the only "
+                          "algorithm read)")
+    if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= MAX_BLOB:
+        raise SourceError(f"{what}: size {str(size)[:40]!r} is not a byte count")
+    if not isinstance(annotations, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                    for k, v in annotations.items()):
+        raise SourceError(f"{what}: annotations are not a string-to-string map")
+    return {**raw, "annotations": annotations}
+
+
+def _pick(index: dict[str, Any], what: str) -> dict[str, Any]:
+    """The index entry to read: linux/amd64, else the only entry (an artifact's index)."""
+    entries = index.get("manifests")
+    if not isinstance(entries, builtins.list) or not entries:
+        raise SourceError(f"{what}: the index lists no manifests")
+    if len(entries) > MAX_INDEX:
+        raise SourceError(f"{what}: the index lists {len(entries)} manifests, more than {MAX_INDEX}")
+    checked = [_descriptor(e, f"{what} index entry {i}") for i, e in enumerate(entries)]
+    for entry in checked:
+        if entry["size"] > MANIFEST_MAX:
+            raise SourceError(f"{what}: an index entry names a manifest of {entry['size']} bytes")
+    amd64 = [e for e in checked if isinstance(e.get("platform"), dict)
+             and e["platform"].get("os") == "linux" and e["platform"].get("architecture") == "amd64"]
+    if amd64:
+        return amd64[0]
+    if len(checked) == 1:
+        return checked[0]
+    platforms = sorted({f"{p.get('os')}/{p.get('architecture')}" for e in checked
+                        if isinstance(p := e.get("platform"), dict)})
+    raise SourceError(f"{what}: the index has {len(checked)} manifests and none for linux/amd64 "
+                      f"({', '.join(platforms)[:200] or 'no platforms'}); name one by its digest")
+
+
+# -- where and how ---------------------------------------------------------------------------------------------
+def _origin(url: str) -> str:
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.hostname or ''}{f':{parts.port}' if parts.port else ''}"
+
+
+def _host(netloc: str) -> str:
+    """The host of host[:port] (brackets of an IPv6 literal dropped), lowercase."""
+    if netloc.startswith("["):
+        return netloc[1:].partition("]")[0].lower()
+    return netloc.rpartition(":")[0].lower() if netloc.count(":") == 1 else netloc.lower()
+
+
+def plain_http(netloc: str) -> bool:
+    """True for a registry spoken to over plain HTTP: a loopback address, or one listed in INSECURE_ENV."""
+    host = _host(netloc)
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return True
+    except ValueError:
+        pass
+    listed = {x.strip().lower() for x in re.split(r"[,\s]+", os.environ.get(INSECURE_ENV, "")) if x.strip()}
+    return netloc.lower() in listed or host in listed
+
+
+def docker_config_files() -> builtins.list[Path]:
+    """Where credentials are read, first found wins: $DOCKER_CONFIG (a directory with config.json, or a mounted
+    kubernetes.io/dockerconfigjson secret's .dockerconfigjson; or that file itself), else ~/.docker/config.json."""
+    env = os.environ.get("DOCKER_CONFIG")
+    if env:
+        path = Path(env)
+        return [path] if path.is_file() else [path / "config.json", path / ".dockerconfigjson"]
+    return [Path.home() / ".docker" / "config.json"]
+
+
+def docker_credentials(registry: str) -> tuple[str, str] | None:
+    """(user, password) for `registry` from the docker config's `auths` (`auth`: base64 user:password, or
+    `username` + `password`); None when there are none. Credential helpers are not run."""
+    for path in docker_config_files():
+        try:
+            with path.open("rb") as f:
+                body = f.read(CONFIG_MAX + 1)
+        except OSError:
+            continue
+        try:
+            doc = json.loads(body) if len(body) <= CONFIG_MAX else None
+        except (ValueError, RecursionError):
+            doc = None
+        if not isinstance(doc, dict):
+            log.warning("%s is not a docker config file (JSON with `auths`); no registry credentials from it", path)
+            return None
+        auths = doc.get("auths", doc)  # a legacy .dockercfg is the auths map itself
+        if not isinstance(auths, dict):
+            return None
+        for key, entry in auths.items():
+            if isinstance(key, str) and isinstance(entry, dict) and _auth_key(key) == registry.lower():
+                return _entry_credentials(entry, path)
+        return None
+    return None
+
+
+def _auth_key(key: str) -> str:
+    """`https://host:port/v1/` or `host:port` -> `host:port`; Docker Hub's index names docker.io."""
+    netloc = key.partition("://")[2] if "://" in key else key
+    netloc = netloc.partition("/")[0].lower()
+    return "docker.io" if netloc in ("index.docker.io", "registry-1.docker.io") else netloc
+
+
+def _entry_credentials(entry: dict[str, Any], path: Path) -> tuple[str, str] | None:
+    auth, user, password = entry.get("auth"), entry.get("username"), entry.get("password")
+    if isinstance(auth, str) and auth:
+        try:
+            user, _, password = base64.b64decode(auth, validate=True).decode().partition(":")
+        except (ValueError, UnicodeDecodeError):
+            log.warning("%s: an `auth` entry is not base64 of user:password; ignored", path)
+            return None
+    if isinstance(user, str) and isinstance(password, str) and user:
+        return user, password
+    return None
+
+
+__all__ = ["INSECURE_ENV", "OciSource", "docker_credentials", "plain_http"]
