@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import yaml
@@ -65,3 +66,31 @@ def test_unknown_is_never_a_refusal() -> None:
     assert answer()["allowed"] is True
     assert dra_templates.from_watcher(type("W", (), {"wait_synced": lambda self, t: False})())(NS, "x") is None
     assert claim_template(REF, namespace=NS)["kind"] == "ResourceClaimTemplate"
+
+
+def test_the_webhook_command_with_dra_watches_templates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`weightcache webhook --dra` (what deploy/dra sets) installs the lookup; without --dra nothing is refused."""
+    from weightcache.webhook.command import _policy
+
+    with FakeApiServer() as api:
+        config = tmp_path / "kubeconfig"
+        config.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "t",
+            "clusters": [{"name": "c", "cluster": {"server": api.url}}],
+            "users": [{"name": "u", "user": {"token": "t"}}],
+            "contexts": [{"name": "t", "context": {"cluster": "c", "user": "u"}}]}))
+        monkeypatch.setenv("KUBECONFIG", str(config))
+        _, stop = _policy(None)
+        try:
+            assert answer()["allowed"] is True, "without --dra templates are not looked up"
+        finally:
+            stop()
+        _, stop = _policy(None, dra=True)
+        try:
+            deadline = time.monotonic() + 10
+            while answer()["allowed"] and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert answer()["allowed"] is False
+        finally:
+            stop()
+            dra_templates.install(None)

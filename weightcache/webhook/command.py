@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from weightcache.errors import ConfigError
+from weightcache.pods.annotations import MAX_MODELS
 
 if TYPE_CHECKING:  # the server pulls in aiohttp: imported only when the command runs, so every CLI call stays fast
     from weightcache.webhook.server import Policy
@@ -50,6 +51,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
         action="store_true",
         help="also run the placement controller (leader-elected on a Lease; docs/placement.md)",
     )
+    hook.add_argument(
+        "--dra",
+        action="store_true",
+        help="refuse `weightcache.io/via: dra` pods whose ResourceClaimTemplate is missing (watches templates; "
+             "deploy/dra sets it)",
+    )
     hook.set_defaults(func=run_webhook)
     nested = hook.add_subparsers(dest="webhook_command", metavar="{certs}")
     certs = nested.add_parser("certs", help="write a CA and a serving certificate for <service>.<namespace>.svc")
@@ -68,7 +75,8 @@ def run_webhook(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        policy, stop = _policy(args.allow_undeclared, controller=args.controller)
+        policy, stop = _policy(args.allow_undeclared, controller=args.controller, dra=args.dra,
+                               max_models=args.max_models or MAX_MODELS)
         if args.max_models is not None:
             policy = dataclasses.replace(policy, max_models=args.max_models)
     except ConfigError as exc:
@@ -128,9 +136,11 @@ def run_certs(args: argparse.Namespace) -> int:
     return 0
 
 
-def _policy(allow_undeclared: bool | None, *, controller: bool = False) -> tuple[Policy, Callable[[], None]]:
+def _policy(allow_undeclared: bool | None, *, controller: bool = False, dra: bool = False,
+            max_models: int = MAX_MODELS) -> tuple[Policy, Callable[[], None]]:
     """(policy, stop): ModelCaches and nodes from watchers when a cluster config is found, else none;
-    with `controller`, the placement controller too."""
+    with `controller`, the placement controller too (refusing what the webhook refuses: `max_models`); with
+    `dra`, a watch of ResourceClaimTemplates so `via: dra` pods without theirs are refused."""
     from weightcache.webhook.server import Policy
 
     try:
@@ -159,7 +169,13 @@ def _policy(allow_undeclared: bool | None, *, controller: bool = False) -> tuple
     watcher.start()
     # Gating needs someone to lift the gate: without the controller the webhook does not look at nodes at all
     nodes, stop_nodes = node_view(api_client) if controller else (lambda: None, lambda: None)
-    stops = [watcher.stop, stop_nodes] + ([start_controller(api_client)] if controller else [])
+    stops = [watcher.stop, stop_nodes] + ([start_controller(api_client, max_models=max_models)] if controller else [])
+    if dra:
+        from weightcache.webhook import dra_templates
+
+        templates = dra_templates.watch(api_client)
+        dra_templates.install(dra_templates.from_watcher(templates))
+        stops.append(templates.stop)
     allow = False if allow_undeclared is None else allow_undeclared
 
     def stop() -> None:
