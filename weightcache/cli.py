@@ -219,13 +219,12 @@ def _prefetch_here(ref: ModelRef, args: argparse.Namespace, printer: ProgressPri
     journal stay for the next run."""
     from weightcache.access import ADMIN, node_admin
     from weightcache.daemon.listing import snapshot_body
-    from weightcache.fetch import Fetcher
+    from weightcache.settings import flags_from, load_fetch_settings
 
     store = _store(args, budget=args.disk_budget)
     cancel = threading.Event()
-    fetcher = Fetcher(store, concurrency=args.concurrency, chunk_size=args.chunk_size,
-                      connect_timeout=args.connect_timeout, read_timeout=args.read_timeout,
-                      endpoint_url=args.endpoint_url, cancel=cancel)
+    # the daemon's fetch settings (WEIGHTCACHE_CONFIG, WEIGHTCACHE_CONCURRENCY, ...), the flags over them
+    fetcher = load_fetch_settings(flags=flags_from(args)).fetcher(store, ref, cancel=cancel)
     try:
         snap = fetcher.ensure(node_admin(store.root).authorize(ref, ADMIN), progress=printer)
     except KeyboardInterrupt:
@@ -240,10 +239,12 @@ def _prefetch_here(ref: ModelRef, args: argparse.Namespace, printer: ProgressPri
 
 def _dry_run(args: argparse.Namespace, ref: ModelRef, cache: DaemonCache | StoreCache) -> int:
     """What a prefetch would fetch: the source's files after the globs, their sizes, and what is cached."""
+    from weightcache.settings import flags_from, load_fetch_settings
     from weightcache.sources import open_source
 
-    source = open_source(ref, endpoint_url=args.endpoint_url, connect_timeout=args.connect_timeout,
-                         read_timeout=args.read_timeout)
+    fetch = load_fetch_settings(flags=flags_from(args))
+    source = open_source(ref, endpoint_url=fetch.endpoint_for(ref), connect_timeout=fetch.connect_timeout,
+                         read_timeout=fetch.read_timeout)
     try:
         objects = source.list()
     finally:
@@ -409,16 +410,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--revision")
     p.add_argument("--include", action="append", default=[], metavar="GLOB")
     p.add_argument("--exclude", action="append", default=[], metavar="GLOB")
-    p.add_argument("--concurrency", type=int, default=defaults.CONCURRENCY,
+    p.add_argument("--concurrency", type=int, default=None,  # None: env WEIGHTCACHE_* or the config file
                    help=f"parallel ranged reads (default {defaults.CONCURRENCY})")
-    p.add_argument("--chunk-size", type=size_arg, default=defaults.CHUNK_SIZE,
+    p.add_argument("--chunk-size", type=size_arg, default=None,
                    help="files up to this size are read whole, larger ones journalled every 1Mi piece; memory "
                         "used is at most concurrency x (chunk size + 1Mi); requests ask for 4 chunks or more while "
                         "every worker gets one, up to 256Mi (default 16Mi)")
     p.add_argument("--endpoint-url", default=None, help="S3 endpoint (default: AWS_ENDPOINT_URL or AWS)")
-    p.add_argument("--connect-timeout", type=float, default=defaults.CONNECT_TIMEOUT, metavar="SECONDS",
+    p.add_argument("--connect-timeout", type=float, default=None, metavar="SECONDS",
                    help=f"seconds to connect to the source (default {defaults.CONNECT_TIMEOUT:g})")
-    p.add_argument("--read-timeout", type=float, default=defaults.READ_TIMEOUT, metavar="SECONDS",
+    p.add_argument("--read-timeout", type=float, default=None, metavar="SECONDS",
                    help=f"seconds the source may stay silent before a retry (default {defaults.READ_TIMEOUT:g})")
     p.add_argument("--disk-budget", type=size_arg, default=None, help="evict LRU models to stay under this size")
     p.add_argument("--tier", choices=["disk", "memory"], default="disk")

@@ -154,15 +154,17 @@ class StoreCache:
         repaired = []
         if damaged and repair:
             from weightcache.access import ADMIN, node_admin
-            from weightcache.fetch import Fetcher
+            from weightcache.settings import flags_from, load_fetch_settings
             from weightcache.uri import parse_ref
 
             self._source_answers(parse_ref(snapshot.uri))  # before dropping: an unreachable source keeps it
-            fetcher, authority = Fetcher(store, endpoint_url=self.endpoint_url), node_admin(store.root)
+            # the fetch settings prefetch and the daemon read; --endpoint-url over them
+            fetch = load_fetch_settings(flags=flags_from(self))
+            authority = node_admin(store.root)
             for text in drop_damaged(store, snapshot_id, damaged) or [snapshot.uri]:
                 grant = authority.authorize(parse_ref(text), ADMIN)
                 try:
-                    repaired.append({"ref": text, "snapshot": fetcher.ensure(grant).id})
+                    repaired.append({"ref": text, "snapshot": fetch.fetcher(store, grant.ref).ensure(grant).id})
                 except WeightcacheError as exc:
                     raise repair_failed(exc, snapshot_id, text) from exc
         return {"id": snapshot_id, "uri": snapshot.uri, "files": len(snapshot.files), "damaged": damaged,

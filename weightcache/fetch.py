@@ -103,11 +103,13 @@ class Fetcher:
                                       "fetches_in_flight": 0}
 
     # -- public -------------------------------------------------------------------------------------------------
-    def ensure(self, grant: Grant, *, progress: Callable[[Progress], None] | None = None) -> Snapshot:
+    def ensure(self, grant: Grant, *, progress: Callable[[Progress], None] | None = None,
+               looked_up: bool = False) -> Snapshot:
         """The snapshot of the files `grant` gave (weightcache/access.py: no fetch without a decision).
-        Blocking; call from a thread in async code. Cache hit returns at once."""
+        Blocking; call from a thread in async code. Cache hit returns at once. `looked_up`: the caller's own
+        lookup just missed (the fetch queue's), so only the re-check under the fetch lock asks the store."""
         ref = require_grant(grant).ref
-        snap = self.store.lookup(ref)
+        snap = None if looked_up else self.store.lookup(ref)
         if snap is not None:
             self._count("hits")
             return snap

@@ -298,10 +298,8 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
 
     async def _ensure(self, args: PublishArgs, grant: Grant, context: grpc.aio.ServicerContext[Any, Any]) -> Snapshot:
         """The model's snapshot: at once when cached; else join its one fetch for as long as the caller waits,
-        then raise FetchPendingError with the progress and let the fetch run on for kubelet's retry."""
-        cached = await self._fetches.lookup(grant)
-        if cached is not None:
-            return cached
+        then raise FetchPendingError with the progress and let the fetch run on for kubelet's retry. The queue's
+        ensure looks the model up first (a hit returns at once), so this asks the store no more than that."""
         budget = self._wait_budget(args, context)
         try:
             return await asyncio.wait_for(self._fetches.ensure(grant, keep=True), budget)

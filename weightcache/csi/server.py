@@ -26,10 +26,10 @@ from weightcache.csi.identity import IdentityServicer
 from weightcache.csi.node import CSI_TIMEOUT_S, NodeServicer
 from weightcache.csi.reconcile import VolumeBook, reconcile
 from weightcache.errors import ConfigError, StoreError
-from weightcache.fetch import Fetcher
 from weightcache.fetch_queue import FetchQueue
 from weightcache.memory import MemoryTier
 from weightcache.redact import redact_log_handlers
+from weightcache.settings import load_fetch_settings, node_name
 from weightcache.store import Store
 from weightcache.unixsock import claim_socket_path
 
@@ -86,11 +86,13 @@ async def serve_csi(endpoint: str, *, store: Store, fetches: FetchQueue, node_id
 
 async def _main(args: argparse.Namespace) -> None:
     store = Store(args.root)
-    fetcher = Fetcher(store)
+    # the fetch settings the daemon and the CLI read (WEIGHTCACHE_CONFIG, WEIGHTCACHE_CONCURRENCY, ...)
+    fetcher = load_fetch_settings().fetcher(store)
     fetches = FetchQueue(fetcher.ensure, fetcher.lookup)
     authority = Authority(allow_undeclared=lambda: bool(args.allow_undeclared),  # no cluster: the flag decides
                           forbidden_paths=(args.kubelet_dir, args.root))
-    server = await serve_csi(args.endpoint, store=store, fetches=fetches, node_id=args.node_name, authority=authority,
+    server = await serve_csi(args.endpoint, store=store, fetches=fetches, node_id=node_name(args.node_name),
+                             authority=authority,
                              publish_timeout=args.publish_timeout, kubelet_dir=args.kubelet_dir)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -106,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Serve the weightcache CSI node plugin alone.")
     parser.add_argument("--root", default=str(defaults.root()))
     parser.add_argument("--endpoint", default=os.environ.get("CSI_ENDPOINT", "unix:///csi/csi.sock"))
-    parser.add_argument("--node-name", default=os.environ.get("NODE_NAME", ""))
+    parser.add_argument("--node-name", help="this node's Kubernetes name (default: env NODE_NAME, else the host name)")
     parser.add_argument("--kubelet-dir", default=os.environ.get("WEIGHTCACHE_KUBELET_DIR", str(defaults.KUBELET_DIR)))
     parser.add_argument("--publish-timeout", type=float, default=CSI_TIMEOUT_S,
                         help="how long a publish waits for a download when the call has no deadline")

@@ -9,13 +9,13 @@ call them from a thread.
 from __future__ import annotations
 
 import logging
-import socket
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from weightcache.daemon.node import Node
 from weightcache.daemon.reconcile import Want
 from weightcache.errors import WeightcacheError
+from weightcache.settings import node_name
 
 log = logging.getLogger(__name__)
 
@@ -120,10 +120,8 @@ async def connect(node: Node) -> Cluster | None:
     api_client = await asyncio.to_thread(load_api_client)
     if api_client is None:
         return None
-    name = node.settings.node_name or socket.gethostname()
-    if not node.settings.node_name:
-        log.warning("NODE_NAME is not set; using the host name %s as the node name", name)
-    cluster = Cluster(api_client, name, lambda: node.kick(), lambda: node.settings.disk_budget)
+    cluster = Cluster(api_client, node_name(node.settings.node_name), lambda: node.kick(),
+                      lambda: node.settings.disk_budget)
     cluster.start()
     return cluster
 
@@ -133,7 +131,6 @@ async def serve_csi(node: Node) -> Any:
     from weightcache.csi.server import serve_csi as serve
 
     s = node.settings
-    node_id = s.node_name or socket.gethostname()
-    return await serve(s.csi_endpoint or "", store=node.store, fetches=node.fetches, node_id=node_id,
+    return await serve(s.csi_endpoint or "", store=node.store, fetches=node.fetches, node_id=node_name(s.node_name),
                        authority=node.authority, kubelet_dir=s.kubelet_dir, tier=node.tier,
                        observe=node.metrics.observe_csi)

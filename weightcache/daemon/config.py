@@ -11,7 +11,6 @@ Every field is documented in docs/config.md.
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -19,11 +18,17 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from weightcache import defaults
 from weightcache.errors import ConfigError, InvalidReferenceError
-from weightcache.redact import redact
+from weightcache.settings import (
+    FETCH_ENV,
+    FETCH_PARSERS,
+    FetchSettings,
+    merged,
+    reject_unknown,
+    seconds,
+    whole_number,
+)
 from weightcache.store import floor
 from weightcache.store.floor import parse_percent
 from weightcache.units import ascii_int, parse_size
@@ -36,10 +41,7 @@ ENV = {
     floor.ENV_BYTES: "minFreeBytes",
     floor.ENV_PERCENT: "minFreePercent",
     "WEIGHTCACHE_MEMORY_BUDGET": "memoryBudget",
-    "WEIGHTCACHE_CONCURRENCY": "concurrency",
-    "WEIGHTCACHE_CHUNK_SIZE": "chunkSize",
-    "WEIGHTCACHE_CONNECT_TIMEOUT": "connectTimeout",
-    "WEIGHTCACHE_READ_TIMEOUT": "readTimeout",
+    **FETCH_ENV,
     "WEIGHTCACHE_PARALLEL_MODELS": "parallelModels",
     "WEIGHTCACHE_ALLOW_UNDECLARED_MODELS": "allowUndeclaredModels",
     "WEIGHTCACHE_SOCKET": "socket",
@@ -128,21 +130,20 @@ class Settings:
     resync_seconds: float = 60.0  # periodic reconcile even without a change event
     config_path: Path | None = field(default=None, compare=False)
 
+    @property
+    def fetch(self) -> FetchSettings:
+        """The fetch settings, as the CLI and the standalone CSI server read them too (weightcache/settings.py)."""
+        return FetchSettings(self.concurrency, self.chunk_size, self.connect_timeout, self.read_timeout,
+                             self.endpoints, self.proxies)
+
     def endpoint_for(self, ref: ModelRef) -> str | None:
-        """The endpoint override for a reference: `scheme://bucket` beats `scheme`; None = the SDK's default."""
-        return _most_specific(self.endpoints, ref)
+        return self.fetch.endpoint_for(ref)
 
     def proxy_for(self, ref: ModelRef) -> str | None:
-        """The forward proxy for a reference's source, chosen like its endpoint; None = no proxy of ours."""
-        return _most_specific(self.proxies, ref)
+        return self.fetch.proxy_for(ref)
 
     def allow_undeclared(self, *, cluster: bool) -> bool:
         return (not cluster) if self.allow_undeclared_models is None else self.allow_undeclared_models
-
-
-def _most_specific(entries: tuple[tuple[str, str], ...], ref: ModelRef) -> str | None:
-    table = dict(entries)
-    return table.get(f"{ref.scheme}://{ref.bucket}") or table.get(ref.scheme)
 
 
 def load_settings(
@@ -153,36 +154,18 @@ def load_settings(
 ) -> Settings:
     """Read the file (if any), apply env then flags, validate everything; raises ConfigError."""
     env = os.environ if env is None else env
-    path = path or env.get("WEIGHTCACHE_CONFIG") or None
-    raw: dict[str, Any] = read_file(Path(path)) if path else {}
-    raw.update({key: env[name] for name, key in ENV.items() if env.get(name)})
+    raw, file = merged(path, env, ENV, None)  # the same merge the CLI's fetch settings come from
     tuned = raw.get("dra")
     raw.update({k: v for k, v in (flags or {}).items() if v is not None})
     if raw.get("dra") is True and isinstance(tuned, dict):  # --dra turns the plugin on; the file's mapping tunes it
         raw["dra"] = tuned
     settings = parse_settings(raw)
-    return settings if path is None else _with_path(settings, Path(path))
-
-
-def read_file(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror}; check the path and permissions") from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of fields (root: ..., diskBudget: ...)")
-    return dict(data)
+    return settings if file is None else _with_path(settings, file)
 
 
 def parse_settings(raw: Mapping[str, Any]) -> Settings:
     """Validate a camelCase mapping into Settings; unknown keys are errors (a typo must not pass silently)."""
-    _reject_unknown(raw, _PARSERS, "config")
+    reject_unknown(raw, _PARSERS, "config")
     values = {_SNAKE[key]: parser(raw[key]) for key, parser in _PARSERS.items() if raw.get(key) is not None}
     settings = Settings(**values)
     for i, model in enumerate(settings.models):
@@ -197,26 +180,6 @@ def parse_settings(raw: Mapping[str, Any]) -> Settings:
 
 def _with_path(settings: Settings, path: Path) -> Settings:
     return Settings(**{f.name: getattr(settings, f.name) for f in fields(settings)} | {"config_path": path})
-
-
-def _reject_unknown(raw: Mapping[str, Any], known: Mapping[str, Any], where: str) -> None:
-    for key in raw:
-        if key not in known:
-            close = difflib.get_close_matches(str(key), list(known), n=1)
-            hint = f"did you mean {close[0]!r}?" if close else f"known fields: {', '.join(known)}"
-            raise ConfigError(f"{where}: unknown field {key!r}; {hint}")
-
-
-def _int(what: str, minimum: int) -> Callable[[Any], int]:
-    def parse(value: Any) -> int:
-        try:
-            number = int(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{what}: expected a whole number, got {value!r}") from None
-        if isinstance(value, bool) or number < minimum:
-            raise ConfigError(f"{what}: expected a whole number >= {minimum}, got {value!r}")
-        return number
-    return parse
 
 
 def _bool(what: str) -> Callable[[Any], bool]:
@@ -249,51 +212,6 @@ def _path(what: str) -> Callable[[Any], Path]:
     return parse
 
 
-def _seconds(what: str) -> Callable[[Any], float]:
-    def parse(value: Any) -> float:
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{what}: expected seconds, got {value!r}") from None
-        if not number > 0 or number == float("inf"):
-            raise ConfigError(f"{what}: must be a number of seconds > 0, got {value!r}")
-        return number
-    return parse
-
-
-def _endpoints(value: Any) -> tuple[tuple[str, str], ...]:
-    """`{s3: {endpointUrl: http://minio:9000}, "s3://special-bucket": {endpointUrl: ...}}`."""
-    if not isinstance(value, dict):
-        raise ConfigError("endpoints: expected a mapping such as {s3: {endpointUrl: http://minio:9000}}")
-    out = []
-    for key, entry in value.items():
-        if not isinstance(entry, dict):
-            raise ConfigError(f"endpoints.{key}: expected a mapping with endpointUrl")
-        _reject_unknown(entry, {"endpointUrl": None}, f"endpoints.{key}")
-        out.append((str(key), _http_url(f"endpoints.{key}.endpointUrl", entry.get("endpointUrl"),
-                                        "use the environment's credentials (AWS_* or the pod's service account)")))
-    return tuple(out)
-
-
-def _proxies(value: Any) -> tuple[tuple[str, str], ...]:
-    """`{s3: http://127.0.0.1:65001, "s3://special-bucket": ...}`: a forward proxy per scheme or bucket."""
-    if not isinstance(value, dict):
-        raise ConfigError("proxies: expected a mapping such as {s3: http://127.0.0.1:65001}")
-    return tuple((str(key), _http_url(f"proxies.{key}", url, "run the proxy without authentication on the node "
-                                                              "(dfdaemon listens on the node)"))
-                 for key, url in value.items())
-
-
-def _http_url(where: str, url: Any, credentials_hint: str) -> str:
-    """An http(s) URL without userinfo (credentials never live in the config)."""
-    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-        shown = redact(url) if isinstance(url, str) else url
-        raise ConfigError(f"{where}: expected an http(s) URL, got {shown!r}")
-    if "@" in url.partition("://")[2].partition("/")[0]:
-        raise ConfigError(f"{where}: credentials do not belong in the URL; {credentials_hint}")
-    return url
-
-
 _MODEL_KEYS = {"source": None, "revision": None, "include": None, "exclude": None, "tier": None, "pin": None}
 
 
@@ -301,7 +219,7 @@ def _model(index: int, entry: Any) -> ModelSpec:
     where = f"models[{index}]"
     if not isinstance(entry, dict) or "source" not in entry:
         raise ConfigError(f"{where}: expected a mapping with at least source: s3://bucket/prefix/")
-    _reject_unknown(entry, _MODEL_KEYS, where)
+    reject_unknown(entry, _MODEL_KEYS, where)
     include, exclude = entry.get("include") or [], entry.get("exclude") or []
     if not all(isinstance(g, str) for g in (*include, *exclude)) or isinstance(include, str) \
             or isinstance(exclude, str):
@@ -331,11 +249,11 @@ def _models(value: Any) -> tuple[ModelSpec, ...]:
 def _tcp(value: Any) -> TcpSettings:
     if not isinstance(value, dict):
         raise ConfigError("tcp: expected {port: 9477, tokenFile: /etc/weightcache/token}")
-    _reject_unknown(value, {"port": None, "tokenFile": None, "host": None}, "tcp")
+    reject_unknown(value, {"port": None, "tokenFile": None, "host": None}, "tcp")
     if not value.get("tokenFile"):
         raise ConfigError("tcp.tokenFile: the TCP listener needs a bearer token file; "
                           "set tcp.tokenFile or remove tcp to serve only the Unix socket")
-    port = _int("tcp.port", 0)(value.get("port", 0))
+    port = whole_number("tcp.port", 0)(value.get("port", 0))
     if port > 65535:
         raise ConfigError(f"tcp.port: {port} is not a port number (0-65535)")
     return TcpSettings(port, _path("tcp.tokenFile")(value["tokenFile"]), str(value.get("host") or "127.0.0.1"))
@@ -349,8 +267,8 @@ def _dra(value: Any) -> DraSettings | None:
     if not isinstance(value, dict):
         raise ConfigError("dra: expected true, false or a mapping such as {slotsPerModel: 8}")
     keys = {"slotsPerModel": None, "shared": None, "cdiDir": None, "apiVersion": None, "publishSeconds": None}
-    _reject_unknown(value, keys, "dra")
-    slots = _int("dra.slotsPerModel", 1)(value.get("slotsPerModel", 8))
+    reject_unknown(value, keys, "dra")
+    slots = whole_number("dra.slotsPerModel", 1)(value.get("slotsPerModel", 8))
     if slots > 64:
         raise ConfigError(f"dra.slotsPerModel: at most 64 (a ResourceSlice holds 128 devices), got {slots}")
     version = _choice("dra.apiVersion", ("v1", "v1beta2"))(value.get("apiVersion", "v1"))
@@ -401,18 +319,13 @@ def _csi_endpoint(value: Any) -> str:
 
 
 _PARSERS: dict[str, Callable[[Any], Any]] = {
+    **FETCH_PARSERS,
     "root": _path("root"),
     "diskBudget": _optional_bytes("diskBudget"),
     "minFreeBytes": _optional_bytes("minFreeBytes"),
     "minFreePercent": _percent("minFreePercent"),
     "memoryBudget": _optional_bytes("memoryBudget"),
-    "concurrency": _int("concurrency", 1),
-    "chunkSize": lambda v: max(1, parse_size(v, "chunkSize")),
-    "connectTimeout": _seconds("connectTimeout"),
-    "readTimeout": _seconds("readTimeout"),
-    "parallelModels": _int("parallelModels", 1),
-    "endpoints": _endpoints,
-    "proxies": _proxies,
+    "parallelModels": whole_number("parallelModels", 1),
     "models": _models,
     "allowUndeclaredModels": _bool("allowUndeclaredModels"),
     "socket": _path("socket"),
@@ -421,14 +334,14 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "peerListen": _host_port("peerListen", "0.0.0.0:9479"),
     "peers": _peers,
     "peerTokenFile": _path("peerTokenFile"),
-    "peerBanSeconds": _seconds("peerBanSeconds"),
+    "peerBanSeconds": seconds("peerBanSeconds"),
     "csiEndpoint": _csi_endpoint,
     "dra": _dra,
     "kubeletDir": _path("kubeletDir"),
     "nodeName": str,
     "logFormat": _choice("logFormat", ("text", "json")),
     "logLevel": _choice("logLevel", ("DEBUG", "INFO", "WARNING", "ERROR"), upper=True),
-    "resyncSeconds": _seconds("resyncSeconds"),
+    "resyncSeconds": seconds("resyncSeconds"),
 }
 _SNAKE = {key: re.sub(r"(?<!^)(?=[A-Z])", "_", key).lower() for key in _PARSERS}
 

@@ -7,8 +7,6 @@ imports the daemon's Node.
 
 from __future__ import annotations
 
-import asyncio
-import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +15,7 @@ from weightcache.dra.devices import devices_for
 from weightcache.dra.server import DraPlugin, claim_reader, serve_dra
 from weightcache.dra.slices import SlicePublisher
 from weightcache.errors import ConfigError
-from weightcache.kube.client import load_api_client
+from weightcache.settings import node_name as node_name_of
 
 
 def node_devices(node: Node) -> Callable[[], list[dict[str, Any]]]:
@@ -42,15 +40,16 @@ def change_token(node: Node) -> Callable[[], object]:
 
 
 async def serve_for_node(node: Node) -> DraPlugin:
-    """The daemon's DRA plugin: needs the cluster (ResourceClaims are read from the API server)."""
+    """The daemon's DRA plugin: needs the cluster (ResourceClaims are read from the API server), and uses the
+    cluster bridge's ApiClient: one client (connection pool, token refresh) per daemon."""
     s = node.settings
     dra = s.dra
     assert dra is not None
-    api_client = await asyncio.to_thread(load_api_client)
-    if api_client is None:
+    if node.cluster is None:
         raise ConfigError("dra is enabled but no Kubernetes config was found: the DRA plugin reads ResourceClaims "
                           "from the API server; run the daemon in the cluster or remove `dra` from the config")
-    node_name = s.node_name or socket.gethostname()
+    api_client = node.cluster.api_client
+    node_name = node_name_of(s.node_name)
 
     publisher = SlicePublisher(api_client, node_name, node_devices(node), api_version=dra.api_version,
                                change_token=change_token(node))

@@ -50,10 +50,7 @@ class MeteredFetcher:
         self._lock = threading.Lock()
 
     def _fetcher(self, ref: ModelRef, cancel: threading.Event | None = None) -> Fetcher:
-        s = self._settings
-        return Fetcher(self._store, concurrency=s.concurrency, chunk_size=s.chunk_size,
-                       endpoint_url=s.endpoint_for(ref), proxy_url=s.proxy_for(ref),
-                       connect_timeout=s.connect_timeout, read_timeout=s.read_timeout, cancel=cancel, peers=self.peers)
+        return self._settings.fetch.fetcher(self._store, ref, cancel=cancel, peers=self.peers)
 
     def lookup(self, grant: Grant) -> Snapshot | None:
         """The cached snapshot (a hit), or None; blocking."""
@@ -64,10 +61,9 @@ class MeteredFetcher:
 
     def ensure(self, grant: Grant, *, progress: ProgressCallback | None = None,
                cancel: threading.Event | None = None) -> Snapshot:
-        """Blocking, like Fetcher.ensure; setting `cancel` stops this fetch at its next read (chunks kept)."""
-        cached = self.lookup(grant)
-        if cached is not None:
-            return cached
+        """Blocking, like Fetcher.ensure; setting `cancel` stops this fetch at its next read (chunks kept). Called
+        by the fetch queue after its own lookup missed, so the store is not asked again before the engine's
+        re-check under the fetch lock (a hit there is counted by the engine's stats, not as a cache hit)."""
         ref = grant.ref
         self._metrics.cache_misses.labels(ref.scheme).inc()
         start = time.monotonic()
@@ -77,7 +73,7 @@ class MeteredFetcher:
         if self._closed.is_set():
             fetcher.close()
         try:
-            snapshot = fetcher.ensure(grant, progress=progress)
+            snapshot = fetcher.ensure(grant, progress=progress, looked_up=True)
         except Exception as exc:
             reason = error_code(type(exc)) if isinstance(exc, WeightcacheError) else "internal"
             self._metrics.fetch_failures.labels(ref.scheme, reason).inc()
