@@ -6,4 +6,8 @@
     config.py       settings: YAML + env + flags                configwatch   live reload (ConfigMap-aware)
     metrics.py      prometheus registry + scrape collector      tasks.py      named, guarded tasks
     client.py       sync client the CLI uses                    command.py    `weightcache daemon` wiring
+    metrics_server  the read-only /metrics port (guarded site)  dra.py        the DRA plugin wired to the node
+
+config.py parses the daemon's fields; the fetch settings and the node name come from weightcache/settings.py,
+which the CLI and the standalone CSI server read too. The guarded TCP site is weightcache/listener.py.
 """

@@ -1,7 +1,7 @@
-"""What the API, the reconcile loop and the CSI server share in one daemon: store, fetchers, tier, metrics, policy.
+"""What the API, the reconcile loop, CSI and DRA share in one daemon: store, fetch queue, tier, metrics, policy.
 
-`MeteredFetcher` has the Fetcher's interface, so the CSI server gets the same single flight and the same
-metrics as the API.
+Every fetch goes through `Node.fetches` (the one FetchQueue: single flight, the queue's lookup first), whose jobs
+run `MeteredFetcher.ensure`: a Fetcher per fetch, built from the settings' FetchSettings, counted for /metrics.
 """
 
 from __future__ import annotations
