@@ -96,7 +96,7 @@ class Registry:
 
     # -- pushing ------------------------------------------------------------------------------------------------
     def client(self) -> Any:
-        import oras.client
+        import oras.client  # type: ignore[import-untyped]
 
         client = oras.client.OrasClient(hostname=self.host, insecure=True,
                                         auth_backend="basic" if self.auth else "token")

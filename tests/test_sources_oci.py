@@ -208,9 +208,10 @@ def test_registry_answers_never_trusted_for_digests_or_sizes(registry: Registry)
     blob = registry.put_blob("models/hostile-fields", b"hello")
     pushed = 0
     source: OciSource | None
-    for bad, match in [({"size": -1}, "not a byte count"), ({"size": True}, "not a byte count"),
+    cases: list[tuple[dict[str, Any], str]] = [({"size": -1}, "not a byte count"), ({"size": True}, "not a byte count"),
                        ({"digest": "sha512:" + "a" * 128}, "sha256"), ({"mediaType": "no type"}, "not a media type"),
-                       ({"annotations": {FILEPATH: 5}}, "string-to-string")]:
+                       ({"annotations": {FILEPATH: 5}}, "string-to-string")]
+    for bad, match in cases:
         try:
             source = _hostile(registry, "models/hostile-fields", [{**_layer(blob, "x.bin"), **bad}])
         except Exception:  # the registry itself refused the manifest (400): the parser alone below
