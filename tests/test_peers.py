@@ -125,7 +125,9 @@ def test_a_dead_peer_and_a_stopped_one_leave_the_origin_to_serve(origin: FaultPr
 
 def test_peers_are_never_asked_for_blobs_known_only_by_claim(s3: S3, fault_proxy: FaultProxy, fleet: Fleet) -> None:
     """Without the store's own SHA-256 (no checksum on upload) a digest is a claim: peers could serve another
-    namespace's model for it, so the node reads the origin only."""
+    namespace's model for it, so peers are never asked for a digest. They are asked for the origin's identity
+    (bucket, key, ETag, size: tests/test_peers_origin.py), which they map to a blob only from their own
+    downloads of it, and whose bytes the node checks against the origin's MD5 ETag."""
     for name, body in FILES.items():
         s3.put("models", f"llama/{name}", body)
     holder = fleet.node("holder")
@@ -133,8 +135,10 @@ def test_peers_are_never_asked_for_blobs_known_only_by_claim(s3: S3, fault_proxy
     with FaultProxy(holder.url) as watch:
         node = fleet.node("node", peers=[watch.endpoint_url])
         assert_model(ensure(node, fault_proxy))
-        assert watch.requests == []
-    assert origin_bytes(fault_proxy) == 2 * MODEL_BYTES
+        assert watch.requests
+        assert all(r.path == "/v1/origin" and "bucket=models" in r.query for r in watch.requests)
+    small = len(FILES["config.json"])  # below MIN_PEER_BYTES: from the origin
+    assert origin_bytes(fault_proxy) == MODEL_BYTES + small
 
 
 

@@ -40,6 +40,7 @@ from weightcache.errors import (
     SafetensorsHeaderError,
     SourceNotFoundError,
 )
+from weightcache.peers.identity import OriginId, composite_factory, origin_evidence
 from weightcache.peers.source import PeerSource
 from weightcache.progress import Progress, RateMeter, read_progress_file, write_progress_file
 from weightcache.sources import ObjectInfo, Source, SourceOptions
@@ -70,6 +71,9 @@ class _Item:
     source_check: tuple[str, str] | None = None  # (algorithm, hex) the source declares: crc32, ..., md5 (ETag)
     sha256: str | None = None  # known without download (trusted dedup) or computed
     trusted_sha256: str | None = None  # on evidence no source or peer can forge (peers may serve it)
+    # no trusted sha256, but an origin identity with an origin checksum (source_check) the bytes are checked
+    # against: peers are asked for this identity (docs/peers.md, "Objects without a SHA-256 checksum")
+    peer_origin: OriginId | None = None
     size: int = 0  # of the blob linked or the file written, never the listing's claim
     partial: PartialFile | None = field(default=None, repr=False)
     in_blob: bool = False  # written straight to its blob (a whole small file): no part to move
@@ -245,10 +249,13 @@ class Fetcher:
         """Peers may serve only blobs whose sha256 we know on trusted evidence: a digest the source merely claims
         could name another model's blob, and asking peers for it would widen this node's access."""
         assert self.peers is not None
-        digests = {i.obj.key: (i.trusted_sha256, i.obj.size) for i in todo if i.trusted_sha256}
+        digests: dict[str, tuple[str | OriginId, int]] = {
+            i.obj.key: (i.trusted_sha256, i.obj.size) for i in todo if i.trusted_sha256}
+        by_identity = {i.obj.key: (i.peer_origin, i.obj.size) for i in todo if i.peer_origin and not i.trusted_sha256}
+        digests.update(by_identity)
         if len(digests) < len(todo):
-            log.info("%s: %d of %d files have no trusted sha256 (no S3 SHA-256 checksum): they come from the "
-                     "origin only", ref, len(todo) - len(digests), len(todo))
+            log.info("%s: %d of %d files have neither a trusted sha256 nor an origin checksum peers' bytes can be "
+                     "checked against: they come from the origin only", ref, len(todo) - len(digests), len(todo))
         return self.peers.wrap(source, digests) if digests else source
 
     def _check_revision(self, ref: ModelRef, source: Source, objects: list[ObjectInfo]) -> None:
@@ -285,6 +292,11 @@ class Fetcher:
             if known and self._blob_size(known) == obj.size:
                 item.sha256, item.size = known, obj.size
                 item.unsynced_blob = recorded is None  # a recorded blob was synced before its manifest
+        if self.peers is not None and self.peers.urls:  # the node's own HEAD: identity and origin checksum
+            found = origin_evidence(source, [i.obj for i in items if i.sha256 is None and not i.trusted_sha256])
+            for item in items:
+                if (evidence := found.get(item.obj.key)) is not None:
+                    item.peer_origin, item.source_check = evidence.oid, evidence.check
 
     def _blob_size(self, sha256: str) -> int | None:
         return self.store.blob_size(sha256)
@@ -360,11 +372,12 @@ class Fetcher:
         if self.peers is None:
             return
         for item in items:
-            if item.trusted_sha256 and item.partial is not None:
+            name = item.trusted_sha256 or (item.peer_origin.address if item.peer_origin else None)
+            if name and item.partial is not None:
                 if serve:
-                    self.peers.inflight.add(item.trusted_sha256, item.partial)
+                    self.peers.inflight.add(name, item.partial)
                 else:
-                    self.peers.inflight.remove(item.trusted_sha256, item.partial)
+                    self.peers.inflight.remove(name, item.partial)
 
     def _add_blobs(self, items: list[_Item]) -> None:
         """Verified files become blobs with syncfs calls instead of three fsyncs each (2,000 small files: seconds
@@ -607,6 +620,8 @@ def _partial(item: _Item) -> PartialFile:
 def _hasher_factory(algorithm: str) -> Callable[[], Hasher]:
     if algorithm == "md5":
         return lambda: hashlib.md5(usedforsecurity=False)
+    if (composite := composite_factory(algorithm)) is not None:  # a multipart ETag of uniform parts
+        return composite
     return lambda: new_hasher(algorithm) or hashlib.sha256()  # _expectations keeps only computable ones
 
 

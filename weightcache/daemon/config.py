@@ -58,7 +58,8 @@ ENV = {
 
 # Fields a running daemon can change without a restart (the rest are logged and kept until the next start).
 LIVE_FIELDS = frozenset({"disk_budget", "min_free_bytes", "min_free_percent", "memory_budget", "models",
-                         "allow_undeclared_models", "log_level", "resync_seconds", "parallel_models"})
+                         "allow_undeclared_models", "log_level", "resync_seconds", "parallel_models",
+                         "bytes_per_second"})
 
 
 
@@ -121,6 +122,8 @@ class Settings:
     peers: tuple[str, ...] = ()  # http(s)://HOST:PORT of other daemons' peer listeners
     peer_token_file: Path | None = None  # the fleet's shared bearer token (peerListen and peers need it)
     peer_ban_seconds: float = 600.0  # a peer whose bytes failed verification is skipped this long (doubling)
+    # bandwidth limits, bytes/s (0: none): ("origin" | "peers" | "s3" | "s3://bucket", rate); weightcache/ratelimit.py
+    bytes_per_second: tuple[tuple[str, int], ...] = ()
     csi_endpoint: str | None = None
     dra: DraSettings | None = None  # None: the DRA plugin is off
     kubelet_dir: Path = defaults.KUBELET_DIR
@@ -160,6 +163,7 @@ def load_settings(
     if raw.get("dra") is True and isinstance(tuned, dict):  # --dra turns the plugin on; the file's mapping tunes it
         raw["dra"] = tuned
     settings = parse_settings(raw)
+    apply_bandwidth(settings)  # the daemon's limits from its start; reloads go through apply_live
     return settings if file is None else _with_path(settings, file)
 
 
@@ -335,6 +339,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "peers": _peers,
     "peerTokenFile": _path("peerTokenFile"),
     "peerBanSeconds": seconds("peerBanSeconds"),
+    "bytesPerSecond": lambda value: _bytes_per_second(value),
     "csiEndpoint": _csi_endpoint,
     "dra": _dra,
     "kubeletDir": _path("kubeletDir"),
@@ -355,4 +360,28 @@ def apply_live(running: Settings, new: Settings) -> tuple[Settings, set[str]]:
     pending = changed_fields(running, new) - LIVE_FIELDS
     kept = {name: getattr(running, name) for name in pending}
     merged = Settings(**{f.name: kept.get(f.name, getattr(new, f.name)) for f in fields(Settings)})
+    apply_bandwidth(merged)
     return merged, pending
+
+
+def apply_bandwidth(settings: Settings) -> None:
+    """The process's bandwidth limits (weightcache/ratelimit.py) as `settings` say, live: workers waiting on a
+    bucket take the new rate within 50 ms."""
+    from weightcache.ratelimit import LIMITS
+
+    limits = dict(settings.bytes_per_second)
+    LIMITS.configure(origin=limits.pop("origin", 0), peers=limits.pop("peers", 0), sources=limits)
+
+
+def _bytes_per_second(value: Any) -> tuple[tuple[str, int], ...]:
+    """`{origin: 200Mi, peers: 1Gi, s3: 100Mi, "s3://bucket": 50Mi}`: bytes per second, 0 for none."""
+    if not isinstance(value, Mapping):
+        raise ConfigError("bytesPerSecond: expected a mapping such as {origin: 200Mi, peers: 1Gi, "
+                          "\"s3://bucket\": 50Mi}")
+    out = []
+    for key, rate in value.items():
+        key = str(key)
+        if key not in ("origin", "peers") and not re.fullmatch(r"[a-z0-9+.-]+(://[^/\s]+)?", key):
+            raise ConfigError(f"bytesPerSecond.{key}: expected origin, peers, a scheme (s3) or scheme://bucket")
+        out.append((key.rstrip("/"), parse_size(rate, f"bytesPerSecond.{key}")))
+    return tuple(sorted(out))

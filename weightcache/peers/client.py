@@ -14,16 +14,19 @@ import socket
 import threading
 import time
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import urlencode, urlsplit
 
 import urllib3
 
 from weightcache.errors import Answer, ConfigError, SourceError
+from weightcache.peers.identity import OriginId
 from weightcache.redact import redact
 from weightcache.retry import Retryable
 
 log = logging.getLogger(__name__)
 
+#: What a peer is asked for: a blob by its sha256 (trusted evidence), or an object by its origin identity
+Blob = str | OriginId
 NETWORK_ERRORS = (urllib3.exceptions.HTTPError, OSError)
 # ASCII digits, at most 19 (below 2^63): a peer's header is untrusted, and int() of 4,300 digits raises
 _CONTENT_RANGE = re.compile(r"bytes ([0-9]{1,19})-([0-9]{1,19})/[0-9]{1,19}")
@@ -82,15 +85,17 @@ class PeerClient:
     def __repr__(self) -> str:
         return f"PeerClient({self.url})"
 
-    def blob_url(self, sha256: str) -> str:
-        return f"{self.url}/v1/blobs/sha256/{sha256}"
+    def blob_url(self, blob: Blob) -> str:
+        if isinstance(blob, OriginId):  # the peer maps it to a blob from records of its own downloads only
+            return f"{self.url}/v1/origin?{urlencode(blob.query())}"
+        return f"{self.url}/v1/blobs/sha256/{blob}"
 
-    def holds(self, sha256: str, size: int) -> bool:
+    def holds(self, sha256: Blob, size: int) -> bool:
         """The peer says it has the blob, with the size the origin lists (a different size: not the same blob,
         so no point asking). Refusals read as 'no'; PeerUnreachable when the peer cannot be reached."""
         return self.probe(sha256, size) is not None
 
-    def probe(self, sha256: str, size: int) -> str | None:
+    def probe(self, sha256: Blob, size: int) -> str | None:
         """"blob" (published there), "partial" (downloading it now) or None (neither, or another size)."""
         try:
             resp = self._pool.request("HEAD", self.blob_url(sha256), headers=self._auth, redirect=False)
@@ -103,7 +108,7 @@ class PeerClient:
             return None
         return "partial" if resp.headers.get(PARTIAL_HEADER) else "blob"
 
-    def open_range(self, sha256: str, pos: int, end: int) -> Any:
+    def open_range(self, sha256: Blob, pos: int, end: int) -> Any:
         """GET bytes [pos, end) of a blob: the checked response, body unread; Retryable for anything else."""
         resp, served = self.open_span(sha256, pos, end)
         if served != end:
@@ -111,7 +116,7 @@ class PeerClient:
             raise Retryable(f"peer {self.url} answered bytes {pos}-{served - 1} to bytes {pos}-{end - 1}")
         return resp
 
-    def open_span(self, sha256: str, pos: int, end: int, pace: Pace | None = None) -> tuple[Any, int]:
+    def open_span(self, sha256: Blob, pos: int, end: int, pace: Pace | None = None) -> tuple[Any, int]:
         """GET bytes [pos, end) of a blob; a peer still downloading it may answer a shorter span [pos, served):
         (the checked response with its body unread, served). `pace`: the watchdog may cut this request's
         connection, headers included, when it falls below its rate floor."""

@@ -2,6 +2,10 @@
 
     HEAD /v1/blobs/sha256/<64 hex>     200 with Content-Length when the blob is published here, else 404
     GET  /v1/blobs/sha256/<64 hex>     the body; one `Range: bytes=a-b` (or a-, -n) answers 206, else 200
+    HEAD, GET /v1/origin?scheme=s3&bucket=B&key=K&etag=E[&version=V]&size=N
+                                       the same for an object named by its origin identity (identity.OriginId):
+                                       the blob a manifest of this node records for exactly that bucket, key,
+                                       ETag, version and size, or this node's download of it in flight
 
 Only `blobs/sha256/` is reachable: the digest must be 64 lowercase hex digits, and the file is opened component by
 component with O_NOFOLLOW under a descriptor of the blobs directory, so a symlink planted in the store (or a
@@ -20,6 +24,7 @@ import hmac
 import logging
 import os
 import re
+import sqlite3
 import stat
 import time
 from dataclasses import dataclass, field
@@ -30,12 +35,14 @@ from aiohttp import web
 from weightcache.download import PartialFile
 from weightcache.listener import GuardedTCPSite, Limits
 from weightcache.peers.client import PARTIAL_HEADER
+from weightcache.peers.identity import OriginId, record_matches
 from weightcache.peers.inflight import InFlight
 from weightcache.units import ascii_int
 
 log = logging.getLogger(__name__)
 
 BLOB_ROUTE = "/v1/blobs/sha256/{digest}"
+ORIGIN_ROUTE = "/v1/origin"
 _HEX = re.compile(r"[0-9a-f]{64}")
 _RANGE = re.compile(r"bytes=([0-9]*)-([0-9]*)")  # ASCII only: \d also matches '٣', which int() reads
 _MAX_DIGITS = 19  # a longer number is past any blob (10^19 > 2^63): read as such, never given to int()
@@ -90,16 +97,20 @@ class PeerServer:
     """aiohttp app serving `blobs_dir` (the store's `blobs/sha256`) to bearers of `token`."""
 
     def __init__(self, blobs_dir: Path, token: bytes, limits: PeerLimits | None = None,
-                 inflight: InFlight | None = None) -> None:
-        """`inflight`: downloads of this node whose journalled ranges may be served before they are blobs."""
+                 inflight: InFlight | None = None, index_path: Path | None = None) -> None:
+        """`inflight`: downloads of this node whose journalled ranges may be served before they are blobs.
+        `index_path`: the store's index.db, whose manifest rows map an origin identity to a blob (default: the
+        one beside `blobs_dir`, root/index.db)."""
         self.blobs_dir = blobs_dir
         self.inflight = inflight
+        self.records = OriginRecords(index_path or blobs_dir.parent.parent / "index.db")
         self._token = b"Bearer " + token
         self.limits = limits or PeerLimits()
         self._peers: dict[str, _Peer] = {}
         self.bytes_served = 0
         self.app = web.Application()
         self.app.router.add_get(BLOB_ROUTE, self._blob)  # and HEAD
+        self.app.router.add_get(ORIGIN_ROUTE, self._origin)  # and HEAD
         self._runner: web.AppRunner | None = None
         self.port = 0
 
@@ -147,6 +158,40 @@ class PeerServer:
             return web.Response(status=404, text="blob not held by this node\n")
         try:
             return await self._send(request, fd, digest, partial)
+        finally:
+            os.close(fd)
+
+    async def _origin(self, request: web.Request) -> web.StreamResponse:
+        """An object by its origin identity: only a blob this node's own manifests record for that identity."""
+        if not self._authorized(request):
+            return web.Response(status=401, text="peer token required: Authorization: Bearer <peerTokenFile>\n",
+                                headers={"WWW-Authenticate": 'Bearer realm="weightcache-peers"'})
+        oid = OriginId.from_query(request.query)
+        if oid is None:
+            return web.Response(status=400, text="an object is named by scheme=s3, bucket, key, etag, size and "
+                                                 "optionally version\n")
+        digest = await asyncio.to_thread(self.records.lookup, oid)
+        fd, partial = None, None
+        if digest is not None:
+            try:
+                fd = await asyncio.to_thread(open_blob, self.blobs_dir, digest)
+            except OSError:  # evicted since, or not a regular file: never followed
+                fd = None
+            if fd is not None and os.fstat(fd).st_size != oid.size:
+                os.close(fd)
+                fd = None
+        name = digest or oid.address
+        if fd is None:
+            name = oid.address
+            partial = self.inflight.get(name) if self.inflight is not None else None
+            if partial is None:
+                return web.Response(status=404, text="object not held by this node\n")
+            try:
+                fd = await asyncio.to_thread(os.open, partial.part, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:  # finished or discarded meanwhile
+                return web.Response(status=404, text="object not held by this node\n")
+        try:
+            return await self._send(request, fd, name, partial)
         finally:
             os.close(fd)
 
@@ -225,6 +270,37 @@ class PeerServer:
                 raise _Stalled(f"no bytes of {digest[:12]} journalled for {STALL_S:.0f}s")
             await asyncio.sleep(POLL_S)
         return got
+
+
+class OriginRecords:
+    """Origin identity -> sha256 from the manifests this node wrote (the store's index, read only): the node
+    downloaded (or linked on evidence) exactly that object version and verified its bytes."""
+
+    def __init__(self, index_path: Path) -> None:
+        self.index_path = index_path
+
+    def lookup(self, oid: OriginId) -> str | None:
+        try:
+            if not stat.S_ISREG(os.lstat(self.index_path).st_mode):  # never a symlink planted as the index
+                return None
+            db = sqlite3.connect(f"file:{self.index_path}?mode=ro", uri=True, timeout=5)
+        except (OSError, sqlite3.Error):
+            return None
+        try:
+            rows = db.execute(
+                "SELECT s.uri, f.path, f.etag, f.version_id, f.size, f.sha256 FROM files f "
+                "JOIN snapshots s ON s.id = f.snapshot_id WHERE f.etag = ? AND f.size = ?",
+                (oid.etag, oid.size)).fetchall()
+        except sqlite3.Error as exc:
+            log.info("peer lookup of s3://%s/%s: index unreadable (%s)", oid.bucket, oid.key, exc)
+            return None
+        finally:
+            db.close()
+        for uri, path, etag, version, size, sha in rows:
+            if path and record_matches(oid, str(uri), str(path), etag, version, int(size)) and \
+                    _HEX.fullmatch(str(sha)):
+                return str(sha)
+        return None
 
 
 def open_blob(blobs_dir: Path, digest: str) -> int:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from weightcache.errors import SourceError
 from weightcache.peers.client import (
     WATCHDOG,
+    Blob,
     Pace,
     PeerClient,
     PeerRangeMissing,
@@ -39,7 +40,9 @@ from weightcache.peers.client import (
     PeerUnreachable,
     peer_base_url,
 )
+from weightcache.peers.identity import OriginId
 from weightcache.peers.inflight import InFlight
+from weightcache.ratelimit import acquire_peers
 from weightcache.retry import Retry, Retryable
 from weightcache.sources.base import ObjectInfo, OnBytes, Pieces, Source, stream_range
 
@@ -110,8 +113,8 @@ class PeerSet:
         self.stats = PeerStats(ban_s=ban_s)
         self.inflight = inflight or InFlight()  # this node's downloads its peer server may serve from
 
-    def wrap(self, origin: Source, digests: dict[str, tuple[str, int]]) -> PeerSource:
-        """`digests`: object key -> (trusted sha256, size) for the objects peers may serve."""
+    def wrap(self, origin: Source, digests: dict[str, tuple[Blob, int]]) -> PeerSource:
+        """`digests`: object key -> (trusted sha256 or origin identity, size) for the objects peers may serve."""
         with self.stats.lock:
             banned = self.stats._banned_now()
             usable = [c for c in self.clients if c.url not in banned]
@@ -150,7 +153,7 @@ class PeerSource:
     """`origin` with peer-first ranged reads for the objects in `digests`; thread-safe like any Source."""
 
     def __init__(self, origin: Source, peers: typing.List[PeerClient],  # noqa: UP006
-                 digests: dict[str, tuple[str, int]], stats: PeerStats, inflight: InFlight | None = None,
+                 digests: dict[str, tuple[Blob, int]], stats: PeerStats, inflight: InFlight | None = None,
                  rank: tuple[int, int] = (0, 1)) -> None:
         """`rank`: (this node's place, nodes) among its peers and itself: which share of pieces it fetches first."""
         self.origin = origin
@@ -209,6 +212,7 @@ class PeerSource:
         if trusted is None or obj.key in self._origin_only:
             yield from self._from_origin(obj, pos, end, buf, on_bytes, None)
             return
+        name = blob_key(trusted[0])
         with self._lock:
             wait = (obj.key, offset) not in self._own and self._rank[1] > 1
             # peers that start later register later: ranges may wait for them until GRACE_S after this fetch's
@@ -233,7 +237,7 @@ class PeerSource:
                     log.warning("%s at byte %d of %s; this fetch takes the rest elsewhere", exc, pos, obj.relpath)
                 except SourceError as exc:
                     self._stats.error(peer.url)
-                    self._drop_holder(trusted[0], peer)
+                    self._drop_holder(name, peer)
                     log.warning("peer %s failed at byte %d of %s (%s); the rest of the range from another source",
                                 peer.url, pos, obj.relpath, exc)
                 if pos >= end:
@@ -244,7 +248,7 @@ class PeerSource:
             if not wait or (now >= fetch_deadline and not (downloading and now < deadline)):
                 break
             time.sleep(POLL_S)
-        yield from self._from_origin(obj, pos, end, buf, on_bytes, trusted[0])
+        yield from self._from_origin(obj, pos, end, buf, on_bytes, name)
 
     def _from_origin(self, obj: ObjectInfo, pos: int, end: int, buf: memoryview, on_bytes: OnBytes | None,
                      sha256: str | None) -> Pieces:
@@ -261,10 +265,11 @@ class PeerSource:
                 self._inflight.release(claim)
 
     # -- peers ------------------------------------------------------------------------------------------------
-    def _holders_in_turn(self, sha256: str, size: int) -> typing.List[PeerClient]:  # noqa: UP006
+    def _holders_in_turn(self, blob: Blob, size: int) -> typing.List[PeerClient]:  # noqa: UP006
         """Peers holding or downloading the blob, rotated per range so concurrent ranges spread out. Asked once
         per fetch when every peer has it; peers that did not are asked again after REASK_S (they may have
         started downloading it since)."""
+        sha256 = blob_key(blob)
         with self._lock:
             asked, known = self._holders.get(sha256, (-REASK_S, []))
         if time.monotonic() - asked >= REASK_S and len(known) < len(self._live_peers()):
@@ -272,7 +277,7 @@ class PeerSource:
                 with self._lock:
                     asked, known = self._holders.get(sha256, (-REASK_S, []))
                 if time.monotonic() - asked >= REASK_S:
-                    known = [p for p in self._live_peers() if p in known or self._asks(p, sha256, size)]
+                    known = [p for p in self._live_peers() if p in known or self._asks(p, blob, size)]
                     with self._lock:
                         self._holders[sha256] = (time.monotonic(), known)
         banned = self._stats.banned
@@ -287,7 +292,7 @@ class PeerSource:
         with self._lock:
             return [p for p in self._peers if p.url not in self._dead]
 
-    def _asks(self, peer: PeerClient, sha256: str, size: int) -> bool:
+    def _asks(self, peer: PeerClient, sha256: Blob, size: int) -> bool:
         """HEAD one peer; one that cannot be reached is not asked again by this fetch (a blackholed peer costs
         one connect timeout per fetch, not one per blob)."""
         try:
@@ -304,7 +309,7 @@ class PeerSource:
             asked, known = self._holders.get(sha256, (time.monotonic(), []))
             self._holders[sha256] = (asked, [p for p in known if p is not peer])
 
-    def _from_peer(self, peer: PeerClient, key: str, sha256: str, pos: int, end: int, buf: memoryview,
+    def _from_peer(self, peer: PeerClient, key: str, sha256: Blob, pos: int, end: int, buf: memoryview,
                    on_bytes: OnBytes | None) -> Pieces:
         """Yield pieces of [pos, end), or of the shorter span a peer still downloading the blob serves, from one
         peer. One attempt: a failure raises SourceError and the caller goes on with the bytes not yet yielded;
@@ -323,10 +328,11 @@ class PeerSource:
             pace.finish()
             WATCHDOG.unwatch(pace)
 
-    def _paced(self, peer: PeerClient, key: str, sha256: str, pos: int, end: int, buf: memoryview,
+    def _paced(self, peer: PeerClient, key: str, blob: Blob, pos: int, end: int, buf: memoryview,
                on_bytes: OnBytes | None, pace: Pace) -> Pieces:
+        sha256 = blob_key(blob)
         try:
-            resp, served = peer.open_span(sha256, pos, end, pace)
+            resp, served = peer.open_span(blob, pos, end, pace)
         except Retryable as exc:
             raise SourceError(str(exc)) from exc
         pace.expect(served - pos)
@@ -346,6 +352,7 @@ class PeerSource:
         retry = Retry(f"reading blob {sha256[:12]} bytes {pos}-{served - 1} from peer {peer.url}", 1)
         with closing(stream_range(open_once, pos, served - pos, buf, retry, counted)) as pieces:
             for at, view in pieces:
+                acquire_peers(len(view))  # the node's peer bytesPerSecond: the next piece waits (ratelimit.py)
                 with self._lock:
                     self._served[(key, at)] = (peer.url, hashlib.sha256(view).digest())
                     self.peer_bytes += len(view)
@@ -369,3 +376,8 @@ class PeerSource:
             length = self._stats.ban(peer)
             log.warning("peer %s sent bytes at offset %d of %s that the origin contradicts; not asking it for "
                         "%.0f s", peer, at, key, length)
+
+
+def blob_key(blob: Blob) -> str:
+    """How a blob is keyed in holders, claims and downloads in flight: its sha256, or its identity's address."""
+    return blob.address if isinstance(blob, OriginId) else blob

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from weightcache import defaults
 from weightcache.errors import SourceNotFoundError
+from weightcache.ratelimit import acquire_origin
 from weightcache.retry import PartialRead, Retry, Retryable
 from weightcache.uri import ModelRef
 
@@ -105,6 +106,7 @@ def read_range_into(options: SourceOptions, name: str, obj: ObjectInfo, offset: 
     if offset < 0 or offset + len(buf) > obj.size:
         raise ValueError(f"range {offset}+{len(buf)} outside {name} of {obj.size} bytes")
     if len(buf):
+        acquire_origin(name, len(buf), options.cancel)  # the node's bytesPerSecond (weightcache/ratelimit.py)
         read_with_retries(reader, offset, buf, options.retry(f"reading {name} bytes {offset}-{offset + len(buf) - 1}"))
 
 

@@ -1,0 +1,117 @@
+"""weightcache/ratelimit.py: one token bucket shared by threads holds its rate, waits end at a cancel, rates change
+live, and the daemon's bytesPerSecond reaches the process's limits."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from weightcache.errors import ConfigError, FetchCancelledError
+from weightcache.ratelimit import LIMITS, Limiter, acquire_origin
+
+
+@pytest.fixture(autouse=True)
+def no_limits() -> Iterator[None]:
+    LIMITS.configure()
+    yield
+    LIMITS.configure()
+
+
+def _drain(limiter: Limiter, threads: int, seconds: float, piece: int) -> int:
+    got = [0] * threads
+    stop = time.monotonic() + seconds
+
+    def work(i: int) -> None:
+        while time.monotonic() < stop:
+            limiter.acquire(piece)
+            got[i] += piece
+
+    ts = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return sum(got)
+
+
+def test_eight_threads_sharing_a_limiter_hold_its_rate_within_ten_percent() -> None:
+    rate = 20 << 20
+    limiter = Limiter(rate)
+    took = time.monotonic()
+    total = _drain(limiter, 8, 1.5, 256 << 10)
+    took = time.monotonic() - took
+    assert abs(total / took - rate) / rate < 0.10, total / took
+
+
+def test_a_piece_larger_than_the_burst_passes_and_the_average_holds() -> None:
+    limiter = Limiter(4 << 20, burst_s=0.1)
+    start = time.monotonic()
+    for _ in range(4):
+        limiter.acquire(1 << 20)  # 0.25 s of the rate each, more than the 0.1 s burst
+    took = time.monotonic() - start
+    assert 0.6 <= took <= 1.2, took
+
+
+def test_a_wait_ends_at_once_when_the_fetch_is_cancelled() -> None:
+    limiter = Limiter(1000)
+    limiter.acquire(1000)
+    cancel = threading.Event()
+    threading.Timer(0.1, cancel.set).start()
+    start = time.monotonic()
+    with pytest.raises(FetchCancelledError):
+        limiter.acquire(1000, cancel)  # would wait 1 s
+    assert time.monotonic() - start < 0.5
+
+
+def test_a_rate_changed_live_reaches_a_waiting_worker() -> None:
+    limiter = Limiter(100)
+    limiter.acquire(100)
+    done = threading.Event()
+    def wait() -> None:
+        limiter.acquire(1000)
+        done.set()
+
+    threading.Thread(target=wait, daemon=True).start()
+    time.sleep(0.1)
+    assert not done.is_set()  # 10 s at the old rate
+    limiter.set_rate(0)
+    assert done.wait(1)
+
+
+def test_unlimited_costs_nothing() -> None:
+    limiter = Limiter(0)
+    start = time.monotonic()
+    for _ in range(100_000):
+        limiter.acquire(1 << 20)
+    assert time.monotonic() - start < 0.5
+
+
+def test_a_source_limit_applies_on_top_of_the_nodes_and_the_most_specific_wins() -> None:
+    LIMITS.configure(origin=0, peers=0, sources={"s3": 1 << 30, "s3://slow": 1000})
+    assert LIMITS.for_source("s3://slow/a/b.bin") is not None
+    assert LIMITS.for_source("s3://slow/a/b.bin").rate == 1000  # type: ignore[union-attr]
+    assert LIMITS.for_source("s3://fast/a").rate == 1 << 30  # type: ignore[union-attr]
+    assert LIMITS.for_source("gs://x/a") is None
+    acquire_origin("s3://slow/k", 1000)
+    start = time.monotonic()
+    acquire_origin("s3://slow/k", 500)
+    assert time.monotonic() - start >= 0.4
+
+
+def test_bytes_per_second_in_the_daemon_config_is_parsed_and_applied_live() -> None:
+    from weightcache.daemon.config import Settings, apply_live, parse_settings
+
+    s = parse_settings({"bytesPerSecond": {"origin": "200Mi", "peers": "1Gi", "s3://models": "50Mi"}})
+    assert dict(s.bytes_per_second) == {"origin": 200 << 20, "peers": 1 << 30, "s3://models": 50 << 20}
+    merged, pending = apply_live(Settings(), s)
+    assert "bytes_per_second" not in pending
+    assert LIMITS.status() == {"origin": 200 << 20, "peers": 1 << 30, "sources": {"s3://models": 50 << 20}}
+    apply_live(merged, Settings())
+    assert LIMITS.status() == {"origin": 0, "peers": 0, "sources": {}}
+    with pytest.raises(ConfigError, match="bytesPerSecond"):
+        parse_settings({"bytesPerSecond": {"s3://a/b c": 1}})
+    with pytest.raises(ConfigError, match="bytesPerSecond"):
+        parse_settings({"bytesPerSecond": 5})

@@ -1,0 +1,164 @@
+"""Objects addressed by the origin's identity, for blobs whose sha256 no origin vouches for (docs/peers.md,
+"Objects without a SHA-256 checksum").
+
+An `OriginId` is what the asking node itself got from the origin's listing and HEAD under its own credentials:
+(scheme, bucket, key, ETag, version, size). A peer maps it to a blob only from records of its own downloads of
+that very identity (manifests it wrote: model URI + path = key, ETag, version, size), so a bucket can only ever
+be answered with bytes that bucket served; the identity names bucket and key, so no listing can alias another
+bucket's or prefix's blob. The asking node checks what it receives against the origin's own checksum
+(`origin_check`): the ETag as MD5 (single part), the multipart ETag as MD5 of part MD5s (part size from the
+node's own HEAD ?partNumber=1), else a full-object CRC32/CRC32C/CRC64NVME.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from weightcache.checksums import FACTORIES
+from weightcache.sources.base import ObjectInfo, Source
+
+log = logging.getLogger(__name__)
+
+MIN_PEER_BYTES = 1 << 20  # smaller objects come from the origin: a HEAD of our own costs about what they do
+COMPOSITE = "md5-parts:"  # + part size: the multipart ETag, MD5 of the part MD5s, "-" N
+_MD5 = re.compile(r"[0-9a-f]{32}")
+_MULTIPART = re.compile(r"([0-9a-f]{32})-([0-9]{1,5})")
+
+
+@dataclass(frozen=True)
+class OriginId:
+    """One object version as its origin names it. `address` keys it in a node's downloads in flight."""
+
+    scheme: str
+    bucket: str
+    key: str
+    etag: str
+    version: str | None
+    size: int
+
+    @property
+    def address(self) -> str:
+        text = "\0".join([self.scheme, self.bucket, self.key, self.etag, self.version or "", str(self.size)])
+        return "origin-" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+    def query(self) -> dict[str, str]:
+        out = {"scheme": self.scheme, "bucket": self.bucket, "key": self.key, "etag": self.etag,
+               "size": str(self.size)}
+        if self.version:
+            out["version"] = self.version
+        return out
+
+    @classmethod
+    def from_query(cls, q: Any) -> OriginId | None:
+        """From a request's query (untrusted): None when a field is missing or malformed."""
+        try:
+            scheme, bucket, key, etag = (str(q[n]) for n in ("scheme", "bucket", "key", "etag"))
+            size_text = str(q["size"])
+        except KeyError:
+            return None
+        version = q.get("version")
+        if (scheme != "s3" or not bucket or not key or not etag or len(key) > 4096 or len(etag) > 64
+                or not re.fullmatch(r"[0-9]{1,19}", size_text)):
+            return None
+        return cls(scheme, bucket, key, etag, str(version) if version else None, int(size_text))
+
+
+def record_matches(oid: OriginId, uri: str, path: str, etag: str | None, version: str | None, size: int) -> bool:
+    """A manifest row of this node (model `uri`, `path` in it) records exactly the object `oid` names."""
+    if etag != oid.etag or size != oid.size or (oid.version and version and oid.version != version):
+        return False
+    return uri == f"{oid.scheme}://{oid.bucket}/{oid.key[:len(oid.key) - len(path)]}" and oid.key.endswith(path)
+
+
+class CompositeMD5:
+    """The multipart ETag of uniform parts of `part_size`: MD5 of the concatenated part MD5s, then "-N"."""
+
+    def __init__(self, part_size: int) -> None:
+        self.part_size = part_size
+        self._part = hashlib.md5(usedforsecurity=False)
+        self._left = part_size
+        self._digests: list[bytes] = []
+
+    def update(self, data: bytes | memoryview) -> None:
+        view = memoryview(data)
+        while len(view):
+            n = min(self._left, len(view))
+            self._part.update(view[:n])
+            view, self._left = view[n:], self._left - n
+            if self._left == 0:
+                self._digests.append(self._part.digest())
+                self._part, self._left = hashlib.md5(usedforsecurity=False), self.part_size
+
+    def hexdigest(self) -> str:
+        digests = [*self._digests, *([self._part.digest()] if self._left < self.part_size else [])]
+        return f"{hashlib.md5(b''.join(digests), usedforsecurity=False).hexdigest()}-{len(digests)}"
+
+
+def composite_factory(algorithm: str) -> Callable[[], CompositeMD5] | None:
+    """The hasher of a `COMPOSITE` algorithm name, else None."""
+    if not algorithm.startswith(COMPOSITE):
+        return None
+    part = int(algorithm[len(COMPOSITE):])
+    return lambda: CompositeMD5(part)
+
+
+@dataclass(frozen=True)
+class OriginEvidence:
+    oid: OriginId
+    check: tuple[str, str]  # (algorithm, want) the received bytes must match: md5, md5-parts:N, crc32, ...
+
+
+def origin_evidence(source: Source, objects: Iterable[ObjectInfo]) -> dict[str, OriginEvidence]:
+    """Object key -> identity and origin check, for the objects peers may serve by identity: S3 objects of
+    MIN_PEER_BYTES or more with an MD5 ETag (single part or uniform parts) or a full-object CRC, as this node's
+    own HEAD (?partNumber=1, If-Match the listed ETag) shows them. Others are left out (the origin serves them)."""
+    client, bucket = getattr(source, "_client", None), getattr(source.ref, "bucket", "")
+    if source.name != "s3" or client is None:
+        return {}
+    prefix = source.ref.prefix
+    wanted = [o for o in objects if o.etag and o.size >= MIN_PEER_BYTES and o.key == prefix + o.relpath]
+    if not wanted:
+        return {}
+
+    def one(obj: ObjectInfo) -> OriginEvidence | None:
+        try:
+            return _evidence(client, bucket, obj)
+        except Exception as exc:  # no evidence: the origin serves it, as before
+            log.info("s3://%s/%s: no origin evidence for peers (%s: %s)", bucket, obj.key, type(exc).__name__, exc)
+            return None
+
+    with ThreadPoolExecutor(min(16, len(wanted)), thread_name_prefix="s3-evidence") as pool:
+        found = list(pool.map(one, wanted))
+    return {o.key: e for o, e in zip(wanted, found, strict=True) if e is not None}
+
+
+def _evidence(client: Any, bucket: str, obj: ObjectInfo) -> OriginEvidence | None:
+    etag = obj.etag or ""
+    args: dict[str, Any] = {"Bucket": bucket, "Key": obj.key}
+    if obj.version_id:
+        args["VersionId"] = obj.version_id
+    head = client.head_object(**args, IfMatch=f'"{etag}"')
+    encrypted = str(head.get("ServerSideEncryption", "")).startswith("aws:kms") or head.get("SSECustomerAlgorithm")
+    version = head.get("VersionId") or obj.version_id
+    oid = OriginId("s3", bucket, obj.key, etag, version if version and version != "null" else None, obj.size)
+    if int(head.get("ContentLength", -1)) != obj.size:
+        return None
+    if not encrypted and _MD5.fullmatch(etag):
+        return OriginEvidence(oid, ("md5", etag))
+    m = _MULTIPART.fullmatch(etag)
+    if not encrypted and m:  # the part size from ?partNumber=1, the last part's to check they are uniform
+        first = client.head_object(**args, PartNumber=1)
+        parts, part = int(first.get("PartsCount") or 0), int(first.get("ContentLength") or 0)
+        if parts == int(m[2]) and part > 0 and -(-obj.size // part) == parts:
+            last = obj.size - (parts - 1) * part
+            if parts == 1 or int(client.head_object(**args, PartNumber=parts)["ContentLength"]) == last:
+                return OriginEvidence(oid, (f"{COMPOSITE}{part}", etag))
+    if obj.checksum and obj.checksum[0] in FACTORIES and obj.checksum[0] != "sha256":
+        return OriginEvidence(oid, obj.checksum)
+    return None

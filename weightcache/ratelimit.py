@@ -1,0 +1,138 @@
+"""Bandwidth limits: one token bucket per limit, shared by every fetch worker of the process.
+
+    LIMITS.configure(origin=100 << 20, peers=0, sources={"s3://models": 50 << 20})   # the daemon's bytesPerSecond
+    acquire_origin("s3://models/llama/a.bin", n, cancel)   # before reading n bytes from the origin
+    acquire_peers(n, cancel)                               # before / as reading n bytes from peers
+
+Origin and peer traffic are limited separately (peers are usually on the free cluster network); a source's own
+limit (`scheme` or `scheme://bucket`, the most specific wins) applies on top of the node's origin limit. A
+limit of 0 is none. Rates change live (`configure` again): waiting workers pick the new rate up within POLL_S.
+`acquire` blocks until the bytes are allowed and returns at once with FetchCancelledError when `cancel` is set.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+from weightcache.errors import FetchCancelledError
+
+BURST_S = 0.1  # a bucket holds this many seconds of its rate: short bursts, a limit held over ~1 s windows
+POLL_S = 0.05  # a waiting worker looks at the bucket (and its cancel event) at least this often
+
+
+class Limiter:
+    """A thread-safe token bucket of `rate` bytes per second (0: unlimited) with a `burst_s` burst. A request
+    larger than the burst is allowed once the bucket is full and leaves it in debt, so the average holds."""
+
+    def __init__(self, rate: int = 0, burst_s: float = BURST_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self._lock = threading.Lock()
+        self._clock = clock
+        self.burst_s = burst_s
+        self._rate = max(0, int(rate))
+        self._tokens = self._capacity()
+        self._stamp = clock()
+        self.waited_s = 0.0  # seconds workers spent blocked here, all together
+
+    @property
+    def rate(self) -> int:
+        return self._rate
+
+    def set_rate(self, rate: int) -> None:
+        with self._lock:
+            self._refill()
+            self._rate = max(0, int(rate))
+            self._tokens = min(self._tokens, self._capacity())
+
+    def _capacity(self) -> float:
+        return max(1.0, self._rate * self.burst_s)
+
+    def _refill(self) -> None:
+        now = self._clock()
+        if self._rate:
+            self._tokens = min(self._capacity(), self._tokens + (now - self._stamp) * self._rate)
+        self._stamp = now
+
+    def acquire(self, n: int, cancel: threading.Event | None = None) -> None:
+        """Wait until `n` bytes are allowed, then take them. FetchCancelledError once `cancel` is set."""
+        if n <= 0 or not self._rate:
+            return
+        started = None
+        while True:
+            with self._lock:
+                if not self._rate:
+                    return
+                self._refill()
+                need = min(float(n), self._capacity())
+                if self._tokens >= need:
+                    self._tokens -= n
+                    if started is not None:
+                        self.waited_s += self._clock() - started
+                    return
+                wait = (need - self._tokens) / self._rate
+            if started is None:
+                started = self._clock()
+            pause = min(wait, POLL_S)
+            if cancel is not None:
+                if cancel.wait(pause):
+                    raise FetchCancelledError("fetch cancelled while waiting for its bandwidth limit")
+            else:
+                time.sleep(pause)
+
+
+class Limits:
+    """The process's limits: the node's origin and peer buckets and one per source key."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.origin = Limiter()
+        self.peers = Limiter()
+        self._sources: dict[str, Limiter] = {}
+
+    def configure(self, origin: int = 0, peers: int = 0, sources: Mapping[str, int] | None = None) -> None:
+        """Set every limit (live: buckets in use keep their state and take the new rate)."""
+        self.origin.set_rate(origin)
+        self.peers.set_rate(peers)
+        wanted = {k.rstrip("/"): v for k, v in (sources or {}).items()}
+        with self._lock:
+            for key in list(self._sources):
+                if key not in wanted:
+                    del self._sources[key]
+            for key, rate in wanted.items():
+                if key in self._sources:
+                    self._sources[key].set_rate(rate)
+                else:
+                    self._sources[key] = Limiter(rate)
+
+    def for_source(self, name: str) -> Limiter | None:
+        """The most specific source limit for an object named `name` (`s3://bucket/key`): `s3://bucket`, then
+        `s3`; None when there is none."""
+        with self._lock:
+            if not self._sources:
+                return None
+            scheme, sep, rest = name.partition("://")
+            if not sep:
+                return None
+            bucket = rest.split("/", 1)[0]
+            return self._sources.get(f"{scheme}://{bucket}") or self._sources.get(scheme)
+
+    def status(self) -> dict[str, object]:
+        with self._lock:
+            sources = {k: v.rate for k, v in self._sources.items()}
+        return {"origin": self.origin.rate, "peers": self.peers.rate, "sources": sources}
+
+
+LIMITS = Limits()
+
+
+def acquire_origin(name: str, n: int, cancel: threading.Event | None = None) -> None:
+    """Before `n` bytes of the object `name` are read from its origin: the source's limit, then the node's."""
+    if (source := LIMITS.for_source(name)) is not None:
+        source.acquire(n, cancel)
+    LIMITS.origin.acquire(n, cancel)
+
+
+def acquire_peers(n: int, cancel: threading.Event | None = None) -> None:
+    """As `n` bytes are read from peers."""
+    LIMITS.peers.acquire(n, cancel)
