@@ -71,14 +71,17 @@ def test_a_modelpack_artifact_by_tag_and_by_digest(tmp_path: Path, registry: Reg
     assert {f.sha256 for f in by_tag.files} == {hashlib.sha256(b).hexdigest() for b in want.values()}
 
 
-def test_layer_digests_are_evidence_only_when_the_manifest_is_pinned_by_digest(registry: Registry) -> None:
+def test_layer_digests_are_claims_even_when_the_manifest_is_pinned_by_digest(registry: Registry) -> None:
     digest = registry.push("models/evidence:v1", files("evidence"))
     by_tag = OciSource(parse_ref(f"oci://{registry.host}/models/evidence:v1"))
     listed = by_tag.list()
     assert all(o.checksum is None for o in listed) and not by_tag.trusted  # a claim: checks bytes only
     assert all(by_tag.claimed_sha256(o) == o.etag for o in listed)
     pinned = OciSource(parse_ref(f"oci://{registry.host}/models/evidence@{digest}"))
-    assert [o.checksum for o in pinned.list()] == [("sha256", o.etag) for o in listed] and pinned.trusted
+    # a pin proves which manifest, not that its layers are the bytes they name: a hostile registry's pinned
+    # manifest may name another tenant's blob digest, which must never be linked unread nor asked of peers
+    assert all(o.checksum is None for o in pinned.list()) and pinned.trusted
+    assert all(pinned.claimed_sha256(o) == o.etag for o in pinned.list())
 
 
 def test_a_manifest_that_does_not_hash_to_its_pinned_digest_is_an_integrity_failure(
@@ -134,7 +137,7 @@ def test_an_index_gives_linux_amd64_or_its_only_manifest(tmp_path: Path, registr
     digest = registry.put_manifest("models/multi", "list", index, OCI_INDEX)
     assert tree(fetch(tmp_path / "a", f"oci://{registry.host}/models/multi:list")) == files("amd")
     pinned = OciSource(parse_ref(f"oci://{registry.host}/models/multi@{digest}"))
-    assert all(o.checksum for o in pinned.list())  # index pinned and hashed, child hashed to the index's digest
+    assert pinned.list() and pinned.trusted  # index pinned and hashed, child hashed to the index's digest
     registry.put_manifest("models/multi", "one", _index(registry, "models/multi", [("arm", None)]), OCI_INDEX)
     assert tree(fetch(tmp_path / "b", f"oci://{registry.host}/models/multi:one")) == files("arm")
     two = _index(registry, "models/multi", [("arm", {"os": "linux", "architecture": "arm64"}),

@@ -13,8 +13,10 @@ blob before a member is trusted, which the ranged engine does not yet do (docs/s
 
 Blobs are read by ranged GETs (`GET /v2/<repo>/blobs/<digest>`, redirects followed without credentials to other
 hosts), so the engine's parallel, resumable, verified download applies. Every layer's digest checks the bytes
-downloaded (a claim, `claimed_sha256`); it is evidence (`ObjectInfo.checksum`: dedup and peers) only when the
-reference was pinned by digest and the manifest's bytes hashed to it (docs/peers.md, "What counts as evidence").
+downloaded (a claim, `claimed_sha256`) and is never evidence for linking a blob unread or asking peers, even when
+the reference pins the manifest by digest: the pin proves which manifest, not that its layers are the bytes they
+name (docs/peers.md, "What counts as evidence"). A blob already on the node is reused only on this node's own
+record of downloading the same layer of the same repository.
 
 Everything the registry sends is untrusted: sizes, digests, counts, media types, annotations, token answers.
 Credentials come from a docker config file (`$DOCKER_CONFIG/config.json`, a mounted pull secret's
@@ -231,8 +233,11 @@ class OciSource:
             if (model and model.group(1) != "raw") or annotations.get(ORAS_UNPACK, "").lower() == "true":
                 raise SourceError(f"{what} is a tar layer for {relpath!r}: {_TAR_NEXT}")
             hexdigest = layer["digest"].partition(":")[2]
+            # never evidence (checksum None), even under a pinned manifest: the registry (or whoever wrote the
+            # manifest the tenant pinned) names any digest it likes, and linking one unread would hand it another
+            # tenant's blob; the digest checks the bytes downloaded (claimed_sha256), as the hub's lfs.sha256 does
             objects.append(ObjectInfo(f"{self.base}blobs/{layer['digest']}", relpath, layer["size"], hexdigest, None,
-                                      ("sha256", hexdigest) if trusted else None))
+                                      None))
         return objects
 
     # -- HTTP -------------------------------------------------------------------------------------------------
