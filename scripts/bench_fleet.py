@@ -36,6 +36,7 @@ from botocore.config import Config
 
 from scripts.bench_prefetch import Moto
 from tests.faultproxy import FaultProxy
+from tests.grants import admin
 from tests.peers_fleet import Fleet, FleetNode, origin_bytes
 from weightcache.uri import parse_ref
 
@@ -44,21 +45,23 @@ REF = parse_ref("s3://fleet/model/")
 OPTIONS = {"chunk_size": 4 << 20, "concurrency": 8}
 
 
-def upload(url: str, size: int) -> None:
+def upload(url: str, size: int, sha256: bool = True) -> None:
+    """Two shards and a config; `sha256=False`: plain put_object as most buckets are filled (the store adds its
+    CRC32, the ETag is the MD5), so peers are asked by the origin's identity, not by digest."""
+    extra = {"ChecksumAlgorithm": "SHA256"} if sha256 else {}
     os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
                        "AWS_DEFAULT_REGION": "us-east-1"})
     s3 = boto3.client("s3", endpoint_url=url, config=Config(s3={"addressing_style": "path"}))
     s3.create_bucket(Bucket="fleet")
     shard = size // 2
     for i in range(2):
-        s3.put_object(Bucket="fleet", Key=f"model/model-{i:05d}.safetensors.bin", Body=os.urandom(shard),
-                      ChecksumAlgorithm="SHA256")
-    s3.put_object(Bucket="fleet", Key="model/config.json", Body=b'{"bench": true}', ChecksumAlgorithm="SHA256")
+        s3.put_object(Bucket="fleet", Key=f"model/model-{i:05d}.safetensors.bin", Body=os.urandom(shard), **extra)
+    s3.put_object(Bucket="fleet", Key="model/config.json", Body=b'{"bench": true}', **extra)
 
 
 def fetch_all(nodes: list[FleetNode], proxy: FaultProxy) -> None:
     def one(node: FleetNode) -> None:
-        node.fetcher(endpoint_url=proxy.endpoint_url, **OPTIONS).ensure(REF)
+        node.fetcher(endpoint_url=proxy.endpoint_url, **OPTIONS).ensure(admin(REF))
 
     with ThreadPoolExecutor(len(nodes)) as pool:
         for f in [pool.submit(one, n) for n in nodes]:
@@ -96,16 +99,19 @@ def main() -> int:
     parser.add_argument("--nodes", default="2,4,8")
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--origin-mbps", type=float, default=10.0, help="per origin connection, MB/s")
+    parser.add_argument("--no-sha256", action="store_true",
+                        help="a bucket filled with plain put_object (no SHA-256 checksum): peers by origin identity")
     args = parser.parse_args()
     size = args.size_mb << 20
     moto = Moto()
     try:
-        upload(moto.url, size)
+        upload(moto.url, size, sha256=not args.no_sha256)
         model = size + len(b'{"bench": true}')
         with FaultProxy(moto.url) as proxy:
             proxy.add("throttle", method="GET", path="/fleet/model/", ranged_only=True,
                       rate=int(args.origin_mbps * 1e6), count=-1)
-            print(f"model {model / 2**20:.0f} MiB, origin throttled to {args.origin_mbps:.0f} MB/s per connection, "
+            print(f"{'no SHA-256 checksums (plain put_object)' if args.no_sha256 else 'SHA-256 checksums'}: "
+                  f"model {model / 2**20:.0f} MiB, origin throttled to {args.origin_mbps:.0f} MB/s per connection, "
                   f"{OPTIONS['concurrency']} connections per fetch, median of {args.runs} run(s)")
             one = statistics.median(run("independent", 1, proxy)[1] for _ in range(args.runs))
             print(f"one node alone: {one:.2f} s")
