@@ -78,9 +78,11 @@ def test_rbac_grants_what_the_plugin_calls(objects: list[dict[str, Any]]) -> Non
     role = one(objects, "ClusterRole", "weightcache-dra")
     grants = {(g, r): set(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"]
               for r in rule["resources"]}
-    # SlicePublisher: list (fieldSelector), create, replace (PUT = update), delete; claim_reader: get
+    # SlicePublisher: list (fieldSelector), create, replace (PUT = update), delete; claim_reader: get;
+    # ClaimBinder (1.36+): list and watch claims, read one, merge-patch its status
     assert {"list", "create", "update", "delete"} <= grants[("resource.k8s.io", "resourceslices")]
-    assert grants[("resource.k8s.io", "resourceclaims")] == {"get"}
+    assert grants[("resource.k8s.io", "resourceclaims")] == {"get", "list", "watch"}
+    assert grants[("resource.k8s.io", "resourceclaims/status")] == {"patch", "update"}
     binding = one(objects, "ClusterRoleBinding", "weightcache-dra")
     ds = one(objects, "DaemonSet", "weightcache-node")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": ds["spec"]["template"]["spec"][

@@ -32,8 +32,10 @@ _SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a
 def check_slice(obj: dict[str, Any], version: str = "1.34") -> None:
     """The official schema (strict) plus the API's validation rules the schema does not carry."""
     validate_strict(obj, version)
-    devices = obj["spec"]["devices"]
-    assert len(devices) <= 128 and len({d["name"] for d in devices}) == len(devices)
+    devices = obj["spec"].get("devices", [])
+    assert not (devices and obj["spec"].get("sharedCounters")), "1.35+: devices or sharedCounters, not both"
+    limit = 64 if any(d.get("consumesCounters") or d.get("taints") for d in devices) else 128
+    assert len(devices) <= limit and len({d["name"] for d in devices}) == len(devices)
     for device in devices:
         assert _DNS_LABEL.match(device["name"]), device["name"]
         attrs = device.get("attributes", {})

@@ -7,15 +7,24 @@ imports the daemon's Node.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import re
+import shutil
 from collections.abc import Callable
 from typing import Any
 
 from weightcache.daemon.node import Node
+from weightcache.dra.binding import ClaimBinder
 from weightcache.dra.devices import devices_for
+from weightcache.dra.fetchable import Fetchable, cache_counters, declared, fetchable_devices
 from weightcache.dra.server import DraPlugin, claim_reader, serve_dra
 from weightcache.dra.slices import SlicePublisher
 from weightcache.errors import ConfigError
 from weightcache.settings import node_name as node_name_of
+from weightcache.uri import model_key
+
+log = logging.getLogger(__name__)
 
 
 def node_devices(node: Node) -> Callable[[], list[dict[str, Any]]]:
@@ -29,14 +38,46 @@ def node_devices(node: Node) -> Callable[[], list[dict[str, Any]]]:
     return devices
 
 
-def change_token(node: Node) -> Callable[[], object]:
-    """Cheap: the store's snapshot and manifest directories change on every publish and eviction."""
+def change_token(node: Node, *, fetchable: bool = False) -> Callable[[], object]:
+    """Cheap: the store's snapshot and manifest directories change on every publish and eviction; with fetchable
+    devices, also the models the ModelCaches offer."""
     layout = node.store.layout
 
     def token() -> object:
         resident = frozenset(r.id for r in node.tier.resident()) if node.tier is not None else frozenset()
-        return layout.snapshots.stat().st_mtime_ns, layout.manifests.stat().st_mtime_ns, resident
+        offered = tuple(sorted((k, m.size) for k, m in declared(node.model_caches()).items())) if fetchable else ()
+        return layout.snapshots.stat().st_mtime_ns, layout.manifests.stat().st_mtime_ns, resident, offered
     return token
+
+
+def with_fetchable(node: Node, held: Callable[[], list[dict[str, Any]]]) -> Callable[[], list[dict[str, Any]]]:
+    """The held models' devices plus a fetchable device for each model a ModelCache offers that is not held."""
+    def devices() -> list[dict[str, Any]]:
+        keys = {model_key(i.snapshot.uri) for i in node.store.list()}
+        return held() + fetchable_devices(declared(node.model_caches()).values(), held=keys)
+    return devices
+
+
+def free_cache_bytes(node: Node) -> int:
+    """What the store may still take: its budget less what it uses, bounded by the disk's free space."""
+    free = shutil.disk_usage(node.store.layout.root).free
+    if node.store.budget_bytes is not None:
+        free = min(free, node.store.budget_bytes - node.store.used_bytes())
+    return max(0, free)
+
+
+def binding_conditions_served(api_client: Any) -> bool:
+    """Fetchable devices need the 1.36 API (binding conditions, device status and counters on by default): an
+    older API server drops the fields, and the scheduler would bind a pod before its model is fetched."""
+    import kubernetes
+
+    try:
+        info = kubernetes.client.VersionApi(api_client).get_code(_request_timeout=10)
+        major, minor = int(info.major), int(re.sub(r"\D.*$", "", info.minor) or 0)
+    except Exception as exc:  # unreachable, or a version we cannot read: held devices only
+        log.warning("reading the API server's version failed (%s): offering held models only as DRA devices", exc)
+        return False
+    return (major, minor) >= (1, 36)
 
 
 async def serve_for_node(node: Node) -> DraPlugin:
@@ -51,8 +92,18 @@ async def serve_for_node(node: Node) -> DraPlugin:
     api_client = node.cluster.api_client
     node_name = node_name_of(s.node_name)
 
-    publisher = SlicePublisher(api_client, node_name, node_devices(node), api_version=dra.api_version,
-                               change_token=change_token(node))
+    fetchable = dra.api_version == "v1" and await asyncio.to_thread(binding_conditions_served, api_client)
+    devices = with_fetchable(node, node_devices(node)) if fetchable else node_devices(node)
+    publisher = SlicePublisher(api_client, node_name, devices, api_version=dra.api_version,
+                               change_token=change_token(node, fetchable=fetchable),
+                               counters=(lambda: cache_counters(free_cache_bytes(node))) if fetchable else None)
+
+    def resolve(key: str) -> Fetchable | None:
+        return declared(node.model_caches()).get(key)
+
+    binder = ClaimBinder(api_client, pool=node_name, store=node.store, authority=node.authority, resolve=resolve,
+                         fetch=lambda grant: node.fetches.ensure(grant, keep=True)) if fetchable else None
     return await serve_dra(store=node.store, pool=node_name, kubelet_dir=s.kubelet_dir, cdi_dir=dra.cdi_dir,
                            authority=node.authority, claims=claim_reader(api_client, dra.api_version),
-                           publisher=publisher, publish_interval=dra.publish_seconds)
+                           publisher=publisher, publish_interval=dra.publish_seconds,
+                           fetchable=resolve if fetchable else None, binder=binder)

@@ -30,6 +30,7 @@ from weightcache.dra import DRIVER_NAME, cdi
 from weightcache.dra._pb import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
 from weightcache.dra.claims import ClaimBook, ClaimRecord, PreparedDevice, valid_uid
 from weightcache.dra.devices import snapshot_of
+from weightcache.dra.fetchable import MODEL_READY, Fetchable, key_of
 from weightcache.errors import InvalidRequestError, NotCachedError, WeightcacheError
 from weightcache.redact import shorten
 from weightcache.store import Store
@@ -105,7 +106,8 @@ class ModelClaims:
     """Prepare and unprepare claims (blocking: call from a thread)."""
 
     def __init__(self, store: Store, book: ClaimBook, *, pool: str, cdi_dir: Path, claims: ClaimSource,
-                 authority: Authority) -> None:
+                 authority: Authority, fetchable: Callable[[str], Fetchable | None] | None = None) -> None:
+        self._fetchable = fetchable
         self._store = store
         self._book = book
         self._pool = pool
@@ -134,7 +136,7 @@ class ModelClaims:
                                       f"{uid}: it was deleted and created again; kubelet retries with the new one")
         prepared = []
         for item in allocated_devices(claim, pool=self._pool):
-            snapshot_id = snapshot_of(item.device)
+            snapshot_id = snapshot_of(item.device) or self._fetched(item.device, namespace)
             if snapshot_id is None:
                 raise InvalidRequestError("status.allocation.devices.results.device",
                                           f"{item.device!r} is not a device this driver publishes")
@@ -149,6 +151,23 @@ class ModelClaims:
         log.info("prepared claim %s/%s (%s): %s", namespace, name, uid,
                  ", ".join(f"{d.device} at {d.container_path}" for d in prepared))
         return record
+
+    def _fetched(self, device: str, namespace: str) -> str | None:
+        """The snapshot a fetchable device (`f-<model key>`, docs/dra.md) was fetched as, for this namespace; None
+        for a name this driver never publishes."""
+        key = key_of(device)
+        if key is None or self._fetchable is None:
+            return None
+        model = self._fetchable(key)
+        if model is None:
+            raise InvalidRequestError("status.allocation.devices.results.device",
+                                      f"no ModelCache offers model {key} any more")
+        grant = self._authority.authorize(model.ref, Requester(namespace))  # NotAllowedError
+        snapshot = self._store.lookup(grant.ref)
+        if snapshot is None:
+            raise NotCachedError(f"model {model.ref.uri} is not in the store yet: the driver fetches it when the "
+                                 f"device is allocated and sets {MODEL_READY} before the pod binds")
+        return snapshot.id
 
     def _take(self, record: ClaimRecord) -> None:
         """Leases, CDI spec, record, in that order; on failure undo what was done."""

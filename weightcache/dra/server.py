@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,9 @@ from weightcache.dra._pb import (
     dra_v1beta1_pb2_grpc,
     pluginregistration_pb2_grpc,
 )
+from weightcache.dra.binding import ClaimBinder
 from weightcache.dra.claims import ClaimBook
+from weightcache.dra.fetchable import Fetchable
 from weightcache.dra.health import DeviceHealth, HealthServicer
 from weightcache.dra.plugin import ClaimSource, DRAServicer, DRAServicerV1beta1, ModelClaims
 from weightcache.dra.registration import RegistrationServicer
@@ -81,10 +84,15 @@ class DraPlugin:
 
 async def serve_dra(*, store: Store, pool: str, kubelet_dir: Path, cdi_dir: Path, authority: Authority,
                     claims: ClaimSource, publisher: SlicePublisher | None = None,
-                    publish_interval: float = 2.0, health_interval: float = 2.0) -> DraPlugin:
-    """Reconcile prepared claims with the store's leases, then serve DRA and register with kubelet."""
+                    publish_interval: float = 2.0, health_interval: float = 2.0,
+                    fetchable: Callable[[str], Fetchable | None] | None = None,
+                    binder: ClaimBinder | None = None) -> DraPlugin:
+    """Reconcile prepared claims with the store's leases, then serve DRA and register with kubelet. `fetchable`
+    maps a fetchable device's model key to its model (prepare of `f-` devices); `binder` answers their binding
+    conditions (both 1.36+, docs/dra.md)."""
     book = ClaimBook(store.layout.tree)
-    model_claims = ModelClaims(store, book, pool=pool, cdi_dir=cdi_dir, claims=claims, authority=authority)
+    model_claims = ModelClaims(store, book, pool=pool, cdi_dir=cdi_dir, claims=claims, authority=authority,
+                               fetchable=fetchable)
     await asyncio.to_thread(model_claims.reconcile)
     plugin_path, reg_path = plugin_socket(kubelet_dir), registration_socket(kubelet_dir)
     dra_server = grpc.aio.server()
@@ -106,6 +114,8 @@ async def serve_dra(*, store: Store, pool: str, kubelet_dir: Path, cdi_dir: Path
     plugin = DraPlugin(dra_server, reg_server, registration, model_claims, (reg_path, plugin_path), publisher)
     if publisher is not None:
         plugin._tasks.append(asyncio.create_task(publisher.run(publish_interval), name="dra-resourceslices"))
+    if binder is not None:
+        plugin._tasks.append(asyncio.create_task(binder.run(), name="dra-binding-conditions"))
     log.info("DRA driver %s serving on unix://%s, registration socket %s", DRIVER_NAME, plugin_path, reg_path)
     return plugin
 

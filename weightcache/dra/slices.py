@@ -52,9 +52,17 @@ def build_slices(node_name: str, devices: list[dict[str, Any]], generation: int,
                  api_version: str = "v1", node_uid: str | None = None,
                  shared_counters: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """The ResourceSlice objects of this node's pool at `generation` (at least one, possibly without devices);
-    owned by the Node when its uid is known. `shared_counters` go into the first slice (a counter set is
-    defined once per pool)."""
-    chunks = [devices[i:i + MAX_DEVICES_PER_SLICE] for i in range(0, len(devices), MAX_DEVICES_PER_SLICE)] or [[]]
+    owned by the Node when its uid is known. `shared_counters` get a slice of their own, the pool's first: since
+    1.35 a slice holds devices or sharedCounters, never both, and a counter set is defined once per pool. A slice
+    whose devices consume counters holds at most 64 of them (the API's limit), else 128."""
+    per_slice = MAX_DEVICES_PER_SLICE // 2 if any(d.get("consumesCounters") for d in devices) \
+        else MAX_DEVICES_PER_SLICE
+    chunks = [devices[i:i + per_slice] for i in range(0, len(devices), per_slice)] or [[]]
+    specs: list[dict[str, Any]] = [{"devices": chunk} for chunk in chunks]
+    if shared_counters:
+        specs.insert(0, {"sharedCounters": shared_counters})
+        if not devices:
+            specs.pop()  # the counters slice alone
     slices: list[dict[str, Any]] = [{
         "apiVersion": f"{GROUP}/{api_version}",
         "kind": "ResourceSlice",
@@ -64,12 +72,10 @@ def build_slices(node_name: str, devices: list[dict[str, Any]], generation: int,
         "spec": {
             "driver": DRIVER_NAME,
             "nodeName": node_name,
-            "pool": {"name": node_name, "generation": generation, "resourceSliceCount": len(chunks)},
-            "devices": chunk,
+            "pool": {"name": node_name, "generation": generation, "resourceSliceCount": len(specs)},
+            **content,
         },
-    } for i, chunk in enumerate(chunks)]
-    if shared_counters:
-        slices[0]["spec"]["sharedCounters"] = shared_counters
+    } for i, content in enumerate(specs)]
     return slices
 
 
@@ -81,7 +87,8 @@ class SlicePublisher:
     """Publishes the devices `devices()` returns as this node's pool; `sync()` writes only on change."""
 
     def __init__(self, api_client: Any, node_name: str, devices: Devices, *, api_version: str = "v1",
-                 change_token: Callable[[], object] = lambda: None, resync_s: float = 10.0) -> None:
+                 change_token: Callable[[], object] = lambda: None, resync_s: float = 10.0,
+                 counters: Callable[[], list[dict[str, Any]]] | None = None) -> None:
         import kubernetes
 
         self._api = kubernetes.client.CustomObjectsApi(api_client)
@@ -90,10 +97,12 @@ class SlicePublisher:
         self._uid_warned = False
         self._node = node_name
         self._devices = devices
+        self._counters = counters
         self._version = api_version
         self._token = change_token
         self._resync_s = resync_s
         self._published: list[dict[str, Any]] | None = None
+        self._published_counters: list[dict[str, Any]] | None = None
         self._last_token: object = object()
         self._generation = 0
 
@@ -104,8 +113,9 @@ class SlicePublisher:
         if not full and self._published is not None and token == self._last_token:
             return False
         devices = self._devices()
+        counters = self._counters() if self._counters is not None else None
         self._last_token = token
-        if not full and devices == self._published:
+        if not full and devices == self._published and counters == self._published_counters:
             return False
         if full or self._node_uid is None:
             self._read_node_uid()
@@ -114,15 +124,15 @@ class SlicePublisher:
             self._generation = max((int(s["spec"]["pool"].get("generation", 0)) for s in existing.values()),
                                    default=0)
         current = build_slices(self._node, devices, self._generation, api_version=self._version,
-                               node_uid=self._node_uid)
+                               node_uid=self._node_uid, shared_counters=counters)
         if [existing.get(s["metadata"]["name"], {}).get("spec") for s in current] == [s["spec"] for s in current] \
                 and [_owners(existing[s["metadata"]["name"]]) for s in current] == [_owners(s) for s in current] \
                 and len(existing) == len(current):
-            self._published = devices
+            self._published, self._published_counters = devices, counters
             return False
         self._generation += 1
         wanted = build_slices(self._node, devices, self._generation, api_version=self._version,
-                              node_uid=self._node_uid)
+                              node_uid=self._node_uid, shared_counters=counters)
         for obj in wanted:
             name = obj["metadata"]["name"]
             if name in existing:
@@ -135,7 +145,7 @@ class SlicePublisher:
         for name in existing:  # slices of a larger pool than now
             self._api.delete_cluster_custom_object(GROUP, self._version, PLURAL, name,
                                                    _request_timeout=API_TIMEOUT_S)
-        self._published = devices
+        self._published, self._published_counters = devices, counters
         log.info("ResourceSlice pool %s generation %d: %d devices in %d slices", self._node, self._generation,
                  len(devices), len(wanted))
         return True
