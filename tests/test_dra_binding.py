@@ -176,3 +176,34 @@ async def test_a_deleted_unprepared_claim_gives_its_lease_back(node: Node) -> No
     assert any(uid in h for h in node.store.leases())
     node.api.delete("resourceclaims", "c3", "ml")
     await eventually(lambda: not any(uid in h for h in node.store.leases()), what="the lease to go")
+
+
+def test_the_prioritized_template_prefers_a_held_device_then_a_fetchable_one(tmp_path: Path) -> None:
+    from tests.fixtures_dra import fetch_models
+    from tests.test_dra_slices import matches
+    from weightcache.dra.devices import devices_for
+    from weightcache.dra.template import claim_template
+
+    store = Store(tmp_path / "store")
+    [held] = fetch_models(store, tmp_path / "src", 1)
+    make_model(tmp_path / "other", layers=1, hidden=32, seed=9)
+    other = f"file://{tmp_path}/other/"
+    caches = [{"metadata": {"name": n, "annotations": {SIZE_ANNOTATION: "1000"}},
+               "spec": {"source": u, "allowedNamespaces": ["ml"]}} for n, u in (("a", held.uri), ("b", other))]
+    devices = devices_for([held], slots=2, shared=False) + fetchable_devices(
+        declared(caches).values(), held={model_key(held.uri)})
+    for uri, wanted in ((held.uri, "held"), (other, "fetch")):
+        template = claim_template(uri, namespace="ml", fetchable=True)
+        validate_strict(template, "1.36")
+        [request] = template["spec"]["spec"]["devices"]["requests"]
+        chosen = None
+        for sub in request["firstAvailable"]:  # the scheduler tries them in order
+            found = [d["name"] for d in devices
+                     if all(matches(s["cel"]["expression"], d) for s in sub["selectors"])]
+            if found:
+                chosen = sub["name"], found
+                break
+        assert chosen is not None and chosen[0] == wanted, (uri, chosen)
+        key = model_key(uri)
+        assert all((n == f"f-{key}") if wanted == "fetch" else n.startswith(f"m-{held.id}") for n in chosen[1])
+    store.close()

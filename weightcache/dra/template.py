@@ -43,17 +43,30 @@ def template_name(uri: str, *, revision: str | None = None, mount_path: str | No
     return name
 
 
+def ready_selector(ready: bool) -> str:
+    return f'device.attributes["{DRIVER_NAME}"].ready == {"true" if ready else "false"}'
+
+
 def claim_template(uri: str, *, revision: str | None = None, namespace: str | None = None,
-                   mount_path: str | None = None, env: str | None = None) -> dict[str, Any]:
-    """A resource.k8s.io/v1 ResourceClaimTemplate asking for one device of the model `uri`."""
+                   mount_path: str | None = None, env: str | None = None,
+                   fetchable: bool = False) -> dict[str, Any]:
+    """A resource.k8s.io/v1 ResourceClaimTemplate asking for one device of the model `uri`. `fetchable`
+    (Kubernetes 1.36+): a prioritized list, a held device first (`model/held`, ready == true), else one the node
+    fetches before the pod binds (`model/fetch`, ready == false, binding conditions; docs/dra.md)."""
     ref = parse_ref(uri, revision=revision)
     metadata: dict[str, Any] = {"name": template_name(ref.uri, revision=ref.revision, mount_path=mount_path,
                                                       env=env),
                                 "annotations": {"weightcache.io/model": ref.uri}}
     if namespace:
         metadata["namespace"] = namespace
-    devices: dict[str, Any] = {"requests": [{"name": REQUEST, "exactly": {
-        "deviceClassName": DEVICE_CLASS, "selectors": [{"cel": {"expression": selector(ref.uri, ref.revision)}}]}}]}
+    model = {"cel": {"expression": selector(ref.uri, ref.revision)}}
+    request: dict[str, Any] = {"name": REQUEST, "exactly": {"deviceClassName": DEVICE_CLASS, "selectors": [model]}}
+    if fetchable:
+        request = {"name": REQUEST, "firstAvailable": [
+            {"name": name, "deviceClassName": DEVICE_CLASS,
+             "selectors": [model, {"cel": {"expression": ready_selector(ready)}}]}
+            for name, ready in (("held", True), ("fetch", False))]}
+    devices: dict[str, Any] = {"requests": [request]}
     parameters = {k: v for k, v in (("mountPath", mount_path), ("env", env)) if v}
     if parameters:
         devices["config"] = [{"requests": [REQUEST], "opaque": {"driver": DRIVER_NAME, "parameters": parameters}}]
@@ -68,9 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--namespace")
     parser.add_argument("--mount-path", help="where the model appears in the container (default /models/model)")
     parser.add_argument("--env", help="the env var that holds the path (default WEIGHTCACHE_MODEL_PATH)")
+    parser.add_argument("--fetchable", action="store_true",
+                        help="Kubernetes 1.36+: a held device first, else one the node fetches before binding")
     args = parser.parse_args(argv)
     yaml.safe_dump(claim_template(args.model, revision=args.revision, namespace=args.namespace,
-                                  mount_path=args.mount_path, env=args.env), sys.stdout, sort_keys=False)
+                                  mount_path=args.mount_path, env=args.env, fetchable=args.fetchable),
+                   sys.stdout, sort_keys=False)
     return 0
 
 
