@@ -21,6 +21,7 @@ import os
 import re
 import threading
 import time
+import typing
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import closing, suppress
@@ -59,6 +60,8 @@ SIDECAR_MAX = 1 << 20
 MAX_RESTARTS = 3  # object replaced mid-download, or a planned blob evicted meanwhile
 LOCAL_LARGE_PIECE = 1 << 20  # a local source's piece this large is worth a thread of its own (see _workers)
 MIN_RANGE_CHUNKS = 4  # requests of 4 chunks or more (64 MiB by default) while every worker gets one (_range_size)
+SPLIT_STALL = 2.0  # seconds without a piece after which an idle worker halves a range (_Reading); 5x for a first
+SPLIT_MIN = 4 * PIECE  # a range is halved only while this much of it is left beyond the piece in flight
 
 
 @dataclass
@@ -217,7 +220,8 @@ class Fetcher:
             check = item.source_check
             item.partial = PartialFile(
                 partial / f"{key}.{hashlib.sha256(item.relpath.encode()).hexdigest()[:16]}.part",
-                item.obj, range_size=range_size, source_check=_hasher_factory(check[0]) if check else None,
+                item.obj, range_size=range_size,
+                source_check=_hasher_factory(check[0]) if check and not item.expect_sha256 else None,
                 journalled=item.obj.size > self.chunk_size)  # a one-chunk file has nothing to resume
         _drop_leftover_parts(partial, [_partial(i) for i in todo if not _partial(i).journalled])
         resumed = sum(_partial_size(i) for i in todo)
@@ -438,17 +442,26 @@ class Fetcher:
                 fetched += n
             reporter.add(n, 0)
 
+        reading = _Reading(piece)
+
         def run(item: _Item, offset: int, length: int) -> None:
             buf, scratch = buffers()
             check_cancel()
             part = _partial(item)
             into = buf[:piece] if part.journalled else buf
-            with closing(source.read_pieces(item.obj, offset, length, into, arrived)) as pieces:
-                for pos, view in pieces:
-                    if part.journalled or pos or len(view) != item.obj.size or not blobs.usable:
-                        part.write(pos, view, scratch)
-                    else:
-                        self._write_whole(item, view, source, blobs)
+            entry = reading.begin(item, offset, offset + length) if part.journalled else None
+            try:
+                with closing(source.read_pieces(item.obj, offset, length, into, arrived)) as pieces:
+                    for pos, view in pieces:
+                        if part.journalled or pos or len(view) != item.obj.size or not blobs.usable:
+                            part.write(pos, view, scratch)
+                        else:
+                            self._write_whole(item, view, source, blobs)
+                        if entry is not None and not reading.advanced(entry, pos + len(view)):
+                            break  # an idle worker took the rest of this range (it stalled)
+            finally:
+                if entry is not None:
+                    reading.end(entry)
 
         def hash_resumed(item: _Item) -> None:
             _partial(item).hash_resumed(buffers()[1])
@@ -464,6 +477,13 @@ class Fetcher:
                 if abort.is_set():
                     return
                 task()
+            while not abort.is_set() and reading.busy():  # no task left: take over the back of a stalled range
+                taken = reading.split()
+                if taken is not None:
+                    run(*taken)
+                elif abort.wait(0.05):
+                    return
+                check_cancel()
 
         workers = self._workers(source, [*(_partial(i).resumed_bytes for i in items if _partial(i).resumed_bytes),
                                          *(n for _, _, n in pieces)])
@@ -571,6 +591,58 @@ class Fetcher:
         item.size = part.written_size()
         part.close()
         item.sha256 = sha  # _add_blobs moves it into blobs/ once every file is verified
+
+
+class _Reading:
+    """The ranges of large files being read, so that a worker with no task left can halve a stalled one: a range
+    without a piece for SPLIT_STALL seconds (5x that before its first) loses its back half, aligned to its pieces,
+    to that worker, and its owner stops where the half begins (its own request goes on being retried). A slow
+    origin then costs one range's front, not the fetch's tail; the journal, hashing and resume take the halves as
+    any other pieces."""
+
+    def __init__(self, piece: int) -> None:
+        self.piece = piece
+        self._mu = threading.Lock()
+        self._ranges: dict[int, list[typing.Any]] = {}  # id -> [item, next byte, end, last progress, pieces seen]
+        self.splits = 0
+
+    def begin(self, item: _Item, start: int, end: int) -> list[typing.Any]:
+        entry = [item, start, end, time.monotonic(), False]
+        with self._mu:
+            self._ranges[id(entry)] = entry
+        return entry
+
+    def advanced(self, entry: list[typing.Any], pos: int) -> bool:
+        """The owner wrote up to `pos`: False when the rest is another worker's now."""
+        with self._mu:
+            entry[1], entry[3], entry[4] = pos, time.monotonic(), True
+            return bool(pos < entry[2])
+
+    def end(self, entry: list[typing.Any]) -> None:
+        with self._mu:
+            self._ranges.pop(id(entry), None)
+
+    def busy(self) -> bool:
+        with self._mu:
+            return bool(self._ranges)
+
+    def split(self) -> tuple[_Item, int, int] | None:
+        """The back half of the stalled range with the most bytes left, or None."""
+        now = time.monotonic()
+        with self._mu:
+            stalled = [e for e in self._ranges.values() if e[2] - e[1] - self.piece >= SPLIT_MIN
+                       and now - e[3] > (SPLIT_STALL if e[4] else 5 * SPLIT_STALL)]
+            if not stalled:
+                return None
+            entry = max(stalled, key=lambda e: e[2] - e[1])
+            item, nxt, end = entry[0], entry[1], entry[2]
+            first = nxt + self.piece  # the piece in flight stays the owner's
+            mid = first + (end - first) // 2 // self.piece * self.piece
+            entry[2] = mid
+            self.splits += 1
+        log.info("%s: bytes %d-%d stalled; reading %d-%d on another connection", item.relpath, nxt, end - 1,
+                 mid, end - 1)
+        return item, mid, end - mid
 
 
 def _verified(item: _Item, source: Source) -> str:

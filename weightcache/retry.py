@@ -27,6 +27,27 @@ DEFAULT_ATTEMPTS = 5
 DEFAULT_BACKOFF = 0.2  # the first pause's upper bound; doubles per failure
 
 
+#: A range's first byte may take this long per byte asked for, beyond the per-read timeout: some origins copy
+#: or read the object before they answer (moto copies the whole object per ranged GET; a 128 MiB range's first
+#: byte took over the 10 s read timeout on a loaded machine). 4 MB/s: 16 MiB +4 s, 256 MiB +67 s.
+FIRST_BYTE_RATE = 4_000_000
+FIRST_BYTE_MAX = 300.0  # seconds, whatever the range
+
+
+def first_byte_timeout(read_timeout: float, length: int) -> float:
+    """Seconds a request for `length` bytes may wait for its response: the per-read timeout, plus time that
+    grows with the range. Once the body flows, each read has `read_timeout` again (`body_timeout`)."""
+    return min(FIRST_BYTE_MAX, read_timeout + max(0, length) / FIRST_BYTE_RATE)
+
+
+def body_timeout(resp: object, seconds: float) -> None:
+    """Give the reads of a urllib3 response's body the per-read timeout `seconds` (its request was sent with a
+    longer first-byte deadline; the pool sets the timeout again for the connection's next request)."""
+    sock = getattr(getattr(resp, "connection", None), "sock", None)
+    if sock is not None:
+        sock.settimeout(seconds)
+
+
 class Retryable(Exception):
     """A failure worth another attempt; the backend's exception is chained as the cause."""
 

@@ -29,6 +29,7 @@ from weightcache.errors import (
     SourceError,
     SourceNotFoundError,
 )
+from weightcache.retry import body_timeout, first_byte_timeout
 from weightcache.sources.base import (
     ObjectInfo,
     OnBytes,
@@ -201,10 +202,14 @@ class HttpSource:
         headers = {"Range": f"bytes={pos}-{end - 1}", "Accept-Encoding": "identity"}
         if obj.etag:
             headers["If-Match"] = f'"{obj.etag}"'
+        o = self.options
+        timeout = urllib3.Timeout(connect=o.connect_timeout, read=first_byte_timeout(o.read_timeout, end - pos))
         try:
-            resp = self._pool.request("GET", obj.key, headers=headers, preload_content=False, redirect=True)
+            resp = self._pool.request("GET", obj.key, headers=headers, preload_content=False, redirect=True,
+                                      timeout=timeout)
         except NETWORK_ERRORS as exc:
             raise Retryable(f"{type(exc).__name__} on GET") from exc
+        body_timeout(resp, o.read_timeout)  # the first byte may be slow in coming; every read after it may not
         self._check(resp, obj, pos)
         if isinstance(resp, urllib3.HTTPResponse):
             resp.enforce_content_length = False  # a short body returns what came; we count and resume from there

@@ -34,6 +34,7 @@ from weightcache.errors import (
     WeightcacheError,
 )
 from weightcache.redact import redact
+from weightcache.retry import body_timeout, first_byte_timeout
 from weightcache.sources.base import (
     ObjectInfo,
     OnBytes,
@@ -113,6 +114,7 @@ class S3Source:
             proxies={"http": o.proxy_url, "https": o.proxy_url} if o.proxy_url else None,
         )
         self._client = boto3.session.Session().client("s3", endpoint_url=self.endpoint_url, config=config)
+        self._client.meta.events.register("before-call.s3.GetObject", self._first_byte_deadline)
 
     def __repr__(self) -> str:
         return f"S3Source({self.ref.uri!r}, endpoint={self._endpoint()!r})"
@@ -205,6 +207,7 @@ class S3Source:
             raise Retryable(self._network_reason(exc, "GET")) from exc
         self._note_encryption(obj.key, resp)
         raw = resp["Body"]._raw_stream
+        body_timeout(raw, self.options.read_timeout)  # the first byte may be slow in coming; every read after it not
         if obj.etag and _unquote(resp.get("ETag")) != obj.etag:  # a store that ignores If-Match
             raw.close()
             raise ObjectChangedError(f"{what} changed: ETag {resp.get('ETag')} is not {obj.etag}; {_CHANGED}")
@@ -213,6 +216,15 @@ class S3Source:
             raise SourceError(f"{what}: the store ignored the Range header; use an S3 endpoint that supports it")
         raw.enforce_content_length = False  # a short body returns what came; we count and resume from there
         return raw
+
+    def _first_byte_deadline(self, params: dict[str, Any], context: dict[str, Any], **_: Any) -> None:
+        """A ranged GET waits for its response as long as the range's size allows (retry.first_byte_timeout):
+        botocore reads a read timeout from the request's context; `_open_range` sets the per-read one back for
+        the body."""
+        match = re.fullmatch(r"bytes=(\d{1,20})-(\d{1,20})", str(params.get("headers", {}).get("Range", "")))
+        if match:
+            length = int(match[2]) - int(match[1]) + 1
+            context["read_timeout"] = first_byte_timeout(self.options.read_timeout, length)
 
     def _network_reason(self, exc: BaseException, request: str) -> str:
         """What failed, naming the endpoint without userinfo (botocore's own messages print it whole)."""
