@@ -42,6 +42,8 @@ import jsonpatch
 import jsonschema
 import kubernetes
 
+from tests.fixtures_crd_cel import cel_errors
+
 Obj = dict[str, Any]
 
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -393,6 +395,8 @@ class FakeApiServer:
             if errors:
                 err = errors[0]
                 raise self._invalid(res, name, ".".join(str(p) for p in err.path) or "<root>", err.message)
+            for field, message in cel_errors(schema, body)[:1]:  # x-kubernetes-validations, as the server runs them
+                raise self._invalid(res, name, field, message)
 
     def _validate_event(self, res: Resource, obj: Obj) -> None:
         # apiserver's legacy event validation: a cluster-scoped involvedObject needs the event in "default"

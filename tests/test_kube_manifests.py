@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from tests.fake_apiserver import FakeApiServer, crd_schemas, model_cache, node
+from tests.fixtures_crd_cel import cel_errors
 from weightcache.kube.report import ModelState, NodeReporter
 from weightcache.kube.watch import ModelCacheWatcher
 from weightcache.peers.discovery import discover as discover_peers
@@ -78,7 +79,8 @@ GOOD = model_cache("llama", "s3://models/llama-3-8b/", node_selector={"gpu": "h1
 def _spec_errors(obj: dict[str, Any]) -> list[str]:
     schema = crd_schemas()["modelcaches"]
     body = {k: v for k, v in obj.items() if k != "metadata"}
-    return [e.message for e in jsonschema.Draft202012Validator(schema).iter_errors(body)]
+    return [e.message for e in jsonschema.Draft202012Validator(schema).iter_errors(body)] + [
+        m for _, m in cel_errors(schema, body)]  # the CRD's CEL rules (spec.source) as the API server runs them
 
 
 def test_sample_model_cache_matches_the_crd_schema():

@@ -46,7 +46,8 @@ def test_the_overlay_example_renders(tmp_path: Path) -> None:
     images = {c["image"] for o in objs if o["kind"] in ("DaemonSet", "Deployment")
               for c in o["spec"]["template"]["spec"]["containers"]}
     assert "registry.example.com/ml/weightcache:0.1.0" in images
-    assert one(objs, "PodMonitor") and "affinity" in one(objs, "DaemonSet")["spec"]["template"]["spec"]
+    assert one(objs, "PodMonitor", "weightcache-node")
+    assert "affinity" in one(objs, "DaemonSet")["spec"]["template"]["spec"]
 
 
 def test_the_other_namespace_example_renders_with_every_reference_moved(tmp_path: Path) -> None:
