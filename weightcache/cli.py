@@ -373,6 +373,27 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_version(args: argparse.Namespace) -> int:
+    """What runs here: the package version (pyproject.toml's, read back from the installed metadata), Python, the
+    platform, and the versions of the store's on-disk formats (a store written by another release may differ)."""
+    import platform
+
+    from weightcache.store.index import SCHEMA_VERSION
+    from weightcache.store.records import MANIFEST_VERSION
+
+    info: dict[str, Any] = {"version": __version__, "python": platform.python_version(),
+                            "implementation": platform.python_implementation(), "platform": platform.platform(),
+                            "store_format": {"manifest": MANIFEST_VERSION, "index_schema": SCHEMA_VERSION}}
+    if args.output == "json":
+        print(json.dumps(info))
+    else:
+        print(f"weightcache {info['version']}")
+        print(f"python      {info['implementation']} {info['python']}")
+        print(f"platform    {info['platform']}")
+        print(f"store       manifest v{MANIFEST_VERSION}, index schema v{SCHEMA_VERSION}")
+    return 0
+
+
 # -- parser -----------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="weightcache", description="Node-local model weight cache.")
@@ -448,6 +469,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("gc", cmd_gc, "remove unreferenced blobs and abandoned partial downloads", writes=True)
     p = add("status", cmd_status, "per-node state of ModelCaches (cluster), or this store's summary", quiet=None)
     p.add_argument("name", nargs="?")
+
+    p = sub.add_parser("version", help="version of weightcache, Python, platform and store formats",
+                       description="Version of weightcache, Python, the platform and the store's on-disk formats.")
+    p.set_defaults(func=cmd_version)
+    p.add_argument("-o", "--output", choices=["table", "json"], default="table",
+                   help="table for people (default) or one JSON document for scripts")
 
     for module in ("weightcache.daemon.command", "weightcache.webhook.command"):
         try:
