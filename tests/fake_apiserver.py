@@ -169,6 +169,7 @@ class FakeApiServer:
         self.requests: list[RequestRecord] = []
         self.hang_watches = False
         self.fail_requests = 0  # answer the next N requests with 500, as an overloaded apiserver does
+        self.version = ("1", "34")  # what GET /version says (major, minor): the DRA driver reads it
         self._objects: dict[tuple[str, str, str], Obj] = {}
         self._history: list[tuple[int, str, str, str, Obj]] = []  # (rv, plural, ns, type, object)
         self._rv = 100
@@ -522,6 +523,12 @@ class _Handler(BaseHTTPRequestHandler):
                 failing, api.fail_requests = api.fail_requests > 0, max(0, api.fail_requests - 1)
             if failing:
                 raise ApiError(500, "InternalError", "Internal error occurred: injected by the test")
+            if parts.path in ("/version", "/version/") and method == "GET":
+                major, minor = api.version
+                self._reply(200, {"major": major, "minor": minor, "gitVersion": f"v{major}.{minor}.0",
+                                  "gitCommit": "0" * 40, "gitTreeState": "clean", "buildDate": "2026-01-01T00:00:00Z",
+                                  "goVersion": "go1.25", "compiler": "gc", "platform": "linux/amd64"})
+                return
             res, ns, name, sub = self._route(parts.path)
             if body is not None and "json" not in (content_type or "") and method in ("POST", "PUT"):
                 raise ApiError(415, "UnsupportedMediaType", "the body of the request was in an unknown format - accepted media types include: application/json")

@@ -4,6 +4,7 @@ a claim for one of them under the ModelCache's namespace policy, and an eviction
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,11 +14,14 @@ from tests.fixtures_dra import Kubelet
 from tests.test_daemon_cluster import NODE, cluster, model_cache  # noqa: F401
 from weightcache.dra import DRIVER_NAME
 from weightcache.dra.devices import snapshot_of
+from weightcache.dra.fetchable import MODEL_READY, SIZE_ANNOTATION, device_name
 from weightcache.dra.server import plugin_socket, registration_socket
+from weightcache.uri import model_key, parse_ref
 
 
 def devices(api: FakeApiServer) -> list[dict[str, Any]]:
-    return [d for s in api.list("resourceslices") if s["spec"]["nodeName"] == NODE for d in s["spec"]["devices"]]
+    return [d for s in api.list("resourceslices") if s["spec"]["nodeName"] == NODE
+            for d in s["spec"].get("devices", [])]
 
 
 def allocated(api: FakeApiServer, namespace: str, name: str, device: str) -> dict[str, Any]:
@@ -59,3 +63,40 @@ async def test_daemon_publishes_prepares_and_withdraws_models(
         await kubelet.close()
         await d.daemon.stop()
     assert not registration_socket(kubelet_dir).exists() and not plugin_socket(kubelet_dir).exists()
+
+
+async def test_on_1_36_the_daemon_offers_a_fetchable_device_and_marks_its_claim_model_ready(
+        cluster: FakeApiServer, short_dir: Path, model_copy: Path) -> None:
+    """The 1.36 path end to end in the daemon: GET /version says 1.36, so a declared, sized model nobody fetched yet
+    is a device with the model-ready binding condition; the scheduler's allocation (played here) makes the daemon
+    fetch it under the claim's namespace and set the condition on the claim."""
+    cluster.version = ("1", "36")
+    uri = f"file://{model_copy}/"
+    size = sum(p.stat().st_size for p in model_copy.rglob("*") if p.is_file())
+    cluster.create("modelcaches", {"metadata": {"name": "offered", "annotations": {SIZE_ANNOTATION: str(size)}},
+                                   "spec": {"source": uri, "allowedNamespaces": ["ml"]}})
+    config = {"kubeletDir": str(short_dir / "k"),
+              "dra": {"cdiDir": str(short_dir / "cdi"), "publishSeconds": 0.2}}
+    d = await start_daemon(short_dir, model_copy, config=config, env={"NODE_NAME": NODE})
+    try:
+        name = device_name(model_key(parse_ref(uri).uri))
+        (device,) = await eventually(lambda: [x for x in devices(cluster) if x["name"] == name],
+                                     what="the fetchable device in the slice")
+        assert device["bindingConditions"] == [MODEL_READY] and d.daemon.node.store.list() == []
+        started = time.monotonic()
+        claim = cluster.create("resourceclaims", {"metadata": {"name": "c1"}, "spec": {}}, "ml")
+        claim["status"] = {"allocation": {"devices": {"results": [  # the scheduler copies the device's conditions
+            {"request": "model", "driver": DRIVER_NAME, "pool": NODE, "device": name,
+             "bindingConditions": device["bindingConditions"],
+             "bindingFailureConditions": device["bindingFailureConditions"]}]}}}
+        cluster.update("resourceclaims", "c1", claim, namespace="ml", subresource="status")
+
+        def ready() -> bool:
+            status = cluster.get("resourceclaims", "c1", "ml").get("status", {})
+            return any(c.get("type") == MODEL_READY and c.get("status") == "True"
+                       for dev in status.get("devices", []) for c in dev.get("conditions", []))
+        await eventually(ready, timeout=30, what="model-ready on the claim")
+        print(f"allocated -> model-ready in {time.monotonic() - started:.2f}s")
+        assert [i.snapshot.uri for i in d.daemon.node.store.list()] == [uri]
+    finally:
+        await d.daemon.stop()
