@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 from typing import Any
 
@@ -142,8 +143,8 @@ def by_key(objs: list[dict[str, Any]], *, helm_made: bool) -> dict[tuple[str, st
     return out
 
 
-def assert_same(chart: list[dict[str, Any]], kust: list[dict[str, Any]]) -> None:
-    ours, theirs = by_key(chart, helm_made=True), by_key(kust, helm_made=False)
+def assert_same(chart: list[dict[str, Any]], kust: list[dict[str, Any]], *, both_helm: bool = False) -> None:
+    ours, theirs = by_key(chart, helm_made=True), by_key(kust, helm_made=both_helm)
     assert sorted(ours) == sorted(theirs), (f"only in the chart: {sorted(set(ours) - set(theirs))}; "
                                             f"only in kustomize: {sorted(set(theirs) - set(ours))}")
     for key in ours:
@@ -293,3 +294,21 @@ def test_notes_say_what_to_do_next(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     notes = done.stdout.split("NOTES:", 1)[1]
     assert "rollout status daemonset/weightcache-node" in notes and "weightcache-peer-token" in notes
+
+
+def test_the_packaged_chart_renders_the_same(tmp_path: Path) -> None:
+    """`helm package` (the release workflow's) resolves the symlinks into deploy/: the .tgz users install carries
+    the files themselves and renders what the chart directory renders."""
+    done = run_helm("package", str(CHART), "--destination", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    (tgz,) = tmp_path.glob("weightcache-*.tgz")
+    with tarfile.open(tgz) as tar:
+        members = {m.name: m for m in tar.getmembers()}
+    assert not [n for n, m in members.items() if m.issym() or m.islnk()]
+    assert "weightcache/files/daemonset/rbac.yaml" in members and "weightcache/crds/crd-modelcache.yaml" in members
+    for values in ({}, ALL_OPTIONS):
+        (tmp_path / "v.yaml").write_text(yaml.safe_dump(values))
+        packaged = run_helm("template", "weightcache", str(tgz), "--include-crds", "-f", str(tmp_path / "v.yaml"))
+        assert packaged.returncode == 0, packaged.stderr
+        assert_same([d for d in yaml.safe_load_all(packaged.stdout) if d], render(tmp_path / "dir", values),
+                    both_helm=True)
