@@ -145,3 +145,19 @@ def test_the_changelog_section_the_workflow_extracts_is_this_versions(tmp_path: 
     assert done.returncode == 0, done.stderr
     notes = (tmp_path / "notes.md").read_text()
     assert notes.strip() and "### Added" in notes and "## [" not in notes
+
+
+def test_the_workflow_refuses_a_tag_that_is_not_the_version(tmp_path: Path) -> None:
+    (run,) = [s["run"] for s in steps("check") if "GITHUB_REF_NAME" in s.get("run", "")]
+
+    def check(tag: str) -> subprocess.CompletedProcess[str]:
+        out = tmp_path / f"{tag}.out"
+        return subprocess.run(["bash", "-e", "-c", run], capture_output=True, text=True, timeout=30, cwd=ROOT,
+                              env={"GITHUB_REF_NAME": tag, "GITHUB_OUTPUT": str(out),
+                                   "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"})  # `python` as setup-python
+
+    ok = check(f"v{VERSION}")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert (tmp_path / f"v{VERSION}.out").read_text() == f"version={VERSION}\n"
+    bad = check("v9.9.9")
+    assert bad.returncode != 0 and "is not the package version" in bad.stdout
