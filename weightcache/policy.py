@@ -114,7 +114,8 @@ def decide(
     return Decision(
         False,
         f"no ModelCache declares model {wanted.uri}; create one with spec.source: {wanted.uri} and "
-        f"spec.allowedNamespaces: [{namespace}] (or run: weightcache prefetch {wanted.uri} --cluster)",
+        f"spec.allowedNamespaces: [{namespace}] (or run: weightcache prefetch {wanted.uri} --cluster "
+        f"--allow-namespace {namespace})",
     )
 
 
