@@ -6,7 +6,7 @@
 # Reproducible: the base is a precise Python release (pin its digest too: docs/operations.md, "Building the
 # image"), every dependency is installed from requirements.lock by exact version and sha256 hash (pip refuses
 # anything else), nothing comes from apt. Multi-arch (amd64, arm64 for GH200/Grace):
-#   docker buildx build --platform linux/amd64,linux/arm64 -t REGISTRY/weightcache:0.1.0 --push .
+#   docker buildx build --platform linux/amd64,linux/arm64 -t REGISTRY/weightcache:0.2.0 --push .
 ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
