@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from weightcache.errors import ConfigError
 from weightcache.pods.annotations import MAX_MODELS
+from weightcache.pods.unknown_keys import MODES
 
 if TYPE_CHECKING:  # the server pulls in aiohttp: imported only when the command runs, so every CLI call stays fast
     from weightcache.webhook.server import Policy
@@ -45,6 +46,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
         default=None,
         metavar="N",
         help="most models one pod may name; a pod with more is denied, saying so (default 16)",
+    )
+    hook.add_argument(
+        "--unknown-annotations",
+        choices=MODES,
+        default="warn",
+        help="a weightcache.io/ annotation key the webhook does not know (a typo): warn, naming the nearest known "
+             "key, or deny the pod (default warn)",
     )
     hook.add_argument(
         "--controller",
@@ -79,6 +87,7 @@ def run_webhook(args: argparse.Namespace) -> int:
                                max_models=args.max_models or MAX_MODELS)
         if args.max_models is not None:
             policy = dataclasses.replace(policy, max_models=args.max_models)
+        policy = dataclasses.replace(policy, unknown_annotations=args.unknown_annotations)
     except ConfigError as exc:
         print(f"weightcache webhook: {exc}", file=sys.stderr)
         return 2

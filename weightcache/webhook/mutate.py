@@ -38,6 +38,7 @@ from weightcache.errors import (
 )
 from weightcache.placement.choice import ready_nodes
 from weightcache.placement.nodes import NodeFacts
+from weightcache.pods import unknown_keys
 from weightcache.pods.annotations import MAX_MODELS, Injection, ModelMount, parse_annotations, wants_injection
 from weightcache.pods.patch import PatchOp, check_names, chosen, extend, list_at, mapping_at, ready, required_affinity
 from weightcache.policy import CacheIndex, decide
@@ -62,6 +63,7 @@ class AdmissionResponse(TypedDict):
     patchType: NotRequired[str]
     patch: NotRequired[str]
     status: NotRequired[Status]
+    warnings: NotRequired[list[str]]
 
 
 class AdmissionReview(TypedDict):
@@ -77,16 +79,22 @@ def review(
     allow_undeclared: bool,
     nodes: Sequence[NodeFacts] | None = None,
     max_models: int = MAX_MODELS,
+    unknown_annotations: unknown_keys.Mode = "warn",
 ) -> AdmissionReview:
     """Answer one AdmissionReview: allow unchanged, allow with a patch, or deny with a message.
     `model_caches`: a CacheIndex (built once per change of the list), or the objects themselves (indexed here,
     once for every model of the pod). `nodes`: the cluster's nodes (labels, taints) for placement; None when
-    unknown (off-cluster). `max_models`: more models in one pod is a denial (annotations.MAX_MODELS)."""
+    unknown (off-cluster). `max_models`: more models in one pod is a denial (annotations.MAX_MODELS).
+    `unknown_annotations`: an unknown `weightcache.io/` key is a warning naming the nearest known one, or a denial."""
     request = _request(body)
     uid, pod = request["uid"], request["object"]
     annotations = _annotations(pod)
+    try:
+        warned = unknown_keys.check(annotations, unknown_annotations)
+    except AnnotationError as exc:
+        return _deny(uid, exc)
     if not wants_injection(annotations):
-        return _answer({"uid": uid, "allowed": True})
+        return _answer({"uid": uid, "allowed": True, "warnings": warned} if warned else {"uid": uid, "allowed": True})
     namespace = request.get("namespace") or mapping_at(pod, "metadata").get("namespace") or ""
     try:
         injection = parse_annotations(annotations, max_models=max_models)
@@ -105,6 +113,8 @@ def review(
     except (AnnotationError, InjectionConflictError) as exc:
         return _deny(uid, exc)
     response: AdmissionResponse = {"uid": uid, "allowed": True}
+    if warned:
+        response["warnings"] = warned
     if ops:
         response["patchType"] = "JSONPatch"
         response["patch"] = base64.b64encode(json.dumps(ops, separators=(",", ":")).encode()).decode()

@@ -47,6 +47,7 @@ from weightcache.jsonbody import parse_json
 from weightcache.listener import GuardedTCPSite, Limits
 from weightcache.placement.nodes import NodeFacts
 from weightcache.pods.annotations import MAX_MODELS
+from weightcache.pods.unknown_keys import Mode
 from weightcache.policy import CacheIndex
 from weightcache.redact import redact
 from weightcache.webhook.mutate import AdmissionReview, review
@@ -104,6 +105,7 @@ class Policy:
     synced: Callable[[], bool] = lambda: True
     nodes: Callable[[], Sequence[NodeFacts] | None] = lambda: None  # placement's view; None: unknown
     max_models: int = MAX_MODELS  # per pod (`--max-models`)
+    unknown_annotations: Mode = "warn"  # an unknown weightcache.io/ key: warn or deny (`--unknown-annotations`)
 
 
 METRICS = web.AppKey("metrics", Metrics)
@@ -167,7 +169,8 @@ def _review(body: Any, policy: Policy) -> AdmissionReview:
     is a webhook failure it reports as "failed calling webhook". An unreadable review stays an HTTP 400."""
     try:
         return review(body, model_caches=policy.model_caches(), allow_undeclared=policy.allow_undeclared,
-                      nodes=policy.nodes(), max_models=policy.max_models)
+                      nodes=policy.nodes(), max_models=policy.max_models,
+                      unknown_annotations=policy.unknown_annotations)
     except (BadAdmissionReviewError, TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
         try:
             uid = envelope(body)["uid"]
