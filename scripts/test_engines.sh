@@ -31,6 +31,8 @@ fi
 # weightcache.loader: its own distribution where it exists, else the weightcache package itself (no deps: the
 # loader needs only torch and the stdlib)
 if [ -f packages/weightcache-loader/pyproject.toml ]; then
+  # never beside the full package (both ship weightcache/__init__.py)
+  "$ENGINES/bin/python" -m pip uninstall -y -q weightcache 2>/dev/null || true
   "$ENGINES/bin/python" "${PIP[@]}" --no-deps -e packages/weightcache-loader
 else
   "$ENGINES/bin/python" "${PIP[@]}" --no-deps -e .

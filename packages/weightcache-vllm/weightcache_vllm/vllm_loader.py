@@ -31,7 +31,8 @@ from weightcache.loader import INDEX_NAME, MAX_INDEX_BYTES, iter_tensors
 from weightcache.safetensors_check import parse_header
 from weightcache_vllm.options import LOAD_FORMAT, Options, parse_options, weights_wanted
 
-log = init_logger("weightcache_vllm")  # vLLM's handlers and format, in every process
+# under "vllm.": vLLM's handler and format, in every process (a logger outside that tree prints nothing)
+log = init_logger("vllm.plugins.weightcache_vllm")
 REPORT_ENV = "WEIGHTCACHE_VLLM_REPORT"  # a file each load appends one JSON line to (tests; operators' checks)
 MODEL_PATH_ENV = "WEIGHTCACHE_MODEL_PATH"  # set by the webhook to the mounted snapshot
 
