@@ -101,10 +101,18 @@ def test_default_timeouts_fail_a_blackholed_endpoint_within_a_minute() -> None:
 
 def test_cli_prefetch_from_a_refused_endpoint_exits_6_without_traceback_or_userinfo(tmp_path: Path) -> None:
     host = f"127.0.0.1:{_closed_port()}"
-    proc = subprocess.run(
-        [sys.executable, "-m", "weightcache", "prefetch", "--no-daemon", "s3://models/m/", "--root",
-         str(tmp_path / "root"), "--endpoint-url", f"http://minio:hunter2@{host}", "--connect-timeout", "1"],
-        capture_output=True, text=True, timeout=120, env={**os.environ})
-    assert proc.returncode == 6, proc.stderr
+
+    def prefetch(endpoint: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "weightcache", "prefetch", "--no-daemon", "s3://models/m/", "--root",
+             str(tmp_path / "root"), "--endpoint-url", endpoint, "--connect-timeout", "1"],
+            capture_output=True, text=True, timeout=120, env={**os.environ})
+    # credentials in the URL: refused before any connection (the one settings reader the daemon uses too)
+    proc = prefetch(f"http://minio:hunter2@{host}")
+    assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and "hunter2" not in proc.stderr
+    assert "credentials do not belong in the URL" in proc.stderr
+    proc = prefetch(f"http://{host}")
+    assert proc.returncode == 6, proc.stderr
+    assert "Traceback" not in proc.stderr
     assert host in proc.stderr and "check the network" in proc.stderr
