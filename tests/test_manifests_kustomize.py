@@ -76,7 +76,7 @@ def assert_valid(objs: Any) -> None:
 def test_every_entry_point_renders_and_is_strictly_valid(entry: str) -> None:
     objs = rendered(entry)
     assert_valid(objs)
-    assert one(objs, "DaemonSet") and one(objs, "ValidatingAdmissionPolicyBinding")
+    assert one(objs, "DaemonSet") and one(objs, "ValidatingAdmissionPolicyBinding", "weightcache-daemon-own-node")
 
 
 @pytest.mark.parametrize("component", COMPONENTS)
@@ -135,7 +135,7 @@ def test_a_changed_namespace_reaches_every_reference(tmp_path: Path) -> None:
     cert = one(objs, "Certificate", "weightcache-webhook")
     assert cert["spec"]["dnsNames"] == ["weightcache-webhook.ml-infra.svc",
                                         "weightcache-webhook.ml-infra.svc.cluster.local"]
-    policy = one(objs, "ValidatingAdmissionPolicy")
+    policy = one(objs, "ValidatingAdmissionPolicy", "weightcache-daemon-own-node")
     assert DAEMON_USER.format(ns="ml-infra") in policy["spec"]["matchConditions"][0]["expression"]
     # nothing anywhere still names the old namespace as one
     stale = [s for s in strings(objs) if any(p in s for p in (".weightcache.svc", "weightcache/weightcache-",
@@ -262,7 +262,7 @@ def changed(**metadata: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def policy() -> dict[str, Any]:
-    found: dict[str, Any] = one(rendered("daemonset"), "ValidatingAdmissionPolicy")
+    found: dict[str, Any] = one(rendered("daemonset"), "ValidatingAdmissionPolicy", "weightcache-daemon-own-node")
     return found
 
 
