@@ -6,11 +6,16 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from tests.fixtures_s3 import S3
+from tests.grants import granted
 from weightcache.errors import ConfigError, FetchCancelledError
-from weightcache.ratelimit import LIMITS, Limiter, acquire_origin
+from weightcache.fetch import Fetcher
+from weightcache.ratelimit import BURST_S, LIMITS, Limiter, acquire_origin
+from weightcache.store import Store
 
 
 @pytest.fixture(autouse=True)
@@ -115,3 +120,17 @@ def test_bytes_per_second_in_the_daemon_config_is_parsed_and_applied_live() -> N
         parse_settings({"bytesPerSecond": {"s3://a/b c": 1}})
     with pytest.raises(ConfigError, match="bytesPerSecond"):
         parse_settings({"bytesPerSecond": 5})
+
+
+def test_a_big_file_from_s3_holds_the_nodes_origin_limit(tmp_path: Path, s3: S3) -> None:
+    """Big files stream through read_pieces (origin_pieces): each piece waits on the same buckets as small ones, so
+    an 8 MiB object at 8 MiB/s takes about a second, not what moto can serve."""
+    size, rate = 8 << 20, 8 << 20
+    s3.put("models", "big/w.bin", bytes(range(256)) * (size // 256))
+    LIMITS.configure(origin=rate)
+    started = time.monotonic()
+    snap = Fetcher(Store(tmp_path / "root"), endpoint_url=s3.endpoint_url, chunk_size=1 << 20,
+                   concurrency=4).ensure(granted("s3://models/big/"))
+    took = time.monotonic() - started
+    assert snap.size == size
+    assert took >= 0.9 * (size / rate - BURST_S), f"{size} bytes in {took:.2f}s: the limit was not held"

@@ -145,13 +145,23 @@ def pieces_by_read_into(source: Source, obj: ObjectInfo, offset: int, length: in
 Opener = Callable[[int, int], Any]
 
 
+def origin_pieces(options: SourceOptions, name: str, open_range: Opener, offset: int, length: int, buf: memoryview,
+                  on_bytes: OnBytes | None = None) -> Pieces:
+    """`read_pieces` of a backend from its origin: `stream_range` with retries under `options` and each piece
+    paced by the node's bytesPerSecond for `name` (`scheme://bucket/key`, as read_range_into's)."""
+    return stream_range(open_range, offset, length, buf,
+                        options.retry(f"reading {name} bytes {offset}-{offset + length - 1}"), on_bytes,
+                        throttle=lambda n: acquire_origin(name, n, options.cancel))
+
+
 def stream_range(open_range: Opener, offset: int, length: int, buf: memoryview, retry: Retry,
-                 on_bytes: OnBytes | None = None) -> Pieces:
+                 on_bytes: OnBytes | None = None, *, throttle: Callable[[int], None] | None = None) -> Pieces:
     """`read_pieces` over one streamed response (urllib3-style, with `readinto`).
 
     Large ranges cut the request count (S3 servers and proxies pay per request; moto re-reads the whole object
     for each one) while memory stays one `buf`. A failure mid-body re-opens the range from the first byte not
-    yet yielded; `retry` counts the failures.
+    yet yielded; `retry` counts the failures. `throttle(n)` is called before each piece of `n` bytes is read
+    (a rate limit: it blocks until they may come).
     """
     pos, end = offset, offset + length
     resp = None
@@ -159,6 +169,8 @@ def stream_range(open_range: Opener, offset: int, length: int, buf: memoryview, 
         while pos < end:
             view = buf[:min(len(buf), end - pos)]
             told = _Told(on_bytes)
+            if throttle is not None:
+                throttle(len(view))
             try:
                 if resp is None:
                     resp = open_range(pos, end)

@@ -37,9 +37,9 @@ from weightcache.sources.base import (
     Retryable,
     SourceOptions,
     finish_listing,
+    origin_pieces,
     read_body_into,
     read_range_into,
-    stream_range,
 )
 from weightcache.store.paths import MAX_DEPTH, MAX_FILES, MAX_PATH_BYTES
 from weightcache.units import ascii_int
@@ -191,8 +191,8 @@ class HttpSource:
 
     def read_pieces(self, obj: ObjectInfo, offset: int, length: int, buf: memoryview,
                     on_bytes: OnBytes | None = None) -> Pieces:
-        return stream_range(lambda pos, end: self._open_range(obj, pos, end), offset, length, buf,
-                            self.options.retry(f"reading {obj.key} bytes {offset}-{offset + length - 1}"), on_bytes)
+        return origin_pieces(self.options, obj.key, lambda pos, end: self._open_range(obj, pos, end), offset, length,
+                             buf, on_bytes)
 
     def _read_range(self, obj: ObjectInfo, pos: int, view: memoryview) -> int:
         return read_body_into(self._open_range(obj, pos, pos + len(view)), view)

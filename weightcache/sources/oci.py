@@ -56,9 +56,9 @@ from weightcache.sources.base import (
     Retryable,
     SourceOptions,
     finish_listing,
+    origin_pieces,
     read_body_into,
     read_range_into,
-    stream_range,
 )
 from weightcache.sources.http import raise_for_status
 from weightcache.store.paths import validate_relpath
@@ -142,9 +142,8 @@ class OciSource:
 
     def read_pieces(self, obj: ObjectInfo, offset: int, length: int, buf: memoryview,
                     on_bytes: OnBytes | None = None) -> Pieces:
-        return stream_range(lambda pos, end: self._open_range(obj, pos, end), offset, length, buf,
-                            self.options.retry(f"reading {obj.relpath} bytes {offset}-{offset + length - 1}"),
-                            on_bytes)
+        return origin_pieces(self.options, obj.key, lambda pos, end: self._open_range(obj, pos, end), offset, length,
+                             buf, on_bytes)
 
     def etag_md5(self, obj: ObjectInfo) -> str | None:
         return None

@@ -42,9 +42,9 @@ from weightcache.sources.base import (
     Retryable,
     SourceOptions,
     finish_listing,
+    origin_pieces,
     read_body_into,
     read_range_into,
-    stream_range,
 )
 from weightcache.units import ascii_int
 from weightcache.uri import ModelRef
@@ -136,9 +136,8 @@ class S3Source:
 
     def read_pieces(self, obj: ObjectInfo, offset: int, length: int, buf: memoryview,
                     on_bytes: OnBytes | None = None) -> Pieces:
-        return stream_range(lambda pos, end: self._open_range(obj, pos, end), offset, length, buf,
-                            self.options.retry(f"reading {self._uri(obj.key)} bytes {offset}-{offset + length - 1}"),
-                            on_bytes)
+        return origin_pieces(self.options, self._uri(obj.key), lambda pos, end: self._open_range(obj, pos, end),
+                             offset, length, buf, on_bytes)
 
     def etag_md5(self, obj: ObjectInfo) -> str | None:
         """The object's MD5 when its ETag is one: a single-part upload without SSE-KMS/SSE-C, as far as the
