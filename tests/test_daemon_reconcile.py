@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+import yaml
+
+from tests.fake_apiserver import FakeApiServer
 from tests.fixtures_daemon import (  # noqa: F401 - fixtures are used by name
     RunningDaemon,
     daemon,
@@ -17,7 +22,7 @@ from tests.fixtures_daemon import (  # noqa: F401 - fixtures are used by name
 )
 from weightcache.daemon.config import parse_settings
 from weightcache.daemon.reconcile import PIN_OWNER, READY, Actual, Held, Want, settle, wants
-from weightcache.uri import parse_ref
+from weightcache.uri import ModelRef, parse_ref, readiness_label
 
 
 def want(name: str, source: str, *, tier: str = "disk", pin: bool = True, priority: int = 0) -> Want:
@@ -41,6 +46,27 @@ def test_what_is_no_longer_wanted_is_undone_level_triggered() -> None:
     o = settle({}, w, {"a": "snap-a"}, actual)
     assert o.unpin == {"snap-gone"} and not o.pin
     assert o.labels == {w[0].ref.label_key: READY, stale_label: None}  # other labels are not ours
+
+
+def test_a_ready_label_stays_while_its_snapshot_is_in_the_store() -> None:
+    """The last pod went, so did the demand: the snapshot is still on disk, and so the label stays (a scale from
+    zero finds the node ready, no gate round trip). Once evicted (its refs gone from the store) it goes."""
+    kept, evicted = parse_ref("s3://models/kept/").label_key, parse_ref("s3://models/evicted/").label_key
+    globbed = ModelRef("s3", "models", "kept/", include=("*.json",)).label_key
+    labels = {kept: READY, evicted: READY, globbed: READY, "zone": "x"}
+    o = settle({}, [], {}, Actual(labels=labels, stored=frozenset({kept})))
+    assert o.labels == {evicted: None, globbed: None}  # a selection is its own: the whole model is not *.json
+    o = settle({}, [], {}, Actual(labels={kept: "fetching"}, stored=frozenset({kept})))
+    assert o.labels == {kept: None}  # only `ready` is kept: another value was never this code's
+    o = settle({}, [], {}, Actual(labels={kept: READY}, stored=frozenset({kept})))
+    assert o.labels == {}
+    assert settle({}, [], {}, Actual(labels=None, stored=frozenset({kept}))).labels == {}  # off-cluster
+
+
+def test_a_stored_snapshot_never_adds_a_label_nobody_wanted() -> None:
+    """A snapshot a CSI publish fetched on demand is not labelled by its presence alone: only kept."""
+    o = settle({}, [], {}, Actual(labels={}, stored=frozenset({parse_ref("s3://models/x/").label_key})))
+    assert o.labels == {}
 
 
 def test_a_failed_ensure_keeps_what_it_held() -> None:
@@ -142,5 +168,49 @@ async def test_turning_the_memory_tier_on_and_off_live(short_dir: Path, model_co
         tier = daemon.node.tier
         await daemon.apply(parse_settings({"resyncSeconds": 3600}))
         assert daemon.node.tier is None and tier.locked_bytes() == 0
+    finally:
+        await d.daemon.stop()
+
+
+NODE = "gpu-1"
+
+
+@pytest.fixture
+def cluster(short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeApiServer]:
+    with FakeApiServer() as server:
+        server.create("nodes", {"metadata": {"name": NODE, "labels": {"pool": "a100"}}})
+        config = short_dir / "kubeconfig"
+        config.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "t",
+            "clusters": [{"name": "c", "cluster": {"server": server.url}}],
+            "users": [{"name": "u", "user": {"token": "test-token"}}],
+            "contexts": [{"name": "t", "context": {"cluster": "c", "user": "u"}}]}))
+        monkeypatch.setenv("KUBECONFIG", str(config))
+        yield server
+
+
+async def test_the_label_outlives_the_modelcache_until_eviction(cluster: FakeApiServer, short_dir: Path,
+                                                                model_copy: Path) -> None:
+    """Against the fake API server: ModelCache -> `ready`; ModelCache deleted (unpinned, snapshot on disk) ->
+    still `ready` after further passes; snapshot evicted -> the label goes at the next pass."""
+    uri = f"file://{model_copy}/"
+    cluster.create("modelcaches", {"metadata": {"name": "llama"}, "spec": {
+        "source": uri, "nodeSelector": {"pool": "a100"}, "allowedNamespaces": ["team-a"]}})
+    d = await start_daemon(short_dir, model_copy, env={"NODE_NAME": NODE})
+    label = readiness_label(uri)
+    labels = lambda: cluster.get("nodes", NODE)["metadata"].get("labels", {})  # noqa: E731
+    try:
+        node, rec = d.daemon.node, d.daemon.reconciler
+        await eventually(lambda: labels().get(label) == READY, what="the node's readiness label")
+        (info,) = node.store.list()
+        cluster.delete("modelcaches", "llama")
+        await eventually(lambda: not node.store.pins(info.snapshot.id), what="the daemon's pin to go")
+        for _ in range(2):
+            assert (await rec.once()).labels == {}
+        assert labels().get(label) == READY and labels()["pool"] == "a100"
+        await asyncio.to_thread(node.store.evict, info.snapshot.id)
+        assert (await rec.once()).labels == {label: None}
+        await eventually(lambda: label not in labels(), what="the label to go with the evicted snapshot")
+        assert labels()["pool"] == "a100"
     finally:
         await d.daemon.stop()

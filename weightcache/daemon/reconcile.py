@@ -26,7 +26,7 @@ from weightcache.daemon.node import Node
 from weightcache.errors import NotAllowedError
 from weightcache.fetch import Progress
 from weightcache.store import Snapshot
-from weightcache.uri import ModelRef, is_readiness_label
+from weightcache.uri import LABEL_DOMAIN, ModelRef, is_readiness_label
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ class Actual:
     pinned: frozenset[str] = frozenset()  # snapshots carrying the daemon's pin (owner PIN_OWNER)
     resident: frozenset[str] = frozenset()  # snapshots in the memory tier
     labels: Mapping[str, str] | None = None  # node labels; None off-cluster (no labels to keep)
+    stored: frozenset[str] = frozenset()  # readiness label keys of the selections the store holds a snapshot of
 
 
 @dataclass(frozen=True)
@@ -103,16 +104,20 @@ def settle(old: Mapping[str, Held], wanted: Sequence[Want], results: Mapping[str
         unpin=frozenset(actual.pinned - pinned),
         promote=frozenset(memory_new - actual.resident),
         demote=frozenset((memory_old - memory_new) & actual.resident),
-        labels=_label_changes({h.label_key for h in held.values()}, actual.labels),
+        labels=_label_changes({h.label_key for h in held.values()}, actual.labels, actual.stored),
         forget=tuple(sorted(n for n in old if n not in held and not n.startswith("config/"))),
     )
 
 
-def _label_changes(ready: set[str], labels: Mapping[str, str] | None) -> dict[str, str | None]:
+def _label_changes(ready: set[str], labels: Mapping[str, str] | None,
+                   stored: frozenset[str] = frozenset()) -> dict[str, str | None]:
+    """Wanted and held: set `ready`. No longer wanted: a `ready` label stays while the store still holds a
+    snapshot of that selection (scale from zero then needs no gate round trip), and goes once it is evicted."""
     if labels is None:
         return {}
     changes: dict[str, str | None] = {k: READY for k in ready if labels.get(k) != READY}
-    changes.update({k: None for k in labels if is_readiness_label(k) and k not in ready})
+    changes.update({k: None for k, v in labels.items()
+                    if is_readiness_label(k) and k not in ready and not (k in stored and v == READY)})
     return changes
 
 
@@ -238,7 +243,7 @@ class Reconciler:
                            if i.pinned and PIN_OWNER in node.store.pins(i.snapshot.id))
         resident = frozenset(i.id for i in node.tier.resident()) if node.tier is not None else frozenset()
         labels = node.cluster.node_labels() if node.cluster is not None else None
-        return Actual(pinned, resident, labels)
+        return Actual(pinned, resident, labels, _stored_labels(node) if labels is not None else frozenset())
 
     def _apply(self, o: Outcome) -> None:
         store, tier = self.node.store, self.node.tier
@@ -261,6 +266,13 @@ class Reconciler:
         for name in o.forget:
             self._reported.pop(name, None)
             await asyncio.to_thread(cluster.forget, name)
+
+
+def _stored_labels(node: Node) -> frozenset[str]:
+    """The readiness label of every selection a complete snapshot in the store answers: a ref's model key is
+    `ModelRef.key` (uri + globs), the very hash `readiness_label` names; eviction deletes the snapshot's refs."""
+    rows = node.store.index.query("SELECT DISTINCT r.model_key FROM refs r JOIN snapshots s ON s.id = r.snapshot_id")
+    return frozenset(LABEL_DOMAIN + str(key) for (key,) in rows)
 
 
 def _try(what: str, fn: Any, *args: Any) -> None:
