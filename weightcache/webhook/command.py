@@ -7,7 +7,6 @@ models are refused by default; off-cluster there are no ModelCaches and undeclar
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import logging
 import sys
@@ -101,6 +100,8 @@ def run_webhook(args: argparse.Namespace) -> int:
         )
 
     try:
+        import asyncio  # here, not at the top: every CLI call builds this parser (asyncio: 40-180 ms)
+
         from weightcache.webhook.server import serve
 
         asyncio.run(serve(policy, cert=args.cert, key=args.key, host=args.host, port=args.port, on_ready=ready))
