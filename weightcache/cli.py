@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from weightcache import __version__, defaults
@@ -348,6 +349,29 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_uninstall_node(args: argparse.Namespace) -> int:
+    from weightcache.kube.client import load_api_client
+    from weightcache.settings import node_name
+    from weightcache.uninstall import uninstall
+
+    api = load_api_client()
+    report = uninstall(Path(_root(args)), Path(args.kubelet_dir), Path(args.cdi_dir), Path(args.run_dir),
+                       yes=args.yes, force=args.force, api_client=api, node=node_name() if api else None)
+    if args.output == "json":
+        print(json.dumps(report.as_json()))
+        return 0
+    verb = "removed" if report.applied else "would remove"
+    for item in report.removed:
+        print(f"{verb} {item.path}: {item.what}")
+    if report.labels:
+        print(f"{verb} labels of node {report.node}: {', '.join(report.labels)}")
+    if not report.removed and not report.labels:
+        print("nothing of weightcache found on this node")
+    for note in report.notes:
+        print(note)
+    return 0
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from weightcache.kube.client import load_api_client
 
@@ -469,6 +493,21 @@ def build_parser() -> argparse.ArgumentParser:
     add("gc", cmd_gc, "remove unreferenced blobs and abandoned partial downloads", writes=True)
     p = add("status", cmd_status, "per-node state of ModelCaches (cluster), or this store's summary", quiet=None)
     p.add_argument("name", nargs="?")
+
+    p = sub.add_parser("uninstall-node", help="remove weightcache from this node: store, plugin sockets, CDI specs, "
+                       "readiness labels", description="Remove what weightcache left on this node (the store, the CSI "
+                       "and DRA sockets, the DRA CDI specs, this node's readiness labels); without --yes, say what.")
+    p.set_defaults(func=cmd_uninstall_node)
+    p.add_argument("--root", default=None, help=f"store root (env WEIGHTCACHE_ROOT, default {defaults.ROOT})")
+    p.add_argument("--kubelet-dir", default=str(defaults.KUBELET_DIR),
+                   help=f"kubelet's root directory (default {defaults.KUBELET_DIR})")
+    p.add_argument("--cdi-dir", default=str(defaults.CDI_DIR), help=f"CDI spec directory (default {defaults.CDI_DIR})")
+    p.add_argument("--run-dir", default=str(defaults.SOCKET.parent),
+                   help=f"the daemon's socket directory (default {defaults.SOCKET.parent})")
+    p.add_argument("--yes", action="store_true", help="remove; without it, only list what would be removed")
+    p.add_argument("--force", action="store_true", help="remove even while a lease is held or the daemon runs")
+    p.add_argument("-o", "--output", choices=["table", "json"], default="table",
+                   help="table for people (default) or one JSON document for scripts")
 
     p = sub.add_parser("version", help="version of weightcache, Python, platform and store formats",
                        description="Version of weightcache, Python, the platform and the store's on-disk formats.")
