@@ -13,6 +13,9 @@
     GET    /v1/leases            {holder: snapshot id}
     POST   /v1/leases            {holder, uri | snapshot} -> {holder, snapshot, path}
     DELETE /v1/leases/{holder}   release (idempotent)
+    POST   /v1/engine-caches/{name}?uri=&namespace=  body: an uncompressed tar of an engine's compile cache
+                                 ({name}: vllm-0.32.0-cpu) for the cached snapshot of uri -> 201 {key, snapshot}
+    GET    /v1/engine-caches/{name}?uri=&namespace=  -> {key, snapshot, path} (docs/engine-caches.md)
     GET    /healthz /readyz /metrics
 
 Errors are `{"error": code, "message": text}`; the status is the one each error declares (weightcache/errors.py).
@@ -33,7 +36,7 @@ from typing import Any, TypedDict
 
 from aiohttp import web
 
-from weightcache import errors
+from weightcache import engine_cache, errors
 from weightcache.access import Grant
 from weightcache.daemon.client import error_code
 from weightcache.daemon.listing import Listing, info_body, snapshot_body
@@ -408,6 +411,61 @@ async def release_lease(request: web.Request) -> web.Response:
     return web.json_response({"released": holder})
 
 
+async def _engine_cache_model(request: web.Request) -> tuple[engine_cache.EngineName, Grant, Snapshot]:
+    """The declared engine, the requester's Grant for the model (the node's Authority) and the cached snapshot
+    of it this node serves: the key is computed from these, never taken from the artifact."""
+    node, q = request.app[NODE], request.query
+    name = engine_cache.EngineName.parse(request.match_info["name"])
+    req = parse_ensure({"uri": q.get("uri"), "revision": q.get("revision"), "include": q.getall("include", []),
+                        "exclude": q.getall("exclude", []), "namespace": q.get("namespace")})
+    grant = node.authorize(req.ref, req.namespace)  # the one decision (weightcache/access.py)
+    model = await node.fetches.lookup(grant)
+    if model is None:
+        raise errors.NotCachedError(f"{req.ref} is not cached on this node; an engine cache is kept only for a "
+                                    "model snapshot this node serves (ensure the model first)")
+    return name, grant, model
+
+
+async def put_engine_cache(request: web.Request) -> web.Response:
+    node = request.app[NODE]
+    name, grant, model = await _engine_cache_model(request)
+    key = engine_cache.EngineCacheKey.for_model(model, name, grant.who)
+    limits = engine_cache.Limits()
+    pipe = engine_cache.Pipe(engine_cache.body_limit(limits))
+
+    def ingest() -> Snapshot:
+        try:
+            return engine_cache.ingest_tar(node.store, key, pipe, limits)
+        finally:
+            pipe.close()  # a refusal mid-body: the feeder stops at once
+    task = asyncio.ensure_future(asyncio.to_thread(ingest))
+    try:
+        async for chunk in request.content.iter_chunked(1 << 20):
+            if task.done():
+                break
+            await asyncio.to_thread(pipe.feed, chunk)
+        pipe.close()
+    except BaseException as exc:
+        pipe.close(exc if isinstance(exc, errors.WeightcacheError) else ConnectionResetError("the body stopped"))
+        await asyncio.wait({task})
+        raise
+    snapshot = await task
+    return web.json_response({"key": str(name), "model_snapshot": model.id, "domain": key.domain,
+                              "snapshot": snapshot_body(snapshot)}, status=201)
+
+
+async def get_engine_cache(request: web.Request) -> web.Response:
+    node = request.app[NODE]
+    name, grant, model = await _engine_cache_model(request)
+    found = await asyncio.to_thread(engine_cache.lookup, node.store, model, name, grant.who)
+    if found is None:
+        raise errors.NotCachedError(f"no engine cache {name} for snapshot {model.id[:12]} that {grant.who} may "
+                                    "read on this node; the engine compiles on its first start, then hand its "
+                                    "cache over with POST /v1/engine-caches/{name}")
+    return web.json_response({"key": str(name), "model_snapshot": model.id, "snapshot": snapshot_body(found),
+                              "path": str(found.path)})
+
+
 async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"ok": True})
 
@@ -446,6 +504,8 @@ def make_app(node: Node, *, token: bytes | None = None) -> web.Application:
     app.router.add_get("/v1/leases", list_leases)
     app.router.add_post("/v1/leases", take_lease)
     app.router.add_delete("/v1/leases/{holder}", release_lease)
+    app.router.add_post("/v1/engine-caches/{name}", put_engine_cache)
+    app.router.add_get("/v1/engine-caches/{name}", get_engine_cache)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)

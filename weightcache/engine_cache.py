@@ -1,0 +1,443 @@
+"""Engine caches: what an inference engine compiles on its first start, kept in the store as an artifact.
+
+vLLM compiles a model with torch inductor on its first start (enforce_eager=False) and keeps the result under
+VLLM_CACHE_ROOT (and TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR); a start that finds that cache skips the
+compile. This module stores such a directory as an ordinary snapshot of the store (blobs + hard-linked read-only
+tree + manifest + ref: `Store.publish`, nothing second), keyed by
+
+    (model snapshot id, engine, engine version, device kind, trust domain)
+
+The key is never taken from the artifact: the daemon computes it from the model snapshot it serves to the
+requester (through the node's `Authority`: the requester must hold a Grant for that model) and the engine name,
+version and device the requester declares. The trust domain is the namespace that handed the cache over (or
+`_admin` for the node's admin): compile caches hold code the engine runs (inductor's generated Python, Triton's
+shared objects), so a cache one namespace wrote is never served to another; one the admin put serves every
+namespace that may have the model. See docs/engine-caches.md.
+
+The artifact's reference has its own scheme, `weightcache-engine-cache://` (not in `weightcache.uri.SCHEMES`), so no
+model door (CSI `model`, `PUT /v1/models`, a ModelCache) can name it: it is found only by `lookup` with its key.
+
+Ingest (`ingest_tar`) takes an uncompressed tar stream, hostile until checked: regular files and directories only
+(no symlink, hard link, device, FIFO, sparse or continuation member), every path checked by the store's
+`validate_relpath` (no `..`, no absolute path, no NUL, bounded depth and length), no duplicate and no file under
+a file, bounded entries, bounded bytes per file and in all, bounded extended headers (tarfile would read a pax
+header of any size into memory). Files are written into `partial/` as they arrive (hashing as they are written)
+under the key's lock; only when the whole stream has been read and checked do they become blobs and a snapshot.
+Anything refused leaves nothing published and removes what it wrote.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import logging
+import os
+import re
+import stat
+import tarfile
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Protocol, cast
+
+from weightcache.access import Requester
+from weightcache.errors import HostileKeyError, InvalidRequestError
+from weightcache.store import FileEntry, Snapshot, Store, validate_relpath
+from weightcache.uri import ModelRef
+
+log = logging.getLogger(__name__)
+
+SCHEME = "weightcache-engine-cache"
+ADMIN_DOMAIN = "_admin"  # the trust domain of a cache the node's admin put: served to every granted namespace
+MAX_BYTES = 4 << 30  # a vLLM compile cache of a large model is tens to hundreds of MB; Triton's a few hundred
+MAX_ENTRIES = 20_000  # members of the tar (files and directories)
+MAX_HEADER_BYTES = 64 << 10  # one pax / GNU long-name extended header
+CHUNK = 1 << 20
+
+_SNAPSHOT_ID = re.compile(r"[0-9a-f]{40}")
+_ENGINE = re.compile(r"[a-z][a-z0-9_]{0,31}")
+_VERSION = re.compile(r"[0-9A-Za-z][0-9A-Za-z.+_]{0,63}")
+_DEVICE = re.compile(r"[a-z0-9][a-z0-9_.]{0,31}")
+_NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_EXTENDED = {tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNAME,
+             tarfile.GNUTYPE_LONGLINK}
+_KINDS = {tarfile.SYMTYPE: "a symlink", tarfile.LNKTYPE: "a hard link", tarfile.CHRTYPE: "a character device",
+          tarfile.BLKTYPE: "a block device", tarfile.FIFOTYPE: "a FIFO", tarfile.CONTTYPE: "a contiguous file",
+          tarfile.GNUTYPE_SPARSE: "a sparse file"}
+
+
+def _bad(message: str) -> InvalidRequestError:
+    return InvalidRequestError("engine cache", message)
+
+
+@dataclass(frozen=True)
+class EngineName:
+    """What the requester declares: engine, its version and the device kind, written `vllm-0.32.0-cpu`."""
+
+    engine: str
+    version: str
+    device: str
+
+    def __post_init__(self) -> None:
+        for value, pattern, what, example in ((self.engine, _ENGINE, "engine", "vllm"),
+                                              (self.version, _VERSION, "version", "0.32.0"),
+                                              (self.device, _DEVICE, "device", "cpu, h100, mi300x")):
+            if not isinstance(value, str) or not pattern.fullmatch(value):
+                raise _bad(f"{what} {str(value)[:80]!r} is not a valid {what} name (like {example}; no '-')")
+
+    @classmethod
+    def parse(cls, text: str) -> EngineName:
+        """`vllm-0.32.0-cpu` -> EngineName('vllm', '0.32.0', 'cpu')."""
+        parts = text.split("-") if isinstance(text, str) else []
+        if len(parts) != 3:
+            raise _bad(f"{str(text)[:80]!r} is not ENGINE-VERSION-DEVICE, like vllm-0.32.0-cpu")
+        return cls(*parts)
+
+    def __str__(self) -> str:
+        return f"{self.engine}-{self.version}-{self.device}"
+
+
+@dataclass(frozen=True)
+class EngineCacheKey:
+    """The whole key: the model snapshot the daemon served, the declared engine, and who may read it."""
+
+    model_snapshot: str
+    name: EngineName
+    domain: str  # the namespace that put it, or ADMIN_DOMAIN
+
+    def __post_init__(self) -> None:
+        if not _SNAPSHOT_ID.fullmatch(self.model_snapshot):
+            raise _bad(f"{self.model_snapshot[:80]!r} is not a snapshot id")
+        if self.domain != ADMIN_DOMAIN and not _NAMESPACE.fullmatch(self.domain):
+            raise _bad(f"{self.domain[:80]!r} is not a namespace name")
+
+    @classmethod
+    def for_model(cls, model: Snapshot, name: EngineName, who: Requester) -> EngineCacheKey:
+        return cls(model.id, name, domain_of(who))
+
+    @property
+    def ref(self) -> ModelRef:
+        """The artifact's reference in the store: its own scheme, so no model door can ask for it."""
+        n = self.name
+        return ModelRef(SCHEME, self.model_snapshot, f"{n.engine}/{n.version}/{n.device}/{self.domain}/")
+
+    def __str__(self) -> str:
+        return f"{self.name} for snapshot {self.model_snapshot[:12]} ({self.domain})"
+
+
+def domain_of(who: Requester) -> str:
+    return ADMIN_DOMAIN if who.namespace is None else who.namespace
+
+
+def is_engine_cache(snapshot: Snapshot) -> bool:
+    """Whether a snapshot of the store is an engine cache (not a model: no DRA device, no readiness label)."""
+    return snapshot.uri.startswith(SCHEME + "://")
+
+
+def lookup(store: Store, model: Snapshot, name: EngineName, who: Requester) -> Snapshot | None:
+    """The engine cache for exactly (the model snapshot `who` was granted, `name`): the one `who`'s own namespace
+    put, else one the admin put; None when there is none. The caller authorized `who` for `model` first."""
+    domains = [domain_of(who)] + ([ADMIN_DOMAIN] if who.namespace is not None else [])
+    for domain in domains:
+        key = EngineCacheKey(model.id, name, domain)
+        found = store.lookup(key.ref)
+        if found is not None and found.uri == key.ref.uri:
+            return found
+    return None
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_bytes: int = MAX_BYTES
+    max_entries: int = MAX_ENTRIES
+    max_header_bytes: int = MAX_HEADER_BYTES
+
+
+class Readable(Protocol):
+    def read(self, n: int = -1, /) -> bytes: ...
+
+
+class _Refused(Exception):
+    """Raised from inside tarfile's header parsing; turned into InvalidRequestError outside it."""
+
+
+def _tarinfo_class(limits: Limits) -> type[tarfile.TarInfo]:
+    class BoundedTarInfo(tarfile.TarInfo):
+        def _proc_member(self, tf: tarfile.TarFile) -> Any:  # called for every header, before its data is read
+            if self.type in _EXTENDED and self.size > limits.max_header_bytes:
+                raise _Refused(f"an extended tar header of {self.size} bytes (at most {limits.max_header_bytes})")
+            if self.type in _KINDS:
+                raise _Refused(f"{self.name[:200]!r} is {_KINDS[self.type]}; only regular files and directories "
+                               "are taken")
+            return super()._proc_member(tf)  # type: ignore[misc]
+    return BoundedTarInfo
+
+
+class _Staging:
+    """Files written into partial/ under the key's lock, hashed as written; blobs and a snapshot only at commit."""
+
+    def __init__(self, store: Store, key: EngineCacheKey, limits: Limits) -> None:
+        self.store, self.key, self.limits = store, key, limits
+        self.files: list[tuple[FileEntry, Path]] = []
+        self.paths: set[str] = set()
+        self.dirs: set[str] = set()
+        self.total = 0
+        self.reserved = 0  # bytes ensure_space has made room for
+        self.entries = 0
+
+    def count_entry(self) -> None:
+        self.entries += 1
+        if self.entries > self.limits.max_entries:
+            raise _bad(f"more than {self.limits.max_entries} entries; an engine cache holds at most that many")
+
+    def add_dir(self, relpath: str) -> None:
+        relpath = _clean(relpath)
+        if relpath and relpath in self.paths:
+            raise _bad(f"{relpath!r} is both a file and a directory")
+        if relpath:
+            self._note_parents(relpath + "/x")
+            self.dirs.add(relpath)
+
+    def add_file(self, relpath: str, size: int, read: Callable[[int], bytes]) -> None:
+        relpath = _clean(relpath)
+        if not relpath:
+            raise _bad("a file with an empty name")
+        if relpath in self.paths or relpath in self.dirs:
+            raise _bad(f"{relpath!r} appears twice")
+        self._note_parents(relpath)
+        if size < 0 or size > self.limits.max_bytes - self.total:
+            raise _bad(f"{relpath!r} ({size} bytes) takes the cache past {self.limits.max_bytes} bytes")
+        self.paths.add(relpath)
+        if self.total + size > self.reserved:  # room in steps of 256 MiB (ensure_space may evict LRU snapshots)
+            self.reserved = self.total + size + (256 << 20)
+            self.store.ensure_space(min(self.reserved, self.limits.max_bytes), uri=self.key.ref.uri)
+        name = f"{self.key.ref.key}.ec{len(self.files)}"
+        part = self.store.partial_path(name)
+        digest = hashlib.sha256()
+        written = 0
+        with self.store.tree.dir(part.parent, create=True) as dfd:
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                         dir_fd=dfd)
+        self.files.append((FileEntry(relpath, size, ""), part))  # registered at once: abort removes it
+        try:
+            while written < size:
+                data = read(min(CHUNK, size - written))
+                if not data:
+                    raise _bad(f"{relpath!r} ends after {written} of its {size} bytes (a truncated stream)")
+                digest.update(data)
+                _write_all(fd, data)
+                written += len(data)
+        finally:
+            os.close(fd)
+        self.total += size
+        self.files[-1] = (FileEntry(relpath, size, digest.hexdigest()), part)
+
+    def _note_parents(self, relpath: str) -> None:
+        parts = relpath.split("/")[:-1]
+        for i in range(1, len(parts) + 1):
+            parent = "/".join(parts[:i])
+            if parent in self.paths:
+                raise _bad(f"{relpath!r} lies under {parent!r}, which is a file")
+            self.dirs.add(parent)
+
+    def commit(self) -> Snapshot:
+        if not self.files:
+            raise _bad("the cache holds no file")
+        self.store.add_blobs([(part, entry.sha256) for entry, part in self.files])
+        moved = list(self.files)
+        self.files = []  # the parts are blobs now (or were dropped as duplicates): nothing of them to remove
+        return self.store.publish(self.key.ref, [entry for entry, _ in moved])
+
+    def abort(self) -> None:
+        for _, part in self.files:
+            try:
+                self.store.tree.unlink(part)
+            except OSError as exc:
+                log.warning("could not remove %s of a refused engine cache: %s", part, exc)
+        self.files = []
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _clean(name: str) -> str:
+    """A member name as a store path: a leading './' and a trailing '/' dropped, then the store's own check."""
+    while name.startswith("./"):
+        name = name[2:]
+    name = name.rstrip("/")
+    if name in ("", "."):
+        return ""
+    try:
+        return validate_relpath(name)
+    except HostileKeyError as exc:
+        raise _bad(f"refusing path {name[:200]!r}: {exc.reason}") from None
+
+
+@contextmanager
+def _locked(store: Store, key: EngineCacheKey) -> Iterator[None]:
+    fd = store.open_lock(key.ref.key)  # gc keeps partial files whose key's lock is held
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def ingest_tar(store: Store, key: EngineCacheKey, stream: Readable,
+               limits: Limits = Limits()) -> Snapshot:
+    """Publish the uncompressed tar `stream` as the engine cache `key`; raises InvalidRequestError naming what
+    was refused, with nothing published and nothing left in partial/."""
+    staging = _Staging(store, key, limits)
+    with _locked(store, key):
+        try:
+            try:
+                tf = tarfile.open(fileobj=cast(IO[bytes], stream), mode="r|", tarinfo=_tarinfo_class(limits))  # noqa: SIM115
+            except tarfile.ReadError as exc:
+                raise _bad(f"the body is not an uncompressed tar stream ({exc})") from None
+            with tf:
+                for member in tf:
+                    staging.count_entry()
+                    if member.type in (tarfile.REGTYPE, tarfile.AREGTYPE) and not member.issparse():
+                        data = tf.extractfile(member)
+                        assert data is not None  # a regular member always has a reader
+                        staging.add_file(member.name, member.size, data.read)
+                    elif member.type == tarfile.DIRTYPE:
+                        staging.add_dir(member.name)
+                    else:
+                        raise _bad(f"{member.name[:200]!r} is of tar type {member.type!r}; only regular files "
+                                   "and directories are taken")
+            snapshot = staging.commit()
+        except _Refused as exc:
+            staging.abort()
+            raise _bad(str(exc)) from None
+        except tarfile.TarError as exc:
+            staging.abort()
+            raise _bad(f"the tar stream is damaged or truncated ({exc})") from None
+        except BaseException:
+            staging.abort()
+            raise
+    log.info("engine cache %s published as snapshot %s (%d bytes)", key, snapshot.id[:12], snapshot.size)
+    return snapshot
+
+
+def ingest_dir(store: Store, key: EngineCacheKey, directory: str | Path, limits: Limits = Limits()) -> Snapshot:
+    """Publish directory `directory` (e.g. under a pod's volume) as the engine cache `key`: walked one component
+    at a time with O_NOFOLLOW through directory descriptors, so a symlink anywhere is refused, never followed;
+    only directories and regular files; the same bounds as a tar."""
+    staging = _Staging(store, key, limits)
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        top = os.open(directory, flags | os.O_DIRECTORY)
+    except OSError as exc:
+        raise _bad(f"{str(directory)[:200]!r} is not a directory that can be read without following a "
+                   f"symlink ({os.strerror(exc.errno or errno.EIO)})") from None
+    with _locked(store, key):
+        try:
+            _walk(top, "", staging, flags)
+            snapshot = staging.commit()
+        except BaseException:
+            staging.abort()
+            raise
+        finally:
+            os.close(top)
+    log.info("engine cache %s published from %s as snapshot %s", key, directory, snapshot.id[:12])
+    return snapshot
+
+
+def _walk(dfd: int, prefix: str, staging: _Staging, flags: int) -> None:
+    for name in sorted(os.listdir(dfd)):
+        staging.count_entry()
+        rel = f"{prefix}{name}"
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        if stat.S_ISDIR(st.st_mode):
+            staging.add_dir(rel)
+            sub = os.open(name, flags | os.O_DIRECTORY, dir_fd=dfd)
+            try:
+                _walk(sub, rel + "/", staging, flags)
+            finally:
+                os.close(sub)
+        elif stat.S_ISREG(st.st_mode):
+            fd = os.open(name, flags | os.O_NONBLOCK, dir_fd=dfd)
+            try:
+                now = os.fstat(fd)
+                if not stat.S_ISREG(now.st_mode) or now.st_ino != st.st_ino:
+                    raise _bad(f"{rel[:200]!r} was replaced while it was read")
+                staging.add_file(rel, now.st_size, _reader(fd))
+            finally:
+                os.close(fd)
+        else:
+            kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a regular file or directory"
+            raise _bad(f"{rel[:200]!r} is {kind}; only regular files and directories are taken")
+
+
+def _reader(fd: int) -> Callable[[int], bytes]:
+    return lambda n: os.read(fd, n)
+
+
+class Pipe:
+    """A bounded, blocking byte pipe: an event loop `feed`s a request body in, `ingest_tar` reads it on a thread.
+    At most `limit` bytes pass (more is refused: the body cap); `close(error)` ends it."""
+
+    def __init__(self, limit: int, depth: int = 8) -> None:
+        self.limit, self.passed = limit, 0
+        self._chunks: list[bytes] = []
+        self._cond = threading.Condition()
+        self._depth = depth
+        self._closed = False
+        self._error: BaseException | None = None
+        self._buf = b""
+
+    def feed(self, data: bytes) -> None:
+        """Blocks while `depth` chunks wait (call it from a thread); raises when the body passes the limit."""
+        self.passed += len(data)
+        if self.passed > self.limit:
+            self.close(_bad(f"the body is larger than {self.limit} bytes"))
+            raise _bad(f"the body is larger than {self.limit} bytes")
+        with self._cond:
+            while len(self._chunks) >= self._depth and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                return
+            self._chunks.append(data)
+            self._cond.notify_all()
+
+    def close(self, error: BaseException | None = None) -> None:
+        with self._cond:
+            if error is not None and self._error is None:
+                self._error = error
+            self._closed = True
+            self._cond.notify_all()
+
+    def read(self, n: int = -1) -> bytes:
+        out = bytearray()
+        while n < 0 or len(out) < n:
+            if not self._buf:
+                with self._cond:
+                    while not self._chunks and not self._closed:
+                        self._cond.wait()
+                    if self._chunks:
+                        self._buf = self._chunks.pop(0)
+                        self._cond.notify_all()
+                    elif self._error is not None:
+                        raise self._error
+                    else:
+                        break
+            take = len(self._buf) if n < 0 else min(n - len(out), len(self._buf))
+            out += self._buf[:take]
+            self._buf = self._buf[take:]
+        return bytes(out)
+
+
+def body_limit(limits: Limits) -> int:
+    """The most bytes a tar of a cache within `limits` can take: contents, a header and padding per entry."""
+    return limits.max_bytes + limits.max_entries * (1024 + 2 * limits.max_header_bytes) + (1 << 20)
+
+
+__all__ = ["ADMIN_DOMAIN", "SCHEME", "EngineCacheKey", "EngineName", "Limits", "Pipe", "body_limit", "domain_of",
+           "ingest_dir", "ingest_tar", "is_engine_cache", "lookup"]
