@@ -102,19 +102,32 @@ def test_oras_title_and_cnai_filepath_name_files(tmp_path: Path, registry: Regis
     assert tree(fetch(tmp_path / "b", f"oci://{registry.host}/models/cnai:v1")) == {"deep/w.bin": b"cnai bytes"}
 
 
-def test_a_moved_tag_lists_the_new_digest_and_the_old_snapshot_stays(tmp_path: Path, registry: Registry) -> None:
+def test_a_moved_tag_is_fetched_again_and_the_old_snapshot_stays(tmp_path: Path, registry: Registry) -> None:
     ref = f"oci://{registry.host}/models/moving:v1"
     registry.push("models/moving:v1", files("old"))
     old = fetch(tmp_path / "root", ref)
-    new_digest = registry.push("models/moving:v1", files("new"))
-    assert {o.relpath: o.etag for o in OciSource(parse_ref(ref)).list()}["config.json"] == \
-        hashlib.sha256(files("new")["config.json"]).hexdigest()
-    # the tag as cached stays what this node fetched (a cache hit); the new content is fetched by its digest
-    assert fetch(tmp_path / "root", ref).id == old.id
-    new = fetch(tmp_path / "root", f"oci://{registry.host}/models/moving@{new_digest}")
-    assert tree(new) == files("new") and new.id != old.id
+    fetcher = Fetcher(Store(tmp_path / "root"), chunk_size=64 << 10)
+    assert fetcher.ensure(granted(ref)).id == old.id and fetcher.stats["hits"] == 1  # the tag names it still
+    registry.push("models/moving:v1", files("new"))
+    assert fetcher.lookup(granted(ref)) is None  # the daemon's fast path (FetchQueue) misses too
+    new = fetcher.ensure(granted(ref))
+    assert tree(new) == files("new") and new.id != old.id and fetcher.stats["misses"] == 1
+    assert fetcher.ensure(granted(ref)).id == new.id  # and is a hit from then on
     store = Store(tmp_path / "root")
-    assert tree(store.get(old.id)) == files("old")
+    assert tree(store.get(old.id)) == files("old")  # the old snapshot stays until evicted
+    assert store.lookup(parse_ref(ref)) is not None and store.lookup(parse_ref(ref)).id == new.id  # type: ignore[union-attr]
+
+
+def test_a_tag_served_from_cache_when_the_registry_cannot_say(tmp_path: Path) -> None:
+    reg = Registry.start(tmp_path / "gone")
+    ref = f"oci://{reg.host}/models/offline:v1"
+    reg.push("models/offline:v1", files("offline"))
+    old = fetch(tmp_path / "root", ref)
+    reg.stop()  # the registry is down: the node keeps serving what it holds
+    fetcher = Fetcher(Store(tmp_path / "root"), connect_timeout=1)
+    assert fetcher.ensure(granted(ref)).id == old.id
+    pinned = f"oci://{reg.host}/models/offline@sha256:{'0' * 64}"  # a digest never asks the registry
+    assert OciSource(parse_ref(pinned)).still_names(old)
 
 
 def _index(registry: Registry, repo: str, entries: list[tuple[str, dict[str, str] | None]]) -> dict[str, Any]:

@@ -340,6 +340,39 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 7 if damaged else 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """Push one cached snapshot to a registry as a ModelPack artifact (weightcache/sources/oci_export.py)."""
+    from weightcache.access import ADMIN, node_admin
+    from weightcache.cli_backends import StoreCache
+    from weightcache.sources import SourceOptions
+    from weightcache.sources.oci_export import export_snapshot
+    from weightcache.uri import parse_ref
+
+    target = parse_ref(args.target)
+    cache = StoreCache(Path(_root(args)))  # the store's own files: read here, never through the daemon
+    found = match(cache.snapshots(), args.ref, where=cache.where)
+    if len(found) > 1:
+        raise InvalidReferenceError(f"{args.ref!r} names {len(found)} cached snapshots "
+                                    f"({', '.join(e['id'][:12] for e in found[:5])}); give one snapshot id")
+    store = cache.open()
+    snap = store.get(found[0]["id"])
+    node_admin(store.root).authorize(parse_ref(snap.uri), ADMIN)  # the same decision a direct prefetch asks
+    done = export_snapshot(snap, target, SourceOptions(connect_timeout=args.connect_timeout or defaults.CONNECT_TIMEOUT,
+                                                       read_timeout=args.read_timeout or defaults.READ_TIMEOUT),
+                           on_file=None if args.quiet or args.output == "json" else
+                           lambda path, sent: print(f"{'pushed ' if sent else 'exists '} {path}"))
+    body = {"snapshot": snap.id, "target": done.target, "digest": done.digest, "files": done.files,
+            "size": done.size, "uploaded": done.uploaded, "skipped": done.skipped}
+    if args.output == "json":
+        print(json.dumps(body))
+    elif args.quiet:
+        print(f"{done.target.rpartition(':')[0]}@{done.digest}")
+    else:
+        print(f"{snap.uri} snapshot {snap.id[:12]} -> {done.target} ({done.digest}; {done.files} files, "
+              f"{fmt_bytes(done.size)}, {done.uploaded} blobs sent, {done.skipped} already there)")
+    return 0
+
+
 def cmd_gc(args: argparse.Namespace) -> int:
     freed = _cache(args).gc()
     if args.output == "json":
@@ -426,11 +459,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name: str, func: Callable[[argparse.Namespace], int], help_: str, *, writes: bool = False,
-            quiet: str | None = "no chatter: errors, and what was asked for") -> argparse.ArgumentParser:
+            quiet: str | None = "no chatter: errors, and what was asked for",
+            aliases: list[str] | None = None) -> argparse.ArgumentParser:
         """A store command with the flags it uses and no others: every one finds the store (--root, --socket,
         --no-daemon) and prints (-o); those that write the store take the free-space floor (`writes`); those
         that say what they did take -q (`quiet`: what is still printed)."""
-        p = sub.add_parser(name, help=help_, description=help_[:1].upper() + help_[1:] + ".")
+        p = sub.add_parser(name, help=help_, description=help_[:1].upper() + help_[1:] + ".", aliases=aliases or [])
         p.set_defaults(func=func, quiet=False, min_free_bytes=None, min_free_percent=None)
         p.add_argument("--root", help=f"store root (env WEIGHTCACHE_ROOT, default {defaults.ROOT}); "
                                       "given explicitly, the CLI uses the store directly, not the daemon")
@@ -491,6 +525,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repair", action="store_true", help="refetch damaged snapshots from their source")
     p.add_argument("--endpoint-url", default=None, help="S3 endpoint for --repair (default: AWS_ENDPOINT_URL or AWS)")
     add("gc", cmd_gc, "remove unreferenced blobs and abandoned partial downloads", writes=True)
+    p = add("export", cmd_export, "push a cached snapshot to a registry as a ModelPack artifact (oci://)",
+            quiet="no chatter: errors, and the pushed reference by digest", aliases=["push"])
+    p.add_argument("ref", help="the cached model: a reference, snapshot id or id prefix")
+    p.add_argument("target", help="oci://REGISTRY[:PORT]/REPOSITORY[:TAG] (default tag latest)")
+    p.add_argument("--connect-timeout", type=float, default=None, metavar="SECONDS")
+    p.add_argument("--read-timeout", type=float, default=None, metavar="SECONDS")
     p = add("status", cmd_status, "per-node state of ModelCaches (cluster), or this store's summary", quiet=None)
     p.add_argument("name", nargs="?")
 

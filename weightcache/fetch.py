@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 __all__ = ["FetchCancelledError", "Fetcher", "Progress"]
 
 SIDECAR_MAX = 1 << 20
+MOVABLE = frozenset({"oci"})  # schemes whose source may veto a cache hit of a moved revision (Fetcher._still_named)
 MAX_RESTARTS = 3  # object replaced mid-download, or a planned blob evicted meanwhile
 LOCAL_LARGE_PIECE = 1 << 20  # a local source's piece this large is worth a thread of its own (see _workers)
 MIN_RANGE_CHUNKS = 4  # requests of 4 chunks or more (64 MiB by default) while every worker gets one (_range_size)
@@ -117,13 +118,14 @@ class Fetcher:
         lookup just missed (the fetch queue's), so only the re-check under the fetch lock asks the store."""
         ref = require_grant(grant).ref
         snap = None if looked_up else self.store.lookup(ref)
-        if snap is not None:
+        if snap is not None and self._still_named(ref, snap):
             self._count("hits")
             return snap
+        moved = snap.id if snap is not None else None  # the snapshot a moved tag no longer names
         lock_fd = self._acquire(ref, progress)
         try:
             snap = self.store.lookup(ref)
-            if snap is not None:
+            if snap is not None and snap.id != moved and (moved is not None or self._still_named(ref, snap)):
                 self._count("hits")
                 return snap
             self._count("misses")
@@ -137,7 +139,18 @@ class Fetcher:
 
     def lookup(self, grant: Grant) -> Snapshot | None:
         """The cached snapshot of the granted files, or None (the store serves no file the grant leaves out)."""
-        return self.store.lookup(grant.ref)
+        snap = self.store.lookup(grant.ref)
+        return snap if snap is None or self._still_named(grant.ref, snap) else None
+
+    def _still_named(self, ref: ModelRef, snap: Snapshot) -> bool:
+        """A cache hit stands unless the source moves this reference's revision (MOVABLE: an oci:// tag) and
+        says it names other files now (`source.still_names(snapshot)`, sources/oci.py); the old snapshot then
+        stays until evicted. Other sources' refs are final (docs/sources.md, "A moved tag")."""
+        if ref.scheme not in MOVABLE:
+            return True
+        with closing(self._open_source(ref)) as source:
+            still_names = getattr(source, "still_names", None)
+            return still_names is None or bool(still_names(snap))
 
     def close(self) -> None:
         """Cancel: in-flight fetches stop at their next read or retry wait (FetchCancelledError); journalled

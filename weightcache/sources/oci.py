@@ -27,27 +27,21 @@ registries are listed in `WEIGHTCACHE_OCI_INSECURE_REGISTRIES` (host or host:por
 
 from __future__ import annotations
 
-import base64
 import builtins
+import dataclasses
 import hashlib
-import ipaddress
 import json
 import logging
-import os
 import re
-import threading
-from pathlib import Path
-from typing import Any
-from urllib.parse import urlencode, urljoin, urlsplit
+from typing import TYPE_CHECKING, Any
 
 import urllib3
 
 from weightcache.errors import (
     HostileKeyError,
     IntegrityError,
-    SourceAccessDeniedError,
     SourceError,
-    SourceNotFoundError,
+    WeightcacheError,
 )
 from weightcache.sources.base import (
     ObjectInfo,
@@ -60,20 +54,19 @@ from weightcache.sources.base import (
     read_body_into,
     read_range_into,
 )
-from weightcache.sources.http import raise_for_status
+from weightcache.sources.registry import INSECURE_ENV, NETWORK_ERRORS, RegistryClient, docker_credentials, plain_http
 from weightcache.store.paths import validate_relpath
 from weightcache.units import ascii_int
 from weightcache.uri import OCI_DIGEST, ModelRef
 
+if TYPE_CHECKING:
+    from weightcache.store import Snapshot
+
 log = logging.getLogger(__name__)
 
-INSECURE_ENV = "WEIGHTCACHE_OCI_INSECURE_REGISTRIES"
 MANIFEST_MAX = 4 << 20  # bytes of one manifest or index (the distribution registry's own limit)
-TOKEN_MAX = 1 << 20  # bytes of a token endpoint's answer
-CONFIG_MAX = 1 << 20  # bytes of a docker config file
 MAX_LAYERS = 10_000  # files of one artifact (a bigger model belongs in tar layers)
 MAX_INDEX = 1_000  # entries of one index
-MAX_REDIRECTS = 5
 MAX_BLOB = (1 << 63) - 1
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -96,7 +89,6 @@ _MODEL_ARTIFACT = re.compile(r"^application/vnd\.(?:cncf|cnai)\.model\.manifest\
 _MEDIA_TYPE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]{0,126}/[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]{0,126}$")
 _TAR_NEXT = ("tar layers are not unpacked yet (docs/sources.md, oci://): push each file as its own raw layer "
              "(ModelPack `*.raw` media types, or `oras push` of files rather than a directory)")
-NETWORK_ERRORS = (urllib3.exceptions.HTTPError, OSError)
 
 
 class OciSource:
@@ -111,14 +103,8 @@ class OciSource:
         self.options = o = options or SourceOptions()
         self.registry = ref.bucket
         self.repository = ref.prefix.strip("/")
-        self.scheme = "http" if plain_http(self.registry) else "https"
-        self.base = f"{self.scheme}://{self.registry}/v2/{self.repository}/"
-        timeout = urllib3.Timeout(connect=o.connect_timeout, read=o.read_timeout)
-        self._pool = (urllib3.ProxyManager(o.proxy_url, maxsize=o.pool_size, retries=False, timeout=timeout)
-                      if o.proxy_url else urllib3.PoolManager(maxsize=o.pool_size, retries=False, timeout=timeout))
-        self._credentials = docker_credentials(self.registry)
-        self._lock = threading.Lock()
-        self._authorization: str | None = None  # what the registry's last challenge asked for
+        self.client = RegistryClient(self.registry, self.repository, o)
+        self.scheme, self.base = self.client.scheme, self.client.base
         self.trusted = False  # the listing's manifest was pinned by digest and hashed to it
         self.manifest_digest: str | None = None
 
@@ -148,8 +134,27 @@ class OciSource:
     def etag_md5(self, obj: ObjectInfo) -> str | None:
         return None
 
+    def still_names(self, snapshot: Snapshot) -> bool:
+        """Whether this reference still names `snapshot`'s files (the engine's veto of a cache hit, fetch.py
+        `Fetcher._still_named`). A digest always does. A tag is resolved again (its manifest, through any index:
+        a GET of a few KB) and its file layers compared with the snapshot's by path, size and layer digest: a
+        moved tag misses, and the engine fetches what it names now. A registry that cannot answer (down, tag
+        gone, credentials refused) leaves the cached snapshot served, with a warning: an outage of the registry
+        must not take models off nodes that hold them."""
+        if self.ref.revision and OCI_DIGEST.fullmatch(self.ref.revision):
+            return True
+        self.options = dataclasses.replace(self.options, max_attempts=min(2, self.options.max_attempts))
+        self.client.options = self.options
+        try:
+            listed = self.list()
+        except (WeightcacheError, Retryable) as exc:
+            log.warning("%s: cannot tell whether the tag moved (%s); serving the cached snapshot %s", self.ref,
+                        str(exc)[:300], snapshot.id[:12])
+            return True
+        return {(o.relpath, o.size, o.etag) for o in listed} == {(f.path, f.size, f.etag) for f in snapshot.files}
+
     def close(self) -> None:
-        self._pool.clear()
+        self.client.close()
 
     # -- manifests --------------------------------------------------------------------------------------------
     def _resolve(self) -> tuple[dict[str, Any], bool]:
@@ -270,104 +275,8 @@ class OciSource:
         return resp
 
     def _request(self, url: str, headers: dict[str, str], what: str, ok: tuple[int, ...] = (200,)) -> Any:
-        """GET `url` with the registry's authorization, answering one challenge and following redirects (without
-        credentials to another host, never from https to http); the checked response, body unread."""
-        origin = _origin(url)
-        for _ in range(MAX_REDIRECTS + 1):
-            resp = self._get(url, headers, url if _origin(url) == origin else None)
-            if resp.status in (301, 302, 303, 307, 308):
-                location = resp.headers.get("Location", "")
-                resp.close()
-                target = urljoin(url, location)
-                if not location or urlsplit(target).scheme not in ("http", "https") or \
-                        (urlsplit(url).scheme == "https" and urlsplit(target).scheme != "https"):
-                    raise SourceError(f"{what}: the registry redirects to {_origin(target)[:100]!r}, refused")
-                url = target
-                continue
-            if resp.status == 401:
-                resp.close()
-                raise SourceAccessDeniedError(
-                    f"{what}: the registry {self.registry} refuses the credentials"
-                    f"{'' if self._credentials else ' (none found)'}; put them in a docker config file "
-                    f"($DOCKER_CONFIG/config.json or ~/.docker/config.json, `auths` for {self.registry})")
-            if resp.status == 403:
-                resp.close()
-                raise SourceAccessDeniedError(f"{what}: the registry {self.registry} forbids it; check the "
-                                              f"repository's permissions for these credentials")
-            if resp.status == 404:
-                resp.close()
-                raise SourceNotFoundError(f"{what}: not in {self.registry}/{self.repository}; check the repository, "
-                                          "tag or digest")
-            raise_for_status(resp, what, ok, "check that this is an OCI registry")
-            return resp
-        raise SourceError(f"{what}: more than {MAX_REDIRECTS} redirects")
-
-    def _get(self, url: str, headers: dict[str, str], authorize: str | None) -> Any:
-        """One GET; `authorize`: the registry's own URL, where its authorization goes and a 401 is answered once."""
-        sent = self._authorization if authorize else None
-        resp = self._send(url, {**headers, **({"Authorization": sent} if sent else {})})
-        if resp.status != 401 or not authorize:
-            return resp
-        challenge = str(resp.headers.get("WWW-Authenticate", ""))
-        resp.close()
-        with self._lock:
-            if self._authorization == sent:  # no other thread answered this challenge meanwhile
-                self._authorization = self._answer(challenge)
-            now = self._authorization
-        return self._send(url, {**headers, **({"Authorization": now} if now else {})})  # a 401 again: refused
-
-    def _send(self, url: str, headers: dict[str, str]) -> Any:
-        try:
-            return self._pool.request("GET", url, headers=headers, preload_content=False, redirect=False)
-        except NETWORK_ERRORS as exc:
-            raise Retryable(f"GET {_origin(url)} failed ({type(exc).__name__})") from exc
-
-    def _answer(self, challenge: str) -> str | None:
-        """The Authorization a WWW-Authenticate challenge asks for: Basic with our credentials, or a Bearer token
-        from the realm it names (with our credentials when we have them); None when we cannot answer."""
-        scheme, _, params = challenge.strip().partition(" ")
-        if scheme.lower() == "basic":
-            if self._credentials is None:
-                return None
-            return "Basic " + base64.b64encode(":".join(self._credentials).encode()).decode()
-        if scheme.lower() != "bearer":
-            return None
-        fields = dict(re.findall(r'([A-Za-z_]+)="([^"]*)"', params))
-        realm = fields.get("realm", "")
-        parts = urlsplit(realm)
-        if parts.scheme not in ("http", "https") or not parts.hostname or parts.username or parts.password:
-            raise SourceError(f"{self.registry}: the token realm {realm[:100]!r} is not a URL we may ask")
-        if parts.scheme == "http" and not plain_http(parts.netloc):
-            raise SourceError(f"{self.registry}: the token realm {_origin(realm)[:100]!r} is plain HTTP; only a "
-                              f"loopback or {INSECURE_ENV} host may be")
-        query = {k: fields[k] for k in ("service", "scope") if fields.get(k)}
-        url = realm + ("&" if parts.query else "?") + urlencode(query) if query else realm
-        headers = {"Accept": "application/json"}
-        if self._credentials is not None:
-            headers["Authorization"] = "Basic " + base64.b64encode(":".join(self._credentials).encode()).decode()
-        resp = self._send(url, headers)
-        if resp.status in (401, 403):
-            resp.close()
-            raise SourceAccessDeniedError(f"{self.registry}: its token service refuses the credentials"
-                                          f"{'' if self._credentials else ' (none found)'}; put them in a docker "
-                                          "config file ($DOCKER_CONFIG/config.json or ~/.docker/config.json)")
-        raise_for_status(resp, f"the token service of {self.registry}", (200,), "check the registry's token service")
-        try:
-            body = resp.read(TOKEN_MAX + 1, decode_content=True)
-        except NETWORK_ERRORS as exc:
-            raise Retryable(f"{type(exc).__name__} reading a token") from exc
-        finally:
-            resp.release_conn()
-        if len(body) > TOKEN_MAX:
-            raise SourceError(f"{self.registry}: its token service answered over {TOKEN_MAX >> 20} MiB")
-        try:
-            answer = json.loads(body)
-        except (ValueError, RecursionError):
-            answer = None
-        token = answer.get("token") or answer.get("access_token") if isinstance(answer, dict) else None
-        if not isinstance(token, str) or not re.fullmatch(r"[A-Za-z0-9._~+/=-]{1,8192}", token):
-            raise SourceError(f"{self.registry}: its token service gave no usable token")
-        return f"Bearer {token}"
+        """GET `url` through the registry client (auth, redirects, errors); the checked response, body unread."""
+        return self.client.request("GET", url, what, headers=headers, ok=ok)
 
 
 # -- registry documents ----------------------------------------------------------------------------------------
@@ -437,89 +346,6 @@ def _pick(index: dict[str, Any], what: str) -> dict[str, Any]:
                         if isinstance(p := e.get("platform"), dict)})
     raise SourceError(f"{what}: the index has {len(checked)} manifests and none for linux/amd64 "
                       f"({', '.join(platforms)[:200] or 'no platforms'}); name one by its digest")
-
-
-# -- where and how ---------------------------------------------------------------------------------------------
-def _origin(url: str) -> str:
-    parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.hostname or ''}{f':{parts.port}' if parts.port else ''}"
-
-
-def _host(netloc: str) -> str:
-    """The host of host[:port] (brackets of an IPv6 literal dropped), lowercase."""
-    if netloc.startswith("["):
-        return netloc[1:].partition("]")[0].lower()
-    return netloc.rpartition(":")[0].lower() if netloc.count(":") == 1 else netloc.lower()
-
-
-def plain_http(netloc: str) -> bool:
-    """True for a registry spoken to over plain HTTP: a loopback address, or one listed in INSECURE_ENV."""
-    host = _host(netloc)
-    if host == "localhost" or host.endswith(".localhost"):
-        return True
-    try:
-        if ipaddress.ip_address(host).is_loopback:
-            return True
-    except ValueError:
-        pass
-    listed = {x.strip().lower() for x in re.split(r"[,\s]+", os.environ.get(INSECURE_ENV, "")) if x.strip()}
-    return netloc.lower() in listed or host in listed
-
-
-def docker_config_files() -> builtins.list[Path]:
-    """Where credentials are read, first found wins: $DOCKER_CONFIG (a directory with config.json, or a mounted
-    kubernetes.io/dockerconfigjson secret's .dockerconfigjson; or that file itself), else ~/.docker/config.json."""
-    env = os.environ.get("DOCKER_CONFIG")
-    if env:
-        path = Path(env)
-        return [path] if path.is_file() else [path / "config.json", path / ".dockerconfigjson"]
-    return [Path.home() / ".docker" / "config.json"]
-
-
-def docker_credentials(registry: str) -> tuple[str, str] | None:
-    """(user, password) for `registry` from the docker config's `auths` (`auth`: base64 user:password, or
-    `username` + `password`); None when there are none. Credential helpers are not run."""
-    for path in docker_config_files():
-        try:
-            with path.open("rb") as f:
-                body = f.read(CONFIG_MAX + 1)
-        except OSError:
-            continue
-        try:
-            doc = json.loads(body) if len(body) <= CONFIG_MAX else None
-        except (ValueError, RecursionError):
-            doc = None
-        if not isinstance(doc, dict):
-            log.warning("%s is not a docker config file (JSON with `auths`); no registry credentials from it", path)
-            return None
-        auths = doc.get("auths", doc)  # a legacy .dockercfg is the auths map itself
-        if not isinstance(auths, dict):
-            return None
-        for key, entry in auths.items():
-            if isinstance(key, str) and isinstance(entry, dict) and _auth_key(key) == registry.lower():
-                return _entry_credentials(entry, path)
-        return None
-    return None
-
-
-def _auth_key(key: str) -> str:
-    """`https://host:port/v1/` or `host:port` -> `host:port`; Docker Hub's index names docker.io."""
-    netloc = key.partition("://")[2] if "://" in key else key
-    netloc = netloc.partition("/")[0].lower()
-    return "docker.io" if netloc in ("index.docker.io", "registry-1.docker.io") else netloc
-
-
-def _entry_credentials(entry: dict[str, Any], path: Path) -> tuple[str, str] | None:
-    auth, user, password = entry.get("auth"), entry.get("username"), entry.get("password")
-    if isinstance(auth, str) and auth:
-        try:
-            user, _, password = base64.b64decode(auth, validate=True).decode().partition(":")
-        except (ValueError, UnicodeDecodeError):
-            log.warning("%s: an `auth` entry is not base64 of user:password; ignored", path)
-            return None
-    if isinstance(user, str) and isinstance(password, str) and user:
-        return user, password
-    return None
 
 
 __all__ = ["INSECURE_ENV", "OciSource", "docker_credentials", "plain_http"]
