@@ -10,10 +10,11 @@ How bytes move. Every file is mapped copy-on-write (MAP_PRIVATE); tensors are vi
 and every other reader share the node's one page-cache copy (and the memory tier's locked pages) until a page is
 written: an in-place op (`t.add_(1)`, an optimizer step on parameters loaded with assign=True) then copies just the
 pages it touches into the process's own memory. The file, opened read-only, never changes. Before a tensor is
-handed out, its 64 MiB chunks are faulted in by READ_THREADS threads with madvise(MADV_POPULATE_READ), with
-sequential read-ahead hints on the file and the mapping; this keeps the disk queue full where page-fault-at-a-time
-reading does not, and maps cached pages faster than the consumer's own faults. No MADV_HUGEPAGE on the mapping:
-it slowed cold loads; the memory tier builds 2 MiB folios instead (the measurements: docs/loader.md).
+handed out, its 64 MiB chunks are faulted in by READ_THREADS threads (at most one per CPU of the cgroup; one
+when the model is in the page cache already) with madvise(MADV_POPULATE_READ), with sequential read-ahead
+hints on the file and the mapping; this keeps the disk queue full where page-fault-at-a-time reading does not,
+and maps cached pages faster than the consumer's own faults. No MADV_HUGEPAGE on the mapping: it slowed cold
+loads; the memory tier builds 2 MiB folios instead (the measurements: docs/loader.md).
 On cuda each chunk is page-locked in place with cudaHostRegister(ReadOnly) and copied on one of several streams
 while later chunks are still being read; where registering is refused (older drivers, some filesystems) chunks go
 through a few reused pinned bounce buffers instead.
@@ -46,7 +47,7 @@ log = logging.getLogger(__name__)
 INDEX_NAME = "model.safetensors.index.json"
 MAX_INDEX_BYTES = 64 << 20  # a 1T-parameter model's index is a few MB; more is not an index
 CHUNK_BYTES = 64 << 20  # unit of read-ahead, page-locking and H2D copies
-READ_THREADS = 4  # best measured; more threads thrash a virtio queue
+READ_THREADS = 4  # best measured; more threads thrash a virtio queue (at most one per CPU the cgroup gives)
 CUDA_STREAMS = 4
 _PAGE = mmap.PAGESIZE
 _MADV_POPULATE_READ = 22  # Linux >= 5.14
@@ -63,6 +64,8 @@ _TORCH_DTYPES: dict[str, torch.dtype] = {
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+_RESIDENT = bytes(i & 1 for i in range(256))  # mincore: bit 0 of each page's byte says resident
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,7 @@ def iter_tensors(
     dev = torch.device(device)
     files = _open_files(_layout(path), None if keys is None else set(keys))
     started, total = time.perf_counter(), sum(f.header.tensors[n].nbytes for f in files for n in f.names)
-    with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="weightcache-read") as pool:
+    with ThreadPoolExecutor(_read_threads(files), thread_name_prefix="weightcache-read") as pool:
         try:
             for f in files:
                 if dev.type == "cuda":
@@ -215,6 +218,40 @@ def _open_files(layout: dict[Path, frozenset[str]], keys: set[str] | None) -> li
                                f"check the names against the model's index")
     _check_dtypes(files)
     return files
+
+
+def _read_threads(files: list[_File]) -> int:
+    """Threads that read chunks ahead: one when every wanted byte is in the page cache already (mapping cached
+    pages is CPU work; more threads only contend for the CPUs the consumer needs), else READ_THREADS, at most one
+    per CPU this process may use (its affinity and its cgroup's cpu.max quota)."""
+    if all(_resident(f) for f in files):
+        return 1
+    return max(1, min(READ_THREADS, _usable_cpus()))
+
+
+def _usable_cpus() -> int:
+    """CPUs this process may run on: its affinity mask, bounded by the cgroup v2 quota (cpu.max) when it has one."""
+    cpus = len(os.sched_getaffinity(0))
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as fh:
+            quota, period = fh.read().split()[:2]
+        if quota != "max" and int(period) > 0:
+            cpus = min(cpus, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 file here (cgroup v1, a bare host): the affinity mask alone
+    return cpus
+
+
+def _resident(f: _File) -> bool:
+    """Every page of the file's wanted chunks is in the page cache (mincore on the mapping; faults nothing)."""
+    chunks = f.chunks()
+    if not chunks:
+        return True
+    start, end = chunks[0][0], chunks[-1][1]
+    vec = ctypes.create_string_buffer(-(-(end - start) // _PAGE))
+    if _libc.mincore(f.base.data_ptr() + start, end - start, vec) != 0:
+        return False  # cannot tell: read ahead as for a cold file
+    return 0 not in vec.raw.translate(_RESIDENT)
 
 
 def _check_dtypes(files: list[_File]) -> None:
