@@ -6,11 +6,13 @@ import io
 import json
 import re
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
 
 from tests.fake_apiserver import FakeApiServer, crd_schemas, node
+from tests.fixtures_s3 import s3, s3_server  # noqa: F401 - fixtures are used by name
 from weightcache.dra.admission import MODEL_KEY_LABEL, model_key_label
 from weightcache.errors import ClusterError
 from weightcache.kube.cluster_cli import model_cache_name, prefetch_cluster, status
@@ -41,7 +43,10 @@ def play_daemon(server: FakeApiServer, phases: dict[str, list[ModelState]]) -> t
     """A thread that acts as the daemons of the given nodes once the ModelCache exists."""
 
     def daemon() -> None:
-        server.wait_requests("POST", MC)
+        server.wait_requests("POST", MC)  # recorded when it arrives: the object is stored after its schema checks
+        deadline = time.monotonic() + 10
+        while not server.list("modelcaches") and time.monotonic() < deadline:
+            time.sleep(0.01)
         name = server.list("modelcaches")[0]["metadata"]["name"]
         server.wait_requests("GET", "/api/v1/nodes")  # the CLI is waiting now
         for node_name, states in phases.items():
@@ -180,3 +185,63 @@ def test_api_errors_are_translated_without_raw_responses(server):
         run(server)
     assert info.value.status == 500 and "creating ModelCache" in str(info.value)
     assert "HTTP response headers" not in str(info.value)
+
+
+# weightcache.io/size-bytes: `prefetch --cluster` lists the source with the CLI's credentials ------------------------
+def _cli(server: FakeApiServer, tmp_path, monkeypatch, argv: list[str], capsys) -> tuple[int, str]:
+    import yaml
+
+    from weightcache.cli import main
+
+    config = tmp_path / "kubeconfig"
+    config.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "t",
+        "clusters": [{"name": "c", "cluster": {"server": server.url}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "t", "context": {"cluster": "c", "user": "u"}}]}))
+    monkeypatch.setenv("KUBECONFIG", str(config))
+    code = main(["prefetch", *argv, "--cluster", "--node-selector", "gpu=h100", "--allow-namespace", "ml"])
+    return code, capsys.readouterr().err
+
+
+def test_prefetch_cluster_writes_the_selected_size_and_a_node_offers_it(server, s3, tmp_path, monkeypatch, capsys):
+    from weightcache.dra.fetchable import declared
+    from weightcache.vocabulary import SIZE_BYTES_ANNOTATION
+
+    s3.put("models", "llama/model-00001.safetensors", b"a" * 1000)
+    s3.put("models", "llama/model-00002.safetensors", b"b" * 234)
+    s3.put("models", "llama/original/consolidated.pth", b"c" * 5000)  # not selected: not counted
+    argv = ["s3://models/llama/", "--include", "*.safetensors", "--endpoint-url", s3.endpoint_url]
+    code, err = _cli(server, tmp_path, monkeypatch, argv, capsys)
+    assert code == 0, err
+    (mc,) = server.list("modelcaches")
+    assert mc["metadata"]["annotations"] == {SIZE_BYTES_ANNOTATION: "1234"}
+    (offer,) = declared([mc]).values()  # what a 1.36 node reads: offered as f-<key>, consuming 1234 bytes
+    assert offer.size == 1234 and offer.ref.include == ("*.safetensors",)
+
+    # Again, same selection, but the CLI cannot list it now (a bucket it may not read): the size stays.
+    server.patch("modelcaches", mc["metadata"]["name"], {"metadata": {"annotations": {"team": "ml"}}},
+                 "application/merge-patch+json")
+    code, err = _cli(server, tmp_path, monkeypatch,
+                     ["s3://models/llama/", "--include", "*.safetensors", "--endpoint-url", "http://127.0.0.1:9"],
+                     capsys)
+    assert code == 0 and "no weightcache.io/size-bytes" in err, err
+    (mc,) = server.list("modelcaches")
+    assert mc["metadata"]["annotations"] == {SIZE_BYTES_ANNOTATION: "1234", "team": "ml"}  # others untouched
+
+    # Another selection of the same ModelCache (--name) that cannot be listed: the old size is dropped, since it
+    # would let a node offer a model that does not fit.
+    code, err = _cli(server, tmp_path, monkeypatch, ["s3://models/llama/", "--name", mc["metadata"]["name"],
+                                                     "--endpoint-url", "http://127.0.0.1:9"], capsys)
+    assert code == 0, err
+    (mc,) = server.list("modelcaches")
+    assert mc["metadata"]["annotations"] == {"team": "ml"} and declared([mc]) == {}
+
+
+def test_model_cache_body_without_a_size_has_no_annotation():
+    from weightcache.kube.cluster_cli import model_cache_body
+
+    body = model_cache_body(REF, name="x", node_selector={}, tier="disk", allowed_namespaces=[])
+    assert "annotations" not in body["metadata"]
+    body = model_cache_body(REF, name="x", node_selector={}, tier="disk", allowed_namespaces=[], size_bytes=7)
+    assert body["metadata"]["annotations"] == {"weightcache.io/size-bytes": "7"}

@@ -165,7 +165,8 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
         selector = dict(kv.split("=", 1) for kv in args.node_selector)
         return prefetch_cluster(api, ref, name=args.name, node_selector=selector, tier=args.tier,
                                 allowed_namespaces=args.allow_namespace, wait=args.wait, timeout=args.timeout,
-                                out=sys.stdout, json_lines=args.output == "json" or not sys.stdout.isatty())
+                                out=sys.stdout, json_lines=args.output == "json" or not sys.stdout.isatty(),
+                                size_bytes=_selected_bytes(args, ref))
     cache = _cache(args)
     if args.dry_run:
         return _dry_run(args, ref, cache)
@@ -236,6 +237,26 @@ def _prefetch_here(ref: ModelRef, args: argparse.Namespace, printer: ProgressPri
     if args.pin:
         store.pin(snap.id)
     return dict(snapshot_body(snap))
+
+
+def _selected_bytes(args: argparse.Namespace, ref: ModelRef) -> int | None:
+    """The selected files' total, listed with this command's credentials, for the ModelCache's size annotation
+    (DRA's fetchable devices need it, docs/dra.md); None, with a warning, when the source cannot be listed here."""
+    from weightcache.settings import flags_from, load_fetch_settings
+    from weightcache.sources import open_source
+
+    try:
+        fetch = load_fetch_settings(flags=flags_from(args))
+        source = open_source(ref, endpoint_url=fetch.endpoint_for(ref), connect_timeout=fetch.connect_timeout,
+                             read_timeout=fetch.read_timeout)
+        try:
+            return sum(o.size for o in source.list())
+        finally:
+            source.close()
+    except WeightcacheError as exc:
+        print(f"warning: no weightcache.io/size-bytes: listing {ref} here failed ({exc}); the nodes still fetch "
+              "it, but DRA nodes do not offer it as a fetchable device", file=sys.stderr)
+        return None
 
 
 def _dry_run(args: argparse.Namespace, ref: ModelRef, cache: DaemonCache | StoreCache) -> int:

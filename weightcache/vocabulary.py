@@ -34,3 +34,5 @@ DRA_HOLDER_PREFIX = "dra:"
 # The model key (weightcache.uri.model_key of the canonical source) a ModelCache carries as a label, so the DRA
 # claim admission policy (deploy/dra/claim-policy.yaml) can match claims to it: CEL cannot hash spec.source.
 MODEL_KEY_LABEL = f"{GROUP}/model-key"
+SIZE_BYTES_ANNOTATION = f"{GROUP}/size-bytes"  # a ModelCache's selected bytes: `prefetch --cluster` writes it, the DRA
+#   driver's fetchable devices consume it from the node's counter (docs/dra.md)

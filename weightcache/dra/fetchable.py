@@ -23,11 +23,11 @@ from typing import Any
 from weightcache.access import admin_written
 from weightcache.dra.devices import MAX_INT, MAX_STRING
 from weightcache.uri import ModelRef, model_key, parse_ref
-from weightcache.vocabulary import GROUP
+from weightcache.vocabulary import GROUP, SIZE_BYTES_ANNOTATION
 
 MODEL_READY = f"{GROUP}/model-ready"
 MODEL_FAILED = f"{GROUP}/model-failed"
-SIZE_ANNOTATION = f"{GROUP}/size-bytes"
+SIZE_ANNOTATION = SIZE_BYTES_ANNOTATION
 COUNTER_SET = "cache"
 COUNTER = "bytes"
 PREFIX = "f-"

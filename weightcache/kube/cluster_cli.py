@@ -24,7 +24,7 @@ from weightcache.kube import API_VERSION, GROUP, MODELCACHE_KIND, MODELCACHENODE
 from weightcache.kube.report import ModelState, from_wire
 from weightcache.units import fmt_bytes
 from weightcache.uri import ModelRef, model_key
-from weightcache.vocabulary import CONTROLLER, MANAGED_BY, MODEL_KEY_LABEL
+from weightcache.vocabulary import CONTROLLER, MANAGED_BY, MODEL_KEY_LABEL, SIZE_BYTES_ANNOTATION
 
 T = TypeVar("T")
 EXIT_READY, EXIT_FAILED, EXIT_TIMEOUT = 0, 1, 2
@@ -39,7 +39,7 @@ def model_cache_name(ref: ModelRef) -> str:
 
 
 def model_cache_body(ref: ModelRef, *, name: str, node_selector: dict[str, str], tier: str,
-                     allowed_namespaces: list[str]) -> dict[str, Any]:
+                     allowed_namespaces: list[str], size_bytes: int | None = None) -> dict[str, Any]:
     spec: dict[str, Any] = {"source": ref.uri, "tier": tier, "nodeSelector": dict(node_selector)}
     if ref.revision:
         spec["revision"] = ref.revision
@@ -50,8 +50,10 @@ def model_cache_body(ref: ModelRef, *, name: str, node_selector: dict[str, str],
     if allowed_namespaces:
         spec["allowedNamespaces"] = list(allowed_namespaces)
     labels = {MODEL_KEY_LABEL: model_key(ref.uri)}  # what the DRA claim admission policy matches (docs/dra.md)
-    return {"apiVersion": API_VERSION, "kind": MODELCACHE_KIND, "metadata": {"name": name, "labels": labels},
-            "spec": spec}
+    metadata: dict[str, Any] = {"name": name, "labels": labels}
+    if size_bytes is not None:  # the selected files' total, listed by the CLI: what a DRA node needs free to offer it
+        metadata["annotations"] = {SIZE_BYTES_ANNOTATION: str(size_bytes)}
+    return {"apiVersion": API_VERSION, "kind": MODELCACHE_KIND, "metadata": metadata, "spec": spec}
 
 
 def prefetch_cluster(
@@ -67,11 +69,13 @@ def prefetch_cluster(
     out: TextIO,
     json_lines: bool,
     poll_interval: float = 2.0,
+    size_bytes: int | None = None,
 ) -> int:
-    """Create or update the ModelCache for `ref`; with `wait`, follow every selected node to Ready or Failed."""
+    """Create or update the ModelCache for `ref`; with `wait`, follow every selected node to Ready or Failed.
+    `size_bytes` (the selection's total as the source lists it) becomes the annotation `weightcache.io/size-bytes`."""
     custom = kubernetes.client.CustomObjectsApi(api_client)
     body = model_cache_body(ref, name=name or model_cache_name(ref), node_selector=node_selector, tier=tier,
-                            allowed_namespaces=allowed_namespaces)
+                            allowed_namespaces=allowed_namespaces, size_bytes=size_bytes)
     mc, verb = _apply(custom, body)
     mc_name = mc["metadata"]["name"]
     _emit(out, json_lines, {"event": verb, "modelCache": mc_name, "source": str(ref), "nodeSelector": node_selector},
@@ -142,7 +146,9 @@ def _apply(custom: kubernetes.client.CustomObjectsApi, body: dict[str, Any],
     for _ in range(attempts):  # exists: read-modify-replace with resourceVersion (optimistic concurrency)
         read = functools.partial(custom.get_cluster_custom_object, GROUP, VERSION, MODELCACHES, name)
         current = _call(f"reading ModelCache {name}", read)
-        spec = {k: v for k, v in (current.get("spec") or {}).items() if k not in ("revision", "include", "exclude")}
+        old_spec = current.get("spec") or {}
+        _merge_size(current, body, same=all(old_spec.get(k) == body["spec"].get(k) for k in _SELECTION))
+        spec = {k: v for k, v in old_spec.items() if k not in ("revision", "include", "exclude")}
         spec.update(body["spec"])  # the reference decides revision and globs: absent in it means none
         current["spec"] = spec
         try:
@@ -153,6 +159,22 @@ def _apply(custom: kubernetes.client.CustomObjectsApi, body: dict[str, Any],
             if exc.status != 409:
                 raise
     raise ClusterError(f"ModelCache {name} kept changing while we updated it; run the command again", status=409)
+
+
+_SELECTION = ("source", "revision", "include", "exclude")
+
+
+def _merge_size(current: dict[str, Any], body: dict[str, Any], *, same: bool) -> None:
+    """The size annotation on update: the new one when listed; else kept only for the same selection (a size of
+    other files would let a node offer a model that does not fit); other annotations are never touched."""
+    size = (body["metadata"].get("annotations") or {}).get(SIZE_BYTES_ANNOTATION)
+    meta = current.setdefault("metadata", {})
+    annotations = dict(meta.get("annotations") or {})
+    if size is not None:
+        annotations[SIZE_BYTES_ANNOTATION] = size
+    elif not same:
+        annotations.pop(SIZE_BYTES_ANNOTATION, None)
+    meta["annotations"] = annotations
 
 
 # wait -------------------------------------------------------------------------------------------------------------
