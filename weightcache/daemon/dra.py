@@ -20,6 +20,7 @@ from weightcache.dra.devices import devices_for
 from weightcache.dra.fetchable import Fetchable, cache_counters, declared, fetchable_devices
 from weightcache.dra.server import DraPlugin, claim_reader, serve_dra
 from weightcache.dra.slices import SlicePublisher
+from weightcache.dra.states import STATES
 from weightcache.errors import ConfigError
 from weightcache.settings import node_name as node_name_of
 from weightcache.uri import model_key
@@ -34,7 +35,7 @@ def node_devices(node: Node) -> Callable[[], list[dict[str, Any]]]:
     def devices() -> list[dict[str, Any]]:
         resident = {r.id for r in node.tier.resident()} if node.tier is not None else set()
         return devices_for([i.snapshot for i in node.store.list()], slots=dra.slots_per_model, shared=dra.shared,
-                           resident=resident)
+                           resident=resident, states=STATES.snapshot())
     return devices
 
 
@@ -46,7 +47,8 @@ def change_token(node: Node, *, fetchable: bool = False) -> Callable[[], object]
     def token() -> object:
         resident = frozenset(r.id for r in node.tier.resident()) if node.tier is not None else frozenset()
         offered = tuple(sorted((k, m.size) for k, m in declared(node.model_caches()).items())) if fetchable else ()
-        return layout.snapshots.stat().st_mtime_ns, layout.manifests.stat().st_mtime_ns, resident, offered
+        return (layout.snapshots.stat().st_mtime_ns, layout.manifests.stat().st_mtime_ns, resident, offered,
+                STATES.version)
     return token
 
 

@@ -18,17 +18,23 @@ out rather than cut, because a cut value would match the wrong claim:
     tier      string  "memory" when resident in the memory tier, else "disk"
     ready     bool    true: only complete, published snapshots become devices
     slot      int     0..slots-1 (slot mode only)
+
+A snapshot being evicted, re-verified or found damaged (`weightcache.dra.states`) keeps its devices, tainted
+`weightcache.io/unavailable=<state>`: effect NoSchedule (no new allocation), NoExecute for `damaged` only (pods
+whose claims do not tolerate it are evicted; a toleration's `tolerationSeconds` is the window they keep).
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
+from weightcache.dra.states import DAMAGED, DeviceState
 from weightcache.store import Snapshot
 from weightcache.uri import model_key
+from weightcache.vocabulary import GROUP
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +46,13 @@ _NAME = re.compile(r"^m-(?P<id>[0-9a-f]{40})(?:-(?P<slot>[0-9]{1,2}))?$")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _C_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,31}$")
 _reported: set[tuple[str, str]] = set()  # snapshots already warned about (bounded)
+TAINT_KEY = f"{GROUP}/unavailable"
+
+
+def taint(state: DeviceState) -> dict[str, Any]:
+    """The DeviceTaint of a held copy that must not be allocated now: NoExecute only when damaged."""
+    return {"key": TAINT_KEY, "value": state.state, "effect": "NoExecute" if state.state == DAMAGED else "NoSchedule",
+            "timeAdded": state.since}
 
 
 def device_name(snapshot_id: str, slot: int | None) -> str:
@@ -77,8 +90,8 @@ def attributes(snapshot: Snapshot, *, resident: bool, slot: int | None) -> dict[
     return attrs
 
 
-def devices_for(snapshots: Iterable[Snapshot], *, slots: int, shared: bool,
-                resident: Collection[str] = ()) -> list[dict[str, Any]]:
+def devices_for(snapshots: Iterable[Snapshot], *, slots: int, shared: bool, resident: Collection[str] = (),
+                states: Mapping[str, DeviceState] | None = None) -> list[dict[str, Any]]:
     """The devices of a node holding `snapshots`, sorted by name (stable output: equal input, equal slices).
 
     A snapshot that makes no valid device (a damaged index row, a size past int64) is logged and left out: the API
@@ -88,7 +101,9 @@ def devices_for(snapshots: Iterable[Snapshot], *, slots: int, shared: bool,
     devices = []
     for snapshot in snapshots:
         try:
-            devices.extend(_devices_of(snapshot, slots=slots, shared=shared, resident=snapshot.id in resident))
+            state = (states or {}).get(snapshot.id)
+            devices.extend(_devices_of(snapshot, slots=slots, shared=shared, resident=snapshot.id in resident,
+                                       taints=[taint(state)] if state is not None else []))
         except (ValueError, TypeError) as exc:
             if len(_reported) < 1024 and (snapshot.id, str(exc)) not in _reported:  # once, not every resync
                 _reported.add((snapshot.id, str(exc)))
@@ -97,7 +112,8 @@ def devices_for(snapshots: Iterable[Snapshot], *, slots: int, shared: bool,
     return sorted(devices, key=lambda d: str(d["name"]))
 
 
-def _devices_of(snapshot: Snapshot, *, slots: int, shared: bool, resident: bool) -> list[dict[str, Any]]:
+def _devices_of(snapshot: Snapshot, *, slots: int, shared: bool, resident: bool,
+                taints: list[dict[str, Any]]) -> list[dict[str, Any]]:
     devices = []
     for slot in (None,) if shared else range(slots):
         device: dict[str, Any] = {
@@ -106,5 +122,7 @@ def _devices_of(snapshot: Snapshot, *, slots: int, shared: bool, resident: bool)
         }
         if shared:
             device["allowMultipleAllocations"] = True
+        if taints:
+            device["taints"] = [dict(t) for t in taints]
         devices.append(device)
     return devices

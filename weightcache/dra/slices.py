@@ -54,9 +54,9 @@ def build_slices(node_name: str, devices: list[dict[str, Any]], generation: int,
     """The ResourceSlice objects of this node's pool at `generation` (at least one, possibly without devices);
     owned by the Node when its uid is known. `shared_counters` get a slice of their own, the pool's first: since
     1.35 a slice holds devices or sharedCounters, never both, and a counter set is defined once per pool. A slice
-    whose devices consume counters holds at most 64 of them (the API's limit), else 128."""
-    per_slice = MAX_DEVICES_PER_SLICE // 2 if any(d.get("consumesCounters") for d in devices) \
-        else MAX_DEVICES_PER_SLICE
+    whose devices consume counters or carry taints holds at most 64 of them (the API's limit), else 128."""
+    per_slice = MAX_DEVICES_PER_SLICE // 2 if any(d.get("consumesCounters") or d.get("taints") for d in devices) \
+        else MAX_DEVICES_PER_SLICE  # the API's limit is 64 too for a slice with a tainted device
     chunks = [devices[i:i + per_slice] for i in range(0, len(devices), per_slice)] or [[]]
     specs: list[dict[str, Any]] = [{"devices": chunk} for chunk in chunks]
     if shared_counters:

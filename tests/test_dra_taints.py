@@ -1,0 +1,84 @@
+"""Device taints: a held copy being evicted, re-verified or found damaged stays in the slice, tainted
+`weightcache.io/unavailable=<state>`, until whole again; the slices validate against the official 1.37 schema
+(strict; taints are stable there) and the publisher writes the change at its next tick through its change token."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.fake_apiserver import FakeApiServer
+from tests.fixtures_dra import NODE, fetch_models
+from tests.test_dra_slices import check_slice, slices_of
+from weightcache.dra.devices import TAINT_KEY, devices_for, snapshot_of
+from weightcache.dra.slices import SlicePublisher, build_slices
+from weightcache.dra.states import DAMAGED, EVICTING, VERIFYING, DeviceStates
+from weightcache.store import Snapshot, Store
+
+
+def test_states_mark_clear_and_keep_damage_found_inside_a_verify() -> None:
+    states = DeviceStates()
+    with states.marking("a" * 40, VERIFYING):
+        assert states.snapshot()["a" * 40].state == VERIFYING
+    assert states.snapshot() == {} and states.version == 2
+    with states.marking("a" * 40, VERIFYING):
+        states.mark("a" * 40, DAMAGED)  # the verify found damage: that outlives the block
+    assert states.snapshot()["a" * 40].state == DAMAGED
+    before = states.version
+    states.mark("a" * 40, DAMAGED)
+    assert states.version == before  # unchanged: no new timeAdded, no rewrite
+    with pytest.raises(ValueError, match="not one of"):
+        states.mark("a" * 40, "gone")
+
+
+def test_tainted_devices_validate_against_1_37_and_only_damage_is_noexecute(tmp_path: Path) -> None:
+    states = DeviceStates()
+    snaps = [Snapshot(f"{i:040x}", tmp_path, f"s3://models/m{i}/", None, 10) for i in range(4)]
+    for snap, state in zip(snaps, (EVICTING, VERIFYING, DAMAGED), strict=False):
+        states.mark(snap.id, state)
+    for shared in (False, True):
+        devices = devices_for(snaps, slots=2, shared=shared, states=states.snapshot())
+        taints = {snapshot_of(d["name"]): d.get("taints") for d in devices}
+        assert taints[snaps[3].id] is None  # whole: untainted
+        for snap, state, effect in ((snaps[0], EVICTING, "NoSchedule"), (snaps[1], VERIFYING, "NoSchedule"),
+                                    (snaps[2], DAMAGED, "NoExecute")):
+            (t,) = taints[snap.id]
+            assert (t["key"], t["value"], t["effect"]) == (TAINT_KEY, state, effect)
+            assert t["timeAdded"].endswith("Z")
+        for obj in build_slices(NODE, devices, 1):
+            check_slice(obj, "1.37")
+
+
+def test_a_tainted_pool_holds_64_devices_per_slice(tmp_path: Path) -> None:
+    snaps = [Snapshot(f"{i:040x}", tmp_path, f"s3://models/m{i}/", None, 10) for i in range(20)]
+    states = DeviceStates()
+    states.mark(snaps[0].id, VERIFYING)
+    slices = build_slices(NODE, devices_for(snaps, slots=8, shared=False, states=states.snapshot()), 1)
+    assert [len(s["spec"]["devices"]) for s in slices] == [64, 64, 32]
+    for s in slices:
+        check_slice(s, "1.37")
+
+
+def test_the_publisher_taints_and_untaints_at_its_next_tick(tmp_path: Path, dra_api: FakeApiServer) -> None:
+    store = Store(tmp_path / "store")
+    (a,) = fetch_models(store, tmp_path / "src", 1)
+    states = DeviceStates()
+
+    def devices() -> list[dict[str, Any]]:
+        return devices_for([i.snapshot for i in store.list()], slots=2, shared=False, states=states.snapshot())
+    layout = store.layout
+    pub = SlicePublisher(dra_api.api_client(), NODE, devices, change_token=lambda: (
+        layout.snapshots.stat().st_mtime_ns, layout.manifests.stat().st_mtime_ns, states.version))
+    assert pub.sync() is True
+    with states.marking(a.id, VERIFYING):
+        assert pub.sync() is True
+        [tainted] = slices_of(dra_api)
+        check_slice(tainted, "1.37")
+        assert {t["value"] for d in tainted["spec"]["devices"] for t in d["taints"]} == {VERIFYING}
+        assert pub.sync(full=True) is False  # timeAdded is ours and stable: a resync rewrites nothing
+    assert pub.sync() is True
+    [whole] = slices_of(dra_api)
+    assert not any("taints" in d for d in whole["spec"]["devices"])
+    assert whole["spec"]["pool"]["generation"] == 3
