@@ -232,3 +232,38 @@ async def test_a_request_after_close_hears_the_daemon_stops(tmp_path: Path, faul
         assert q.weight_gets("a") == [] and q.queue.depth() == (0, 0)
     finally:
         q.store.close()
+
+
+def test_a_progress_has_one_wire_form_both_ways() -> None:
+    """What the engine reports is what the API sends, the client hands on and the CLI prints: one encoding
+    (Progress.to_wire, redacted), one decoding (Progress.from_wire), the value back unchanged."""
+    from weightcache.progress import Progress
+
+    p = Progress("s3://models/m/", "failed", 5, 10, 1, 2, 2.5, 2.0, "GET http://u:hunter2@minio/x failed", kept=True)
+    wire = p.to_wire()
+    assert json.loads(json.dumps(wire)) == wire
+    assert "hunter2" not in json.dumps(wire) and wire["kept"] is True
+    assert wire["text"] == p.describe() == "fetching s3://models/m/: 50% (5 B of 10 B), failed"
+    back = Progress.from_wire(json.loads(json.dumps(wire)))
+    assert back == Progress("s3://models/m/", "failed", 5, 10, 1, 2, 2.5, 2.0, wire["message"], kept=True)
+    assert Progress.from_wire({**Progress.waiting("s3://m/x/").to_wire(), "unknown": 1}) == Progress.waiting("s3://m/x/")
+    with pytest.raises(TypeError):
+        Progress.from_wire([])  # type: ignore[arg-type]
+
+
+async def test_a_streamed_progress_line_is_the_wire_form_the_cli_reads(short_dir: Path, model_copy: Path,
+                                                                      s3: S3) -> None:
+    from weightcache.progress import Progress
+
+    s3.upload_dir(model_copy, "models", "wire/")
+    d = await start_daemon(short_dir, model_copy, config={"endpoints": {"s3": {"endpointUrl": s3.endpoint_url}}})
+    try:
+        async with d.http() as http, http.put("/v1/models?wait=1", json={"uri": "s3://models/wire/"}) as r:
+            lines = [json.loads(line) async for line in r.content]
+        progress = [line["progress"] for line in lines if "progress" in line]
+        assert progress and "snapshot" in lines[-1]
+        for wire in progress:
+            assert set(wire) == set(Progress.waiting("x").to_wire()), wire
+            assert Progress.from_wire(wire).to_wire() == wire  # decoding loses nothing the wire carries
+    finally:
+        await d.daemon.stop()

@@ -5,6 +5,7 @@ queue asks the store twice (the queue's lookup, the engine's re-check under its 
 from __future__ import annotations
 
 import logging
+import re
 import socket
 from pathlib import Path
 from typing import Any
@@ -64,15 +65,51 @@ def test_flags_beat_env_and_env_beats_the_file(tmp_path: Path) -> None:
     assert load_settings(env=env, flags={"readTimeout": 2.5}).fetch == got
 
 
-def test_an_endpoint_flag_replaces_the_files_table(tmp_path: Path) -> None:
+def test_an_endpoint_flag_overrides_the_most_specific_entry_for_the_references_scheme(tmp_path: Path) -> None:
     config = tmp_path / "config.yaml"
-    config.write_text("endpoints: {'s3://bkt': {endpointUrl: 'http://minio:9000'}}\n")
+    config.write_text("endpoints: {'s3://bkt': {endpointUrl: 'http://minio:9000'}, s3: {endpointUrl: 'http://s3:1'},"
+                      " gs: {endpointUrl: 'http://gcs:2'}}\n")
 
     class Args:
         endpoint_url = "http://other:9000"
 
     got = load_fetch_settings(config, env={}, flags=settings.flags_from(Args()))
-    assert got.endpoint_for(parse_ref("s3://bkt/m/")) == "http://other:9000"
+    for uri in ("s3://bkt/m/", "s3://elsewhere/m/", "gs://bkt/m/", "az://container/m/", "https://host/m/"):
+        assert got.endpoint_for(parse_ref(uri)) == "http://other:9000", uri  # bucket entry or none: the flag wins
+    assert got.endpoints == (("s3://bkt", "http://minio:9000"), ("s3", "http://s3:1"), ("gs", "http://gcs:2"))
+    without = load_fetch_settings(config, env={}, flags=settings.flags_from(object()))
+    assert without.endpoint_for(parse_ref("s3://bkt/m/")) == "http://minio:9000"
+    assert without.endpoint_for(parse_ref("gs://bkt/m/")) == "http://gcs:2"
+    # the flag's key is no config field: a file that writes it is not read as the flag
+    config.write_text("'--endpoint-url': http://planted:1\n")
+    assert load_fetch_settings(config, env={}).endpoint_for(parse_ref("s3://bkt/m/")) is None
+
+
+def test_an_endpoint_flag_with_credentials_is_refused_without_echoing_them() -> None:
+    class Args:
+        endpoint_url = "http://minio:hunter2@127.0.0.1:9000"
+
+    with pytest.raises(ConfigError, match="--endpoint-url: credentials do not belong in the URL") as caught:
+        load_fetch_settings(env={}, flags=settings.flags_from(Args()))
+    assert "hunter2" not in str(caught.value)
+
+
+def test_the_peer_set_travels_in_the_fetch_settings_to_every_fetcher(tmp_path: Path,
+                                                                     built: list[dict[str, Any]]) -> None:
+    peers: Any = object()  # a PeerSet stand-in: only handed on
+    s = Settings(concurrency=2)
+    metered = MeteredFetcher(Store(tmp_path), s, Metrics(), peers)
+    assert metered.peers is peers
+    metered._fetcher(parse_ref("s3://bkt/m/"))
+    assert built[0]["peers"] is peers and built[0]["concurrency"] == 2
+    assert s.fetch.with_peers(peers) == s.fetch, "the peer set is no setting: it changes no comparison"
+
+
+def test_no_module_builds_a_fetcher_but_the_settings() -> None:
+    package = Path(fetch.__file__).parent
+    sites = [f"{p.relative_to(package)}:{n}" for p in package.rglob("*.py")
+             for n, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"(?<![A-Za-z_])Fetcher\(", line)]
+    assert len(sites) == 1 and sites[0].startswith("settings.py:"), sites
 
 
 def test_a_bad_fetch_setting_is_a_config_error_naming_it() -> None:

@@ -27,7 +27,7 @@ from weightcache.errors import (
     WeightcacheError,
     answer_for,
 )
-from weightcache.progress import Progress
+from weightcache.progress import Progress, ProgressWire
 from weightcache.redact import redact, redact_log_handlers
 from weightcache.units import fmt_bytes, parse_size
 
@@ -104,17 +104,15 @@ class ProgressPrinter:
         self._last = 0.0
         self._shown = 0  # width of the line on screen, padded over as well where ANSI is not understood
 
-    def __call__(self, p: Progress | dict[str, Any]) -> None:
+    def __call__(self, p: Progress) -> None:
         if self.quiet:
             return
-        if isinstance(p, dict):
-            p = Progress.from_json(p)
         now = time.monotonic()
         if now - self._last < (0.1 if self.tty else 1.0) and p.phase == "downloading":
             return
         self._last = now
         if not self.tty:
-            self.out.write(redact(json.dumps({"event": "progress", **p.to_json()})) + "\n")
+            self.out.write(json.dumps({"event": "progress", **p.to_wire()}) + "\n")  # to_wire redacts its texts
         else:
             self.out.write(self.redraw(self.bar(p)))
         self.out.flush()
@@ -200,9 +198,10 @@ def _prefetch_through(client: DaemonClient, ref: ModelRef, args: argparse.Namesp
     line said which (`kept`), so the message says plainly whether the download goes on."""
     kept = False
 
-    def on_progress(p: dict[str, Any]) -> None:
+    def on_progress(wire: ProgressWire) -> None:
         nonlocal kept
-        kept = bool(p.get("kept"))
+        p = Progress.from_wire(wire)
+        kept = p.kept
         printer(p)
 
     try:

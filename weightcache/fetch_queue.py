@@ -8,7 +8,8 @@
   - when the last waiter leaves (a client hung up) and nobody asked to keep the job (`keep=True`: reconcile,
     CSI, fire-and-forget API ensures), a queued job is dropped and a running one is asked to stop, where the
     engine's `ensure` accepts a `cancel` event (finished chunks stay for a resume).
-Progress callbacks are called on the engine's thread, as the engine calls them.
+Progress callbacks are called on the engine's thread with the engine's own Progress values (passed on as they
+are: weightcache/progress.py has the one wire form).
 Every caller brings a Grant (weightcache/access.py): the queue takes no bare reference. Callers granted the same
 files share one job; the engine runs under the first caller's grant.
 """
@@ -122,10 +123,9 @@ class FetchQueue:
         if job is None:
             return None
         if job.running:
-            return job.latest or Progress(ref.uri, "listing", 0, 0, 0, 0, 0.0, None)
+            return job.latest or Progress.waiting(ref.uri, "listing")
         ahead = self._queued.index(job) + len(self._running) if job in self._queued else 0
-        return Progress(ref.uri, "queued", 0, 0, 0, 0, 0.0, None,
-                        f"behind {ahead} download{'s' if ahead != 1 else ''}")
+        return Progress.waiting(ref.uri, message=f"behind {ahead} download{'s' if ahead != 1 else ''}")
 
     def kept(self, ref: ModelRef) -> bool:
         """Whether the fetch of `ref` goes on when one of its waiters leaves (kept, or another waiter): what a

@@ -1,5 +1,11 @@
-"""Progress of a fetch: a value, its one-line description, and the file that shares it across processes.
+"""Progress of a fetch: one value, its one-line description, its one wire form, and the file that shares it.
 
+    engine (_Reporter) ─▶ Progress ─▶ FetchQueue (as is) ─┬─▶ CSI FetchPendingError: describe()
+                                                         ├─▶ API NDJSON / 202: to_wire() ─▶ client ─▶ CLI: from_wire()
+                                                         └─▶ progress file: to_wire() / from_wire()
+
+`to_wire` is the only encoding (the API's lines, the CLI's JSON lines, the progress file) and `from_wire` the only
+decoding; a wire dict carries `text` (describe(), for people) beside the fields, and every text in it is redacted.
 The process that holds a model's fetch lock writes `partial/<model-key>.progress` (tmp + rename, a few times a
 second); any other process waiting on the same model (a second CLI, the CSI plugin) reads it to show progress.
 """
@@ -9,12 +15,30 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
+from weightcache.redact import redact
 from weightcache.store import tmp_name
 from weightcache.units import fmt_bytes
+
+
+class ProgressWire(TypedDict):
+    """The JSON form of a Progress (`Progress.to_wire`): the API's `{"progress": ...}` lines and 202 answers, the
+    CLI's JSON lines (with `"event": "progress"`), the progress file."""
+
+    uri: str
+    phase: str
+    bytes_done: int
+    bytes_total: int
+    files_done: int
+    files_total: int
+    rate: float
+    eta: float | None
+    message: str  # the engine's note (a failure's reason, a queued fetch's place)
+    kept: bool
+    text: str  # describe(): "fetching s3://...: 37% (12.3 GiB of 33 GiB), ETA 40s"
 
 
 @dataclass(frozen=True)
@@ -28,6 +52,12 @@ class Progress:
     rate: float  # bytes/s over the recent window
     eta: float | None  # seconds
     message: str = ""
+    kept: bool = False  # the fetch goes on if this caller leaves (another one wants it); set by the daemon's API
+
+    @classmethod
+    def waiting(cls, uri: str, phase: str = "queued", message: str = "") -> Progress:
+        """A fetch with nothing counted yet: queued (`message`: its place), or listing its source."""
+        return cls(uri, phase, 0, 0, 0, 0, 0.0, None, message)
 
     def describe(self) -> str:
         """`fetching s3://models/llama/: 37% (12.3 GiB of 33 GiB), ETA 40s`"""
@@ -41,13 +71,23 @@ class Progress:
             text += f", {self.phase}"
         return text
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+    def to_wire(self) -> ProgressWire:
+        """The one JSON form; texts redacted (a failure's note may quote a source's URL)."""
+        return {"uri": redact(self.uri), "phase": self.phase, "bytes_done": self.bytes_done,
+                "bytes_total": self.bytes_total, "files_done": self.files_done, "files_total": self.files_total,
+                "rate": self.rate, "eta": self.eta, "message": redact(self.message), "kept": self.kept,
+                "text": redact(self.describe())}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Progress:
-        fields = cls.__dataclass_fields__
-        return cls(**{k: v for k, v in data.items() if k in fields})
+    def from_wire(cls, data: dict[str, Any] | ProgressWire) -> Progress:
+        """The value back from its JSON form (`text` is derived, so it is dropped; unknown keys too)."""
+        if not isinstance(data, dict):
+            raise TypeError(f"a progress is a JSON object, not {type(data).__name__}")
+        values: dict[str, Any] = {k: v for k, v in data.items() if k in _FIELDS}
+        return cls(**values)
+
+
+_FIELDS = frozenset(f.name for f in fields(Progress))
 
 
 def _duration(seconds: float) -> str:
@@ -79,7 +119,7 @@ def write_progress_file(path: Path, progress: Progress) -> None:
     """tmp + rename without fsync: progress is advisory and rewritten a few times a second."""
     tmp = tmp_name(path)
     try:
-        tmp.write_text(json.dumps(progress.to_json()))
+        tmp.write_text(json.dumps(progress.to_wire()))
         os.replace(tmp, path)
     except OSError:
         tmp.unlink(missing_ok=True)
@@ -88,6 +128,6 @@ def write_progress_file(path: Path, progress: Progress) -> None:
 
 def read_progress_file(path: Path) -> Progress | None:
     try:
-        return Progress.from_json(json.loads(path.read_text()))
+        return Progress.from_wire(json.loads(path.read_text()))
     except (OSError, ValueError, TypeError):
         return None

@@ -18,7 +18,7 @@ import os
 import socket
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -56,27 +56,34 @@ class FetchSettings:
     read_timeout: float = defaults.READ_TIMEOUT  # seconds a model source may stay silent
     endpoints: tuple[tuple[str, str], ...] = ()  # ("s3" or "s3://bucket", endpoint url), most specific wins
     proxies: tuple[tuple[str, str], ...] = ()  # ("s3" or "s3://bucket", HTTP(S) forward proxy url), the same way
+    endpoint_flag: str | None = None  # the command line's --endpoint-url: the command's reference's endpoint
+    # the daemons that serve verified blobs (docs/peers.md): a running daemon's, not a setting read from a file
+    peers: PeerSet | None = field(default=None, compare=False, repr=False)
 
     def endpoint_for(self, ref: ModelRef) -> str | None:
-        """The endpoint override for a reference: `scheme://bucket` beats `scheme`; None = the SDK's default."""
-        return _most_specific(self.endpoints, ref)
+        """The endpoint for a reference: --endpoint-url, whatever the reference's scheme (it overrides the most
+        specific entry the table has for it), else `scheme://bucket`, else `scheme`; None = the SDK's default."""
+        return self.endpoint_flag or _most_specific(self.endpoints, ref)
 
     def proxy_for(self, ref: ModelRef) -> str | None:
         """The forward proxy for a reference's source, chosen like its endpoint; None = no proxy of ours."""
         return _most_specific(self.proxies, ref)
 
-    def fetcher(self, store: Store, ref: ModelRef | None = None, *, cancel: threading.Event | None = None,
-                peers: PeerSet | None = None) -> Fetcher:
-        """The one way a Fetcher is configured. `ref`: the model it is for (its endpoint and proxy); None: no
-        endpoint or proxy of ours, for a fetcher that serves references of any source (the standalone CSI server
-        takes its endpoint from AWS_ENDPOINT_URL, as the SDK does)."""
+    def with_peers(self, peers: PeerSet | None) -> FetchSettings:
+        """These settings with the daemon's peer set, so its Fetchers ask peers first (`fetcher` hands it on)."""
+        return replace(self, peers=peers)
+
+    def fetcher(self, store: Store, ref: ModelRef | None = None, *, cancel: threading.Event | None = None) -> Fetcher:
+        """The one way a Fetcher is configured (the package builds a Fetcher nowhere else). `ref`: the model it is for
+        (its endpoint and proxy); None: no endpoint or proxy of ours, for a fetcher that serves references of any
+        source (the standalone CSI server takes its endpoint from AWS_ENDPOINT_URL, as the SDK does)."""
         from weightcache.fetch import Fetcher  # the engine sits above its settings
 
         endpoint = self.endpoint_for(ref) if ref is not None else None
         proxy = self.proxy_for(ref) if ref is not None else None
         return Fetcher(store, concurrency=self.concurrency, chunk_size=self.chunk_size, endpoint_url=endpoint,
                        proxy_url=proxy, connect_timeout=self.connect_timeout, read_timeout=self.read_timeout,
-                       cancel=cancel, peers=peers)
+                       cancel=cancel, peers=self.peers)
 
 
 def _most_specific(entries: tuple[tuple[str, str], ...], ref: ModelRef) -> str | None:
@@ -99,8 +106,14 @@ def load_fetch_settings(path: str | Path | None = None, *, env: Mapping[str, str
                         flags: Mapping[str, Any] | None = None) -> FetchSettings:
     """The fetch settings from the file, env and flags (flags win). The file's other fields are the daemon's:
     they are left to its reader, so a CLI sharing the daemon's config file is not refused for them."""
+    flags = dict(flags or {})
+    endpoint_flag = flags.pop(ENDPOINT_FLAG, None)  # a flag only: a file's key of that name is not read
     raw, _ = merged(path, os.environ if env is None else env, FETCH_ENV, flags)
-    return parse_fetch(raw)
+    fetch = parse_fetch(raw)
+    if endpoint_flag is None:
+        return fetch
+    return replace(fetch, endpoint_flag=_http_url("--endpoint-url", endpoint_flag, "use the environment's "
+                                                  "credentials (AWS_* or the pod's service account)"))
 
 
 def parse_fetch(raw: Mapping[str, Any]) -> FetchSettings:
@@ -116,10 +129,12 @@ def flags_from(args: object) -> dict[str, Any]:
         ("concurrency", "concurrency"), ("chunk_size", "chunkSize"), ("connect_timeout", "connectTimeout"),
         ("read_timeout", "readTimeout"))}
     url = getattr(args, "endpoint_url", None)
-    if url:  # the flag names one S3 endpoint: it replaces the file's table, so no bucket entry outranks it
-        flags["endpoints"] = {"s3": {"endpointUrl": url}}
+    if url:  # the endpoint of the command's reference, whatever its scheme; the file's other entries stay
+        flags[ENDPOINT_FLAG] = url
     return flags
 
+
+ENDPOINT_FLAG = "--endpoint-url"  # its key among the flags: no config key (camelCase) can take its place
 
 _warned_hostname = threading.Event()
 

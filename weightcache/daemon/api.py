@@ -31,7 +31,7 @@ import logging
 import re
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypedDict
 
 from aiohttp import web
@@ -41,9 +41,9 @@ from weightcache.access import Grant
 from weightcache.daemon.client import error_code
 from weightcache.daemon.listing import Listing, info_body, snapshot_body
 from weightcache.daemon.node import Node
-from weightcache.fetch import Progress
 from weightcache.fetch_queue import FetchQueue
 from weightcache.jsonbody import parse_json
+from weightcache.progress import Progress
 from weightcache.redact import redact
 from weightcache.store import Snapshot, SnapshotInfo, collect_garbage, drop_damaged, verify_snapshot
 from weightcache.store.holders import describe_holder
@@ -67,19 +67,6 @@ class ErrorBody(TypedDict):
     message: str
 
 
-class ProgressBody(TypedDict):
-    uri: str
-    phase: str
-    bytes_done: int
-    bytes_total: int
-    files_done: int
-    files_total: int
-    rate: float
-    eta: float | None
-    message: str  # the engine's note (a failure's reason)
-    text: str  # one line for people: "fetching s3://...: 37% (12.3 of 33.0 GB), ETA 40s"
-
-
 @dataclass(frozen=True)
 class EnsureRequest:
     ref: ModelRef
@@ -92,12 +79,6 @@ def error_body(exc: BaseException) -> ErrorBody:
     if not isinstance(exc, errors.WeightcacheError):
         return {"error": "internal", "message": "internal error; the daemon log has the details"}
     return {"error": error_code(type(exc)), "message": redact(str(exc))}
-
-
-def progress_body(p: Progress) -> ProgressBody:
-    return {"uri": p.uri, "phase": p.phase, "bytes_done": p.bytes_done, "bytes_total": p.bytes_total,
-            "files_done": p.files_done, "files_total": p.files_total, "rate": p.rate, "eta": p.eta,
-            "message": redact(p.message), "text": redact(p.describe())}  # a failure's note may quote a source
 
 
 def parse_ensure(body: Any) -> EnsureRequest:
@@ -198,7 +179,7 @@ async def ensure(request: web.Request) -> web.StreamResponse:
     node.fetches.start(grant)  # in the queue before the answer: requests keep their order, the answer its place
     _start(node, req, grant, keep=True)
     progress = node.fetches.progress(req.ref)
-    return web.json_response({"fetching": str(req.ref), "progress": progress and progress_body(progress)},
+    return web.json_response({"fetching": str(req.ref), "progress": progress and progress.to_wire()},
                              status=202)
 
 
@@ -234,7 +215,7 @@ async def _ensure_stream(request: web.Request, node: Node, req: EnsureRequest, g
 async def _follow(request: web.Request, response: web.StreamResponse, req: EnsureRequest,
                   task: asyncio.Task[Snapshot], updates: asyncio.Queue[Progress]) -> None:
     fetches = request.app[NODE].fetches
-    latest = fetches.progress(req.ref) or Progress(req.ref.uri, "queued", 0, 0, 0, 0, 0.0, None)
+    latest = fetches.progress(req.ref) or Progress.waiting(req.ref.uri)
     await _line(response, _progress_line(fetches, req, latest))  # says at once whether it is queued, and behind what
     last_line = time.monotonic()
     while not task.done():
@@ -267,8 +248,9 @@ async def _follow(request: web.Request, response: web.StreamResponse, req: Ensur
 
 
 def _progress_line(fetches: FetchQueue, req: EnsureRequest, progress: Progress) -> dict[str, Any]:
-    """A progress line; `kept`: the fetch goes on if this client leaves (another caller wants it)."""
-    return {"progress": {**progress_body(progress), "kept": fetches.kept(req.ref)}}
+    """A progress line in the one wire form (Progress.to_wire); `kept`: the fetch goes on if this client leaves
+    (another caller wants it)."""
+    return {"progress": replace(progress, kept=fetches.kept(req.ref)).to_wire()}
 
 
 async def _line(response: web.StreamResponse, value: Any) -> None:

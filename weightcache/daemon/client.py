@@ -13,10 +13,13 @@ import re
 import socket
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from weightcache import defaults, errors
+
+if TYPE_CHECKING:
+    from weightcache.progress import ProgressWire
 
 TIMEOUT_S = 30.0  # per socket operation; a streaming ensure may last hours, but sends a line at least this often
 
@@ -97,9 +100,10 @@ class DaemonClient:
         exclude: tuple[str, ...] | list[str] = (),
         tier: str = "disk",
         pin: bool = False,
-        on_progress: Callable[[dict[str, Any]], None] | None = None,
+        on_progress: Callable[[ProgressWire], None] | None = None,
     ) -> dict[str, Any]:
-        """Ensure a model and wait for it; `on_progress` hears each progress line. Returns the snapshot dict."""
+        """Ensure a model and wait for it; `on_progress` hears each progress line as it came, in the one wire form
+        (`Progress.from_wire` makes it the value again). Returns the snapshot dict."""
         body = {"uri": uri, "revision": revision, "include": list(include), "exclude": list(exclude),
                 "tier": tier, "pin": pin}
         conn = self._connect()
@@ -183,7 +187,7 @@ def _decode(payload: bytes) -> Any:
         return payload.decode(errors="replace")
 
 
-def _follow(response: http.client.HTTPResponse, on_progress: Callable[[dict[str, Any]], None] | None
+def _follow(response: http.client.HTTPResponse, on_progress: Callable[[ProgressWire], None] | None
             ) -> dict[str, Any]:
     """Read NDJSON lines until the final snapshot or error line."""
     while True:

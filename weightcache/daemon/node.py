@@ -1,7 +1,8 @@
 """What the API, the reconcile loop, CSI and DRA share in one daemon: store, fetch queue, tier, metrics, policy.
 
 Every fetch goes through `Node.fetches` (the one FetchQueue: single flight, the queue's lookup first), whose jobs
-run `MeteredFetcher.ensure`: a Fetcher per fetch, built from the settings' FetchSettings, counted for /metrics.
+run `MeteredFetcher.ensure`: a Fetcher per fetch, built by the settings' FetchSettings (with the daemon's peer set
+in them: `FetchSettings.with_peers`), counted for /metrics.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from weightcache.daemon.config import Settings
 from weightcache.daemon.metrics import Metrics, Sample
 from weightcache.daemon.tasks import Tasks
 from weightcache.errors import ConfigError, WeightcacheError
-from weightcache.fetch import Fetcher, Progress
+from weightcache.fetch import Fetcher
 from weightcache.fetch_queue import FetchQueue
+from weightcache.progress import Progress
 from weightcache.store import Snapshot, Store, quarantine_usage
 from weightcache.uri import ModelRef
 
@@ -41,16 +43,21 @@ class MeteredFetcher:
 
     def __init__(self, store: Store, settings: Settings, metrics: Metrics, peers: PeerSet | None = None) -> None:
         self._store = store
-        self.peers = peers  # blobs with a trusted sha256 come from these daemons first (docs/peers.md)
-        self._settings = settings
+        # fetch settings are read at start (docs/config.md: restart); blobs with a trusted sha256 come from the
+        # peers first (docs/peers.md)
+        self._fetch = settings.fetch.with_peers(peers)
         self._metrics = metrics
         self._live: dict[Fetcher, str] = {}  # running fetchers -> scheme
         self._done: dict[str, dict[str, int]] = {}  # scheme -> counters of finished fetchers
         self._closed = threading.Event()
         self._lock = threading.Lock()
 
+    @property
+    def peers(self) -> PeerSet | None:
+        return self._fetch.peers
+
     def _fetcher(self, ref: ModelRef, cancel: threading.Event | None = None) -> Fetcher:
-        return self._settings.fetch.fetcher(self._store, ref, cancel=cancel, peers=self.peers)
+        return self._fetch.fetcher(self._store, ref, cancel=cancel)
 
     def lookup(self, grant: Grant) -> Snapshot | None:
         """The cached snapshot (a hit), or None; blocking."""
