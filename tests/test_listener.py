@@ -214,3 +214,43 @@ async def test_a_streaming_ensure_longer_than_every_timeout_is_never_cut(
         await d.daemon.stop()
     assert took > 2.0, "the download was meant to outlast every timeout of the listener"
     assert reply.startswith(b"HTTP/1.1 200") and b'{"snapshot": ' in reply, reply[-300:]
+
+
+async def test_one_timer_per_connection_still_cuts_the_next_requests_headers_at_their_deadline() -> None:
+    """The guard keeps one deadline timer per connection: after a request whose body had a long deadline, the
+    next request's half-sent headers are cut at the (shorter) header deadline, not when the body's would have."""
+    from aiohttp import web
+
+    from weightcache.listener import _body_framing
+
+    async def echo(request: web.Request) -> web.Response:
+        return web.Response(body=await request.read())
+
+    app = web.Application()
+    app.router.add_post("/e", echo)
+    runner = web.AppRunner(app, access_log=None, keepalive_timeout=30)
+    await runner.setup()
+    site = GuardedTCPSite(runner, "127.0.0.1", 0, limits=Limits(4, header_timeout_s=0.5, body_timeout_s=5.0,
+                                                                 idle_timeout_s=30))
+    await site.start()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", site.port)
+        for _ in range(3):  # keep-alive requests with bodies: each arms the header then the body deadline
+            writer.write(b"POST /e HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello")
+            await writer.drain()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            assert head.startswith(b"HTTP/1.1 200") and await reader.readexactly(5) == b"hello"
+        started = time.monotonic()
+        writer.write(b"POST /e HTTP/1.1\r\nHost: x\r\n")  # headers never finished
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 4.0)
+        assert answer.startswith(b"HTTP/1.1 408") and b"headers did not arrive within 0.5s" in answer
+        assert time.monotonic() - started < 3.0, "cut at the header deadline, not the body's"
+        assert site.stats.header_timeouts == 1 and site.stats.body_timeouts == 0
+        writer.close()
+    finally:
+        await runner.cleanup()
+    head = b"post /m http/1.1\r\nhost: x\r\ncontent-length : 12\r\nx-content-length: 99\r\ntransfer-encoding: gzip"
+    assert _body_framing(head) == (12, False)
+    assert _body_framing(b"post / http/1.1\r\ntransfer-encoding: gzip, chunked\r\ncontent-length: 3") == (0, True)
+    assert _body_framing(b"get / http/1.1\r\ncontent-length: x1") == (0, False)

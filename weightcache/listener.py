@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import socket
 import ssl
 import time
@@ -104,7 +105,9 @@ class _Guard(asyncio.Protocol):
         self._early: list[bytes] = []  # TLS: plaintext that arrived with the handshake's last flight
         self._early_eof = False
         self._counted = False  # holds one of the `max_connections` slots
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.TimerHandle | None = None  # fires at or before `_deadline`; rearmed lazily
+        self._deadline: float | None = None  # loop time when the current phase (`_what`) must be complete
+        self._what = "header"
         self._state = "head"  # head: reading headers; body: reading a body; wait: request read, answer pending
         self._head = bytearray()
         self._remaining = 0  # body bytes still to come (Content-Length)
@@ -142,7 +145,7 @@ class _Guard(asyncio.Protocol):
                 self._stats.note()
             plain = None
         if plain is None or not self._counted:  # failed, or shed or timed out (we closed it) meanwhile
-            self._disarm()
+            self._stop_timer()
             self._release()
             raw.abort()
             return
@@ -175,7 +178,7 @@ class _Guard(asyncio.Protocol):
         return keep
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
+        self._stop_timer()
         self._release()
         if self._admitted:
             self._admitted = False
@@ -243,20 +246,42 @@ class _Guard(asyncio.Protocol):
         self._disarm()
 
     # -- deadlines ----------------------------------------------------------------------------------------------
+    # One timer per connection, not one per phase: arming moves `_deadline`, disarming clears it, and the timer
+    # (set for the earliest deadline it has to cover) checks when it fires whether its deadline still stands. A
+    # keep-alive connection serving many small requests pays for a timer about once per deadline, not twice per
+    # request (a call_later and a cancel for the headers, the same for the body).
     def _arm(self, seconds: float, what: str) -> None:
-        self._disarm()
-        self._timer = asyncio.get_running_loop().call_later(seconds, self._expire, what)
+        self._stats.waiting.pop(self, None)
+        loop = asyncio.get_running_loop()
+        self._deadline, self._what = loop.time() + seconds, what
+        if self._timer is not None and self._timer.when() > self._deadline:
+            self._timer.cancel()
+            self._timer = None
+        if self._timer is None:
+            self._timer = loop.call_at(self._deadline, self._expire)
         if what == "header":
             self._stats.waiting[self] = None
 
     def _disarm(self) -> None:
         self._stats.waiting.pop(self, None)
+        self._deadline = None  # the timer stays; when it fires it finds no deadline, or a later one to wait for
+
+    def _stop_timer(self) -> None:
+        self._disarm()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
 
-    def _expire(self, what: str) -> None:
+    def _expire(self) -> None:
         self._timer = None
+        deadline, what = self._deadline, self._what
+        if deadline is None or not self._counted:
+            return
+        loop = asyncio.get_running_loop()
+        if loop.time() < deadline:  # the phase moved on (or a new one began) since this timer was set
+            self._timer = loop.call_at(deadline, self._expire)
+            return
+        self._deadline = None
         if what == "header":
             self._stats.header_timeouts += 1
         else:
@@ -266,7 +291,7 @@ class _Guard(asyncio.Protocol):
 
     def _close(self, what: str) -> None:
         """Answer 408 and close (`what`: header, body or shed); the slot is free at once."""
-        self._disarm()
+        self._stop_timer()
         self._release()
         transport = self._transport
         if transport is None or transport.is_closing():
@@ -283,13 +308,16 @@ class _Guard(asyncio.Protocol):
         transport.close()
 
 
+_FRAMING = re.compile(rb"\r\n[ \t]*(content-length|transfer-encoding)[ \t]*:([^\r]*)")
+
+
 def _body_framing(head: bytes) -> tuple[int, bool]:
-    """(Content-Length, chunked) from lower-cased header bytes; a malformed length counts as none (aiohttp
-    answers it with 400)."""
+    """(Content-Length, chunked) from lower-cased header bytes (the request line first); a malformed length
+    counts as none (aiohttp answers it with 400). Only the two framing headers are looked at (a scan, not a
+    split of every header line)."""
     length, chunked = 0, False
-    for line in head.split(b"\r\n")[1:]:
-        name, _, value = line.partition(b":")
-        name, value = name.strip(), value.strip()
+    for name, value in _FRAMING.findall(head):
+        value = value.strip()
         if name == b"content-length" and value.isdigit():
             length = int(value)
         elif name == b"transfer-encoding" and b"chunked" in value:
