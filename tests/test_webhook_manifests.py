@@ -10,7 +10,9 @@ import ssl
 from pathlib import Path
 from typing import Any
 
+import celpy
 import pytest
+from celpy.adapter import json_to_cel
 from cryptography import x509
 
 from tests.fixtures_k8s_schema import (
@@ -26,7 +28,7 @@ from weightcache.webhook.command import add_commands
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 WEBHOOK = DEPLOY / "daemonset" / "webhook.yaml"
-CERT_MANAGER = DEPLOY / "cert-manager"
+CERT_MANAGER = DEPLOY / "cert-manager" / "component"  # the certificates, a component any entry point takes
 
 
 def by_kind(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -127,9 +129,15 @@ def test_webhook_configuration_follows_the_admission_rules(objs: dict[str, dict[
     assert not selects(selector, {"kubernetes.io/metadata.name": "kube-system"})
     assert selects(selector, {"kubernetes.io/metadata.name": "team-a"})
     (condition,) = hook["matchConditions"]
-    assert "'weightcache.io/model' in object.metadata.annotations" in condition["expression"]
-    assert "'weightcache.io/models' in object.metadata.annotations" in condition["expression"]
-    assert "has(object.metadata.annotations)" in condition["expression"]
+    program = celpy.Environment().program(celpy.Environment().compile(condition["expression"]))
+
+    def sent(metadata: dict[str, Any]) -> bool:
+        return bool(program.evaluate({"object": json_to_cel({"metadata": metadata})}))
+    for given in ({"weightcache.io/model": "s3://m/a/"}, {"weightcache.io/models": "a=s3://m/a/"},
+                        {"weightcache.io/modle": "s3://m/a/"}):  # a typo too: the webhook warns, naming the key
+        assert sent({"annotations": given}), given
+    assert not sent({"annotations": {"team": "a", "example.io/weightcache.io/model": "x"}})
+    assert not sent({}), "a pod without annotations is never sent"
 
 
 def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
@@ -146,6 +154,9 @@ def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
 
 def test_cert_manager_overlay_fits_the_base(objs: dict[str, dict[str, Any]]) -> None:
     kustomization = load_docs(CERT_MANAGER / "kustomization.yaml")[0]
+    assert kustomization["kind"] == "Component"
+    entry = load_docs(CERT_MANAGER.parent / "kustomization.yaml")[0]
+    assert entry["resources"] == ["../daemonset"] and entry["components"] == ["component"]
     for resource in kustomization["resources"]:
         assert (CERT_MANAGER / resource).exists(), resource
     patch = load_docs(CERT_MANAGER / kustomization["patches"][0]["path"])[0]
