@@ -63,10 +63,13 @@ async def test_modelcaches_drive_fetch_pin_label_and_status(cluster: FakeApiServ
                     assert r.status == status_code, await r.text()
 
         cluster.delete("modelcaches", "llama")
-        await eventually(lambda: label not in labels(), what="the label to go with the ModelCache")
         await eventually(lambda: not d.daemon.node.store.pins(info.snapshot.id), what="the daemon's pin to go")
         await eventually(lambda: "llama" not in cluster.get("modelcachenodes", NODE)["status"].get("models", {}),
                          what="the node status entry to go")
+        assert labels().get(label) == "ready", "the label stays while the snapshot does (scale from zero, no gate)"
+        await asyncio.to_thread(d.daemon.node.store.evict, info.snapshot.id)
+        d.daemon.node.kick()
+        await eventually(lambda: label not in labels(), what="the label to go with the evicted snapshot")
         assert labels()["pool"] == "a100"  # labels that are not ours stay
     finally:
         await d.daemon.stop()
