@@ -4,17 +4,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.fake_apiserver import FakeApiServer
+from tests.fixtures_daemon import RunningDaemon, daemon, model_copy, short_dir, tiny_model  # noqa: F401
 from tests.fixtures_dra import NODE, fetch_models
 from tests.test_dra_slices import check_slice, slices_of
 from weightcache.dra.devices import TAINT_KEY, devices_for, snapshot_of
 from weightcache.dra.slices import SlicePublisher, build_slices
-from weightcache.dra.states import DAMAGED, EVICTING, VERIFYING, DeviceStates
+from weightcache.dra.states import DAMAGED, EVICTING, STATES, VERIFYING, DeviceStates
 from weightcache.store import Snapshot, Store
 
 
@@ -82,3 +85,27 @@ def test_the_publisher_taints_and_untaints_at_its_next_tick(tmp_path: Path, dra_
     [whole] = slices_of(dra_api)
     assert not any("taints" in d for d in whole["spec"]["devices"])
     assert whole["spec"]["pool"]["generation"] == 3
+
+
+async def test_the_apis_verify_marks_a_damaged_copy_and_its_repair_clears_it(daemon: RunningDaemon) -> None:
+    """The daemon's verify route is where damage is found: the copy is marked DAMAGED (its devices tainted
+    NoExecute at the publisher's next tick) until a repair makes it whole."""
+    snap = await asyncio.to_thread(d_ensure, daemon)
+    sid = snap["id"]
+    victim = next(p for p in Path(snap["path"]).rglob("*.safetensors"))
+    os.chmod(victim, 0o644)
+    with open(victim, "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff" * 8)
+    async with daemon.http() as http:
+        async with http.post(f"/v1/models/{sid}/verify", json={"repair": False}) as r:
+            assert r.status == 200 and (await r.json())["damaged"], await r.text()
+        assert STATES.snapshot()[sid].state == DAMAGED
+        async with http.post(f"/v1/models/{sid}/verify", json={"repair": True}) as r:
+            assert r.status == 200 and (await r.json())["repaired"], await r.text()
+    assert sid not in STATES.snapshot(), "a repaired copy is whole again: untainted"
+
+
+def d_ensure(daemon: RunningDaemon) -> dict[str, Any]:
+    answer = daemon.client.ensure(daemon.model_uri)
+    return dict(answer.get("snapshot", answer))

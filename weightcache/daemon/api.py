@@ -41,6 +41,7 @@ from weightcache.access import Grant
 from weightcache.daemon.client import error_code
 from weightcache.daemon.listing import Listing, info_body, snapshot_body
 from weightcache.daemon.node import Node
+from weightcache.dra.states import DAMAGED, EVICTING, STATES, VERIFYING
 from weightcache.fetch_queue import FetchQueue
 from weightcache.jsonbody import parse_json
 from weightcache.progress import Progress
@@ -318,7 +319,10 @@ async def verify_model(request: web.Request) -> web.Response:
     if not isinstance(repair, bool):
         raise errors.InvalidReferenceError('send {"repair": true} or {"repair": false}')
     snapshot = await asyncio.to_thread(node.store.get, sid)
-    damaged = await asyncio.to_thread(verify_snapshot, node.store, sid)
+    with STATES.marking(sid, VERIFYING):  # its DRA devices are tainted while the bytes are re-read
+        damaged = await asyncio.to_thread(verify_snapshot, node.store, sid)
+        if damaged:
+            STATES.mark(sid, DAMAGED)  # stays until repaired or evicted (docs/dra.md, "Device taints")
     repaired = []
     if damaged and repair:
         refs = await asyncio.to_thread(drop_damaged, node.store, sid, damaged) or [snapshot.uri]
@@ -331,6 +335,7 @@ async def verify_model(request: web.Request) -> web.Response:
                             "the source answers",)
                 raise
             repaired.append({"ref": text, "snapshot": fresh.id})
+        STATES.clear(sid)
     return web.json_response({"id": sid, "uri": snapshot.uri, "files": len(snapshot.files), "damaged": damaged,
                               "repaired": repaired})
 
@@ -350,6 +355,11 @@ async def gc(request: web.Request) -> web.Response:
 
 
 def _evict(node: Node, snapshot_id: str) -> None:
+    with STATES.marking(snapshot_id, EVICTING):  # its DRA devices are tainted until they leave the slice
+        _evict_now(node, snapshot_id)
+
+
+def _evict_now(node: Node, snapshot_id: str) -> None:
     if node.tier is not None and node.tier.path_for(snapshot_id) is not None:
         if snapshot_id in node.store.leases().values():
             node.store.evict(snapshot_id)  # raises InUseError naming the holders before anything is demoted
