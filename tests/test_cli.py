@@ -26,6 +26,7 @@ def model(tmp_path: Path) -> str:
     return f"file://{tmp_path / 'm'}/"
 
 
+@pytest.mark.e2e
 def test_prefetch_ls_pin_evict_cycle(tmp_path: Path, model: str) -> None:
     root = tmp_path / "root"
     r = wc("prefetch", model, "-o", "json", root=root)
@@ -49,18 +50,21 @@ def test_prefetch_ls_pin_evict_cycle(tmp_path: Path, model: str) -> None:
     assert json.loads(wc("ls", "-o", "json", root=root).stdout) == []
 
 
+@pytest.mark.e2e
 def test_bad_reference_exit_code_and_hint(tmp_path: Path) -> None:
     r = wc("prefetch", "s3:/models", root=tmp_path / "root")
     assert r.returncode == 2
     assert "write it like s3://" in r.stderr
 
 
+@pytest.mark.e2e
 def test_credentials_in_a_reference_never_echoed(tmp_path: Path) -> None:
     r = wc("prefetch", "https://alice:hunter2@example.com/m/", root=tmp_path / "root")
     assert r.returncode == 2
     assert "hunter2" not in r.stderr + r.stdout
 
 
+@pytest.mark.e2e
 def test_missing_model_exit_code(tmp_path: Path) -> None:
     r = wc("prefetch", f"file://{tmp_path}/nothing-here/", root=tmp_path / "root")
     assert r.returncode == 6, r.stderr
@@ -68,6 +72,7 @@ def test_missing_model_exit_code(tmp_path: Path) -> None:
     assert r.returncode == 3 and "weightcache ls" in r.stderr
 
 
+@pytest.mark.e2e
 def test_verify_finds_damage_and_repair_refetches(tmp_path: Path, model: str) -> None:
     root = tmp_path / "root"
     snap = json.loads(wc("prefetch", model, "-o", "json", root=root).stdout)
@@ -82,6 +87,7 @@ def test_verify_finds_damage_and_repair_refetches(tmp_path: Path, model: str) ->
     assert r.returncode == 0 and "ok" in r.stdout
 
 
+@pytest.mark.e2e
 def test_evict_to_size_and_gc(tmp_path: Path, model: str) -> None:
     root = tmp_path / "root"
     assert wc("prefetch", model, root=root).returncode == 0

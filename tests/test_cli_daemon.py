@@ -52,6 +52,7 @@ async def awc(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[st
     return await asyncio.to_thread(wc, *args, env=env)
 
 
+@pytest.mark.e2e
 async def test_every_store_command_goes_through_the_daemon(daemon: RunningDaemon, short_dir: Path) -> None:
     snap = await asyncio.to_thread(daemon.client.ensure, daemon.model_uri)
     elsewhere = short_dir / "cli-default-root"  # where the CLI would look without the daemon: must stay untouched
@@ -82,6 +83,7 @@ async def test_every_store_command_goes_through_the_daemon(daemon: RunningDaemon
     assert not elsewhere.exists()
 
 
+@pytest.mark.e2e
 async def test_evict_through_the_daemon_names_the_holder(daemon: RunningDaemon) -> None:
     snap = await asyncio.to_thread(daemon.client.ensure, daemon.model_uri)
     await asyncio.to_thread(daemon.client.lease, "job-42", snapshot=snap["id"])
@@ -89,6 +91,7 @@ async def test_evict_through_the_daemon_names_the_holder(daemon: RunningDaemon) 
     assert r.returncode == 4 and "Held by: job-42" in r.stderr
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("args", [["ls"], ["ls", "-o", "json"], ["evict", "s3://models/llama/"], ["evict", "abcd1234"],
                                   ["pin", "abcd"], ["verify"], ["gc"], ["status"], ["evict", "--to-size", "1Gi"]])
 def test_read_only_commands_never_create_a_store(tmp_path: Path, args: list[str]) -> None:
@@ -114,6 +117,7 @@ def test_id_prefixes_need_4_characters_and_ambiguity_is_named() -> None:
     assert match(entries, "s3://models/b/", where="here") == [entries[1]]
 
 
+@pytest.mark.e2e
 def test_no_such_bucket_hint_names_the_model(s3: S3, tmp_path: Path) -> None:
     r = wc("prefetch", "s3://no-such-bucket-here/llama/", "--endpoint-url", s3.endpoint_url,
            "--root", str(tmp_path / "root"), env=cli_env())
@@ -139,6 +143,7 @@ def _wait_for_download(proc: subprocess.Popen[str], timeout: float = 60.0) -> No
     raise AssertionError("no download progress")
 
 
+@pytest.mark.e2e
 def test_ctrl_c_stops_a_direct_download_within_a_second(s3: S3, fault_proxy: FaultProxy,
                                                         model_copy: Path, tmp_path: Path) -> None:
     s3.upload_dir(model_copy, "models", "tiny/")
@@ -162,6 +167,7 @@ def test_ctrl_c_stops_a_direct_download_within_a_second(s3: S3, fault_proxy: Fau
     assert any((root / "partial").iterdir()), "finished chunks must stay for the next run"
 
 
+@pytest.mark.e2e
 async def test_ctrl_c_through_the_daemon_says_what_the_daemon_does(
         short_dir: Path, model_copy: Path, s3: S3, fault_proxy: FaultProxy) -> None:
     s3.upload_dir(model_copy, "models", "tiny/")
@@ -200,6 +206,7 @@ async def _interrupt_prefetch(uri: str, env: dict[str, str]) -> subprocess.Compl
     return await asyncio.to_thread(run)
 
 
+@pytest.mark.e2e
 def test_dry_run_lists_what_would_be_fetched_and_downloads_nothing(s3: S3, model_copy: Path,
                                                                     tmp_path: Path) -> None:
     s3.upload_dir(model_copy, "models", "tiny/")
@@ -219,6 +226,7 @@ def test_dry_run_lists_what_would_be_fetched_and_downloads_nothing(s3: S3, model
     assert "config.json" in r.stdout and "cached as snapshot" in r.stdout
 
 
+@pytest.mark.e2e
 def test_quiet_prints_only_the_path(model_copy: Path, tmp_path: Path) -> None:
     r = wc("prefetch", f"file://{model_copy}/", "-q", "--root", str(tmp_path / "root"), env=cli_env())
     assert r.returncode == 0, r.stderr

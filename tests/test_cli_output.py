@@ -135,6 +135,7 @@ def _flags(command: str) -> set[str]:
     return {s for a in parser._actions for s in a.option_strings}
 
 
+@pytest.mark.e2e
 def test_each_command_shows_its_own_flags_only() -> None:
     prefetch_only = {"--concurrency", "--chunk-size", "--include", "--cluster", "--tier", "--disk-budget"}
     floor = {"--min-free-bytes", "--min-free-percent"}

@@ -67,6 +67,7 @@ def target_of(tmp: Path, pod_uid: str) -> Path:
     return tmp / "kubelet" / "pods" / pod_uid / "volumes" / "kubernetes.io~csi" / "llama" / "mount"
 
 
+@pytest.mark.e2e
 async def test_killed_plugin_restarts_and_reconciles_leases_with_mounts(
         safe_tmp: Path, fault_proxy: FaultProxy, plugins: list[Plugin]) -> None:
     pods = {uid: kubelet_volume_id(str(target_of(safe_tmp, uid))) for uid in ("pod-a", "pod-b", "pod-c")}

@@ -76,6 +76,7 @@ def spawn(short_dir: Path) -> Iterator[type[DaemonProcess]]:
             d.proc.wait()
 
 
+@pytest.mark.e2e
 def test_sigterm_exits_0_removes_the_socket_and_every_log_line_is_json(spawn, short_dir: Path) -> None:
     d = spawn()
     d.wait_for_log("weightcache daemon serving on")
@@ -88,6 +89,7 @@ def test_sigterm_exits_0_removes_the_socket_and_every_log_line_is_json(spawn, sh
     assert {"time", "level", "logger", "message"} <= set(records[0])
 
 
+@pytest.mark.e2e
 def test_sigterm_parks_a_download_and_the_next_daemon_resumes_it(spawn, short_dir: Path, s3, fault_proxy) -> None:
     model = short_dir / "big"
     make_model(model, layers=4, hidden=256, vocab=1024)  # ~9.5 MB: ~150 chunks of 64 KiB

@@ -203,6 +203,7 @@ def test_single_flight_across_three_processes(tmp_path: Path, s3, fault_proxy, m
     assert _origin_get_bytes(fault_proxy) == model_bytes, "three processes must cause exactly one download"
 
 
+@pytest.mark.e2e
 def test_kill_9_mid_download_resumes_without_refetching_journalled_ranges(tmp_path: Path, s3, fault_proxy) -> None:
     src = tmp_path / "big"
     make_model(src, layers=2, hidden=256, shards=1)  # one ~7 MB file: > 100 chunks

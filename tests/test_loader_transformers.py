@@ -36,6 +36,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[int]
     return path, reference
 
 
+@pytest.mark.e2e
 def test_the_documented_recipe_loads_and_generates(model_dir: tuple[Path, list[int]]) -> None:
     path, reference = model_dir
     scope: dict[str, object] = {"path": str(path)}
@@ -48,6 +49,7 @@ def test_the_documented_recipe_loads_and_generates(model_dir: tuple[Path, list[i
     assert not rotary.is_meta and rotary.abs().sum() > 0  # computed, not left on meta
 
 
+@pytest.mark.e2e
 def test_the_old_meta_device_recipe_really_fails(model_dir: tuple[Path, list[int]]) -> None:
     """Why the doc does not build on meta itself: non-persistent buffers stay there (in a child: it may crash)."""
     code = f"""

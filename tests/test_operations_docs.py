@@ -72,6 +72,7 @@ def test_every_deploy_path_the_doc_names_exists() -> None:
         assert (ROOT / path).exists(), path
 
 
+@pytest.mark.e2e
 def test_every_weightcache_command_in_the_doc_exists() -> None:
     commands = set(re.findall(r"-- weightcache (\w+)", TEXT)) | set(re.findall(r"weightcache (webhook certs)", TEXT))
     assert {"ls", "verify", "webhook certs"} <= commands

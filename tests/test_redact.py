@@ -164,6 +164,7 @@ def test_importing_the_package_leaves_global_logging_alone() -> None:
     assert out.split() == ["True", "True"]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("ref", HOSTILE_REFS[:3])
 def test_the_cli_never_prints_the_secret(tmp_path: Path, ref: str) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "WEIGHTCACHE_SOCKET")}

@@ -99,6 +99,7 @@ def test_default_timeouts_fail_a_blackholed_endpoint_within_a_minute() -> None:
     assert o.max_attempts * o.read_timeout + pauses < 60
 
 
+@pytest.mark.e2e
 def test_cli_prefetch_from_a_refused_endpoint_exits_6_without_traceback_or_userinfo(tmp_path: Path) -> None:
     host = f"127.0.0.1:{_closed_port()}"
 

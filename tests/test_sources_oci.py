@@ -351,6 +351,7 @@ def test_a_bearer_challenge_is_answered_at_the_token_endpoint(tmp_path: Path, re
         front.close()
 
 
+@pytest.mark.e2e
 def test_the_cli_prefetches_an_oci_reference(tmp_path: Path, registry: Registry) -> None:
     want = files("cli")
     registry.push("models/tiny:cli", want)

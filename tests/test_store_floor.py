@@ -26,6 +26,7 @@ def prefetch(tmp_path: Path, *flags: str, env: dict[str, str] | None = None) -> 
                           env={**clean, **(env or {})})
 
 
+@pytest.mark.e2e
 def test_the_daemons_env_floor_refuses_a_direct_prefetch(tmp_path: Path) -> None:
     beyond = str(disk_free(tmp_path)[1] + (1 << 30))  # more than the disk holds: nothing fits above this floor
     done = prefetch(tmp_path, env={ENV_BYTES: beyond})
@@ -33,6 +34,7 @@ def test_the_daemons_env_floor_refuses_a_direct_prefetch(tmp_path: Path) -> None
     assert not list((tmp_path / "root" / "snapshots").glob("*"))
 
 
+@pytest.mark.e2e
 def test_a_flag_wins_over_the_env(tmp_path: Path) -> None:
     beyond = str(disk_free(tmp_path)[1] + (1 << 30))
     done = prefetch(tmp_path, "--min-free-bytes", "0", "--min-free-percent", "0", env={ENV_BYTES: beyond})
@@ -42,6 +44,7 @@ def test_a_flag_wins_over_the_env(tmp_path: Path) -> None:
     assert done.returncode == 5, done.stderr
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(("env", "name"), [({ENV_BYTES: "64m"}, ENV_BYTES), ({ENV_PERCENT: "95"}, ENV_PERCENT),
                                            ({ENV_PERCENT: "nan"}, ENV_PERCENT)])
 def test_a_bad_env_value_is_exit_2_naming_the_variable(tmp_path: Path, env: dict[str, str], name: str) -> None:
@@ -49,6 +52,7 @@ def test_a_bad_env_value_is_exit_2_naming_the_variable(tmp_path: Path, env: dict
     assert done.returncode == 2 and name in done.stderr, done.stderr
 
 
+@pytest.mark.e2e
 def test_a_bad_flag_is_a_usage_error(tmp_path: Path) -> None:
     done = prefetch(tmp_path, "--min-free-percent", "120")
     assert done.returncode == 2 and "between 0 and 90" in done.stderr

@@ -62,6 +62,7 @@ def populate(fs: Path, tmp_path: Path, *, pin: str) -> tuple[Path, dict[str, str
     return root, ids
 
 
+@pytest.mark.e2e
 @pytest.mark.root
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 def test_every_command_works_on_a_full_disk_with_everything_pinned(tmpfs: Path, tmp_path: Path) -> None:
@@ -87,6 +88,7 @@ def test_every_command_works_on_a_full_disk_with_everything_pinned(tmpfs: Path, 
     assert list(store.layout.evicting.iterdir()) == []
 
 
+@pytest.mark.e2e
 @pytest.mark.root
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 def test_store_start_on_a_full_disk_gives_space_back_down_to_the_floor(tmpfs: Path, tmp_path: Path) -> None:
@@ -119,6 +121,7 @@ def test_eviction_on_a_full_disk_finishes_even_when_its_blobs_are_shared(tmpfs: 
     assert not store.layout.eviction(a.id).exists()
 
 
+@pytest.mark.e2e
 def test_ls_below_the_floor_evicts_nothing_and_evict_gives_space_back(tmp_path: Path) -> None:
     """A disk below the floor but not full (a laptop at 90%): `ls` and `verify` leave every model cached;
     `evict` of one model also gives space back, least recently used first, keeping what is pinned."""

@@ -212,6 +212,7 @@ async def listening(proc: subprocess.Popen[str]) -> str:
     raise AssertionError("the webhook never said where it listens")
 
 
+@pytest.mark.e2e
 async def test_command_serves_until_sigterm(tmp_path: Path) -> None:
     certs = run_command("webhook", "certs", "--service", SERVICE, "--namespace", NAMESPACE, "--out", str(tmp_path))
     out, err = certs.communicate(timeout=60)
@@ -245,6 +246,7 @@ async def test_command_serves_until_sigterm(tmp_path: Path) -> None:
     assert proc.returncode == 0
 
 
+@pytest.mark.e2e
 def test_command_explains_missing_or_bad_certificates(tmp_path: Path) -> None:
     proc = run_command("webhook", "--port", "0")
     _, err = proc.communicate(timeout=60)
@@ -286,6 +288,7 @@ async def test_readyz_waits_for_the_modelcache_list(tmp_path: Path) -> None:
         await running.stop()
 
 
+@pytest.mark.e2e
 async def test_command_in_cluster_mode_follows_modelcaches(tmp_path: Path) -> None:
     """Cluster mode through a kubeconfig: the ModelCache watcher feeds the shared policy, live."""
     from tests.fake_apiserver import FakeApiServer, crd_schemas, model_cache
