@@ -10,8 +10,11 @@ run by run and the table shows medians. "cold" trials start `--settle` seconds a
 MemoryTier (promoted once, on a separate copy of the files, so its locked pages do not warm the cold trials).
 Every method touches every tensor (one byte per 4 KiB page, or a sync on cuda), so lazy mappings
 pay for their reads. Rows: the fio sequential-read ceiling of the same bytes (buffered, and O_DIRECT), raw mmap +
-touch, safetensors.torch.load_file, Run:ai Model Streamer (if installed), weightcache.loader; on a GPU also a
-plain pinned H2D copy (the PCIe ceiling) and loads to cuda.
+touch, safetensors.torch.load_file, Run:ai Model Streamer (`runai_model_streamer.SafetensorsStreamer`) and
+fastsafetensors (CPU mode, `nogds=True`) when installed, weightcache.loader; on a GPU also a plain pinned H2D copy
+(the PCIe ceiling) and loads to cuda. Each row also gives CPU seconds per GB (getrusage of the trial's process,
+every thread, user + system); the load average is printed at the start and the end. Before the timed runs every
+loader's tensors are compared with safetensors.load_file's (sha256 of each tensor's bytes, dtype and shape).
 """
 
 from __future__ import annotations
@@ -84,6 +87,8 @@ def trial(method: str, directory: Path, drop: bool, settle: float) -> dict[str, 
         with tempfile.TemporaryDirectory() as tmp:
             save_file({"w": torch.zeros(4096)}, f"{tmp}/model.safetensors")
             _load(method, Path(tmp), [Path(tmp, "model.safetensors")], lambda: None)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    cpu0 = usage.ru_utime + usage.ru_stime
     files = sorted(directory.glob("*.safetensors"))
     first: list[float] = []
     if drop:
@@ -108,15 +113,36 @@ def trial(method: str, directory: Path, drop: bool, settle: float) -> dict[str, 
     if method.endswith("_cuda") or method == "h2d_ceiling":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = usage.ru_utime + usage.ru_stime - cpu0
     got()
     anon = next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
                 if line.startswith("RssAnon:"))
-    return {"seconds": seconds, "ttft": first[0],
+    return {"seconds": seconds, "ttft": first[0], "cpu_s": cpu,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "anon_mb": anon / 1024}
 
 
-def _load(method: str, directory: Path, files: list[Path], got: Callable[[], None]) -> None:
+def digests(method: str, directory: Path) -> dict[str, str]:
+    """sha256 of each tensor's bytes (with its dtype and shape) as `method` hands it out: the equality check."""
+    import hashlib
+
+    import torch
+    out: dict[str, str] = {}
+
+    def each(name: str, t: torch.Tensor) -> None:  # at once: a streamer may reuse its buffer for the next tensor
+        data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        out[name] = hashlib.sha256(f"{t.dtype} {tuple(t.shape)} ".encode() + data).hexdigest()
+
+    _load(method, directory, sorted(directory.glob("*.safetensors")), lambda: None, each)
+    return out
+
+
+def _load(method: str, directory: Path, files: list[Path], got: Callable[[], None],
+          each: Callable[[str, object], None] | None = None) -> None:
+    """Load every tensor of `files` the way `method` does; `each(name, tensor)` sees each (default: touch it)."""
     cuda = method.endswith("_cuda")
+    if each is None:
+        each = lambda _name, t: touch(t)  # noqa: E731
     if method.startswith("mmap"):
         import numpy as np
         for f in files:
@@ -127,20 +153,34 @@ def _load(method: str, directory: Path, files: list[Path], got: Callable[[], Non
     elif method.startswith("safetensors"):
         from safetensors.torch import load_file
         for f in files:
-            for t in load_file(f, device="cuda" if cuda else "cpu").values():
-                touch(t)
+            for name, t in load_file(f, device="cuda" if cuda else "cpu").items():
+                each(name, t)
                 got()
     elif method.startswith("runai"):
         from runai_model_streamer import SafetensorsStreamer
         with SafetensorsStreamer() as streamer:
             streamer.stream_files([str(f) for f in files], device="cuda" if cuda else "cpu")
-            for _, t in streamer.get_tensors():
-                touch(t)
+            for name, t in streamer.get_tensors():
+                each(name, t)
                 got()
+    elif method.startswith("fastsafetensors"):
+        from fastsafetensors import SafeTensorsFileLoader, SingleGroup
+        loader = SafeTensorsFileLoader(SingleGroup(), "cuda:0" if cuda else "cpu", nogds=True)
+        try:
+            loader.add_filenames({0: [str(f) for f in files]})
+            buffers = loader.copy_files_to_device()
+            try:
+                for name in buffers.key_to_rank_lidx:
+                    each(name, buffers.get_tensor(name))
+                    got()
+            finally:
+                buffers.close()
+        finally:
+            loader.close()
     elif method.startswith("weightcache"):
         from weightcache.loader import iter_tensors
-        for _, t in iter_tensors(directory, device="cuda" if cuda else "cpu"):
-            touch(t)
+        for name, t in iter_tensors(directory, device="cuda" if cuda else "cpu"):
+            each(name, t)
             got()
     else:
         raise SystemExit(f"unknown method {method}")
@@ -151,7 +191,7 @@ def _load(method: str, directory: Path, files: list[Path], got: Callable[[], Non
 
 def drop_caches() -> None:
     os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    Path("/proc/sys/vm/drop_caches").write_text("1\n")  # the page cache only: dentries and inodes stay
 
 
 def warm(directory: Path) -> None:
@@ -172,7 +212,8 @@ def fio(directory: Path, direct: bool) -> dict[str, float] | None:
         except (OSError, subprocess.CalledProcessError):
             return None
         seconds += json.loads(out)["jobs"][0]["read"]["runtime"] / 1000
-    return {"seconds": seconds, "ttft": float("nan"), "peak_rss_mb": float("nan"), "anon_mb": float("nan")}
+    nan = float("nan")
+    return {"seconds": seconds, "ttft": nan, "cpu_s": nan, "peak_rss_mb": nan, "anon_mb": nan}
 
 
 class Holder:
@@ -202,9 +243,12 @@ CPU_METHODS = {
     "fio_direct": ("fio seq read, O_DIRECT (libaio qd16)", "cold"),
     "safetensors_cold": ("safetensors.torch.load_file + touch", "cold"),
     "runai_cold": ("Run:ai Model Streamer + touch", "cold"),
+    "fastsafetensors_cold": ("fastsafetensors (cpu, nogds) + touch", "cold"),
     "weightcache_cold": ("weightcache.loader, disk tier", "cold"),
     "mmap_warm": ("raw mmap + touch", "warm"),
     "safetensors_warm": ("safetensors.torch.load_file + touch", "warm"),
+    "runai_warm": ("Run:ai Model Streamer + touch", "warm"),
+    "fastsafetensors_warm": ("fastsafetensors (cpu, nogds) + touch", "warm"),
     "weightcache_warm": ("weightcache.loader, disk tier", "warm"),
     "safetensors_memory": ("safetensors.torch.load_file + touch", "memory tier"),
     "weightcache_memory": ("weightcache.loader, memory tier", "memory tier"),
@@ -255,7 +299,11 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated methods (default: all that apply)")
     ap.add_argument("--trial", help=argparse.SUPPRESS)
     ap.add_argument("--drop", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--digest", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.digest:
+        print(json.dumps(digests(args.digest, args.dir)))
+        return
     if args.trial:
         print(json.dumps(trial(args.trial, args.dir, args.drop, args.settle)))
         return
@@ -272,11 +320,19 @@ def main() -> None:
     except ImportError:
         print("runai-model-streamer not installed: skipping its rows (pip install runai-model-streamer)")
         methods = {m: v for m, v in methods.items() if not m.startswith("runai")}
+    try:
+        import fastsafetensors  # noqa: F401
+    except ImportError:
+        print("fastsafetensors not installed: skipping its rows (pip install fastsafetensors)")
+        methods = {m: v for m, v in methods.items() if not m.startswith("fastsafetensors")}
     files = make_model(args.dir, args.size_gb, args.shards)
     total = sum(f.stat().st_size for f in files)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"model: {len(files)} shards, {total / 1e9:.2f} GB in {args.dir}; {args.runs} runs, interleaved, "
           f"{args.idle:g} s idle before each trial, {args.settle:g} s settle after each drop; device: {device}")
+    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)")
+    check_equal(args.dir, sorted({m.split("_")[0] for m in methods} & {"safetensors", "runai", "fastsafetensors",
+                                                                        "weightcache"}))
     results: dict[str, list[dict[str, float]]] = {m: [] for m in methods}
     holder = None
     if any(condition == "memory tier" for _, condition in methods.values()):
@@ -297,6 +353,25 @@ def main() -> None:
         if holder is not None:
             holder.close()
     print_table(methods, results, total)
+    print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)")
+
+
+def check_equal(directory: Path, loaders: list[str]) -> None:
+    """Every loader hands out the same tensors as safetensors.load_file: same names, dtypes, shapes and bytes."""
+    got: dict[str, dict[str, str]] = {}
+    for loader in ["safetensors", *(x for x in loaders if x != "safetensors")]:
+        proc = subprocess.run([sys.executable, __file__, "--digest", loader, "--dir", str(directory)], cwd=ROOT,
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"equality check: {loader} failed: {proc.stderr.strip().splitlines()[-1:]}")
+        got[loader] = json.loads(proc.stdout.strip().splitlines()[-1])
+    ref = got["safetensors"]
+    for loader, tensors in got.items():
+        if tensors != ref:
+            wrong = sorted(k for k in ref.keys() | tensors.keys() if ref.get(k) != tensors.get(k))
+            raise SystemExit(f"equality check: {loader} differs from safetensors.load_file in {len(wrong)} "
+                             f"tensors, e.g. {wrong[:3]}")
+    print(f"tensor equality: {len(ref)} tensors, identical bytes, dtypes and shapes from {', '.join(got)}")
 
 
 def print_table(methods: dict[str, tuple[str, str]], results: dict[str, list[dict[str, float]]], total: int) -> None:
@@ -304,12 +379,12 @@ def print_table(methods: dict[str, tuple[str, str]], results: dict[str, list[dic
         return statistics.median(r[key] for r in results[m]) if results.get(m) else float("nan")
 
     gbps = {m: total / med(m, "seconds") / 1e9 for m in methods}
-    print(f"\n{'method':40s} {'condition':12s} {'GB/s':>7s} {'first tensor s':>14s} {'peak RSS MB':>12s} "
-          f"{'anon MB':>8s}  runs (GB/s)")
+    print(f"\n{'method':40s} {'condition':12s} {'GB/s':>7s} {'CPU s/GB':>8s} {'first tensor s':>14s} "
+          f"{'peak RSS MB':>12s} {'anon MB':>8s}  runs (GB/s)")
     for m, (label, condition) in methods.items():
         runs = " ".join(f"{total / r['seconds'] / 1e9:.2f}" for r in results[m])
-        print(f"{label:40s} {condition:12s} {gbps[m]:7.2f} {med(m, 'ttft'):14.3f} {med(m, 'peak_rss_mb'):12.0f} "
-              f"{med(m, 'anon_mb'):8.0f}  {runs}")
+        print(f"{label:40s} {condition:12s} {gbps[m]:7.2f} {med(m, 'cpu_s') / (total / 1e9):8.2f} "
+              f"{med(m, 'ttft'):14.3f} {med(m, 'peak_rss_mb'):12.0f} {med(m, 'anon_mb'):8.0f}  {runs}")
     ceiling = max(gbps.get("fio_buffered", 0), gbps.get("fio_direct", 0))
     ratios: list[tuple[str, str, str, float]] = [
         ("memory tier vs safetensors cold", "weightcache_memory", "safetensors_cold", 20),
