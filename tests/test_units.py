@@ -49,7 +49,9 @@ def test_cli_size_flags_use_the_same_grammar(capsys: pytest.CaptureFixture[str])
 
     parser = build_parser()
     assert parser.parse_args(["evict", "--to-size", "200Gi"]).to_size == 200 * 2**30
-    assert parser.parse_args(["prefetch", "s3://m/x/"]).chunk_size == parse_size("16Mi")
+    assert parser.parse_args(["prefetch", "s3://m/x/", "--chunk-size", "16Mi"]).chunk_size == parse_size("16Mi")
+    # unset: the one settings reader decides (file, WEIGHTCACHE_CHUNK_SIZE, then the default of 16 MiB)
+    assert parser.parse_args(["prefetch", "s3://m/x/"]).chunk_size is None
     with pytest.raises(SystemExit) as exc:
         parser.parse_args(["prefetch", "s3://m/x/", "--chunk-size", "1m"])
     assert exc.value.code == 2
