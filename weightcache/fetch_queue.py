@@ -100,6 +100,11 @@ class FetchQueue:
         cached = await self.lookup(grant)
         if cached is not None:
             return cached
+        return await self.fetch(grant, progress=progress, keep=keep)
+
+    async def fetch(self, grant: Grant, *, progress: ProgressCallback | None = None, keep: bool = False) -> Snapshot:
+        """`ensure` for a caller that has just looked the model up and missed: join its one fetch (the engine
+        checks the store again under the model's lock, so nothing is fetched twice)."""
         job = self._join(grant, keep=keep)
         job.waiters += 1
         if progress is not None:

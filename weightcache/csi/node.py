@@ -299,10 +299,14 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
     async def _ensure(self, args: PublishArgs, grant: Grant, context: grpc.aio.ServicerContext[Any, Any]) -> Snapshot:
         """The model's snapshot: at once when cached; else join its one fetch for as long as the caller waits,
         then raise FetchPendingError with the progress and let the fetch run on for kubelet's retry. The queue's
-        ensure looks the model up first (a hit returns at once), so this asks the store no more than that."""
+        lookup is the one store lookup before the engine's own under its lock; a hit never waits on the caller's
+        deadline budget (a tiny volume timeout must not delay a cached model)."""
+        cached = await self._fetches.lookup(grant)
+        if cached is not None:
+            return cached
         budget = self._wait_budget(args, context)
         try:
-            return await asyncio.wait_for(self._fetches.ensure(grant, keep=True), budget)
+            return await asyncio.wait_for(self._fetches.fetch(grant, keep=True), budget)
         except TimeoutError:
             progress = self._fetches.progress(args.ref)
             text = progress.describe() if progress is not None else f"fetching {args.ref}: starting"
