@@ -133,7 +133,8 @@ def test_a_peer_that_trickles_costs_about_a_second_not_the_fetch(origin: FaultPr
             slow.close()
             pool.shutdown()
         took = time.monotonic() - started
-    assert took < SLOW_GRACE_S + 2.5, f"a trickling peer held the fetch {took:.1f}s"
+    # the grace, then the origin fetch of 3 MiB (seconds on a loaded 2-core CI machine); before: never
+    assert took < SLOW_GRACE_S + 6, f"a trickling peer held the fetch {took:.1f}s"
     assert 1 <= slow.requests <= OPTIONS["concurrency"]  # cut once per worker at most, then left out
     stats = node.peers.stats
     peer_bytes = node.fetchers[-1].stats["peer_bytes"]  # its first byte comes at once: a 1-byte range may finish
