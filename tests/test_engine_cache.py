@@ -266,3 +266,13 @@ async def _api_checks(daemon: RunningDaemon, undeclared: str) -> None:
             assert r.status == 400
         after = [m["id"] for m in await (await http.get("/v1/models")).json()]
         assert after == before
+
+
+def test_an_engine_cache_is_never_a_dra_device(store: Store, tmp_path: Path) -> None:
+    """The node's slice lists models only: an engine cache in the store grants nothing as a device."""
+    from weightcache.dra.devices import devices_for, snapshot_of
+
+    model = model_snapshot(store, tmp_path)
+    cache = ingest_tar(store, EngineCacheKey.for_model(model, VLLM, TEAM_A), io.BytesIO(tar_of(cache_files())))
+    listed = {snapshot_of(str(d["name"])) for d in devices_for([model, cache], slots=1, shared=False)}
+    assert listed == {model.id}

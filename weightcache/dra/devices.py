@@ -32,6 +32,7 @@ from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 from weightcache.dra.states import DAMAGED, DeviceState
+from weightcache.engine_cache import is_engine_cache
 from weightcache.store import Snapshot
 from weightcache.uri import model_key
 from weightcache.vocabulary import GROUP
@@ -100,6 +101,8 @@ def devices_for(snapshots: Iterable[Snapshot], *, slots: int, shared: bool, resi
         raise ValueError(f"slots must be 1..{MAX_SLOTS}, got {slots}")
     devices = []
     for snapshot in snapshots:
+        if is_engine_cache(snapshot):  # an engine's compile cache is not a model: it grants nothing as a device
+            continue
         try:
             state = (states or {}).get(snapshot.id)
             devices.extend(_devices_of(snapshot, slots=slots, shared=shared, resident=snapshot.id in resident,
