@@ -101,13 +101,13 @@ def devices_for(snapshots: Iterable[Snapshot], *, slots: int, shared: bool, resi
         raise ValueError(f"slots must be 1..{MAX_SLOTS}, got {slots}")
     devices = []
     for snapshot in snapshots:
-        if is_engine_cache(snapshot):  # an engine's compile cache is not a model: it grants nothing as a device
-            continue
         try:
+            if is_engine_cache(snapshot):  # an engine's compile cache is not a model: it grants nothing as a device
+                continue
             state = (states or {}).get(snapshot.id)
             devices.extend(_devices_of(snapshot, slots=slots, shared=shared, resident=snapshot.id in resident,
                                        taints=[taint(state)] if state is not None else []))
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, AttributeError) as exc:  # AttributeError: a damaged row's None uri
             if len(_reported) < 1024 and (snapshot.id, str(exc)) not in _reported:  # once, not every resync
                 _reported.add((snapshot.id, str(exc)))
                 log.warning("snapshot %r (%r) is not published as a DRA device: %s; run `weightcache verify "
