@@ -35,12 +35,15 @@ import time
 import uuid
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import jsonpatch
 import jsonschema
 import kubernetes
+import pytest
+import yaml
 
 from tests.fixtures_crd_cel import cel_errors
 
@@ -245,6 +248,18 @@ class FakeApiServer:
         return self.requests_matching(method, path_part, **query)
 
     # object access (also used by the HTTP handler) ------------------------------------------------------------
+    def use_as_kubeconfig(self, directory: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+        """Write a kubeconfig naming this server into `directory` and point KUBECONFIG at it for the test: the
+        official client (and everything of ours that loads a config) then talks to this server."""
+        config = directory / "kubeconfig"
+        config.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "t",
+            "clusters": [{"name": "c", "cluster": {"server": self.url}}],
+            "users": [{"name": "u", "user": {"token": "test-token"}}],
+            "contexts": [{"name": "t", "context": {"cluster": "c", "user": "u"}}]}))
+        monkeypatch.setenv("KUBECONFIG", str(config))
+        return config
+
     def get(self, plural: str, name: str, namespace: str = "") -> Obj:
         with self._cond:
             obj = self._objects.get((plural, namespace, name))

@@ -7,7 +7,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import yaml
 
 from tests.fake_apiserver import ApiError, FakeApiServer
 from tests.fixtures_daemon import eventually, model_copy, off_cluster, short_dir, start_daemon, tiny_model  # noqa: F401
@@ -21,13 +20,7 @@ NODE = "gpu-1"
 def cluster(short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeApiServer]:
     with FakeApiServer() as server:
         server.create("nodes", {"metadata": {"name": NODE, "labels": {"pool": "a100"}}})
-        config = short_dir / "kubeconfig"
-        config.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "t",
-            "clusters": [{"name": "c", "cluster": {"server": server.url}}],
-            "users": [{"name": "u", "user": {"token": "test-token"}}],
-            "contexts": [{"name": "t", "context": {"cluster": "c", "user": "u"}}]}))
-        monkeypatch.setenv("KUBECONFIG", str(config))
+        server.use_as_kubeconfig(short_dir, monkeypatch)
         yield server
 
 

@@ -73,13 +73,7 @@ def test_the_webhook_command_with_dra_watches_templates(tmp_path: Path, monkeypa
     from weightcache.webhook.command import _policy
 
     with FakeApiServer() as api:
-        config = tmp_path / "kubeconfig"
-        config.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "t",
-            "clusters": [{"name": "c", "cluster": {"server": api.url}}],
-            "users": [{"name": "u", "user": {"token": "t"}}],
-            "contexts": [{"name": "t", "context": {"cluster": "c", "user": "u"}}]}))
-        monkeypatch.setenv("KUBECONFIG", str(config))
+        api.use_as_kubeconfig(tmp_path, monkeypatch)
         _, stop = _policy(None)
         try:
             assert answer()["allowed"] is True, "without --dra templates are not looked up"

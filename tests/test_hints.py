@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import yaml
 
 from tests.fake_apiserver import FakeApiServer, crd_schemas
 from tests.fixtures_webhook import DRAFT, REF, admission_review, apply_response, check_pod, deployment_pod
@@ -27,13 +26,7 @@ _HINT = re.compile(r"\(or run: (weightcache prefetch [^)]*)\)")
 @pytest.fixture
 def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeApiServer]:
     with FakeApiServer(schemas=crd_schemas()) as server:
-        config = tmp_path / "kubeconfig"
-        config.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "t",
-            "clusters": [{"name": "c", "cluster": {"server": server.url}}],
-            "users": [{"name": "u", "user": {"token": "test-token"}}],
-            "contexts": [{"name": "t", "context": {"cluster": "c", "user": "u"}}]}))
-        monkeypatch.setenv("KUBECONFIG", str(config))
+        server.use_as_kubeconfig(tmp_path, monkeypatch)
         monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
         yield server
 

@@ -189,17 +189,10 @@ def test_api_errors_are_translated_without_raw_responses(server):
 
 # weightcache.io/size-bytes: `prefetch --cluster` lists the source with the CLI's credentials ------------------------
 def _cli(server: FakeApiServer, tmp_path, monkeypatch, argv: list[str], capsys) -> tuple[int, str]:
-    import yaml
 
     from weightcache.cli import main
 
-    config = tmp_path / "kubeconfig"
-    config.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "t",
-        "clusters": [{"name": "c", "cluster": {"server": server.url}}],
-        "users": [{"name": "u", "user": {"token": "t"}}],
-        "contexts": [{"name": "t", "context": {"cluster": "c", "user": "u"}}]}))
-    monkeypatch.setenv("KUBECONFIG", str(config))
+    server.use_as_kubeconfig(tmp_path, monkeypatch)
     code = main(["prefetch", *argv, "--cluster", "--node-selector", "gpu=h100", "--allow-namespace", "ml"])
     return code, capsys.readouterr().err
 

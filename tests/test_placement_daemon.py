@@ -1,14 +1,15 @@
 """End to end on one node: the webhook process (`weightcache webhook --controller` wiring) gates a pod, the
 controller asks the node, a real daemon fetches the model and labels its node, the pod is released with the
-required affinity; deleting the pod drops the demand and the daemon takes its label back."""
+required affinity; deleting the pod drops the demand; the label stays while the snapshot does and goes
+with its eviction."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import yaml
 
 from tests.fake_apiserver import FakeApiServer, crd_schemas
 from tests.fixtures_daemon import eventually, model_copy, short_dir, start_daemon, tiny_model  # noqa: F401
@@ -28,13 +29,7 @@ def cluster(short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeAp
     with FakeApiServer(schemas=crd_schemas()) as server:
         server.create("nodes", {"metadata": {"name": NODE, "labels": {"pool": "a100"}},
                                 "status": {"allocatable": {"nvidia.com/gpu": "1"}}})
-        config = short_dir / "kubeconfig"
-        config.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "t",
-            "clusters": [{"name": "c", "cluster": {"server": server.url}}],
-            "users": [{"name": "u", "user": {"token": "test-token"}}],
-            "contexts": [{"name": "t", "context": {"cluster": "c", "user": "u"}}]}))
-        monkeypatch.setenv("KUBECONFIG", str(config))
+        server.use_as_kubeconfig(short_dir, monkeypatch)
         monkeypatch.setenv("POD_NAMESPACE", "weightcache")
         monkeypatch.setenv("POD_NAME", "webhook-0")
         yield server
@@ -75,8 +70,13 @@ async def test_gated_pod_waits_for_a_real_daemon_then_lands_on_its_node(cluster:
             cluster.delete("pods", "llama-0", NS)
             await eventually(lambda: not [m for m in cluster.list("modelcaches") if m["metadata"]["name"] == demand],
                              what="the demand to go with the pod")
+            # the snapshot stays on the node, and so does its label: the next pod of the model is never gated
+            await eventually(lambda: not d.daemon.node.store.list()[0].pinned, what="the daemon's pin to go")
+            assert cluster.get("nodes", NODE)["metadata"]["labels"].get(ref.label_key) == "ready"
+            await asyncio.to_thread(d.daemon.node.store.evict, d.daemon.node.store.list()[0].snapshot.id)
+            d.daemon.node.kick()
             await eventually(lambda: ref.label_key not in cluster.get("nodes", NODE)["metadata"]["labels"],
-                             what="the daemon to take its label back")
+                             what="the daemon to take its label back once the snapshot is evicted")
         finally:
             await d.daemon.stop()
     finally:

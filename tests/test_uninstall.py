@@ -64,13 +64,7 @@ def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Node:
 @pytest.fixture
 def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeApiServer]:
     with FakeApiServer() as server:
-        config = tmp_path / "kubeconfig"
-        config.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "t",
-            "clusters": [{"name": "c", "cluster": {"server": server.url}}],
-            "users": [{"name": "u", "user": {"token": "test-token"}}],
-            "contexts": [{"name": "t", "context": {"cluster": "c", "user": "u"}}]}))
-        monkeypatch.setenv("KUBECONFIG", str(config))
+        server.use_as_kubeconfig(tmp_path, monkeypatch)
         monkeypatch.setenv("NODE_NAME", NODE)
         yield server
 
