@@ -135,7 +135,9 @@ def test_a_peer_that_trickles_costs_about_a_second_not_the_fetch(origin: FaultPr
         took = time.monotonic() - started
     # the grace, then the origin fetch of 3 MiB (seconds on a loaded 2-core CI machine); before: never
     assert took < SLOW_GRACE_S + 6, f"a trickling peer held the fetch {took:.1f}s"
-    assert 1 <= slow.requests <= OPTIONS["concurrency"]  # cut once per worker at most, then left out
+    # left out once cut: the requests are those of the first grace second (a worker whose first range came from
+    # the origin may ask once more before any cut lands), never one per range of the model
+    assert 1 <= slow.requests <= 2 * OPTIONS["concurrency"]
     stats = node.peers.stats
     peer_bytes = node.fetchers[-1].stats["peer_bytes"]  # its first byte comes at once: a 1-byte range may finish
     assert peer_bytes <= 1
