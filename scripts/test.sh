@@ -10,4 +10,4 @@ source scripts/_venv.sh
 # One worker per CPU (at least 2: most tests wait on sockets and subprocesses, not the CPU); WEIGHTCACHE_TEST_WORKERS=0
 # runs in this process (pdb, -s). Each worker starts its own moto server and temp dirs; tests share nothing else.
 workers="${WEIGHTCACHE_TEST_WORKERS:-$(( $(nproc) > 2 ? $(nproc) : 2 ))}"
-exec "$PY" -m pytest -n "$workers" "$@"
+exec "$PY" -m pytest -n "$workers" --dist worksteal "$@"  # worksteal: the long transformers loads do not end last
