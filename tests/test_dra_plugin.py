@@ -75,8 +75,12 @@ async def test_prepare_writes_a_valid_cdi_spec_and_leases_until_unprepare(dra: D
     [cdi_device] = spec["devices"]
     assert cdi_device["name"] == name
     edits = cdi_device["containerEdits"]
-    assert edits["mounts"] == [{"hostPath": str(snap.path), "containerPath": DEFAULT_CONTAINER_PATH,
-                                "options": ["ro", "rbind", "nosuid", "nodev"]}]
+    model_mount, metadata_mount = edits["mounts"]
+    assert model_mount == {"hostPath": str(snap.path), "containerPath": DEFAULT_CONTAINER_PATH,
+                           "options": ["ro", "rbind", "nosuid", "nodev"]}
+    assert metadata_mount["containerPath"] == \
+        f"/var/run/kubernetes.io/dra-device-attributes/resourceclaims/llama/model/{DRIVER_NAME}-metadata.json"
+    assert "ro" in metadata_mount["options"] and Path(metadata_mount["hostPath"]).is_file()
     assert edits["env"] == [f"WEIGHTCACHE_MODEL_PATH={DEFAULT_CONTAINER_PATH}"]
     assert dra.store.leases() == {f"dra:{uid}/m-{snap.id}-3": snap.id}
     with pytest.raises(InUseError, match=f"dra:{uid}"):
@@ -85,6 +89,7 @@ async def test_prepare_writes_a_valid_cdi_spec_and_leases_until_unprepare(dra: D
     gone = (await dra.kubelet.unprepare(claim)).claims[uid]
     assert gone.error == ""
     assert not spec_file(dra, uid).exists() and dra.store.leases() == {}
+    assert not Path(metadata_mount["hostPath"]).exists()
     dra.store.evict(snap.id)  # nothing holds it any more
     again = (await dra.kubelet.unprepare(claim)).claims  # unknown claim: fine, kubelet may retry
     assert again[uid].error == ""

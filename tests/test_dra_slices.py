@@ -40,6 +40,16 @@ def check_slice(obj: dict[str, Any], version: str = "1.34") -> None:
         assert _DNS_LABEL.match(device["name"]), device["name"]
         attrs = device.get("attributes", {})
         assert len(attrs) + len(device.get("capacity", {})) <= 32
+        for name, capacity in device.get("capacity", {}).items():  # KEP-5075's validation of a requestPolicy
+            policy = capacity.get("requestPolicy")
+            if policy is None:
+                continue
+            assert device.get("allowMultipleAllocations") is True, \
+                f"{name}: requestPolicy needs allowMultipleAllocations"
+            values = [int(v) for v in policy.get("validValues", [])]
+            assert "default" in policy and (not values or (values == sorted(values) and len(values) <= 10
+                                                           and int(policy["default"]) in values))
+            assert all(v <= int(capacity["value"]) for v in values), name
         for name, value in attrs.items():
             domain, _, ident = name.rpartition("/")
             assert _C_IDENT.match(ident) and (not domain or (_SUBDOMAIN.match(domain) and len(domain) <= 63)), name

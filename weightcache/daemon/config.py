@@ -91,7 +91,7 @@ class DraSettings:
     """The DRA kubelet plugin (config `dra:`; docs/dra.md). Present = enabled."""
 
     slots_per_model: int = 8  # devices per cached snapshot: how many claims on the node can hold it at once
-    shared: bool = False  # one device per snapshot with allowMultipleAllocations (DRAConsumableCapacity gate)
+    shared: bool | None = None  # one device per snapshot with consumable capacity; None: auto (1.36+ API server)
     cdi_dir: Path = defaults.CDI_DIR
     api_version: str = "v1"  # resource.k8s.io version: v1 (Kubernetes 1.34+) or v1beta2 (1.33)
     publish_seconds: float = 2.0  # how often the store is checked for new or evicted snapshots
@@ -264,7 +264,7 @@ def _tcp(value: Any) -> TcpSettings:
 
 
 def _dra(value: Any) -> DraSettings | None:
-    """`dra: {slotsPerModel: 8, shared: false, cdiDir: /var/run/cdi, apiVersion: v1, publishSeconds: 2}`;
+    """`dra: {slotsPerModel: 8, shared: auto, cdiDir: /var/run/cdi, apiVersion: v1, publishSeconds: 2}`;
     `true` (the --dra flag) is the defaults, `false` turns it off."""
     if isinstance(value, (bool, str)):
         return DraSettings() if _bool("dra")(value) else None
@@ -282,7 +282,8 @@ def _dra(value: Any) -> DraSettings | None:
         every = -1.0
     if not 0.1 <= every <= 3600:
         raise ConfigError(f"dra.publishSeconds: expected seconds between 0.1 and 3600, got {value['publishSeconds']!r}")
-    return DraSettings(slots, _bool("dra.shared")(value.get("shared", False)),
+    shared = value.get("shared", "auto")
+    return DraSettings(slots, None if shared in ("auto", None) else _bool("dra.shared")(shared),
                        _path("dra.cdiDir")(value.get("cdiDir", defaults.CDI_DIR)), version, every)
 
 

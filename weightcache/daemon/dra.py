@@ -28,13 +28,14 @@ from weightcache.uri import model_key
 log = logging.getLogger(__name__)
 
 
-def node_devices(node: Node) -> Callable[[], list[dict[str, Any]]]:
+def node_devices(node: Node, *, shared: bool = False) -> Callable[[], list[dict[str, Any]]]:
+    """The held models' devices: `slotsPerModel` slot devices each, or one shared device with that many readers."""
     dra = node.settings.dra
     assert dra is not None
 
     def devices() -> list[dict[str, Any]]:
         resident = {r.id for r in node.tier.resident()} if node.tier is not None else set()
-        return devices_for([i.snapshot for i in node.store.list()], slots=dra.slots_per_model, shared=dra.shared,
+        return devices_for([i.snapshot for i in node.store.list()], slots=dra.slots_per_model, shared=shared,
                            resident=resident, states=STATES.snapshot())
     return devices
 
@@ -68,18 +69,26 @@ def free_cache_bytes(node: Node) -> int:
     return max(0, free)
 
 
-def binding_conditions_served(api_client: Any) -> bool:
-    """Fetchable devices need the 1.36 API (binding conditions, device status and counters on by default): an
-    older API server drops the fields, and the scheduler would bind a pod before its model is fetched."""
+def server_version(api_client: Any) -> tuple[int, int] | None:
+    """The API server's (major, minor), or None when it cannot be read (logged)."""
     import kubernetes
 
     try:
         info = kubernetes.client.VersionApi(api_client).get_code(_request_timeout=10)
-        major, minor = int(info.major), int(re.sub(r"\D.*$", "", info.minor) or 0)
-    except Exception as exc:  # unreachable, or a version we cannot read: held devices only
-        log.warning("reading the API server's version failed (%s): offering held models only as DRA devices", exc)
-        return False
-    return (major, minor) >= (1, 36)
+        return int(info.major), int(re.sub(r"\D.*$", "", info.minor) or 0)
+    except Exception as exc:  # unreachable, or a version we cannot read: the 1.34 behaviour
+        log.warning("reading the API server's version failed (%s): offering held models only as DRA devices, "
+                    "one device per slot", exc)
+        return None
+
+
+def sharing(setting: bool | None, api_version: str, version: tuple[int, int] | None) -> bool:
+    """Shared devices with consumable capacity: as configured, or (auto) where the API server is 1.36+ with
+    resource.k8s.io/v1 (DRAConsumableCapacity beta; an older server drops `allowMultipleAllocations` and
+    `capacity.requestPolicy`, and one claim would take the model's only device)."""
+    if setting is not None:
+        return setting
+    return api_version == "v1" and version is not None and version >= (1, 36)
 
 
 async def serve_for_node(node: Node) -> DraPlugin:
@@ -94,8 +103,16 @@ async def serve_for_node(node: Node) -> DraPlugin:
     api_client = node.cluster.api_client
     node_name = node_name_of(s.node_name)
 
-    fetchable = dra.api_version == "v1" and await asyncio.to_thread(binding_conditions_served, api_client)
-    devices = with_fetchable(node, node_devices(node)) if fetchable else node_devices(node)
+    version = await asyncio.to_thread(server_version, api_client)
+    # fetchable devices need the 1.36 API (binding conditions, device status and counters on by default): an older
+    # API server drops the fields, and the scheduler would bind a pod before its model is fetched
+    fetchable = dra.api_version == "v1" and version is not None and version >= (1, 36)
+    shared = sharing(dra.shared, dra.api_version, version)
+    log.info("DRA: %s per cached model%s", f"one shared device with {dra.slots_per_model} readers" if shared
+             else f"{dra.slots_per_model} slot devices", ", and fetchable devices (binding conditions)"
+             if fetchable else "")
+    held = node_devices(node, shared=shared)
+    devices = with_fetchable(node, held) if fetchable else held
     publisher = SlicePublisher(api_client, node_name, devices, api_version=dra.api_version,
                                change_token=change_token(node, fetchable=fetchable),
                                counters=(lambda: cache_counters(free_cache_bytes(node))) if fetchable else None)

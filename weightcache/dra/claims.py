@@ -3,7 +3,8 @@
     <store root>/dra/claims/<claim uid>.json
     {"uid": "...", "namespace": "ml", "name": "vllm-0-model-x7k2p", "prepared_at": 1767312000.0,
      "devices": [{"request": "model", "pool": "node-1", "device": "m-<snapshot>-0", "snapshot_id": "...",
-                  "host_path": "...", "container_path": "/models/model", "env_name": "WEIGHTCACHE_MODEL_PATH"}]}
+                  "host_path": "...", "container_path": "/models/model", "env_name": "WEIGHTCACHE_MODEL_PATH",
+                  "share_id": ""}], "pod_claim": "model"}
 
 Each device holds the store lease `dra:<claim uid>/<device>` (eviction never removes a prepared model). A record
 is written (durably: kubelet's own checkpoint outlives a reboot, and so must ours) after the leases and the CDI
@@ -33,6 +34,7 @@ class PreparedDevice:
     host_path: str
     container_path: str
     env_name: str
+    share_id: str = ""  # the allocation result's shareID (a shared device: consumable capacity)
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class ClaimRecord:
     name: str
     devices: tuple[PreparedDevice, ...]
     prepared_at: float = 0.0
+    pod_claim: str = ""  # pod.spec.resourceClaims[].name of a claim made from a template (its metadata path)
 
     def holders(self) -> list[str]:
         return [holder_for(self.uid, d.device) for d in self.devices]
@@ -81,7 +84,7 @@ def _name(uid: str) -> str:
 def _parse(obj: Any, uid: str) -> ClaimRecord:
     record = ClaimRecord(str(obj["uid"]), str(obj["namespace"]), str(obj["name"]),
                          tuple(PreparedDevice(**{k: str(v) for k, v in d.items()}) for d in obj["devices"]),
-                         float(obj["prepared_at"]))
+                         float(obj["prepared_at"]), str(obj.get("pod_claim") or ""))
     if record.uid != uid:
         raise ValueError(f"the record names claim {record.uid!r}, not {uid!r}")
     return record

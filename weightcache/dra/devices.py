@@ -1,10 +1,14 @@
 """Store snapshots as ResourceSlice devices (pure: no I/O).
 
 One cached snapshot is `slots` devices named `m-<snapshot id>-<slot>`, so that up to `slots` claims on the node
-can hold the same model at once (the stable DRA API allocates a device to one claim). Where the cluster runs with
-the DRAConsumableCapacity feature gate (alpha in 1.34), `shared=True` publishes one device per snapshot with
-`allowMultipleAllocations: true` instead. The device name carries the snapshot id, so a restarted plugin maps an
-allocated device back to its snapshot without any saved table.
+can hold the same model at once (the stable DRA API allocates a device to one claim). Where the cluster has
+consumable capacity (DRAConsumableCapacity: alpha in 1.34, beta in 1.36), `shared=True` publishes one device per
+snapshot, `m-<snapshot id>`, with `allowMultipleAllocations: true` and the consumable capacity `readers` (value
+`slots`, requestPolicy default 1, valid values [1]): every claim allocated the device consumes one reader, with or
+without `capacity.requests`, so up to `slots` claims share it, and the scheduler records each share's `shareID` and
+`consumedCapacity` in the claim's allocation result. (A capacity without a requestPolicy on such a device would be
+consumed whole by a claim that does not ask for it: one claim would lock the model.) The device name carries the
+snapshot id, so a restarted plugin maps an allocated device back to its snapshot without any saved table.
 
 Attributes (unqualified names: the API qualifies them with the driver's domain, so a CEL selector reads
 `device.attributes["models.weightcache.io"].model`). String values longer than the API's 64 characters are left
@@ -48,6 +52,13 @@ _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _C_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,31}$")
 _reported: set[tuple[str, str]] = set()  # snapshots already warned about (bounded)
 TAINT_KEY = f"{GROUP}/unavailable"
+READERS = "readers"  # the shared device's consumable capacity: claims holding the model at once
+
+
+def readers_capacity(readers: int) -> dict[str, dict[str, Any]]:
+    """The shared device's `capacity`: `readers` claims at once, each consuming exactly one (a request for more is
+    refused by the policy, one for less is rounded up to one)."""
+    return {READERS: {"value": str(readers), "requestPolicy": {"default": "1", "validValues": ["1"]}}}
 
 
 def taint(state: DeviceState) -> dict[str, Any]:
@@ -68,6 +79,12 @@ def snapshot_of(name: str) -> str | None:
     """The snapshot id a device name of ours carries, or None for a name we never publish."""
     match = _NAME.match(name)
     return match["id"] if match else None
+
+
+def slot_of(name: str) -> int | None:
+    """The slot a slot device's name carries; None for a shared device or a name we never publish."""
+    match = _NAME.match(name)
+    return int(match["slot"]) if match and match["slot"] is not None else None
 
 
 def attributes(snapshot: Snapshot, *, resident: bool, slot: int | None) -> dict[str, dict[str, Any]]:
@@ -125,6 +142,7 @@ def _devices_of(snapshot: Snapshot, *, slots: int, shared: bool, resident: bool,
         }
         if shared:
             device["allowMultipleAllocations"] = True
+            device["capacity"] = readers_capacity(slots)
         if taints:
             device["taints"] = [dict(t) for t in taints]
         devices.append(device)

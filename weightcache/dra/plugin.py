@@ -5,7 +5,10 @@ the ResourceClaim in the API server, as every DRA driver does. Preparing a claim
 this node's pool by our driver:
   1. map the device name back to its snapshot (devices.snapshot_of) and check it is still in the store;
   2. policy: the claim's namespace must be allowed to read the model (the CSI publish's rule, weightcache.policy);
-  3. lease `dra:<claim uid>/<device>` (eviction never removes it), write the claim's CDI spec, then its record.
+  3. lease `dra:<claim uid>/<device>` (eviction never removes it), write the device metadata file of each request
+     (weightcache/dra/metadata.py), the claim's CDI spec, then its record.
+Several claims may hold shares of one shared device (consumable capacity, `shareID` in their allocation results):
+each has its own leases, CDI spec and metadata, so unpreparing one leaves the others as they were.
 A repeat of a prepared claim answers from its record (rewriting a CDI spec a reboot wiped). Unprepare releases
 the leases and removes the spec and the record; an unknown claim is fine (kubelet retries after our restart).
 Every claim of a request gets an entry in the response; a failure is that entry's `error`, never the RPC's.
@@ -26,10 +29,10 @@ from typing import Any
 import grpc
 
 from weightcache.access import Authority, Requester
-from weightcache.dra import DRIVER_NAME, cdi
+from weightcache.dra import DRIVER_NAME, cdi, metadata
 from weightcache.dra._pb import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
 from weightcache.dra.claims import ClaimBook, ClaimRecord, PreparedDevice, valid_uid
-from weightcache.dra.devices import snapshot_of
+from weightcache.dra.devices import slot_of, snapshot_of
 from weightcache.dra.fetchable import MODEL_READY, Fetchable, key_of
 from weightcache.errors import InvalidRequestError, NotCachedError, WeightcacheError
 from weightcache.redact import shorten
@@ -46,6 +49,7 @@ _ENV = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 _CONFIG_KEYS = {"apiVersion", "kind", "mountPath", "env"}
 _NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # DNS-1123 label
 _NAME = re.compile(r"^(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")  # subdomain
+_SHARE_ID = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # a DNS label (KEP-5075)
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,7 @@ class Allocated:
     device: str
     container_path: str
     env_name: str
+    share_id: str = ""
 
 
 def allocated_devices(claim: dict[str, Any], *, pool: str) -> list[Allocated]:
@@ -72,6 +77,10 @@ def allocated_devices(claim: dict[str, Any], *, pool: str) -> list[Allocated]:
             raise InvalidRequestError("status.allocation.devices.results", f"device {result.get('device')!r} is "
                                       f"from pool {result.get('pool')!r}, not this node's pool {pool!r}")
         request = str(result.get("request", ""))
+        share_id = result.get("shareID") or ""
+        if share_id and not (isinstance(share_id, str) and _SHARE_ID.match(share_id)):
+            raise InvalidRequestError("status.allocation.devices.results.shareID",
+                                      f"{str(share_id)[:80]!r} is not a share id (a DNS label)")
         path, env = DEFAULT_CONTAINER_PATH, cdi.ENV_NAME
         for config in devices.get("config") or []:  # later entries win, as in the API's documented order
             opaque = config.get("opaque") or {}
@@ -80,7 +89,7 @@ def allocated_devices(claim: dict[str, Any], *, pool: str) -> list[Allocated]:
                                                         and request.partition("/")[0] not in wanted):
                 continue
             path, env = _model_config(opaque.get("parameters") or {}, path, env)
-        out.append(Allocated(request, str(result.get("device", "")), path, env))
+        out.append(Allocated(request, str(result.get("device", "")), path, env, share_id))
     return out
 
 
@@ -106,8 +115,10 @@ class ModelClaims:
     """Prepare and unprepare claims (blocking: call from a thread)."""
 
     def __init__(self, store: Store, book: ClaimBook, *, pool: str, cdi_dir: Path, claims: ClaimSource,
-                 authority: Authority, fetchable: Callable[[str], Fetchable | None] | None = None) -> None:
+                 authority: Authority, fetchable: Callable[[str], Fetchable | None] | None = None,
+                 metadata_dir: Path | None = None) -> None:
         self._fetchable = fetchable
+        self._metadata_dir = metadata_dir
         self._store = store
         self._book = book
         self._pool = pool
@@ -135,7 +146,9 @@ class ModelClaims:
             raise InvalidRequestError("claims[].uid", f"ResourceClaim {namespace}/{name} has uid {actual}, not "
                                       f"{uid}: it was deleted and created again; kubelet retries with the new one")
         prepared = []
+        pod_claim = metadata.pod_claim_name(claim)
         for item in allocated_devices(claim, pool=self._pool):
+            metadata.top_request(item.request)  # a request name that makes no path is refused before any lease
             snapshot_id = snapshot_of(item.device) or self._fetched(item.device, namespace)
             if snapshot_id is None:
                 raise InvalidRequestError("status.allocation.devices.results.device",
@@ -145,8 +158,8 @@ class ModelClaims:
             self._authority.authorize(parse_ref(snapshot.uri, include=[f.path for f in snapshot.files]),
                                       Requester(namespace))  # NotAllowedError: weightcache/access.py
             prepared.append(PreparedDevice(item.request, self._pool, item.device, snapshot_id,
-                                           str(snapshot.path), item.container_path, item.env_name))
-        record = ClaimRecord(uid, namespace, name, tuple(prepared), time.time())
+                                           str(snapshot.path), item.container_path, item.env_name, item.share_id))
+        record = ClaimRecord(uid, namespace, name, tuple(prepared), time.time(), pod_claim)
         self._take(record)
         log.info("prepared claim %s/%s (%s): %s", namespace, name, uid,
                  ", ".join(f"{d.device} at {d.container_path}" for d in prepared))
@@ -177,13 +190,36 @@ class ModelClaims:
                 holder = holder_for(record.uid, device.device)
                 self._store.lease(holder, device.snapshot_id)
                 taken.append(holder)
-            cdi.write_spec(self._cdi_dir, record.uid, _mounts(record))
+            cdi.write_spec(self._cdi_dir, record.uid, self._mounts(record, self._write_metadata(record)))
             self._book.put(record)
         except BaseException:
             for holder in taken:
                 self._store.release(holder)
             cdi.remove_spec(self._cdi_dir, record.uid)
+            if self._metadata_dir is not None:
+                metadata.remove(self._metadata_dir, record.uid)
             raise
+
+    def _write_metadata(self, record: ClaimRecord) -> dict[str, Path]:
+        """The claim's device metadata files (request -> host path); none without a metadata directory."""
+        if self._metadata_dir is None:
+            return {}
+        devices = [metadata.MetadataDevice(d.request, d.pool, d.device, self._store.get(d.snapshot_id),
+                                           d.container_path, slot_of(d.device)) for d in record.devices]
+        return metadata.write(self._metadata_dir, record.uid, record.namespace, record.name, record.pod_claim,
+                              devices)
+
+    @staticmethod
+    def _mounts(record: ClaimRecord, files: dict[str, Path]) -> list[cdi.ModelMount]:
+        """One CDI device per allocated device (per share); the first of each request mounts its metadata file."""
+        mounts, seen = [], set()
+        for d in record.devices:
+            request = metadata.top_request(d.request)
+            file = files.get(request) if request not in seen else None
+            seen.add(request)
+            meta = (str(file), metadata.container_path(record.name, record.pod_claim, d.request)) if file else None
+            mounts.append(cdi.ModelMount(d.device, d.host_path, d.container_path, d.env_name, d.share_id, meta))
+        return mounts
 
     def _restore(self, record: ClaimRecord) -> ClaimRecord:
         """A prepared claim asked again: make sure its leases and spec are there (a reboot clears both)."""
@@ -192,8 +228,12 @@ class ModelClaims:
             holder = holder_for(record.uid, device.device)
             if leases.get(holder) != device.snapshot_id:
                 self._store.lease(holder, device.snapshot_id)
+        files = {metadata.top_request(d.request): metadata.host_path(self._metadata_dir, record.uid, d.request)
+                 for d in record.devices} if self._metadata_dir is not None else {}
+        if not all(f.is_file() for f in files.values()):  # a reboot clears the plugin's run state
+            files = self._write_metadata(record)
         if not cdi.spec_path(self._cdi_dir, record.uid).exists():
-            cdi.write_spec(self._cdi_dir, record.uid, _mounts(record))
+            cdi.write_spec(self._cdi_dir, record.uid, self._mounts(record, files))
         return record
 
     def unprepare(self, uid: str) -> None:
@@ -205,6 +245,8 @@ class ModelClaims:
         for holder in sorted(holders):
             self._store.release(holder)
         cdi.remove_spec(self._cdi_dir, uid)
+        if self._metadata_dir is not None:
+            metadata.remove(self._metadata_dir, uid)
         self._book.remove(uid)
         if record is not None:
             log.info("unprepared claim %s/%s (%s)", record.namespace, record.name, uid)
@@ -224,10 +266,6 @@ class ModelClaims:
                     log.warning("prepared claim %s/%s lost its model: %s", record.namespace, record.name, exc)
         log.info("DRA reconcile: %d prepared claims, %d stale leases released", len(known), len(released))
         return released
-
-
-def _mounts(record: ClaimRecord) -> list[cdi.ModelMount]:
-    return [cdi.ModelMount(d.device, d.host_path, d.container_path, d.env_name) for d in record.devices]
 
 
 def _error_text(exc: BaseException, what: str) -> str:
@@ -267,7 +305,8 @@ class DRAServicer(dra_v1_pb2_grpc.DRAPluginServicer):
                     continue
             for device in record.devices:
                 entry.devices.add(request_names=[device.request] if device.request else [], pool_name=device.pool,
-                                  device_name=device.device, cdi_device_ids=[cdi.cdi_id(record.uid, device.device)])
+                                  device_name=device.device,
+                                  cdi_device_ids=[cdi.cdi_id(record.uid, device.device, device.share_id)])
         return response
 
     async def NodeUnprepareResources(self, request: dra_v1_pb2.NodeUnprepareResourcesRequest,

@@ -5,6 +5,7 @@ Sockets (kubelet's layout for DRA drivers):
     <kubelet dir>/plugins/models.weightcache.io/dra.sock                the DRAPlugin service (v1 and v1beta1)
                                                                         and DRAResourceHealth (v1alpha1)
     <kubelet dir>/plugins_registry/models.weightcache.io-reg.sock       the Registration service
+    <kubelet dir>/plugins/models.weightcache.io/metadata/<claim uid>/   the claims' device metadata files
 
 The DRA service starts first and the registration socket last, so kubelet never finds an endpoint that does not
 answer; stopping goes the other way round. weightcache/daemon/dra.py wires it to the daemon (its store, its
@@ -53,6 +54,11 @@ def plugin_socket(kubelet_dir: Path) -> Path:
     return kubelet_dir / "plugins" / DRIVER_NAME / "dra.sock"
 
 
+def metadata_dir(kubelet_dir: Path) -> Path:
+    """Where the device metadata files (weightcache/dra/metadata.py) live on the host."""
+    return kubelet_dir / "plugins" / DRIVER_NAME / "metadata"
+
+
 def registration_socket(kubelet_dir: Path) -> Path:
     return kubelet_dir / "plugins_registry" / f"{DRIVER_NAME}-reg.sock"
 
@@ -92,7 +98,7 @@ async def serve_dra(*, store: Store, pool: str, kubelet_dir: Path, cdi_dir: Path
     conditions (both 1.36+, docs/dra.md)."""
     book = ClaimBook(store.layout.tree)
     model_claims = ModelClaims(store, book, pool=pool, cdi_dir=cdi_dir, claims=claims, authority=authority,
-                               fetchable=fetchable)
+                               fetchable=fetchable, metadata_dir=metadata_dir(kubelet_dir))
     await asyncio.to_thread(model_claims.reconcile)
     plugin_path, reg_path = plugin_socket(kubelet_dir), registration_socket(kubelet_dir)
     dra_server = grpc.aio.server()

@@ -40,12 +40,17 @@ def is_snapshot_id(value: object) -> bool:
     return is_hex(value, SNAPSHOT_ID_HEX)
 
 
-def snapshot_id_for(files: Iterable[FileEntry]) -> str:
-    """Digest of (path, size, sha256) of every file: the same tree gets the same id, whoever fetched it."""
+def tree_digest(files: Iterable[FileEntry]) -> str:
+    """sha256 (64 hex) of (path, size, sha256) of every file, sorted by path: the tree's content digest."""
     h = hashlib.sha256()
     for f in sorted(files, key=lambda f: f.path):
         h.update(f"{f.path}\0{f.size}\0{f.sha256}\n".encode())
-    return h.hexdigest()[:SNAPSHOT_ID_HEX]
+    return h.hexdigest()
+
+
+def snapshot_id_for(files: Iterable[FileEntry]) -> str:
+    """The first 40 hex of the tree digest: the same tree gets the same id, whoever fetched it."""
+    return tree_digest(files)[:SNAPSHOT_ID_HEX]
 
 
 @dataclass(frozen=True)
