@@ -2,6 +2,7 @@
 127.0.0.1 with a free port and its storage in a temp dir, artifacts pushed by the real `oras` SDK.
 
     reg = Registry.start(tmp_path)                        # plain HTTP, no auth; reg.stop() at the end
+    from tests.fixtures_registry import no_docker_config, registry  # a module's registry; autouse: no docker config
     digest = reg.push("models/tiny:v1", {"config.json": b"{}", "model.safetensors": data})   # ModelPack layers
     reg.blob_file(layer_digest).write_bytes(b"...")       # damage a blob behind the registry's back
 """
@@ -17,6 +18,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,8 +107,10 @@ class Registry:
         return client
 
     def push(self, target: str, files: dict[str, bytes], *, media_type: str = RAW, annotation: str | None = FILEPATH,
-             modelpack: bool = True, work: Path | None = None) -> str:
-        """Push `files` (relpath -> bytes) as one layer each with oras; returns the manifest's digest."""
+             modelpack: bool = True, work: Path | None = None, media_types: dict[str, str] | None = None,
+             layer_annotations: dict[str, dict[str, str]] | None = None) -> str:
+        """Push `files` (relpath -> bytes) as one layer each with oras; returns the manifest's digest.
+        `media_types` / `layer_annotations`: a layer's own, by relpath (a tar layer beside raw files)."""
         work = work or self.root.parent / f"push-{hashlib.sha256(target.encode()).hexdigest()[:8]}-{time.time_ns()}"
         work.mkdir(parents=True)
         annotations: dict[str, dict[str, str]] = {}
@@ -114,9 +118,10 @@ class Registry:
         for i, (relpath, data) in enumerate(files.items()):
             path = work / f"f{i}-{relpath.rsplit('/', 1)[-1]}"
             path.write_bytes(data)
-            paths.append(f"{path}:{media_type}")
+            paths.append(f"{path}:{(media_types or {}).get(relpath, media_type)}")
             if annotation:
                 annotations[str(path)] = {annotation: relpath}
+            annotations.setdefault(str(path), {}).update((layer_annotations or {}).get(relpath, {}))
             if annotation != "org.opencontainers.image.title":  # oras names the layer by basename; set ours
                 annotations.setdefault(str(path), {})["org.opencontainers.image.title"] = path.name
         config = work / "config.json"
@@ -160,6 +165,20 @@ class Registry:
         """The file the registry serves a blob from (filesystem driver layout)."""
         hexdigest = digest.partition(":")[2]
         return self.root / "docker/registry/v2/blobs/sha256" / hexdigest[:2] / hexdigest / "data"
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
+    """One registry for a test module (its tests use repositories and bytes of their own)."""
+    reg = Registry.start(tmp_path_factory.mktemp("registry"))
+    yield reg
+    reg.stop()
+
+
+@pytest.fixture(autouse=True)
+def no_docker_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Never the developer's own docker credentials: autouse in every module that imports it."""
+    monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "no-docker-config"))
 
 
 def docker_config(directory: Path, registry: str, user: str, password: str, *, name: str = "config.json") -> Path:

@@ -9,12 +9,11 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.fixtures_registry import Registry, docker_config
+from tests.fixtures_registry import Registry, docker_config, no_docker_config, registry  # noqa: F401 - fixtures
 from tests.grants import granted
 from weightcache.errors import InvalidReferenceError, SourceAccessDeniedError
 from weightcache.fetch import Fetcher
@@ -22,18 +21,6 @@ from weightcache.sources import oci_export
 from weightcache.sources.oci_export import export_snapshot, media_type
 from weightcache.store import Snapshot, Store
 from weightcache.uri import parse_ref
-
-
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
-    reg = Registry.start(tmp_path_factory.mktemp("registry"))
-    yield reg
-    reg.stop()
-
-
-@pytest.fixture(autouse=True)
-def no_docker_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "no-docker-config"))
 
 
 def model(seed: str, big: int = 0) -> dict[str, bytes]:

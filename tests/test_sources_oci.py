@@ -20,7 +20,15 @@ from typing import Any
 
 import pytest
 
-from tests.fixtures_registry import FILEPATH, MODEL_CONFIG, RAW, Registry, docker_config
+from tests.fixtures_registry import (  # noqa: F401 - no_docker_config, registry: fixtures
+    FILEPATH,
+    MODEL_CONFIG,
+    RAW,
+    Registry,
+    docker_config,
+    no_docker_config,
+    registry,
+)
 from tests.grants import granted
 from weightcache.errors import HostileKeyError, IntegrityError, SourceAccessDeniedError, SourceError
 from weightcache.fetch import Fetcher
@@ -31,18 +39,6 @@ from weightcache.uri import parse_ref
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
-
-
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
-    reg = Registry.start(tmp_path_factory.mktemp("registry"))
-    yield reg
-    reg.stop()
-
-
-@pytest.fixture(autouse=True)
-def no_docker_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "no-docker-config"))  # never the developer's own
 
 
 def files(seed: str, big: int = 0) -> dict[str, bytes]:
@@ -198,20 +194,22 @@ def _layer(digest: str, name: str, media_type: str = RAW, size: int = 5) -> dict
     ("traversal", HostileKeyError, "'..'"),
     ("absolute", HostileKeyError, "/etc/passwd"),
     ("unknown media type", SourceError, "unknown media type"),
-    ("tar layer", SourceError, "tar layers are not unpacked yet"),
+    ("tar+zstd layer", SourceError, "tar\\+zstd, which this build does not unpack"),
+    ("the store's own name", HostileKeyError, "the store's own directory"),
     ("twice", HostileKeyError, "named by two layers"),
     ("no name", SourceError, "names no file"),
     ("huge layer count", HostileKeyError, "layers, more than 10000"),
 ])
 def test_a_hostile_manifest_is_refused_clearly(registry: Registry, case: str, error: type[Exception],
                                                match: str) -> None:
-    repo = "models/hostile-" + case.replace(" ", "-")
+    repo = "models/hostile-" + "".join(c if c.isalnum() else "-" for c in case)  # a repository name
     blob = registry.put_blob(repo, b"hello")
     layers = {
         "traversal": [_layer(blob, "../../etc/cron.d/x")],
         "absolute": [_layer(blob, "/etc/passwd")],
         "unknown media type": [_layer(blob, "w.exe", "application/vnd.cncf.model.weight.v1.exe")],
-        "tar layer": [_layer(blob, "weights", "application/vnd.cncf.model.weight.v1.tar")],
+        "tar+zstd layer": [_layer(blob, "weights", "application/vnd.cncf.model.weight.v1.tar+zstd")],
+        "the store's own name": [_layer(blob, ".weightcache/layers/" + blob.partition(":")[2])],
         "twice": [_layer(blob, "a.bin"), _layer(blob, "a.bin")],
         "no name": [{"mediaType": RAW, "digest": blob, "size": 5}],
         "huge layer count": [_layer(blob, f"f{i}") for i in range(10_001)],

@@ -218,6 +218,9 @@ class Fetcher:
 
     def _fetch_once(self, ref: ModelRef, source: Source, reporter: _Reporter) -> Snapshot:
         started = time.monotonic()
+        # tar layers (oci://): listed as one hidden object each, downloaded and verified like any file, then
+        # replaced by their members (sources/oci_tar.py); taken before peers wrap the source
+        expand = getattr(source, "expand", None)
         objects = source.list()
         validate_tree(o.relpath for o in objects)
         self._check_revision(ref, source, objects)
@@ -246,12 +249,15 @@ class Fetcher:
         finally:  # the blobs have their names now (or the fetch failed): peers find one or nothing
             self._serve_partials(todo, False)
         reporter.phase("publishing")
-        entries = [FileEntry(i.relpath, i.size, i.sha256 or "", i.obj.etag, i.obj.version_id) for i in items]
+        listed = [FileEntry(i.relpath, i.size, i.sha256 or "", i.obj.etag, i.obj.version_id) for i in items]
+        entries = expand(listed, self.store) if expand is not None else listed  # `listed` itself: none to expand
+        if entries is not listed:
+            validate_tree(e.path for e in entries)  # members of two layers must not collide, nor with files
         # One syncfs makes the new blobs' bytes and names durable, and those of blobs linked on a checksum alone
         # (another fetch may have named them before their bytes synced). The disk works while publish links the
         # tree (2,000 small files: ~30 ms of each, overlapped); publish waits for it before the tree is renamed
         # into place.
-        unsynced = bool(todo) or any(i.unsynced_blob for i in items)
+        unsynced = bool(todo) or entries is not listed or any(i.unsynced_blob for i in items)
         with ThreadPoolExecutor(1, thread_name_prefix="wc-syncfs") as pool:
             synced = pool.submit(sync_filesystem, self.store.layout.partial) if unsynced else None
             snap = self.store.publish(ref, entries, before_commit=synced.result if synced else None)

@@ -7,9 +7,11 @@ The listing is the manifest (an OCI image manifest or a Docker v2 one; from an O
 list the linux/amd64 entry, or the only entry of an artifact's index). Each layer is one file, named by its
 file-path annotation: ModelPack's `org.cncf.model.filepath` (and the earlier `org.cnai.model.filepath`), else
 ORAS's `org.opencontainers.image.title`; the name is checked like every key (`store.paths.validate_relpath`).
-Raw layers are files; tar layers (ModelPack's `*.tar`, `*.tar+gzip`, `*.tar+zstd`, an ORAS directory with
-`io.deis.oras.content.unpack`) are refused with a clear error for now: unpacking them means hashing the whole
-blob before a member is trusted, which the ranged engine does not yet do (docs/sources.md).
+Raw layers are files. A tar layer (ModelPack's `*.tar`, `*.tar+gzip`; an ORAS directory with
+`io.deis.oras.content.unpack`) is listed as one hidden object, `.weightcache/layers/<hex digest>`, that the engine
+downloads and verifies like any file; `expand` then replaces it by its members (sources/oci_tar.py), each a blob
+of its own, so a member is used only once the whole layer hashed to its digest. `*.tar+zstd` is refused at
+listing: no zstd decoder is a dependency (docs/sources.md, "Tar layers").
 
 Blobs are read by ranged GETs (`GET /v2/<repo>/blobs/<digest>`, redirects followed without credentials to other
 hosts), so the engine's parallel, resumable, verified download applies. Every layer's digest checks the bytes
@@ -54,13 +56,14 @@ from weightcache.sources.base import (
     read_body_into,
     read_range_into,
 )
+from weightcache.sources.oci_tar import COMPRESSIONS, HIDDEN, expand_layers
 from weightcache.sources.registry import INSECURE_ENV, NETWORK_ERRORS, RegistryClient, docker_credentials, plain_http
 from weightcache.store.paths import validate_relpath
 from weightcache.units import ascii_int
 from weightcache.uri import OCI_DIGEST, ModelRef
 
 if TYPE_CHECKING:
-    from weightcache.store import Snapshot
+    from weightcache.store import FileEntry, Snapshot, Store
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +90,6 @@ _MODEL_CONFIG = re.compile(r"^application/vnd\.(?:cncf|cnai)\.model\.config\.v1\
 _MODEL_ARTIFACT = re.compile(r"^application/vnd\.(?:cncf|cnai)\.model\.manifest\.v1\+json$")
 #: RFC 6838 type/subtype
 _MEDIA_TYPE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]{0,126}/[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]{0,126}$")
-_TAR_NEXT = ("tar layers are not unpacked yet (docs/sources.md, oci://): push each file as its own raw layer "
-             "(ModelPack `*.raw` media types, or `oras push` of files rather than a directory)")
 
 
 class OciSource:
@@ -107,6 +108,7 @@ class OciSource:
         self.scheme, self.base = self.client.scheme, self.client.base
         self.trusted = False  # the listing's manifest was pinned by digest and hashed to it
         self.manifest_digest: str | None = None
+        self.tars: dict[str, tuple[str, str]] = {}  # the listing's tar layers: hex digest -> (name, compression)
 
     def __repr__(self) -> str:
         return f"OciSource({str(self.ref)!r})"
@@ -116,7 +118,21 @@ class OciSource:
         manifest, trusted = self._resolve()
         objects = self._objects(manifest, trusted)
         self.trusted = trusted
-        return finish_listing(self.ref, objects, hint=f"the artifact {self.ref} has no file layers")
+        hint = f"the artifact {self.ref} has no file layers"
+        tars = [o for o in objects if o.relpath.startswith(HIDDEN)]
+        if not tars:
+            return finish_listing(self.ref, objects, hint=hint)
+        # a tar layer's members are not known before it is read: the globs select them in expand
+        files = [o for o in objects if not o.relpath.startswith(HIDDEN) and self.ref.matches(o.relpath)]
+        return sorted(files + tars, key=lambda o: o.relpath)
+
+    def expand(self, entries: builtins.list[FileEntry], store: Store) -> builtins.list[FileEntry]:
+        """The fetch engine's hook between download and publish (fetch.py `_fetch_once`): each downloaded tar
+        layer replaced by its members passing the globs, written as blobs of `store`; `entries` itself when the
+        listing had no tar layer."""
+        if not any(e.path.startswith(HIDDEN) for e in entries):
+            return entries
+        return expand_layers(entries, self.tars, store, key=self.ref.key, uri=self.ref.uri, keep=self.ref.matches)
 
     def claimed_sha256(self, obj: ObjectInfo) -> str | None:
         """The layer's digest: the registry's content address, a claim that checks the downloaded bytes."""
@@ -151,7 +167,13 @@ class OciSource:
             log.warning("%s: cannot tell whether the tag moved (%s); serving the cached snapshot %s", self.ref,
                         str(exc)[:300], snapshot.id[:12])
             return True
-        return {(o.relpath, o.size, o.etag) for o in listed} == {(f.path, f.size, f.etag) for f in snapshot.files}
+        # a tar layer's members carry the layer's digest as their etag (a raw file's etag is its own sha256)
+        files = {(f.path, f.size, f.etag) for f in snapshot.files if f.etag == f.sha256}
+        layers = {f.etag for f in snapshot.files if f.etag != f.sha256}
+        tars = {o.etag for o in listed if o.relpath.startswith(HIDDEN)}
+        # under globs a layer may give no file, so it may be in the listing and not in the snapshot
+        same_tars = layers == tars or (bool(self.ref.include or self.ref.exclude) and layers <= tars)
+        return same_tars and {(o.relpath, o.size, o.etag) for o in listed if not o.relpath.startswith(HIDDEN)} == files
 
     def close(self) -> None:
         self.client.close()
@@ -217,6 +239,7 @@ class OciSource:
                         for t in (config_type, artifact_type))
         objects: builtins.list[ObjectInfo] = []
         names: set[str] = set()
+        self.tars = {}
         for i, raw in enumerate(layers):
             layer = _descriptor(raw, f"{self.ref} layer {i}")
             media_type, annotations = layer["mediaType"], layer["annotations"]
@@ -226,6 +249,8 @@ class OciSource:
                 raise SourceError(f"{what} names no file (no {' / '.join(FILEPATH_ANNOTATIONS)} annotation): "
                                   "not a ModelPack or ORAS artifact")
             relpath = validate_relpath(name)
+            if relpath.split("/", 1)[0] == HIDDEN.split("/", 1)[0]:
+                raise HostileKeyError(relpath, f"names the store's own directory {HIDDEN.split('/', 1)[0]!r}")
             if relpath in names:
                 raise HostileKeyError(relpath, f"named by two layers of {self.ref}")
             names.add(relpath)
@@ -234,9 +259,19 @@ class OciSource:
                 raise SourceError(f"{what}: unknown media type for a ModelPack layer {media_type[:100]!r}; known: "
                                   "application/vnd.cncf.model.{weight,weight.config,config,doc,code,dataset}"
                                   ".v1.{raw,tar,tar+gzip,tar+zstd} (and vnd.cnai.model.*)")
-            if (model and model.group(1) != "raw") or annotations.get(ORAS_UNPACK, "").lower() == "true":
-                raise SourceError(f"{what} is a tar layer for {relpath!r}: {_TAR_NEXT}")
             hexdigest = layer["digest"].partition(":")[2]
+            compression = _tar_compression(media_type, model.group(1) if model else None,
+                                           annotations.get(ORAS_UNPACK, "").lower() == "true")
+            if compression is not None:
+                if compression not in COMPRESSIONS:
+                    raise SourceError(f"{what} for {relpath!r} is {compression}, which this build does not unpack: "
+                                      f"push it as {' or '.join(COMPRESSIONS)}, or each file as its own raw layer")
+                if hexdigest in self.tars:
+                    raise HostileKeyError(relpath, f"is a tar layer of {self.ref} that another layer is too")
+                self.tars[hexdigest] = (relpath, compression)
+                objects.append(ObjectInfo(f"{self.base}blobs/{layer['digest']}", HIDDEN + hexdigest, layer["size"],
+                                          hexdigest, None, None))
+                continue
             # never evidence (checksum None), even under a pinned manifest: the registry (or whoever wrote the
             # manifest the tenant pinned) names any digest it likes, and linking one unread would hand it another
             # tenant's blob; the digest checks the bytes downloaded (claimed_sha256), as the hub's lfs.sha256 does
@@ -277,6 +312,19 @@ class OciSource:
     def _request(self, url: str, headers: dict[str, str], what: str, ok: tuple[int, ...] = (200,)) -> Any:
         """GET `url` through the registry client (auth, redirects, errors); the checked response, body unread."""
         return self.client.request("GET", url, what, headers=headers, ok=ok)
+
+
+
+def _tar_compression(media_type: str, modelpack: str | None, oras_unpack: bool) -> str | None:
+    """A tar layer's compression (None: a raw file). ModelPack says it in the media type; an ORAS directory is
+    gzip (as oras writes and reads it) unless its media type ends in `.tar` (or says zstd)."""
+    if modelpack is not None:
+        return None if modelpack == "raw" else modelpack
+    if not oras_unpack:
+        return None
+    if media_type.endswith(("+zstd", ".zstd")):
+        return "tar+zstd"
+    return "tar" if media_type.endswith(".tar") else "tar+gzip"
 
 
 # -- registry documents ----------------------------------------------------------------------------------------

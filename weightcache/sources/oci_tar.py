@@ -12,24 +12,42 @@ has `..`, NUL or more than the store allows (`store.paths.validate_relpath`), or
 under it; a name twice, a file under a file; more than `max_members` members, more than `max_bytes` unpacked, an
 extended (pax or GNU long-name) header over `max_header_bytes`. A damaged or truncated tar is a `SourceError`.
 Nothing here writes outside what `write` does; the caller drops what was written when this raises.
+
+    expand_layers(entries, tars, store, key=..., uri=..., keep=ref.matches) -> entries
+
+is the fetch engine's side (OciSource.expand): each hidden entry `.weightcache/layers/<hex>` (a tar layer the
+engine downloaded and verified as blob `<hex>`) replaced by the layer's members, written as blobs of `store`
+through its no-follow paths (small ones by the BlobWriter, the rest as parts in partial/ that become blobs).
+The blob is hashed again while it is unpacked and the members are returned only when it hashes to the layer's
+digest (an existing blob wins over a download in the store, so the bytes read are checked, not the download).
 """
 
 from __future__ import annotations
 
+import errno
 import gzip
 import hashlib
+import os
+import stat
 import tarfile
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass
-from typing import IO, Any, cast
+from typing import IO, TYPE_CHECKING, Any, cast
 
-from weightcache.errors import HostileKeyError, SourceError
+from weightcache.errors import HostileKeyError, IntegrityError, SourceError
 from weightcache.store.paths import validate_relpath
+from weightcache.store.types import FileEntry
+
+if TYPE_CHECKING:
+    from weightcache.store import BlobWriter, Store
 
 MAX_MEMBERS = 100_000
 MAX_BYTES = 4 << 40  # unpacked bytes of one layer: a gzip bomb stops here (the engine also checks free space)
 MAX_HEADER_BYTES = 64 << 10
 COMPRESSIONS = ("tar", "tar+gzip")  # tar+zstd needs a zstd decoder this build does not carry
+HIDDEN = ".weightcache/layers/"  # a tar layer's entry until it is unpacked; no model file may be named under it
+SMALL_MEMBER = 4 << 20  # a member up to this is read whole and written straight to its blob (BlobWriter)
 
 _EXTENDED = {tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNAME,
              tarfile.GNUTYPE_LONGLINK}
@@ -158,4 +176,129 @@ def sha256_of(read: Callable[[int], bytes], size: int, sink: Callable[[bytes], o
     return h.hexdigest()
 
 
-__all__ = ["COMPRESSIONS", "Limits", "Unpacked", "sha256_of", "unpack_layer"]
+class _Hashing:
+    """The blob as read: every byte hashed and counted, whatever reads it (gzip or tar)."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        self.raw, self.sha256, self.size = raw, hashlib.sha256(), 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.raw.read(n)
+        self.sha256.update(data)
+        self.size += len(data)
+        return data
+
+    def drain(self) -> None:
+        """Read what the tar's end left (padding, gzip trailer, anything appended) so all of it is hashed."""
+        while self.read(1 << 20):
+            pass
+
+
+class _Members:
+    """`write` for unpack_layer: each member a blob of the store, hashed from the bytes written."""
+
+    def __init__(self, store: Store, blobs: BlobWriter, prefix: str) -> None:
+        self.store, self.blobs, self.prefix = store, blobs, prefix
+        self.partial = store.partial_dir()
+        self.parts: list[tuple[str, str]] = []  # (part name in partial/, sha256), to become blobs
+
+    def __call__(self, relpath: str, size: int, read: Callable[[int], bytes]) -> str:
+        if size <= SMALL_MEMBER and self.blobs.usable:
+            data = bytearray()
+            sha = sha256_of(read, size, data.extend)
+            if self.blobs.write(sha, memoryview(data)):
+                return sha
+
+            def fill(sink: Callable[[bytes], object]) -> str:
+                sink(bytes(data))
+                return sha
+            return self._part(fill)
+        return self._part(lambda sink: sha256_of(read, size, sink))
+
+    def _part(self, fill: Callable[[Callable[[bytes], object]], str]) -> str:
+        """A part file in partial/ (named for the fetch's model, so gc leaves it while the fetch holds its lock),
+        created afresh without following a link planted at its name."""
+        name = f"{self.prefix}.{len(self.parts)}.part"
+        with self.store.tree.dir(self.partial) as dfd:
+            with suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=dfd)  # a crashed run's; never followed
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o444, dir_fd=dfd)
+        with os.fdopen(fd, "wb") as out:
+            self.parts.append((name, ""))
+            sha = fill(out.write)
+        self.parts[-1] = (name, sha)
+        return sha
+
+    def publish(self) -> None:
+        self.store.add_blobs(((self.partial / name, sha) for name, sha in self.parts), durable=True)
+        self.parts = []
+
+    def discard(self) -> None:
+        with self.store.tree.dir(self.partial) as dfd:
+            for name, _ in self.parts:
+                with suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=dfd)
+
+
+def _open_blob(store: Store, hexdigest: str, size: int) -> IO[bytes]:
+    """The downloaded layer's blob, opened without following a link; of the layer's size."""
+    from weightcache.store import BlobMissingError
+
+    blob = store.layout.blob(hexdigest)
+    try:
+        with store.tree.dir(blob.parent) as dfd:
+            fd = os.open(blob.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOENT, errno.ELOOP):
+            raise
+        raise BlobMissingError(f"the tar layer's blob {hexdigest} vanished before it was unpacked") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+        os.close(fd)
+        raise IntegrityError(f"the blob {hexdigest} of a tar layer is not a file of {size} bytes; run "
+                             "`weightcache verify` and fetch again")
+    return os.fdopen(fd, "rb")
+
+
+def expand_layers(entries: list[FileEntry], tars: dict[str, tuple[str, str]], store: Store, *, key: str, uri: str,
+                  keep: Callable[[str], bool], limits: Limits = Limits()) -> list[FileEntry]:
+    """`entries` with each hidden tar-layer entry replaced by the layer's members that `keep` (the reference's
+    globs), each member's etag the layer's digest (what OciSource.still_names compares). `tars`: the listing's
+    hex digest -> (layer name, compression). Members are written whether kept or not (a hard link may name a
+    member the globs leave out): the blobs of those left out are no file of the snapshot and go with gc. The
+    layer's own blob is removed once unpacked (the disk would hold the model twice), unless a snapshot links it;
+    a fetch of another model unpacking the same layer then finds it gone (BlobMissingError) and the engine
+    starts that fetch over."""
+    out = [e for e in entries if not e.path.startswith(HIDDEN)]
+    hidden = [e for e in entries if e.path.startswith(HIDDEN)]
+    store.ensure_space(sum(e.size for e in hidden), uri=uri)  # at least as much again (gzip: more)
+    for entry in hidden:
+        hexdigest = entry.path[len(HIDDEN):]
+        name, compression = tars[hexdigest]
+        if entry.sha256 != hexdigest:  # the engine verified the download against the digest: never the case
+            raise IntegrityError(f"{name}: the tar layer {hexdigest} was stored as {entry.sha256}")
+        with store.blob_writer() as blobs:
+            members = _Members(store, blobs, f"{key}.tar-{hexdigest[:16]}")
+            try:
+                with _open_blob(store, hexdigest, entry.size) as raw:
+                    stream = _Hashing(raw)
+                    unpacked = unpack_layer(cast(IO[bytes], stream), name, compression, members, limits)
+                    stream.drain()
+                got = stream.sha256.hexdigest()
+                if got != hexdigest or stream.size != entry.size:
+                    raise IntegrityError(f"{name}: the tar layer's blob hashes to {got} ({stream.size} bytes), not "
+                                         f"to its digest {hexdigest}; run `weightcache verify` and fetch again")
+                if not unpacked:  # it would name no file of the snapshot, and a moved tag could not be told
+                    raise SourceError(f"{name}: the tar layer {hexdigest[:12]} holds no file; push files, or drop "
+                                      "the layer")
+                members.publish()
+            except BaseException:
+                members.discard()
+                raise
+        with store.locked():  # no publish links it meanwhile: the layer's blob is no file of a snapshot
+            store.tree.unlink_if_single_link(store.layout.blob(hexdigest))
+        out += [FileEntry(u.relpath, u.size, u.sha256, hexdigest, None) for u in unpacked if keep(u.relpath)]
+    return out
+
+
+__all__ = ["COMPRESSIONS", "HIDDEN", "Limits", "Unpacked", "expand_layers", "sha256_of", "unpack_layer"]
