@@ -21,7 +21,12 @@ COPY weightcache /src/weightcache
 # our own package only, built with the locked setuptools: its dependencies are all in the lock above
 RUN /opt/weightcache/bin/pip install --no-deps --no-build-isolation /src \
  && /opt/weightcache/bin/pip uninstall -y setuptools pip \
- && find /opt/weightcache -name '__pycache__' -prune -exec rm -rf {} +
+ && find /opt/weightcache -name '__pycache__' -prune -exec rm -rf {} + \
+ && /opt/weightcache/bin/python -m compileall -q -j 0 --invalidation-mode unchecked-hash /opt/weightcache/lib
+# Bytecode in the image: without it every start compiles each module it imports (PYTHONDONTWRITEBYTECODE keeps
+# nothing), 0.1-0.3 CPU s per CLI call. pip's own .pyc files are dropped above (they embed the install time);
+# hash-based ones depend only on the source, so the layer stays reproducible, and unchecked: nothing in the
+# image changes a source file.
 
 FROM ${PYTHON_IMAGE}
 COPY --from=build /opt/weightcache /opt/weightcache

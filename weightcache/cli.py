@@ -18,7 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from weightcache import __version__, defaults
+import weightcache
+from weightcache import defaults
 from weightcache.cli_backends import DaemonCache, StoreCache, match, open_cache
 from weightcache.errors import (
     ConfigError,
@@ -458,7 +459,7 @@ def cmd_version(args: argparse.Namespace) -> int:
     from weightcache.store.index import SCHEMA_VERSION
     from weightcache.store.records import MANIFEST_VERSION
 
-    info: dict[str, Any] = {"version": __version__, "python": platform.python_version(),
+    info: dict[str, Any] = {"version": weightcache.__version__, "python": platform.python_version(),
                             "implementation": platform.python_implementation(), "platform": platform.platform(),
                             "store_format": {"manifest": MANIFEST_VERSION, "index_schema": SCHEMA_VERSION}}
     if args.output == "json":
@@ -472,9 +473,17 @@ def cmd_version(args: argparse.Namespace) -> int:
 
 
 # -- parser -----------------------------------------------------------------------------------------------------
+class _Version(argparse.Action):
+    """--version, reading the version only when asked: importlib.metadata is not loaded by every command."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        print(f"weightcache {weightcache.__version__}")  # to stdout, as argparse's own version action
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="weightcache", description="Node-local model weight cache.")
-    parser.add_argument("--version", action="version", version=f"weightcache {__version__}")
+    parser.add_argument("--version", action=_Version, nargs=0, help="show the version and exit")
     parser.add_argument("--log-level", default=os.environ.get("WEIGHTCACHE_LOG_LEVEL", "WARNING"))
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from weightcache.redact import redact
-from weightcache.store import tmp_name
 from weightcache.units import fmt_bytes
 
 
@@ -117,6 +116,8 @@ class RateMeter:
 
 def write_progress_file(path: Path, progress: Progress) -> None:
     """tmp + rename without fsync: progress is advisory and rewritten a few times a second."""
+    from weightcache.store import tmp_name  # the store package only where a fetch writes progress: not at CLI start
+
     tmp = tmp_name(path)
     try:
         tmp.write_text(json.dumps(progress.to_wire()))
