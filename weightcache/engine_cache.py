@@ -28,6 +28,7 @@ Anything refused leaves nothing published and removes what it wrote.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -44,9 +45,12 @@ from pathlib import Path
 from typing import IO, Any, Protocol, cast
 
 from weightcache.access import Requester
-from weightcache.errors import HostileKeyError, InvalidRequestError
+from weightcache.engine_name import EngineName
+from weightcache.engine_name import invalid as _bad
+from weightcache.errors import HostileKeyError
 from weightcache.store import FileEntry, Snapshot, Store, validate_relpath
 from weightcache.uri import ModelRef
+from weightcache.vocabulary import ENGINE_CACHE_READY
 
 log = logging.getLogger(__name__)
 
@@ -58,46 +62,12 @@ MAX_HEADER_BYTES = 64 << 10  # one pax / GNU long-name extended header
 CHUNK = 1 << 20
 
 _SNAPSHOT_ID = re.compile(r"[0-9a-f]{40}")
-_ENGINE = re.compile(r"[a-z][a-z0-9_]{0,31}")
-_VERSION = re.compile(r"[0-9A-Za-z][0-9A-Za-z.+_]{0,63}")
-_DEVICE = re.compile(r"[a-z0-9][a-z0-9_.]{0,31}")
 _NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 _EXTENDED = {tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNAME,
              tarfile.GNUTYPE_LONGLINK}
 _KINDS = {tarfile.SYMTYPE: "a symlink", tarfile.LNKTYPE: "a hard link", tarfile.CHRTYPE: "a character device",
           tarfile.BLKTYPE: "a block device", tarfile.FIFOTYPE: "a FIFO", tarfile.CONTTYPE: "a contiguous file",
           tarfile.GNUTYPE_SPARSE: "a sparse file"}
-
-
-def _bad(message: str) -> InvalidRequestError:
-    return InvalidRequestError("engine cache", message)
-
-
-@dataclass(frozen=True)
-class EngineName:
-    """What the requester declares: engine, its version and the device kind, written `vllm-0.32.0-cpu`."""
-
-    engine: str
-    version: str
-    device: str
-
-    def __post_init__(self) -> None:
-        for value, pattern, what, example in ((self.engine, _ENGINE, "engine", "vllm"),
-                                              (self.version, _VERSION, "version", "0.32.0"),
-                                              (self.device, _DEVICE, "device", "cpu, h100, mi300x")):
-            if not isinstance(value, str) or not pattern.fullmatch(value):
-                raise _bad(f"{what} {str(value)[:80]!r} is not a valid {what} name (like {example}; no '-')")
-
-    @classmethod
-    def parse(cls, text: str) -> EngineName:
-        """`vllm-0.32.0-cpu` -> EngineName('vllm', '0.32.0', 'cpu')."""
-        parts = text.split("-") if isinstance(text, str) else []
-        if len(parts) != 3:
-            raise _bad(f"{str(text)[:80]!r} is not ENGINE-VERSION-DEVICE, like vllm-0.32.0-cpu")
-        return cls(*parts)
-
-    def __str__(self) -> str:
-        return f"{self.engine}-{self.version}-{self.device}"
 
 
 @dataclass(frozen=True)
@@ -142,11 +112,15 @@ def lookup(store: Store, model: Snapshot, name: EngineName, who: Requester) -> S
     put, else one the admin put; None when there is none. The caller authorized `who` for `model` first."""
     domains = [domain_of(who)] + ([ADMIN_DOMAIN] if who.namespace is not None else [])
     for domain in domains:
-        key = EngineCacheKey(model.id, name, domain)
-        found = store.lookup(key.ref)
-        if found is not None and found.uri == key.ref.uri:
+        found = _exact(store, EngineCacheKey(model.id, name, domain))
+        if found is not None:
             return found
     return None
+
+
+def _exact(store: Store, key: EngineCacheKey) -> Snapshot | None:
+    found = store.lookup(key.ref)
+    return found if found is not None and found.uri == key.ref.uri else None
 
 
 @dataclass(frozen=True)
@@ -330,6 +304,43 @@ def ingest_dir(store: Store, key: EngineCacheKey, directory: str | Path, limits:
     """Publish directory `directory` (e.g. under a pod's volume) as the engine cache `key`: walked one component
     at a time with O_NOFOLLOW through directory descriptors, so a symlink anywhere is refused, never followed;
     only directories and regular files; the same bounds as a tar."""
+    with _locked(store, key):
+        return _ingest_dir(store, key, directory, limits)
+
+
+def hand_over(store: Store, key: EngineCacheKey, directory: str | Path, limits: Limits = Limits()) -> Snapshot | None:
+    """A pod's engine-cache volume, read back when the pod has ended (weightcache/csi/node.py): published as `key`
+    when it holds the pod's ready file (vocabulary.ENGINE_CACHE_READY, a regular file at its root: the engine
+    served) and no cache has that key yet (the first hand-over wins; a later one never replaces what pods already
+    got). The ready file itself is not part of the cache. None when nothing was handed over; InvalidRequestError
+    when the directory was refused (a symlink, a FIFO, past the bounds)."""
+    with _locked(store, key):
+        if _exact(store, key) is not None:
+            log.info("engine cache %s exists already; the pod's copy is not handed over", key)
+            return None
+        if not _ready(directory):
+            log.info("engine cache %s: the pod wrote no %s at its volume's root (its engine never served), so "
+                     "nothing is handed over", key, ENGINE_CACHE_READY)
+            return None
+        return _ingest_dir(store, key, directory, limits, skip=frozenset({ENGINE_CACHE_READY}))
+
+
+def _ready(directory: str | Path) -> bool:
+    try:
+        top = os.open(directory, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        return stat.S_ISREG(os.stat(ENGINE_CACHE_READY, dir_fd=top, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+    finally:
+        os.close(top)
+
+
+def _ingest_dir(store: Store, key: EngineCacheKey, directory: str | Path, limits: Limits,
+                skip: frozenset[str] = frozenset()) -> Snapshot:
+    """ingest_dir under the key's lock, which the caller holds; `skip`: names at the top left out."""
     staging = _Staging(store, key, limits)
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
@@ -337,21 +348,62 @@ def ingest_dir(store: Store, key: EngineCacheKey, directory: str | Path, limits:
     except OSError as exc:
         raise _bad(f"{str(directory)[:200]!r} is not a directory that can be read without following a "
                    f"symlink ({os.strerror(exc.errno or errno.EIO)})") from None
-    with _locked(store, key):
-        try:
-            _walk(top, "", staging, flags)
-            snapshot = staging.commit()
-        except BaseException:
-            staging.abort()
-            raise
-        finally:
-            os.close(top)
+    try:
+        _walk(top, "", staging, flags, skip)
+        snapshot = staging.commit()
+    except BaseException:
+        staging.abort()
+        raise
+    finally:
+        os.close(top)
     log.info("engine cache %s published from %s as snapshot %s", key, directory, snapshot.id[:12])
     return snapshot
 
 
-def _walk(dfd: int, prefix: str, staging: _Staging, flags: int) -> None:
+def copy_into(snapshot: Snapshot, directory: str | Path) -> None:
+    """Copy engine cache `snapshot` into `directory`, a pod's fresh, private scratch filesystem that no container
+    has seen yet: the engine writes into its cache root on a hit too, and the artifact itself must stay read-only
+    for every pod (a hard link would let a root container chmod and rewrite the blob every other pod reads).
+    Directories 0777 and files 0666: the pod may run as any uid, and nobody else mounts its scratch."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC
+    top = os.open(directory, flags)
+    try:
+        for entry in snapshot.files:
+            *parents, name = validate_relpath(entry.path).split("/")
+            dfd = os.dup(top)
+            try:
+                for part in parents:
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(part, 0o777, dir_fd=dfd)
+                        os.chmod(part, 0o777, dir_fd=dfd, follow_symlinks=False)  # past the daemon's umask
+                    child = os.open(part, flags, dir_fd=dfd)
+                    os.close(dfd)
+                    dfd = child
+                out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666,
+                              dir_fd=dfd)
+                try:
+                    os.fchmod(out, 0o666)
+                    with open(snapshot.path / entry.path, "rb") as src:  # the store's own tree
+                        while data := src.read(CHUNK):
+                            _write_all(out, data)
+                finally:
+                    os.close(out)
+            finally:
+                os.close(dfd)
+    finally:
+        os.close(top)
+
+
+def scratch_bounds(limits: Limits = Limits()) -> tuple[int, int]:
+    """(bytes, inodes) of a pod's engine-cache scratch filesystem: what a hand-over may take, the root directory
+    and the ready file beside it. The filesystem's own limits are what bound a pod that writes more."""
+    return limits.max_bytes, limits.max_entries + 2
+
+
+def _walk(dfd: int, prefix: str, staging: _Staging, flags: int, skip: frozenset[str] = frozenset()) -> None:
     for name in sorted(os.listdir(dfd)):
+        if name in skip:
+            continue
         staging.count_entry()
         rel = f"{prefix}{name}"
         st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
@@ -439,5 +491,5 @@ def body_limit(limits: Limits) -> int:
     return limits.max_bytes + limits.max_entries * (1024 + 2 * limits.max_header_bytes) + (1 << 20)
 
 
-__all__ = ["ADMIN_DOMAIN", "SCHEME", "EngineCacheKey", "EngineName", "Limits", "Pipe", "body_limit", "domain_of",
-           "ingest_dir", "ingest_tar", "is_engine_cache", "lookup"]
+__all__ = ["ADMIN_DOMAIN", "SCHEME", "EngineCacheKey", "EngineName", "Limits", "Pipe", "body_limit", "copy_into",
+           "domain_of", "hand_over", "ingest_dir", "ingest_tar", "is_engine_cache", "lookup", "scratch_bounds"]

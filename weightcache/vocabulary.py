@@ -36,3 +36,9 @@ DRA_HOLDER_PREFIX = "dra:"
 MODEL_KEY_LABEL = f"{GROUP}/model-key"
 SIZE_BYTES_ANNOTATION = f"{GROUP}/size-bytes"  # a ModelCache's selected bytes: `prefetch --cluster` writes it, the DRA
 #   driver's fetchable devices consume it from the node's counter (docs/dra.md)
+
+# An engine's compile cache handed to a pod (docs/engine-caches.md): the CSI volume attribute the webhook writes and
+# the plugin reads (`engineCache: vllm-0.32.0-cpu`), and the file a pod writes at that volume's root once its engine
+# has served; only a volume that started empty and holds it is handed over when the pod ends.
+ENGINE_CACHE_ATTRIBUTE = "engineCache"
+ENGINE_CACHE_READY = ".weightcache-ready"

@@ -31,6 +31,7 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND = 1, 2, 4, 32, 4096
 UMOUNT_NOFOLLOW = 8  # a target that became a symlink is not followed to unmount something else
 READ_ONLY_OPTIONS = frozenset({"ro", "nosuid", "nodev"})
 MOUNTINFO = Path("/proc/self/mountinfo")
+SCRATCH_SOURCE = "weightcache-engine-cache"  # the source of our tmpfs scratch mounts: how unpublish knows its own
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p]
@@ -121,6 +122,40 @@ def bind_readonly_at(source: str | os.PathLike[str], parent_fd: int, name: str, 
         unmount(shown)
         raise
     return entry
+
+
+def tmpfs_at(parent_fd: int, name: str, shown: str, *, size_bytes: int, inodes: int,
+             readonly: bool = False) -> MountEntry:
+    """Mount a fresh tmpfs of at most `size_bytes` and `inodes` (nosuid, nodev; `ro` when `readonly`) on directory
+    `name` of the directory open as `parent_fd`, like `bind_readonly_at`; verified in mountinfo. A pod's engine
+    cache scratch: the filesystem's own bounds stop a pod that writes more (it gets ENOSPC, nobody else does),
+    its pages are charged to the memory cgroup of whoever writes them, and it is gone with the unmount."""
+    flags = MS_NOSUID | MS_NODEV | (MS_RDONLY if readonly else 0)
+    options = f"size={int(size_bytes)},nr_inodes={int(inodes)},mode=0777".encode()
+    fd = open_dir(parent_fd, name, shown, create=True)
+    try:
+        _syscall("mount tmpfs", _libc.mount(SCRATCH_SOURCE.encode(), _fd_path(fd), b"tmpfs", flags, options), shown)
+    finally:
+        os.close(fd)
+    try:
+        root = open_dir(parent_fd, name, shown, create=False)
+        try:
+            entry = _entry_of(root)
+        finally:
+            os.close(root)
+        wanted = {"nosuid", "nodev", "ro" if readonly else "rw"}
+        if entry is None or not is_scratch(entry) or not wanted.issubset(entry.options):
+            seen = f"{entry.fstype} {sorted(entry.options)}" if entry else "nothing"
+            raise MountError(errno.EIO, f"mount table shows {seen} at {shown}, wanted tmpfs {sorted(wanted)}")
+    except BaseException:
+        unmount(shown)
+        raise
+    return entry
+
+
+def is_scratch(entry: MountEntry) -> bool:
+    """Whether `entry` is one of our engine-cache scratch filesystems (kubelet's memory emptyDirs say `tmpfs`)."""
+    return entry.fstype == "tmpfs" and entry.source == SCRATCH_SOURCE
 
 
 def _fd_path(fd: int) -> bytes:

@@ -36,12 +36,14 @@ from typing import Any, TypeVar
 
 import grpc
 
+from weightcache import engine_cache
 from weightcache.access import Authority, Grant, Requester
 from weightcache.csi import mounts
 from weightcache.csi._pb import csi_pb2, csi_pb2_grpc
 from weightcache.csi.errors import quiet_rpc, rpc
 from weightcache.csi.reconcile import SnapshotMounts, VolumeBook, VolumeRecord
 from weightcache.csi.targets import KubeletTargets, TargetMissingError
+from weightcache.engine_name import EngineName
 from weightcache.errors import (
     FetchPendingError,
     InvalidReferenceError,
@@ -51,6 +53,7 @@ from weightcache.errors import (
     OperationPendingError,
     VolumeConflictError,
     VolumeNotFoundError,
+    WeightcacheError,
 )
 from weightcache.fetch_queue import FetchQueue
 from weightcache.hf_layout import hub_cache
@@ -58,6 +61,7 @@ from weightcache.memory import MemoryTier
 from weightcache.store import Snapshot, Store
 from weightcache.store.holders import csi_holder as holder_for
 from weightcache.uri import ModelRef, parse_globs, parse_ref, validate_repo_id
+from weightcache.vocabulary import ENGINE_CACHE_ATTRIBUTE
 
 logger = logging.getLogger(__name__)
 
@@ -85,18 +89,22 @@ class PublishArgs:
     pod_name: str
     pod_uid: str
     hf_repo: str | None = None  # volume_context.hfRepo: mount the snapshot as a hub cache for this repo
+    engine_cache: EngineName | None = None  # volume_context.engineCache: the pod's engine cache, not the model
+    readonly: bool = True
 
-    def record(self, snapshot_id: str) -> VolumeRecord:
+    def record(self, snapshot_id: str, *, handover: bool = False) -> VolumeRecord:
         return VolumeRecord(self.volume_id, self.target_path, str(self.ref), snapshot_id, self.tier,
-                            self.pod_namespace, self.pod_name, self.pod_uid, time.time())
+                            self.pod_namespace, self.pod_name, self.pod_uid, time.time(),
+                            engine_cache=str(self.engine_cache or ""), handover=handover)
 
     def matches(self, record: VolumeRecord) -> bool:
         """Whether `record` is this very volume (a kubelet retry), not another use of the id."""
         if record.adopted:  # rebuilt from the mount table after a restart: only the target is known
             return record.target_path == self.target_path
         return (record.target_path, record.model, record.tier, record.pod_namespace, record.pod_name,
-                record.pod_uid) == (self.target_path, str(self.ref), self.tier, self.pod_namespace, self.pod_name,
-                                    self.pod_uid)
+                record.pod_uid, record.engine_cache) == (self.target_path, str(self.ref), self.tier,
+                                                         self.pod_namespace, self.pod_name, self.pod_uid,
+                                                         str(self.engine_cache or ""))
 
 
 def _require_id(value: str, field: str) -> str:
@@ -141,10 +149,11 @@ def parse_publish(request: csi_pb2.NodePublishVolumeRequest) -> PublishArgs:
                                   "filesystem (mount) volume")
     if capability.access_mode.mode == csi_pb2.VolumeCapability.AccessMode.UNKNOWN:
         raise InvalidRequestError("volume_capability.access_mode", "is required")
-    if not request.readonly:
-        raise InvalidRequestError("readonly", "weightcache volumes are read-only; set `readOnly: true` on the "
-                                  "pod's csi volume")
     ctx = request.volume_context
+    engine = _engine_cache(ctx.get(ENGINE_CACHE_ATTRIBUTE, ""))
+    if not request.readonly and engine is None:  # only an engine cache's private scratch is ever writable
+        raise InvalidRequestError("readonly", "weightcache volumes are read-only; set `readOnly: true` on the "
+                                  f"pod's csi volume (only a volume with {ENGINE_CACHE_ATTRIBUTE} may be writable)")
     globs = {}
     for field in ("include", "exclude"):  # docs/csi.md: a JSON list or comma-separated globs
         try:
@@ -166,12 +175,27 @@ def parse_publish(request: csi_pb2.NodePublishVolumeRequest) -> PublishArgs:
             validate_repo_id(hf_repo)
         except InvalidReferenceError as exc:
             raise InvalidRequestError("volume_context.hfRepo", str(exc)) from None
+        if engine is not None:
+            raise InvalidRequestError("volume_context.hfRepo", f"is for a model volume; a volume with "
+                                      f"{ENGINE_CACHE_ATTRIBUTE} holds an engine's compile cache, not the model")
     namespace = ctx.get(POD_NAMESPACE, "")
     if not namespace:
         raise InvalidRequestError(f"volume_context.{POD_NAMESPACE}", "is missing; the CSIDriver "
                                   "csi.weightcache.io must have podInfoOnMount: true")
     return PublishArgs(volume_id, target, ref, tier, parse_timeout(ctx.get("timeout", "")), namespace,
-                       ctx.get(POD_NAME, ""), ctx.get(POD_UID, ""), hf_repo)
+                       ctx.get(POD_NAME, ""), ctx.get(POD_UID, ""), hf_repo, engine, bool(request.readonly))
+
+
+def _engine_cache(text: str) -> EngineName | None:
+    """volume_context.engineCache: `vllm-0.32.0-cpu` (docs/engine-caches.md), or None for a model volume."""
+    if not text:
+        return None
+    try:
+        return EngineName.parse(text)
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"volume_context.{ENGINE_CACHE_ATTRIBUTE}",
+                                  f"{str(exc).removeprefix('engine cache: ')} (set it in the volume's "
+                                  "volumeAttributes, or remove it for a model volume)") from None
 
 
 class VolumeLocks:
@@ -247,12 +271,53 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
                     return csi_pb2.NodePublishVolumeResponse()
             grant = self._authority.authorize(args.ref, Requester(args.pod_namespace))  # weightcache/access.py
             snapshot = await self._ensure(args, grant, context)
+            if args.engine_cache is not None:  # the key's model snapshot is the one this grant resolves to
+                await finish_even_if_cancelled(self._io(self._mount_engine_cache, args, grant, snapshot))
+                return csi_pb2.NodePublishVolumeResponse()
             await asyncio.to_thread(self._keep_resident, snapshot, args.tier)  # long (page locking): not our pool
             await finish_even_if_cancelled(self._io(self._mount, args.record(snapshot.id), snapshot, args.hf_repo,
                                                             args.ref.revision))
         logger.info("published %s (snapshot %s) for pod %s/%s at %s", args.ref, snapshot.id,
                     args.pod_namespace, args.pod_name, args.target_path)
         return csi_pb2.NodePublishVolumeResponse()
+
+    def _mount_engine_cache(self, args: PublishArgs, grant: Grant, model: Snapshot) -> None:
+        """The pod's engine cache volume (docs/engine-caches.md, "Handing one over"). The cache for exactly
+        (model snapshot, engine name, the pod's namespace or the admin's) is looked up; then
+        - readOnly: a hit is the artifact itself bound ro,nosuid,nodev (a read-only view); a miss an empty
+          read-only tmpfs (nothing to hand over);
+        - writable: a private tmpfs, bounded in bytes and inodes, holding a copy of a hit (the engine writes into
+          its cache root on a hit too) or empty on a miss; only a volume that started empty is read back when
+          the pod ends (`_hand_over`). The lease keeps the artifact (hit) or the key's model snapshot (miss)."""
+        assert args.engine_cache is not None
+        found = engine_cache.lookup(self._store, model, args.engine_cache, grant.who)
+        if args.readonly and found is not None:
+            self._mount(args.record(found.id), found)
+        else:
+            record = args.record((found or model).id, handover=found is None and not args.readonly)
+            self._store.lease(record.holder, record.snapshot_id)
+            self._book.put(record)
+            try:
+                size, inodes = engine_cache.scratch_bounds()
+                with self._targets.open_parent(record.target_path, create=True) as parent:
+                    self._unmount_ours(parent, record.target_path)  # a stale mount of ours from a crashed attempt
+                    if args.readonly:
+                        mounts.tmpfs_at(parent, "mount", record.target_path, size_bytes=1 << 20, inodes=16,
+                                        readonly=True)
+                    else:
+                        mounts.tmpfs_at(parent, "mount", record.target_path, size_bytes=size, inodes=inodes)
+                        if found is not None:
+                            engine_cache.copy_into(found, f"/proc/self/fd/{parent}/mount")
+            except BaseException:
+                with contextlib.suppress(TargetMissingError), \
+                        self._targets.open_parent(record.target_path, create=False) as parent:
+                    self._unmount_ours(parent, record.target_path)
+                self._book.remove(record.volume_id)
+                self._store.release(record.holder)
+                raise
+        logger.info("published engine cache %s of %s for pod %s/%s at %s: %s", args.engine_cache, args.ref,
+                    args.pod_namespace, args.pod_name, args.target_path,
+                    f"snapshot {found.id[:12]}" if found else "none yet, started empty")
 
     def _keep_resident(self, snapshot: Snapshot, tier: str) -> None:
         if self._tier is None:
@@ -331,6 +396,8 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         self._targets.refuse_links(target)
         try:
             with self._targets.open_parent(target, create=False) as parent:
+                if ours and record is not None and record.handover:
+                    self._hand_over(record, parent)
                 count = self._unmount_ours(parent, target)
                 foreign = mounts.top_mount_at(parent, "mount", target) if ours else None
         except TargetMissingError:
@@ -350,6 +417,32 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         else:
             logger.info("unpublish of volume %s: nothing of ours at %s; left it untouched", volume_id, target)
 
+    def _hand_over(self, record: VolumeRecord, parent: int) -> None:
+        """The pod has ended: publish what it wrote into its engine cache scratch under its namespace's trust
+        domain and the key fixed at publish (the model snapshot its grant resolved to), if it says its engine
+        served (engine_cache.hand_over). Its bytes are hostile: read without following links, within the bounds.
+        A refusal costs only this pod's cache: it is logged and the unpublish goes on (a pod must not be stuck
+        terminating because of what it wrote)."""
+        entry = mounts.top_mount_at(parent, "mount", record.target_path)
+        if entry is None or not mounts.is_scratch(entry):
+            return
+        try:
+            key = engine_cache.EngineCacheKey(record.snapshot_id, EngineName.parse(record.engine_cache),
+                                              record.pod_namespace)
+            snapshot = engine_cache.hand_over(self._store, key, f"/proc/self/fd/{parent}/mount")
+        except WeightcacheError as exc:
+            logger.warning("engine cache of pod %s/%s not handed over: %s", record.pod_namespace, record.pod_name,
+                           exc)
+            return
+        except OSError as exc:
+            logger.warning("engine cache of pod %s/%s not handed over (%s); the next pod starts empty again",
+                           record.pod_namespace, record.pod_name, exc)
+            return
+        if snapshot is not None:
+            logger.info("pod %s/%s handed over engine cache %s as snapshot %s (%d files, %d bytes)",
+                        record.pod_namespace, record.pod_name, key, snapshot.id[:12], len(snapshot.files),
+                        snapshot.size)
+
     def _is_mounted(self, target: str) -> bool:
         try:
             with self._targets.open_parent(target, create=False) as parent:
@@ -365,7 +458,8 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         while True:
             entry = mounts.top_mount_at(parent, "mount", target)
             snapshots = SnapshotMounts.of(self._store, mounts.mount_table())
-            if entry is None or snapshots is None or snapshots.snapshot_id(entry) is None:
+            scratch = entry is not None and mounts.is_scratch(entry)
+            if entry is None or (not scratch and (snapshots is None or snapshots.snapshot_id(entry) is None)):
                 if entry is not None and count == 0:
                     logger.warning("%s is a mount point that is not a weightcache snapshot; not unmounting it",
                                    target)

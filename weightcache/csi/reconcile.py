@@ -51,6 +51,8 @@ class VolumeRecord:
     pod_uid: str = ""
     published_at: float = 0.0
     adopted: bool = False  # rebuilt from the mount table after a restart: pod and revision unknown
+    engine_cache: str = ""  # an engine cache volume (`vllm-0.32.0-cpu`): snapshot_id is what its lease keeps
+    handover: bool = False  # it started empty and writable: read back at unpublish (csi/node.py `_hand_over`)
 
     @property
     def holder(self) -> str:
@@ -107,13 +109,14 @@ def _parse(obj: Any) -> VolumeRecord:
         raise TypeError(f"not an object of the fields {sorted(_FIELDS)}")
     record = VolumeRecord(**obj)
     for name, kind in (("volume_id", str), ("target_path", str), ("model", str), ("snapshot_id", str),
-                       ("tier", str), ("pod_namespace", str), ("pod_name", str), ("pod_uid", str)):
+                       ("tier", str), ("pod_namespace", str), ("pod_name", str), ("pod_uid", str),
+                       ("engine_cache", str)):
         if not isinstance(getattr(record, name), kind):
             raise TypeError(f"{name} is not a string")
     if isinstance(record.published_at, bool) or not isinstance(record.published_at, (int, float)):
         raise TypeError("published_at is not a number")
-    if not isinstance(record.adopted, bool):
-        raise TypeError("adopted is not a boolean")
+    if not isinstance(record.adopted, bool) or not isinstance(record.handover, bool):
+        raise TypeError("adopted or handover is not a boolean")
     return record
 
 

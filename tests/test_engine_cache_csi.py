@@ -1,0 +1,225 @@
+"""A pod's engine cache through the CSI plugin (docs/engine-caches.md, "Handing one over"): real gRPC on a Unix
+socket, real tmpfs and bind mounts, the model from the S3 test server. A volume with `engineCache` starts empty
+(a private, bounded tmpfs), is read back when the pod ends if it says its engine served, and later pods of the same
+namespace start from a copy; other namespaces and other keys never see it; what a pod writes is hostile."""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from tests.faultproxy import FaultProxy
+from tests.fixtures_csi import (  # noqa: F401 - fixtures are used by name
+    ALLOWED_NS,
+    MODEL_URI,
+    ROOT_MARKS,
+    CsiHarness,
+    model_in_s3,
+    safe_tmp,
+    start_harness,
+    status_of,
+    stop_harness,
+)
+from tests.fixtures_s3 import fault_proxy, s3, s3_server  # noqa: F401
+from tests.test_engine_cache import model_snapshot, tar_of
+from weightcache import engine_cache
+from weightcache.access import Authority, Requester
+from weightcache.csi import mounts
+from weightcache.engine_name import EngineName
+from weightcache.store import Snapshot, Store
+from weightcache.vocabulary import ENGINE_CACHE_ATTRIBUTE, ENGINE_CACHE_READY
+
+pytestmark = ROOT_MARKS
+
+VLLM = "vllm-0.32.0-cpu"
+OTHER_NS = "team-b"
+FILES = {"torch_compile_cache/3f2a/rank_0_0/backbone/computation_graph.py": b"def f(x): return x\n",
+         "inductor/fxgraph/ab/abcdef": b"\x00\x01" * 300,
+         "modelinfos/llama.json": b"{}"}
+
+
+@pytest.fixture
+async def ec(safe_tmp: Path, model_in_s3: str, fault_proxy: FaultProxy) -> AsyncIterator[CsiHarness]:
+    """The CSI harness with the model granted to two namespaces."""
+    caches = [{"metadata": {"name": "llama"}, "spec": {"source": MODEL_URI, "allowedNamespaces": [ALLOWED_NS,
+                                                                                                   OTHER_NS]}}]
+    harness = await start_harness(safe_tmp, fault_proxy, authority=Authority(model_caches=lambda: caches,
+                                                                             allow_undeclared=lambda: False))
+    try:
+        yield harness
+    finally:
+        await stop_harness(harness)
+
+
+def engine_volume(h: CsiHarness, vid: str, *, name: str = VLLM, readonly: bool = False, **attrs: str):
+    return h.publish_request(vid, readonly=readonly, **{ENGINE_CACHE_ATTRIBUTE: name}, **attrs)
+
+
+def write_cache(target: Path, files: dict[str, bytes], *, ready: bool = True) -> None:
+    """What the pod's engine does: compile into its cache root, then (its startup probe) say it served."""
+    for rel, data in files.items():
+        (target / rel).parent.mkdir(parents=True, exist_ok=True)
+        (target / rel).write_bytes(data)
+    if ready:
+        (target / ENGINE_CACHE_READY).write_bytes(b"")
+
+
+def artifacts(h: CsiHarness) -> list[Snapshot]:
+    return [i.snapshot for i in h.store.list() if engine_cache.is_engine_cache(i.snapshot)]
+
+
+def model_of(h: CsiHarness) -> Snapshot:
+    return next(i.snapshot for i in h.store.list() if not engine_cache.is_engine_cache(i.snapshot))
+
+
+async def test_first_pod_hands_its_cache_over_and_the_next_starts_from_a_private_copy(ec: CsiHarness) -> None:
+    await ec.node.NodePublishVolume(engine_volume(ec, "pod-1"))
+    first = ec.target("pod-1")
+    entry = mounts.mounted_at(first)
+    assert entry is not None and mounts.is_scratch(entry) and {"rw", "nosuid", "nodev"} <= entry.options
+    assert os.listdir(first) == [], "no cache for the key yet: the pod starts empty"
+    model = model_of(ec)
+    assert ec.store.leases() == {"csi:pod-1": model.id}, "the key's model snapshot is kept while the pod runs"
+    write_cache(first, FILES)
+    await ec.node.NodeUnpublishVolume(ec.unpublish_request("pod-1"))
+    assert mounts.mounted_at(first) is None and not first.exists() and ec.store.leases() == {}
+    [artifact] = artifacts(ec)
+    assert artifact.uri == f"weightcache-engine-cache://{model.id}/vllm/0.32.0/cpu/{ALLOWED_NS}/"
+    assert sorted(f.path for f in artifact.files) == sorted(FILES), "the ready file is not part of the cache"
+
+    await ec.node.NodePublishVolume(engine_volume(ec, "pod-2"))
+    second = ec.target("pod-2")
+    assert all((second / rel).read_bytes() == data for rel, data in FILES.items())
+    assert ec.store.leases() == {"csi:pod-2": artifact.id}
+    # the engine rewrites its cache root on a hit too: the copy is the pod's own, the artifact stays as it was
+    (second / "modelinfos" / "llama.json").write_bytes(b"changed by pod-2")
+    (second / "extra").write_bytes(b"new")
+    write_cache(second, {}, ready=True)
+    kept = artifact.path / "modelinfos" / "llama.json"
+    assert kept.read_bytes() == b"{}" and kept.stat().st_mode & 0o777 == 0o444
+    assert (second / "modelinfos" / "llama.json").stat().st_ino != kept.stat().st_ino, "a copy, never a link"
+    await ec.node.NodeUnpublishVolume(ec.unpublish_request("pod-2"))
+    assert [a.id for a in artifacts(ec)] == [artifact.id], "a volume that started from a hit is never read back"
+    assert ec.store.leases() == {}
+
+
+async def test_other_namespaces_and_other_keys_never_get_it(ec: CsiHarness) -> None:
+    await ec.node.NodePublishVolume(engine_volume(ec, "pod-1"))
+    write_cache(ec.target("pod-1"), FILES)
+    await ec.node.NodeUnpublishVolume(ec.unpublish_request("pod-1"))
+    assert len(artifacts(ec)) == 1
+    for vid, request in (("b-1", engine_volume(ec, "b-1", namespace=OTHER_NS)),  # compile caches are code it runs
+                         ("v-1", engine_volume(ec, "v-1", name="vllm-0.32.1-cpu")),
+                         ("d-1", engine_volume(ec, "d-1", name="vllm-0.32.0-h100")),
+                         ("g-1", engine_volume(ec, "g-1", include='["*.json"]'))):  # another model snapshot
+        await ec.node.NodePublishVolume(request)
+        assert os.listdir(ec.target(vid)) == [], vid
+        await ec.node.NodeUnpublishVolume(ec.unpublish_request(vid))  # no ready file: nothing handed over
+    assert len(artifacts(ec)) == 1
+    # a namespace that may not have the model gets no engine cache volume either: the same one decision
+    code, details = await status_of(ec.node.NodePublishVolume(engine_volume(ec, "x-1", namespace="intruder")))
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "allowedNamespaces" in details
+    assert not ec.target("x-1").exists()
+
+
+async def test_a_read_only_volume_is_a_view_of_the_artifact_itself(ec: CsiHarness) -> None:
+    await ec.node.NodePublishVolume(engine_volume(ec, "pod-1"))
+    write_cache(ec.target("pod-1"), FILES)
+    await ec.node.NodeUnpublishVolume(ec.unpublish_request("pod-1"))
+    [artifact] = artifacts(ec)
+    await ec.node.NodePublishVolume(engine_volume(ec, "ro-1", readonly=True))
+    view = ec.target("ro-1")
+    entry = mounts.mounted_at(view)
+    assert entry is not None and {"ro", "nosuid", "nodev"} <= entry.options and not mounts.is_scratch(entry)
+    assert (view / "modelinfos" / "llama.json").read_bytes() == b"{}"
+    with pytest.raises(OSError) as err:
+        (view / "new").write_bytes(b"x")
+    assert err.value.errno == errno.EROFS
+    # a read-only miss: an empty read-only directory, nothing to hand over
+    await ec.node.NodePublishVolume(engine_volume(ec, "ro-2", readonly=True, namespace=OTHER_NS))
+    assert os.listdir(ec.target("ro-2")) == []
+    with pytest.raises(OSError) as err:
+        (ec.target("ro-2") / ENGINE_CACHE_READY).write_bytes(b"")
+    assert err.value.errno == errno.EROFS
+    for vid in ("ro-1", "ro-2"):
+        await ec.node.NodeUnpublishVolume(ec.unpublish_request(vid))
+    assert [a.id for a in artifacts(ec)] == [artifact.id] and ec.store.leases() == {}
+    assert (artifact.path / "modelinfos" / "llama.json").exists(), "unpublish never touches the artifact"
+
+
+def _symlink(target: Path) -> None:
+    (target / "inductor").mkdir(exist_ok=True)
+    (target / "inductor" / "evil").symlink_to("/etc/shadow")
+
+
+def _fifo(target: Path) -> None:
+    os.mkfifo(target / "pipe")
+
+
+def _ready_is_a_link(target: Path) -> None:
+    (target / "real").write_bytes(b"")
+    os.unlink(target / ENGINE_CACHE_READY)
+    (target / ENGINE_CACHE_READY).symlink_to("real")
+
+
+def _not_ready(target: Path) -> None:
+    os.unlink(target / ENGINE_CACHE_READY)
+
+
+async def test_what_a_pod_wrote_is_hostile_and_a_refusal_costs_only_its_cache(ec: CsiHarness) -> None:
+    for harm in (_symlink, _fifo, _ready_is_a_link, _not_ready):
+        vid = harm.__name__.strip("_").replace("_", "-")
+        await ec.node.NodePublishVolume(engine_volume(ec, vid))
+        write_cache(ec.target(vid), FILES)
+        harm(ec.target(vid))
+        await ec.node.NodeUnpublishVolume(ec.unpublish_request(vid))  # OK all the same: the pod is not stuck
+        assert mounts.mounted_at(ec.target(vid)) is None and not ec.target(vid).exists(), vid
+        assert artifacts(ec) == [] and ec.store.leases() == {}, vid
+        assert os.listdir(ec.store.layout.partial) == [], vid
+
+
+async def test_the_scratch_is_bounded_by_its_own_filesystem(ec: CsiHarness, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine_cache, "scratch_bounds", lambda *_: (64 << 10, 8))
+    await ec.node.NodePublishVolume(engine_volume(ec, "big"))
+    target = ec.target("big")
+    with pytest.raises(OSError) as err:
+        (target / "huge").write_bytes(b"x" * (1 << 20))
+    assert err.value.errno == errno.ENOSPC
+    with pytest.raises(OSError) as err:
+        for i in range(10):
+            (target / f"f{i}").write_bytes(b"")
+    assert err.value.errno == errno.ENOSPC
+    await ec.node.NodeUnpublishVolume(ec.unpublish_request("big"))
+    assert artifacts(ec) == []
+
+
+async def test_engine_cache_attributes_are_checked(ec: CsiHarness) -> None:
+    for value, extra, field in (("vllm-0.32.0", {}, f"volume_context.{ENGINE_CACHE_ATTRIBUTE}"),
+                                ("vllm-../x-cpu", {}, f"volume_context.{ENGINE_CACHE_ATTRIBUTE}"),
+                                ("", {}, "readonly"),  # no engine cache: a model volume, which is read-only
+                                (VLLM, {"hfRepo": "org/name"}, "volume_context.hfRepo")):
+        request = engine_volume(ec, "bad", name=value, **extra)
+        code, details = await status_of(ec.node.NodePublishVolume(request))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(field), details
+    assert not ec.target("bad").exists() and ec.store.leases() == {} and ec.weight_gets() == []
+
+
+def test_copy_into_refuses_to_follow_what_it_did_not_make(tmp_path: Path) -> None:
+    """copy_into writes only into a fresh directory: an entry already there is never opened through."""
+    store = Store(tmp_path / "root")
+    model = model_snapshot(store, tmp_path)
+    artifact = engine_cache.ingest_tar(store, engine_cache.EngineCacheKey.for_model(
+        model, EngineName.parse(VLLM), Requester("ml")), io.BytesIO(tar_of({"a/b": b"1"})))
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / "a").symlink_to(tmp_path / "elsewhere")
+    (tmp_path / "elsewhere").mkdir()
+    with pytest.raises(OSError):
+        engine_cache.copy_into(artifact, dest)
+    assert os.listdir(tmp_path / "elsewhere") == []
