@@ -12,6 +12,10 @@
     weightcache.io/exclude: "*.bin"                          must stay within what the ModelCache grants
     weightcache.io/hf-repo: org/name                         one model: mounted as a hub cache for that repo,
                                                              env HF_HUB_CACHE (the mount) and HF_HUB_OFFLINE=1
+    weightcache.io/engine-cache: vllm-0.32.0-cpu             one model: the engine's compile cache for it, a
+                                                             writable CSI volume at /var/cache/weightcache-engine,
+                                                             env WEIGHTCACHE_ENGINE_CACHE (and VLLM_CACHE_ROOT for
+                                                             vllm); docs/engine-caches.md
 
 Every error message shows a line the user can paste instead.
 """
@@ -23,7 +27,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from weightcache.errors import AnnotationError, InvalidReferenceError
+from weightcache.engine_name import EngineName
+from weightcache.errors import AnnotationError, InvalidReferenceError, InvalidRequestError
 from weightcache.uri import ModelRef, parse_globs, parse_ref, readiness_label, validate_repo_id
 
 PREFIX = "weightcache.io/"
@@ -37,11 +42,15 @@ INCLUDE = PREFIX + "include"
 EXCLUDE = PREFIX + "exclude"
 PLACEMENT = PREFIX + "placement"
 HF_REPO = PREFIX + "hf-repo"
-KNOWN = (MODEL, MODELS, MOUNT_PATH, CONTAINERS, TIER, REQUIRE_CACHED, INCLUDE, EXCLUDE, PLACEMENT, HF_REPO)
+ENGINE_CACHE = PREFIX + "engine-cache"
+KNOWN = (MODEL, MODELS, MOUNT_PATH, CONTAINERS, TIER, REQUIRE_CACHED, INCLUDE, EXCLUDE, PLACEMENT, HF_REPO,
+         ENGINE_CACHE)
 PLACEMENTS = ("require", "prefer", "gate")
 
 TIERS = ("disk", "memory")
 ENV_SINGLE = "WEIGHTCACHE_MODEL_PATH"
+ENV_ENGINE_CACHE = "WEIGHTCACHE_ENGINE_CACHE"
+ENGINE_ENV = {"vllm": "VLLM_CACHE_ROOT"}  # an engine's own variable for its compile cache root
 VOLUME_PREFIX = "wc-"
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _MAX_NAME = 63 - len(VOLUME_PREFIX)  # the volume name wc-<name> must stay a DNS label
@@ -69,6 +78,24 @@ class ModelMount:
 
 
 @dataclass(frozen=True)
+class EngineCacheMount:
+    """The engine's compile cache for the pod's one model: a writable CSI volume (a private, bounded scratch the
+    plugin fills from the node's cache for the key, or leaves empty and reads back when the pod ends)."""
+
+    name: EngineName
+    model: ModelMount
+    volume: str = VOLUME_PREFIX + "engine-cache"
+    mount_path: str = "/var/cache/weightcache-engine"
+
+    @property
+    def env(self) -> tuple[tuple[str, str], ...]:
+        """WEIGHTCACHE_ENGINE_CACHE for any engine (a startup probe writes the ready file there); the engine's own
+        cache root variable where we know it."""
+        own = ENGINE_ENV.get(self.name.engine)
+        return ((ENV_ENGINE_CACHE, self.mount_path),) + (((own, self.mount_path),) if own else ())
+
+
+@dataclass(frozen=True)
 class Injection:
     """Everything the annotations ask for."""
 
@@ -76,6 +103,7 @@ class Injection:
     containers: tuple[str, ...] | None  # None: every app container
     tier: str
     placement: str | None  # require | prefer | gate; None: not asked (the webhook picks, docs/placement.md)
+    engine_cache: EngineCacheMount | None = None
 
 
 def wants_injection(annotations: Mapping[str, object]) -> bool:
@@ -126,7 +154,20 @@ def _parse(items: tuple[tuple[str, str], ...], max_models: int) -> Injection:
         containers=_containers(values.get(CONTAINERS)),
         tier=_tier(values.get(TIER)),
         placement=_placement(values.get(PLACEMENT), values.get(REQUIRE_CACHED)),
+        engine_cache=_engine_cache(values.get(ENGINE_CACHE), models),
     )
+
+
+def _engine_cache(text: str | None, models: tuple[ModelMount, ...]) -> EngineCacheMount | None:
+    if text is None:
+        return None
+    if len(models) != 1 or models[0].name != "model":
+        raise AnnotationError(f"{ENGINE_CACHE} applies to one model ({MODEL}): the cache is kept per model snapshot")
+    try:
+        return EngineCacheMount(EngineName.parse(text), models[0])
+    except InvalidRequestError as exc:
+        raise AnnotationError(f"{ENGINE_CACHE}: {str(exc).removeprefix('engine cache: ')}; write "
+                              f"{ENGINE_CACHE}: vllm-0.32.0-cpu (engine, its version, the device kind)") from None
 
 
 def _hf_repo(text: str | None, single: bool) -> str | None:

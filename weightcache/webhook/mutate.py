@@ -9,6 +9,9 @@ API server sent):
     /spec/containers/<i>/env/-              {name: WEIGHTCACHE_MODEL_PATH[_<NAME>], value: <mountPath>}
                                             with weightcache.io/hf-repo also HF_HUB_CACHE=<mountPath>,
                                             HF_HUB_OFFLINE=1 (and volumeAttributes.hfRepo)
+    with weightcache.io/engine-cache also   volume wc-engine-cache {csi: {readOnly: false, volumeAttributes:
+                                            {model, revision, include, exclude, engineCache}}}, its mount and
+                                            WEIGHTCACHE_ENGINE_CACHE (VLLM_CACHE_ROOT) (docs/engine-caches.md)
     /spec/affinity/nodeAffinity/...         weightcache.io/<model-key> In [ready]: required (ANDed into every
                                             existing required term) or preferred, per weightcache.io/placement
     /spec/schedulingGates/-                 {name: weightcache.io/model}: placement require with no node the pod
@@ -39,10 +42,17 @@ from weightcache.errors import (
 from weightcache.placement.choice import ready_nodes
 from weightcache.placement.nodes import NodeFacts
 from weightcache.pods import unknown_keys
-from weightcache.pods.annotations import MAX_MODELS, Injection, ModelMount, parse_annotations, wants_injection
+from weightcache.pods.annotations import (
+    MAX_MODELS,
+    EngineCacheMount,
+    Injection,
+    ModelMount,
+    parse_annotations,
+    wants_injection,
+)
 from weightcache.pods.patch import PatchOp, check_names, chosen, extend, list_at, mapping_at, ready, required_affinity
 from weightcache.policy import CacheIndex, decide
-from weightcache.vocabulary import GATE
+from weightcache.vocabulary import ENGINE_CACHE_ATTRIBUTE, GATE
 from weightcache.webhook import dra_claim, dra_templates
 
 API_VERSION = "admission.k8s.io/v1"
@@ -107,9 +117,11 @@ def review(
         if not decision.allowed:
             return _deny(uid, NotAllowedError(f"model {m.name!r}: {decision.reason}"))
     try:
-        ops = dra_claim.plan(pod, injection) if via == "dra" else plan(pod, injection, nodes)
-        if via == "dra":
-            dra_templates.require(namespace, injection)  # a template that does not exist is refused
+        extended = via == dra_claim.EXTENDED
+        ops = dra_claim.plan(pod, injection, extended=extended) + _engine_cache_ops(pod, injection) \
+            if via != "csi" else plan(pod, injection, nodes)
+        if via != "csi":  # a template (extended: the model's DeviceClass) that does not exist is refused
+            dra_templates.require(namespace, injection, extended=extended)
     except (AnnotationError, InjectionConflictError) as exc:
         return _deny(uid, exc)
     response: AdmissionResponse = {"uid": uid, "allowed": True}
@@ -123,19 +135,34 @@ def review(
 
 def plan(pod: Mapping[str, Any], injection: Injection, nodes: Sequence[NodeFacts] | None = None) -> list[PatchOp]:
     """The JSON Patch that injects `injection` into `pod`; empty when everything is already there."""
+    return _inject(pod, injection, [_volume(m, injection.tier) for m in injection.models],
+                   [{"name": m.volume, "mountPath": m.mount_path, "readOnly": True} for m in injection.models],
+                   [{"name": m.env, "value": m.mount_path} for m in injection.models]
+                   + [e for m in injection.models if m.hf_repo for e in _hub_env(m)]) \
+        + _placement(pod, injection, nodes)
+
+
+def _engine_cache_ops(pod: Mapping[str, Any], injection: Injection) -> list[PatchOp]:
+    """The engine cache alone, beside DRA's claims (which add no volume, mount or env of their own)."""
+    return _inject(pod, injection, [], [], [])
+
+
+def _inject(pod: Mapping[str, Any], injection: Injection, volumes: list[dict[str, Any]],
+            mounts: list[dict[str, Any]], env: list[dict[str, Any]]) -> list[PatchOp]:
+    """Volumes, and in each chosen container their mounts and env, with the engine cache's after the models'."""
     spec = mapping_at(pod, "spec")
-    volumes = [_volume(m, injection.tier) for m in injection.models]
+    if (ec := injection.engine_cache) is not None:
+        volumes = [*volumes, _engine_volume(ec)]
+        mounts = [*mounts, {"name": ec.volume, "mountPath": ec.mount_path}]
+        env = [*env, *({"name": k, "value": v} for k, v in ec.env)]
     check_names("volume", list_at(spec, "volumes"), volumes)
     ops = extend(spec, "/spec", ["volumes"], volumes)
     for path, container in chosen(spec, injection.containers):
-        mounts = [{"name": m.volume, "mountPath": m.mount_path, "readOnly": True} for m in injection.models]
-        env = [{"name": m.env, "value": m.mount_path} for m in injection.models]
-        env += [e for m in injection.models if m.hf_repo for e in _hub_env(m)]
         _check_mounts(container, mounts)
         check_names(f"container {container['name']!r} env", list_at(container, "env"), env)
         ops += extend(container, path, ["volumeMounts"], mounts)
         ops += extend(container, path, ["env"], env)
-    return ops + _placement(pod, injection, nodes)
+    return ops
 
 
 def _placement(pod: Mapping[str, Any], injection: Injection, nodes: Sequence[NodeFacts] | None) -> list[PatchOp]:
@@ -204,6 +231,15 @@ def _volume(m: ModelMount, tier: str) -> dict[str, Any]:
         if globs:  # a JSON list: globs may hold commas (docs/csi.md)
             attributes[field] = json.dumps(list(globs))
     return {"name": m.volume, "csi": {"driver": DRIVER, "readOnly": True, "volumeAttributes": attributes}}
+
+
+def _engine_volume(ec: EngineCacheMount) -> dict[str, Any]:
+    """The model's own attributes (the plugin authorizes it and keys the cache by its snapshot), no tier or hub
+    layout, and writable: the engine writes into its cache root (the plugin gives it a private scratch)."""
+    volume = _volume(ec.model, "disk")
+    attributes = {k: v for k, v in volume["csi"]["volumeAttributes"].items() if k not in ("tier", "hfRepo")}
+    attributes[ENGINE_CACHE_ATTRIBUTE] = str(ec.name)
+    return {"name": ec.volume, "csi": {"driver": DRIVER, "readOnly": False, "volumeAttributes": attributes}}
 
 
 def _check_mounts(container: Mapping[str, Any], wanted: list[dict[str, Any]]) -> None:
