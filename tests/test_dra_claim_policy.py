@@ -223,10 +223,11 @@ def test_the_label_is_the_key_the_devices_publish_and_the_claim_selects(tmp_path
     whose `model` attribute is the ModelCache's label."""
     snapshots = [Snapshot("a" * 40, tmp_path, LLAMA, None, 1), Snapshot("b" * 40, tmp_path, MISTRAL, None, 1)]
     devices = devices_for(snapshots, slots=2, shared=False)
-    [selector] = claim(LLAMA)["spec"]["devices"]["requests"][0]["exactly"]["selectors"]
+    selectors = claim(LLAMA)["spec"]["devices"]["requests"][0]["exactly"]["selectors"]  # the model, ready == true
     env = celpy.Environment()
-    program = env.program(env.compile(selector["cel"]["expression"]))
-    chosen = [d for d in devices if program.evaluate({"device": cel_device(d)}) == celpy.celtypes.BoolType(True)]
+    programs = [env.program(env.compile(s["cel"]["expression"])) for s in selectors]
+    chosen = [d for d in devices if all(p.evaluate({"device": cel_device(d)}) == celpy.celtypes.BoolType(True)
+                                        for p in programs)]
     assert [d["name"] for d in chosen] == [f"m-{'a' * 40}-0", f"m-{'a' * 40}-1"]
     assert {d["attributes"]["model"]["string"] for d in chosen} == {model_key_label(LLAMA)}
     assert model_key_label("s3://models/llama-3-8b") == model_key_label(LLAMA)  # the canonical source's key

@@ -4,6 +4,13 @@
 
 prints the template. Its name is `weightcache-<model key>`, the name the admission webhook's
 `weightcache.io/via: dra` branch puts in `pod.spec.resourceClaims`, so the two always agree.
+
+    python -m weightcache.dra.template s3://models/llama-3-8b/ --device-class
+
+prints instead the model's own DeviceClass for DRA extended resources (KEP-5004: beta in 1.36, stable in 1.37): a
+class of the same name that selects exactly that model's devices, carries the mount path and env name as its
+opaque config, and names the extended resource `models.weightcache.io/<model key>[-<digest>]` a pod asks for in
+`resources.limits` (the webhook's `weightcache.io/via: dra-extended`); the scheduler then makes the claim itself.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import re
 import sys
 from typing import Any
 
@@ -21,6 +29,7 @@ from weightcache.uri import model_key, parse_ref
 
 DEVICE_CLASS = DRIVER_NAME
 REQUEST = "model"
+_QUALIFIED_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")  # the name part, <= 63
 
 
 def selector(uri: str, revision: str | None = None) -> str:
@@ -43,6 +52,36 @@ def template_name(uri: str, *, revision: str | None = None, mount_path: str | No
     return name
 
 
+def extended_resource_name(uri: str, *, revision: str | None = None, mount_path: str | None = None,
+                           env: str | None = None) -> str:
+    """`models.weightcache.io/<model key>[-<digest>]`: an extended resource name as Kubernetes defines one (a
+    domain outside kubernetes.io, a name part of at most 63 characters), unique per DeviceClass as the API asks."""
+    part = template_name(uri, revision=revision, mount_path=mount_path, env=env).removeprefix("weightcache-")
+    name = f"{DRIVER_NAME}/{part}"
+    if not _QUALIFIED_NAME.match(part):
+        raise ValueError(f"{name!r} is not an extended resource name")
+    return name
+
+
+def device_class(uri: str, *, revision: str | None = None, mount_path: str | None = None,
+                 env: str | None = None) -> dict[str, Any]:
+    """The model's DeviceClass (resource.k8s.io/v1) with `extendedResourceName`: a pod's `resources.limits` of that
+    name gets a device of exactly this model (held, or on 1.36+ fetchable: the class does not ask `ready`)."""
+    ref = parse_ref(uri, revision=revision)
+    spec: dict[str, Any] = {
+        "selectors": [{"cel": {"expression": f'device.driver == "{DRIVER_NAME}"'}},
+                      {"cel": {"expression": selector(ref.uri, ref.revision)}}],
+        "extendedResourceName": extended_resource_name(ref.uri, revision=ref.revision, mount_path=mount_path,
+                                                       env=env)}
+    parameters = {k: v for k, v in (("mountPath", mount_path), ("env", env)) if v}
+    if parameters:
+        spec["config"] = [{"opaque": {"driver": DRIVER_NAME, "parameters": parameters}}]
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
+            "metadata": {"name": template_name(ref.uri, revision=ref.revision, mount_path=mount_path, env=env),
+                         "annotations": {"weightcache.io/model": ref.uri}},
+            "spec": spec}
+
+
 def ready_selector(ready: bool) -> str:
     return f'device.attributes["{DRIVER_NAME}"].ready == {"true" if ready else "false"}'
 
@@ -60,7 +99,8 @@ def claim_template(uri: str, *, revision: str | None = None, namespace: str | No
     if namespace:
         metadata["namespace"] = namespace
     model = {"cel": {"expression": selector(ref.uri, ref.revision)}}
-    request: dict[str, Any] = {"name": REQUEST, "exactly": {"deviceClassName": DEVICE_CLASS, "selectors": [model]}}
+    request: dict[str, Any] = {"name": REQUEST, "exactly": {"deviceClassName": DEVICE_CLASS, "selectors": [
+        model, {"cel": {"expression": ready_selector(True)}}]}}
     if fetchable:
         request = {"name": REQUEST, "firstAvailable": [
             {"name": name, "deviceClassName": DEVICE_CLASS,
@@ -83,7 +123,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--env", help="the env var that holds the path (default WEIGHTCACHE_MODEL_PATH)")
     parser.add_argument("--fetchable", action="store_true",
                         help="Kubernetes 1.36+: a held device first, else one the node fetches before binding")
+    parser.add_argument("--device-class", action="store_true",
+                        help="print the model's DeviceClass for DRA extended resources (1.36 beta, 1.37+) instead")
     args = parser.parse_args(argv)
+    if args.device_class:
+        if args.fetchable or args.namespace:
+            parser.error("--device-class is cluster-scoped and takes neither --namespace nor --fetchable")
+        yaml.safe_dump(device_class(args.model, revision=args.revision, mount_path=args.mount_path, env=args.env),
+                       sys.stdout, sort_keys=False)
+        return 0
     yaml.safe_dump(claim_template(args.model, revision=args.revision, namespace=args.namespace,
                                   mount_path=args.mount_path, env=args.env, fetchable=args.fetchable),
                    sys.stdout, sort_keys=False)

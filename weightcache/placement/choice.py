@@ -178,10 +178,11 @@ VIA = "weightcache.io/via"
 
 
 def via_dra(pod: Mapping[str, Any]) -> bool:
-    """A pod whose models come as DRA claims (`weightcache.io/via: dra`): its node must list the devices."""
+    """A pod whose models come through DRA (`weightcache.io/via: dra` or `dra-extended`): its node must list the
+    devices."""
     annotations = (pod.get("metadata") or {}).get("annotations") or {}
     value = annotations.get(VIA) if isinstance(annotations, Mapping) else None
-    return isinstance(value, str) and value.strip() == "dra"
+    return isinstance(value, str) and value.strip() in ("dra", "dra-extended")
 
 
 def slice_models(slices: Iterable[Mapping[str, Any]], driver: str) -> dict[str, set[tuple[str, str | None]]]:

@@ -184,8 +184,9 @@ def _policy(allow_undeclared: bool | None, *, controller: bool = False, dra: boo
         from weightcache.webhook import dra_templates
 
         templates = dra_templates.watch(api_client)
-        dra_templates.install(dra_templates.from_watcher(templates))
-        stops.append(templates.stop)
+        classes = dra_templates.watch(api_client, "deviceclasses")  # for weightcache.io/via: dra-extended
+        dra_templates.install(dra_templates.from_watcher(templates), dra_templates.from_watcher(classes))
+        stops += [templates.stop, classes.stop]
     allow = False if allow_undeclared is None else allow_undeclared
 
     def stop() -> None:

@@ -6,9 +6,14 @@ command that prints the missing template:
 
     python -m weightcache.dra.template s3://models/llama-3-8b/ --namespace ml | kubectl apply -f -
 
-The webhook process installs a lookup (`install(watcher)`: a ModelCacheWatcher over resource.k8s.io/v1
-ResourceClaimTemplates of all namespaces); until one is installed and has listed once, nothing is refused here
-(an unknown answer never blocks a pod).
+`weightcache.io/via: dra-extended` needs the model's DeviceClass instead (cluster-scoped; the scheduler makes
+the claim from it), and a pod is refused while it is missing, naming the command that prints it:
+
+    python -m weightcache.dra.template s3://models/llama-3-8b/ --device-class | kubectl apply -f -
+
+The webhook process installs lookups (`install(templates, classes)`: ModelCacheWatchers over resource.k8s.io/v1
+ResourceClaimTemplates of all namespaces and DeviceClasses); until one is installed and has listed once, nothing
+is refused here (an unknown answer never blocks a pod).
 """
 
 from __future__ import annotations
@@ -18,16 +23,17 @@ from typing import Any
 
 from weightcache.dra.template import template_name
 from weightcache.errors import AnnotationError
-from weightcache.pods.annotations import ENV_SINGLE, Injection
+from weightcache.pods.annotations import Injection
+from weightcache.webhook.dra_claim import options
 
-Lookup = Callable[[str, str], bool | None]  # (namespace, name) -> exists; None: unknown
+Lookup = Callable[[str, str], bool | None]  # (namespace, name) -> exists; None: unknown ('' namespace: cluster)
 _lookup: Lookup | None = None
-DEFAULT_PATH = "/models/model"
+_classes: Lookup | None = None
 
 
-def install(lookup: Lookup | None) -> None:
-    global _lookup
-    _lookup = lookup
+def install(lookup: Lookup | None, classes: Lookup | None = None) -> None:
+    global _lookup, _classes
+    _lookup, _classes = lookup, classes
 
 
 def from_watcher(watcher: Any) -> Lookup:
@@ -35,14 +41,15 @@ def from_watcher(watcher: Any) -> Lookup:
     def exists(namespace: str, name: str) -> bool | None:
         if not watcher.wait_synced(0):
             return None
-        return any((t.get("metadata") or {}).get("namespace") == namespace
+        return any(((t.get("metadata") or {}).get("namespace") or "") == namespace
                    and (t.get("metadata") or {}).get("name") == name for t in watcher.items())
     return exists
 
 
-def watch(api_client: Any) -> Any:
-    """A started ModelCacheWatcher over every namespace's ResourceClaimTemplates; `install(from_watcher(w))`.
-    The webhook's ServiceAccount needs `list` and `watch` on resource.k8s.io resourceclaimtemplates."""
+def watch(api_client: Any, plural: str = "resourceclaimtemplates") -> Any:
+    """A started ModelCacheWatcher over every namespace's ResourceClaimTemplates (or, `plural="deviceclasses"`,
+    the DeviceClasses); `install(from_watcher(w), ...)`. The webhook's ServiceAccount needs `list` and `watch` on
+    them (resource.k8s.io)."""
     import kubernetes
 
     from weightcache.kube.watch import ModelCacheWatcher
@@ -50,32 +57,34 @@ def watch(api_client: Any) -> Any:
     custom = kubernetes.client.CustomObjectsApi(api_client)
 
     def lister(**kw: Any) -> Any:
-        return custom.list_cluster_custom_object("resource.k8s.io", "v1", "resourceclaimtemplates", **kw)
+        return custom.list_cluster_custom_object("resource.k8s.io", "v1", plural, **kw)
     watcher = ModelCacheWatcher(api_client, lister=lister)
     watcher.start()
     return watcher
 
 
-def command(uri: str, namespace: str, *, revision: str | None, mount_path: str | None, env: str | None) -> str:
+def command(uri: str, namespace: str, *, revision: str | None, mount_path: str | None, env: str | None,
+            device_class: bool = False) -> str:
     parts = ["python -m weightcache.dra.template", uri]
-    for flag, value in (("--revision", revision), ("--namespace", namespace), ("--mount-path", mount_path),
-                        ("--env", env)):
+    for flag, value in (("--revision", revision), ("--namespace", None if device_class else namespace),
+                        ("--mount-path", mount_path), ("--env", env)):
         if value:
             parts += [flag, value]
-    return " ".join(parts) + " | kubectl apply -f -"
+    return " ".join(parts + (["--device-class"] if device_class else [])) + " | kubectl apply -f -"
 
 
-def require(namespace: str, injection: Injection, lookup: Lookup | None = None) -> None:
-    """Raise AnnotationError naming the command for the first model whose template is known to be missing."""
-    lookup = lookup or _lookup
+def require(namespace: str, injection: Injection, lookup: Lookup | None = None, *, extended: bool = False,
+            classes: Lookup | None = None) -> None:
+    """Raise AnnotationError naming the command for the first model whose template (`extended`: DeviceClass) is
+    known to be missing."""
+    lookup = (classes or _classes) if extended else (lookup or _lookup)
     if lookup is None or not namespace:
         return
     for m in injection.models:
-        mount_path = None if m.mount_path == DEFAULT_PATH else m.mount_path
-        env = None if m.env == ENV_SINGLE else m.env
-        name = template_name(m.ref.uri, revision=m.ref.revision, mount_path=mount_path, env=env)
-        if lookup(namespace, name) is False:
-            how = command(m.ref.uri, namespace, revision=m.ref.revision, mount_path=mount_path, env=env)
-            raise AnnotationError(f"model {m.name!r}: ResourceClaimTemplate {namespace}/{name} does not exist, so "
-                                  f"the pod's claim could not be created; create it with `{how}`, or use "
-                                  "weightcache.io/via: csi")
+        name = template_name(m.ref.uri, **options(m))
+        if lookup("" if extended else namespace, name) is False:
+            how = command(m.ref.uri, namespace, **options(m), device_class=extended)
+            what = f"DeviceClass {name}" if extended else f"ResourceClaimTemplate {namespace}/{name}"
+            raise AnnotationError(f"model {m.name!r}: {what} does not exist, so the pod's claim could not be "
+                                  f"created; {'ask a cluster admin to ' if extended else ''}create it with `{how}`, "
+                                  "or use weightcache.io/via: csi")
