@@ -126,8 +126,8 @@ def test_failed_repair_keeps_the_damaged_snapshot_and_says_why(tmp_path: Path,
 def _store_commands() -> list[object]:
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     # export: its -o json is tested against a registry (tests/test_export_oci.py); uninstall-node on a real node's
-    # directories (tests/test_uninstall.py)
-    skipped = ("daemon", "webhook", "version", "export", "uninstall-node")
+    # directories (tests/test_uninstall.py); engine-cache against a daemon (tests/test_engine_cache_cli.py)
+    skipped = ("daemon", "webhook", "version", "export", "uninstall-node", "engine-cache")
     return [a for a in sub._choices_actions if a.dest not in skipped]  # type: ignore[attr-defined]
 
 

@@ -138,7 +138,8 @@ class ProgressPrinter:
             self.out.write("\n")
 
 
-def _print_table(rows: list[list[str]], headers: list[str], out: TextIO = sys.stdout) -> None:
+def _print_table(rows: list[list[str]], headers: list[str], out: TextIO | None = None) -> None:
+    out = out or sys.stdout  # at call time: a default bound at import would miss a redirected stdout
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
     for row in [headers, *rows]:
         out.write("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() + "\n")
@@ -451,6 +452,48 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_engine_cache(args: argparse.Namespace) -> int:
+    """`engine-cache put NAME DIR --model REF`, `get NAME --model REF`, `list`: through the daemon, which computes
+    the key from the snapshot it serves (docs/engine-caches.md); there is no store-direct way."""
+    from weightcache.daemon.client import DaemonClient, DaemonError
+
+    socket = args.socket or defaults.socket()
+    client = DaemonClient(socket)
+    model: dict[str, Any] = {"uri": args.model, "revision": args.revision, "include": args.include,
+                             "exclude": args.exclude, "namespace": args.namespace}
+    if args.action != "list" and (not args.name or not args.model):
+        raise InvalidReferenceError(f"engine-cache {args.action} needs NAME and --model, as in weightcache "
+                                    f"engine-cache {args.action} vllm-0.32.0-cpu"
+                                    f"{' DIR' if args.action == 'put' else ''} --model s3://models/llama-3-8b/")
+    if args.action == "put" and not args.directory:
+        raise InvalidReferenceError("engine-cache put needs the cache directory, as in weightcache engine-cache put "
+                                    "vllm-0.32.0-cpu ~/.cache/vllm --model s3://models/llama-3-8b/")
+    try:
+        if args.action == "list":
+            caches = client.engine_caches(namespace=args.namespace)
+        elif args.action == "get":
+            caches = [client.engine_cache(args.name, model)]
+        else:
+            if not os.path.isdir(args.directory):
+                raise InvalidReferenceError(f"{args.directory} is not a directory; give the engine's cache root "
+                                            "(vLLM: VLLM_CACHE_ROOT, default ~/.cache/vllm)")
+            caches = [client.put_engine_cache(args.name, model, args.directory)]
+    except (ConnectionError, FileNotFoundError) as exc:
+        raise DaemonError(f"no daemon answers on {socket} ({exc}); engine caches are kept by the node's daemon: "
+                          "start it (weightcache daemon) or pass --socket", code="unavailable", status=503) from None
+    if args.output == "json":
+        print(json.dumps(caches if args.action == "list" else caches[0], indent=1))
+        return 0
+    if args.action == "get":
+        print(caches[0]["path"])
+        return 0
+    rows = [[c["key"], c["model_snapshot"][:12], c.get("domain", ""), c["snapshot"]["id"][:12],
+             fmt_bytes(c["snapshot"]["size"]), str(c["snapshot"]["files"]),
+             _ago(c["last_used"]) if "last_used" in c else "just now"] for c in caches]
+    _print_table(rows, ["ENGINE", "MODEL SNAPSHOT", "DOMAIN", "SNAPSHOT", "SIZE", "FILES", "LAST USED"])
+    return 0
+
+
 def cmd_version(args: argparse.Namespace) -> int:
     """What runs here: the package version (pyproject.toml's, read back from the installed metadata), Python, the
     platform, and the versions of the store's on-disk formats (a store written by another release may differ)."""
@@ -562,6 +605,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--read-timeout", type=float, default=None, metavar="SECONDS")
     p = add("status", cmd_status, "per-node state of ModelCaches (cluster), or this store's summary", quiet=None)
     p.add_argument("name", nargs="?")
+
+    p = sub.add_parser("engine-cache", help="an engine's compile cache on this node: put DIR, get its path, list",
+                       description="Engine compile caches kept by the node's daemon, keyed by the model snapshot it "
+                       "serves, ENGINE-VERSION-DEVICE and the namespace (docs/engine-caches.md).")
+    p.set_defaults(func=cmd_engine_cache)
+    p.add_argument("action", choices=["put", "get", "list"])
+    p.add_argument("name", nargs="?", help="ENGINE-VERSION-DEVICE, e.g. vllm-0.32.0-cpu")
+    p.add_argument("directory", nargs="?", help="put: the engine's cache root (vLLM: VLLM_CACHE_ROOT)")
+    p.add_argument("--model", help="the model the cache was compiled for, e.g. s3://models/llama-3-8b/")
+    p.add_argument("--revision")
+    p.add_argument("--include", action="append", default=[], metavar="GLOB")
+    p.add_argument("--exclude", action="append", default=[], metavar="GLOB")
+    p.add_argument("--namespace", help="put: the trust domain (default: the admin's, served to every namespace "
+                                       "granted the model); get, list: what that namespace is served")
+    p.add_argument("--socket", help=f"daemon socket (env WEIGHTCACHE_SOCKET, default {defaults.SOCKET})")
+    p.add_argument("-o", "--output", choices=["table", "json"], default="table",
+                   help="table for people (default) or one JSON document for scripts")
 
     p = sub.add_parser("uninstall-node", help="remove weightcache from this node: store, plugin sockets, CDI specs, "
                        "readiness labels", description="Remove what weightcache left on this node (the store, the CSI "

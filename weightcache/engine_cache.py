@@ -47,7 +47,7 @@ from typing import IO, Any, Protocol, cast
 from weightcache.access import Requester
 from weightcache.engine_name import EngineName
 from weightcache.engine_name import invalid as _bad
-from weightcache.errors import HostileKeyError
+from weightcache.errors import HostileKeyError, InvalidRequestError
 from weightcache.store import FileEntry, Snapshot, Store, validate_relpath
 from weightcache.uri import ModelRef
 from weightcache.vocabulary import ENGINE_CACHE_READY
@@ -105,6 +105,32 @@ def domain_of(who: Requester) -> str:
 def is_engine_cache(snapshot: Snapshot) -> bool:
     """Whether a snapshot of the store is an engine cache (not a model: no DRA device, no readiness label)."""
     return snapshot.uri.startswith(SCHEME + "://")
+
+
+def key_of(snapshot: Snapshot) -> EngineCacheKey | None:
+    """The key an engine-cache snapshot was published under, read back from its reference (for listings); None
+    for a model or for a reference that does not parse as one (never trusted for serving: `lookup` is)."""
+    if not is_engine_cache(snapshot):
+        return None
+    parts = snapshot.uri[len(SCHEME) + 3:].split("/")
+    if len(parts) != 6 or parts[5]:
+        return None
+    try:
+        return EngineCacheKey(parts[0], EngineName(*parts[1:4]), parts[4])
+    except InvalidRequestError:
+        return None
+
+
+def lister(namespace: str | None) -> Requester:
+    """Who asks for a listing: a namespace (its name checked) or, without one, the node's admin."""
+    if namespace is not None and not _NAMESPACE.fullmatch(namespace):
+        raise _bad(f"{namespace[:80]!r} is not a namespace name")
+    return Requester(namespace)
+
+
+def visible_to(key: EngineCacheKey, who: Requester) -> bool:
+    """Whether `who` is served caches of `key`'s domain: its own, or the admin's; the admin sees all of them."""
+    return who.namespace is None or key.domain in (who.namespace, ADMIN_DOMAIN)
 
 
 def lookup(store: Store, model: Snapshot, name: EngineName, who: Requester) -> Snapshot | None:
@@ -492,4 +518,5 @@ def body_limit(limits: Limits) -> int:
 
 
 __all__ = ["ADMIN_DOMAIN", "SCHEME", "EngineCacheKey", "EngineName", "Limits", "Pipe", "body_limit", "copy_into",
-           "domain_of", "hand_over", "ingest_dir", "ingest_tar", "is_engine_cache", "lookup", "scratch_bounds"]
+           "domain_of", "hand_over", "ingest_dir", "ingest_tar", "is_engine_cache", "key_of", "lister", "lookup",
+           "scratch_bounds", "visible_to"]

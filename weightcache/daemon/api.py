@@ -16,6 +16,8 @@
     POST   /v1/engine-caches/{name}?uri=&namespace=  body: an uncompressed tar of an engine's compile cache
                                  ({name}: vllm-0.32.0-cpu) for the cached snapshot of uri -> 201 {key, snapshot}
     GET    /v1/engine-caches/{name}?uri=&namespace=  -> {key, snapshot, path} (docs/engine-caches.md)
+    GET    /v1/engine-caches?namespace=  -> [{key, model_snapshot, domain, snapshot, last_used, leases}]: the
+                                 caches that namespace is served (its own and the admin's); without it, all
     GET    /healthz /readyz /metrics
 
 Errors are `{"error": code, "message": text}`; the status is the one each error declares (weightcache/errors.py).
@@ -458,6 +460,22 @@ async def get_engine_cache(request: web.Request) -> web.Response:
                               "path": str(found.path)})
 
 
+async def list_engine_caches(request: web.Request) -> web.Response:
+    node = request.app[NODE]
+    who = engine_cache.lister(request.query.get("namespace") or None)
+
+    def listed() -> list[dict[str, Any]]:
+        out = []
+        for info in node.store.list():
+            key = engine_cache.key_of(info.snapshot)
+            if key is not None and engine_cache.visible_to(key, who):
+                out.append({"key": str(key.name), "model_snapshot": key.model_snapshot, "domain": key.domain,
+                            "snapshot": snapshot_body(info.snapshot), "last_used": info.last_used,
+                            "leases": list(info.leases)})
+        return out
+    return web.json_response(await asyncio.to_thread(listed))
+
+
 async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"ok": True})
 
@@ -498,6 +516,7 @@ def make_app(node: Node, *, token: bytes | None = None) -> web.Application:
     app.router.add_delete("/v1/leases/{holder}", release_lease)
     app.router.add_post("/v1/engine-caches/{name}", put_engine_cache)
     app.router.add_get("/v1/engine-caches/{name}", get_engine_cache)
+    app.router.add_get("/v1/engine-caches", list_engine_caches)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)

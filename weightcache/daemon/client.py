@@ -7,14 +7,19 @@ CLI handles one set of errors whichever way it went.
 
 from __future__ import annotations
 
+import builtins
+import contextlib
 import http.client
 import json
+import os
 import re
 import socket
+import tarfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 from weightcache import defaults, errors
 
@@ -151,6 +156,50 @@ class DaemonClient:
     def release(self, holder: str) -> None:
         self._call("DELETE", f"/v1/leases/{quote(holder, safe='')}")
 
+    def engine_caches(self, *, namespace: str | None = None) -> builtins.list[dict[str, Any]]:
+        return self._call("GET", "/v1/engine-caches" + _query({"namespace": namespace}))  # type: ignore[no-any-return]
+
+    def engine_cache(self, name: str, model: dict[str, Any]) -> dict[str, Any]:
+        """The engine cache `name` for `model` ({uri, revision, include, exclude, namespace}); NotCachedError."""
+        return self._call("GET", _engine_path(name, model))  # type: ignore[no-any-return]
+
+    def put_engine_cache(self, name: str, model: dict[str, Any], directory: str | Path) -> dict[str, Any]:
+        """Hand directory `directory` over as engine cache `name` for `model`: streamed as an uncompressed tar
+        built as it is sent (bounded memory); links go as links, and the daemon refuses them by name."""
+        read_fd, write_fd = os.pipe()
+        failed: list[BaseException] = []
+
+        def write_tar() -> None:
+            try:
+                with os.fdopen(write_fd, "wb") as out, tarfile.open(fileobj=out, mode="w|",
+                                                                    format=tarfile.PAX_FORMAT) as tf:
+                    for entry in sorted(os.listdir(directory)):  # not "." itself: the tar holds the contents
+                        tf.add(os.path.join(directory, entry), arcname=entry)
+            except BrokenPipeError:  # the daemon stopped reading (a refusal): its answer says why
+                pass
+            except BaseException as exc:
+                failed.append(exc)
+
+        writer = threading.Thread(target=write_tar, name="wc-engine-cache-tar", daemon=True)
+        writer.start()
+        conn = self._connect(long=True)
+        try:
+            with os.fdopen(read_fd, "rb") as body:
+                # the daemon may answer (a refusal) before the whole body: then read its answer
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                    conn.request("POST", _engine_path(name, model), body, {"Content-Type": "application/x-tar"})
+                response = conn.getresponse()
+                payload = response.read()
+        finally:
+            conn.close()
+            writer.join()
+        if failed:
+            raise failed[0]
+        decoded = _decode(payload)
+        if response.status != 201:
+            raise_for(response.status, decoded)
+        return decoded  # type: ignore[no-any-return]
+
     def ready(self) -> dict[str, Any]:
         """The /readyz answer ({"ready": bool, "checks": {...}}), whatever its status."""
         return self._call("GET", "/readyz", ok=(200, 503))  # type: ignore[no-any-return]
@@ -178,6 +227,15 @@ class DaemonClient:
         if response.status not in ok:
             raise_for(response.status, decoded)
         return decoded
+
+
+def _query(params: dict[str, Any]) -> str:
+    pairs = [(k, x) for k, v in params.items() for x in (v if isinstance(v, list | tuple) else [v]) if x]
+    return "?" + urlencode(pairs) if pairs else ""
+
+
+def _engine_path(name: str, model: dict[str, Any]) -> str:
+    return f"/v1/engine-caches/{quote(name, safe='')}" + _query(model)
 
 
 def _decode(payload: bytes) -> Any:
