@@ -8,6 +8,14 @@ pick (NodePublishVolume + NodeUnpublishVolume over its socket: lease, record, re
 
 The API server is tests/fake_apiserver.py on 127.0.0.1 (a real cluster's GET adds its own network round trip).
 Cycles alternate between the two paths; prints medians and p99 per step and the ratio DRA / CSI.
+
+    .venv/bin/python scripts/bench_dra.py --binding [--runs 3] [--hidden 1024] [--layers 8]
+
+(no root) times scale from zero on the 1.36 API: a node publishes a fetchable device `f-<model key>` for a sized
+ModelCache, the scheduler's allocation of it is written to a claim, and the driver (ClaimBinder: watch, authorize,
+fetch a file:// model through the fetch queue, lease) sets `weightcache.io/model-ready` on the claim's
+status.devices; kubelet then prepares the claim over the plugin's socket. Prints each claim's status timeline
+(allocated -> model-ready -> prepared) and the fetch rate.
 """
 
 from __future__ import annotations
@@ -32,34 +40,43 @@ import grpc
 
 from tests.fake_apiserver import FakeApiServer
 from tests.sample import make_model
+from weightcache.access import Authority
 from weightcache.csi import mounts
 from weightcache.csi._pb import csi_pb2, csi_pb2_grpc
 from weightcache.csi.server import serve_csi
 from weightcache.dra import DRIVER_NAME
 from weightcache.dra._pb import dra_v1_pb2, dra_v1_pb2_grpc
+from weightcache.dra.binding import ClaimBinder
 from weightcache.dra.devices import device_name
+from weightcache.dra.fetchable import (
+    MODEL_FAILED,
+    MODEL_READY,
+    SIZE_ANNOTATION,
+    Fetchable,
+    declared,
+    fetchable_devices,
+)
+from weightcache.dra.fetchable import device_name as fetchable_name
 from weightcache.dra.server import claim_reader, plugin_socket, serve_dra
+from weightcache.dra.slices import SlicePublisher
 from weightcache.fetch import Fetcher
 from weightcache.fetch_queue import FetchQueue
-from weightcache.policy import Decision
 from weightcache.store import Store
+from weightcache.uri import model_key
 
 NODE = "bench"
-
-
-def allow(ref: object, namespace: str) -> Decision:
-    return Decision(True, "bench")
+ALLOW = Authority()  # off-cluster: no ModelCache, undeclared models allowed
 
 
 async def run(cycles: int, work: Path, api: FakeApiServer) -> dict[str, list[float]]:
     store = Store(work / "store")
     snapshot = bench_csi.cache_model(store, work / "model")
     kubelet = work / "k"
-    dra = await serve_dra(store=store, pool=NODE, kubelet_dir=kubelet, cdi_dir=work / "cdi", policy=allow,
+    dra = await serve_dra(store=store, pool=NODE, kubelet_dir=kubelet, cdi_dir=work / "cdi", authority=ALLOW,
                           claims=claim_reader(api.api_client()))
     fetcher = Fetcher(store)
-    csi = await serve_csi(f"unix://{work}/csi.sock", store=store, fetches=FetchQueue(fetcher.ensure, store.lookup),
-                          node_id=NODE, policy=allow, kubelet_dir=kubelet)
+    csi = await serve_csi(f"unix://{work}/csi.sock", store=store, fetches=FetchQueue(fetcher.ensure, fetcher.lookup),
+                          node_id=NODE, authority=ALLOW, kubelet_dir=kubelet)
     claims = []
     run_id = uuid.uuid4().hex[:8]
     for i in range(cycles):
@@ -119,11 +136,99 @@ def report(all_runs: list[dict[str, list[float]]]) -> None:
             print(f"{step:<28}{tool:<34}{med(key):>9.2f}{tail(key):>9.2f}{med(key) / base:>7.2f}x")
 
 
+def _verdict(api: FakeApiServer, name: str) -> dict[str, str] | None:
+    for entry in (api.get("resourceclaims", name, "ml").get("status") or {}).get("devices") or []:
+        for c in entry.get("conditions") or []:
+            if c["type"] in (MODEL_READY, MODEL_FAILED) and c["status"] == "True":
+                return dict(c)
+    return None
+
+
+async def binding_run(work: Path, api: FakeApiServer, index: int) -> dict[str, float]:
+    """One claim from allocation to prepared; seconds since the allocation was written."""
+    source = work / "model"
+    size = sum(p.stat().st_size for p in source.rglob("*") if p.is_file())
+    uri = f"file://{source}/"
+    caches = [{"metadata": {"name": "llama", "annotations": {SIZE_ANNOTATION: str(size)}},
+               "spec": {"source": uri, "allowedNamespaces": ["ml"]}}]
+    store = Store(work / f"store-{index}", budget_bytes=4 * size + (64 << 20))
+    fetcher = Fetcher(store)
+    queue = FetchQueue(fetcher.ensure, fetcher.lookup)
+    authority = Authority(model_caches=lambda: caches, allow_undeclared=lambda: False)
+
+    def resolve(key: str) -> Fetchable | None:
+        return declared(caches).get(key)
+
+    publisher = SlicePublisher(api.api_client(), f"{NODE}-{index}", lambda: fetchable_devices(
+        declared(caches).values(), held={model_key(i.snapshot.uri) for i in store.list()}))
+    pool = f"{NODE}-{index}"
+    api.create("nodes", {"metadata": {"name": pool}})  # the slices' owner
+    binder = ClaimBinder(api.api_client(), pool=pool, store=store, authority=authority, resolve=resolve,
+                         fetch=lambda grant: queue.ensure(grant, keep=True))
+    kubelet_dir = work / f"k{index}"
+    plugin = await serve_dra(store=store, pool=pool, kubelet_dir=kubelet_dir, cdi_dir=work / "cdi",
+                             authority=authority, claims=claim_reader(api.api_client()), fetchable=resolve,
+                             binder=binder)
+    try:
+        await asyncio.to_thread(publisher.sync)
+        name = f"c{index}-{uuid.uuid4().hex[:6]}"
+        claim = api.create("resourceclaims", {"metadata": {"name": name}, "spec": {"devices": {"requests": [
+            {"name": "model", "exactly": {"deviceClassName": DRIVER_NAME}}]}}}, "ml")
+        claim["status"] = {"allocation": {"devices": {"results": [{
+            "request": "model", "driver": DRIVER_NAME, "pool": pool, "device": fetchable_name(model_key(uri)),
+            "bindingConditions": [MODEL_READY], "bindingFailureConditions": [MODEL_FAILED]}]}}}
+        t0 = time.perf_counter()
+        meta = api.update("resourceclaims", name, claim, namespace="ml", subresource="status")["metadata"]
+        while (verdict := await asyncio.to_thread(_verdict, api, name)) is None:
+            await asyncio.sleep(0.002)
+        t_ready = time.perf_counter() - t0
+        if verdict["type"] != MODEL_READY:
+            raise RuntimeError(f"claim {name}: {verdict}")
+        async with grpc.aio.insecure_channel(f"unix://{plugin_socket(kubelet_dir)}") as channel:
+            answer = await dra_v1_pb2_grpc.DRAPluginStub(channel).NodePrepareResources(
+                dra_v1_pb2.NodePrepareResourcesRequest(claims=[dra_v1_pb2.Claim(namespace="ml", uid=meta["uid"],
+                                                                                name=name)]))
+        t_prepared = time.perf_counter() - t0
+        assert answer.claims[meta["uid"]].error == "", answer.claims[meta["uid"]].error
+        [(_, bound)] = binder.timings.items()
+        return {"bytes": float(size), "model-ready": t_ready, "binder": bound, "prepared": t_prepared}
+    finally:
+        await plugin.stop(0)
+        queue.close()
+        store.close()
+
+
+def binding_report(runs: list[dict[str, float]]) -> None:
+    size = runs[0]["bytes"]
+    print(f"\nscale from zero (1.36 binding conditions), file:// model of {size / 1e6:.1f} MB, {len(runs)} runs")
+    print(f"{'run':<5}{'allocated':>10}{'model-ready':>13}{'binder':>9}{'prepared':>10}{'MB/s':>8}"
+          "   (seconds after the allocation was written)")
+    for i, r in enumerate(runs):
+        print(f"{i:<5}{0.0:>10.3f}{r['model-ready']:>13.3f}{r['binder']:>9.3f}{r['prepared']:>10.3f}"
+              f"{size / 1e6 / r['binder']:>8.1f}")
+    print(f"median: model-ready {statistics.median(r['model-ready'] for r in runs):.3f} s, prepared "
+          f"{statistics.median(r['prepared'] for r in runs):.3f} s; load average {os.getloadavg()[0]:.1f}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cycles", type=int, default=50)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--binding", action="store_true", help="time allocation -> model-ready -> prepared (1.36)")
+    parser.add_argument("--layers", type=int, default=8, help="--binding: the model's layers")
+    parser.add_argument("--hidden", type=int, default=1024, help="--binding: the model's hidden size")
     args = parser.parse_args()
+    if args.binding:
+        logging.basicConfig(level=logging.WARNING)
+        work = Path(tempfile.mkdtemp(prefix="wc-drab-", dir="/tmp"))  # Unix socket paths are short
+        try:
+            make_model(work / "model", layers=args.layers, hidden=args.hidden, vocab=1024)
+            with FakeApiServer() as api:
+                runs = [asyncio.run(binding_run(work, api, i)) for i in range(args.runs)]
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        binding_report(runs)
+        return 0
     if os.geteuid() != 0:
         print("bench_dra.py needs root (the CSI side bind-mounts)", file=sys.stderr)
         return 2

@@ -146,9 +146,12 @@ async def test_claims_sharing_one_device_are_prepared_and_unprepared_apart(dra: 
     assert dra.store.leases() == holders
 
     a_uid, b_uid = a["metadata"]["uid"], b["metadata"]["uid"]
-    b_meta = dra.kubelet_dir / "plugins" / DRIVER_NAME / "metadata" / b_uid
+    metadata_dir = dra.kubelet_dir / "plugins" / DRIVER_NAME / "metadata"
+    b_meta = metadata_dir / f"{b_uid}_model.json"
+    assert {p.name for p in metadata_dir.iterdir()} == {f"{a_uid}_model.json", b_meta.name}
     assert (await dra.kubelet.unprepare(a)).claims[a_uid].error == ""
-    assert not spec_file(dra, a_uid).exists() and spec_file(dra, b_uid).exists() and b_meta.is_dir()
+    assert not spec_file(dra, a_uid).exists() and spec_file(dra, b_uid).exists() and b_meta.is_file()
+    assert {p.name for p in metadata_dir.iterdir()} == {b_meta.name}
     assert dra.store.leases() == {f"dra:{b_uid}/m-{snap.id}": snap.id}
     with pytest.raises(InUseError, match=b_uid):
         dra.store.evict(snap.id)
@@ -242,4 +245,5 @@ async def test_hostile_share_ids_and_names_make_no_path(dra: DraHarness, field: 
     claim = dra.api.update("resourceclaims", "bad", claim, namespace=ALLOWED_NS, subresource="status")
     entry = (await dra.kubelet.prepare(claim)).claims[claim["metadata"]["uid"]]
     assert message in entry.error and dra.store.leases() == {}
-    assert not (dra.kubelet_dir / "plugins" / DRIVER_NAME / "metadata" / claim["metadata"]["uid"]).exists()
+    metadata_dir = dra.kubelet_dir / "plugins" / DRIVER_NAME / "metadata"
+    assert not metadata_dir.exists() or not any(metadata_dir.iterdir())

@@ -22,8 +22,9 @@ Device attributes use the ResourceSlice encoding: the published ones that do not
 container, when it fits 64 characters) and `digest` (the sha256 of the snapshot's file list, of which the snapshot
 id is the first 40 hex digits: a reader can check the tree it got is the one it asked for).
 
-On the host the files live under `<kubelet dir>/plugins/models.weightcache.io/metadata/<claim uid>/<request>/`;
-unprepare removes the claim's directory.
+On the host the files live flat in `<kubelet dir>/plugins/models.weightcache.io/metadata/` as
+`<claim uid>_<request>.json` (`_` is in neither a uid nor a request name; no directory per claim to create and
+remove on every prepare); unprepare removes the claim's files.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def container_path(claim_name: str, pod_claim: str, request: str) -> str:
 
 
 def host_path(metadata_dir: Path, claim_uid: str, request: str) -> Path:
-    return metadata_dir / claim_uid / top_request(request) / FILE_NAME
+    return metadata_dir / f"{claim_uid}_{top_request(request)}.json"
 
 
 def device_attributes(d: MetadataDevice) -> dict[str, dict[str, Any]]:
@@ -150,6 +151,14 @@ def write(metadata_dir: Path, claim_uid: str, namespace: str, claim_name: str, p
     return written
 
 
-def remove(metadata_dir: Path, claim_uid: str) -> None:
-    if metadata_dir.is_dir():
-        Tree(metadata_dir).remove_tree(metadata_dir / claim_uid)
+def remove(metadata_dir: Path, claim_uid: str, requests: Iterable[str] | None = None) -> None:
+    """Remove the claim's files: those of `requests`, or (a claim without a record) every file of the uid."""
+    tree = Tree(metadata_dir)
+    if requests is None:
+        names = [n for n in tree.listdir(metadata_dir) if n.startswith(claim_uid + "_")] \
+            if metadata_dir.is_dir() else []
+        paths = [metadata_dir / n for n in names]
+    else:
+        paths = [host_path(metadata_dir, claim_uid, r) for r in requests]
+    for path in paths:
+        tree.unlink(path)

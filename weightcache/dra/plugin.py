@@ -36,7 +36,7 @@ from weightcache.dra.devices import slot_of, snapshot_of
 from weightcache.dra.fetchable import MODEL_READY, Fetchable, key_of
 from weightcache.errors import InvalidRequestError, NotCachedError, WeightcacheError
 from weightcache.redact import shorten
-from weightcache.store import Store
+from weightcache.store import Snapshot, Store
 from weightcache.store.holders import claim_of_holder
 from weightcache.store.holders import dra_holder as holder_for
 from weightcache.uri import parse_ref
@@ -145,7 +145,7 @@ class ModelClaims:
         if actual != uid:
             raise InvalidRequestError("claims[].uid", f"ResourceClaim {namespace}/{name} has uid {actual}, not "
                                       f"{uid}: it was deleted and created again; kubelet retries with the new one")
-        prepared = []
+        prepared, snapshots = [], {}
         pod_claim = metadata.pod_claim_name(claim)
         for item in allocated_devices(claim, pool=self._pool):
             metadata.top_request(item.request)  # a request name that makes no path is refused before any lease
@@ -153,14 +153,14 @@ class ModelClaims:
             if snapshot_id is None:
                 raise InvalidRequestError("status.allocation.devices.results.device",
                                           f"{item.device!r} is not a device this driver publishes")
-            snapshot = self._store.get(snapshot_id)  # NotCachedError: evicted between allocation and now
+            snapshot = snapshots[snapshot_id] = self._store.get(snapshot_id)  # NotCachedError: evicted since
             # the snapshot's own files: a grant limited by include/exclude covers exactly what it fetched
             self._authority.authorize(parse_ref(snapshot.uri, include=[f.path for f in snapshot.files]),
                                       Requester(namespace))  # NotAllowedError: weightcache/access.py
             prepared.append(PreparedDevice(item.request, self._pool, item.device, snapshot_id,
                                            str(snapshot.path), item.container_path, item.env_name, item.share_id))
         record = ClaimRecord(uid, namespace, name, tuple(prepared), time.time(), pod_claim)
-        self._take(record)
+        self._take(record, snapshots)
         log.info("prepared claim %s/%s (%s): %s", namespace, name, uid,
                  ", ".join(f"{d.device} at {d.container_path}" for d in prepared))
         return record
@@ -182,7 +182,7 @@ class ModelClaims:
                                  f"device is allocated and sets {MODEL_READY} before the pod binds")
         return snapshot.id
 
-    def _take(self, record: ClaimRecord) -> None:
+    def _take(self, record: ClaimRecord, snapshots: dict[str, Snapshot]) -> None:
         """Leases, CDI spec, record, in that order; on failure undo what was done."""
         taken: list[str] = []
         try:
@@ -190,21 +190,23 @@ class ModelClaims:
                 holder = holder_for(record.uid, device.device)
                 self._store.lease(holder, device.snapshot_id)
                 taken.append(holder)
-            cdi.write_spec(self._cdi_dir, record.uid, self._mounts(record, self._write_metadata(record)))
+            cdi.write_spec(self._cdi_dir, record.uid, self._mounts(record, self._write_metadata(record, snapshots)))
             self._book.put(record)
         except BaseException:
             for holder in taken:
                 self._store.release(holder)
             cdi.remove_spec(self._cdi_dir, record.uid)
             if self._metadata_dir is not None:
-                metadata.remove(self._metadata_dir, record.uid)
+                metadata.remove(self._metadata_dir, record.uid, [d.request for d in record.devices])
             raise
 
-    def _write_metadata(self, record: ClaimRecord) -> dict[str, Path]:
+    def _write_metadata(self, record: ClaimRecord, snapshots: dict[str, Snapshot] | None = None) -> dict[str, Path]:
         """The claim's device metadata files (request -> host path); none without a metadata directory."""
         if self._metadata_dir is None:
             return {}
-        devices = [metadata.MetadataDevice(d.request, d.pool, d.device, self._store.get(d.snapshot_id),
+        known = snapshots or {}
+        devices = [metadata.MetadataDevice(d.request, d.pool, d.device,
+                                           known.get(d.snapshot_id) or self._store.get(d.snapshot_id),
                                            d.container_path, slot_of(d.device)) for d in record.devices]
         return metadata.write(self._metadata_dir, record.uid, record.namespace, record.name, record.pod_claim,
                               devices)
@@ -246,7 +248,7 @@ class ModelClaims:
             self._store.release(holder)
         cdi.remove_spec(self._cdi_dir, uid)
         if self._metadata_dir is not None:
-            metadata.remove(self._metadata_dir, uid)
+            metadata.remove(self._metadata_dir, uid, [d.request for d in record.devices] if record else None)
         self._book.remove(uid)
         if record is not None:
             log.info("unprepared claim %s/%s (%s)", record.namespace, record.name, uid)
