@@ -98,5 +98,12 @@ async def test_on_1_36_the_daemon_offers_a_fetchable_device_and_marks_its_claim_
         await eventually(ready, timeout=30, what="model-ready on the claim")
         print(f"allocated -> model-ready in {time.monotonic() - started:.2f}s")
         assert [i.snapshot.uri for i in d.daemon.node.store.list()] == [uri]
+        # held now, and on 1.36 (dra.shared: auto) as one shared device with consumable readers, not 8 slots
+        sid = d.daemon.node.store.list()[0].snapshot.id
+        (shared,) = await eventually(lambda: [x for x in devices(cluster) if snapshot_of(x["name"]) == sid],
+                                     what="the held model's shared device")
+        assert shared["name"] == f"m-{sid}" and shared["allowMultipleAllocations"] is True
+        assert shared["capacity"] == {"readers": {"value": "8", "requestPolicy": {"default": "1",
+                                                                                   "validValues": ["1"]}}}
     finally:
         await d.daemon.stop()
