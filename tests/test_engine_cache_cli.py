@@ -83,3 +83,44 @@ async def test_without_a_daemon_or_arguments_it_says_what_to_do(tmp_path: Path,
     assert code == 2 and "needs the cache directory" in err
     code, _, err = await run(capfd, "get", "vllm-0.32.0-cpu")
     assert code == 2 and "needs NAME and --model" in err
+
+
+async def test_fill_takes_the_admins_cache_from_a_peer_daemon(short_dir: Path, model_copy: Path,
+                                                             capfd: pytest.CaptureFixture[str]) -> None:
+    """Two real daemons: a cache put on A, then `engine-cache fill` on B by the id A printed, through B's peers."""
+    token = short_dir / "peer-token"
+    token.write_text("p" * 32 + "\n")
+    model = {"source": f"file://{model_copy}/"}
+    (short_dir / "a").mkdir()
+    (short_dir / "b").mkdir()
+    a = await start_daemon(short_dir / "a", model_copy, config={"models": [model], "peerTokenFile": str(token),
+                                                               "peerListen": "127.0.0.1:0"})
+    b = None
+    try:
+        b = await start_daemon(short_dir / "b", model_copy, config={
+            "models": [model], "peerTokenFile": str(token), "peers": [f"http://127.0.0.1:{a.daemon.peer_port}"]})
+        uri = a.model_uri
+        for running in (a, b):
+            await asyncio.to_thread(running.client.ensure, uri)
+        code, out, err = await run(capfd, "put", "vllm-0.32.0-cpu", str(cache_dir(short_dir / "c", FILES)),
+                                   "--model", uri, "--socket", str(a.socket), "-o", "json")
+        assert code == 0, err
+        snapshot = json.loads(out)["snapshot"]["id"]
+        code, _, err = await run(capfd, "fill", "vllm-0.32.0-cpu", "--model", uri, "--socket", str(b.socket))
+        assert code == 2 and "needs --snapshot" in err
+        code, _, err = await run(capfd, "fill", "vllm-0.32.0-cpu", "--model", uri, "--snapshot", snapshot,
+                                 "--namespace", "team-a", "--socket", str(b.socket))
+        assert code == 2 and "only the admin's are filled from peers" in err
+        code, out, err = await run(capfd, "fill", "vllm-0.32.0-cpu", "--model", uri, "--snapshot", snapshot,
+                                   "--socket", str(b.socket), "-o", "json")
+        assert code == 0, err
+        assert json.loads(out)["snapshot"]["id"] == snapshot
+        code, out, _ = await run(capfd, "get", "vllm-0.32.0-cpu", "--model", uri, "--socket", str(b.socket))
+        assert code == 0 and (Path(out.strip()) / "modelinfos" / "llama.json").read_bytes() == b"{}"
+        code, _, err = await run(capfd, "fill", "vllm-0.32.0-cpu", "--model", uri, "--snapshot", "f" * 40,
+                                 "--socket", str(b.socket))
+        assert code == answer_for(NotCachedError("x")).exit_code and "no peer holds" in err
+    finally:
+        if b is not None:
+            await b.daemon.stop()
+        await a.daemon.stop()

@@ -453,8 +453,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_engine_cache(args: argparse.Namespace) -> int:
-    """`engine-cache put NAME DIR --model REF`, `get NAME --model REF`, `list`: through the daemon, which computes
-    the key from the snapshot it serves (docs/engine-caches.md); there is no store-direct way."""
+    """`engine-cache put NAME DIR --model REF`, `get NAME --model REF`, `list`, `fill NAME --model REF --snapshot
+    ID` (from a peer): through the daemon, which computes the key from the snapshot it serves
+    (docs/engine-caches.md); there is no store-direct way."""
     from weightcache.daemon.client import DaemonClient, DaemonError
 
     socket = args.socket or defaults.socket()
@@ -465,6 +466,9 @@ def cmd_engine_cache(args: argparse.Namespace) -> int:
         raise InvalidReferenceError(f"engine-cache {args.action} needs NAME and --model, as in weightcache "
                                     f"engine-cache {args.action} vllm-0.32.0-cpu"
                                     f"{' DIR' if args.action == 'put' else ''} --model s3://models/llama-3-8b/")
+    if args.action == "fill" and not args.snapshot:
+        raise InvalidReferenceError("engine-cache fill needs --snapshot ID, the id put printed on the node that holds "
+                                    "the cache (weightcache engine-cache list there)")
     if args.action == "put" and not args.directory:
         raise InvalidReferenceError("engine-cache put needs the cache directory, as in weightcache engine-cache put "
                                     "vllm-0.32.0-cpu ~/.cache/vllm --model s3://models/llama-3-8b/")
@@ -473,6 +477,8 @@ def cmd_engine_cache(args: argparse.Namespace) -> int:
             caches = client.engine_caches(namespace=args.namespace)
         elif args.action == "get":
             caches = [client.engine_cache(args.name, model)]
+        elif args.action == "fill":
+            caches = [client.fill_engine_cache(args.name, model, args.snapshot)]
         else:
             if not os.path.isdir(args.directory):
                 raise InvalidReferenceError(f"{args.directory} is not a directory; give the engine's cache root "
@@ -606,11 +612,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("status", cmd_status, "per-node state of ModelCaches (cluster), or this store's summary", quiet=None)
     p.add_argument("name", nargs="?")
 
-    p = sub.add_parser("engine-cache", help="an engine's compile cache on this node: put DIR, get its path, list",
+    p = sub.add_parser("engine-cache", help="an engine's compile cache on this node: put DIR, get its path, list, "
+                       "fill from a peer",
                        description="Engine compile caches kept by the node's daemon, keyed by the model snapshot it "
                        "serves, ENGINE-VERSION-DEVICE and the namespace (docs/engine-caches.md).")
     p.set_defaults(func=cmd_engine_cache)
-    p.add_argument("action", choices=["put", "get", "list"])
+    p.add_argument("action", choices=["put", "get", "list", "fill"])
     p.add_argument("name", nargs="?", help="ENGINE-VERSION-DEVICE, e.g. vllm-0.32.0-cpu")
     p.add_argument("directory", nargs="?", help="put: the engine's cache root (vLLM: VLLM_CACHE_ROOT)")
     p.add_argument("--model", help="the model the cache was compiled for, e.g. s3://models/llama-3-8b/")
@@ -619,6 +626,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exclude", action="append", default=[], metavar="GLOB")
     p.add_argument("--namespace", help="put: the trust domain (default: the admin's, served to every namespace "
                                        "granted the model); get, list: what that namespace is served")
+    p.add_argument("--snapshot", help="fill: the cache's snapshot id on the node that has it; the peers' bytes "
+                                      "must digest to it")
     p.add_argument("--socket", help=f"daemon socket (env WEIGHTCACHE_SOCKET, default {defaults.SOCKET})")
     p.add_argument("-o", "--output", choices=["table", "json"], default="table",
                    help="table for people (default) or one JSON document for scripts")

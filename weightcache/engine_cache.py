@@ -38,7 +38,7 @@ import re
 import stat
 import tarfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,21 +47,25 @@ from typing import IO, Any, Protocol, cast
 from weightcache.access import Requester
 from weightcache.engine_name import EngineName
 from weightcache.engine_name import invalid as _bad
-from weightcache.errors import HostileKeyError, InvalidRequestError
+from weightcache.errors import HostileKeyError, InvalidRequestError, NotCachedError, SourceError
+from weightcache.peers import PeerClient
+from weightcache.retry import Retryable
 from weightcache.store import FileEntry, Snapshot, Store, validate_relpath
+from weightcache.store.records import snapshot_id_for
 from weightcache.uri import ModelRef
-from weightcache.vocabulary import ENGINE_CACHE_READY
+from weightcache.vocabulary import ENGINE_CACHE_ADMIN_DOMAIN, ENGINE_CACHE_READY, ENGINE_CACHE_SCHEME
 
 log = logging.getLogger(__name__)
 
-SCHEME = "weightcache-engine-cache"
-ADMIN_DOMAIN = "_admin"  # the trust domain of a cache the node's admin put: served to every granted namespace
+SCHEME = ENGINE_CACHE_SCHEME
+ADMIN_DOMAIN = ENGINE_CACHE_ADMIN_DOMAIN  # a cache the node's admin put: served to every granted namespace
 MAX_BYTES = 4 << 30  # a vLLM compile cache of a large model is tens to hundreds of MB; Triton's a few hundred
 MAX_ENTRIES = 20_000  # members of the tar (files and directories)
 MAX_HEADER_BYTES = 64 << 10  # one pax / GNU long-name extended header
 CHUNK = 1 << 20
 
 _SNAPSHOT_ID = re.compile(r"[0-9a-f]{40}")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 _NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 _EXTENDED = {tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNAME,
              tarfile.GNUTYPE_LONGLINK}
@@ -420,6 +424,120 @@ def copy_into(snapshot: Snapshot, directory: str | Path) -> None:
         os.close(top)
 
 
+def fill_from_peers(store: Store, key: EngineCacheKey, snapshot_id: str, peers: Sequence[PeerClient],
+                    limits: Limits = Limits()) -> Snapshot:
+    """Take the admin's engine cache `key` from a peer that holds snapshot `snapshot_id` of it: the id is the
+    evidence (the first 40 hex of the tree's content digest, as `put` printed it on the node that has it), given
+    by the node's admin, never by the peer. A peer's file list counts only if its digest is that id, and each
+    blob only if its bytes hash to the digest in that list; a peer that lies is skipped for the next. Only the
+    admin's domain: a namespace's caches stay on the node it handed them to. NotCachedError when no peer has it."""
+    if key.domain != ADMIN_DOMAIN:
+        raise _bad("only an admin's engine cache is taken from a peer; a namespace's caches stay on the node it "
+                   "handed them to")
+    if not _SNAPSHOT_ID.fullmatch(snapshot_id):
+        raise _bad(f"{snapshot_id[:80]!r} is not a snapshot id (40 lowercase hex, as put printed it)")
+    have = _exact(store, key)
+    if have is not None and have.id == snapshot_id:
+        return have
+    listing = _peer_listing(peers, snapshot_id, limits)
+    if listing is None:
+        raise NotCachedError(f"no peer holds engine cache snapshot {snapshot_id[:12]}; put it on one node first "
+                             "(weightcache engine-cache put), then fill the others from it")
+    holder, files = listing
+    ordered = [holder, *(p for p in peers if p is not holder)]
+    with _locked(store, key):
+        store.ensure_space(sum(f.size for f in files), uri=key.ref.uri)
+        parts: list[tuple[Path, str]] = []
+        try:
+            for i, entry in enumerate(files):
+                if not store.has_blob(entry.sha256) and all(entry.sha256 != d for _, d in parts):
+                    parts.append((_blob_from_peers(store, key, i, entry, ordered), entry.sha256))
+            store.add_blobs(parts)
+        except BaseException:
+            for part, _ in parts:
+                with contextlib.suppress(OSError):
+                    store.tree.unlink(part)
+            raise
+        snapshot = store.publish(key.ref, files)
+    log.info("engine cache %s filled from peer %s as snapshot %s (%d files, %d bytes)", key, holder.url,
+             snapshot.id[:12], len(files), snapshot.size)
+    return snapshot
+
+
+def _peer_listing(peers: Sequence[PeerClient], snapshot_id: str,
+                  limits: Limits) -> tuple[PeerClient, list[FileEntry]] | None:
+    """The first peer whose file list of `snapshot_id` is well formed, within the bounds and digests to it."""
+    for peer in peers:
+        try:
+            body = peer.engine_cache_files(snapshot_id, limit=limits.max_entries * 4096)
+            if body is None:
+                continue
+            files = _checked_listing(body, limits)
+        except (SourceError, InvalidRequestError) as exc:
+            log.warning("engine cache %s: %s", snapshot_id[:12], exc)
+            continue
+        if snapshot_id_for(files) != snapshot_id:
+            log.warning("peer %s sent a file list for engine cache %s that digests to another snapshot; ignored",
+                        peer.url, snapshot_id[:12])
+            continue
+        return peer, files
+    return None
+
+
+def _checked_listing(body: Any, limits: Limits) -> list[FileEntry]:
+    rows = body.get("files") if isinstance(body, dict) else None
+    if not isinstance(rows, list) or not rows or len(rows) > limits.max_entries:
+        raise _bad(f"a peer's file list is not 1 to {limits.max_entries} [path, size, sha256] rows")
+    files, total, seen = [], 0, set()
+    for row in rows:
+        if not (isinstance(row, list) and len(row) == 3 and isinstance(row[0], str) and type(row[1]) is int
+                and isinstance(row[2], str) and _SHA256.fullmatch(row[2]) and 0 <= row[1] <= limits.max_bytes):
+            raise _bad(f"a peer's file list holds a malformed row {str(row)[:120]!r}")
+        path = _clean(row[0])
+        total += row[1]
+        if not path or path in seen or total > limits.max_bytes:
+            raise _bad(f"a peer's file list repeats {path!r}, names an empty path or passes {limits.max_bytes} bytes")
+        seen.add(path)
+        files.append(FileEntry(path, row[1], row[2]))
+    return files
+
+
+def _blob_from_peers(store: Store, key: EngineCacheKey, index: int, entry: FileEntry,
+                     peers: Sequence[PeerClient]) -> Path:
+    """One blob of the cache into partial/ (under the key's lock), from the first peer whose bytes hash to it."""
+    name = f"{key.ref.key}.ecp{index}"
+    part = store.partial_path(name)
+    for peer in peers:
+        digest = hashlib.sha256()
+        with store.tree.dir(part.parent, create=True) as dfd:
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                         dir_fd=dfd)
+        try:
+            written = 0
+            if entry.size:
+                resp = peer.open_range(entry.sha256, 0, entry.size)
+                try:
+                    while written < entry.size and (data := resp.read(min(CHUNK, entry.size - written))):
+                        digest.update(data)
+                        _write_all(fd, data)
+                        written += len(data)
+                finally:
+                    resp.release_conn()
+        except (SourceError, Retryable, OSError) as exc:
+            log.info("engine cache blob %s from peer %s: %s", entry.sha256[:12], peer.url, exc)
+            continue
+        finally:
+            os.close(fd)
+        if written == entry.size and digest.hexdigest() == entry.sha256:
+            return part
+        log.warning("peer %s sent bytes for blob %s of %s that do not hash to it; asking the next", peer.url,
+                    entry.sha256[:12], entry.path)
+    with contextlib.suppress(OSError):
+        store.tree.unlink(part)
+    raise NotCachedError(f"no peer sent blob {entry.sha256[:12]} ({entry.path}) of engine cache {key} whole "
+                         "and intact; try again, or put the cache on this node")
+
+
 def scratch_bounds(limits: Limits = Limits()) -> tuple[int, int]:
     """(bytes, inodes) of a pod's engine-cache scratch filesystem: what a hand-over may take, the root directory
     and the ready file beside it. The filesystem's own limits are what bound a pod that writes more."""
@@ -518,5 +636,5 @@ def body_limit(limits: Limits) -> int:
 
 
 __all__ = ["ADMIN_DOMAIN", "SCHEME", "EngineCacheKey", "EngineName", "Limits", "Pipe", "body_limit", "copy_into",
-           "domain_of", "hand_over", "ingest_dir", "ingest_tar", "is_engine_cache", "key_of", "lister", "lookup",
-           "scratch_bounds", "visible_to"]
+           "domain_of", "fill_from_peers", "hand_over", "ingest_dir", "ingest_tar", "is_engine_cache", "key_of",
+           "lister", "lookup", "scratch_bounds", "visible_to"]

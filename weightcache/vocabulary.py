@@ -41,4 +41,8 @@ SIZE_BYTES_ANNOTATION = f"{GROUP}/size-bytes"  # a ModelCache's selected bytes: 
 # the plugin reads (`engineCache: vllm-0.32.0-cpu`), and the file a pod writes at that volume's root once its engine
 # has served; only a volume that started empty and holds it is handed over when the pod ends.
 ENGINE_CACHE_ATTRIBUTE = "engineCache"
+# The store reference scheme of an engine cache (no model door parses it), and the trust domain of one the node's
+# admin put: the only domain a peer serves and a node takes from a peer (weightcache/peers/server.py).
+ENGINE_CACHE_SCHEME = "weightcache-engine-cache"
+ENGINE_CACHE_ADMIN_DOMAIN = "_admin"
 ENGINE_CACHE_READY = ".weightcache-ready"

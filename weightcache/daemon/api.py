@@ -16,6 +16,8 @@
     POST   /v1/engine-caches/{name}?uri=&namespace=  body: an uncompressed tar of an engine's compile cache
                                  ({name}: vllm-0.32.0-cpu) for the cached snapshot of uri -> 201 {key, snapshot}
     GET    /v1/engine-caches/{name}?uri=&namespace=  -> {key, snapshot, path} (docs/engine-caches.md)
+    POST   /v1/engine-caches/{name}/fill?uri=&snapshot=<id>  the admin's cache for that key from a peer holding
+                                 snapshot <id> (the content digest put printed on that node) -> 201 like POST
     GET    /v1/engine-caches?namespace=  -> [{key, model_snapshot, domain, snapshot, last_used, leases}]: the
                                  caches that namespace is served (its own and the admin's); without it, all
     GET    /healthz /readyz /metrics
@@ -448,6 +450,23 @@ async def put_engine_cache(request: web.Request) -> web.Response:
                               "snapshot": snapshot_body(snapshot)}, status=201)
 
 
+async def fill_engine_cache(request: web.Request) -> web.Response:
+    node = request.app[NODE]
+    if request.query.get("namespace"):
+        raise errors.InvalidRequestError("namespace", "a namespace's engine caches stay on the node it handed "
+                                         "them to; only the admin's are filled from peers (leave namespace out)")
+    name, grant, model = await _engine_cache_model(request)
+    peers = node.fetcher.peers
+    if peers is None or not peers.clients:
+        raise errors.ConfigError("this node has no peers (peerTokenFile and peers, docs/peers.md); put the cache "
+                                 "here instead (weightcache engine-cache put)")
+    key = engine_cache.EngineCacheKey.for_model(model, name, grant.who)
+    snapshot = await asyncio.to_thread(engine_cache.fill_from_peers, node.store, key,
+                                       request.query.get("snapshot", ""), list(peers.clients))
+    return web.json_response({"key": str(name), "model_snapshot": model.id, "domain": key.domain,
+                              "snapshot": snapshot_body(snapshot)}, status=201)
+
+
 async def get_engine_cache(request: web.Request) -> web.Response:
     node = request.app[NODE]
     name, grant, model = await _engine_cache_model(request)
@@ -517,6 +536,7 @@ def make_app(node: Node, *, token: bytes | None = None) -> web.Application:
     app.router.add_post("/v1/engine-caches/{name}", put_engine_cache)
     app.router.add_get("/v1/engine-caches/{name}", get_engine_cache)
     app.router.add_get("/v1/engine-caches", list_engine_caches)
+    app.router.add_post("/v1/engine-caches/{name}/fill", fill_engine_cache)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)

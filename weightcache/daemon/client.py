@@ -163,6 +163,11 @@ class DaemonClient:
         """The engine cache `name` for `model` ({uri, revision, include, exclude, namespace}); NotCachedError."""
         return self._call("GET", _engine_path(name, model))  # type: ignore[no-any-return]
 
+    def fill_engine_cache(self, name: str, model: dict[str, Any], snapshot: str) -> dict[str, Any]:
+        """The admin's engine cache `name` for `model` from a peer holding snapshot `snapshot` (its content id)."""
+        path = _engine_path(name, {**model, "snapshot": snapshot}, "/fill")
+        return self._call("POST", path, None, long=True)  # type: ignore[no-any-return]
+
     def put_engine_cache(self, name: str, model: dict[str, Any], directory: str | Path) -> dict[str, Any]:
         """Hand directory `directory` over as engine cache `name` for `model`: streamed as an uncompressed tar
         built as it is sent (bounded memory); links go as links, and the daemon refuses them by name."""
@@ -234,8 +239,8 @@ def _query(params: dict[str, Any]) -> str:
     return "?" + urlencode(pairs) if pairs else ""
 
 
-def _engine_path(name: str, model: dict[str, Any]) -> str:
-    return f"/v1/engine-caches/{quote(name, safe='')}" + _query(model)
+def _engine_path(name: str, model: dict[str, Any], suffix: str = "") -> str:
+    return f"/v1/engine-caches/{quote(name, safe='')}{suffix}" + _query(model)
 
 
 def _decode(payload: bytes) -> Any:

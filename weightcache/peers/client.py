@@ -8,11 +8,13 @@ hashed, every blob verified against the origin's evidence before publish).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import re
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlencode, urlsplit
 
@@ -143,6 +145,29 @@ class PeerClient:
             resp.enforce_content_length = False  # a short body returns what came: the caller resumes elsewhere
         return resp, int(m[2]) + 1
 
+    def engine_cache_files(self, snapshot_id: str, limit: int) -> Any:
+        """The peer's file list of the admin's engine cache `snapshot_id` (decoded JSON, untrusted: the caller
+        checks its shape and its digest), None when it has none; at most `limit` bytes of answer are read."""
+        try:
+            resp = self._pool.request("GET", f"{self.url}/v1/engine-caches/{snapshot_id}", headers=self._auth,
+                                      preload_content=False, redirect=False)
+        except NETWORK_ERRORS as exc:
+            raise PeerUnreachable(f"peer {self.url} unreachable: {type(exc).__name__}") from exc
+        try:
+            if resp.status != 200:
+                return None
+            body = resp.read(limit + 1)
+        except NETWORK_ERRORS as exc:
+            raise PeerUnreachable(f"peer {self.url} broke off: {type(exc).__name__}") from exc
+        finally:
+            resp.release_conn()
+        if len(body) > limit:
+            raise SourceError(f"peer {self.url} sent an engine cache file list over {limit} bytes")
+        try:
+            return json.loads(body)
+        except ValueError:
+            raise SourceError(f"peer {self.url} sent an engine cache file list that is not JSON") from None
+
     def close(self) -> None:
         self._pool.clear()
 
@@ -170,6 +195,7 @@ class Pace:
         self.was_cut = False
         self._done = False
         self._conn: Any = None
+        self._held_since: float | None = None
         self._lock = threading.Lock()
 
     def attach(self, conn: Any) -> None:
@@ -191,9 +217,26 @@ class Pace:
         with self._lock:
             self._done = True
 
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """This node keeps the range waiting (its own peer bytesPerSecond): no slowness of the peer's, so the
+        floor is not judged meanwhile and its clock starts again later by the time held. Without it a node whose
+        peer limit gives each of its workers about the floor's rate (8 MiB/s over 8 workers) cut every peer as a
+        trickler and fetched from the origin instead."""
+        since = time.monotonic()
+        with self._lock:
+            self._held_since = since
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.started += time.monotonic() - since
+                self._held_since = None
+
     def due(self, now: float) -> bool:
         with self._lock:
-            return not self._done and self.got < self.min_rate * (now - self.started - self.grace_s)
+            return not self._done and self._held_since is None and \
+                self.got < self.min_rate * (now - self.started - self.grace_s)
 
     def cut(self) -> bool:
         """Shut the socket down; False while there is none yet (connecting: the connect timeout bounds that)."""

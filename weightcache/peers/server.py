@@ -2,6 +2,9 @@
 
     HEAD /v1/blobs/sha256/<64 hex>     200 with Content-Length when the blob is published here, else 404
     GET  /v1/blobs/sha256/<64 hex>     the body; one `Range: bytes=a-b` (or a-, -n) answers 206, else 200
+    GET  /v1/engine-caches/<40 hex>    {"files": [[path, size, sha256], ...]} of an engine cache the node's admin
+                                       put (docs/engine-caches.md, "Peers"), by its snapshot id; 404 for any
+                                       other snapshot (a model's file list, a namespace's cache)
     HEAD, GET /v1/origin?scheme=s3&bucket=B&key=K&etag=E[&version=V]&size=N
                                        the same for an object named by its origin identity (identity.OriginId):
                                        the blob a manifest of this node records for exactly that bucket, key,
@@ -38,10 +41,13 @@ from weightcache.peers.client import PARTIAL_HEADER
 from weightcache.peers.identity import OriginId, record_matches
 from weightcache.peers.inflight import InFlight
 from weightcache.units import ascii_int
+from weightcache.vocabulary import ENGINE_CACHE_ADMIN_DOMAIN, ENGINE_CACHE_SCHEME
 
 log = logging.getLogger(__name__)
 
 BLOB_ROUTE = "/v1/blobs/sha256/{digest}"
+ENGINE_CACHE_ROUTE = "/v1/engine-caches/{snapshot}"
+_SNAPSHOT = re.compile(r"[0-9a-f]{40}")
 ORIGIN_ROUTE = "/v1/origin"
 _HEX = re.compile(r"[0-9a-f]{64}")
 _RANGE = re.compile(r"bytes=([0-9]*)-([0-9]*)")  # ASCII only: \d also matches '٣', which int() reads
@@ -111,6 +117,7 @@ class PeerServer:
         self.app = web.Application()
         self.app.router.add_get(BLOB_ROUTE, self._blob)  # and HEAD
         self.app.router.add_get(ORIGIN_ROUTE, self._origin)  # and HEAD
+        self.app.router.add_get(ENGINE_CACHE_ROUTE, self._engine_cache)
         self._runner: web.AppRunner | None = None
         self.port = 0
 
@@ -137,8 +144,7 @@ class PeerServer:
 
     async def _blob(self, request: web.Request) -> web.StreamResponse:
         if not self._authorized(request):
-            return web.Response(status=401, text="peer token required: Authorization: Bearer <peerTokenFile>\n",
-                                headers={"WWW-Authenticate": 'Bearer realm="weightcache-peers"'})
+            return _unauthorized()
         digest = request.match_info["digest"]
         if not _HEX.fullmatch(digest):
             return web.Response(status=400, text="a blob is named by 64 lowercase hex digits of its sha256\n")
@@ -161,11 +167,23 @@ class PeerServer:
         finally:
             os.close(fd)
 
+    async def _engine_cache(self, request: web.Request) -> web.Response:
+        """The file list of an admin's engine cache: the asker checks it against the snapshot id it was given
+        (the tree's content digest) before it asks for a blob of it."""
+        if not self._authorized(request):
+            return _unauthorized()
+        snapshot = request.match_info["snapshot"]
+        if not _SNAPSHOT.fullmatch(snapshot):
+            return web.Response(status=400, text="a snapshot is named by 40 lowercase hex digits\n")
+        files = await asyncio.to_thread(self.records.engine_cache_files, snapshot)
+        if files is None:
+            return web.Response(status=404, text="no engine cache of the admin's with that id on this node\n")
+        return web.json_response({"files": files})
+
     async def _origin(self, request: web.Request) -> web.StreamResponse:
         """An object by its origin identity: only a blob this node's own manifests record for that identity."""
         if not self._authorized(request):
-            return web.Response(status=401, text="peer token required: Authorization: Bearer <peerTokenFile>\n",
-                                headers={"WWW-Authenticate": 'Bearer realm="weightcache-peers"'})
+            return _unauthorized()
         oid = OriginId.from_query(request.query)
         if oid is None:
             return web.Response(status=400, text="an object is named by scheme=s3, bucket, key, etag, size and "
@@ -279,12 +297,37 @@ class OriginRecords:
     def __init__(self, index_path: Path) -> None:
         self.index_path = index_path
 
-    def lookup(self, oid: OriginId) -> str | None:
+    def _open(self) -> sqlite3.Connection | None:
         try:
             if not stat.S_ISREG(os.lstat(self.index_path).st_mode):  # never a symlink planted as the index
                 return None
-            db = sqlite3.connect(f"file:{self.index_path}?mode=ro", uri=True, timeout=5)
+            return sqlite3.connect(f"file:{self.index_path}?mode=ro", uri=True, timeout=5)
         except (OSError, sqlite3.Error):
+            return None
+
+    def engine_cache_files(self, snapshot_id: str) -> list[list[str | int]] | None:
+        """[[path, size, sha256], ...] of snapshot `snapshot_id` when it is an engine cache of the admin's domain
+        (`weightcache-engine-cache://<model>/<engine>/<version>/<device>/_admin/`); None for anything else."""
+        db = self._open()
+        if db is None:
+            return None
+        try:
+            rows = db.execute("SELECT uri FROM snapshots WHERE id = ?", (snapshot_id,)).fetchall()
+            if not rows or not str(rows[0][0]).startswith(ENGINE_CACHE_SCHEME + "://") or \
+                    not str(rows[0][0]).endswith(f"/{ENGINE_CACHE_ADMIN_DOMAIN}/"):
+                return None
+            files = db.execute("SELECT path, size, sha256 FROM files WHERE snapshot_id = ? ORDER BY path",
+                               (snapshot_id,)).fetchall()
+        except sqlite3.Error as exc:
+            log.info("peer lookup of engine cache %s: index unreadable (%s)", snapshot_id[:12], exc)
+            return None
+        finally:
+            db.close()
+        return [[str(p), int(n), str(h)] for p, n, h in files] or None
+
+    def lookup(self, oid: OriginId) -> str | None:
+        db = self._open()
+        if db is None:
             return None
         try:
             rows = db.execute(
@@ -301,6 +344,11 @@ class OriginRecords:
                     _HEX.fullmatch(str(sha)):
                 return str(sha)
         return None
+
+
+def _unauthorized() -> web.Response:
+    return web.Response(status=401, text="peer token required: Authorization: Bearer <peerTokenFile>\n",
+                        headers={"WWW-Authenticate": 'Bearer realm="weightcache-peers"'})
 
 
 def open_blob(blobs_dir: Path, digest: str) -> int:
