@@ -14,6 +14,7 @@ from tests.fixtures_s3 import S3
 from tests.grants import granted
 from weightcache.errors import ConfigError, FetchCancelledError
 from weightcache.fetch import Fetcher
+from weightcache.peers.client import Pace
 from weightcache.ratelimit import BURST_S, LIMITS, Limiter, acquire_origin
 from weightcache.store import Store
 
@@ -134,3 +135,52 @@ def test_a_big_file_from_s3_holds_the_nodes_origin_limit(tmp_path: Path, s3: S3)
     took = time.monotonic() - started
     assert snap.size == size
     assert took >= 0.9 * (size / rate - BURST_S), f"{size} bytes in {took:.2f}s: the limit was not held"
+
+
+def test_a_waiter_without_cpu_is_owed_its_bytes_but_idle_time_is_never_banked() -> None:
+    """A fake clock jumps 2 s while a worker waits in the bucket (descheduled on a busy CPU): it and the next
+    request get the bytes of those 2 s, so the average holds. Two idle seconds give only the 0.1 s burst."""
+    now = [0.0]
+    limiter = Limiter(1000, burst_s=0.1, clock=lambda: now[0])
+    limiter.acquire(1000)  # the 100-byte burst, then 900 in debt
+    granted_at: list[float] = []
+
+    def take(n: int) -> None:
+        limiter.acquire(n)
+        granted_at.append(now[0])
+
+    waiter = threading.Thread(target=take, args=(1000,), daemon=True)
+    waiter.start()
+    time.sleep(0.1)  # it polls the bucket, in debt
+    assert not granted_at
+    now[0] = 2.0  # 2,000 bytes accrued while it waited: 1,100 more than its debt and request
+    waiter.join(2)
+    assert granted_at == [2.0]
+    second = threading.Thread(target=take, args=(1000,), daemon=True)
+    second.start()
+    second.join(2)
+    assert granted_at == [2.0, 2.0]  # 3,000 bytes granted by t=2: the rate and the burst, no more
+
+    idle = Limiter(1000, burst_s=0.1, clock=lambda: now[0])
+    idle.acquire(100)
+    now[0] = 10.0  # nobody waits: the bucket fills to its 100-byte burst only
+    idle.acquire(200)  # 100 in debt
+    late = threading.Thread(target=idle.acquire, args=(100,), daemon=True)
+    late.start()
+    late.join(0.2)
+    assert late.is_alive()  # in debt: waits for a clock that no longer moves
+    now[0] = 10.2  # its debt paid
+    late.join(2)
+    assert not late.is_alive()
+
+
+def test_a_peer_range_held_by_this_nodes_own_peer_limit_is_not_judged_slow() -> None:
+    """The peers' rate floor (peers/client.py Pace) counts no time this node's bytesPerSecond.peers held the
+    reader: 8 workers sharing 8 MiB/s get 1 MiB/s each, the floor's rate, and every peer was cut as a trickler."""
+    pace = Pace(10 << 20, min_rate=1 << 20, grace_s=0.5)
+    before = pace.started
+    with pace.held():
+        time.sleep(0.05)
+        assert not pace.due(before + 100)  # held by us: never cut meanwhile
+    assert pace.started - before >= 0.05  # its clock starts again later by the time held
+    assert not pace.due(pace.started + 0.4) and pace.due(pace.started + 0.6)  # the peer's own pace still counts

@@ -20,11 +20,22 @@ from weightcache.errors import FetchCancelledError
 
 BURST_S = 0.1  # a bucket holds this many seconds of its rate: short bursts, a limit held over ~1 s windows
 POLL_S = 0.05  # a waiting worker looks at the bucket (and its cancel event) at least this often
+CATCH_UP_S = 1.0  # while workers wait, the bucket holds up to this many seconds of its rate (see Limiter)
 
 
 class Limiter:
-    """A thread-safe token bucket of `rate` bytes per second (0: unlimited) with a `burst_s` burst. A request
-    larger than the burst is allowed once the bucket is full and leaves it in debt, so the average holds."""
+    """A thread-safe token bucket of `rate` bytes per second (0: unlimited) with a `burst_s` burst. A request is
+    allowed as soon as the bucket is out of debt and takes all its bytes, leaving it in debt when they are more
+    than it holds, so the average holds whatever the request sizes. Granting at "not in debt" rather than at "holds
+    the whole request" leaves the bucket's capacity as slack: waiters that wake late (a busy CPU, the POLL_S
+    ticks) lose no tokens unless the bucket fills meanwhile. Asking for requests of up to a full bucket, with 1 MiB
+    pieces over a 0.8 MiB bucket (8 MiB/s), every grant needed a full bucket and each late wake-up was lost: 8
+    workers held 78-91 % of the limit on a loaded 2-core machine (scripts/bench_ratelimit.py).
+
+    While a worker waits here the demand is there, so the bucket then fills up to CATCH_UP_S of the rate instead
+    of `burst_s`: a waiter that got no CPU for a while (load 9 on 2 cores took 0.8-1.0 of the limit) takes the
+    bytes it was owed when it runs, and the average over a second holds. With nobody waiting (the origin is the
+    slow part, or no fetch runs) the bucket keeps its short burst, so idle time is never banked."""
 
     def __init__(self, rate: int = 0, burst_s: float = BURST_S, clock: Callable[[], float] = time.monotonic) -> None:
         self._lock = threading.Lock()
@@ -33,6 +44,7 @@ class Limiter:
         self._rate = max(0, int(rate))
         self._tokens = self._capacity()
         self._stamp = clock()
+        self._waiting = 0  # workers blocked in acquire now
         self.waited_s = 0.0  # seconds workers spent blocked here, all together
 
     @property
@@ -51,7 +63,8 @@ class Limiter:
     def _refill(self) -> None:
         now = self._clock()
         if self._rate:
-            self._tokens = min(self._capacity(), self._tokens + (now - self._stamp) * self._rate)
+            cap = max(self._capacity(), self._rate * CATCH_UP_S) if self._waiting else self._capacity()
+            self._tokens = min(cap, self._tokens + (now - self._stamp) * self._rate)
         self._stamp = now
 
     def acquire(self, n: int, cancel: threading.Event | None = None) -> None:
@@ -59,26 +72,32 @@ class Limiter:
         if n <= 0 or not self._rate:
             return
         started = None
-        while True:
-            with self._lock:
-                if not self._rate:
-                    return
-                self._refill()
-                need = min(float(n), self._capacity())
-                if self._tokens >= need:
-                    self._tokens -= n
-                    if started is not None:
-                        self.waited_s += self._clock() - started
-                    return
-                wait = (need - self._tokens) / self._rate
-            if started is None:
-                started = self._clock()
-            pause = min(wait, POLL_S)
-            if cancel is not None:
-                if cancel.wait(pause):
-                    raise FetchCancelledError("fetch cancelled while waiting for its bandwidth limit")
-            else:
-                time.sleep(pause)
+        try:
+            while True:
+                with self._lock:
+                    self._refill()
+                    if not self._rate or self._tokens >= 0:
+                        if self._rate:
+                            self._tokens -= n
+                        if started is not None:
+                            self._waiting -= 1
+                            self.waited_s += self._clock() - started
+                            started = None
+                        return
+                    wait = -self._tokens / self._rate
+                    if started is None:
+                        started = self._clock()
+                        self._waiting += 1
+                pause = min(wait, POLL_S)
+                if cancel is not None:
+                    if cancel.wait(pause):
+                        raise FetchCancelledError("fetch cancelled while waiting for its bandwidth limit")
+                else:
+                    time.sleep(pause)
+        finally:
+            if started is not None:  # cancelled (or interrupted) while waiting
+                with self._lock:
+                    self._waiting -= 1
 
 
 class Limits:

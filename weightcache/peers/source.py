@@ -352,7 +352,8 @@ class PeerSource:
         retry = Retry(f"reading blob {sha256[:12]} bytes {pos}-{served - 1} from peer {peer.url}", 1)
         with closing(stream_range(open_once, pos, served - pos, buf, retry, counted)) as pieces:
             for at, view in pieces:
-                acquire_peers(len(view))  # the node's peer bytesPerSecond: the next piece waits (ratelimit.py)
+                with pace.held():  # our own wait is no slowness of the peer's
+                    acquire_peers(len(view))  # the node's peer bytesPerSecond: the next piece waits (ratelimit.py)
                 with self._lock:
                     self._served[(key, at)] = (peer.url, hashlib.sha256(view).digest())
                     self.peer_bytes += len(view)
