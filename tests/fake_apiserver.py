@@ -33,6 +33,7 @@ import re
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -173,6 +174,8 @@ class FakeApiServer:
         self.hang_watches = False
         self.fail_requests = 0  # answer the next N requests with 500, as an overloaded apiserver does
         self.version = ("1", "34")  # what GET /version says (major, minor): the DRA driver reads it
+        # plural -> edits an object before it is stored: a server whose feature gate is off drops its fields
+        self.on_store: dict[str, Callable[[Obj], None]] = {}
         self._objects: dict[tuple[str, str, str], Obj] = {}
         self._history: list[tuple[int, str, str, str, Obj]] = []  # (rv, plural, ns, type, object)
         self._rv = 100
@@ -387,6 +390,8 @@ class FakeApiServer:
         return self._commit(res, namespace, name, result, "MODIFIED")
 
     def _commit(self, res: Resource, namespace: str, name: str, obj: Obj, kind: str) -> Obj:
+        if (edit := self.on_store.get(res.plural)) is not None:
+            edit(obj)
         self._rv += 1
         obj["metadata"]["resourceVersion"] = str(self._rv)
         self._objects[(res.plural, namespace, name)] = obj

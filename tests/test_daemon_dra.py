@@ -107,3 +107,36 @@ async def test_on_1_36_the_daemon_offers_a_fetchable_device_and_marks_its_claim_
                                                                                    "validValues": ["1"]}}}
     finally:
         await d.daemon.stop()
+
+
+async def test_a_server_that_drops_the_136_fields_gets_slots_and_no_fetchable_devices(
+        cluster: FakeApiServer, short_dir: Path, model_copy: Path) -> None:
+    """1.36 by /version, but with DRAConsumableCapacity and DRADeviceBindingConditions off: the API server stores
+    the slice without allowMultipleAllocations, the capacity's requestPolicy and the binding conditions. The daemon
+    sees it in what the server stored and publishes slot devices and no fetchable device."""
+    cluster.version = ("1", "36")
+
+    def gates_off(obj: dict[str, Any]) -> None:
+        for device in obj["spec"].get("devices", []):
+            for field in ("allowMultipleAllocations", "bindingConditions", "bindingFailureConditions"):
+                device.pop(field, None)
+            for capacity in (device.get("capacity") or {}).values():
+                capacity.pop("requestPolicy", None)
+    cluster.on_store["resourceslices"] = gates_off
+    uri = f"file://{model_copy}/"
+    cluster.create("modelcaches", model_cache("llama", uri, "a100", ["ml"]))
+    offered = model_cache("elsewhere", f"file://{short_dir}/nope/", "h100", ["ml"])
+    offered["metadata"]["annotations"] = {SIZE_ANNOTATION: "1000"}
+    cluster.create("modelcaches", offered)
+    config = {"kubeletDir": str(short_dir / "k"),
+              "dra": {"slotsPerModel": 2, "cdiDir": str(short_dir / "cdi"), "publishSeconds": 0.1}}
+    d = await start_daemon(short_dir, model_copy, config=config, env={"NODE_NAME": NODE})
+    try:
+        def slots() -> list[str]:
+            names = sorted(x["name"] for x in devices(cluster))
+            held = [i.snapshot.id for i in d.daemon.node.store.list()]
+            return names if held and names == [f"m-{held[0]}-0", f"m-{held[0]}-1"] else []
+        await eventually(slots, timeout=30, what="slot devices only, after the server dropped the shared fields")
+        assert not any(s["spec"].get("sharedCounters") for s in cluster.list("resourceslices"))
+    finally:
+        await d.daemon.stop()

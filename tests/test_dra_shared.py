@@ -29,7 +29,7 @@ from weightcache.daemon.dra import sharing
 from weightcache.dra import DRIVER_NAME
 from weightcache.dra.devices import READERS, device_name, devices_for
 from weightcache.dra.metadata import API_VERSIONS, POD_CLAIM_ANNOTATION
-from weightcache.dra.slices import build_slices
+from weightcache.dra.slices import build_slices, dropped_fields
 from weightcache.errors import InUseError
 from weightcache.store import Snapshot
 from weightcache.uri import model_key
@@ -247,3 +247,14 @@ async def test_hostile_share_ids_and_names_make_no_path(dra: DraHarness, field: 
     assert message in entry.error and dra.store.leases() == {}
     metadata_dir = dra.kubelet_dir / "plugins" / DRIVER_NAME / "metadata"
     assert not metadata_dir.exists() or not any(metadata_dir.iterdir())
+
+
+def test_dropped_fields_name_what_the_server_did_not_store(tmp_path: Path) -> None:
+    snap = Snapshot("c" * 40, tmp_path, "s3://models/llama/", None, 7)
+    sent = build_slices(NODE, devices_for([snap], slots=4, shared=True), 1)
+    assert dropped_fields(sent, sent) == set()
+    stored = json.loads(json.dumps(sent))
+    del stored[0]["spec"]["devices"][0]["capacity"][READERS]["requestPolicy"]
+    assert dropped_fields(sent, stored) == {"capacity.requestPolicy"}
+    del stored[0]["spec"]["devices"][0]["allowMultipleAllocations"]
+    assert dropped_fields(sent, stored) == {"capacity.requestPolicy", "allowMultipleAllocations"}

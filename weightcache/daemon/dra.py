@@ -12,6 +12,7 @@ import logging
 import re
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from weightcache.daemon.node import Node
@@ -28,16 +29,40 @@ from weightcache.uri import model_key
 log = logging.getLogger(__name__)
 
 
-def node_devices(node: Node, *, shared: bool = False) -> Callable[[], list[dict[str, Any]]]:
-    """The held models' devices: `slotsPerModel` slot devices each, or one shared device with that many readers."""
+def node_devices(node: Node, *, shared: Callable[[], bool] = lambda: False) -> Callable[[], list[dict[str, Any]]]:
+    """The held models' devices: `slotsPerModel` slot devices each, or (`shared()`) one shared device with that
+    many readers."""
     dra = node.settings.dra
     assert dra is not None
 
     def devices() -> list[dict[str, Any]]:
         resident = {r.id for r in node.tier.resident()} if node.tier is not None else set()
-        return devices_for([i.snapshot for i in node.store.list()], slots=dra.slots_per_model, shared=shared,
+        return devices_for([i.snapshot for i in node.store.list()], slots=dra.slots_per_model, shared=shared(),
                            resident=resident, states=STATES.snapshot())
     return devices
+
+
+@dataclass
+class Served:
+    """The 1.36 fields this node publishes, turned off for good when a write shows the API server drops them (a
+    feature gate off): an exclusive device instead of a shared one would let one claim take the model; a fetchable
+    device without its binding conditions would let the scheduler bind the pod before the model is fetched."""
+
+    shared: bool
+    fetchable: bool
+
+    def dropped(self, fields: set[str]) -> None:
+        if self.shared and fields & {"allowMultipleAllocations", "capacity", "capacity.requestPolicy"}:
+            self.shared = False
+            log.warning("the API server dropped %s from this node's ResourceSlice (DRAConsumableCapacity off?): "
+                        "publishing slot devices instead of shared ones; set dra.shared: false to start that way",
+                        ", ".join(sorted(fields)))
+        if self.fetchable and fields & {"bindingConditions", "bindingFailureConditions", "consumesCounters",
+                                        "sharedCounters"}:
+            self.fetchable = False
+            log.warning("the API server dropped %s from this node's ResourceSlice (DRADeviceBindingConditions or "
+                        "DRAPartitionableDevices off?): no longer offering models this node could fetch",
+                        ", ".join(sorted(fields)))
 
 
 def change_token(node: Node, *, fetchable: bool = False) -> Callable[[], object]:
@@ -107,15 +132,18 @@ async def serve_for_node(node: Node) -> DraPlugin:
     # fetchable devices need the 1.36 API (binding conditions, device status and counters on by default): an older
     # API server drops the fields, and the scheduler would bind a pod before its model is fetched
     fetchable = dra.api_version == "v1" and version is not None and version >= (1, 36)
-    shared = sharing(dra.shared, dra.api_version, version)
-    log.info("DRA: %s per cached model%s", f"one shared device with {dra.slots_per_model} readers" if shared
-             else f"{dra.slots_per_model} slot devices", ", and fetchable devices (binding conditions)"
-             if fetchable else "")
-    held = node_devices(node, shared=shared)
-    devices = with_fetchable(node, held) if fetchable else held
-    publisher = SlicePublisher(api_client, node_name, devices, api_version=dra.api_version,
-                               change_token=change_token(node, fetchable=fetchable),
-                               counters=(lambda: cache_counters(free_cache_bytes(node))) if fetchable else None)
+    served = Served(sharing(dra.shared, dra.api_version, version), fetchable)
+    log.info("DRA: %s per cached model%s", f"one shared device with {dra.slots_per_model} readers"
+             if served.shared else f"{dra.slots_per_model} slot devices",
+             ", and fetchable devices (binding conditions)" if fetchable else "")
+    held = node_devices(node, shared=lambda: served.shared)
+    offered = with_fetchable(node, held)
+    token = change_token(node, fetchable=fetchable)
+    publisher = SlicePublisher(api_client, node_name, lambda: offered() if served.fetchable else held(),
+                               api_version=dra.api_version,
+                               change_token=lambda: (token(), served.shared, served.fetchable),
+                               counters=(lambda: cache_counters(free_cache_bytes(node)) if served.fetchable else [])
+                               if fetchable else None, on_dropped=served.dropped)
 
     def resolve(key: str) -> Fetchable | None:
         return declared(node.model_caches()).get(key)

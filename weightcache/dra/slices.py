@@ -15,6 +15,11 @@ otherwise the scheduler would keep allocating devices of a node that no longer e
 read (a daemon started before its Node object, RBAC without `get nodes`) is logged once and its slices carry no
 owner until it can be read.
 
+An API server without a field's feature gate drops the field silently (an exclusive device instead of a shared
+one; a fetchable device without its binding conditions, which the scheduler would bind at once): the publisher
+compares what the server stored with what it sent and reports the dropped fields (`dropped_fields`) to
+`on_dropped`, which the daemon answers by publishing without them (weightcache/daemon/dra.py).
+
 `SlicePublisher.sync()` blocks (the kubernetes client is synchronous): the daemon runs it in a thread, from a
 loop that wakes every `interval` seconds. A tick costs one stat of the snapshot and manifest directories unless
 something changed. Every API call has a timeout, so a hung API server never holds a worker thread for long.
@@ -79,6 +84,27 @@ def build_slices(node_name: str, devices: list[dict[str, Any]], generation: int,
     return slices
 
 
+def dropped_fields(sent: list[dict[str, Any]], stored: list[dict[str, Any]]) -> set[str]:
+    """The device and slice fields of `sent` slices the API server did not store (`capacity.<name>.requestPolicy`
+    is reported as `capacity.requestPolicy`)."""
+    dropped: set[str] = set()
+    stored_devices = {str(d.get("name")): d for obj in stored for d in (obj.get("spec") or {}).get("devices") or []}
+    for i, obj in enumerate(sent):
+        spec = obj.get("spec") or {}
+        if spec.get("sharedCounters") and i < len(stored) and not (stored[i].get("spec") or {}).get("sharedCounters"):
+            dropped.add("sharedCounters")
+        for device in spec.get("devices") or []:
+            back = stored_devices.get(str(device.get("name")))
+            if back is None:
+                continue
+            dropped |= {k for k in device if k not in back}
+            kept = back.get("capacity") or {}
+            for name, capacity in (device.get("capacity") or {}).items():
+                if "requestPolicy" in capacity and "requestPolicy" not in (kept.get(name) or {}):
+                    dropped.add("capacity.requestPolicy")
+    return dropped
+
+
 def _owners(obj: dict[str, Any]) -> Any:
     return (obj.get("metadata") or {}).get("ownerReferences")
 
@@ -88,7 +114,8 @@ class SlicePublisher:
 
     def __init__(self, api_client: Any, node_name: str, devices: Devices, *, api_version: str = "v1",
                  change_token: Callable[[], object] = lambda: None, resync_s: float = 10.0,
-                 counters: Callable[[], list[dict[str, Any]]] | None = None) -> None:
+                 counters: Callable[[], list[dict[str, Any]]] | None = None,
+                 on_dropped: Callable[[set[str]], None] | None = None) -> None:
         import kubernetes
 
         self._api = kubernetes.client.CustomObjectsApi(api_client)
@@ -105,6 +132,7 @@ class SlicePublisher:
         self._published_counters: list[dict[str, Any]] | None = None
         self._last_token: object = object()
         self._generation = 0
+        self._on_dropped = on_dropped
 
     def sync(self, *, full: bool = False) -> bool:
         """Publish the current devices when they changed; `full` also re-reads the API server's slices (someone may
@@ -133,21 +161,25 @@ class SlicePublisher:
         self._generation += 1
         wanted = build_slices(self._node, devices, self._generation, api_version=self._version,
                               node_uid=self._node_uid, shared_counters=counters)
+        stored = []
         for obj in wanted:
             name = obj["metadata"]["name"]
             if name in existing:
                 obj["metadata"]["resourceVersion"] = existing.pop(name)["metadata"]["resourceVersion"]
-                self._api.replace_cluster_custom_object(GROUP, self._version, PLURAL, name, obj,
-                                                        _request_timeout=API_TIMEOUT_S)
+                stored.append(self._api.replace_cluster_custom_object(GROUP, self._version, PLURAL, name, obj,
+                                                                      _request_timeout=API_TIMEOUT_S))
             else:
-                self._api.create_cluster_custom_object(GROUP, self._version, PLURAL, obj,
-                                                       _request_timeout=API_TIMEOUT_S)
+                stored.append(self._api.create_cluster_custom_object(GROUP, self._version, PLURAL, obj,
+                                                                     _request_timeout=API_TIMEOUT_S))
         for name in existing:  # slices of a larger pool than now
             self._api.delete_cluster_custom_object(GROUP, self._version, PLURAL, name,
                                                    _request_timeout=API_TIMEOUT_S)
         self._published, self._published_counters = devices, counters
         log.info("ResourceSlice pool %s generation %d: %d devices in %d slices", self._node, self._generation,
                  len(devices), len(wanted))
+        dropped = dropped_fields(wanted, [s for s in stored if isinstance(s, dict)])
+        if dropped and self._on_dropped is not None:
+            self._on_dropped(dropped)
         return True
 
     def published_names(self) -> list[str]:
