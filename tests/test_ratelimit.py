@@ -3,6 +3,8 @@ live, and the daemon's bytesPerSecond reaches the process's limits."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -10,8 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures_daemon import short_dir, start_daemon  # noqa: F401 - short_dir: a fixture
 from tests.fixtures_s3 import S3
 from tests.grants import granted
+from weightcache import cli
+from weightcache.daemon.config import load_settings
 from weightcache.errors import ConfigError, FetchCancelledError
 from weightcache.fetch import Fetcher
 from weightcache.peers.client import Pace
@@ -114,9 +119,11 @@ def test_bytes_per_second_in_the_daemon_config_is_parsed_and_applied_live() -> N
     assert dict(s.bytes_per_second) == {"origin": 200 << 20, "peers": 1 << 30, "s3://models": 50 << 20}
     merged, pending = apply_live(Settings(), s)
     assert "bytes_per_second" not in pending
-    assert LIMITS.status() == {"origin": 200 << 20, "peers": 1 << 30, "sources": {"s3://models": 50 << 20}}
+    rates = {k: v for k, v in LIMITS.status().items() if k != "waited_seconds"}
+    assert rates == {"origin": 200 << 20, "peers": 1 << 30, "sources": {"s3://models": 50 << 20}}
     apply_live(merged, Settings())
-    assert LIMITS.status() == {"origin": 0, "peers": 0, "sources": {}}
+    assert {k: v for k, v in LIMITS.status().items() if k != "waited_seconds"} == \
+        {"origin": 0, "peers": 0, "sources": {}}
     with pytest.raises(ConfigError, match="bytesPerSecond"):
         parse_settings({"bytesPerSecond": {"s3://a/b c": 1}})
     with pytest.raises(ConfigError, match="bytesPerSecond"):
@@ -184,3 +191,27 @@ def test_a_peer_range_held_by_this_nodes_own_peer_limit_is_not_judged_slow() -> 
         assert not pace.due(before + 100)  # held by us: never cut meanwhile
     assert pace.started - before >= 0.05  # its clock starts again later by the time held
     assert not pace.due(pace.started + 0.4) and pace.due(pace.started + 0.6)  # the peer's own pace still counts
+
+
+async def test_status_shows_the_daemons_limits_and_a_reload_changes_them(
+        short_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`weightcache status` (and -o json) of a running daemon: its bytesPerSecond as the buckets hold them now,
+    the seconds waited on each and that they are live; after a config reload, the new ones."""
+    limits = {"origin": "200Mi", "peers": "1Gi", "s3://models": "50Mi"}
+    running = await start_daemon(short_dir, short_dir / "no-model", config={"bytesPerSecond": limits})
+    monkeypatch.setenv("WEIGHTCACHE_SOCKET", str(running.socket))
+    try:
+        assert await asyncio.to_thread(cli.main, ["status", "-o", "json"]) == 0
+        bandwidth = json.loads(capsys.readouterr().out)["bandwidth"]
+        waited = bandwidth.pop("waited_seconds")  # since the process started: other tests' waits count too
+        assert bandwidth == {"origin": 200 << 20, "peers": 1 << 30, "sources": {"s3://models": 50 << 20}, "live": True}
+        assert waited["sources"] == {"s3://models": 0.0} and waited["origin"] >= 0 and waited["peers"] >= 0
+        assert await asyncio.to_thread(cli.main, ["status"]) == 0
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("bandwidth"))
+        assert line.split(None, 1)[1] == "origin 200 MiB/s, peers 1 GiB/s, s3://models 50 MiB/s; live (a config " \
+                                         "reload applies it)"
+        await running.daemon.apply(load_settings(flags={"root": str(running.root), "socket": str(running.socket)}))
+        assert await asyncio.to_thread(cli.main, ["status"]) == 0
+        assert "bandwidth     no limit (bytesPerSecond unset); live" in capsys.readouterr().out
+    finally:
+        await running.daemon.stop()

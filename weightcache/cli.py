@@ -145,6 +145,19 @@ def _print_table(rows: list[list[str]], headers: list[str], out: TextIO | None =
         out.write("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() + "\n")
 
 
+def _bandwidth_line(bandwidth: Any) -> str:
+    """`weightcache status`'s line of the daemon's bytesPerSecond: each limit in force, then whether a reload
+    changes them."""
+    if not isinstance(bandwidth, dict):
+        return "?"
+    sources = bandwidth.get("sources")
+    rates = {"origin": bandwidth.get("origin"), "peers": bandwidth.get("peers"),
+             **(sources if isinstance(sources, dict) else {})}
+    shown = [f"{k} {fmt_bytes(v)}/s" for k, v in rates.items() if isinstance(v, int) and v > 0]
+    live = "live (a config reload applies it)" if bandwidth.get("live") else "changed by a restart only"
+    return f"{', '.join(shown) or 'no limit (bytesPerSecond unset)'}; {live}"
+
+
 def _ago(ts: float) -> str:
     d = max(0, time.time() - ts)
     return f"{d:.0f}s ago" if d < 120 else f"{d / 60:.0f}m ago" if d < 7200 else f"{d / 3600:.0f}h ago"
@@ -444,10 +457,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     if isinstance(cache, DaemonCache):  # where the daemon's bytes came from (fleet fill: docs/peers.md)
         fetched = cache.fetched_bytes()
         summary.update(origin_bytes=int(fetched["origin"]), peer_bytes=int(fetched["peers"]))
+        if (answer := cache.client.status()) is not None:  # the limits the daemon enforces now (bytesPerSecond)
+            summary["bandwidth"] = answer.get("bandwidth")
     if args.output == "json":
         print(json.dumps(summary))
     else:
         for k, v in summary.items():
+            if k == "bandwidth":
+                v = _bandwidth_line(v)
             print(f"{k:<13} {fmt_bytes(v) if k.endswith('bytes') and v is not None else v}")
     return 0
 

@@ -137,9 +137,14 @@ class Limits:
             return self._sources.get(f"{scheme}://{bucket}") or self._sources.get(scheme)
 
     def status(self) -> dict[str, object]:
+        """The rates now (bytes/s, 0: none) and the seconds workers have waited on each bucket, all together
+        (whether a limit bites): what `weightcache status` shows of a daemon."""
         with self._lock:
             sources = {k: v.rate for k, v in self._sources.items()}
-        return {"origin": self.origin.rate, "peers": self.peers.rate, "sources": sources}
+            waited = {k: round(v.waited_s, 3) for k, v in self._sources.items()}
+        return {"origin": self.origin.rate, "peers": self.peers.rate, "sources": sources,
+                "waited_seconds": {"origin": round(self.origin.waited_s, 3), "peers": round(self.peers.waited_s, 3),
+                                   "sources": waited}}
 
 
 LIMITS = Limits()

@@ -20,6 +20,8 @@
                                  snapshot <id> (the content digest put printed on that node) -> 201 like POST
     GET    /v1/engine-caches?namespace=  -> [{key, model_snapshot, domain, snapshot, last_used, leases}]: the
                                  caches that namespace is served (its own and the admin's); without it, all
+    GET    /v1/status            {bandwidth: {origin, peers, sources: {key: bytes/s}, waited_seconds, live}}: the
+                                 bytesPerSecond in force (0: none); `weightcache status` shows it
     GET    /healthz /readyz /metrics
 
 Errors are `{"error": code, "message": text}`; the status is the one each error declares (weightcache/errors.py).
@@ -495,6 +497,15 @@ async def list_engine_caches(request: web.Request) -> web.Response:
     return web.json_response(await asyncio.to_thread(listed))
 
 
+async def status(request: web.Request) -> web.Response:
+    """What the daemon enforces now that no other answer says: its bandwidth limits (bytesPerSecond, the buckets'
+    rates and the seconds workers waited on them; `live`: a config reload changes them without a restart)."""
+    from weightcache.daemon.config import LIVE_FIELDS
+    from weightcache.ratelimit import LIMITS
+
+    return web.json_response({"bandwidth": {**LIMITS.status(), "live": "bytes_per_second" in LIVE_FIELDS}})
+
+
 async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"ok": True})
 
@@ -537,6 +548,7 @@ def make_app(node: Node, *, token: bytes | None = None) -> web.Application:
     app.router.add_get("/v1/engine-caches/{name}", get_engine_cache)
     app.router.add_get("/v1/engine-caches", list_engine_caches)
     app.router.add_post("/v1/engine-caches/{name}/fill", fill_engine_cache)
+    app.router.add_get("/v1/status", status)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)

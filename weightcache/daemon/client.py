@@ -209,6 +209,11 @@ class DaemonClient:
         """The /readyz answer ({"ready": bool, "checks": {...}}), whatever its status."""
         return self._call("GET", "/readyz", ok=(200, 503))  # type: ignore[no-any-return]
 
+    def status(self) -> dict[str, Any] | None:
+        """GET /v1/status (the bandwidth limits in force); None from a daemon too old to have it (404)."""
+        answer = self._call("GET", "/v1/status", ok=(200, 404))
+        return answer if isinstance(answer, dict) and "error" not in answer else None
+
     def metrics(self) -> str:
         return self._call("GET", "/metrics", raw=True)  # type: ignore[no-any-return]
 
