@@ -4,9 +4,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_venv.sh
+# Bytecode once, on the core mypy leaves idle: the package's (every CLI, daemon and CSI subprocess a test starts
+# would otherwise compile it from source) and pytest's assertion-rewritten test modules (each worker would otherwise
+# rewrite all of them: half of a worker's 20 CPU seconds of collection). PYTHONDONTWRITEBYTECODE, where the
+# environment sets it, would keep both from being written.
+unset PYTHONDONTWRITEBYTECODE
+( "$PY" -m compileall -q weightcache >/dev/null && "$PY" -m pytest --collect-only -q -p no:xdist >/dev/null ) &
+warm=$!
 "$PY" -m ruff check weightcache tests scripts  # rules and line length: [tool.ruff] in pyproject.toml
 "$PY" -m mypy  # --strict on the package: [tool.mypy] in pyproject.toml
 "$VENV/bin/lint-imports"  # the layers of docs/architecture.md: [tool.importlinter] in pyproject.toml
+wait "$warm" || true  # a module that fails to collect is reported by the run below, with its traceback
 # One worker more than the CPUs (tests also wait on sockets and subprocesses: on 2 cores, 3 workers took 332-340 s
 # where 2 took 392 s); WEIGHTCACHE_TEST_WORKERS=0 runs in this process (pdb, -s). Each worker starts its own moto
 # server and temp dirs; tests share nothing else.

@@ -38,17 +38,6 @@ _DUMMY_ENV = {
 
 
 @dataclass(frozen=True)
-class S3Server:
-    endpoint_url: str
-
-    def reset(self) -> None:
-        """Drop every bucket and object (moto's own reset API)."""
-        req = urllib.request.Request(f"{self.endpoint_url}/moto-api/reset", method="POST")
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            resp.read()
-
-
-@dataclass(frozen=True)
 class S3:
     """What a test gets from the `s3` fixture."""
 
@@ -75,6 +64,18 @@ class S3:
             self.client.put_object(Bucket=bucket, Key=key, Body=path.read_bytes())
 
 
+@dataclass(frozen=True)
+class S3Server:
+    endpoint_url: str
+    client: Any  # one boto3 client per worker for arranging buckets (a new one parses botocore's JSON again)
+
+    def reset(self) -> None:
+        """Drop every bucket and object (moto's own reset API)."""
+        req = urllib.request.Request(f"{self.endpoint_url}/moto-api/reset", method="POST")
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            resp.read()
+
+
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[S3Server]:
     """moto's S3 server on 127.0.0.1 (port 0, read back), with dummy AWS credentials in the environment."""
@@ -87,22 +88,21 @@ def s3_server() -> Iterator[S3Server]:
         server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         server.start()
         host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        client = boto3.session.Session().client("s3", endpoint_url=endpoint,
+                                                config=Config(s3={"addressing_style": "path"}))
         try:
-            yield S3Server(f"http://{host}:{port}")
+            yield S3Server(endpoint, client)
         finally:
+            client.close()
             server.stop()
 
 
 @pytest.fixture
-def s3(s3_server: S3Server) -> Iterator[S3]:
+def s3(s3_server: S3Server) -> S3:
     """An empty S3 (moto reset before the test) and a client for arranging it."""
     s3_server.reset()
-    client = boto3.session.Session().client(
-        "s3", endpoint_url=s3_server.endpoint_url, config=Config(s3={"addressing_style": "path"}))
-    try:
-        yield S3(s3_server.endpoint_url, client)
-    finally:
-        client.close()
+    return S3(s3_server.endpoint_url, s3_server.client)
 
 
 @pytest.fixture

@@ -9,12 +9,11 @@ import os
 import shutil
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
-from tests.fixtures_hf import make_tiny_llama
+from tests.fixtures_hf import HubLoader, tiny_llama
 from tests.grants import granted
 from weightcache.errors import InvalidReferenceError, InvalidRequestError
 from weightcache.fetch import Fetcher
@@ -31,44 +30,20 @@ from weightcache.store import Snapshot, Store
 from weightcache.uri import validate_repo_id
 
 REPO = "acme/tiny-llama"
-LOAD = textwrap.dedent("""
-    import json, sys
-    import huggingface_hub, transformers
-    repo = sys.argv[1]
-    path = huggingface_hub.snapshot_download(repo)
-    model = transformers.AutoModelForCausalLM.from_pretrained(repo)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(repo)
-    sys.path.insert(0, sys.argv[2])
-    from tests.fixtures_hf import generate
-    print(json.dumps({"path": path, "tokens": generate(model, tokenizer)}))
-""")
-
-
 @pytest.fixture(scope="module")
 def published(tmp_path_factory: pytest.TempPathFactory) -> tuple[Store, Snapshot, list[int]]:
     base = tmp_path_factory.mktemp("hf")
-    reference = make_tiny_llama(base / "src" / "tiny-llama")
+    reference = tiny_llama(tmp_path_factory, base / "src" / "tiny-llama")
     store = Store(base / "root")
     snapshot = Fetcher(store).ensure(granted(f"file://{base / 'src' / 'tiny-llama'}/"))
     return store, snapshot, reference
 
 
-def load_offline(cache: Path, home: Path, repo: str = REPO) -> dict[str, object]:
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "HF_HUB_CACHE": str(cache),
-           "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "PYTHONDONTWRITEBYTECODE": "1"}
-    root = str(Path(__file__).resolve().parents[1])
-    done = subprocess.run([sys.executable, "-c", LOAD, repo, root], capture_output=True, text=True, timeout=300,
-                          env=env, cwd=home)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
-
-
 def test_transformers_and_hub_load_the_repo_offline_from_the_layout(
-        published: tuple[Store, Snapshot, list[int]], tmp_path: Path) -> None:
+        published: tuple[Store, Snapshot, list[int]], hub_loader: HubLoader) -> None:
     store, snapshot, reference = published
     cache = hub_cache(store, snapshot, REPO)
-    result = load_offline(cache, tmp_path)
+    result = hub_loader.load(cache, REPO)
     assert result["tokens"] == reference
     commit = commit_of(snapshot)
     assert result["path"] == str(cache / repo_folder(REPO) / "snapshots" / commit)
@@ -189,7 +164,7 @@ def test_real_repo_ids_are_accepted(good: str) -> None:
 
 @pytest.mark.root
 def test_a_read_only_bind_mount_of_the_layout_loads(published: tuple[Store, Snapshot, list[int]],
-                                                    tmp_path: Path) -> None:
+                                                    hub_loader: HubLoader, tmp_path: Path) -> None:
     if os.geteuid() != 0 or shutil.which("mount") is None:
         pytest.skip("needs root and mount(8)")
     store, snapshot, reference = published
@@ -199,6 +174,6 @@ def test_a_read_only_bind_mount_of_the_layout_loads(published: tuple[Store, Snap
     subprocess.run(["mount", "--bind", str(cache), str(target)], check=True)
     try:
         subprocess.run(["mount", "-o", "remount,bind,ro", str(target)], check=True)
-        assert load_offline(target, tmp_path)["tokens"] == reference
+        assert hub_loader.load(target, REPO)["tokens"] == reference
     finally:
         subprocess.run(["umount", str(target)], check=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures_hf import make_tiny_llama
+from tests.fixtures_hf import HubLoader, tiny_llama
 from tests.fixtures_hub import COMMIT, FakeHub, ensure, fake_hub  # noqa: F401
 from weightcache.errors import SourceNotFoundError, WeightcacheError
 from weightcache.fetch import Fetcher
@@ -26,7 +26,7 @@ REPO = "acme/tiny-llama"
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[int]]:
     path = tmp_path_factory.mktemp("hub") / "tiny-llama"
-    return path, make_tiny_llama(path)
+    return path, tiny_llama(tmp_path_factory, path)
 
 
 @pytest.fixture(autouse=True)
@@ -125,15 +125,13 @@ def test_unknown_revision_and_repo_are_not_found(fake_hub: FakeHub, model_dir: t
 
 
 def test_fetched_repo_loads_offline_as_org_name(fake_hub: FakeHub, model_dir: tuple[Path, list[int]],
-                                                tmp_path: Path) -> None:
-    from tests.test_hf_layout import load_offline
-
+                                                hub_loader: HubLoader, tmp_path: Path) -> None:
     src, reference = model_dir
     fake_hub.add(REPO, src)
     store = Store(tmp_path / "root")
     snapshot = ensure(Fetcher(store), f"hf://{REPO}")
     cache = hub_cache(store, snapshot, REPO)
-    result = load_offline(cache, tmp_path)
+    result = hub_loader.load(cache, REPO)
     assert result["tokens"] == reference
     assert str(result["path"]).endswith(commit_of(snapshot))
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures_hf import generate, make_tiny_llama
+from tests.fixtures_hf import generate, tiny_llama
 
 pytest.importorskip("transformers")
 DOC = Path(__file__).resolve().parents[1] / "docs" / "loader.md"
@@ -29,7 +29,7 @@ def recipe() -> str:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[int]]:
     path = tmp_path_factory.mktemp("llama") / "model"
-    reference = make_tiny_llama(path)
+    reference = tiny_llama(tmp_path_factory, path)
     for f in path.iterdir():
         f.chmod(0o444)
     path.chmod(0o555)  # read-only like the volume (root ignores modes; the mount test covers a real ro mount)

@@ -20,8 +20,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-import boto3
 import botocore.exceptions
+import botocore.loaders
+import botocore.session
 import urllib3.exceptions
 from botocore.config import Config
 
@@ -90,8 +91,20 @@ NETWORK_ERRORS = (
 )
 
 
+# botocore's service models and endpoint rules, parsed once per process: a fresh session parses their JSON again
+# (0.27 CPU seconds a client; 0.03 with the loader shared). Only the loader is shared: each source still gets its
+# own session, so credentials are resolved per source as before (a rotated key or token file is read again).
+_LOADER = botocore.loaders.create_loader()
+
+
+def _client(endpoint_url: str | None, config: Config) -> Any:
+    session = botocore.session.get_session()
+    session.register_component("data_loader", _LOADER)
+    return session.create_client("s3", endpoint_url=endpoint_url, config=config)
+
+
 class S3Source:
-    """Lists and reads `s3://bucket/prefix/`. Thread-safe: one boto3 client with a pool of `pool_size`."""
+    """Lists and reads `s3://bucket/prefix/`. Thread-safe: one botocore client with a pool of `pool_size`."""
 
     name = "s3"
     page_size = 1000  # keys per ListObjectsV2 page (S3's maximum)
@@ -99,7 +112,7 @@ class S3Source:
     def __init__(self, ref: ModelRef, options: SourceOptions | None = None) -> None:
         self.ref = ref
         self.options = o = options or SourceOptions()
-        # boto3 reads these itself; we look only to choose path-style addressing and to name it in errors
+        # botocore reads these itself; we look only to choose path-style addressing and to name it in errors
         self.endpoint_url = (o.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3")
                              or os.environ.get("AWS_ENDPOINT_URL"))
         self._not_md5: set[str] = set()  # keys whose responses showed SSE-KMS/SSE-C: their ETag is no MD5
@@ -113,7 +126,7 @@ class S3Source:
             response_checksum_validation="when_required",
             proxies={"http": o.proxy_url, "https": o.proxy_url} if o.proxy_url else None,
         )
-        self._client = boto3.session.Session().client("s3", endpoint_url=self.endpoint_url, config=config)
+        self._client = _client(self.endpoint_url, config)
         self._client.meta.events.register("before-call.s3.GetObject", self._first_byte_deadline)
 
     def __repr__(self) -> str:
