@@ -5,6 +5,7 @@ store publish nothing; globs select members; a moved tag is told by its layers' 
 
 from __future__ import annotations
 
+import errno
 import gzip
 import hashlib
 import io
@@ -18,8 +19,9 @@ import pytest
 
 from tests.fixtures_registry import Registry, no_docker_config, registry  # noqa: F401 - fixtures
 from tests.grants import granted
-from weightcache.errors import HostileKeyError, IntegrityError, SourceError
+from weightcache.errors import HostileKeyError, InsufficientSpaceError, IntegrityError, SourceError
 from weightcache.fetch import Fetcher
+from weightcache.sources import oci_tar
 from weightcache.sources.oci import ORAS_UNPACK
 from weightcache.store import Snapshot, Store
 
@@ -162,3 +164,18 @@ def test_a_damaged_layer_blob_already_in_the_store_is_not_unpacked(tmp_path: Pat
     with pytest.raises(IntegrityError, match="hashes to"):
         fetch(tmp_path / "root", f"oci://{registry.host}/models/stale-blob:v1")
     assert Store(tmp_path / "root").list() == []
+
+
+def test_a_full_disk_while_unpacking_says_what_to_do(tmp_path: Path, registry: Registry,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    body = gzip.compress(tar([("w", None, None), ("w/a.bin", b"full disk", None)]))
+    registry.push("models/full-disk:v1", {"w": body}, media_types={"w": TGZ})
+
+    def full(*args: object, **kwargs: object) -> str:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(oci_tar, "sha256_of", full)  # the disk fills as the first member is written
+    with pytest.raises(InsufficientSpaceError, match="free disk space"):
+        fetch(tmp_path / "root", f"oci://{registry.host}/models/full-disk:v1")
+    store = Store(tmp_path / "root")
+    assert store.list() == [] and not list(store.partial_dir().glob("*.part"))

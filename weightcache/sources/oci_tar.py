@@ -35,7 +35,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any, cast
 
-from weightcache.errors import HostileKeyError, IntegrityError, SourceError
+from weightcache.errors import HostileKeyError, InsufficientSpaceError, IntegrityError, SourceError
 from weightcache.store.paths import validate_relpath
 from weightcache.store.types import FileEntry
 
@@ -292,8 +292,13 @@ def expand_layers(entries: list[FileEntry], tars: dict[str, tuple[str, str]], st
                     raise SourceError(f"{name}: the tar layer {hexdigest[:12]} holds no file; push files, or drop "
                                       "the layer")
                 members.publish()
-            except BaseException:
+            except BaseException as exc:
                 members.discard()
+                if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise InsufficientSpaceError(
+                        f"disk full unpacking the tar layer {name!r} of {uri} ({exc.strerror}; a gzip layer unpacks "
+                        "to more than its size); free disk space or lower the store's budget so eviction makes "
+                        "room") from exc
                 raise
         with store.locked():  # no publish links it meanwhile: the layer's blob is no file of a snapshot
             store.tree.unlink_if_single_link(store.layout.blob(hexdigest))
