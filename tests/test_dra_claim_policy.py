@@ -16,6 +16,7 @@ import yaml
 from celpy.adapter import json_to_cel
 from celpy.evaluation import CELEvalError
 
+from tests.fixtures_crd_cel import cel_eval
 from tests.fixtures_dra import cel_device
 from tests.fixtures_k8s_schema import has_schema, validate_strict
 from tests.tools import kubectl
@@ -82,8 +83,7 @@ def gpu_claim(namespace: str) -> dict[str, Any]:
 
 
 def _eval(expression: str, activation: dict[str, Any]) -> Any:
-    env = celpy.Environment()
-    return env.program(env.compile(expression)).evaluate(activation)
+    return cel_eval(expression, activation)
 
 
 def _once(policy: dict[str, Any], obj: dict[str, Any], operation: str, params: dict[str, Any]) -> str | None:
@@ -224,10 +224,9 @@ def test_the_label_is_the_key_the_devices_publish_and_the_claim_selects(tmp_path
     snapshots = [Snapshot("a" * 40, tmp_path, LLAMA, None, 1), Snapshot("b" * 40, tmp_path, MISTRAL, None, 1)]
     devices = devices_for(snapshots, slots=2, shared=False)
     selectors = claim(LLAMA)["spec"]["devices"]["requests"][0]["exactly"]["selectors"]  # the model, ready == true
-    env = celpy.Environment()
-    programs = [env.program(env.compile(s["cel"]["expression"])) for s in selectors]
-    chosen = [d for d in devices if all(p.evaluate({"device": cel_device(d)}) == celpy.celtypes.BoolType(True)
-                                        for p in programs)]
+    expressions = [s["cel"]["expression"] for s in selectors]
+    chosen = [d for d in devices if all(cel_eval(e, {"device": cel_device(d)}) == celpy.celtypes.BoolType(True)
+                                        for e in expressions)]
     assert [d["name"] for d in chosen] == [f"m-{'a' * 40}-0", f"m-{'a' * 40}-1"]
     assert {d["attributes"]["model"]["string"] for d in chosen} == {model_key_label(LLAMA)}
     assert model_key_label("s3://models/llama-3-8b") == model_key_label(LLAMA)  # the canonical source's key

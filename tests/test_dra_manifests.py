@@ -13,6 +13,7 @@ import celpy
 import pytest
 import yaml
 
+from tests.fixtures_crd_cel import cel_eval
 from tests.fixtures_dra import cel_device
 from tests.fixtures_k8s_schema import has_schema, validate_strict
 from tests.tools import kubectl
@@ -49,13 +50,11 @@ def test_every_object_is_valid_for_1_34(objects: list[dict[str, Any]]) -> None:
 def test_device_class_selects_this_drivers_devices(objects: list[dict[str, Any]], tmp_path: Path) -> None:
     cls = one(objects, "DeviceClass", DRIVER_NAME)
     [expression] = [s["cel"]["expression"] for s in cls["spec"]["selectors"]]
-    env = celpy.Environment()
-    program = env.program(env.compile(expression))
     [device] = devices_for([Snapshot("a" * 40, tmp_path, "s3://models/llama/", None, 1)], slots=1, shared=False)
-    assert program.evaluate({"device": cel_device(device)}) == celpy.celtypes.BoolType(True)
+    assert cel_eval(expression, {"device": cel_device(device)}) == celpy.celtypes.BoolType(True)
     gpu = celpy.json_to_cel({"driver": "gpu.example.com", "attributes": {"gpu.example.com": {"ready": True}},
                              "capacity": {}})
-    assert program.evaluate({"device": gpu}) == celpy.celtypes.BoolType(False)
+    assert cel_eval(expression, {"device": gpu}) == celpy.celtypes.BoolType(False)
 
 
 def test_the_daemonset_starts_the_plugin_and_sees_the_cdi_dir(objects: list[dict[str, Any]]) -> None:

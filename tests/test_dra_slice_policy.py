@@ -14,6 +14,7 @@ import yaml
 from celpy.adapter import json_to_cel
 from celpy.evaluation import CELEvalError
 
+from tests.fixtures_crd_cel import cel_eval
 from tests.tools import kubectl
 from weightcache.dra.slices import build_slices
 
@@ -37,8 +38,7 @@ def policy() -> dict[str, Any]:
 
 
 def _eval(expression: str, activation: dict[str, Any]) -> Any:
-    env = celpy.Environment()
-    return env.program(env.compile(expression)).evaluate(activation)
+    return cel_eval(expression, activation)
 
 
 def _variables(values: dict[str, Any]) -> Any:

@@ -12,6 +12,7 @@ import celpy
 import pytest
 
 from tests.fake_apiserver import FakeApiServer
+from tests.fixtures_crd_cel import cel_eval
 from tests.fixtures_dra import NODE, cel_device, fetch_models
 from tests.fixtures_k8s_schema import validate_strict
 from weightcache.dra import DRIVER_NAME
@@ -57,8 +58,7 @@ def check_slice(obj: dict[str, Any], version: str = "1.34") -> None:
 
 
 def matches(expression: str, device: dict[str, Any]) -> bool:
-    env = celpy.Environment()
-    result = env.program(env.compile(expression)).evaluate({"device": cel_device(device)})
+    result = cel_eval(expression, {"device": cel_device(device)})
     return result is True or (isinstance(result, celpy.celtypes.BoolType) and bool(result))
 
 

@@ -16,6 +16,7 @@ import pytest
 import yaml
 from celpy.adapter import json_to_cel
 
+from tests.fixtures_crd_cel import cel_eval
 from tests.fixtures_k8s_schema import has_schema, validate_strict
 from tests.tools import kubectl
 from weightcache.daemon.config import load_settings
@@ -218,10 +219,8 @@ def test_prometheus_component_scrapes_the_metrics_port(tmp_path: Path) -> None:
 
 def admit(policy: dict[str, Any], request: dict[str, Any]) -> list[str]:
     """Messages of the failed validations ([] = allowed); None-matching requests are allowed (not in scope)."""
-    env = celpy.Environment()
-
     def run(expression: str, activation: dict[str, Any]) -> Any:
-        return env.program(env.compile(expression)).evaluate(activation)
+        return cel_eval(expression, activation)
 
     activation: dict[str, Any] = {k: json_to_cel(request.get(k)) for k in ("object", "oldObject")}
     activation["request"] = json_to_cel(request)

@@ -16,6 +16,7 @@ import pytest
 import yaml
 from celpy.adapter import json_to_cel
 
+from tests.fixtures_crd_cel import cel_eval
 from tests.fixtures_k8s_schema import has_schema, validate_strict
 from tests.fixtures_webhook import container, deployment_pod
 from tests.tools import kubectl
@@ -44,8 +45,7 @@ def policy(shipped: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _run(expression: str, activation: dict[str, Any]) -> Any:
-    env = celpy.Environment()
-    return env.program(env.compile(expression)).evaluate(activation)
+    return cel_eval(expression, activation)
 
 
 def admit(policy: dict[str, Any], old: dict[str, Any], new: dict[str, Any], *, user: str | None = None,
