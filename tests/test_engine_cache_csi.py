@@ -223,3 +223,26 @@ def test_copy_into_refuses_to_follow_what_it_did_not_make(tmp_path: Path) -> Non
     with pytest.raises(OSError):
         engine_cache.copy_into(artifact, dest)
     assert os.listdir(tmp_path / "elsewhere") == []
+
+
+async def test_a_plugin_restart_keeps_the_volume_and_its_hand_over(safe_tmp: Path, model_in_s3: str,
+                                                                    fault_proxy: FaultProxy) -> None:
+    """The record says the volume started empty: a restarted plugin (reconcile keeps it: its tmpfs is mounted)
+    still reads it back when the pod ends."""
+    caches = [{"metadata": {"name": "llama"}, "spec": {"source": MODEL_URI, "allowedNamespaces": [ALLOWED_NS]}}]
+    authority = Authority(model_caches=lambda: caches, allow_undeclared=lambda: False)
+    first = await start_harness(safe_tmp, fault_proxy, authority=authority)
+    try:
+        await first.node.NodePublishVolume(engine_volume(first, "pod-r"))
+        write_cache(first.target("pod-r"), FILES)
+    finally:
+        await stop_harness(first)
+    again = await start_harness(safe_tmp, fault_proxy, authority=authority)
+    try:
+        assert mounts.is_scratch(mounts.mounted_at(again.target("pod-r")))  # type: ignore[arg-type]
+        assert "csi:pod-r" in again.store.leases()
+        await again.node.NodeUnpublishVolume(again.unpublish_request("pod-r"))
+        [artifact] = artifacts(again)
+        assert sorted(f.path for f in artifact.files) == sorted(FILES) and again.store.leases() == {}
+    finally:
+        await stop_harness(again)
