@@ -192,6 +192,10 @@ def test_memory_nodes_spread_over_zones_and_keep_previous_picks() -> None:
     kept = choice.memory_nodes(nodes, 2, ["b-0", "gone"])
     assert "b-0" in kept and kept[0][0] != kept[1][0], "the second pick goes to another zone"
     assert choice.memory_nodes(nodes, 0, ["a-1"]) == [] and len(choice.memory_nodes(nodes, 50, [])) == 9
+    assert choice.memory_nodes(nodes, 3, ["a-0", "a-1", "b-0"]) in (["a-0", "b-0", "c-2"], ["a-1", "b-0", "c-2"])
+    assert choice.memory_nodes(nodes, 2, ["a-0", "a-1"]) == ["a-0", "b-2"], "a zone seen late gets a pick"
+    assert choice.memory_nodes(nodes[:3], 2, ["a-0", "a-1"]) == ["a-0", "a-1"], "one zone only: both stay"
+    assert choice.memory_nodes(nodes, 5, ["a-0", "a-1"]) == ["a-0", "a-1", "a-2", "b-2", "c-2"], "room for both"
 
 
 # the daemon side ----------------------------------------------------------------------------------------------

@@ -293,21 +293,36 @@ def _rank(node: NodeFacts, refs: Sequence[ModelRef], asked: Mapping[str, set[str
 
 def memory_nodes(nodes: Sequence[NodeFacts], count: int, previous: Iterable[str]) -> list[str]:
     """`count` of `nodes` to keep a model resident in RAM: previous picks that are still there first (a move
-    costs a reload), then round-robin over zones (most free GPUs first within a zone), so one zone's outage
-    leaves the others hot."""
+    costs a reload) unless two of them share a zone while another zone has none (a node seen late, e.g. one the
+    autoscaler added: the spread is worth one reload), then round-robin over zones (most free GPUs first within a
+    zone), so one zone's outage leaves the others hot."""
     if count <= 0:
         return []
     by_name = {n.name: n for n in nodes}
-    picked = [name for name in sorted(set(previous)) if name in by_name][:count]
+
+    def zone(name: str) -> str:
+        return by_name[name].labels.get(ZONE, "")
+
+    still = [name for name in sorted(set(previous)) if name in by_name]
+    picked: list[str] = []
+    for name in still:  # the first previous pick of each zone stays
+        if len(picked) < count and zone(name) not in {zone(p) for p in picked}:
+            picked.append(name)
+    unused_zones = len({n.labels.get(ZONE, "") for n in nodes}) - len({zone(p) for p in picked})
+    room = (count - len(picked)) - min(count - len(picked), unused_zones)  # slots no unused zone needs
+    for name in still:
+        if room > 0 and name not in picked:
+            picked.append(name)
+            room -= 1
     zones: dict[str, list[NodeFacts]] = {}
     for n in sorted(nodes, key=lambda n: (-n.gpus_free, n.name)):
         if n.name not in picked:
             zones.setdefault(n.labels.get(ZONE, ""), []).append(n)
-    used = {by_name[name].labels.get(ZONE, "") for name in picked}
+    used = {zone(name) for name in picked}
     while len(picked) < count and any(zones.values()):
         order = sorted(zones, key=lambda z: (z in used, z))
-        for zone in order:
-            if zones[zone] and len(picked) < count:
-                picked.append(zones[zone].pop(0).name)
-                used.add(zone)
+        for z in order:
+            if zones[z] and len(picked) < count:
+                picked.append(zones[z].pop(0).name)
+                used.add(z)
     return sorted(picked)
