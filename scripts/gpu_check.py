@@ -10,13 +10,22 @@
    plain pinned H2D copy (the PCIe ceiling), safetensors.torch.load_file(device="cuda"), and the loader with
    host_register None (auto) / True (in place) / False (bounce buffers).
    Targets: >= 0.85x the ceiling, >= 2x safetensors.
+4. The CUDA path inside vLLM, when this interpreter has vLLM (a CUDA build) and the weightcache-vllm plugin: a tiny
+   Llama (tests_engines/make_tiny_llama.py) served by `--load-format weightcache` and by vLLM's own safetensors
+   loader (tests_engines/engine_run.py, one process each): the same greedy tokens, the plugin ran (no fallback),
+   engine-up seconds of each. Without vLLM it says so and skips (the machine lent has no network: bring the
+   image). `--vllm-only` runs just this step (e.g. on vLLM's CPU build, to try the script before a GPU is lent).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib.metadata
+import importlib.util
+import json
 import mmap
+import os
 import shutil
 import statistics
 import subprocess
@@ -84,11 +93,54 @@ def timed(fn: Callable[[], object], runs: int = 3) -> float:
     return statistics.median(out)
 
 
+def vllm_check(work: Path) -> bool:
+    """Step 4: True when both loads ran and gave the same tokens (or vLLM is absent: nothing to check)."""
+    if importlib.util.find_spec("vllm") is None:
+        print("4. vLLM: not installed in this interpreter; skipped (pip install vllm, then weightcache-vllm and "
+              "weightcache-loader with --no-deps)")
+        return True
+    plugins = {e.name for e in importlib.metadata.entry_points(group="vllm.general_plugins")}
+    if "weightcache" not in plugins:
+        print("4. vLLM: the weightcache-vllm plugin is not installed (pip install --no-deps -e "
+              "packages/weightcache-vllm -e packages/weightcache-loader)")
+        return False
+    engines = ROOT / "tests_engines"
+    model = work / "tiny-llama"
+    subprocess.run([sys.executable, str(engines / "make_tiny_llama.py"), str(model)], check=True)
+    runs = {}
+    for load_format in ("safetensors", "weightcache"):
+        report = work / f"report-{load_format}.jsonl"
+        report.unlink(missing_ok=True)
+        env = {**os.environ, "WEIGHTCACHE_VLLM_REPORT": str(report), "VLLM_CPU_KVCACHE_SPACE": "1"}
+        done = subprocess.run([sys.executable, str(engines / "engine_run.py"), str(model), load_format], cwd=engines,
+                              env=env, capture_output=True, text=True, timeout=900)
+        line = next((x for x in done.stdout.splitlines() if x.startswith("WEIGHTCACHE_ENGINE_RESULT ")), None)
+        if line is None:
+            print(f"4. vLLM --load-format {load_format} failed (exit {done.returncode}): {done.stderr[-1500:]}")
+            return False
+        runs[load_format] = json.loads(line.split(" ", 1)[1])
+        runs[load_format]["reports"] = [json.loads(x) for x in report.read_text().splitlines()] \
+            if report.exists() else []
+    ours, theirs = runs["weightcache"], runs["safetensors"]
+    ran = bool(ours["reports"]) and not any(r.get("fallback") for r in ours["reports"])
+    same = ours["tokens"] == theirs["tokens"]
+    loads = ", ".join(f"{r.get('seconds')} s" for r in ours["reports"])
+    version = next((d.version for d in importlib.metadata.distributions()
+                    if (d.metadata["Name"] or "").lower() in ("vllm", "vllm-cpu")), "?")  # CPU builds: vllm-cpu
+    print(f"4. vLLM {version}: same greedy tokens: {same}; plugin loaded it (no "
+          f"fallback): {ran}; engine up {ours['engine_up_s']} s (weightcache) vs {theirs['engine_up_s']} s "
+          f"(safetensors); load {loads} per process")
+    return same and ran
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-gb", type=float, default=2.0)
     ap.add_argument("--dir", type=Path, default=Path("/var/tmp/weightcache-gpu-check"))
+    ap.add_argument("--vllm-only", action="store_true", help="only step 4 (vLLM's load format), on any device")
     args = ap.parse_args()
+    if args.vllm_only:
+        return 0 if vllm_check(args.dir) else 1
     if not torch.cuda.is_available():
         print("no CUDA device visible to torch; install a CUDA build of torch and run this on a GPU machine")
         return 1
@@ -130,7 +182,8 @@ def main() -> int:
     for label, seconds in rows.items():
         rate = total / seconds
         print(f"   {label:38s} {rate / 1e9:7.2f} {rate / ceiling:9.2f} {rate / st:13.2f}")
-    return 0 if tests.returncode == 0 else 1
+    vllm_ok = vllm_check(args.dir)
+    return 0 if tests.returncode == 0 and vllm_ok else 1
 
 
 if __name__ == "__main__":
