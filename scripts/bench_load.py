@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """Load the same multi-shard model every way a pod could and print GB/s, time to first tensor and memory.
 
-    sudo .venv/bin/python scripts/bench_load.py --size-gb 2 --runs 3
+    sudo .venv/bin/python scripts/bench_load.py --size-gb 2 --runs 3 [--baseline DIR|REV]
+
+--baseline adds weightcache.loader rows of another checkout or git revision (a `git worktree` made and removed
+here), interleaved with this one's.
 
 Every trial runs in a fresh process (so peak RSS is its own), after the same idle time; methods are interleaved
 run by run and the table shows medians. "cold" trials start `--settle` seconds after
@@ -177,7 +180,7 @@ def _load(method: str, directory: Path, files: list[Path], got: Callable[[], Non
                 buffers.close()
         finally:
             loader.close()
-    elif method.startswith("weightcache"):
+    elif method.startswith(("weightcache", "baseline")):
         from weightcache.loader import iter_tensors
         for name, t in iter_tensors(directory, device="cuda" if cuda else "cpu"):
             each(name, t)
@@ -250,6 +253,8 @@ CPU_METHODS = {
     "runai_warm": ("Run:ai Model Streamer + touch", "warm"),
     "fastsafetensors_warm": ("fastsafetensors (cpu, nogds) + touch", "warm"),
     "weightcache_warm": ("weightcache.loader, disk tier", "warm"),
+    "baseline_cold": ("weightcache.loader, baseline", "cold"),
+    "baseline_warm": ("weightcache.loader, baseline", "warm"),
     "safetensors_memory": ("safetensors.torch.load_file + touch", "memory tier"),
     "weightcache_memory": ("weightcache.loader, memory tier", "memory tier"),
 }
@@ -262,7 +267,8 @@ CUDA_METHODS = {
 }
 
 
-def run_one(method: str, condition: str, directory: Path, idle: float, settle: float) -> dict[str, float] | None:
+def run_one(method: str, condition: str, directory: Path, idle: float, settle: float,
+            baseline: str | None = None) -> dict[str, float] | None:
     if condition == "warm":
         warm(directory)
     time.sleep(idle)  # the same idle time before every trial (this VM hands freed memory back to its host)
@@ -271,6 +277,8 @@ def run_one(method: str, condition: str, directory: Path, idle: float, settle: f
         time.sleep(settle)
         return fio(directory, direct=method == "fio_direct")
     cmd = [sys.executable, __file__, "--trial", method, "--dir", str(directory), "--settle", str(settle)]
+    if method.startswith("baseline") and baseline:
+        cmd += ["--code", baseline]
     proc = subprocess.run(cmd + (["--drop"] if condition != "warm" else []), cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         print(f"  {method}: failed: {proc.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
@@ -300,7 +308,11 @@ def main() -> None:
     ap.add_argument("--trial", help=argparse.SUPPRESS)
     ap.add_argument("--drop", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--digest", help=argparse.SUPPRESS)
+    ap.add_argument("--baseline", default=None, help="another checkout or a git revision: its loader's rows too")
+    ap.add_argument("--code", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.code:  # a baseline trial: that checkout's weightcache before this one's
+        sys.path.insert(0, args.code)
     if args.digest:
         print(json.dumps(digests(args.digest, args.dir)))
         return
@@ -315,6 +327,13 @@ def main() -> None:
         methods.update(CUDA_METHODS)
     if args.only:
         methods = {m: methods[m] for m in args.only.split(",")}
+    if args.baseline:
+        if not (Path(args.baseline) / "weightcache" / "__init__.py").is_file():
+            from bench_prefetch import worktree  # scripts/ is this script's path
+
+            args.baseline = worktree(args.baseline, ap)
+    else:
+        methods = {m: v for m, v in methods.items() if not m.startswith("baseline")}
     try:
         import runai_model_streamer  # noqa: F401
     except ImportError:
@@ -345,7 +364,7 @@ def main() -> None:
         for run in range(args.runs):
             for method, (_, condition) in methods.items():
                 directory = memory_dir if condition == "memory tier" else args.dir
-                r = run_one(method, condition, directory, args.idle, args.settle)
+                r = run_one(method, condition, directory, args.idle, args.settle, args.baseline)
                 if r is not None:
                     results[method].append(r)
                     print(f"  run {run + 1} {method}: {total / r['seconds'] / 1e9:.2f} GB/s", file=sys.stderr)
@@ -392,6 +411,10 @@ def print_table(methods: dict[str, tuple[str, str]], results: dict[str, list[dic
         ("disk cold vs Run:ai cold", "weightcache_cold", "runai_cold", 2),
         ("disk cold vs safetensors cold", "weightcache_cold", "safetensors_cold", 2),
         ("disk warm vs raw mmap + touch", "weightcache_warm", "mmap_warm", 1 / 1.2),
+        ("disk warm vs safetensors warm", "weightcache_warm", "safetensors_warm", 1),
+        ("disk warm vs Run:ai warm", "weightcache_warm", "runai_warm", 1),
+        ("disk warm vs baseline warm", "weightcache_warm", "baseline_warm", 1),
+        ("disk cold vs baseline cold", "weightcache_cold", "baseline_cold", 1),
         ("memory tier -> cuda vs pinned H2D", "weightcache_memory_cuda", "h2d_ceiling", 0.85),
         ("memory tier -> cuda vs safetensors cuda", "weightcache_memory_cuda", "safetensors_memory_cuda", 2),
     ]

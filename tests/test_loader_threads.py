@@ -1,4 +1,4 @@
-"""The loader's read-ahead threads: one when the model is in the page cache, else at most one per usable CPU."""
+"""The loader's read-ahead threads: none when the model is in the page cache, else at most one per usable CPU."""
 
 from __future__ import annotations
 
@@ -28,11 +28,13 @@ def _evict(path: Path) -> None:
         os.close(fd)
 
 
-def test_cached_model_reads_on_one_thread(tmp_path: Path) -> None:
+def test_cached_model_is_not_read_ahead(tmp_path: Path) -> None:
     path = _model(tmp_path)
     path.read_bytes()  # every page in the page cache
     files = loader._open_files(loader._layout(path), None)
-    assert loader._read_threads(files) == 1
+    assert loader._read_threads(files) == 0
+    state = loader.load_state_dict(path)
+    assert torch.equal(state["w"], torch.arange(8 << 18, dtype=torch.float32))
 
 
 def test_cold_model_reads_on_at_most_one_thread_per_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
