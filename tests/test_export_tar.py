@@ -1,7 +1,7 @@
 """Tar layers of OCI artifacts unpacked safely (weightcache/sources/oci_tar.py): a good tar and a gzip one unpack
-to their files; hostile tars (links out, hard links across, devices, FIFOs, traversal, absolute names, names
-outside the layer, twice, file under file, member and byte bounds, a pax header bomb, truncation) are refused
-with nothing but the members before the bad one passed to `write`."""
+to their files, members named as packers name them; hostile tars (links out, hard links across, devices, FIFOs,
+traversal, absolute names, the store's own name, twice, file under file, member and byte bounds, a pax header
+bomb, truncation) are refused with nothing but the members before the bad one passed to `write`."""
 
 from __future__ import annotations
 
@@ -46,8 +46,7 @@ class Sink:
 
 def test_a_tar_and_a_gzip_tar_unpack_to_their_files() -> None:
     body = tar([("weights", None, None), ("weights/a.bin", b"alpha", None), ("./weights/sub/b.bin", b"beta", None),
-                ("weights/c.bin", b"", lambda i: (setattr(i, "type", tarfile.LNKTYPE),
-                                                  setattr(i, "linkname", "weights/a.bin")))])
+                ("weights/c.bin", b"", _kind(tarfile.LNKTYPE, "weights/a.bin"))])
     for compression, blob in (("tar", body), ("tar+gzip", gzip.compress(body))):
         sink = Sink()
         got = unpack_layer(io.BytesIO(blob), "weights", compression, sink)
@@ -57,6 +56,20 @@ def test_a_tar_and_a_gzip_tar_unpack_to_their_files() -> None:
         assert sink.written == {"weights/a.bin": b"alpha", "weights/sub/b.bin": b"beta"}  # the link: no copy
     single = tar([("config.json", b"{}", None)])  # ModelPack: one file per tar layer, named by its filepath
     assert [u.relpath for u in unpack_layer(io.BytesIO(single), "config.json", "tar", Sink())] == ["config.json"]
+
+
+def test_members_named_as_packers_name_them() -> None:
+    """modctl extracts a tar layer's members relative to the model's root (a category layer "config" holds
+    config.json and tok/t.json); aikit and modctl's earlier archiver pack a nested file by its basename, which the
+    annotation places; `tar -C model .` names the root ./ and every member ./..."""
+    category = tar([("config.json", b"{}", None), ("tok/t.json", b"t", None)])
+    assert [u.relpath for u in unpack_layer(io.BytesIO(category), "config", "tar", Sink())] == \
+        ["config.json", "tok/t.json"]
+    nested = tar([("model.safetensors", b"w", None)])
+    assert [u.relpath for u in unpack_layer(io.BytesIO(nested), "sub/dir/model.safetensors", "tar", Sink())] == \
+        ["sub/dir/model.safetensors"]
+    rooted = tar([("./", None, None), ("./w", None, None), ("./w/a.bin", b"a", None)])
+    assert [u.relpath for u in unpack_layer(io.BytesIO(rooted), "w", "tar", Sink())] == ["w/a.bin"]
 
 
 def _kind(kind: bytes, link: str = "") -> Callable[[tarfile.TarInfo], None]:
@@ -69,14 +82,15 @@ HOSTILE: dict[str, tuple[list[tuple[str, bytes | None, Callable[[tarfile.TarInfo
     "symlink out": ([("w/evil", b"", _kind(tarfile.SYMTYPE, "/etc/passwd"))], "a symlink"),
     "symlink inside": ([("w/a", b"x", None), ("w/b", b"", _kind(tarfile.SYMTYPE, "a"))], "a symlink"),
     "hard link out": ([("w/evil", b"", _kind(tarfile.LNKTYPE, "/etc/shadow"))], "absolute"),
-    "hard link to another layer": ([("w/evil", b"", _kind(tarfile.LNKTYPE, "other/x.bin"))], "not under"),
+    "hard link to another layer": ([("w/evil", b"", _kind(tarfile.LNKTYPE, "other/x.bin"))], "hard link"),
     "hard link to a later member": ([("w/a", b"", _kind(tarfile.LNKTYPE, "w/b")), ("w/b", b"x", None)], "hard link"),
     "character device": ([("w/null", b"", _kind(tarfile.CHRTYPE))], "character device"),
     "block device": ([("w/sda", b"", _kind(tarfile.BLKTYPE))], "block device"),
     "fifo": ([("w/pipe", b"", _kind(tarfile.FIFOTYPE))], "FIFO"),
     "traversal": ([("w/../../etc/cron.d/x", b"x", None)], "'..'"),
     "absolute": ([("/etc/passwd", b"x", None)], "passwd"),
-    "outside the layer": ([("other/x.bin", b"x", None)], "not under that name"),
+    "the store's own name": ([(".weightcache/layers/" + "0" * 64, b"x", None)], "'.weightcache'"),
+    "a tar's root then traversal": ([("./", None, None), ("./../x", b"x", None)], "'..'"),
     "twice": ([("w/a", b"x", None), ("w/a", b"y", None)], "named twice"),
     "file under a file": ([("w/a", b"x", None), ("w/a/b", b"y", None)], "a file and a directory"),
     "file then a directory above it": ([("w/a/b", b"x", None), ("w/a", b"y", None)], "a file and a directory"),

@@ -179,3 +179,19 @@ def test_a_full_disk_while_unpacking_says_what_to_do(tmp_path: Path, registry: R
         fetch(tmp_path / "root", f"oci://{registry.host}/models/full-disk:v1")
     store = Store(tmp_path / "root")
     assert store.list() == [] and not list(store.partial_dir().glob("*.part"))
+
+
+def test_a_category_layer_names_files_anywhere_but_never_another_layers(tmp_path: Path, registry: Registry) -> None:
+    """aikit's `config` layer holds config.json and tokenizer files at their paths in the model (modctl extracts
+    a tar layer relative to the model's root); a member naming a raw layer's file is refused, nothing published."""
+    category = gzip.compress(tar([("config.json", b'{"c": 1}', None), ("tok/tokenizer.json", b"t", None)]))
+    registry.push("models/category:v1", {"config": category, "model.bin": b"weights"},
+                  media_types={"config": "application/vnd.cncf.model.weight.config.v1.tar+gzip"})
+    snap = fetch(tmp_path / "a", f"oci://{registry.host}/models/category:v1")
+    assert tree(snap) == {"config.json": b'{"c": 1}', "tok/tokenizer.json": b"t", "model.bin": b"weights"}
+    clash = tar([("model.bin", b"other weights", None)])
+    registry.push("models/category-clash:v1", {"config": clash, "model.bin": b"weights"},
+                  media_types={"config": TAR})
+    with pytest.raises(HostileKeyError, match=r"model\.bin"):
+        fetch(tmp_path / "b", f"oci://{registry.host}/models/category-clash:v1")
+    assert Store(tmp_path / "b").list() == []

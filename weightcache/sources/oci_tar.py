@@ -8,9 +8,10 @@ own, so nothing of a tar is trusted before the whole blob hashed to the layer's 
 read)` stores one member's bytes (the engine: a blob of the store) and returns their sha256. Refused, with a
 `HostileKeyError` naming the member: a symlink, a hard link to anything but an earlier regular member of the same
 layer (no links out, none across layers), devices, FIFOs, sparse and contiguous files; a name that is absolute,
-has `..`, NUL or more than the store allows (`store.paths.validate_relpath`), or is not the layer's own name or
-under it; a name twice, a file under a file; more than `max_members` members, more than `max_bytes` unpacked, an
-extended (pax or GNU long-name) header over `max_header_bytes`. A damaged or truncated tar is a `SourceError`.
+has `..`, NUL or more than the store allows (`store.paths.validate_relpath`), or is under `.weightcache`; a name
+twice, a file under a file (`_name` says how a member's name becomes its path in the model); more than
+`max_members` members, more than `max_bytes` unpacked, an extended (pax or GNU long-name) header over
+`max_header_bytes`. A damaged or truncated tar is a `SourceError`.
 Nothing here writes outside what `write` does; the caller drops what was written when this raises.
 
     expand_layers(entries, tars, store, key=..., uri=..., keep=ref.matches) -> entries
@@ -92,13 +93,28 @@ def _tarinfo_class(limits: Limits) -> type[tarfile.TarInfo]:
     return BoundedTarInfo
 
 
+def _stripped(raw: str) -> str:
+    name = raw
+    while name.startswith("./"):  # `tar -C model .` names every member ./...
+        name = name[2:]
+    return name.rstrip("/")
+
+
 def _name(raw: str, layer: str) -> str:
-    """A member's path in the model: checked like every key, and the layer's own name or under it."""
-    name = raw[2:] if raw.startswith("./") else raw
-    name = name.rstrip("/")
-    relpath = validate_relpath(name)
-    if relpath != layer and not relpath.startswith(layer + "/"):
-        raise HostileKeyError(relpath, f"is a member of the tar layer {layer!r} but not under that name")
+    """A member's path in the model, checked like every key. Packers name members two ways: by their path in
+    the model (modctl, oras, a tar of the model's directory: the layer's own name, under it, or a category
+    layer's files anywhere in the model, as modctl extracts every member relative to the model's root), or a
+    nested file by its basename alone (aikit's weights, modctl's earlier archiver), which the layer's file-path
+    annotation places. Nothing may be named under the store's own `.weightcache`; a name another layer or file
+    takes too is refused when the engine checks the whole tree."""
+    relpath = validate_relpath(_stripped(raw))
+    if relpath.split("/", 1)[0] == ".weightcache":
+        raise HostileKeyError(relpath, f"is a member of the tar layer {layer!r} under the store's own "
+                                       "'.weightcache'")
+    if relpath == layer or relpath.startswith(layer + "/"):
+        return relpath
+    if "/" in layer and relpath == layer.rsplit("/", 1)[1]:
+        return layer
     return relpath
 
 
@@ -121,6 +137,8 @@ def unpack_layer(stream: IO[bytes], layer: str, compression: str, write: Write,
                 if members > limits.max_members:
                     raise HostileKeyError(f"{layer} member {members}", f"more than {limits.max_members} members")
                 if member.isdir():
+                    if _stripped(member.name) in ("", "."):  # the tar's own root (`tar -C model .`)
+                        continue
                     relpath = _name(member.name, layer)
                     if relpath in files:
                         raise HostileKeyError(relpath, f"is a file and a directory in the tar layer {layer!r}")
