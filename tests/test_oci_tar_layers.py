@@ -103,6 +103,11 @@ def test_an_oras_directory_and_globs_over_members(tmp_path: Path, registry: Regi
     text = f"oci://{registry.host}/models/orasdir:v1"
     assert tree(fetch(tmp_path / "all", text)) == {"data/x.json": b"x", "data/y.bin": b"y", "readme.md": b"hi"}
     assert tree(fetch(tmp_path / "json", text, include=["*.json"])) == {"data/x.json": b"x"}
+    registry.push("models/orasdir:slash", {"./data/": directory}, media_type=ORAS_TGZ,  # a directory's own name
+                  annotation="org.opencontainers.image.title", modelpack=False,
+                  layer_annotations={"./data/": {ORAS_UNPACK: "true"}})
+    assert tree(fetch(tmp_path / "slash", f"oci://{registry.host}/models/orasdir:slash")) == \
+        {"data/x.json": b"x", "data/y.bin": b"y"}
     fetcher = Fetcher(Store(tmp_path / "md"), chunk_size=64 << 10)
     assert tree(fetcher.ensure(granted(text, include=["*.md"]))) == {"readme.md": b"hi"}  # the layer gives none
     fetcher.ensure(granted(text, include=["*.md"]))

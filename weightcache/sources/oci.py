@@ -56,7 +56,7 @@ from weightcache.sources.base import (
     read_body_into,
     read_range_into,
 )
-from weightcache.sources.oci_tar import COMPRESSIONS, HIDDEN, expand_layers
+from weightcache.sources.oci_tar import COMPRESSIONS, HIDDEN, expand_layers, member_name
 from weightcache.sources.registry import INSECURE_ENV, NETWORK_ERRORS, RegistryClient, docker_credentials, plain_http
 from weightcache.store.paths import validate_relpath
 from weightcache.units import ascii_int
@@ -248,20 +248,21 @@ class OciSource:
             if name is None:
                 raise SourceError(f"{what} names no file (no {' / '.join(FILEPATH_ANNOTATIONS)} annotation): "
                                   "not a ModelPack or ORAS artifact")
-            relpath = validate_relpath(name)
+            model = _MODEL_LAYER.fullmatch(media_type)
+            compression = _tar_compression(media_type, model.group(1) if model else None,
+                                           annotations.get(ORAS_UNPACK, "").lower() == "true")
+            # a directory's tar layer may be named `weights/` or `./weights` (its members say the rest)
+            relpath = validate_relpath(name if compression is None else member_name(name))
             if relpath.split("/", 1)[0] == HIDDEN.split("/", 1)[0]:
                 raise HostileKeyError(relpath, f"names the store's own directory {HIDDEN.split('/', 1)[0]!r}")
             if relpath in names:
                 raise HostileKeyError(relpath, f"named by two layers of {self.ref}")
             names.add(relpath)
-            model = _MODEL_LAYER.fullmatch(media_type)
             if not model and (_MODEL_NS.match(media_type) or modelpack):
                 raise SourceError(f"{what}: unknown media type for a ModelPack layer {media_type[:100]!r}; known: "
                                   "application/vnd.cncf.model.{weight,weight.config,config,doc,code,dataset}"
                                   ".v1.{raw,tar,tar+gzip,tar+zstd} (and vnd.cnai.model.*)")
             hexdigest = layer["digest"].partition(":")[2]
-            compression = _tar_compression(media_type, model.group(1) if model else None,
-                                           annotations.get(ORAS_UNPACK, "").lower() == "true")
             if compression is not None:
                 if compression not in COMPRESSIONS:
                     raise SourceError(f"{what} for {relpath!r} is {compression}, which this build does not unpack: "

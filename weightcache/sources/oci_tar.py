@@ -93,7 +93,8 @@ def _tarinfo_class(limits: Limits) -> type[tarfile.TarInfo]:
     return BoundedTarInfo
 
 
-def _stripped(raw: str) -> str:
+def member_name(raw: str) -> str:
+    """A tar member's (or a tar layer's) name without `./` prefixes and a trailing `/`, not yet checked."""
     name = raw
     while name.startswith("./"):  # `tar -C model .` names every member ./...
         name = name[2:]
@@ -107,7 +108,7 @@ def _name(raw: str, layer: str) -> str:
     nested file by its basename alone (aikit's weights, modctl's earlier archiver), which the layer's file-path
     annotation places. Nothing may be named under the store's own `.weightcache`; a name another layer or file
     takes too is refused when the engine checks the whole tree."""
-    relpath = validate_relpath(_stripped(raw))
+    relpath = validate_relpath(member_name(raw))
     if relpath.split("/", 1)[0] == ".weightcache":
         raise HostileKeyError(relpath, f"is a member of the tar layer {layer!r} under the store's own "
                                        "'.weightcache'")
@@ -137,7 +138,7 @@ def unpack_layer(stream: IO[bytes], layer: str, compression: str, write: Write,
                 if members > limits.max_members:
                     raise HostileKeyError(f"{layer} member {members}", f"more than {limits.max_members} members")
                 if member.isdir():
-                    if _stripped(member.name) in ("", "."):  # the tar's own root (`tar -C model .`)
+                    if member_name(member.name) in ("", "."):  # the tar's own root (`tar -C model .`)
                         continue
                     relpath = _name(member.name, layer)
                     if relpath in files:
@@ -324,4 +325,5 @@ def expand_layers(entries: list[FileEntry], tars: dict[str, tuple[str, str]], st
     return out
 
 
-__all__ = ["COMPRESSIONS", "HIDDEN", "Limits", "Unpacked", "expand_layers", "sha256_of", "unpack_layer"]
+__all__ = ["COMPRESSIONS", "HIDDEN", "Limits", "Unpacked", "expand_layers", "member_name", "sha256_of",
+           "unpack_layer"]
