@@ -132,7 +132,7 @@ def unpack_layer(stream: IO[bytes], layer: str, compression: str, write: Write,
     ancestors: set[str] = set()  # the directories above every file so far
     total = members = 0
     try:
-        with tarfile.open(fileobj=raw, mode="r|", tarinfo=_tarinfo_class(limits)) as tf:
+        with tarfile.open(fileobj=raw, mode="r|", tarinfo=_tarinfo_class(limits), bufsize=1 << 20) as tf:
             for member in tf:
                 members += 1
                 if members > limits.max_members:
