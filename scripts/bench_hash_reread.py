@@ -1,8 +1,7 @@
 """Micro-benchmark: CPU seconds per GiB to sha256 bytes that wait in the page cache (a range another worker
-wrote), read back through `preadv` into a 1 MiB buffer (the fetch engine before issue 26), hashed through an 8 MiB
-window mapped and unmapped each time (MAP_POPULATE: the engine before this round), hashed through the part
-mapped once (download.py's `_PartMap`: mincore and MADV_POPULATE_READ per 8 MiB window), and, as the floor, hashed
-from a 1 MiB buffer in the core's cache. Rounds interleave them, so a loaded machine charges them alike.
+wrote), read back through `preadv` into a 1 MiB buffer (the fetch engine before), hashed through the mapping
+download.py uses (`_mapped`: MAP_POPULATE, 8 MiB windows), and, as the floor, hashed from a 1 MiB buffer in the
+core's cache. Rounds interleave the three, so a loaded machine charges them alike.
 
     .venv/bin/python scripts/bench_hash_reread.py [--mib 512] [--rounds 3] [--dir /tmp]
 """
@@ -11,13 +10,12 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import mmap
 import os
 import resource
 import tempfile
 from collections.abc import Callable
 
-from weightcache.download import MAP_WINDOW, _PartMap
+from weightcache.download import MAP_WINDOW, _mapped
 
 
 def cpu() -> float:
@@ -47,25 +45,13 @@ def main() -> int:
                 h.update(buf[:n])
                 pos += n
 
-        def per_window() -> None:
+        def mapped() -> None:
             h, pos = hashlib.sha256(), 0
             while pos < size:
-                mm = mmap.mmap(fd, MAP_WINDOW, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ, offset=pos)
-                with mm, memoryview(mm) as view:
-                    h.update(view)
-                pos += MAP_WINDOW
-
-        def once() -> None:
-            h, pos, part = hashlib.sha256(), 0, _PartMap(fd, size)
-            try:
-                while pos < size:
-                    view = part.resident(pos, MAP_WINDOW)
+                with _mapped(fd, pos, MAP_WINDOW) as view:
                     assert view is not None, "not resident: run with more free memory"
                     h.update(view)
-                    view.release()
-                    pos += MAP_WINDOW
-            finally:
-                part.close()
+                pos += MAP_WINDOW
 
         def in_cache() -> None:
             h = hashlib.sha256()
@@ -73,9 +59,8 @@ def main() -> int:
                 h.update(buf)
 
         rows: dict[str, list[float]] = {}
-        ways: list[tuple[str, Callable[[], None]]] = [
-            ("preadv into 1 MiB, hash", pread), ("map each 8 MiB window, hash", per_window),
-            ("map once, hash windows", once), ("hash a cached buffer", in_cache)]
+        ways: list[tuple[str, Callable[[], None]]] = [("preadv into 1 MiB, hash", pread),
+                                                      ("hash the mapping", mapped), ("hash a cached buffer", in_cache)]
         for _ in range(args.rounds):
             for name, fn in ways:
                 start = cpu()

@@ -15,6 +15,7 @@ copy; read into a buffer only when pages were evicted), so hashing overlaps the 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import errno
 import functools
@@ -23,7 +24,7 @@ import json
 import mmap
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 #: there: with 16 MiB pieces every byte came back from RAM for each of those steps, and the same download took
 #: three times the CPU (see docs/fetch.md, "Big files").
 PIECE = 1 << 20
-#: Bytes of the part hashed from its mapping per call, after one residency check (see PartialFile._hash_range).
+#: Bytes of the part mapped at a time to hash what other workers wrote (see PartialFile._hash_range).
 MAP_WINDOW = 8 << 20
 #: A piece at least this large has its source checksum computed on a thread of its own, beside sha256.
 BESIDE_MIN = 256 << 10
@@ -65,7 +66,6 @@ class PartialFile:
         self._fd = -1
         self._jfd = -1
         self._whole_size: int | None = None  # bytes written by write_whole (its descriptor is closed at once)
-        self._map: _PartMap | None = None  # the part mapped read-only to hash what other workers wrote
 
     @functools.cached_property
     def journal(self) -> Path:
@@ -126,9 +126,6 @@ class PartialFile:
         return pieces
 
     def close(self) -> None:
-        if self._map is not None:  # workers are done with it: close() comes after the round, or instead of it
-            self._map.close()
-            self._map = None
         for fd in (self._fd, self._jfd):
             if fd >= 0:
                 os.close(fd)
@@ -214,23 +211,17 @@ class PartialFile:
                 self._hash_at = start + length
 
     def _hash_range(self, start: int, length: int, scratch: memoryview) -> None:
-        """Hash bytes another worker wrote: straight from the page cache through the part's mapping, with no copy,
-        where every page of the window is resident (mincore); else (evicted: they come from the disk anyway, and a
-        mapping would turn an I/O error into SIGBUS) read through `scratch`. One hasher at a time (advance_hash),
-        so the mapping is made and used by one thread."""
+        """Hash bytes another worker wrote: straight from the page cache through a mapping, with no copy, where
+        every page of the window is resident (mincore); else (evicted: they come from the disk anyway, and a
+        mapping would turn an I/O error into SIGBUS) read through `scratch`."""
         end = start + length
         while start < end:
             n = min(MAP_WINDOW, end - start)
-            if self._map is None:
-                self._map = _PartMap(self._fd, self.obj.size)
-            view = self._map.resident(start, n)
-            if view is not None:
-                try:
+            with _mapped(self._fd, start, n) as view:
+                if view is not None:
                     self._feed(view)
-                finally:
-                    view.release()
-                start += n
-                continue
+                    start += n
+                    continue
             n = os.preadv(self._fd, [scratch[:min(len(scratch), end - start)]], start)
             if n <= 0:
                 raise OSError(f"short read of {self.part} at {start}")
@@ -302,45 +293,39 @@ _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_MADV_POPULATE_READ = 22
 _PAGE = mmap.PAGESIZE
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _RESIDENT = bytes(i & 1 for i in range(256))  # mincore: bit 0 of each page's byte says resident
 
 
-class _PartMap:
-    """A part mapped read-only once, whole (no page of it is touched by mapping it): windows of it are handed to
-    sha256 straight from the page cache. Each window is checked resident (mincore) and its page table filled in
-    one call (MADV_POPULATE_READ, not a fault per page); the mapping goes when the part is closed. Mapping and
-    unmapping 8 MiB per window instead (MAP_POPULATE, then munmap, which in a process of 8 threads shoots down
-    every CPU's TLB) took about 9% of a fetch's samples. Hashing a mapped window costs what hashing it in the core's
-    cache does; reading it into a buffer first took about 0.5 CPU s more per GB on the development VM (docs/fetch.md,
-    "Big files"). Views are released before the mapping goes: nothing may keep one."""
-
-    def __init__(self, fd: int, size: int) -> None:
-        self.size = size
-        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0) if size else None
-        self.addr: int | None = None if addr is None or addr == _MAP_FAILED else addr
-        self._vec = ctypes.create_string_buffer(-(-MAP_WINDOW // _PAGE) + 1)
-
-    def resident(self, start: int, length: int) -> memoryview | None:
-        """Bytes [start, start + length) as a view of the page cache, or None when any page of them is not
-        resident (or the part could not be mapped)."""
-        if self.addr is None or length > MAP_WINDOW or start + length > self.size:
-            return None
-        lead = start % _PAGE
-        first = self.addr + start - lead
-        pages = -(-(lead + length) // _PAGE)
-        if _libc.mincore(first, lead + length, self._vec) != 0 or 0 in self._vec.raw[:pages].translate(_RESIDENT):
-            return None
-        _libc.madvise(first, lead + length, _MADV_POPULATE_READ)  # refused (a kernel before 5.14): faults instead
-        return memoryview((ctypes.c_char * length).from_address(self.addr + start)).cast("B")
-
-    def close(self) -> None:
-        if self.addr is not None:
-            _libc.munmap(self.addr, self.size)
-            self.addr = None
+@contextlib.contextmanager
+def _mapped(fd: int, start: int, length: int) -> Iterator[memoryview | None]:
+    """Bytes [start, start + length) of `fd` as a read-only view of the page cache (MAP_POPULATE: mapped in one
+    call, not a fault per page), or None when any page of them is not resident or the mapping fails. Hashing
+    a mapped piece costs what hashing it in the core's cache does; reading it into a buffer first took about
+    0.5 CPU s more per GB on the development VM (docs/fetch.md, "Big files"). The view is released before the
+    mapping goes: nothing may keep it."""
+    lead = start % _PAGE
+    size = lead + length
+    addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED | mmap.MAP_POPULATE, fd, start - lead)
+    if addr is None or addr == _MAP_FAILED:
+        yield None
+        return
+    try:
+        pages = -(-size // _PAGE)
+        vec = ctypes.create_string_buffer(pages)
+        if _libc.mincore(addr, size, vec) != 0 or 0 in vec.raw[:pages].translate(_RESIDENT):
+            yield None
+            return
+        whole = memoryview((ctypes.c_char * size).from_address(addr))
+        view = whole.cast("B")[lead:]
+        try:
+            yield view
+        finally:
+            view.release()
+            whole.release()
+    finally:
+        _libc.munmap(addr, size)
 
 
 @functools.cache
