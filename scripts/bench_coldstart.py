@@ -25,10 +25,12 @@ Rows (one run each, in this order):
 With --engine vllm the container is a real engine instead: vLLM's CPU build (.venv-engines, made by
 scripts/test_engines.sh) serving a tiny Llama (tests_engines/make_tiny_llama.py) with --load-format weightcache
 and compilation on (scripts/engine_start.py --compile), VLLM_CACHE_ROOT an empty writable directory, except:
-  cold                       the model only at the origin; after it, the pod's cache is handed to the daemon
-                             (POST /v1/engine-caches/vllm-<version>-cpu, docs/engine-caches.md)
-  warm, no engine cache      the model on the node's disk (page cache dropped); vLLM compiles again
-  warm + engine cache        the same, the served artifact (GET /v1/engine-caches/...) copied into the cache root
+  cold                       the model only at the origin; the pod carries weightcache.io/engine-cache, so the
+                             webhook adds its engine-cache CSI volume (VLLM_CACHE_ROOT): empty here; once the
+                             engine served, the pod writes .weightcache-ready there (its startupProbe's step) and
+                             the unpublish hands the cache over (docs/engine-caches.md)
+  warm, no engine cache      the model on the node's disk (page cache dropped), no annotation; vLLM compiles again
+  warm + engine cache        the same with the annotation: the plugin's tmpfs holds a copy of the cache for the key
   baseline                   boto3 download, then vLLM's default loader (load_format auto), compiling
 Stages, seconds from pod create: scheduled, model on node, volume ready, weights loaded, engine ready (LLM()
 returned: compiled, KV cache made), first token.
@@ -43,7 +45,6 @@ import asyncio
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -63,6 +64,7 @@ from scripts.bench_load import drop_caches, make_model  # noqa: E402
 from scripts.bench_prefetch import PY, Moto  # noqa: E402
 from tests.fake_apiserver import FakeApiServer, crd_schemas  # noqa: E402
 from tests.faultproxy import FaultProxy  # noqa: E402
+from weightcache.engine_cache import is_engine_cache  # noqa: E402
 from weightcache.uri import parse_ref  # noqa: E402
 
 NODE, NS, URI = "bench-node", "bench", "s3://bench/model/"
@@ -142,13 +144,14 @@ class Node:
         await self.daemon.stop()
 
 
-async def publish(base: Path, pod: dict[str, Any]) -> Path:
-    """kubelet: NodePublishVolume for the pod's inline CSI volume, as kubelet sends it."""
+async def publish(base: Path, pod: dict[str, Any], name: str | None = None) -> Path:
+    """kubelet: NodePublishVolume for the pod's inline CSI volume (the first, or the one called `name`), as kubelet
+    sends it."""
     import grpc
 
     from weightcache.csi._pb import csi_pb2, csi_pb2_grpc
 
-    volume = next(v for v in pod["spec"]["volumes"] if v.get("csi"))
+    volume = next(v for v in pod["spec"]["volumes"] if v.get("csi") and name in (None, v["name"]))
     uid = pod["metadata"]["uid"]
     target: Path = base / "kubelet" / "pods" / uid / "volumes" / "kubernetes.io~csi" / volume["name"] / "mount"
     target.parent.mkdir(parents=True, exist_ok=True)  # kubelet makes the volume directory, the driver the mount
@@ -157,7 +160,8 @@ async def publish(base: Path, pod: dict[str, Any]) -> Path:
                "csi.storage.k8s.io/serviceAccount.name": "default", "csi.storage.k8s.io/ephemeral": "true"}
     mode = csi_pb2.VolumeCapability.AccessMode(mode=csi_pb2.VolumeCapability.AccessMode.SINGLE_NODE_WRITER)
     request = csi_pb2.NodePublishVolumeRequest(
-        volume_id=f"csi-{uuid.uuid4().hex}", target_path=str(target), readonly=True, volume_context=context,
+        volume_id=f"csi-{uuid.uuid4().hex}", target_path=str(target), readonly=volume["csi"].get("readOnly", True),
+        volume_context=context,
         volume_capability=csi_pb2.VolumeCapability(mount=csi_pb2.VolumeCapability.MountVolume(), access_mode=mode))
     async with grpc.aio.insecure_channel(f"unix://{base}/csi.sock") as channel:
         # kubelet's csi plugin gives one NodePublishVolume 2 minutes (csiTimeout); a failure is retried with backoff
@@ -187,13 +191,17 @@ def schedulable(api: FakeApiServer, name: str) -> dict[str, Any] | None:
 
 
 async def pod_start(api: FakeApiServer, policy: Any, base: Path, name: str,
-                    engine: Callable[[Path], Awaitable[dict[str, Any]]] | None = None) -> dict[str, float]:
+                    engine: Callable[[Path, Path | None], Awaitable[dict[str, Any]]] | None = None,
+                    engine_cache: str | None = None) -> dict[str, float]:
     """pod create -> volume ready -> all tensors loaded, through webhook, controller, daemon, kubelet.
-    `engine(target)`: the pod's container is that engine start instead (its epoch times, made relative here)."""
+    `engine(target, cache)`: the pod's container is that engine start instead (its epoch times, made relative
+    here); with `engine_cache` the pod asks for its engine-cache volume (weightcache.io/engine-cache), `cache`."""
     from tests.fixtures_webhook import admission_review, apply_response, deployment_pod
+    from weightcache.pods.annotations import ENGINE_CACHE
+    from weightcache.vocabulary import ENGINE_CACHE_READY
     from weightcache.webhook.mutate import review
 
-    pod = deployment_pod({"weightcache.io/model": URI})
+    pod = deployment_pod({"weightcache.io/model": URI, **({ENGINE_CACHE: engine_cache} if engine_cache else {})})
     pod["metadata"].update(name=name, namespace=NS)
     t0, wall0 = time.perf_counter(), time.time()
     answer = review(admission_review(pod, namespace=NS), model_caches=policy.model_caches(),
@@ -217,11 +225,20 @@ async def pod_start(api: FakeApiServer, policy: Any, base: Path, name: str,
     target = await publish(base, bound)
     t_ready = time.perf_counter()
     if engine is not None:
-        started = await engine(target)
+        cache = await publish(base, bound, "wc-engine-cache") if engine_cache else None
+        t_cache = time.perf_counter()
+        started = await engine(target, cache)
         await watcher
+        handed = 0.0
+        if cache is not None:
+            (cache / ENGINE_CACHE_READY).touch()  # the pod's startupProbe, once the engine answered
+            t = time.perf_counter()
+            await unpublish(base, cache)  # the pod ends: the plugin reads an empty-started volume back
+            handed = time.perf_counter() - t
         await unpublish(base, target)
         api.delete("pods", name, NS)
         return {"model": max(0.0, labelled[0] - t0), "scheduled": t_bound - t0, "ready": t_ready - t0,
+                "cache_volume_s": t_cache - t_ready, "handover_s": handed,
                 **{k: v - wall0 for k, v in started.items() if k.startswith("t_")},
                 **{k: v for k, v in started.items() if not k.startswith("t_")}}
     load, count = await asyncio.to_thread(container, "weightcache", target)
@@ -353,44 +370,6 @@ def vllm_start(model: Path, cache_root: Path, load_format: str) -> dict[str, Any
             "tokens": float(len(result["tokens"]))}
 
 
-async def hand_over(base: Path, name: str, cache_root: Path) -> dict[str, Any]:
-    """What a pod's exit step does: its engine cache as a tar to the node daemon (the daemon keys it)."""
-    import io
-    import tarfile
-
-    import aiohttp
-
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
-        tf.add(str(cache_root), arcname=".", recursive=True)  # links would be kept as links: the daemon refuses them
-    async with aiohttp.ClientSession("http://daemon", connector=aiohttp.UnixConnector(path=str(base / "d.sock"))) \
-            as http, http.post(f"/v1/engine-caches/{name}", params={"uri": URI, "namespace": NS},
-                               data=buf.getvalue()) as r:
-        body: dict[str, Any] = await r.json()
-        if r.status != 201:
-            raise RuntimeError(f"hand-over refused: {body}")
-    return body
-
-
-async def served_cache(base: Path, name: str) -> Path:
-    import aiohttp
-
-    async with aiohttp.ClientSession("http://daemon", connector=aiohttp.UnixConnector(path=str(base / "d.sock"))) \
-            as http, http.get(f"/v1/engine-caches/{name}", params={"uri": URI, "namespace": NS}) as r:
-        body = await r.json()
-        if r.status != 200:
-            raise RuntimeError(f"no engine cache served: {body}")
-    return Path(body["path"])
-
-
-def seed(served: Path, dest: Path) -> None:
-    """The pod's init step: vLLM writes into its cache root, so the read-only artifact is copied into a writable
-    emptyDir (files 0644, directories 0755)."""
-    shutil.copytree(served, dest, copy_function=shutil.copyfile)
-    for path in [dest, *dest.rglob("*")]:
-        path.chmod(0o755 if path.is_dir() else 0o644)
-
-
 async def run_engine(args: argparse.Namespace, base: Path) -> dict[str, dict[str, float]]:
     """The rows of --engine vllm: cold (compiles, then hands its cache over), warm without and with the engine
     cache, and the baseline (boto3 download + vLLM's default loader, compiling)."""
@@ -412,16 +391,11 @@ async def run_engine(args: argparse.Namespace, base: Path) -> dict[str, dict[str
     fixed = base / "pod" / "models" / "model"
     fixed.parent.mkdir(parents=True)
 
-    async def engine_in(cache_root: Path, cached: bool = False) -> Callable[[Path], Awaitable[dict[str, Any]]]:
-        async def start(target: Path) -> dict[str, Any]:
+    def engine_in(cache_root: Path) -> Callable[[Path, Path | None], Awaitable[dict[str, Any]]]:
+        async def start(target: Path, cache: Path | None) -> dict[str, Any]:
             fixed.unlink(missing_ok=True)
             fixed.symlink_to(target)
-            seeded = time.time()
-            if cached:
-                seed(await served_cache(base, name), cache_root)
-            out = await asyncio.to_thread(vllm_start, fixed, cache_root, "weightcache")
-            return {**out, "t_cache": seeded if cached else float("nan"),
-                    "seed_s": time.time() - seeded if cached else 0.0}
+            return await asyncio.to_thread(vllm_start, fixed, cache or cache_root, "weightcache")
         return start
 
     results: dict[str, dict[str, float]] = {}
@@ -444,18 +418,22 @@ async def run_engine(args: argparse.Namespace, base: Path) -> dict[str, dict[str
             wait(lambda: policy.synced() and policy.nodes(), "the webhook's view", 30)
             await node.start()
             print(f"model: tiny Llama, {size / 1e6:.1f} MB; engine {name}; origin S3 (moto)", file=sys.stderr)
-            results["cold (origin only)"] = await pod_start(api, policy, base, "cold",
-                                                            await engine_in(base / "cache-cold"))
-            t = time.perf_counter()
-            put = await hand_over(base, name, base / "cache-cold")
-            print(f"engine cache handed over in {time.perf_counter() - t:.2f} s: snapshot "
-                  f"{put['snapshot']['id'][:12]}, {put['snapshot']['files']} files, {put['snapshot']['size']} bytes",
-                  file=sys.stderr)
+            results["cold (origin only)"] = cold = await pod_start(api, policy, base, "cold",
+                                                                   engine_in(base / "cache-cold"), name)
+            handed = [i.snapshot for i in node.daemon.node.store.list() if is_engine_cache(i.snapshot)] \
+                if node.daemon.node is not None else []
+            if not handed:
+                raise RuntimeError("the cold pod's engine cache was not handed over (see the daemon's log)")
+            print(f"engine cache handed over at unpublish in {cold['handover_s']:.2f} s: snapshot "
+                  f"{handed[0].id[:12]}, {len(handed[0].files)} files, {handed[0].size} bytes", file=sys.stderr)
             for row, cached in (("warm, no engine cache", False), ("warm + engine cache", True)):
                 # the readiness label stays while the snapshot is in the store (reconcile): a warm pod is not gated
                 drop_caches()
-                results[row] = await pod_start(api, policy, base, row.split(",")[0].split()[0] + str(cached).lower(),
-                                               await engine_in(base / f"cache-{row[:4]}-{cached}", cached))
+                results[row] = r = await pod_start(api, policy, base, "warm" + str(cached).lower(),
+                                                   engine_in(base / f"cache-warm-{cached}"), name if cached else None)
+                if cached:
+                    print(f"engine cache volume (a copy of the cache in the pod's tmpfs) ready in "
+                          f"{r['cache_volume_s']:.2f} s", file=sys.stderr)
         finally:
             await node.stop()
             stop_policy()
@@ -471,7 +449,7 @@ async def run_engine(args: argparse.Namespace, base: Path) -> dict[str, dict[str
         results["baseline: boto3 + vLLM default loader"] = {
             "model": downloaded, "scheduled": 0.0, "ready": downloaded,
             **{k: v - wall0 for k, v in started.items() if k.startswith("t_")},
-            **{k: v for k, v in started.items() if not k.startswith("t_")}, "t_cache": float("nan")}
+            **{k: v for k, v in started.items() if not k.startswith("t_")}}
     moto.stop()
     return results
 
