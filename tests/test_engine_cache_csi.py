@@ -31,6 +31,7 @@ from tests.test_engine_cache import model_snapshot, tar_of
 from weightcache import engine_cache
 from weightcache.access import Authority, Requester
 from weightcache.csi import mounts
+from weightcache.csi._pb import csi_pb2
 from weightcache.engine_name import EngineName
 from weightcache.store import Snapshot, Store
 from weightcache.vocabulary import ENGINE_CACHE_ATTRIBUTE, ENGINE_CACHE_READY
@@ -87,6 +88,12 @@ async def test_first_pod_hands_its_cache_over_and_the_next_starts_from_a_private
     model = model_of(ec)
     assert ec.store.leases() == {"csi:pod-1": model.id}, "the key's model snapshot is kept while the pod runs"
     write_cache(first, FILES)
+    stats = await ec.node.NodeGetVolumeStats(csi_pb2.NodeGetVolumeStatsRequest(volume_id="pod-1",
+                                                                               volume_path=str(first)))
+    by_unit = {u.unit: u for u in stats.usage}  # the scratch's own usage and bounds, not the model's size
+    assert by_unit[csi_pb2.VolumeUsage.BYTES].total == engine_cache.scratch_bounds()[0]
+    assert 0 < by_unit[csi_pb2.VolumeUsage.BYTES].used < 1 << 20
+    assert by_unit[csi_pb2.VolumeUsage.INODES].used >= len(FILES) + 1
     await ec.node.NodeUnpublishVolume(ec.unpublish_request("pod-1"))
     assert mounts.mounted_at(first) is None and not first.exists() and ec.store.leases() == {}
     [artifact] = artifacts(ec)

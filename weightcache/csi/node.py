@@ -482,6 +482,8 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         if os.path.normpath(request.volume_path) != record.target_path:  # noqa: ASYNC240 - a string op, no I/O
             raise VolumeNotFoundError(f"volume {volume_id} is published at {record.target_path}, "
                                       f"not at {request.volume_path}")
+        if record.engine_cache and not await self._io(self._is_view, record):
+            return csi_pb2.NodeGetVolumeStatsResponse(usage=await self._io(self._scratch_usage, record))
         snapshot = await self._io(self._store.get, record.snapshot_id)
         usage = [csi_pb2.VolumeUsage(total=snapshot.size, used=snapshot.size, available=0,
                                      unit=csi_pb2.VolumeUsage.BYTES)]
@@ -489,6 +491,22 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
             usage.append(csi_pb2.VolumeUsage(total=len(snapshot.files), used=len(snapshot.files), available=0,
                                              unit=csi_pb2.VolumeUsage.INODES))
         return csi_pb2.NodeGetVolumeStatsResponse(usage=usage)
+
+    def _is_view(self, record: VolumeRecord) -> bool:
+        """An engine cache volume that is the artifact itself (readOnly, a hit), not a scratch tmpfs."""
+        with self._targets.open_parent(record.target_path, create=False) as parent:
+            entry = mounts.top_mount_at(parent, "mount", record.target_path)
+        return entry is None or not mounts.is_scratch(entry)
+
+    def _scratch_usage(self, record: VolumeRecord) -> list[csi_pb2.VolumeUsage]:
+        """What the pod wrote into its engine cache scratch, against the tmpfs bounds (read through the walked
+        parent: the mount point itself is ours, whatever the pod put under it)."""
+        with self._targets.open_parent(record.target_path, create=False) as parent:
+            st = os.statvfs(f"/proc/self/fd/{parent}/mount")
+        return [csi_pb2.VolumeUsage(total=st.f_blocks * st.f_frsize, used=(st.f_blocks - st.f_bfree) * st.f_frsize,
+                                    available=st.f_bavail * st.f_frsize, unit=csi_pb2.VolumeUsage.BYTES),
+                csi_pb2.VolumeUsage(total=st.f_files, used=st.f_files - st.f_ffree, available=st.f_favail,
+                                    unit=csi_pb2.VolumeUsage.INODES)]
 
     @quiet_rpc
     async def NodeGetCapabilities(self, request: csi_pb2.NodeGetCapabilitiesRequest,
