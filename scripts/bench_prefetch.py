@@ -14,6 +14,7 @@ peak RSS), interleaved (a new order each run), each after the same idle pause, m
         [--baseline DIR|REV]  # also weightcache from another checkout or git revision (a `git worktree` made
                               # and removed here), interleaved with this one's rows
         [--only ROW,...]      # only rows whose name contains one of these (the disk row always runs)
+        [--no-bytecode]       # the checkouts timed are byte-compiled first, as in the image, unless this
     .venv/bin/python scripts/bench_prefetch.py --small-only [--dir DIR]     # the small-files table alone
 
 Needs nginx, aria2 and curl (apt-get install nginx aria2 curl): the script installs them when root. The s3fs row
@@ -189,12 +190,14 @@ fs.get("bench/model/", sys.argv[2] + "/", recursive=True)
 SMALL = """
 import resource, sys, time
 import weightcache.sources.fsspec  # imported before the clock starts, as in a daemon that fetched before
+from weightcache.access import ADMIN, Authority
 from weightcache.fetch import Fetcher
 from weightcache.store import Store
 from weightcache.uri import parse_ref
 store = Store(sys.argv[2])
+grant = Authority().authorize(parse_ref("file://" + sys.argv[1] + "/"), ADMIN)  # the node admin's, as the CLI's
 before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-Fetcher(store).ensure(parse_ref("file://" + sys.argv[1] + "/"))
+Fetcher(store).ensure(grant)
 wall, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF)
 print(wall, after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
 """
@@ -341,9 +344,14 @@ def main() -> int:
                     "here with `git worktree add --detach` and removed after): its cold prefetch rows run "
                     "interleaved with this one's, in the same session")
     ap.add_argument("--only", default="", help="comma-separated substrings: only the rows whose names hold one")
+    ap.add_argument("--no-bytecode", action="store_true", help="leave the timed checkouts without compiled "
+                    "bytecode (each CLI run then compiles what it imports, as the image did before it shipped .pyc)")
     args = ap.parse_args()
     if args.baseline and not (Path(args.baseline) / "weightcache" / "__init__.py").is_file():
         args.baseline = worktree(args.baseline, ap)
+    if not args.no_bytecode:  # as the image ships them (Dockerfile); PYTHONDONTWRITEBYTECODE would keep none
+        for tree in (Path(__file__).resolve().parent.parent, *([Path(args.baseline)] if args.baseline else [])):
+            subprocess.run([PY, "-m", "compileall", "-q", "-j", "0", str(tree / "weightcache")], check=True)
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)")
     work = Path(tempfile.mkdtemp(prefix="wc-bench-", dir=args.dir))
     if args.small_files:
