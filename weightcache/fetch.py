@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FetchCancelledError", "Fetcher", "Progress"]
+__all__ = ["DurableFile", "FetchCancelledError", "Fetcher", "Progress"]
 
 SIDECAR_MAX = 1 << 20
 MOVABLE = frozenset({"oci"})  # schemes whose source may veto a cache hit of a moved revision (Fetcher._still_named)
@@ -63,6 +63,18 @@ LOCAL_LARGE_PIECE = 1 << 20  # a local source's piece this large is worth a thre
 MIN_RANGE_CHUNKS = 4  # requests of 4 chunks or more (64 MiB by default) while every worker gets one (_range_size)
 SPLIT_STALL = 2.0  # seconds without a piece after which an idle worker halves a range (_Reading); 5x for a first
 SPLIT_MIN = 4 * PIECE  # a range is halved only while this much of it is left beyond the piece in flight
+
+
+@dataclass(frozen=True)
+class DurableFile:
+    """A file of a fetch whose blob is verified (in-order sha256, the source's check, a safetensors header) and
+    durable in the store (fsynced, named): `Fetcher.ensure(on_file=...)` hands these over while the rest downloads.
+    The snapshot is still published only when whole; until then the blob is an orphan a gc keeps for
+    ORPHAN_BLOB_GRACE_S (store/recovery.py), so a reader opens it at once (an open file outlives an unlink)."""
+
+    entry: FileEntry
+    blob: Path
+    planned: frozenset[str]  # every path of this listing (oci tar layers unexpanded): what else is coming
 
 
 @dataclass
@@ -83,6 +95,7 @@ class _Item:
     in_blob: bool = False  # written straight to its blob (a whole small file): no part to move
     header_error: SafetensorsHeaderError | None = None  # its header check's refusal before naming it: _finish raises
     unsynced_blob: bool = False  # linked on the store's checksum alone: its blob may be another fetch's, not synced
+    reported: bool = False  # handed to on_file: its blob is named and durable already (_add_blobs skips it)
 
 
 class Fetcher:
@@ -112,30 +125,42 @@ class Fetcher:
 
     # -- public -------------------------------------------------------------------------------------------------
     def ensure(self, grant: Grant, *, progress: Callable[[Progress], None] | None = None,
-               looked_up: bool = False) -> Snapshot:
+               looked_up: bool = False, on_file: Callable[[DurableFile], None] | None = None) -> Snapshot:
         """The snapshot of the files `grant` gave (weightcache/access.py: no fetch without a decision).
         Blocking; call from a thread in async code. Cache hit returns at once. `looked_up`: the caller's own
-        lookup just missed (the fetch queue's), so only the re-check under the fetch lock asks the store."""
+        lookup just missed (the fetch queue's), so only the re-check under the fetch lock asks the store.
+        `on_file`: called (on a worker thread: return quickly) for each file once its blob is verified and
+        durable, while the rest downloads; on a cache hit for every file before this returns. A file is never
+        handed over twice with the same listing; a restart (an object changed at the source) may hand a path
+        over again with other bytes. Nothing unverified is ever handed over."""
         ref = require_grant(grant).ref
         snap = None if looked_up else self.store.lookup(ref)
         if snap is not None and self._still_named(ref, snap):
             self._count("hits")
-            return snap
+            return self._hand_over(snap, on_file)
         moved = snap.id if snap is not None else None  # the snapshot a moved tag no longer names
         lock_fd = self._acquire(ref, progress)
         try:
             snap = self.store.lookup(ref)
             if snap is not None and snap.id != moved and (moved is not None or self._still_named(ref, snap)):
                 self._count("hits")
-                return snap
+                return self._hand_over(snap, on_file)
             self._count("misses")
             self._count("fetches_in_flight")
             try:
-                return self._fetch(ref, progress)
+                return self._fetch(ref, progress, on_file)
             finally:
                 self._count("fetches_in_flight", -1)
         finally:
             os.close(lock_fd)
+
+    def _hand_over(self, snap: Snapshot, on_file: Callable[[DurableFile], None] | None) -> Snapshot:
+        """A cache hit: every file of a published snapshot is durable already."""
+        if on_file is not None:
+            planned = frozenset(f.path for f in snap.files)
+            for f in snap.files:
+                on_file(DurableFile(f, self.store.layout.blob(f.sha256), planned))
+        return snap
 
     def lookup(self, grant: Grant) -> Snapshot | None:
         """The cached snapshot of the granted files, or None (the store serves no file the grant leaves out)."""
@@ -186,8 +211,10 @@ class Fetcher:
             self.stats[name] += n
 
     # -- the fetch ----------------------------------------------------------------------------------------------
-    def _fetch(self, ref: ModelRef, progress: Callable[[Progress], None] | None) -> Snapshot:
+    def _fetch(self, ref: ModelRef, progress: Callable[[Progress], None] | None,
+               on_file: Callable[[DurableFile], None] | None = None) -> Snapshot:
         reporter = _Reporter(ref.uri, self._progress_path(ref), progress)
+        reporter.on_file = on_file
         reporter.phase("listing")
         source = self._open_source(ref)
         try:
@@ -230,6 +257,14 @@ class Fetcher:
         total = sum(i.obj.size for i in items)
         reporter.start(total, len(items), already=total - sum(i.obj.size for i in todo),
                        files_already=len(items) - len(todo))
+        if reporter.on_file is not None:
+            reporter.planned = frozenset(i.relpath for i in items)
+            for item in items:
+                if item.sha256 is not None:  # linked from a blob on trusted evidence: synced unless unsynced_blob
+                    if item.unsynced_blob:
+                        self.store.sync_blob(item.sha256)
+                    self._report(item, reporter)
+            todo.sort(key=lambda i: i.obj.size > self.chunk_size)  # small files (an index, config) first: cheap
         range_size = self._range_size(sum(i.obj.size for i in todo))
         partial, key = self.store.partial_dir(), ref.key  # partial/ checked once: each writer opens O_NOFOLLOW
         for item in todo:
@@ -363,6 +398,9 @@ class Fetcher:
                     fetched += self._download_round(source, pending, reporter, blobs)
                 failed = []
                 for item in pending:
+                    if item.reported:  # finished, verified and made a blob in the round (_durable)
+                        reporter.add(0, 1)
+                        continue
                     try:
                         self._finish(item, source)
                         reporter.add(0, 1)
@@ -390,6 +428,37 @@ class Fetcher:
         self._add_blobs(todo)  # the syncfs that makes them durable runs while publish links the tree
         return fetched
 
+    def _durable(self, item: _Item, source: Source, reporter: _Reporter) -> None:
+        """on_file's file finished in the round: verified and made a blob now, durable by its own fsyncs (the
+        file, its blob directory) rather than the model's syncfs, and handed over. One that fails verification
+        or its header check is left to the round's end, which refetches or refuses it as without on_file."""
+        if not reporter.claim(item):  # the worker that hashed the last bytes, or another that saw it done
+            return
+        try:
+            self._finish(item, source)
+        except IntegrityError:
+            reporter.unclaim(item)
+            return
+        except SafetensorsHeaderError as exc:
+            item.header_error = exc  # _finish discarded it; the round's end raises this
+            reporter.unclaim(item)
+            return
+        sha = item.sha256 or ""
+        self._serve_partials([item], False)  # the part is moving: peers find the blob instead
+        if item.in_blob:
+            self.store.sync_blob(sha)
+        else:
+            self.store.add_blob(_partial(item).part, sha, durable=True)
+            if _partial(item).journalled:
+                _partial(item).journal.unlink(missing_ok=True)
+        item.reported = True
+        self._report(item, reporter)
+
+    def _report(self, item: _Item, reporter: _Reporter) -> None:
+        if reporter.on_file is not None and item.sha256:
+            entry = FileEntry(item.relpath, item.size, item.sha256, item.obj.etag, item.obj.version_id)
+            reporter.on_file(DurableFile(entry, self.store.layout.blob(item.sha256), reporter.planned))
+
     def _serve_partials(self, items: list[_Item], serve: bool) -> None:
         """Let this node's peer server read the journalled ranges of these downloads (trusted digests only)."""
         if self.peers is None:
@@ -407,7 +476,7 @@ class Fetcher:
         -> tens of ms). Whole small files are in their blobs already (store/blobwrite.py). Parts move to their
         blobs once a syncfs made their data durable (before a moved name promises it). The caller's syncfs, last,
         makes the new names (and the small files' bytes) durable."""
-        parts = [item for item in items if not item.in_blob]
+        parts = [item for item in items if not item.in_blob and not item.reported]
         if not parts:
             return
         sync_filesystem(self.store.layout.partial)
@@ -481,9 +550,13 @@ class Fetcher:
             finally:
                 if entry is not None:
                     reading.end(entry)
+            if reporter.on_file is not None and part.complete:  # the file's last bytes are hashed: hand it over
+                self._durable(item, source, reporter)
 
         def hash_resumed(item: _Item) -> None:
             _partial(item).hash_resumed(buffers()[1])
+            if reporter.on_file is not None and _partial(item).complete:
+                self._durable(item, source, reporter)
 
         tasks = [*(functools.partial(hash_resumed, i) for i in items if _partial(i).resumed_bytes),
                  *(functools.partial(run, *p) for p in pieces)]
@@ -754,6 +827,21 @@ class _Reporter:
         self._phase = "queued"
         self._rate = RateMeter()
         self._last = 0.0
+        self.on_file: Callable[[DurableFile], None] | None = None  # Fetcher.ensure's: files as they are durable
+        self.planned: frozenset[str] = frozenset()
+        self._claimed: set[int] = set()
+
+    def claim(self, item: _Item) -> bool:
+        """True for the one caller that hands `item` over (several workers may see it complete)."""
+        with self._mu:
+            if item.reported or id(item) in self._claimed:
+                return False
+            self._claimed.add(id(item))
+            return True
+
+    def unclaim(self, item: _Item) -> None:
+        with self._mu:
+            self._claimed.discard(id(item))
 
     def start(self, total: int, files: int, *, already: int, files_already: int) -> None:
         with self._mu:

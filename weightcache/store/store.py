@@ -311,6 +311,18 @@ class Store:
                 if durable:
                     os.fsync(blob_dir)
 
+    def sync_blob(self, sha256: str) -> None:
+        """fsync blob `sha256` and its directory: durable now rather than at the fetch's syncfs (a file the fetch
+        hands over before the model is whole, Fetcher.ensure's on_file). A symlink there is refused (ELOOP)."""
+        with self.tree.held() as dirs:
+            dfd = self._blob_dirs(dirs)(sha256)
+            fd = os.open(sha256, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.fsync(dfd)
+
     def blob_writer(self) -> BlobWriter:
         """A writer of small verified files straight to their blobs, for one fetch (close it: `with`)."""
         dirs = self.tree.held()
