@@ -5,6 +5,7 @@ namespace start from a copy; other namespaces and other keys never see it; what 
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import io
 import os
@@ -32,6 +33,7 @@ from weightcache import engine_cache
 from weightcache.access import Authority, Requester
 from weightcache.csi import mounts
 from weightcache.csi._pb import csi_pb2
+from weightcache.csi.reconcile import VolumeBook
 from weightcache.engine_name import EngineName
 from weightcache.store import Snapshot, Store
 from weightcache.vocabulary import ENGINE_CACHE_ATTRIBUTE, ENGINE_CACHE_READY
@@ -253,3 +255,28 @@ async def test_a_plugin_restart_keeps_the_volume_and_its_hand_over(safe_tmp: Pat
         assert sorted(f.path for f in artifact.files) == sorted(FILES) and again.store.leases() == {}
     finally:
         await stop_harness(again)
+
+
+async def test_a_running_pods_cache_reaches_the_next_pod_once_it_says_its_engine_served(ec: CsiHarness) -> None:
+    """kubelet asks NodeGetVolumeStats of a running pod's volumes every minute: the one that holds the ready file is
+    read back then (in the background), so a second pod starts from it while the first still runs."""
+    await ec.node.NodePublishVolume(engine_volume(ec, "pod-1"))
+    write_cache(ec.target("pod-1"), FILES)
+    stats = csi_pb2.NodeGetVolumeStatsRequest(volume_id="pod-1", volume_path=str(ec.target("pod-1")))
+    await ec.node.NodeGetVolumeStats(stats)
+    book = VolumeBook(ec.store.root)
+    for _ in range(250):  # the hand-over runs beside the answer; wait until its record says done, at most 5 s
+        record = book.get("pod-1")
+        if record is not None and not record.handover:
+            break
+        await asyncio.sleep(0.02)
+    [artifact] = artifacts(ec)
+    assert sorted(f.path for f in artifact.files) == sorted(FILES)
+    assert mounts.is_scratch(mounts.mounted_at(ec.target("pod-1")))  # type: ignore[arg-type]  # still running
+    await ec.node.NodePublishVolume(engine_volume(ec, "pod-2"))
+    assert (ec.target("pod-2") / "modelinfos" / "llama.json").read_bytes() == b"{}"
+    (ec.target("pod-1") / "later").write_bytes(b"written after the hand-over")
+    await ec.node.NodeGetVolumeStats(stats)  # read back once: not again
+    for vid in ("pod-1", "pod-2"):
+        await ec.node.NodeUnpublishVolume(ec.unpublish_request(vid))
+    assert [a.id for a in artifacts(ec)] == [artifact.id] and ec.store.leases() == {}

@@ -348,14 +348,15 @@ def hand_over(store: Store, key: EngineCacheKey, directory: str | Path, limits: 
         if _exact(store, key) is not None:
             log.info("engine cache %s exists already; the pod's copy is not handed over", key)
             return None
-        if not _ready(directory):
+        if not is_ready(directory):
             log.info("engine cache %s: the pod wrote no %s at its volume's root (its engine never served), so "
                      "nothing is handed over", key, ENGINE_CACHE_READY)
             return None
         return _ingest_dir(store, key, directory, limits, skip=frozenset({ENGINE_CACHE_READY}))
 
 
-def _ready(directory: str | Path) -> bool:
+def is_ready(directory: str | Path) -> bool:
+    """Whether `directory` holds the ready file at its root, a regular file (never through a link)."""
     try:
         top = os.open(directory, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
@@ -636,5 +637,5 @@ def body_limit(limits: Limits) -> int:
 
 
 __all__ = ["ADMIN_DOMAIN", "SCHEME", "EngineCacheKey", "EngineName", "Limits", "Pipe", "body_limit", "copy_into",
-           "domain_of", "fill_from_peers", "hand_over", "ingest_dir", "ingest_tar", "is_engine_cache", "key_of",
-           "lister", "lookup", "scratch_bounds", "visible_to"]
+           "domain_of", "fill_from_peers", "hand_over", "ingest_dir", "ingest_tar", "is_engine_cache", "is_ready",
+           "key_of", "lister", "lookup", "scratch_bounds", "visible_to"]

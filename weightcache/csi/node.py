@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import functools
 import logging
@@ -244,6 +245,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         self._publish_timeout = publish_timeout
         self._book = book or VolumeBook(store.root)
         self._locks = VolumeLocks()
+        self._handing: dict[str, asyncio.Future[bool]] = {}  # volume id -> its running hand-over
         self._pool = pool or ThreadPoolExecutor(4, thread_name_prefix="wc-csi")
         self.observe = observe
 
@@ -384,6 +386,8 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         volume_id = _require_id(request.volume_id, "volume_id")
         target = _require_path(request.target_path, "target_path")
         self._targets.check(target)
+        if (handing := self._handing.get(volume_id)) is not None:  # a running pod's read-back: let it finish
+            await asyncio.wait({handing})
         with self._locks.hold(volume_id):
             await finish_even_if_cancelled(self._io(self._unmount, volume_id, target))
         return csi_pb2.NodeUnpublishVolumeResponse()
@@ -483,6 +487,8 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
             raise VolumeNotFoundError(f"volume {volume_id} is published at {record.target_path}, "
                                       f"not at {request.volume_path}")
         if record.engine_cache and not await self._io(self._is_view, record):
+            if record.handover:  # kubelet asks about a running pod's volumes every minute: its ready file counts now
+                self._start_hand_over(record.volume_id)
             return csi_pb2.NodeGetVolumeStatsResponse(usage=await self._io(self._scratch_usage, record))
         snapshot = await self._io(self._store.get, record.snapshot_id)
         usage = [csi_pb2.VolumeUsage(total=snapshot.size, used=snapshot.size, available=0,
@@ -491,6 +497,42 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
             usage.append(csi_pb2.VolumeUsage(total=len(snapshot.files), used=len(snapshot.files), available=0,
                                              unit=csi_pb2.VolumeUsage.INODES))
         return csi_pb2.NodeGetVolumeStatsResponse(usage=usage)
+
+    def _start_hand_over(self, volume_id: str) -> None:
+        """Read a running pod's engine cache back in the background when it says its engine served, so the next
+        pods get it without waiting for this one to end (`hand_over_running`); the answer never waits on it."""
+        if volume_id in self._handing:
+            return
+        task = asyncio.ensure_future(self.hand_over_running(volume_id))
+        self._handing[volume_id] = task
+        task.add_done_callback(lambda _: self._handing.pop(volume_id, None))
+
+    async def hand_over_running(self, volume_id: str) -> bool:
+        """The engine cache volume `volume_id`, read back once while its pod runs, if it started empty and holds
+        the ready file; its record then says so, and the unpublish reads nothing back. A refusal counts as the
+        one try (a hostile tree is not walked again every minute). False when there was nothing to do yet, or
+        another operation holds the volume (the next call tries again)."""
+        try:
+            with self._locks.hold(volume_id):
+                return await finish_even_if_cancelled(self._io(self._hand_over_running, volume_id))
+        except OperationPendingError:
+            return False
+
+    def _hand_over_running(self, volume_id: str) -> bool:
+        record = self._book.get(volume_id)
+        if record is None or not record.handover or not record.engine_cache:
+            return False
+        try:
+            with self._targets.open_parent(record.target_path, create=False) as parent:
+                entry = mounts.top_mount_at(parent, "mount", record.target_path)
+                if entry is None or not mounts.is_scratch(entry) or \
+                        not engine_cache.is_ready(f"/proc/self/fd/{parent}/mount"):
+                    return False
+                self._hand_over(record, parent)
+        except TargetMissingError:
+            return False
+        self._book.put(dataclasses.replace(record, handover=False))
+        return True
 
     def _is_view(self, record: VolumeRecord) -> bool:
         """An engine cache volume that is the artifact itself (readOnly, a hit), not a scratch tmpfs."""
