@@ -93,9 +93,9 @@ async def test_a_lying_peer_is_skipped_and_alone_it_fills_nothing(tmp_path: Path
     forged = {"files": [[f.path, f.size, f.sha256] for f in admin.files] + [["evil.py", 1, "0" * 64]]}
     served: list[str] = []
 
-    def liar(body: dict[str, object]) -> web.Application:
+    def liar(body: dict[str, object] | str) -> web.Application:
         async def files(request: web.Request) -> web.Response:
-            return web.json_response(body)
+            return web.Response(text=body) if isinstance(body, str) else web.json_response(body)
 
         async def blob(request: web.Request) -> web.Response:  # the right length, other bytes
             served.append(request.match_info["digest"])
@@ -109,7 +109,7 @@ async def test_a_lying_peer_is_skipped_and_alone_it_fills_nothing(tmp_path: Path
 
     runners = []
     try:
-        for body in (forged, listing):
+        for body in (forged, listing, "[" * 200_000 + "]" * 200_000):  # the last: nesting json.loads cannot take
             runner, lport = await serve(liar(body))
             runners.append((runner, lport))
         b = Store(tmp_path / "b")
@@ -122,8 +122,9 @@ async def test_a_lying_peer_is_skipped_and_alone_it_fills_nothing(tmp_path: Path
         assert served and engine_cache.lookup(b, model_snapshot(b, tmp_path), VLLM, ADMIN) is None
         assert os.listdir(b.layout.partial) == []
         assert not any(b.has_blob(f.sha256) for f in admin.files if f.size)
+        nester = client(runners[2][1])
         filled = await asyncio.to_thread(engine_cache.fill_from_peers, b, key, admin.id,
-                                         [forger, garbler, client(port)])
+                                         [nester, forger, garbler, client(port)])
         assert filled.id == admin.id and json.loads((filled.path / "modelinfos" / "llama.json").read_bytes()) == {}
         b.close()
     finally:

@@ -8,7 +8,6 @@ hashed, every blob verified against the origin's evidence before publish).
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import re
 import socket
@@ -21,6 +20,7 @@ from urllib.parse import urlencode, urlsplit
 import urllib3
 
 from weightcache.errors import Answer, ConfigError, SourceError
+from weightcache.jsonbody import parse_json
 from weightcache.peers.identity import OriginId
 from weightcache.redact import redact
 from weightcache.retry import Retryable
@@ -163,10 +163,8 @@ class PeerClient:
             resp.release_conn()
         if len(body) > limit:
             raise SourceError(f"peer {self.url} sent an engine cache file list over {limit} bytes")
-        try:
-            return json.loads(body)
-        except ValueError:
-            raise SourceError(f"peer {self.url} sent an engine cache file list that is not JSON") from None
+        return parse_json(body, what=f"peer {self.url}'s engine cache file list",  # deep nesting, bad UTF-8: refused
+                          example='{"files": [["path", 1, "<sha256>"]]}')
 
     def close(self) -> None:
         self._pool.clear()
