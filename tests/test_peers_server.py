@@ -234,10 +234,10 @@ def test_a_range_the_node_is_fetching_now_is_streamed_as_it_is_journalled(http: 
         # bytes past the claim are neither journalled nor claimed: not offered
         assert get(http, n, f"/v1/blobs/sha256/{SHA}", {**AUTH, "Range": f"bytes={1 << 16}-{1 << 17}"}).status == 404
         stalled = inflight.claim(SHA, 1 << 16, 1 << 17)
+        started = time.monotonic()  # before the request: the server's stall clock starts when it arrives
         resp = http.request("GET", f"{n.url}/v1/blobs/sha256/{SHA}",
                             headers={**AUTH, "Range": f"bytes={1 << 16}-{(1 << 17) - 1}"}, preload_content=False)
         assert resp.status == 206
-        started = time.monotonic()
         with pytest.raises(urllib3.exceptions.ProtocolError):
             resp.read()  # nothing is journalled: the stream is cut, short
         assert time.monotonic() - started >= STALL_S
