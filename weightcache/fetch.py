@@ -265,7 +265,10 @@ class Fetcher:
                         self.store.sync_blob(item.sha256)
                     self._report(item, reporter)
             todo.sort(key=lambda i: i.obj.size > self.chunk_size)  # small files (an index, config) first: cheap
-        range_size = self._range_size(sum(i.obj.size for i in todo))
+        # streaming (on_file) wants the first file whole first: its ranges sized so that it alone spreads over
+        # every worker, as the workers take ranges in file order; else the model's bytes are spread
+        spread = max((i.obj.size for i in todo), default=0) if reporter.on_file else sum(i.obj.size for i in todo)
+        range_size = self._range_size(spread)
         partial, key = self.store.partial_dir(), ref.key  # partial/ checked once: each writer opens O_NOFOLLOW
         for item in todo:
             check = item.source_check
