@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from tests.fixtures_s3 import S3
 from tests.grants import granted
 from tests.sample import make_model
-from weightcache.errors import IntegrityError
+from weightcache.errors import IntegrityError, ObjectChangedError
 from weightcache.fetch import DurableFile, Fetcher
 from weightcache.sources import ObjectInfo, Source, SourceOptions, open_source
 from weightcache.store import Store
@@ -143,3 +143,27 @@ def test_a_shard_failing_verification_is_never_yielded_and_the_stream_raises(tmp
 def test_a_stream_takes_only_a_grant(tmp_path: Path, s3: S3) -> None:
     with pytest.raises(TypeError, match="Grant"):
         TensorStream(_fetcher(Store(tmp_path / "root"), s3), parse_ref(URI))  # type: ignore[arg-type]
+
+
+def test_a_shard_changed_at_the_source_mid_stream_is_never_mixed_with_the_old_ones(tmp_path: Path, s3: S3) -> None:
+    """The model is replaced at the source while its last shard is held: the held read finds a new ETag, the
+    fetch restarts from a new listing and hands over shards already loaded with other bytes; the stream raises
+    rather than yield tensors of two versions, and the fetch goes on to publish the new version."""
+    model = _model(tmp_path)
+    s3.upload_dir(model, "models", "llama/")
+    release = threading.Event()
+    store = Store(tmp_path / "root")
+    stream = TensorStream(_fetcher(store, s3, lambda inner: _HeldSource(inner, LAST, release)), granted(URI))
+    it = iter(stream)
+    next(it)
+    newer = tmp_path / "newer"
+    make_model(newer, layers=4, hidden=64, shards=4, seed=1)
+    s3.upload_dir(newer, "models", "llama/")
+    release.set()
+    with pytest.raises(ObjectChangedError, match="changed at the source while the model was streamed"):
+        for _ in it:
+            pass
+    snap = stream.wait()
+    for f in snap.files:
+        if f.path.startswith("model-"):
+            assert (snap.path / f.path).read_bytes() == (newer / f.path).read_bytes()

@@ -258,7 +258,7 @@ class Fetcher:
         reporter.start(total, len(items), already=total - sum(i.obj.size for i in todo),
                        files_already=len(items) - len(todo))
         if reporter.on_file is not None:
-            reporter.planned = frozenset(i.relpath for i in items)
+            reporter.listed(frozenset(i.relpath for i in items))
             for item in items:
                 if item.sha256 is not None:  # linked from a blob on trusted evidence: synced unless unsynced_blob
                     if item.unsynced_blob:
@@ -833,6 +833,12 @@ class _Reporter:
         self.on_file: Callable[[DurableFile], None] | None = None  # Fetcher.ensure's: files as they are durable
         self.planned: frozenset[str] = frozenset()
         self._claimed: set[int] = set()
+
+    def listed(self, planned: frozenset[str]) -> None:
+        """A new listing (a restart's too): its files, and no claims (an old item's id may be a new one's)."""
+        with self._mu:
+            self.planned = planned
+            self._claimed.clear()
 
     def claim(self, item: _Item) -> bool:
         """True for the one caller that hands `item` over (several workers may see it complete)."""
