@@ -26,28 +26,32 @@ def _orphan(store: Store, data: bytes) -> Path:
 
 @pytest.mark.parametrize("sweep", ["gc", "recovery"])
 @pytest.mark.parametrize("fetching", [True, False], ids=["fetch in flight", "no fetch"])
-@pytest.mark.parametrize("old", [True, False], ids=["old orphan", "young orphan"])
-def test_orphan_blobs_go_by_age_whether_or_not_a_fetch_holds_its_lock(
-        tmp_path: Path, sweep: str, fetching: bool, old: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("age", ["young", "past the grace", "past the fetching grace"])
+def test_orphan_blobs_go_by_age_longer_while_a_fetch_holds_its_lock(
+        tmp_path: Path, sweep: str, fetching: bool, age: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A young orphan may be a fetch's blob even when no lock was held as the sweep began (a fetch can start
-    during it): kept. An old one goes even while fetches run, so a node always fetching still collects."""
+    during it): kept. One past the grace goes, unless a fetch runs (a long fetch's early blob, a streamed shard):
+    then only past the fetching grace, so a node always fetching still collects."""
     store = Store(tmp_path / "root")
     blob = _orphan(store, b"a small file of a fetch in flight")
     linked = _orphan(store, b"a blob a snapshot links")
     os.link(linked, tmp_path / "snapshot-link")  # link count 2: never an orphan, whatever its age
-    if old:
+    if age != "young":
         monkeypatch.setattr(recovery, "ORPHAN_BLOB_GRACE_S", -1.0)  # every blob is past its grace
+    if age == "past the fetching grace":
+        monkeypatch.setattr(recovery, "FETCHING_ORPHAN_GRACE_S", -1.0)
+    gone = age == "past the fetching grace" or (age == "past the grace" and not fetching)
     lock = store.open_lock(parse_ref("file:///models/m/").key)
     try:
         if fetching:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as Fetcher.ensure holds it, here another process
         if sweep == "gc":
-            assert collect_garbage(store) == (len(b"a small file of a fetch in flight") if old else 0)
+            assert collect_garbage(store) == (len(b"a small file of a fetch in flight") if gone else 0)
         else:
             Store(tmp_path / "root").close()
         assert recovery.fetches_in_flight(store) == ({parse_ref("file:///models/m/").key} if fetching else set())
     finally:
         os.close(lock)
-    assert blob.exists() != old
+    assert blob.exists() != gone
     assert linked.exists()
     assert recovery.fetches_in_flight(store) == set()

@@ -27,6 +27,9 @@ log = logging.getLogger(__name__)
 
 TMP_GRACE_S = 60.0  # a temp file younger than this may belong to a live writer in another process
 ORPHAN_BLOB_GRACE_S = 600.0  # a fetch names its blobs before it publishes the snapshot that links them
+# ... and while some fetch holds its lock, its early blobs may be that old (a long fetch; a streamed shard named
+# when it became durable): kept this long then, still bounded so a node that is always fetching collects.
+FETCHING_ORPHAN_GRACE_S = 6 * 3600.0
 STALE_PARTIAL_S = 7 * 86400.0
 
 
@@ -98,18 +101,22 @@ def valid_manifests(store: StoreView) -> dict[str, Manifest]:
 
 
 def remove_old_orphan_blobs(store: StoreView, now: float) -> int:
-    """Remove blobs no snapshot links whose inode changed more than ORPHAN_BLOB_GRACE_S ago; bytes freed.
+    """Remove blobs no snapshot links whose inode changed more than ORPHAN_BLOB_GRACE_S ago (FETCHING_ORPHAN_GRACE_S
+    while a fetch holds its lock); bytes freed.
 
-    A fetch names a small file's blob as soon as it is read (store/blobwrite.py), before the snapshot that links
-    it is published: a young orphan may be one of those, whether or not a fetch held its lock when the sweep
-    began (one may start during it). The age, not the fetch locks, decides, so a node that is always fetching
-    still collects its old orphans. ctime, not mtime: linking or unlinking a name updates it, writing content
-    with an old mtime does not hide a new file. Anything not a regular file is quarantined whatever its age."""
+    A fetch names a small file's blob as soon as it is read (store/blobwrite.py), and a streamed file's once it is
+    durable (fetch.py on_file), before the snapshot that links it is published: a young orphan may be one of
+    those, whether or not a fetch held its lock when the sweep began (one may start during it), and an older one
+    too while a fetch runs (it may have named it an hour ago). Age, not the locks alone, decides, so a node that is
+    always fetching still collects its old orphans. ctime, not mtime: linking or unlinking a name updates it,
+    writing content with an old mtime does not hide a new file. Anything not a regular file is quarantined
+    whatever its age."""
     tree, freed = store.tree, 0
+    grace = FETCHING_ORPHAN_GRACE_S if fetches_in_flight(store) else ORPHAN_BLOB_GRACE_S
     for d in blob_dirs(store):
         for name in tree.listdir(d):
             st = tree.lstat(d / name)
-            if st is None or (stat.S_ISREG(st.st_mode) and now - st.st_ctime <= ORPHAN_BLOB_GRACE_S):
+            if st is None or (stat.S_ISREG(st.st_mode) and now - st.st_ctime <= grace):
                 continue
             freed += tree.unlink_if_single_link(d / name)
     return freed
