@@ -57,6 +57,16 @@ async def status_of(call: Awaitable[Any]) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.OK, ""
 
 
+def mounts_seen_from(root: Path) -> list[mounts.MountEntry]:
+    """The mount table less other xdist workers' test mounts: each worker mounts under its own popen-gw<N> temp
+    dir, and a test asserting "nothing was mounted anywhere" must not see a neighbour's tmpfs come and go."""
+    worker = next((p for p in (root.resolve(), *root.resolve().parents) if p.name.startswith("popen-gw")), None)
+    if worker is None:
+        return mounts.mount_table()
+    others, mine = str(worker.parent) + "/", str(worker) + "/"
+    return [e for e in mounts.mount_table() if not e.mount_point.startswith(others) or e.mount_point.startswith(mine)]
+
+
 def unmount_under(root: Path) -> None:
     """Unmount every mount point below `root`, deepest first; fail loudly if one stays."""
     prefix = str(root.resolve()) + "/"

@@ -26,6 +26,7 @@ from tests.fixtures_csi import (  # noqa: F401
     bind_readonly,
     csi,
     model_in_s3,
+    mounts_seen_from,
     publish_request,
     safe_tmp,
     start_harness,
@@ -168,13 +169,13 @@ def hostile_targets(csi: CsiHarness, tmp: Path) -> dict[str, Path]:
 
 async def test_publish_outside_kubelets_volume_paths_is_invalid_argument_naming_the_rule(
         csi: CsiHarness, safe_tmp: Path) -> None:
-    before = mounts.mount_table()
+    before = mounts_seen_from(csi.root)
     for name, target in hostile_targets(csi, safe_tmp).items():
         request = publish_request(f"vol-{name.replace(' ', '-')}", target, pod_uid="u")
         code, details = await status_of(csi.node.NodePublishVolume(request))
         assert code == grpc.StatusCode.INVALID_ARGUMENT, (name, code, details)
         assert "kubernetes.io~csi/<volume name>/mount" in details, (name, details)
-    assert mounts.mount_table() == before, "nothing was mounted anywhere"
+    assert mounts_seen_from(csi.root) == before, "nothing was mounted anywhere"
     assert csi.store.leases() == {} and list(csi.store.root.glob("csi/volumes/*.json")) == []
     assert (safe_tmp / "outside" / "precious").read_text() == "keep me"
 

@@ -12,6 +12,7 @@ from tests.fixtures_csi import (  # noqa: F401
     CsiHarness,
     csi,
     model_in_s3,
+    mounts_seen_from,
     safe_tmp,
     status_of,
 )
@@ -56,11 +57,11 @@ async def test_hostile_volume_context(csi: CsiHarness, case: str) -> None:
     request = csi.publish_request("vol")
     for key, value in overrides.items():
         request.volume_context[key] = value
-    before = mounts.mount_table()
+    before = mounts_seen_from(csi.root)
     got, details = await status_of(csi.node.NodePublishVolume(request))
     assert got == code, (case, got, details[:300])
     assert text in details and len(details) < 4096, details[:300]
-    assert mounts.mount_table() == before and csi.store.leases() == {}
+    assert mounts_seen_from(csi.root) == before and csi.store.leases() == {}
     assert list((csi.store.root / "csi" / "volumes").iterdir()) == []
     await csi.node.NodePublishVolume(csi.publish_request("good"))  # still serving
     await csi.node.NodeUnpublishVolume(csi.unpublish_request("good"))
@@ -125,7 +126,7 @@ async def test_publish_to_an_odd_spelling_of_the_target_is_invalid(csi: CsiHarne
            "NUL": target + "\0"}[spelling]
     request = csi.publish_request("vol")
     request.target_path = odd
-    before = mounts.mount_table()
+    before = mounts_seen_from(csi.root)
     code, details = await status_of(csi.node.NodePublishVolume(request))
     assert code == INVALID and "target_path" in details, details
-    assert mounts.mount_table() == before and csi.store.leases() == {}
+    assert mounts_seen_from(csi.root) == before and csi.store.leases() == {}

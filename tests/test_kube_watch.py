@@ -141,7 +141,7 @@ def test_expired_resource_version_relists(server, watch):
     server.drop_watches()
     server.hang_watches = False
     changes.wait(lambda n: n == {"b"})
-    assert watcher.lists == 2
+    assert watcher.lists >= 2  # relisted; a watch dropped again before the new one was up may relist once more
     watches = server.wait_requests("GET", MC_PATH, count=3, watch="True")
     assert watches[1].query["resourceVersion"] == stale  # answered with ERROR 410 Expired
     assert int(watches[2].query["resourceVersion"]) == server.resource_version  # from the relist
