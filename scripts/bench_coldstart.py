@@ -261,6 +261,22 @@ def baseline(origin: str, base: Path) -> dict[str, float]:
             "loaded": time.perf_counter() - t0, "tensors": count, "gated": 0.0}
 
 
+def _cluster(api: FakeApiServer, base: Path) -> None:
+    """The GPU node and the ModelCache granting NS, and this process pointed at the API stand-in (the webhook's,
+    the controller's and the daemon's clients read KUBECONFIG)."""
+    api.create("nodes", {"metadata": {"name": NODE, "labels": {"pool": "gpu"}},
+                         "status": {"allocatable": {"nvidia.com/gpu": "1"}}})
+    api.create("modelcaches", {"metadata": {"name": "grant"}, "spec": {"source": URI, "allowedNamespaces": [NS]}})
+    kubeconfig = base / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "b",
+        "clusters": [{"name": "c", "cluster": {"server": api.url}}],
+        "users": [{"name": "u", "user": {"token": "bench"}}],
+        "contexts": [{"name": "b", "context": {"cluster": "c", "user": "u"}}]}))
+    os.environ.update(KUBECONFIG=str(kubeconfig), POD_NAMESPACE="weightcache", POD_NAME="bench-webhook",
+                      AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
+
+
 async def run(args: argparse.Namespace, base: Path) -> dict[str, dict[str, float]]:
     from weightcache.webhook.command import _policy
 
@@ -280,18 +296,7 @@ async def run(args: argparse.Namespace, base: Path) -> dict[str, dict[str, float
         proxy.add("throttle", method="GET", path="/bench/model/", rate=int(args.slow_origin * 1e6), count=-1)
     results: dict[str, dict[str, float]] = {}
     with FakeApiServer(schemas=crd_schemas()) as api:
-        api.create("nodes", {"metadata": {"name": NODE, "labels": {"pool": "gpu"}},
-                             "status": {"allocatable": {"nvidia.com/gpu": "1"}}})
-        api.create("modelcaches", {"metadata": {"name": "grant"},
-                                   "spec": {"source": URI, "allowedNamespaces": [NS]}})
-        kubeconfig = base / "kubeconfig"
-        kubeconfig.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "b",
-            "clusters": [{"name": "c", "cluster": {"server": api.url}}],
-            "users": [{"name": "u", "user": {"token": "bench"}}],
-            "contexts": [{"name": "b", "context": {"cluster": "c", "user": "u"}}]}))
-        os.environ.update(KUBECONFIG=str(kubeconfig), POD_NAMESPACE="weightcache", POD_NAME="bench-webhook",
-                          AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
+        _cluster(api, base)
         policy, stop_policy = _policy(None, controller=True)
         node = Node(base, origin, memory_budget=int(size * 1.25) + (64 << 20))
         try:
@@ -400,18 +405,7 @@ async def run_engine(args: argparse.Namespace, base: Path) -> dict[str, dict[str
 
     results: dict[str, dict[str, float]] = {}
     with FakeApiServer(schemas=crd_schemas()) as api:
-        api.create("nodes", {"metadata": {"name": NODE, "labels": {"pool": "gpu"}},
-                             "status": {"allocatable": {"nvidia.com/gpu": "1"}}})
-        api.create("modelcaches", {"metadata": {"name": "grant"},
-                                   "spec": {"source": URI, "allowedNamespaces": [NS]}})
-        kubeconfig = base / "kubeconfig"
-        kubeconfig.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "b",
-            "clusters": [{"name": "c", "cluster": {"server": api.url}}],
-            "users": [{"name": "u", "user": {"token": "bench"}}],
-            "contexts": [{"name": "b", "context": {"cluster": "c", "user": "u"}}]}))
-        os.environ.update(KUBECONFIG=str(kubeconfig), POD_NAMESPACE="weightcache", POD_NAME="bench-webhook",
-                          AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
+        _cluster(api, base)
         policy, stop_policy = _policy(None, controller=True)
         node = Node(base, moto.url, memory_budget=int(size * 1.25) + (64 << 20))
         try:

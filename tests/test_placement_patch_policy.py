@@ -44,10 +44,6 @@ def policy(shipped: list[dict[str, Any]]) -> dict[str, Any]:
     return found
 
 
-def _run(expression: str, activation: dict[str, Any]) -> Any:
-    return cel_eval(expression, activation)
-
-
 def admit(policy: dict[str, Any], old: dict[str, Any], new: dict[str, Any], *, user: str | None = None,
           operation: str = "UPDATE") -> list[str]:
     """The messages of the failed validations; [] when allowed (or when the request is not matched)."""
@@ -59,11 +55,11 @@ def admit(policy: dict[str, Any], old: dict[str, Any], new: dict[str, Any], *, u
     if not any(operation in r["operations"] and "pods" in r["resources"] for r in rules):
         return []
     activation = {"request": json_to_cel(request), "object": json_to_cel(new), "oldObject": json_to_cel(old)}
-    if not all(bool(_run(c["expression"], activation)) for c in policy["spec"]["matchConditions"]):
+    if not all(bool(cel_eval(c["expression"], activation)) for c in policy["spec"]["matchConditions"]):
         return []
     failed = []
     for rule in policy["spec"]["validations"]:
-        result = _run(rule["expression"], activation)
+        result = cel_eval(rule["expression"], activation)
         assert isinstance(result, celpy.celtypes.BoolType), (rule["expression"][:80], result)
         if not result:
             assert rule["reason"] == "Forbidden"
