@@ -249,16 +249,22 @@ def small_files(work: Path, count: int, runs: int, idle: float) -> None:
     """`count` files of 4 KB in 20 directories: weightcache's fetch (syncfs before publish) vs cp -r + sync -f,
     wall and CPU seconds (user + system: on a shared machine the wall time swings with the other tenants' disk
     traffic, the CPU time much less). A third row is the store layout's floor: a bare Python loop making exactly
-    the system calls a fetch makes per file (FLOOR), with none of the planning, checks, manifest or index."""
+    the system calls a fetch makes per file (FLOOR), with none of the planning, checks, manifest or index; a fourth
+    the same loop compiled (scripts/small_files_floor.c, when cc and OpenSSL's headers are here): what a compiled
+    helper could save at most."""
     src = work / "src"
     for i in range(count):
         d = src / f"d{i % 20:02d}"
         d.mkdir(parents=True, exist_ok=True)
         (d / f"f{i:05d}.bin").write_bytes(os.urandom(4096))
     subprocess.run(["sync"], check=True)
-    cp, wc, cp_cpu, wc_cpu, fl, fl_cpu = [], [], [], [], [], []
+    compiled = work / "floor-c"
+    built = shutil.which("cc") is not None and subprocess.run(
+        ["cc", "-O2", "-o", str(compiled), str(Path(__file__).with_name("small_files_floor.c")), "-lcrypto"],
+        capture_output=True).returncode == 0
+    cp, wc, cp_cpu, wc_cpu, fl, fl_cpu, cc, cc_cpu = [], [], [], [], [], [], [], []
     for run in range(runs):
-        for dest in (work / "cp", work / "root", work / "floor"):
+        for dest in (work / "cp", work / "root", work / "floor", work / "floor-c-out"):
             subprocess.run(["chmod", "-R", "u+w", str(dest)], check=False, stderr=subprocess.DEVNULL)
             shutil.rmtree(dest, ignore_errors=True)
         subprocess.run(["sync"], check=True)  # the removals' writeback is no one's cost
@@ -276,6 +282,13 @@ def small_files(work: Path, count: int, runs: int, idle: float) -> None:
             walls.append(float(wall))
             cpus.append(float(used))
             time.sleep(idle)
+        if built:
+            out = subprocess.run([str(compiled), str(src), str(work / "floor-c-out")], check=True,
+                                 capture_output=True, text=True).stdout
+            wall, used = out.split()
+            cc.append(float(wall))
+            cc_cpu.append(float(used))
+            time.sleep(idle)
         print(f"  run {run + 1}: small files: cp -r + sync -f {cp[-1]:.2f} s ({cp_cpu[-1]:.2f} CPU s), "
               f"weightcache {wc[-1]:.2f} s ({wc_cpu[-1]:.2f} CPU s), floor {fl[-1]:.2f} s", flush=True)
     a, b, f = statistics.median(cp), statistics.median(wc), statistics.median(fl)
@@ -287,6 +300,10 @@ def small_files(work: Path, count: int, runs: int, idle: float) -> None:
           f"{cb / ca if ca else 0.0:>6.2f}")
     print(f"{'floor: its system calls, bare loop':<36} {f:>8.2f} {count / f:>8.0f} {f / a:>6.2f} {cf:>6.2f} "
           f"{cf / ca if ca else 0.0:>6.2f}")
+    if cc:
+        g, cg = statistics.median(cc), statistics.median(cc_cpu)
+        print(f"{'floor compiled (C, no interpreter)':<36} {g:>8.2f} {count / g:>8.0f} {g / a:>6.2f} {cg:>6.2f} "
+              f"{cg / ca if ca else 0.0:>6.2f}")
     print(f"Medians of {runs} runs; weightcache timed inside its process (no interpreter start).\n")
 
 
