@@ -24,12 +24,12 @@ from weightcache.jsonbody import parse_json
 from weightcache.peers.identity import OriginId
 from weightcache.redact import redact
 from weightcache.retry import Retryable
+from weightcache.sources.http import NETWORK_ERRORS, read_capped
 
 log = logging.getLogger(__name__)
 
 #: What a peer is asked for: a blob by its sha256 (trusted evidence), or an object by its origin identity
 Blob = str | OriginId
-NETWORK_ERRORS = (urllib3.exceptions.HTTPError, OSError)
 # ASCII digits, at most 19 (below 2^63): a peer's header is untrusted, and int() of 4,300 digits raises
 _CONTENT_RANGE = re.compile(r"bytes ([0-9]{1,19})-([0-9]{1,19})/[0-9]{1,19}")
 PARTIAL_HEADER = "X-Weightcache-Partial"  # set on answers about a blob still being downloaded
@@ -153,14 +153,10 @@ class PeerClient:
                                       preload_content=False, redirect=False)
         except NETWORK_ERRORS as exc:
             raise PeerUnreachable(f"peer {self.url} unreachable: {type(exc).__name__}") from exc
-        try:
-            if resp.status != 200:
-                return None
-            body = resp.read(limit + 1)
-        except NETWORK_ERRORS as exc:
-            raise PeerUnreachable(f"peer {self.url} broke off: {type(exc).__name__}") from exc
-        finally:
+        if resp.status != 200:
             resp.release_conn()
+            return None
+        body = read_capped(resp, limit, f"peer {self.url}'s engine cache file list", broke=PeerUnreachable)
         if len(body) > limit:
             raise SourceError(f"peer {self.url} sent an engine cache file list over {limit} bytes")
         return parse_json(body, what=f"peer {self.url}'s engine cache file list",  # deep nesting, bad UTF-8: refused

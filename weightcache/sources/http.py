@@ -56,7 +56,20 @@ ERRORS: dict[int, tuple[type[SourceError], str]] = {
     410: (SourceNotFoundError, "check the URL and that the file is still published"),
     412: (ObjectChangedError, _CHANGED),
 }
-NETWORK_ERRORS = (urllib3.exceptions.HTTPError, OSError)
+NETWORK_ERRORS = (urllib3.exceptions.HTTPError, OSError)  # what urllib3 raises when a connection breaks
+
+
+def read_capped(resp: Any, limit: int, what: str, broke: type[Exception] = Retryable) -> bytes:
+    """At most `limit` + 1 bytes of `resp`'s body (decoded), its connection released; a connection that breaks
+    while it is read raises `broke` naming `what` (Retryable by default: the caller's retry loop asks again). The
+    caller refuses a body over `limit`, in its own words."""
+    try:
+        body: bytes = resp.read(limit + 1, decode_content=True)
+    except NETWORK_ERRORS as exc:
+        raise broke(f"{type(exc).__name__} reading {what}") from exc
+    finally:
+        resp.release_conn()
+    return body
 _STATIC = "serve it from a static file server"
 _RANGES = "serve it from a server that supports Range (nginx, any static file server)"
 #: one <a ...> start tag. Linear: `hrefs` cuts the page after its last '>', so every attempt ends at the next '>'
@@ -148,12 +161,7 @@ class HttpSource:
             resp = self._get(url, "listing")
         except SourceNotFoundError:
             return
-        try:
-            text = resp.read(_INDEX_MAX + 1, decode_content=True)
-        except NETWORK_ERRORS as exc:
-            raise Retryable(f"{type(exc).__name__} reading the index {url}") from exc
-        finally:
-            resp.release_conn()
+        text = read_capped(resp, _INDEX_MAX, f"the index {url}")
         if len(text) > _INDEX_MAX:
             raise SourceError(f"{url}: the directory index is over {_INDEX_MAX >> 20} MiB; serve a smaller tree")
         for href in hrefs(text.decode("utf-8", "replace")):

@@ -56,8 +56,9 @@ from weightcache.sources.base import (
     read_body_into,
     read_range_into,
 )
+from weightcache.sources.http import read_capped
 from weightcache.sources.oci_tar import COMPRESSIONS, HIDDEN, expand_layers, member_name
-from weightcache.sources.registry import INSECURE_ENV, NETWORK_ERRORS, RegistryClient, docker_credentials, plain_http
+from weightcache.sources.registry import INSECURE_ENV, RegistryClient, docker_credentials, plain_http
 from weightcache.store.paths import validate_relpath
 from weightcache.units import ascii_int
 from weightcache.uri import OCI_DIGEST, ModelRef
@@ -205,12 +206,7 @@ class OciSource:
 
         def get() -> tuple[bytes, str]:
             resp = self._request(url, {"Accept": ACCEPT}, f"the manifest {reference[:80]}")
-            try:
-                body = resp.read(MANIFEST_MAX + 1, decode_content=True)
-            except NETWORK_ERRORS as exc:
-                raise Retryable(f"{type(exc).__name__} reading the manifest {reference[:80]}") from exc
-            finally:
-                resp.release_conn()
+            body = read_capped(resp, MANIFEST_MAX, f"the manifest {reference[:80]}")
             return body, str(resp.headers.get("Content-Type", "")).split(";")[0].strip()
 
         body, content_type = self.options.retry(f"GET the manifest of {self.ref}").call(get)

@@ -26,7 +26,7 @@ import urllib3
 
 from weightcache.errors import SourceAccessDeniedError, SourceError, SourceNotFoundError
 from weightcache.sources.base import Retryable, SourceOptions
-from weightcache.sources.http import raise_for_status
+from weightcache.sources.http import NETWORK_ERRORS, raise_for_status, read_capped
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,6 @@ INSECURE_ENV = "WEIGHTCACHE_OCI_INSECURE_REGISTRIES"
 TOKEN_MAX = 1 << 20  # bytes of a token endpoint's answer
 CONFIG_MAX = 1 << 20  # bytes of a docker config file
 MAX_REDIRECTS = 5
-NETWORK_ERRORS = (urllib3.exceptions.HTTPError, OSError)
 _REDIRECTS = (301, 302, 303, 307, 308)
 
 
@@ -159,12 +158,7 @@ class RegistryClient:
                                           f"{'' if self.credentials else ' (none found)'}; put them in a docker "
                                           "config file ($DOCKER_CONFIG/config.json or ~/.docker/config.json)")
         raise_for_status(resp, f"the token service of {self.registry}", (200,), "check the registry's token service")
-        try:
-            answer_body = resp.read(TOKEN_MAX + 1, decode_content=True)
-        except NETWORK_ERRORS as exc:
-            raise Retryable(f"{type(exc).__name__} reading a token") from exc
-        finally:
-            resp.release_conn()
+        answer_body = read_capped(resp, TOKEN_MAX, "a token")
         if len(answer_body) > TOKEN_MAX:
             raise SourceError(f"{self.registry}: its token service answered over {TOKEN_MAX >> 20} MiB")
         try:
