@@ -4,6 +4,10 @@ it is verified and durable, the cache filled as a side effect), weightcache pref
 `SafetensorsStreamer` straight from S3 (which verifies and keeps nothing).
 
     .venv/bin/python scripts/bench_stream.py [--size-gb 1.5] [--shards 4] [--runs 3] [--only ROW,...] [--dir DIR]
+        [--baseline DIR|REV]
+
+--baseline adds a streaming row of another checkout or git revision (a `git worktree` made and removed here),
+interleaved with this one's.
 
 The origin is an S3 endpoint of this script's own on 127.0.0.1 (ListObjectsV2, HEAD, ranged GET by sendfile(2)
 from files in the page cache), so it serves at memory speed where moto copies the whole object for every ranged
@@ -31,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -45,7 +50,9 @@ ROWS = {
     "weightcache stream (cache filled)": "stream",
     "weightcache prefetch, then load": "prefetch_load",
     "Run:ai SafetensorsStreamer from S3": "runai",
+    "disk floor: dd write + fsync of the model's bytes": "dd",
 }
+BASELINE_ROW = "weightcache stream, baseline"
 
 
 # ---- the origin -------------------------------------------------------------------------------------------------
@@ -215,14 +222,23 @@ print(json.dumps({"seconds": time.perf_counter() - t0, "cpu": cpu() - c0, "tenso
 """
 
 
-def trial(method: str, url: str, work: Path) -> dict[str, float]:
+def trial(method: str, url: str, work: Path, code: Path = ROOT) -> dict[str, float]:
     store = work / "store"
     shutil.rmtree(store, ignore_errors=True)
+    if method == "dd":  # what filling the cache costs the disk alone: a streamed row cannot end before it
+        size = sum(p.stat().st_size for p in (work / "model").iterdir())
+        store.mkdir()
+        before, t0 = os.times(), time.perf_counter()
+        subprocess.run(["dd", "if=/dev/zero", f"of={store / 'zero'}", "bs=8M", f"count={-(-size // (8 << 20))}",
+                        "conv=fsync"], check=True, capture_output=True)
+        seconds, after = time.perf_counter() - t0, os.times()
+        cpu = after.children_user + after.children_system - before.children_user - before.children_system
+        return {"seconds": seconds, "cpu": cpu, "tensors": 0, "bytes": size}
     env = {**os.environ, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
            "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": url, "AWS_EC2_METADATA_DISABLED": "true",
            "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0", "AWS_CONFIG_FILE": os.devnull,
            "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
-    out = subprocess.run([PY, "-c", TRIAL, method, url, str(store), str(ROOT)], env=env, capture_output=True,
+    out = subprocess.run([PY, "-c", TRIAL, method, url, str(store), str(code)], env=env, capture_output=True,
                          text=True, timeout=900)
     if out.returncode != 0:
         raise SystemExit(f"{method} failed:\n{out.stderr[-3000:]}")
@@ -237,8 +253,16 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--only", default="", help="comma-separated substrings of row names")
     ap.add_argument("--dir", default=None, help="where the model, the origin's files and the store go")
+    ap.add_argument("--baseline", default=None, help="another checkout or a git revision: its streaming row too")
     args = ap.parse_args()
     rows = {r: m for r, m in ROWS.items() if not args.only or any(s in r for s in args.only.split(","))}
+    code = dict.fromkeys(rows, ROOT)
+    if args.baseline:
+        if not (Path(args.baseline) / "weightcache" / "__init__.py").is_file():
+            from bench_prefetch import worktree  # scripts/ is this script's path
+
+            args.baseline = worktree(args.baseline, ap)
+        rows[BASELINE_ROW], code[BASELINE_ROW] = "stream", Path(args.baseline)
     work = Path(tempfile.mkdtemp(prefix="wc-bench-stream-", dir=args.dir))
     try:
         make_model(work / "model", int(args.size_gb * 1e9), args.shards)
@@ -251,7 +275,7 @@ def main() -> int:
             order = list(rows)
             random.shuffle(order)
             for row in order:
-                got = trial(rows[row], origin.url, work)
+                got = trial(rows[row], origin.url, work, code[row])
                 results[row].append(got)
                 extra = f" (published at {got['published']:.2f} s)" if "published" in got else ""
                 print(f"  run {run + 1} {row}: {got['seconds']:.2f} s, {got['cpu']:.2f} CPU s, {got['tensors']:.0f} "
@@ -259,13 +283,17 @@ def main() -> int:
         print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         med = {r: (statistics.median(x["seconds"] for x in v), statistics.median(x["cpu"] for x in v))
                for r, v in results.items()}
-        gb = next(iter(results.values()))[0]["bytes"] / 1e9
+        gb = next(v for r, v in results.items() if rows[r] != "dd")[0]["bytes"] / 1e9
         ref = next((med[r][0] for r in med if r.startswith("Run:ai")), None)
         print("\n| client | s to all tensors | GB/s | CPU s/GB | x Run:ai | runs (s) |\n|---|---|---|---|---|---|")
         for r, (secs, cpu) in med.items():
             ratio = f"{ref / secs:.2f}" if ref else "-"
             runs = " ".join(f"{x['seconds']:.2f}" for x in results[r])
             print(f"| {r} | {secs:.2f} | {gb / secs:.2f} | {cpu / gb:.2f} | {ratio} | {runs} |")
+        floor = next((med[r][0] for r in med if rows[r] == "dd"), None)
+        if floor:
+            print("x disk floor (the dd row's time over the row's; a row that fills the cache durably stays under "
+                  "1.0): " + ", ".join(f"{r} {floor / med[r][0]:.2f}" for r in med if rows[r] != "dd"))
         for r, v in results.items():
             if "published" in v[0]:
                 print(f"{r}: snapshot published at {statistics.median(x['published'] for x in v):.2f} s, "

@@ -14,7 +14,9 @@ mlock in place is the default: it is several times faster than the tmpfs copy an
 Where transparent huge pages are not "never", promote first re-reads each file into 2 MiB page-cache folios
 (drop its unmapped pages, MADV_HUGEPAGE, populate): pods then map 2 MiB per page-table entry, which loads several
 times faster from the locked pages; `huge_folios=False` turns the re-read off. The measurements behind both
-choices, and a slow spell seen after a promote that is not yet explained, are in docs/loader.md.
+choices are in docs/loader.md. Promote reads one byte of every page it locks (`_touch`): under a hypervisor
+the first CPU access to pages the disk filled faults into it, and a pod's first load paid that (1.7 GB/s
+against 80+ later).
 
 Locked pages are charged to the daemon's memory cgroup and bounded by RLIMIT_MEMLOCK unless the process holds
 CAP_IPC_LOCK: `check_limits` says which DaemonSet setting to raise before anything is locked. The tier never
@@ -59,6 +61,7 @@ for _fn in (_libc.mlock, _libc.munlock, _libc.munmap):
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _MADV_HUGEPAGE, _MADV_POPULATE_READ = 14, 22
+_TOUCH_STEP = 8 << 20  # bytes touched per call holding the GIL: 2,048 pages, at most ~6 ms under a hypervisor
 
 
 def _thp_enabled() -> bool:
@@ -289,7 +292,21 @@ def _map_and_lock(file: Path, size: int, snapshot_id: str, huge_folios: bool) ->
             f"{'held' if has_cap_ipc_lock() else 'missing'}); add IPC_LOCK to the DaemonSet "
             f"(securityContext.capabilities.add: [IPC_LOCK]), raise `ulimit -l` or resources.limits.memory; "
             f"the model is still served from disk")
+    _touch(addr, size)
     return addr, size
+
+
+def _touch(addr: int, size: int) -> None:
+    """Read one byte of every locked page, in the daemon, so that the first pod load does not pay for it.
+
+    Pages the disk filled were written by the device, not by a CPU. Under a hypervisor that takes idle guest
+    memory back (free page reporting, balloons: Firecracker, cloud VMs), the first CPU access to each such page
+    then faults into the hypervisor, about 3 us per 4 KiB: the first load after a promote ran at 1.7-2.0 GB/s
+    against 80-150 later (docs/loader.md). Touching here costs that once (0.7-0.8 s per 2 GB when it happens,
+    15 ms when it does not, as on bare metal). In 8 MiB steps: the GIL is let go between them."""
+    pages = memoryview((ctypes.c_ubyte * size).from_address(addr)).cast("B")
+    for start in range(0, size, _TOUCH_STEP):
+        pages[start:start + _TOUCH_STEP:_PAGE].tobytes()
 
 
 def _snapshot_files(root: Path) -> list[tuple[Path, int]]:
