@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Load the same multi-shard model every way a pod could and print GB/s, time to first tensor and memory.
 
-    sudo .venv/bin/python scripts/bench_load.py --size-gb 2 --runs 3 [--baseline DIR|REV]
+    sudo .venv/bin/python scripts/bench_load.py --size-gb 2 --runs 3 [--baseline DIR|REV] [--busy N]
 
---baseline adds weightcache.loader rows of another checkout or git revision (a `git worktree` made and removed
+--busy N keeps N processes spinning during the trials (a node whose CPUs are taken). --baseline adds
+weightcache.loader rows of another checkout or git revision (a `git worktree` made and removed
 here), interleaved with this one's.
 
 Every trial runs in a fresh process (so peak RSS is its own), after the same idle time; methods are interleaved
@@ -309,6 +310,8 @@ def main() -> None:
     ap.add_argument("--drop", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--digest", help=argparse.SUPPRESS)
     ap.add_argument("--baseline", default=None, help="another checkout or a git revision: its loader's rows too")
+    ap.add_argument("--busy", type=int, default=0, help="processes that spin on a CPU each during the trials (a "
+                                                        "busy node: the loaders' threads compete with them)")
     ap.add_argument("--code", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.code:  # a baseline trial: that checkout's weightcache before this one's
@@ -355,11 +358,14 @@ def main() -> None:
     results: dict[str, list[dict[str, float]]] = {m: [] for m in methods}
     holder = None
     if any(condition == "memory tier" for _, condition in methods.values()):
-        # Like the daemon: promote once, long before pods load. Right after a promote (which re-reads the files
-        # into 2 MiB folios) loads were seen to run slow for a few seconds, so wait before the first trial.
+        # Like the daemon: promote once, long before pods load (promote touches every page it locks, so the
+        # first load does not pay the hypervisor's first-touch faults: docs/loader.md).
         memory_dir = memory_copy(args.dir)
         holder = Holder(memory_dir)
         time.sleep(10)
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+    if spinners:
+        print(f"{len(spinners)} spinning processes beside the trials")
     try:
         for run in range(args.runs):
             for method, (_, condition) in methods.items():
@@ -369,6 +375,8 @@ def main() -> None:
                     results[method].append(r)
                     print(f"  run {run + 1} {method}: {total / r['seconds'] / 1e9:.2f} GB/s", file=sys.stderr)
     finally:
+        for p in spinners:
+            p.kill()
         if holder is not None:
             holder.close()
     print_table(methods, results, total)

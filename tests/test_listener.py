@@ -97,7 +97,10 @@ async def test_slowloris_is_cut_and_the_unix_api_keeps_answering(
         assert await asyncio.wait_for(asyncio.to_thread(d.client.list), 2) == []  # the Unix API answers at once
         assert time.monotonic() - started < 2
         assert site.stats.active <= LIMITS.max_connections
-        assert site.stats.shed + site.stats.refused >= 200 - LIMITS.max_connections
+        # every connection past the cap was closed: shed for a newer one, or (a flood slower than the header
+        # timeout, as on a loaded CI machine) cut by its own timeout first
+        assert site.stats.shed > 0
+        assert site.stats.shed + site.stats.refused + site.stats.header_timeouts >= 200 - LIMITS.max_connections
         # a whole request takes the slot of a half-sent one: the TCP API still serves during the attack
         reply = await asyncio.to_thread(_request, port, _authorized("GET", "/v1/models"))
         assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
@@ -107,7 +110,9 @@ async def test_slowloris_is_cut_and_the_unix_api_keeps_answering(
         assert all(a == b"" or a.startswith(b"HTTP/1.1 408") for a in answers)  # every one closed, none served
         assert any(b"needed this connection's slot" in a for a in answers)
         assert any(b"the request's headers did not arrive within 1s" in a for a in answers)
-        assert 0 < site.stats.header_timeouts <= LIMITS.max_connections
+        assert site.stats.header_timeouts > 0
+        # each half-sent connection was closed exactly once, for one counted reason (the whole request was served)
+        assert site.stats.shed + site.stats.refused + site.stats.header_timeouts == 200
     finally:
         for sock in socks:
             sock.close()
