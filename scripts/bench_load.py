@@ -428,8 +428,8 @@ def print_table(methods: dict[str, tuple[str, str]], results: dict[str, list[dic
     ]
     print(f"\n{'ratio':42s} {'measured':>9s} {'target':>8s}")
     for label, ours, theirs, target in ratios:
-        if ours not in gbps or (theirs and theirs not in gbps):
-            continue
+        if ours not in gbps or (theirs and theirs not in gbps) or not (theirs or ceiling):
+            continue  # a row not run (--only, no CUDA, fio not installed)
         ratio = gbps[ours] / (gbps[theirs] if theirs else ceiling)
         print(f"{label:42s} {ratio:8.2f}x {'>=':>3s}{target:5.2f}x  {'ok' if ratio >= target else 'MISSED'}")
 

@@ -10,6 +10,7 @@ import json
 import random
 import re
 import threading
+import time
 import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +27,7 @@ from weightcache.download import PIECE, PartialFile
 from weightcache.errors import FetchCancelledError
 from weightcache.fetch import Fetcher
 from weightcache.progress import Progress
-from weightcache.sources import ObjectInfo, SourceOptions
+from weightcache.sources import ObjectInfo, SourceOptions, base
 from weightcache.sources.base import body_readinto
 from weightcache.sources.http import HttpSource
 from weightcache.store import Store
@@ -169,6 +170,58 @@ def test_a_plain_body_is_read_by_http_client_and_an_encoded_one_decoded_by_urlli
     while n := readinto(buf[done:]):
         done += n
     assert bytes(buf[:done]) == DATA, "a gzip-encoded body is decoded as urllib3 always did"
+
+
+class _BigHandler(http.server.BaseHTTPRequestHandler):
+    """16 MiB of zeros as fast as loopback goes, or (path /slow) 64 KiB every 0.1 s."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        slow = self.path == "/slow"
+        size = (1 << 20) if slow else (16 << 20)
+        self.send_response(200)
+        self.send_header("Content-Length", str(size))
+        self.end_headers()
+        for _ in range(size // (64 << 10)):
+            self.wfile.write(bytes(64 << 10))
+            if slow:
+                time.sleep(0.1)
+
+
+@pytest.mark.parametrize("path", ["/fast", "/slow"])
+def test_reads_grow_on_a_fast_body_and_stay_small_on_a_slow_one(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    httpd = QuietHTTPServer(("127.0.0.1", 0), _BigHandler)
+    threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True).start()
+    asked: list[int] = []
+
+    def recording(resp: object) -> object:
+        readinto = body_readinto(resp)
+
+        def record(view: memoryview) -> int:
+            asked.append(len(view))
+            n: int = readinto(view)
+            return n
+        return record
+
+    monkeypatch.setattr(base, "body_readinto", recording)
+    try:
+        resp = urllib3.PoolManager(retries=False).request(
+            "GET", f"http://127.0.0.1:{httpd.server_address[1]}{path}", preload_content=False)
+        size = int(resp.headers["Content-Length"])
+        buf = memoryview(bytearray(size))
+        assert base.read_body_into(resp, buf) == size and not any(buf)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert asked[0] == base.READ_SLICE
+    if path == "/fast":  # few Python calls per GB: the size doubles up to the cap
+        assert base.READ_SLICE_MAX in asked and len(asked) < 16 * 2
+    else:  # 0.64 MB/s: each read waits for all it asked, so progress and a cancel must not wait long
+        assert max(asked) == base.READ_SLICE
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
