@@ -347,6 +347,13 @@ def main() -> None:
     except ImportError:
         print("fastsafetensors not installed: skipping its rows (pip install fastsafetensors)")
         methods = {m: v for m, v in methods.items() if not m.startswith("fastsafetensors")}
+    if any(m.startswith("fio") for m in methods):
+        from bench_prefetch import install_tools
+
+        install_tools({"fio": "fio"})
+        if shutil.which("fio") is None:
+            print("fio not installed: skipping the ceiling rows (apt-get install fio)")
+            methods = {m: v for m, v in methods.items() if not m.startswith("fio")}
     files = make_model(args.dir, args.size_gb, args.shards)
     total = sum(f.stat().st_size for f in files)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"

