@@ -46,3 +46,14 @@ ENGINE_CACHE_ATTRIBUTE = "engineCache"
 ENGINE_CACHE_SCHEME = "weightcache-engine-cache"
 ENGINE_CACHE_ADMIN_DOMAIN = "_admin"
 ENGINE_CACHE_READY = ".weightcache-ready"
+
+# A pod that loads shards while the rest downloads (docs/streaming-pods.md): the CSI volume attribute the webhook
+# writes (`stream: "true"`) from the pod annotation, and the state file at the root of the growing read-only view
+# the plugin publishes. The state is JSON, replaced whole (tmp + rename): {"state": STREAM_FETCHING |
+# STREAM_COMPLETE | STREAM_FAILED, "files": [relpaths the volume will hold] or null while the listing is not in
+# hand, "error": text or null}. A file appears in the view whole (a hard link) and never changes.
+STREAM_ATTRIBUTE = "stream"
+STREAM_ANNOTATION = f"{GROUP}/stream"
+STREAM_DIR = ".weightcache"  # reserved at the view's root: a model's own files under this name are left out
+STREAM_STATE = f"{STREAM_DIR}/state"
+STREAM_FETCHING, STREAM_COMPLETE, STREAM_FAILED = "fetching", "complete", "failed"
