@@ -16,6 +16,10 @@
                                                              writable CSI volume at /var/cache/weightcache-engine,
                                                              env WEIGHTCACHE_ENGINE_CACHE (and VLLM_CACHE_ROOT for
                                                              vllm); docs/engine-caches.md
+    weightcache.io/stream: "true" | "false"                  default false: the volumes show each file as it is
+                                                             fetched (volume attribute stream); placement prefer,
+                                                             no gate; not with hf-repo, tier memory or via: dra
+                                                             (docs/streaming-pods.md)
 
 Every error message shows a line the user can paste instead.
 """
@@ -30,6 +34,7 @@ from dataclasses import dataclass
 from weightcache.engine_name import EngineName
 from weightcache.errors import AnnotationError, InvalidReferenceError, InvalidRequestError
 from weightcache.uri import ModelRef, parse_globs, parse_ref, readiness_label, validate_repo_id
+from weightcache.vocabulary import STREAM_ANNOTATION
 
 PREFIX = "weightcache.io/"
 MODEL = PREFIX + "model"
@@ -43,8 +48,9 @@ EXCLUDE = PREFIX + "exclude"
 PLACEMENT = PREFIX + "placement"
 HF_REPO = PREFIX + "hf-repo"
 ENGINE_CACHE = PREFIX + "engine-cache"
+STREAM = STREAM_ANNOTATION  # weightcache.io/stream: the CSI plugin reads the volume attribute the webhook writes
 KNOWN = (MODEL, MODELS, MOUNT_PATH, CONTAINERS, TIER, REQUIRE_CACHED, INCLUDE, EXCLUDE, PLACEMENT, HF_REPO,
-         ENGINE_CACHE)
+         ENGINE_CACHE, STREAM)
 PLACEMENTS = ("require", "prefer", "gate")
 
 TIERS = ("disk", "memory")
@@ -102,8 +108,10 @@ class Injection:
     models: tuple[ModelMount, ...]
     containers: tuple[str, ...] | None  # None: every app container
     tier: str
-    placement: str | None  # require | prefer | gate; None: not asked (the webhook picks, docs/placement.md)
+    placement: str | None  # require | prefer | gate; None: not asked (the webhook picks, docs/placement.md);
+    #   prefer for a streaming pod (it starts while its model downloads: nothing to gate or require it for)
     engine_cache: EngineCacheMount | None = None
+    stream: bool = False  # the model volumes show each file as it is fetched (docs/streaming-pods.md)
 
 
 def wants_injection(annotations: Mapping[str, object]) -> bool:
@@ -149,13 +157,44 @@ def _parse(items: tuple[tuple[str, str], ...], max_models: int) -> Injection:
         )
         for name, ref in named
     )
+    stream = _stream(values)
+    tier = _tier(values.get(TIER))
+    placement = _placement(values.get(PLACEMENT), values.get(REQUIRE_CACHED))
     return Injection(
         models=models,
         containers=_containers(values.get(CONTAINERS)),
-        tier=_tier(values.get(TIER)),
-        placement=_placement(values.get(PLACEMENT), values.get(REQUIRE_CACHED)),
+        tier=tier,
+        placement="prefer" if stream else placement,
         engine_cache=_engine_cache(values.get(ENGINE_CACHE), models),
+        stream=stream,
     )
+
+
+def _stream(values: Mapping[str, str]) -> bool:
+    """weightcache.io/stream, and what a volume that grows while the model downloads cannot go with: the gate or
+    a required affinity (the wait streaming avoids), a hub cache layout and the memory tier (both need the whole
+    snapshot). Named by the key and value the pod wrote, so the message says what to remove."""
+    if STREAM not in values or not _boolean(STREAM, values[STREAM]):
+        return False
+    off = f'or write {STREAM}: "false" to wait for the whole model'
+    asked = ([(PLACEMENT, values[PLACEMENT], f"{PLACEMENT}: prefer")] if values.get(PLACEMENT) in ("gate", "require")
+             else []) + ([(REQUIRE_CACHED, f'"{values[REQUIRE_CACHED]}"', f'{REQUIRE_CACHED}: "false"')]
+                         if values.get(REQUIRE_CACHED, "").lower() == "true" else [])
+    if asked:
+        key, shown, instead = asked[0]
+        raise AnnotationError(
+            f'{STREAM}: "true" cannot go with {key}: {shown}: a streaming pod starts while its model downloads, so '
+            f"it is neither gated nor required onto nodes that hold the model (it prefers them); write {instead} "
+            f"(or remove {key}), {off}")
+    if HF_REPO in values:
+        raise AnnotationError(
+            f'{STREAM}: "true" cannot go with {HF_REPO}: a hub cache layout is built from a whole snapshot; '
+            f"remove {HF_REPO} and load the model by path ({ENV_SINGLE}), {off}")
+    if values.get(TIER) == "memory":
+        raise AnnotationError(
+            f'{STREAM}: "true" cannot go with {TIER}: memory: the memory tier locks a whole snapshot in RAM; '
+            f"write {TIER}: disk, {off}")
+    return True
 
 
 def _engine_cache(text: str | None, models: tuple[ModelMount, ...]) -> EngineCacheMount | None:

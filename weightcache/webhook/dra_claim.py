@@ -30,7 +30,7 @@ from typing import Any
 
 from weightcache.dra.template import extended_resource_name, template_name
 from weightcache.errors import AnnotationError, InjectionConflictError
-from weightcache.pods.annotations import ENV_SINGLE, PREFIX, Injection, ModelMount
+from weightcache.pods.annotations import ENV_SINGLE, PREFIX, STREAM, Injection, ModelMount
 from weightcache.pods.patch import check_names, chosen, extend, list_at, mapping_at
 from weightcache.vocabulary import GATE
 
@@ -61,6 +61,10 @@ def plan(pod: Mapping[str, Any], injection: Injection, *, extended: bool = False
     if injection.tier != "disk":
         raise AnnotationError(f"{PREFIX}tier: {injection.tier} needs the CSI volume; with {VIA}: dra a model is "
                               f"served from disk (remove {PREFIX}tier or use {VIA}: csi)")
+    if injection.stream:  # the CDI mount of a growing view is a later step (docs/streaming-pods.md)
+        raise AnnotationError(f'{STREAM}: "true" needs the CSI volume: streaming is CSI-only for now (a DRA device '
+                              f'is prepared from a whole snapshot); write {VIA}: csi, or {STREAM}: "false" to '
+                              f"keep {VIA}: dra")
     spec = mapping_at(pod, "spec")
     if extended:
         return _extended(spec, injection)

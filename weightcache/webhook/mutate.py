@@ -5,6 +5,8 @@ API server sent):
 
     /spec/volumes/-                         {name: wc-<name>, csi: {driver: csi.weightcache.io, readOnly: true,
                                              volumeAttributes: {model, revision, tier}}}
+                                            with weightcache.io/stream: "true" also volumeAttributes.stream:
+                                            "true" (docs/streaming-pods.md; not on the engine cache's volume)
     /spec/containers/<i>/volumeMounts/-     {name: wc-<name>, mountPath: /models/<name>, readOnly: true}
     /spec/containers/<i>/env/-              {name: WEIGHTCACHE_MODEL_PATH[_<NAME>], value: <mountPath>}
                                             with weightcache.io/hf-repo also HF_HUB_CACHE=<mountPath>,
@@ -14,6 +16,7 @@ API server sent):
                                             WEIGHTCACHE_ENGINE_CACHE (VLLM_CACHE_ROOT) (docs/engine-caches.md)
     /spec/affinity/nodeAffinity/...         weightcache.io/<model-key> In [ready]: required (ANDed into every
                                             existing required term) or preferred, per weightcache.io/placement
+                                            (preferred for a streaming pod)
     /spec/schedulingGates/-                 {name: weightcache.io/model}: placement require with no node the pod
                                             could run on holding its models, or placement gate
                                             (docs/placement.md: weightcache.placement releases it)
@@ -52,7 +55,7 @@ from weightcache.pods.annotations import (
 )
 from weightcache.pods.patch import PatchOp, check_names, chosen, extend, list_at, mapping_at, ready, required_affinity
 from weightcache.policy import CacheIndex, decide
-from weightcache.vocabulary import ENGINE_CACHE_ATTRIBUTE, GATE
+from weightcache.vocabulary import ENGINE_CACHE_ATTRIBUTE, GATE, STREAM_ATTRIBUTE
 from weightcache.webhook import dra_claim, dra_templates
 
 API_VERSION = "admission.k8s.io/v1"
@@ -135,7 +138,7 @@ def review(
 
 def plan(pod: Mapping[str, Any], injection: Injection, nodes: Sequence[NodeFacts] | None = None) -> list[PatchOp]:
     """The JSON Patch that injects `injection` into `pod`; empty when everything is already there."""
-    return _inject(pod, injection, [_volume(m, injection.tier) for m in injection.models],
+    return _inject(pod, injection, [_volume(m, injection.tier, stream=injection.stream) for m in injection.models],
                    [{"name": m.volume, "mountPath": m.mount_path, "readOnly": True} for m in injection.models],
                    [{"name": m.env, "value": m.mount_path} for m in injection.models]
                    + [e for m in injection.models if m.hf_repo for e in _hub_env(m)]) \
@@ -169,7 +172,8 @@ def _placement(pod: Mapping[str, Any], injection: Injection, nodes: Sequence[Nod
     """docs/placement.md. `require` (the default when the webhook sees the nodes): required affinity to the
     nodes holding every model, or the scheduling gate while no node the pod may run on holds them all (a
     gated pod waits outside the scheduler and the autoscaler); `prefer`: a preference only; `gate`: always
-    gated, the controller releases it to a ready node with room."""
+    gated, the controller releases it to a ready node with room. A streaming pod's is always `prefer` (the parser
+    sets it and refuses `gate` and `require` with `stream`): it starts while its model downloads."""
     spec = mapping_at(pod, "spec")
     labels = [m.label for m in injection.models]
     mode = injection.placement or ("require" if nodes is not None else "prefer")
@@ -223,10 +227,12 @@ def _hub_env(m: ModelMount) -> list[dict[str, str]]:
     return [{"name": "HF_HUB_CACHE", "value": m.mount_path}, {"name": "HF_HUB_OFFLINE", "value": "1"}]
 
 
-def _volume(m: ModelMount, tier: str) -> dict[str, Any]:
+def _volume(m: ModelMount, tier: str, *, stream: bool = False) -> dict[str, Any]:
     attributes = {"model": m.ref.uri, "revision": m.ref.revision or "", "tier": tier}
     if m.hf_repo:
         attributes["hfRepo"] = m.hf_repo
+    if stream:  # the plugin publishes a growing read-only view at once instead of waiting for the fetch
+        attributes[STREAM_ATTRIBUTE] = "true"
     for field, globs in (("include", m.ref.include), ("exclude", m.ref.exclude)):
         if globs:  # a JSON list: globs may hold commas (docs/csi.md)
             attributes[field] = json.dumps(list(globs))
@@ -234,8 +240,8 @@ def _volume(m: ModelMount, tier: str) -> dict[str, Any]:
 
 
 def _engine_volume(ec: EngineCacheMount) -> dict[str, Any]:
-    """The model's own attributes (the plugin authorizes it and keys the cache by its snapshot), no tier or hub
-    layout, and writable: the engine writes into its cache root (the plugin gives it a private scratch)."""
+    """The model's own attributes (the plugin authorizes it and keys the cache by its snapshot), no tier, hub
+    layout or stream, and writable: the engine writes into its cache root (the plugin gives it a private scratch)."""
     volume = _volume(ec.model, "disk")
     attributes = {k: v for k, v in volume["csi"]["volumeAttributes"].items() if k not in ("tier", "hfRepo")}
     attributes[ENGINE_CACHE_ATTRIBUTE] = str(ec.name)
