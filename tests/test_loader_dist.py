@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "packages" / "weightcache-loader"
 MODULES = {"weightcache/__init__.py", "weightcache/loader.py", "weightcache/errors.py",
-           "weightcache/safetensors_check.py"}
+           "weightcache/safetensors_check.py", "weightcache/vocabulary.py"}
 
 
 @pytest.fixture(scope="module")

@@ -182,6 +182,11 @@ class FetchPendingError(WeightcacheError, TimeoutError):
     answer = Answer(9, 503, "UNAVAILABLE")
 
 
+class StreamFailedError(WeightcacheError):
+    """The node's fetch behind a streaming view failed; the message carries the daemon's error text."""
+    answer = Answer(6, 502, "UNAVAILABLE")
+
+
 class VolumeNotFoundError(WeightcacheError, LookupError):
     """No published volume has that id (or it is not published at that path)."""
     answer = Answer(3, 404, "NOT_FOUND")

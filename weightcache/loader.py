@@ -29,18 +29,20 @@ import json
 import logging
 import mmap
 import os
+import stat
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import ClassVar
 
 import torch
 
-from weightcache.errors import ModelFileNotFoundError, ModelLayoutError
+from weightcache.errors import FetchPendingError, ModelFileNotFoundError, ModelLayoutError, StreamFailedError
 from weightcache.safetensors_check import Header, TensorSpec, parse_header
+from weightcache.vocabulary import STREAM_COMPLETE, STREAM_DIR, STREAM_FAILED, STREAM_FETCHING, STREAM_STATE
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,11 @@ _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
 _libc.syscall.restype = ctypes.c_long
 _RESIDENT = bytes(i & 1 for i in range(256))  # mincore: bit 0 of each page's byte says resident
 _SYS_CACHESTAT = 451  # Linux >= 6.5; one number on every architecture (added after the tables were unified)
+MAX_STATE_BYTES = 16 << 20  # a streaming view's state lists relpaths: a model of 100k files needs a few MB
+POLL_SECONDS = 0.05  # how often a load from a streaming view looks for new files and a new state
+_MAX_ERROR_CHARS = 4000  # of a failed state's error text, in the exception raised
+
+Keys = Iterable[str] | Callable[[str], bool] | None
 
 
 @dataclass(frozen=True)
@@ -122,9 +129,289 @@ def iter_tensors(
     `host_register` (cuda only): True page-locks the mapping in place, False uses pinned bounce buffers,
     None tries in place and falls back.
     """
+    yield from _plain(path, keys, torch.device(device), dtype, copy, host_register)
+
+
+# ---- streaming views -------------------------------------------------------------------------------------------
+# A pod whose volume is a streaming view (docs/streaming-pods.md) sees a read-only directory that grows: each file
+# appears whole (a hard link the daemon makes in one step) and never changes, and <view>/.weightcache/state says
+# what the view will hold and whether the fetch behind it goes on, finished or failed. The loader polls: a stat of
+# each awaited file and of the state every POLL_SECONDS. That is a few syscalls per 50 ms, nothing next to the
+# load, and it works on every filesystem and under every seccomp profile, so no inotify (which the design allowed
+# for; not worth its fallbacks here).
+
+
+def iter_tensors_streaming(
+    path: str | os.PathLike[str],
+    *,
+    timeout: float = 600.0,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    keys: Keys = None,
+    copy: bool = False,
+    host_register: bool | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Like `iter_tensors` on a directory, but from a view that is still being filled: each shard's tensors are
+    yielded as soon as that shard is in the view (shards in the order they arrive).
+
+    Without `<path>/.weightcache/state` the directory is a plain snapshot and this is `iter_tensors(path)`. Else
+    the shards are those the loader's rule for a directory picks from the state's planned files (the index's, once
+    the index is in the view, else every root `*.safetensors`). `keys` may also be a test on a tensor name (for
+    callers that cannot know the names before the shards arrive). Raises StreamFailedError with the daemon's error
+    text when the state says `failed`, ModelFileNotFoundError when it says `complete` and a planned shard is not
+    there, FetchPendingError after `timeout` seconds without a new file (the clock starts again at each one; time
+    spent by the consumer between tensors does not count), ModelLayoutError for a state file that is not what the
+    daemon writes (a symlink, too large, bad JSON or types, a path outside the view) and, as for a directory, for a
+    tensor in two shards or an index that maps a tensor to a shard without it. A tensor found in a second shard
+    is an error only when that shard arrives: tensors of earlier shards were handed out already.
+    """
+    p = Path(path)
+    if not os.path.lexists(p / STREAM_STATE):
+        yield from _plain(p, keys, torch.device(device), dtype, copy, host_register)  # a plain snapshot
+        return
+    view = _View(p, timeout)
+    planned = view.plan()
+    if INDEX_NAME in planned:
+        view.wait_for([INDEX_NAME])
+        layout = _index_shards(p / INDEX_NAME)
+        unplanned = sorted(layout.keys() - set(planned))
+        if unplanned:
+            raise ModelFileNotFoundError(f"{p / INDEX_NAME} names shard {unplanned[0]!r}, which the streaming view "
+                                         f"will not hold (not in {p / STREAM_STATE}); fix the index, or the "
+                                         f"ModelCache's include globs if they leave it out")
+    else:
+        layout = dict.fromkeys(sorted(r for r in planned if "/" not in r and r.endswith(".safetensors")),
+                               frozenset())
+        if not layout:
+            raise ModelLayoutError(f"the streaming view {p} will hold no *.safetensors file and no {INDEX_NAME} "
+                                   f"(its state lists {len(planned)} files); this loader reads safetensors models")
     dev = torch.device(device)
-    files = _open_files(_layout(path), None if keys is None else set(keys))
-    started, total = time.perf_counter(), sum(f.header.tensors[n].nbytes for f in files for n in f.names)
+    want, required = _wanted(keys)
+    seen: set[str] = set()
+    loaded: list[_File] = []
+    started = time.perf_counter()
+    for rel in view.arrivals(list(layout)):
+        f = _open_file(p / rel, layout[rel], want)
+        _check_unique(f, seen)
+        _check_dtypes([f])
+        loaded.append(f)
+        yield from _tensors_of([f], dev, dtype, copy, host_register)
+    _check_required(required, seen)
+    _log_load(loaded, dev, started)
+
+
+def wait_for_files(path: str | os.PathLike[str], names: Iterable[str] | None = None, *,
+                   timeout: float = 600.0) -> None:
+    """Return once `names` (relpaths) are in the model directory `path`; for an engine's entry point, which reads
+    config.json and the tokenizer before any weight (`python -c 'from weightcache.loader import wait_for_files;
+    wait_for_files("/models/model")' && exec vllm serve /models/model ...`).
+
+    `names=None`: every file the view will hold except `*.safetensors` (config, tokenizer, generation config,
+    chat template, the index...). Without `<path>/.weightcache/state` (a plain snapshot) nothing is waited for:
+    each name must be there already. The state's rules are iter_tensors_streaming's: StreamFailedError on
+    `failed`, ModelFileNotFoundError for a name the view will not hold or that is absent once `complete`,
+    FetchPendingError after `timeout` seconds without a new file.
+    """
+    p = Path(path)
+    asked = None if names is None else [_checked_name(n) for n in names]
+    if not os.path.lexists(p / STREAM_STATE):
+        absent = [n for n in asked or [] if not (p / n).is_file()]
+        if absent:
+            raise ModelFileNotFoundError(f"{p} holds no {absent[0]!r}; is the model volume mounted at that path?")
+        return
+    view = _View(p, timeout)
+    planned = view.plan()
+    if asked is None:
+        asked = [r for r in planned if not r.endswith(".safetensors")]
+    unplanned = [n for n in asked if n not in planned]
+    if unplanned:
+        raise ModelFileNotFoundError(f"the streaming view {p} will not hold {unplanned[0]!r} (not in "
+                                     f"{p / STREAM_STATE}); the model, or the ModelCache's include globs, leave it out")
+    view.wait_for(asked)
+
+
+def planned_files(path: str | os.PathLike[str], *, timeout: float = 600.0) -> list[str] | None:
+    """The relpaths a streaming view at `path` will hold (waiting until its state lists them), or None when `path`
+    is not a streaming view (no `.weightcache/state`). Errors as wait_for_files."""
+    p = Path(path)
+    if not os.path.lexists(p / STREAM_STATE):
+        return None
+    return list(_View(p, timeout).plan())
+
+
+def _checked_name(name: str) -> str:
+    rel = _relpath(name) if isinstance(name, str) else None
+    if rel is None:
+        raise ValueError(f"{name!r} is not a relative path inside the model directory")
+    return rel
+
+
+def _plain(path: str | os.PathLike[str], keys: Keys, dev: torch.device, dtype: torch.dtype | None, copy: bool,
+           host_register: bool | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """iter_tensors: every file of the model mapped and checked first, then the tensors file by file."""
+    want, required = _wanted(keys)
+    files = _open_files(_layout(path), want, required)
+    started = time.perf_counter()
+    yield from _tensors_of(files, dev, dtype, copy, host_register)
+    _log_load(files, dev, started)
+
+
+@dataclass(frozen=True)
+class _State:
+    state: str  # STREAM_FETCHING | STREAM_COMPLETE | STREAM_FAILED
+    files: tuple[str, ...] | None  # normalized relpaths, None until the daemon has the listing
+    error: str | None
+
+
+class _View:
+    """A streaming view being waited on: its state (re-read when the file was replaced) and the no-progress clock."""
+
+    def __init__(self, path: Path, timeout: float) -> None:
+        self.path, self.timeout = path, timeout
+        self.state_path = path / STREAM_STATE
+        self._signature: tuple[int, ...] | None = None
+        self._state: _State | None = None
+        self._progress = time.monotonic()
+
+    def plan(self) -> tuple[str, ...]:
+        """The files the view will hold, once the state lists them."""
+        while True:
+            state = self._current()
+            if state.files is not None:
+                self._progress = time.monotonic()
+                return state.files
+            self._pause("the list of files the view will hold")
+
+    def wait_for(self, rels: Sequence[str]) -> None:
+        for _ in self.arrivals(rels):
+            pass
+
+    def arrivals(self, rels: Sequence[str]) -> Iterator[str]:
+        """Each of `rels` once it is a file in the view, in the order they arrive. The clock restarts when the
+        caller comes back for the next one, so its own work between arrivals does not count as waiting."""
+        pending = list(rels)
+        while pending:
+            state = self._current()  # before looking at the files: a file linked before `complete` is seen
+            here = [r for r in pending if (self.path / r).is_file()]
+            for rel in here:
+                pending.remove(rel)
+                yield rel
+                self._progress = time.monotonic()
+            if here or not pending:
+                continue
+            if state.state == STREAM_COMPLETE:
+                raise ModelFileNotFoundError(f"the streaming view {self.path} is complete but lacks {pending[0]!r}"
+                                             f"{f' (and {len(pending) - 1} more)' if len(pending) > 1 else ''}, "
+                                             f"which its state planned; the daemon's view is inconsistent: restart "
+                                             f"the pod, and report it if it happens again")
+            self._pause(_listing(pending))
+
+    def _pause(self, waiting_for: str) -> None:
+        waited = time.monotonic() - self._progress
+        if waited >= self.timeout:
+            state = self._state.state if self._state else "?"
+            raise FetchPendingError(f"{self.path}: no new file in the streaming view for {waited:.1f}s (timeout "
+                                    f"{self.timeout:g}s, state {state!r}); still waiting for {waiting_for}. The "
+                                    f"node's fetch of the model may be stalled: see `weightcache status` on the "
+                                    f"node, or allow a longer timeout")
+        time.sleep(min(POLL_SECONDS, self.timeout - waited))
+
+    def _current(self) -> _State:
+        """The state, read again only when the file changed (tmp + rename gives a new inode); raises on failed."""
+        try:
+            st = os.lstat(self.state_path)
+        except FileNotFoundError:
+            raise ModelFileNotFoundError(f"{self.state_path} disappeared while the model was loading: the volume "
+                                         f"was unpublished under the pod") from None
+        signature = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        if self._state is None or signature != self._signature:
+            self._state, self._signature = _read_state(self.path), signature
+        if self._state.state == STREAM_FAILED:
+            text = self._state.error or "no error text"
+            if len(text) > _MAX_ERROR_CHARS:
+                text = text[:_MAX_ERROR_CHARS] + "..."
+            raise StreamFailedError(f"the node's fetch of the model in {self.path} failed: {text}")
+        return self._state
+
+
+def _read_state(view: Path) -> _State:
+    """`<view>/.weightcache/state`, untrusted: opened without following a symlink at either component, bounded,
+    every field's type checked and every relpath kept inside the view."""
+    where = view / STREAM_STATE
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        dfd = os.open(view / STREAM_DIR, flags | os.O_DIRECTORY)
+        try:
+            fd = os.open(PurePosixPath(STREAM_STATE).name, flags | os.O_NONBLOCK, dir_fd=dfd)  # a FIFO: no hang
+        finally:
+            os.close(dfd)
+    except FileNotFoundError:
+        raise ModelFileNotFoundError(f"{where} disappeared while the model was loading: the volume was "
+                                     f"unpublished under the pod") from None
+    except OSError as exc:  # ELOOP: a symlink; ENOTDIR: .weightcache is not a directory
+        raise ModelLayoutError(f"refusing {where}: {exc.strerror}; the daemon writes a regular file in a "
+                               f"directory there, never a symlink") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ModelLayoutError(f"refusing {where}: not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            raw = fh.read(MAX_STATE_BYTES + 1)
+    finally:
+        os.close(fd)
+    return _parse_state(raw, where)
+
+
+def _parse_state(raw: bytes, where: Path) -> _State:
+    def bad(why: str) -> ModelLayoutError:
+        return ModelLayoutError(f"{where} is not a state the weightcache daemon writes: {why}")
+
+    if len(raw) > MAX_STATE_BYTES:
+        raise bad(f"larger than {MAX_STATE_BYTES >> 20} MiB")
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except RecursionError:
+        raise bad("JSON nested too deeply") from None
+    except ValueError as exc:
+        raise bad(f"not JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise bad("not a JSON object")
+    state, files, error = doc.get("state"), doc.get("files"), doc.get("error")
+    if state not in (STREAM_FETCHING, STREAM_COMPLETE, STREAM_FAILED):
+        raise bad(f"state {state!r} is none of {STREAM_FETCHING!r}, {STREAM_COMPLETE!r}, {STREAM_FAILED!r}")
+    if error is not None and not isinstance(error, str):
+        raise bad("error must be a string or null")
+    if files is None:
+        if state == STREAM_COMPLETE:
+            raise bad("a complete view must list its files")
+        return _State(state, None, error)
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+        raise bad("files must be a list of relative paths or null")
+    rels: dict[str, None] = {}
+    for name in files:
+        rel = _relpath(name)
+        if rel is None:
+            raise bad(f"file {name[:200]!r} is not a relative path inside the view")
+        rels[rel] = None
+    return _State(state, tuple(rels), error)
+
+
+def _listing(rels: Sequence[str]) -> str:
+    shown = ", ".join(repr(r) for r in rels[:3])
+    return f"{len(rels)} file{'s' if len(rels) > 1 else ''}: {shown}{', ...' if len(rels) > 3 else ''}"
+
+
+def _wanted(keys: Keys) -> tuple[Callable[[str], bool] | None, set[str] | None]:
+    """`keys` as (a test on a tensor name or None for all, the names that must all be found or None)."""
+    if keys is None:
+        return None, None
+    if callable(keys):
+        return keys, None
+    required = set(keys)
+    return required.__contains__, required
+
+
+def _tensors_of(files: list[_File], dev: torch.device, dtype: torch.dtype | None, copy: bool,
+                host_register: bool | None) -> Iterator[tuple[str, torch.Tensor]]:
     threads = _read_threads(files)
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="weightcache-read") as pool:
         try:
@@ -135,7 +422,11 @@ def iter_tensors(
                     yield from _cpu_file(f, pool if threads else None, dev, dtype, copy)
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _log_load(files: list[_File], dev: torch.device, started: float) -> None:
     seconds = time.perf_counter() - started
+    total = sum(f.header.tensors[n].nbytes for f in files for n in f.names)
     log.info("loaded %d files, %.1f MB to %s in %.2fs (%.2f GB/s)", len(files), total / 1e6, dev, seconds,
              total / max(seconds, 1e-9) / 1e9)
 
@@ -159,19 +450,34 @@ def _layout(path: str | os.PathLike[str]) -> dict[Path, frozenset[str]]:
 
 
 def _index_files(index: Path) -> dict[Path, frozenset[str]]:
-    weight_map = _weight_map(index)
-    by_shard: dict[str, set[str]] = {}
-    for tensor, shard in weight_map.items():
-        by_shard.setdefault(shard, set()).add(tensor)
     files: dict[Path, frozenset[str]] = {}
-    for shard, tensors in by_shard.items():
-        if Path(shard).is_absolute() or ".." in Path(shard).parts or "\0" in shard:
-            raise ModelLayoutError(f"{index}: shard name {shard!r} must be a file name inside the model directory")
+    for shard, tensors in _index_shards(index).items():
         if not (index.parent / shard).is_file():
             raise ModelFileNotFoundError(f"{index} names shard {shard!r}, which is missing from {index.parent}; "
                                          f"re-fetch the model (weightcache verify / prefetch) or fix the index")
-        files[index.parent / shard] = frozenset(tensors)
+        files[index.parent / shard] = tensors
     return files
+
+
+def _index_shards(index: Path) -> dict[str, frozenset[str]]:
+    """The index's shards (relpaths inside the model directory, normalized) -> the tensors it maps to each."""
+    by_shard: dict[str, set[str]] = {}
+    for tensor, shard in _weight_map(index).items():
+        rel = _relpath(shard)
+        if rel is None:
+            raise ModelLayoutError(f"{index}: shard name {shard!r} must be a file name inside the model directory")
+        by_shard.setdefault(rel, set()).add(tensor)
+    return {shard: frozenset(tensors) for shard, tensors in by_shard.items()}
+
+
+def _relpath(name: str) -> str | None:
+    """`name` as a normalized relative path inside a directory, or None when it is not one (absolute, `..`)."""
+    if not name or "\0" in name or name.startswith("/"):
+        return None
+    parts = PurePosixPath(name).parts
+    if not parts or ".." in parts:
+        return None
+    return PurePosixPath(*parts).as_posix()
 
 
 def _weight_map(index: Path) -> dict[str, str]:
@@ -192,35 +498,50 @@ def _weight_map(index: Path) -> dict[str, str]:
     return weight_map
 
 
-def _open_files(layout: dict[Path, frozenset[str]], keys: set[str] | None) -> list[_File]:
+def _open_files(layout: dict[Path, frozenset[str]], want: Callable[[str], bool] | None,
+                required: set[str] | None) -> list[_File]:
     files, seen = [], set[str]()
     for p, indexed in layout.items():
-        with open(p, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            header = parse_header(fh, size)
-            absent = indexed - header.tensors.keys()
-            if absent:
-                raise ModelLayoutError(f"the index maps {len(absent)} tensors to {p.name}, which does not hold them, "
-                                       f"e.g. {sorted(absent)[:3]}; re-fetch the model or fix the index")
-            # Larger read-ahead per fault: measured 2.7x faster cold loads on the dev VM (docs/loader.md).
-            os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            # copy-on-write: shared page-cache pages until written, then private copies of the written pages only
-            mm = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_COPY)
-            mm.madvise(mmap.MADV_SEQUENTIAL)
-        names = tuple(n for n in header.tensors if keys is None or n in keys)
-        dup = seen.intersection(names)
-        if dup:
-            raise ModelLayoutError(f"tensor {sorted(dup)[0]!r} appears in more than one file ({p.name} and another); "
-                                   f"keep one copy or add a {INDEX_NAME}")
-        seen.update(names)
-        base = torch.frombuffer(mm, dtype=torch.uint8)
-        files.append(_File(p, header, names, mm, base))
-    if keys is not None and keys - seen:
-        missing = sorted(keys - seen)
-        raise ModelLayoutError(f"{len(missing)} requested tensors are not in the model, e.g. {missing[:3]}; "
-                               f"check the names against the model's index")
+        f = _open_file(p, indexed, want)
+        _check_unique(f, seen)
+        files.append(f)
+    _check_required(required, seen)
     _check_dtypes(files)
     return files
+
+
+def _open_file(p: Path, indexed: frozenset[str], want: Callable[[str], bool] | None) -> _File:
+    """Map one shard; `indexed`: the tensors an index says it holds (each must be there)."""
+    with open(p, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        header = parse_header(fh, size)
+        absent = indexed - header.tensors.keys()
+        if absent:
+            raise ModelLayoutError(f"the index maps {len(absent)} tensors to {p.name}, which does not hold them, "
+                                   f"e.g. {sorted(absent)[:3]}; re-fetch the model or fix the index")
+        # Larger read-ahead per fault: measured 2.7x faster cold loads on the dev VM (docs/loader.md).
+        os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        # copy-on-write: shared page-cache pages until written, then private copies of the written pages only
+        mm = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_COPY)
+        mm.madvise(mmap.MADV_SEQUENTIAL)
+    names = tuple(n for n in header.tensors if want is None or want(n))
+    return _File(p, header, names, mm, torch.frombuffer(mm, dtype=torch.uint8))
+
+
+def _check_unique(f: _File, seen: set[str]) -> None:
+    """No tensor of `f` was in an earlier file (`seen`, which takes f's names)."""
+    dup = seen.intersection(f.names)
+    if dup:
+        raise ModelLayoutError(f"tensor {sorted(dup)[0]!r} appears in more than one file ({f.path.name} and "
+                               f"another); keep one copy or add a {INDEX_NAME}")
+    seen.update(f.names)
+
+
+def _check_required(required: set[str] | None, seen: set[str]) -> None:
+    if required is not None and required - seen:
+        missing = sorted(required - seen)
+        raise ModelLayoutError(f"{len(missing)} requested tensors are not in the model, e.g. {missing[:3]}; "
+                               f"check the names against the model's index")
 
 
 def _read_threads(files: list[_File]) -> int:

@@ -14,7 +14,7 @@ from setuptools import setup
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 # weightcache/__init__.py comes with any module of the package
-LOADER_MODULES = ["weightcache.loader", "weightcache.errors", "weightcache.safetensors_check"]
+LOADER_MODULES = ["weightcache.loader", "weightcache.errors", "weightcache.safetensors_check", "weightcache.vocabulary"]
 
 setup(
     version=tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"],

@@ -13,7 +13,7 @@ from typing import Any
 
 LOAD_FORMAT = "weightcache"
 
-_KNOWN = {"verify", "require", "path", "exclude"}
+_KNOWN = {"verify", "require", "path", "exclude", "stream_timeout"}
 # the decoder stack of causal LMs as checkpoints name it; other towers (vision, audio) are never filtered
 _LAYER = re.compile(r"^(?:model\.|language_model\.model\.|model\.language_model\.)?layers\.(\d+)\.")
 
@@ -24,6 +24,7 @@ class Options:
     require: bool = False  # a directory that is not a safetensors model is an error instead of the fallback
     path: str | None = None  # read the weights from here instead of the model directory vLLM was given
     exclude: tuple[str, ...] = ()  # fnmatch globs of tensor names never read
+    stream_timeout: float = 600.0  # a streaming view (docs/streaming-pods.md): seconds without a new file -> error
 
 
 def parse_options(extra: Mapping[str, Any] | None) -> Options:
@@ -44,8 +45,12 @@ def parse_options(extra: Mapping[str, Any] | None) -> Options:
         exclude = [exclude]
     if not isinstance(exclude, list) or not all(isinstance(g, str) for g in exclude):
         raise ValueError(f"--model-loader-extra-config: 'exclude' must be a list of globs, not {exclude!r}")
+    stream_timeout = extra.get("stream_timeout", 600.0)
+    if isinstance(stream_timeout, bool) or not isinstance(stream_timeout, int | float) or not stream_timeout > 0:
+        raise ValueError(f"--model-loader-extra-config: 'stream_timeout' must be a number of seconds > 0, not "
+                         f"{stream_timeout!r}")
     return Options(verify=extra.get("verify", True), require=extra.get("require", False), path=path,
-                   exclude=tuple(exclude))
+                   exclude=tuple(exclude), stream_timeout=float(stream_timeout))
 
 
 def weights_wanted(names: Iterable[str], *, exclude: Iterable[str] = (), tied_embeddings: bool = False,

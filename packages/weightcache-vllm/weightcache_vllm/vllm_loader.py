@@ -6,6 +6,13 @@ model's own `model.load_weights` an iterable of (checkpoint name, tensor) where 
 copy-on-write CPU view of the mounted file (weightcache.loader), so the bytes move once: from the node's page cache
 (or the memory tier's locked pages) into the model's parameters. `model.load_weights` renames, stacks (q/k/v into
 qkv_proj) and narrows each tensor to this rank's slice itself, exactly as with vLLM's default loader.
+
+A streaming view (docs/streaming-pods.md: the directory holds `.weightcache/state` and grows while the node
+fetches) is loaded through `iter_tensors_streaming`: each shard's tensors go to `model.load_weights` as soon as that
+shard is in the view. Whether it is a safetensors model is decided from the state's planned files (waiting for
+that list), and which tensors to read by testing each name as it comes, since the names are not known before the
+shards are there. vLLM reads config.json and the tokenizer before this loader runs: the pod's entry point must wait
+for them (`weightcache.loader.wait_for_files`, docs/loader.md).
 """
 
 from __future__ import annotations
@@ -27,8 +34,16 @@ from vllm.model_executor.model_loader import (  # the public names of vLLM's loa
     register_model_loader,
 )
 
-from weightcache.loader import INDEX_NAME, MAX_INDEX_BYTES, iter_tensors
+from weightcache.loader import (
+    INDEX_NAME,
+    MAX_INDEX_BYTES,
+    iter_tensors,
+    iter_tensors_streaming,
+    planned_files,
+    wait_for_files,
+)
 from weightcache.safetensors_check import parse_header
+from weightcache.vocabulary import STREAM_STATE
 from weightcache_vllm.options import LOAD_FORMAT, Options, parse_options, weights_wanted
 
 # under "vllm.": vLLM's handler and format, in every process (a logger outside that tree prints nothing)
@@ -42,16 +57,29 @@ def snapshot_dir(model: str, options: Options) -> Path | None:
     $WEIGHTCACHE_MODEL_PATH (e.g. `vllm serve org/name` from a mounted hub cache); None when none of these is a
     directory holding a safetensors model (then the default loader takes over)."""
     for candidate in (options.path, model, os.environ.get(MODEL_PATH_ENV)):
-        if candidate and _is_safetensors_model(Path(candidate)):
+        if candidate and _is_safetensors_model(Path(candidate), options.stream_timeout):
             return Path(candidate)
     return None
 
 
-def _is_safetensors_model(p: Path) -> bool:
+def _is_safetensors_model(p: Path, stream_timeout: float = 600.0) -> bool:
+    """A directory with an index or root *.safetensors; for a streaming view, one whose state plans them (the
+    shards may not be there yet: waits for the planned list, and raises the loader's error if the view failed or
+    stalled: a fallback to vLLM's default loader would read a half-filled directory)."""
     try:
-        return p.is_dir() and ((p / INDEX_NAME).is_file() or any(p.glob("*.safetensors")))
+        if not p.is_dir():
+            return False
+        if not _streaming(p):
+            return (p / INDEX_NAME).is_file() or any(p.glob("*.safetensors"))
     except OSError:
         return False
+    planned = planned_files(p, timeout=stream_timeout) or []
+    return any(r == INDEX_NAME or ("/" not in r and r.endswith(".safetensors")) for r in planned)
+
+
+def _streaming(p: Path) -> bool:
+    """A view the daemon still fills (or filled): `iter_tensors_streaming` reads it (a plain snapshot has no state)."""
+    return os.path.lexists(p / STREAM_STATE)
 
 
 def _names(directory: Path) -> list[str]:
@@ -118,6 +146,11 @@ class WeightcacheModelLoader(BaseModelLoader):
                                  f"model with weightcache or drop 'require'")
             log.warning("weightcache: %s holds no safetensors model; falling back to vLLM's default loader",
                         model_config.model)
+            model_dir = Path(str(model_config.model))
+            if model_dir.is_dir() and _streaming(model_dir):
+                # the default loader reads whatever files are there: let the view fill first (every planned file
+                # but *.safetensors, of which it plans none)
+                wait_for_files(model_dir, timeout=self.options.stream_timeout)
         return directory
 
     def download_model(self, model_config: Any) -> None:
@@ -133,12 +166,23 @@ class WeightcacheModelLoader(BaseModelLoader):
             return
         started = time.perf_counter()
         tied = bool(getattr(model_config.hf_text_config, "tie_word_embeddings", False))
-        keys = weights_wanted(_names(directory), exclude=self.options.exclude, tied_embeddings=tied,
-                              layer_range=_layer_range(model_config))
+        layer_range = _layer_range(model_config)
+        streaming = _streaming(directory)
         stats = {"tensors": 0, "bytes": 0}
 
+        def wanted(name: str) -> bool:
+            return bool(weights_wanted([name], exclude=self.options.exclude, tied_embeddings=tied,
+                                       layer_range=layer_range))
+
+        source: Iterator[tuple[str, torch.Tensor]]  # cpu: views of the mapping, no copy
+        if streaming:  # the names come with the shards: each is tested as its shard arrives
+            source = iter_tensors_streaming(directory, timeout=self.options.stream_timeout, keys=wanted)
+        else:
+            source = iter_tensors(directory, keys=weights_wanted(
+                _names(directory), exclude=self.options.exclude, tied_embeddings=tied, layer_range=layer_range))
+
         def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in iter_tensors(directory, keys=keys):  # cpu: views of the mapping, no copy
+            for name, tensor in source:
                 stats["tensors"] += 1
                 stats["bytes"] += tensor.numel() * tensor.element_size()
                 yield name, tensor
@@ -152,7 +196,7 @@ class WeightcacheModelLoader(BaseModelLoader):
         log.info("weightcache: loaded %d tensors (%.1f MB) from %s in %.2fs", stats["tensors"], stats["bytes"] / 1e6,
                  directory, seconds)
         _report({"pid": os.getpid(), "fallback": False, "directory": str(directory), "seconds": round(seconds, 4),
-                 **stats})
+                 "streaming": streaming, **stats})
 
 
 def register_loader() -> None:
