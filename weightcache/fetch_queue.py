@@ -12,6 +12,10 @@ Progress callbacks are called on the engine's thread with the engine's own Progr
 are: weightcache/progress.py has the one wire form).
 Every caller brings a Grant (weightcache/access.py): the queue takes no bare reference. Callers granted the same
 files share one job; the engine runs under the first caller's grant.
+A caller may also subscribe to the files of its job as each becomes durable (`on_file`, a streaming CSI volume):
+one job's hand-overs fan out to every subscriber, and one that joins late first hears those already made. A job
+queued or started with a subscriber runs the engine with `on_file`; one started without it hands nothing over
+until it ends (its subscribers then take the published snapshot's files).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weightcache.access import Grant, require_grant
-from weightcache.fetch import FetchCancelledError
+from weightcache.fetch import DurableFile, FetchCancelledError
 from weightcache.progress import Progress
 from weightcache.store import Snapshot
 from weightcache.uri import ModelRef
@@ -36,6 +40,7 @@ from weightcache.uri import ModelRef
 log = logging.getLogger(__name__)
 
 ProgressCallback = Callable[[Progress], None]
+FileCallback = Callable[[DurableFile], None]  # called on the engine's thread: return quickly
 Lookup = Callable[[Grant], "Snapshot | None"]
 Ensure = Callable[..., Snapshot]  # engine.ensure(grant, *, progress=..., [cancel=threading.Event])
 STOPPING = "the daemon is stopping"
@@ -57,10 +62,41 @@ class _Job:
     waiters: int = 0
     keep: bool = False
     running: bool = False
+    streaming: bool = False  # a subscriber wanted files as they are durable before the engine started
+    subscribers: list[FileCallback] = field(default_factory=list)
+    handed: dict[str, DurableFile] = field(default_factory=dict)  # path -> its latest hand-over, for late joiners
+    lock: threading.Lock = field(default_factory=threading.Lock)  # subscribers and handed: engine and loop threads
 
     @property
     def ref(self) -> ModelRef:
         return self.grant.ref
+
+    def subscribe(self, on_file: FileCallback) -> None:
+        """Add a subscriber and replay what was handed over so far (a file may then arrive twice: once replayed,
+        once live; subscribers take a repeat as a no-op)."""
+        with self.lock:
+            self.subscribers.append(on_file)
+            replay = list(self.handed.values())
+        for durable in replay:
+            self._tell(on_file, durable)
+
+    def unsubscribe(self, on_file: FileCallback) -> None:
+        with self.lock:
+            self.subscribers.remove(on_file)
+
+    def hand_over(self, durable: DurableFile) -> None:
+        """The engine's on_file (its thread): remember the file, pass it to every subscriber."""
+        with self.lock:
+            self.handed[durable.entry.path] = durable
+            subscribers = list(self.subscribers)
+        for on_file in subscribers:
+            self._tell(on_file, durable)
+
+    def _tell(self, on_file: FileCallback, durable: DurableFile) -> None:
+        try:
+            on_file(durable)
+        except Exception:  # one subscriber's failure must not fail the download or the others
+            log.exception("file subscriber for %s failed on %s", self.ref, durable.entry.path)
 
     def report(self, progress: Progress) -> None:
         """The engine's progress callback (its thread): remember it, pass it on."""
@@ -78,7 +114,9 @@ class FetchQueue:
     def __init__(self, ensure: Ensure, lookup: Lookup, *, parallel: int = 2) -> None:
         self._ensure = ensure
         self._lookup = lookup
-        self._cancellable = "cancel" in inspect.signature(ensure).parameters
+        parameters = inspect.signature(ensure).parameters
+        self._cancellable = "cancel" in parameters
+        self._streams = "on_file" in parameters
         self.parallel = max(1, parallel)
         self._jobs: dict[tuple[str, str | None], _Job] = {}
         self._queued: collections.deque[_Job] = collections.deque()
@@ -102,19 +140,25 @@ class FetchQueue:
             return cached
         return await self.fetch(grant, progress=progress, keep=keep)
 
-    async def fetch(self, grant: Grant, *, progress: ProgressCallback | None = None, keep: bool = False) -> Snapshot:
+    async def fetch(self, grant: Grant, *, progress: ProgressCallback | None = None, keep: bool = False,
+                    on_file: FileCallback | None = None) -> Snapshot:
         """`ensure` for a caller that has just looked the model up and missed: join its one fetch (the engine
-        checks the store again under the model's lock, so nothing is fetched twice)."""
-        job = self._join(grant, keep=keep)
+        checks the store again under the model's lock, so nothing is fetched twice). `on_file`: told of each file
+        once it is verified and durable, while this call waits (see the module's docstring)."""
+        job = self._join(grant, keep=keep, streaming=on_file is not None)
         job.waiters += 1
         if progress is not None:
             job.listeners.append(progress)
+        if on_file is not None:
+            job.subscribe(on_file)
         try:
             return await asyncio.shield(job.future)
         finally:
             job.waiters -= 1
             if progress is not None:
                 job.listeners.remove(progress)
+            if on_file is not None:
+                job.unsubscribe(on_file)
             if job.waiters == 0 and not job.keep and not job.future.done():
                 self._abandon(job)
 
@@ -143,6 +187,11 @@ class FetchQueue:
         self.parallel = max(1, parallel)
         self._pump()
 
+    @property
+    def closing(self) -> bool:
+        """Whether `close` was called (the daemon stops): a cancelled fetch is then no failure of the model."""
+        return self._closed
+
     def depth(self) -> tuple[int, int]:
         """(running, queued) jobs."""
         return len(self._running), len(self._queued)
@@ -169,15 +218,16 @@ class FetchQueue:
         if self._closed:
             raise FetchCancelledError(f"{STOPPING}: {ref} was not fetched; run the command again once it is up")
 
-    def _join(self, grant: Grant, *, keep: bool) -> _Job:
+    def _join(self, grant: Grant, *, keep: bool, streaming: bool = False) -> _Job:
         self._refuse_if_closed(require_grant(grant).ref)
         key = job_key(grant.ref)
         job = self._jobs.get(key)
         if job is None:
-            job = self._jobs[key] = _Job(grant, asyncio.get_running_loop().create_future())
+            job = self._jobs[key] = _Job(grant, asyncio.get_running_loop().create_future(), streaming=streaming)
             self._queued.append(job)
             self._pump()
         job.keep = job.keep or keep
+        job.streaming = job.streaming or streaming  # read when the engine starts: a queued job still streams
         return job
 
     def _pump(self) -> None:
@@ -199,6 +249,8 @@ class FetchQueue:
         if job.cancel.is_set():
             raise FetchCancelledError(f"the fetch of {job.ref} was cancelled before it started")
         extra: dict[str, Any] = {"cancel": job.cancel} if self._cancellable else {}
+        if self._streams and job.streaming:
+            extra["on_file"] = job.hand_over
         return self._ensure(job.grant, progress=job.report, **extra)
 
     def _finished(self, job: _Job, done: Future[Snapshot]) -> None:

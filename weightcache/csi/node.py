@@ -43,6 +43,7 @@ from weightcache.csi import mounts
 from weightcache.csi._pb import csi_pb2, csi_pb2_grpc
 from weightcache.csi.errors import quiet_rpc, rpc
 from weightcache.csi.reconcile import SnapshotMounts, VolumeBook, VolumeRecord
+from weightcache.csi.stream import StreamFill, fail_view
 from weightcache.csi.targets import KubeletTargets, TargetMissingError
 from weightcache.engine_name import EngineName
 from weightcache.errors import (
@@ -56,13 +57,14 @@ from weightcache.errors import (
     VolumeNotFoundError,
     WeightcacheError,
 )
+from weightcache.fetch import FetchCancelledError
 from weightcache.fetch_queue import FetchQueue
 from weightcache.hf_layout import hub_cache
 from weightcache.memory import MemoryTier
-from weightcache.store import Snapshot, Store
+from weightcache.store import Snapshot, Store, StreamViews
 from weightcache.store.holders import csi_holder as holder_for
 from weightcache.uri import ModelRef, parse_globs, parse_ref, validate_repo_id
-from weightcache.vocabulary import ENGINE_CACHE_ATTRIBUTE
+from weightcache.vocabulary import ENGINE_CACHE_ATTRIBUTE, STREAM_ATTRIBUTE
 
 logger = logging.getLogger(__name__)
 
@@ -92,20 +94,22 @@ class PublishArgs:
     hf_repo: str | None = None  # volume_context.hfRepo: mount the snapshot as a hub cache for this repo
     engine_cache: EngineName | None = None  # volume_context.engineCache: the pod's engine cache, not the model
     readonly: bool = True
+    stream: bool = False  # volume_context.stream: on a miss, a view that fills while the model downloads
 
     def record(self, snapshot_id: str, *, handover: bool = False) -> VolumeRecord:
         return VolumeRecord(self.volume_id, self.target_path, str(self.ref), snapshot_id, self.tier,
                             self.pod_namespace, self.pod_name, self.pod_uid, time.time(),
-                            engine_cache=str(self.engine_cache or ""), handover=handover)
+                            engine_cache=str(self.engine_cache or ""), handover=handover, stream=self.stream,
+                            include=self.ref.include, exclude=self.ref.exclude)
 
     def matches(self, record: VolumeRecord) -> bool:
         """Whether `record` is this very volume (a kubelet retry), not another use of the id."""
         if record.adopted:  # rebuilt from the mount table after a restart: only the target is known
             return record.target_path == self.target_path
         return (record.target_path, record.model, record.tier, record.pod_namespace, record.pod_name,
-                record.pod_uid, record.engine_cache) == (self.target_path, str(self.ref), self.tier,
-                                                         self.pod_namespace, self.pod_name, self.pod_uid,
-                                                         str(self.engine_cache or ""))
+                record.pod_uid, record.engine_cache, record.stream) == (
+                    self.target_path, str(self.ref), self.tier, self.pod_namespace, self.pod_name, self.pod_uid,
+                    str(self.engine_cache or ""), self.stream)
 
 
 def _require_id(value: str, field: str) -> str:
@@ -179,12 +183,22 @@ def parse_publish(request: csi_pb2.NodePublishVolumeRequest) -> PublishArgs:
         if engine is not None:
             raise InvalidRequestError("volume_context.hfRepo", f"is for a model volume; a volume with "
                                       f"{ENGINE_CACHE_ATTRIBUTE} holds an engine's compile cache, not the model")
+    stream = ctx.get(STREAM_ATTRIBUTE, "") or "false"
+    if stream not in ("true", "false"):
+        raise InvalidRequestError(f"volume_context.{STREAM_ATTRIBUTE}", f"{stream!r} is not \"true\" or \"false\"")
+    if stream == "true":  # docs/streaming-pods.md: a plain tree of verified files, nothing built from the whole
+        clash = ("engineCache" if engine is not None else "hfRepo" if hf_repo is not None else
+                 "tier: memory" if tier == "memory" else None)
+        if clash is not None:
+            raise InvalidRequestError(f"volume_context.{STREAM_ATTRIBUTE}", f"cannot be \"true\" with {clash}: "
+                                      "a streaming view holds the model's files as they arrive; remove one of the two")
     namespace = ctx.get(POD_NAMESPACE, "")
     if not namespace:
         raise InvalidRequestError(f"volume_context.{POD_NAMESPACE}", "is missing; the CSIDriver "
                                   "csi.weightcache.io must have podInfoOnMount: true")
     return PublishArgs(volume_id, target, ref, tier, parse_timeout(ctx.get("timeout", "")), namespace,
-                       ctx.get(POD_NAME, ""), ctx.get(POD_UID, ""), hf_repo, engine, bool(request.readonly))
+                       ctx.get(POD_NAME, ""), ctx.get(POD_UID, ""), hf_repo, engine, bool(request.readonly),
+                       stream == "true")
 
 
 def _engine_cache(text: str) -> EngineName | None:
@@ -246,6 +260,8 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         self._book = book or VolumeBook(store.root)
         self._locks = VolumeLocks()
         self._handing: dict[str, asyncio.Future[bool]] = {}  # volume id -> its running hand-over
+        self._views = StreamViews(store.layout)
+        self._streams: dict[str, tuple[StreamFill, asyncio.Task[None]]] = {}  # volume id -> its view's filling
         self._pool = pool or ThreadPoolExecutor(4, thread_name_prefix="wc-csi")
         self.observe = observe
 
@@ -272,7 +288,18 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
                         await self._io(self._book.put, args.record(existing.snapshot_id))
                     return csi_pb2.NodePublishVolumeResponse()
             grant = self._authority.authorize(args.ref, Requester(args.pod_namespace))  # weightcache/access.py
-            snapshot = await self._ensure(args, grant, context)
+            if args.stream:  # a miss does not wait: the pod gets a view that fills as the files arrive
+                cached = await self._fetches.lookup(grant)
+                if cached is None:
+                    record = args.record("")
+                    await finish_even_if_cancelled(self._io(self._mount_view, record))
+                    self._start_stream(record, grant)
+                    logger.info("published a streaming view of %s for pod %s/%s at %s", args.ref,
+                                args.pod_namespace, args.pod_name, args.target_path)
+                    return csi_pb2.NodePublishVolumeResponse()
+                snapshot = cached
+            else:
+                snapshot = await self._ensure(args, grant, context)
             if args.engine_cache is not None:  # the key's model snapshot is the one this grant resolves to
                 await finish_even_if_cancelled(self._io(self._mount_engine_cache, args, grant, snapshot))
                 return csi_pb2.NodePublishVolumeResponse()
@@ -354,6 +381,81 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
             self._store.release(record.holder)
             raise
 
+    # ---- streaming views (csi/stream.py, docs/streaming-pods.md) ----
+
+    def _mount_view(self, record: VolumeRecord) -> None:
+        """Record, make the view (state `fetching`, nothing listed yet), bind it read-only on the target. No lease
+        yet: there is no snapshot to hold; the view's own hard links keep its blobs."""
+        self._book.put(record)
+        try:
+            view = self._views.create(record.volume_id)
+            with self._targets.open_parent(record.target_path, create=True) as parent:
+                self._unmount_ours(parent, record.target_path)  # a stale mount of ours from a crashed attempt
+                mounts.bind_readonly_at(view, parent, "mount", record.target_path)
+        except BaseException:
+            self._book.remove(record.volume_id)
+            self._views.remove(record.volume_id)
+            raise
+
+    def _start_stream(self, record: VolumeRecord, grant: Grant) -> None:
+        fill = StreamFill(self._views, record.volume_id, grant)
+        task = asyncio.ensure_future(self._fill(fill, record))
+        self._streams[record.volume_id] = (fill, task)
+        task.add_done_callback(lambda _: self._streams.pop(record.volume_id, None)
+                               if self._streams.get(record.volume_id, (None, None))[1] is task else None)
+
+    async def _fill(self, fill: StreamFill, record: VolumeRecord) -> None:
+        """Join the model's one fetch as a file subscriber (kept: it goes on when the pod goes); once the snapshot
+        is published, lease it for the volume and record its id, so eviction and gc see a mounted snapshot."""
+        try:
+            snapshot = await self._fetches.fetch(fill.grant, keep=True, on_file=fill.on_file)
+        except Exception as exc:
+            if isinstance(exc, FetchCancelledError) and self._fetches.closing:
+                return  # the daemon stops: the view stays `fetching`, and the next start resumes it
+            await self._io(fill.fail, exc)
+            return
+        await finish_even_if_cancelled(self._io(self._complete_stream, fill, record, snapshot))
+
+    def _complete_stream(self, fill: StreamFill, record: VolumeRecord, snapshot: Snapshot) -> None:
+        if not fill.complete(snapshot):
+            return
+        try:
+            self._store.lease(record.holder, snapshot.id)
+        except WeightcacheError as exc:  # evicted in the instant since it was published: the view's links hold it
+            logger.warning("streaming volume %s: could not lease snapshot %s: %s", record.volume_id, snapshot.id,
+                           exc)
+            return
+        self._book.put(dataclasses.replace(record, snapshot_id=snapshot.id))
+        logger.info("streaming volume %s is complete: snapshot %s (%d files)", record.volume_id, snapshot.id[:12],
+                    len(snapshot.files))
+
+    async def _stop_stream(self, volume_id: str) -> None:
+        """Unpublish: stop filling the view (the fetch goes on for its other callers and the cache)."""
+        running = self._streams.pop(volume_id, None)
+        if running is None:
+            return
+        fill, task = running
+        await self._io(fill.close)  # waits out a link in progress on the engine's thread
+        task.cancel()
+        await asyncio.wait({task})
+
+    async def resume_streams(self) -> None:
+        """After a restart (reconcile kept only mounted volumes): fill again every streaming view whose snapshot
+        is not published yet. The grant is decided anew for the pod's namespace, as at publish: a refusal now
+        fails the view with the refusal's words."""
+        for record in await self._io(self._book.all):
+            if not record.stream or record.snapshot_id or record.volume_id in self._streams:
+                continue
+            try:
+                ref = parse_ref(record.model, include=record.include, exclude=record.exclude)
+                grant = self._authority.authorize(ref, Requester(record.pod_namespace))
+            except WeightcacheError as exc:
+                await self._io(fail_view, self._views, record.volume_id, exc)
+                continue
+            self._start_stream(record, grant)
+            logger.info("resumed filling streaming volume %s of %s for pod %s/%s", record.volume_id, ref,
+                        record.pod_namespace, record.pod_name)
+
     def _wait_budget(self, args: PublishArgs, context: grpc.aio.ServicerContext[Any, Any]) -> float:
         """As long as the caller waits: its deadline less a margin (kubelet: 2 minutes), capped by
         volume_context.timeout."""
@@ -389,6 +491,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         if (handing := self._handing.get(volume_id)) is not None:  # a running pod's read-back: let it finish
             await asyncio.wait({handing})
         with self._locks.hold(volume_id):
+            await finish_even_if_cancelled(self._stop_stream(volume_id))
             await finish_even_if_cancelled(self._io(self._unmount, volume_id, target))
         return csi_pb2.NodeUnpublishVolumeResponse()
 
@@ -411,6 +514,8 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
                              f"({foreign.fstype} {foreign.source} {foreign.root}); unmount it, kubelet retries")
         if count or ours:
             mounts.remove_target(target)
+        if record is None or ours:
+            self._views.remove(volume_id)  # a streaming view's links (the blobs stay: a snapshot's, or gc's)
         if record is None:
             self._store.release(holder_for(volume_id))
         elif ours:
@@ -463,7 +568,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
             entry = mounts.top_mount_at(parent, "mount", target)
             snapshots = SnapshotMounts.of(self._store, mounts.mount_table())
             scratch = entry is not None and mounts.is_scratch(entry)
-            if entry is None or (not scratch and (snapshots is None or snapshots.snapshot_id(entry) is None)):
+            if entry is None or (not scratch and (snapshots is None or not snapshots.is_ours(entry))):
                 if entry is not None and count == 0:
                     logger.warning("%s is a mount point that is not a weightcache snapshot; not unmounting it",
                                    target)
@@ -490,6 +595,12 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
             if record.handover:  # kubelet asks about a running pod's volumes every minute: its ready file counts now
                 self._start_hand_over(record.volume_id)
             return csi_pb2.NodeGetVolumeStatsResponse(usage=await self._io(self._scratch_usage, record))
+        if record.stream and not record.snapshot_id:  # still filling: what the view holds so far
+            fill = self._streams.get(volume_id)
+            size, files = await self._io(fill[0].usage) if fill is not None else (0, 0)
+            return csi_pb2.NodeGetVolumeStatsResponse(usage=[
+                csi_pb2.VolumeUsage(total=size, used=size, available=0, unit=csi_pb2.VolumeUsage.BYTES),
+                csi_pb2.VolumeUsage(total=files, used=files, available=0, unit=csi_pb2.VolumeUsage.INODES)])
         snapshot = await self._io(self._store.get, record.snapshot_id)
         usage = [csi_pb2.VolumeUsage(total=snapshot.size, used=snapshot.size, available=0,
                                      unit=csi_pb2.VolumeUsage.BYTES)]

@@ -28,9 +28,10 @@ from typing import Any
 from weightcache.csi import mounts
 from weightcache.errors import NotCachedError
 from weightcache.hf_layout import HF_DIR
-from weightcache.store import RecordBook, Store, Tree
+from weightcache.store import RecordBook, Store, StreamViews, Tree
 from weightcache.store.holders import CSI_RECORDS, describe_volume, volume_record_name
 from weightcache.store.holders import csi_holder as holder_for
+from weightcache.store.layout import STREAMS_DIR
 from weightcache.vocabulary import CSI_HOLDER_PREFIX
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,11 @@ class VolumeRecord:
     adopted: bool = False  # rebuilt from the mount table after a restart: pod and revision unknown
     engine_cache: str = ""  # an engine cache volume (`vllm-0.32.0-cpu`): snapshot_id is what its lease keeps
     handover: bool = False  # it started empty and writable: read back at unpublish (csi/node.py `_hand_over`)
+    # a streaming view (streams/<volume id>, csi/stream.py): snapshot_id stays "" (and nothing is leased) until
+    # the snapshot is published; the globs re-make the grant when a restarted plugin resumes filling it
+    stream: bool = False
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
 
     @property
     def holder(self) -> str:
@@ -107,6 +113,11 @@ def _parse(obj: Any) -> VolumeRecord:
     """A record read back: exactly VolumeRecord's fields, each of its type (TypeError otherwise: quarantined)."""
     if not isinstance(obj, dict) or not set(obj) <= set(_FIELDS):
         raise TypeError(f"not an object of the fields {sorted(_FIELDS)}")
+    for name in ("include", "exclude"):
+        globs = obj.get(name, [])
+        if not isinstance(globs, list) or not all(isinstance(g, str) for g in globs):
+            raise TypeError(f"{name} is not a list of strings")
+        obj = {**obj, name: tuple(globs)}
     record = VolumeRecord(**obj)
     for name, kind in (("volume_id", str), ("target_path", str), ("model", str), ("snapshot_id", str),
                        ("tier", str), ("pod_namespace", str), ("pod_name", str), ("pod_uid", str),
@@ -115,8 +126,8 @@ def _parse(obj: Any) -> VolumeRecord:
             raise TypeError(f"{name} is not a string")
     if isinstance(record.published_at, bool) or not isinstance(record.published_at, (int, float)):
         raise TypeError("published_at is not a number")
-    if not isinstance(record.adopted, bool) or not isinstance(record.handover, bool):
-        raise TypeError("adopted or handover is not a boolean")
+    if not all(isinstance(flag, bool) for flag in (record.adopted, record.handover, record.stream)):
+        raise TypeError("adopted, handover or stream is not a boolean")
     return record
 
 
@@ -135,7 +146,7 @@ def reconcile(store: Store, book: VolumeBook, *, kubelet_dir: str | Path) -> Rec
     for record in book.all():
         entry = mounts.mounted_at(record.target_path, table)
         if entry is not None:
-            if leases.get(record.holder) != record.snapshot_id:
+            if record.snapshot_id and leases.get(record.holder) != record.snapshot_id:
                 store.lease(record.holder, record.snapshot_id)
             kept.append(record.volume_id)
         else:
@@ -161,6 +172,8 @@ def reconcile(store: Store, book: VolumeBook, *, kubelet_dir: str | Path) -> Rec
         store.lease(record.holder, snapshot_id)
         book.put(record)
         adopted.append(volume_id)
+    # a view outlives its volume only when a crash came between the unmount and its removal
+    StreamViews(store.layout).prune(r.volume_id for r in book.all() if r.stream)
     report = ReconcileReport(tuple(kept), tuple(released), tuple(adopted))
     logger.info("CSI reconcile: %d volumes kept, %d leases released, %d mounts adopted",
                 len(kept), len(released), len(adopted))
@@ -175,7 +188,8 @@ def _pod_uid(target: str) -> str:
 @dataclass(frozen=True)
 class SnapshotMounts:
     """Tells bind mounts of this store's snapshots from other mounts: same device, and a root (the directory of
-    the source filesystem mounted there) that is `<snapshots dir>/<id>` of an existing snapshot."""
+    the source filesystem mounted there) that is `<snapshots dir>/<id>` of an existing snapshot, or a streaming
+    volume's view `<streams dir>/<volume id>`."""
 
     device: str
     prefix: str  # the snapshots directory as a path inside its filesystem
@@ -203,6 +217,15 @@ class SnapshotMounts:
         if entry.device == self.device and snapshot_id and (self.snapshots / snapshot_id).is_dir():
             return snapshot_id
         return None
+
+    def is_view(self, entry: mounts.MountEntry) -> bool:
+        """Whether `entry` is a bind mount of a streaming volume's view (weightcache/store/streams.py)."""
+        parent, _, name = entry.root.rpartition("/")
+        return entry.device == self.device and bool(name) and \
+            parent == os.path.join(os.path.dirname(self.prefix), STREAMS_DIR)
+
+    def is_ours(self, entry: mounts.MountEntry) -> bool:
+        return self.is_view(entry) or self.snapshot_id(entry) is not None
 
 
 def _snapshot_mounts(store: Store, table: list[mounts.MountEntry], kubelet_dir: Path) -> list[tuple[str, str]]:

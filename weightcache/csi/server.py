@@ -57,7 +57,8 @@ async def serve_csi(endpoint: str, *, store: Store, fetches: FetchQueue, node_id
                     publish_timeout: float = CSI_TIMEOUT_S, kubelet_dir: str | Path = defaults.KUBELET_DIR,
                     tier: MemoryTier | None = None,
                     observe: Callable[[str, float, str], None] | None = None) -> grpc.aio.Server:
-    """Reconcile leases with the mount table, then start serving CSI on `endpoint`; the caller stops the server.
+    """Reconcile leases with the mount table, start serving CSI on `endpoint` and resume filling the streaming
+    views a restart interrupted; the caller stops the server.
 
     Models come through `fetches` (the daemon's one fetch queue); `tier` is the daemon's memory tier (None: off):
     volumes with `tier: memory` are made resident in it; `observe(method, seconds, code)` hears every call."""
@@ -72,14 +73,14 @@ async def serve_csi(endpoint: str, *, store: Store, fetches: FetchQueue, node_id
     probe_pool = ThreadPoolExecutor(1, thread_name_prefix="wc-csi-probe")  # liveness never queues behind mounts
     identity = IdentityServicer(functools.partial(check_store, store), probe_pool)
     csi_pb2_grpc.add_IdentityServicer_to_server(identity, server)  # type: ignore[no-untyped-call]
-    csi_pb2_grpc.add_NodeServicer_to_server(  # type: ignore[no-untyped-call]
-        NodeServicer(store, fetches, node_id=node_id, authority=authority, kubelet_dir=kubelet_dir,
-                     publish_timeout=publish_timeout, book=book, tier=tier, pool=pool, observe=observe),
-        server)
+    node = NodeServicer(store, fetches, node_id=node_id, authority=authority, kubelet_dir=kubelet_dir,
+                        publish_timeout=publish_timeout, book=book, tier=tier, pool=pool, observe=observe)
+    csi_pb2_grpc.add_NodeServicer_to_server(node, server)  # type: ignore[no-untyped-call]
     claim_socket_path(path, change="--csi-endpoint")  # kubelet reconnects to the new socket
     server.add_insecure_port(f"unix://{path}")
     await server.start()
     os.chmod(path, 0o660)
+    await node.resume_streams()  # streaming views a restart left half-filled (docs/streaming-pods.md)
     logger.info("CSI driver serving on unix://%s for node %s", path, node_id)
     return server
 

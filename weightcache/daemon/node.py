@@ -21,7 +21,7 @@ from weightcache.daemon.config import Settings
 from weightcache.daemon.metrics import Metrics, Sample
 from weightcache.daemon.tasks import Tasks
 from weightcache.errors import ConfigError, WeightcacheError
-from weightcache.fetch import Fetcher
+from weightcache.fetch import DurableFile, Fetcher
 from weightcache.fetch_queue import FetchQueue
 from weightcache.progress import Progress
 from weightcache.store import Snapshot, Store, quarantine_usage
@@ -67,7 +67,8 @@ class MeteredFetcher:
         return cached
 
     def ensure(self, grant: Grant, *, progress: ProgressCallback | None = None,
-               cancel: threading.Event | None = None) -> Snapshot:
+               cancel: threading.Event | None = None,
+               on_file: Callable[[DurableFile], None] | None = None) -> Snapshot:
         """Blocking, like Fetcher.ensure; setting `cancel` stops this fetch at its next read (chunks kept). Called
         by the fetch queue after its own lookup missed, so the store is not asked again before the engine's
         re-check under the fetch lock (a hit there is counted by the engine's stats, not as a cache hit)."""
@@ -80,7 +81,7 @@ class MeteredFetcher:
         if self._closed.is_set():
             fetcher.close()
         try:
-            snapshot = fetcher.ensure(grant, progress=progress, looked_up=True)
+            snapshot = fetcher.ensure(grant, progress=progress, looked_up=True, on_file=on_file)
         except Exception as exc:
             reason = error_code(type(exc)) if isinstance(exc, WeightcacheError) else "internal"
             self._metrics.fetch_failures.labels(ref.scheme, reason).inc()

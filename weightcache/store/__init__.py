@@ -11,8 +11,9 @@ from weightcache.store.paths import validate_relpath, validate_tree
 from weightcache.store.quarantine import QuarantineUsage
 from weightcache.store.quarantine import usage as quarantine_usage
 from weightcache.store.store import BlobMissingError, Store
+from weightcache.store.streams import StreamViews
 from weightcache.store.types import FileEntry, Snapshot, SnapshotInfo
 
 __all__ = ["BlobMissingError", "BlobWriter", "FileEntry", "QuarantineUsage", "RecordBook", "Snapshot", "SnapshotInfo",
-           "Store", "Tree", "collect_garbage", "drop_damaged", "quarantine_usage", "tmp_name", "validate_relpath",
-           "validate_tree", "verify_snapshot"]
+           "Store", "StreamViews", "Tree", "collect_garbage", "drop_damaged", "quarantine_usage", "tmp_name",
+           "validate_relpath", "validate_tree", "verify_snapshot"]

@@ -10,6 +10,8 @@
     evicting/<id>.json            a manifest moved here commits an eviction; recovery finishes it
     partial/                      downloads in flight (*.part, *.journal, <key>.progress)
     locks/                        flock files for single flight
+    streams/<volume id>/…         a streaming volume's growing view: hard links to blobs, .weightcache/state
+                                  (weightcache/store/streams.py)
     quarantine/                   records and entries that failed validation, kept for a human to inspect
     reserve                       a preallocated file released when the disk is full, so the store can still
                                   write its index while it frees space
@@ -22,7 +24,10 @@ from urllib.parse import quote, unquote
 
 from weightcache.errors import DamagedRecordError
 from weightcache.store.fsops import QUARANTINE, Tree
+from weightcache.store.holders import volume_record_name
 from weightcache.store.records import SHA256_HEX, is_hex
+
+STREAMS_DIR = "streams"  # streaming volumes' views; the CSI plugin tells their mounts by it
 
 
 class Layout:
@@ -41,6 +46,7 @@ class Layout:
         self.evicting = self.root / "evicting"
         self.partial = self.root / "partial"
         self.locks = self.root / "locks"
+        self.streams = self.root / STREAMS_DIR
         self.quarantine = self.root / QUARANTINE
         self.reserve = self.root / "reserve"
 
@@ -48,7 +54,7 @@ class Layout:
         """Make every directory, replacing (and quarantining) any symlink or file planted in its place."""
         self.root.mkdir(parents=True, exist_ok=True)
         for d in (self.blobs, self.snapshots, self.manifests, self.refs, self.leases, self.pins, self.evicting,
-                  self.partial, self.locks, self.quarantine):
+                  self.partial, self.locks, self.streams, self.quarantine):
             self.tree.ensure_dir(d)
 
     def blob(self, sha256: str) -> Path:
@@ -79,6 +85,9 @@ class Layout:
     @staticmethod
     def holder_of(lease_file: Path) -> str:
         return unquote(lease_file.name)
+
+    def stream(self, volume_id: str) -> Path:
+        return self.streams / volume_record_name(volume_id)  # any 128 bytes CSI allows, as one file name
 
     def pin_dir(self, snapshot_id: str) -> Path:
         return self.pins / _name(snapshot_id)
