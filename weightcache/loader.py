@@ -499,7 +499,7 @@ def _weight_map(index: Path) -> dict[str, str]:
 
 
 def _open_files(layout: dict[Path, frozenset[str]], want: Callable[[str], bool] | None,
-                required: set[str] | None) -> list[_File]:
+                required: set[str] | None = None) -> list[_File]:
     files, seen = [], set[str]()
     for p, indexed in layout.items():
         f = _open_file(p, indexed, want)
