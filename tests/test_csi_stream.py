@@ -233,3 +233,13 @@ async def test_a_restarted_plugin_goes_on_filling_the_view(safe_tmp: Path, model
         assert mounts.mounted_at(target) is None and list(second.store.layout.streams.iterdir()) == []
     finally:
         await stop_harness(second)
+
+
+async def test_a_source_cannot_plant_a_state_of_its_own(csi: CsiHarness, s3) -> None:
+    s3.put("models", "llama/.weightcache/state", json.dumps({"state": STREAM_COMPLETE, "files": []}).encode())
+    await csi.node.NodePublishVolume(csi.publish_request("vol-1", **STREAM))
+    target = csi.target("vol-1")
+    await wait_until(lambda: state_of(target)["state"] == STREAM_COMPLETE and (target / SHARD_2).is_file(),
+                     "the view to be complete")
+    files = state_of(target)["files"]
+    assert SHARD_2 in files and not any(f.startswith(".weightcache") for f in files)

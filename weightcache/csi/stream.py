@@ -20,7 +20,7 @@ from weightcache.errors import WeightcacheError
 from weightcache.fetch import DurableFile
 from weightcache.redact import redact
 from weightcache.store import Snapshot, StreamViews
-from weightcache.vocabulary import STREAM_COMPLETE, STREAM_FAILED, STREAM_FETCHING
+from weightcache.vocabulary import STREAM_COMPLETE, STREAM_DIR, STREAM_FAILED, STREAM_FETCHING
 
 logger = logging.getLogger(__name__)
 
@@ -45,9 +45,9 @@ class StreamFill:
                 return
             try:
                 if self._planned is None:
-                    self._planned = sorted(p for p in durable.planned if self.grant.ref.matches(p))
+                    self._planned = sorted(p for p in durable.planned if self._shown(p))
                     self._views.write_state(self.volume_id, STREAM_FETCHING, self._planned)
-                if self.grant.ref.matches(entry.path):  # a file of the same fetch the grant leaves out: never
+                if self._shown(entry.path):  # a file of the same fetch the grant leaves out: never
                     self._link(entry.path, entry.sha256, entry.size)
             except (OSError, WeightcacheError) as exc:
                 self._fail_locked(exc)
@@ -59,7 +59,7 @@ class StreamFill:
             if self._closed or self._failed:
                 return False
             try:
-                files = [f for f in snapshot.files if self.grant.ref.matches(f.path)]
+                files = [f for f in snapshot.files if self._shown(f.path)]
                 for f in files:
                     self._link(f.path, f.sha256, f.size)
                 self._views.write_state(self.volume_id, STREAM_COMPLETE, [f.path for f in files])
@@ -83,6 +83,11 @@ class StreamFill:
         """(bytes, files) linked so far."""
         with self._lock:
             return sum(self._linked.values()), len(self._linked)
+
+    def _shown(self, relpath: str) -> bool:
+        """In the view: the grant selects it, and it is not under the view's own `.weightcache/` (a model's file
+        there is left out, so a source cannot plant a state of its own)."""
+        return self.grant.ref.matches(relpath) and relpath.split("/", 1)[0] != STREAM_DIR
 
     def _link(self, relpath: str, sha256: str, size: int) -> None:
         if relpath not in self._linked:
