@@ -373,13 +373,17 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
             source = snapshot.path
             if hf_repo is not None:
                 source = hub_cache(self._store, snapshot, hf_repo, refs=(revision,) if revision else ())
-            with self._targets.open_parent(record.target_path, create=True) as parent:
-                self._unmount_ours(parent, record.target_path)  # a stale mount of ours from a crashed attempt
-                mounts.bind_readonly_at(source, parent, "mount", record.target_path)
+            self._bind(source, record.target_path)
         except BaseException:
             self._book.remove(record.volume_id)
             self._store.release(record.holder)
             raise
+
+    def _bind(self, source: Path, target: str) -> None:
+        """Bind `source` read-only on `target`, walked once; a stale mount of ours from a crashed attempt goes first."""
+        with self._targets.open_parent(target, create=True) as parent:
+            self._unmount_ours(parent, target)
+            mounts.bind_readonly_at(source, parent, "mount", target)
 
     # ---- streaming views (csi/stream.py, docs/streaming-pods.md) ----
 
@@ -388,10 +392,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         yet: there is no snapshot to hold; the view's own hard links keep its blobs."""
         self._book.put(record)
         try:
-            view = self._views.create(record.volume_id)
-            with self._targets.open_parent(record.target_path, create=True) as parent:
-                self._unmount_ours(parent, record.target_path)  # a stale mount of ours from a crashed attempt
-                mounts.bind_readonly_at(view, parent, "mount", record.target_path)
+            self._bind(self._views.create(record.volume_id), record.target_path)
         except BaseException:
             self._book.remove(record.volume_id)
             self._views.remove(record.volume_id)
