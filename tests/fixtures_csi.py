@@ -99,13 +99,13 @@ def policy_for(uri: str) -> Authority:
     return Authority(model_caches=lambda: caches, allow_undeclared=lambda: False)
 
 
-def bind_readonly(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> mounts.MountEntry:
+def bind_readonly(source: str | os.PathLike[str], target: str | os.PathLike[str], **how: Any) -> mounts.MountEntry:
     """`mounts.bind_readonly_at` for a plain path: `target` and its parents are made when missing."""
     path = os.path.abspath(target)
     os.makedirs(os.path.dirname(path), mode=0o750, exist_ok=True)
     parent = os.open(os.path.dirname(path), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        return mounts.bind_readonly_at(source, parent, os.path.basename(path), path)
+        return mounts.bind_readonly_at(source, parent, os.path.basename(path), path, **how)
     finally:
         os.close(parent)
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import errno
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -67,3 +69,36 @@ def test_remove_target_never_deletes_contents(safe_tmp: Path) -> None:
     with pytest.raises(OSError):
         mounts.remove_target(target)
     assert (target / "keep").exists()
+
+
+# Run in a child mount namespace whose copy of the shared parent is a peer of ours (`--propagation unchanged`),
+# as the daemon's container is with its Bidirectional kubelet mount: what the host sees is what propagated.
+_PUBLISH_IN_CHILD_NS = """
+import sys
+from pathlib import Path
+from tests.fixtures_csi import bind_readonly
+bind_readonly(sys.argv[1], sys.argv[2], new_api=sys.argv[3] == "new", staging=Path(sys.argv[4]))
+"""
+
+
+@needs_root
+@pytest.mark.parametrize("api", ["new", "staged"])
+def test_bind_is_readonly_nosuid_nodev_in_the_namespaces_it_propagates_to(safe_tmp: Path, api: str) -> None:
+    shared = safe_tmp / "kubelet"
+    shared.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "kubelet-test", str(shared)], check=True)
+    subprocess.run(["mount", "--make-shared", str(shared)], check=True)
+    source = safe_tmp / "snapshot"
+    source.mkdir()
+    (source / "weights.bin").write_bytes(b"w" * 10)
+    target = shared / "pods" / "u" / "mount"
+    subprocess.run(["unshare", "-m", "--propagation", "unchanged", sys.executable, "-c", _PUBLISH_IN_CHILD_NS,
+                    str(source), str(target), api, str(safe_tmp / "staging")],
+                   check=True, cwd=Path(__file__).parent.parent)
+    entry = mounts.mounted_at(target)  # this test's namespace plays the host
+    assert entry is not None, "the bind did not propagate out of the daemon's namespace"
+    assert {"ro", "nosuid", "nodev"} <= entry.options, f"the host sees {sorted(entry.options)}"
+    with pytest.raises(OSError) as err:
+        (target / "weights.bin").write_bytes(b"x")
+    assert err.value.errno == errno.EROFS
+    assert mounts.mounted_at(safe_tmp / "staging") is None or not list((safe_tmp / "staging").iterdir())

@@ -1,7 +1,12 @@
 """Read-only bind mounts and the kernel's mount table, via mount(2)/umount2(2) and /proc/self/mountinfo.
 
-A snapshot is published by two syscalls: a plain bind, then a remount of that bind with
-`ro,nosuid,nodev` (the kernel ignores those flags on the first bind call). The result is verified by reading
+A snapshot is published read-only, nosuid, nodev in every mount namespace the target propagates to (the kubelet
+directory is a Bidirectional mount: the host and every container with it mounted see our binds). Flags set by a
+remount do not propagate to peers, so the mount is made read-only *before* it is attached: the new mount API
+clones the source detached (`open_tree(OPEN_TREE_CLONE)`), sets `ro,nosuid,nodev` on the clone (`mount_setattr`)
+and attaches it (`move_mount`); propagation copies the flags with the mount (kernel 5.12+). Where those syscalls
+are missing or refused (an older kernel, a seccomp filter), the bind and its remount happen on a private staging
+directory and the finished mount is moved onto the target (`MS_MOVE`). The result is verified by reading
 mountinfo, never assumed. All functions block: call them from a thread in async code.
 
 mountinfo line (proc(5)); spaces, tabs, newlines and backslashes in paths are written as octal escapes (\\040):
@@ -19,6 +24,7 @@ import errno
 import logging
 import os
 import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +33,13 @@ from weightcache.errors import InvalidRequestError, MountError
 
 logger = logging.getLogger(__name__)
 
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND = 1, 2, 4, 32, 4096
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_MOVE, MS_PRIVATE = 1, 2, 4, 32, 4096, 8192, 1 << 18
+# The new mount API (linux/mount.h; the syscall numbers are the same on every architecture since 5.x).
+SYS_OPEN_TREE, SYS_MOVE_MOUNT, SYS_MOUNT_SETATTR = 428, 429, 442
+OPEN_TREE_CLONE, OPEN_TREE_CLOEXEC, AT_EMPTY_PATH = 1, os.O_CLOEXEC, 0x1000
+MOVE_MOUNT_F_EMPTY_PATH, MOVE_MOUNT_T_EMPTY_PATH = 0x4, 0x40
+MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID, MOUNT_ATTR_NODEV = 1, 2, 4
+STAGING = Path("/run/weightcache/mount-staging")  # private: where the fallback finishes a mount before moving it
 UMOUNT_NOFOLLOW = 8  # a target that became a symlink is not followed to unmount something else
 READ_ONLY_OPTIONS = frozenset({"ro", "nosuid", "nodev"})
 MOUNTINFO = Path("/proc/self/mountinfo")
@@ -36,6 +48,7 @@ SCRATCH_SOURCE = "weightcache-engine-cache"  # the source of our tmpfs scratch m
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p]
 _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+_libc.syscall.restype = ctypes.c_long
 _ESCAPE = re.compile(r"\\([0-7]{3})")
 
 
@@ -97,21 +110,27 @@ def _syscall(name: str, rc: int, what: str) -> None:
         raise MountError(err, f"{name} failed for {what}: {os.strerror(err)}")
 
 
-def bind_readonly_at(source: str | os.PathLike[str], parent_fd: int, name: str, shown: str) -> MountEntry:
+class _MountAttr(ctypes.Structure):
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
+                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+
+
+def bind_readonly_at(source: str | os.PathLike[str], parent_fd: int, name: str, shown: str, *,
+                     new_api: bool = True, staging: Path = STAGING) -> MountEntry:
     """Bind-mount `source` read-only, nosuid, nodev on directory `name` (made if missing) of the directory open
-    as `parent_fd`; verified in mountinfo. The mount goes through /proc/self/fd/N of the directory's O_PATH fd,
-    so no path is resolved again after the caller walked it. `shown` names the target in errors."""
+    as `parent_fd`, attached with those flags already set so every peer of the target gets them too; verified in
+    mountinfo. The target is the directory's O_PATH fd, so no path is resolved again after the caller walked it.
+    `shown` names the target in errors. `new_api=False` takes the fallback (on `staging`) without trying."""
     src = os.fsencode(os.path.abspath(source))
     fd = open_dir(parent_fd, name, shown, create=True)
     try:
-        _syscall("mount --bind", _libc.mount(src, _fd_path(fd), None, MS_BIND, None), shown)
+        if not (new_api and _attach_readonly_clone(src, fd, shown)):
+            _attach_staged(src, fd, shown, staging)
     finally:
         os.close(fd)
     try:
         root = open_dir(parent_fd, name, shown, create=False)  # the new mount's root, not the directory under it
         try:
-            flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV
-            _syscall("remount ro,nosuid,nodev", _libc.mount(None, _fd_path(root), None, flags, None), shown)
             entry = _entry_of(root)
         finally:
             os.close(root)
@@ -122,6 +141,58 @@ def bind_readonly_at(source: str | os.PathLike[str], parent_fd: int, name: str, 
         unmount(shown)
         raise
     return entry
+
+
+def _attach_readonly_clone(src: bytes, target_fd: int, shown: str) -> bool:
+    """open_tree(OPEN_TREE_CLONE) -> mount_setattr(ro,nosuid,nodev) -> move_mount onto `target_fd`. False when
+    the kernel lacks or refuses the syscalls (ENOSYS, EPERM from a seccomp filter): the caller falls back. A clone
+    not attached is freed when its fd closes, so a failure leaves nothing mounted."""
+    tree = _libc.syscall(SYS_OPEN_TREE, -100, src, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC)  # -100: AT_FDCWD
+    if tree < 0:
+        err = ctypes.get_errno()
+        if err in (errno.ENOSYS, errno.EPERM):
+            return False
+        raise MountError(err, f"open_tree failed for {shown}: {os.strerror(err)}")
+    try:
+        attr = _MountAttr(attr_set=MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
+        if _libc.syscall(SYS_MOUNT_SETATTR, tree, b"", AT_EMPTY_PATH, ctypes.byref(attr), ctypes.sizeof(attr)) < 0:
+            err = ctypes.get_errno()
+            if err in (errno.ENOSYS, errno.EPERM):
+                return False
+            raise MountError(err, f"mount_setattr ro,nosuid,nodev failed for {shown}: {os.strerror(err)}")
+        flags = MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH
+        _syscall("move_mount", _libc.syscall(SYS_MOVE_MOUNT, tree, b"", target_fd, b"", flags), shown)
+    finally:
+        os.close(tree)
+    return True
+
+
+def _attach_staged(src: bytes, target_fd: int, shown: str, staging: Path) -> None:
+    """The fallback: bind and remount on a private staging directory, where nothing propagates, then MS_MOVE the
+    finished read-only mount onto the target; the move propagates it, flags and all."""
+    stage = Path(tempfile.mkdtemp(prefix="bind-", dir=_private_staging(staging)))
+    try:
+        _syscall("mount --bind", _libc.mount(src, bytes(stage), None, MS_BIND, None), shown)
+        try:
+            flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV
+            _syscall("remount ro,nosuid,nodev", _libc.mount(None, bytes(stage), None, flags, None), shown)
+            _syscall("mount --move", _libc.mount(bytes(stage), _fd_path(target_fd), None, MS_MOVE, None), shown)
+        except BaseException:
+            unmount(stage)
+            raise
+    finally:
+        os.rmdir(stage)
+
+
+def _private_staging(staging: Path) -> Path:
+    """`staging` as a private mount point of its own (a bind onto itself, then MS_PRIVATE, which is idempotent):
+    mounts made under it reach no peer, and the kernel refuses to MS_MOVE a mount whose parent is shared."""
+    staging.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = bytes(staging)
+    if mounted_at(staging) is None:
+        _syscall("mount --bind", _libc.mount(path, path, None, MS_BIND, None), str(staging))
+    _syscall("mount --make-private", _libc.mount(None, path, None, MS_PRIVATE, None), str(staging))
+    return staging
 
 
 def tmpfs_at(parent_fd: int, name: str, shown: str, *, size_bytes: int, inodes: int,
