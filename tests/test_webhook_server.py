@@ -7,13 +7,16 @@ import asyncio
 import base64
 import json
 import os
+import resource
 import signal
 import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -492,3 +495,72 @@ async def test_healthz_keeps_answering_while_maximal_reviews_run(guarded: Any) -
     for status, answer in await reviews:
         assert status == 200 and answer["response"]["allowed"] is True and "patch" in answer["response"]
     assert polls >= 3 and worst < 0.5, (polls, worst)
+
+
+# -- Hardening IV: shed TLS connections give their descriptors back ------------------------------------------------
+
+NOFILE = 512  # the descriptor limit the webhook runs under here; its listener holds at most 256 connections
+
+
+def _low_nofile() -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (NOFILE, NOFILE))
+
+
+def _descriptors(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+@pytest.mark.e2e
+async def test_shed_tls_connections_free_their_descriptors_under_a_low_ulimit(tmp_path: Path) -> None:
+    """Hardening IV: a shed (or timed-out) TLS connection was closed with `transport.close()`, which waits up to
+    30 s for the client's TLS close_notify: 700 clients that finish a handshake and half-send their headers (and
+    never read) took the webhook, under `ulimit -n 512`, to its last descriptor, and a fresh /healthz handshake
+    timed out. Shed connections are now aborted: the webhook holds about its cap and answers at once."""
+    write_service_certs(tmp_path, service=SERVICE, namespace=NAMESPACE)
+    ca = CertPair((tmp_path / "ca.crt").read_bytes())
+    proc = run_command("webhook", "--cert", str(tmp_path / "tls.crt"), "--key", str(tmp_path / "tls.key"),
+                       "--host", "127.0.0.1", "--port", "0", preexec_fn=_low_nofile)
+    context = client_context(ca)
+    socks: list[ssl.SSLSocket] = []
+    try:
+        line = await listening(proc)
+        port = int(line.split("127.0.0.1:")[1].split("/")[0])
+
+        def half_sent() -> None:
+            try:
+                tls = context.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=5),
+                                          server_hostname=SNI)
+                tls.sendall(b"POST /mutate HTTP/1.1\r\nHost: w\r\nX-Slow: ")  # and never reads
+            except OSError:  # the old code ran out of descriptors: later handshakes stall
+                return
+            socks.append(tls)
+
+        def flood() -> int:
+            peak, done = 0, threading.Event()
+
+            def watch() -> None:
+                nonlocal peak
+                while not done.wait(0.05):
+                    peak = max(peak, _descriptors(proc.pid))
+
+            watcher = threading.Thread(target=watch)
+            watcher.start()
+            with ThreadPoolExecutor(32) as pool:
+                list(pool.map(lambda _: half_sent(), range(700)))
+            done.set()
+            watcher.join()
+            return max(peak, _descriptors(proc.pid))
+
+        begun = time.monotonic()
+        held = await asyncio.to_thread(flood)
+        print(f"flood {time.monotonic() - begun:.1f}s, {len(socks)} clients, peak {held} descriptors")
+        started = time.monotonic()
+        assert await asyncio.wait_for(get(port, ca, "/healthz"), 5) == (200, "ok")
+        assert time.monotonic() - started < 2
+        assert len(socks) == 700, f"{700 - len(socks)} of 700 handshakes failed"
+        assert held < server.LIMITS.max_connections + 100, f"{held} descriptors of {NOFILE} held during the flood"
+    finally:
+        for sock in socks:
+            sock.close()
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.to_thread(proc.communicate, None, 30)

@@ -25,6 +25,13 @@ listener without it is the one a flood goes for. With `ssl_context` (the webhook
 the TCP accept: the TLS handshake runs inside it (`loop.start_tls`) and counts against the header deadline, so
 connections that never finish a handshake are shed and cut like half-sent headers (asyncio alone would let each
 hold a descriptor for its 60 s handshake timeout, uncounted).
+
+A connection the guard sheds or cuts is aborted (its 408 written first where there is one), never shut down:
+`close()` on a TLS transport sends close_notify and holds the descriptor until the client answers or asyncio's
+30 s shutdown timeout, so 700 half-sent TLS clients that never read kept a webhook under `ulimit -n 512` at its
+last descriptor (and a fresh handshake failed). The descriptors of aborted connections are counted (`closing`)
+until asyncio has closed them; a TLS shutdown that aiohttp itself starts (keep-alive timeout, `Connection:
+close`) waits at most `tls_shutdown_timeout_s` and holds its slot until the descriptor is gone.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ class Limits:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     idle_timeout_s: float = 15.0
+    tls_shutdown_timeout_s: float = 2.0  # a client answers close_notify in one round trip; asyncio waits 30 s
 
     def runner_args(self) -> dict[str, Any]:
         """aiohttp runner arguments: its keep-alive timeout closes connections idle between requests (it never
@@ -66,6 +74,7 @@ class GuardStats:
     """What the guard did; `active` is the number of open TCP connections it admitted."""
 
     active: int = 0
+    closing: int = 0  # connections the guard aborted whose descriptor asyncio has not closed yet
     refused: int = 0
     shed: int = 0  # half-sent requests closed to make room for a new connection
     header_timeouts: int = 0
@@ -105,6 +114,7 @@ class _Guard(asyncio.Protocol):
         self._early: list[bytes] = []  # TLS: plaintext that arrived with the handshake's last flight
         self._early_eof = False
         self._counted = False  # holds one of the `max_connections` slots
+        self._closing = False  # aborted by the guard, counted in `stats.closing` until its descriptor is gone
         self._timer: asyncio.TimerHandle | None = None  # fires at or before `_deadline`; rearmed lazily
         self._deadline: float | None = None  # loop time when the current phase (`_what`) must be complete
         self._what = "header"
@@ -117,7 +127,7 @@ class _Guard(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
-        if self._stats.active >= self._limits.max_connections:
+        if self._stats.active + self._stats.closing >= self._limits.max_connections:  # descriptors, not slots
             victim = next(iter(self._stats.waiting), None)
             if victim is None:  # every slot holds a real request
                 self._stats.refused += 1
@@ -138,7 +148,8 @@ class _Guard(asyncio.Protocol):
     async def _start_tls(self, raw: asyncio.Transport, context: ssl.SSLContext) -> None:
         try:
             plain = await asyncio.get_running_loop().start_tls(
-                raw, self, context, server_side=True, ssl_handshake_timeout=self._limits.header_timeout_s)
+                raw, self, context, server_side=True, ssl_handshake_timeout=self._limits.header_timeout_s,
+                ssl_shutdown_timeout=self._limits.tls_shutdown_timeout_s)
         except OSError:  # ssl.SSLError, a reset, the handshake timeout: the client's problem, counted and quiet
             if self._counted:
                 self._stats.handshake_failures += 1
@@ -148,6 +159,7 @@ class _Guard(asyncio.Protocol):
             self._stop_timer()
             self._release()
             raw.abort()
+            self._gone()  # the SSL protocol never hands this one's connection_lost to us
             return
         self._open(plain)
         for data in self._early:
@@ -180,16 +192,26 @@ class _Guard(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_timer()
         self._release()
+        self._gone()
         if self._admitted:
             self._admitted = False
             self._inner.connection_lost(exc)
 
-    def _release(self) -> None:
-        """Give the slot back (at once when shed: the new connection takes it before the old one is gone)."""
+    def _release(self, *, closing: bool = False) -> None:
+        """Give the slot back (at once when shed: the new connection takes it before the old one is gone; with
+        `closing`, its descriptor stays counted until `_gone`)."""
         self._stats.waiting.pop(self, None)
         if self._counted:
             self._counted = False
             self._stats.active -= 1
+        if closing and not self._closing:
+            self._closing = True
+            self._stats.closing += 1
+
+    def _gone(self) -> None:
+        if self._closing:
+            self._closing = False
+            self._stats.closing -= 1
 
     def pause_writing(self) -> None:
         self._inner.pause_writing()
@@ -290,22 +312,25 @@ class _Guard(asyncio.Protocol):
         self._close(what)
 
     def _close(self, what: str) -> None:
-        """Answer 408 and close (`what`: header, body or shed); the slot is free at once."""
+        """Answer 408 and abort (`what`: header, body or shed); the slot is free at once, the descriptor within
+        one turn of the loop (no TLS shutdown, no wait for a client that does not read)."""
         self._stop_timer()
-        self._release()
         transport = self._transport
         if transport is None or transport.is_closing():
+            self._release()
             return
-        if not self._admitted:  # mid-handshake: no TLS to answer over yet
-            transport.abort()
-            return
+        self._release(closing=True)
+        if self._admitted:  # mid-handshake there is no TLS to answer over yet
+            transport.write(self._timeout_answer(what))  # sent at once where the socket takes it, else dropped
+        transport.abort()
+
+    def _timeout_answer(self, what: str) -> bytes:
         why = {"header": f"the request's headers did not arrive within {self._limits.header_timeout_s:g}s",
                "body": f"the request's body did not arrive within {self._limits.body_timeout_s:g}s",
                "shed": "the listener needed this connection's slot while its request headers were incomplete"}[what]
         message = json.dumps({"error": "request_timeout", "message": f"{why}; send the whole request at once"}).encode()
-        transport.write(b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\nConnection: close\r\n"
-                        b"Content-Length: " + str(len(message)).encode() + b"\r\n\r\n" + message)
-        transport.close()
+        return (b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                b"Content-Length: " + str(len(message)).encode() + b"\r\n\r\n" + message)
 
 
 _FRAMING = re.compile(rb"\r\n[ \t]*(content-length|transfer-encoding)[ \t]*:([^\r]*)")
