@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from tests.fixtures_daemon import model_copy, off_cluster, short_dir, start_daemon, tiny_model  # noqa: F401
 from tests.fixtures_registry import (  # noqa: F401 - no_docker_config, registry: fixtures
     FILEPATH,
     MODEL_CONFIG,
@@ -112,6 +113,34 @@ def test_a_moved_tag_is_fetched_again_and_the_old_snapshot_stays(tmp_path: Path,
     store = Store(tmp_path / "root")
     assert tree(store.get(old.id)) == files("old")  # the old snapshot stays until evicted
     assert store.lookup(parse_ref(ref)) is not None and store.lookup(parse_ref(ref)).id == new.id  # type: ignore[union-attr]
+
+
+async def test_the_daemon_serves_what_a_moved_tag_names_now(short_dir: Path, model_copy: Path,
+                                                             registry: Registry) -> None:
+    """Hardening IV: the daemon's fast path (`MeteredFetcher.lookup`, what the fetch queue asks on every API
+    ensure, CSI publish and reconcile) was a plain store lookup: a moved tag was served stale. Through the
+    daemon's socket: push v1, ensure, move the tag, ensure again -> the new files, the old snapshot kept."""
+    ref = f"oci://{registry.host}/models/moving-daemon:v1"
+    registry.push("models/moving-daemon:v1", files("before"))
+    d = await start_daemon(short_dir, model_copy)
+    try:
+        async def ensure() -> dict[str, Any]:
+            async with d.http() as http, http.put("/v1/models?wait=1", json={"uri": ref}) as r:
+                assert r.status == 200, await r.text()
+                lines = [json.loads(line) async for line in r.content if line.strip()]
+            snapshot: dict[str, Any] = lines[-1]["snapshot"]
+            return snapshot
+
+        old = await ensure()
+        assert (await ensure())["id"] == old["id"]  # the tag names it still: a hit
+        registry.push("models/moving-daemon:v1", files("after"))
+        new = await ensure()
+        assert new["id"] != old["id"], "the daemon served the snapshot the tag no longer names"
+        snap = Store(d.root).get(new["id"])
+        assert tree(snap) == files("after")
+        assert tree(Store(d.root).get(old["id"])) == files("before")  # kept until evicted
+    finally:
+        await d.daemon.stop()
 
 
 def test_a_tag_served_from_cache_when_the_registry_cannot_say(tmp_path: Path) -> None:

@@ -60,8 +60,10 @@ class MeteredFetcher:
         return self._fetch.fetcher(self._store, ref, cancel=cancel)
 
     def lookup(self, grant: Grant) -> Snapshot | None:
-        """The cached snapshot (a hit), or None; blocking."""
-        cached = self._store.lookup(grant.ref)
+        """The cached snapshot (a hit), or None; blocking. The engine's own lookup: a hit of a moved tag is vetoed
+        (`Fetcher._still_named`), so the fetch queue, and every API ensure, CSI publish and reconcile behind it,
+        fetches what the tag names now instead of serving the old snapshot."""
+        cached = self._fetcher(grant.ref).lookup(grant)
         if cached is not None:
             self._metrics.cache_hits.labels(grant.ref.scheme).inc()
         return cached
