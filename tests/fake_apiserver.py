@@ -46,6 +46,16 @@ import kubernetes
 import pytest
 import yaml
 
+from tests.fake_rules import (
+    Attributes,
+    QuantityError,
+    Rbac,
+    User,
+    canonicalize_claim,
+    canonicalize_slice,
+    claim_status_errors,
+    drop_deallocated_devices,
+)
 from tests.fixtures_crd_cel import cel_errors
 
 Obj = dict[str, Any]
@@ -167,8 +177,13 @@ def _selector_matches(selector: str, labels: dict[str, str]) -> bool:
 class FakeApiServer:
     """In-memory API server. Use as a context manager; `api_client()` gives an official client pointed at it."""
 
-    def __init__(self, *, schemas: dict[str, Obj] | None = None, bookmark_interval: float | None = None) -> None:
+    def __init__(self, *, schemas: dict[str, Obj] | None = None, bookmark_interval: float | None = None,
+                 rbac: Rbac | None = None) -> None:
         self.schemas = schemas or {}  # plural -> openAPIV3Schema, validated on create/update like a CRD
+        # with `rbac`, every HTTP request needs a token from `token_for` and is authorized by these roles (the
+        # test's own direct calls act as cluster admin, as the scheduler and kubelet would)
+        self.rbac = rbac
+        self._tokens: dict[str, User] = {}
         self.bookmark_interval = bookmark_interval
         self.requests: list[RequestRecord] = []
         self.hang_watches = False
@@ -210,10 +225,35 @@ class FakeApiServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def api_client(self) -> kubernetes.client.ApiClient:
+    def api_client(self, token: str | None = None) -> kubernetes.client.ApiClient:
         config = kubernetes.client.Configuration()
         config.host = self.url
+        if token is not None:
+            config.api_key = {"authorization": token}
+            config.api_key_prefix = {"authorization": "Bearer"}
         return kubernetes.client.ApiClient(config)
+
+    def token_for(self, user: User) -> str:
+        """A bearer token that authenticates as `user` (a ServiceAccount's pod-bound token names its node)."""
+        token = uuid.uuid4().hex
+        self._tokens[token] = user
+        return token
+
+    def authenticate(self, header: str | None) -> User | None:
+        """The caller of an HTTP request: None (everything allowed) without `rbac`, else the token's user."""
+        if self.rbac is None:
+            return None
+        user = self._tokens.get((header or "").removeprefix("Bearer ").strip())
+        if user is None:
+            raise ApiError(401, "Unauthorized", "Unauthorized")
+        return user
+
+    def authorize(self, user: User | None, attrs: Attributes) -> None:
+        if self.rbac is not None and not self.rbac.allows(user, attrs):
+            assert user is not None
+            res = RESOURCES.get(attrs.resource)
+            raise ApiError(403, "Forbidden", attrs.forbidden(user),
+                           {"name": attrs.name, "group": attrs.group, "kind": res.plural if res else attrs.resource})
 
     # test controls --------------------------------------------------------------------------------------------
     @property
@@ -282,6 +322,7 @@ class FakeApiServer:
             raise ApiError(400, "BadRequest", "the namespace of the provided object does not match the namespace sent on the request")
         if res.namespaced:
             meta["namespace"] = namespace
+        self._decode(res, obj)
         if not meta.get("name") and meta.get("generateName"):
             meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
         self._validate(res, obj)
@@ -299,7 +340,8 @@ class FakeApiServer:
                 meta["generation"] = 1
             return self._commit(res, namespace, name, obj, "ADDED")
 
-    def update(self, plural: str, name: str, obj: Obj, *, namespace: str = "", subresource: str = "") -> Obj:
+    def update(self, plural: str, name: str, obj: Obj, *, namespace: str = "", subresource: str = "",
+               user: User | None = None) -> Obj:
         """Replace an object (PUT) with the real server's precondition and subresource rules."""
         res = RESOURCES[plural]
         with self._cond:
@@ -309,9 +351,10 @@ class FakeApiServer:
                 raise ApiError(400, "BadRequest", "the name of the object does not match the name on the URL")
             if res.custom and not meta.get("resourceVersion"):
                 raise self._invalid(res, name, "metadata.resourceVersion", "must be specified for an update")
-            return self._write(res, namespace, name, old, copy.deepcopy(obj), subresource)
+            return self._write(res, namespace, name, old, copy.deepcopy(obj), subresource, "update", user)
 
-    def patch(self, plural: str, name: str, body: Any, content_type: str, *, namespace: str = "", subresource: str = "") -> Obj:
+    def patch(self, plural: str, name: str, body: Any, content_type: str, *, namespace: str = "", subresource: str = "",
+              user: User | None = None) -> Obj:
         res = RESOURCES[plural]
         kind = content_type.split(";")[0].strip().lower()
         allowed = ["application/json-patch+json", "application/merge-patch+json"]
@@ -334,7 +377,7 @@ class FakeApiServer:
                 if not isinstance(body, dict):
                     raise ApiError(400, "BadRequest", "json: cannot unmarshal array into Go value of type map[string]interface {}")
                 new = merge_patch(old, body)
-            return self._write(res, namespace, name, old, new, subresource)
+            return self._write(res, namespace, name, old, new, subresource, "patch", user)
 
     def delete(self, plural: str, name: str, namespace: str = "") -> Obj:
         res = RESOURCES[plural]
@@ -355,7 +398,8 @@ class FakeApiServer:
             raise self._not_found(res, name)
         return copy.deepcopy(obj)
 
-    def _write(self, res: Resource, namespace: str, name: str, old: Obj, new: Obj, subresource: str) -> Obj:
+    def _write(self, res: Resource, namespace: str, name: str, old: Obj, new: Obj, subresource: str,
+               verb: str = "update", user: User | None = None) -> Obj:
         if subresource not in ("", "status") or (subresource and not res.status_subresource):
             raise ApiError(404, "NotFound", "the server could not find the requested resource")
         want_rv = (new.get("metadata") or {}).get("resourceVersion")
@@ -380,14 +424,50 @@ class FakeApiServer:
             if key in old["metadata"]:
                 meta[key] = old["metadata"][key]
         result["apiVersion"], result["kind"] = res.api_version, res.kind
+        self._decode(res, result)
         self._validate(res, result)
         if res.plural == "pods" and not subresource:
             _check_pod_update(name, old.get("spec") or {}, result.get("spec") or {})
+        if res.plural == "pods" and subresource:
+            _check_pod_status(name, result)
+        if res.plural == "resourceclaims" and subresource:
+            self._check_claim_status(name, namespace, result, old, verb, user)
+        if res.plural == "resourceclaimtemplates" and result.get("spec") != old.get("spec"):
+            raise self._invalid(res, name, "spec", f"Invalid value: {json.dumps(result.get('spec'))}: field is immutable")
         if res.custom and result.get("spec") != old.get("spec"):
             meta["generation"] = old["metadata"].get("generation", 1) + 1
         if _without_rv(result) == _without_rv(old):
             return copy.deepcopy(old)  # a no-op write does not bump resourceVersion, like the real server
         return self._commit(res, namespace, name, result, "MODIFIED")
+
+    def _check_claim_status(self, name: str, namespace: str, new: Obj, old: Obj, verb: str, user: User | None) -> None:
+        """resourceclaimStatusStrategy: device entries of deallocated devices go; with RBAC on, who may change
+        `status.devices` and `status.allocation` (tests/fake_rules.py)."""
+        status, before = new.setdefault("status", {}), old.get("status") or {}
+        drop_deallocated_devices(status, before)
+        if self.rbac is None:
+            return
+        errors = claim_status_errors(self.rbac, user, verb, namespace, status, before)
+        if errors:
+            parts = [f"{f}: Forbidden: {d}" for f, d in errors]  # field.ErrorList.ToAggregate()'s text
+            text = parts[0] if len(parts) == 1 else f"[{', '.join(parts)}]"
+            raise ApiError(422, "Invalid", f'ResourceClaim.resource.k8s.io "{name}" is invalid: {text}',
+                           {"name": name, "group": "resource.k8s.io", "kind": "ResourceClaim",
+                            "causes": [{"reason": "FieldValueForbidden", "message": f"Forbidden: {d}", "field": f}
+                                       for f, d in errors]})
+
+    def _decode(self, res: Resource, obj: Obj) -> None:
+        """What decoding does to a body before anything compares or stores it: quantities become canonical."""
+        try:
+            if res.plural == "resourceslices":
+                canonicalize_slice(obj)
+            elif res.plural == "resourceclaims":
+                canonicalize_claim(obj)
+            elif res.plural == "resourceclaimtemplates":
+                canonicalize_claim(obj.get("spec") or {})
+        except QuantityError as exc:
+            raise ApiError(400, "BadRequest", f"{res.kind} in version \"{res.version}\" cannot be handled as a "
+                           f"{res.kind}: {exc}") from None
 
     def _commit(self, res: Resource, namespace: str, name: str, obj: Obj, kind: str) -> Obj:
         if (edit := self.on_store.get(res.plural)) is not None:
@@ -550,14 +630,19 @@ class _Handler(BaseHTTPRequestHandler):
                                   "goVersion": "go1.25", "compiler": "gc", "platform": "linux/amd64"})
                 return
             res, ns, name, sub = self._route(parts.path)
+            user = api.authenticate(self.headers.get("Authorization"))
+            watch = method == "GET" and not name and query.get("watch") in _TRUE
+            verb = {"GET": "watch" if watch else "get" if name else "list", "POST": "create", "PUT": "update",
+                    "PATCH": "patch", "DELETE": "delete" if name else "deletecollection"}[method]
+            api.authorize(user, Attributes(verb, res.group, res.plural, sub, ns, name))
             if body is not None and "json" not in (content_type or "") and method in ("POST", "PUT"):
                 raise ApiError(415, "UnsupportedMediaType", "the body of the request was in an unknown format - accepted media types include: application/json")
             if isinstance(body, str) and "json" in (content_type or ""):
                 raise ApiError(400, "BadRequest", "the request body is not valid JSON")
-            if method == "GET" and not name and query.get("watch") in _TRUE:
+            if watch:
                 self._watch(api, res, ns, query)
                 return
-            self._reply(*self._handle(api, method, res, ns, name, sub, query, body, content_type or ""))
+            self._reply(*self._handle(api, method, res, ns, name, sub, query, body, content_type or "", user))
         except ApiError as exc:
             self._reply(exc.status["code"], exc.status)
 
@@ -575,7 +660,7 @@ class _Handler(BaseHTTPRequestHandler):
         return res, groups["ns"] or "", groups["name"] or "", groups["sub"] or ""
 
     def _handle(self, api: FakeApiServer, method: str, res: Resource, ns: str, name: str, sub: str,
-                query: dict[str, str], body: Any, content_type: str) -> tuple[int, Obj]:
+                query: dict[str, str], body: Any, content_type: str, user: User | None) -> tuple[int, Obj]:
         not_allowed = ApiError(405, "MethodNotAllowed", "the server does not allow this method on the requested resource")
         if not name:
             if method == "GET":
@@ -595,9 +680,9 @@ class _Handler(BaseHTTPRequestHandler):
         if method == "PUT":
             if not isinstance(body, dict):
                 raise ApiError(400, "BadRequest", "the request body must be a JSON object")
-            return 200, api.update(res.plural, name, body, namespace=ns, subresource=sub)
+            return 200, api.update(res.plural, name, body, namespace=ns, subresource=sub, user=user)
         if method == "PATCH":
-            return 200, api.patch(res.plural, name, body, content_type, namespace=ns, subresource=sub)
+            return 200, api.patch(res.plural, name, body, content_type, namespace=ns, subresource=sub, user=user)
         if method == "DELETE" and not sub:
             return 200, api.delete(res.plural, name, ns)
         raise not_allowed
@@ -684,6 +769,41 @@ _POD_FORBIDDEN = ("Forbidden: pod updates may not change fields other than `spec
                   "`spec.initContainers[*].image`, `spec.activeDeadlineSeconds`, `spec.tolerations` (only additions "
                   "to existing tolerations), `spec.terminationGracePeriodSeconds` (allow it to be set to 1 if it was "
                   "previously negative)")
+
+
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def _check_pod_status(name: str, pod: Obj) -> None:
+    """validatePodExtendedResourceClaimStatus (pkg/apis/core/validation): the scheduler's record of the claim it made
+    for a pod's DRA extended resources names the pod's containers, their requested resources and the claim."""
+    status = (pod.get("status") or {}).get("extendedResourceClaimStatus")
+    if status is None:
+        return
+    path = "status.extendedResourceClaimStatus"
+    spec = pod.get("spec") or {}
+    containers = {c.get("name"): c for c in [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]}
+    errors: list[str] = []
+    mappings = status.get("requestMappings") or []
+    if not mappings:
+        errors.append(f"{path}.requestMappings: Required value: at least one request mapping is required")
+    for i, m in enumerate(mappings):
+        container = containers.get(m.get("containerName"))
+        if container is None:
+            errors.append(f"{path}.requestMappings[{i}].containerName: Invalid value: {m.get('containerName')!r}: must "
+                          "match the name of an entry in spec.initContainers.name or spec.containers.name")
+        elif m.get("resourceName") not in ((container.get("resources") or {}).get("requests") or {}):
+            errors.append(f"{path}.requestMappings[{i}].resourceName: Invalid value: {m.get('resourceName')!r}: must "
+                          "match the extended resource name of an entry in spec.initContainers.resources.requests or "
+                          "spec.containers.resources.requests")
+        if not _DNS_LABEL.match(str(m.get("requestName") or "")):
+            errors.append(f"{path}.requestName: Invalid value: {m.get('requestName')!r}: a lowercase RFC 1123 label")
+    claim = str(status.get("resourceClaimName") or "")
+    if not claim or not _DNS_SUBDOMAIN.match(claim):
+        errors.append(f"{path}.resourceClaimName: Required value")
+    if errors:
+        text = errors[0] if len(errors) == 1 else f"[{', '.join(errors)}]"
+        raise ApiError(422, "Invalid", f'Pod "{name}" is invalid: {text}', {"name": name, "kind": "Pod"})
 
 
 def _check_pod_update(name: str, old: Obj, new: Obj) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from tests.fake_apiserver import FakeApiServer
+from tests.fake_rules import daemon_user, shipped_rbac
 from tests.fixtures_daemon import eventually
 from tests.fixtures_dra import NODE, Kubelet
 from tests.fixtures_k8s_schema import validate_strict
@@ -66,11 +67,19 @@ class Node:
         """What the scheduler writes: the claim, then an allocation result copying the device's conditions."""
         claim = self.api.create("resourceclaims", {"metadata": {"name": name}, "spec": {"devices": {"requests": [
             {"name": "model", "exactly": {"deviceClassName": DRIVER_NAME}}]}}}, namespace)
-        claim["status"] = {"allocation": {"devices": {"results": [{
-            "request": "model", "driver": DRIVER_NAME, "pool": NODE, "device": device_name(self.key),
-            "bindingConditions": [MODEL_READY], "bindingFailureConditions": [MODEL_FAILED]}]},
-            "allocationTimestamp": "2026-01-01T00:00:00Z"}}
+        claim["status"] = allocation(self.key)
         return self.api.update("resourceclaims", name, claim, namespace=namespace, subresource="status")
+
+
+def allocation(key: str, at: str = "2026-01-01T00:00:00Z") -> dict[str, Any]:
+    """The scheduler's allocation of the model's fetchable device on NODE (a node-local pool: the node selector
+    names the node, which is what lets the daemon's node-bound token write the device's status)."""
+    return {"allocation": {
+        "devices": {"results": [{"request": "model", "driver": DRIVER_NAME, "pool": NODE, "device": device_name(key),
+                                 "bindingConditions": [MODEL_READY], "bindingFailureConditions": [MODEL_FAILED]}]},
+        "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
+            {"key": "metadata.name", "operator": "In", "values": [NODE]}]}]},
+        "allocationTimestamp": at}}
 
 
 def verdict(api: FakeApiServer, namespace: str, name: str) -> dict[str, Any] | None:
@@ -97,15 +106,16 @@ async def node() -> AsyncIterator[Node]:
     def resolve(key: str) -> Any:
         return declared(caches).get(key)
 
-    with FakeApiServer() as api:
+    with FakeApiServer(rbac=shipped_rbac()) as api:  # the daemon's token and the shipped RBAC, as on 1.36
+        client = api.api_client(api.token_for(daemon_user(NODE)))
         held = lambda: {model_key(i.snapshot.uri) for i in store.list()}  # noqa: E731
-        publisher = SlicePublisher(api.api_client(), NODE,
+        publisher = SlicePublisher(client, NODE,
                                    lambda: fetchable_devices(declared(caches).values(), held=held()),
                                    counters=lambda: cache_counters(BUDGET - store.used_bytes()))
-        binder = ClaimBinder(api.api_client(), pool=NODE, store=store, authority=authority, resolve=resolve,
+        binder = ClaimBinder(client, pool=NODE, store=store, authority=authority, resolve=resolve,
                              fetch=lambda grant: queue.ensure(grant, keep=True))
         plugin = await serve_dra(store=store, pool=NODE, kubelet_dir=root / "kubelet", cdi_dir=root / "cdi",
-                                 authority=authority, claims=claim_reader(api.api_client()), fetchable=resolve,
+                                 authority=authority, claims=claim_reader(client), fetchable=resolve,
                                  binder=binder)
         kubelet = Kubelet(root / "kubelet")
         try:
@@ -207,3 +217,42 @@ def test_the_prioritized_template_prefers_a_held_device_then_a_fetchable_one(tmp
         key = model_key(uri)
         assert all((n == f"f-{key}") if wanted == "fetch" else n.startswith(f"m-{held.id}") for n in chosen[1])
     store.close()
+
+
+async def test_a_reallocation_after_model_failed_is_answered_and_fetches_again(node: Node) -> None:
+    """A transient fetch failure (the source is not there yet) answers model-failed; the scheduler un-allocates
+    (the API server drops the device's status) and allocates the same device to the same claim again: that new
+    allocation is a new question, answered at once with a new fetch."""
+    source = Path(node.uri.removeprefix("file://"))
+    hidden = source.with_name("llama-later")
+    source.rename(hidden)
+    node.allocate("ml", "c4")
+    failed = await eventually(lambda: verdict(node.api, "ml", "c4"), timeout=30, what="model-failed")
+    assert failed["type"] == MODEL_FAILED and failed["reason"] == "FetchFailed", failed
+
+    claim = node.api.get("resourceclaims", "c4", "ml")
+    claim["status"] = {}  # the scheduler un-allocates after a binding failure
+    claim = node.api.update("resourceclaims", "c4", claim, namespace="ml", subresource="status")
+    assert "devices" not in claim["status"]  # dropped with the allocation, as the API server does
+    hidden.rename(source)
+    claim["status"] = allocation(node.key, at="2026-01-01T00:00:07Z")
+    node.api.update("resourceclaims", "c4", claim, namespace="ml", subresource="status")
+    ready = await eventually(lambda: verdict(node.api, "ml", "c4"), timeout=30, what="the second allocation's answer")
+    assert ready["type"] == MODEL_READY, ready
+
+
+async def test_a_refused_status_write_is_retried_on_its_own_clock_and_logged_whole(
+        node: Node, caplog: pytest.LogCaptureFixture) -> None:
+    """Without the 1.36 `resourceclaims/driver` grant the API server refuses the condition with a 422 whose end
+    names the missing permission; once RBAC is fixed the binder's own retry lands it, with no claim event."""
+    node.api.rbac = shipped_rbac().without("resourceclaims/driver")
+    node.allocate("intruder", "c5")
+    await asyncio.to_thread(node.api.wait_requests, "PATCH", "/resourceclaims/c5/status", 1, 30)
+    await eventually(lambda: "failed" in caplog.text, what="the refusal in the log")
+    assert 'verb="[associated-node:patch arbitrary-node:patch]"' in caplog.text
+    assert 'cannot associated-node:patch resource \\"resourceclaims/driver\\"' in caplog.text \
+        or 'cannot associated-node:patch resource "resourceclaims/driver"' in caplog.text
+    assert verdict(node.api, "intruder", "c5") is None
+    node.api.rbac = shipped_rbac()
+    failed = await eventually(lambda: verdict(node.api, "intruder", "c5"), timeout=10, what="the retried write")
+    assert failed["reason"] == "NotAllowed"

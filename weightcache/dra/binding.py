@@ -13,8 +13,16 @@ fetchable device of this node's pool with the binding condition `weightcache.io/
      `FetchFailed`; the scheduler then binds the pod, or un-allocates the claim and tries again.
 
 The status is written with a JSON merge patch carrying the claim's resourceVersion (a conflict re-reads and
-retries), keeping every other driver's entries and conditions. A lease taken for a claim that is deleted before
-it was prepared is released at the next event.
+retries), keeping every other driver's entries and conditions. A write the API server refuses, or one that does
+not reach it, is tried again on the binder's own clock (1 s, doubling to 30 s), not on the next ResourceClaim
+event, until it lands or the allocation it answers is gone; each failure is logged with the server's whole reason
+(on 1.36 a missing `resourceclaims/driver` grant is named at the end of a long 422). A lease taken for a claim
+that is deleted before it was prepared is released at the next event.
+
+An answer belongs to one allocation, not to the claim: after `model-failed` the scheduler un-allocates the claim
+(the API server then drops its `status.devices` entries) and may allocate the same device to it again, which is a
+new question. So what was answered is keyed by (claim uid, device, allocation), the allocation named by its
+`allocationTimestamp` and results, and forgotten once the claim no longer holds that allocation.
 """
 
 from __future__ import annotations
@@ -23,6 +31,8 @@ import asyncio
 import contextlib
 import datetime
 import functools
+import hashlib
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -44,12 +54,35 @@ GROUP = "resource.k8s.io"
 PLURAL = "resourceclaims"
 Resolve = Callable[[str], Fetchable | None]  # model key -> the model a ModelCache offers, or None
 Fetch = Callable[[Grant], Awaitable[Snapshot]]
+Answer = tuple[str, str, str]  # (claim uid, device, allocation id)
+RETRY_FIRST_S, RETRY_MAX_S = 1.0, 30.0  # a refused status write is tried again after 1 s, doubling to 30 s
+
+
+class AllocationGone(Exception):
+    """The allocation a verdict answers is no longer the claim's: nothing to write."""
 
 
 def condition(kind: str, reason: str, message: str) -> dict[str, Any]:
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     return {"type": kind, "status": "True", "reason": reason, "message": shorten(message, 1000),
             "lastTransitionTime": now}
+
+
+def allocation_id(claim: dict[str, Any]) -> str:
+    """Names the claim's current allocation: the scheduler stamps each allocation (`allocationTimestamp`, whole
+    seconds), and the results distinguish two allocations within one second; '' when not allocated."""
+    allocation = (claim.get("status") or {}).get("allocation")
+    if not allocation:
+        return ""
+    results = ((allocation.get("devices") or {}).get("results")) or []
+    digest = hashlib.sha256(json.dumps(results, sort_keys=True).encode()).hexdigest()[:16]
+    return f"{allocation.get('allocationTimestamp', '')}/{digest}"
+
+
+def allocated(claim: dict[str, Any], pool: str) -> set[str]:
+    """This driver's devices of `pool` in the claim's allocation."""
+    results = ((((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results")) or []
+    return {str(r.get("device")) for r in results if r.get("driver") == DRIVER_NAME and r.get("pool") == pool}
 
 
 def pending(claim: dict[str, Any], pool: str) -> list[str]:
@@ -81,9 +114,10 @@ class ClaimBinder:
         self._resolve = resolve
         self._fetch = fetch
         self._version = api_version
-        self._tasks: dict[tuple[str, str], asyncio.Task[None]] = {}
-        self._done: set[tuple[str, str]] = set()
+        self._tasks: dict[Answer, asyncio.Task[None]] = {}
+        self._done: set[Answer] = set()
         self.timings: dict[tuple[str, str], float] = {}  # (claim uid, device) -> seconds to the verdict
+        self.retry_first_s = RETRY_FIRST_S
 
     async def run(self) -> None:
         from weightcache.kube.watch import ModelCacheWatcher
@@ -114,15 +148,19 @@ class ClaimBinder:
             await asyncio.to_thread(watcher.stop)
 
     async def _scan(self, claims: list[dict[str, Any]]) -> None:
-        live = set()
+        live: set[str] = set()
+        held: set[Answer] = set()  # every (claim, device, allocation) the claims hold now, answered or not
         for claim in claims:
             uid = str((claim.get("metadata") or {}).get("uid", ""))
             live.add(uid)
+            alloc = allocation_id(claim)
+            held |= {(uid, device, alloc) for device in allocated(claim, self._pool)}
             for device in pending(claim, self._pool):
-                key = (uid, device)
+                key = (uid, device, alloc)
                 if key not in self._tasks and key not in self._done:
-                    self._tasks[key] = asyncio.create_task(self._bind(claim, device), name=f"dra-bind-{device}")
-        self._done = {k for k in self._done if k[0] in live}
+                    self._tasks[key] = asyncio.create_task(self._bind(claim, device, alloc),
+                                                           name=f"dra-bind-{device}")
+        self._done &= held  # an answer is forgotten with its allocation: a re-allocation is asked anew
         await asyncio.to_thread(self._release_gone, live)
 
     def _release_gone(self, live: set[str]) -> None:
@@ -133,22 +171,34 @@ class ClaimBinder:
                 self._store.release(holder)
                 log.info("released %s: its claim is gone and was never prepared", holder)
 
-    async def _bind(self, claim: dict[str, Any], device: str) -> None:
+    async def _bind(self, claim: dict[str, Any], device: str, alloc: str) -> None:
+        from weightcache.kube.client import api_reason
+
         meta = claim.get("metadata") or {}
         namespace, name, uid = str(meta.get("namespace")), str(meta.get("name")), str(meta.get("uid"))
         started = time.monotonic()
+        delay = self.retry_first_s
         try:
             verdict = await self._verdict(namespace, uid, device)
-            await asyncio.to_thread(self._set, namespace, name, device, verdict)
-            self._done.add((uid, device))
+            while True:
+                try:
+                    await asyncio.to_thread(self._set, namespace, name, uid, device, alloc, verdict)
+                    break
+                except AllocationGone as exc:
+                    log.info("claim %s/%s device %s: not answered, %s", namespace, name, device, exc)
+                    return
+                except Exception as exc:  # refused or unreachable: again on our own clock, not on the next event
+                    log.warning("setting the binding condition %s of claim %s/%s device %s failed: %s; trying again "
+                                "in %.0f s", verdict["type"], namespace, name, device,
+                                shorten(api_reason(exc), 4000), delay)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, RETRY_MAX_S)
+            self._done.add((uid, device, alloc))
             self.timings[(uid, device)] = time.monotonic() - started
             log.info("claim %s/%s device %s: %s %s (%.1f s after allocation was seen)", namespace, name, device,
                      verdict["type"], verdict["reason"], time.monotonic() - started)
-        except Exception as exc:  # the API write failed: the next event tries again
-            log.warning("setting the binding condition of claim %s/%s failed: %s", namespace, name,
-                        shorten(str(exc), 300))
         finally:
-            self._tasks.pop((uid, device), None)
+            self._tasks.pop((uid, device, alloc), None)
 
     async def _verdict(self, namespace: str, uid: str, device: str) -> dict[str, Any]:
         key = key_of(device) or ""
@@ -171,13 +221,22 @@ class ClaimBinder:
         return condition(MODEL_READY, "Fetched", f"{model.ref.uri} is in the node's store as snapshot "
                          f"{snapshot.id} ({snapshot.size} bytes, {time.monotonic() - started:.1f} s)")
 
-    def _set(self, namespace: str, name: str, device: str, verdict: dict[str, Any]) -> None:
-        """Merge the condition into the claim's status.devices entry; a conflict re-reads and retries."""
+    def _set(self, namespace: str, name: str, uid: str, device: str, alloc: str, verdict: dict[str, Any]) -> None:
+        """Merge the condition into the claim's status.devices entry; a conflict re-reads and retries. Raises
+        AllocationGone when the claim no longer holds the allocation the verdict answers."""
         import kubernetes
 
         for attempt in range(5):
-            claim = self._api.get_namespaced_custom_object(GROUP, self._version, namespace, PLURAL, name,
-                                                           _request_timeout=API_TIMEOUT_S)
+            try:
+                claim = self._api.get_namespaced_custom_object(GROUP, self._version, namespace, PLURAL, name,
+                                                               _request_timeout=API_TIMEOUT_S)
+            except kubernetes.client.ApiException as exc:
+                if exc.status == 404:
+                    raise AllocationGone("the claim was deleted") from None
+                raise
+            if str(claim["metadata"].get("uid")) != uid or allocation_id(claim) != alloc \
+                    or device not in allocated(claim, self._pool):
+                raise AllocationGone("the claim was allocated anew or un-allocated since")
             entries = list((claim.get("status") or {}).get("devices") or [])
             ours = {"driver": DRIVER_NAME, "pool": self._pool, "device": device}
             index = next((i for i, e in enumerate(entries)

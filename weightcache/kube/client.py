@@ -6,6 +6,7 @@ would also drop the namespace policy that cluster mode enforces. Nothing here lo
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -15,6 +16,21 @@ import kubernetes
 from weightcache.errors import ConfigError
 
 log = logging.getLogger(__name__)
+
+
+def status_message(exc: kubernetes.client.ApiException) -> str:
+    """The API server's own reason (the `Status` body's message, whole), never the raw response: it has headers."""
+    try:
+        return str(json.loads(exc.body or "{}").get("message") or exc.reason)
+    except (ValueError, AttributeError):
+        return str(exc.reason)
+
+
+def api_reason(exc: BaseException) -> str:
+    """A failed API call, for a log line: `HTTP 422: <the server's whole message>`, or the transport error."""
+    if isinstance(exc, kubernetes.client.ApiException):
+        return f"HTTP {exc.status}: {status_message(exc)}"
+    return f"{type(exc).__name__}: {exc}"
 
 def in_cluster() -> bool:
     """True inside a pod with a service account (the same test the official client's in-cluster loader makes)."""

@@ -21,6 +21,7 @@ from kubernetes.client.exceptions import ApiException
 
 from weightcache.errors import ClusterError
 from weightcache.kube import API_VERSION, GROUP, MODELCACHE_KIND, MODELCACHENODES, MODELCACHES, VERSION
+from weightcache.kube.client import status_message
 from weightcache.kube.report import ModelState, from_wire
 from weightcache.units import fmt_bytes
 from weightcache.uri import ModelRef, model_key
@@ -310,16 +311,9 @@ def _call(what: str, fn: Callable[[], T]) -> T:
                            "check `kubectl cluster-info` and KUBECONFIG") from exc
 
 
-def _status_message(exc: ApiException) -> str:
-    try:
-        return str(json.loads(exc.body or "{}").get("message") or exc.reason)
-    except (ValueError, AttributeError):
-        return str(exc.reason)
-
-
 def _translate(exc: ApiException, what: str) -> ClusterError:
     """One table from HTTP status to a message that says what to do (never the raw response: it has headers)."""
-    msg = _status_message(exc)
+    msg = status_message(exc)
     hints = {
         401: "the kubeconfig credentials were refused; log in again (kubectl get nodes should work)",
         403: f"forbidden: {msg}; {_RBAC_HINT}",
