@@ -1,6 +1,13 @@
-"""Shared fixtures. Each part keeps its fixtures in its own tests/fixtures_*.py; shared ones are re-exported here."""
+"""Shared fixtures. Each part keeps its fixtures in its own tests/fixtures_*.py, registered here once: a test names a
+fixture as a parameter and imports only the helpers (classes, functions, constants) it calls."""
 
-from tests.fixtures_daemon import off_cluster  # noqa: F401 - autouse: no real kubeconfig reaches any test
-from tests.fixtures_dra import dra, dra_api  # noqa: F401
-from tests.fixtures_hf import hub_loader  # noqa: F401
-from tests.fixtures_s3 import fault_proxy, s3, s3_server  # noqa: F401
+pytest_plugins = [  # a module another imports comes first, so pytest registers it before the import (assert rewrite)
+    "tests.fixtures_s3",
+    "tests.fixtures_csi",
+    "tests.fixtures_daemon",  # autouse off_cluster: no real kubeconfig reaches any test
+    "tests.fixtures_dra",
+    "tests.fixtures_hf",
+    "tests.fixtures_hub",
+    "tests.fixtures_kube",  # apiserver, cluster: the stand-in API server
+    "tests.fixtures_registry",  # autouse no_docker_config: no developer's docker credentials reach any test
+]

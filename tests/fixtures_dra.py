@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -147,20 +147,14 @@ async def start_plugin(root: Path, store: Store, api: FakeApiServer, policy: Any
 
 
 @pytest.fixture
-def dra_api() -> Iterator[FakeApiServer]:
-    with FakeApiServer() as server:
-        yield server
-
-
-@pytest.fixture
-async def dra(dra_api: FakeApiServer) -> AsyncIterator[DraHarness]:
+async def dra(apiserver: FakeApiServer) -> AsyncIterator[DraHarness]:
     tmp_path = Path(tempfile.mkdtemp(prefix="dra-", dir="/tmp"))  # Unix socket paths are limited to 107 bytes
     store = Store(tmp_path / "store")
     snapshots = fetch_models(store, tmp_path / "src", 2)
     policy = namespace_policy(ALLOWED_NS, store)
-    plugin = await start_plugin(tmp_path, store, dra_api, policy)
+    plugin = await start_plugin(tmp_path, store, apiserver, policy)
     kubelet = Kubelet(tmp_path / "kubelet")
-    harness = DraHarness(tmp_path, store, dra_api, snapshots, plugin, kubelet, policy)
+    harness = DraHarness(tmp_path, store, apiserver, snapshots, plugin, kubelet, policy)
     try:
         yield harness
     finally:

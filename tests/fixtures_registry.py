@@ -2,7 +2,7 @@
 127.0.0.1 with a free port and its storage in a temp dir, artifacts pushed by the real `oras` SDK.
 
     reg = Registry.start(tmp_path)                        # plain HTTP, no auth; reg.stop() at the end
-    from tests.fixtures_registry import no_docker_config, registry  # a module's registry; autouse: no docker config
+    def test_x(registry: Registry): ...                  # the fixture: one registry per test module
     digest = reg.push("models/tiny:v1", {"config.json": b"{}", "model.safetensors": data})   # ModelPack layers
     reg.blob_file(layer_digest).write_bytes(b"...")       # damage a blob behind the registry's back
 """
@@ -177,7 +177,7 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
 
 @pytest.fixture(autouse=True)
 def no_docker_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Never the developer's own docker credentials: autouse in every module that imports it."""
+    """Never the developer's own docker credentials (autouse: every test)."""
     monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "no-docker-config"))
 
 

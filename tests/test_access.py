@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from tests.fake_apiserver import FakeApiServer
-from tests.fixtures_daemon import eventually, model_copy, short_dir, start_daemon, tiny_model  # noqa: F401
-from tests.test_placement_daemon import NODE, cluster  # noqa: F401 - the fake cluster with one GPU node
+from tests.fixtures_daemon import eventually, start_daemon
+from tests.fixtures_kube import NODE
 from weightcache.access import ADMIN, Authority, Grant
 from weightcache.errors import NotAllowedError
 from weightcache.fetch import Fetcher

@@ -16,14 +16,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.fixtures_daemon import (  # noqa: F401 - fixtures are used by name
-    RunningDaemon,
-    daemon,
-    model_copy,
-    off_cluster,
-    short_dir,
-    tiny_model,
-)
+from tests.fixtures_daemon import RunningDaemon
 from tests.fixtures_webhook import admission_review, deployment_pod
 from weightcache.csi.reconcile import VolumeBook, VolumeRecord
 from weightcache.webhook.server import Policy, make_app

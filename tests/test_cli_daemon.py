@@ -18,17 +18,8 @@ from typing import Any
 import pytest
 
 from tests.faultproxy import FaultProxy
-from tests.fixtures_daemon import (  # noqa: F401 - fixtures are used by name
-    RunningDaemon,
-    daemon,
-    eventually,
-    model_copy,
-    off_cluster,
-    short_dir,
-    start_daemon,
-    tiny_model,
-)
-from tests.fixtures_s3 import S3, fault_proxy, s3, s3_server  # noqa: F401
+from tests.fixtures_daemon import RunningDaemon, eventually, start_daemon
+from tests.fixtures_s3 import S3
 from tests.tools import sigint_default
 from weightcache.cli_backends import match
 from weightcache.errors import InvalidReferenceError, NotCachedError

@@ -19,21 +19,17 @@ import grpc
 import pytest
 
 from tests.faultproxy import FaultProxy
-from tests.fixtures_csi import (  # noqa: F401
-    MODEL_URI,
+from tests.fixtures_csi import (
     ROOT_MARKS,
     CsiHarness,
     bind_readonly,
-    csi,
-    model_in_s3,
     mounts_seen_from,
     publish_request,
-    safe_tmp,
     start_harness,
     status_of,
     stop_harness,
 )
-from tests.fixtures_s3 import S3, fault_proxy, s3, s3_server  # noqa: F401
+from tests.fixtures_s3 import S3
 from tests.sample import make_model
 from weightcache.access import Authority
 from weightcache.csi import mounts

@@ -7,16 +7,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from tests.fixtures_csi import (  # noqa: F401
-    ROOT_MARKS,
-    CsiHarness,
-    csi,
-    model_in_s3,
-    mounts_seen_from,
-    safe_tmp,
-    status_of,
-)
-from tests.fixtures_s3 import fault_proxy, s3, s3_server  # noqa: F401
+from tests.fixtures_csi import ROOT_MARKS, CsiHarness, mounts_seen_from, status_of
 from weightcache.csi import mounts
 from weightcache.store.holders import csi_holder as holder_for
 

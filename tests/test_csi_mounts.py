@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures_csi import bind_readonly, needs_root, safe_tmp  # noqa: F401
+from tests.fixtures_csi import bind_readonly, needs_root
 from weightcache.csi import mounts
 from weightcache.errors import MountError
 

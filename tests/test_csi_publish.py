@@ -9,18 +9,7 @@ import os
 import grpc
 import pytest
 
-from tests.fixtures_csi import (  # noqa: F401
-    ALLOWED_NS,
-    MODEL_URI,
-    ROOT_MARKS,
-    CsiHarness,
-    csi,
-    model_in_s3,
-    safe_tmp,
-    start_harness,
-    stop_harness,
-)
-from tests.fixtures_s3 import fault_proxy, s3, s3_server  # noqa: F401
+from tests.fixtures_csi import ALLOWED_NS, MODEL_URI, ROOT_MARKS, CsiHarness, start_harness, stop_harness
 from weightcache.csi import mounts
 from weightcache.errors import InsufficientSpaceError, InUseError
 from weightcache.memory import MemoryTier

@@ -16,8 +16,7 @@ import grpc
 import pytest
 
 from tests.faultproxy import FaultProxy
-from tests.fixtures_csi import ROOT_MARKS, model_in_s3, publish_request, safe_tmp  # noqa: F401
-from tests.fixtures_s3 import fault_proxy, s3, s3_server  # noqa: F401
+from tests.fixtures_csi import ROOT_MARKS, publish_request
 from weightcache.csi import mounts
 from weightcache.csi._pb import csi_pb2, csi_pb2_grpc
 from weightcache.csi.reconcile import VolumeBook, VolumeRecord, kubelet_volume_id

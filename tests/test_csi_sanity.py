@@ -8,8 +8,7 @@ import re
 import grpc
 import pytest
 
-from tests.fixtures_csi import CsiHarness, csi, model_in_s3, needs_root, safe_tmp, status_of  # noqa: F401
-from tests.fixtures_s3 import fault_proxy, s3, s3_server  # noqa: F401
+from tests.fixtures_csi import CsiHarness, needs_root, status_of
 from weightcache import __version__
 from weightcache.csi._pb import csi_pb2
 from weightcache.csi.identity import DRIVER_NAME

@@ -19,17 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.faultproxy import Fault, FaultProxy
-from tests.fixtures_csi import (  # noqa: F401
-    ROOT_MARKS,
-    CsiHarness,
-    csi,
-    model_in_s3,
-    safe_tmp,
-    start_harness,
-    status_of,
-    stop_harness,
-)
-from tests.fixtures_s3 import fault_proxy, s3, s3_server  # noqa: F401
+from tests.fixtures_csi import ROOT_MARKS, CsiHarness, start_harness, status_of, stop_harness
 from weightcache.csi import mounts
 from weightcache.csi._pb import csi_pb2
 from weightcache.csi.reconcile import VolumeBook

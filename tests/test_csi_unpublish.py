@@ -13,18 +13,7 @@ import grpc
 import pytest
 
 from tests.faultproxy import FaultProxy
-from tests.fixtures_csi import (  # noqa: F401
-    ROOT_MARKS,
-    CsiHarness,
-    bind_readonly,
-    csi,
-    model_in_s3,
-    safe_tmp,
-    start_harness,
-    status_of,
-    stop_harness,
-)
-from tests.fixtures_s3 import fault_proxy, s3, s3_server  # noqa: F401
+from tests.fixtures_csi import ROOT_MARKS, CsiHarness, bind_readonly, start_harness, status_of, stop_harness
 from weightcache.csi import mounts
 from weightcache.csi._pb import csi_pb2
 

@@ -15,16 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.faultproxy import FaultProxy
-from tests.fixtures_daemon import (  # noqa: F401 - fixtures are used by name
-    RunningDaemon,
-    daemon,
-    eventually,
-    model_copy,
-    off_cluster,
-    short_dir,
-    start_daemon,
-    tiny_model,
-)
+from tests.fixtures_daemon import RunningDaemon, eventually, start_daemon
 from tests.fixtures_s3 import S3
 from weightcache.errors import InUseError, InvalidReferenceError, NotCachedError
 from weightcache.uri import parse_ref

@@ -3,25 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 from tests.fake_apiserver import ApiError, FakeApiServer
-from tests.fixtures_daemon import eventually, model_copy, off_cluster, short_dir, start_daemon, tiny_model  # noqa: F401
+from tests.fixtures_daemon import eventually, start_daemon
+from tests.fixtures_kube import NODE
 from weightcache.daemon.reconcile import PIN_OWNER
 from weightcache.uri import readiness_label
-
-NODE = "gpu-1"
-
-
-@pytest.fixture
-def cluster(short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeApiServer]:
-    with FakeApiServer() as server:
-        server.create("nodes", {"metadata": {"name": NODE, "labels": {"pool": "a100"}}})
-        server.use_as_kubeconfig(short_dir, monkeypatch)
-        yield server
 
 
 def model_cache(name: str, source: str, pool: str, namespaces: list[str]) -> dict:

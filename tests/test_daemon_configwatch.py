@@ -10,15 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.fixtures_daemon import (  # noqa: F401 - fixtures are used by name
-    RunningDaemon,
-    eventually,
-    model_copy,
-    off_cluster,
-    short_dir,
-    start_daemon,
-    tiny_model,
-)
+from tests.fixtures_daemon import RunningDaemon, eventually, start_daemon
 from weightcache.daemon.config import Settings
 from weightcache.daemon.configwatch import ConfigWatcher
 from weightcache.daemon.reconcile import PIN_OWNER

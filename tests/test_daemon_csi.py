@@ -13,7 +13,7 @@ import pytest
 
 from tests.faultproxy import FaultProxy
 from tests.fixtures_csi import publish_request, unmount_under
-from tests.fixtures_daemon import model_copy, off_cluster, short_dir, start_daemon, tiny_model  # noqa: F401
+from tests.fixtures_daemon import start_daemon
 from tests.fixtures_s3 import S3
 from weightcache.csi._pb import csi_pb2, csi_pb2_grpc
 

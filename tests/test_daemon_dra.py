@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from tests.fake_apiserver import FakeApiServer
-from tests.fixtures_daemon import eventually, model_copy, short_dir, start_daemon, tiny_model  # noqa: F401
+from tests.fixtures_daemon import eventually, start_daemon
 from tests.fixtures_dra import Kubelet
-from tests.test_daemon_cluster import NODE, cluster, model_cache  # noqa: F401
+from tests.fixtures_kube import NODE
+from tests.test_daemon_cluster import model_cache
 from weightcache.dra import DRIVER_NAME
 from weightcache.dra.devices import snapshot_of
 from weightcache.dra.fetchable import MODEL_READY, SIZE_ANNOTATION, device_name

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from tests.faultproxy import FaultProxy
-from tests.fixtures_daemon import model_copy, off_cluster, short_dir, start_daemon, tiny_model  # noqa: F401
+from tests.fixtures_daemon import start_daemon
 from tests.fixtures_s3 import S3
 from tests.grants import granted
 from tests.sample import make_model

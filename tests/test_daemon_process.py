@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.fixtures_daemon import short_dir  # noqa: F401
 from tests.sample import make_model
 from weightcache.daemon.client import DaemonClient
 from weightcache.errors import FetchCancelledError

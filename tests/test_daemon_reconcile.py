@@ -3,22 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 from tests.fake_apiserver import FakeApiServer
-from tests.fixtures_daemon import (  # noqa: F401 - fixtures are used by name
-    RunningDaemon,
-    daemon,
-    eventually,
-    model_copy,
-    off_cluster,
-    short_dir,
-    start_daemon,
-    tiny_model,
-)
+from tests.fixtures_daemon import eventually, start_daemon
+from tests.fixtures_kube import NODE
 from weightcache.daemon.config import parse_settings
 from weightcache.daemon.reconcile import PIN_OWNER, READY, Actual, Held, Want, settle, wants
 from weightcache.uri import ModelRef, parse_ref, readiness_label
@@ -169,17 +158,6 @@ async def test_turning_the_memory_tier_on_and_off_live(short_dir: Path, model_co
         assert daemon.node.tier is None and tier.locked_bytes() == 0
     finally:
         await d.daemon.stop()
-
-
-NODE = "gpu-1"
-
-
-@pytest.fixture
-def cluster(short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeApiServer]:
-    with FakeApiServer() as server:
-        server.create("nodes", {"metadata": {"name": NODE, "labels": {"pool": "a100"}}})
-        server.use_as_kubeconfig(short_dir, monkeypatch)
-        yield server
 
 
 async def test_the_label_outlives_the_modelcache_until_eviction(cluster: FakeApiServer, short_dir: Path,

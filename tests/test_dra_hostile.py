@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.fixtures_dra import ALLOWED_NS, DraHarness, dra, dra_api  # noqa: F401
+from tests.fixtures_dra import ALLOWED_NS, DraHarness
 from weightcache.dra import DRIVER_NAME
 
 

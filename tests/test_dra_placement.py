@@ -6,12 +6,11 @@ weightcache.dra.slices writes."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.fake_apiserver import FakeApiServer, crd_schemas
+from tests.fake_apiserver import FakeApiServer
 from tests.fixtures_webhook import REF, admission_review, apply_response, deployment_pod
 from tests.test_placement_controller import NS, gated, gpu_node, grant, set_label, settle
 from weightcache.dra.devices import devices_for
@@ -25,10 +24,9 @@ from weightcache.webhook.mutate import review
 
 
 @pytest.fixture
-def api() -> Iterator[FakeApiServer]:
-    with FakeApiServer(schemas=crd_schemas()) as server:
-        grant(server, "grant-llama", REF, [NS])
-        yield server
+def api(apiserver: FakeApiServer) -> FakeApiServer:
+    grant(apiserver, "grant-llama", REF, [NS])
+    return apiserver
 
 
 def dra_pod(api: FakeApiServer, name: str) -> None:

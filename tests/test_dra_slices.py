@@ -86,17 +86,17 @@ def store(tmp_path: Path) -> Store:
 
 
 def test_slices_follow_fetches_and_evictions_and_validate(tmp_path: Path, store: Store,
-                                                          dra_api: FakeApiServer) -> None:
-    pub = publisher(dra_api, store)
+                                                          apiserver: FakeApiServer) -> None:
+    pub = publisher(apiserver, store)
     assert pub.sync() is True  # an empty pool is published too: the scheduler sees the node has none
-    [empty] = slices_of(dra_api)
+    [empty] = slices_of(apiserver)
     check_slice(empty, "1.34")
     assert empty["spec"]["devices"] == [] and empty["spec"]["pool"] == {
         "name": NODE, "generation": 1, "resourceSliceCount": 1}
 
     a, b = fetch_models(store, tmp_path / "src", 2)
     assert pub.sync() is True
-    [one] = slices_of(dra_api)
+    [one] = slices_of(apiserver)
     check_slice(one, "1.34")
     assert one["spec"]["driver"] == DRIVER_NAME and one["spec"]["pool"]["generation"] == 2
     names = sorted(d["name"] for d in one["spec"]["devices"])
@@ -108,32 +108,32 @@ def test_slices_follow_fetches_and_evictions_and_validate(tmp_path: Path, store:
         **({"source": {"string": a.uri}} if len(a.uri) <= 64 else {}),
         **({"revision": {"string": a.revision}} if a.revision else {})}
 
-    writes = len(dra_api.requests)
+    writes = len(apiserver.requests)
     assert pub.sync() is False and pub.sync(full=True) is False  # unchanged: no write, no generation bump
-    assert not any(r.method in ("POST", "PUT", "DELETE") for r in dra_api.requests[writes:])
+    assert not any(r.method in ("POST", "PUT", "DELETE") for r in apiserver.requests[writes:])
 
     store.evict(b.id)
     assert pub.sync() is True
-    [after] = slices_of(dra_api)
+    [after] = slices_of(apiserver)
     check_slice(after, "1.34")
     assert {snapshot_of(d["name"]) for d in after["spec"]["devices"]} == {a.id}
     assert after["spec"]["pool"]["generation"] == 3
 
 
 def test_a_restarted_publisher_continues_the_generation_and_repairs_edits(store: Store,
-                                                                          dra_api: FakeApiServer) -> None:
-    assert publisher(dra_api, store).sync() is True
-    [first] = slices_of(dra_api)
+                                                                          apiserver: FakeApiServer) -> None:
+    assert publisher(apiserver, store).sync() is True
+    [first] = slices_of(apiserver)
     first["spec"]["devices"] = [{"name": "planted"}]
-    dra_api.update("resourceslices", first["metadata"]["name"], first)
-    again = publisher(dra_api, store)
+    apiserver.update("resourceslices", first["metadata"]["name"], first)
+    again = publisher(apiserver, store)
     assert again.sync() is True
-    [repaired] = slices_of(dra_api)
+    [repaired] = slices_of(apiserver)
     assert repaired["spec"]["devices"] == [] and repaired["spec"]["pool"]["generation"] == 2
-    dra_api.delete("resourceslices", repaired["metadata"]["name"])  # kubelet wipes its node's slices on start
+    apiserver.delete("resourceslices", repaired["metadata"]["name"])  # kubelet wipes its node's slices on start
     assert again.sync() is False  # the cheap check sees no store change...
     assert again.sync(full=True) is True  # ...the periodic full sync puts the slice back
-    [back] = slices_of(dra_api)
+    [back] = slices_of(apiserver)
     assert back["spec"]["pool"]["generation"] == 3
 
 
@@ -191,7 +191,7 @@ def test_the_documented_claim_selects_exactly_that_models_devices(tmp_path: Path
         "mountPath": "/models/mistral"}
 
 
-def test_a_bad_snapshot_costs_only_its_own_devices(tmp_path: Path, store: Store, dra_api: FakeApiServer,
+def test_a_bad_snapshot_costs_only_its_own_devices(tmp_path: Path, store: Store, apiserver: FakeApiServer,
                                                    caplog: pytest.LogCaptureFixture) -> None:
     """One damaged index row (an id that makes no device name) or a size past int64 (the API refuses the whole
     slice for it) used to fail every publish of the node: now that snapshot alone is left out, with a warning."""
@@ -205,7 +205,7 @@ def test_a_bad_snapshot_costs_only_its_own_devices(tmp_path: Path, store: Store,
 
     def devices() -> list[dict[str, Any]]:
         return devices_for([bad_id, *(i.snapshot for i in store.list()), too_big], slots=2, shared=False)
-    assert SlicePublisher(dra_api.api_client(), NODE, devices).sync() is True
-    [published] = slices_of(dra_api)
+    assert SlicePublisher(apiserver.api_client(), NODE, devices).sync() is True
+    [published] = slices_of(apiserver)
     check_slice(published)
     assert {snapshot_of(d["name"]) for d in published["spec"]["devices"]} == {good.id}

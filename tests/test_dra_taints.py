@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from tests.fake_apiserver import FakeApiServer
-from tests.fixtures_daemon import RunningDaemon, daemon, model_copy, short_dir, tiny_model  # noqa: F401
+from tests.fixtures_daemon import RunningDaemon
 from tests.fixtures_dra import NODE, fetch_models
 from tests.test_dra_slices import check_slice, slices_of
 from weightcache.dra.devices import TAINT_KEY, devices_for, snapshot_of
@@ -64,7 +64,7 @@ def test_a_tainted_pool_holds_64_devices_per_slice(tmp_path: Path) -> None:
         check_slice(s, "1.37")
 
 
-def test_the_publisher_taints_and_untaints_at_its_next_tick(tmp_path: Path, dra_api: FakeApiServer) -> None:
+def test_the_publisher_taints_and_untaints_at_its_next_tick(tmp_path: Path, apiserver: FakeApiServer) -> None:
     store = Store(tmp_path / "store")
     (a,) = fetch_models(store, tmp_path / "src", 1)
     states = DeviceStates()
@@ -72,17 +72,17 @@ def test_the_publisher_taints_and_untaints_at_its_next_tick(tmp_path: Path, dra_
     def devices() -> list[dict[str, Any]]:
         return devices_for([i.snapshot for i in store.list()], slots=2, shared=False, states=states.snapshot())
     layout = store.layout
-    pub = SlicePublisher(dra_api.api_client(), NODE, devices, change_token=lambda: (
+    pub = SlicePublisher(apiserver.api_client(), NODE, devices, change_token=lambda: (
         layout.snapshots.stat().st_mtime_ns, layout.manifests.stat().st_mtime_ns, states.version))
     assert pub.sync() is True
     with states.marking(a.id, VERIFYING):
         assert pub.sync() is True
-        [tainted] = slices_of(dra_api)
+        [tainted] = slices_of(apiserver)
         check_slice(tainted, "1.37")
         assert {t["value"] for d in tainted["spec"]["devices"] for t in d["taints"]} == {VERIFYING}
         assert pub.sync(full=True) is False  # timeAdded is ours and stable: a resync rewrites nothing
     assert pub.sync() is True
-    [whole] = slices_of(dra_api)
+    [whole] = slices_of(apiserver)
     assert not any("taints" in d for d in whole["spec"]["devices"])
     assert whole["spec"]["pool"]["generation"] == 3
 

@@ -23,16 +23,15 @@ NS = "ml"
 
 
 @pytest.fixture
-def templates() -> Iterator[tuple[FakeApiServer, ModelCacheWatcher]]:
-    with FakeApiServer() as api:
-        watcher = dra_templates.watch(api.api_client())
-        assert watcher.wait_synced(10)
-        dra_templates.install(dra_templates.from_watcher(watcher))
-        try:
-            yield api, watcher
-        finally:
-            dra_templates.install(None)
-            watcher.stop()
+def templates(apiserver: FakeApiServer) -> Iterator[tuple[FakeApiServer, ModelCacheWatcher]]:
+    watcher = dra_templates.watch(apiserver.api_client())
+    assert watcher.wait_synced(10)
+    dra_templates.install(dra_templates.from_watcher(watcher))
+    try:
+        yield apiserver, watcher
+    finally:
+        dra_templates.install(None)
+        watcher.stop()
 
 
 def answer(namespace: str = NS) -> dict[str, object]:
@@ -68,23 +67,23 @@ def test_unknown_is_never_a_refusal() -> None:
     assert claim_template(REF, namespace=NS)["kind"] == "ResourceClaimTemplate"
 
 
-def test_the_webhook_command_with_dra_watches_templates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_webhook_command_with_dra_watches_templates(apiserver: FakeApiServer, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """`weightcache webhook --dra` (what deploy/dra sets) installs the lookup; without --dra nothing is refused."""
     from weightcache.webhook.command import _policy
 
-    with FakeApiServer() as api:
-        api.use_as_kubeconfig(tmp_path, monkeypatch)
-        _, stop = _policy(None)
-        try:
-            assert answer()["allowed"] is True, "without --dra templates are not looked up"
-        finally:
-            stop()
-        _, stop = _policy(None, dra=True)
-        try:
-            deadline = time.monotonic() + 10
-            while answer()["allowed"] and time.monotonic() < deadline:
-                time.sleep(0.02)
-            assert answer()["allowed"] is False
-        finally:
-            stop()
-            dra_templates.install(None)
+    apiserver.use_as_kubeconfig(tmp_path, monkeypatch)
+    _, stop = _policy(None)
+    try:
+        assert answer()["allowed"] is True, "without --dra templates are not looked up"
+    finally:
+        stop()
+    _, stop = _policy(None, dra=True)
+    try:
+        deadline = time.monotonic() + 10
+        while answer()["allowed"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert answer()["allowed"] is False
+    finally:
+        stop()
+        dra_templates.install(None)

@@ -13,14 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures_daemon import (  # noqa: F401 - fixtures are used by name
-    RunningDaemon,
-    model_copy,
-    off_cluster,
-    short_dir,
-    start_daemon,
-    tiny_model,
-)
+from tests.fixtures_daemon import RunningDaemon, start_daemon
 from weightcache import engine_cache
 from weightcache.access import ADMIN, Requester
 from weightcache.engine_cache import EngineCacheKey, EngineName, Limits, ingest_dir, ingest_tar, lookup

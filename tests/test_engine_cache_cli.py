@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures_daemon import model_copy, short_dir, start_daemon, tiny_model  # noqa: F401
+from tests.fixtures_daemon import start_daemon
 from weightcache import cli
 from weightcache.errors import InvalidRequestError, NotCachedError, answer_for
 

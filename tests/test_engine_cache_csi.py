@@ -16,18 +16,7 @@ import grpc
 import pytest
 
 from tests.faultproxy import FaultProxy
-from tests.fixtures_csi import (  # noqa: F401 - fixtures are used by name
-    ALLOWED_NS,
-    MODEL_URI,
-    ROOT_MARKS,
-    CsiHarness,
-    model_in_s3,
-    safe_tmp,
-    start_harness,
-    status_of,
-    stop_harness,
-)
-from tests.fixtures_s3 import fault_proxy, s3, s3_server  # noqa: F401
+from tests.fixtures_csi import ALLOWED_NS, MODEL_URI, ROOT_MARKS, CsiHarness, start_harness, status_of, stop_harness
 from tests.test_engine_cache import model_snapshot, tar_of
 from weightcache import engine_cache
 from weightcache.access import Authority, Requester

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures_registry import Registry, docker_config, no_docker_config, registry  # noqa: F401 - fixtures
+from tests.fixtures_registry import Registry, docker_config
 from tests.grants import granted
 from weightcache.errors import InvalidReferenceError, SourceAccessDeniedError
 from weightcache.fetch import Fetcher

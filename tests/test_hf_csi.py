@@ -8,15 +8,7 @@ import errno
 import grpc
 import pytest
 
-from tests.fixtures_csi import (  # noqa: F401
-    ROOT_MARKS,
-    CsiHarness,
-    csi,
-    model_in_s3,
-    safe_tmp,
-    status_of,
-)
-from tests.fixtures_s3 import fault_proxy, s3, s3_server  # noqa: F401
+from tests.fixtures_csi import ROOT_MARKS, CsiHarness, status_of
 from weightcache.csi import mounts
 from weightcache.csi.reconcile import SnapshotMounts
 from weightcache.hf_layout import commit_of

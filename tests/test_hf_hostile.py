@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.faultproxy import FaultProxy
-from tests.fixtures_hub import FakeHub, ensure, fake_hub  # noqa: F401
+from tests.fixtures_hub import FakeHub, ensure
 from tests.peers_fleet import Fleet
 from tests.sample import make_model
 from weightcache.errors import IntegrityError, SourceError

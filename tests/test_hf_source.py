@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures_hf import HubLoader, tiny_llama
-from tests.fixtures_hub import COMMIT, FakeHub, ensure, fake_hub  # noqa: F401
+from tests.fixtures_hub import COMMIT, FakeHub, ensure
 from weightcache.errors import SourceNotFoundError, WeightcacheError
 from weightcache.fetch import Fetcher
 from weightcache.hf_layout import commit_of, hub_cache

@@ -9,26 +9,16 @@ from __future__ import annotations
 
 import re
 import shlex
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from tests.fake_apiserver import FakeApiServer, crd_schemas
+from tests.fake_apiserver import FakeApiServer
 from tests.fixtures_webhook import DRAFT, REF, admission_review, apply_response, check_pod, deployment_pod
 from weightcache import cli
 from weightcache.policy import decide
 from weightcache.webhook.mutate import review
 
 _HINT = re.compile(r"\(or run: (weightcache prefetch [^)]*)\)")
-
-
-@pytest.fixture
-def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeApiServer]:
-    with FakeApiServer(schemas=crd_schemas()) as server:
-        server.use_as_kubeconfig(tmp_path, monkeypatch)
-        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-        yield server
 
 
 def follow(message: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -3,22 +3,20 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import kubernetes
 import pytest
 import urllib3
 
-from tests.fake_apiserver import FakeApiServer, crd_schemas, model_cache, node
+from tests.fake_apiserver import FakeApiServer, model_cache, node
 
 G, V = "weightcache.io", "v1alpha1"
 ApiException = kubernetes.client.exceptions.ApiException
 
 
 @pytest.fixture
-def server() -> Iterator[FakeApiServer]:
-    with FakeApiServer(schemas=crd_schemas()) as srv:
-        yield srv
+def server(apiserver: FakeApiServer) -> FakeApiServer:
+    return apiserver
 
 
 @pytest.fixture

@@ -7,12 +7,10 @@ import json
 import re
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 
-from tests.fake_apiserver import FakeApiServer, crd_schemas, node
-from tests.fixtures_s3 import s3, s3_server  # noqa: F401 - fixtures are used by name
+from tests.fake_apiserver import FakeApiServer, node
 from weightcache.dra.admission import MODEL_KEY_LABEL, model_key_label
 from weightcache.errors import ClusterError
 from weightcache.kube.cluster_cli import model_cache_name, prefetch_cluster, status
@@ -24,12 +22,11 @@ REF = parse_ref("s3://models/Llama-3_8B/@v1", include=["*.safetensors"])
 
 
 @pytest.fixture
-def server() -> Iterator[FakeApiServer]:
-    with FakeApiServer(schemas=crd_schemas()) as srv:
-        for name in ("n1", "n2"):
-            srv.create("nodes", node(name, {"gpu": "h100"}))
-        srv.create("nodes", node("n3", {"gpu": "a10"}))
-        yield srv
+def server(apiserver: FakeApiServer) -> FakeApiServer:
+    for name in ("n1", "n2"):
+        apiserver.create("nodes", node(name, {"gpu": "h100"}))
+    apiserver.create("nodes", node("n3", {"gpu": "a10"}))
+    return apiserver
 
 
 def run(server: FakeApiServer, ref=REF, **kwargs) -> tuple[int, str]:

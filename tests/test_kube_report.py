@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 
 import pytest
 
-from tests.fake_apiserver import FakeApiServer, crd_schemas, model_cache, node
+from tests.fake_apiserver import FakeApiServer, model_cache, node
 from tests.test_kube_watch import until
 from weightcache.errors import ClusterError
 from weightcache.kube.report import ModelState, NodeReporter
@@ -18,11 +17,10 @@ LABEL = "weightcache.io/m0123456789abcdef0123"
 
 
 @pytest.fixture
-def server() -> Iterator[FakeApiServer]:
-    with FakeApiServer(schemas=crd_schemas()) as srv:
-        srv.create("nodes", node("n1", {"gpu": "h100", "weightcache.io/mstale000000000000000": "ready"}))
-        srv.create("nodes", node("n2", {"gpu": "h100"}))
-        yield srv
+def server(apiserver: FakeApiServer) -> FakeApiServer:
+    apiserver.create("nodes", node("n1", {"gpu": "h100", "weightcache.io/mstale000000000000000": "ready"}))
+    apiserver.create("nodes", node("n2", {"gpu": "h100"}))
+    return apiserver
 
 
 def models_of(server: FakeApiServer, node_name: str) -> dict:

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.fake_apiserver import FakeApiServer, crd_schemas, model_cache, node
+from tests.fake_apiserver import FakeApiServer, model_cache, node
 from weightcache.kube.watch import ModelCacheWatcher
 
 MC_PATH = "/apis/weightcache.io/v1alpha1/modelcaches"
@@ -36,9 +36,8 @@ class Changes:
 
 
 @pytest.fixture
-def server() -> Iterator[FakeApiServer]:
-    with FakeApiServer(schemas=crd_schemas()) as srv:
-        yield srv
+def server(apiserver: FakeApiServer) -> FakeApiServer:
+    return apiserver
 
 
 @pytest.fixture

@@ -15,15 +15,8 @@ from pathlib import Path
 import pytest
 
 from tests.faultproxy import FaultProxy
-from tests.fixtures_daemon import (  # noqa: F401 - fixtures are used by name
-    RunningDaemon,
-    model_copy,
-    off_cluster,
-    short_dir,
-    start_daemon,
-    tiny_model,
-)
-from tests.fixtures_s3 import S3, fault_proxy, s3, s3_server  # noqa: F401
+from tests.fixtures_daemon import RunningDaemon, start_daemon
+from tests.fixtures_s3 import S3
 from weightcache.daemon import app as daemon_app
 from weightcache.listener import GuardedTCPSite, Limits, RateLimitFilter
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.fixtures_registry import Registry, no_docker_config, registry  # noqa: F401 - fixtures
+from tests.fixtures_registry import Registry
 from tests.grants import granted
 from weightcache.errors import HostileKeyError, InsufficientSpaceError, IntegrityError, SourceError
 from weightcache.fetch import Fetcher

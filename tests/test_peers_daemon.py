@@ -15,25 +15,14 @@ import pytest
 
 from tests.fake_apiserver import FakeApiServer
 from tests.faultproxy import FaultProxy
-from tests.fixtures_daemon import (
-    RunningDaemon,
-    eventually,
-    model_copy,
-    off_cluster,
-    short_dir,
-    start_daemon,
-    tiny_model,
-)
+from tests.fixtures_daemon import RunningDaemon, eventually, start_daemon
 from tests.fixtures_s3 import S3
 from tests.peers_fleet import origin_bytes
-from tests.test_daemon_cluster import cluster
 from weightcache.cli import build_parser, main
 from weightcache.daemon.command import flags_of
 from weightcache.daemon.config import load_settings
 from weightcache.errors import ConfigError
 from weightcache.uri import parse_ref
-
-__all__ = ["cluster", "model_copy", "off_cluster", "short_dir", "tiny_model"]  # fixtures used by name
 
 TOKEN = "fleet-token-0123456789abcdef"
 BODY = bytes(range(256)) * 8192  # 2 MiB

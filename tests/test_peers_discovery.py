@@ -3,7 +3,6 @@ shipped CRD schema): each daemon writes status.peerAddress and reads the others'
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +10,7 @@ import kubernetes
 import pytest
 import yaml
 
-from tests.fake_apiserver import FakeApiServer, crd_schemas, node
+from tests.fake_apiserver import FakeApiServer, node
 from weightcache.kube.report import ModelState, NodeReporter
 from weightcache.peers import PeerClient, PeerSet
 from weightcache.peers.discovery import advertised_url, discover, peer_urls
@@ -21,11 +20,10 @@ RBAC = Path(__file__).resolve().parents[1] / "deploy" / "daemonset" / "rbac.yaml
 
 
 @pytest.fixture
-def server() -> Iterator[FakeApiServer]:
-    with FakeApiServer(schemas=crd_schemas()) as srv:
-        for name in ("n1", "n2", "n3", "n4"):
-            srv.create("nodes", node(name, {}))
-        yield srv
+def server(apiserver: FakeApiServer) -> FakeApiServer:
+    for name in ("n1", "n2", "n3", "n4"):
+        apiserver.create("nodes", node(name, {}))
+    return apiserver
 
 
 def publish(server: FakeApiServer, name: str, address: str | None) -> None:

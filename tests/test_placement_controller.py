@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.fake_apiserver import FakeApiServer, crd_schemas
+from tests.fake_apiserver import FakeApiServer
 from tests.fixtures_k8s_schema import validate_strict
 from tests.fixtures_webhook import REF, admission_review, apply_response, deployment_pod
 from weightcache.kube import cluster_cli
@@ -95,10 +95,9 @@ def grant(api: FakeApiServer, name: str, source: str, namespaces: list[str]) -> 
 
 
 @pytest.fixture
-def api() -> Iterator[FakeApiServer]:
-    with FakeApiServer(schemas=crd_schemas()) as server:
-        grant(server, "grant-llama", REF, [NS])  # demand is made only for pods the policy allows
-        yield server
+def api(apiserver: FakeApiServer) -> FakeApiServer:
+    grant(apiserver, "grant-llama", REF, [NS])  # demand is made only for pods the policy allows
+    return apiserver
 
 
 @pytest.fixture

@@ -6,33 +6,19 @@ with its eviction."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
-from tests.fake_apiserver import FakeApiServer, crd_schemas
-from tests.fixtures_daemon import eventually, model_copy, short_dir, start_daemon, tiny_model  # noqa: F401
+from tests.fake_apiserver import FakeApiServer
+from tests.fixtures_daemon import eventually, start_daemon
 from tests.fixtures_k8s_schema import validate_strict
+from tests.fixtures_kube import NODE
 from tests.fixtures_webhook import admission_review, apply_response, deployment_pod
 from weightcache.placement import choice
 from weightcache.uri import parse_ref
 from weightcache.webhook.command import _policy
 from weightcache.webhook.mutate import review
 
-NODE = "gpu-1"
 NS = "inference"
-
-
-@pytest.fixture
-def cluster(short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeApiServer]:
-    with FakeApiServer(schemas=crd_schemas()) as server:
-        server.create("nodes", {"metadata": {"name": NODE, "labels": {"pool": "a100"}},
-                                "status": {"allocatable": {"nvidia.com/gpu": "1"}}})
-        server.use_as_kubeconfig(short_dir, monkeypatch)
-        monkeypatch.setenv("POD_NAMESPACE", "weightcache")
-        monkeypatch.setenv("POD_NAME", "webhook-0")
-        yield server
 
 
 async def test_gated_pod_waits_for_a_real_daemon_then_lands_on_its_node(cluster: FakeApiServer, short_dir: Path,

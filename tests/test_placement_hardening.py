@@ -7,7 +7,6 @@ Each test replays an attack; the API-level ones run the real controller against 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -140,10 +139,9 @@ def test_the_daemon_removes_only_its_own_readiness_labels() -> None:
 
 # against the API server -----------------------------------------------------------------------------------------
 @pytest.fixture
-def api() -> Iterator[FakeApiServer]:
-    with FakeApiServer(schemas=crd_schemas()) as server:
-        server.create("nodes", gpu_node("gpu-a"))
-        yield server
+def api(apiserver: FakeApiServer) -> FakeApiServer:
+    apiserver.create("nodes", gpu_node("gpu-a"))
+    return apiserver
 
 
 def watching(api: FakeApiServer, **options: Any) -> Controller:

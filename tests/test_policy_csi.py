@@ -11,8 +11,7 @@ import pytest
 
 from tests import fixtures_csi
 from tests.faultproxy import FaultProxy
-from tests.fixtures_csi import ALLOWED_NS, MODEL_URI, model_in_s3, needs_root, safe_tmp  # noqa: F401
-from tests.fixtures_s3 import fault_proxy, s3, s3_server  # noqa: F401
+from tests.fixtures_csi import ALLOWED_NS, MODEL_URI, needs_root
 from weightcache.access import Authority
 
 GRANT = [{"metadata": {"name": "llama-weights"},

@@ -3,14 +3,7 @@ pod's namespace never gets an undeclared host directory (real daemon on its Unix
 
 from __future__ import annotations
 
-from tests.fixtures_daemon import (  # noqa: F401 - fixtures are used by name
-    RunningDaemon,
-    daemon,
-    model_copy,
-    off_cluster,
-    short_dir,
-    tiny_model,
-)
+from tests.fixtures_daemon import RunningDaemon
 
 
 async def test_file_models_over_the_store_or_undeclared_for_a_namespace_are_refused(daemon: RunningDaemon) -> None:

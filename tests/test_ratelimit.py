@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures_daemon import short_dir, start_daemon  # noqa: F401 - short_dir: a fixture
+from tests.fixtures_daemon import start_daemon
 from tests.fixtures_s3 import S3
 from tests.grants import granted
 from weightcache import cli

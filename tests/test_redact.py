@@ -16,14 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.fixtures_csi import (  # noqa: F401 - fixtures are used by name
-    CsiHarness,
-    csi,
-    model_in_s3,
-    safe_tmp,
-)
-from tests.fixtures_daemon import RunningDaemon, daemon, model_copy, short_dir, tiny_model  # noqa: F401
-from tests.fixtures_s3 import fault_proxy, s3, s3_server  # noqa: F401
+from tests.fixtures_csi import CsiHarness
+from tests.fixtures_daemon import RunningDaemon
 from weightcache.daemon.app import setup_logging
 from weightcache.errors import InvalidReferenceError
 from weightcache.redact import redact

@@ -20,16 +20,8 @@ from typing import Any
 
 import pytest
 
-from tests.fixtures_daemon import model_copy, off_cluster, short_dir, start_daemon, tiny_model  # noqa: F401
-from tests.fixtures_registry import (  # noqa: F401 - no_docker_config, registry: fixtures
-    FILEPATH,
-    MODEL_CONFIG,
-    RAW,
-    Registry,
-    docker_config,
-    no_docker_config,
-    registry,
-)
+from tests.fixtures_daemon import start_daemon
+from tests.fixtures_registry import FILEPATH, MODEL_CONFIG, RAW, Registry, docker_config
 from tests.grants import granted
 from weightcache.errors import HostileKeyError, IntegrityError, SourceAccessDeniedError, SourceError
 from weightcache.fetch import Fetcher

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures_daemon import off_cluster, start_daemon  # noqa: F401  (off_cluster: no kube config leaks in)
+from tests.fixtures_daemon import start_daemon
 from tests.fixtures_store import fetch, make_models
 from weightcache.errors import InsufficientSpaceError
 from weightcache.store import Store

@@ -8,7 +8,6 @@ import json
 import os
 import socket
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ import yaml
 
 from tests.fake_apiserver import FakeApiServer
 from tests.fixtures_k8s_schema import load_docs, validate_file
+from tests.fixtures_kube import NODE
 from tests.fixtures_store import fetch, make_models
 from weightcache import cli, defaults
 from weightcache.dra.cdi import ModelMount, write_spec
@@ -25,7 +25,6 @@ from weightcache.uri import readiness_label
 from weightcache.vocabulary import CSI_DRIVER, DRA_DRIVER
 
 ROOT = Path(__file__).resolve().parent.parent
-NODE = "gpu-1"
 
 
 class Node:
@@ -62,11 +61,11 @@ def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Node:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeApiServer]:
-    with FakeApiServer() as server:
-        server.use_as_kubeconfig(tmp_path, monkeypatch)
-        monkeypatch.setenv("NODE_NAME", NODE)
-        yield server
+def cluster(apiserver: FakeApiServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeApiServer:
+    """No nodes: each test creates this node (NODE_NAME) with the labels it needs."""
+    apiserver.use_as_kubeconfig(tmp_path, monkeypatch)
+    monkeypatch.setenv("NODE_NAME", NODE)
+    return apiserver
 
 
 def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
