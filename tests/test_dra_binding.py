@@ -256,3 +256,20 @@ async def test_a_refused_status_write_is_retried_on_its_own_clock_and_logged_who
     node.api.rbac = shipped_rbac()
     failed = await eventually(lambda: verdict(node.api, "intruder", "c5"), timeout=10, what="the retried write")
     assert failed["reason"] == "NotAllowed"
+
+
+def test_an_idle_pool_with_decimal_sizes_is_not_rewritten_on_resync(tmp_path: Path) -> None:
+    """The API server stores quantities canonically (`10000000000` -> `10G`); an idle node with a decimal disk
+    budget and a ModelCache of a decimal size must compare equal on every full resync: one write, generation 1."""
+    caches = [{"metadata": {"name": "big", "annotations": {SIZE_ANNOTATION: "5000000"}},
+               "spec": {"source": "s3://models/big/", "allowedNamespaces": ["ml"]}}]
+    with FakeApiServer() as api:
+        publisher = SlicePublisher(api.api_client(), NODE, lambda: fetchable_devices(declared(caches).values()),
+                                   counters=lambda: cache_counters(10_000_000_000))
+        for _ in range(4):
+            publisher.sync(full=True)
+        slices = api.list("resourceslices")
+        assert [s["spec"]["pool"]["generation"] for s in slices] == [1, 1]
+        assert len(api.requests_matching("PUT", "/resourceslices")) == 0
+        counters = next(s for s in slices if "sharedCounters" in s["spec"])["spec"]["sharedCounters"]
+        assert counters[0]["counters"]["bytes"]["value"] == "10G"  # stored canonical, as the real server does

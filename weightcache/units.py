@@ -21,6 +21,19 @@ _QUANTITY = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:(Ki|Mi|Gi|Ti|Pi|Ei|k|M
 _FACTORS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
             "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
 _BINARY = ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
+_SI = ("", "k", "M", "G", "T", "P", "E")
+
+
+def quantity(n: int) -> str:
+    """A whole number the way the API server stores it (`resource.Quantity`'s canonical decimal form: the largest
+    SI suffix that keeps the number whole), `5000000` -> `5M`, `1500` -> `1500`. What we send in this form comes
+    back unchanged, so comparing the stored object with the one we would send does not see a change that is none."""
+    if n < 0:
+        raise ValueError(f"a quantity here is a count, not {n}")
+    exp = 0
+    while n and n % 1000 == 0 and exp < len(_SI) - 1:
+        n, exp = n // 1000, exp + 1
+    return f"{n}{_SI[exp]}"
 
 
 def parse_size(value: object, what: str = "size") -> int:

@@ -38,6 +38,7 @@ from typing import Any
 from weightcache.dra.states import DAMAGED, DeviceState
 from weightcache.engine_cache import is_engine_cache
 from weightcache.store import Snapshot
+from weightcache.units import quantity
 from weightcache.uri import model_key
 from weightcache.vocabulary import GROUP
 
@@ -58,7 +59,7 @@ READERS = "readers"  # the shared device's consumable capacity: claims holding t
 def readers_capacity(readers: int) -> dict[str, dict[str, Any]]:
     """The shared device's `capacity`: `readers` claims at once, each consuming exactly one (a request for more is
     refused by the policy, one for less is rounded up to one)."""
-    return {READERS: {"value": str(readers), "requestPolicy": {"default": "1", "validValues": ["1"]}}}
+    return {READERS: {"value": quantity(readers), "requestPolicy": {"default": "1", "validValues": ["1"]}}}
 
 
 def taint(state: DeviceState) -> dict[str, Any]:

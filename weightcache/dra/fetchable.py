@@ -22,6 +22,7 @@ from typing import Any
 
 from weightcache.access import admin_written
 from weightcache.dra.devices import MAX_INT, MAX_STRING
+from weightcache.units import quantity
 from weightcache.uri import ModelRef, model_key, parse_ref
 from weightcache.vocabulary import GROUP, SIZE_BYTES_ANNOTATION
 
@@ -94,7 +95,7 @@ def fetchable_devices(models: Iterable[Fetchable], *, held: Iterable[str] = ()) 
         devices.append({
             "name": device_name(model.key),
             "attributes": attrs,
-            "consumesCounters": [{"counterSet": COUNTER_SET, "counters": {COUNTER: {"value": str(model.size)}}}],
+            "consumesCounters": [{"counterSet": COUNTER_SET, "counters": {COUNTER: {"value": quantity(model.size)}}}],
             "bindingConditions": [MODEL_READY],
             "bindingFailureConditions": [MODEL_FAILED],
         })
@@ -103,4 +104,4 @@ def fetchable_devices(models: Iterable[Fetchable], *, held: Iterable[str] = ()) 
 
 def cache_counters(free_bytes: int) -> list[dict[str, Any]]:
     """The pool's counter set: the node's free cache bytes, which fetchable devices consume."""
-    return [{"name": COUNTER_SET, "counters": {COUNTER: {"value": str(max(0, free_bytes))}}}]
+    return [{"name": COUNTER_SET, "counters": {COUNTER: {"value": quantity(max(0, free_bytes))}}}]
