@@ -4,6 +4,7 @@ reconciled against the kernel's mount table, and kubelet's calls keep working.""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -16,11 +17,12 @@ import grpc
 import pytest
 
 from tests.faultproxy import FaultProxy
-from tests.fixtures_csi import ROOT_MARKS, publish_request
+from tests.fixtures_csi import ROOT_MARKS, publish_request, status_of
 from weightcache.csi import mounts
 from weightcache.csi._pb import csi_pb2, csi_pb2_grpc
 from weightcache.csi.reconcile import VolumeBook, VolumeRecord, kubelet_volume_id
 from weightcache.store import Store
+from weightcache.store.holders import volume_record_name
 
 pytestmark = ROOT_MARKS
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,15 +68,20 @@ def target_of(tmp: Path, pod_uid: str) -> Path:
     return tmp / "kubelet" / "pods" / pod_uid / "volumes" / "kubernetes.io~csi" / "llama" / "mount"
 
 
+async def _publish_all(tmp: Path, proxy: FaultProxy, plugins: list[Plugin], pods: dict[str, str | None]) -> None:
+    """Start a plugin and publish each pod's volume (pod uid -> volume id) through it."""
+    plugins.append(Plugin(tmp, proxy))
+    channel, node = await plugins[-1].connect()
+    for uid, vid in pods.items():
+        await node.NodePublishVolume(publish_request(vid, target_of(tmp, uid), pod_uid=uid))
+    await channel.close()
+
+
 @pytest.mark.e2e
 async def test_killed_plugin_restarts_and_reconciles_leases_with_mounts(
         safe_tmp: Path, fault_proxy: FaultProxy, plugins: list[Plugin]) -> None:
     pods = {uid: kubelet_volume_id(str(target_of(safe_tmp, uid))) for uid in ("pod-a", "pod-b", "pod-c")}
-    plugins.append(Plugin(safe_tmp, fault_proxy))
-    channel, node = await plugins[0].connect()
-    for uid, vid in pods.items():
-        await node.NodePublishVolume(publish_request(vid, target_of(safe_tmp, uid), pod_uid=uid))
-    await channel.close()
+    await _publish_all(safe_tmp, fault_proxy, plugins, pods)
     plugins[0].kill(signal.SIGKILL)
 
     # drift while the plugin is down: pod-b's mount vanished; pod-c's lease and record were lost; a stray lease
@@ -106,6 +113,49 @@ async def test_killed_plugin_restarts_and_reconciles_leases_with_mounts(
     await channel.close()
     plugins[1].kill(signal.SIGTERM)
     assert plugins[1].proc.returncode == 0
+    store.close()
+
+
+@pytest.mark.e2e
+async def test_records_of_a_newer_release_survive_a_rollback_with_their_leases(
+        safe_tmp: Path, fault_proxy: FaultProxy, plugins: list[Plugin]) -> None:
+    """Hardening IV: a volume record written by a newer release (a field this one does not know) was quarantined
+    by the older plugin at start, and the lease of a volume still mounted by its pod released (the model then
+    evictable under it). Now: a newer minor's record is read, its unknown field kept and written back; a newer
+    major's record is left alone, its lease held, and kubelet's calls for it get a clear refusal."""
+    pods = {uid: kubelet_volume_id(str(target_of(safe_tmp, uid))) for uid in ("pod-a", "pod-b")}
+    await _publish_all(safe_tmp, fault_proxy, plugins, pods)
+    plugins[0].kill(signal.SIGTERM)
+
+    store = Store(safe_tmp / "store", recover=False)
+    book = VolumeBook(store.root)
+    files = {uid: book.dir / (volume_record_name(vid) + ".json") for uid, vid in pods.items()}
+    future = {"cache_group": {"tier": "nvme", "weights": [1, 2]}}  # what a later release might add
+    for uid, version in (("pod-a", "1.7"), ("pod-b", "2.0")):  # a newer minor, a newer major
+        files[uid].write_text(json.dumps({**json.loads(files[uid].read_text()), **future, "version": version}))
+    newer_major = files["pod-b"].read_bytes()
+    leases = store.leases()
+
+    plugins.append(Plugin(safe_tmp, fault_proxy))  # the rolled-back plugin starts and reconciles
+    channel, node = await plugins[1].connect()
+    assert store.leases() == leases, "a lease of a volume still mounted was released"
+    assert not (store.root / "quarantine").exists() or not any((store.root / "quarantine").iterdir())
+    assert files["pod-b"].read_bytes() == newer_major  # never parsed, quarantined nor rewritten
+    # kubelet goes on: pod-a's publish retry rewrites its record, keeping the field this release does not know
+    await node.NodePublishVolume(publish_request(pods["pod-a"], target_of(safe_tmp, "pod-a"), pod_uid="pod-a"))
+    kept = json.loads(files["pod-a"].read_text())
+    assert kept["cache_group"] == future["cache_group"] and kept["version"] == "1.7"
+    code, message = await status_of(node.NodeUnpublishVolume(csi_pb2.NodeUnpublishVolumeRequest(
+        volume_id=pods["pod-b"], target_path=str(target_of(safe_tmp, "pod-b")))))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "written by a newer weightcache" in message
+    assert "record version 2.0" in message and "roll forward" in message
+    assert mounts.mounted_at(target_of(safe_tmp, "pod-b")) is not None and store.leases() == leases
+    await node.NodeUnpublishVolume(csi_pb2.NodeUnpublishVolumeRequest(
+        volume_id=pods["pod-a"], target_path=str(target_of(safe_tmp, "pod-a"))))
+    assert f"csi:{pods['pod-a']}" not in store.leases() and not files["pod-a"].exists()
+    await channel.close()
+    plugins[1].kill(signal.SIGTERM)
+    mounts.unmount(target_of(safe_tmp, "pod-b"))
     store.close()
 
 

@@ -4,6 +4,7 @@ a claim for one of them under the ModelCache's namespace policy, and an eviction
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -32,13 +33,17 @@ def allocated(api: FakeApiServer, namespace: str, name: str, device: str) -> dic
     return api.update("resourceclaims", name, claim, namespace=namespace, subresource="status")
 
 
+def _dra_config(cluster: FakeApiServer, short_dir: Path, model_copy: Path) -> dict[str, Any]:
+    """A ModelCache of the model for namespace ml, and a daemon config with DRA on (kubelet dir short_dir/k)."""
+    cluster.create("modelcaches", model_cache("llama", f"file://{model_copy}/", "a100", ["ml"]))
+    return {"kubeletDir": str(short_dir / "k"),
+            "dra": {"slotsPerModel": 2, "cdiDir": str(short_dir / "cdi"), "publishSeconds": 0.2}}
+
+
 async def test_daemon_publishes_prepares_and_withdraws_models(
         cluster: FakeApiServer, short_dir: Path, model_copy: Path) -> None:
-    uri = f"file://{model_copy}/"
-    cluster.create("modelcaches", model_cache("llama", uri, "a100", ["ml"]))
+    config = _dra_config(cluster, short_dir, model_copy)
     kubelet_dir = short_dir / "k"
-    config = {"kubeletDir": str(kubelet_dir),
-              "dra": {"slotsPerModel": 2, "cdiDir": str(short_dir / "cdi"), "publishSeconds": 0.2}}
     d = await start_daemon(short_dir, model_copy, config=config, env={"NODE_NAME": NODE})
     kubelet = Kubelet(kubelet_dir)
     try:
@@ -140,4 +145,54 @@ async def test_a_server_that_drops_the_136_fields_gets_slots_and_no_fetchable_de
         await eventually(slots, timeout=30, what="slot devices only, after the server dropped the shared fields")
         assert not any(s["spec"].get("sharedCounters") for s in cluster.list("resourceslices"))
     finally:
+        await d.daemon.stop()
+
+
+async def test_a_claim_record_of_a_newer_release_keeps_its_leases_across_restarts(
+        cluster: FakeApiServer, short_dir: Path, model_copy: Path) -> None:
+    """Hardening IV: a claim record written by a newer release (a field this one does not know, in a device) was
+    quarantined by the older daemon, whose next start released the claim's leases while its pod still ran. Now a
+    newer minor's record is read with its unknown fields kept, a newer major's left alone: two restarts later
+    both claims still hold their leases, and kubelet's unprepare of the readable one releases it."""
+    config = _dra_config(cluster, short_dir, model_copy)
+    kubelet_dir = short_dir / "k"
+    d = await start_daemon(short_dir, model_copy, config=config, env={"NODE_NAME": NODE})
+    kubelet = Kubelet(kubelet_dir)
+    try:
+        await eventually(lambda: len(devices(cluster)) == 2, what="the model's two devices in the ResourceSlice")
+        (info,) = d.daemon.node.store.list()
+        await kubelet.register()
+        claims = [allocated(cluster, "ml", f"c{i}", f"m-{info.snapshot.id}-{i}") for i in (0, 1)]
+        answer = (await kubelet.prepare(*claims)).claims
+        assert all(answer[c["metadata"]["uid"]].error == "" for c in claims)
+        leases = d.daemon.node.store.leases()
+        assert len(leases) == 2
+    finally:
+        await kubelet.close()
+        await d.daemon.stop()
+    records = short_dir / "root" / "dra" / "claims"
+    for claim, version in zip(claims, ("1.3", "2.0"), strict=True):  # a newer minor, a newer major
+        path = records / f"{claim['metadata']['uid']}.json"
+        record = json.loads(path.read_text())
+        record["devices"][0]["numa_node"] = "1"  # what a later release might add, in a device and at the top
+        path.write_text(json.dumps({**record, "version": version, "checkpoint": {"generation": 7}}))
+    written = {c["metadata"]["uid"]: (records / f"{c['metadata']['uid']}.json").read_bytes() for c in claims}
+
+    for _ in range(2):  # the rolled-back daemon starts, and starts again
+        d = await start_daemon(short_dir, model_copy, config=config, env={"NODE_NAME": NODE})
+        try:
+            assert d.daemon.node.store.leases() == leases, "a running pod's claim lost its lease"
+        finally:
+            await d.daemon.stop()
+        assert {uid: (records / f"{uid}.json").read_bytes() for uid in written} == written
+    d = await start_daemon(short_dir, model_copy, config=config, env={"NODE_NAME": NODE})
+    kubelet = Kubelet(kubelet_dir)
+    try:
+        await kubelet.register()
+        newer = (await kubelet.unprepare(claims[1])).claims[claims[1]["metadata"]["uid"]].error
+        assert "written by a newer weightcache (record version 2.0" in newer
+        assert (await kubelet.unprepare(claims[0])).claims[claims[0]["metadata"]["uid"]].error == ""
+        assert set(d.daemon.node.store.leases()) == {h for h in leases if claims[1]["metadata"]["uid"] in h}
+    finally:
+        await kubelet.close()
         await d.daemon.stop()

@@ -113,6 +113,12 @@ class DamagedRecordError(StoreError):
     answer = Answer(7, 500, "INTERNAL")
 
 
+class NewerRecordError(StoreError):
+    """A node-state record (CSI volume, DRA claim) was written by a release with a newer major record version; it
+    is kept as it is and its leases held."""
+    answer = Answer(1, 500, "FAILED_PRECONDITION")
+
+
 class NotCachedError(StoreError, LookupError):
     """No snapshot is cached for that reference or id."""
     answer = Answer(3, 404, "NOT_FOUND")

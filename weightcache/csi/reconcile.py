@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import time
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from weightcache.csi import mounts
 from weightcache.errors import NotCachedError
 from weightcache.hf_layout import HF_DIR
 from weightcache.store import RecordBook, Store, StreamViews, Tree
-from weightcache.store.holders import CSI_RECORDS, describe_volume, volume_record_name
+from weightcache.store.holders import CSI_RECORD_VERSION, CSI_RECORDS, describe_volume, volume_record_name
 from weightcache.store.holders import csi_holder as holder_for
 from weightcache.store.layout import STREAMS_DIR
 from weightcache.vocabulary import CSI_HOLDER_PREFIX
@@ -77,6 +78,9 @@ def kubelet_volume_id(target_path: str) -> str | None:
     return "csi-" + hashlib.sha256((match["uid"] + match["name"]).encode()).hexdigest()
 
 
+_FIELDS = frozenset(f.name for f in dataclasses.fields(VolumeRecord))
+
+
 class VolumeBook:
     """The volume records of one store: a RecordBook (weightcache/store/book.py) under `csi/volumes`, read and
     written without following anything planted under the root. Not fsynced: only a power loss would lose a
@@ -85,7 +89,7 @@ class VolumeBook:
     def __init__(self, store: Tree | str | Path) -> None:
         # a Tree is the store's own (store.tree); a path is resolved as the store resolves its root
         tree = store if isinstance(store, Tree) else Tree(Path(store).resolve())
-        self._book = RecordBook(tree, *CSI_RECORDS, durable=False)
+        self._book = RecordBook(tree, *CSI_RECORDS, fields=_FIELDS, version=CSI_RECORD_VERSION, durable=False)
         self.dir = self._book.dir
 
     def get(self, volume_id: str) -> VolumeRecord | None:
@@ -105,8 +109,9 @@ class VolumeBook:
     def remove(self, volume_id: str) -> None:
         self._book.remove(volume_record_name(volume_id))
 
-
-_FIELDS = frozenset(f.name for f in dataclasses.fields(VolumeRecord))
+    def newer(self) -> set[str]:
+        """Holders of the volumes whose record a newer major version wrote: their leases stay (store/book.py)."""
+        return {CSI_HOLDER_PREFIX + urllib.parse.unquote(n) for n in self._book.newer()}
 
 
 def _parse(obj: Any) -> VolumeRecord:
@@ -143,6 +148,7 @@ def reconcile(store: Store, book: VolumeBook, *, kubelet_dir: str | Path) -> Rec
     table = mounts.mount_table()
     leases = store.leases()
     kept, released, adopted = [], [], []
+    newer = book.newer()  # records this release cannot read: their leases and mounts are left as they are
     for record in book.all():
         entry = mounts.mounted_at(record.target_path, table)
         if entry is not None:
@@ -155,7 +161,8 @@ def reconcile(store: Store, book: VolumeBook, *, kubelet_dir: str | Path) -> Rec
             released.append(record.holder)
     recorded = {holder_for(v) for v in kept}
     for holder in leases:
-        if holder.startswith(CSI_HOLDER_PREFIX) and holder not in recorded and holder not in released:
+        if (holder.startswith(CSI_HOLDER_PREFIX) and holder not in recorded and holder not in released
+                and holder not in newer):
             store.release(holder)
             released.append(holder)
     known_targets = {r.target_path for r in book.all()}
@@ -163,6 +170,8 @@ def reconcile(store: Store, book: VolumeBook, *, kubelet_dir: str | Path) -> Rec
         if target in known_targets:
             continue
         volume_id = kubelet_volume_id(target) or "unknown-" + hashlib.sha256(target.encode()).hexdigest()[:16]
+        if holder_for(volume_id) in newer:
+            continue
         try:
             snapshot = store.get(snapshot_id)
         except NotCachedError:  # a tree without index row or manifest: store recovery's business, not a lease

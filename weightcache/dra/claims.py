@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightcache.store import RecordBook, Tree
-from weightcache.store.holders import DRA_RECORDS
+from weightcache.store.holders import DRA_RECORD_VERSION, DRA_RECORDS
 from weightcache.store.holders import dra_holder as holder_for
 
 _UID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,127}$")  # metadata.uid: a UUID in practice; never a path
@@ -58,7 +58,7 @@ class ClaimBook:
     """The claim records of one store: a RecordBook (weightcache/store/book.py) under `dra/claims`, durable."""
 
     def __init__(self, tree: Tree) -> None:
-        self._book = RecordBook(tree, *DRA_RECORDS)
+        self._book = RecordBook(tree, *DRA_RECORDS, fields=_FIELDS, version=DRA_RECORD_VERSION)
         self.dir = self._book.dir
 
     def get(self, uid: str) -> ClaimRecord | None:
@@ -75,6 +75,10 @@ class ClaimBook:
         return [n for n in self._book.names() if valid_uid(n)]
 
 
+_FIELDS = frozenset(f.name for f in dataclasses.fields(ClaimRecord))
+_DEVICE_FIELDS = frozenset(f.name for f in dataclasses.fields(PreparedDevice))
+
+
 def _name(uid: str) -> str:
     if not valid_uid(uid):
         raise ValueError(f"claim uid {uid!r} is not a Kubernetes uid")
@@ -83,7 +87,8 @@ def _name(uid: str) -> str:
 
 def _parse(obj: Any, uid: str) -> ClaimRecord:
     record = ClaimRecord(str(obj["uid"]), str(obj["namespace"]), str(obj["name"]),
-                         tuple(PreparedDevice(**{k: str(v) for k, v in d.items()}) for d in obj["devices"]),
+                         tuple(PreparedDevice(**{k: str(v) for k, v in d.items() if k in _DEVICE_FIELDS})
+                               for d in obj["devices"]),  # a newer minor's device fields: not ours to read
                          float(obj["prepared_at"]), str(obj.get("pod_claim") or ""))
     if record.uid != uid:
         raise ValueError(f"the record names claim {record.uid!r}, not {uid!r}")

@@ -34,7 +34,7 @@ from weightcache.dra._pb import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dr
 from weightcache.dra.claims import ClaimBook, ClaimRecord, PreparedDevice, valid_uid
 from weightcache.dra.devices import slot_of, snapshot_of
 from weightcache.dra.fetchable import MODEL_READY, Fetchable, key_of
-from weightcache.errors import InvalidRequestError, NotCachedError, WeightcacheError
+from weightcache.errors import InvalidRequestError, NewerRecordError, NotCachedError, WeightcacheError
 from weightcache.redact import shorten
 from weightcache.store import Snapshot, Store
 from weightcache.store.holders import claim_of_holder
@@ -260,7 +260,11 @@ class ModelClaims:
         for holder in released:
             self._store.release(holder)
         for uid in known:
-            record = self._book.get(uid)
+            try:
+                record = self._book.get(uid)
+            except NewerRecordError as exc:  # a newer release's claim: its leases stay, its pod may still run
+                log.warning("%s", exc)
+                continue
             if record is not None:
                 try:
                     self._restore(record)

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import hashlib
 import urllib.parse
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from weightcache.errors import NewerRecordError
 from weightcache.store.book import RecordBook
 from weightcache.store.fsops import Tree
 from weightcache.vocabulary import CSI_HOLDER_PREFIX, DRA_HOLDER_PREFIX
@@ -24,6 +26,10 @@ from weightcache.vocabulary import CSI_HOLDER_PREFIX, DRA_HOLDER_PREFIX
 MAX_QUOTED_ID = 200  # a quoted id becomes one file name (record, lease): NAME_MAX is 255 bytes
 CSI_RECORDS = ("csi", "volumes")
 DRA_RECORDS = ("dra", "claims")
+# record versions (MAJOR, MINOR), weightcache/store/book.py: a minor adds fields older releases keep, a major is a
+# change they must refuse (docs/upgrade.md, "Node-state records")
+CSI_RECORD_VERSION = (1, 0)
+DRA_RECORD_VERSION = (1, 0)
 
 
 def file_id(volume_id: str) -> str:
@@ -69,14 +75,26 @@ def describe_holder(store: Tree | str | Path, holder: str) -> str:
     tree = store if isinstance(store, Tree) else Tree(Path(store).resolve())
     if holder.startswith(CSI_HOLDER_PREFIX):
         volume = holder[len(CSI_HOLDER_PREFIX):]
-        book = RecordBook(tree, *CSI_RECORDS, durable=False)
-        words = book.get(volume_record_name(volume), _volume_words)
+        book = RecordBook(tree, *CSI_RECORDS, fields=_VOLUME_WORDS, version=CSI_RECORD_VERSION, durable=False)
+        words = _newer_or(lambda: book.get(volume_record_name(volume), _volume_words))
         return words or f"CSI volume {volume}"
     if (uid := claim_of_holder(holder)) is not None:
         device = holder.partition("/")[2]
-        claim = RecordBook(tree, *DRA_RECORDS).get(uid, _claim_words) if _plain(uid) else None
+        claims = RecordBook(tree, *DRA_RECORDS, fields=_CLAIM_WORDS, version=DRA_RECORD_VERSION)
+        claim = _newer_or(lambda: claims.get(uid, _claim_words)) if _plain(uid) else None
         return f"{claim or f'ResourceClaim uid {uid}'} (DRA device {device})"
     return holder
+
+
+_VOLUME_WORDS = ("volume_id", "target_path", "pod_namespace", "pod_name", "pod_uid")
+_CLAIM_WORDS = ("namespace", "name")
+
+
+def _newer_or(read: Callable[[], str | None]) -> str | None:
+    try:
+        return read()
+    except NewerRecordError:
+        return None  # a newer release's record: the holder's bare name says enough here
 
 
 def _plain(name: str) -> bool:
