@@ -134,3 +134,18 @@ def test_the_daemon_account_is_matched_in_any_namespace_and_nobody_else(policy: 
     assert not admit(policy, "CREATE", moved, "node-a", own("node-b"), None)[0]
     for other in ("system:node:node-a", "system:serviceaccount:kube-system:gpu-driver", "alice"):
         assert admit(policy, "CREATE", other, "node-a", own("node-b"), None) == (True, "not matched")
+
+
+def test_the_daemon_deletes_only_pods_on_its_own_node() -> None:
+    """deploy/dra/rbac.yaml's pod policy: the delete right the taint eviction needs (weightcache/dra/eviction.py)
+    reaches only pods bound to the node in the daemon's token."""
+    docs = [d for d in yaml.safe_load_all((ROOT / "deploy" / "dra" / "rbac.yaml").read_text()) if d]
+    name = "weightcache-daemon-own-node-pods"
+    [pods] = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicy" and d["metadata"]["name"] == name]
+    assert any(d["kind"] == "ValidatingAdmissionPolicyBinding" and d["spec"]["policyName"] == name for d in docs)
+    pod = {"metadata": {"name": "p", "namespace": "ml"}, "spec": {"nodeName": "node-a"}}
+    assert admit(pods, "DELETE", DAEMON, "node-a", None, pod)[0]
+    assert not admit(pods, "DELETE", DAEMON, "node-b", None, pod)[0]
+    assert not admit(pods, "DELETE", DAEMON, None, None, pod)[0]  # a token bound to no node
+    assert not admit(pods, "DELETE", DAEMON, "node-a", None, {"metadata": {"name": "p"}, "spec": {}})[0]  # unscheduled
+    assert admit(pods, "DELETE", "system:serviceaccount:kube-system:deployment-controller", None, None, pod)[0]

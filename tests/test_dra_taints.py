@@ -12,10 +12,13 @@ from typing import Any
 import pytest
 
 from tests.fake_apiserver import FakeApiServer
+from tests.fake_rules import daemon_user, shipped_rbac
 from tests.fixtures_daemon import RunningDaemon
-from tests.fixtures_dra import NODE, fetch_models
+from tests.fixtures_dra import ALLOWED_NS, NODE, DraHarness, fetch_models
 from tests.test_dra_slices import check_slice, slices_of
+from weightcache.dra.claims import ClaimBook
 from weightcache.dra.devices import TAINT_KEY, devices_for, snapshot_of
+from weightcache.dra.eviction import ExtendedPodEvictor, tolerated_until
 from weightcache.dra.slices import SlicePublisher, build_slices
 from weightcache.dra.states import DAMAGED, EVICTING, STATES, VERIFYING, DeviceStates
 from weightcache.store import Snapshot, Store
@@ -109,3 +112,54 @@ async def test_the_apis_verify_marks_a_damaged_copy_and_its_repair_clears_it(dae
 def d_ensure(daemon: RunningDaemon) -> dict[str, Any]:
     answer = daemon.client.ensure(daemon.model_uri)
     return dict(answer.get("snapshot", answer))
+
+
+async def test_a_damaged_copy_evicts_the_pods_that_got_it_as_an_extended_resource(dra: DraHarness) -> None:
+    """kube-controller-manager evicts pods whose claims are in `spec.resourceClaims`; the daemon deals with the
+    pods whose claim the scheduler made for a DRA extended resource (`status.extendedResourceClaimStatus`): it
+    deletes them, with its own node-bound token and the shipped RBAC, unless the allocation tolerates the taint."""
+    snap = dra.snapshots[0]
+    resource = "models.weightcache.io/m1"
+    await dra.kubelet.register()
+    claims = {}
+    for i, (name, toleration) in enumerate((("c-ext", None), ("c-spec", None), ("c-tol", {
+            "key": TAINT_KEY, "operator": "Equal", "value": DAMAGED, "effect": "NoExecute"}))):
+        result = {**dra.device(snap, i), **({"tolerations": [toleration]} if toleration else {})}
+        claims[name] = dra.allocate(ALLOWED_NS, name, [result])
+        assert (await dra.kubelet.prepare(claims[name])).claims[claims[name]["metadata"]["uid"]].error == ""
+    pods = {}
+    for pod_name, claim_name, extended in (("p-ext", "c-ext", True), ("p-spec", "c-spec", False),
+                                           ("p-tol", "c-tol", True)):
+        one = {resource: "1"}
+        container = {"name": "vllm", "image": "vllm", "resources": {"requests": one, "limits": one}}
+        spec: dict[str, Any] = {"nodeName": NODE, "containers": [container]}
+        if not extended:
+            spec["resourceClaims"] = [{"name": "model", "resourceClaimName": claim_name}]
+        pod = dra.api.create("pods", {"metadata": {"name": pod_name}, "spec": spec}, ALLOWED_NS)
+        if extended:  # what the scheduler records for the claim it made
+            pod["status"] = {"extendedResourceClaimStatus": {"resourceClaimName": claim_name, "requestMappings": [
+                {"containerName": "vllm", "resourceName": resource, "requestName": "container-0-request-0"}]}}
+            pod = dra.api.update("pods", pod_name, pod, namespace=ALLOWED_NS, subresource="status")
+        claim = dra.api.get("resourceclaims", claim_name, ALLOWED_NS)
+        claim["status"]["reservedFor"] = [{"resource": "pods", "name": pod_name, "uid": pod["metadata"]["uid"]}]
+        dra.api.update("resourceclaims", claim_name, claim, namespace=ALLOWED_NS, subresource="status")
+        pods[pod_name] = pod
+
+    dra.api.rbac = shipped_rbac()
+    states = DeviceStates()
+    evictor = ExtendedPodEvictor(dra.api.api_client(dra.api.token_for(daemon_user(NODE))),
+                                 book=ClaimBook(dra.store.layout.tree), states=states.snapshot)
+    assert await asyncio.to_thread(evictor.sweep) == []  # whole: nobody goes
+    states.mark(snap.id, DAMAGED)
+    assert await asyncio.to_thread(evictor.sweep) == [f"{ALLOWED_NS}/p-ext"]
+    assert {p["metadata"]["name"] for p in dra.api.list("pods", ALLOWED_NS)} == {"p-spec", "p-tol"}
+    assert await asyncio.to_thread(evictor.sweep) == []  # gone: nothing more to do
+
+
+def test_a_toleration_with_seconds_delays_the_eviction() -> None:
+    result = {"tolerations": [{"key": TAINT_KEY, "operator": "Exists", "effect": "NoExecute",
+                               "tolerationSeconds": 300}]}
+    assert tolerated_until(result, "2026-01-01T00:00:00Z") == 1767225600 + 300
+    assert tolerated_until({"tolerations": [{"key": TAINT_KEY, "value": VERIFYING, "effect": "NoExecute"}]},
+                           "2026-01-01T00:00:00Z") is None
+    assert tolerated_until({}, "2026-01-01T00:00:00Z") is None

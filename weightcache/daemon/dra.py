@@ -17,7 +17,9 @@ from typing import Any
 
 from weightcache.daemon.node import Node
 from weightcache.dra.binding import ClaimBinder
+from weightcache.dra.claims import ClaimBook
 from weightcache.dra.devices import devices_for
+from weightcache.dra.eviction import ExtendedPodEvictor
 from weightcache.dra.fetchable import Fetchable, cache_counters, declared, fetchable_devices
 from weightcache.dra.server import DraPlugin, claim_reader, serve_dra
 from weightcache.dra.slices import SlicePublisher
@@ -153,4 +155,6 @@ async def serve_for_node(node: Node) -> DraPlugin:
     return await serve_dra(store=node.store, pool=node_name, kubelet_dir=s.kubelet_dir, cdi_dir=dra.cdi_dir,
                            authority=node.authority, claims=claim_reader(api_client, dra.api_version),
                            publisher=publisher, publish_interval=dra.publish_seconds,
-                           fetchable=resolve if fetchable else None, binder=binder)
+                           fetchable=resolve if fetchable else None, binder=binder,
+                           evictor=ExtendedPodEvictor(api_client, book=ClaimBook(node.store.layout.tree),
+                                                      states=STATES.snapshot, api_version=dra.api_version))

@@ -36,6 +36,7 @@ from weightcache.dra._pb import (
 )
 from weightcache.dra.binding import ClaimBinder
 from weightcache.dra.claims import ClaimBook
+from weightcache.dra.eviction import ExtendedPodEvictor
 from weightcache.dra.fetchable import Fetchable
 from weightcache.dra.health import DeviceHealth, HealthServicer
 from weightcache.dra.plugin import ClaimSource, DRAServicer, DRAServicerV1beta1, ModelClaims
@@ -92,10 +93,11 @@ async def serve_dra(*, store: Store, pool: str, kubelet_dir: Path, cdi_dir: Path
                     claims: ClaimSource, publisher: SlicePublisher | None = None,
                     publish_interval: float = 2.0, health_interval: float = 2.0,
                     fetchable: Callable[[str], Fetchable | None] | None = None,
-                    binder: ClaimBinder | None = None) -> DraPlugin:
+                    binder: ClaimBinder | None = None, evictor: ExtendedPodEvictor | None = None) -> DraPlugin:
     """Reconcile prepared claims with the store's leases, then serve DRA and register with kubelet. `fetchable`
     maps a fetchable device's model key to its model (prepare of `f-` devices); `binder` answers their binding
-    conditions (both 1.36+, docs/dra.md)."""
+    conditions (both 1.36+, docs/dra.md); `evictor` deletes the `dra-extended` pods on a damaged copy every
+    `health_interval`."""
     book = ClaimBook(store.layout.tree)
     model_claims = ModelClaims(store, book, pool=pool, cdi_dir=cdi_dir, claims=claims, authority=authority,
                                fetchable=fetchable, metadata_dir=metadata_dir(kubelet_dir))
@@ -122,8 +124,19 @@ async def serve_dra(*, store: Store, pool: str, kubelet_dir: Path, cdi_dir: Path
         plugin._tasks.append(asyncio.create_task(publisher.run(publish_interval), name="dra-resourceslices"))
     if binder is not None:
         plugin._tasks.append(asyncio.create_task(binder.run(), name="dra-binding-conditions"))
+    if evictor is not None:
+        plugin._tasks.append(asyncio.create_task(_evict_forever(evictor, health_interval), name="dra-taint-eviction"))
     log.info("DRA driver %s serving on unix://%s, registration socket %s", DRIVER_NAME, plugin_path, reg_path)
     return plugin
+
+
+async def _evict_forever(evictor: ExtendedPodEvictor, interval: float) -> None:
+    while True:
+        try:
+            await asyncio.to_thread(evictor.sweep)
+        except Exception:  # a bug or an unreachable API server must not end the loop: the next pass tries again
+            log.exception("evicting pods from damaged model copies failed")
+        await asyncio.sleep(interval)
 
 
 async def _listen(server: grpc.aio.Server, path: Path) -> None:
