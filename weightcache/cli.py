@@ -688,6 +688,8 @@ def main(argv: list[str] | None = None) -> int:
     redact_log_handlers()
     for noisy in ("botocore", "boto3", "urllib3", "s3transfer"):  # their DEBUG logs carry Authorization headers
         logging.getLogger(noisy).setLevel(max(level, logging.INFO))
+    for chatty in ("gcsfs", "adlfs", "azure"):  # they log each failure with its traceback, then raise it to us
+        logging.getLogger(chatty).setLevel(level if level <= logging.DEBUG else logging.CRITICAL)
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

@@ -26,7 +26,8 @@ SECRET_PARAMS = frozenset({
     "signature", "sig", "token", "access_token", "password", "secret", "key", "code",
 })
 SECRET_NAMES = ("authorization", "aws_secret_access_key", "aws_session_token", "secret_access_key",
-                "password", "passwd", "secret", "token")
+                "password", "passwd", "secret", "token",
+                "accountkey", "sharedaccesssignature")  # an Azure connection string's
 MASK = "***"
 _TOKEN_END = frozenset(" \t\r\n'\"<>`")
 _SCHEME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+.-")

@@ -31,6 +31,7 @@ from weightcache.errors import (
     WeightcacheError,
 )
 from weightcache.policy import confine_file
+from weightcache.redact import shorten
 from weightcache.sources.base import (
     ObjectInfo,
     OnBytes,
@@ -75,6 +76,8 @@ class FsspecSource:
             raise BackendMissingError(
                 f"reading {ref.scheme}:// models needs the {package} package: pip install {package}", name=package
             ) from exc
+        except Exception as exc:  # adlfs refuses a malformed connection string here, gcsfs unreadable credentials
+            raise translate(exc, ref.uri, ref.scheme) from exc
         self.root = self.fs._strip_protocol(ref.uri).rstrip("/") + "/"
         self._protocol = protocol
         self.local = protocol in ("file", "memory")  # reads are system calls (or memory), not requests
@@ -104,7 +107,7 @@ class FsspecSource:
             except RETRYABLE as exc:
                 raise Retryable(f"{type(exc).__name__} listing {self.ref.uri}") from exc
             except Exception as exc:
-                raise translate(exc, self.ref.uri) from exc
+                raise translate(exc, self.ref.uri, self.ref.scheme) from exc
 
         return self.options.retry(f"listing {self.ref.uri}").call(attempt)
 
@@ -192,7 +195,7 @@ class FsspecSource:
         except RETRYABLE as exc:
             raise Retryable(f"{type(exc).__name__} reading {obj.key}") from exc
         except Exception as exc:
-            raise translate(exc, obj.key) from exc
+            raise translate(exc, obj.key, self.ref.scheme) from exc
 
     @staticmethod
     def _same_version(obj: ObjectInfo, token: str | None) -> None:
@@ -200,12 +203,25 @@ class FsspecSource:
             raise ObjectChangedError(f"{obj.key} was modified after listing; {_CHANGED}")
 
 
-def translate(exc: BaseException, what: str) -> SourceError:
-    """The fsspec error table: builtin exceptions become ours; anything else is a SourceError (cause chained)."""
+#: Where each remote store's endpoint is set, for the hint when what answered was no such store.
+ENDPOINTS = {"gs": ("Google Cloud Storage", "STORAGE_EMULATOR_HOST (unset for Google's own)"),
+             "az": ("Azure Blob Storage", "the account's blob endpoint (AZURE_STORAGE_CONNECTION_STRING's "
+                                          "BlobEndpoint, AZURE_STORAGE_ACCOUNT_NAME)")}
+
+
+def translate(exc: BaseException, what: str, scheme: str = "file") -> SourceError:
+    """The fsspec error table: builtin exceptions become ours; an error with an HTTP status a SourceError naming
+    it; anything else a remote library raises (a redirect loop, an HTML page it cannot parse) means the endpoint
+    is no such store, and says where that is set. The cause is chained."""
     for builtin, ours, hint in ERRORS:
         if isinstance(exc, builtin):
             return ours(f"{what}: {type(exc).__name__}; {hint}")
-    return SourceError(f"{what}: {type(exc).__name__}: {exc}")
+    detail = shorten(f"{type(exc).__name__}: {exc}", 300)
+    status = getattr(exc, "code", None) or getattr(exc, "status_code", None)
+    if scheme in ENDPOINTS and not isinstance(status, int):
+        store, where = ENDPOINTS[scheme]
+        return SourceError(f"{what}: the endpoint did not answer like {store} ({detail}); check {where}")
+    return SourceError(f"{what}: {detail}")
 
 
 def version_token(info: dict[str, Any]) -> str | None:

@@ -99,7 +99,8 @@ class RegistryClient:
                                           "tag or digest")
             raise_for_status(resp, what, ok, "check that this is an OCI registry")
             return resp
-        raise SourceError(f"{what}: more than {MAX_REDIRECTS} redirects")
+        raise SourceError(f"{what}: more than {MAX_REDIRECTS} redirects from {self.registry}; check that this is "
+                          "an OCI registry")
 
     def _authorized(self, method: str, url: str, headers: dict[str, str], body: bytes | None,
                     authorize: bool) -> Any:

@@ -57,6 +57,9 @@ _Listing = tuple[list[ObjectInfo], set[str]]  # objects, and the keys whose list
 _DENIED = "give the node's credentials s3:ListBucket and s3:GetObject on {uri}, or check AWS_* settings"
 _MISSING = "check that the bucket and prefix exist, e.g. `aws s3 ls {uri}`"
 _CHANGED = "the object was replaced while downloading; fetch again to get the new version"
+#: Anything else botocore raises on an answer (an HTML page, a redirect loop: its region redirector follows a 301
+#: from a plain web server about 80 levels deep into a RecursionError, unparseable XML) means the endpoint is no S3.
+_NOT_S3 = "the endpoint {where} did not answer like S3 ({kind}); check --endpoint-url / AWS_ENDPOINT_URL"
 
 #: S3 error code (or bare HTTP status, as HEAD errors carry) -> our exception and a hint.
 ERRORS: dict[str, tuple[type[SourceError], str]] = {
@@ -170,6 +173,9 @@ class S3Source:
         pages = self._client.get_paginator("list_objects_v2").paginate(
             Bucket=self.ref.bucket, Prefix=self.ref.prefix, PaginationConfig={"PageSize": self.page_size})
         for page in pages:
+            if "Name" not in page:  # every ListBucketResult names its bucket; a web server's 200 page does not
+                raise SourceError(f"listing {self.ref.uri}: " + _NOT_S3.format(
+                    where=self._endpoint() or "AWS S3", kind="no ListBucketResult in the answer"))
             for item in page.get("Contents", ()):
                 key = item["Key"]
                 if key.endswith("/"):  # a "directory marker" that consoles create
@@ -217,6 +223,8 @@ class S3Source:
             raise translate(exc, what, uri=self.ref.uri) from exc
         except NETWORK_ERRORS as exc:
             raise Retryable(self._network_reason(exc, "GET")) from exc
+        except Exception as exc:
+            raise self._not_s3(exc, f"reading {what}") from exc
         self._note_encryption(obj.key, resp)
         raw = resp["Body"]._raw_stream
         body_timeout(raw, self.options.read_timeout)  # the first byte may be slow in coming; every read after it not
@@ -257,8 +265,14 @@ class S3Source:
                 raise
             except NETWORK_ERRORS as exc:
                 raise Retryable(self._network_reason(exc, what)) from exc
+            except Exception as exc:
+                raise self._not_s3(exc, what) from exc
 
         return self.options.retry(what).call(attempt)
+
+    def _not_s3(self, exc: Exception, what: str) -> SourceError:
+        """Whatever else escapes botocore: the endpoint answered, but not as S3 does (exit 6, no traceback)."""
+        return SourceError(f"{what}: " + _NOT_S3.format(where=self._endpoint() or "AWS S3", kind=type(exc).__name__))
 
 
 def translate(exc: botocore.exceptions.ClientError | botocore.exceptions.NoCredentialsError, what: str, *,

@@ -1,0 +1,93 @@
+"""Each scheme pointed at the wrong kind of server (a web server answering a 301 loop, or a 200 HTML page, as nginx,
+an ingress or a MinIO console port do): exit 6 with one line saying what answered and what to check, never a
+traceback, never a credential. gs:// and az:// run where their backends are installed (the object-store tier,
+scripts/test_objstores.sh, runs this file too). Before: s3:// went through botocore's region redirector about 80
+levels deep into a 2,986-line RecursionError traceback and exit 1; gs:// printed gcsfs's logged traceback."""
+
+from __future__ import annotations
+
+import http.server
+import importlib.util
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+AZURE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+AWS_SECRET = "wrong-server-secret-do-not-print"
+PAGE = b"<html><head><title>Welcome to nginx!</title></head><body>nginx</body></html>"
+
+
+class _WebServer(http.server.BaseHTTPRequestHandler):
+    status = 301
+
+    def _answer(self) -> None:
+        self.send_response(self.status)
+        if self.status == 301:  # to itself: what an http->https or trailing-slash rule looks like to a client
+            self.send_header("Location", f"http://127.0.0.1:{self.server.server_address[1]}{self.path}")
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(PAGE)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(PAGE)
+
+    do_GET = do_HEAD = do_PUT = do_POST = _answer
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(params=[301, 200], ids=["redirect-loop", "html-page"])
+def web_server(request: pytest.FixtureRequest) -> Iterator[str]:
+    handler = type("Handler", (_WebServer,), {"status": request.param})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _needs(package: str) -> pytest.MarkDecorator:
+    """gs:// and az:// run in the object-store tier, which installs their backends (scripts/test_objstores.sh);
+    the main suite keeps a node without them, to check the install hint it gives."""
+    return pytest.mark.skipif(importlib.util.find_spec(package) is None, reason=f"{package}: the object-store tier")
+
+
+def _env(url: str, home: Path) -> dict[str, str]:
+    return {
+        "PATH": "/usr/bin:/bin", "HOME": str(home), "KUBECONFIG": "/nonexistent",
+        "WEIGHTCACHE_SOCKET": "/nonexistent/wc.sock",
+        "AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "AKIAWRONGSERVER", "AWS_SECRET_ACCESS_KEY": AWS_SECRET,
+        "AWS_DEFAULT_REGION": "us-east-1", "AWS_CONFIG_FILE": "/dev/null", "AWS_SHARED_CREDENTIALS_FILE": "/dev/null",
+        "STORAGE_EMULATOR_HOST": url, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+        "AZURE_STORAGE_CONNECTION_STRING": (f"DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;"
+                                            f"AccountKey={AZURE_KEY};BlobEndpoint={url}/devstoreaccount1;"),
+        "HF_ENDPOINT": url, "HF_HUB_DISABLE_TELEMETRY": "1",
+    }
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(("ref", "says"), [
+    ("s3://models/tiny/", "did not answer like S3"),
+    pytest.param("gs://models/tiny/", "did not answer like Google Cloud Storage", marks=_needs("gcsfs")),
+    pytest.param("az://models/tiny/", "did not answer like Azure Blob Storage", marks=_needs("adlfs")),
+    ("http://{host}/models/tiny/", "http://"),
+    ("oci://{host}/models/tiny:v1", "{host}"),  # a redirect loop, or no JSON manifest, from that registry
+    ("hf://org/tiny", "org/tiny"),
+])
+def test_each_scheme_at_a_web_server_exits_6_with_what_to_check(web_server: str, ref: str, says: str,
+                                                                 tmp_path: Path) -> None:
+    host = web_server.removeprefix("http://")
+    ref, says = ref.format(host=host), says.format(host=host)
+    done = subprocess.run([sys.executable, "-m", "weightcache", "prefetch", ref, "--root", str(tmp_path / "root"),
+                           "-q"], capture_output=True, text=True, timeout=120, env=_env(web_server, tmp_path))
+    assert done.returncode == 6, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr[-3000:]
+    assert says in done.stderr
+    assert AWS_SECRET not in done.stderr and AZURE_KEY not in done.stderr
