@@ -364,7 +364,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     for entry in entries:
         result = cache.verify(entry["id"], repair=args.repair)
         if not result["damaged"]:
-            _say(args, f"ok       {result['uri']} {entry['id'][:12]} ({result['files']} files)")
+            _say(args, f"ok       {result['uri']} {entry['id'][:12]} ({result['files']} files"
+                       f"{_checks_text(result.get('source_checks'))})")
             continue
         print(f"DAMAGED  {result['uri']} {entry['id'][:12]}: {', '.join(result['damaged'])}")
         for fixed in result["repaired"]:
@@ -373,6 +374,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if damaged and not args.repair:
         print("run `weightcache verify --repair` to refetch damaged snapshots", file=sys.stderr)
     return 7 if damaged else 0
+
+
+def _checks_text(checks: object) -> str:
+    """`; checked against the source by md5-etag 5, none 1` for verify's line (a daemon before the record: "")."""
+    if not isinstance(checks, dict) or not checks:
+        return ""
+    counts: dict[str, int] = {}
+    for check in checks.values():
+        counts[str(check)] = counts.get(str(check), 0) + 1
+    return "; checked against the source by " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -37,17 +37,19 @@ from weightcache.errors import (
     FetchCancelledError,
     InsufficientSpaceError,
     IntegrityError,
+    NotAllowedError,
     ObjectChangedError,
     SafetensorsHeaderError,
     SourceNotFoundError,
 )
-from weightcache.peers.identity import OriginId, composite_factory, origin_evidence
+from weightcache.peers.identity import COMPOSITE, OriginId, composite_factory, origin_evidence
 from weightcache.peers.source import PeerSource
 from weightcache.progress import Progress, RateMeter, read_progress_file, write_progress_file
 from weightcache.sources import ObjectInfo, Source, SourceOptions
 from weightcache.store import BlobMissingError, BlobWriter, FileEntry, Snapshot, Store, validate_tree
 from weightcache.units import fmt_bytes
 from weightcache.uri import ModelRef
+from weightcache.vocabulary import NO_SOURCE_CHECK
 
 if TYPE_CHECKING:
     from weightcache.peers import PeerSet
@@ -63,6 +65,7 @@ LOCAL_LARGE_PIECE = 1 << 20  # a local source's piece this large is worth a thre
 MIN_RANGE_CHUNKS = 4  # requests of 4 chunks or more (64 MiB by default) while every worker gets one (_range_size)
 SPLIT_STALL = 2.0  # seconds without a piece after which an idle worker halves a range (_Reading); 5x for a first
 SPLIT_MIN = 4 * PIECE  # a range is halved only while this much of it is left beyond the piece in flight
+MULTIPART_ETAG = re.compile(r"[0-9a-f]{32}-[0-9]{1,5}")  # S3's multipart ETag: MD5 of the part MD5s, "-" parts
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,7 @@ class _Item:
     in_blob: bool = False  # written straight to its blob (a whole small file): no part to move
     header_error: SafetensorsHeaderError | None = None  # its header check's refusal before naming it: _finish raises
     unsynced_blob: bool = False  # linked on the store's checksum alone: its blob may be another fetch's, not synced
+    check: str = NO_SOURCE_CHECK  # what verifies it against its source (vocabulary.SOURCE_CHECKS): the manifest's
     reported: bool = False  # handed to on_file: its blob is named and durable already (_add_blobs skips it)
 
 
@@ -106,15 +110,17 @@ class Fetcher:
                  read_timeout: float = defaults.READ_TIMEOUT,
                  source_factory: Callable[[ModelRef], Source] | None = None,
                  cancel: threading.Event | None = None, peers: PeerSet | None = None,
-                 proxy_url: str | None = None) -> None:
+                 proxy_url: str | None = None, require_source_checksum: bool = False) -> None:
         """`cancel`: an event that, once set, stops this fetcher's downloads like close() (a caller's own stop).
         `peers`: blobs with a trusted sha256 are read from these peers first (weightcache/peers).
-        `proxy_url`: the source's HTTP(S) forward proxy (s3 and http ranged reads)."""
+        `proxy_url`: the source's HTTP(S) forward proxy (s3 and http ranged reads).
+        `require_source_checksum`: refuse a model with a file nothing from the source verifies (NotAllowedError)."""
         self.store = store
         self.concurrency = max(1, concurrency)
         self.chunk_size = max(64 << 10, chunk_size)
         self.endpoint_url = endpoint_url
         self.proxy_url = proxy_url
+        self.require_source_checksum = require_source_checksum
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
         self._source_factory = source_factory
         self.peers = peers
@@ -253,6 +259,7 @@ class Fetcher:
         self._check_revision(ref, source, objects)
         items = [_Item(o, o.relpath) for o in objects]
         self._expectations(ref, source, items)
+        self._require_checks(ref, items)
         todo = [i for i in items if i.sha256 is None]
         total = sum(i.obj.size for i in items)
         reporter.start(total, len(items), already=total - sum(i.obj.size for i in todo),
@@ -298,7 +305,8 @@ class Fetcher:
         unsynced = bool(todo) or entries is not listed or any(i.unsynced_blob for i in items)
         with ThreadPoolExecutor(1, thread_name_prefix="wc-syncfs") as pool:
             synced = pool.submit(sync_filesystem, self.store.layout.partial) if unsynced else None
-            snap = self.store.publish(ref, entries, before_commit=synced.result if synced else None)
+            snap = self.store.publish(ref, entries, before_commit=synced.result if synced else None,
+                                      checks=_checks_of(items, entries))
         secs = time.monotonic() - started
         log.info("fetched %s: %s from origin (%d of %d files, %s already cached) in %.1fs, %.2f GB/s",
                  ref, fmt_bytes(fetched), len(todo), len(items), fmt_bytes(total - fetched), secs,
@@ -334,17 +342,20 @@ class Fetcher:
         """Fill in what downloaded bytes must match, and link (dedup) only on trusted evidence."""
         sidecars = self._read_sidecars(source, items)
         known_here = self.store.known_sha256(ref.uri)
+        by_record: list[_Item] = []
         for item in items:
             obj = item.obj
             trusted = None
             if obj.checksum and obj.checksum[0] == "sha256":  # only S3's (sources/base.py: the store's own)
                 item.expect_sha256 = trusted = obj.checksum[1].lower()  # computed and verified by the store
+                item.check = "sha256"
             elif obj.checksum and new_hasher(obj.checksum[0]) is not None:
                 item.source_check = obj.checksum
             elif (md5 := source.etag_md5(obj)) is not None:
                 item.source_check = ("md5", md5)
             if item.expect_sha256 is None and item.relpath in sidecars:
-                item.expect_sha256 = sidecars[item.relpath]  # a claim: it checks downloaded bytes, never links
+                # a claim: it checks downloaded bytes, never links
+                item.expect_sha256, item.check = sidecars[item.relpath]
             recorded = known_here.get((item.relpath, obj.etag, obj.size)) if obj.etag else None
             if recorded is not None and self._blob_size(recorded) is None:
                 recorded = None  # evicted since: download it (peers serve only what the bytes are checked against)
@@ -353,23 +364,57 @@ class Fetcher:
             if known and self._blob_size(known) == obj.size:
                 item.sha256, item.size = known, obj.size
                 item.unsynced_blob = recorded is None  # a recorded blob was synced before its manifest
-        if self.peers is not None and self.peers.urls:  # the node's own HEAD: identity and origin checksum
-            found = origin_evidence(source, [i.obj for i in items if i.sha256 is None and not i.trusted_sha256])
-            for item in items:
-                if (evidence := found.get(item.obj.key)) is not None:
-                    item.peer_origin, item.source_check = evidence.oid, evidence.check
+                if not trusted:
+                    by_record.append(item)
+        self._origin_checks(source, items)
+        for item in items:
+            if item.check == NO_SOURCE_CHECK and item.source_check is not None:
+                item.check = _check_name(item.source_check[0])
+        if by_record:  # linked on this node's own record: the check its download had
+            checks = self.store.known_checks(ref.uri, [(i.relpath, i.obj.etag or "", i.obj.size) for i in by_record])
+            for item in by_record:
+                item.check = checks.get((item.relpath, item.obj.etag or "", item.obj.size), NO_SOURCE_CHECK)
+
+    def _origin_checks(self, source: Source, items: list[_Item]) -> None:
+        """The node's own HEAD for the origin's identity and checksum (peers/identity.py): for every file peers may
+        serve when peers are configured, else for multipart objects nothing else checks, whose ETag is the MD5 of
+        their part MD5s (part size from HEAD ?partNumber=1, the parts checked uniform): the check docs/peers.md
+        describes for peers' bytes, here for the origin's."""
+        peers = self.peers is not None and bool(self.peers.urls)
+        wanted = [i for i in items if i.sha256 is None and (
+            not i.trusted_sha256 if peers else
+            i.expect_sha256 is None and i.source_check is None and MULTIPART_ETAG.fullmatch(i.obj.etag or ""))]
+        found = origin_evidence(source, [i.obj for i in wanted]) if wanted else {}
+        for item in wanted:
+            if (evidence := found.get(item.obj.key)) is None:
+                continue
+            if peers:
+                item.peer_origin, item.source_check = evidence.oid, evidence.check
+            else:
+                item.source_check = evidence.check
+
+    def _require_checks(self, ref: ModelRef, items: list[_Item]) -> None:
+        """requireSourceChecksum: no file whose bytes nothing from the source verifies (docs/fetch.md)."""
+        unchecked = [i.relpath for i in items if i.check == NO_SOURCE_CHECK]
+        if self.require_source_checksum and unchecked:
+            shown = ", ".join(unchecked[:5]) + (f" and {len(unchecked) - 5} more" if len(unchecked) > 5 else "")
+            raise NotAllowedError(
+                f"{ref}: requireSourceChecksum refuses {len(unchecked)} file(s) that nothing from the source "
+                f"verifies ({shown}): no checksum, MD5 ETag or sidecar; upload them with a checksum "
+                "(aws s3 cp --checksum-algorithm SHA256), add a SHA256SUMS file, or turn the policy off")
 
     def _blob_size(self, sha256: str) -> int | None:
         return self.store.blob_size(sha256)
 
-    def _read_sidecars(self, source: Source, items: list[_Item]) -> dict[str, str]:
+    def _read_sidecars(self, source: Source, items: list[_Item]) -> dict[str, tuple[str, str]]:
         """`<file>.sha256` ("<hex> [name]") and `SHA256SUMS` (sha256sum format) the model carries, and the digests
-        the source's listing names (`claimed_sha256`: the hub's lfs.sha256). All claims: they check bytes."""
-        out: dict[str, str] = {}
+        the source's listing names (`claimed_sha256`: the hub's lfs.sha256, an OCI layer's digest). All claims:
+        they check bytes. Path -> (sha256, the check it makes: "sha256" for the source's own, else "sidecar")."""
+        out: dict[str, tuple[str, str]] = {}
         if (claimed := getattr(source, "claimed_sha256", None)) is not None:
             for item in items:
                 if digest := claimed(item.obj):
-                    out[item.relpath] = digest
+                    out[item.relpath] = (digest, "sha256")
         for item in items:
             name = item.relpath
             if not (name.endswith(".sha256") or name.rsplit("/", 1)[-1] == "SHA256SUMS"):
@@ -383,12 +428,12 @@ class Fetcher:
             if name.endswith(".sha256"):
                 digest = text.split()[0].lower() if text.split() else ""
                 if re.fullmatch(r"[0-9a-f]{64}", digest):
-                    out.setdefault(name[: -len(".sha256")], digest)  # the listing's own claim first
+                    out.setdefault(name[: -len(".sha256")], (digest, "sidecar"))  # the listing's own claim first
             else:
                 for line in text.splitlines():
                     m = re.fullmatch(r"([0-9a-fA-F]{64})\s+\*?(?:\./)?(.+)", line.strip())
                     if m:
-                        out.setdefault(base + m.group(2), m.group(1).lower())
+                        out.setdefault(base + m.group(2), (m.group(1).lower(), "sidecar"))
         return out
 
     def _download(self, source: Source, todo: list[_Item], reporter: _Reporter) -> int:
@@ -750,10 +795,27 @@ def _verified(item: _Item, source: Source) -> str:
         algorithm, want = item.source_check
         if algorithm == "md5":  # a GET may have shown SSE-KMS/SSE-C since planning: then the ETag is no MD5
             want = source.etag_md5(item.obj) or ""
+            if not want:
+                item.check = NO_SOURCE_CHECK
         got = part.source_check.hexdigest()
         if want and got != want:
             raise IntegrityError(f"{item.relpath}: {algorithm} {got} does not match the source's {want}")
     return sha
+
+
+def _check_name(algorithm: str) -> str:
+    """The manifest's name (vocabulary.SOURCE_CHECKS) for a source check's algorithm."""
+    if algorithm == "md5":
+        return "md5-etag"
+    return "multipart-md5" if algorithm.startswith(COMPOSITE) else algorithm  # crc32, crc32c, crc64nvme
+
+
+def _checks_of(items: list[_Item], entries: list[FileEntry]) -> dict[str, str]:
+    """Each published file's check: its item's, or for a tar layer's member (oci://) its layer's, by the layer
+    digest both carry as their etag."""
+    by_path = {i.relpath: i.check for i in items}
+    by_etag = {i.obj.etag: i.check for i in items if i.obj.etag}
+    return {e.path: by_path.get(e.path) or by_etag.get(e.etag or "") or NO_SOURCE_CHECK for e in entries}
 
 
 def _check_header(item: _Item, path: str | Path) -> None:

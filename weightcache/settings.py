@@ -41,6 +41,7 @@ FETCH_ENV = {
     "WEIGHTCACHE_CHUNK_SIZE": "chunkSize",
     "WEIGHTCACHE_CONNECT_TIMEOUT": "connectTimeout",
     "WEIGHTCACHE_READ_TIMEOUT": "readTimeout",
+    "WEIGHTCACHE_REQUIRE_SOURCE_CHECKSUM": "requireSourceChecksum",
 }
 
 
@@ -55,6 +56,8 @@ class FetchSettings:
     endpoints: tuple[tuple[str, str], ...] = ()  # ("s3" or "s3://bucket", endpoint url), most specific wins
     proxies: tuple[tuple[str, str], ...] = ()  # ("s3" or "s3://bucket", HTTP(S) forward proxy url), the same way
     endpoint_flag: str | None = None  # the command line's --endpoint-url: the command's reference's endpoint
+    # refuse a fetch with a file nothing from its source verifies (its check would be "none": docs/fetch.md)
+    require_source_checksum: bool = False
     # the daemons that serve verified blobs (docs/peers.md): a running daemon's, not a setting read from a file
     peers: PeerSet | None = field(default=None, compare=False, repr=False)
 
@@ -81,7 +84,7 @@ class FetchSettings:
         proxy = self.proxy_for(ref) if ref is not None else None
         return Fetcher(store, concurrency=self.concurrency, chunk_size=self.chunk_size, endpoint_url=endpoint,
                        proxy_url=proxy, connect_timeout=self.connect_timeout, read_timeout=self.read_timeout,
-                       cancel=cancel, peers=self.peers)
+                       cancel=cancel, peers=self.peers, require_source_checksum=self.require_source_checksum)
 
 
 def _most_specific(entries: tuple[tuple[str, str], ...], ref: ModelRef) -> str | None:
@@ -234,6 +237,19 @@ def _http_url(where: str, url: Any, credentials_hint: str) -> str:
     return url
 
 
+def boolean(what: str) -> Callable[[Any], bool]:
+    def parse(value: Any) -> bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("true", "1", "yes", "on"):
+            return True
+        if text in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"{what}: expected true or false, got {value!r}")
+    return parse
+
+
 FETCH_PARSERS: dict[str, Callable[[Any], Any]] = {
     "concurrency": whole_number("concurrency", 1),
     "chunkSize": lambda v: max(1, parse_size(v, "chunkSize")),
@@ -241,6 +257,8 @@ FETCH_PARSERS: dict[str, Callable[[Any], Any]] = {
     "readTimeout": seconds("readTimeout"),
     "endpoints": _endpoints,
     "proxies": _proxies,
+    "requireSourceChecksum": boolean("requireSourceChecksum"),
 }
 _FETCH_FIELDS = {"concurrency": "concurrency", "chunkSize": "chunk_size", "connectTimeout": "connect_timeout",
-                 "readTimeout": "read_timeout", "endpoints": "endpoints", "proxies": "proxies"}
+                 "readTimeout": "read_timeout", "endpoints": "endpoints", "proxies": "proxies",
+                 "requireSourceChecksum": "require_source_checksum"}

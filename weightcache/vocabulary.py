@@ -57,3 +57,10 @@ STREAM_ANNOTATION = f"{GROUP}/stream"
 STREAM_DIR = ".weightcache"  # reserved at the view's root: a model's own files under this name are left out
 STREAM_STATE = f"{STREAM_DIR}/state"
 STREAM_FETCHING, STREAM_COMPLETE, STREAM_FAILED = "fetching", "complete", "failed"
+
+# What verified each file's bytes against its source, as a manifest's "checks" records it and `ls -o json`,
+# `verify` and the policy requireSourceChecksum read it (docs/fetch.md, "What verified a file"): the store's own
+# SHA-256 or a digest the source names (an OCI layer, the hub's LFS sha256), a full-object CRC, the single-part MD5
+# ETag, the multipart ETag (MD5 of the part MD5s), a *.sha256 / SHA256SUMS file beside it, or nothing.
+SOURCE_CHECKS = ("sha256", "crc64nvme", "crc32c", "crc32", "md5-etag", "multipart-md5", "sidecar", "none")
+NO_SOURCE_CHECK = "none"

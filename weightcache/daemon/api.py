@@ -342,8 +342,9 @@ async def verify_model(request: web.Request) -> web.Response:
                 raise
             repaired.append({"ref": text, "snapshot": fresh.id})
         STATES.clear(sid)
+    checks = await asyncio.to_thread(node.store.source_checks, sid)
     return web.json_response({"id": sid, "uri": snapshot.uri, "files": len(snapshot.files), "damaged": damaged,
-                              "repaired": repaired})
+                              "repaired": repaired, "source_checks": checks})
 
 
 async def evict_to(request: web.Request) -> web.Response:

@@ -24,6 +24,7 @@ from weightcache.settings import (
     FETCH_ENV,
     FETCH_PARSERS,
     FetchSettings,
+    boolean,
     merged,
     reject_unknown,
     seconds,
@@ -113,6 +114,7 @@ class Settings:
     parallel_models: int = 2  # models fetched at once by the reconcile loop
     endpoints: tuple[tuple[str, str], ...] = ()  # ("s3" or "s3://bucket", endpoint url), most specific wins
     proxies: tuple[tuple[str, str], ...] = ()  # ("s3" or "s3://bucket", HTTP(S) forward proxy url), the same way
+    require_source_checksum: bool = False  # refuse a fetch with a file nothing from its source verifies
     models: tuple[ModelSpec, ...] = ()
     allow_undeclared_models: bool | None = None  # None = auto: true off-cluster, false in-cluster
     socket: Path = defaults.SOCKET
@@ -137,7 +139,7 @@ class Settings:
     def fetch(self) -> FetchSettings:
         """The fetch settings, as the CLI and the standalone CSI server read them too (weightcache/settings.py)."""
         return FetchSettings(self.concurrency, self.chunk_size, self.connect_timeout, self.read_timeout,
-                             self.endpoints, self.proxies)
+                             self.endpoints, self.proxies, require_source_checksum=self.require_source_checksum)
 
     def endpoint_for(self, ref: ModelRef) -> str | None:
         return self.fetch.endpoint_for(ref)
@@ -186,17 +188,6 @@ def _with_path(settings: Settings, path: Path) -> Settings:
     return Settings(**{f.name: getattr(settings, f.name) for f in fields(settings)} | {"config_path": path})
 
 
-def _bool(what: str) -> Callable[[Any], bool]:
-    def parse(value: Any) -> bool:
-        if isinstance(value, bool):
-            return value
-        text = str(value).strip().lower()
-        if text in ("true", "1", "yes", "on"):
-            return True
-        if text in ("false", "0", "no", "off"):
-            return False
-        raise ConfigError(f"{what}: expected true or false, got {value!r}")
-    return parse
 
 
 def _choice(what: str, choices: tuple[str, ...], *, upper: bool = False) -> Callable[[Any], str]:
@@ -234,7 +225,7 @@ def _model(index: int, entry: Any) -> ModelSpec:
     except InvalidReferenceError as exc:
         raise ConfigError(f"{where}.source: {exc}") from exc
     tier = _choice(f"{where}.tier", ("disk", "memory"))(entry.get("tier") or "disk")
-    pin = _bool(f"{where}.pin")(entry.get("pin", True))
+    pin = boolean(f"{where}.pin")(entry.get("pin", True))
     return ModelSpec(ref, tier, pin)
 
 
@@ -267,7 +258,7 @@ def _dra(value: Any) -> DraSettings | None:
     """`dra: {slotsPerModel: 8, shared: auto, cdiDir: /var/run/cdi, apiVersion: v1, publishSeconds: 2}`;
     `true` (the --dra flag) is the defaults, `false` turns it off."""
     if isinstance(value, (bool, str)):
-        return DraSettings() if _bool("dra")(value) else None
+        return DraSettings() if boolean("dra")(value) else None
     if not isinstance(value, dict):
         raise ConfigError("dra: expected true, false or a mapping such as {slotsPerModel: 8}")
     keys = {"slotsPerModel": None, "shared": None, "cdiDir": None, "apiVersion": None, "publishSeconds": None}
@@ -283,7 +274,7 @@ def _dra(value: Any) -> DraSettings | None:
     if not 0.1 <= every <= 3600:
         raise ConfigError(f"dra.publishSeconds: expected seconds between 0.1 and 3600, got {value['publishSeconds']!r}")
     shared = value.get("shared", "auto")
-    return DraSettings(slots, None if shared in ("auto", None) else _bool("dra.shared")(shared),
+    return DraSettings(slots, None if shared in ("auto", None) else boolean("dra.shared")(shared),
                        _path("dra.cdiDir")(value.get("cdiDir", defaults.CDI_DIR)), version, every)
 
 
@@ -332,7 +323,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "memoryBudget": _optional_bytes("memoryBudget"),
     "parallelModels": whole_number("parallelModels", 1),
     "models": _models,
-    "allowUndeclaredModels": _bool("allowUndeclaredModels"),
+    "allowUndeclaredModels": boolean("allowUndeclaredModels"),
     "socket": _path("socket"),
     "tcp": _tcp,
     "metricsListen": _host_port("metricsListen", "0.0.0.0:9478"),

@@ -38,6 +38,7 @@ class InfoBody(SnapshotBody):
     pinned: bool
     leases: list[str]
     unique_bytes: int
+    source_checks: dict[str, int]  # files per what verified them against the source (docs/fetch.md)
 
 
 def snapshot_body(s: Snapshot) -> SnapshotBody:
@@ -49,7 +50,8 @@ def snapshot_body(s: Snapshot) -> SnapshotBody:
 def info_body(i: SnapshotInfo) -> InfoBody:
     """A listed snapshot as `GET /v1/models` and `weightcache ls` show it, whichever way the CLI went."""
     return {**snapshot_body(i.snapshot), "refs": list(i.refs), "last_used": i.last_used,
-            "pinned": i.pinned, "leases": list(i.leases), "unique_bytes": i.unique_bytes}
+            "pinned": i.pinned, "leases": list(i.leases), "unique_bytes": i.unique_bytes,
+            "source_checks": dict(i.source_checks)}
 
 
 class Listing:

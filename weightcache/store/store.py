@@ -13,6 +13,7 @@ from __future__ import annotations
 import builtins
 import errno
 import fcntl
+import json
 import logging
 import os
 import sqlite3
@@ -50,6 +51,7 @@ from weightcache.store.records import (
     is_snapshot_id,
     lease_bytes,
     manifest_bytes,
+    manifest_checks,
     parse_lease,
     parse_manifest,
     parse_ref,
@@ -94,6 +96,7 @@ class Store:
         if recover:
             quarantine.prune(self)
         self.index = Index(self.layout.index, self.tree, on_full=self._release_reserve)
+        self._check_counts: dict[str, dict[str, int]] = {}  # snapshot id -> source_checks (manifests never change)
         if recover:
             recovery.sync(self, manifests)
             if evict_to_floor:
@@ -243,7 +246,7 @@ class Store:
             unique = sum(f.size for f in {f.sha256: f for f in fl if f.sha256 not in shared}.values())
             infos.append(SnapshotInfo(Snapshot(sid, self.layout.snapshot(sid), uri, rev, size, fl),
                                       tuple(refs.get(sid, ())), last_used, self.is_pinned(sid),
-                                      tuple(sorted(leases.get(sid, ()))), unique))
+                                      tuple(sorted(leases.get(sid, ()))), unique, self._source_check_counts(sid)))
         return infos
 
     def used_bytes(self) -> int:
@@ -263,6 +266,48 @@ class Store:
             with self.tree.held() as held:
                 return self.blob_size(sha256, held)
         return _blob_size(self._blob_dirs(dirs), sha256)
+
+    def source_checks(self, snapshot_id: str) -> dict[str, str]:
+        """Path -> what verified it against its source, as the snapshot's manifest records it (docs/fetch.md);
+        empty when the manifest predates the record (or is gone)."""
+        data = self.tree.read(self.layout.manifest(snapshot_id), limit=MAX_MANIFEST_BYTES) \
+            if is_snapshot_id(snapshot_id) else None
+        if data is None:
+            return {}
+        try:
+            return manifest_checks(json.loads(data))
+        except (ValueError, RecursionError, AttributeError):
+            return {}  # a damaged manifest is the recovery's to quarantine; it describes nothing here
+
+    def _source_check_counts(self, snapshot_id: str) -> dict[str, int]:
+        counts = self._check_counts.get(snapshot_id)
+        if counts is None:
+            counts = {}
+            for check in self.source_checks(snapshot_id).values():
+                counts[check] = counts.get(check, 0) + 1
+            self._check_counts[snapshot_id] = counts
+        return counts
+
+    def known_checks(self, uri: str, files: Iterable[tuple[str, str, int]]) -> dict[tuple[str, str, int], str]:
+        """(path, ETag, size) -> what verified this node's earlier download of it (`known_sha256`'s rows), from
+        the manifests that record them: a file linked on the node's own record keeps the check its download had."""
+        wanted = set(files)
+        if not wanted:
+            return {}
+        rows = self.index.query(
+            "SELECT f.snapshot_id, f.path, f.etag, f.size FROM files f JOIN snapshots s ON s.id = f.snapshot_id "
+            "WHERE s.uri=? AND f.etag IS NOT NULL AND f.etag != ''", (uri,))
+        out: dict[tuple[str, str, int], str] = {}
+        manifests: dict[str, dict[str, str]] = {}
+        for sid, path, etag, size in rows:
+            key = (str(path), str(etag), int(size))
+            if key in wanted and key not in out:
+                checks = manifests.get(sid)
+                if checks is None:
+                    checks = manifests[sid] = self.source_checks(str(sid))
+                if check := checks.get(str(path)):
+                    out[key] = check
+        return out
 
     def known_sha256(self, uri: str) -> dict[tuple[str, str, int], str]:
         """(path, source ETag, size) -> sha256 of every file of `uri` this node recorded (one query for a whole
@@ -347,10 +392,11 @@ class Store:
         return blob_dir
 
     def publish(self, ref: ModelRef, files: builtins.list[FileEntry], *,
-                before_commit: Callable[[], object] | None = None) -> Snapshot:
+                before_commit: Callable[[], object] | None = None, checks: dict[str, str] | None = None) -> Snapshot:
         """Build the snapshot tree from blobs, rename it into place, write the manifest, index it, point the ref.
         `before_commit()` runs once the tree is built, before anything names the snapshot: the fetch waits there
-        for the syncfs that makes the blobs durable (it raises to abandon the publish)."""
+        for the syncfs that makes the blobs durable (it raises to abandon the publish). `checks`: path -> what
+        verified it against the source, recorded in the manifest (a tree already published keeps its record)."""
         snap_id = snapshot_id_for(files)
         for f in files:
             if not is_hex(f.sha256, SHA256_HEX):
@@ -374,7 +420,9 @@ class Store:
                         self.tree.remove_tree(tmp)
                         raise
                 self._commit_tree(tmp, final)
-                self._write_manifest(Manifest(snap_id, ref.uri, ref.revision, time.time(), tuple(files)))
+                self._write_manifest(Manifest(snap_id, ref.uri, ref.revision, time.time(), tuple(files),
+                                              dict(checks or {})))
+                self._check_counts.pop(snap_id, None)
             self._index_snapshot(ref, snap_id, files)
             self._write_ref(ref, snap_id)
         size = sum(f.size for f in files)

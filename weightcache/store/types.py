@@ -39,3 +39,6 @@ class SnapshotInfo:
     pinned: bool
     leases: tuple[str, ...]  # holder ids
     unique_bytes: int  # bytes freed if only this snapshot were evicted (blobs no other snapshot shares)
+    # files per what verified them against the source ("md5-etag": 3, "none": 1), from the manifest's record
+    # (vocabulary.SOURCE_CHECKS); empty for a snapshot published before the record existed
+    source_checks: dict[str, int] = field(default_factory=dict)
