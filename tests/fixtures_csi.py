@@ -23,6 +23,7 @@ import pytest
 from tests.faultproxy import FaultProxy
 from tests.fixtures_s3 import S3
 from tests.sample import make_model
+from weightcache import engine_cache
 from weightcache.access import Authority
 from weightcache.csi import mounts
 from weightcache.csi._pb import csi_pb2, csi_pb2_grpc
@@ -45,6 +46,7 @@ def needs_root(test: Any) -> Any:
 
 MODEL_URI = "s3://models/llama/"
 ALLOWED_NS = "ml"
+OTHER_NS = "team-b"  # a second namespace granted the model (engine caches: never served across namespaces)
 SINGLE_NODE_WRITER = csi_pb2.VolumeCapability.AccessMode.SINGLE_NODE_WRITER
 
 
@@ -157,14 +159,15 @@ def publish_request(volume_id: str, target: Path, *, model: str = MODEL_URI, nam
 
 async def start_harness(root: Path, proxy: FaultProxy, *, publish_timeout: float = CSI_TIMEOUT_S,
                         tier: MemoryTier | None = None, parallel: int = 2,
-                        authority: Authority | None = None) -> CsiHarness:
+                        authority: Authority | None = None,
+                        engine_limits: engine_cache.Limits | None = None) -> CsiHarness:
     store = Store(root / "store")
     fetcher = Fetcher(store, endpoint_url=proxy.endpoint_url)
     fetches = FetchQueue(fetcher.ensure, fetcher.lookup, parallel=parallel)
     socket = root / "csi.sock"
     server = await serve_csi(f"unix://{socket}", store=store, fetches=fetches, node_id="node-a",
                              authority=authority or policy_for(MODEL_URI), publish_timeout=publish_timeout,
-                             kubelet_dir=root / "kubelet", tier=tier)
+                             kubelet_dir=root / "kubelet", tier=tier, engine_limits=engine_limits)
     channel = grpc.aio.insecure_channel(f"unix://{socket}")
     return CsiHarness(root, store, fetcher, fetches, server, channel, csi_pb2_grpc.IdentityStub(channel),
                       csi_pb2_grpc.NodeStub(channel), proxy)
@@ -176,6 +179,25 @@ async def stop_harness(h: CsiHarness) -> None:
     h.fetches.close()
     h.fetcher.close()
     h.store.close()
+
+
+async def two_namespaces(root: Path, proxy: FaultProxy,
+                         engine_limits: engine_cache.Limits | None = None) -> CsiHarness:
+    """The CSI harness with the model granted to ALLOWED_NS and OTHER_NS through a ModelCache."""
+    caches = [{"metadata": {"name": "llama"}, "spec": {"source": MODEL_URI, "allowedNamespaces": [ALLOWED_NS,
+                                                                                                   OTHER_NS]}}]
+    return await start_harness(root, proxy, engine_limits=engine_limits,
+                               authority=Authority(model_caches=lambda: caches, allow_undeclared=lambda: False))
+
+
+@pytest.fixture
+async def ec(safe_tmp: Path, model_in_s3: str, fault_proxy: FaultProxy) -> AsyncIterator[CsiHarness]:
+    """`two_namespaces`, for the engine-cache tests."""
+    harness = await two_namespaces(safe_tmp, fault_proxy)
+    try:
+        yield harness
+    finally:
+        await stop_harness(harness)
 
 
 @pytest.fixture

@@ -7,46 +7,37 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import io
 import os
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import pytest
 
 from tests.faultproxy import FaultProxy
-from tests.fixtures_csi import ALLOWED_NS, MODEL_URI, ROOT_MARKS, CsiHarness, start_harness, status_of, stop_harness
-from tests.test_engine_cache import model_snapshot, tar_of
+from tests.fixtures_csi import (
+    ALLOWED_NS,
+    MODEL_URI,
+    OTHER_NS,
+    ROOT_MARKS,
+    CsiHarness,
+    start_harness,
+    status_of,
+    stop_harness,
+)
 from weightcache import engine_cache
-from weightcache.access import Authority, Requester
+from weightcache.access import Authority
 from weightcache.csi import mounts
 from weightcache.csi._pb import csi_pb2
 from weightcache.csi.reconcile import VolumeBook
-from weightcache.engine_name import EngineName
-from weightcache.store import Snapshot, Store
+from weightcache.store import Snapshot
 from weightcache.vocabulary import ENGINE_CACHE_ATTRIBUTE, ENGINE_CACHE_READY
 
 pytestmark = ROOT_MARKS
 
 VLLM = "vllm-0.32.0-cpu"
-OTHER_NS = "team-b"
 FILES = {"torch_compile_cache/3f2a/rank_0_0/backbone/computation_graph.py": b"def f(x): return x\n",
          "inductor/fxgraph/ab/abcdef": b"\x00\x01" * 300,
          "modelinfos/llama.json": b"{}"}
-
-
-@pytest.fixture
-async def ec(safe_tmp: Path, model_in_s3: str, fault_proxy: FaultProxy) -> AsyncIterator[CsiHarness]:
-    """The CSI harness with the model granted to two namespaces."""
-    caches = [{"metadata": {"name": "llama"}, "spec": {"source": MODEL_URI, "allowedNamespaces": [ALLOWED_NS,
-                                                                                                   OTHER_NS]}}]
-    harness = await start_harness(safe_tmp, fault_proxy, authority=Authority(model_caches=lambda: caches,
-                                                                             allow_undeclared=lambda: False))
-    try:
-        yield harness
-    finally:
-        await stop_harness(harness)
 
 
 def engine_volume(h: CsiHarness, vid: str, *, name: str = VLLM, readonly: bool = False, **attrs: str):
@@ -206,21 +197,6 @@ async def test_engine_cache_attributes_are_checked(ec: CsiHarness) -> None:
         code, details = await status_of(ec.node.NodePublishVolume(request))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(field), details
     assert not ec.target("bad").exists() and ec.store.leases() == {} and ec.weight_gets() == []
-
-
-def test_copy_into_refuses_to_follow_what_it_did_not_make(tmp_path: Path) -> None:
-    """copy_into writes only into a fresh directory: an entry already there is never opened through."""
-    store = Store(tmp_path / "root")
-    model = model_snapshot(store, tmp_path)
-    artifact = engine_cache.ingest_tar(store, engine_cache.EngineCacheKey.for_model(
-        model, EngineName.parse(VLLM), Requester("ml")), io.BytesIO(tar_of({"a/b": b"1"})))
-    dest = tmp_path / "dest"
-    dest.mkdir()
-    (dest / "a").symlink_to(tmp_path / "elsewhere")
-    (tmp_path / "elsewhere").mkdir()
-    with pytest.raises(OSError):
-        engine_cache.copy_into(artifact, dest)
-    assert os.listdir(tmp_path / "elsewhere") == []
 
 
 async def test_a_plugin_restart_keeps_the_volume_and_its_hand_over(safe_tmp: Path, model_in_s3: str,

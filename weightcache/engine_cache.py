@@ -20,10 +20,13 @@ model door (CSI `model`, `PUT /v1/models`, a ModelCache) can name it: it is foun
 Ingest (`ingest_tar`) takes an uncompressed tar stream, hostile until checked: regular files and directories only
 (no symlink, hard link, device, FIFO, sparse or continuation member), every path checked by the store's
 `validate_relpath` (no `..`, no absolute path, no NUL, bounded depth and length), no duplicate and no file under
-a file, bounded entries, bounded bytes per file and in all, bounded extended headers (tarfile would read a pax
-header of any size into memory). Files are written into `partial/` as they arrive (hashing as they are written)
-under the key's lock; only when the whole stream has been read and checked do they become blobs and a snapshot.
-Anything refused leaves nothing published and removes what it wrote.
+a file, bounded entries, bounded bytes per file and in all, bounded extended headers (the header checks are
+weightcache/intake.py's, shared with OCI tar layers). A pod's directory (`hand_over`) is counted by what its files
+take on its filesystem (`st_blocks`), and a sparse file is refused: what the store writes, the pod paid for.
+Files are written into `partial/` as they arrive (hashing as they are written) under the key's lock, each one's
+room made first (`intake.Room`) within the engine caches' own budgets, per node and per namespace, and the store's
+disk budget and floor, evicting only engine caches, never a model; only when the whole stream has been read and
+checked do they become blobs and a snapshot. Anything refused leaves nothing published and removes what it wrote.
 """
 
 from __future__ import annotations
@@ -44,14 +47,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol, cast
 
+from weightcache import intake
 from weightcache.access import Requester
 from weightcache.engine_name import EngineName
 from weightcache.engine_name import invalid as _bad
-from weightcache.errors import HostileKeyError, InvalidRequestError, NotCachedError, SourceError
+from weightcache.errors import (
+    HostileKeyError,
+    InsufficientSpaceError,
+    InvalidRequestError,
+    NotCachedError,
+    SourceError,
+)
 from weightcache.peers import PeerClient
 from weightcache.retry import Retryable
-from weightcache.store import FileEntry, Snapshot, Store, validate_relpath
+from weightcache.store import FileEntry, Snapshot, SnapshotInfo, Store, validate_relpath
 from weightcache.store.records import snapshot_id_for
+from weightcache.units import fmt_bytes
 from weightcache.uri import ModelRef
 from weightcache.vocabulary import ENGINE_CACHE_ADMIN_DOMAIN, ENGINE_CACHE_READY, ENGINE_CACHE_SCHEME
 
@@ -61,17 +72,15 @@ SCHEME = ENGINE_CACHE_SCHEME
 ADMIN_DOMAIN = ENGINE_CACHE_ADMIN_DOMAIN  # a cache the node's admin put: served to every granted namespace
 MAX_BYTES = 4 << 30  # a vLLM compile cache of a large model is tens to hundreds of MB; Triton's a few hundred
 MAX_ENTRIES = 20_000  # members of the tar (files and directories)
-MAX_HEADER_BYTES = 64 << 10  # one pax / GNU long-name extended header
+MAX_HEADER_BYTES = intake.MAX_HEADER_BYTES  # one pax / GNU long-name extended header
+NODE_BYTES = 32 << 30  # every engine cache on the node: their own budget, beside the models'
+NAMESPACE_BYTES = 8 << 30  # one namespace's engine caches (the admin's count against the node's budget only)
+SPARSE_SLACK = 4096  # a file may name this many bytes more than it takes on disk (one page; inline data)
 CHUNK = 1 << 20
 
 _SNAPSHOT_ID = re.compile(r"[0-9a-f]{40}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
-_EXTENDED = {tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNAME,
-             tarfile.GNUTYPE_LONGLINK}
-_KINDS = {tarfile.SYMTYPE: "a symlink", tarfile.LNKTYPE: "a hard link", tarfile.CHRTYPE: "a character device",
-          tarfile.BLKTYPE: "a block device", tarfile.FIFOTYPE: "a FIFO", tarfile.CONTTYPE: "a contiguous file",
-          tarfile.GNUTYPE_SPARSE: "a sparse file"}
 
 
 @dataclass(frozen=True)
@@ -155,29 +164,15 @@ def _exact(store: Store, key: EngineCacheKey) -> Snapshot | None:
 
 @dataclass(frozen=True)
 class Limits:
-    max_bytes: int = MAX_BYTES
+    max_bytes: int = MAX_BYTES  # one cache (and a pod's scratch)
     max_entries: int = MAX_ENTRIES
     max_header_bytes: int = MAX_HEADER_BYTES
+    node_bytes: int = NODE_BYTES  # every engine cache in the store
+    namespace_bytes: int = NAMESPACE_BYTES  # one namespace's
 
 
 class Readable(Protocol):
     def read(self, n: int = -1, /) -> bytes: ...
-
-
-class _Refused(Exception):
-    """Raised from inside tarfile's header parsing; turned into InvalidRequestError outside it."""
-
-
-def _tarinfo_class(limits: Limits) -> type[tarfile.TarInfo]:
-    class BoundedTarInfo(tarfile.TarInfo):
-        def _proc_member(self, tf: tarfile.TarFile) -> Any:  # called for every header, before its data is read
-            if self.type in _EXTENDED and self.size > limits.max_header_bytes:
-                raise _Refused(f"an extended tar header of {self.size} bytes (at most {limits.max_header_bytes})")
-            if self.type in _KINDS:
-                raise _Refused(f"{self.name[:200]!r} is {_KINDS[self.type]}; only regular files and directories "
-                               "are taken")
-            return super()._proc_member(tf)  # type: ignore[misc]
-    return BoundedTarInfo
 
 
 class _Staging:
@@ -189,8 +184,8 @@ class _Staging:
         self.paths: set[str] = set()
         self.dirs: set[str] = set()
         self.total = 0
-        self.reserved = 0  # bytes ensure_space has made room for
         self.entries = 0
+        self.room = _room(store, key, limits)
 
     def count_entry(self) -> None:
         self.entries += 1
@@ -205,19 +200,20 @@ class _Staging:
             self._note_parents(relpath + "/x")
             self.dirs.add(relpath)
 
-    def add_file(self, relpath: str, size: int, read: Callable[[int], bytes]) -> None:
+    def add_file(self, relpath: str, size: int, read: Callable[[int], bytes], *, charge: int | None = None) -> None:
+        """One file of `size` bytes read through `read`; `charge`: what it counts against the bounds and the
+        budgets when more than its size (what it takes on the pod's filesystem)."""
+        charge = size if charge is None else max(size, charge)
         relpath = _clean(relpath)
         if not relpath:
             raise _bad("a file with an empty name")
         if relpath in self.paths or relpath in self.dirs:
             raise _bad(f"{relpath!r} appears twice")
         self._note_parents(relpath)
-        if size < 0 or size > self.limits.max_bytes - self.total:
-            raise _bad(f"{relpath!r} ({size} bytes) takes the cache past {self.limits.max_bytes} bytes")
+        if size < 0 or charge > self.limits.max_bytes - self.total:
+            raise _bad(f"{relpath!r} ({charge} bytes) takes the cache past {self.limits.max_bytes} bytes")
         self.paths.add(relpath)
-        if self.total + size > self.reserved:  # room in steps of 256 MiB (ensure_space may evict LRU snapshots)
-            self.reserved = self.total + size + (256 << 20)
-            self.store.ensure_space(min(self.reserved, self.limits.max_bytes), uri=self.key.ref.uri)
+        self.room.take(charge)
         name = f"{self.key.ref.key}.ec{len(self.files)}"
         part = self.store.partial_path(name)
         digest = hashlib.sha256()
@@ -236,7 +232,7 @@ class _Staging:
                 written += len(data)
         finally:
             os.close(fd)
-        self.total += size
+        self.total += charge
         self.files[-1] = (FileEntry(relpath, size, digest.hexdigest()), part)
 
     def _note_parents(self, relpath: str) -> None:
@@ -283,6 +279,46 @@ def _clean(name: str) -> str:
         raise _bad(f"refusing path {name[:200]!r}: {exc.reason}") from None
 
 
+def _room(store: Store, key: EngineCacheKey, limits: Limits) -> intake.Room:
+    """Room for the files of engine cache `key` as they are written: the engine caches' budgets (`_make_room`),
+    then the store's disk budget and floor, evicting only engine caches."""
+    return intake.Room(store, uri=key.ref.uri, cap=limits.max_bytes, evictable=is_engine_cache,
+                       budget=lambda total: _make_room(store, key, total, limits))
+
+
+def _make_room(store: Store, key: EngineCacheKey, total: int, limits: Limits) -> None:
+    """Room for `total` bytes of engine cache `key` within the engine caches' own budgets: the node's, and the
+    namespace's own (a cache the admin put counts against the node's only). Made by evicting engine caches alone,
+    least recently used, unleased and unpinned (for a namespace's budget, its own): a hand-over never costs
+    anyone's model its place. InsufficientSpaceError when that cannot free enough."""
+    budgets: list[tuple[int, str, Callable[[EngineCacheKey], bool]]] = [
+        (limits.node_bytes, "this node's engine caches", lambda _: True)]
+    if key.domain != ADMIN_DOMAIN:
+        budgets.append((limits.namespace_bytes, f"namespace {key.domain}'s engine caches",
+                        lambda k: k.domain == key.domain))
+    for budget, whose, counted in budgets:
+        infos = store.list()
+        ids = {i.snapshot.id for i in infos if (k := key_of(i.snapshot)) is not None and counted(k)}
+        used = _distinct_bytes(infos, ids)
+        if used + total <= budget:
+            continue
+        keep = frozenset(i.snapshot.id for i in infos if i.snapshot.id not in ids)
+        with contextlib.suppress(InsufficientSpaceError):
+            if total <= budget:
+                store.evict_to(budget - total, keep=keep, used=used)
+        used = _distinct_bytes(store.list(), ids)
+        if used + total > budget:
+            raise InsufficientSpaceError(
+                f"engine cache {key} needs {fmt_bytes(total)}, but {whose} use {fmt_bytes(used)} of their budget of "
+                f"{fmt_bytes(budget)} and the rest are in use by pods or pinned; nothing was handed over (models "
+                "are never evicted for an engine cache)")
+
+
+def _distinct_bytes(infos: Sequence[SnapshotInfo], ids: set[str]) -> int:
+    """Bytes the snapshots `ids` hold, each blob once."""
+    return sum({f.sha256: f.size for i in infos if i.snapshot.id in ids for f in i.snapshot.files}.values())
+
+
 @contextmanager
 def _locked(store: Store, key: EngineCacheKey) -> Iterator[None]:
     fd = store.open_lock(key.ref.key)  # gc keeps partial files whose key's lock is held
@@ -300,11 +336,7 @@ def ingest_tar(store: Store, key: EngineCacheKey, stream: Readable,
     staging = _Staging(store, key, limits)
     with _locked(store, key):
         try:
-            try:
-                tf = tarfile.open(fileobj=cast(IO[bytes], stream), mode="r|", tarinfo=_tarinfo_class(limits))  # noqa: SIM115
-            except tarfile.ReadError as exc:
-                raise _bad(f"the body is not an uncompressed tar stream ({exc})") from None
-            with tf:
+            with intake.reading(cast(IO[bytes], stream), max_header_bytes=limits.max_header_bytes) as tf:
                 for member in tf:
                     staging.count_entry()
                     if member.type in (tarfile.REGTYPE, tarfile.AREGTYPE) and not member.issparse():
@@ -317,12 +349,12 @@ def ingest_tar(store: Store, key: EngineCacheKey, stream: Readable,
                         raise _bad(f"{member.name[:200]!r} is of tar type {member.type!r}; only regular files "
                                    "and directories are taken")
             snapshot = staging.commit()
-        except _Refused as exc:
+        except intake.TarRefused as exc:
             staging.abort()
             raise _bad(str(exc)) from None
-        except tarfile.TarError as exc:
+        except intake.TarDamaged as exc:
             staging.abort()
-            raise _bad(f"the tar stream is damaged or truncated ({exc})") from None
+            raise _bad(f"the body is not an uncompressed tar stream, or is damaged or truncated ({exc})") from None
         except BaseException:
             staging.abort()
             raise
@@ -391,36 +423,21 @@ def _ingest_dir(store: Store, key: EngineCacheKey, directory: str | Path, limits
     return snapshot
 
 
-def copy_into(snapshot: Snapshot, directory: str | Path) -> None:
-    """Copy engine cache `snapshot` into `directory`, a pod's fresh, private scratch filesystem that no container
-    has seen yet: the engine writes into its cache root on a hit too, and the artifact itself must stay read-only
-    for every pod (a hard link would let a root container chmod and rewrite the blob every other pod reads).
-    Directories 0777 and files 0666: the pod may run as any uid, and nobody else mounts its scratch."""
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC
-    top = os.open(directory, flags)
+def open_up(snapshot: Snapshot, directory: str | Path, *, files: bool = True) -> None:
+    """Make engine cache `snapshot`, seen through a pod's fresh overlay at `directory` (csi/mounts.overlay_at),
+    writable by any uid: the engine writes into its cache root on a hit too, and a pod may run as any uid.
+    Directories become 0777 and, when `files` (an overlay with metacopy), files 0666: each chmod copies up only
+    the inode, never the data, and the artifact under the overlay stays 0444. Without metacopy a chmod would copy
+    the whole file into the daemon's memory, so files keep 0444 (a pod replaces them rather than rewriting them).
+    The tree is the store's own (no link in it) and no container has seen the mount yet, so paths are used."""
+    dirs = {"/".join(parts[:i]) for entry in snapshot.files
+            for parts in [validate_relpath(entry.path).split("/")] for i in range(1, len(parts))}
+    top = os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        for entry in snapshot.files:
-            *parents, name = validate_relpath(entry.path).split("/")
-            dfd = os.dup(top)
-            try:
-                for part in parents:
-                    with contextlib.suppress(FileExistsError):
-                        os.mkdir(part, 0o777, dir_fd=dfd)
-                        os.chmod(part, 0o777, dir_fd=dfd, follow_symlinks=False)  # past the daemon's umask
-                    child = os.open(part, flags, dir_fd=dfd)
-                    os.close(dfd)
-                    dfd = child
-                out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666,
-                              dir_fd=dfd)
-                try:
-                    os.fchmod(out, 0o666)
-                    with open(snapshot.path / entry.path, "rb") as src:  # the store's own tree
-                        while data := src.read(CHUNK):
-                            _write_all(out, data)
-                finally:
-                    os.close(out)
-            finally:
-                os.close(dfd)
+        for rel in sorted(dirs):
+            os.chmod(f"/proc/self/fd/{top}/{rel}", 0o777, follow_symlinks=False)
+        for entry in snapshot.files if files else ():
+            os.chmod(f"/proc/self/fd/{top}/{entry.path}", 0o666, follow_symlinks=False)
     finally:
         os.close(top)
 
@@ -447,7 +464,7 @@ def fill_from_peers(store: Store, key: EngineCacheKey, snapshot_id: str, peers: 
     holder, files = listing
     ordered = [holder, *(p for p in peers if p is not holder)]
     with _locked(store, key):
-        store.ensure_space(sum(f.size for f in files), uri=key.ref.uri)
+        _room(store, key, limits).take(sum(f.size for f in files))
         parts: list[tuple[Path, str]] = []
         try:
             for i, entry in enumerate(files):
@@ -539,10 +556,13 @@ def _blob_from_peers(store: Store, key: EngineCacheKey, index: int, entry: FileE
                          "and intact; try again, or put the cache on this node")
 
 
-def scratch_bounds(limits: Limits = Limits()) -> tuple[int, int]:
+def scratch_bounds(limits: Limits = Limits(), hit: Snapshot | None = None) -> tuple[int, int]:
     """(bytes, inodes) of a pod's engine-cache scratch filesystem: what a hand-over may take, the root directory
-    and the ready file beside it. The filesystem's own limits are what bound a pod that writes more."""
-    return limits.max_bytes, limits.max_entries + 2
+    and the ready file beside it; over a `hit`, room for an inode per entry of it as well (the overlay copies up
+    each directory and, with metacopy, each file's inode when `open_up` opens it to every uid). The filesystem's
+    own limits are what bound a pod that writes more."""
+    extra = 0 if hit is None else 2 * len(hit.files) + 2  # its files, at most as many directories, upper and work
+    return limits.max_bytes, limits.max_entries + 2 + extra
 
 
 def _walk(dfd: int, prefix: str, staging: _Staging, flags: int, skip: frozenset[str] = frozenset()) -> None:
@@ -565,7 +585,11 @@ def _walk(dfd: int, prefix: str, staging: _Staging, flags: int, skip: frozenset[
                 now = os.fstat(fd)
                 if not stat.S_ISREG(now.st_mode) or now.st_ino != st.st_ino:
                     raise _bad(f"{rel[:200]!r} was replaced while it was read")
-                staging.add_file(rel, now.st_size, _reader(fd))
+                taken = now.st_blocks * 512  # what the pod paid for, on its own filesystem
+                if now.st_size > taken + SPARSE_SLACK:  # holes read back as zeros: the store would write them all
+                    raise _bad(f"{rel[:200]!r} is a sparse file ({now.st_size} bytes, {taken} of them on disk); "
+                               "an engine cache holds files written whole")
+                staging.add_file(rel, now.st_size, _reader(fd), charge=taken)
             finally:
                 os.close(fd)
         else:
@@ -636,6 +660,6 @@ def body_limit(limits: Limits) -> int:
     return limits.max_bytes + limits.max_entries * (1024 + 2 * limits.max_header_bytes) + (1 << 20)
 
 
-__all__ = ["ADMIN_DOMAIN", "SCHEME", "EngineCacheKey", "EngineName", "Limits", "Pipe", "body_limit", "copy_into",
+__all__ = ["ADMIN_DOMAIN", "SCHEME", "EngineCacheKey", "EngineName", "Limits", "Pipe", "body_limit",
            "domain_of", "fill_from_peers", "hand_over", "ingest_dir", "ingest_tar", "is_engine_cache", "is_ready",
-           "key_of", "lister", "lookup", "scratch_bounds", "visible_to"]
+           "key_of", "lister", "lookup", "open_up", "scratch_bounds", "visible_to"]

@@ -43,7 +43,8 @@ STAGING = Path("/run/weightcache/mount-staging")  # private: where the fallback 
 UMOUNT_NOFOLLOW = 8  # a target that became a symlink is not followed to unmount something else
 READ_ONLY_OPTIONS = frozenset({"ro", "nosuid", "nodev"})
 MOUNTINFO = Path("/proc/self/mountinfo")
-SCRATCH_SOURCE = "weightcache-engine-cache"  # the source of our tmpfs scratch mounts: how unpublish knows its own
+SCRATCH_SOURCE = "weightcache-engine-cache"  # the source of our scratch mounts (tmpfs, overlay): how we know them
+SCRATCH_TYPES = frozenset({"tmpfs", "overlay"})
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p]
@@ -209,24 +210,65 @@ def tmpfs_at(parent_fd: int, name: str, shown: str, *, size_bytes: int, inodes: 
     finally:
         os.close(fd)
     try:
-        root = open_dir(parent_fd, name, shown, create=False)
-        try:
-            entry = _entry_of(root)
-        finally:
-            os.close(root)
-        wanted = {"nosuid", "nodev", "ro" if readonly else "rw"}
-        if entry is None or not is_scratch(entry) or not wanted.issubset(entry.options):
-            seen = f"{entry.fstype} {sorted(entry.options)}" if entry else "nothing"
-            raise MountError(errno.EIO, f"mount table shows {seen} at {shown}, wanted tmpfs {sorted(wanted)}")
+        return _scratch_at(parent_fd, name, shown, "tmpfs", {"nosuid", "nodev", "ro" if readonly else "rw"})
     except BaseException:
         unmount(shown)
         raise
+
+
+def _scratch_at(parent_fd: int, name: str, shown: str, fstype: str, wanted: set[str]) -> MountEntry:
+    """The scratch mount just made on `name`, as mountinfo shows it: of `fstype`, ours, with the `wanted` options."""
+    root = open_dir(parent_fd, name, shown, create=False)  # the new mount's root, not the directory under it
+    try:
+        entry = _entry_of(root)
+    finally:
+        os.close(root)
+    if entry is None or entry.fstype != fstype or not is_scratch(entry) or not wanted <= entry.options:
+        seen = f"{entry.fstype} {sorted(entry.options)}" if entry else "nothing"
+        raise MountError(errno.EIO, f"mount table shows {seen} at {shown}, wanted {fstype} {sorted(wanted)}")
     return entry
 
 
+def overlay_at(parent_fd: int, name: str, shown: str, lower: str | os.PathLike[str], *, size_bytes: int,
+               inodes: int) -> bool:
+    """A writable view of the read-only directory `lower` (an engine cache artifact) on directory `name` of the
+    directory open as `parent_fd`: a fresh tmpfs of at most `size_bytes` and `inodes` (`tmpfs_at`) holding the
+    overlay's upper and work directories, and an overlayfs stacked on it, nosuid, nodev; verified in mountinfo.
+    Nothing is copied: the kernel copies a file up into the tmpfs only when it is written, in the writing
+    process (whose memory cgroup the pages are charged to), and `lower` is never written. True when the overlay
+    has `metacopy=on` (a chmod copies up the inode alone, not the data; kernels without it: False)."""
+    tmpfs_at(parent_fd, name, shown, size_bytes=size_bytes, inodes=inodes)
+    try:
+        scratch = open_dir(parent_fd, name, shown, create=False)
+        lower_fd = os.open(lower, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.mkdir("upper", 0o777, dir_fd=scratch)
+            os.chmod("upper", 0o777, dir_fd=scratch, follow_symlinks=False)  # the view's root: any uid writes
+            os.mkdir("work", 0o700, dir_fd=scratch)
+            base = (f"lowerdir=/proc/self/fd/{lower_fd},upperdir=/proc/self/fd/{scratch}/upper,"
+                    f"workdir=/proc/self/fd/{scratch}/work")
+            metacopy = True
+            rc = _libc.mount(SCRATCH_SOURCE.encode(), _fd_path(scratch), b"overlay", MS_NOSUID | MS_NODEV,
+                             f"{base},metacopy=on".encode())
+            if rc != 0 and ctypes.get_errno() == errno.EINVAL:  # built without CONFIG_OVERLAY_FS_METACOPY
+                metacopy = False
+                rc = _libc.mount(SCRATCH_SOURCE.encode(), _fd_path(scratch), b"overlay", MS_NOSUID | MS_NODEV,
+                                 base.encode())
+            _syscall("mount overlay", rc, shown)
+        finally:
+            os.close(lower_fd)
+            os.close(scratch)
+        _scratch_at(parent_fd, name, shown, "overlay", {"rw", "nosuid", "nodev"})
+    except BaseException:
+        unmount(shown)
+        raise
+    return metacopy
+
+
 def is_scratch(entry: MountEntry) -> bool:
-    """Whether `entry` is one of our engine-cache scratch filesystems (kubelet's memory emptyDirs say `tmpfs`)."""
-    return entry.fstype == "tmpfs" and entry.source == SCRATCH_SOURCE
+    """Whether `entry` is one of our engine-cache scratch filesystems, a tmpfs or the overlay on one (kubelet's
+    memory emptyDirs say `tmpfs` too, with another source)."""
+    return entry.fstype in SCRATCH_TYPES and entry.source == SCRATCH_SOURCE
 
 
 def _fd_path(fd: int) -> bytes:

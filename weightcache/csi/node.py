@@ -15,7 +15,9 @@ NodePublishVolume, as kubelet calls it for an inline volume:
      step finishes even if the caller goes away (its deadline passed), and the volume stays locked until it has:
      a following unpublish finds a mount with its lease and record, never a mount that appears later.
 Targets are confined to kubelet's inline-volume paths (targets.py). Blocking work (records, mounts, stats) runs on
-the plugin's own small pool, so Probe, unpublish and a cached publish answer while downloads run.
+the plugin's own small pool, so Probe, unpublish and a cached publish answer while downloads run; the read-back of
+a pod's engine cache (as long as the pod wrote, up to 4 GiB) runs on a pool of its own, so they answer while
+read-backs run too.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ MAX_ID_BYTES = 128  # the CSI spec's size limit for ids
 MAX_TIMEOUT_S = 600.0
 CSI_TIMEOUT_S = 120.0  # kubelet's csiTimeout (pkg/volume/csi/csi_plugin.go): how long it waits for one call
 DEADLINE_MARGIN_S = 1.0  # answer this long before the caller's deadline, so it reads our progress, not a timeout
+READBACKS = 2  # engine-cache read-backs at once; more wait their turn, on their own pool
 T = TypeVar("T")
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m)?$")
 _UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, None: 1.0}
@@ -249,7 +252,8 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
     def __init__(self, store: Store, fetches: FetchQueue, *, node_id: str, authority: Authority,
                  kubelet_dir: str | Path, publish_timeout: float = CSI_TIMEOUT_S, book: VolumeBook | None = None,
                  tier: MemoryTier | None = None, pool: ThreadPoolExecutor | None = None,
-                 observe: Callable[[str, float, str], None] | None = None) -> None:
+                 observe: Callable[[str, float, str], None] | None = None,
+                 engine_limits: engine_cache.Limits | None = None) -> None:
         self._store = store
         self._tier = tier
         self._fetches = fetches
@@ -263,11 +267,19 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         self._views = StreamViews(store.layout)
         self._streams: dict[str, tuple[StreamFill, asyncio.Task[None]]] = {}  # volume id -> its view's filling
         self._pool = pool or ThreadPoolExecutor(4, thread_name_prefix="wc-csi")
+        self._readbacks = ThreadPoolExecutor(READBACKS, thread_name_prefix="wc-csi-readback")
+        self._engine_limits = engine_limits or engine_cache.Limits()
         self.observe = observe
 
     async def _io(self, fn: Callable[..., T], *args: object) -> T:
         """Blocking work on the plugin's own pool (never queued behind downloads or API requests)."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
+
+    async def _read_back(self, volume_id: str) -> bool:
+        """`_hand_over_running` on the read-backs' own pool: a pod's cache of gigabytes never holds a thread that
+        publish, unpublish and stats need."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._readbacks, self._hand_over_running, volume_id)
 
     # ---- publish / unpublish ----
 
@@ -315,9 +327,11 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         (model snapshot, engine name, the pod's namespace or the admin's) is looked up; then
         - readOnly: a hit is the artifact itself bound ro,nosuid,nodev (a read-only view); a miss an empty
           read-only tmpfs (nothing to hand over);
-        - writable: a private tmpfs, bounded in bytes and inodes, holding a copy of a hit (the engine writes into
-          its cache root on a hit too) or empty on a miss; only a volume that started empty is read back when
-          the pod ends (`_hand_over`). The lease keeps the artifact (hit) or the key's model snapshot (miss)."""
+        - writable: a private tmpfs, bounded in bytes and inodes, empty on a miss; on a hit an overlay of the
+          artifact (read-only, below) and that tmpfs (above): nothing is copied, what the pod writes (the engine
+          writes into its cache root on a hit too) is copied up in the pod's own memory cgroup. Only a volume
+          that started empty is read back (`_hand_over`). The lease keeps the artifact (hit) or the key's model
+          snapshot (miss)."""
         assert args.engine_cache is not None
         found = engine_cache.lookup(self._store, model, args.engine_cache, grant.who)
         if args.readonly and found is not None:
@@ -327,16 +341,18 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
             self._store.lease(record.holder, record.snapshot_id)
             self._book.put(record)
             try:
-                size, inodes = engine_cache.scratch_bounds()
+                size, inodes = engine_cache.scratch_bounds(self._engine_limits, found)
                 with self._targets.open_parent(record.target_path, create=True) as parent:
                     self._unmount_ours(parent, record.target_path)  # a stale mount of ours from a crashed attempt
                     if args.readonly:
                         mounts.tmpfs_at(parent, "mount", record.target_path, size_bytes=1 << 20, inodes=16,
                                         readonly=True)
-                    else:
+                    elif found is None:
                         mounts.tmpfs_at(parent, "mount", record.target_path, size_bytes=size, inodes=inodes)
-                        if found is not None:
-                            engine_cache.copy_into(found, f"/proc/self/fd/{parent}/mount")
+                    else:
+                        metacopy = mounts.overlay_at(parent, "mount", record.target_path, found.path,
+                                                     size_bytes=size, inodes=inodes)
+                        engine_cache.open_up(found, f"/proc/self/fd/{parent}/mount", files=metacopy)
             except BaseException:
                 with contextlib.suppress(TargetMissingError), \
                         self._targets.open_parent(record.target_path, create=False) as parent:
@@ -493,6 +509,8 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
             await asyncio.wait({handing})
         with self._locks.hold(volume_id):
             await finish_even_if_cancelled(self._stop_stream(volume_id))
+            if await self._io(self._due, volume_id, target):  # the pod has ended: its cache, read back first
+                await finish_even_if_cancelled(self._read_back(volume_id))
             await finish_even_if_cancelled(self._io(self._unmount, volume_id, target))
         return csi_pb2.NodeUnpublishVolumeResponse()
 
@@ -504,8 +522,6 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         self._targets.refuse_links(target)
         try:
             with self._targets.open_parent(target, create=False) as parent:
-                if ours and record is not None and record.handover:
-                    self._hand_over(record, parent)
                 count = self._unmount_ours(parent, target)
                 foreign = mounts.top_mount_at(parent, "mount", target) if ours else None
         except TargetMissingError:
@@ -534,12 +550,12 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         A refusal costs only this pod's cache: it is logged and the unpublish goes on (a pod must not be stuck
         terminating because of what it wrote)."""
         entry = mounts.top_mount_at(parent, "mount", record.target_path)
-        if entry is None or not mounts.is_scratch(entry):
+        if entry is None or not mounts.is_scratch(entry) or entry.fstype != "tmpfs":  # not a hit's overlay
             return
         try:
             key = engine_cache.EngineCacheKey(record.snapshot_id, EngineName.parse(record.engine_cache),
                                               record.pod_namespace)
-            snapshot = engine_cache.hand_over(self._store, key, f"/proc/self/fd/{parent}/mount")
+            snapshot = engine_cache.hand_over(self._store, key, f"/proc/self/fd/{parent}/mount", self._engine_limits)
         except WeightcacheError as exc:
             logger.warning("engine cache of pod %s/%s not handed over: %s", record.pod_namespace, record.pod_name,
                            exc)
@@ -626,20 +642,39 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         another operation holds the volume (the next call tries again)."""
         try:
             with self._locks.hold(volume_id):
-                return await finish_even_if_cancelled(self._io(self._hand_over_running, volume_id))
+                if not await self._io(self._due, volume_id):  # told on the plugin's pool: a stat or two
+                    return False
+                return await finish_even_if_cancelled(self._read_back(volume_id))
         except OperationPendingError:
             return False
 
-    def _hand_over_running(self, volume_id: str) -> bool:
+    def _due(self, volume_id: str, target: str | None = None) -> bool:
+        """Whether the engine cache volume `volume_id` (at `target`, when given) is to be read back now: it started
+        empty, was not read back yet, and its scratch holds the ready file."""
+        return self._due_record(volume_id, target) is not None
+
+    def _due_record(self, volume_id: str, target: str | None = None) -> VolumeRecord | None:
         record = self._book.get(volume_id)
-        if record is None or not record.handover or not record.engine_cache:
-            return False
+        if record is None or not record.handover or not record.engine_cache or \
+                target not in (None, record.target_path):
+            return None
         try:
             with self._targets.open_parent(record.target_path, create=False) as parent:
                 entry = mounts.top_mount_at(parent, "mount", record.target_path)
                 if entry is None or not mounts.is_scratch(entry) or \
                         not engine_cache.is_ready(f"/proc/self/fd/{parent}/mount"):
-                    return False
+                    return None
+        except TargetMissingError:
+            return None
+        return record
+
+    def _hand_over_running(self, volume_id: str) -> bool:
+        """The read-back itself (on the read-backs' pool): the checks of `_due` again, then `_hand_over`."""
+        record = self._due_record(volume_id)
+        if record is None:
+            return False
+        try:
+            with self._targets.open_parent(record.target_path, create=False) as parent:
                 self._hand_over(record, parent)
         except TargetMissingError:
             return False
@@ -647,7 +682,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         return True
 
     def _is_view(self, record: VolumeRecord) -> bool:
-        """An engine cache volume that is the artifact itself (readOnly, a hit), not a scratch tmpfs."""
+        """An engine cache volume that is the artifact itself (readOnly, a hit), not a scratch (tmpfs or overlay)."""
         with self._targets.open_parent(record.target_path, create=False) as parent:
             entry = mounts.top_mount_at(parent, "mount", record.target_path)
         return entry is None or not mounts.is_scratch(entry)

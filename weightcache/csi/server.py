@@ -19,7 +19,7 @@ from pathlib import Path
 
 import grpc
 
-from weightcache import defaults
+from weightcache import defaults, engine_cache
 from weightcache.access import Authority
 from weightcache.csi._pb import csi_pb2_grpc
 from weightcache.csi.identity import IdentityServicer
@@ -56,12 +56,14 @@ def check_store(store: Store) -> None:
 async def serve_csi(endpoint: str, *, store: Store, fetches: FetchQueue, node_id: str, authority: Authority,
                     publish_timeout: float = CSI_TIMEOUT_S, kubelet_dir: str | Path = defaults.KUBELET_DIR,
                     tier: MemoryTier | None = None,
-                    observe: Callable[[str, float, str], None] | None = None) -> grpc.aio.Server:
+                    observe: Callable[[str, float, str], None] | None = None,
+                    engine_limits: engine_cache.Limits | None = None) -> grpc.aio.Server:
     """Reconcile leases with the mount table, start serving CSI on `endpoint` and resume filling the streaming
     views a restart interrupted; the caller stops the server.
 
     Models come through `fetches` (the daemon's one fetch queue); `tier` is the daemon's memory tier (None: off):
-    volumes with `tier: memory` are made resident in it; `observe(method, seconds, code)` hears every call."""
+    volumes with `tier: memory` are made resident in it; `observe(method, seconds, code)` hears every call;
+    `engine_limits`: the bounds and budgets of pods' engine caches (docs/engine-caches.md)."""
     if not node_id:
         raise ConfigError("the CSI node id is empty; set NODE_NAME (from the pod's spec.nodeName) or --node-name")
     path = socket_path(endpoint)
@@ -74,7 +76,8 @@ async def serve_csi(endpoint: str, *, store: Store, fetches: FetchQueue, node_id
     identity = IdentityServicer(functools.partial(check_store, store), probe_pool)
     csi_pb2_grpc.add_IdentityServicer_to_server(identity, server)  # type: ignore[no-untyped-call]
     node = NodeServicer(store, fetches, node_id=node_id, authority=authority, kubelet_dir=kubelet_dir,
-                        publish_timeout=publish_timeout, book=book, tier=tier, pool=pool, observe=observe)
+                        publish_timeout=publish_timeout, book=book, tier=tier, pool=pool, observe=observe,
+                        engine_limits=engine_limits)
     csi_pb2_grpc.add_NodeServicer_to_server(node, server)  # type: ignore[no-untyped-call]
     claim_socket_path(path, change="--csi-endpoint")  # kubelet reconnects to the new socket
     server.add_insecure_port(f"unix://{path}")

@@ -11,14 +11,17 @@ layer (no links out, none across layers), devices, FIFOs, sparse and contiguous 
 has `..`, NUL or more than the store allows (`store.paths.validate_relpath`), or is under `.weightcache`; a name
 twice, a file under a file (`_name` says how a member's name becomes its path in the model); more than
 `max_members` members, more than `max_bytes` unpacked, an extended (pax or GNU long-name) header over
-`max_header_bytes`. A damaged or truncated tar is a `SourceError`.
+`max_header_bytes` (the header checks are weightcache/intake.py's, shared with engine caches). A damaged or
+truncated tar is a `SourceError`.
 Nothing here writes outside what `write` does; the caller drops what was written when this raises.
 
     expand_layers(entries, tars, store, key=..., uri=..., keep=ref.matches) -> entries
 
 is the fetch engine's side (OciSource.expand): each hidden entry `.weightcache/layers/<hex>` (a tar layer the
 engine downloaded and verified as blob `<hex>`) replaced by the layer's members, written as blobs of `store`
-through its no-follow paths (small ones by the BlobWriter, the rest as parts in partial/ that become blobs).
+through its no-follow paths (small ones by the BlobWriter, the rest as parts in partial/ that become blobs),
+each member's room in the store made before its bytes are written (`intake.Room`: the disk budget and the
+free-space floor a download is held to, so a gzip layer that unpacks past them stops there, not at a full disk).
 The blob is hashed again while it is unpacked and the members are returned only when it hashes to the layer's
 digest (an existing blob wins over a download in the store, so the bytes read are checked, not the download).
 """
@@ -30,12 +33,12 @@ import gzip
 import hashlib
 import os
 import stat
-import tarfile
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING, Any, cast
+from typing import IO, TYPE_CHECKING, cast
 
+from weightcache import intake
 from weightcache.errors import HostileKeyError, InsufficientSpaceError, IntegrityError, SourceError
 from weightcache.store.paths import validate_relpath
 from weightcache.store.types import FileEntry
@@ -45,15 +48,10 @@ if TYPE_CHECKING:
 
 MAX_MEMBERS = 100_000
 MAX_BYTES = 4 << 40  # unpacked bytes of one layer: a gzip bomb stops here (the engine also checks free space)
-MAX_HEADER_BYTES = 64 << 10
+MAX_HEADER_BYTES = intake.MAX_HEADER_BYTES
 COMPRESSIONS = ("tar", "tar+gzip")  # tar+zstd needs a zstd decoder this build does not carry
 HIDDEN = ".weightcache/layers/"  # a tar layer's entry until it is unpacked; no model file may be named under it
 SMALL_MEMBER = 4 << 20  # a member up to this is read whole and written straight to its blob (BlobWriter)
-
-_EXTENDED = {tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNAME,
-             tarfile.GNUTYPE_LONGLINK}
-_KINDS = {tarfile.SYMTYPE: "a symlink", tarfile.CHRTYPE: "a character device", tarfile.BLKTYPE: "a block device",
-          tarfile.FIFOTYPE: "a FIFO", tarfile.CONTTYPE: "a contiguous file", tarfile.GNUTYPE_SPARSE: "a sparse file"}
 
 Write = Callable[[str, int, Callable[[int], bytes]], str]
 
@@ -70,27 +68,6 @@ class Limits:
     max_members: int = MAX_MEMBERS
     max_bytes: int = MAX_BYTES
     max_header_bytes: int = MAX_HEADER_BYTES
-
-
-class _Refused(Exception):
-    """Raised inside tarfile's header parsing, before a member's data is read."""
-
-    def __init__(self, name: str, why: str) -> None:
-        super().__init__(why)
-        self.name, self.why = name, why
-
-
-def _tarinfo_class(limits: Limits) -> type[tarfile.TarInfo]:
-    class BoundedTarInfo(tarfile.TarInfo):
-        def _proc_member(self, tf: tarfile.TarFile) -> Any:  # every header, before its data is read
-            if self.type in _EXTENDED and self.size > limits.max_header_bytes:
-                raise _Refused(self.name[:200], f"an extended tar header of {self.size} bytes (at most "
-                                                f"{limits.max_header_bytes})")
-            if self.type in _KINDS:
-                raise _Refused(self.name[:200], f"is {_KINDS[self.type]}; a model layer holds regular files and "
-                                                "directories only")
-            return super()._proc_member(tf)  # type: ignore[misc]
-    return BoundedTarInfo
 
 
 def member_name(raw: str) -> str:
@@ -132,7 +109,7 @@ def unpack_layer(stream: IO[bytes], layer: str, compression: str, write: Write,
     ancestors: set[str] = set()  # the directories above every file so far
     total = members = 0
     try:
-        with tarfile.open(fileobj=raw, mode="r|", tarinfo=_tarinfo_class(limits), bufsize=1 << 20) as tf:
+        with intake.reading(raw, max_header_bytes=limits.max_header_bytes, hard_links=True, bufsize=1 << 20) as tf:
             for member in tf:
                 members += 1
                 if members > limits.max_members:
@@ -171,12 +148,10 @@ def unpack_layer(stream: IO[bytes], layer: str, compression: str, write: Write,
                 assert data is not None  # a regular member always has a reader
                 sha256 = write(relpath, member.size, data.read)
                 files[relpath] = Unpacked(relpath, member.size, sha256)
-    except _Refused as exc:
-        raise HostileKeyError(exc.name, exc.why) from None
-    except (tarfile.TarError, EOFError, gzip.BadGzipFile, OSError) as exc:
-        if isinstance(exc, OSError) and not isinstance(exc, gzip.BadGzipFile) and exc.errno is not None:
-            raise  # the disk's error, not the tar's
-        raise SourceError(f"the tar layer {layer!r} is damaged or truncated ({str(exc)[:200]})") from None
+    except intake.TarRefused as exc:
+        raise HostileKeyError(exc.name, f"{exc.why} (in the tar layer {layer!r})") from None
+    except intake.TarDamaged as exc:
+        raise SourceError(f"the tar layer {layer!r} is damaged or truncated ({exc})") from None
     return sorted(files.values(), key=lambda u: u.relpath)
 
 
@@ -214,14 +189,16 @@ class _Hashing:
 
 
 class _Members:
-    """`write` for unpack_layer: each member a blob of the store, hashed from the bytes written."""
+    """`write` for unpack_layer: each member a blob of the store, hashed from the bytes written, its room in the
+    store made first (`room`)."""
 
-    def __init__(self, store: Store, blobs: BlobWriter, prefix: str) -> None:
-        self.store, self.blobs, self.prefix = store, blobs, prefix
+    def __init__(self, store: Store, blobs: BlobWriter, prefix: str, room: intake.Room) -> None:
+        self.store, self.blobs, self.prefix, self.room = store, blobs, prefix, room
         self.partial = store.partial_dir()
         self.parts: list[tuple[str, str]] = []  # (part name in partial/, sha256), to become blobs
 
     def __call__(self, relpath: str, size: int, read: Callable[[int], bytes]) -> str:
+        self.room.take(size)  # the header's size: a member shorter than it is a damaged tar
         if size <= SMALL_MEMBER and self.blobs.usable:
             data = bytearray()
             sha = sha256_of(read, size, data.extend)
@@ -290,14 +267,14 @@ def expand_layers(entries: list[FileEntry], tars: dict[str, tuple[str, str]], st
     starts that fetch over."""
     out = [e for e in entries if not e.path.startswith(HIDDEN)]
     hidden = [e for e in entries if e.path.startswith(HIDDEN)]
-    store.ensure_space(sum(e.size for e in hidden), uri=uri)  # at least as much again (gzip: more)
+    room = intake.Room(store, uri=uri)  # every layer's members: what one unpacked counts for the next
     for entry in hidden:
         hexdigest = entry.path[len(HIDDEN):]
         name, compression = tars[hexdigest]
         if entry.sha256 != hexdigest:  # the engine verified the download against the digest: never the case
             raise IntegrityError(f"{name}: the tar layer {hexdigest} was stored as {entry.sha256}")
         with store.blob_writer() as blobs:
-            members = _Members(store, blobs, f"{key}.tar-{hexdigest[:16]}")
+            members = _Members(store, blobs, f"{key}.tar-{hexdigest[:16]}", room)
             try:
                 with _open_blob(store, hexdigest, entry.size) as raw:
                     stream = _Hashing(raw)

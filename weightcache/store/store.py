@@ -598,14 +598,16 @@ class Store:
             self.index.write(lambda db: self.index.remove_snapshot(db, snapshot_id))
             self.tree.unlink(record)
 
-    def evict_to(self, target_bytes: int, *, keep: frozenset[str] = frozenset(),
-                 best_effort: bool = False) -> builtins.list[str]:
+    def evict_to(self, target_bytes: int, *, keep: frozenset[str] = frozenset(), best_effort: bool = False,
+                 used: int | None = None) -> builtins.list[str]:
         """LRU-evict unleased, unpinned snapshots until used bytes <= target; returns evicted ids.
 
         `best_effort` evicts every candidate when even that cannot reach the target, instead of raising.
+        `used`: the bytes measured against the target when they are not the whole store's (the engine caches'
+        own budget: their bytes, every other snapshot in `keep`).
         """
-        plan = plan_eviction(self.list(), used_bytes=self.used_bytes(), target_bytes=target_bytes, keep=keep,
-                             best_effort=best_effort)
+        plan = plan_eviction(self.list(), used_bytes=self.used_bytes() if used is None else used,
+                             target_bytes=target_bytes, keep=keep, best_effort=best_effort)
         done = []
         for snap_id in plan:
             try:
@@ -620,14 +622,17 @@ class Store:
         """Bytes the store keeps free on its filesystem: max(min_free_bytes, min_free_percent of the disk)."""
         return max(self.min_free_bytes, int(disk_size * self.min_free_percent / 100))
 
-    def ensure_space(self, needed: int, *, uri: str) -> None:
+    def ensure_space(self, needed: int, *, uri: str, already: int = 0,
+                     evictable: Callable[[Snapshot], bool] | None = None) -> None:
         """Make room for `needed` new bytes within the budget and above the free-space floor, evicting LRU;
-        fail before any download."""
+        fail before any download. `already`: bytes of `needed` the writer has written (a writer that grows as its
+        bytes arrive, intake.Room): the budget counts them, the disk's free space lacks them already.
+        `evictable`: which snapshots may go to make room (None: any unleased, unpinned one)."""
         if needed <= 0:
             return
         used = self.used_bytes()
         free_disk, disk_size = disk_free(self.root)
-        limit = used + free_disk - self.floor_bytes(disk_size)
+        limit = used + free_disk + already - self.floor_bytes(disk_size)
         if self.budget_bytes is not None:
             limit = min(limit, self.budget_bytes)
         if used + needed <= limit:
@@ -636,7 +641,9 @@ class Store:
         try:
             if target < 0:
                 raise InsufficientSpaceError("model larger than the budget or the disk above its free-space floor")
-            self.evict_to(target)
+            keep = frozenset() if evictable is None else frozenset(
+                i.snapshot.id for i in self.list() if not evictable(i.snapshot))
+            self.evict_to(target, keep=keep)
         except InsufficientSpaceError as exc:
             raise InsufficientSpaceError(
                 f"{uri} needs {fmt_bytes(needed)} more, but the store at {self.root} uses {fmt_bytes(used)} of a "
