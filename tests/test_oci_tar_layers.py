@@ -9,14 +9,19 @@ import errno
 import gzip
 import hashlib
 import io
+import os
 import stat
+import subprocess
+import sys
 import tarfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.fixtures_csi import needs_root
 from tests.fixtures_registry import Registry
 from tests.grants import granted
 from weightcache.errors import HostileKeyError, InsufficientSpaceError, IntegrityError, SourceError
@@ -184,6 +189,59 @@ def test_a_full_disk_while_unpacking_says_what_to_do(tmp_path: Path, registry: R
         fetch(tmp_path / "root", f"oci://{registry.host}/models/full-disk:v1")
     store = Store(tmp_path / "root")
     assert store.list() == [] and not list(store.partial_dir().glob("*.part"))
+
+
+def gzip_bomb(members: int, size: int) -> bytes:
+    """A tar+gzip layer of `members` files of `size` zero bytes in about a MiB: gzip members one after another (RFC
+    1952 allows it; Python's, Go's and GNU gzip read them as one stream), the zeros compressed once."""
+    zeros = gzip.compress(bytes(1 << 20), compresslevel=9)
+    out = bytearray()
+    for i in range(members):
+        header = tarfile.TarInfo(f"w/part-{i}.bin")
+        header.size = size
+        out += gzip.compress(header.tobuf(tarfile.PAX_FORMAT)) + zeros * (size >> 20)
+    return bytes(out + gzip.compress(bytes(2 * tarfile.BLOCKSIZE)))  # the end of the archive
+
+
+def used_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+@needs_root
+def test_a_gzip_bomb_stops_at_the_disk_budget_not_at_a_full_disk(tmp_path: Path, registry: Registry) -> None:
+    """The attack: a 1 MiB tar+gzip layer of 4 x 256 MiB members, fetched with --disk-budget 128Mi onto a 512 MiB
+    filesystem, filled it to 100% before failing (exit 5, "disk full"): the budget and the free-space floor were
+    asked only for the layer's compressed size. Each member's room is now made before it is written."""
+    registry.push("models/bomb:v1", {"w": gzip_bomb(4, 256 << 20)}, media_types={"w": TGZ})
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512m", "wc-test-bomb", str(disk)], check=True)
+    try:
+        peak, done = [0], threading.Event()
+
+        def watch() -> None:
+            while not done.wait(0.005):
+                peak[0] = max(peak[0], used_bytes(disk))
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            run = subprocess.run([sys.executable, "-m", "weightcache", "prefetch",
+                                  f"oci://{registry.host}/models/bomb:v1", "--root", str(disk / "root"),
+                                  "--disk-budget", "128Mi", "-q"], capture_output=True, text=True, timeout=300,
+                                 env={**os.environ, "DOCKER_CONFIG": str(tmp_path / "none")})
+        finally:
+            done.set()
+            watcher.join()
+        assert run.returncode == 5, run.stderr
+        assert "budget of 128 MiB" in run.stderr and "disk full" not in run.stderr, run.stderr
+        assert peak[0] < 64 << 20, f"{peak[0]} bytes were written onto the 512 MiB filesystem"
+        store = Store(disk / "root")
+        assert store.list() == [] and os.listdir(store.layout.partial) == []
+        assert used_bytes(disk) < 16 << 20
+        store.close()
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
 
 
 def test_a_category_layer_names_files_anywhere_but_never_another_layers(tmp_path: Path, registry: Registry) -> None:
