@@ -5,19 +5,18 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.command import weightcache
 from tests.sample import make_model
 
 
 def wc(*args: str, root: Path) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "WEIGHTCACHE_SOCKET")}
     env["KUBECONFIG"] = "/nonexistent"
-    return subprocess.run([sys.executable, "-m", "weightcache", *args, "--root", str(root)], capture_output=True,
-                          text=True, timeout=120, env=env)
+    return weightcache(*args, "--root", str(root), env=env)
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from tests.command import weightcache
 from tests.faultproxy import FaultProxy
 from tests.fixtures_daemon import RunningDaemon, eventually, start_daemon
 from tests.fixtures_s3 import S3
@@ -33,14 +34,9 @@ def cli_env(*, socket: Path | str = "/nonexistent/wc.sock", root: Path | str | N
     return env
 
 
-def wc(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "weightcache", *args], capture_output=True, text=True, timeout=120,
-                          env=env)
-
-
 async def awc(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """`wc` without blocking the event loop the daemon under test runs on."""
-    return await asyncio.to_thread(wc, *args, env=env)
+    """`weightcache` without blocking the event loop the daemon under test runs on."""
+    return await asyncio.to_thread(weightcache, *args, env=env)
 
 
 @pytest.mark.e2e
@@ -87,7 +83,7 @@ async def test_evict_through_the_daemon_names_the_holder(daemon: RunningDaemon) 
                                   ["pin", "abcd"], ["verify"], ["gc"], ["status"], ["evict", "--to-size", "1Gi"]])
 def test_read_only_commands_never_create_a_store(tmp_path: Path, args: list[str]) -> None:
     root = tmp_path / "var-lib-weightcache"
-    r = wc(*args, env=cli_env(root=root))
+    r = weightcache(*args, env=cli_env(root=root))
     assert r.returncode in (0, 3), r.stderr
     if r.returncode == 3:
         assert f"nothing cached in the store at {root}" in r.stderr
@@ -110,7 +106,7 @@ def test_id_prefixes_need_4_characters_and_ambiguity_is_named() -> None:
 
 @pytest.mark.e2e
 def test_no_such_bucket_hint_names_the_model(s3: S3, tmp_path: Path) -> None:
-    r = wc("prefetch", "s3://no-such-bucket-here/llama/", "--endpoint-url", s3.endpoint_url,
+    r = weightcache("prefetch", "s3://no-such-bucket-here/llama/", "--endpoint-url", s3.endpoint_url,
            "--root", str(tmp_path / "root"), env=cli_env())
     assert r.returncode == 6, r.stderr
     assert "aws s3 ls s3://no-such-bucket-here/llama/`" in r.stderr
@@ -203,7 +199,7 @@ def test_dry_run_lists_what_would_be_fetched_and_downloads_nothing(s3: S3, model
     s3.upload_dir(model_copy, "models", "tiny/")
     root = tmp_path / "root"
     common = ["--endpoint-url", s3.endpoint_url, "--root", str(root)]
-    r = wc("prefetch", "s3://models/tiny/", "--dry-run", "--include", "*.safetensors", "-o", "json", *common,
+    r = weightcache("prefetch", "s3://models/tiny/", "--dry-run", "--include", "*.safetensors", "-o", "json", *common,
            env=cli_env())
     assert r.returncode == 0, r.stderr
     plan: dict[str, Any] = json.loads(r.stdout)
@@ -212,17 +208,17 @@ def test_dry_run_lists_what_would_be_fetched_and_downloads_nothing(s3: S3, model
     assert plan["bytes"] == sum(sizes.values()) and plan["cached"] == []
     assert not root.exists()
 
-    assert wc("prefetch", "s3://models/tiny/", "-q", *common, env=cli_env()).returncode == 0
-    r = wc("prefetch", "s3://models/tiny/", "--dry-run", *common, env=cli_env())
+    assert weightcache("prefetch", "s3://models/tiny/", "-q", *common, env=cli_env()).returncode == 0
+    r = weightcache("prefetch", "s3://models/tiny/", "--dry-run", *common, env=cli_env())
     assert "config.json" in r.stdout and "cached as snapshot" in r.stdout
 
 
 @pytest.mark.e2e
 def test_quiet_prints_only_the_path(model_copy: Path, tmp_path: Path) -> None:
-    r = wc("prefetch", f"file://{model_copy}/", "-q", "--root", str(tmp_path / "root"), env=cli_env())
+    r = weightcache("prefetch", f"file://{model_copy}/", "-q", "--root", str(tmp_path / "root"), env=cli_env())
     assert r.returncode == 0, r.stderr
     assert r.stderr == ""
     (path,) = r.stdout.splitlines()
     assert (Path(path) / "config.json").exists()
-    r = wc("evict", f"file://{model_copy}/", "-q", "--root", str(tmp_path / "root"), env=cli_env())
+    r = weightcache("evict", f"file://{model_copy}/", "-q", "--root", str(tmp_path / "root"), env=cli_env())
     assert r.returncode == 0 and r.stdout == "" and r.stderr == ""

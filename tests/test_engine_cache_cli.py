@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.command import run_cli
 from tests.fixtures_daemon import start_daemon
-from weightcache import cli
 from weightcache.errors import InvalidRequestError, NotCachedError, answer_for
 
 FILES = {"torch_compile_cache/3f2a/rank_0_0/backbone/computation_graph.py": b"def f(x): return x\n",
@@ -27,10 +27,7 @@ def cache_dir(base: Path, files: dict[str, bytes]) -> Path:
 
 
 async def run(capfd: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    capfd.readouterr()
-    code = await asyncio.to_thread(cli.main, ["engine-cache", *argv])
-    out, err = capfd.readouterr()
-    return code, out, err
+    return await asyncio.to_thread(run_cli, capfd, "engine-cache", *argv)
 
 
 async def test_put_get_list_through_the_daemon(short_dir: Path, model_copy: Path,

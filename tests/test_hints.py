@@ -12,9 +12,9 @@ import shlex
 
 import pytest
 
+from tests.command import run_cli
 from tests.fake_apiserver import FakeApiServer
 from tests.fixtures_webhook import DRAFT, REF, admission_review, apply_response, check_pod, deployment_pod
-from weightcache import cli
 from weightcache.policy import decide
 from weightcache.webhook.mutate import review
 
@@ -27,7 +27,8 @@ def follow(message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert found, f"the refusal names no command to run: {message}"
     argv = shlex.split(found.group(1))
     assert argv[:2] == ["weightcache", "prefetch"]
-    assert cli.main(argv[1:]) == 0, capsys.readouterr().err
+    code, _, err = run_cli(capsys, *argv[1:])
+    assert code == 0, err
 
 
 def answer(server: FakeApiServer, body: dict) -> dict:

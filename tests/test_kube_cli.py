@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from tests.command import run_cli
 from tests.fake_apiserver import FakeApiServer, node
 from weightcache.dra.admission import MODEL_KEY_LABEL, model_key_label
 from weightcache.errors import ClusterError
@@ -187,11 +188,10 @@ def test_api_errors_are_translated_without_raw_responses(server):
 # weightcache.io/size-bytes: `prefetch --cluster` lists the source with the CLI's credentials ------------------------
 def _cli(server: FakeApiServer, tmp_path, monkeypatch, argv: list[str], capsys) -> tuple[int, str]:
 
-    from weightcache.cli import main
-
     server.use_as_kubeconfig(tmp_path, monkeypatch)
-    code = main(["prefetch", *argv, "--cluster", "--node-selector", "gpu=h100", "--allow-namespace", "ml"])
-    return code, capsys.readouterr().err
+    code, _, err = run_cli(capsys, "prefetch", *argv, "--cluster", "--node-selector", "gpu=h100",
+                           "--allow-namespace", "ml")
+    return code, err
 
 
 def test_prefetch_cluster_writes_the_selected_size_and_a_node_offers_it(server, s3, tmp_path, monkeypatch, capsys):

@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from tests.command import weightcache
 from weightcache.daemon.metrics import Metrics
 from weightcache.store.index import SCHEMA_VERSION
 from weightcache.store.records import MANIFEST_VERSION
@@ -23,11 +24,6 @@ ROOT = Path(__file__).resolve().parent.parent
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 WORKFLOW = ROOT / ".github" / "workflows" / "release.yml"
 SEMVER = re.compile(r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)(-[0-9A-Za-z.-]+)?$")
-
-
-def weightcache(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "weightcache", *args], capture_output=True, text=True, timeout=60,
-                          cwd=ROOT)
 
 
 def test_the_version_is_semver_and_the_installed_one() -> None:

@@ -3,16 +3,15 @@ bounded backoff and then fails with a SourceError (exit 6) naming the endpoint w
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.command import weightcache
 from weightcache import defaults
 from weightcache.errors import RetriesExceededError
 from weightcache.retry import MAX_BACKOFF
@@ -104,10 +103,8 @@ def test_cli_prefetch_from_a_refused_endpoint_exits_6_without_traceback_or_useri
     host = f"127.0.0.1:{_closed_port()}"
 
     def prefetch(endpoint: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "weightcache", "prefetch", "--no-daemon", "s3://models/m/", "--root",
-             str(tmp_path / "root"), "--endpoint-url", endpoint, "--connect-timeout", "1"],
-            capture_output=True, text=True, timeout=120, env={**os.environ})
+        return weightcache("prefetch", "--no-daemon", "s3://models/m/", "--root", str(tmp_path / "root"),
+                           "--endpoint-url", endpoint, "--connect-timeout", "1")
     # credentials in the URL: refused before any connection (the one settings reader the daemon uses too)
     proc = prefetch(f"http://minio:hunter2@{host}")
     assert proc.returncode == 2, proc.stderr

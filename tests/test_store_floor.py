@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.command import weightcache
 from tests.fixtures_store import make_models
 from weightcache import defaults
 from weightcache.daemon.config import load_settings
@@ -21,9 +21,8 @@ from weightcache.store.store import disk_free
 def prefetch(tmp_path: Path, *flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     model = make_models(tmp_path / "src", "m")["m"]
     clean = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTCACHE_")}
-    return subprocess.run([sys.executable, "-m", "weightcache", "prefetch", f"file://{model}/", "--root",
-                           str(tmp_path / "root"), "-q", *flags], capture_output=True, text=True, timeout=120,
-                          env={**clean, **(env or {})})
+    return weightcache("prefetch", f"file://{model}/", "--root", str(tmp_path / "root"), "-q", *flags,
+                       env={**clean, **(env or {})})
 
 
 @pytest.mark.e2e

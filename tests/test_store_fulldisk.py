@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.command import weightcache
 from tests.fixtures_daemon import start_daemon
 from tests.fixtures_store import fetch, make_models
 from weightcache.errors import InsufficientSpaceError
@@ -46,8 +47,7 @@ def fill(fs: Path) -> None:
 
 
 def cli(root: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "weightcache", *args, "--root", str(root)], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, **(env or {})})
+    return weightcache(*args, "--root", str(root), env={**os.environ, **(env or {})})
 
 
 def populate(fs: Path, tmp_path: Path, *, pin: str) -> tuple[Path, dict[str, str]]:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.command import run_cli
 from tests.fake_apiserver import FakeApiServer
 from tests.fixtures_k8s_schema import load_docs, validate_file
 from tests.fixtures_kube import NODE
@@ -68,14 +69,8 @@ def cluster(apiserver: FakeApiServer, tmp_path: Path, monkeypatch: pytest.Monkey
     return apiserver
 
 
-def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    code = cli.main(argv)
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def test_without_yes_it_only_says_what_it_would_remove(node: Node, capsys) -> None:
-    code, out, _ = run(node.argv("-o", "json"), capsys)
+    code, out, _ = run_cli(capsys, *node.argv("-o", "json"))
     assert code == 0
     report = json.loads(out)
     assert report["applied"] is False and "nothing removed: run again with --yes" in report["notes"]
@@ -89,7 +84,7 @@ def test_without_yes_it_only_says_what_it_would_remove(node: Node, capsys) -> No
 def test_yes_removes_this_drivers_files_and_nothing_else(node: Node, capsys) -> None:
     snapshot_dir = node.snapshot.path
     assert not os.stat(snapshot_dir).st_mode & stat.S_IWUSR  # snapshot trees are read-only
-    code, out, _ = run(node.argv("--yes"), capsys)
+    code, out, _ = run_cli(capsys, *node.argv("--yes"))
     assert code == 0, out
     assert f"removed {node.root}: the model store" in out and f"removed {node.spec}" in out
     assert not node.root.exists() and not node.spec.exists() and not node.run.exists()
@@ -100,17 +95,17 @@ def test_yes_removes_this_drivers_files_and_nothing_else(node: Node, capsys) -> 
     assert (node.cdi / "nvidia.com-gpu.json").read_text() == "{}"
     assert (node.kubelet / "plugins" / "other.example.com").is_dir()
     assert (node.base / "src" / "llama").is_dir()
-    code, out, _ = run(node.argv("--yes"), capsys)  # again: nothing left
+    code, out, _ = run_cli(capsys, *node.argv("--yes"))  # again: nothing left
     assert code == 0 and "nothing of weightcache found on this node" in out
 
 
 def test_a_held_lease_refuses_naming_the_holder(node: Node, capsys) -> None:
     node.store.lease(csi_holder("csi-4f1d2a"), node.snapshot.id)
-    code, _, err = run(node.argv("--yes"), capsys)
+    code, _, err = run_cli(capsys, *node.argv("--yes"))
     assert code == 4  # in use
     assert "csi-4f1d2a" in err and "--force" in err
     assert node.snapshot.path.is_dir() and node.spec.is_file()  # nothing removed
-    code, out, _ = run(node.argv("--yes", "--force", "-o", "json"), capsys)
+    code, out, _ = run_cli(capsys, *node.argv("--yes", "--force", "-o", "json"))
     assert code == 0 and not node.root.exists()
     assert any("csi-4f1d2a" in n for n in json.loads(out)["notes"])
 
@@ -120,10 +115,10 @@ def test_a_running_daemon_refuses(node: Node, capsys) -> None:
     with socket.socket(socket.AF_UNIX) as listening:
         listening.bind(str(node.run / "weightcache.sock"))
         listening.listen(1)
-        code, _, err = run(node.argv("--yes"), capsys)
+        code, _, err = run_cli(capsys, *node.argv("--yes"))
         assert code == 4 and "weightcache-node DaemonSet" in err
         assert node.root.exists()
-    code, _, _ = run(node.argv("--yes"), capsys)  # the socket no longer answers: a stopped daemon
+    code, _, _ = run_cli(capsys, *node.argv("--yes"))  # the socket no longer answers: a stopped daemon
     assert code == 0 and not node.root.exists()
 
 
@@ -133,7 +128,7 @@ def test_a_directory_that_is_not_a_store_is_never_removed(node: Node, tmp_path: 
     (precious / "thesis.tex").write_text("x")
     argv = node.argv("--yes")
     argv[argv.index("--root") + 1] = str(precious)
-    code, _, err = run(argv, capsys)
+    code, _, err = run_cli(capsys, *argv)
     assert code == 2 and "does not look like a weightcache store" in err
     assert (precious / "thesis.tex").read_text() == "x" and node.spec.exists()
 
@@ -143,10 +138,10 @@ def test_readiness_labels_of_this_node_are_removed(node: Node, cluster: FakeApiS
     labels = {ready: "ready", "weightcache.io/memory-pool": "a", "kubernetes.io/hostname": NODE}
     cluster.create("nodes", {"metadata": {"name": NODE, "labels": labels}})
     cluster.create("nodes", {"metadata": {"name": "gpu-2", "labels": {ready: "ready"}}})
-    code, out, _ = run(node.argv("-o", "json"), capsys)
+    code, out, _ = run_cli(capsys, *node.argv("-o", "json"))
     assert code == 0 and json.loads(out)["wouldRemoveLabels"] == [ready]
     assert ready in cluster.get("nodes", NODE)["metadata"]["labels"]  # a dry run
-    code, out, _ = run(node.argv("--yes", "-o", "json"), capsys)
+    code, out, _ = run_cli(capsys, *node.argv("--yes", "-o", "json"))
     assert code == 0 and json.loads(out)["labels"] == [ready] and json.loads(out)["node"] == NODE
     assert cluster.get("nodes", NODE)["metadata"]["labels"] == {"weightcache.io/memory-pool": "a",
                                                                  "kubernetes.io/hostname": NODE}
