@@ -23,7 +23,6 @@ from weightcache.hf_layout import (
     commit_of,
     hub_cache,
     prune,
-    release_views,
     repo_folder,
 )
 from weightcache.store import Snapshot, Store
@@ -99,14 +98,14 @@ def test_views_of_a_snapshot_nothing_holds_are_removed_and_rebuilt_on_the_next_m
     store.lease("pod-1", held.id)
     store.lease("pod-2", idle.id)
     kept, dropped = hub_cache(store, held, "acme/a"), hub_cache(store, idle, "acme/b")
-    assert not release_views(store, idle.id)  # still leased
+    assert prune(store) == 0  # both still leased
     store.release("pod-2")
     assert prune(store) == 1
     assert kept.exists() and not dropped.parent.exists()
     store.lease("pod-3", idle.id)
     assert (hub_cache(store, idle, "acme/b") / "models--acme--b" / "snapshots").is_dir()
     store.release("pod-3")
-    assert release_views(store, idle.id) and not dropped.parent.exists()
+    assert prune(store) == 1 and not dropped.parent.exists()
 
 
 def test_repo_names_per_snapshot_are_capped_and_the_next_costs_only_its_pod(tmp_path: Path) -> None:

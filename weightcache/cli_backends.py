@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from weightcache.errors import InUseError, InvalidReferenceError, NotCachedError, WeightcacheError
 
@@ -25,20 +25,6 @@ if TYPE_CHECKING:
     from weightcache.uri import ModelRef
 
 MIN_PREFIX = 4
-
-
-class Cache(Protocol):
-    """What the CLI's store commands need, whichever way they go."""
-
-    where: str  # for messages: "the daemon at /run/weightcache/weightcache.sock" or "the store at /var/lib/..."
-
-    def snapshots(self) -> list[dict[str, Any]]: ...
-    def evict(self, snapshot_id: str) -> None: ...
-    def evict_to(self, size: int) -> tuple[list[str], int]: ...
-    def pin(self, snapshot_id: str) -> None: ...
-    def unpin(self, snapshot_id: str) -> None: ...
-    def verify(self, snapshot_id: str, *, repair: bool) -> dict[str, Any]: ...
-    def gc(self) -> int: ...
 
 
 @dataclass

@@ -744,7 +744,6 @@ class _Reading:
         self.piece = piece
         self._mu = threading.Lock()
         self._ranges: dict[int, list[typing.Any]] = {}  # id -> [item, next byte, end, last progress, pieces seen]
-        self.splits = 0
 
     def begin(self, item: _Item, start: int, end: int) -> list[typing.Any]:
         entry = [item, start, end, time.monotonic(), False]
@@ -779,7 +778,6 @@ class _Reading:
             first = nxt + self.piece  # the piece in flight stays the owner's
             mid = first + (end - first) // 2 // self.piece * self.piece
             entry[2] = mid
-            self.splits += 1
         log.info("%s: bytes %d-%d stalled; reading %d-%d on another connection", item.relpath, nxt, end - 1,
                  mid, end - 1)
         return item, mid, end - mid

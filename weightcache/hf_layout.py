@@ -17,7 +17,7 @@ A view is built once per (snapshot, repo name) in a temporary directory and rena
 is never visible; every path is walked with the store's no-follow tree (store/fsops.py), under the store lock.
 The repo name is the pod's choice, so views are bounded: at most MAX_VIEWS_PER_SNAPSHOT names per snapshot (one
 more is refused, costing only that pod), and they go when nothing holds the snapshot: `prune` (each daemon
-reconcile pass, and `release_views` after a lease is dropped) removes the views of snapshots evicted or without
+reconcile pass) removes the views of snapshots evicted or without
 a lease, under the same lock a build takes, so a view being mounted (its lease is taken first) is never removed.
 Eviction removes a snapshot's views itself (Store.finish_eviction) before its blobs, so their hard links never
 keep evicted bytes on disk.
@@ -136,15 +136,6 @@ def prune(store: Store, *, unleased: bool = True) -> int:
     if gone:
         log.info("removed the hub cache views of %d snapshots evicted or no longer leased", len(gone))
     return len(gone)
-
-
-def release_views(store: Store, snapshot_id: str) -> bool:
-    """After a lease is dropped: remove the snapshot's views when no lease holds it any more. True if removed."""
-    with store.locked():
-        if snapshot_id in store.leases().values():
-            return False
-        store.tree.remove_tree(store.root / HF_DIR / _safe(snapshot_id))
-        return True
 
 
 def _safe(snapshot_id: str) -> str:

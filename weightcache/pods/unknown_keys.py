@@ -3,7 +3,7 @@ nothing, so the webhook names the nearest known key, as AdmissionReview `warning
 (`weightcache webhook --unknown-annotations=deny`).
 
 Pure: annotations in, texts out. The API server shows each warning to the client (kubectl prints them); it asks for
-warnings under 120 characters and few of them, so at most MAX_WARNINGS are sent, each shorter than WARNING_CHARS,
+warnings under 120 characters and few of them, so at most MAX_WARNINGS are sent, each under 120 characters,
 whatever keys a pod carries (the key's name part is cut in the middle when long).
 """
 
@@ -20,7 +20,6 @@ from weightcache.pods.annotations import KNOWN, PREFIX
 VIA = PREFIX + "via"
 KNOWN_KEYS: tuple[str, ...] = (*KNOWN, VIA)
 MAX_WARNINGS = 10
-WARNING_CHARS = 120  # every warning is shorter than this
 Mode = Literal["warn", "deny"]
 MODES: tuple[Mode, ...] = ("warn", "deny")
 _NAMES = {k[len(PREFIX):]: k for k in KNOWN_KEYS}
@@ -40,7 +39,7 @@ def nearest(key: str) -> str | None:
 
 
 def hint(key: str) -> str:
-    """One warning for `key`, shorter than WARNING_CHARS."""
+    """One warning for `key`, under 120 characters."""
     near = nearest(key)
     shown = PREFIX + _cut(key[len(PREFIX):])
     if near:

@@ -108,7 +108,6 @@ class OciSource:
         self.client = RegistryClient(self.registry, self.repository, o)
         self.scheme, self.base = self.client.scheme, self.client.base
         self.trusted = False  # the listing's manifest was pinned by digest and hashed to it
-        self.manifest_digest: str | None = None
         self.tars: dict[str, tuple[str, str]] = {}  # the listing's tar layers: hex digest -> (name, compression)
 
     def __repr__(self) -> str:
@@ -193,11 +192,8 @@ class OciSource:
             body, header_type = self._manifest(entry["digest"], entry["digest"], entry["size"])
             doc = _json_object(body, f"the manifest {entry['digest']} of {self.ref}")
             media_type = _media_type_of(doc, header_type, str(self.ref))
-            reference = entry["digest"]
             if media_type not in MANIFESTS:
                 raise SourceError(f"{self.ref}: the index names a {media_type[:100]!r}, not an image manifest")
-        self.manifest_digest = reference if OCI_DIGEST.fullmatch(reference) else \
-            "sha256:" + hashlib.sha256(body).hexdigest()
         return doc, pinned
 
     def _manifest(self, reference: str, digest: str | None, size: int | None = None) -> tuple[bytes, str]:
