@@ -162,11 +162,10 @@ def _writable_and_retry(func: Callable[..., Any], path: str, _exc: Any) -> None:
 
 
 def _readiness_labels(api_client: Any, node: str) -> list[str]:
-    import kubernetes
-    from kubernetes.client.exceptions import ApiException
+    from weightcache.kube.client import ApiException, CoreV1Api
 
     try:
-        obj = kubernetes.client.CoreV1Api(api_client).read_node(node)
+        obj = CoreV1Api(api_client).read_node(node)
     except ApiException as exc:
         raise ClusterError(f"reading node {node}: {exc.status} {exc.reason}; set NODE_NAME to this node's name",
                            status=exc.status) from exc
@@ -174,11 +173,10 @@ def _readiness_labels(api_client: Any, node: str) -> list[str]:
 
 
 def _unlabel(api_client: Any, node: str, labels: list[str]) -> None:
-    import kubernetes
-    from kubernetes.client.exceptions import ApiException
+    from weightcache.kube.client import ApiException, CoreV1Api
 
     try:
-        kubernetes.client.CoreV1Api(api_client).patch_node(node, {"metadata": {"labels": dict.fromkeys(labels)}})
+        CoreV1Api(api_client).patch_node(node, {"metadata": {"labels": dict.fromkeys(labels)}})
     except ApiException as exc:
         raise ClusterError(f"removing the readiness labels of node {node}: {exc.status} {exc.reason}",
                            status=exc.status) from exc

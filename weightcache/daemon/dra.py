@@ -98,10 +98,10 @@ def free_cache_bytes(node: Node) -> int:
 
 def server_version(api_client: Any) -> tuple[int, int] | None:
     """The API server's (major, minor), or None when it cannot be read (logged)."""
-    import kubernetes
+    from weightcache.kube.client import VersionApi
 
     try:
-        info = kubernetes.client.VersionApi(api_client).get_code(_request_timeout=10)
+        info = VersionApi(api_client).get_code(_request_timeout=10)
         return int(info.major), int(re.sub(r"\D.*$", "", info.minor) or 0)
     except Exception as exc:  # unreachable, or a version we cannot read: the 1.34 behaviour
         log.warning("reading the API server's version failed (%s): offering held models only as DRA devices, "

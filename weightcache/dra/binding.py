@@ -103,10 +103,10 @@ class ClaimBinder:
 
     def __init__(self, api_client: Any, *, pool: str, store: Store, authority: Authority, resolve: Resolve,
                  fetch: Fetch, api_version: str = "v1") -> None:
-        import kubernetes
+        from weightcache.kube.client import CustomObjectsApi
 
         self._client = api_client
-        self._api = kubernetes.client.CustomObjectsApi(api_client)
+        self._api = CustomObjectsApi(api_client)
         self._pool = pool
         self._store = store
         self._book = ClaimBook(store.layout.tree)
@@ -224,13 +224,13 @@ class ClaimBinder:
     def _set(self, namespace: str, name: str, uid: str, device: str, alloc: str, verdict: dict[str, Any]) -> None:
         """Merge the condition into the claim's status.devices entry; a conflict re-reads and retries. Raises
         AllocationGone when the claim no longer holds the allocation the verdict answers."""
-        import kubernetes
+        from weightcache.kube.client import ApiException
 
         for attempt in range(5):
             try:
                 claim = self._api.get_namespaced_custom_object(GROUP, self._version, namespace, PLURAL, name,
                                                                _request_timeout=API_TIMEOUT_S)
-            except kubernetes.client.ApiException as exc:
+            except ApiException as exc:
                 if exc.status == 404:
                     raise AllocationGone("the claim was deleted") from None
                 raise
@@ -254,6 +254,6 @@ class ClaimBinder:
                 self._api.patch_namespaced_custom_object_status(GROUP, self._version, namespace, PLURAL, name, body,
                                                                 _request_timeout=API_TIMEOUT_S)
                 return
-            except kubernetes.client.ApiException as exc:
+            except ApiException as exc:
                 if exc.status != 409 or attempt == 4:
                     raise

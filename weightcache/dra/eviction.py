@@ -53,10 +53,10 @@ class ExtendedPodEvictor:
 
     def __init__(self, api_client: Any, *, book: ClaimBook, states: Callable[[], Mapping[str, DeviceState]],
                  api_version: str = "v1") -> None:
-        import kubernetes
+        from weightcache.kube.client import CoreV1Api, CustomObjectsApi
 
-        self._objects = kubernetes.client.CustomObjectsApi(api_client)
-        self._core = kubernetes.client.CoreV1Api(api_client)
+        self._objects = CustomObjectsApi(api_client)
+        self._core = CoreV1Api(api_client)
         self._book = book
         self._states = states
         self._version = api_version
@@ -74,13 +74,13 @@ class ExtendedPodEvictor:
         return deleted
 
     def _evict_for(self, record: ClaimRecord, damaged: Mapping[str, DeviceState]) -> list[str]:
-        import kubernetes
+        from weightcache.kube.client import ApiException
 
         try:
             claim = self._objects.get_namespaced_custom_object("resource.k8s.io", self._version, record.namespace,
                                                                "resourceclaims", record.name,
                                                                _request_timeout=API_TIMEOUT_S)
-        except kubernetes.client.ApiException as exc:
+        except ApiException as exc:
             if exc.status != 404:
                 log.warning("reading claim %s/%s of a damaged copy failed: HTTP %s", record.namespace, record.name,
                             exc.status)
@@ -109,7 +109,7 @@ class ExtendedPodEvictor:
         return False
 
     def _delete_if_extended(self, record: ClaimRecord, name: str, uid: str) -> bool:
-        import kubernetes
+        from weightcache.kube.client import ApiException, V1DeleteOptions, V1Preconditions
 
         try:
             pod = self._core.read_namespaced_pod(name, record.namespace, _request_timeout=API_TIMEOUT_S)
@@ -117,9 +117,9 @@ class ExtendedPodEvictor:
             if pod.metadata.uid != uid or pod.metadata.deletion_timestamp is not None or status is None \
                     or status.resource_claim_name != record.name:
                 return False  # gone, going, or a spec claim: kube-controller-manager's device taint controller's
-            self._core.delete_namespaced_pod(name, record.namespace, body=kubernetes.client.V1DeleteOptions(
-                preconditions=kubernetes.client.V1Preconditions(uid=uid)), _request_timeout=API_TIMEOUT_S)
-        except kubernetes.client.ApiException as exc:
+            self._core.delete_namespaced_pod(name, record.namespace, body=V1DeleteOptions(
+                preconditions=V1Preconditions(uid=uid)), _request_timeout=API_TIMEOUT_S)
+        except ApiException as exc:
             if exc.status not in (404, 409):
                 log.warning("evicting pod %s/%s from a damaged model copy failed: HTTP %s %s", record.namespace,
                             name, exc.status, exc.reason)

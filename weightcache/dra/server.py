@@ -153,16 +153,17 @@ async def _listen(server: grpc.aio.Server, path: Path) -> None:
 
 def claim_reader(api_client: Any, api_version: str = "v1") -> ClaimSource:
     """ResourceClaims through the official client; API failures become ClusterError (a per-claim error)."""
-    import kubernetes
     import urllib3
 
-    api = kubernetes.client.CustomObjectsApi(api_client)
+    from weightcache.kube.client import ApiException, CustomObjectsApi
+
+    api = CustomObjectsApi(api_client)
 
     def read(namespace: str, name: str) -> dict[str, Any]:
         try:
             claim: dict[str, Any] = api.get_namespaced_custom_object(
                 "resource.k8s.io", api_version, namespace, "resourceclaims", name, _request_timeout=API_TIMEOUT_S)
-        except kubernetes.client.ApiException as exc:
+        except ApiException as exc:
             raise ClusterError(f"reading ResourceClaim {namespace}/{name} failed: HTTP {exc.status} {exc.reason}; "
                                "kubelet retries", exc.status) from None
         except (OSError, urllib3.exceptions.HTTPError) as exc:  # unreachable, reset, timed out

@@ -116,10 +116,10 @@ class SlicePublisher:
                  change_token: Callable[[], object] = lambda: None, resync_s: float = 10.0,
                  counters: Callable[[], list[dict[str, Any]]] | None = None,
                  on_dropped: Callable[[set[str]], None] | None = None) -> None:
-        import kubernetes
+        from weightcache.kube.client import CoreV1Api, CustomObjectsApi
 
-        self._api = kubernetes.client.CustomObjectsApi(api_client)
-        self._core = kubernetes.client.CoreV1Api(api_client)
+        self._api = CustomObjectsApi(api_client)
+        self._core = CoreV1Api(api_client)
         self._node_uid: str | None = None
         self._uid_warned = False
         self._node = node_name
@@ -187,11 +187,11 @@ class SlicePublisher:
         return [str(d["name"]) for d in self._published or ()]
 
     def _read_node_uid(self) -> None:
-        import kubernetes
+        from weightcache.kube.client import ApiException
 
         try:
             node = self._core.read_node(self._node, _request_timeout=API_TIMEOUT_S)
-        except kubernetes.client.ApiException as exc:
+        except ApiException as exc:
             if not self._uid_warned:
                 self._uid_warned = True
                 log.warning("reading Node %s for the ResourceSlices' owner failed: HTTP %s %s; publishing them "

@@ -1,5 +1,8 @@
 """Find the cluster: in-cluster service account first, then KUBECONFIG / ~/.kube/config, else off-cluster (None).
 
+The one door to the official client: only `weightcache.kube` imports `kubernetes` (import-linter's gateway
+contract), so the rest of weightcache takes the API classes and `ApiException` from here.
+
 A kubeconfig that exists but cannot be loaded is an error, not "off-cluster": silently dropping to off-cluster
 would also drop the namespace policy that cluster mode enforces. Nothing here logs tokens or certificates.
 """
@@ -12,13 +15,26 @@ import os
 from pathlib import Path
 
 import kubernetes
+from kubernetes.client import (
+    ApiClient,
+    ApiException,
+    CoordinationV1Api,
+    CoreV1Api,
+    CustomObjectsApi,
+    V1DeleteOptions,
+    V1Preconditions,
+    VersionApi,
+)
 
 from weightcache.errors import ConfigError
+
+__all__ = ["ApiClient", "ApiException", "CoordinationV1Api", "CoreV1Api", "CustomObjectsApi", "V1DeleteOptions",
+           "V1Preconditions", "VersionApi", "api_reason", "in_cluster", "load_api_client", "status_message"]
 
 log = logging.getLogger(__name__)
 
 
-def status_message(exc: kubernetes.client.ApiException) -> str:
+def status_message(exc: ApiException) -> str:
     """The API server's own reason (the `Status` body's message, whole), never the raw response: it has headers."""
     try:
         return str(json.loads(exc.body or "{}").get("message") or exc.reason)
@@ -28,7 +44,7 @@ def status_message(exc: kubernetes.client.ApiException) -> str:
 
 def api_reason(exc: BaseException) -> str:
     """A failed API call, for a log line: `HTTP 422: <the server's whole message>`, or the transport error."""
-    if isinstance(exc, kubernetes.client.ApiException):
+    if isinstance(exc, ApiException):
         return f"HTTP {exc.status}: {status_message(exc)}"
     return f"{type(exc).__name__}: {exc}"
 
@@ -46,13 +62,13 @@ def _kubeconfig_paths() -> list[Path]:
     return [Path("~/.kube/config").expanduser()]
 
 
-def load_api_client() -> kubernetes.client.ApiClient | None:
+def load_api_client() -> ApiClient | None:
     """An ApiClient for the cluster this process belongs to, or None when no Kubernetes config exists."""
     config = kubernetes.client.Configuration()
     if in_cluster():
         kubernetes.config.load_incluster_config(client_configuration=config)
         log.info("cluster mode: in-cluster service account, API server %s", config.host)
-        return kubernetes.client.ApiClient(config)
+        return ApiClient(config)
     paths = [p for p in _kubeconfig_paths() if p.is_file()]
     if not paths:
         log.debug("no kubeconfig found; off-cluster mode")
@@ -67,4 +83,4 @@ def load_api_client() -> kubernetes.client.ApiClient | None:
             "(check `kubectl config view`) or unset KUBECONFIG to run off-cluster"
         ) from exc
     log.info("cluster mode: kubeconfig, API server %s", config.host)
-    return kubernetes.client.ApiClient(config)
+    return ApiClient(config)

@@ -13,11 +13,10 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-import kubernetes
 import urllib3
-from kubernetes.client.exceptions import ApiException
 
 from weightcache.errors import ConfigError
+from weightcache.kube.client import ApiException, CustomObjectsApi
 from weightcache.peers.client import peer_base_url
 from weightcache.peers.source import PeerSet
 from weightcache.vocabulary import GROUP, MODELCACHENODES, VERSION
@@ -48,7 +47,7 @@ def advertised_url(host: str, port: int, env: Mapping[str, str]) -> str | None:
 def discover(api_client: Any, node_name: str) -> list[str] | None:
     """Peer URLs of the other nodes' daemons, from the ModelCacheNodes; None when the API could not be read
     (keep the peers known so far). Blocking."""
-    custom = kubernetes.client.CustomObjectsApi(api_client)
+    custom = CustomObjectsApi(api_client)
     try:
         listing = custom.list_cluster_custom_object(GROUP, VERSION, MODELCACHENODES)
     except (ApiException, urllib3.exceptions.HTTPError) as exc:

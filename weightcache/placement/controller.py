@@ -29,11 +29,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import kubernetes
 import urllib3
-from kubernetes.client.exceptions import ApiException
 
 from weightcache.kube import API_VERSION, GROUP, MODELCACHES, VERSION, listers
+from weightcache.kube.client import ApiClient, ApiException, CoreV1Api, CustomObjectsApi
 from weightcache.kube.cluster_cli import model_cache_body
 from weightcache.kube.watch import ModelCacheWatcher
 from weightcache.placement import CONTROLLER, MANAGED_BY, choice
@@ -73,13 +72,13 @@ class Pass:
 
 
 class Controller:
-    def __init__(self, api_client: kubernetes.client.ApiClient, *, elector: LeaderElector | None = None,
+    def __init__(self, api_client: ApiClient, *, elector: LeaderElector | None = None,
                  event_interval: float = 5.0, resync: float = 2.0,
                  clock: Callable[[], float] = time.monotonic,
                  max_demand_per_namespace: int = MAX_DEMAND_PER_NAMESPACE, max_writes: int = 64,
                  max_models: int = MAX_MODELS) -> None:
-        self._core = kubernetes.client.CoreV1Api(api_client)
-        self._custom = kubernetes.client.CustomObjectsApi(api_client)
+        self._core = CoreV1Api(api_client)
+        self._custom = CustomObjectsApi(api_client)
         self.elector = elector
         self.event_interval, self.resync, self._clock = event_interval, resync, clock
         # A namespace may hold at most this many demanded models; a pass writes at most `max_writes` demand

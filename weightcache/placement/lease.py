@@ -19,9 +19,9 @@ import threading
 import time
 from typing import Any
 
-import kubernetes
 import urllib3
-from kubernetes.client.exceptions import ApiException
+
+from weightcache.kube.client import ApiClient, ApiException, CoordinationV1Api
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +31,11 @@ def _micro_now() -> str:
 
 
 class LeaderElector:
-    def __init__(self, api_client: kubernetes.client.ApiClient, *, namespace: str, name: str, identity: str,
+    def __init__(self, api_client: ApiClient, *, namespace: str, name: str, identity: str,
                  lease_duration: float = 15.0, renew_deadline: float = 10.0, retry_period: float = 2.0) -> None:
         if not retry_period < renew_deadline < lease_duration:
             raise ValueError("leader election needs retry_period < renew_deadline < lease_duration")
-        self._api = kubernetes.client.CoordinationV1Api(api_client)
+        self._api = CoordinationV1Api(api_client)
         self.namespace, self.name, self.identity = namespace, name, identity
         self.lease_duration, self.renew_deadline, self.retry_period = lease_duration, renew_deadline, retry_period
         self._renewed = -1e18  # monotonic time of our last successful acquire or renew

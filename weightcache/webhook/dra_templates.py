@@ -50,11 +50,10 @@ def watch(api_client: Any, plural: str = "resourceclaimtemplates") -> Any:
     """A started ModelCacheWatcher over every namespace's ResourceClaimTemplates (or, `plural="deviceclasses"`,
     the DeviceClasses); `install(from_watcher(w), ...)`. The webhook's ServiceAccount needs `list` and `watch` on
     them (resource.k8s.io)."""
-    import kubernetes
-
+    from weightcache.kube.client import CustomObjectsApi
     from weightcache.kube.watch import ModelCacheWatcher
 
-    custom = kubernetes.client.CustomObjectsApi(api_client)
+    custom = CustomObjectsApi(api_client)
 
     def lister(**kw: Any) -> Any:
         return custom.list_cluster_custom_object("resource.k8s.io", "v1", plural, **kw)
