@@ -307,3 +307,17 @@ def test_lease_takeover_only_after_the_record_stood_still_for_the_lease_duration
     assert not a.is_leader(), "a leader that cannot renew stops leading within renew_deadline"
     lease = api.get("leases", "l", "ns")
     assert (lease["spec"]["holderIdentity"], lease["spec"]["leaseTransitions"]) == ("b", 1)
+
+
+def test_a_hand_written_model_cache_gets_its_model_key_label(api: FakeApiServer, controller: Controller) -> None:
+    """The DRA claim policy finds a model's ModelCaches by `weightcache.io/model-key`; one applied by hand without
+    it (or with a wrong one) is labelled by the controller, so its allowedNamespaces protect the model's devices."""
+    from weightcache.dra.admission import MODEL_KEY_LABEL, model_key_label
+
+    grant(api, "by-hand", "s3://models/other/", ["team-a"])
+    wrong = api.get("modelcaches", "grant-llama")
+    wrong["metadata"].setdefault("labels", {})[MODEL_KEY_LABEL] = "m" + "0" * 20
+    api.update("modelcaches", "grant-llama", wrong)
+    for name, source in (("by-hand", "s3://models/other/"), ("grant-llama", REF)):
+        eventually(lambda n=name, s=source: (api.get("modelcaches", n)["metadata"].get("labels") or {}).get(
+            MODEL_KEY_LABEL) == model_key_label(s), what=f"the key label on {name}")

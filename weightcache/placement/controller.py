@@ -43,8 +43,8 @@ from weightcache.pods.annotations import MAX_MODELS, PLACEMENT
 from weightcache.pods.patch import required_affinity
 from weightcache.progress import Progress
 from weightcache.redact import redact
-from weightcache.uri import ModelRef
-from weightcache.vocabulary import DRA_DRIVER, GATE
+from weightcache.uri import ModelRef, model_key, parse_ref
+from weightcache.vocabulary import DRA_DRIVER, GATE, MODEL_KEY_LABEL
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +163,7 @@ class Controller:
         demand = {name: tuple(sorted(nodes)) for name, nodes in plan.nodes.items() if nodes}
         pending = self._write_demand(demand, plan, owned)
         self._memory(caches, facts)
+        self._label_keys(caches)
         by_key = {choice.pod_key(p): p for p in pods}
         budget = self.max_writes  # refusal Events are bounded too: a thousand bad pods must not delay a pass
         for key, refusal in refused.items():
@@ -223,6 +224,25 @@ class Controller:
                         GROUP, VERSION, MODELCACHES, name)
         log.info("demand %s released: no pod needs it", name)
         return ok
+
+    def _label_keys(self, caches: list[dict[str, Any]]) -> None:
+        """Every ModelCache carries `weightcache.io/model-key`, the key of its source, whoever wrote it: the DRA
+        claim policy (deploy/dra/claim-policy.yaml) finds a model's ModelCaches by that label (CEL cannot hash
+        `spec.source`), so one applied by hand without it would leave its model's devices claimable from any
+        namespace. At most `max_writes` labels a pass."""
+        budget = self.max_writes
+        for mc in caches:
+            try:
+                key = model_key(parse_ref(str((mc.get("spec") or {}).get("source") or "")).uri)
+            except ValueError:  # a source the nodes refuse too: no devices to protect
+                continue
+            name = str((mc.get("metadata") or {}).get("name"))
+            if ((mc.get("metadata") or {}).get("labels") or {}).get(MODEL_KEY_LABEL) == key or budget <= 0:
+                continue
+            budget -= 1
+            if self._call(f"labelling ModelCache {name}", self._custom.patch_cluster_custom_object, GROUP, VERSION,
+                          MODELCACHES, name, {"metadata": {"labels": {MODEL_KEY_LABEL: key}}}):
+                log.info("labelled ModelCache %s %s=%s for the DRA claim policy", name, MODEL_KEY_LABEL, key)
 
     def _memory(self, caches: list[dict[str, Any]], facts: list[NodeFacts]) -> None:
         """status.memoryNodes of every ModelCache with spec.memory.nodes (desired.plan reads it on each node)."""
