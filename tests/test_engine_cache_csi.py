@@ -1,7 +1,8 @@
 """A pod's engine cache through the CSI plugin (docs/engine-caches.md, "Handing one over"): real gRPC on a Unix
 socket, real tmpfs and bind mounts, the model from the S3 test server. A volume with `engineCache` starts empty
 (a private, bounded tmpfs), is read back when the pod ends if it says its engine served, and later pods of the same
-namespace start from a copy; other namespaces and other keys never see it; what a pod writes is hostile."""
+namespace start from it (an overlay of the artifact); other namespaces and other keys never see it; what a pod
+writes is hostile."""
 
 from __future__ import annotations
 
