@@ -7,11 +7,21 @@
 # image"), every dependency is installed from requirements.lock by exact version and sha256 hash (pip refuses
 # anything else), nothing comes from apt. Multi-arch (amd64, arm64 for GH200/Grace):
 #   docker buildx build --platform linux/amd64,linux/arm64 -t REGISTRY/weightcache:0.2.0 --push .
+# Two builds of one commit give one digest when timestamps are clamped (`--timestamp 0` with buildah,
+# SOURCE_DATE_EPOCH with BuildKit) and the base is pinned by digest (the release workflow does both).
+# Without the public index (scripts/test_image.sh): PYTHON_IMAGE=<a local Debian bookworm + python3 image> and a
+# wheelhouse of the locked wheels passed in through pip's own variables (PIP_NO_INDEX=1, PIP_FIND_LINKS=DIR on a
+# build volume), or a private index and its CA bundle (PIP_INDEX_URL, PIP_CERT). They reach only the build stage.
 ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
+ARG PIP_INDEX_URL
+ARG PIP_FIND_LINKS
+ARG PIP_NO_INDEX
+ARG PIP_CERT
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
-RUN python -m venv /opt/weightcache
+# python3, not python: Debian's python3 package has no `python` (the official image has both)
+RUN python3 -m venv /opt/weightcache
 COPY requirements.lock requirements-build.lock /src/
 # --only-binary: every locked package ships wheels for both architectures; no compiler in the image
 RUN /opt/weightcache/bin/pip install --require-hashes --only-binary :all: -r /src/requirements.lock \

@@ -1,6 +1,6 @@
 """docs/operations.md holds true: its kustomizations and `kubectl ... -k` paths render with the real kustomize and
 validate, the paths and CLI commands it names exist, and the image it describes installs only hashed, locked
-wheels (the image itself cannot be built here: no Docker engine)."""
+wheels (the image itself is built and run by the image tier, scripts/test_image.sh)."""
 
 from __future__ import annotations
 
