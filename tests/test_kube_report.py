@@ -180,3 +180,16 @@ def test_unreachable_api_server_is_a_cluster_error(server):
     with pytest.raises(ClusterError, match="unreachable"):
         reporter.set_labels({LABEL: "ready"})
     reporter.event(model_cache("llama", "s3://models/llama/"), "FetchFailed", "x")  # best effort: no raise
+
+
+def test_status_sums_up_the_models_for_kubectl_get_mcn(server):
+    """The CRD's printer columns read `ready` and `progress`: the patch carries the sums over every model this
+    node reports, not only the ones the patch changes."""
+    reporter = NodeReporter(server.api_client(), "n1", min_interval=0)
+    reporter.report("llama", ModelState("Ready", bytes_done=2 << 30, bytes_total=2 << 30))
+    reporter.report("mistral", ModelState("Fetching", bytes_done=1 << 30, bytes_total=4 << 30))
+    status = server.get("modelcachenodes", "n1")["status"]
+    assert status["ready"] == "1/2" and status["progress"] == "3 GiB / 6 GiB"
+    reporter.forget("mistral")
+    status = server.get("modelcachenodes", "n1")["status"]
+    assert status["ready"] == "1/1" and status["progress"] == "2 GiB / 2 GiB"

@@ -18,6 +18,7 @@ from weightcache.errors import ConfigError
 MAX_BYTES = (1 << 63) - 1
 _MAX_TEXT = 64  # longer text is not a size; refuse it before any arithmetic
 _QUANTITY = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)|[eE]([+-]?[0-9]{1,2}))?")
+QUANTITY_PATTERN = _QUANTITY.pattern  # a size as text: the daemon config's JSON Schema says the same
 _FACTORS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
             "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
 _BINARY = ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB")

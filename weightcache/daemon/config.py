@@ -32,7 +32,7 @@ from weightcache.settings import (
 )
 from weightcache.store import floor
 from weightcache.store.floor import parse_percent
-from weightcache.units import ascii_int, parse_size
+from weightcache.units import QUANTITY_PATTERN, ascii_int, parse_size
 from weightcache.uri import ModelRef, parse_ref
 
 # Environment variable -> config key. Flags use the same keys (see command.py).
@@ -340,6 +340,67 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "logLevel": _choice("logLevel", ("DEBUG", "INFO", "WARNING", "ERROR"), upper=True),
     "resyncSeconds": seconds("resyncSeconds"),
 }
+
+# The JSON Schema of each key above: what the Helm chart's values.schema.json types `config` with
+# (scripts/gen_chart.py writes it; tests/test_helm_chart.py checks it is current and agrees with the parsers).
+# It refuses early, at `helm install`, what the parsers would refuse on the node; the parsers stay the judge.
+_SIZE = {"type": ["integer", "string"], "minimum": 0, "pattern": rf"^\s*{QUANTITY_PATTERN}\s*$"}
+_SECONDS = {"type": ["number", "string"], "exclusiveMinimum": 0, "pattern": r"^\s*[0-9.eE+-]+\s*$"}
+_WHOLE = {"type": ["integer", "string"], "minimum": 1, "pattern": r"^\s*[0-9]+\s*$"}
+_PATH = {"type": "string", "pattern": "^/"}
+_BOOL = {"type": ["boolean", "string"], "pattern": r"(?i)^\s*(true|1|yes|on|false|0|no|off)\s*$"}
+_HOST_PORT = {"type": "string", "pattern": r"^.+:[0-9]{1,5}$"}
+_URL = {"type": "string", "pattern": "^https?://"}
+_SCHEMA: dict[str, dict[str, Any]] = {
+    "concurrency": _WHOLE,
+    "chunkSize": _SIZE,
+    "connectTimeout": _SECONDS,
+    "readTimeout": _SECONDS,
+    "endpoints": {"type": "object", "additionalProperties": {
+        "type": "object", "additionalProperties": False, "properties": {"endpointUrl": _URL}}},
+    "proxies": {"type": "object", "additionalProperties": _URL},
+    "root": _PATH,
+    "diskBudget": _SIZE,
+    "minFreeBytes": _SIZE,
+    "minFreePercent": {"type": ["number", "string"], "minimum": 0, "maximum": floor.MAX_PERCENT},
+    "memoryBudget": _SIZE,
+    "parallelModels": _WHOLE,
+    "models": {"type": "array", "items": {
+        "type": "object", "additionalProperties": False, "required": ["source"],
+        "properties": {"source": {"type": "string", "minLength": 1}, "revision": {"type": ["string", "null"]},
+                       "include": {"type": ["array", "null"], "items": {"type": "string"}},
+                       "exclude": {"type": ["array", "null"], "items": {"type": "string"}},
+                       "tier": {"enum": ["disk", "memory", None]}, "pin": _BOOL}}},
+    "allowUndeclaredModels": _BOOL,
+    "socket": _PATH,
+    "tcp": {"type": "object", "additionalProperties": False, "required": ["tokenFile"],
+            "properties": {"port": {"type": "integer", "minimum": 0, "maximum": 65535}, "tokenFile": _PATH,
+                           "host": {"type": "string"}}},
+    "metricsListen": _HOST_PORT,
+    "peerListen": _HOST_PORT,
+    "peers": {"type": ["array", "string"], "items": _URL},
+    "peerTokenFile": _PATH,
+    "peerBanSeconds": _SECONDS,
+    "bytesPerSecond": {"type": "object", "additionalProperties": _SIZE},
+    "csiEndpoint": {"type": "string", "pattern": "^unix:///"},
+    "dra": {"type": ["boolean", "string", "object"], "pattern": _BOOL["pattern"], "additionalProperties": False,
+            "properties": {"slotsPerModel": {"type": "integer", "minimum": 1, "maximum": 64}, "shared": _BOOL,
+                           "cdiDir": _PATH, "apiVersion": {"enum": ["v1", "v1beta2"]},
+                           "publishSeconds": {"type": "number", "minimum": 0.1, "maximum": 3600}}},
+    "kubeletDir": _PATH,
+    "nodeName": {"type": "string"},
+    "logFormat": {"enum": ["text", "json"]},
+    "logLevel": {"type": "string", "pattern": "(?i)^(debug|info|warning|error)$"},
+    "resyncSeconds": _SECONDS,
+}
+
+
+def json_schema() -> dict[str, Any]:
+    """The config file's JSON Schema (draft 7), one property per key the parsers read, no other key."""
+    return {"type": "object", "additionalProperties": False,
+            "description": "the daemon's config file (docs/config.md), typed from weightcache/daemon/config.py",
+            "properties": {key: _SCHEMA[key] for key in _PARSERS}}
+
 _SNAKE = {key: re.sub(r"(?<!^)(?=[A-Z])", "_", key).lower() for key in _PARSERS}
 
 

@@ -7,6 +7,8 @@ Wire format of the per-node object, written only by the daemon on node `<node>` 
     metadata: {name: <node>, ownerReferences: [Node <node>]}   # deleted with its Node
     status:
       updated: 2026-12-02T16:00:00Z
+      ready: 1/2                               # models Ready of those listed (`kubectl get mcn`)
+      progress: 3.2 GiB / 16 GiB               # bytes done of all, summed (`kubectl get mcn -o wide`)
       peerAddress: http://10.0.0.5:9479        # this node's peer listener (docs/peers.md), when peerListen is set
       models:
         <ModelCache name>: {phase: Fetching, bytesDone: 1, bytesTotal: 4, snapshot: "", message: "", time: ...,
@@ -44,6 +46,7 @@ from weightcache.kube import (
     VERSION,
 )
 from weightcache.redact import redact
+from weightcache.units import fmt_bytes
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +213,7 @@ class NodeReporter:
                 self._timer = None
         if not pending:
             return
-        patch: dict[str, Any] = {"status": {"updated": _now(),
+        patch: dict[str, Any] = {"status": {"updated": _now(), **self._summary(pending),
                                             "models": {k: (to_wire(v) if v else None) for k, v in pending.items()}}}
         if self.disk_budget is not None:
             patch["status"]["diskBudgetBytes"] = self.disk_budget
@@ -230,6 +233,15 @@ class NodeReporter:
                     self._written.pop(key, None)
                 else:
                     self._written[key] = value
+
+    def _summary(self, pending: Mapping[str, ModelState | None]) -> dict[str, str]:
+        """`kubectl get mcn`'s columns (the CRD's printer columns cannot add up a map): models Ready of all, and
+        bytes done of all (-o wide), over what was written and what this patch writes."""
+        with self._lock:
+            states = [v for v in ({**self._written, **pending}).values() if v is not None]
+        done, total = sum(s.bytes_done for s in states), sum(s.bytes_total for s in states)
+        return {"ready": f"{sum(s.phase == 'Ready' for s in states)}/{len(states)}",
+                "progress": f"{fmt_bytes(done)} / {fmt_bytes(total)}"}
 
     def close(self) -> None:
         """Flush what is pending and stop the coalescing timer."""

@@ -1,11 +1,23 @@
-{{/* The namespace of every namespaced object. */}}
+{{/* The namespace of every namespaced object: namespace.name, else the release's (`helm install -n NS`). */}}
 {{- define "weightcache.namespace" -}}
-{{- required "namespace.name must be set" .Values.namespace.name -}}
+{{- default .Release.Namespace .Values.namespace.name -}}
 {{- end -}}
 
-{{/* The weightcache image: repository and tag from values, the tag defaulting to appVersion (the package version). */}}
+{{/* The weightcache image: repository@digest when a digest is given, else repository:tag, the tag defaulting to
+     appVersion (the package version). */}}
 {{- define "weightcache.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- else }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end }}
+{{- end -}}
+
+{{/* imagePullSecrets of a pod spec (nothing when none are set), at indent `.indent`. */}}
+{{- define "weightcache.pullSecrets" -}}
+{{- with .root.Values.imagePullSecrets }}
+{{ printf "imagePullSecrets: %s" (toYaml . | nindent 2) | indent $.indent }}
+{{- end }}
 {{- end -}}
 
 {{/* Labels of every object: deploy/'s two (name, component) and Helm's. Selectors use only deploy/'s two, so a
@@ -55,6 +67,21 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end }}
 {{- end }}
 {{- $_ := set $meta "labels" (merge (fromYaml (include "weightcache.helmLabels" $root)) ($meta.labels | default dict)) }}
+{{- if eq $o.kind "ServiceAccount" }}
+{{- with $root.Values.serviceAccount.annotations }}{{ $_ := set $meta "annotations" (merge (deepCopy .) ($meta.annotations | default dict)) }}{{ end }}
+{{- end }}
+{{- if eq $o.kind "DaemonSet" }}
+{{- $pod := $o.spec.template.spec }}
+{{- range $c := concat ($pod.initContainers | default list) $pod.containers }}
+{{- if hasPrefix "ghcr.io/weightcache/weightcache:" $c.image }}{{ $_ := set $c "image" (include "weightcache.image" $root) }}{{ $_ := set $c "imagePullPolicy" $root.Values.image.pullPolicy }}{{ end }}
+{{- end }}
+{{- with $root.Values.imagePullSecrets }}{{ $_ := set $pod "imagePullSecrets" . }}{{ end }}
+{{- range $v := $pod.volumes }}
+{{- if and $v.hostPath (hasPrefix "/var/lib/kubelet/" $v.hostPath.path) }}
+{{- $_ := set $v.hostPath "path" (printf "%s/%s" (trimSuffix "/" $root.Values.kubeletDir) (trimPrefix "/var/lib/kubelet/" $v.hostPath.path)) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- if eq $o.kind "DeviceClass" }}
 {{- $_ := set $o "apiVersion" (printf "resource.k8s.io/%s" $root.Values.dra.resourceApiVersion) }}
 {{- end }}
