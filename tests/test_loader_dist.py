@@ -85,21 +85,68 @@ def _torch_only_site(where: Path) -> Path:
     return where
 
 
-@pytest.fixture(scope="module")
-def fresh_python(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    base = tmp_path_factory.mktemp("fresh")
+def _venv_with_torch_only(base: Path) -> Path:
+    """A fresh venv (its python) that sees torch and torch's dependencies from this environment, nothing else."""
     venv = base / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
     python = venv / "bin" / "python"
     purelib = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                   capture_output=True, text=True, check=True).stdout.strip())
     (purelib / "torch-from-the-test-env.pth").write_text(str(_torch_only_site(base / "torch-site")) + "\n")
+    return python
+
+
+@pytest.fixture(scope="module")
+def fresh_python(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    python = _venv_with_torch_only(tmp_path_factory.mktemp("fresh"))
     # pip of this environment installs into the fresh one (--python), as `pip install weightcache_loader-*.whl`
     # there would; --no-deps: its one dependency, torch, is already visible
     done = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
                            "--no-index", str(wheel)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return python
+
+
+@pytest.fixture(scope="module")
+def wheelhouse(wheel: Path) -> Path:
+    """The three distributions as wheels in one directory, as the release workflow builds them."""
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                           "-w", str(wheel.parent), str(ROOT / "packages" / "weightcache-vllm"), str(ROOT)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return wheel.parent
+
+
+def test_the_three_distributions_have_one_version(wheelhouse: Path) -> None:
+    metas = {}
+    for whl in wheelhouse.glob("*.whl"):
+        with zipfile.ZipFile(whl) as z:
+            (meta_name,) = [n for n in z.namelist() if n.endswith(".dist-info/METADATA")]
+            meta = Parser().parsestr(z.read(meta_name).decode())
+        metas[meta["Name"]] = meta
+    assert {name: m["Version"] for name, m in metas.items()} == {
+        name: version("weightcache") for name in ("weightcache", "weightcache-loader", "weightcache-vllm")}
+    # the plugin needs the loader of its own release, not whatever `weightcache-loader` an index has
+    assert f"weightcache-loader=={version('weightcache')}" in metas["weightcache-vllm"].get_all("Requires-Dist")
+
+
+def test_weightcache_vllm_installs_from_the_wheelhouse_alone(wheelhouse: Path, tmp_path: Path) -> None:
+    """`pip install --no-index --find-links WHEELHOUSE weightcache-vllm` in an image that has torch (and vLLM):
+    the plugin and its loader come from the wheelhouse, nothing from an index."""
+    python = _venv_with_torch_only(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-index",
+                           "--find-links", str(wheelhouse), "weightcache-vllm"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    probe = ("import json, importlib.metadata as m, weightcache.loader, weightcache_vllm; print(json.dumps({"
+             "'vllm': m.version('weightcache-vllm'), 'loader': m.version('weightcache-loader'), "
+             "'plugins': [e.value for e in m.entry_points(group='vllm.general_plugins')], "
+             "'file': weightcache.loader.__file__}))")
+    done = subprocess.run([str(python), "-I", "-c", probe], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout)
+    assert got["vllm"] == got["loader"] == version("weightcache")
+    assert got["plugins"] == ["weightcache_vllm:register"] and got["file"].startswith(str(tmp_path))
 
 
 PROBE = """
