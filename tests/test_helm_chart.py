@@ -420,6 +420,7 @@ CONFIG_SAMPLES: list[tuple[str, Any]] = [
     ("tcp", {"port": 9477, "tokenFile": "/etc/t"}), ("tcp", {"port": 9477}), ("dra", True),
     ("dra", {"slotsPerModel": 8}), ("dra", {"slotsPerModel": 100}), ("dra", {"apiVersion": "v1alpha3"}),
     ("minFreePercent", 10), ("minFreePercent", 95), ("resyncSeconds", 60), ("noSuchKey", 1),
+    ("requireSourceChecksum", "yes"), ("requireSourceChecksum", "sometimes"),
 ]
 
 

@@ -359,6 +359,7 @@ _SCHEMA: dict[str, dict[str, Any]] = {
     "endpoints": {"type": "object", "additionalProperties": {
         "type": "object", "additionalProperties": False, "properties": {"endpointUrl": _URL}}},
     "proxies": {"type": "object", "additionalProperties": _URL},
+    "requireSourceChecksum": _BOOL,
     "root": _PATH,
     "diskBudget": _SIZE,
     "minFreeBytes": _SIZE,
@@ -397,6 +398,9 @@ _SCHEMA: dict[str, dict[str, Any]] = {
 
 def json_schema() -> dict[str, Any]:
     """The config file's JSON Schema (draft 7), one property per key the parsers read, no other key."""
+    untyped = sorted(set(_PARSERS) - set(_SCHEMA))
+    if untyped:
+        raise ConfigError(f"config keys without a JSON Schema in weightcache/daemon/config.py _SCHEMA: {untyped}")
     return {"type": "object", "additionalProperties": False,
             "description": "the daemon's config file (docs/config.md), typed from weightcache/daemon/config.py",
             "properties": {key: _SCHEMA[key] for key in _PARSERS}}
