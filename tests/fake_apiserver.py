@@ -16,10 +16,13 @@ retained history gets one ERROR event carrying a 410 "Expired" Status; BOOKMARK 
 metadata.resourceVersion; `timeoutSeconds` ends the stream cleanly; the status subresource separates spec and
 status writes; custom resources refuse strategic merge patch (415) and need resourceVersion on PUT; errors are
 `Status` objects with the real reasons (NotFound, AlreadyExists, Conflict, Invalid, Expired). Pod updates follow
-the API server's rules for the fields placement changes (scheduling gates, nodeSelector, node affinity). Not modelled:
+the API server's rules for the fields placement changes (scheduling gates, nodeSelector, node affinity); Node taints
+are validated (effect, unique key and effect) and an empty list is dropped; a JSON patch whose `test` fails is 422
+Invalid (apiserver handlers/patch.go `applyJSPatch`), applied to the object as stored now. Not modelled:
 consistent snapshots across `continue` pages (pages read current data), server-side apply, field managers.
 
-Test controls: `expire_before(rv)`, `drop_watches()`, `hang_watches`, `send_bookmark()`, `requests`, and
+Test controls: `expire_before(rv)`, `drop_watches()`, `hang_watches`, `send_bookmark()`, `requests`,
+`before_request` (another client's write between two of ours), and
 direct object access (`create`, `get`, `update`, `delete`) that emits watch events like an API write.
 """
 
@@ -188,6 +191,8 @@ class FakeApiServer:
         self.requests: list[RequestRecord] = []
         self.hang_watches = False
         self.fail_requests = 0  # answer the next N requests with 500, as an overloaded apiserver does
+        # called with each request before it is served: a test writes here what another client wrote meanwhile
+        self.before_request: Callable[[RequestRecord], None] | None = None
         self.version = ("1", "34")  # what GET /version says (major, minor): the DRA driver reads it
         # plural -> edits an object before it is stored: a server whose feature gate is off drops its fields
         self.on_store: dict[str, Callable[[Obj], None]] = {}
@@ -373,7 +378,8 @@ class FakeApiServer:
                 except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as exc:
                     raise ApiError(422, "Invalid",
                                    f"the server rejected our request due to an error in our request: {exc}") from None
-            else:  # merge patch; strategic merge behaves the same for the maps (labels) core objects use here
+            else:  # merge patch; strategic merge behaves the same for the maps (labels) core objects use here and
+                # for Node spec.taints, a list without a patch merge key (k8s.io/api core/v1 NodeSpec): replaced whole
                 if not isinstance(body, dict):
                     raise ApiError(400, "BadRequest", "json: cannot unmarshal array into Go value of type map[string]interface {}")
                 new = merge_patch(old, body)
@@ -434,6 +440,8 @@ class FakeApiServer:
             self._check_claim_status(name, namespace, result, old, verb, user)
         if res.plural == "resourceclaimtemplates" and result.get("spec") != old.get("spec"):
             raise self._invalid(res, name, "spec", f"Invalid value: {json.dumps(result.get('spec'))}: field is immutable")
+        if res.plural == "nodes":
+            _check_node_taints(name, result)
         if res.custom and result.get("spec") != old.get("spec"):
             meta["generation"] = old["metadata"].get("generation", 1) + 1
         if _without_rv(result) == _without_rv(old):
@@ -615,9 +623,12 @@ class _Handler(BaseHTTPRequestHandler):
             body = json.loads(raw) if raw else None
         except ValueError:
             body = raw.decode(errors="replace")
+        record = RequestRecord(method, parts.path, query, content_type, body)
         with api._cond:
-            api.requests.append(RequestRecord(method, parts.path, query, content_type, body))
+            api.requests.append(record)
             api._cond.notify_all()
+        if api.before_request is not None:
+            api.before_request(record)
         try:
             with api._cond:
                 failing, api.fail_requests = api.fail_requests > 0, max(0, api.fail_requests - 1)
@@ -841,6 +852,31 @@ def _check_pod_update(name: str, old: Obj, new: Obj) -> None:
     skip = ("schedulingGates", "nodeSelector", "affinity")
     if {k: v for k, v in old.items() if k not in skip} != {k: v for k, v in new.items() if k not in skip}:
         raise invalid("spec", _POD_FORBIDDEN)
+
+
+_TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+
+
+def _check_node_taints(name: str, node: Obj) -> None:
+    """pkg/apis/core/validation validateNodeTaints: an effect of the three, at most one taint per key and
+    effect; and an empty list is dropped, as the server's `omitempty` encoding of NodeSpec.Taints does."""
+    spec = node.get("spec") or {}
+    taints = spec.get("taints")
+    if taints == []:
+        del spec["taints"]
+        return
+    seen: set[tuple[str, str]] = set()
+    for i, taint in enumerate(taints or []):
+        field = f"spec.taints[{i}]"
+        if not isinstance(taint, dict) or not taint.get("key"):
+            raise ApiError(422, "Invalid", f'Node "{name}" is invalid: {field}.key: Required value', {"name": name, "kind": "Node"})
+        if taint.get("effect") not in _TAINT_EFFECTS:
+            raise ApiError(422, "Invalid", f'Node "{name}" is invalid: {field}.effect: Unsupported value: '
+                           f'{taint.get("effect")!r}', {"name": name, "kind": "Node"})
+        if (taint["key"], taint["effect"]) in seen:
+            raise ApiError(422, "Invalid", f'Node "{name}" is invalid: {field}: Duplicate value: taints must be unique '
+                           "by key and effect pair", {"name": name, "kind": "Node"})
+        seen.add((taint["key"], taint["effect"]))
 
 
 # pytest helpers ---------------------------------------------------------------------------------------------------

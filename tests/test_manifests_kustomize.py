@@ -227,10 +227,13 @@ def admit(policy: dict[str, Any], request: dict[str, Any]) -> list[str]:
     spec = policy["spec"]
     if not all(run(c["expression"], activation) for c in spec["matchConditions"]):
         return []
+    def cel_map(values: dict[str, Any]) -> Any:  # already CEL values: json_to_cel would turn a BoolType into an int
+        return celpy.celtypes.MapType({celpy.celtypes.StringType(k): v for k, v in values.items()})
+
     variables: dict[str, Any] = {}
     for v in spec["variables"]:
-        variables[v["name"]] = run(v["expression"], {**activation, "variables": json_to_cel(variables)})
-    activation["variables"] = celpy.celtypes.MapType({celpy.celtypes.StringType(k): v for k, v in variables.items()})
+        variables[v["name"]] = run(v["expression"], {**activation, "variables": cel_map(variables)})
+    activation["variables"] = cel_map(variables)
     return [v.get("message") or v["messageExpression"] for v in spec["validations"]
             if not run(v["expression"], activation)]
 
@@ -286,6 +289,32 @@ def test_node_policy_denies_everything_else(policy: dict[str, Any], case: str) -
         "taint": node_request(changed(spec={**NODE["spec"], "taints": [{"key": "k", "effect": "NoSchedule"}]})),
         "other-modelcachenode": {**node_request({"metadata": {"name": "gpu-2"}}, resource="modelcachenodes"),
                                  "operation": "CREATE", "oldObject": None},
+    }
+    assert admit(policy, requests[case])
+
+
+PENDING = {"key": "weightcache.io/models-pending", "effect": "NoSchedule"}
+GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
+TAINTED = {**NODE, "spec": {**NODE["spec"], "taints": [GPU_TAINT, PENDING]}}
+
+
+def test_node_policy_lets_the_daemon_remove_the_startup_taint_from_its_own_node(policy: dict[str, Any]) -> None:
+    assert admit(policy, node_request(changed(spec={**NODE["spec"], "taints": [GPU_TAINT]}), old=TAINTED)) == []
+    only = {**NODE, "spec": {**NODE["spec"], "taints": [PENDING]}}
+    assert admit(policy, node_request(changed(spec=NODE["spec"]), old=only)) == []  # the list gone with it
+
+
+@pytest.mark.parametrize("case", ["other-taint", "add-it", "other-spec", "other-node", "other-effect"])
+def test_node_policy_lets_the_daemon_do_nothing_else_to_taints(policy: dict[str, Any], case: str) -> None:
+    without = {**NODE["spec"], "taints": [GPU_TAINT]}
+    requests = {
+        "other-taint": node_request(changed(spec={**NODE["spec"], "taints": [PENDING]}), old=TAINTED),
+        "add-it": node_request(changed(spec={**NODE["spec"], "taints": [GPU_TAINT, PENDING]}),
+                               old={**NODE, "spec": without}),
+        "other-spec": node_request(changed(spec={**without, "unschedulable": True}), old=TAINTED),
+        "other-node": node_request(changed(spec=without), old=TAINTED, node="gpu-2"),
+        "other-effect": node_request(changed(spec=without), old={**NODE, "spec": {
+            **NODE["spec"], "taints": [GPU_TAINT, {**PENDING, "effect": "NoExecute"}]}}),
     }
     assert admit(policy, requests[case])
 

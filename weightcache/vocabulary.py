@@ -64,3 +64,9 @@ STREAM_FETCHING, STREAM_COMPLETE, STREAM_FAILED = "fetching", "complete", "faile
 # ETag, the multipart ETag (MD5 of the part MD5s), a *.sha256 / SHA256SUMS file beside it, or nothing.
 SOURCE_CHECKS = ("sha256", "crc64nvme", "crc32c", "crc32", "md5-etag", "multipart-md5", "sidecar", "none")
 NO_SOURCE_CHECK = "none"
+
+# The startup taint a node pool puts on new nodes (Karpenter `startupTaints`, cluster-autoscaler `--startup-taint`)
+# and the node's own daemon removes once the ModelCaches that select the node with `spec.warmBeforeSchedulable` are
+# on it, or at `startupTaintDeadline` (docs/startup-taint.md). deploy/daemonset/node-policy.yaml names it too.
+STARTUP_TAINT = f"{GROUP}/models-pending"
+STARTUP_TAINT_EFFECT = "NoSchedule"

@@ -9,6 +9,7 @@ call them from a thread.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ from weightcache.daemon.node import Node
 from weightcache.daemon.reconcile import Want
 from weightcache.errors import WeightcacheError
 from weightcache.settings import node_name
+from weightcache.vocabulary import STARTUP_TAINT, STARTUP_TAINT_EFFECT
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +34,8 @@ class Cluster:
         self.reporter = NodeReporter(api_client, node_name)
         self._disk_budget = disk_budget  # read at each report: the budget is a live setting
         self._labels: dict[str, str] = {}
+        self._node: dict[str, Any] = {}  # the Node as read by the last `desired()` call (JSON)
+        self.started = time.time()  # the startup taint's clock when the Node carries no creationTimestamp
         self._invalid: dict[str, str] = {}  # ModelCache name -> error already reported as an Event
 
     def start(self) -> None:
@@ -54,17 +58,38 @@ class Cluster:
         """The labels read by the last `desired()` call (one Node read per reconcile pass)."""
         return dict(self._labels)
 
+    def node(self) -> dict[str, Any]:
+        """The Node read by the last `desired()` call."""
+        return self._node
+
+    def has_startup_taint(self) -> bool:
+        from weightcache.kube.taint import has_taint
+
+        return has_taint(self._node, STARTUP_TAINT, STARTUP_TAINT_EFFECT)
+
+    def remove_startup_taint(self) -> bool:
+        """Remove the startup taint from this Node, keeping its other taints; False when it was gone already."""
+        from weightcache.kube.taint import remove_taint
+
+        return remove_taint(self.api_client, self.node_name, STARTUP_TAINT, STARTUP_TAINT_EFFECT)
+
+    def node_event(self, reason: str, message: str, type: str) -> None:
+        self.reporter.node_event(reason, message, type, uid=(self._node.get("metadata") or {}).get("uid"))
+
     def desired(self) -> list[Want]:
         from weightcache.kube.desired import plan
+        from weightcache.kube.report import node_labels
 
-        self._labels = self.reporter.node_labels()
+        self._node = self.reporter.read_node()
+        self._labels = node_labels(self._node)
         caches = {str((mc.get("metadata") or {}).get("name")): mc for mc in self.model_caches()}
         wanted, invalid = plan(caches.values(), self._labels, self.node_name)
         for bad in invalid:
             if self._invalid.get(bad.name) != bad.error:
                 self._invalid[bad.name] = bad.error
                 self.reporter.event(caches[bad.name], "InvalidSpec", bad.error)
-        return [Want(d.name, d.ref, d.tier, True, d.priority, caches[d.name], d.namespaces) for d in wanted]
+        return [Want(d.name, d.ref, d.tier, True, d.priority, caches[d.name], d.namespaces, d.warm_first)
+                for d in wanted]
 
     def report_many(self, states: Sequence[tuple[Want, str, Any, str]]) -> None:
         """(want, phase, snapshot or None, message) for each ModelCache whose state changed, in one write."""

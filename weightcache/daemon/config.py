@@ -60,7 +60,7 @@ ENV = {
 # Fields a running daemon can change without a restart (the rest are logged and kept until the next start).
 LIVE_FIELDS = frozenset({"disk_budget", "min_free_bytes", "min_free_percent", "memory_budget", "models",
                          "allow_undeclared_models", "log_level", "resync_seconds", "parallel_models",
-                         "bytes_per_second"})
+                         "bytes_per_second", "startup_taint_deadline"})
 
 
 
@@ -133,6 +133,7 @@ class Settings:
     log_format: str = "text"
     log_level: str = "INFO"
     resync_seconds: float = 60.0  # periodic reconcile even without a change event
+    startup_taint_deadline: float = 600.0  # seconds after the Node's creation: the startup taint goes anyway
     config_path: Path | None = field(default=None, compare=False)
 
     @property
@@ -339,6 +340,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "logFormat": _choice("logFormat", ("text", "json")),
     "logLevel": _choice("logLevel", ("DEBUG", "INFO", "WARNING", "ERROR"), upper=True),
     "resyncSeconds": seconds("resyncSeconds"),
+    "startupTaintDeadline": seconds("startupTaintDeadline"),
 }
 
 # The JSON Schema of each key above: what the Helm chart's values.schema.json types `config` with

@@ -21,6 +21,7 @@ from typing import Any
 
 from weightcache import hf_layout
 from weightcache.access import ADMIN, Grant
+from weightcache.daemon import startup_taint
 from weightcache.daemon.config import ModelSpec
 from weightcache.daemon.node import Node
 from weightcache.errors import NotAllowedError
@@ -45,6 +46,7 @@ class Want:
     priority: int = 0
     model_cache: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
     namespaces: tuple[str, ...] | None = None  # who asked: None = an admin (config, ModelCache); else demand's
+    warm_first: bool = False  # ModelCache spec.warmBeforeSchedulable: the startup taint waits for it
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,7 @@ class Reconciler:
         self._reported: dict[str, tuple[str, str | None]] = {}  # name -> (phase, snapshot or message)
         self._fetching: dict[str, asyncio.Task[None]] = {}  # want name -> its fetch
         self.passes = 0
+        self._taint_due: float | None = None  # seconds from the last pass to the startup taint's deadline
 
     def kick(self) -> None:
         """Wake the loop; call on the event loop's thread (use loop.call_soon_threadsafe from others)."""
@@ -151,8 +154,11 @@ class Reconciler:
                     await self.once()
                 except Exception:  # level-triggered: log, and the next pass starts over
                     log.exception("reconcile pass failed")
+            timeout = self.node.settings.resync_seconds
+            if self._taint_due is not None:  # wake just past the deadline, not up to a resync later
+                timeout = min(timeout, self._taint_due + 0.05)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=self.node.settings.resync_seconds)
+                await asyncio.wait_for(self._wake.wait(), timeout=timeout)
 
     async def once(self) -> Outcome:
         start = time.monotonic()
@@ -167,6 +173,7 @@ class Reconciler:
         results = {name: snapshot.id for name, snapshot in cached.items()}
         outcome = settle(self.held, wanted, results, await asyncio.to_thread(self._actual))
         await asyncio.to_thread(self._apply, outcome)
+        await self._release_startup_taint(wanted, results)
         await asyncio.to_thread(hf_layout.prune, node.store)  # hub cache views of snapshots evicted meanwhile
         await self._report_labels(outcome)
         self.held = outcome.held
@@ -236,6 +243,17 @@ class Reconciler:
                 batch.append((w, phase, snapshot, message))
         if batch:
             await asyncio.to_thread(self.node.cluster.report_many, batch)
+
+    async def _release_startup_taint(self, wanted: Sequence[Want], results: Mapping[str, str]) -> None:
+        """After pins and promotions: the startup taint goes once the warm-first models are in place."""
+        cluster, tier = self.node.cluster, self.node.tier
+        if cluster is None:
+            return
+        def release_now() -> float | None:
+            resident = frozenset(i.id for i in tier.resident()) if tier is not None else frozenset()
+            waiting = startup_taint.waiting_on(wanted, results, resident)
+            return startup_taint.release(cluster, waiting, self.node.settings.startup_taint_deadline)
+        self._taint_due = await asyncio.to_thread(release_now)
 
     def _actual(self) -> Actual:
         node = self.node

@@ -40,6 +40,8 @@ class DesiredModel:
     # Who asked: None for a ModelCache a cluster admin wrote; for the placement controller's demand, the
     # namespaces of its pods (spec.demandNamespaces; empty when missing: nobody asked, so nothing is granted).
     namespaces: tuple[str, ...] | None = None
+    # spec.warmBeforeSchedulable: the node keeps its startup taint until this model is on it (docs/startup-taint.md)
+    warm_first: bool = False
 
 
 @dataclass(frozen=True)
@@ -119,8 +121,11 @@ def _desired(name: str, spec: Mapping[str, Any], generation: Any, in_memory: boo
         include=_globs(spec, "include"),
         exclude=_globs(spec, "exclude"),
     )
+    warm_first = spec.get("warmBeforeSchedulable") or False
+    if not isinstance(warm_first, bool):
+        raise TypeError(f"spec.warmBeforeSchedulable {warm_first!r} must be true or false")
     gen = generation if isinstance(generation, int) else None
-    return DesiredModel(name, ref, tier, priority, ref.label_key, gen, namespaces)
+    return DesiredModel(name, ref, tier, priority, ref.label_key, gen, namespaces, warm_first)
 
 
 def _globs(spec: Mapping[str, Any], field: str) -> tuple[str, ...]:

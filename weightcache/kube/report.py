@@ -45,6 +45,7 @@ from weightcache.kube import (
     MODELCACHENODES,
     VERSION,
 )
+from weightcache.kube.taint import read_node
 from weightcache.redact import redact
 from weightcache.units import fmt_bytes
 
@@ -161,11 +162,13 @@ class NodeReporter:
         self.peer_address: str | None = None  # sent with each status write: other daemons fetch from it
 
     # labels -----------------------------------------------------------------------------------------------------
+    def read_node(self) -> dict[str, Any]:
+        """This Node as the API server serves it (JSON): its labels, taints and creation time."""
+        return read_node(self._core.api_client, self.node_name)
+
     def node_labels(self) -> dict[str, str]:
         """The Node's current labels (what `desired.plan` selects on)."""
-        with _api(f"reading Node {self.node_name}"):
-            node = self._core.read_node(self.node_name)
-        return dict(node.metadata.labels or {})
+        return node_labels(self.read_node())
 
     def set_labels(self, labels: dict[str, str | None]) -> None:
         """Set labels on this Node, or remove those whose value is None, in one JSON merge patch (null deletes)."""
@@ -305,13 +308,19 @@ class NodeReporter:
     def event(self, model_cache: dict[str, Any], reason: str, message: str, type: str = "Warning") -> None:
         """Record a core/v1 Event about a ModelCache; repeats of the same (node, reason, message) bump `count`."""
         meta = model_cache.get("metadata") or {}
-        mc_name = str(meta.get("name", ""))
+        self._record({"apiVersion": API_VERSION, "kind": MODELCACHE_KIND, "name": str(meta.get("name", "")),
+                      "uid": meta.get("uid"), "resourceVersion": meta.get("resourceVersion")}, reason, message, type)
+
+    def node_event(self, reason: str, message: str, type: str = "Normal", uid: str | None = None) -> None:
+        """Record a core/v1 Event about this Node (cluster-scoped: in `namespace_for_events`, as kubelet's are)."""
+        self._record({"apiVersion": "v1", "kind": "Node", "name": self.node_name, "uid": uid}, reason, message, type)
+
+    def _record(self, involved: dict[str, Any], reason: str, message: str, type: str) -> None:
+        what = f"{involved['kind']} {involved['name']}"
         message = redact(message, limit=MESSAGE_MAX)
         digest = hashlib.sha256(f"{self.node_name}\0{reason}\0{message}".encode()).hexdigest()[:16]
-        name = f"{mc_name}.{digest}"
+        name = f"{involved['name']}.{digest}"
         now = _now()
-        involved = {"apiVersion": API_VERSION, "kind": MODELCACHE_KIND, "name": mc_name, "uid": meta.get("uid"),
-                    "resourceVersion": meta.get("resourceVersion")}
         with self._lock:
             count = self._event_counts.get(name, 0) + 1
             self._event_counts[name] = count
@@ -347,7 +356,12 @@ class NodeReporter:
                 self._core.patch_namespaced_event(name, self.namespace_for_events,
                                                   {"count": count + 1, "lastTimestamp": now}, _content_type=MERGE_PATCH)
         except ApiException as exc:  # Events are best effort: never fail a reconcile because of one
-            log.warning("recording Event %s on ModelCache %s failed: HTTP %s %s", reason, mc_name, exc.status,
-                        exc.reason)
+            log.warning("recording Event %s on %s failed: HTTP %s %s", reason, what, exc.status, exc.reason)
         except urllib3.exceptions.HTTPError as exc:
-            log.warning("recording Event %s on ModelCache %s failed: %s", reason, mc_name, exc.__class__.__name__)
+            log.warning("recording Event %s on %s failed: %s", reason, what, exc.__class__.__name__)
+
+
+def node_labels(node: Mapping[str, Any]) -> dict[str, str]:
+    """The labels of a Node read as JSON (`read_node`)."""
+    labels = (node.get("metadata") or {}).get("labels")
+    return {str(k): str(v) for k, v in labels.items()} if isinstance(labels, Mapping) else {}
