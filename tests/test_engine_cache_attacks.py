@@ -89,6 +89,30 @@ async def test_a_hit_is_an_overlay_of_the_artifact_and_copies_nothing(ec: CsiHar
     assert [a.id for a in artifacts(ec)] == [artifact.id] and ec.store.leases() == {}
 
 
+async def test_a_restarted_plugin_keeps_a_hits_overlay_and_unmounts_it_whole(safe_tmp: Path, model_in_s3: str,
+                                                                               fault_proxy: FaultProxy) -> None:
+    """Reconcile keeps the overlay (its record, its lease on the artifact); the unpublish then takes off both the
+    overlay and the tmpfs under it, reading nothing back."""
+    first = await two_namespaces(safe_tmp, fault_proxy)
+    try:
+        await hand_over(first, "first", {"big.bin": BIG})
+        await first.node.NodePublishVolume(engine_volume(first, "hit"))
+        (first.target("hit") / "big.bin").write_bytes(b"the pod's own")
+    finally:
+        await stop_harness(first)
+    again = await two_namespaces(safe_tmp, fault_proxy)
+    try:
+        [artifact] = artifacts(again)
+        entry = mounts.mounted_at(again.target("hit"))
+        assert entry is not None and entry.fstype == "overlay" and again.store.leases() == {"csi:hit": artifact.id}
+        await again.node.NodeUnpublishVolume(again.unpublish_request("hit"))
+        assert mounts.mounted_at(again.target("hit")) is None and not again.target("hit").exists()
+        assert [a.id for a in artifacts(again)] == [artifact.id] and again.store.leases() == {}
+        assert (artifact.path / "big.bin").read_bytes() == BIG
+    finally:
+        await stop_harness(again)
+
+
 async def test_the_overlay_scratch_still_bounds_what_a_pod_writes(safe_tmp: Path, model_in_s3: str,
                                                                   fault_proxy: FaultProxy) -> None:
     h = await two_namespaces(safe_tmp, fault_proxy, engine_cache.Limits(max_bytes=2 << 20))
