@@ -132,3 +132,9 @@ def test_peer_ban_seconds_reaches_the_peer_set(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump({"peerBanSeconds": "soon"}))
     with pytest.raises(ConfigError, match="peerBanSeconds"):
         load_settings(path, env={})
+
+
+def test_engine_cache_budgets_reach_the_engine_cache_limits() -> None:
+    limits = parse_settings({"engineCacheBudget": "2Gi", "engineCacheNamespaceBudget": "512Mi"}).engine_limits
+    assert (limits.node_bytes, limits.namespace_bytes) == (2 << 30, 512 << 20)
+    assert Settings().engine_limits.max_bytes == 4 << 30  # the per-cache bound is not a setting

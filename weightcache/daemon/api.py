@@ -429,7 +429,7 @@ async def put_engine_cache(request: web.Request) -> web.Response:
     node = request.app[NODE]
     name, grant, model = await _engine_cache_model(request)
     key = engine_cache.EngineCacheKey.for_model(model, name, grant.who)
-    limits = engine_cache.Limits()
+    limits = node.settings.engine_limits
     pipe = engine_cache.Pipe(engine_cache.body_limit(limits))
 
     def ingest() -> Snapshot:
@@ -465,7 +465,8 @@ async def fill_engine_cache(request: web.Request) -> web.Response:
                                  "here instead (weightcache engine-cache put)")
     key = engine_cache.EngineCacheKey.for_model(model, name, grant.who)
     snapshot = await asyncio.to_thread(engine_cache.fill_from_peers, node.store, key,
-                                       request.query.get("snapshot", ""), list(peers.clients))
+                                       request.query.get("snapshot", ""), list(peers.clients),
+                                       node.settings.engine_limits)
     return web.json_response({"key": str(name), "model_snapshot": model.id, "domain": key.domain,
                               "snapshot": snapshot_body(snapshot)}, status=201)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from weightcache import defaults
+from weightcache import defaults, engine_cache
 from weightcache.errors import ConfigError, InvalidReferenceError
 from weightcache.settings import (
     FETCH_ENV,
@@ -42,6 +42,8 @@ ENV = {
     floor.ENV_BYTES: "minFreeBytes",
     floor.ENV_PERCENT: "minFreePercent",
     "WEIGHTCACHE_MEMORY_BUDGET": "memoryBudget",
+    "WEIGHTCACHE_ENGINE_CACHE_BUDGET": "engineCacheBudget",
+    "WEIGHTCACHE_ENGINE_CACHE_NAMESPACE_BUDGET": "engineCacheNamespaceBudget",
     **FETCH_ENV,
     "WEIGHTCACHE_PARALLEL_MODELS": "parallelModels",
     "WEIGHTCACHE_ALLOW_UNDECLARED_MODELS": "allowUndeclaredModels",
@@ -107,6 +109,8 @@ class Settings:
     min_free_bytes: int = defaults.MIN_FREE_BYTES  # the store's free-space floor is the larger of these two
     min_free_percent: float = defaults.MIN_FREE_PERCENT
     memory_budget: int = 0  # bytes of locked RAM for tier=memory models; 0 = memory tier off
+    engine_cache_budget: int = engine_cache.NODE_BYTES  # every engine cache in the store (docs/engine-caches.md)
+    engine_cache_namespace_budget: int = engine_cache.NAMESPACE_BYTES  # one namespace's engine caches
     concurrency: int = defaults.CONCURRENCY  # parallel ranged GETs per fetch
     chunk_size: int = defaults.CHUNK_SIZE
     connect_timeout: float = defaults.CONNECT_TIMEOUT  # seconds to connect to a model source
@@ -135,6 +139,12 @@ class Settings:
     resync_seconds: float = 60.0  # periodic reconcile even without a change event
     startup_taint_deadline: float = 600.0  # seconds after the Node's creation: the startup taint goes anyway
     config_path: Path | None = field(default=None, compare=False)
+
+    @property
+    def engine_limits(self) -> engine_cache.Limits:
+        """The bounds and budgets of engine caches: handed over through the API, and pods' volumes."""
+        return engine_cache.Limits(node_bytes=self.engine_cache_budget,
+                                   namespace_bytes=self.engine_cache_namespace_budget)
 
     @property
     def fetch(self) -> FetchSettings:
@@ -322,6 +332,8 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "minFreeBytes": _optional_bytes("minFreeBytes"),
     "minFreePercent": _percent("minFreePercent"),
     "memoryBudget": _optional_bytes("memoryBudget"),
+    "engineCacheBudget": _optional_bytes("engineCacheBudget"),
+    "engineCacheNamespaceBudget": _optional_bytes("engineCacheNamespaceBudget"),
     "parallelModels": whole_number("parallelModels", 1),
     "models": _models,
     "allowUndeclaredModels": boolean("allowUndeclaredModels"),
