@@ -186,6 +186,7 @@ class FakeApiServer:
         # with `rbac`, every HTTP request needs a token from `token_for` and is authorized by these roles (the
         # test's own direct calls act as cluster admin, as the scheduler and kubelet would)
         self.rbac = rbac
+        self.forbidden: list[str] = []  # the 403 messages answered, for a test that asserts none
         self._tokens: dict[str, User] = {}
         self.bookmark_interval = bookmark_interval
         self.requests: list[RequestRecord] = []
@@ -238,9 +239,10 @@ class FakeApiServer:
             config.api_key_prefix = {"authorization": "Bearer"}
         return kubernetes.client.ApiClient(config)
 
-    def token_for(self, user: User) -> str:
-        """A bearer token that authenticates as `user` (a ServiceAccount's pod-bound token names its node)."""
-        token = uuid.uuid4().hex
+    def token_for(self, user: User, token: str | None = None) -> str:
+        """A bearer token that authenticates as `user` (a ServiceAccount's pod-bound token names its node);
+        `token`: that one (`use_as_kubeconfig` writes `test-token`)."""
+        token = token or uuid.uuid4().hex
         self._tokens[token] = user
         return token
 
@@ -257,6 +259,7 @@ class FakeApiServer:
         if self.rbac is not None and not self.rbac.allows(user, attrs):
             assert user is not None
             res = RESOURCES.get(attrs.resource)
+            self.forbidden.append(attrs.forbidden(user))
             raise ApiError(403, "Forbidden", attrs.forbidden(user),
                            {"name": attrs.name, "group": attrs.group, "kind": res.plural if res else attrs.resource})
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.fake_apiserver import FakeApiServer
+from tests.fake_rules import daemon_user, shipped_rbac
 from tests.fixtures_daemon import eventually, start_daemon
 from tests.fixtures_dra import Kubelet
 from tests.fixtures_kube import NODE
@@ -75,8 +76,11 @@ async def test_on_1_36_the_daemon_offers_a_fetchable_device_and_marks_its_claim_
         cluster: FakeApiServer, short_dir: Path, model_copy: Path) -> None:
     """The 1.36 path end to end in the daemon: GET /version says 1.36, so a declared, sized model nobody fetched yet
     is a device with the model-ready binding condition; the scheduler's allocation (played here) makes the daemon
-    fetch it under the claim's namespace and set the condition on the claim."""
+    fetch it under the claim's namespace and set the condition on the claim. The daemon runs with its node-bound
+    ServiceAccount token under the shipped RBAC (deploy/daemonset and deploy/dra), and is refused nothing."""
     cluster.version = ("1", "36")
+    cluster.token_for(daemon_user(NODE), "test-token")
+    cluster.rbac = shipped_rbac()
     uri = f"file://{model_copy}/"
     size = sum(p.stat().st_size for p in model_copy.rglob("*") if p.is_file())
     cluster.create("modelcaches", {"metadata": {"name": "offered", "annotations": {SIZE_ANNOTATION: str(size)}},
@@ -94,7 +98,9 @@ async def test_on_1_36_the_daemon_offers_a_fetchable_device_and_marks_its_claim_
         claim["status"] = {"allocation": {"devices": {"results": [  # the scheduler copies the device's conditions
             {"request": "model", "driver": DRIVER_NAME, "pool": NODE, "device": name,
              "bindingConditions": device["bindingConditions"],
-             "bindingFailureConditions": device["bindingFailureConditions"]}]}}}
+             "bindingFailureConditions": device["bindingFailureConditions"]}]},
+            "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [  # a node-local pool: the node is named
+                {"key": "metadata.name", "operator": "In", "values": [NODE]}]}]}}}
         cluster.update("resourceclaims", "c1", claim, namespace="ml", subresource="status")
 
         def ready() -> bool:
@@ -111,6 +117,7 @@ async def test_on_1_36_the_daemon_offers_a_fetchable_device_and_marks_its_claim_
         assert shared["name"] == f"m-{sid}" and shared["allowMultipleAllocations"] is True
         assert shared["capacity"] == {"readers": {"value": "8", "requestPolicy": {"default": "1",
                                                                                    "validValues": ["1"]}}}
+        assert cluster.forbidden == []
     finally:
         await d.daemon.stop()
 
