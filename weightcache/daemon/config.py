@@ -379,6 +379,8 @@ _SCHEMA: dict[str, dict[str, Any]] = {
     "minFreeBytes": _SIZE,
     "minFreePercent": {"type": ["number", "string"], "minimum": 0, "maximum": floor.MAX_PERCENT},
     "memoryBudget": _SIZE,
+    "engineCacheBudget": _SIZE,
+    "engineCacheNamespaceBudget": _SIZE,
     "parallelModels": _WHOLE,
     "models": {"type": "array", "items": {
         "type": "object", "additionalProperties": False, "required": ["source"],
@@ -407,6 +409,7 @@ _SCHEMA: dict[str, dict[str, Any]] = {
     "logFormat": {"enum": ["text", "json"]},
     "logLevel": {"type": "string", "pattern": "(?i)^(debug|info|warning|error)$"},
     "resyncSeconds": _SECONDS,
+    "startupTaintDeadline": _SECONDS,
 }
 
 
