@@ -68,6 +68,10 @@ def test_every_place_that_shows_the_version_agrees() -> None:
     kust = yaml.safe_load((ROOT / "deploy" / "daemonset" / "kustomization.yaml").read_text())
     (image,) = [i for i in kust["images"] if i["name"] == "ghcr.io/weightcache/weightcache"]
     assert image["newTag"] == VERSION
+    # manifests applied alone (the uninstall DaemonSet) name the image themselves: the same version
+    tags = {m for f in (ROOT / "deploy").rglob("*.yaml") if "helm" not in f.parts
+            for m in re.findall(r"ghcr\.io/weightcache/weightcache:([^\s\"']+)", f.read_text())}
+    assert tags == {VERSION}
     (top,) = re.findall(r"^## \[([^\]]+)\]", (ROOT / "CHANGELOG.md").read_text(), re.M)[:1]
     assert top == VERSION
     assert f"## {'.'.join(VERSION.split('.')[:2])}" in (ROOT / "docs" / "upgrade.md").read_text() or \
@@ -122,6 +126,12 @@ def test_release_workflow_builds_signs_and_publishes_what_a_release_needs() -> N
     assert "cosign sign --yes" in sign and "@${DIGEST}" in sign  # the digest, never a movable tag
     dists = " ".join(s.get("run", "") for s in steps("dists"))
     assert "python -m build --outdir dist ." in dists and "packages/weightcache-loader" in dists
+    assert "packages/weightcache-vllm" in dists and "--find-links dist weightcache-vllm" in dists
+    # reproducible: the base by digest, timestamps clamped (scripts/test_image.sh checks two builds agree)
+    assert re.fullmatch(r"python:[0-9.]+-slim-bookworm@sha256:[0-9a-f]{64}", wf["jobs"]["image"]["env"]["PYTHON_IMAGE"])
+    assert build["build-args"] == "PYTHON_IMAGE=${{ env.PYTHON_IMAGE }}"
+    assert "rewrite-timestamp=true" in build["outputs"]
+    assert "SOURCE_DATE_EPOCH" in " ".join(s.get("run", "") for s in steps("image"))
     assert "helm package deploy/helm/weightcache" in dists
     notes = " ".join(s.get("run", "") for s in steps("github-release"))
     assert "CHANGELOG.md" in notes and "gh release create" in notes
