@@ -11,7 +11,6 @@ import pytest
 
 from tests.command import weightcache
 from tests.fixtures_store import make_models
-from weightcache import defaults
 from weightcache.daemon.config import load_settings
 from weightcache.errors import ConfigError
 from weightcache.store.floor import ENV_BYTES, ENV_PERCENT, floor_from
@@ -61,7 +60,7 @@ def test_daemon_config_and_cli_read_the_env_alike() -> None:
     env = {ENV_BYTES: "1Gi", ENV_PERCENT: "20"}
     settings = load_settings(None, env=env, flags={})
     assert (settings.min_free_bytes, settings.min_free_percent) == floor_from(env) == (1 << 30, 20.0)
-    assert floor_from({}) == (defaults.MIN_FREE_BYTES, defaults.MIN_FREE_PERCENT)
+    assert floor_from({}) == (None, None)  # set nowhere: the store's own (limits.json), else the defaults
     for bad in ({ENV_PERCENT: "91"}, {ENV_BYTES: "-1"}):
         with pytest.raises(ConfigError):
             floor_from(bad)

@@ -5,6 +5,7 @@ minFreePercent) that a fetch may not cut into."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -228,3 +229,44 @@ def test_a_full_disk_is_never_taken_for_a_damaged_index(tmpfs: Path, tmp_path: P
     assert not list((root / "quarantine").iterdir())
     (tmpfs / "filler").unlink()
     assert sorted(i.snapshot.id for i in Store(root).list()) == sorted(ids.values())
+
+
+def _leave_free(fs: Path, free: int) -> None:
+    """Fill the filesystem from outside the store until `free` bytes are left."""
+    with open(fs / "filler", "wb") as fh:
+        os.posix_fallocate(fh.fileno(), 0, disk_free(fs)[0] - free)
+
+
+@pytest.mark.e2e
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_gc_keeps_the_floor_the_store_was_given_and_says_what_it_removed(tmpfs: Path, tmp_path: Path) -> None:
+    """Hardening IV: the floor was a per-command default: a model fetched with `--min-free-bytes 0` on a small
+    disk was evicted by the next plain `gc`, which said `freed 0 B`. The floor a command sets is now kept with the
+    store (limits.json) and every later command keeps it; gc tells evictions apart from garbage."""
+    model = make_models(tmp_path / "src", "a", hidden=256)["a"]
+    root = tmpfs / "root"
+    _leave_free(tmpfs, 40 << 20)  # under the default floor of 64 MiB (11 % of 160 MiB: 17.6 MiB)
+    proc = subprocess.run([sys.executable, "-m", "weightcache", "prefetch", f"file://{model}/", "--root", str(root),
+                           "--min-free-bytes", "0", "--min-free-percent", "0", "-q"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    (snap_id,) = [p.name for p in (root / "snapshots").iterdir()]
+    (root / "partial" / "mabandoned.0123.part").write_bytes(b"x" * (256 << 10))
+
+    plain = cli(root, "gc", "-o", "json")  # given no floor: the store's own (0), not the default's 64 MiB
+    assert plain.returncode == 0, plain.stderr
+    report = json.loads(plain.stdout)
+    assert report["evicted"] == [] and report["evicted_bytes"] == 0
+    assert report["partial_bytes"] == 256 << 10 and report["freed_bytes"] == 256 << 10
+    assert [p.name for p in (root / "snapshots").iterdir()] == [snap_id]
+    assert cli(root, "evict", "--to-size", "1Ti").returncode == 0  # nor does evict, nor a store's recovery
+    assert [i.snapshot.id for i in Store(root).list()] == [snap_id]
+
+    raised = cli(root, "gc", "--min-free-bytes", "100Mi")  # a floor given now is kept, and gc says why it evicts
+    assert raised.returncode == 0, raised.stderr
+    assert f"evicted 1 snapshot(s) ({snap_id[:12]}; " in raised.stdout, raised.stdout
+    assert "because the disk had less free than the store's floor of 100 MiB" in raised.stdout
+    assert "0 B of abandoned partial downloads" in raised.stdout
+    assert json.loads((root / "limits.json").read_text())["min_free_bytes"] == 100 << 20
+    assert Store(root, evict_to_floor=False).min_free_bytes == 100 << 20

@@ -44,19 +44,22 @@ def _root(args: argparse.Namespace) -> str:
     return str(args.root or defaults.root())
 
 
-def _floor(args: argparse.Namespace) -> tuple[int, float]:
-    """The free-space floor: --min-free-bytes/--min-free-percent, else the daemon's env variables, else defaults."""
+def _floor(args: argparse.Namespace) -> tuple[int | None, float | None]:
+    """The free-space floor this command sets: --min-free-bytes/--min-free-percent, else the daemon's env
+    variables, else None (the store's own, kept by whoever set it: store/floor.py, else the defaults)."""
     from weightcache.store.floor import floor_from
 
     return floor_from(os.environ, min_free_bytes=args.min_free_bytes, min_free_percent=args.min_free_percent)
 
 
 def _store(args: argparse.Namespace, *, budget: int | None = None) -> Store:
-    """The store itself, created if missing: for a direct prefetch only (every other command: `_cache`)."""
-    from weightcache.store import Store
+    """The store itself, created if missing: for a direct prefetch only (every other command: `_cache`). A
+    `budget` (or floor) given is kept with the store; none: the store's own."""
+    from weightcache.store.store import UNSET, Store
 
     min_free_bytes, min_free_percent = _floor(args)
-    return Store(_root(args), budget_bytes=budget, min_free_bytes=min_free_bytes, min_free_percent=min_free_percent)
+    return Store(_root(args), budget_bytes=UNSET if budget is None else budget, min_free_bytes=min_free_bytes,
+                 min_free_percent=min_free_percent)
 
 
 def _cache(args: argparse.Namespace) -> DaemonCache | StoreCache:
@@ -420,12 +423,28 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    freed = _cache(args).gc()
+    report = _cache(args).gc()
     if args.output == "json":
-        print(json.dumps({"freed_bytes": freed}))
+        print(json.dumps(report))
     else:
-        _say(args, f"freed {fmt_bytes(freed)}")
+        _say(args, gc_text(report))
     return 0
+
+
+def gc_text(r: dict[str, Any]) -> str:
+    """What gc removed and why, in words: garbage apart from evictions for the floor."""
+    garbage = (f"{fmt_bytes(r['unreferenced_blobs_bytes'])} of unreferenced blobs, {fmt_bytes(r['partial_bytes'])} "
+               f"of abandoned partial downloads, {fmt_bytes(r['quarantine_bytes'])} of old quarantine")
+    text = f"freed {fmt_bytes(r['freed_bytes'])}: {garbage}"
+    if r["evicted"]:
+        text += (f"; evicted {len(r['evicted'])} snapshot(s) ({', '.join(i[:12] for i in r['evicted'])}; "
+                 f"{fmt_bytes(r['evicted_bytes'])}) because the disk had less free than the store's floor of "
+                 f"{fmt_bytes(r['floor_bytes'])}")
+    if r["free_bytes"] < r["floor_bytes"]:
+        text += (f"; the disk still has only {fmt_bytes(r['free_bytes'])} free, under the floor of "
+                 f"{fmt_bytes(r['floor_bytes'])}: the rest is pinned or leased (`weightcache ls`), or not the "
+                 "store's (another writer filled the disk)")
+    return text
 
 
 def cmd_uninstall_node(args: argparse.Namespace) -> int:

@@ -54,8 +54,8 @@ class DaemonCache:
     def verify(self, snapshot_id: str, *, repair: bool) -> dict[str, Any]:
         return self.client.verify(snapshot_id, repair=repair)
 
-    def gc(self) -> int:
-        return int(self.client.gc()["freed"])
+    def gc(self) -> dict[str, Any]:
+        return self.client.gc()
 
     def fetched_bytes(self) -> dict[str, float]:
         """Bytes this daemon fetched, by where they came from ("origin", "peers"), read from its own metrics."""
@@ -74,7 +74,7 @@ class DaemonCache:
 class StoreCache:
     root: Path
     endpoint_url: str | None = None  # for verify --repair's refetch
-    floor: tuple[int, float] | None = None  # (min free bytes, percent); None: the store's defaults
+    floor: tuple[int | None, float | None] | None = None  # (min free bytes, percent) set here; None: the store's
     _store: Store | None = None
 
     @property
@@ -92,11 +92,8 @@ class StoreCache:
         if self._store is None:
             from weightcache.store import Store
 
-            if self.floor is None:
-                self._store = Store(self.root, evict_to_floor=False)
-            else:
-                self._store = Store(self.root, min_free_bytes=self.floor[0], min_free_percent=self.floor[1],
-                                    evict_to_floor=False)
+            floor = self.floor or (None, None)
+            self._store = Store(self.root, min_free_bytes=floor[0], min_free_percent=floor[1], evict_to_floor=False)
         return self._store
 
     def _existing(self) -> Store | None:
@@ -173,19 +170,16 @@ class StoreCache:
         finally:
             source.close()
 
-    def gc(self) -> int:
-        from weightcache.store import collect_garbage
+    def gc(self) -> dict[str, Any]:
+        from weightcache.store import GcReport, collect
 
         store = self._existing()
-        if store is None:
-            return 0
-        freed = collect_garbage(store)
-        store.restore_floor()
-        return freed
+        return (collect(store) if store is not None else GcReport()).body()
 
 
 def open_cache(root: str | None, default_root: str | Path, socket: str | Path, *, use_daemon: bool = True,
-               endpoint_url: str | None = None, floor: tuple[int, float] | None = None) -> DaemonCache | StoreCache:
+               endpoint_url: str | None = None, floor: tuple[int | None, float | None] | None = None
+               ) -> DaemonCache | StoreCache:
     """The daemon when `use_daemon`, no explicit `root`, and a daemon answers on `socket`; else the store."""
     if use_daemon and not root and Path(socket).exists():
         from weightcache.daemon.client import DaemonClient

@@ -9,7 +9,8 @@
     PUT    /v1/models/{id}/pin   pin (by "user"); DELETE: unpin
     POST   /v1/models/{id}/verify  {repair?} -> {id, damaged: [path], repaired: [{ref, snapshot}]}
     POST   /v1/evict             {to_size} -> {evicted: [id], used_bytes}: LRU eviction down to a size
-    POST   /v1/gc                -> {freed}: unreferenced blobs and abandoned partial downloads
+    POST   /v1/gc                -> {freed, ...}: unreferenced blobs, abandoned partial downloads, and snapshots
+                                     evicted for the store's floor, each counted apart (store.GcReport)
     GET    /v1/leases            {holder: snapshot id}
     POST   /v1/leases            {holder, uri | snapshot} -> {holder, snapshot, path}
     DELETE /v1/leases/{holder}   release (idempotent)
@@ -52,7 +53,7 @@ from weightcache.fetch_queue import FetchQueue
 from weightcache.jsonbody import parse_json
 from weightcache.progress import Progress
 from weightcache.redact import redact
-from weightcache.store import Snapshot, SnapshotInfo, collect_garbage, drop_damaged, verify_snapshot
+from weightcache.store import Snapshot, SnapshotInfo, collect, drop_damaged, verify_snapshot
 from weightcache.store.holders import describe_holder
 from weightcache.uri import ModelRef, parse_ref
 from weightcache.vocabulary import CSI_HOLDER_PREFIX
@@ -358,7 +359,10 @@ async def evict_to(request: web.Request) -> web.Response:
 
 
 async def gc(request: web.Request) -> web.Response:
-    return web.json_response({"freed": await asyncio.to_thread(collect_garbage, request.app[NODE].store)})
+    node = request.app[NODE]
+    report = await asyncio.to_thread(collect, node.store)
+    node.metrics.evictions.labels("budget").inc(len(report.evicted))
+    return web.json_response({**report.body(), "freed": report.freed_bytes})
 
 
 def _evict(node: Node, snapshot_id: str) -> None:

@@ -74,7 +74,7 @@ class Daemon:
     async def _start(self) -> None:
         s = self.settings
         store = await asyncio.to_thread(Store, s.root, budget_bytes=s.disk_budget, min_free_bytes=s.min_free_bytes,
-                                        min_free_percent=s.min_free_percent)
+                                        min_free_percent=s.min_free_percent, set_by="daemon")  # kept for the CLI
         metrics = Metrics()
         peer_token = _read_token(s.peer_token_file, "peerTokenFile") if s.peer_token_file is not None else None
         node = self.node = Node(s, store, metrics, MeteredFetcher(store, s, metrics, _peer_set(s, peer_token)),
@@ -150,13 +150,15 @@ class Daemon:
             log.warning("config fields %s changed; they take effect at the next restart", ", ".join(sorted(pending)))
         old, self.settings, node.settings = self.settings, merged, merged
         logging.getLogger().setLevel(merged.log_level)
-        if merged.disk_budget != old.disk_budget:
-            node.store.budget_bytes = merged.disk_budget
-            if merged.disk_budget is not None:
-                evicted = await asyncio.to_thread(node.store.evict_to, merged.disk_budget)
-                node.metrics.evictions.labels("budget").inc(len(evicted))
-        if (merged.min_free_bytes, merged.min_free_percent) != (old.min_free_bytes, old.min_free_percent):
-            node.store.min_free_bytes, node.store.min_free_percent = merged.min_free_bytes, merged.min_free_percent
+        floor_moved = (merged.min_free_bytes, merged.min_free_percent) != (old.min_free_bytes, old.min_free_percent)
+        if merged.disk_budget != old.disk_budget or floor_moved:  # kept with the store: every command agrees
+            await asyncio.to_thread(node.store.set_limits, budget_bytes=merged.disk_budget,
+                                    min_free_bytes=merged.min_free_bytes, min_free_percent=merged.min_free_percent,
+                                    set_by="daemon")
+        if merged.disk_budget != old.disk_budget and merged.disk_budget is not None:
+            evicted = await asyncio.to_thread(node.store.evict_to, merged.disk_budget)
+            node.metrics.evictions.labels("budget").inc(len(evicted))
+        if floor_moved:
             evicted = await asyncio.to_thread(node.store.restore_floor)
             node.metrics.evictions.labels("budget").inc(len(evicted))
         if merged.memory_budget != old.memory_budget:

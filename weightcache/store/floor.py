@@ -1,19 +1,106 @@
-"""The store's free-space floor as operators set it: flags, else WEIGHTCACHE_MIN_FREE_BYTES / _PERCENT, else the
-defaults (weightcache.defaults). One reading for the daemon's config and the CLI, so a direct `weightcache
-prefetch` on a node keeps the same floor as the daemon beside it."""
+"""The store's free-space floor and disk budget as operators set them, and the file that keeps them with the store.
+
+A command's own setting comes from its flags, else WEIGHTCACHE_MIN_FREE_BYTES / _PERCENT (`floor_from`; one reading
+for the daemon's config and the CLI). What the daemon, or a command given a flag, set is written to the store's
+root, and every command that sets nothing reads it there, else the defaults (weightcache.defaults):
+
+    <store root>/limits.json   {"version": "1.0", "min_free_bytes": 1073741824, "min_free_percent": 10.0,
+                                "budget_bytes": null, "set_by": "daemon"}
+
+So a plain `weightcache gc`, `evict` or a store recovery keeps the floor the model was fetched under (a model
+fetched with `--min-free-bytes 0` on a small disk is not evicted by the next `gc` for a floor it was never
+given), and a direct `prefetch` on a node keeps the daemon's budget. A damaged file is quarantined and reads as
+nothing set.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
+import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from weightcache import defaults
 from weightcache.errors import ConfigError
+from weightcache.store.layout import Layout
 from weightcache.units import parse_size
+
+log = logging.getLogger(__name__)
 
 ENV_BYTES = "WEIGHTCACHE_MIN_FREE_BYTES"
 ENV_PERCENT = "WEIGHTCACHE_MIN_FREE_PERCENT"
 MAX_PERCENT = 90.0
+LIMITS_FILE = "limits.json"
+_VERSION = "1.0"
+MAX_BYTES = (1 << 63) - 1
+
+
+@dataclass(frozen=True)
+class Limits:
+    """A store's floor and budget: None is what nobody set (the defaults' floor, no budget)."""
+
+    min_free_bytes: int | None = None
+    min_free_percent: float | None = None
+    budget_bytes: int | None = None
+    set_by: str = ""  # who wrote them: "daemon", "cli"
+
+    def merged(self, other: Limits) -> Limits:
+        """These, with `other`'s values where these are None."""
+        return Limits(_first(self.min_free_bytes, other.min_free_bytes),
+                      _first(self.min_free_percent, other.min_free_percent),
+                      _first(self.budget_bytes, other.budget_bytes), self.set_by or other.set_by)
+
+
+def _first(a: Any, b: Any) -> Any:
+    return a if a is not None else b
+
+
+def read_limits(layout: Layout) -> Limits:
+    """What the store's limits file says (Limits() when there is none, or it is damaged: then quarantined)."""
+    path = layout.root / LIMITS_FILE
+    data = layout.tree.read(path, limit=4096)
+    if data is None:
+        return Limits()
+    try:
+        obj = json.loads(data)
+        if not isinstance(obj, dict):
+            raise ValueError("not a JSON object")
+        return Limits(_count(obj.get("min_free_bytes"), "min_free_bytes"),
+                      _share(obj.get("min_free_percent")), _count(obj.get("budget_bytes"), "budget_bytes"),
+                      str(obj.get("set_by") or "")[:40])
+    except (ValueError, TypeError, RecursionError) as exc:
+        layout.tree.quarantine(path, f"is not the store's limits ({str(exc)[:200]})")
+        return Limits()
+
+
+def write_limits(layout: Layout, limits: Limits) -> None:
+    """Keep `limits` with the store (atomic; a full disk that refuses the write costs a warning, not the command)."""
+    body = {"version": _VERSION, "min_free_bytes": limits.min_free_bytes, "min_free_percent": limits.min_free_percent,
+            "budget_bytes": limits.budget_bytes, "set_by": limits.set_by}
+    try:
+        layout.tree.write_atomic(layout.root / LIMITS_FILE, json.dumps(body, sort_keys=True).encode())
+    except OSError as exc:
+        log.warning("could not keep the store's floor and budget in %s (%s): other commands use their own or "
+                    "the defaults", layout.root / LIMITS_FILE, exc)
+
+
+def _count(value: object, what: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_BYTES:
+        raise ValueError(f"{what} is not a byte count")
+    return value
+
+
+def _share(value: object) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not 0 <= value <= MAX_PERCENT:
+        raise ValueError("min_free_percent is not a percentage")
+    return float(value)
 
 
 def parse_percent(value: Any, what: str) -> float:
@@ -29,12 +116,19 @@ def parse_percent(value: Any, what: str) -> float:
 
 
 def floor_from(env: Mapping[str, str], *, min_free_bytes: int | None = None,
-               min_free_percent: float | None = None) -> tuple[int, float]:
-    """(bytes, percent): each from its flag when given, else its environment variable, else the default."""
+               min_free_percent: float | None = None) -> tuple[int | None, float | None]:
+    """(bytes, percent): each from its flag when given, else its environment variable, else None (not set here:
+    the store's own, else the default)."""
     if min_free_bytes is None:
         text = env.get(ENV_BYTES)
-        min_free_bytes = parse_size(text, ENV_BYTES) if text else defaults.MIN_FREE_BYTES
+        min_free_bytes = parse_size(text, ENV_BYTES) if text else None
     if min_free_percent is None:
         text = env.get(ENV_PERCENT)
-        min_free_percent = parse_percent(text, ENV_PERCENT) if text else defaults.MIN_FREE_PERCENT
+        min_free_percent = parse_percent(text, ENV_PERCENT) if text else None
     return min_free_bytes, min_free_percent
+
+
+def defaulted(limits: Limits) -> tuple[int, float]:
+    """The floor in force: (bytes, percent), the defaults where nobody set them."""
+    return (_first(limits.min_free_bytes, defaults.MIN_FREE_BYTES),
+            _first(limits.min_free_percent, defaults.MIN_FREE_PERCENT))

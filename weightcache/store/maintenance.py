@@ -3,14 +3,17 @@ garbage. Everything goes through the store's public methods and its symlink-safe
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import time
+from dataclasses import dataclass
+from typing import Any
 
 from weightcache.errors import InUseError
 from weightcache.store import quarantine
 from weightcache.store.recovery import fetches_in_flight, remove_old_orphan_blobs
-from weightcache.store.store import Store
+from weightcache.store.store import Store, disk_free
 
 
 def verify_snapshot(store: Store, snapshot_id: str, *, chunk: int = 8 << 20) -> list[str]:
@@ -58,18 +61,57 @@ def drop_damaged(store: Store, snapshot_id: str, bad_paths: list[str]) -> list[s
     return refs
 
 
+@dataclass(frozen=True)
+class GcReport:
+    """What `weightcache gc` removed, and why: garbage (nothing names it) apart from snapshots evicted to give the
+    disk back down to the store's free-space floor (store/floor.py: the floor kept with the store)."""
+
+    unreferenced_blobs_bytes: int = 0  # blobs no snapshot links, past their grace
+    partial_bytes: int = 0  # partial downloads no fetch holds
+    quarantine_bytes: int = 0  # quarantined entries past their age or the quarantine's bound
+    evicted: tuple[str, ...] = ()  # snapshots evicted for the floor, least recently used first
+    evicted_bytes: int = 0
+    free_bytes: int = 0  # on the store's filesystem, afterwards
+    floor_bytes: int = 0  # what the store keeps free there
+
+    @property
+    def freed_bytes(self) -> int:
+        return self.unreferenced_blobs_bytes + self.partial_bytes + self.quarantine_bytes + self.evicted_bytes
+
+    def body(self) -> dict[str, Any]:
+        """The wire and `-o json` form."""
+        return {**dataclasses.asdict(self), "evicted": list(self.evicted), "freed_bytes": self.freed_bytes}
+
+
 def collect_garbage(store: Store) -> int:
+    """`collect` without the eviction: bytes freed."""
+    return _collect(store).freed_bytes
+
+
+def collect(store: Store) -> GcReport:
+    """Remove garbage (`_collect`), then evict least recently used snapshots while the disk is below the store's
+    floor (never a pinned or leased one); says what went for which reason."""
+    garbage = _collect(store)
+    used = store.used_bytes()
+    evicted = tuple(store.restore_floor())
+    free, size = disk_free(store.root)
+    return dataclasses.replace(garbage, evicted=evicted, evicted_bytes=max(0, used - store.used_bytes()),
+                               free_bytes=free, floor_bytes=store.floor_bytes(size))
+
+
+def _collect(store: Store) -> GcReport:
     """Remove blobs no snapshot links past their grace (recovery.remove_old_orphan_blobs), partial downloads no
-    fetch holds and quarantined entries past their age or the quarantine's size bound; returns bytes freed."""
-    freed = quarantine.prune(store)
+    fetch holds and quarantined entries past their age or the quarantine's size bound."""
+    quarantined = quarantine.prune(store)
     tree, lay = store.tree, store.layout
     busy = fetches_in_flight(store)
     with store.locked():
-        freed += remove_old_orphan_blobs(store, time.time())
+        blobs = remove_old_orphan_blobs(store, time.time())
+    partial = 0
     for name in tree.listdir(lay.partial):
         if name.split(".")[0] not in busy:
             st = tree.lstat(lay.partial / name)
             if tree.unlink(lay.partial / name) and st is not None:
-                freed += st.st_size
+                partial += st.st_size
     store.keep_reserve()
-    return freed
+    return GcReport(unreferenced_blobs_bytes=blobs, partial_bytes=partial, quarantine_bytes=quarantined)

@@ -11,6 +11,8 @@ never follows a symlink planted under the root, and every record read back is ch
 from __future__ import annotations
 
 import builtins
+import dataclasses
+import enum
 import errno
 import fcntl
 import json
@@ -33,7 +35,7 @@ from weightcache.errors import (
     InUseError,
     NotCachedError,
 )
-from weightcache.store import quarantine, recovery
+from weightcache.store import floor, quarantine, recovery
 from weightcache.store.blobwrite import BlobWriter
 from weightcache.store.evict import plan_eviction
 from weightcache.store.fsops import TMP_PREFIX, HeldDirs, commits_in_order, move_noreplace, tmp_name
@@ -71,6 +73,15 @@ DEFAULT_MIN_FREE_BYTES = defaults.MIN_FREE_BYTES
 RESERVE_BYTES = 4 << 20  # preallocated; released when a full disk refuses an index write, so eviction can finish
 
 
+class Unset(enum.Enum):
+    """A budget not given (None is a budget given as unlimited)."""
+
+    UNSET = "unset"
+
+
+UNSET = Unset.UNSET
+
+
 def ref_name(ref: ModelRef) -> str:
     return ref.revision or "latest"
 
@@ -80,16 +91,23 @@ class Store:
     ends by giving space back down to the floor unless `evict_to_floor` is False (read-only commands: `ls` on a
     nearly full laptop disk must not delete cached models)."""
 
-    def __init__(self, root: str | Path, *, budget_bytes: int | None = None,
-                 min_free_bytes: int = DEFAULT_MIN_FREE_BYTES, min_free_percent: float = DEFAULT_MIN_FREE_PERCENT,
-                 recover: bool = True, evict_to_floor: bool = True) -> None:
+    def __init__(self, root: str | Path, *, budget_bytes: int | Unset | None = UNSET,
+                 min_free_bytes: int | None = None, min_free_percent: float | None = None,
+                 recover: bool = True, evict_to_floor: bool = True, set_by: str = "cli") -> None:
+        """The floor and budget given here (None / UNSET: not given) are kept with the store for every later
+        command (`set_limits`); those not given are the store's own, else the defaults (store/floor.py)."""
         self.layout = Layout(root)
         self.root = self.layout.root
         self.tree = self.layout.tree
-        self.budget_bytes = budget_bytes
-        self.min_free_bytes = min_free_bytes
-        self.min_free_percent = min_free_percent
         self.layout.create()
+        stored = floor.read_limits(self.layout)
+        self.limits = floor.Limits(min_free_bytes, min_free_percent, set_by=set_by).merged(stored)
+        budget_given = not isinstance(budget_bytes, Unset)
+        self.limits = dataclasses.replace(self.limits, budget_bytes=stored.budget_bytes if isinstance(
+            budget_bytes, Unset) else budget_bytes)
+        given = budget_given or min_free_bytes is not None or min_free_percent is not None
+        if given and dataclasses.replace(self.limits, set_by="") != dataclasses.replace(stored, set_by=""):
+            floor.write_limits(self.layout, self.limits)
         self._tlock = threading.RLock()
         self._depth = 0  # re-entry count of locked() in the thread that holds it
         manifests = recovery.free_space(self) if recover else {}  # before any write: on a full disk it makes room
@@ -618,6 +636,24 @@ class Store:
         return done
 
     # -- space ---------------------------------------------------------------------------------------------------
+    @property
+    def budget_bytes(self) -> int | None:
+        return self.limits.budget_bytes
+
+    @property
+    def min_free_bytes(self) -> int:
+        return floor.defaulted(self.limits)[0]
+
+    @property
+    def min_free_percent(self) -> float:
+        return floor.defaulted(self.limits)[1]
+
+    def set_limits(self, *, budget_bytes: int | None, min_free_bytes: int, min_free_percent: float,
+                   set_by: str) -> None:
+        """Set the floor and budget (the daemon's config, live) and keep them with the store for every command."""
+        self.limits = floor.Limits(min_free_bytes, min_free_percent, budget_bytes, set_by)
+        floor.write_limits(self.layout, self.limits)
+
     def floor_bytes(self, disk_size: int) -> int:
         """Bytes the store keeps free on its filesystem: max(min_free_bytes, min_free_percent of the disk)."""
         return max(self.min_free_bytes, int(disk_size * self.min_free_percent / 100))
