@@ -24,6 +24,7 @@ from tests.fixtures_csi import (
     start_harness,
     status_of,
     stop_harness,
+    two_namespaces,
 )
 from weightcache import engine_cache
 from weightcache.access import Authority
@@ -174,19 +175,23 @@ async def test_what_a_pod_wrote_is_hostile_and_a_refusal_costs_only_its_cache(ec
         assert os.listdir(ec.store.layout.partial) == [], vid
 
 
-async def test_the_scratch_is_bounded_by_its_own_filesystem(ec: CsiHarness, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(engine_cache, "scratch_bounds", lambda *_: (64 << 10, 8))
-    await ec.node.NodePublishVolume(engine_volume(ec, "big"))
-    target = ec.target("big")
-    with pytest.raises(OSError) as err:
-        (target / "huge").write_bytes(b"x" * (1 << 20))
-    assert err.value.errno == errno.ENOSPC
-    with pytest.raises(OSError) as err:
-        for i in range(10):
-            (target / f"f{i}").write_bytes(b"")
-    assert err.value.errno == errno.ENOSPC
-    await ec.node.NodeUnpublishVolume(ec.unpublish_request("big"))
-    assert artifacts(ec) == []
+async def test_the_scratch_is_bounded_by_its_own_filesystem(safe_tmp: Path, model_in_s3: str,
+                                                            fault_proxy: FaultProxy) -> None:
+    h = await two_namespaces(safe_tmp, fault_proxy, engine_cache.Limits(max_bytes=64 << 10, max_entries=6))
+    try:
+        await h.node.NodePublishVolume(engine_volume(h, "big"))
+        target = h.target("big")
+        with pytest.raises(OSError) as err:
+            (target / "huge").write_bytes(b"x" * (1 << 20))
+        assert err.value.errno == errno.ENOSPC
+        with pytest.raises(OSError) as err:
+            for i in range(10):
+                (target / f"f{i}").write_bytes(b"")
+        assert err.value.errno == errno.ENOSPC
+        await h.node.NodeUnpublishVolume(h.unpublish_request("big"))
+        assert artifacts(h) == []
+    finally:
+        await stop_harness(h)
 
 
 async def test_engine_cache_attributes_are_checked(ec: CsiHarness) -> None:
