@@ -50,10 +50,12 @@ import pytest
 import yaml
 
 from tests.fake_rules import (
+    AdmissionPolicies,
     Attributes,
     QuantityError,
     Rbac,
     User,
+    admission_request,
     canonicalize_claim,
     canonicalize_slice,
     claim_status_errors,
@@ -181,12 +183,13 @@ class FakeApiServer:
     """In-memory API server. Use as a context manager; `api_client()` gives an official client pointed at it."""
 
     def __init__(self, *, schemas: dict[str, Obj] | None = None, bookmark_interval: float | None = None,
-                 rbac: Rbac | None = None) -> None:
+                 rbac: Rbac | None = None, policies: AdmissionPolicies | None = None) -> None:
         self.schemas = schemas or {}  # plural -> openAPIV3Schema, validated on create/update like a CRD
         # with `rbac`, every HTTP request needs a token from `token_for` and is authorized by these roles (the
         # test's own direct calls act as cluster admin, as the scheduler and kubelet would)
         self.rbac = rbac
         self.forbidden: list[str] = []  # the 403 messages answered, for a test that asserts none
+        self.policies = policies  # ValidatingAdmissionPolicies checked on every update a token's user sends
         self._tokens: dict[str, User] = {}
         self.bookmark_interval = bookmark_interval
         self.requests: list[RequestRecord] = []
@@ -299,14 +302,15 @@ class FakeApiServer:
         return self.requests_matching(method, path_part, **query)
 
     # object access (also used by the HTTP handler) ------------------------------------------------------------
-    def use_as_kubeconfig(self, directory: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    def use_as_kubeconfig(self, directory: Path, monkeypatch: pytest.MonkeyPatch, token: str = "test-token") -> Path:
         """Write a kubeconfig naming this server into `directory` and point KUBECONFIG at it for the test: the
-        official client (and everything of ours that loads a config) then talks to this server."""
+        official client (and everything of ours that loads a config) then talks to this server (as the user of
+        `token`, from `token_for`, where the server enforces `rbac`)."""
         config = directory / "kubeconfig"
         config.write_text(yaml.safe_dump({
             "apiVersion": "v1", "kind": "Config", "current-context": "t",
             "clusters": [{"name": "c", "cluster": {"server": self.url}}],
-            "users": [{"name": "u", "user": {"token": "test-token"}}],
+            "users": [{"name": "u", "user": {"token": token}}],
             "contexts": [{"name": "t", "context": {"cluster": "c", "user": "u"}}]}))
         monkeypatch.setenv("KUBECONFIG", str(config))
         return config
@@ -445,6 +449,11 @@ class FakeApiServer:
             raise self._invalid(res, name, "spec", f"Invalid value: {json.dumps(result.get('spec'))}: field is immutable")
         if res.plural == "nodes":
             _check_node_taints(name, result)
+        if self.policies is not None and user is not None:
+            request = admission_request(user, "UPDATE", res.group, res.version, res.plural, subresource, result, old)
+            if (denied := self.policies.denial(request)) is not None:
+                self.forbidden.append(denied)
+                raise ApiError(403, "Forbidden", denied)
         if res.custom and result.get("spec") != old.get("spec"):
             meta["generation"] = old["metadata"].get("generation", 1) + 1
         if _without_rv(result) == _without_rv(old):

@@ -12,6 +12,8 @@ under deps/github.com/openshift/kubernetes). docs/fake-apiserver.md lists them w
     `associated-node:<verb>` (caller's pod-bound token names the node the claim is allocated on) or
     `arbitrary-node:<verb>` on `resourceclaims/driver` named by each driver whose entries change; changing
     `status.allocation` or `status.reservedFor` needs `resourceclaims/binding`. Refused with 422 Invalid.
+  - ValidatingAdmissionPolicy (staging/src/k8s.io/apiserver/pkg/admission/plugin/policy/validating): the shipped
+    policies bound with Deny, their CEL evaluated with cel-python for each update a token's user sends; 403.
   - Canonical quantities (staging/src/k8s.io/apimachinery/pkg/api/resource/quantity.go, `Quantity.String` of a
     parsed value): what is stored is the canonical form, `5000000` -> `5M`, `1024Ki` -> `1Mi`.
 """
@@ -317,3 +319,84 @@ def canonicalize_claim(obj: Obj) -> None:
         consumed = result.get("consumedCapacity") or {}
         for name in list(consumed):
             consumed[name] = canonical_quantity(consumed[name])
+
+
+# ValidatingAdmissionPolicy ----------------------------------------------------------------------------------------
+def policy_denials(policy: Obj, request: Obj) -> list[str]:
+    """The messages of `policy`'s failed validations for an AdmissionRequest-shaped `request` ([] = admitted), as
+    staging/src/k8s.io/apiserver/pkg/admission/plugin/policy/validating evaluates it: a request outside
+    matchConstraints.resourceRules, or for which a matchCondition is false, is not this policy's business;
+    variables are evaluated in order (upstream lazily, the same values); messageExpression wins over message."""
+    import celpy
+    from celpy.adapter import json_to_cel
+
+    from tests.fixtures_crd_cel import cel_eval
+
+    spec = policy["spec"]
+    if not _policy_matches(spec.get("matchConstraints") or {}, request):
+        return []
+
+    def cel_map(values: dict[str, Any]) -> Any:  # already CEL values: json_to_cel would turn a BoolType into an int
+        return celpy.celtypes.MapType({celpy.celtypes.StringType(k): v for k, v in values.items()})
+
+    activation: dict[str, Any] = {k: json_to_cel(request.get(k)) for k in ("object", "oldObject")}
+    activation["request"] = json_to_cel(request)
+    if not all(cel_eval(c["expression"], activation) for c in spec.get("matchConditions") or []):
+        return []
+    variables: dict[str, Any] = {}
+    for v in spec.get("variables") or []:
+        variables[v["name"]] = cel_eval(v["expression"], {**activation, "variables": cel_map(variables)})
+    activation["variables"] = cel_map(variables)
+    return [str(cel_eval(v["messageExpression"], activation)) if v.get("messageExpression") else v.get("message", "")
+            for v in spec["validations"] if not cel_eval(v["expression"], activation)]
+
+
+def _policy_matches(constraints: Obj, request: Obj) -> bool:
+    """matchConstraints.resourceRules (apiGroups, apiVersions, resources with `/subresource`, operations)."""
+    res = request.get("resource") or {}
+    sub = request.get("subResource") or ""
+    combined = f"{res.get('resource')}/{sub}" if sub else res.get("resource")
+    return any(("*" in r.get("apiGroups", []) or res.get("group") in r.get("apiGroups", []))
+               and ("*" in r.get("apiVersions", []) or res.get("version") in r.get("apiVersions", []))
+               and ("*" in r.get("resources", []) or combined in r.get("resources", []))
+               and ("*" in r.get("operations", []) or request.get("operation") in r.get("operations", []))
+               for r in constraints.get("resourceRules") or [])
+
+
+@dataclass
+class AdmissionPolicies:
+    """ValidatingAdmissionPolicies bound with `validationActions: [Deny]`, from the shipped manifests."""
+
+    policies: list[Obj] = field(default_factory=list)
+
+    @classmethod
+    def from_manifests(cls, paths: Iterable[Path]) -> AdmissionPolicies:
+        docs = [d for p in paths for d in yaml.safe_load_all(p.read_text()) if d]
+        denying = {d["spec"]["policyName"] for d in docs if d.get("kind") == "ValidatingAdmissionPolicyBinding"
+                   and "Deny" in d["spec"].get("validationActions", [])}
+        return cls([d for d in docs if d.get("kind") == "ValidatingAdmissionPolicy"
+                    and d["metadata"]["name"] in denying])
+
+    def denial(self, request: Obj) -> str | None:
+        """The 403 message of the first policy that denies `request` (validating/dispatcher.go: `ValidatingAdmission
+        Policy '%s' with binding '%s' denied request: %s`; the shipped bindings share their policy's name)."""
+        for policy in self.policies:
+            failed = policy_denials(policy, request)
+            if failed:
+                name = policy["metadata"]["name"]
+                return f"ValidatingAdmissionPolicy '{name}' with binding '{name}' denied request: {failed[0]}"
+        return None
+
+
+def admission_request(user: User | None, operation: str, group: str, version: str, resource: str, subresource: str,
+                      new: Obj, old: Obj | None) -> Obj:
+    """The AdmissionRequest fields a policy's CEL reads (`request`, `object`, `oldObject`)."""
+    info = {"username": user.name, "groups": list(user.groups), "extra": {k: list(v) for k, v in user.extra}} \
+        if user is not None else {"username": "system:admin", "groups": ["system:masters"], "extra": {}}
+    return {"operation": operation, "resource": {"group": group, "version": version, "resource": resource},
+            "subResource": subresource, "userInfo": info, "object": new, "oldObject": old}
+
+
+def shipped_policies() -> AdmissionPolicies:
+    """The daemon's own-node policy `kubectl apply -k deploy/daemonset` installs."""
+    return AdmissionPolicies.from_manifests([DEPLOY / "daemonset" / "node-policy.yaml"])

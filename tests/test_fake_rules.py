@@ -11,7 +11,7 @@ import kubernetes
 import pytest
 
 from tests.fake_apiserver import FakeApiServer
-from tests.fake_rules import User, canonical_quantity, daemon_user, shipped_rbac
+from tests.fake_rules import User, canonical_quantity, daemon_user, shipped_policies, shipped_rbac
 from weightcache.dra import DRIVER_NAME
 from weightcache.units import quantity
 
@@ -141,3 +141,47 @@ def test_a_pods_extended_resource_claim_status_names_its_containers_and_claim() 
         plain["status"] = {}
         api.update("pods", "p", plain, namespace="ml")  # the main resource keeps the status the scheduler wrote
         assert api.get("pods", "p", "ml")["status"]["extendedResourceClaimStatus"]["resourceClaimName"]
+
+
+# Node taints and JSON patch (the startup taint, docs/startup-taint.md) ---------------------------------------------
+TAINT = {"key": "weightcache.io/models-pending", "effect": "NoSchedule"}
+
+
+def _node_patch(api: FakeApiServer, body: list[dict[str, Any]], token: str | None = None) -> None:
+    core = kubernetes.client.CoreV1Api(api.api_client(token))
+    core.patch_node("node-1", body, _content_type="application/json-patch+json")
+
+
+def test_a_json_patch_whose_test_fails_is_invalid_and_changes_nothing() -> None:
+    with FakeApiServer() as api:
+        api.create("nodes", {"metadata": {"name": "node-1"}, "spec": {"taints": [TAINT]}})
+        with pytest.raises(kubernetes.client.ApiException) as refused:
+            _node_patch(api, [{"op": "test", "path": "/spec/taints", "value": []},
+                              {"op": "replace", "path": "/spec/taints", "value": []}])
+        assert refused.value.status == 422 and json.loads(refused.value.body)["reason"] == "Invalid"
+        assert api.get("nodes", "node-1")["spec"]["taints"] == [TAINT]
+
+
+def test_node_taints_are_validated_and_an_empty_list_is_dropped() -> None:
+    with FakeApiServer() as api:
+        api.create("nodes", {"metadata": {"name": "node-1"}, "spec": {"taints": [TAINT]}})
+        for bad in ([TAINT, TAINT], [{**TAINT, "effect": "Sometimes"}]):
+            with pytest.raises(kubernetes.client.ApiException) as refused:
+                _node_patch(api, [{"op": "replace", "path": "/spec/taints", "value": bad}])
+            assert refused.value.status == 422
+        _node_patch(api, [{"op": "replace", "path": "/spec/taints", "value": []}])
+        assert "taints" not in api.get("nodes", "node-1")["spec"]
+
+
+def test_the_node_policy_refuses_the_daemon_another_nodes_taint() -> None:
+    with FakeApiServer(rbac=shipped_rbac(), policies=shipped_policies()) as api:
+        api.create("nodes", {"metadata": {"name": "node-1"}, "spec": {"taints": [TAINT]}})
+        remove = [{"op": "replace", "path": "/spec/taints", "value": []}]
+        with pytest.raises(kubernetes.client.ApiException) as refused:
+            _node_patch(api, remove, api.token_for(daemon_user("node-2")))
+        assert refused.value.status == 403
+        assert json.loads(refused.value.body)["message"].startswith(
+            "ValidatingAdmissionPolicy 'weightcache-daemon-own-node' with binding 'weightcache-daemon-own-node' "
+            "denied request: weightcache-daemon may only write its own node (node-2), not node-1")
+        _node_patch(api, remove, api.token_for(daemon_user("node-1")))
+        assert "taints" not in api.get("nodes", "node-1")["spec"]

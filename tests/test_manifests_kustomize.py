@@ -10,13 +10,11 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import celpy
 import kubernetes_validate
 import pytest
 import yaml
-from celpy.adapter import json_to_cel
 
-from tests.fixtures_crd_cel import cel_eval
+from tests.fake_rules import policy_denials
 from tests.fixtures_k8s_schema import has_schema, validate_strict
 from tests.tools import kubectl
 from weightcache.daemon.config import load_settings
@@ -218,24 +216,8 @@ def test_prometheus_component_scrapes_the_metrics_port(tmp_path: Path) -> None:
 # --- the node policy's CEL, evaluated as the API server would for each admission request ---
 
 def admit(policy: dict[str, Any], request: dict[str, Any]) -> list[str]:
-    """Messages of the failed validations ([] = allowed); None-matching requests are allowed (not in scope)."""
-    def run(expression: str, activation: dict[str, Any]) -> Any:
-        return cel_eval(expression, activation)
-
-    activation: dict[str, Any] = {k: json_to_cel(request.get(k)) for k in ("object", "oldObject")}
-    activation["request"] = json_to_cel(request)
-    spec = policy["spec"]
-    if not all(run(c["expression"], activation) for c in spec["matchConditions"]):
-        return []
-    def cel_map(values: dict[str, Any]) -> Any:  # already CEL values: json_to_cel would turn a BoolType into an int
-        return celpy.celtypes.MapType({celpy.celtypes.StringType(k): v for k, v in values.items()})
-
-    variables: dict[str, Any] = {}
-    for v in spec["variables"]:
-        variables[v["name"]] = run(v["expression"], {**activation, "variables": cel_map(variables)})
-    activation["variables"] = cel_map(variables)
-    return [v.get("message") or v["messageExpression"] for v in spec["validations"]
-            if not run(v["expression"], activation)]
+    """Messages of the failed validations ([] = allowed); requests outside the policy's match are allowed."""
+    return policy_denials(policy, request)
 
 
 NODE: dict[str, Any] = {"apiVersion": "v1", "kind": "Node",
@@ -247,7 +229,8 @@ NODE: dict[str, Any] = {"apiVersion": "v1", "kind": "Node",
 def node_request(new: dict[str, Any], *, user_ns: str = "weightcache", node: str | None = "gpu-1",
                  old: dict[str, Any] = NODE, resource: str = "nodes") -> dict[str, Any]:
     extra = {NODE_NAME_KEY: [node]} if node else {}
-    return {"operation": "UPDATE", "resource": {"group": "", "version": "v1", "resource": resource},
+    group, version = ("", "v1") if resource == "nodes" else ("weightcache.io", "v1alpha1")
+    return {"operation": "UPDATE", "resource": {"group": group, "version": version, "resource": resource},
             "userInfo": {"username": DAEMON_USER.format(ns=user_ns), "extra": extra},
             "object": new, "oldObject": old}
 

@@ -4,17 +4,20 @@ Through the stand-in API server (tests/fake_apiserver.py), with real daemons, st
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.fake_apiserver import FakeApiServer, RequestRecord
+from tests.fake_apiserver import FakeApiServer, RequestRecord, crd_schemas
+from tests.fake_rules import daemon_user, shipped_policies, shipped_rbac
 from tests.fixtures_daemon import eventually, start_daemon
 from tests.fixtures_kube import NODE
 from weightcache.daemon.reconcile import Want
 from weightcache.daemon.startup_taint import waiting_on
+from weightcache.errors import ClusterError
 from weightcache.kube.taint import JSON_PATCH, remove_taint
 from weightcache.uri import parse_ref
 from weightcache.vocabulary import STARTUP_TAINT, STARTUP_TAINT_EFFECT
@@ -121,6 +124,27 @@ async def test_a_node_nothing_asks_to_warm_first_is_untainted_at_once(cluster: F
         await eventually(lambda: model_ready(cluster, "later"), what="the model, fetched all the same")
     finally:
         await d.daemon.stop()
+
+
+async def test_the_shipped_rbac_and_node_policy_let_a_daemon_untaint_its_own_node_only(
+        short_dir: Path, model_copy: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """deploy/daemonset/rbac.yaml and node-policy.yaml enforced by the stand-in for the daemon's node-bound token."""
+    with FakeApiServer(schemas=crd_schemas(), rbac=shipped_rbac(), policies=shipped_policies()) as api:
+        api.create("nodes", tainted_node(NODE, GPU, PENDING))
+        api.create("nodes", tainted_node(OTHER, PENDING))
+        api.create("modelcaches", warm_first("llama", f"file://{model_copy}/"))
+        token = api.token_for(daemon_user(NODE))
+        api.use_as_kubeconfig(short_dir, monkeypatch, token)
+        d = await start_daemon(short_dir, model_copy, env={"NODE_NAME": NODE})
+        try:
+            await eventually(lambda: PENDING not in taints(api, NODE), what="the startup taint to go")
+            assert taints(api, NODE) == [GPU]
+            await eventually(lambda: node_events(api), what="the Node's Event, in namespace default")
+        finally:
+            await d.daemon.stop()
+        with pytest.raises(ClusterError) as denied:  # the same token on another node's taint
+            await asyncio.to_thread(remove_taint, api.api_client(token), OTHER, STARTUP_TAINT, STARTUP_TAINT_EFFECT)
+        assert denied.value.status == 403 and taints(api, OTHER) == [PENDING]
 
 
 def test_a_taint_another_controller_adds_meanwhile_is_kept(cluster: FakeApiServer) -> None:
