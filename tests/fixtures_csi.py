@@ -160,7 +160,7 @@ def publish_request(volume_id: str, target: Path, *, model: str = MODEL_URI, nam
 async def start_harness(root: Path, proxy: FaultProxy, *, publish_timeout: float = CSI_TIMEOUT_S,
                         tier: MemoryTier | None = None, parallel: int = 2,
                         authority: Authority | None = None,
-                        engine_limits: engine_cache.Limits | None = None) -> CsiHarness:
+                        engine_limits: engine_cache.EngineCacheLimits | None = None) -> CsiHarness:
     store = Store(root / "store")
     fetcher = Fetcher(store, endpoint_url=proxy.endpoint_url)
     fetches = FetchQueue(fetcher.ensure, fetcher.lookup, parallel=parallel)
@@ -182,7 +182,7 @@ async def stop_harness(h: CsiHarness) -> None:
 
 
 async def two_namespaces(root: Path, proxy: FaultProxy,
-                         engine_limits: engine_cache.Limits | None = None) -> CsiHarness:
+                         engine_limits: engine_cache.EngineCacheLimits | None = None) -> CsiHarness:
     """The CSI harness with the model granted to ALLOWED_NS and OTHER_NS through a ModelCache."""
     caches = [{"metadata": {"name": "llama"}, "spec": {"source": MODEL_URI, "allowedNamespaces": [ALLOWED_NS,
                                                                                                    OTHER_NS]}}]

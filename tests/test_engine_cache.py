@@ -16,7 +16,7 @@ import pytest
 from tests.fixtures_daemon import RunningDaemon, start_daemon
 from weightcache import engine_cache
 from weightcache.access import ADMIN, Requester
-from weightcache.engine_cache import EngineCacheKey, EngineName, Limits, ingest_dir, ingest_tar, lookup
+from weightcache.engine_cache import EngineCacheKey, EngineCacheLimits, EngineName, ingest_dir, ingest_tar, lookup
 from weightcache.errors import InvalidReferenceError, InvalidRequestError
 from weightcache.store import FileEntry, Snapshot, Store
 from weightcache.uri import parse_ref
@@ -143,7 +143,7 @@ def test_a_hostile_tar_is_refused_and_nothing_is_published(store: Store, tmp_pat
     body, why = HOSTILE[case]
     with pytest.raises(InvalidRequestError, match="engine cache") as caught:
         ingest_tar(store, EngineCacheKey.for_model(model, VLLM, TEAM_A), io.BytesIO(body()),
-                   Limits(max_bytes=1000, max_entries=10))
+                   EngineCacheLimits(max_bytes=1000, max_entries=10))
     assert why in str(caught.value)
     assert published(store) == [model.uri]
     assert lookup(store, model, VLLM, TEAM_A) is None

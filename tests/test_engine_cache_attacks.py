@@ -115,7 +115,7 @@ async def test_a_restarted_plugin_keeps_a_hits_overlay_and_unmounts_it_whole(saf
 
 async def test_the_overlay_scratch_still_bounds_what_a_pod_writes(safe_tmp: Path, model_in_s3: str,
                                                                   fault_proxy: FaultProxy) -> None:
-    h = await two_namespaces(safe_tmp, fault_proxy, engine_cache.Limits(max_bytes=2 << 20))
+    h = await two_namespaces(safe_tmp, fault_proxy, engine_cache.EngineCacheLimits(max_bytes=2 << 20))
     try:
         await hand_over(h, "first", {"big.bin": BIG})
         await h.node.NodePublishVolume(engine_volume(h, "hit"))
@@ -163,7 +163,7 @@ async def test_engine_caches_have_budgets_of_their_own(safe_tmp: Path, model_in_
                                                        fault_proxy: FaultProxy) -> None:
     """Per namespace and per node, counted by allocation: a namespace past its budget evicts its own least
     recently used caches (never another namespace's, never one in use, never a model); else it is refused."""
-    limits = engine_cache.Limits(namespace_bytes=1536 << 10, node_bytes=2560 << 10)
+    limits = engine_cache.EngineCacheLimits(namespace_bytes=1536 << 10, node_bytes=2560 << 10)
     h = await two_namespaces(safe_tmp, fault_proxy, limits)
     try:
         def names() -> list[str]:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import pytest
 
 from weightcache.errors import HostileKeyError, SourceError
-from weightcache.sources.oci_tar import Limits, Unpacked, sha256_of, unpack_layer
+from weightcache.sources.oci_tar import TarLimits, Unpacked, sha256_of, unpack_layer
 
 
 def tar(members: list[tuple[str, bytes | None, Callable[[tarfile.TarInfo], None] | None]],
@@ -110,18 +110,18 @@ def test_a_hostile_tar_is_refused(case: str) -> None:
 def test_bounds_on_members_bytes_and_headers() -> None:
     many = tar([(f"w/f{i}", b"x", None) for i in range(11)])
     with pytest.raises(HostileKeyError, match="more than 10 members"):
-        unpack_layer(io.BytesIO(many), "w", "tar", Sink(), Limits(max_members=10))
+        unpack_layer(io.BytesIO(many), "w", "tar", Sink(), TarLimits(max_members=10))
     big = tar([("w/a", b"x" * 1000, None), ("w/b", b"y" * 1000, None)])
     sink = Sink()
     with pytest.raises(HostileKeyError, match="more than 1500 bytes"):
-        unpack_layer(io.BytesIO(big), "w", "tar", sink, Limits(max_bytes=1500))
+        unpack_layer(io.BytesIO(big), "w", "tar", sink, TarLimits(max_bytes=1500))
     assert list(sink.written) == ["w/a"]
     bomb = tar([("w/" + "n" * 200_000, b"x", None)])  # a pax header of ~200 KB for one long name
     with pytest.raises(HostileKeyError, match="extended tar header"):
         unpack_layer(io.BytesIO(bomb), "w", "tar", Sink())
     gzip_bomb = gzip.compress(tar([("w/zeros", bytes(1 << 20), None)]))  # 1 MiB of zeros, ~1 KB compressed
     with pytest.raises(HostileKeyError, match="more than"):
-        unpack_layer(io.BytesIO(gzip_bomb), "w", "tar+gzip", Sink(), Limits(max_bytes=64 << 10))
+        unpack_layer(io.BytesIO(gzip_bomb), "w", "tar+gzip", Sink(), TarLimits(max_bytes=64 << 10))
 
 
 def test_a_damaged_tar_or_an_unknown_compression_is_a_source_error() -> None:

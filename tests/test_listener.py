@@ -18,10 +18,10 @@ from tests.faultproxy import FaultProxy
 from tests.fixtures_daemon import RunningDaemon, start_daemon
 from tests.fixtures_s3 import S3
 from weightcache.daemon import app as daemon_app
-from weightcache.listener import GuardedTCPSite, Limits, RateLimitFilter
+from weightcache.listener import ConnectionLimits, GuardedTCPSite, RateLimitFilter
 
 TOKEN = "s3cr3t-token-0123456789abcdef"
-LIMITS = Limits(max_connections=16, header_timeout_s=1.0, body_timeout_s=1.0, idle_timeout_s=3.0)
+LIMITS = ConnectionLimits(max_connections=16, header_timeout_s=1.0, body_timeout_s=1.0, idle_timeout_s=3.0)
 Listening = tuple[RunningDaemon, GuardedTCPSite, io.StringIO]  # the daemon, its TCP site, what it logged
 
 
@@ -194,7 +194,7 @@ async def _eventually(check: object, timeout: float = 10.0) -> None:
 async def test_a_streaming_ensure_longer_than_every_timeout_is_never_cut(
         short_dir: Path, model_copy: Path, s3: S3, fault_proxy: FaultProxy,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(daemon_app, "TCP_LIMITS", Limits(max_connections=4, header_timeout_s=0.5,
+    monkeypatch.setattr(daemon_app, "TCP_LIMITS", ConnectionLimits(max_connections=4, header_timeout_s=0.5,
                                                           body_timeout_s=0.5, idle_timeout_s=0.5))
     s3.upload_dir(model_copy, "models", "tiny/")
     fault_proxy.add("delay", seconds=0.4, method="GET", ranged_only=True, count=-1)
@@ -228,7 +228,7 @@ async def test_one_timer_per_connection_still_cuts_the_next_requests_headers_at_
     app.router.add_post("/e", echo)
     runner = web.AppRunner(app, access_log=None, keepalive_timeout=30)
     await runner.setup()
-    site = GuardedTCPSite(runner, "127.0.0.1", 0, limits=Limits(4, header_timeout_s=0.5, body_timeout_s=5.0,
+    site = GuardedTCPSite(runner, "127.0.0.1", 0, limits=ConnectionLimits(4, header_timeout_s=0.5, body_timeout_s=5.0,
                                                                  idle_timeout_s=30))
     await site.start()
     try:

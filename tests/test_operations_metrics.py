@@ -19,7 +19,7 @@ from weightcache.daemon import metrics_server
 from weightcache.daemon.command import add_commands, flags_of
 from weightcache.daemon.config import load_settings
 from weightcache.errors import ConfigError
-from weightcache.listener import Limits
+from weightcache.listener import ConnectionLimits
 from weightcache.uri import parse_ref
 
 # fixtures, used by name
@@ -58,7 +58,7 @@ async def test_half_sent_requests_on_the_metrics_port_cannot_take_the_daemons_de
         short_dir: Path, model_copy: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Hardening III: 562 half-sent requests on the (token-free, default-on) metrics port took every descriptor
     and the Unix-socket API stopped answering. Replayed: 300 of them; the daemon holds at most its cap."""
-    limits = Limits(max_connections=8, header_timeout_s=1.0, body_timeout_s=1.0, idle_timeout_s=3.0)
+    limits = ConnectionLimits(max_connections=8, header_timeout_s=1.0, body_timeout_s=1.0, idle_timeout_s=3.0)
     monkeypatch.setattr(metrics_server, "LIMITS", limits)
     running = await start_daemon(short_dir, model_copy, config={"metricsListen": "127.0.0.1:0"})
     port = running.daemon.metrics_port

@@ -17,7 +17,7 @@ from tests.faultproxy import FaultProxy
 from tests.fixtures_s3 import S3
 from tests.peers_fleet import Fleet, FleetNode, HostilePeer
 from tests.test_peers import FILES, MODEL_BYTES, OPTIONS, TOKEN, assert_model, ensure, origin_bytes
-from weightcache.listener import Limits
+from weightcache.listener import ConnectionLimits
 from weightcache.peers.client import SLOW_GRACE_S
 from weightcache.peers.server import PeerLimits
 
@@ -201,7 +201,7 @@ def test_ranges_of_huge_or_non_ascii_digits_are_answered_not_a_500(fleet: Fleet)
 def test_many_half_sent_requests_leave_the_peer_listener_serving(tmp_path: Path) -> None:
     """The peer listener is the daemon's guarded TCP site: half-sent requests lose their slots to whole ones and
     are cut after the header timeout; the node keeps serving its peers."""
-    limits = PeerLimits(max_streams=64, listener=Limits(max_connections=8, header_timeout_s=1.0,
+    limits = PeerLimits(max_streams=64, listener=ConnectionLimits(max_connections=8, header_timeout_s=1.0,
                                                         body_timeout_s=1.0, idle_timeout_s=5.0))
     with Fleet(tmp_path, TOKEN, limits) as fleet:
         node, body, sha = holder(fleet)

@@ -24,7 +24,7 @@ import aiohttp
 import pytest
 
 from tests.fixtures_webhook import REF, admission_review, apply_response, check_pod, container, deployment_pod
-from weightcache.listener import GuardedTCPSite, Limits
+from weightcache.listener import ConnectionLimits, GuardedTCPSite
 from weightcache.pods.annotations import MAX_ANNOTATION_CHARS, MAX_MODELS
 from weightcache.webhook import server
 from weightcache.webhook.certs import CertPair, make_ca, make_serving_cert, service_dns_names, write_service_certs
@@ -354,7 +354,8 @@ async def _ok(request: Any) -> bool:
 
 # -- Hardening III: the TLS listener is guarded, and a review is bounded ------------------------------------------
 
-SMALL = Limits(max_connections=8, header_timeout_s=1.0, body_timeout_s=10.0, idle_timeout_s=3.0)  # 7 MB bodies
+SMALL = ConnectionLimits(max_connections=8, header_timeout_s=1.0, body_timeout_s=10.0,  # 7 MB bodies
+                         idle_timeout_s=3.0)
 CACHES = [  # 200 ModelCaches over 50 sources, as in the report
     {"metadata": {"name": f"mc{i}"},
      "spec": {"source": f"s3://models/m{i % 50}/", "allowedNamespaces": ["inference", f"team-{i}"]}}

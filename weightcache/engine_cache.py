@@ -163,7 +163,7 @@ def _exact(store: Store, key: EngineCacheKey) -> Snapshot | None:
 
 
 @dataclass(frozen=True)
-class Limits:
+class EngineCacheLimits:
     max_bytes: int = MAX_BYTES  # one cache (and a pod's scratch)
     max_entries: int = MAX_ENTRIES
     max_header_bytes: int = MAX_HEADER_BYTES
@@ -178,7 +178,7 @@ class Readable(Protocol):
 class _Staging:
     """Files written into partial/ under the key's lock, hashed as written; blobs and a snapshot only at commit."""
 
-    def __init__(self, store: Store, key: EngineCacheKey, limits: Limits) -> None:
+    def __init__(self, store: Store, key: EngineCacheKey, limits: EngineCacheLimits) -> None:
         self.store, self.key, self.limits = store, key, limits
         self.files: list[tuple[FileEntry, Path]] = []
         self.paths: set[str] = set()
@@ -279,14 +279,14 @@ def _clean(name: str) -> str:
         raise _bad(f"refusing path {name[:200]!r}: {exc.reason}") from None
 
 
-def _room(store: Store, key: EngineCacheKey, limits: Limits) -> intake.Room:
+def _room(store: Store, key: EngineCacheKey, limits: EngineCacheLimits) -> intake.Room:
     """Room for the files of engine cache `key` as they are written: the engine caches' budgets (`_make_room`),
     then the store's disk budget and floor, evicting only engine caches."""
     return intake.Room(store, uri=key.ref.uri, cap=limits.max_bytes, evictable=is_engine_cache,
                        budget=lambda total: _make_room(store, key, total, limits))
 
 
-def _make_room(store: Store, key: EngineCacheKey, total: int, limits: Limits) -> None:
+def _make_room(store: Store, key: EngineCacheKey, total: int, limits: EngineCacheLimits) -> None:
     """Room for `total` bytes of engine cache `key` within the engine caches' own budgets: the node's, and the
     namespace's own (a cache the admin put counts against the node's only). Made by evicting engine caches alone,
     least recently used, unleased and unpinned (for a namespace's budget, its own): a hand-over never costs
@@ -330,7 +330,7 @@ def _locked(store: Store, key: EngineCacheKey) -> Iterator[None]:
 
 
 def ingest_tar(store: Store, key: EngineCacheKey, stream: Readable,
-               limits: Limits = Limits()) -> Snapshot:
+               limits: EngineCacheLimits = EngineCacheLimits()) -> Snapshot:
     """Publish the uncompressed tar `stream` as the engine cache `key`; raises InvalidRequestError naming what
     was refused, with nothing published and nothing left in partial/."""
     staging = _Staging(store, key, limits)
@@ -362,7 +362,8 @@ def ingest_tar(store: Store, key: EngineCacheKey, stream: Readable,
     return snapshot
 
 
-def ingest_dir(store: Store, key: EngineCacheKey, directory: str | Path, limits: Limits = Limits()) -> Snapshot:
+def ingest_dir(store: Store, key: EngineCacheKey, directory: str | Path,
+               limits: EngineCacheLimits = EngineCacheLimits()) -> Snapshot:
     """Publish directory `directory` (e.g. under a pod's volume) as the engine cache `key`: walked one component
     at a time with O_NOFOLLOW through directory descriptors, so a symlink anywhere is refused, never followed;
     only directories and regular files; the same bounds as a tar."""
@@ -370,7 +371,8 @@ def ingest_dir(store: Store, key: EngineCacheKey, directory: str | Path, limits:
         return _ingest_dir(store, key, directory, limits)
 
 
-def hand_over(store: Store, key: EngineCacheKey, directory: str | Path, limits: Limits = Limits()) -> Snapshot | None:
+def hand_over(store: Store, key: EngineCacheKey, directory: str | Path,
+              limits: EngineCacheLimits = EngineCacheLimits()) -> Snapshot | None:
     """A pod's engine-cache volume, read back when the pod has ended (weightcache/csi/node.py): published as `key`
     when it holds the pod's ready file (vocabulary.ENGINE_CACHE_READY, a regular file at its root: the engine
     served) and no cache has that key yet (the first hand-over wins; a later one never replaces what pods already
@@ -401,7 +403,7 @@ def is_ready(directory: str | Path) -> bool:
         os.close(top)
 
 
-def _ingest_dir(store: Store, key: EngineCacheKey, directory: str | Path, limits: Limits,
+def _ingest_dir(store: Store, key: EngineCacheKey, directory: str | Path, limits: EngineCacheLimits,
                 skip: frozenset[str] = frozenset()) -> Snapshot:
     """ingest_dir under the key's lock, which the caller holds; `skip`: names at the top left out."""
     staging = _Staging(store, key, limits)
@@ -443,7 +445,7 @@ def open_up(snapshot: Snapshot, directory: str | Path, *, files: bool = True) ->
 
 
 def fill_from_peers(store: Store, key: EngineCacheKey, snapshot_id: str, peers: Sequence[PeerClient],
-                    limits: Limits = Limits()) -> Snapshot:
+                    limits: EngineCacheLimits = EngineCacheLimits()) -> Snapshot:
     """Take the admin's engine cache `key` from a peer that holds snapshot `snapshot_id` of it: the id is the
     evidence (the first 40 hex of the tree's content digest, as `put` printed it on the node that has it), given
     by the node's admin, never by the peer. A peer's file list counts only if its digest is that id, and each
@@ -483,7 +485,7 @@ def fill_from_peers(store: Store, key: EngineCacheKey, snapshot_id: str, peers: 
 
 
 def _peer_listing(peers: Sequence[PeerClient], snapshot_id: str,
-                  limits: Limits) -> tuple[PeerClient, list[FileEntry]] | None:
+                  limits: EngineCacheLimits) -> tuple[PeerClient, list[FileEntry]] | None:
     """The first peer whose file list of `snapshot_id` is well formed, within the bounds and digests to it."""
     for peer in peers:
         try:
@@ -502,7 +504,7 @@ def _peer_listing(peers: Sequence[PeerClient], snapshot_id: str,
     return None
 
 
-def _checked_listing(body: Any, limits: Limits) -> list[FileEntry]:
+def _checked_listing(body: Any, limits: EngineCacheLimits) -> list[FileEntry]:
     rows = body.get("files") if isinstance(body, dict) else None
     if not isinstance(rows, list) or not rows or len(rows) > limits.max_entries:
         raise _bad(f"a peer's file list is not 1 to {limits.max_entries} [path, size, sha256] rows")
@@ -556,7 +558,7 @@ def _blob_from_peers(store: Store, key: EngineCacheKey, index: int, entry: FileE
                          "and intact; try again, or put the cache on this node")
 
 
-def scratch_bounds(limits: Limits = Limits(), hit: Snapshot | None = None) -> tuple[int, int]:
+def scratch_bounds(limits: EngineCacheLimits = EngineCacheLimits(), hit: Snapshot | None = None) -> tuple[int, int]:
     """(bytes, inodes) of a pod's engine-cache scratch filesystem: what a hand-over may take, the root directory
     and the ready file beside it; over a `hit`, room for an inode per entry of it as well (the overlay copies up
     each directory and, with metacopy, each file's inode when `open_up` opens it to every uid). The filesystem's
@@ -655,11 +657,30 @@ class Pipe:
         return bytes(out)
 
 
-def body_limit(limits: Limits) -> int:
+def body_limit(limits: EngineCacheLimits) -> int:
     """The most bytes a tar of a cache within `limits` can take: contents, a header and padding per entry."""
     return limits.max_bytes + limits.max_entries * (1024 + 2 * limits.max_header_bytes) + (1 << 20)
 
 
-__all__ = ["ADMIN_DOMAIN", "SCHEME", "EngineCacheKey", "EngineName", "Limits", "Pipe", "body_limit",
-           "domain_of", "fill_from_peers", "hand_over", "ingest_dir", "ingest_tar", "is_engine_cache", "is_ready",
-           "key_of", "lister", "lookup", "open_up", "scratch_bounds", "visible_to"]
+__all__ = [
+    "ADMIN_DOMAIN",
+    "SCHEME",
+    "EngineCacheKey",
+    "EngineCacheLimits",
+    "EngineName",
+    "Pipe",
+    "body_limit",
+    "domain_of",
+    "fill_from_peers",
+    "hand_over",
+    "ingest_dir",
+    "ingest_tar",
+    "is_engine_cache",
+    "is_ready",
+    "key_of",
+    "lister",
+    "lookup",
+    "open_up",
+    "scratch_bounds",
+    "visible_to",
+]

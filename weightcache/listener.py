@@ -13,7 +13,7 @@ wrapped in a guard that:
   the first byte of its next request (with a 408 saying so), and one whose body (Content-Length or chunked) is
   not complete `body_timeout_s` after its headers; a connection waiting for its answer is never cut (a
   streaming ensure lasts hours), and one idle between requests is closed by aiohttp after `idle_timeout_s`
-  (the runner's keep-alive timeout: `Limits.runner_args`);
+  (the runner's keep-alive timeout: `ConnectionLimits.runner_args`);
 - logs what it refused at most once per `LOG_EVERY_S`, with counts, and rate-limits the error logs of asyncio,
   aiohttp and the API (`RateLimitFilter`): a flood of bad connections costs kilobytes of log, not megabytes.
 
@@ -56,7 +56,7 @@ NOISY_LOGGERS = ("asyncio", "aiohttp.server", "aiohttp.web", "aiohttp.access", "
 
 
 @dataclass(frozen=True)
-class Limits:
+class ConnectionLimits:
     max_connections: int = 64
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
@@ -103,7 +103,8 @@ class _Guard(asyncio.Protocol):
     With `tls`, it is first the raw connection (slot, deadline), then the plaintext protocol of the TLS transport
     that `start_tls` builds on it."""
 
-    def __init__(self, inner: Any, limits: Limits, stats: GuardStats, tls: ssl.SSLContext | None = None) -> None:
+    def __init__(self, inner: Any, limits: ConnectionLimits, stats: GuardStats,
+                 tls: ssl.SSLContext | None = None) -> None:
         self._inner = inner
         self._limits = limits
         self._stats = stats
@@ -353,12 +354,12 @@ def _body_framing(head: bytes) -> tuple[int, bool]:
 class GuardedTCPSite(web.BaseSite):
     """A TCPSite whose connections pass through the guard; `stats` says what it refused."""
 
-    def __init__(self, runner: web.BaseRunner, host: str, port: int, *, limits: Limits | None = None,
+    def __init__(self, runner: web.BaseRunner, host: str, port: int, *, limits: ConnectionLimits | None = None,
                  ssl_context: ssl.SSLContext | None = None) -> None:
         super().__init__(runner)
         self._host, self._port = host, port
         self._tls = ssl_context
-        self.limits = limits or Limits()
+        self.limits = limits or ConnectionLimits()
         self.stats = GuardStats()
         self.port = 0
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from weightcache.errors import HostileKeyError, InvalidReferenceError
 from weightcache.uri import ModelRef, parse_ref
+from weightcache.vocabulary import ANNOTATION_PREFIX
 
 SYSTEM_PATHS = ("/proc", "/sys", "/dev")
 
@@ -98,7 +99,7 @@ def decide(
         return Decision(False, f"ModelCache {name} grants namespace {namespace!r} only {_globs_text(grant)} of "
                                f"{wanted.uri}, and this request asks for {_globs_text(wanted)}; ask for at most "
                                f"what is granted (volumeAttributes {_attributes_text(grant)}, or the same "
-                               f"weightcache.io/include and weightcache.io/exclude annotations)")
+                               f"{ANNOTATION_PREFIX}include and {ANNOTATION_PREFIX}exclude annotations)")
     if declaring:
         return Decision(
             False,

@@ -100,7 +100,7 @@ class Limiter:
                     self._waiting -= 1
 
 
-class Limits:
+class BandwidthLimits:
     """The process's limits: the node's origin and peer buckets and one per source key."""
 
     def __init__(self) -> None:
@@ -147,7 +147,7 @@ class Limits:
                                    "sources": waited}}
 
 
-LIMITS = Limits()
+LIMITS = BandwidthLimits()
 
 
 def acquire_origin(name: str, n: int, cancel: threading.Event | None = None) -> None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from weightcache.errors import InvalidReferenceError
 from weightcache.redact import redact
+from weightcache.vocabulary import READINESS_LABEL_PREFIX
 
 SCHEMES = ("s3", "gs", "az", "http", "https", "file", "memory", "hf", "oci")
 EXAMPLE = "s3://models/llama-3-8b/ (optionally s3://models/llama-3-8b/@<revision>)"
@@ -82,8 +83,7 @@ def model_key(uri: str, include: tuple[str, ...] = (), exclude: tuple[str, ...] 
     return "m" + hashlib.sha256(material.encode()).hexdigest()[:20]
 
 
-LABEL_DOMAIN = "weightcache.io/"
-_READINESS_LABEL = re.compile(r"weightcache\.io/m[0-9a-f]{20}")
+_READINESS_LABEL = re.compile(re.escape(READINESS_LABEL_PREFIX) + r"m[0-9a-f]{20}")
 
 
 def readiness_label(ref: ModelRef | str) -> str:
@@ -91,7 +91,7 @@ def readiness_label(ref: ModelRef | str) -> str:
 
     It hashes the globs with the URI (`ref.key`): a node holding only `include: [config.json]` of a model must
     not look ready to a pod that wants all of it. A string is a reference without globs."""
-    return LABEL_DOMAIN + (ref if isinstance(ref, ModelRef) else parse_ref(ref)).key
+    return READINESS_LABEL_PREFIX + (ref if isinstance(ref, ModelRef) else parse_ref(ref)).key
 
 
 def is_readiness_label(key: str) -> bool:

@@ -18,8 +18,15 @@ MODELCACHENODE_KIND = "ModelCacheNode"
 CSI_DRIVER = "csi.weightcache.io"
 DRA_DRIVER = "models.weightcache.io"
 
-# Pod annotations all start with this (weightcache/pods/annotations.py names each key).
+# Pod annotations all start with this (weightcache/pods/annotations.py names each key; the keys a layer below pods/
+# or beside it reads are named here too).
 ANNOTATION_PREFIX = f"{GROUP}/"
+MODEL_ANNOTATION = f"{ANNOTATION_PREFIX}model"  # also on the ResourceClaims dra/template.py writes
+VIA_ANNOTATION = f"{ANNOTATION_PREFIX}via"  # csi | dra | dra-extended: webhook.dra_claim, placement.choice
+# A model's node label: READINESS_LABEL_PREFIX + its model key (uri.readiness_label), set to READY by the daemon of
+# each node that holds it; the webhook's node affinity and the placement controller read it.
+READINESS_LABEL_PREFIX = f"{GROUP}/"
+READY = "ready"
 # The scheduling gate the webhook adds to a pod whose model is ready on no node, and the controller removes.
 GATE = f"{GROUP}/model"
 

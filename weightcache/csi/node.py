@@ -253,7 +253,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
                  kubelet_dir: str | Path, publish_timeout: float = CSI_TIMEOUT_S, book: VolumeBook | None = None,
                  tier: MemoryTier | None = None, pool: ThreadPoolExecutor | None = None,
                  observe: Callable[[str, float, str], None] | None = None,
-                 engine_limits: engine_cache.Limits | None = None) -> None:
+                 engine_limits: engine_cache.EngineCacheLimits | None = None) -> None:
         self._store = store
         self._tier = tier
         self._fetches = fetches
@@ -268,7 +268,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         self._streams: dict[str, tuple[StreamFill, asyncio.Task[None]]] = {}  # volume id -> its view's filling
         self._pool = pool or ThreadPoolExecutor(4, thread_name_prefix="wc-csi")
         self._readbacks = ThreadPoolExecutor(READBACKS, thread_name_prefix="wc-csi-readback")
-        self._engine_limits = engine_limits or engine_cache.Limits()
+        self._engine_limits = engine_limits or engine_cache.EngineCacheLimits()
         self.observe = observe
 
     async def _io(self, fn: Callable[..., T], *args: object) -> T:

@@ -57,7 +57,7 @@ async def serve_csi(endpoint: str, *, store: Store, fetches: FetchQueue, node_id
                     publish_timeout: float = CSI_TIMEOUT_S, kubelet_dir: str | Path = defaults.KUBELET_DIR,
                     tier: MemoryTier | None = None,
                     observe: Callable[[str, float, str], None] | None = None,
-                    engine_limits: engine_cache.Limits | None = None) -> grpc.aio.Server:
+                    engine_limits: engine_cache.EngineCacheLimits | None = None) -> grpc.aio.Server:
     """Reconcile leases with the mount table, start serving CSI on `endpoint` and resume filling the streaming
     views a restart interrupted; the caller stops the server.
 

@@ -32,7 +32,7 @@ from weightcache.daemon.node import MeteredFetcher, Node
 from weightcache.daemon.reconcile import Reconciler
 from weightcache.daemon.tasks import Tasks
 from weightcache.errors import ConfigError, MemoryTierError, StoreError
-from weightcache.listener import GuardedTCPSite, Limits
+from weightcache.listener import ConnectionLimits, GuardedTCPSite
 from weightcache.redact import RedactingFormatter
 from weightcache.store import Store
 from weightcache.unixsock import claim_socket_path
@@ -40,7 +40,7 @@ from weightcache.unixsock import claim_socket_path
 log = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 5.0  # how long a request in progress (a streaming ensure) may take to finish on SIGTERM
-TCP_LIMITS = Limits()  # the TCP listener's connection cap and header/body timeouts (weightcache/listener.py)
+TCP_LIMITS = ConnectionLimits()  # the TCP listener's connection cap and header/body timeouts (weightcache/listener.py)
 
 
 class Daemon:

@@ -141,9 +141,9 @@ class Settings:
     config_path: Path | None = field(default=None, compare=False)
 
     @property
-    def engine_limits(self) -> engine_cache.Limits:
+    def engine_limits(self) -> engine_cache.EngineCacheLimits:
         """The bounds and budgets of engine caches: handed over through the API, and pods' volumes."""
-        return engine_cache.Limits(node_bytes=self.engine_cache_budget,
+        return engine_cache.EngineCacheLimits(node_bytes=self.engine_cache_budget,
                                    namespace_bytes=self.engine_cache_namespace_budget)
 
     @property

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from weightcache.daemon.metrics import Metrics
 from weightcache.errors import ConfigError
-from weightcache.listener import GuardedTCPSite, Limits
+from weightcache.listener import ConnectionLimits, GuardedTCPSite
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # Prometheus text exp
 _METRICS: web.AppKey[Metrics] = web.AppKey("metrics", Metrics)
 # A scraper sends one small GET every 15-60 s on a kept-alive connection: a few slots are plenty, and a request
 # that is not whole within 5 s is not Prometheus.
-LIMITS = Limits(max_connections=16, header_timeout_s=5.0, body_timeout_s=5.0, idle_timeout_s=75.0)
+LIMITS = ConnectionLimits(max_connections=16, header_timeout_s=5.0, body_timeout_s=5.0, idle_timeout_s=75.0)
 
 
 async def _metrics(request: web.Request) -> web.Response:

@@ -27,11 +27,11 @@ from weightcache.daemon.node import Node
 from weightcache.errors import NotAllowedError
 from weightcache.fetch import Progress
 from weightcache.store import Snapshot
-from weightcache.uri import LABEL_DOMAIN, ModelRef, is_readiness_label
+from weightcache.uri import ModelRef, is_readiness_label
+from weightcache.vocabulary import READINESS_LABEL_PREFIX, READY
 
 log = logging.getLogger(__name__)
 
-READY = "ready"
 PIN_OWNER = "daemon"  # the store keeps one pin per owner: a pin someone made by hand is never taken away
 
 
@@ -290,7 +290,7 @@ def _stored_labels(node: Node) -> frozenset[str]:
     """The readiness label of every selection a complete snapshot in the store answers: a ref's model key is
     `ModelRef.key` (uri + globs), the very hash `readiness_label` names; eviction deletes the snapshot's refs."""
     rows = node.store.index.query("SELECT DISTINCT r.model_key FROM refs r JOIN snapshots s ON s.id = r.snapshot_id")
-    return frozenset(LABEL_DOMAIN + str(key) for (key,) in rows)
+    return frozenset(READINESS_LABEL_PREFIX + str(key) for (key,) in rows)
 
 
 def _try(what: str, fn: Any, *args: Any) -> None:

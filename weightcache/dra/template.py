@@ -26,6 +26,7 @@ import yaml
 
 from weightcache.dra import DRIVER_NAME
 from weightcache.uri import model_key, parse_ref
+from weightcache.vocabulary import MODEL_ANNOTATION
 
 DEVICE_CLASS = DRIVER_NAME
 REQUEST = "model"
@@ -78,7 +79,7 @@ def device_class(uri: str, *, revision: str | None = None, mount_path: str | Non
         spec["config"] = [{"opaque": {"driver": DRIVER_NAME, "parameters": parameters}}]
     return {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
             "metadata": {"name": template_name(ref.uri, revision=ref.revision, mount_path=mount_path, env=env),
-                         "annotations": {"weightcache.io/model": ref.uri}},
+                         "annotations": {MODEL_ANNOTATION: ref.uri}},
             "spec": spec}
 
 
@@ -95,7 +96,7 @@ def claim_template(uri: str, *, revision: str | None = None, namespace: str | No
     ref = parse_ref(uri, revision=revision)
     metadata: dict[str, Any] = {"name": template_name(ref.uri, revision=ref.revision, mount_path=mount_path,
                                                       env=env),
-                                "annotations": {"weightcache.io/model": ref.uri}}
+                                "annotations": {MODEL_ANNOTATION: ref.uri}}
     if namespace:
         metadata["namespace"] = namespace
     model = {"cel": {"expression": selector(ref.uri, ref.revision)}}

@@ -36,7 +36,7 @@ from pathlib import Path
 from aiohttp import web
 
 from weightcache.download import PartialFile
-from weightcache.listener import GuardedTCPSite, Limits
+from weightcache.listener import ConnectionLimits, GuardedTCPSite
 from weightcache.peers.client import PARTIAL_HEADER
 from weightcache.peers.identity import OriginId, record_matches
 from weightcache.peers.inflight import InFlight
@@ -64,8 +64,8 @@ class PeerLimits:
 
     rate_bytes_s: int = 500 << 20  # token bucket refill; 0 = unlimited
     max_streams: int = 8  # bodies served to one peer at once: one fetch's workers (8) may all wait on this node
-    listener: Limits = field(default_factory=lambda: Limits(max_connections=128, header_timeout_s=10.0,
-                                                              body_timeout_s=10.0, idle_timeout_s=30.0))
+    listener: ConnectionLimits = field(default_factory=lambda: ConnectionLimits(
+        max_connections=128, header_timeout_s=10.0, body_timeout_s=10.0, idle_timeout_s=30.0))
 
 
 class TokenBucket:

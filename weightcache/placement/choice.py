@@ -32,10 +32,11 @@ from weightcache.pods.annotations import MAX_MODELS, parse_annotations, wants_in
 from weightcache.policy import decide
 from weightcache.uri import ModelRef
 from weightcache.vocabulary import GATE as GATE  # re-exported: tests read choice.GATE
+from weightcache.vocabulary import READY
+from weightcache.vocabulary import VIA_ANNOTATION as VIA
 
 log = logging.getLogger(__name__)
 
-READY = "ready"
 ZONE = "topology.kubernetes.io/zone"
 MAX_DEMAND_PER_NAMESPACE = 64  # demanded models (demand names) one namespace's pods may hold at once
 State = Literal["gated", "bound", "waiting", "done", "invalid"]
@@ -172,9 +173,6 @@ def holds(node: NodeFacts, refs: Iterable[ModelRef]) -> int:
 def ready_nodes(pod: Mapping[str, Any], refs: Sequence[ModelRef], nodes: Iterable[NodeFacts]) -> list[str]:
     """Nodes the pod may run on that hold all its models: where releasing it lets it mount at once."""
     return sorted(n.name for n in nodes if holds(n, refs) == len(refs) and eligible(pod, n))
-
-
-VIA = "weightcache.io/via"
 
 
 def via_dra(pod: Mapping[str, Any]) -> bool:

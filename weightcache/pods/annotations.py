@@ -34,10 +34,10 @@ from dataclasses import dataclass
 from weightcache.engine_name import EngineName
 from weightcache.errors import AnnotationError, InvalidReferenceError, InvalidRequestError
 from weightcache.uri import ModelRef, parse_globs, parse_ref, readiness_label, validate_repo_id
-from weightcache.vocabulary import STREAM_ANNOTATION
+from weightcache.vocabulary import ANNOTATION_PREFIX, MODEL_ANNOTATION, STREAM_ANNOTATION
 
-PREFIX = "weightcache.io/"
-MODEL = PREFIX + "model"
+PREFIX = ANNOTATION_PREFIX
+MODEL = MODEL_ANNOTATION
 MODELS = PREFIX + "models"
 MOUNT_PATH = PREFIX + "mount-path"
 CONTAINERS = PREFIX + "containers"

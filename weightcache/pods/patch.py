@@ -10,8 +10,8 @@ from collections.abc import Mapping
 from typing import Any, TypedDict
 
 from weightcache.errors import AnnotationError, BadAdmissionReviewError, InjectionConflictError
+from weightcache.vocabulary import ANNOTATION_PREFIX, READY
 
-READY = "ready"  # the value of a model's node label on nodes that hold it
 REQUIRED = "requiredDuringSchedulingIgnoredDuringExecution"
 
 
@@ -31,7 +31,7 @@ def chosen(spec: Mapping[str, Any], names: tuple[str, ...] | None) -> list[tuple
     missing = [n for n in names if n not in by_name]
     if missing:
         raise AnnotationError(
-            f"weightcache.io/containers names {', '.join(missing)}, which this pod does not have; "
+            f"{ANNOTATION_PREFIX}containers names {', '.join(missing)}, which this pod does not have; "
             f"write one or more of: {', '.join(by_name)}"
         )
     return [by_name[n] for n in names]

@@ -15,9 +15,8 @@ from typing import Literal
 
 from weightcache.errors import AnnotationError
 from weightcache.pods.annotations import KNOWN, PREFIX
+from weightcache.vocabulary import VIA_ANNOTATION as VIA
 
-# weightcache.io/via is read by webhook.dra_claim and placement.choice (layers above this one); named here as well
-VIA = PREFIX + "via"
 KNOWN_KEYS: tuple[str, ...] = (*KNOWN, VIA)
 MAX_WARNINGS = 10
 Mode = Literal["warn", "deny"]

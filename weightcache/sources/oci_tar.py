@@ -64,7 +64,7 @@ class Unpacked:
 
 
 @dataclass(frozen=True)
-class Limits:
+class TarLimits:
     max_members: int = MAX_MEMBERS
     max_bytes: int = MAX_BYTES
     max_header_bytes: int = MAX_HEADER_BYTES
@@ -97,7 +97,7 @@ def _name(raw: str, layer: str) -> str:
 
 
 def unpack_layer(stream: IO[bytes], layer: str, compression: str, write: Write,
-                 limits: Limits = Limits()) -> list[Unpacked]:
+                 limits: TarLimits = TarLimits()) -> list[Unpacked]:
     """The files of one tar layer named `layer` (its file-path annotation), each stored through `write`."""
     if compression not in COMPRESSIONS:
         raise SourceError(f"the tar layer {layer!r} is {compression}; only {' and '.join(COMPRESSIONS)} are "
@@ -257,7 +257,7 @@ def _open_blob(store: Store, hexdigest: str, size: int) -> IO[bytes]:
 
 
 def expand_layers(entries: list[FileEntry], tars: dict[str, tuple[str, str]], store: Store, *, key: str, uri: str,
-                  keep: Callable[[str], bool], limits: Limits = Limits()) -> list[FileEntry]:
+                  keep: Callable[[str], bool], limits: TarLimits = TarLimits()) -> list[FileEntry]:
     """`entries` with each hidden tar-layer entry replaced by the layer's members that `keep` (the reference's
     globs), each member's etag the layer's digest (what OciSource.still_names compares). `tars`: the listing's
     hex digest -> (layer name, compression). Members are written whether kept or not (a hard link may name a
@@ -302,5 +302,5 @@ def expand_layers(entries: list[FileEntry], tars: dict[str, tuple[str, str]], st
     return out
 
 
-__all__ = ["COMPRESSIONS", "HIDDEN", "Limits", "Unpacked", "expand_layers", "member_name", "sha256_of",
+__all__ = ["COMPRESSIONS", "HIDDEN", "TarLimits", "Unpacked", "expand_layers", "member_name", "sha256_of",
            "unpack_layer"]

@@ -33,8 +33,8 @@ from weightcache.errors import AnnotationError, InjectionConflictError
 from weightcache.pods.annotations import ENV_SINGLE, PREFIX, STREAM, Injection, ModelMount
 from weightcache.pods.patch import check_names, chosen, extend, list_at, mapping_at
 from weightcache.vocabulary import GATE
+from weightcache.vocabulary import VIA_ANNOTATION as VIA
 
-VIA = PREFIX + "via"
 VIAS = ("csi", "dra", "dra-extended")
 EXTENDED = "dra-extended"
 DEFAULT_PATH = "/models/model"

@@ -44,7 +44,7 @@ from watchdog.observers import Observer
 
 from weightcache.errors import BadAdmissionReviewError, ConfigError, InvalidRequestError
 from weightcache.jsonbody import parse_json
-from weightcache.listener import GuardedTCPSite, Limits
+from weightcache.listener import ConnectionLimits, GuardedTCPSite
 from weightcache.placement.nodes import NodeFacts
 from weightcache.pods.annotations import MAX_MODELS
 from weightcache.pods.unknown_keys import Mode
@@ -63,7 +63,7 @@ INLINE_BODY = 64 * 1024  # bodies up to this are reviewed on the event loop (wel
 SLOW_REVIEWS = 1  # larger ones run in a thread, one at a time: each holds tens of MB of parsed JSON and the GIL
 # kube-apiserver keeps a pool of connections per replica and sends whole requests at once; a review must arrive
 # within seconds (the call's own timeout is 10 s by default)
-LIMITS = Limits(max_connections=256, header_timeout_s=10.0, body_timeout_s=10.0, idle_timeout_s=60.0)
+LIMITS = ConnectionLimits(max_connections=256, header_timeout_s=10.0, body_timeout_s=10.0, idle_timeout_s=60.0)
 
 
 @dataclass(frozen=True)
