@@ -177,7 +177,7 @@ async def test_what_a_pod_wrote_is_hostile_and_a_refusal_costs_only_its_cache(ec
 
 async def test_the_scratch_is_bounded_by_its_own_filesystem(safe_tmp: Path, model_in_s3: str,
                                                             fault_proxy: FaultProxy) -> None:
-    h = await two_namespaces(safe_tmp, fault_proxy, engine_cache.Limits(max_bytes=64 << 10, max_entries=6))
+    h = await two_namespaces(safe_tmp, fault_proxy, engine_cache.EngineCacheLimits(max_bytes=64 << 10, max_entries=6))
     try:
         await h.node.NodePublishVolume(engine_volume(h, "big"))
         target = h.target("big")

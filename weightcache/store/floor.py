@@ -38,7 +38,7 @@ MAX_BYTES = (1 << 63) - 1
 
 
 @dataclass(frozen=True)
-class Limits:
+class SpaceLimits:
     """A store's floor and budget: None is what nobody set (the defaults' floor, no budget)."""
 
     min_free_bytes: int | None = None
@@ -46,9 +46,9 @@ class Limits:
     budget_bytes: int | None = None
     set_by: str = ""  # who wrote them: "daemon", "cli"
 
-    def merged(self, other: Limits) -> Limits:
+    def merged(self, other: SpaceLimits) -> SpaceLimits:
         """These, with `other`'s values where these are None."""
-        return Limits(_first(self.min_free_bytes, other.min_free_bytes),
+        return SpaceLimits(_first(self.min_free_bytes, other.min_free_bytes),
                       _first(self.min_free_percent, other.min_free_percent),
                       _first(self.budget_bytes, other.budget_bytes), self.set_by or other.set_by)
 
@@ -57,25 +57,25 @@ def _first(a: Any, b: Any) -> Any:
     return a if a is not None else b
 
 
-def read_limits(layout: Layout) -> Limits:
-    """What the store's limits file says (Limits() when there is none, or it is damaged: then quarantined)."""
+def read_limits(layout: Layout) -> SpaceLimits:
+    """What the store's limits file says (SpaceLimits() when there is none, or it is damaged: then quarantined)."""
     path = layout.root / LIMITS_FILE
     data = layout.tree.read(path, limit=4096)
     if data is None:
-        return Limits()
+        return SpaceLimits()
     try:
         obj = json.loads(data)
         if not isinstance(obj, dict):
             raise ValueError("not a JSON object")
-        return Limits(_count(obj.get("min_free_bytes"), "min_free_bytes"),
+        return SpaceLimits(_count(obj.get("min_free_bytes"), "min_free_bytes"),
                       _share(obj.get("min_free_percent")), _count(obj.get("budget_bytes"), "budget_bytes"),
                       str(obj.get("set_by") or "")[:40])
     except (ValueError, TypeError, RecursionError) as exc:
         layout.tree.quarantine(path, f"is not the store's limits ({str(exc)[:200]})")
-        return Limits()
+        return SpaceLimits()
 
 
-def write_limits(layout: Layout, limits: Limits) -> None:
+def write_limits(layout: Layout, limits: SpaceLimits) -> None:
     """Keep `limits` with the store (atomic; a full disk that refuses the write costs a warning, not the command)."""
     body = {"version": _VERSION, "min_free_bytes": limits.min_free_bytes, "min_free_percent": limits.min_free_percent,
             "budget_bytes": limits.budget_bytes, "set_by": limits.set_by}
@@ -128,7 +128,7 @@ def floor_from(env: Mapping[str, str], *, min_free_bytes: int | None = None,
     return min_free_bytes, min_free_percent
 
 
-def defaulted(limits: Limits) -> tuple[int, float]:
+def defaulted(limits: SpaceLimits) -> tuple[int, float]:
     """The floor in force: (bytes, percent), the defaults where nobody set them."""
     return (_first(limits.min_free_bytes, defaults.MIN_FREE_BYTES),
             _first(limits.min_free_percent, defaults.MIN_FREE_PERCENT))

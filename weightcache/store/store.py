@@ -101,7 +101,7 @@ class Store:
         self.tree = self.layout.tree
         self.layout.create()
         stored = floor.read_limits(self.layout)
-        self.limits = floor.Limits(min_free_bytes, min_free_percent, set_by=set_by).merged(stored)
+        self.limits = floor.SpaceLimits(min_free_bytes, min_free_percent, set_by=set_by).merged(stored)
         budget_given = not isinstance(budget_bytes, Unset)
         self.limits = dataclasses.replace(self.limits, budget_bytes=stored.budget_bytes if isinstance(
             budget_bytes, Unset) else budget_bytes)
@@ -651,7 +651,7 @@ class Store:
     def set_limits(self, *, budget_bytes: int | None, min_free_bytes: int, min_free_percent: float,
                    set_by: str) -> None:
         """Set the floor and budget (the daemon's config, live) and keep them with the store for every command."""
-        self.limits = floor.Limits(min_free_bytes, min_free_percent, budget_bytes, set_by)
+        self.limits = floor.SpaceLimits(min_free_bytes, min_free_percent, budget_bytes, set_by)
         floor.write_limits(self.layout, self.limits)
 
     def floor_bytes(self, disk_size: int) -> int:
