@@ -152,7 +152,8 @@ async def test_a_hand_over_never_evicts_a_model(ec: CsiHarness) -> None:
     cached_model(ec.store, "theirs", os.urandom(8 << 20))  # another tenant's, cached here and unused
     models = {i.snapshot.id for i in ec.store.list()}
     write_cache(ec.target("pod"), {"a.txt": b"a", "z.bin": bytes(300 << 20)})
-    ec.store.budget_bytes = mine.size + (256 << 20) + 1  # the leased model, and 256 MiB beside it
+    ec.store.set_limits(budget_bytes=mine.size + (256 << 20) + 1, min_free_bytes=ec.store.min_free_bytes,
+                        min_free_percent=ec.store.min_free_percent, set_by="the test")  # the model and 256 MiB
     await ec.node.NodeUnpublishVolume(ec.unpublish_request("pod"))
     assert artifacts(ec) == []
     assert {i.snapshot.id for i in ec.store.list()} == models, "a model was evicted for an engine cache"
