@@ -527,15 +527,10 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
-async def _close_listing(app: web.Application) -> None:
-    app[LISTING].close()
-
-
 def make_app(node: Node, *, token: bytes | None = None) -> web.Application:
     app = web.Application(middlewares=[_errors, _auth], client_max_size=1 << 20)
     app[NODE] = node
     app[LISTING] = Listing(node.store, _render)
-    app.on_cleanup.append(_close_listing)
     if token is not None:
         app[TOKEN] = token
     app.router.add_put("/v1/models", ensure)

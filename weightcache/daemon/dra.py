@@ -68,15 +68,13 @@ class Served:
 
 
 def change_token(node: Node, *, fetchable: bool = False) -> Callable[[], object]:
-    """Cheap: the store's snapshot and manifest directories change on every publish and eviction; with fetchable
-    devices, also the models the ModelCaches offer."""
-    layout = node.store.layout
+    """Cheap: the store's change token (every publish and eviction commits to its index); with fetchable devices,
+    also the models the ModelCaches offer."""
 
     def token() -> object:
         resident = frozenset(r.id for r in node.tier.resident()) if node.tier is not None else frozenset()
         offered = tuple(sorted((k, m.size) for k, m in declared(node.model_caches()).items())) if fetchable else ()
-        return (layout.snapshots.stat().st_mtime_ns, layout.manifests.stat().st_mtime_ns, resident, offered,
-                STATES.version)
+        return node.store.changes.read()[0], resident, offered, STATES.version
     return token
 
 

@@ -37,6 +37,7 @@ from weightcache.errors import (
 )
 from weightcache.store import floor, quarantine, recovery
 from weightcache.store.blobwrite import BlobWriter
+from weightcache.store.changes import ChangeToken
 from weightcache.store.evict import plan_eviction
 from weightcache.store.fsops import TMP_PREFIX, HeldDirs, commits_in_order, move_noreplace, tmp_name
 from weightcache.store.index import Index
@@ -114,6 +115,7 @@ class Store:
         if recover:
             quarantine.prune(self)
         self.index = Index(self.layout.index, self.tree, on_full=self._release_reserve)
+        self.changes = ChangeToken(self.layout)  # has the store changed? (for readers that keep what they derive)
         self._check_counts: dict[str, dict[str, int]] = {}  # snapshot id -> source_checks (manifests never change)
         if recover:
             recovery.sync(self, manifests)
@@ -123,6 +125,7 @@ class Store:
 
     def close(self) -> None:
         self.index.close()
+        self.changes.close()
 
     # -- locking ----------------------------------------------------------------------------------------------
     @contextmanager
