@@ -8,7 +8,6 @@ import kubernetes
 import pytest
 import yaml
 
-from tests.fake_apiserver import FakeApiServer
 from weightcache.errors import ConfigError
 from weightcache.kube.client import in_cluster, load_api_client
 
@@ -38,16 +37,15 @@ def test_no_config_means_off_cluster():
     assert load_api_client() is None
 
 
-def test_kubeconfig_is_used_and_the_token_is_not_logged(tmp_path, monkeypatch, caplog):
+def test_kubeconfig_is_used_and_the_token_is_not_logged(apiserver, tmp_path, monkeypatch, caplog):
     caplog.set_level(logging.DEBUG)
-    with FakeApiServer() as server:
-        server.create("nodes", {"metadata": {"name": "n1"}})
-        kubeconfig(tmp_path / "config", server.url)
-        monkeypatch.setenv("KUBECONFIG", str(tmp_path / "config"))
-        client = load_api_client()
-        assert client is not None and client.configuration.host == server.url
-        nodes = kubernetes.client.CoreV1Api(client).list_node()
-        assert [n.metadata.name for n in nodes.items] == ["n1"]
+    apiserver.create("nodes", {"metadata": {"name": "n1"}})
+    kubeconfig(tmp_path / "config", apiserver.url)
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "config"))
+    client = load_api_client()
+    assert client is not None and client.configuration.host == apiserver.url
+    nodes = kubernetes.client.CoreV1Api(client).list_node()
+    assert [n.metadata.name for n in nodes.items] == ["n1"]
     assert TOKEN not in caplog.text
 
 

@@ -154,24 +154,23 @@ def _permitted(subject: str, need: tuple[str, str, str, str]) -> bool:
     return any((not ns or ns == need[3]) and _allows(rules, need) for ns, rules in _roles(subject))
 
 
-def test_the_daemons_requests_are_exactly_covered_by_its_rbac():
-    with FakeApiServer(schemas=crd_schemas()) as server:
-        server.create("nodes", node("n1"))
-        mc = server.create("modelcaches", model_cache("llama", "s3://models/llama/"))
-        watcher = ModelCacheWatcher(server.api_client())
-        watcher.start()
-        assert watcher.wait_synced(10)
-        server.wait_requests("GET", "modelcaches", watch="True")
-        watcher.stop()
-        reporter = NodeReporter(server.api_client(), "n1", min_interval=0)
-        reporter.node_labels()  # what the daemon's reconcile reads, then patches (daemon/reconcile._label_changes)
-        reporter.set_labels({"weightcache.io/m00000000000000000000": "ready"})
-        reporter.report("llama", ModelState("Fetching"))
-        reporter.forget("llama")
-        reporter.event(mc, "FetchFailed", "x")
-        reporter.event(mc, "FetchFailed", "x")
-        assert discover_peers(server.api_client(), "n1") == []  # peers read each other's ModelCacheNode status
-        needed = _needed(server.requests)  # setup wrote directly, not over HTTP
+def test_the_daemons_requests_are_exactly_covered_by_its_rbac(apiserver: FakeApiServer):
+    apiserver.create("nodes", node("n1"))
+    mc = apiserver.create("modelcaches", model_cache("llama", "s3://models/llama/"))
+    watcher = ModelCacheWatcher(apiserver.api_client())
+    watcher.start()
+    assert watcher.wait_synced(10)
+    apiserver.wait_requests("GET", "modelcaches", watch="True")
+    watcher.stop()
+    reporter = NodeReporter(apiserver.api_client(), "n1", min_interval=0)
+    reporter.node_labels()  # what the daemon's reconcile reads, then patches (daemon/reconcile._label_changes)
+    reporter.set_labels({"weightcache.io/m00000000000000000000": "ready"})
+    reporter.report("llama", ModelState("Fetching"))
+    reporter.forget("llama")
+    reporter.event(mc, "FetchFailed", "x")
+    reporter.event(mc, "FetchFailed", "x")
+    assert discover_peers(apiserver.api_client(), "n1") == []  # peers read each other's ModelCacheNode status
+    needed = _needed(apiserver.requests)  # setup wrote directly, not over HTTP
     refused = [n for n in needed if not _permitted("weightcache-daemon", n)]
     assert not refused, refused
     assert ("", "events", "create", "default") in needed
