@@ -26,8 +26,9 @@ import boto3
 import pytest
 from botocore.config import Config
 
-from tests.fixtures_daemon import off_cluster, short_dir, tiny_model  # noqa: F401 - fixtures by name
 from tests_objstores import servers
+
+pytest_plugins = ["tests.fixtures_daemon"]  # tiny_model, short_dir, daemon; autouse off_cluster
 
 T = TypeVar("T")
 TIMINGS: dict[str, float] = {}  # server -> seconds to start, printed at the end (README's tier figures)

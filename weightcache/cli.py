@@ -187,6 +187,8 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
     if args.dry_run:
         return _dry_run(args, ref, cache)
     printer = ProgressPrinter(quiet=args.quiet)
+    if isinstance(cache, DaemonCache):
+        _refuse_unsent(args, cache)
     try:
         if isinstance(cache, DaemonCache):
             result = _prefetch_through(cache.client, ref, args, printer)
@@ -208,6 +210,28 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
 
 class _Stopped(Exception):
     """Ctrl-C during a prefetch; the message says what happens to the download."""
+
+
+#: Flags of a fetch that the daemon's API does not take: its fetches run under its own config (endpoints,
+#: concurrency, timeouts), shared by every client that joins them.
+UNSENT_FLAGS = (("endpoint_url", "--endpoint-url", "endpoints"), ("concurrency", "--concurrency", "concurrency"),
+                ("chunk_size", "--chunk-size", "chunkSize"), ("connect_timeout", "--connect-timeout", "connectTimeout"),
+                ("read_timeout", "--read-timeout", "readTimeout"), ("disk_budget", "--disk-budget", "diskBudget"),
+                ("min_free_bytes", "--min-free-bytes", "minFreeBytes"),
+                ("min_free_percent", "--min-free-percent", "minFreePercent"))
+
+
+def _refuse_unsent(args: argparse.Namespace, cache: DaemonCache) -> None:
+    """A flag the daemon would not honour is refused, never dropped (a fetch that went to AWS instead of the
+    --endpoint-url given, while --no-daemon worked)."""
+    given = [(flag, key) for attr, flag, key in UNSENT_FLAGS if getattr(args, attr, None) is not None]
+    if given:
+        flags = ", ".join(flag for flag, _ in given)
+        keys = ", ".join(f"`{key}`" for _, key in given)
+        raise ConfigError(f"{flags}: {cache.where} fetches with its own settings and does not take "
+                          f"{'this flag' if len(given) == 1 else 'these flags'}; set {keys} in its config "
+                          "(docs/config.md), or fetch with this command's settings into a store of its own "
+                          "with --no-daemon (or --root DIR)")
 
 
 def _prefetch_through(client: DaemonClient, ref: ModelRef, args: argparse.Namespace,
@@ -357,6 +381,8 @@ def cmd_pin(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     cache = _cache(args)
+    if isinstance(cache, DaemonCache) and args.repair:
+        _refuse_unsent(args, cache)  # --endpoint-url: the daemon refetches from its own endpoints
     entries = match(cache.snapshots(), args.ref, where=cache.where) if args.ref else cache.snapshots()
     damaged = 0
     if args.output == "json":  # one document; the exit code still says whether damage is left
