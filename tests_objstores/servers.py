@@ -252,6 +252,9 @@ def azurite(work: Path) -> Iterator[str]:
 
 
 if __name__ == "__main__":
+    import sys
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # `kill` stops the servers too, not only Ctrl-C
     with tempfile.TemporaryDirectory(prefix="weightcache-objstores.") as tmp, \
             ceph_rgw(Path(tmp) / "ceph") as rgw, fake_gcs(Path(tmp) / "gcs") as gcs, azurite(Path(tmp) / "az") as az:
         print(f"export AWS_ENDPOINT_URL={rgw.endpoint_url} AWS_ACCESS_KEY_ID={rgw.access_key} "

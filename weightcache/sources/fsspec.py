@@ -3,11 +3,14 @@
 fsspec lists (`find`), except local files: one `scandir` per directory, one stat per file. Reads go straight
 into the caller's buffer for local files (`preadv`) and memory files, and through `cat_file` ranges for remote
 filesystems.
-Every object is pinned to the version listed: the store's generation (gs) or ETag (az), else a token of inode,
-ctime, mtime and size (local), or creation time and size (memory). Each range read checks the token after
-reading (memory before too; a local file's inode or ctime changes with any rewrite, so a change before the read
-shows after it), so a file replaced or rewritten in place after listing, even during the read, raises
-ObjectChangedError (the fetch restarts from a new listing) instead of mixing bytes of two versions.
+Every object is pinned to the version listed. gs:// reads name the listed generation (gcsfs `version_aware`,
+`path#generation`: another generation is never read), az:// reads send the listed ETag with
+`match_condition=IfNotModified` (412 when it changed). A pinned read that fails (a generation gone: 404; an ETag
+no longer current: 412) is compared with the object now: a changed or deleted object raises ObjectChangedError,
+and the fetch restarts from a new listing (a gs:// object that shrank ended in `HttpError 416`, exit 6, when reads
+were unpinned and checked after). Local files are pinned by a token of inode, ctime, mtime and size, memory files
+by creation time and size, checked after each read (memory before too; a local file's inode or ctime changes with
+any rewrite, so a change before the read shows after it).
 Local symlinks to files count as the files they point to (a Hugging Face cache snapshot is a tree of them).
 """
 
@@ -70,8 +73,8 @@ class FsspecSource:
         self.name = ref.scheme
         self.options = options or SourceOptions()  # endpoint_url and pool_size are s3's and http's
         protocol, package = PROTOCOLS[ref.scheme]
-        try:
-            self.fs: Any = fsspec.filesystem(protocol)
+        try:  # gs: reads of `path#generation` (one generation, never mixed with the next)
+            self.fs: Any = fsspec.filesystem(protocol, **({"version_aware": True} if protocol == "gcs" else {}))
         except ImportError as exc:
             raise BackendMissingError(
                 f"reading {ref.scheme}:// models needs the {package} package: pip install {package}", name=package
@@ -161,7 +164,8 @@ class FsspecSource:
 
     def _object(self, path: str, info: dict[str, Any]) -> ObjectInfo:
         relpath = path[len(self.root):] if path.startswith(self.root) else ""
-        return ObjectInfo(path, relpath, int(info["size"]), version_token(info), None, None)
+        generation = str(info["generation"]) if self._protocol == "gcs" and info.get("generation") else None
+        return ObjectInfo(path, relpath, int(info["size"]), version_token(info), generation, None)
 
     def _read_range(self, obj: ObjectInfo, pos: int, view: memoryview) -> int:
         """Read, then confirm the listed version is still the one there: a version that changed before or
@@ -184,18 +188,63 @@ class FsspecSource:
                 with self.fs.open(obj.key, "rb") as f:
                     f.seek(pos)
                     n = _fill(f, view)
-            else:
-                data = self.fs.cat_file(obj.key, start=pos, end=pos + len(view))
-                n = len(data)
-                view[:n] = data
-            self._same_version(obj, version_token(self.fs.info(obj.key)))  # gs generation, az ETag
-            return n
+                self._same_version(obj, version_token(self.fs.info(obj.key)))
+                return n
+            return self._read_remote(obj, pos, view)
         except WeightcacheError:
             raise
         except RETRYABLE as exc:
             raise Retryable(f"{type(exc).__name__} reading {obj.key}") from exc
         except Exception as exc:
             raise translate(exc, obj.key, self.ref.scheme) from exc
+
+    def _read_remote(self, obj: ObjectInfo, pos: int, view: memoryview) -> int:
+        """A range of the listed version (gs: its generation; az: If-Match its ETag), else read and checked after.
+        A failed pinned read of an object that changed since listing is ObjectChangedError."""
+        try:
+            if self._protocol == "gcs" and obj.version_id:
+                data = self.fs.cat_file(f"{obj.key}#{obj.version_id}", start=pos, end=pos + len(view))
+            elif self._protocol == "az" and obj.etag:
+                data = self._az_range(obj, pos, len(view))
+            else:
+                data = self.fs.cat_file(obj.key, start=pos, end=pos + len(view))
+                self._changed_since(obj)
+        except WeightcacheError:
+            raise
+        except RETRYABLE:
+            raise
+        except Exception as exc:
+            if getattr(exc, "status_code", None) == 412:  # az: the ETag is no longer the blob's
+                raise ObjectChangedError(f"{obj.key} was modified after listing; {_CHANGED}") from exc
+            self._changed_since(obj)  # a generation gone (404), a range past a new end (416): a change, if so
+            raise
+        view[:len(data)] = data
+        return len(data)
+
+    def _az_range(self, obj: ObjectInfo, pos: int, length: int) -> bytes:
+        """adlfs reads cannot be pinned: the Azure SDK's own download, on adlfs's client and event loop, with the
+        listed ETag and IfNotModified."""
+        from azure.core import MatchConditions
+        from fsspec.asyn import sync
+
+        container, _, blob = obj.key.partition("/")
+
+        async def download() -> bytes:
+            client = self.fs.service_client.get_blob_client(container, blob)
+            stream = await client.download_blob(offset=pos, length=length, etag=f'"{obj.etag}"',
+                                                match_condition=MatchConditions.IfNotModified)
+            return bytes(await stream.readall())
+
+        return bytes(sync(self.fs.loop, download))
+
+    def _changed_since(self, obj: ObjectInfo) -> None:
+        """ObjectChangedError when the object is gone or another version than listed; else nothing."""
+        self.fs.invalidate_cache(obj.key)  # gcsfs answers info from its listing cache: the object as listed
+        try:
+            info = self.fs.info(obj.key)
+        except FileNotFoundError:
+            raise ObjectChangedError(f"{obj.key} was deleted after listing; {_CHANGED}") from None
+        self._same_version(obj, version_token(info))
 
     @staticmethod
     def _same_version(obj: ObjectInfo, token: str | None) -> None:

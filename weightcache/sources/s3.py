@@ -12,6 +12,7 @@ S3 error codes become our exceptions by one table; messages carry the code and w
 from __future__ import annotations
 
 import base64
+import builtins
 import http.client
 import logging
 import os
@@ -60,6 +61,13 @@ _CHANGED = "the object was replaced while downloading; fetch again to get the ne
 #: Anything else botocore raises on an answer (an HTML page, a redirect loop: its region redirector follows a 301
 #: from a plain web server about 80 levels deep into a RecursionError, unparseable XML) means the endpoint is no S3.
 _NOT_S3 = "the endpoint {where} did not answer like S3 ({kind}); check --endpoint-url / AWS_ENDPOINT_URL"
+_MULTIPART = re.compile(r"([0-9a-f]{32})-([0-9]{1,5})")
+MIB = 1 << 20
+#: Part sizes uploaders use (rclone, aws-sdk-go: 5 MiB; aws cli / boto3: 8 MiB, doubled until 10,000 parts fit;
+#: minio-go: multiples of 16 MiB; s3fs, s5cmd: 50 MiB), for a store whose HEAD ignores ?partNumber= (Ceph radosgw
+#: 16): the part size is then one of these whose part count is the ETag's.
+PART_SIZES = sorted({5 * MIB, 10 * MIB, 15 * MIB, 25 * MIB, 50 * MIB, 100 * MIB,
+                     *(8 * MIB << k for k in range(12)), *(16 * MIB * k for k in range(1, 64))})
 
 #: S3 error code (or bare HTTP status, as HEAD errors carry) -> our exception and a hint.
 ERRORS: dict[str, tuple[type[SourceError], str]] = {
@@ -160,6 +168,35 @@ class S3Source:
         HEAD and GET responses seen so far show (call it after reading the object)."""
         etag = obj.etag or ""
         return etag if re.fullmatch(r"[0-9a-f]{32}", etag) and obj.key not in self._not_md5 else None
+
+    def multipart_check(self, obj: ObjectInfo) -> builtins.list[int] | None:
+        """The part sizes to check a multipart ETag (MD5 of the part MD5s, "-N") over: the one HEAD ?partNumber=1
+        gives (the last part's checked to make them uniform, as peers/identity.py does), or, where the store
+        ignores ?partNumber= (no PartsCount), every size of PART_SIZES giving N parts (any one matching passes).
+        None: not a multipart ETag, SSE-KMS/SSE-C, or parts of unequal sizes."""
+        m = _MULTIPART.fullmatch(obj.etag or "")
+        if m is None or obj.key in self._not_md5:
+            return None
+        args: dict[str, Any] = {"Bucket": self.ref.bucket, "Key": obj.key, "IfMatch": f'"{obj.etag}"'}
+        if obj.version_id:
+            args["VersionId"] = obj.version_id
+        first = self._call(lambda: self._client.head_object(**args, PartNumber=1),
+                           f"reading the part size of {self._uri(obj.key)}")
+        self._note_encryption(obj.key, first)
+        if obj.key in self._not_md5:
+            return None
+        count, parts = int(m[2]), int(first.get("PartsCount") or 0)
+        if not parts:  # ?partNumber= ignored: the whole object answered
+            return [p for p in PART_SIZES if -(-obj.size // p) == count] or None
+        part = int(first.get("ContentLength") or 0)
+        if parts != count or part <= 0 or -(-obj.size // part) != count:
+            return None
+        if count > 1:
+            last = self._call(lambda: self._client.head_object(**args, PartNumber=count),
+                              f"reading the part size of {self._uri(obj.key)}")
+            if int(last.get("ContentLength") or -1) != obj.size - (count - 1) * part:
+                return None  # parts of unequal sizes: their boundaries are not known
+        return [part]
 
     def close(self) -> None:
         self._client.close()
