@@ -264,11 +264,10 @@ def test_enospc_on_a_small_tmpfs_fails_cleanly_and_keeps_the_store(tmp_path: Pat
         assert [p.name for p in store.layout.snapshots.iterdir()] == [first.id]
         # fill the disk behind the store's back: the preallocation must fail before any byte is fetched
         filler = mnt / "filler"
-        with open(filler, "wb") as fh:
+        with open(filler, "wb", buffering=0) as fh:  # unbuffered: closing it has nothing left to flush
             try:
                 while True:
                     fh.write(b"\0" * (64 << 10))
-                    fh.flush()
             except OSError:
                 pass
         store2 = Store(mnt / "root", **no_floor)
