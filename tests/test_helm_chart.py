@@ -421,6 +421,7 @@ CONFIG_SAMPLES: list[tuple[str, Any]] = [
     ("dra", {"slotsPerModel": 8}), ("dra", {"slotsPerModel": 100}), ("dra", {"apiVersion": "v1alpha3"}),
     ("minFreePercent", 10), ("minFreePercent", 95), ("resyncSeconds", 60), ("noSuchKey", 1),
     ("requireSourceChecksum", "yes"), ("requireSourceChecksum", "sometimes"),
+    ("socketGroup", "weightcache"), ("socketGroup", "1000"), ("socketGroup", "../etc"), ("socketGroup", 1000),
 ]
 
 

@@ -51,10 +51,12 @@ from weightcache.daemon.node import Node
 from weightcache.dra.states import DAMAGED, EVICTING, STATES, VERIFYING
 from weightcache.fetch_queue import FetchQueue
 from weightcache.jsonbody import parse_json
+from weightcache.listener import install_log_rate_limits
 from weightcache.progress import Progress
 from weightcache.redact import redact
 from weightcache.store import Snapshot, SnapshotInfo, collect, drop_damaged, verify_snapshot
 from weightcache.store.holders import describe_holder
+from weightcache.unixsock import SocketAccess, peer_of
 from weightcache.uri import ModelRef, parse_ref
 from weightcache.vocabulary import CSI_HOLDER_PREFIX
 
@@ -63,6 +65,7 @@ log = logging.getLogger(__name__)
 NODE = web.AppKey("node", Node)
 TOKEN = web.AppKey("token", bytes)  # absent: no TCP listener, nothing to check
 LISTING = web.AppKey("listing", Listing)
+ACCESS = web.AppKey("access", SocketAccess)
 
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,127}$")
 HEARTBEAT_S = 10.0  # a streaming ensure sends a line at least this often (clients time out on silence)
@@ -161,8 +164,14 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 @web.middleware
 async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Requests that came over TCP need the bearer token; the Unix socket is guarded by its file mode."""
+    """Requests that came over TCP need the bearer token; those over the Unix socket a peer the socket's access
+    admits (its kernel credentials: weightcache/unixsock.py), beyond the file mode that let it connect."""
     sockname = request.transport.get_extra_info("sockname") if request.transport else None
+    if isinstance(sockname, (str, bytes)) and request.path not in _PROBES:
+        refusal = request.app[ACCESS].refusal(peer_of(request.transport.get_extra_info("socket")))  # type: ignore[union-attr]
+        if refusal is not None:
+            log.warning("refused a request on the API socket: %s", refusal)
+            return web.json_response({"error": error_code(errors.NotAllowedError), "message": refusal}, status=403)
     if isinstance(sockname, tuple) and request.path not in _PROBES:
         given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip().encode()
         token = request.app.get(TOKEN)
@@ -527,9 +536,12 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
-def make_app(node: Node, *, token: bytes | None = None) -> web.Application:
+def make_app(node: Node, *, token: bytes | None = None, access: SocketAccess | None = None) -> web.Application:
+    """`access`: who may use the Unix socket (default: root and this process's uid)."""
     app = web.Application(middlewares=[_errors, _auth], client_max_size=1 << 20)
     app[NODE] = node
+    app[ACCESS] = access or SocketAccess.configured(None)
+    install_log_rate_limits()  # a process refused in a loop costs a few log lines, not megabytes
     app[LISTING] = Listing(node.store, _render)
     if token is not None:
         app[TOKEN] = token

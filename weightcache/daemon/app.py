@@ -35,7 +35,7 @@ from weightcache.errors import ConfigError, MemoryTierError, StoreError
 from weightcache.listener import ConnectionLimits, GuardedTCPSite
 from weightcache.redact import RedactingFormatter
 from weightcache.store import Store
-from weightcache.unixsock import claim_socket_path
+from weightcache.unixsock import SocketAccess, claim_socket_path
 
 log = logging.getLogger(__name__)
 
@@ -130,10 +130,11 @@ class Daemon:
     async def _serve_api(self, node: Node) -> None:
         s = self.settings
         token = _read_token(s.tcp.token_file, "tcp.tokenFile") if s.tcp is not None else None
-        self._runner = web.AppRunner(make_app(node, token=token), shutdown_timeout=SHUTDOWN_GRACE_S,
+        access = SocketAccess.configured(s.socket_group)  # ConfigError when the node has no such group
+        self._runner = web.AppRunner(make_app(node, token=token, access=access), shutdown_timeout=SHUTDOWN_GRACE_S,
                                      access_log=None, handle_signals=False, **TCP_LIMITS.runner_args())
         await self._runner.setup()
-        await web.SockSite(self._runner, _bind_unix(s.socket)).start()
+        await web.SockSite(self._runner, _bind_unix(s.socket, access.gid)).start()
         self._bound = s.socket
         if s.tcp is not None:
             site = GuardedTCPSite(self._runner, s.tcp.host, s.tcp.port, limits=TCP_LIMITS)  # timeouts, conn cap
@@ -247,8 +248,9 @@ def run(settings: Settings, *, env: Mapping[str, str] | None = None, flags: Mapp
     return 0
 
 
-def _bind_unix(path: Path) -> socket.socket:
-    """A listening Unix socket with mode 0660 from the start (bound under a umask, not chmod-ed later)."""
+def _bind_unix(path: Path, gid: int | None = None) -> socket.socket:
+    """A listening Unix socket with mode 0660 from the start (bound under a umask, not chmod-ed later), of group
+    `gid` (socketGroup) when given, so its members can connect; the API checks each peer's credentials too."""
     claim_socket_path(path, change="--socket")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o117)
@@ -256,6 +258,8 @@ def _bind_unix(path: Path) -> socket.socket:
         sock.bind(str(path))
     finally:
         os.umask(old)
+    if gid is not None:
+        os.chown(path, -1, gid)
     os.chmod(path, 0o660)
     sock.listen(128)
     sock.setblocking(False)

@@ -122,6 +122,7 @@ class Settings:
     models: tuple[ModelSpec, ...] = ()
     allow_undeclared_models: bool | None = None  # None = auto: true off-cluster, false in-cluster
     socket: Path = defaults.SOCKET
+    socket_group: str | None = None  # its members may use the API socket too (weightcache/unixsock.py)
     tcp: TcpSettings | None = None
     metrics_listen: tuple[str, int] | None = None  # (host, port) of the read-only /metrics listener
     peer_listen: tuple[str, int] | None = None  # (host, port) serving this node's blobs to peers (docs/peers.md)
@@ -325,6 +326,16 @@ def _csi_endpoint(value: Any) -> str:
     return value
 
 
+_GROUP = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}$")  # a group name as groupadd takes it, or a gid
+
+
+def _group_name(value: Any) -> str:
+    if not isinstance(value, str) or not _GROUP.match(value):
+        raise ConfigError(f"socketGroup: expected the name (or number) of a group on the node, e.g. weightcache; "
+                          f"got {str(value)[:40]!r}")
+    return value
+
+
 _PARSERS: dict[str, Callable[[Any], Any]] = {
     **FETCH_PARSERS,
     "root": _path("root"),
@@ -338,6 +349,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "models": _models,
     "allowUndeclaredModels": boolean("allowUndeclaredModels"),
     "socket": _path("socket"),
+    "socketGroup": lambda value: _group_name(value),
     "tcp": _tcp,
     "metricsListen": _host_port("metricsListen", "0.0.0.0:9478"),
     "peerListen": _host_port("peerListen", "0.0.0.0:9479"),
@@ -390,6 +402,7 @@ _SCHEMA: dict[str, dict[str, Any]] = {
                        "tier": {"enum": ["disk", "memory", None]}, "pin": _BOOL}}},
     "allowUndeclaredModels": _BOOL,
     "socket": _PATH,
+    "socketGroup": {"type": "string", "pattern": _GROUP.pattern},
     "tcp": {"type": "object", "additionalProperties": False, "required": ["tokenFile"],
             "properties": {"port": {"type": "integer", "minimum": 0, "maximum": 65535}, "tokenFile": _PATH,
                            "host": {"type": "string"}}},
