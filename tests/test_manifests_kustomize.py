@@ -285,6 +285,9 @@ def test_node_policy_lets_the_daemon_remove_the_startup_taint_from_its_own_node(
     assert admit(policy, node_request(changed(spec={**NODE["spec"], "taints": [GPU_TAINT]}), old=TAINTED)) == []
     only = {**NODE, "spec": {**NODE["spec"], "taints": [PENDING]}}
     assert admit(policy, node_request(changed(spec=NODE["spec"]), old=only)) == []  # the list gone with it
+    labelled = {**TAINTED, "metadata": {**NODE["metadata"], "labels": {**NODE["metadata"]["labels"],
+                                                                         "weightcache.io/mnew": "ready"}}}
+    assert admit(policy, node_request(labelled, old=TAINTED)) == []  # labels while the taint stays
 
 
 @pytest.mark.parametrize("case", ["other-taint", "add-it", "other-spec", "other-node", "other-effect"])

@@ -19,7 +19,7 @@ from weightcache.daemon.reconcile import Want
 from weightcache.daemon.startup_taint import waiting_on
 from weightcache.errors import ClusterError
 from weightcache.kube.taint import JSON_PATCH, remove_taint
-from weightcache.uri import parse_ref
+from weightcache.uri import parse_ref, readiness_label
 from weightcache.vocabulary import STARTUP_TAINT, STARTUP_TAINT_EFFECT
 
 OTHER = "gpu-2"
@@ -139,7 +139,10 @@ async def test_the_shipped_rbac_and_node_policy_let_a_daemon_untaint_its_own_nod
         try:
             await eventually(lambda: PENDING not in taints(api, NODE), what="the startup taint to go")
             assert taints(api, NODE) == [GPU]
+            labels = api.get("nodes", NODE)["metadata"]["labels"]
+            assert labels[readiness_label(f"file://{model_copy}/")] == "ready"  # labelled while still tainted
             await eventually(lambda: node_events(api), what="the Node's Event, in namespace default")
+            assert api.forbidden == []  # nothing the daemon sent was refused
         finally:
             await d.daemon.stop()
         with pytest.raises(ClusterError) as denied:  # the same token on another node's taint

@@ -173,9 +173,9 @@ class Reconciler:
         results = {name: snapshot.id for name, snapshot in cached.items()}
         outcome = settle(self.held, wanted, results, await asyncio.to_thread(self._actual))
         await asyncio.to_thread(self._apply, outcome)
-        await self._release_startup_taint(wanted, results)
         await asyncio.to_thread(hf_layout.prune, node.store)  # hub cache views of snapshots evicted meanwhile
         await self._report_labels(outcome)
+        await self._release_startup_taint(wanted, results)  # last: pods arrive to the readiness labels already set
         self.held = outcome.held
         self.passes += 1
         node.metrics.reconcile_seconds.observe(time.monotonic() - start)

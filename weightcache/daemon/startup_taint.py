@@ -5,7 +5,8 @@ cluster autoscaler's `--startup-taint`; docs/startup-taint.md). After each recon
 the memory tier, this node's daemon looks at the ModelCaches that select the node with
 `spec.warmBeforeSchedulable: true`:
 
-    each one on disk (tier disk), or resident in RAM (tier memory)   remove the taint; Event ModelsReady (Normal)
+    each one on disk (tier disk), or resident in RAM (tier memory)   remove the taint (after this pass's readiness
+                                                                      labels are set); Event ModelsReady (Normal)
     the Node is older than `startupTaintDeadline`                     remove it anyway; Event StartupTaintDeadline
                                                                       (Warning) naming the models still missing
     otherwise                                                         keep it; the loop wakes again at the deadline
