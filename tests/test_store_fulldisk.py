@@ -270,3 +270,29 @@ def test_gc_keeps_the_floor_the_store_was_given_and_says_what_it_removed(tmpfs: 
     assert "0 B of abandoned partial downloads" in raised.stdout
     assert json.loads((root / "limits.json").read_text())["min_free_bytes"] == 100 << 20
     assert Store(root, evict_to_floor=False).min_free_bytes == 100 << 20
+
+
+@pytest.mark.e2e
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_a_disk_another_writer_filled_gets_advice_that_works(tmpfs: Path, tmp_path: Path) -> None:
+    """Hardening IV: when another writer filled the disk (and the store's reserve was spent), the error said to
+    free space with `weightcache evict` / `gc`, which fail the same way (they write the index too). It now says
+    how much is the store's and how much other files', to free those first, and how to find them; doing so works."""
+    models = make_models(tmp_path / "src", "a", "b", hidden=256)
+    root = tmpfs / "root"
+    store = Store(root, min_free_bytes=0, min_free_percent=0)
+    fetch(store, models["a"])
+    store.close()
+    (root / "reserve").unlink()  # spent earlier: the disk never had room to make it again
+    fill(tmpfs)
+    for args in (["prefetch", f"file://{models['b']}/"], ["gc"], ["evict", "--to-size", "0"]):
+        proc = cli(root, *args)
+        assert proc.returncode == 5, proc.stderr
+        assert "weightcache evict and gc record what they remove in the store's index too, so they fail the same " \
+               "way until a few MiB are free: first free space outside the store" in proc.stderr, proc.stderr
+        assert f"`du -xh --max-depth=2 {tmpfs} | sort -h | tail`" in proc.stderr
+        assert "of its 160 MiB and other files 15" in proc.stderr  # the filler: about 159 MiB of it
+    (tmpfs / "filler").unlink()  # the advice, followed
+    assert cli(root, "evict", "--to-size", "0").returncode == 0
+    assert cli(root, "prefetch", f"file://{models['b']}/", "-q").returncode == 0

@@ -770,6 +770,11 @@ def _os_error(exc: OSError, args: argparse.Namespace) -> str:
                 "point --root (or WEIGHTCACHE_ROOT) at a writable directory, or remount that filesystem "
                 f"read-write ({exc.strerror})")
     if exc.errno == errno.ENOSPC:
-        return (f"no space left on the filesystem of {where}; free some with `weightcache gc` or `weightcache evict "
-                f"--to-size SIZE`, or point --root at a larger disk ({exc.strerror})")
+        from weightcache.store.floor import full_disk_advice
+
+        try:
+            advice = full_disk_advice(where)
+        except OSError:  # `where` is gone, or not a path
+            advice = "free space on that filesystem, or point --root at a larger disk"
+        return f"no space left on the filesystem of {where}; {advice} ({exc.strerror})"
     return str(exc)

@@ -47,6 +47,7 @@ from weightcache.peers.source import PeerSource
 from weightcache.progress import Progress, RateMeter, read_progress_file, write_progress_file
 from weightcache.sources import ObjectInfo, Source, SourceOptions
 from weightcache.store import BlobMissingError, BlobWriter, FileEntry, Snapshot, Store, validate_tree
+from weightcache.store.floor import full_disk_advice
 from weightcache.units import fmt_bytes
 from weightcache.uri import ModelRef
 from weightcache.vocabulary import NO_SOURCE_CHECK
@@ -544,7 +545,7 @@ class Fetcher:
                 pieces += [(item, off, n) for off, n in missing]
         except OSError as exc:
             self._discard_all(items)
-            raise _space_error(exc, items) from exc
+            raise _space_error(exc, items, self.store) from exc
         reporter.add(sum(_partial(i).resumed_bytes for i in items), 0)
         self._serve_partials(items, True)
         if isinstance(source, PeerSource):  # nodes started together fetch different ranges first
@@ -684,7 +685,7 @@ class Fetcher:
             raise exc
         if isinstance(exc, OSError) and exc.errno in (28, 122):
             self._discard_all(items)
-            raise _space_error(exc, items) from exc
+            raise _space_error(exc, items, self.store) from exc
         raise exc
 
     @staticmethod
@@ -897,10 +898,12 @@ def _partial_size(item: _Item) -> int:
         return 0
 
 
-def _space_error(exc: OSError, items: list[_Item]) -> InsufficientSpaceError:
+def _space_error(exc: OSError, items: list[_Item], store: Store) -> InsufficientSpaceError:
+    """The store checked its floor before the download: a full disk now is another writer's doing (or a budget
+    above what the disk holds)."""
     need = sum(i.obj.size for i in items)
     return InsufficientSpaceError(f"disk full while fetching ({exc.strerror}); the model needs {fmt_bytes(need)}; "
-                                  f"free disk space or lower the store's budget so eviction makes room")
+                                  f"{full_disk_advice(store.root)}")
 
 
 class _Reporter:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +26,7 @@ from typing import Any
 from weightcache import defaults
 from weightcache.errors import ConfigError
 from weightcache.store.layout import Layout
-from weightcache.units import parse_size
+from weightcache.units import fmt_bytes, parse_size
 
 log = logging.getLogger(__name__)
 
@@ -132,3 +133,44 @@ def defaulted(limits: SpaceLimits) -> tuple[int, float]:
     """The floor in force: (bytes, percent), the defaults where nobody set them."""
     return (_first(limits.min_free_bytes, defaults.MIN_FREE_BYTES),
             _first(limits.min_free_percent, defaults.MIN_FREE_PERCENT))
+
+
+def full_disk_advice(root: str | os.PathLike[str]) -> str:
+    """What to do when the filesystem of `root` (the store's root) is full, in words that work: every change to the
+    store (an eviction and gc included) writes its index, so once the store's reserve is spent nothing in the store
+    can free space until something outside it does. Says how much is the store's and how much other files', and
+    how to find those (a walk of the store: only when the disk is full)."""
+    st = os.statvfs(root)
+    size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+    mount = _mount_point(os.fspath(root))
+    store_bytes = _allocated(os.fspath(root))
+    share = (f"the store takes {fmt_bytes(store_bytes)} of its {fmt_bytes(size)} and other files "
+             f"{fmt_bytes(max(0, size - free - store_bytes))}; ")
+    return (f"{share}weightcache evict and gc record what they remove in the store's index too, so they fail the "
+            f"same way until a few MiB are free: first free space outside the store (the largest files: `du -xh "
+            f"--max-depth=2 {mount} | sort -h | tail`; container logs, images, pods' data, or whatever filled it), "
+            f"then `weightcache evict --to-size SIZE` frees more if the store must shrink; a disk or quota of the "
+            f"store's own keeps other writers from filling it")
+
+
+def _allocated(root: str) -> int:
+    """Bytes allocated to the files under `root`, each inode once (snapshots hard-link blobs); links not followed."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for folder, _, files in os.walk(root):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(folder, name))
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
+    return total
+
+
+def _mount_point(path: str) -> str:
+    path = os.path.realpath(path)
+    while not os.path.ismount(path) and path != os.path.dirname(path):
+        path = os.path.dirname(path)
+    return path

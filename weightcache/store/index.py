@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from weightcache.errors import InsufficientSpaceError
+from weightcache.store.floor import full_disk_advice
 from weightcache.store.fsops import Tree
 from weightcache.store.types import FileEntry
 
@@ -158,8 +159,13 @@ class Index:
                     if not is_disk_full(again, self.path.parent):
                         raise
             raise InsufficientSpaceError(
-                f"the disk under {self.path.parent} is full and the store's index cannot be written; free space "
-                f"on that filesystem (`weightcache evict`, `weightcache gc`, or remove other files)") from None
+                f"the disk under {self.path.parent} is full and the store's index cannot be written; "
+                f"{full_disk_advice(self.path.parent)}") from None
+
+    def stored_bytes(self) -> int:
+        """Bytes of the blobs the store's snapshots link, each once (a read: it works on a full disk too)."""
+        rows = self.query("SELECT COALESCE(SUM(size), 0) FROM (SELECT DISTINCT sha256, size FROM files)")
+        return int(rows[0][0])
 
     def query(self, sql: str, args: tuple[Any, ...] = ()) -> list[Row]:
         with self._lock:

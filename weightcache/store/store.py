@@ -271,8 +271,7 @@ class Store:
         return infos
 
     def used_bytes(self) -> int:
-        rows = self.index.query("SELECT COALESCE(SUM(size), 0) FROM (SELECT DISTINCT sha256, size FROM files)")
-        return int(rows[0][0])
+        return self.index.stored_bytes()
 
     # -- blobs and publish ---------------------------------------------------------------------------------------
     def has_blob(self, sha256: str) -> bool:
