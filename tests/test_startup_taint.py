@@ -90,6 +90,8 @@ async def test_a_tainted_node_is_untainted_when_its_models_land(cluster: FakeApi
         assert untaint.body[0] == {"op": "test", "path": "/spec/taints", "value": [GPU, PENDING]}
         (event,) = await eventually(lambda: node_events(cluster), what="the Node's Event")
         assert (event["reason"], event["type"], event["involvedObject"]["name"]) == ("ModelsReady", "Normal", NODE)
+        metrics = await asyncio.to_thread(d.client.metrics)
+        assert 'weightcache_startup_taint_seconds_count{reason="models_ready"} 1.0' in metrics
     finally:
         await d.daemon.stop()
 
@@ -110,6 +112,8 @@ async def test_at_the_deadline_the_taint_goes_anyway_with_a_warning_event(cluste
         failed = [r for r in cluster.requests if r.method == "PATCH" and "modelcachenodes" in r.path
                   and (r.body or {}).get("status", {}).get("models", {}).get("broken", {}).get("phase") == "Failed"]
         assert cluster.requests.index(failed[0]) < cluster.requests.index(untaint_request(cluster))
+        metrics = await asyncio.to_thread(d.client.metrics)
+        assert 'weightcache_startup_taint_seconds_count{reason="deadline"} 1.0' in metrics
     finally:
         await d.daemon.stop()
 

@@ -50,6 +50,10 @@ class Metrics:
         self.reloads = Counter("weightcache_config_reloads", "Config reloads", ["result"], registry=r)
         self.reconcile_seconds = Histogram("weightcache_reconcile_duration_seconds", "One reconcile pass",
                                            buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 30, 120, 600), registry=r)
+        self.startup_taint_seconds = Histogram(
+            "weightcache_startup_taint_seconds", "From a Node's creation to its daemon removing the startup taint "
+            "weightcache.io/models-pending (docs/startup-taint.md), by why: models_ready or deadline", ["reason"],
+            buckets=(5, 10, 30, 60, 120, 300, 600, 900, 1200, 1800, 3600, 7200), registry=r)
         self.csi_seconds = Histogram("weightcache_csi_request_duration_seconds", "CSI calls, by method, whatever "
                                      "their outcome", ["method"], buckets=CSI_BUCKETS, registry=r)
         self.csi_errors = Counter("weightcache_csi_errors", "CSI calls that answered an error, by gRPC code",

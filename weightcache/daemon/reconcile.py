@@ -246,13 +246,14 @@ class Reconciler:
 
     async def _release_startup_taint(self, wanted: Sequence[Want], results: Mapping[str, str]) -> None:
         """After pins and promotions: the startup taint goes once the warm-first models are in place."""
-        cluster, tier = self.node.cluster, self.node.tier
+        cluster, tier, histogram = self.node.cluster, self.node.tier, self.node.metrics.startup_taint_seconds
         if cluster is None:
             return
         def release_now() -> float | None:
             resident = frozenset(i.id for i in tier.resident()) if tier is not None else frozenset()
             waiting = startup_taint.waiting_on(wanted, results, resident)
-            return startup_taint.release(cluster, waiting, self.node.settings.startup_taint_deadline)
+            return startup_taint.release(cluster, waiting, self.node.settings.startup_taint_deadline,
+                                         observe=lambda why, seconds: histogram.labels(why).observe(seconds))
         self._taint_due = await asyncio.to_thread(release_now)
 
     def _actual(self) -> Actual:

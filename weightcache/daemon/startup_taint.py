@@ -23,7 +23,7 @@ from __future__ import annotations
 import datetime
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from weightcache.errors import ClusterError
@@ -57,15 +57,18 @@ def created_at(node: Mapping[str, Any]) -> float | None:
         return None
 
 
-def release(cluster: Cluster, waiting: Sequence[str], deadline_s: float, *, now: float | None = None) -> float | None:
+def release(cluster: Cluster, waiting: Sequence[str], deadline_s: float, *, now: float | None = None,
+            observe: Callable[[str, float], None] = lambda reason, seconds: None) -> float | None:
     """Remove the startup taint when nothing is `waiting` or the deadline has passed. Blocks (call from a thread).
+    `observe(reason, seconds since the Node's creation)` hears each removal (models_ready or deadline).
 
     Returns the seconds until the deadline while the taint stays, so the loop wakes for it; None otherwise."""
     node = cluster.node()
     if not cluster.has_startup_taint():
         return None
     now = time.time() if now is None else now
-    left = (created_at(node) or cluster.started) + deadline_s - now
+    created = created_at(node) or cluster.started
+    left = created + deadline_s - now
     if waiting and left > 0:
         log.info("keeping %s on node %s for %.0fs more: waiting for %s", TAINT, cluster.node_name, left,
                  ", ".join(waiting))
@@ -77,6 +80,7 @@ def release(cluster: Cluster, waiting: Sequence[str], deadline_s: float, *, now:
         return None
     if not removed:
         return None
+    observe("deadline" if waiting else "models_ready", max(0.0, time.time() - created))
     if waiting:
         message = (f"removed {TAINT} at its deadline, {deadline_s:.0f}s after the node joined; not on the node yet: "
                    f"{', '.join(waiting)}")
