@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.server
+import logging
 import threading
 from collections.abc import Iterator
 from typing import ClassVar
@@ -54,6 +55,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         path = self.path
         (self.heads if self.command == "HEAD" else self.gets).append(path)
+        if path.startswith("/nginx/"):  # nginx's autoindex: its Server header, no dotfile listed
+            return self._send(b'<a href="w.bin">w.bin</a>' if path.endswith("/") else b"x", server="nginx/1.24.0")
         if path in ("/dups/", "/dirs/", "/long/"):
             return self._send({"/dups/": DUPS, "/long/": LONG,
                                "/dirs/": b'<a href="a/">a/</a> <a href="b/">b/</a> <a href="c.bin">c</a>'}[path])
@@ -98,7 +101,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     do_HEAD = do_GET
 
-    def _send(self, data: bytes, status: int = 200) -> None:
+    def _send(self, data: bytes, status: int = 200, server: str | None = None) -> None:
+        if server:  # the Server header send_response writes
+            self.server_version, self.sys_version = server, ""
         self.send_response(status)
         self.send_header("Content-Length", str(len(data)))
         self.send_header("ETag", f'"{len(data):x}"')
@@ -196,3 +201,13 @@ def test_a_busy_server_is_retried_whatever_its_retry_after(url: str) -> None:
     source = open_source(parse_ref(f"{url}/busy/"), SourceOptions(backoff=0.01))
     assert [(o.relpath, o.size) for o in source.list()] == [("f.bin", 1)]
     assert _Handler.busy == 0
+
+
+def test_an_index_that_hides_dotfiles_says_so(url: str, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="weightcache.sources.http"):
+        assert [o.relpath for o in open_source(parse_ref(f"{url}/nginx/")).list()] == ["w.bin"]
+    assert "never lists dotfiles" in caplog.text and "nginx/1.24.0" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="weightcache.sources.http"):
+        open_source(parse_ref(f"{url}/m/")).list()  # Python's http.server lists dotfiles: nothing to say
+    assert "dotfiles" not in caplog.text

@@ -90,6 +90,11 @@ def hrefs(page: str) -> Iterator[str]:
             yield html.unescape(attr.group(attr.lastindex))
 
 
+#: Servers whose directory indexes leave dotfiles out by default (nginx's autoindex always; Apache's IndexIgnore
+#: ".??*"): a listing from one says so, since what it does not show is not fetched.
+HIDES_DOTFILES = ("nginx", "apache", "openresty")
+
+
 class HttpSource:
     """Listing by the server's HTML indexes, ranged reads by urllib3 (Range, If-Match, readinto)."""
 
@@ -104,6 +109,7 @@ class HttpSource:
         timeout = urllib3.Timeout(connect=o.connect_timeout, read=o.read_timeout)
         self._pool = (urllib3.ProxyManager(o.proxy_url, maxsize=o.pool_size, retries=False, timeout=timeout)
                       if o.proxy_url else urllib3.PoolManager(maxsize=o.pool_size, retries=False, timeout=timeout))
+        self._index_servers: set[str] = set()  # the Server headers of the index pages read
 
     def __repr__(self) -> str:
         return f"HttpSource({self.ref.uri!r})"
@@ -112,6 +118,12 @@ class HttpSource:
         urls = self.options.retry(f"listing {self.ref.uri}").call(self._walk)
         with ThreadPoolExecutor(max(1, min(_HEADS, len(urls))), thread_name_prefix="http-head") as pool:
             objects = list(pool.map(self._object, urls))
+        hiding = sorted(s for s in self._index_servers if s.lower().startswith(HIDES_DOTFILES) or not s)
+        if hiding and not any(part.startswith(".") for o in objects for part in o.relpath.split("/")):
+            log.warning("%s: listed from %s's directory index, which never lists dotfiles (nginx autoindex, "
+                        "Apache's IndexIgnore): a file or directory named .* (.gitattributes, .cache/...) is not "
+                        "fetched; serve it under another name, or the model from an object store",
+                        self.ref.uri, hiding[0] or "a server without a Server header")
         return finish_listing(self.ref, objects, hint="check the URL and that the server lists directories "
                                                       "(nginx: autoindex on)")
 
@@ -161,6 +173,7 @@ class HttpSource:
             resp = self._get(url, "listing")
         except SourceNotFoundError:
             return
+        self._index_servers.add(str(resp.headers.get("Server", ""))[:80])
         text = read_capped(resp, _INDEX_MAX, f"the index {url}")
         if len(text) > _INDEX_MAX:
             raise SourceError(f"{url}: the directory index is over {_INDEX_MAX >> 20} MiB; serve a smaller tree")
