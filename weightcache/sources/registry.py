@@ -17,6 +17,8 @@ import json
 import logging
 import os
 import re
+import shutil
+import subprocess
 import threading
 from pathlib import Path
 from typing import Any
@@ -210,8 +212,9 @@ def docker_config_files() -> builtins.list[Path]:
 
 
 def docker_credentials(registry: str) -> tuple[str, str] | None:
-    """(user, password) for `registry` from the docker config's `auths` (`auth`: base64 user:password, or
-    `username` + `password`); None when there are none. Credential helpers are not run."""
+    """(user, password) for `registry` from the docker config, in docker's order: the credential helper
+    `credHelpers` names for it, else its `auths` entry (`auth`: base64 user:password, or `username` + `password`),
+    else the `credsStore` helper; None when there are none."""
     for path in docker_config_files():
         try:
             with path.open("rb") as f:
@@ -225,14 +228,61 @@ def docker_credentials(registry: str) -> tuple[str, str] | None:
         if not isinstance(doc, dict):
             log.warning("%s is not a docker config file (JSON with `auths`); no registry credentials from it", path)
             return None
+        helpers = doc.get("credHelpers")
+        for key, name in (helpers.items() if isinstance(helpers, dict) else ()):
+            if isinstance(key, str) and _auth_key(key) == registry.lower():
+                return helper_credentials(name, registry)
         auths = doc.get("auths", doc)  # a legacy .dockercfg is the auths map itself
-        if not isinstance(auths, dict):
-            return None
-        for key, entry in auths.items():
-            if isinstance(key, str) and isinstance(entry, dict) and _auth_key(key) == registry.lower():
-                return _entry_credentials(entry, path)
-        return None
+        for key, entry in (auths.items() if isinstance(auths, dict) else ()):
+            if (isinstance(key, str) and isinstance(entry, dict) and _auth_key(key) == registry.lower()
+                    and (found := _entry_credentials(entry, path)) is not None):
+                return found
+        store = doc.get("credsStore")
+        return helper_credentials(store, registry) if store else None
     return None
+
+
+HELPER_TIMEOUT = 30.0  # seconds a credential helper may take (ECR's and GAR's ask their cloud's token service)
+_HELPER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def helper_credentials(name: object, registry: str) -> tuple[str, str] | None:
+    """`docker-credential-<name> get` with the registry on stdin (the docker-credential-helpers protocol: ECR's,
+    GAR's `gcloud`, `pass`, `secretservice`): {"Username", "Secret"} on stdout. An identity token (Username
+    `<token>`: ACR's) would need an OAuth2 exchange with the registry, which is not done: None, with a warning.
+    The helper's output never reaches a message (it holds the secret)."""
+    if not isinstance(name, str) or not _HELPER_NAME.fullmatch(name):
+        log.warning("docker config names credential helper %r: not a helper name; no credentials from it",
+                    str(name)[:80])
+        return None
+    program = shutil.which(f"docker-credential-{name}")
+    if program is None:
+        log.warning("docker config names credential helper %r, but docker-credential-%s is not on PATH; "
+                    "install it, or log in with `auths` credentials", name, name)
+        return None
+    try:
+        done = subprocess.run([program, "get"], input=registry.encode(), capture_output=True,
+                              timeout=HELPER_TIMEOUT, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.warning("docker-credential-%s get for %s failed (%s); no credentials from it", name, registry,
+                    type(exc).__name__)
+        return None
+    if done.returncode:  # "credentials not found": the registry is then asked without any
+        log.info("docker-credential-%s has no credentials for %s (exit %d)", name, registry, done.returncode)
+        return None
+    try:
+        answer = json.loads(done.stdout[:CONFIG_MAX])
+        user, secret = answer["Username"], answer["Secret"]
+    except (ValueError, RecursionError, KeyError, TypeError):
+        log.warning("docker-credential-%s get for %s: not JSON with Username and Secret; ignored", name, registry)
+        return None
+    if not isinstance(user, str) or not isinstance(secret, str) or not user:
+        return None
+    if user == "<token>":
+        log.warning("docker-credential-%s gives %s an identity token, which weightcache cannot exchange; use a "
+                    "username and password or token in the docker config's `auths`", name, registry)
+        return None
+    return user, secret
 
 
 def _auth_key(key: str) -> str:
