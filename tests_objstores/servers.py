@@ -32,14 +32,18 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.fixtures_registry import free_port
-
 #: Azurite's documented development account (https://learn.microsoft.com/azure/storage/common/storage-use-azurite):
 #: public, the same in every emulator.
 AZURITE_ACCOUNT = "devstoreaccount1"
 AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
 RGW_ACCESS_KEY = "weightcache-tier"
 RGW_SECRET_KEY = "weightcache-tier-secret-0123456789"
+
+
+def free_port() -> int:
+    from tests.fixtures_registry import free_port as free  # at use: pytest rewrites that module, a plugin, first
+
+    return free()
 
 
 def wait_for(what: str, ready: Callable[[], bool], proc: subprocess.Popen[bytes] | None, timeout: float,

@@ -242,7 +242,8 @@ class OciSource:
                                   "not a ModelPack or ORAS artifact")
             model = _MODEL_LAYER.fullmatch(media_type)
             compression = _tar_compression(media_type, model.group(1) if model else None,
-                                           annotations.get(ORAS_UNPACK, "").lower() == "true")
+                                           annotations.get(ORAS_UNPACK, "").lower() == "true" or
+                                           _oras_py_directory(media_type, name))
             # a directory's tar layer may be named `weights/` or `./weights` (its members say the rest)
             relpath = validate_relpath(name if compression is None else member_name(name))
             if relpath.split("/", 1)[0] == HIDDEN.split("/", 1)[0]:
@@ -306,6 +307,18 @@ class OciSource:
         """GET `url` through the registry client (auth, redirects, errors); the checked response, body unread."""
         return self.client.request("GET", url, what, headers=headers, ok=ok)
 
+
+
+#: oras-py pushes a directory as one gzipped tar of this media type, titled with the directory's name and without
+#: ORAS_UNPACK, and unpacks every layer of this type on pull (oras/provider.py `pull`); oras (Go) unpacks only
+#: with the annotation, and names a file it pushes `...v1.tar`. A layer of this type titled like a directory (no
+#: archive suffix) is therefore a directory, unpacked as oras-py does; one titled `x.tar.gz` stays a file.
+ORAS_PY_DIRECTORY = "application/vnd.oci.image.layer.v1.tar+gzip"
+_ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".gz", ".tar", ".zip", ".tar+gzip")
+
+
+def _oras_py_directory(media_type: str, title: str) -> bool:
+    return media_type == ORAS_PY_DIRECTORY and not title.lower().endswith(_ARCHIVE_SUFFIXES)
 
 
 def _tar_compression(media_type: str, modelpack: str | None, oras_unpack: bool) -> str | None:
