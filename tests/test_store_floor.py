@@ -66,3 +66,24 @@ def test_daemon_config_and_cli_read_the_env_alike() -> None:
             floor_from(bad)
         with pytest.raises(ConfigError):
             load_settings(None, env=bad, flags={})
+
+
+async def test_the_daemons_floor_and_budget_are_kept_for_every_command(short_dir: Path, model_copy: Path) -> None:
+    """Hardening IV: the floor and budget are the store's (limits.json): written by the daemon at start and on a
+    config change, read by a command that sets none (a direct prefetch, gc, evict, a store's recovery)."""
+    from dataclasses import replace
+
+    from tests.fixtures_daemon import start_daemon
+    from weightcache.store import Store
+
+    config = {"diskBudget": "1Gi", "minFreeBytes": "1Mi", "minFreePercent": 0}
+    d = await start_daemon(short_dir, model_copy, config=config)
+    try:
+        kept = Store(d.root, evict_to_floor=False)
+        assert (kept.budget_bytes, kept.min_free_bytes, kept.min_free_percent) == (1 << 30, 1 << 20, 0.0)
+        assert kept.limits.set_by == "daemon"
+        await d.daemon.apply(replace(d.daemon.settings, disk_budget=None, min_free_bytes=2 << 20))  # live
+        again = Store(d.root, evict_to_floor=False)
+        assert (again.budget_bytes, again.min_free_bytes) == (None, 2 << 20)
+    finally:
+        await d.daemon.stop()

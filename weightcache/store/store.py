@@ -102,11 +102,11 @@ class Store:
         self.tree = self.layout.tree
         self.layout.create()
         stored = floor.read_limits(self.layout)
-        self.limits = floor.SpaceLimits(min_free_bytes, min_free_percent, set_by=set_by).merged(stored)
-        budget_given = not isinstance(budget_bytes, Unset)
+        given = not isinstance(budget_bytes, Unset) or min_free_bytes is not None or min_free_percent is not None
+        self.limits = floor.SpaceLimits(min_free_bytes, min_free_percent,
+                                        set_by=set_by if given else "").merged(stored)
         self.limits = dataclasses.replace(self.limits, budget_bytes=stored.budget_bytes if isinstance(
             budget_bytes, Unset) else budget_bytes)
-        given = budget_given or min_free_bytes is not None or min_free_percent is not None
         if given and dataclasses.replace(self.limits, set_by="") != dataclasses.replace(stored, set_by=""):
             floor.write_limits(self.layout, self.limits)
         self._tlock = threading.RLock()
