@@ -40,9 +40,10 @@ class _WebServer(http.server.BaseHTTPRequestHandler):
         pass
 
 
-@pytest.fixture(params=[301, 200], ids=["redirect-loop", "html-page"])
+@pytest.fixture
 def web_server(request: pytest.FixtureRequest) -> Iterator[str]:
-    handler = type("Handler", (_WebServer,), {"status": request.param})
+    """A web server answering every request with a 301 to itself, or with `status=200` an HTML page."""
+    handler = type("Handler", (_WebServer,), {"status": getattr(request, "param", 301)})
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -91,3 +92,14 @@ def test_each_scheme_at_a_web_server_exits_6_with_what_to_check(web_server: str,
     assert "Traceback" not in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr[-3000:]
     assert says in done.stderr
     assert AWS_SECRET not in done.stderr and AZURE_KEY not in done.stderr
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("web_server", [200], indirect=True)
+@pytest.mark.parametrize(("ref", "says"), [
+    ("s3://models/tiny/", "no ListBucketResult"),  # it listed as an empty bucket: "no objects under ..."
+    pytest.param("gs://models/tiny/", "did not answer like Google Cloud Storage", marks=_needs("gcsfs")),
+    pytest.param("az://models/tiny/", "did not answer like Azure Blob Storage", marks=_needs("adlfs")),
+])
+def test_a_web_page_is_no_object_store_listing(web_server: str, ref: str, says: str, tmp_path: Path) -> None:
+    test_each_scheme_at_a_web_server_exits_6_with_what_to_check(web_server, ref, says, tmp_path)
