@@ -10,6 +10,7 @@ with `proxy.add(...)` are applied to the next matching requests:
     proxy.add("flip", at=10)                 # byte 10 of the body is flipped, status and headers unchanged
     proxy.add("delay", seconds=0.5)          # answer after a pause (trips client read timeouts)
     proxy.add("throttle", rate=200_000)      # the body trickles at 200 kB/s (a slow origin), in 50 ms steps
+    proxy.add("throttle", rate=4_000_000, shared=True, count=-1)  # 4 MB/s for every matching body together
     hold = proxy.add("hold")                 # the request waits: hold.arrived is set, then hold.release.set()
     proxy.add("status", status=403, code="AccessDenied")
 
@@ -61,6 +62,9 @@ class Fault:
     at: int | None = None  # flip: body offset (default: the middle)
     seconds: float = 0.0  # delay
     rate: int = 0  # throttle: body bytes per second
+    shared: bool = False  # throttle: `rate` for all matching bodies together (one origin link), not each
+    _next_free: float = 0.0  # throttle, shared: when the link is free again (steps are reserved in turn)
+    _link: threading.Lock = field(default_factory=threading.Lock, repr=False)
     arrived: threading.Event = field(default_factory=threading.Event)  # hold: a matching request is waiting
     release: threading.Event = field(default_factory=threading.Event)  # hold: set it to let requests through
     status: int = 500  # status
@@ -191,20 +195,28 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.wfile.write(payload[:int(len(payload) * fault.keep)])
             return self._hang_up(reset=fault.kind == "reset")
         if fault and fault.kind == "throttle" and self.command != "HEAD":
-            return self._trickle(payload, fault.rate)
+            return self._trickle(payload, fault.rate, fault if fault.shared else None)
         if self.command != "HEAD":
             self.wfile.write(payload)
 
-    def _trickle(self, payload: bytes, rate: int) -> None:
-        step = max(1, rate // 20)
+    def _trickle(self, payload: bytes, rate: int, link: Fault | None) -> None:
+        """`rate` bytes/s in 50 ms steps; with `link` (10 ms steps), each step takes its turn on that fault's
+        shared link (a queue of reservations: N bodies at once get rate/N each)."""
+        step = max(1, rate // 20) if link is None else max(1, rate // 100)
         for pos in range(0, len(payload), step):
+            if link is not None:
+                with link._link:
+                    start = max(time.monotonic(), link._next_free)
+                    link._next_free = start + min(step, len(payload) - pos) / rate
+                time.sleep(max(0.0, start - time.monotonic()))  # this step's turn on the link
             try:
                 self.wfile.write(payload[pos:pos + step])
                 self.wfile.flush()
             except OSError:  # the client went away (cancelled): stop sending
                 self.close_connection = True
                 return
-            time.sleep(0.05)
+            if link is None:
+                time.sleep(0.05)
 
     do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
 

@@ -46,7 +46,8 @@ class Fleet:
 
     def __init__(self, root: Path, token: bytes, limits: PeerLimits | None = None) -> None:
         self.root, self.token = root, token
-        self.limits = limits or PeerLimits(max_streams=64)  # every test node is 127.0.0.1: one "peer"
+        # every test node is 127.0.0.1, one "peer" to the others: no per-peer stream cap, no budget shared by peers
+        self.limits = limits or PeerLimits(max_streams=64, stream_budget=0)
         self.nodes: list[FleetNode] = []
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="peer-servers", daemon=True)

@@ -4,6 +4,7 @@ a peer that trickles costs about a second, not the fetch, and untrusted digits i
 from __future__ import annotations
 
 import hashlib
+import re
 import socket
 import time
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ from tests.fixtures_s3 import S3
 from tests.peers_fleet import Fleet, FleetNode, HostilePeer
 from tests.test_peers import FILES, MODEL_BYTES, OPTIONS, TOKEN, assert_model, ensure, origin_bytes
 from weightcache.listener import ConnectionLimits
-from weightcache.peers.client import SLOW_GRACE_S
+from weightcache.peers.client import SLOW_GRACE_S, Pace, PeerFlow
 from weightcache.peers.server import PeerLimits
 
 BIG = "model-00001.safetensors.bin"
@@ -232,3 +233,44 @@ def test_many_half_sent_requests_leave_the_peer_listener_serving(tmp_path: Path)
         finally:
             for s in socks:
                 s.close()
+
+
+def test_a_trickler_is_cut_at_the_floor_relative_to_the_origin_and_asked_again_after_a_backoff(
+        origin: FaultProxy, fleet: Fleet, caplog: pytest.LogCaptureFixture) -> None:
+    """Behind a slow origin (400 kB/s per connection) the floor is a quarter of what the fetch reads per origin
+    connection, not 1 MiB/s: an honest peer as slow as the origin is kept. A trickler is still cut about a second
+    after it answers, and is not dropped for the whole fetch: it is left out for BENCH_S, then twice as long, and
+    asked again in between (a peer slow only because many asked it at once comes back)."""
+    origin.add("throttle", method="GET", path="/models/llama/", ranged_only=True, rate=400_000, count=-1)
+    sizes = {SHAS[n]: len(b) for n, b in FILES.items()}
+    caplog.set_level("WARNING", logger="weightcache.peers.source")
+    with HostilePeer(sizes, {SHAS[n]: b for n, b in FILES.items()}, "trickle-body") as slow:
+        node = fleet.node("node", peers=[slow.url])
+        started = time.monotonic()
+        assert_model(ensure(node, origin))
+        took = time.monotonic() - started
+    floors = [int(m) for m in re.findall(r"below the floor of (\d+) KiB/s", caplog.text)]
+    benches = [float(m) for m in re.findall(r"leaves it out for (\d+) s", caplog.text)]
+    assert len(floors) >= 2, caplog.text  # asked again after its first bench, and cut again
+    assert min(floors) < 1024  # once the fetch knew its origin rate, the floor was relative to it
+    assert 2.0 in benches  # a backoff that doubles (ranges cut together count once), not a drop for the fetch
+    assert node.peers.stats.errors_by_peer[slow.url] == len(floors)
+    assert slow.url not in node.peers.stats.banned
+    # 5 MiB at 1.6 MB/s from the origin, plus about a second per cut that overlapped it
+    assert took < MODEL_BYTES / 1.6e6 + 2 * SLOW_GRACE_S + 6, f"the trickler held the fetch {took:.1f}s"
+
+
+def test_a_stream_waiting_its_turn_is_not_cut_while_the_peers_other_streams_flow() -> None:
+    """The floor judges a peer across the fetch's streams from it: one stream of a busy peer may get nothing for
+    a while as the others flow (that peer serves many), a trickler is slow on all of them at once."""
+    flow = PeerFlow()
+    waiting = Pace(1 << 20, min_rate=64 << 10, grace_s=0.2, flow=flow)
+    flowing = Pace(1 << 20, min_rate=64 << 10, grace_s=0.2, flow=flow)
+    for _ in range(8):  # about 1.3 MB/s on the other stream
+        flowing.add(64 << 10)
+        time.sleep(0.05)
+    now = time.monotonic()
+    assert waiting.got == 0 and now - waiting.started > waiting.grace_s
+    assert not waiting.due(now)  # its peer is sending this fetch well above the floor
+    time.sleep(0.3)  # now nothing flows from that peer at all
+    assert waiting.due(time.monotonic())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +18,8 @@ from weightcache.download import PartialFile
 from weightcache.errors import ConfigError
 from weightcache.peers import PeerClient, peer_base_url
 from weightcache.peers.client import PeerBusy, PeerUnreachable
-from weightcache.peers.server import STALL_S, PeerLimits, parse_range
+from weightcache.peers.inflight import STALL_S
+from weightcache.peers.server import NOT_YET_WAIT_S, PeerLimits, parse_range
 from weightcache.sources import ObjectInfo
 
 TOKEN = b"peer-token-0123456789abcdef"
@@ -209,40 +211,64 @@ def test_a_download_in_flight_is_served_only_where_it_is_journalled(http: urllib
     assert get(http, n, f"/v1/blobs/sha256/{SHA}", method="HEAD").status == 404
 
 
-def test_a_range_the_node_is_fetching_now_is_streamed_as_it_is_journalled(http: urllib3.PoolManager, fleet: Fleet,
-                                                                          tmp_path: Path) -> None:
-    """A claimed range (this node reads it from the origin now) is answered at once and its body follows the
-    journal; a claim whose bytes stop coming is cut after STALL_S, never padded."""
+def test_a_range_the_node_is_fetching_now_is_answered_not_yet_then_with_what_is_journalled(
+        http: urllib3.PoolManager, fleet: Fleet, tmp_path: Path) -> None:
+    """A claimed range (this node reads it from the origin now) with nothing journalled yet waits up to
+    NOT_YET_WAIT_S for its first bytes, then answers 404 "not yet" (X-Weightcache-Not-Yet): the asker comes back
+    rather than read it from the origin too, and no silent body makes it look like a trickler. Bytes journalled
+    meanwhile are answered at once, as a shorter range. A claim that gained no byte for STALL_S is no longer
+    "not yet": the asker goes elsewhere."""
     n = fleet.node("fetching")
     part = PartialFile(tmp_path / "y.part", ObjectInfo("k", "k", len(BODY), "e", None, None), range_size=1 << 16)
     part.open()
     inflight = n.server.inflight
     assert inflight is not None
     inflight.add(SHA, part)
-    claim = inflight.claim(SHA, 0, 1 << 16)
-    inflight.from_origin(SHA, 0, 1 << 16)  # as PeerSource records each origin piece before it is written
+    claim = inflight.claim(SHA, 0, 1 << 17)
+    inflight.from_origin(SHA, 0, 1 << 17)  # as PeerSource records each origin piece before it is written
     scratch = memoryview(bytearray(1 << 16))
     try:
-        resp = http.request("GET", f"{n.url}/v1/blobs/sha256/{SHA}", headers={**AUTH, "Range": "bytes=0-65535"},
+        started = time.monotonic()
+        nothing = get(http, n, f"/v1/blobs/sha256/{SHA}", {**AUTH, "Range": "bytes=0-131071"})
+        assert nothing.status == 404 and nothing.headers["X-Weightcache-Not-Yet"] == "1"
+        assert NOT_YET_WAIT_S <= time.monotonic() - started < NOT_YET_WAIT_S + 1
+        lands = threading.Timer(0.1, part.write, (0, memoryview(BODY)[:1 << 15], scratch))
+        lands.start()  # the request waits for a first piece: it lands meanwhile
+        resp = http.request("GET", f"{n.url}/v1/blobs/sha256/{SHA}", headers={**AUTH, "Range": "bytes=0-131071"},
                             preload_content=False)
-        assert resp.status == 206 and resp.headers["Content-Range"] == f"bytes 0-65535/{len(BODY)}"
-        part.write(0, memoryview(BODY)[:1 << 15], scratch)  # the first half arrives, then the second
-        first = resp.read(1 << 15)
-        part.write(1 << 15, memoryview(BODY)[1 << 15:1 << 16], scratch)
-        assert first + resp.read() == BODY[:1 << 16]
-        resp.release_conn()
-        # bytes past the claim are neither journalled nor claimed: not offered
-        assert get(http, n, f"/v1/blobs/sha256/{SHA}", {**AUTH, "Range": f"bytes={1 << 16}-{1 << 17}"}).status == 404
-        stalled = inflight.claim(SHA, 1 << 16, 1 << 17)
-        started = time.monotonic()  # before the request: the server's stall clock starts when it arrives
-        resp = http.request("GET", f"{n.url}/v1/blobs/sha256/{SHA}",
-                            headers={**AUTH, "Range": f"bytes={1 << 16}-{(1 << 17) - 1}"}, preload_content=False)
-        assert resp.status == 206
-        with pytest.raises(urllib3.exceptions.ProtocolError):
-            resp.read()  # nothing is journalled: the stream is cut, short
-        assert time.monotonic() - started >= STALL_S
-        inflight.release(stalled)
+        lands.join()
+        assert resp.status == 206 and resp.headers["Content-Range"] == f"bytes 0-32767/{len(BODY)}"
+        assert resp.read() == BODY[:1 << 15]
+        claim.touched = time.monotonic() - STALL_S - 1  # the origin stopped sending it
+        stalled = get(http, n, f"/v1/blobs/sha256/{SHA}", {**AUTH, "Range": "bytes=32768-131071"})
+        assert stalled.status == 404 and "X-Weightcache-Not-Yet" not in stalled.headers
+        assert stalled.headers["X-Weightcache-Partial"] == "1"
     finally:
         inflight.release(claim)
         inflight.remove(SHA, part)
         part.close()
+
+
+def test_many_askers_at_once_get_fewer_streams_each(tmp_path: Path) -> None:
+    """A node asked by many peers at once gives each its share of `stream_budget` (at least `min_streams`): 15
+    askers with 8 streams each got 1/120 of its link per stream, and every stream looked like a trickler."""
+    limits = PeerLimits(rate_bytes_s=8 << 10, max_streams=8, stream_budget=4, min_streams=2)
+    with Fleet(tmp_path, TOKEN, limits) as fleet:
+        node = holding_node(fleet)
+        a = urllib3.PoolManager(retries=False, timeout=10)  # from 127.0.0.1
+        b = urllib3.PoolManager(retries=False, timeout=10, source_address=("127.0.0.2", 0))  # another peer
+        url = f"{node.url}/v1/blobs/sha256/{SHA}"
+        held = []
+        try:
+            for _ in range(3):  # alone, a peer may have the whole budget (at most max_streams)
+                held.append(a.request("GET", url, headers=AUTH, preload_content=False))
+                assert held[-1].status == 200
+            held.append(b.request("GET", url, headers=AUTH, preload_content=False))
+            assert held[-1].status == 200  # a second asker gets its share: 2 of 4
+            fourth = a.request("GET", url, headers=AUTH)
+            assert fourth.status == 429 and fourth.headers["Retry-After"] == "1"  # a holds more than 2 now
+        finally:
+            for resp in held:
+                resp.close()  # the connection with it: the node stops serving that stream
+            a.clear()
+            b.clear()

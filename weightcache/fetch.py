@@ -22,6 +22,7 @@ import re
 import threading
 import time
 import typing
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import closing, suppress
@@ -43,7 +44,7 @@ from weightcache.errors import (
     SourceNotFoundError,
 )
 from weightcache.peers.identity import COMPOSITE, CompositeMD5, OriginId, composite_factory, origin_evidence
-from weightcache.peers.source import PeerSource
+from weightcache.peers.source import Later, PeerSource
 from weightcache.progress import Progress, RateMeter, read_progress_file, write_progress_file
 from weightcache.sources import ObjectInfo, Source, SourceOptions
 from weightcache.store import BlobMissingError, BlobWriter, FileEntry, Snapshot, Store, validate_tree
@@ -65,6 +66,9 @@ MAX_RESTARTS = 3  # object replaced mid-download, or a planned blob evicted mean
 LOCAL_LARGE_PIECE = 1 << 20  # a local source's piece this large is worth a thread of its own (see _workers)
 MIN_RANGE_CHUNKS = 4  # requests of 4 chunks or more (64 MiB by default) while every worker gets one (_range_size)
 SPLIT_STALL = 2.0  # seconds without a piece after which an idle worker halves a range (_Reading); 5x for a first
+LATER_S = 0.2  # a range whose bytes are on their way to a peer (Later) is taken again after this
+FLEET_RANGES_PER_NODE = 2  # with peers, ranges are cut so that every node of a fleet owns this many (_finer)
+FLEET_MIN_PIECES = 4
 SPLIT_MIN = 4 * PIECE  # a range is halved only while this much of it is left beyond the piece in flight
 MULTIPART_ETAG = re.compile(r"[0-9a-f]{32}-[0-9]{1,5}")  # S3's multipart ETag: MD5 of the part MD5s, "-" parts
 
@@ -549,7 +553,8 @@ class Fetcher:
         reporter.add(sum(_partial(i).resumed_bytes for i in items), 0)
         self._serve_partials(items, True)
         if isinstance(source, PeerSource):  # nodes started together fetch different ranges first
-            pieces = source.spread(pieces, lambda p: (p[0].obj.key, p[1]))
+            pieces = source.spread(_finer(pieces, source.nodes, min(PIECE, self.chunk_size)),
+                                   lambda p: (p[0].obj.key, p[1]))
         local = threading.local()
         abort = threading.Event()
         peer_before = source.peer_bytes if isinstance(source, PeerSource) else 0
@@ -590,6 +595,7 @@ class Fetcher:
             part = _partial(item)
             into = buf[:piece] if part.journalled else buf
             entry = reading.begin(item, offset, offset + length) if part.journalled else None
+            end = offset + length
             try:
                 with closing(source.read_pieces(item.obj, offset, length, into, arrived)) as pieces:
                     for pos, view in pieces:
@@ -599,6 +605,11 @@ class Fetcher:
                             self._write_whole(item, view, source, blobs)
                         if entry is not None and not reading.advanced(entry, pos + len(view)):
                             break  # an idle worker took the rest of this range (it stalled)
+            except Later as later:  # its bytes are on their way to a peer: another range first, this one again soon
+                if entry is not None:
+                    end = reading.end(entry)
+                    entry = None
+                deferred.append((time.monotonic() + LATER_S, functools.partial(run, item, later.pos, end - later.pos)))
             finally:
                 if entry is not None:
                     reading.end(entry)
@@ -610,14 +621,30 @@ class Fetcher:
             if reporter.on_file is not None and _partial(item).complete:
                 self._durable(item, source, reporter)
 
-        tasks = [*(functools.partial(hash_resumed, i) for i in items if _partial(i).resumed_bytes),
-                 *(functools.partial(run, *p) for p in pieces)]
-        queue = iter(tasks)
+        queue: deque[Callable[[], None]] = deque([
+            *(functools.partial(hash_resumed, i) for i in items if _partial(i).resumed_bytes),
+            *(functools.partial(run, *p) for p in pieces)])
+        # (when, task): ranges a peer is still fetching from the origin (Later), taken again from `when`
+        deferred: deque[tuple[float, Callable[[], None]]] = deque()
+        if isinstance(source, PeerSource):
+            source.may_defer = lambda: bool(queue) or len(deferred) > 1
+
+        def next_task() -> Callable[[], None] | None:
+            """A deferred range whose wait is over, else the next in order; popleft hands each to one thread."""
+            with suppress(IndexError):
+                if deferred[0][0] <= time.monotonic() or not queue:
+                    when, task = deferred.popleft()
+                    if when > time.monotonic():
+                        time.sleep(when - time.monotonic())
+                    return task
+            with suppress(IndexError):
+                return queue.popleft()
+            return None
 
         def worker() -> None:
             """Take the next task until none is left or the round aborts: one future per worker, not per
             piece (2,000 small files: no future, condition and queue hand-off each)."""
-            for task in queue:  # a list iterator hands each task to exactly one thread (atomic under the GIL)
+            while (task := next_task()) is not None:
                 if abort.is_set():
                     return
                 task()
@@ -761,9 +788,11 @@ class _Reading:
             entry[1], entry[3], entry[4] = pos, time.monotonic(), True
             return bool(pos < entry[2])
 
-    def end(self, entry: list[typing.Any]) -> None:
+    def end(self, entry: list[typing.Any]) -> int:
+        """The range is done with; returns where it ends now (an idle worker may have taken its back half)."""
         with self._mu:
             self._ranges.pop(id(entry), None)
+            return int(entry[2])
 
     def busy(self) -> bool:
         with self._mu:
@@ -785,6 +814,24 @@ class _Reading:
         log.info("%s: bytes %d-%d stalled; reading %d-%d on another connection", item.relpath, nxt, end - 1,
                  mid, end - 1)
         return item, mid, end - mid
+
+
+def _finer(pieces: list[tuple[_Item, int, int]], nodes: int, piece: int) -> list[tuple[_Item, int, int]]:
+    """A fleet's ranges: the journalled files' ranges cut, on `piece` boundaries, so that each of `nodes` nodes
+    owns about FLEET_RANGES_PER_NODE of them (PeerSource.spread), none below FLEET_MIN_PIECES pieces. With 8 ranges and
+    16 nodes, two nodes owned each range and both read it from the origin; and a node reading one large range
+    from the origin serves it to the others at that one connection's pace."""
+    if nodes <= 1:
+        return pieces
+    total = sum(n for item, _, n in pieces if _partial(item).journalled)
+    size = max(FLEET_MIN_PIECES, -(-total // (nodes * FLEET_RANGES_PER_NODE) // piece)) * piece
+    out = []
+    for item, off, n in pieces:
+        if not _partial(item).journalled or n <= size:
+            out.append((item, off, n))
+            continue
+        out += [(item, at, min(size, off + n - at)) for at in range(off, off + n, size)]
+    return out
 
 
 def _verified(item: _Item, source: Source) -> str:

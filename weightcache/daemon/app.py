@@ -98,6 +98,14 @@ class Daemon:
             inflight = node.fetcher.peers.inflight if node.fetcher.peers is not None else None
             node.peer_server = PeerServer(store.layout.blobs, peer_token, inflight=inflight)
             self.peer_port = await node.peer_server.start(*s.peer_listen)
+        if node.fetcher.peers is not None and self.peer_port is not None and s.peer_listen is not None:
+            from weightcache.peers.discovery import advertised_url
+
+            # its rank among the peers spreads the first ranges of nodes started together; static peers too:
+            # unset, every node of one image hashed the same host name to the same rank and read the same
+            # ranges from the origin first
+            env = self._env if self._env is not None else os.environ
+            node.fetcher.peers.self_url = advertised_url(s.peer_listen[0], self.peer_port, env)
         if node.cluster is not None and node.fetcher.peers is not None:
             self._start_discovery(node)
         self._csi = await _serve_csi(node)
@@ -113,17 +121,15 @@ class Daemon:
 
     def _start_discovery(self, node: Node) -> None:
         """In a cluster, peers find each other through ModelCacheNode status (docs/peers.md)."""
-        from weightcache.peers.discovery import advertised_url, keep_discovering
+        from weightcache.peers.discovery import keep_discovering
 
         assert node.fetcher.peers is not None
         if self.peer_port is not None and self.settings.peer_listen is not None:
-            env = self._env if self._env is not None else os.environ
-            address = advertised_url(self.settings.peer_listen[0], self.peer_port, env)
+            address = node.fetcher.peers.self_url  # advertised_url, set when the listener started
             if address is None:
                 log.warning("peerListen %s:%d is not advertised to other nodes: set POD_IP (downward API) or "
                             "listen on the node's address", *self.settings.peer_listen)
             node.cluster.reporter.peer_address = address
-            node.fetcher.peers.self_url = address  # its rank among the peers spreads first ranges
         self._loops.spawn("peer-discovery", keep_discovering(node.cluster.api_client, node.cluster.node_name,
                                                              node.fetcher.peers))
 

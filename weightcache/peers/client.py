@@ -7,6 +7,7 @@ hashed, every blob verified against the origin's evidence before publish).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import re
@@ -33,11 +34,24 @@ Blob = str | OriginId
 # ASCII digits, at most 19 (below 2^63): a peer's header is untrusted, and int() of 4,300 digits raises
 _CONTENT_RANGE = re.compile(r"bytes ([0-9]{1,19})-([0-9]{1,19})/[0-9]{1,19}")
 PARTIAL_HEADER = "X-Weightcache-Partial"  # set on answers about a blob still being downloaded
+NOT_YET_HEADER = "X-Weightcache-Not-Yet"  # beside it on a 404: the peer is reading those bytes from the origin now
 
 
 class PeerRangeMissing(SourceError):
     """The peer is still downloading the blob and lacks the bytes asked for (404 to a range of a blob it said
     it had): ask the next source, without counting it against the peer."""
+    answer = Answer(6, 502, "UNAVAILABLE")  # handled inside a fetch; this is what shows if one ever escapes
+
+
+class PeerBlobGone(PeerRangeMissing):
+    """The peer answers 404 for a blob it said it held: evicted since, or the download it served in flight is
+    being moved to its blob (a window of a syncfs). No fault: ask it again later, as one that lacked the blob."""
+    answer = Answer(6, 502, "UNAVAILABLE")  # handled inside a fetch; this is what shows if one ever escapes
+
+
+class PeerRangePending(PeerRangeMissing):
+    """The peer is reading these bytes from the origin now (404 with X-Weightcache-Not-Yet): wait and ask again,
+    rather than read them from the origin a second time."""
     answer = Answer(6, 502, "UNAVAILABLE")  # handled inside a fetch; this is what shows if one ever escapes
 
 
@@ -47,8 +61,8 @@ class PeerBusy(PeerRangeMissing):
 
 
 class PeerTooSlow(SourceError):
-    """The peer sent a range below the rate floor (`Pace`): the rest comes from elsewhere, and this fetch asks
-    that peer no more (one slow peer costs about SLOW_GRACE_S per fetch, not per range)."""
+    """The peer sent a range below the rate floor (`Pace`): the rest comes from elsewhere, and this fetch leaves
+    that peer out for a while, longer each time (source.BENCH_S)."""
     answer = Answer(6, 502, "UNAVAILABLE")  # handled inside a fetch; this is what shows if one ever escapes
 
 
@@ -98,7 +112,8 @@ class PeerClient:
         return self.probe(sha256, size) is not None
 
     def probe(self, sha256: Blob, size: int) -> str | None:
-        """"blob" (published there), "partial" (downloading it now) or None (neither, or another size)."""
+        """"blob" (published there), "partial" (downloading it now), "empty" (downloading it, nothing read from
+        the origin yet) or None (neither, or another size)."""
         try:
             resp = self._pool.request("HEAD", self.blob_url(sha256), headers=self._auth, redirect=False)
         except NETWORK_ERRORS as exc:
@@ -108,7 +123,8 @@ class PeerClient:
                         self.url)
         if resp.status != 200 or resp.headers.get("Content-Length") != str(size):
             return None
-        return "partial" if resp.headers.get(PARTIAL_HEADER) else "blob"
+        partial = resp.headers.get(PARTIAL_HEADER)
+        return "blob" if not partial else "empty" if partial == "empty" else "partial"
 
     def open_range(self, sha256: Blob, pos: int, end: int) -> Any:
         """GET bytes [pos, end) of a blob: the checked response, body unread; Retryable for anything else."""
@@ -131,8 +147,13 @@ class PeerClient:
             raise Retryable(f"{type(exc).__name__} from peer {self.url}") from exc
         finally:
             _asking.pace = None
-        if resp.status == 404 and resp.headers.get(PARTIAL_HEADER):
+        if resp.status == 404 and not resp.headers.get(PARTIAL_HEADER):
+            resp.close()  # it held the blob (HEAD) and has it no more, or is moving its finished download to it
+            raise PeerBlobGone(f"peer {self.url} does not hold the blob now")
+        if resp.status == 404:
             resp.close()
+            if resp.headers.get(NOT_YET_HEADER):
+                raise PeerRangePending(f"peer {self.url} is fetching bytes {pos}-{end - 1} from the origin now")
             raise PeerRangeMissing(f"peer {self.url} has not downloaded bytes {pos}-{end - 1} yet")
         if resp.status == 429:
             resp.close()
@@ -166,25 +187,67 @@ class PeerClient:
         self._pool.clear()
 
 
-#: The rate floor of a range from a peer: after SLOW_GRACE_S it must have sent SLOW_BYTES_S per second since it
-#: was asked, on average, or its connection is cut and the rest is read elsewhere. A peer trickling a byte every
-#: 2 s stays under every read timeout and held a whole fetch; now it costs SLOW_GRACE_S (and a watchdog tick).
-#: The floor is far below any healthy peer (500 MiB/s each) and below the slowest origins a claimed range is
-#: streamed at (a node streams what it reads from the origin as it arrives).
+#: The rate floor of a range from a peer: after SLOW_GRACE_S it must have sent, on average since it was asked,
+#: a quarter (FLOOR_SHARE) of what this fetch reads per origin connection, within [SLOW_MIN_BYTES_S,
+#: SLOW_BYTES_S] (SLOW_BYTES_S until the fetch has read from the origin), or its connection is cut and the rest is
+#: read elsewhere. A peer trickling a byte every 2 s stays under every read timeout and held a whole fetch; it
+#: costs SLOW_GRACE_S (and a watchdog tick) at any of these floors. An absolute 1 MiB/s cut every peer of a fleet
+#: filling at once behind a slow origin link (each served 15 askers at 0.2-0.8 MB/s a stream), and the fleet read
+#: the model 5-11 times from the origin: relative to the origin, a peer is slow only when the origin would be
+#: much faster.
 SLOW_BYTES_S = 1 << 20
+SLOW_MIN_BYTES_S = 64 << 10
+FLOOR_SHARE = 0.25
 SLOW_GRACE_S = 1.0
 WATCH_TICK_S = 0.05  # how often the watchdog looks at the streams it watches
 
 _asking = threading.local()  # the Pace of the request this thread is making now
 
 
+class PeerFlow:
+    """Bytes from one peer over all of a fetch's streams from it: a peer is slow only when all of them together
+    are below the floor. A peer serving many askers at once sends each stream little, and one stream may wait on
+    its turn while the others flow; a trickler is below the floor on every stream at once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._samples: collections.deque[tuple[float, int]] = collections.deque([(time.monotonic(), 0)])
+        self._total = 0
+
+    def add(self, n: int) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._total += n
+            self._samples.append((now, self._total))
+            while len(self._samples) > 2 and self._samples[1][0] < now - 4 * SLOW_GRACE_S:
+                self._samples.popleft()
+
+    @property
+    def total(self) -> int:
+        return self._total
+
+    def rate(self, now: float, window: float) -> float:
+        """Bytes per second over the last `window` seconds (since the first sample, when it is younger)."""
+        with self._lock:
+            since, base = self._samples[0]
+            for t, total in self._samples:
+                if t > now - window:
+                    break
+                since, base = t, total
+            return (self._total - base) / max(window, now - since, 1e-3)
+
+
 class Pace:
     """One range asked of a peer: what it sent and since when; `cut` shuts its socket down (from the watchdog
-    thread), so the read blocked on it returns at once and the asker goes on with the bytes not yet received."""
+    thread), so the read blocked on it returns at once and the asker goes on with the bytes not yet received.
+    The floor's clock starts again when the answer's headers came (`answered`): a peer that took most of the
+    grace to answer (a long poll, a busy link) gets its body's grace too; a header trickler is cut all the same."""
 
-    def __init__(self, length: int, min_rate: int = SLOW_BYTES_S, grace_s: float = SLOW_GRACE_S) -> None:
+    def __init__(self, length: int, min_rate: int = SLOW_BYTES_S, grace_s: float = SLOW_GRACE_S,
+                 flow: PeerFlow | None = None) -> None:
         self.started = time.monotonic()
         self.length, self.min_rate, self.grace_s = length, min_rate, grace_s
+        self.flow = flow
         self.got = 0
         self.was_cut = False
         self._done = False
@@ -206,6 +269,13 @@ class Pace:
         with self._lock:
             self.got += n
             self._done = self._done or self.got >= self.length
+        if self.flow is not None:
+            self.flow.add(n)
+
+    def answered(self) -> None:
+        """The answer's headers came: the body's floor counts from now."""
+        with self._lock:
+            self.started = time.monotonic()
 
     def finish(self) -> None:
         with self._lock:
@@ -229,8 +299,9 @@ class Pace:
 
     def due(self, now: float) -> bool:
         with self._lock:
-            return not self._done and self._held_since is None and \
+            slow = not self._done and self._held_since is None and \
                 self.got < self.min_rate * (now - self.started - self.grace_s)
+        return slow and (self.flow is None or self.flow.rate(now, self.grace_s) < self.min_rate)
 
     def cut(self) -> bool:
         """Shut the socket down; False while there is none yet (connecting: the connect timeout bounds that)."""

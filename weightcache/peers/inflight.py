@@ -3,10 +3,11 @@ this node is reading from the origin right now (its claims), and which of its by
 
 The fetch engine registers a partial download when the blob's sha256 is known on trusted evidence (the same rule
 as for asking peers) and removes it once the blob is published; the peer server serves ranges the partial file
-has written and journalled (`PartialFile.holds`) and streams a claimed range as its chunks are journalled, so a
-node that starts together with this one waits for a piece this node is fetching instead of asking the origin for
-it again. Those bytes are not verified yet: the asking node verifies the whole blob as always, and a download
-that fails verification is withdrawn here before it is discarded.
+has written and journalled (`PartialFile.holds`), and answers a claimed range with nothing journalled yet "not
+yet" (after a short wait for its first piece), so a node that starts together with this one asks again for a
+piece this node is fetching instead of reading it from the origin too. Those bytes are not verified yet: the
+asking node verifies the whole blob as always, and a download that fails verification is withdrawn here before it
+is discarded.
 
 Only bytes this node read from the origin itself, in this run, are served in flight (`origin_end`): bytes it got
 from a peer are not relayed before the blob is verified. A node that relayed a hostile peer's piece would be the
@@ -18,10 +19,25 @@ source wrote them in an earlier run is unknown.
 from __future__ import annotations
 
 import threading
+import time
+from dataclasses import dataclass, field
 
 from weightcache.download import PartialFile, Runs
 
-Claim = tuple[str, int, int]  # (sha256, start, end): a range being read from the origin
+STALL_S = 10.0  # a claim that gained no byte for this long is no longer answered "not yet"
+
+
+@dataclass(eq=False)
+class Claim:
+    """A range [start, end) of a blob this node reads from the origin now; `touched`: when a byte last came."""
+
+    sha256: str
+    start: int
+    end: int
+    touched: float = field(default_factory=time.monotonic)
+
+    def touch(self) -> None:
+        self.touched = time.monotonic()  # one float store: no lock needed under the GIL
 
 
 class InFlight:
@@ -73,9 +89,16 @@ class InFlight:
             runs = self._origin.get(sha256) if self._parts.get(sha256) is part else None
             return min(held, runs.reach(start)) if runs is not None else start
 
+    def started(self, sha256: str) -> bool:
+        """The registered download has origin bytes, or claims: something of it may be served now or soon."""
+        with self._lock:
+            runs = self._origin.get(sha256)
+            return bool(runs is not None and runs.starts) or any(c.sha256 == sha256 for c in self._claims)
+
     def claim(self, sha256: str, start: int, end: int) -> Claim:
-        """This node reads [start, end) of the blob from the origin now; `release` the result when done."""
-        claim = (sha256, start, end)
+        """This node reads [start, end) of the blob from the origin now; `release` the result when done, `touch`
+        it as bytes arrive."""
+        claim = Claim(sha256, start, end)
         with self._lock:
             self._claims.append(claim)
         return claim
@@ -84,18 +107,10 @@ class InFlight:
         with self._lock:
             self._claims.remove(claim)
 
-    def claimed_end(self, sha256: str, pos: int) -> int:
-        """The end of the furthest claim covering byte `pos` (`pos` itself when none does)."""
+    def pending(self, sha256: str, pos: int) -> bool:
+        """Byte `pos` of the blob is on its way from the origin: a claim covers it and gained a byte within
+        STALL_S (a claim held up at the origin stops being one others should wait for)."""
+        now = time.monotonic()
         with self._lock:
-            return max([e for s, a, e in self._claims if s == sha256 and a <= pos < e], default=pos)
-
-    def servable_end(self, sha256: str, part: PartialFile, start: int, end: int) -> int:
-        """How far from `start` (at most `end`) the peer server can send: journalled origin bytes, then claimed
-        ranges whose bytes are on their way."""
-        pos = start
-        while pos < end:
-            further = max(self.origin_end(sha256, part, pos, end), min(end, self.claimed_end(sha256, pos)))
-            if further == pos:
-                break
-            pos = further
-        return pos
+            return any(c.sha256 == sha256 and c.start <= pos < c.end and now - c.touched < STALL_S
+                       for c in self._claims)

@@ -14,9 +14,11 @@ Only `blobs/sha256/` is reachable: the digest must be 64 lowercase hex digits, a
 component with O_NOFOLLOW under a descriptor of the blobs directory, so a symlink planted in the store (or a
 digest naming one) is refused, never followed. A blob still downloading (registered in `InFlight`) is served only
 for ranges its partial file has written and journalled from the origin (never a peer's bytes relayed before they
-are verified); other ranges answer 404 with `X-Weightcache-Partial: 1`.
+are verified), at once and at the link's speed; other ranges answer 404 with `X-Weightcache-Partial: 1`, and with
+`X-Weightcache-Not-Yet: 1` too when this node reads them from the origin now (ask again soon).
 Every request needs `Authorization: Bearer <token>`, compared in constant time. Each peer (remote address) gets
-at most `max_streams` bodies at once (429 beyond, with Retry-After) and a token bucket of `rate_bytes_s`, so
+at most `max_streams` bodies at once, fewer while many peers ask (their share of `stream_budget`; 429 beyond,
+with Retry-After) and a token bucket of `rate_bytes_s`, so
 serving never starves the node's own pods; file reads run in threads, never on the event loop.
 """
 
@@ -37,7 +39,7 @@ from aiohttp import web
 
 from weightcache.download import PartialFile
 from weightcache.listener import ConnectionLimits, GuardedTCPSite
-from weightcache.peers.client import PARTIAL_HEADER
+from weightcache.peers.client import NOT_YET_HEADER, PARTIAL_HEADER
 from weightcache.peers.identity import OriginId, record_matches
 from weightcache.peers.inflight import InFlight
 from weightcache.units import ascii_int
@@ -54,8 +56,8 @@ _RANGE = re.compile(r"bytes=([0-9]*)-([0-9]*)")  # ASCII only: \d also matches '
 _MAX_DIGITS = 19  # a longer number is past any blob (10^19 > 2^63): read as such, never given to int()
 SEND_SLICE = 1 << 20  # bytes read and written per step: bounds memory per stream and rate-limit granularity
 WRITE_TIMEOUT_S = 30.0  # a peer that stops reading loses its stream (and its slot) after this
-STALL_S = 3.0  # a claimed range that gains no journalled byte for this long is cut (below peers' read timeout)
-POLL_S = 0.02  # how often a stream waiting on a claimed range looks at the journal
+NOT_YET_WAIT_S = 0.3  # a request for a claimed range waits this long for its first journalled bytes, then "not yet"
+POLL_S = 0.02  # how often such a request looks at the journal
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,10 @@ class PeerLimits:
 
     rate_bytes_s: int = 500 << 20  # token bucket refill; 0 = unlimited
     max_streams: int = 8  # bodies served to one peer at once: one fetch's workers (8) may all wait on this node
+    # while many peers ask at once, each gets its share of this many streams (at least min_streams; 0: no budget):
+    # a node serving 15 askers 8 streams each gave every stream 1/120 of its link, and each looked like a trickler
+    stream_budget: int = 32
+    min_streams: int = 2
     listener: ConnectionLimits = field(default_factory=lambda: ConnectionLimits(
         max_connections=128, header_timeout_s=10.0, body_timeout_s=10.0, idle_timeout_s=30.0))
 
@@ -87,10 +93,6 @@ class TokenBucket:
                 self.tokens -= n
                 return
             await asyncio.sleep((min(n, self.rate) - self.tokens) / self.rate)
-
-
-class _Stalled(Exception):
-    """A claimed range stopped arriving at this node."""
 
 
 @dataclass
@@ -224,15 +226,16 @@ class PeerServer:
         start, end, ranged = span
         headers = {"Content-Length": str(end - start), "Accept-Ranges": "bytes", "ETag": f'"{digest}"',
                    "Content-Type": "application/octet-stream"}
-        if partial is not None:  # a download in flight: what it has journalled, and what it is fetching now
-            headers[PARTIAL_HEADER] = "1"
+        if partial is not None:  # a download in flight: only what it has journalled from the origin
+            # "empty": nothing read from the origin yet (a node of a fleet starting together): the asker reads
+            # its own ranges from the origin without asking this node for each
+            assert self.inflight is not None
+            headers[PARTIAL_HEADER] = "1" if self.inflight.started(digest) else "empty"
             if request.method != "HEAD":
-                assert self.inflight is not None
-                servable = self.inflight.servable_end(digest, partial, start, end)
+                servable = await self._journalled(digest, partial, start, end)
                 if servable <= start:
-                    return web.Response(status=404, headers={PARTIAL_HEADER: "1"},
-                                        text=f"bytes {start}-{end - 1} not downloaded yet\n")
-                if servable < end:  # a shorter range than asked: the asker takes the rest elsewhere
+                    return _not_held(start, end, self.inflight is not None and self.inflight.pending(digest, start))
+                if servable < end:  # a shorter range than asked: the asker asks again for the rest
                     end, ranged = servable, True
                     headers["Content-Length"] = str(end - start)
         if ranged:
@@ -241,9 +244,10 @@ class PeerServer:
             return web.Response(status=206 if ranged else 200, headers=headers)
         peer_key = request.remote or "?"
         peer = self._peers.setdefault(peer_key, _Peer(TokenBucket(self.limits.rate_bytes_s)))
-        if peer.streams >= self.limits.max_streams:
+        allowed = self._streams_allowed(peer)
+        if peer.streams >= allowed:
             return web.Response(status=429, headers={"Retry-After": "1"},
-                                text=f"at most {self.limits.max_streams} streams per peer; retry elsewhere\n")
+                                text=f"at most {allowed} streams per peer now; retry elsewhere\n")
         peer.streams += 1
         pos = start
         resp = web.StreamResponse(status=206 if ranged else 200, headers=headers)
@@ -252,8 +256,6 @@ class PeerServer:
             step = min(SEND_SLICE, self.limits.rate_bytes_s or SEND_SLICE)  # the bucket paces slices, not bodies
             while pos < end:
                 n = min(step, end - pos)
-                if partial is not None:
-                    n = await self._journalled(digest, partial, pos, pos + n) - pos
                 await peer.bucket.take(n)
                 data = await asyncio.to_thread(os.pread, fd, n, pos)
                 if not data:
@@ -263,11 +265,6 @@ class PeerServer:
                 self.bytes_served += len(data)
             await resp.write_eof()
             return resp
-        except _Stalled as exc:  # cut the connection: a short body tells the asker to take the rest elsewhere
-            log.info("peer %s: stream of blob %s cut at byte %d: %s", peer_key, digest[:12], pos, exc)
-            if request.transport is not None:
-                request.transport.close()
-            return resp
         except (ConnectionError, TimeoutError):  # the peer went away or stopped reading: its loss, not an error
             log.info("peer %s stopped reading blob %s at a stream's byte %d", peer_key, digest[:12], pos - start)
             return resp
@@ -275,17 +272,24 @@ class PeerServer:
             peer.streams -= 1
 
 
+    def _streams_allowed(self, peer: _Peer) -> int:
+        """Streams one peer may have now: `max_streams`, fewer while many peers ask at once (their share of
+        `stream_budget`, at least `min_streams`), so 15 askers get 2 fast streams each rather than 8 slow ones."""
+        askers = sum(1 for p in self._peers.values() if p.streams) + (0 if peer.streams else 1)
+        if not self.limits.stream_budget:
+            return self.limits.max_streams
+        return min(self.limits.max_streams, max(self.limits.min_streams, self.limits.stream_budget // askers))
+
     async def _journalled(self, digest: str, partial: PartialFile, start: int, end: int) -> int:
-        """Wait until origin bytes from `start` of a claimed range are journalled and return how far (at most `end`);
-        _Stalled (the stream is cut, the asker goes on elsewhere) when none arrive for STALL_S or the download
-        was withdrawn."""
+        """How far from `start` (at most `end`) origin bytes are journalled; when none are yet but the range is
+        on its way (claimed), wait up to NOT_YET_WAIT_S for the first ones (a long poll: the asker is not made to
+        ask again and again for a piece about to land)."""
         assert self.inflight is not None
         waited_since = time.monotonic()
         while (got := self.inflight.origin_end(digest, partial, start, end)) == start:
-            if self.inflight.get(digest) is not partial:
-                raise _Stalled(f"download of {digest[:12]} withdrawn")
-            if time.monotonic() - waited_since > STALL_S:
-                raise _Stalled(f"no bytes of {digest[:12]} journalled for {STALL_S:.0f}s")
+            if time.monotonic() - waited_since >= NOT_YET_WAIT_S or not self.inflight.pending(digest, start) or \
+                    self.inflight.get(digest) is not partial:
+                break
             await asyncio.sleep(POLL_S)
         return got
 
@@ -344,6 +348,15 @@ class OriginRecords:
                     _HEX.fullmatch(str(sha)):
                 return str(sha)
         return None
+
+
+def _not_held(start: int, end: int, pending: bool) -> web.Response:
+    """404 with X-Weightcache-Partial; with X-Weightcache-Not-Yet too when the bytes are on their way here (a
+    claim that is moving): the asker waits and asks again rather than read them from the origin itself."""
+    if pending:
+        return web.Response(status=404, headers={PARTIAL_HEADER: "1", NOT_YET_HEADER: "1"},
+                            text=f"bytes {start}-{end - 1} are being fetched by this node: ask again shortly\n")
+    return web.Response(status=404, headers={PARTIAL_HEADER: "1"}, text=f"bytes {start}-{end - 1} not downloaded yet\n")
 
 
 def _unauthorized() -> web.Response:

@@ -6,13 +6,15 @@ manifest this node wrote for that very object version); for any other object pee
 source merely claims could name another namespace's model: asking peers for it would widen access).
 
 Concurrent ranges of one blob go to different holders in turn, so a blob's pieces come from several peers at
-once. Nodes started together rotate their ranges by rank (`spread`) and wait for a range a peer is fetching from
-the origin now (its claim) rather than ask the origin again (docs/peers.md, "Nodes started together"). A peer
+once. Nodes started together cut the model into ranges that each node owns a few of, rotate them by rank
+(`spread`), ask a range's owner first, and while it reads the range from the origin ("not yet") take another
+range and come back (`Later`) rather than ask the origin again (docs/peers.md, "Nodes started together"). A peer
 failing mid-range (dead, cut) costs a retry of the rest of that range on the next holder, then on the origin.
 Bytes from peers are hashed like any others by the fetch engine; when a blob fails verification,
 `verification_failed` makes the next round read that blob from the origin only, and each piece a peer served is
 compared with the origin's: a peer whose piece differs is banned (for BAN_S, doubled per repeat offence). A range
-from a peer below the rate floor (client.Pace) is cut and taken elsewhere, and that peer is left out of the fetch.
+from a peer below the rate floor (client.Pace: relative to the fetch's own origin rate, judged across the peer's
+streams) is cut and taken elsewhere, and that peer is left out for BENCH_S, doubled each time.
 """
 
 from __future__ import annotations
@@ -31,11 +33,17 @@ from dataclasses import dataclass, field
 
 from weightcache.errors import SourceError
 from weightcache.peers.client import (
+    FLOOR_SHARE,
+    SLOW_BYTES_S,
+    SLOW_MIN_BYTES_S,
     WATCHDOG,
     Blob,
     Pace,
+    PeerBlobGone,
     PeerClient,
+    PeerFlow,
     PeerRangeMissing,
+    PeerRangePending,
     PeerTooSlow,
     PeerUnreachable,
     peer_base_url,
@@ -49,9 +57,23 @@ from weightcache.sources.base import ObjectInfo, OnBytes, Pieces, Source, stream
 log = logging.getLogger(__name__)
 
 T = typing.TypeVar("T")
+
+
+class Later(Exception):
+    """Bytes from `pos` of this range are on their way to a peer (it reads them from the origin now, or the node
+    that owns the range has yet to start): the fetch engine takes another range first and comes back. Raised only
+    while `PeerSource.may_defer()` says the engine has other ranges to take."""
+
+    def __init__(self, pos: int) -> None:
+        super().__init__(pos)
+        self.pos = pos
 GRACE_S = 1.0  # how long a range of another node's first share waits for that node to start fetching it
 POLL_S = 0.05  # between asks while waiting
 REASK_S = 0.25  # a peer that lacked a blob is asked again after this (nodes started together register late)
+BENCH_S = 1.0  # a peer cut as too slow is left out of the fetch this long, doubled each time, up to MAX_BENCH_S
+MAX_BENCH_S = 30.0
+PROVEN_BYTES = 4 << 20  # a peer cut as slow after sending this fetch this much is waited for, not the origin
+PENDING_S = 15.0  # a range waits on peers ("not yet", a bench) at most this long without a byte of it
 BAN_S = 600.0  # a peer whose bytes the origin contradicts is not asked for this long; doubled per repeat offence
 MAX_BAN_S = 24 * 3600.0
 
@@ -122,7 +144,9 @@ class PeerSet:
         me = self.self_url or socket.gethostname()
         rank = (bisect.bisect_left(everyone, me) if self.self_url
                 else int.from_bytes(hashlib.sha256(me.encode()).digest()[:4], "big") % (len(everyone) + 1))
-        return PeerSource(origin, usable, digests, self.stats, self.inflight, (rank, len(everyone) + 1))
+        source = PeerSource(origin, usable, digests, self.stats, self.inflight, (rank, len(everyone) + 1))
+        source.ranked = [*everyone[:rank], "", *everyone[rank:]]  # "": this node
+        return source
 
     def update(self, urls: Iterable[str]) -> None:
         """Discovered peers now: new ones get a client, gone ones are dropped (fetches in flight keep theirs)."""
@@ -159,7 +183,9 @@ class PeerSource:
         self.origin = origin
         self._inflight = inflight or InFlight()
         self._rank = rank
-        self._own: set[tuple[str, int]] = set()  # (key, offset) of the ranges this node fetches first
+        # object key -> [(start, node)]: the node that fetches the range from `start` first ("": this one)
+        self._owners: dict[str, list[tuple[int, str]]] = {}
+        self.ranked: list[str] = []  # every node's peer URL in rank order, "" for this one (PeerSet.wrap)
         self._grace_until: float | None = None  # until when ranges of others' shares wait for any peer
         self.ref, self.name = origin.ref, origin.name
         self._peers = peers
@@ -173,7 +199,20 @@ class PeerSource:
         self._origin_only: set[str] = set()  # object keys that failed verification once
         self._dead: set[str] = set()  # peers that did not answer a HEAD during this fetch
         self._served: dict[tuple[str, int], tuple[str, bytes]] = {}  # (key, offset) -> (peer, piece digest)
+        self._empty: set[tuple[str, str]] = set()  # (blob, peer): downloading it, nothing from the origin yet
+        self._flows: dict[str, PeerFlow] = {}  # bytes from each peer over all streams (client.PeerFlow)
+        self._asked: dict[tuple[str, int], float] = {}  # (key, range end) -> when it was first asked of peers
+        self._claimers: set[tuple[str, str]] = set()  # (peer, blob): it answered "not yet" (reads it now)
+        self._moved: dict[tuple[str, int], float] = {}  # (key, range end) -> when a byte of it last came
+        self._benched: dict[str, tuple[float, int]] = {}  # peer cut as slow -> (left out until, times)
+        self._origin_rate: float | None = None  # bytes/s this fetch reads per origin connection (a moving mean)
         self.peer_bytes = 0
+        self.may_defer: Callable[[], bool] = lambda: False  # the fetch engine: other ranges wait for a worker
+
+    @property
+    def nodes(self) -> int:
+        """Nodes that may fetch this model together: this one and its peers."""
+        return self._rank[1]
 
     # -- the Source interface: everything but read_pieces goes to the origin ----------------------------------
     def list(self) -> list[ObjectInfo]:
@@ -190,15 +229,30 @@ class PeerSource:
 
     def spread(self, ranges: typing.List[T], key: Callable[[T], tuple[str, int]]) -> typing.List[T]:  # noqa: UP006
         """The fetch's ranges in this node's order: rotated by its rank, so nodes started together fetch different
-        ranges from the origin first; that first share is this node's own (`key`: (object key, offset))."""
+        ranges from the origin first; the node of rank r owns the r-th share (`key`: (object key, offset)), and
+        this node asks a range's owner first."""
         place, nodes = self._rank
         if nodes <= 1 or not ranges:
             return ranges
-        cut = len(ranges) * place // nodes
-        mine = ranges[cut:cut + -(-len(ranges) // nodes)]
+        ranked = self.ranked if len(self.ranked) == nodes else [""] * nodes  # unknown peers: every share "mine"
+        owners: dict[str, list[tuple[int, str]]] = {}
+        for rank in range(nodes):
+            for r in ranges[len(ranges) * rank // nodes:len(ranges) * (rank + 1) // nodes]:
+                k, offset = key(r)
+                owners.setdefault(k, []).append((offset, ranked[rank] if rank != place else ""))
         with self._lock:
-            self._own = {key(r) for r in mine}
+            self._owners = {k: sorted(v) for k, v in owners.items()}
+        cut = len(ranges) * place // nodes
         return ranges[cut:] + ranges[:cut]
+
+    def _owner(self, key: str, pos: int) -> str | None:
+        """The node that fetches byte `pos` of object `key` first ("": this one); None: no spread was made."""
+        with self._lock:
+            starts = self._owners.get(key)
+            if not starts:
+                return None
+            i = bisect.bisect_right(starts, (pos, "\uffff")) - 1
+            return starts[i][1] if i >= 0 else None
 
     def read_pieces(self, obj: ObjectInfo, offset: int, length: int, buf: memoryview,
                     on_bytes: OnBytes | None = None) -> Pieces:
@@ -213,28 +267,45 @@ class PeerSource:
             yield from self._from_origin(obj, pos, end, buf, on_bytes, None)
             return
         name = blob_key(trusted[0])
+        owner = self._owner(obj.key, offset)
+        wait = owner not in (None, "")
         with self._lock:
-            wait = (obj.key, offset) not in self._own and self._rank[1] > 1
             # peers that start later register later: ranges may wait for them until GRACE_S after this fetch's
             # first ask (once per fetch, so peers that never fetch the model cost that once, not per blob)
             if self._grace_until is None:
                 self._grace_until = time.monotonic() + GRACE_S
             fetch_deadline = self._grace_until
-        deadline = time.monotonic() + GRACE_S
+        with self._lock:  # from this range's first ask: a range deferred (Later) and taken again waits no longer
+            deadline = self._asked.setdefault((obj.key, end), time.monotonic()) + GRACE_S
+            self._moved.setdefault((obj.key, end), time.monotonic())
         while True:
-            progressed, downloading = False, False
-            for peer in self._holders_in_turn(*trusted):
+            progressed, downloading, pending = False, False, False
+            for peer in self._holders_in_turn(*trusted, first=owner):
+                if not wait and (name, peer.url) in self._empty:
+                    continue  # a range of this node's own: that peer had nothing of the blob when asked
                 try:
                     for at, view in self._from_peer(peer, obj.key, trusted[0], pos, end, buf, on_bytes):
                         yield at, view
                         pos, progressed = at + len(view), True
+                        self._moved[(obj.key, end)] = time.monotonic()
+                except PeerBlobGone:
+                    downloading = True  # no fault; probed again after REASK_S: it may serve the blob by then
+                    self._drop_holder(name, peer)
+                except PeerRangePending:
+                    with self._lock:
+                        self._claimers.add((peer.url, name))
+                    pending = downloading = True  # the peer reads these bytes from the origin now: wait for them
+                    break  # and ask no other peer meanwhile (each would be one more request per poll)
                 except PeerRangeMissing:
                     downloading = True  # a peer still downloading the blob lacks these bytes: no fault of its own
+                    if peer.url == owner:  # it fetches the blob and this range first: it is about to read it
+                        pending = True  # (a node that started late, or that is short of CPU, still does)
+                        break  # and the others relay nothing of it: ask none of them
                 except PeerTooSlow as exc:
                     self._stats.error(peer.url)
-                    with self._lock:
-                        self._dead.add(peer.url)  # this fetch asks it no more: one slow peer costs ~1 s, once
-                    log.warning("%s at byte %d of %s; this fetch takes the rest elsewhere", exc, pos, obj.relpath)
+                    bench_s = self._bench(peer.url)
+                    log.warning("%s at byte %d of %s; this fetch leaves it out for %.0f s", exc, pos, obj.relpath,
+                                bench_s)
                 except SourceError as exc:
                     self._stats.error(peer.url)
                     self._drop_holder(name, peer)
@@ -245,17 +316,71 @@ class PeerSource:
             if progressed:
                 continue
             now = time.monotonic()
-            if not wait or (now >= fetch_deadline and not (downloading and now < deadline)):
+            # a peer that served this fetch well and was cut only now is congested, not hostile: wait out its
+            # bench rather than read the range from the origin again; and no wait lasts past PENDING_S without
+            # a byte of this range (a peer answering "not yet" for ever costs that, once)
+            pending = (pending or self._benched_holder(name, owner)) and now - self._moved[(obj.key, end)] < PENDING_S
+            if not pending and (not wait or (now >= fetch_deadline and not (downloading and now < deadline))):
                 break
+            if self.may_defer():
+                raise Later(pos)  # another range may be ready now: this one's bytes are still on their way
             time.sleep(POLL_S)
         yield from self._from_origin(obj, pos, end, buf, on_bytes, name)
+
+    def _bench(self, url: str) -> float:
+        """Leave a peer cut as too slow out of this fetch for a while: BENCH_S, doubled each time (a peer that is
+        slow because many ask it at once is asked again once they are served; a trickler costs a second each
+        time, less and less often)."""
+        now = time.monotonic()
+        with self._lock:
+            until, times = self._benched.get(url, (0.0, 0))
+            if until > now:  # its other ranges cut at the same time: one offence
+                return until - now
+            length = min(MAX_BENCH_S, BENCH_S * (1 << min(times, 16)))
+            self._benched[url] = (now + length, times + 1)
+        return length
+
+    def _benched_holder(self, sha256: str, owner: str | None) -> bool:
+        """A holder of the blob is benched now that is worth waiting for: it sent this fetch PROVEN_BYTES or more,
+        or said it reads some of the blob from the origin now, or it owns the range and sent this fetch 64 KiB
+        (a trickler does none of these). It was slow because many asked it at once, or its link is busy,
+        and it will serve the range once its bench ends."""
+        now = time.monotonic()
+        with self._lock:
+            known = self._holders.get(sha256, (0.0, []))[1]
+            for p in known:
+                if self._benched.get(p.url, (0.0, 0))[0] <= now:
+                    continue
+                sent = self._flows[p.url].total if p.url in self._flows else 0
+                if (p.url, sha256) in self._claimers or sent >= PROVEN_BYTES or (p.url == owner and sent >= 64 << 10):
+                    return True
+            return False
+
+    def _floor(self) -> int:
+        """The rate floor of a range from a peer: FLOOR_SHARE of what this fetch reads per origin connection,
+        within [SLOW_MIN_BYTES_S, SLOW_BYTES_S]; SLOW_BYTES_S before it has read from the origin."""
+        with self._lock:
+            rate = self._origin_rate
+        if rate is None:
+            return SLOW_BYTES_S
+        return int(min(SLOW_BYTES_S, max(SLOW_MIN_BYTES_S, rate * FLOOR_SHARE)))
 
     def _from_origin(self, obj: ObjectInfo, pos: int, end: int, buf: memoryview, on_bytes: OnBytes | None,
                      sha256: str | None) -> Pieces:
         claim = self._inflight.claim(sha256, pos, end) if sha256 else None
+
+        def arrived(n: int) -> None:
+            if claim is not None:
+                claim.touch()  # the claim moves: peers asking for it are told "not yet", not "go elsewhere"
+            if on_bytes is not None:
+                on_bytes(n)
+
+        started, got = time.monotonic(), 0
         try:
-            with closing(self.origin.read_pieces(obj, pos, end - pos, buf, on_bytes)) as pieces:
+            with closing(self.origin.read_pieces(obj, pos, end - pos, buf, arrived)) as pieces:
                 for at, view in pieces:
+                    got += len(view)
+                    self._origin_rate_seen(got, time.monotonic() - started)
                     self._blame(obj.key, at, view)
                     if sha256:  # this node's peer server may relay these bytes while the download goes on
                         self._inflight.from_origin(sha256, at, at + len(view))
@@ -264,11 +389,18 @@ class PeerSource:
             if claim is not None:
                 self._inflight.release(claim)
 
+    def _origin_rate_seen(self, got: int, took: float) -> None:
+        if took < 0.1:  # the first piece's rate is mostly the request's latency, or a burst
+            return
+        rate = got / took
+        with self._lock:
+            self._origin_rate = rate if self._origin_rate is None else 0.8 * self._origin_rate + 0.2 * rate
+
     # -- peers ------------------------------------------------------------------------------------------------
-    def _holders_in_turn(self, blob: Blob, size: int) -> typing.List[PeerClient]:  # noqa: UP006
-        """Peers holding or downloading the blob, rotated per range so concurrent ranges spread out. Asked once
-        per fetch when every peer has it; peers that did not are asked again after REASK_S (they may have
-        started downloading it since)."""
+    def _holders_in_turn(self, blob: Blob, size: int, first: str | None = None) -> typing.List[PeerClient]:  # noqa: UP006
+        """Peers holding or downloading the blob, rotated per range so concurrent ranges spread out, the peer
+        `first` (a range's owner) first. Asked once per fetch when every peer has it; peers that did not are
+        asked again after REASK_S (they may have started downloading it since)."""
         sha256 = blob_key(blob)
         with self._lock:
             asked, known = self._holders.get(sha256, (-REASK_S, []))
@@ -281,12 +413,15 @@ class PeerSource:
                     with self._lock:
                         self._holders[sha256] = (time.monotonic(), known)
         banned = self._stats.banned
+        now = time.monotonic()
         with self._lock:
-            holders = [p for p in known if p.url not in banned and p.url not in self._dead]
+            holders = [p for p in known if p.url not in banned and p.url not in self._dead
+                       and self._benched.get(p.url, (0.0, 0))[0] <= now]
         if not holders:
             return []
         start = next(self._turn) % len(holders)
-        return holders[start:] + holders[:start]
+        turn = holders[start:] + holders[:start]
+        return sorted(turn, key=lambda p: p.url != first) if first else turn
 
     def _live_peers(self) -> typing.List[PeerClient]:  # noqa: UP006
         with self._lock:
@@ -296,7 +431,11 @@ class PeerSource:
         """HEAD one peer; one that cannot be reached is not asked again by this fetch (a blackholed peer costs
         one connect timeout per fetch, not one per blob)."""
         try:
-            return peer.probe(sha256, size) is not None
+            kind = peer.probe(sha256, size)
+            if kind == "empty":
+                with self._lock:
+                    self._empty.add((blob_key(sha256), peer.url))
+            return kind is not None
         except PeerUnreachable as exc:
             log.info("%s; this fetch goes on without it", exc)
             self._stats.error(peer.url)
@@ -314,7 +453,9 @@ class PeerSource:
         """Yield pieces of [pos, end), or of the shorter span a peer still downloading the blob serves, from one
         peer. One attempt: a failure raises SourceError and the caller goes on with the bytes not yet yielded;
         PeerTooSlow when the watchdog cut a range below its rate floor (client.Pace)."""
-        pace = Pace(end - pos)
+        with self._lock:
+            flow = self._flows.setdefault(peer.url, PeerFlow())
+        pace = Pace(end - pos, self._floor(), flow=flow)
         WATCHDOG.watch(pace)
         try:
             yield from self._paced(peer, key, sha256, pos, end, buf, on_bytes, pace)
@@ -335,6 +476,7 @@ class PeerSource:
             resp, served = peer.open_span(blob, pos, end, pace)
         except Retryable as exc:
             raise SourceError(str(exc)) from exc
+        pace.answered()
         pace.expect(served - pos)
         opened = iter([resp])
 

@@ -1,0 +1,359 @@
+"""Benchmark: fleet fill as a deployment sees it. N real daemons, each in its own network namespace on a bridge,
+every link limited with `tc` both ways, an S3 origin (moto) in its own namespace behind its own limit.
+
+Root only (it makes namespaces, veth pairs, a bridge and tc qdiscs, and removes them all on exit, Ctrl-C included):
+
+    sudo .venv/bin/python scripts/bench_fleet_netns.py [--nodes 8,16] [--model-mb 256] [--shards 4]
+        [--origin-mbps 20] [--link-mbps 20] [--json] [--keep-logs DIR]
+
+The net (addresses in 10.77.0.0/16, bridge `wcfbr0`, namespaces `wcf-origin` and `wcf-n<i>`):
+
+    wcf-origin: moto (python -m moto.server) on 10.77.0.2:5000; its veth egress is the origin's upload
+    wcf-n<i>:   `python -m weightcache daemon` with peerListen 10.77.1.<i>:9479, the other nodes as static
+                `peers`, one shared peerTokenFile, its own store root and API socket (a Unix socket: the bench
+                reaches it from the host namespace)
+
+Every veth end has a token bucket filter (`tc qdisc ... root tbf`): the end inside a namespace limits what the
+namespace sends, the host end (a bridge port) what it receives. The model (safetensors shards, built here, each
+uploaded with ChecksumAlgorithm=SHA256 so peers may serve it by digest) is uploaded before the origin's link is
+limited. Each row: fresh namespaces and stores, every daemon started and answering, then every node asked for the
+model at once (`PUT /v1/models?wait=1` on its socket); "one node alone" is the same with N = 1.
+
+Printed per N: origin bytes / model (what the daemons counted as read from the origin, and the origin veth's
+transmitted bytes with TCP/IP and HTTP overhead), each node's ready time, all ready / one node alone, daemon CPU
+seconds during the fill and peak RSS (VmHWM) per node, and bytes each node's peer listener served. `--json`: one
+object, the last N's summary (`nodes`, `origin_bytes_ratio`, `origin_egress_ratio`, `all_ready_ratio`,
+`max_rss_mb`, `max_served_share`: the most a node served over the mean, `one_node_s`, `ready_s`) and `rows`
+with every N's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scripts.bench_prefetch import make_model
+from weightcache.daemon.client import DaemonClient
+
+PY = sys.executable
+BRIDGE = "wcfbr0"
+PREFIX = "wcf-"
+ORIGIN_IP = "10.77.0.2"
+HOST_IP = "10.77.0.1"
+PEER_PORT = 9479
+BUCKET = "fleet"
+TOKEN = "bench-fleet-netns-token-0123456789abcdef"
+AWS_ENV = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
+
+
+def sh(*cmd: str, check: bool = True) -> str:
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if check and done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: {done.stderr.strip() or done.stdout.strip()}")
+    return done.stdout
+
+
+def node_ip(i: int) -> str:
+    return f"10.77.{1 + i // 250}.{1 + i % 250}"
+
+
+def limit(dev: str, mbps: float, ns: str | None = None) -> None:
+    """A token bucket on `dev`'s egress: `mbps` MB/s, a 256 KiB burst, packets queued at most 100 ms."""
+    pre = ("ip", "netns", "exec", ns) if ns else ()
+    sh(*pre, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{int(mbps * 8e6)}bit",
+       "burst", "256kb", "latency", "100ms")
+
+
+def tx_bytes(ns: str, dev: str) -> int:
+    return int(sh("ip", "netns", "exec", ns, "cat", f"/sys/class/net/{dev}/statistics/tx_bytes"))
+
+
+class Net:
+    """The bridge and every namespace made here; `close` removes them (also what an earlier run left)."""
+
+    def __init__(self) -> None:
+        self.namespaces: list[str] = []
+        self.cleanup()
+        sh("ip", "link", "add", BRIDGE, "type", "bridge")
+        sh("ip", "addr", "add", f"{HOST_IP}/16", "dev", BRIDGE)
+        sh("ip", "link", "set", BRIDGE, "up")
+
+    def namespace(self, name: str, ip: str) -> str:
+        """Namespace PREFIX+name with eth0 at `ip` on the bridge; the host end is wcfh-<name>."""
+        ns, host_end = PREFIX + name, f"wcfh-{name}"
+        sh("ip", "netns", "add", ns)
+        self.namespaces.append(ns)
+        sh("ip", "link", "add", host_end, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        sh("ip", "link", "set", host_end, "master", BRIDGE, "up")
+        for cmd in (("ip", "addr", "add", f"{ip}/16", "dev", "eth0"), ("ip", "link", "set", "eth0", "up"),
+                    ("ip", "link", "set", "lo", "up")):
+            sh("ip", "netns", "exec", ns, *cmd)
+        return ns
+
+    def limit_both(self, name: str, mbps: float) -> None:
+        limit("eth0", mbps, PREFIX + name)  # what the namespace sends
+        limit(f"wcfh-{name}", mbps)  # what it receives: the bridge port's egress
+
+    def drop(self, name: str) -> None:
+        ns = PREFIX + name
+        sh("ip", "link", "del", f"wcfh-{name}", check=False)  # the pair goes with it; a namespace's own lags
+        sh("ip", "netns", "del", ns, check=False)
+        if ns in self.namespaces:
+            self.namespaces.remove(ns)
+
+    @staticmethod
+    def cleanup() -> None:
+        for ns in sh("ip", "netns", "list", check=False).split("\n"):
+            if ns.startswith(PREFIX):
+                sh("ip", "netns", "del", ns.split()[0], check=False)
+        for line in sh("ip", "-o", "link", "show", check=False).splitlines():  # a namespace's removal lags
+            dev = line.split(":")[1].strip().split("@")[0] if line.count(":") > 1 else ""
+            if dev.startswith("wcfh-"):
+                sh("ip", "link", "del", dev, check=False)
+        sh("ip", "link", "del", BRIDGE, check=False)
+
+    def close(self) -> None:
+        for ns in list(self.namespaces):
+            sh("ip", "netns", "del", ns, check=False)
+        self.namespaces.clear()
+        sh("ip", "link", "del", BRIDGE, check=False)
+
+
+@dataclass
+class Daemon:
+    index: int
+    proc: subprocess.Popen[bytes]
+    socket: Path
+    log: Path
+    cpu_before: float = 0.0
+    ready_s: float = 0.0
+    error: str = ""
+    stats: dict[str, float] = field(default_factory=dict)
+
+    def client(self) -> DaemonClient:
+        return DaemonClient(self.socket, timeout=600)
+
+    def cpu_s(self) -> float:
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def peak_rss_mb(self) -> float:
+        m = re.search(r"VmHWM:\s+(\d+) kB", Path(f"/proc/{self.proc.pid}/status").read_text())
+        return int(m[1]) / 1024 if m else 0.0
+
+    def metric(self, text: str, name: str, label: str = "") -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name) and label in line.split(" ", 1)[0])
+
+
+def start_daemon(i: int, n: int, work: Path, token: Path) -> Daemon:
+    home = work / f"n{i}"
+    home.mkdir(parents=True)
+    peers = [f"http://{node_ip(j)}:{PEER_PORT}" for j in range(n) if j != i]
+    config = {"root": str(home / "store"), "socket": str(home / "api.sock"),
+              "peerListen": f"{node_ip(i)}:{PEER_PORT}", "peerTokenFile": str(token), "peers": peers,
+              "endpoints": {"s3": {"endpointUrl": f"http://{ORIGIN_IP}:5000"}}}
+    (home / "config.yaml").write_text(json.dumps(config))  # JSON is YAML
+    log = home / "daemon.log"
+    env = {**os.environ, **AWS_ENV, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    with log.open("wb") as out:
+        proc = subprocess.Popen(["ip", "netns", "exec", f"{PREFIX}n{i}", "nice", "-n", "10", PY, "-m", "weightcache",
+                                 "daemon", "--config", str(home / "config.yaml"), "--node-name", f"n{i}"],
+                                stdout=out, stderr=subprocess.STDOUT, env=env)
+    return Daemon(i, proc, home / "api.sock", log)
+
+
+def wait_answering(daemons: list[Daemon], timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    for d in daemons:
+        while not (d.socket.exists() and d.client().available()):
+            if d.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"daemon n{d.index} did not start: {d.log.read_text()[-2000:]}")
+            time.sleep(0.2)
+
+
+def stop_all(daemons: list[Daemon]) -> None:
+    for d in daemons:
+        if d.proc.poll() is None:
+            d.proc.terminate()
+    for d in daemons:
+        try:
+            d.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            d.proc.kill()
+            d.proc.wait()
+
+
+def fill(net: Net, n: int, work: Path, args: argparse.Namespace, model: int) -> dict[str, Any]:
+    """One row: n fresh node namespaces and daemons, all asked for the model at once."""
+    run_dir = work / f"run-{n}"
+    names = [f"n{i}" for i in range(n)]
+    for i, name in enumerate(names):
+        net.namespace(name, node_ip(i))
+        net.limit_both(name, args.link_mbps)
+    daemons = [start_daemon(i, n, run_dir, work / "token") for i in range(n)]
+    try:
+        wait_answering(daemons)
+        for d in daemons:
+            d.cpu_before = d.cpu_s()
+        sent_before = tx_bytes(PREFIX + "origin", "eth0")
+        uri = f"s3://{BUCKET}/model/"
+        started = time.monotonic()
+
+        def one(d: Daemon) -> None:
+            try:
+                d.client().ensure(uri)
+            except Exception as exc:  # a row reports a failed node, it does not end the bench
+                d.error = f"{type(exc).__name__}: {exc}"
+            d.ready_s = time.monotonic() - started
+
+        with ThreadPoolExecutor(n) as pool:
+            list(pool.map(one, daemons))
+        egress = tx_bytes(PREFIX + "origin", "eth0") - sent_before
+        for d in daemons:
+            text = d.client()._call("GET", "/metrics", raw=True)
+            d.stats = {"cpu_s": d.cpu_s() - d.cpu_before, "rss_mb": d.peak_rss_mb(),
+                       "origin": d.metric(text, "weightcache_model_fetched_bytes_total", 'source="origin"'),
+                       "peers": d.metric(text, "weightcache_model_fetched_bytes_total", 'source="peers"'),
+                       "served": d.metric(text, "weightcache_peer_served_bytes_total"),
+                       "cuts": len(re.findall(r"below the floor", d.log.read_text()))}
+    finally:
+        stop_all(daemons)
+        if args.keep_logs:
+            dest = Path(args.keep_logs) / f"n{n}"
+            dest.mkdir(parents=True, exist_ok=True)
+            for d in daemons:
+                shutil.copy(d.log, dest / f"n{d.index}.log")
+        for name in names:
+            net.drop(name)
+        shutil.rmtree(run_dir, ignore_errors=True)
+    served = [d.stats.get("served", 0.0) for d in daemons]
+    mean_served = sum(served) / n
+    return {
+        "nodes": n,
+        "origin_bytes_ratio": round(sum(d.stats.get("origin", 0.0) for d in daemons) / model, 3),
+        "origin_egress_ratio": round(egress / model, 3),
+        "ready_s": [round(d.ready_s, 2) for d in daemons],
+        "all_ready_s": round(max(d.ready_s for d in daemons), 2),
+        "cpu_s": [round(d.stats.get("cpu_s", 0.0), 2) for d in daemons],
+        "rss_mb": [round(d.stats.get("rss_mb", 0.0)) for d in daemons],
+        "max_rss_mb": round(max(d.stats.get("rss_mb", 0.0) for d in daemons)),
+        "served_mb": [round(s / 1e6, 1) for s in served],
+        "max_served_share": round(max(served) / mean_served, 2) if mean_served else 0.0,
+        "peer_cuts": sum(int(d.stats.get("cuts", 0)) for d in daemons),
+        "errors": [f"n{d.index}: {d.error}" for d in daemons if d.error],
+    }
+
+
+@contextlib.contextmanager
+def origin(net: Net, work: Path, args: argparse.Namespace) -> Iterator[int]:
+    """moto in its namespace with the model uploaded (before its link is limited); yields the model's bytes."""
+    import boto3
+    from botocore.config import Config
+
+    ns = net.namespace("origin", ORIGIN_IP)
+    moto = subprocess.Popen(["ip", "netns", "exec", ns, PY, "-m", "moto.server", "-H", ORIGIN_IP, "-p", "5000"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **AWS_ENV})
+    try:
+        model_dir = work / "model"
+        make_model(model_dir, args.model_mb / 1000, args.shards)
+        os.environ.update(AWS_ENV)
+        s3 = boto3.client("s3", endpoint_url=f"http://{ORIGIN_IP}:5000", config=Config(s3={"addressing_style": "path"}))
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                s3.create_bucket(Bucket=BUCKET)
+                break
+            except Exception:
+                if time.monotonic() > deadline or moto.poll() is not None:
+                    raise
+                time.sleep(0.3)
+        model = 0
+        for path in sorted(model_dir.iterdir()):
+            s3.put_object(Bucket=BUCKET, Key=f"model/{path.name}", Body=path.read_bytes(), ChecksumAlgorithm="SHA256")
+            model += path.stat().st_size
+        shutil.rmtree(model_dir)
+        net.limit_both("origin", args.origin_mbps)
+        yield model
+    finally:
+        moto.terminate()
+        moto.wait(10)
+
+
+def print_row(row: dict[str, Any], one: float) -> None:
+    print(f"N={row['nodes']}: origin {row['origin_bytes_ratio']:.2f}x the model (egress with overhead "
+          f"{row['origin_egress_ratio']:.2f}x); all ready {row['all_ready_s']:.1f} s = {row['all_ready_ratio']:.2f}x "
+          f"one node alone; peer cuts {row['peer_cuts']}; max served share {row['max_served_share']:.2f}")
+    print(f"  ready s:   {' '.join(f'{x:.1f}' for x in row['ready_s'])}")
+    print(f"  CPU s:     {' '.join(f'{x:.1f}' for x in row['cpu_s'])}")
+    print(f"  RSS MiB:   {' '.join(str(x) for x in row['rss_mb'])}")
+    print(f"  served MB: {' '.join(f'{x:.0f}' for x in row['served_mb'])}")
+    for e in row["errors"]:
+        print(f"  FAILED {e}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nodes", default="8,16", help="comma-separated fleet sizes")
+    parser.add_argument("--model-mb", type=int, default=256, help="model size, MB (10^6 bytes)")
+    parser.add_argument("--shards", type=int, default=4)
+    parser.add_argument("--origin-mbps", type=float, default=20.0, help="the origin's link, MB/s each way")
+    parser.add_argument("--link-mbps", type=float, default=20.0, help="each node's link, MB/s each way")
+    parser.add_argument("--json", action="store_true", help="print one JSON summary (the last N's row)")
+    parser.add_argument("--keep-logs", metavar="DIR", help="copy every daemon's log here")
+    args = parser.parse_args()
+    if os.geteuid() != 0 or not shutil.which("tc") or not shutil.which("ip"):
+        print("bench_fleet_netns: needs root and iproute2 (ip, tc): it makes namespaces, veths and qdiscs",
+              file=sys.stderr)
+        return 2
+    sizes = [int(x) for x in args.nodes.split(",")]
+    net = Net()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally below removes the net
+    rows = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-fleet-netns-") as tmp:
+            work = Path(tmp)
+            (work / "token").write_text(TOKEN)
+            with origin(net, work, args) as model:
+                load = os.getloadavg()[0]
+                one_row = fill(net, 1, work, args, model)
+                one = one_row["all_ready_s"]
+                if not args.json:
+                    print(f"model {model / 1e6:.0f} MB in {args.shards} shards; origin link {args.origin_mbps:g} MB/s, "
+                          f"node links {args.link_mbps:g} MB/s each way; one node alone: {one:.1f} s "
+                          f"(origin {one_row['origin_bytes_ratio']:.2f}x); load average {load:.1f}")
+                for n in sizes:
+                    row = fill(net, n, work, args, model)
+                    row["all_ready_ratio"] = round(row["all_ready_s"] / one, 2)
+                    row["one_node_s"] = one
+                    row["load_average"] = round(os.getloadavg()[0], 1)
+                    rows.append(row)
+                    if not args.json:
+                        print_row(row, one)
+    finally:
+        net.close()
+    if args.json:
+        print(json.dumps({**rows[-1], "model_bytes": model, "rows": rows}))
+    return 0 if not any(r["errors"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
