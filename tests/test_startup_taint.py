@@ -80,7 +80,7 @@ async def test_a_tainted_node_is_untainted_when_its_models_land(cluster: FakeApi
     cluster.create("modelcaches", warm_first("llama", f"file://{model_copy}/"))
     d = await start_daemon(short_dir, model_copy, env={"NODE_NAME": NODE})
     try:
-        await eventually(lambda: PENDING not in taints(cluster, NODE), what="the startup taint to go")
+        await eventually(lambda: PENDING not in taints(cluster, NODE), what="the startup taint to go", timeout=30)
         assert taints(cluster, NODE) == [GPU]  # the other taint stays
         assert taints(cluster, OTHER) == [PENDING]  # another node's taint is not this daemon's
         (ready,) = [r for r in cluster.requests if r.method == "PATCH" and "modelcachenodes" in r.path
@@ -88,7 +88,7 @@ async def test_a_tainted_node_is_untainted_when_its_models_land(cluster: FakeApi
         untaint = untaint_request(cluster)
         assert cluster.requests.index(ready) < cluster.requests.index(untaint), "untainted before the model landed"
         assert untaint.body[0] == {"op": "test", "path": "/spec/taints", "value": [GPU, PENDING]}
-        (event,) = await eventually(lambda: node_events(cluster), what="the Node's Event")
+        (event,) = await eventually(lambda: node_events(cluster), what="the Node's Event", timeout=30)
         assert (event["reason"], event["type"], event["involvedObject"]["name"]) == ("ModelsReady", "Normal", NODE)
         metrics = await asyncio.to_thread(d.client.metrics)
         assert 'weightcache_startup_taint_seconds_count{reason="models_ready"} 1.0' in metrics
@@ -101,9 +101,9 @@ async def test_at_the_deadline_the_taint_goes_anyway_with_a_warning_event(cluste
     cluster.create("modelcaches", warm_first("broken", f"file://{short_dir}/missing/"))
     d = await start_daemon(short_dir, model_copy, env={"NODE_NAME": NODE}, config={"startupTaintDeadline": 5})
     try:
-        await eventually(lambda: PENDING not in taints(cluster, NODE), what="the deadline", timeout=20)
+        await eventually(lambda: PENDING not in taints(cluster, NODE), what="the deadline", timeout=30)
         assert taints(cluster, NODE) == [GPU] and taints(cluster, OTHER) == [PENDING]
-        (event,) = await eventually(lambda: node_events(cluster), what="the Node's Event")
+        (event,) = await eventually(lambda: node_events(cluster), what="the Node's Event", timeout=30)
         assert (event["reason"], event["type"]) == ("StartupTaintDeadline", "Warning")
         assert "broken" in event["message"] and STARTUP_TAINT in event["message"]
         # not before the deadline (both stamps have whole seconds), though the fetch had failed well before it
@@ -123,9 +123,9 @@ async def test_a_node_nothing_asks_to_warm_first_is_untainted_at_once(cluster: F
     cluster.create("modelcaches", warm_first("later", f"file://{model_copy}/", warmBeforeSchedulable=False))
     d = await start_daemon(short_dir, model_copy, env={"NODE_NAME": NODE})
     try:
-        await eventually(lambda: PENDING not in taints(cluster, NODE), what="the startup taint to go")
+        await eventually(lambda: PENDING not in taints(cluster, NODE), what="the startup taint to go", timeout=30)
         assert taints(cluster, NODE) == [GPU]
-        await eventually(lambda: model_ready(cluster, "later"), what="the model, fetched all the same")
+        await eventually(lambda: model_ready(cluster, "later"), what="the model, fetched all the same", timeout=30)
     finally:
         await d.daemon.stop()
 
@@ -141,11 +141,11 @@ async def test_the_shipped_rbac_and_node_policy_let_a_daemon_untaint_its_own_nod
         api.use_as_kubeconfig(short_dir, monkeypatch, token)
         d = await start_daemon(short_dir, model_copy, env={"NODE_NAME": NODE})
         try:
-            await eventually(lambda: PENDING not in taints(api, NODE), what="the startup taint to go")
+            await eventually(lambda: PENDING not in taints(api, NODE), what="the startup taint to go", timeout=30)
             assert taints(api, NODE) == [GPU]
             labels = api.get("nodes", NODE)["metadata"]["labels"]
             assert labels[readiness_label(f"file://{model_copy}/")] == "ready"  # labelled while still tainted
-            await eventually(lambda: node_events(api), what="the Node's Event, in namespace default")
+            await eventually(lambda: node_events(api), what="the Node's Event, in namespace default", timeout=30)
             assert api.forbidden == []  # nothing the daemon sent was refused
         finally:
             await d.daemon.stop()
