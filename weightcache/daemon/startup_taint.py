@@ -80,7 +80,7 @@ def release(cluster: Cluster, waiting: Sequence[str], deadline_s: float, *, now:
         return None
     if not removed:
         return None
-    observe("deadline" if waiting else "models_ready", max(0.0, time.time() - created))
+    observe("deadline" if waiting else "models_ready", max(0.0, now - created))
     if waiting:
         message = (f"removed {TAINT} at its deadline, {deadline_s:.0f}s after the node joined; not on the node yet: "
                    f"{', '.join(waiting)}")
