@@ -144,8 +144,9 @@ def test_peers_are_never_asked_for_blobs_known_only_by_claim(s3: S3, fault_proxy
 
 def test_a_node_still_downloading_serves_the_pieces_it_has(origin: FaultProxy, fleet: Fleet) -> None:
     """A's first range of the big file is held at the origin; everything else A has journalled is served to B
-    while A is still downloading. B waits on the held range (A is fetching it) until A's stream of it stalls
-    (STALL_S), then reads only that range from the origin: the slowest source does not hold B up for good."""
+    while A is still downloading. B waits on the held range (A is fetching it: "not yet") until A's retry brings
+    it or B has waited PENDING_S, then reads only that range from the origin: the slowest source does not hold B
+    up for good."""
     big = "model-00001.safetensors.bin"
     hold = origin.add("hold", method="GET", path=f"/models/llama/{big}", ranged_only=True, count=1)
     a = fleet.node("a")
@@ -171,10 +172,12 @@ def test_a_node_still_downloading_serves_the_pieces_it_has(origin: FaultProxy, f
         before = origin_bytes(origin)
         b = fleet.node("b", peers=[a.url])
         assert_model(ensure(b, origin))
-        assert origin_bytes(origin) - before == end - start + 1  # only what a did not have yet
+        # at most what a did not have yet: b waits for the held range (a retries it once its read times out) up to
+        # PENDING_S, then reads it from the origin itself
+        assert origin_bytes(origin) - before in (0, end - start + 1)
         # lacking a range is no fault of a's; the one stalled stream it cut is the only error
         assert b.peers.stats.errors_by_peer.get(a.url, 0) <= 1
-        assert b.fetchers[-1].stats["peer_bytes"] == MODEL_BYTES - (end - start + 1)
+        assert b.fetchers[-1].stats["peer_bytes"] == MODEL_BYTES - (origin_bytes(origin) - before)
     finally:
         hold.release.set()
         assert_model(a_done.result(30))

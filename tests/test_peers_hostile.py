@@ -256,8 +256,9 @@ def test_a_trickler_is_cut_at_the_floor_relative_to_the_origin_and_asked_again_a
     assert 2.0 in benches  # a backoff that doubles (ranges cut together count once), not a drop for the fetch
     assert node.peers.stats.errors_by_peer[slow.url] == len(floors)
     assert slow.url not in node.peers.stats.banned
-    # 5 MiB at 1.6 MB/s from the origin, plus about a second per cut that overlapped it
-    assert took < MODEL_BYTES / 1.6e6 + 2 * SLOW_GRACE_S + 6, f"the trickler held the fetch {took:.1f}s"
+    # 5 MiB at 1.6 MB/s from the origin, plus about a second per cut that overlapped it, on a loaded machine
+    # (a trickler holding the fetch takes days: a byte every 2 s)
+    assert took < MODEL_BYTES / 1.6e6 + 2 * SLOW_GRACE_S + 15, f"the trickler held the fetch {took:.1f}s"
 
 
 def test_a_stream_waiting_its_turn_is_not_cut_while_the_peers_other_streams_flow() -> None:

@@ -200,6 +200,7 @@ class PeerSource:
         self._dead: set[str] = set()  # peers that did not answer a HEAD during this fetch
         self._served: dict[tuple[str, int], tuple[str, bytes]] = {}  # (key, offset) -> (peer, piece digest)
         self._empty: set[tuple[str, str]] = set()  # (blob, peer): downloading it, nothing from the origin yet
+        self._downloading: set[tuple[str, str]] = set()  # (blob, peer): downloading it when asked (HEAD)
         self._flows: dict[str, PeerFlow] = {}  # bytes from each peer over all streams (client.PeerFlow)
         self._asked: dict[tuple[str, int], float] = {}  # (key, range end) -> when it was first asked of peers
         self._claimers: set[tuple[str, str]] = set()  # (peer, blob): it answered "not yet" (reads it now)
@@ -342,9 +343,10 @@ class PeerSource:
 
     def _benched_holder(self, sha256: str, owner: str | None) -> bool:
         """A holder of the blob is benched now that is worth waiting for: it sent this fetch PROVEN_BYTES or more,
-        or said it reads some of the blob from the origin now, or it owns the range and sent this fetch 64 KiB
-        (a trickler does none of these). It was slow because many asked it at once, or its link is busy,
-        and it will serve the range once its bench ends."""
+        or said it reads some of the blob from the origin now, or it owns the range and sent this fetch 64 KiB or
+        is downloading the blob itself (so reads the range from the origin; a trickler claiming to hold the blob
+        does none of these, and one claiming to download it costs PENDING_S at most). It was slow because many
+        asked it at once, or its link is busy, and it will serve the range once its bench ends."""
         now = time.monotonic()
         with self._lock:
             known = self._holders.get(sha256, (0.0, []))[1]
@@ -352,7 +354,8 @@ class PeerSource:
                 if self._benched.get(p.url, (0.0, 0))[0] <= now:
                     continue
                 sent = self._flows[p.url].total if p.url in self._flows else 0
-                if (p.url, sha256) in self._claimers or sent >= PROVEN_BYTES or (p.url == owner and sent >= 64 << 10):
+                if (p.url, sha256) in self._claimers or sent >= PROVEN_BYTES or \
+                        (p.url == owner and (sent >= 64 << 10 or (sha256, p.url) in self._downloading)):
                     return True
             return False
 
@@ -432,9 +435,11 @@ class PeerSource:
         one connect timeout per fetch, not one per blob)."""
         try:
             kind = peer.probe(sha256, size)
-            if kind == "empty":
-                with self._lock:
+            with self._lock:
+                if kind == "empty":
                     self._empty.add((blob_key(sha256), peer.url))
+                if kind in ("empty", "partial"):
+                    self._downloading.add((blob_key(sha256), peer.url))
             return kind is not None
         except PeerUnreachable as exc:
             log.info("%s; this fetch goes on without it", exc)
