@@ -107,6 +107,8 @@ class Net:
             sh("ip", "netns", "exec", ns, *cmd)
         return ns
 
+    link_mbps = 20.0  # the node links' rate (main sets it from --link-mbps)
+
     def limit_both(self, name: str, mbps: float) -> None:
         limit("eth0", mbps, PREFIX + name)  # what the namespace sends
         limit(f"wcfh-{name}", mbps)  # what it receives: the bridge port's egress
@@ -202,6 +204,38 @@ def stop_all(daemons: list[Daemon]) -> None:
             d.proc.wait()
 
 
+KILL_AT_S = 3.0  # --faults: a third of the nodes are killed (SIGKILL) this far into the fill
+CUT_AT_S, CUT_FOR_S = 4.0, 10.0  # one node's link drops every packet (netem loss 100%) for a while
+LATE_S = 6.0  # one node is asked for the model this much later than the others
+
+
+def fault_roles(n: int) -> dict[int, str]:
+    """Which node suffers what: every third from n1 killed, then one cut off, the last one late."""
+    roles = dict.fromkeys(range(1, n, 3), "killed")
+    rest = [i for i in range(n) if i not in roles]
+    if len(rest) >= 3:
+        roles[rest[-2]] = "cut"
+        roles[rest[-1]] = "late"
+    return roles
+
+
+def inject(net: Net, daemons: list[Daemon], roles: dict[int, str]) -> None:
+    started = time.monotonic()
+    time.sleep(KILL_AT_S)
+    for d in daemons:
+        if roles.get(d.index) == "killed":
+            d.proc.kill()
+    time.sleep(max(0.0, CUT_AT_S - (time.monotonic() - started)))
+    cut = [f"n{i}" for i, role in roles.items() if role == "cut"]
+    for name in cut:
+        loss = ("netem", "loss", "100%")
+        sh("ip", "netns", "exec", PREFIX + name, "tc", "qdisc", "replace", "dev", "eth0", "root", *loss)
+        sh("tc", "qdisc", "replace", "dev", f"wcfh-{name}", "root", *loss)
+    time.sleep(CUT_FOR_S)
+    for name in cut:  # back: it finishes its own fetch from whoever has the model by then
+        net.limit_both(name, net.link_mbps)
+
+
 def fill(net: Net, n: int, work: Path, args: argparse.Namespace, model: int) -> dict[str, Any]:
     """One row: n fresh node namespaces and daemons, all asked for the model at once."""
     run_dir = work / f"run-{n}"
@@ -218,17 +252,26 @@ def fill(net: Net, n: int, work: Path, args: argparse.Namespace, model: int) -> 
         uri = f"s3://{BUCKET}/model/"
         started = time.monotonic()
 
+        roles = fault_roles(n) if args.faults else {}
+
         def one(d: Daemon) -> None:
+            if roles.get(d.index) == "late":
+                time.sleep(LATE_S)
             try:
                 d.client().ensure(uri)
             except Exception as exc:  # a row reports a failed node, it does not end the bench
                 d.error = f"{type(exc).__name__}: {exc}"
             d.ready_s = time.monotonic() - started
 
-        with ThreadPoolExecutor(n) as pool:
+        with ThreadPoolExecutor(n + 1) as pool:
+            if roles:
+                pool.submit(inject, net, daemons, roles)
             list(pool.map(one, daemons))
         egress = tx_bytes(PREFIX + "origin", "eth0") - sent_before
         for d in daemons:
+            if roles.get(d.index) == "killed":
+                d.error = ""  # its fetch died with it, as planned
+                continue
             text = d.client()._call("GET", "/metrics", raw=True)
             d.stats = {"cpu_s": d.cpu_s() - d.cpu_before, "rss_mb": d.peak_rss_mb(),
                        "origin": d.metric(text, "weightcache_model_fetched_bytes_total", 'source="origin"'),
@@ -247,12 +290,16 @@ def fill(net: Net, n: int, work: Path, args: argparse.Namespace, model: int) -> 
         shutil.rmtree(run_dir, ignore_errors=True)
     served = [d.stats.get("served", 0.0) for d in daemons]
     mean_served = sum(served) / n
+    live = [d for d in daemons if roles.get(d.index) != "killed"]
     return {
         "nodes": n,
-        "origin_bytes_ratio": round(sum(d.stats.get("origin", 0.0) for d in daemons) / model, 3),
+        "faults": {f"n{i}": role for i, role in sorted(roles.items())},
+        # with nodes killed their counts die with them: then the origin veth's bytes (overhead included)
+        "origin_bytes_ratio": round((egress if roles else sum(d.stats.get("origin", 0.0) for d in daemons)) / model,
+                                    3),
         "origin_egress_ratio": round(egress / model, 3),
         "ready_s": [round(d.ready_s, 2) for d in daemons],
-        "all_ready_s": round(max(d.ready_s for d in daemons), 2),
+        "all_ready_s": round(max(d.ready_s for d in live), 2),
         "cpu_s": [round(d.stats.get("cpu_s", 0.0), 2) for d in daemons],
         "rss_mb": [round(d.stats.get("rss_mb", 0.0)) for d in daemons],
         "max_rss_mb": round(max(d.stats.get("rss_mb", 0.0) for d in daemons)),
@@ -306,6 +353,8 @@ def print_row(row: dict[str, Any], one: float) -> None:
     print(f"  CPU s:     {' '.join(f'{x:.1f}' for x in row['cpu_s'])}")
     print(f"  RSS MiB:   {' '.join(str(x) for x in row['rss_mb'])}")
     print(f"  served MB: {' '.join(f'{x:.0f}' for x in row['served_mb'])}")
+    if row["faults"]:
+        print(f"  faults:    {' '.join(f'{k}={v}' for k, v in row['faults'].items())} (origin: its veth's bytes)")
     for e in row["errors"]:
         print(f"  FAILED {e}")
 
@@ -319,6 +368,9 @@ def main() -> int:
     parser.add_argument("--link-mbps", type=float, default=20.0, help="each node's link, MB/s each way")
     parser.add_argument("--json", action="store_true", help="print one JSON summary (the last N's row)")
     parser.add_argument("--keep-logs", metavar="DIR", help="copy every daemon's log here")
+    parser.add_argument("--faults", action="store_true",
+                        help=f"every third node killed -9 at {KILL_AT_S:g} s, one node's link at 100%% loss from "
+                             f"{CUT_AT_S:g} s for {CUT_FOR_S:g} s, one node asked {LATE_S:g} s late")
     args = parser.parse_args()
     if os.geteuid() != 0 or not shutil.which("tc") or not shutil.which("ip"):
         print("bench_fleet_netns: needs root and iproute2 (ip, tc): it makes namespaces, veths and qdiscs",
@@ -326,6 +378,7 @@ def main() -> int:
         return 2
     sizes = [int(x) for x in args.nodes.split(",")]
     net = Net()
+    net.link_mbps = args.link_mbps
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally below removes the net
     rows = []
     try:
