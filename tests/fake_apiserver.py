@@ -238,8 +238,8 @@ class FakeApiServer:
         config = kubernetes.client.Configuration()
         config.host = self.url
         if token is not None:
-            config.api_key = {"authorization": token}
-            config.api_key_prefix = {"authorization": "Bearer"}
+            config.api_key = {"BearerToken": token}  # the client's own key since v36 (its prefix is read by it)
+            config.api_key_prefix = {"BearerToken": "Bearer"}
         return kubernetes.client.ApiClient(config)
 
     def token_for(self, user: User, token: str | None = None) -> str:
@@ -253,7 +253,8 @@ class FakeApiServer:
         """The caller of an HTTP request: None (everything allowed) without `rbac`, else the token's user."""
         if self.rbac is None:
             return None
-        user = self._tokens.get((header or "").removeprefix("Bearer ").strip())
+        scheme, _, token = (header or "").partition(" ")
+        user = self._tokens.get(token.strip()) if scheme.lower() == "bearer" else None  # bearertoken.go's rule
         if user is None:
             raise ApiError(401, "Unauthorized", "Unauthorized")
         return user
