@@ -4,7 +4,8 @@ devices.py turns store snapshots into ResourceSlice devices, slices.py keeps thi
 claims.py records prepared claims, cdi.py writes the CDI specs that bind-mount a snapshot into a container,
 metadata.py the device metadata file (KEP-5304) mounted beside it, plugin.py is the DRA gRPC service kubelet calls,
 registration.py the plugin-registration service, server.py starts them in the daemon. fetchable.py and binding.py
-are the 1.36 binding conditions, states.py the device taints, health.py the health stream. template.py renders the
+are the 1.36 binding conditions, states.py the device taints (eviction.py deletes the `dra-extended` pods on a
+damaged copy, which the upstream controller does not see), health.py the health stream. template.py renders the
 ResourceClaimTemplate a pod uses and a model's DeviceClass for extended resources. See docs/dra.md.
 """
 
