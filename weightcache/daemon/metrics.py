@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from weightcache import __version__
+from weightcache.vocabulary import STARTUP_TAINT
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +52,8 @@ class Metrics:
         self.reconcile_seconds = Histogram("weightcache_reconcile_duration_seconds", "One reconcile pass",
                                            buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 30, 120, 600), registry=r)
         self.startup_taint_seconds = Histogram(
-            "weightcache_startup_taint_seconds", "From a Node's creation to its daemon removing the startup taint "
-            "weightcache.io/models-pending (docs/startup-taint.md), by why: models_ready or deadline", ["reason"],
+            "weightcache_startup_taint_seconds", f"From a Node's creation to its daemon removing the startup taint "
+            f"{STARTUP_TAINT} (docs/startup-taint.md), by why: models_ready or deadline", ["reason"],
             buckets=(5, 10, 30, 60, 120, 300, 600, 900, 1200, 1800, 3600, 7200), registry=r)
         self.csi_seconds = Histogram("weightcache_csi_request_duration_seconds", "CSI calls, by method, whatever "
                                      "their outcome", ["method"], buckets=CSI_BUCKETS, registry=r)
