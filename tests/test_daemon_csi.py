@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import time
@@ -10,12 +11,14 @@ from pathlib import Path
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.faultproxy import FaultProxy
 from tests.fixtures_csi import publish_request, unmount_under
 from tests.fixtures_daemon import start_daemon
 from tests.fixtures_s3 import S3
 from weightcache.csi._pb import csi_pb2, csi_pb2_grpc
+from weightcache.uri import parse_ref
 
 
 async def test_csi_identity_and_node_info_then_the_socket_goes_on_stop(short_dir: Path, model_copy: Path) -> None:
@@ -143,6 +146,63 @@ async def test_csi_answers_while_the_api_queues_eight_slow_downloads(short_dir: 
             assert probe < 1.0 and publish < 0.5
             await node.NodeUnpublishVolume(csi_pb2.NodeUnpublishVolumeRequest(volume_id="vol-w",
                                                                               target_path=str(target)))
+    finally:
+        await d.daemon.stop()
+        unmount_under(short_dir)
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="bind mounts need root")
+async def test_cold_start_stages_of_a_cold_and_a_cached_publish_reach_metrics_and_the_log(
+        short_dir: Path, model_copy: Path, s3: S3, fault_proxy: FaultProxy, caplog: pytest.LogCaptureFixture) -> None:
+    """A cold model's wait counts from kubelet's first publish across its retries; the hit's is milliseconds."""
+    s3.upload_dir(model_copy, "models", "stages/")
+    uri = "s3://models/stages/"
+    fault_proxy.add("delay", seconds=1.0, method="GET", path=".safetensors", count=-1)
+    csi_sock, kubelet = short_dir / "csi.sock", short_dir / "kubelet"
+    d = await start_daemon(short_dir, model_copy, env={"NODE_NAME": "n"}, config={
+        "csiEndpoint": f"unix://{csi_sock}", "kubeletDir": str(kubelet),
+        "endpoints": {"s3": {"endpointUrl": fault_proxy.endpoint_url}}})
+    targets = {uid: kubelet / "pods" / uid / "volumes" / "kubernetes.io~csi" / "llama" / "mount"
+               for uid in ("uid-1", "uid-2")}
+    try:
+        async with grpc.aio.insecure_channel(f"unix://{csi_sock}") as channel:
+            stub = csi_pb2_grpc.NodeStub(channel)
+            with caplog.at_level(logging.INFO, logger="weightcache.csi.node"):
+                cold = publish_request("vol-1", targets["uid-1"], model=uri, namespace="ml", pod_uid="uid-1",
+                                       timeout="0.3s")  # each attempt waits 0.3 s, as kubelet's would its 2 min
+                attempts = 0
+                while True:
+                    attempts += 1
+                    try:
+                        await stub.NodePublishVolume(cold)
+                        break
+                    except grpc.aio.AioRpcError as exc:
+                        assert exc.code() == grpc.StatusCode.UNAVAILABLE and attempts < 40, exc
+                await stub.NodePublishVolume(publish_request("vol-2", targets["uid-2"], model=uri, namespace="ml",
+                                                             pod_uid="uid-2"))
+            metrics = await asyncio.to_thread(d.client.metrics)
+            for volume_id, uid in (("vol-1", "uid-1"), ("vol-2", "uid-2")):
+                await stub.NodeUnpublishVolume(csi_pb2.NodeUnpublishVolumeRequest(
+                    volume_id=volume_id, target_path=str(targets[uid])))
+        assert attempts > 1, "the cold publish was retried (kubelet's UNAVAILABLE loop)"
+        (family,) = [f for f in text_string_to_metric_families(metrics)
+                     if f.name == "weightcache_coldstart_stage_seconds"]
+        seen = {(s.name.rsplit("_", 1)[1], s.labels["stage"], s.labels["cache"]): s.value for s in family.samples
+                if not s.name.endswith("_bucket")}
+        for cache in ("miss", "hit"):
+            assert seen[("count", "model_on_node", cache)] == seen[("count", "volume_published", cache)] == 1.0
+            assert seen[("sum", "volume_published", cache)] >= seen[("sum", "model_on_node", cache)]
+        # the miss spans all its attempts (one 1 s delayed GET at least), not the last 0.3 s one
+        assert seen[("sum", "model_on_node", "miss")] >= 1.0
+        assert seen[("sum", "model_on_node", "hit")] < 0.5 * seen[("sum", "model_on_node", "miss")]
+        assert "pod-uid" not in metrics  # pods are never labels
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("published pod=")]
+        key = parse_ref(uri).key
+        for uid, cache in (("uid-1", "miss"), ("uid-2", "hit")):
+            (line,) = [line for line in lines if f"pod=ml/pod-{uid} " in line]
+            assert f"key={key} " in line and f"cache={cache} " in line, line
+            assert re.search(r" model_on_node=\d+\.\d{3}s volume_published=\d+\.\d{3}s ", line), line
     finally:
         await d.daemon.stop()
         unmount_under(short_dir)

@@ -77,3 +77,8 @@ NO_SOURCE_CHECK = "none"
 # on it, or at `startupTaintDeadline` (docs/startup-taint.md). deploy/daemonset/node-policy.yaml names it too.
 STARTUP_TAINT = f"{GROUP}/models-pending"
 STARTUP_TAINT_EFFECT = "NoSchedule"
+# Cold-start stages the CSI plugin times per published model volume, from kubelet's first NodePublishVolume for it
+# (retries included): the model on the node (a cache hit, or its fetch), the volume published. The label values of
+# weightcache_coldstart_stage_seconds{stage} (daemon/metrics.py) and the words of the publish log line.
+STAGE_MODEL_ON_NODE = "model_on_node"
+STAGE_VOLUME_PUBLISHED = "volume_published"

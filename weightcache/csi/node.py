@@ -66,7 +66,12 @@ from weightcache.memory import MemoryTier
 from weightcache.store import Snapshot, Store, StreamViews
 from weightcache.store.holders import csi_holder as holder_for
 from weightcache.uri import ModelRef, parse_globs, parse_ref, validate_repo_id
-from weightcache.vocabulary import ENGINE_CACHE_ATTRIBUTE, STREAM_ATTRIBUTE
+from weightcache.vocabulary import (
+    ENGINE_CACHE_ATTRIBUTE,
+    STAGE_MODEL_ON_NODE,
+    STAGE_VOLUME_PUBLISHED,
+    STREAM_ATTRIBUTE,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +82,7 @@ MAX_TIMEOUT_S = 600.0
 CSI_TIMEOUT_S = 120.0  # kubelet's csiTimeout (pkg/volume/csi/csi_plugin.go): how long it waits for one call
 DEADLINE_MARGIN_S = 1.0  # answer this long before the caller's deadline, so it reads our progress, not a timeout
 READBACKS = 2  # engine-cache read-backs at once; more wait their turn, on their own pool
+MAX_ATTEMPTS = 4096  # volumes whose first publish attempt is remembered (a pod deleted mid-retry is never unpublished)
 T = TypeVar("T")
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m)?$")
 _UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, None: 1.0}
@@ -247,12 +253,14 @@ async def finish_even_if_cancelled(work: Awaitable[T]) -> T:
 
 class NodeServicer(csi_pb2_grpc.NodeServicer):
     """`pool` runs the plugin's blocking work (records, mounts, stats); `observe(method, seconds, code)` is told
-    about every call (the daemon's metrics)."""
+    about every call and `observe_stage(stage, seconds, cache)` about each published model volume's cold-start
+    stages (the daemon's metrics)."""
 
     def __init__(self, store: Store, fetches: FetchQueue, *, node_id: str, authority: Authority,
                  kubelet_dir: str | Path, publish_timeout: float = CSI_TIMEOUT_S, book: VolumeBook | None = None,
                  tier: MemoryTier | None = None, pool: ThreadPoolExecutor | None = None,
                  observe: Callable[[str, float, str], None] | None = None,
+                 observe_stage: Callable[[str, float, str], None] | None = None,
                  engine_limits: engine_cache.EngineCacheLimits | None = None) -> None:
         self._store = store
         self._tier = tier
@@ -270,6 +278,9 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         self._readbacks = ThreadPoolExecutor(READBACKS, thread_name_prefix="wc-csi-readback")
         self._engine_limits = engine_limits or engine_cache.EngineCacheLimits()
         self.observe = observe
+        self._observe_stage = observe_stage
+        # volume id -> monotonic time of kubelet's first publish of it: a cold model's wait spans kubelet's retries
+        self._attempts: dict[str, float] = {}
 
     async def _io(self, fn: Callable[..., T], *args: object) -> T:
         """Blocking work on the plugin's own pool (never queued behind downloads or API requests)."""
@@ -299,6 +310,8 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
                     if existing.adopted:  # learn the pod and model again from kubelet's retry
                         await self._io(self._book.put, args.record(existing.snapshot_id))
                     return csi_pb2.NodePublishVolumeResponse()
+            retry = args.volume_id in self._attempts  # an earlier attempt waited: a miss, whatever this one finds
+            started = self._first_attempt(args.volume_id)
             grant = self._authority.authorize(args.ref, Requester(args.pod_namespace))  # weightcache/access.py
             if args.stream:  # a miss does not wait: the pod gets a view that fills as the files arrive
                 cached = await self._fetches.lookup(grant)
@@ -306,21 +319,41 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
                     record = args.record("")
                     await finish_even_if_cancelled(self._io(self._mount_view, record))
                     self._start_stream(record, grant)
+                    self._attempts.pop(args.volume_id, None)  # no stages: the model lands after the volume
                     logger.info("published a streaming view of %s for pod %s/%s at %s", args.ref,
                                 args.pod_namespace, args.pod_name, args.target_path)
                     return csi_pb2.NodePublishVolumeResponse()
-                snapshot = cached
+                snapshot, hit = cached, True
             else:
-                snapshot = await self._ensure(args, grant, context)
+                snapshot, hit = await self._ensure(args, grant, context)
+            model_s, hit = time.monotonic() - started, hit and not retry
             if args.engine_cache is not None:  # the key's model snapshot is the one this grant resolves to
                 await finish_even_if_cancelled(self._io(self._mount_engine_cache, args, grant, snapshot))
+                self._attempts.pop(args.volume_id, None)  # the pod's model volume counts its stages, not this
                 return csi_pb2.NodePublishVolumeResponse()
             await asyncio.to_thread(self._keep_resident, snapshot, args.tier)  # long (page locking): not our pool
             await finish_even_if_cancelled(self._io(self._mount, args.record(snapshot.id), snapshot, args.hf_repo,
                                                             args.ref.revision))
-        logger.info("published %s (snapshot %s) for pod %s/%s at %s", args.ref, snapshot.id,
-                    args.pod_namespace, args.pod_name, args.target_path)
+        self._published(args, snapshot, hit, model_s, time.monotonic() - self._attempts.pop(args.volume_id, started))
         return csi_pb2.NodePublishVolumeResponse()
+
+    def _first_attempt(self, volume_id: str) -> float:
+        """When kubelet first asked to publish `volume_id` (now, for a first attempt): the oldest is forgotten past
+        MAX_ATTEMPTS, so pods deleted while their model downloaded cannot grow the map."""
+        if volume_id not in self._attempts and len(self._attempts) >= MAX_ATTEMPTS:
+            del self._attempts[next(iter(self._attempts))]
+        return self._attempts.setdefault(volume_id, time.monotonic())
+
+    def _published(self, args: PublishArgs, snapshot: Snapshot, hit: bool, model_s: float, published_s: float) -> None:
+        """The cold-start stages of a published model volume: the metrics' histograms (no pod names: unbounded
+        labels) and one key=value log line that names the pod."""
+        cache = "hit" if hit else "miss"
+        if self._observe_stage is not None:
+            self._observe_stage(STAGE_MODEL_ON_NODE, model_s, cache)
+            self._observe_stage(STAGE_VOLUME_PUBLISHED, published_s, cache)
+        logger.info("published pod=%s/%s model=%s key=%s snapshot=%s cache=%s %s=%.3fs %s=%.3fs target=%s",
+                    args.pod_namespace, args.pod_name, args.ref, args.ref.key, snapshot.id[:12], cache,
+                    STAGE_MODEL_ON_NODE, model_s, STAGE_VOLUME_PUBLISHED, published_s, args.target_path)
 
     def _mount_engine_cache(self, args: PublishArgs, grant: Grant, model: Snapshot) -> None:
         """The pod's engine cache volume (docs/engine-caches.md, "Handing one over"). The cache for exactly
@@ -482,17 +515,19 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
             budget = min(budget, args.timeout)
         return max(budget, 0.0)
 
-    async def _ensure(self, args: PublishArgs, grant: Grant, context: grpc.aio.ServicerContext[Any, Any]) -> Snapshot:
-        """The model's snapshot: at once when cached; else join its one fetch for as long as the caller waits,
-        then raise FetchPendingError with the progress and let the fetch run on for kubelet's retry. The queue's
+    async def _ensure(self, args: PublishArgs, grant: Grant,
+                      context: grpc.aio.ServicerContext[Any, Any]) -> tuple[Snapshot, bool]:
+        """The model's snapshot and whether it was cached: at once when cached; else join its one fetch for as long
+        as the caller waits, then raise FetchPendingError with the progress and let the fetch run on for kubelet's
+        retry. The queue's
         lookup is the one store lookup before the engine's own under its lock; a hit never waits on the caller's
         deadline budget (a tiny volume timeout must not delay a cached model)."""
         cached = await self._fetches.lookup(grant)
         if cached is not None:
-            return cached
+            return cached, True
         budget = self._wait_budget(args, context)
         try:
-            return await asyncio.wait_for(self._fetches.fetch(grant, keep=True), budget)
+            return await asyncio.wait_for(self._fetches.fetch(grant, keep=True), budget), False
         except TimeoutError:
             progress = self._fetches.progress(args.ref)
             text = progress.describe() if progress is not None else f"fetching {args.ref}: starting"
@@ -508,6 +543,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         if (handing := self._handing.get(volume_id)) is not None:  # a running pod's read-back: let it finish
             await asyncio.wait({handing})
         with self._locks.hold(volume_id):
+            self._attempts.pop(volume_id, None)
             await finish_even_if_cancelled(self._stop_stream(volume_id))
             if await self._io(self._due, volume_id, target):  # the pod has ended: its cache, read back first
                 await finish_even_if_cancelled(self._read_back(volume_id))

@@ -158,4 +158,5 @@ async def serve_csi(node: Node) -> Any:
     s = node.settings
     return await serve(s.csi_endpoint or "", store=node.store, fetches=node.fetches, node_id=node_name(s.node_name),
                        authority=node.authority, kubelet_dir=s.kubelet_dir, tier=node.tier,
-                       observe=node.metrics.observe_csi, engine_limits=s.engine_limits)
+                       observe=node.metrics.observe_csi,
+                       observe_stage=node.metrics.observe_stage, engine_limits=s.engine_limits)

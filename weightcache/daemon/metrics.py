@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from weightcache import __version__
-from weightcache.vocabulary import STARTUP_TAINT
+from weightcache.vocabulary import STAGE_MODEL_ON_NODE, STAGE_VOLUME_PUBLISHED, STARTUP_TAINT
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 FETCH_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200)
 # 1 ms (Probe, a cached publish) to kubelet's 2-minute CSI timeout (a publish held for a download).
 CSI_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# A cached publish (milliseconds) to a cold 400 GB model that kubelet's retries waited for (2 h).
+STAGE_BUCKETS = (0.005, 0.025, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200)
 
 
 class Metrics:
@@ -57,6 +59,12 @@ class Metrics:
             buckets=(5, 10, 30, 60, 120, 300, 600, 900, 1200, 1800, 3600, 7200), registry=r)
         self.csi_seconds = Histogram("weightcache_csi_request_duration_seconds", "CSI calls, by method, whatever "
                                      "their outcome", ["method"], buckets=CSI_BUCKETS, registry=r)
+        # pods are not labels (unbounded): the publish log line names each pod with its stages
+        self.stage_seconds = Histogram(
+            "weightcache_coldstart_stage_seconds", f"Per published model volume, from kubelet's first "
+            f"NodePublishVolume for it (retries included) to: {STAGE_MODEL_ON_NODE} (the model on the node) and "
+            f"{STAGE_VOLUME_PUBLISHED} (the volume mounted); cache: hit or miss (docs/operations.md)",
+            ["stage", "cache"], buckets=STAGE_BUCKETS, registry=r)
         self.csi_errors = Counter("weightcache_csi_errors", "CSI calls that answered an error, by gRPC code",
                                   ["method", "code"], registry=r)
         Gauge("weightcache_build_info", "Always 1; the labels say what runs", ["version", "python"],
@@ -67,6 +75,10 @@ class Metrics:
         self.csi_seconds.labels(method).observe(seconds)
         if code != "OK":
             self.csi_errors.labels(method, code).inc()
+
+    def observe_stage(self, stage: str, seconds: float, cache: str) -> None:
+        """One cold-start stage of a published volume (the CSI plugin's hook): `cache` is hit or miss."""
+        self.stage_seconds.labels(stage, cache).observe(seconds)
 
     def watch(self, sample: Callable[[], Sample]) -> None:
         """Export the SAMPLED metrics, computed by `sample` at each scrape."""
