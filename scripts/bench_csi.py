@@ -111,7 +111,7 @@ async def run(cycles: int, work: Path, busy: int) -> dict[str, list[float]]:
     snapshot = cache_model(store, work / "model")
     origin = SlowOrigin(work / "model", busy) if busy else None
     fetcher = Fetcher(store, endpoint_url=origin.proxy.endpoint_url if origin else None)
-    fetches = FetchQueue(fetcher.ensure, store.lookup, parallel=max(2, busy))
+    fetches = FetchQueue(fetcher, parallel=max(2, busy))
     server = await serve_csi(f"unix://{work}/csi.sock", store=store, fetches=fetches, node_id="bench",
                              policy=lambda ref, ns: Decision(True, "bench"), kubelet_dir=work / "kubelet")
     keys = ("ours probe", "ours publish", "ours cycle", "mount publish", "mount cycle")

@@ -75,7 +75,7 @@ async def run(cycles: int, work: Path, api: FakeApiServer) -> dict[str, list[flo
     dra = await serve_dra(store=store, pool=NODE, kubelet_dir=kubelet, cdi_dir=work / "cdi", authority=ALLOW,
                           claims=claim_reader(api.api_client()))
     fetcher = Fetcher(store)
-    csi = await serve_csi(f"unix://{work}/csi.sock", store=store, fetches=FetchQueue(fetcher.ensure, fetcher.lookup),
+    csi = await serve_csi(f"unix://{work}/csi.sock", store=store, fetches=FetchQueue(fetcher),
                           node_id=NODE, authority=ALLOW, kubelet_dir=kubelet)
     claims = []
     run_id = uuid.uuid4().hex[:8]
@@ -153,7 +153,7 @@ async def binding_run(work: Path, api: FakeApiServer, index: int) -> dict[str, f
                "spec": {"source": uri, "allowedNamespaces": ["ml"]}}]
     store = Store(work / f"store-{index}", budget_bytes=4 * size + (64 << 20))
     fetcher = Fetcher(store)
-    queue = FetchQueue(fetcher.ensure, fetcher.lookup)
+    queue = FetchQueue(fetcher)
     authority = Authority(model_caches=lambda: caches, allow_undeclared=lambda: False)
 
     def resolve(key: str) -> Fetchable | None:

@@ -163,7 +163,7 @@ async def start_harness(root: Path, proxy: FaultProxy, *, publish_timeout: float
                         engine_limits: engine_cache.EngineCacheLimits | None = None) -> CsiHarness:
     store = Store(root / "store")
     fetcher = Fetcher(store, endpoint_url=proxy.endpoint_url)
-    fetches = FetchQueue(fetcher.ensure, fetcher.lookup, parallel=parallel)
+    fetches = FetchQueue(fetcher, parallel=parallel)
     socket = root / "csi.sock"
     server = await serve_csi(f"unix://{socket}", store=store, fetches=fetches, node_id="node-a",
                              authority=authority or policy_for(MODEL_URI), publish_timeout=publish_timeout,

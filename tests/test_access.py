@@ -39,7 +39,7 @@ def test_a_grant_comes_only_from_the_decision_and_the_engine_takes_nothing_else(
 
 async def test_the_fetch_queue_takes_no_bare_reference(tmp_path: Path) -> None:
     fetcher = Fetcher(Store(tmp_path / "root"))
-    queue = FetchQueue(fetcher.ensure, fetcher.lookup)
+    queue = FetchQueue(fetcher)
     try:
         with pytest.raises(TypeError, match="takes a Grant"):
             queue.start(parse_ref("s3://models/llama/"))  # type: ignore[arg-type]

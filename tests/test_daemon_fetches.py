@@ -63,7 +63,7 @@ def models(s3: S3, tmp_path: Path) -> list[str]:
 async def make_queue(tmp_path: Path, proxy: FaultProxy, parallel: int) -> Queue:
     store = Store(tmp_path / "store")
     fetcher = Fetcher(store, endpoint_url=proxy.endpoint_url)
-    return Queue(FetchQueue(fetcher.ensure, fetcher.lookup, parallel=parallel), store, proxy)
+    return Queue(FetchQueue(fetcher, parallel=parallel), store, proxy)
 
 
 @pytest.fixture
@@ -162,10 +162,17 @@ async def test_a_running_fetch_whose_last_waiter_leaves_is_stopped(tmp_path: Pat
                                                                    models: list[str]) -> None:
     store = Store(tmp_path / "store")
 
-    def ensure(grant: Grant, *, progress: Any, cancel: threading.Event) -> Snapshot:  # one Fetcher per fetch
-        return Fetcher(store, endpoint_url=fault_proxy.endpoint_url, cancel=cancel).ensure(grant, progress=progress)
+    class OneFetcherPerFetch:  # stoppable one by one: each fetch's Fetcher stops on that job's cancel
+        stops_on_cancel = True
 
-    queue = FetchQueue(ensure, Fetcher(store).lookup, parallel=1)
+        def lookup(self, grant: Grant) -> Snapshot | None:
+            return Fetcher(store).lookup(grant)
+
+        def ensure(self, grant: Grant, *, progress: Any = None, on_file: Any = None,
+                   cancel: threading.Event | None = None) -> Snapshot:
+            return Fetcher(store, endpoint_url=fault_proxy.endpoint_url, cancel=cancel).ensure(grant, progress=progress)
+
+    queue = FetchQueue(OneFetcherPerFetch(), parallel=1)
     try:
         fault_proxy.add("delay", method="GET", path="/a/", seconds=1.0, count=-1)
         waiter = asyncio.ensure_future(queue.ensure(granted("s3://models/a/")))  # a client following the fetch

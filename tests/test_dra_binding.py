@@ -100,7 +100,7 @@ async def node() -> AsyncIterator[Node]:
                "spec": {"source": uri, "allowedNamespaces": ["ml"]}}]
     store = Store(root / "store", budget_bytes=BUDGET)
     fetcher = Fetcher(store, chunk_size=64 << 10)
-    queue = FetchQueue(fetcher.ensure, fetcher.lookup)
+    queue = FetchQueue(fetcher)
     authority = Authority(model_caches=lambda: caches, allow_undeclared=lambda: False)
 
     def resolve(key: str) -> Any:

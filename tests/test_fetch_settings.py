@@ -155,7 +155,7 @@ async def test_a_cold_fetch_through_the_daemons_queue_asks_the_store_twice(tmp_p
     make_model(tmp_path / "m", layers=1, hidden=16, vocab=32, shards=1)
     store = CountingStore(tmp_path / "store")
     fetcher = MeteredFetcher(store, Settings(), Metrics())
-    queue = FetchQueue(fetcher.ensure, fetcher.lookup)
+    queue = FetchQueue(fetcher)
     grant = granted(f"file://{tmp_path / 'm'}/")
     try:
         cold = await queue.ensure(grant, keep=True)

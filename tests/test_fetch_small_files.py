@@ -36,7 +36,7 @@ from weightcache.errors import (
 )
 from weightcache.fetch import Fetcher
 from weightcache.sources import ObjectInfo, open_source
-from weightcache.sources.base import OnBytes, Pieces
+from weightcache.sources.base import OnBytes, Pieces, Source
 from weightcache.sources.fsspec import stat_token
 from weightcache.store import Store, blobwrite, fsops, verify_snapshot
 from weightcache.store import store as store_module
@@ -246,7 +246,7 @@ def test_files_recorded_here_are_linked_once_and_fetched_again_once_evicted(tmp_
     assert {f.path: (snap.path / f.path).read_bytes() for f in snap.files} == files
 
 
-class _ThreadRecordingSource:
+class _ThreadRecordingSource(Source):
     """A file:// source that records which threads read and says whether it is local. Each read waits (up to
     10 s) until `expect` threads have read, so every worker the round starts gets a piece however loaded the
     machine is (a round with fewer workers waits out the 10 s and fails the count)."""
@@ -498,7 +498,7 @@ def test_a_small_safetensors_file_is_checked_once_before_it_is_named(tmp_path: P
     assert os.listdir(store.partial_dir()) == []
 
 
-class _ChecksumSource:
+class _ChecksumSource(Source):
     """A file:// source whose listing carries each file's full-object SHA-256, as S3 gives it."""
 
     def __init__(self, ref_uri: str) -> None:

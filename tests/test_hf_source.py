@@ -69,7 +69,7 @@ def test_lfs_sha256_is_a_claim_not_the_stores_checksum(fake_hub: FakeHub, model_
     try:
         objects = {o.relpath: o for o in source.list()}
         weights = objects["model.safetensors"]
-        claimed = source.claimed_sha256(weights)  # type: ignore[attr-defined]
+        claimed = source.claimed_sha256(weights)
     finally:
         source.close()
     assert claimed == hashlib.sha256((src / "model.safetensors").read_bytes()).hexdigest()

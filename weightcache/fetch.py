@@ -44,7 +44,7 @@ from weightcache.errors import (
     SourceNotFoundError,
 )
 from weightcache.peers.identity import COMPOSITE, CompositeMD5, OriginId, composite_factory, origin_evidence
-from weightcache.peers.source import Later, PeerSource
+from weightcache.peers.source import Later
 from weightcache.progress import Progress, RateMeter, read_progress_file, write_progress_file
 from weightcache.sources import ObjectInfo, Source, SourceOptions
 from weightcache.store import BlobMissingError, BlobWriter, FileEntry, Snapshot, Store, validate_tree
@@ -110,6 +110,10 @@ class _Item:
 class Fetcher:
     """ensure(ref) -> Snapshot, single-flight in process (threads) and across processes (flock)."""
 
+    #: one fetch cannot be stopped alone (the constructor's `cancel` and close() stop them all): the fetch queue
+    #: lets a running fetch that every caller left run on (fetch_queue.Engine)
+    stops_on_cancel = False
+
     def __init__(self, store: Store, *, concurrency: int = defaults.CONCURRENCY, chunk_size: int = defaults.CHUNK_SIZE,
                  endpoint_url: str | None = None, connect_timeout: float = defaults.CONNECT_TIMEOUT,
                  read_timeout: float = defaults.READ_TIMEOUT,
@@ -136,14 +140,16 @@ class Fetcher:
 
     # -- public -------------------------------------------------------------------------------------------------
     def ensure(self, grant: Grant, *, progress: Callable[[Progress], None] | None = None,
-               looked_up: bool = False, on_file: Callable[[DurableFile], None] | None = None) -> Snapshot:
+               looked_up: bool = False, on_file: Callable[[DurableFile], None] | None = None,
+               cancel: threading.Event | None = None) -> Snapshot:
         """The snapshot of the files `grant` gave (weightcache/access.py: no fetch without a decision).
         Blocking; call from a thread in async code. Cache hit returns at once. `looked_up`: the caller's own
         lookup just missed (the fetch queue's), so only the re-check under the fetch lock asks the store.
         `on_file`: called (on a worker thread: return quickly) for each file once its blob is verified and
         durable, while the rest downloads; on a cache hit for every file before this returns. A file is never
         handed over twice with the same listing; a restart (an object changed at the source) may hand a path
-        over again with other bytes. Nothing unverified is ever handed over."""
+        over again with other bytes. Nothing unverified is ever handed over. `cancel` is not watched: one fetch
+        is not stopped alone (`stops_on_cancel`)."""
         ref = require_grant(grant).ref
         snap = None if looked_up else self.store.lookup(ref)
         if snap is not None and self._still_named(ref, snap):
@@ -185,8 +191,7 @@ class Fetcher:
         if ref.scheme not in MOVABLE:
             return True
         with closing(self._open_source(ref)) as source:
-            still_names = getattr(source, "still_names", None)
-            return still_names is None or bool(still_names(snap))
+            return source.still_names(snap)
 
     def close(self) -> None:
         """Cancel: in-flight fetches stop at their next read or retry wait (FetchCancelledError); journalled
@@ -258,7 +263,7 @@ class Fetcher:
         started = time.monotonic()
         # tar layers (oci://): listed as one hidden object each, downloaded and verified like any file, then
         # replaced by their members (sources/oci_tar.py); taken before peers wrap the source
-        expand = getattr(source, "expand", None)
+        expand = source.expand
         objects = source.list()
         validate_tree(o.relpath for o in objects)
         self._check_revision(ref, source, objects)
@@ -300,7 +305,7 @@ class Fetcher:
             self._serve_partials(todo, False)
         reporter.phase("publishing")
         listed = [FileEntry(i.relpath, i.size, i.sha256 or "", i.obj.etag, i.obj.version_id) for i in items]
-        entries = expand(listed, self.store) if expand is not None else listed  # `listed` itself: none to expand
+        entries = expand(listed, self.store)  # `listed` itself: none to expand
         if entries is not listed:
             validate_tree(e.path for e in entries)  # members of two layers must not collide, nor with files
         # One syncfs makes the new blobs' bytes and names durable, and those of blobs linked on a checksum alone
@@ -335,7 +340,7 @@ class Fetcher:
     def _check_revision(self, ref: ModelRef, source: Source, objects: list[ObjectInfo]) -> None:
         """A revision that is not a cached snapshot must name the source's current content (its ETag set), unless
         the source resolved the revision itself (hf://: a branch, tag or commit of the repo)."""
-        if not ref.revision or getattr(source, "resolves_revision", False):
+        if not ref.revision or source.resolves_revision:
             return
         current = source_revision(objects)
         if not current.startswith(ref.revision) or len(ref.revision) < 6:
@@ -391,13 +396,12 @@ class Fetcher:
             for item in wanted:
                 if (evidence := found.get(item.obj.key)) is not None:
                     item.peer_origin, item.source_check = evidence.oid, evidence.check
-        multipart = getattr(source, "multipart_check", None)  # S3's alone; beside etag_md5, not in the Protocol
         todo = [i for i in items if i.sha256 is None and i.expect_sha256 is None and i.source_check is None
                 and MULTIPART_ETAG.fullmatch(i.obj.etag or "")]
-        if multipart is None or not todo:
+        if not todo:
             return
         with ThreadPoolExecutor(min(16, len(todo)), thread_name_prefix="s3-parts") as pool:
-            for item, sizes in zip(todo, pool.map(multipart, [i.obj for i in todo]), strict=True):
+            for item, sizes in zip(todo, pool.map(source.multipart_check, [i.obj for i in todo]), strict=True):
                 if sizes:
                     item.source_check = (COMPOSITE + ",".join(map(str, sizes)), item.obj.etag or "")
 
@@ -419,10 +423,9 @@ class Fetcher:
         the source's listing names (`claimed_sha256`: the hub's lfs.sha256, an OCI layer's digest). All claims:
         they check bytes. Path -> (sha256, the check it makes: "sha256" for the source's own, else "sidecar")."""
         out: dict[str, tuple[str, str]] = {}
-        if (claimed := getattr(source, "claimed_sha256", None)) is not None:
-            for item in items:
-                if digest := claimed(item.obj):
-                    out[item.relpath] = (digest, "sha256")
+        for item in items:
+            if digest := source.claimed_sha256(item.obj):
+                out[item.relpath] = (digest, "sha256")
         for item in items:
             name = item.relpath
             if not (name.endswith(".sha256") or name.rsplit("/", 1)[-1] == "SHA256SUMS"):
@@ -464,8 +467,7 @@ class Fetcher:
                         if round_ == 2:
                             raise
                         log.warning("%s; refetching %s", exc, item.relpath)
-                        if isinstance(source, PeerSource):
-                            source.verification_failed(item.obj)
+                        source.verification_failed(item.obj)
                         self._serve_partials([item], False)  # peers must not read what is discarded now
                         _partial(item).discard()
                         reporter.add(-item.obj.size, 0)
@@ -552,12 +554,12 @@ class Fetcher:
             raise _space_error(exc, items, self.store) from exc
         reporter.add(sum(_partial(i).resumed_bytes for i in items), 0)
         self._serve_partials(items, True)
-        if isinstance(source, PeerSource):  # nodes started together fetch different ranges first
-            pieces = source.spread(_finer(pieces, source.nodes, min(PIECE, self.chunk_size)),
-                                   lambda p: (p[0].obj.key, p[1]))
+        # peers: nodes started together fetch different ranges first
+        pieces = source.spread(_finer(pieces, source.nodes, min(PIECE, self.chunk_size)),
+                               lambda p: (p[0].obj.key, p[1]))
         local = threading.local()
         abort = threading.Event()
-        peer_before = source.peer_bytes if isinstance(source, PeerSource) else 0
+        peer_before = source.peer_bytes
         fetched = 0
         fetched_lock = threading.Lock()
         # a worker's buffer: a whole small file, or one piece of a large one (download.PIECE: written, journalled
@@ -626,8 +628,7 @@ class Fetcher:
             *(functools.partial(run, *p) for p in pieces)])
         # (when, task): ranges a peer is still fetching from the origin (Later), taken again from `when`
         deferred: deque[tuple[float, Callable[[], None]]] = deque()
-        if isinstance(source, PeerSource):
-            source.may_defer = lambda: bool(queue) or len(deferred) > 1
+        source.defer_while(lambda: bool(queue) or len(deferred) > 1)
 
         def next_task() -> Callable[[], None] | None:
             """A deferred range whose wait is over, else the next in order; popleft hands each to one thread."""
@@ -676,7 +677,7 @@ class Fetcher:
                     wait(not_done)
                     self._handle_failure(errors[0], items)
         finally:
-            peer = (source.peer_bytes if isinstance(source, PeerSource) else 0) - peer_before
+            peer = source.peer_bytes - peer_before
             with fetched_lock:
                 fetched -= peer
                 self._count("origin_bytes", fetched)  # bytes of a failed round came from the origin all the same
@@ -688,7 +689,7 @@ class Fetcher:
         call hands the GIL to another thread and back: 2,000 files of 4 KB took 180 ms on 8 workers, 100 ms on
         one. So a local round gets one worker per large task (disk reads and hashing of those overlap; a resumed
         file's hashing is a task too), up to `concurrency`, and one for all the small ones."""
-        if not getattr(source, "local", False):
+        if not source.local:
             return max(1, min(self.concurrency, len(task_bytes)))
         large = sum(1 for n in task_bytes if n >= LOCAL_LARGE_PIECE)
         return max(1, min(self.concurrency, len(task_bytes), large))

@@ -7,7 +7,7 @@
   - every caller awaits the job's future: no thread per waiter, no polling;
   - when the last waiter leaves (a client hung up) and nobody asked to keep the job (`keep=True`: reconcile,
     CSI, fire-and-forget API ensures), a queued job is dropped and a running one is asked to stop, where the
-    engine's `ensure` accepts a `cancel` event (finished chunks stay for a resume).
+    engine says it stops on its `cancel` event (`Engine.stops_on_cancel`; finished chunks stay for a resume).
 Progress callbacks are called on the engine's thread with the engine's own Progress values (passed on as they
 are: weightcache/progress.py has the one wire form).
 Every caller brings a Grant (weightcache/access.py): the queue takes no bare reference. Callers granted the same
@@ -23,13 +23,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
-import inspect
 import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
 from weightcache.access import Grant, require_grant
 from weightcache.fetch import DurableFile, FetchCancelledError
@@ -41,8 +40,6 @@ log = logging.getLogger(__name__)
 
 ProgressCallback = Callable[[Progress], None]
 FileCallback = Callable[[DurableFile], None]  # called on the engine's thread: return quickly
-Lookup = Callable[[Grant], "Snapshot | None"]
-Ensure = Callable[..., Snapshot]  # engine.ensure(grant, *, progress=..., [cancel=threading.Event])
 STOPPING = "the daemon is stopping"
 MAX_FETCH_THREADS = 64  # a ceiling only: `parallel` bounds the running jobs, threads are made on demand
 
@@ -50,6 +47,24 @@ MAX_FETCH_THREADS = 64  # a ceiling only: `parallel` bounds the running jobs, th
 def job_key(ref: ModelRef) -> tuple[str, str | None]:
     """What makes two requests the same fetch: the model (uri and filters) and the revision asked for."""
     return ref.key, ref.revision
+
+
+class Engine(Protocol):
+    """What the queue runs fetches on: fetch.Fetcher (or, in tests, a Fetcher per fetch, stoppable one by one)."""
+
+    #: `ensure` stops when its `cancel` is set; else a running job that every caller left runs on to its end
+    #: and a new caller joins it (a Fetcher stops all its fetches at once: its own `cancel`, `close()`)
+    stops_on_cancel: bool
+
+    def lookup(self, grant: Grant) -> Snapshot | None:
+        """The cached snapshot of the granted files, or None; quick (a store lookup)."""
+        ...
+
+    def ensure(self, grant: Grant, *, progress: ProgressCallback | None = None, on_file: FileCallback | None = None,
+               cancel: threading.Event | None = None) -> Snapshot:
+        """The snapshot, fetched if need be (blocking, on a queue thread); `on_file` hears of each file once
+        durable, `cancel` asks it to stop (where `stops_on_cancel`)."""
+        ...
 
 
 @dataclass(eq=False)
@@ -111,12 +126,8 @@ class _Job:
 class FetchQueue:
     """Call every method on the event loop's thread; `close()` from anywhere."""
 
-    def __init__(self, ensure: Ensure, lookup: Lookup, *, parallel: int = 2) -> None:
-        self._ensure = ensure
-        self._lookup = lookup
-        parameters = inspect.signature(ensure).parameters
-        self._cancellable = "cancel" in parameters
-        self._streams = "on_file" in parameters
+    def __init__(self, engine: Engine, *, parallel: int = 2) -> None:
+        self._engine = engine
         self.parallel = max(1, parallel)
         self._jobs: dict[tuple[str, str | None], _Job] = {}
         self._queued: collections.deque[_Job] = collections.deque()
@@ -129,7 +140,7 @@ class FetchQueue:
     async def lookup(self, grant: Grant) -> Snapshot | None:
         """The cached snapshot, or None; on the queue's lookup pool (never behind a download)."""
         self._refuse_if_closed(grant.ref)
-        return await asyncio.get_running_loop().run_in_executor(self._lookup_pool, self._lookup, grant)
+        return await asyncio.get_running_loop().run_in_executor(self._lookup_pool, self._engine.lookup, grant)
 
     async def ensure(self, grant: Grant, *, progress: ProgressCallback | None = None,
                      keep: bool = False) -> Snapshot:
@@ -248,10 +259,8 @@ class FetchQueue:
     def _run(self, job: _Job) -> Snapshot:
         if job.cancel.is_set():
             raise FetchCancelledError(f"the fetch of {job.ref} was cancelled before it started")
-        extra: dict[str, Any] = {"cancel": job.cancel} if self._cancellable else {}
-        if self._streams and job.streaming:
-            extra["on_file"] = job.hand_over
-        return self._ensure(job.grant, progress=job.report, **extra)
+        return self._engine.ensure(job.grant, progress=job.report, on_file=job.hand_over if job.streaming else None,
+                                   cancel=job.cancel)
 
     def _finished(self, job: _Job, done: Future[Snapshot]) -> None:
         self._running.discard(job)
@@ -271,7 +280,7 @@ class FetchQueue:
         """The last waiter left a job nobody keeps: drop it from the queue, or ask the engine to stop."""
         if not job.running:
             self._drop(job, "every caller that wanted it went away")
-        elif self._cancellable:
+        elif self._engine.stops_on_cancel:
             log.info("cancelling the fetch of %s: every caller that wanted it went away", job.ref)
             job.cancel.set()
             if self._jobs.get(job_key(job.ref)) is job:  # a new caller starts afresh (resuming its chunks)

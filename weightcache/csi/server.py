@@ -94,7 +94,7 @@ async def _main(args: argparse.Namespace) -> None:
     store = Store(args.root)
     # the fetch settings the daemon and the CLI read (WEIGHTCACHE_CONFIG, WEIGHTCACHE_CONCURRENCY, ...)
     fetcher = load_fetch_settings().fetcher(store)
-    fetches = FetchQueue(fetcher.ensure, fetcher.lookup)
+    fetches = FetchQueue(fetcher)
     authority = Authority(allow_undeclared=lambda: bool(args.allow_undeclared),  # no cluster: the flag decides
                           forbidden_paths=(args.kubelet_dir, args.root))
     server = await serve_csi(args.endpoint, store=store, fetches=fetches, node_id=node_name(args.node_name),

@@ -41,6 +41,8 @@ class MeteredFetcher:
     counters (origin bytes, fetches in flight) summed per scheme for export at scrape time; counts hits, misses,
     failures by reason and times fetches around ensure."""
 
+    stops_on_cancel = True  # fetch_queue.Engine: each fetch's own Fetcher watches its `cancel`
+
     def __init__(self, store: Store, settings: Settings, metrics: Metrics, peers: PeerSet | None = None) -> None:
         self._store = store
         # fetch settings are read at start (docs/config.md: restart); blobs with a trusted sha256 come from the
@@ -138,7 +140,7 @@ class Node:
     fetches: FetchQueue = field(init=False)  # the one queue every fetch of this daemon goes through
 
     def __post_init__(self) -> None:
-        self.fetches = FetchQueue(self.fetcher.ensure, self.fetcher.lookup, parallel=self.settings.parallel_models)
+        self.fetches = FetchQueue(self.fetcher, parallel=self.settings.parallel_models)
 
     async def ensure(self, grant: Grant, *, progress: ProgressCallback | None = None) -> Snapshot:
         """A model the node keeps wanting (reconcile): its fetch goes on whoever else stops waiting."""

@@ -201,7 +201,11 @@ FLOOR_SHARE = 0.25
 SLOW_GRACE_S = 1.0
 WATCH_TICK_S = 0.05  # how often the watchdog looks at the streams it watches
 
-_asking = threading.local()  # the Pace of the request this thread is making now
+class _Asking(threading.local):
+    pace: Pace | None = None  # the Pace of the request this thread is making now
+
+
+_asking = _Asking()
 
 
 class PeerFlow:
@@ -363,7 +367,7 @@ WATCHDOG = _Watchdog()
 class _HTTPPool(urllib3.HTTPConnectionPool):
     def _get_conn(self, timeout: float | None = None) -> Any:
         conn = super()._get_conn(timeout)
-        if (pace := getattr(_asking, "pace", None)) is not None:
+        if (pace := _asking.pace) is not None:
             pace.attach(conn)
         return conn
 
@@ -371,6 +375,6 @@ class _HTTPPool(urllib3.HTTPConnectionPool):
 class _HTTPSPool(urllib3.HTTPSConnectionPool):
     def _get_conn(self, timeout: float | None = None) -> Any:
         conn = super()._get_conn(timeout)
-        if (pace := getattr(_asking, "pace", None)) is not None:
+        if (pace := _asking.pace) is not None:
             pace.attach(conn)
         return conn

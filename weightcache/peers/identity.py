@@ -118,8 +118,8 @@ def origin_evidence(source: Source, objects: Iterable[ObjectInfo]) -> dict[str, 
     """Object key -> identity and origin check, for the objects peers may serve by identity: S3 objects of
     MIN_PEER_BYTES or more with an MD5 ETag (single part or uniform parts) or a full-object CRC, as this node's
     own HEAD (?partNumber=1, If-Match the listed ETag) shows them. Others are left out (the origin serves them)."""
-    client, bucket = getattr(source, "_client", None), getattr(source.ref, "bucket", "")
-    if source.name != "s3" or client is None:
+    bucket = source.ref.bucket
+    if source.name != "s3":
         return {}
     prefix = source.ref.prefix
     wanted = [o for o in objects if o.etag and o.size >= MIN_PEER_BYTES and o.key == prefix + o.relpath]
@@ -128,7 +128,7 @@ def origin_evidence(source: Source, objects: Iterable[ObjectInfo]) -> dict[str, 
 
     def one(obj: ObjectInfo) -> OriginEvidence | None:
         try:
-            return _evidence(client, bucket, obj)
+            return _evidence(source, bucket, obj)
         except Exception as exc:  # no evidence: the origin serves it, as before
             log.info("s3://%s/%s: no origin evidence for peers (%s: %s)", bucket, obj.key, type(exc).__name__, exc)
             return None
@@ -138,12 +138,11 @@ def origin_evidence(source: Source, objects: Iterable[ObjectInfo]) -> dict[str, 
     return {o.key: e for o, e in zip(wanted, found, strict=True) if e is not None}
 
 
-def _evidence(client: Any, bucket: str, obj: ObjectInfo) -> OriginEvidence | None:
+def _evidence(source: Source, bucket: str, obj: ObjectInfo) -> OriginEvidence | None:
     etag = obj.etag or ""
-    args: dict[str, Any] = {"Bucket": bucket, "Key": obj.key}
-    if obj.version_id:
-        args["VersionId"] = obj.version_id
-    head = client.head_object(**args, IfMatch=f'"{etag}"')
+    head = source.head(obj, IfMatch=f'"{etag}"')
+    if head is None:
+        return None
     encrypted = str(head.get("ServerSideEncryption", "")).startswith("aws:kms") or head.get("SSECustomerAlgorithm")
     version = head.get("VersionId") or obj.version_id
     oid = OriginId("s3", bucket, obj.key, etag, version if version and version != "null" else None, obj.size)
@@ -153,11 +152,11 @@ def _evidence(client: Any, bucket: str, obj: ObjectInfo) -> OriginEvidence | Non
         return OriginEvidence(oid, ("md5", etag))
     m = _MULTIPART.fullmatch(etag)
     if not encrypted and m:  # the part size from ?partNumber=1, the last part's to check they are uniform
-        first = client.head_object(**args, PartNumber=1)
+        first = source.head(obj, PartNumber=1) or {}
         parts, part = int(first.get("PartsCount") or 0), int(first.get("ContentLength") or 0)
         if parts == int(m[2]) and part > 0 and -(-obj.size // part) == parts:
             last = obj.size - (parts - 1) * part
-            if parts == 1 or int(client.head_object(**args, PartNumber=parts)["ContentLength"]) == last:
+            if parts == 1 or int((source.head(obj, PartNumber=parts) or {})["ContentLength"]) == last:
                 return OriginEvidence(oid, (f"{COMPOSITE}{part}", etag))
     if obj.checksum and obj.checksum[0] in FACTORIES and obj.checksum[0] != "sha256":
         return OriginEvidence(oid, obj.checksum)

@@ -62,7 +62,7 @@ T = typing.TypeVar("T")
 class Later(Exception):
     """Bytes from `pos` of this range are on their way to a peer (it reads them from the origin now, or the node
     that owns the range has yet to start): the fetch engine takes another range first and comes back. Raised only
-    while `PeerSource.may_defer()` says the engine has other ranges to take."""
+    while the engine's `defer_while` test says the engine has other ranges to take."""
 
     def __init__(self, pos: int) -> None:
         super().__init__(pos)
@@ -173,7 +173,7 @@ class PeerSet:
             c.close()
 
 
-class PeerSource:
+class PeerSource(Source):
     """`origin` with peer-first ranged reads for the objects in `digests`; thread-safe like any Source."""
 
     def __init__(self, origin: Source, peers: typing.List[PeerClient],  # noqa: UP006
@@ -208,7 +208,7 @@ class PeerSource:
         self._benched: dict[str, tuple[float, int]] = {}  # peer cut as slow -> (left out until, times)
         self._origin_rate: float | None = None  # bytes/s this fetch reads per origin connection (a moving mean)
         self.peer_bytes = 0
-        self.may_defer: Callable[[], bool] = lambda: False  # the fetch engine: other ranges wait for a worker
+        self._may_defer: Callable[[], bool] = lambda: False  # the fetch engine: other ranges wait for a worker
 
     @property
     def nodes(self) -> int:
@@ -227,6 +227,9 @@ class PeerSource:
 
     def close(self) -> None:
         self.origin.close()
+
+    def defer_while(self, may_defer: Callable[[], bool]) -> None:
+        self._may_defer = may_defer
 
     def spread(self, ranges: typing.List[T], key: Callable[[T], tuple[str, int]]) -> typing.List[T]:  # noqa: UP006
         """The fetch's ranges in this node's order: rotated by its rank, so nodes started together fetch different
@@ -323,7 +326,7 @@ class PeerSource:
             pending = (pending or self._benched_holder(name, owner)) and now - self._moved[(obj.key, end)] < PENDING_S
             if not pending and (not wait or (now >= fetch_deadline and not (downloading and now < deadline))):
                 break
-            if self.may_defer():
+            if self._may_defer():
                 raise Later(pos)  # another range may be ready now: this one's bytes are still on their way
             time.sleep(POLL_S)
         yield from self._from_origin(obj, pos, end, buf, on_bytes, name)

@@ -9,19 +9,23 @@ that arrived are kept and only the remainder is asked for again.
 
 from __future__ import annotations
 
+import builtins
 import http.client
 import logging
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from weightcache import defaults
 from weightcache.errors import SourceNotFoundError
 from weightcache.ratelimit import acquire_origin
 from weightcache.retry import PartialRead, Retry, Retryable
 from weightcache.uri import ModelRef
+
+if TYPE_CHECKING:
+    from weightcache.store import FileEntry, Snapshot, Store
 
 log = logging.getLogger(__name__)
 
@@ -61,13 +65,25 @@ class ObjectInfo:
     checksum: tuple[str, str] | None
 
 
+T = TypeVar("T")
+
+
 class Source(Protocol):
-    """The interface the fetch engine calls. Implementations are thread-safe."""
+    """The interface the fetch engine calls. Implementations are thread-safe and subclass it: the optional
+    capabilities below have no-op defaults, so the engine calls them on every source, and mypy checks each
+    backend's overrides (no probing by name)."""
 
     ref: ModelRef
     name: str  # for metrics and logs: "s3", "http", "file", "gs", ...
+    #: reads are system calls (file://, memory://), not requests: the engine runs fewer threads (fetch._workers)
+    local: bool = False
+    #: @revision is the source's own (hf://, oci://), resolved by it: the engine does not check it against the
+    #: listing's ETags (fetch._check_revision)
+    resolves_revision: bool = False
+    #: bytes that came from peers, not the origin (peers/source.PeerSource)
+    peer_bytes: int = 0
 
-    def list(self) -> list[ObjectInfo]:
+    def list(self) -> builtins.list[ObjectInfo]:
         """Every object under the prefix passing the globs, directory markers skipped, sorted by relpath."""
         ...
 
@@ -88,6 +104,47 @@ class Source(Protocol):
         ...
 
     def close(self) -> None: ...
+
+    # -- optional capabilities: the defaults are what a source without them means --------------------------------
+    def claimed_sha256(self, obj: ObjectInfo) -> str | None:
+        """A digest the listing names for `obj` (the hub's lfs.sha256, an OCI layer's digest): a claim that
+        checks the downloaded bytes, never evidence (ObjectInfo.checksum)."""
+        return None
+
+    def multipart_check(self, obj: ObjectInfo) -> builtins.list[int] | None:
+        """The part sizes to check a multipart ETag over (S3's, sources/s3.py); None: nothing to check."""
+        return None
+
+    def head(self, obj: ObjectInfo, **params: Any) -> Mapping[str, Any] | None:
+        """The store's HEAD of `obj`'s listed version with `params` (S3's HeadObject, which peers/identity.py
+        reads an origin identity from); None where the source has no such request."""
+        return None
+
+    def still_names(self, snapshot: Snapshot) -> bool:
+        """Whether this reference still names `snapshot`'s files: False vetoes a cache hit (a moved oci:// tag,
+        sources/oci.py); a final reference always does."""
+        return True
+
+    def expand(self, entries: builtins.list[FileEntry], store: Store) -> builtins.list[FileEntry]:
+        """The downloaded entries as published: `entries` itself unless some stand for others (an OCI tar
+        layer's members, sources/oci_tar.py)."""
+        return entries
+
+    # -- peers (peers/source.PeerSource): a source read from the origin alone has one node and defers nothing ----
+    @property
+    def nodes(self) -> int:
+        """Nodes that may fetch this model together: this one and its peers."""
+        return 1
+
+    def spread(self, ranges: builtins.list[T], key: Callable[[T], tuple[str, int]]) -> builtins.list[T]:
+        """The fetch's ranges in this node's order (its share of a fleet's ranges first)."""
+        return ranges
+
+    def defer_while(self, may_defer: Callable[[], bool]) -> None:
+        """Told by the engine when a range may wait for a peer: while other work is left for a worker."""
+
+    def verification_failed(self, obj: ObjectInfo) -> None:
+        """`obj`'s bytes failed verification: where they came from is not asked again for it."""
 
 
 #: A backend's reader: fill `view` with the object's bytes from `offset` and return how many it wrote before the

@@ -40,6 +40,7 @@ from weightcache.sources.base import (
     OnBytes,
     Pieces,
     Retryable,
+    Source,
     SourceOptions,
     finish_listing,
     pieces_by_read_into,
@@ -65,7 +66,7 @@ ERRORS: tuple[tuple[type[BaseException], type[SourceError], str], ...] = (
 RETRYABLE: tuple[type[BaseException], ...] = (ConnectionError, TimeoutError)
 
 
-class FsspecSource:
+class FsspecSource(Source):
     """Lists and reads a prefix of any fsspec filesystem. Thread-safe as far as the filesystem is."""
 
     def __init__(self, ref: ModelRef, options: SourceOptions | None = None) -> None:

@@ -46,6 +46,7 @@ from weightcache.sources.base import (
     OnBytes,
     Pieces,
     Retryable,
+    Source,
     SourceOptions,
     finish_listing,
     origin_pieces,
@@ -95,7 +96,7 @@ def token() -> str | None:
     return get_token()
 
 
-class HfSource:
+class HfSource(Source):
     """The hub's model API for the listing, pinned ranged GETs of `resolve/{commit}` for the bytes."""
 
     name = "hf"

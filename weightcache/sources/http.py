@@ -35,6 +35,7 @@ from weightcache.sources.base import (
     OnBytes,
     Pieces,
     Retryable,
+    Source,
     SourceOptions,
     finish_listing,
     origin_pieces,
@@ -95,11 +96,10 @@ def hrefs(page: str) -> Iterator[str]:
 HIDES_DOTFILES = ("nginx", "apache", "openresty")
 
 
-class HttpSource:
+class HttpSource(Source):
     """Listing by the server's HTML indexes, ranged reads by urllib3 (Range, If-Match, readinto)."""
 
     name = "http"
-    local = False
 
     def __init__(self, ref: ModelRef, options: SourceOptions | None = None) -> None:
         self.ref = ref

@@ -50,6 +50,7 @@ from weightcache.sources.base import (
     OnBytes,
     Pieces,
     Retryable,
+    Source,
     SourceOptions,
     finish_listing,
     origin_pieces,
@@ -93,11 +94,10 @@ _MODEL_ARTIFACT = re.compile(r"^application/vnd\.(?:cncf|cnai)\.model\.manifest\
 _MEDIA_TYPE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]{0,126}/[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]{0,126}$")
 
 
-class OciSource:
+class OciSource(Source):
     """A registry artifact's layers as files; ranged blob reads with the registry's auth."""
 
     name = "oci"
-    local = False
     resolves_revision = True  # @tag or @digest is the registry's; the listing is that manifest's layers
 
     def __init__(self, ref: ModelRef, options: SourceOptions | None = None) -> None:

@@ -42,6 +42,7 @@ from weightcache.sources.base import (
     OnBytes,
     Pieces,
     Retryable,
+    Source,
     SourceOptions,
     finish_listing,
     origin_pieces,
@@ -114,7 +115,7 @@ def _client(endpoint_url: str | None, config: Config) -> Any:
     return session.create_client("s3", endpoint_url=endpoint_url, config=config)
 
 
-class S3Source:
+class S3Source(Source):
     """Lists and reads `s3://bucket/prefix/`. Thread-safe: one botocore client with a pool of `pool_size`."""
 
     name = "s3"
@@ -197,6 +198,14 @@ class S3Source:
             if int(last.get("ContentLength") or -1) != obj.size - (count - 1) * part:
                 return None  # parts of unequal sizes: their boundaries are not known
         return [part]
+
+    def head(self, obj: ObjectInfo, **params: Any) -> dict[str, Any]:
+        """HeadObject of `obj`'s listed version, with `params` (IfMatch, PartNumber): one request, no retry (the
+        caller goes without what it would show; peers/identity.py)."""
+        args: dict[str, Any] = {"Bucket": self.ref.bucket, "Key": obj.key}
+        if obj.version_id:
+            args["VersionId"] = obj.version_id
+        return self._client.head_object(**args, **params)  # type: ignore[no-any-return]
 
     def close(self) -> None:
         self._client.close()
