@@ -178,10 +178,7 @@ class S3Source(Source):
         m = _MULTIPART.fullmatch(obj.etag or "")
         if m is None or obj.key in self._not_md5:
             return None
-        args: dict[str, Any] = {"Bucket": self.ref.bucket, "Key": obj.key, "IfMatch": f'"{obj.etag}"'}
-        if obj.version_id:
-            args["VersionId"] = obj.version_id
-        first = self._call(lambda: self._client.head_object(**args, PartNumber=1),
+        first = self._call(lambda: self.head(obj, IfMatch=f'"{obj.etag}"', PartNumber=1),
                            f"reading the part size of {self._uri(obj.key)}")
         self._note_encryption(obj.key, first)
         if obj.key in self._not_md5:
@@ -193,7 +190,7 @@ class S3Source(Source):
         if parts != count or part <= 0 or -(-obj.size // part) != count:
             return None
         if count > 1:
-            last = self._call(lambda: self._client.head_object(**args, PartNumber=count),
+            last = self._call(lambda: self.head(obj, IfMatch=f'"{obj.etag}"', PartNumber=count),
                               f"reading the part size of {self._uri(obj.key)}")
             if int(last.get("ContentLength") or -1) != obj.size - (count - 1) * part:
                 return None  # parts of unequal sizes: their boundaries are not known
