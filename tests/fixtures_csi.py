@@ -65,8 +65,9 @@ def mounts_seen_from(root: Path) -> list[mounts.MountEntry]:
     worker = next((p for p in (root.resolve(), *root.resolve().parents) if p.name.startswith("popen-gw")), None)
     if worker is None:
         return mounts.mount_table()
-    others, mine = str(worker.parent) + "/", str(worker) + "/"
-    return [e for e in mounts.mount_table() if not e.mount_point.startswith(others) or e.mount_point.startswith(mine)]
+    # workers' base temp dirs need not share a parent (pytest-343/popen-gw0 beside pytest-344/popen-gw1)
+    mine = str(worker) + "/"
+    return [e for e in mounts.mount_table() if "/popen-gw" not in e.mount_point or e.mount_point.startswith(mine)]
 
 
 def unmount_under(root: Path) -> None:
