@@ -167,3 +167,19 @@ def test_a_shard_changed_at_the_source_mid_stream_is_never_mixed_with_the_old_on
     for f in snap.files:
         if f.path.startswith("model-"):
             assert (snap.path / f.path).read_bytes() == (newer / f.path).read_bytes()
+
+
+def test_a_model_of_small_shards_hands_over_its_index_and_config_before_any_shard(tmp_path: Path, s3: S3) -> None:
+    # every file one chunk: the order is the fetch's, not the sizes'. The index sorts after its shards by name
+    # ("model-0000…" < "model.safetensors.index.json"), so a name order would hold a streaming loader until the
+    # last small shard was in.
+    model = _model(tmp_path)
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    s3.upload_dir(model, "models", "llama/")
+    handed: list[str] = []
+    fetcher = Fetcher(Store(tmp_path / "root"), chunk_size=16 << 20, concurrency=1,
+                      source_factory=lambda ref: open_source(ref, SourceOptions(endpoint_url=s3.endpoint_url)))
+    fetcher.ensure(granted(URI), on_file=lambda d: handed.append(d.entry.path))
+    shards = [i for i, p in enumerate(handed) if p.endswith(".safetensors")]
+    assert handed.index("model.safetensors.index.json") < shards[0], handed
+    assert handed.index("config.json") < shards[0], handed

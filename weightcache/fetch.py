@@ -281,7 +281,10 @@ class Fetcher:
                     if item.unsynced_blob:
                         self.store.sync_blob(item.sha256)
                     self._report(item, reporter)
-            todo.sort(key=lambda i: i.obj.size > self.chunk_size)  # small files (an index, config) first: cheap
+            # small files first, and of those the index, config and tokenizer before any small shard: the pod's
+            # entry point waits for them and the streaming loader plans its shards from the index, so a model of
+            # small shards starts loading after its first shard, not its last
+            todo.sort(key=lambda i: (i.obj.size > self.chunk_size, i.relpath.endswith(".safetensors")))
         # streaming (on_file) wants the first file whole first: its ranges sized so that it alone spreads over
         # every worker, as the workers take ranges in file order; else the model's bytes are spread
         spread = max((i.obj.size for i in todo), default=0) if reporter.on_file else sum(i.obj.size for i in todo)
