@@ -356,3 +356,32 @@ def test_read_pieces_streams_one_range_and_resumes_a_cut_body_at_the_first_unyie
     assert len(ranges) == 2
     restart = int(ranges[1].removeprefix("bytes=").split("-")[0])
     assert restart % len(buf) == 0 and 0 < restart <= int(len(body) * 0.6)
+
+
+def test_the_s3_client_starts_without_pyopenssl_or_a_scan_of_every_service(tmp_path: Path) -> None:
+    """A CLI fetch pays the client's start: botocore's import of urllib3.contrib.pyopenssl (pyOpenSSL and
+    cryptography, for a class the stdlib has) and its loader's scan of ~460 service directories are not paid,
+    while the credential chain's services still load and an unknown one still fails."""
+    import subprocess
+    import sys
+
+    code = """if True:
+        import os, sys
+        import weightcache.sources.s3 as s3
+        from botocore.exceptions import DataNotFoundError
+        client = s3._client("http://127.0.0.1:9", s3.Config(region_name="us-east-1"))
+        print("OpenSSL" in sys.modules, "urllib3.contrib.pyopenssl" in sys.modules)
+        listed = []
+        real_listdir = os.listdir
+        os.listdir = lambda p=".": listed.append(p) or real_listdir(p)
+        s3._LOADER.load_service_model("sts", "service-2")
+        try:
+            s3._LOADER.load_service_model("no-such-service", "service-2")
+        except DataNotFoundError:
+            print("unknown refused")
+        print(len(listed) < 10, client.meta.service_model.service_name)
+    """
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "False", "unknown", "refused", "True", "s3"]

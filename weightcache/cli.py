@@ -65,7 +65,7 @@ def _store(args: argparse.Namespace, *, budget: int | None = None) -> Store:
 def _cache(args: argparse.Namespace) -> DaemonCache | StoreCache:
     """The node daemon when its socket answers (and no --root or --no-daemon), else the store at the root."""
     return open_cache(args.root, defaults.root(), args.socket or defaults.socket(), use_daemon=not args.no_daemon,
-                      endpoint_url=getattr(args, "endpoint_url", None), floor=_floor(args))
+                      endpoint_url=getattr(args, "endpoint_url", None), floor=lambda: _floor(args))
 
 
 def _say(args: argparse.Namespace, text: str) -> None:

@@ -17,10 +17,22 @@ import http.client
 import logging
 import os
 import re
+import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+# botocore.httpsession imports urllib3.contrib.pyopenssl only to take the stdlib SSLContext it saved (botocore
+# builds every context from the stdlib's), which is urllib3's own SSLContext unless pyOpenSSL was injected: where
+# pyOpenSSL is installed, that import loaded pyOpenSSL and cryptography's x509 for nothing (0.1-0.3 s of a CLI
+# fetch on the development VM). Refused during botocore's import, so it takes its stated fallback.
+_PYOPENSSL = "urllib3.contrib.pyopenssl"
+if _PYOPENSSL not in sys.modules:
+    sys.modules[_PYOPENSSL] = None  # type: ignore[assignment]  # the import system's "not importable"
+    try:
+        import botocore.httpsession
+    finally:
+        del sys.modules[_PYOPENSSL]
 import botocore.exceptions
 import botocore.loaders
 import botocore.session
@@ -103,10 +115,21 @@ NETWORK_ERRORS = (
 )
 
 
+class _Loader(botocore.loaders.Loader):  # type: ignore[misc]  # botocore ships no types
+    """botocore's loader, but "which services exist" is one listdir of its data directories: the stock answer
+    opens every version directory of all ~460 services it ships, once per model type (0.1-0.2 s of a CLI fetch),
+    only for `load_service_model` to check that `s3` (or `sts` for the credential chain) is among them. A name
+    listed here that lacks the model type still fails, in `determine_latest_version` (DataNotFoundError)."""
+
+    def list_available_services(self, type_name: str) -> list[str]:
+        return sorted({name for where in self._potential_locations(must_exist=True, is_dir=True)
+                       for name in os.listdir(where)})
+
+
 # botocore's service models and endpoint rules, parsed once per process: a fresh session parses their JSON again
 # (0.27 CPU seconds a client; 0.03 with the loader shared). Only the loader is shared: each source still gets its
 # own session, so credentials are resolved per source as before (a rotated key or token file is read again).
-_LOADER = botocore.loaders.create_loader()
+_LOADER = _Loader()
 
 
 def _client(endpoint_url: str | None, config: Config) -> Any:
