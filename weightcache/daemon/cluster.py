@@ -88,8 +88,8 @@ class Cluster:
             if self._invalid.get(bad.name) != bad.error:
                 self._invalid[bad.name] = bad.error
                 self.reporter.event(caches[bad.name], "InvalidSpec", bad.error)
-        return [Want(d.name, d.ref, d.tier, True, d.priority, caches[d.name], d.namespaces, d.warm_first)
-                for d in wanted]
+        return [Want(d.name, d.ref, d.tier, True, d.priority, caches[d.model_cache or d.name], d.namespaces,
+                     d.warm_first, d.serves) for d in wanted]
 
     def report_many(self, states: Sequence[tuple[Want, str, Any, str]]) -> None:
         """(want, phase, snapshot or None, message) for each ModelCache whose state changed, in one write."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -47,6 +48,7 @@ class Want:
     model_cache: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
     namespaces: tuple[str, ...] | None = None  # who asked: None = an admin (config, ModelCache); else demand's
     warm_first: bool = False  # ModelCache spec.warmBeforeSchedulable: the startup taint waits for it
+    serves: bool = False  # the store's `latest` ref of its selection follows it (a rollout's served revision)
 
 
 @dataclass(frozen=True)
@@ -163,7 +165,8 @@ class Reconciler:
     async def once(self) -> Outcome:
         start = time.monotonic()
         node = self.node
-        wanted, grants, refused = self._authorize(wants(node.settings.models, await self._desired()))
+        everything = wants(node.settings.models, await self._desired())
+        wanted, grants, refused = self._authorize(everything)
         await self._report(refused)
         cached = await asyncio.to_thread(self._lookup_all, grants)  # one thread hop for all the hits
         await self._report([(w, "Ready", cached[w.name], "") for w in wanted if w.name in cached])
@@ -172,7 +175,12 @@ class Reconciler:
                 self._fetching[w.name] = self.node.tasks.spawn(f"keep warm {w.ref}", self._fetch(w, grants[w.name]))
         results = {name: snapshot.id for name, snapshot in cached.items()}
         outcome = settle(self.held, wanted, results, await asyncio.to_thread(self._actual))
+        # a state reported but never held (a rollout's fetch done after its switch) is forgotten too
+        names = {w.name for w in everything}
+        if stale := {n for n in self._reported if n not in names} - set(outcome.forget):
+            outcome = dataclasses.replace(outcome, forget=tuple(sorted({*outcome.forget, *stale})))
         await asyncio.to_thread(self._apply, outcome)
+        await asyncio.to_thread(self._point_latest, wanted, results)
         await asyncio.to_thread(hf_layout.prune, node.store)  # hub cache views of snapshots evicted meanwhile
         await self._report_labels(outcome)
         await self._release_startup_taint(wanted, results)  # last: pods arrive to the readiness labels already set
@@ -275,6 +283,17 @@ class Reconciler:
                 _try(f"demote {sid}", tier.demote, sid)
             for sid in o.promote:
                 _try(f"promote {sid}", lambda s: tier.promote(store.get(s), pinned=True), sid)
+
+    def _point_latest(self, wanted: Sequence[Want], results: Mapping[str, str]) -> None:
+        """The store's `latest` ref of a selection names the snapshot of the revision its ModelCache serves, so a
+        pod that names no revision gets it (a rollout's switch moves it; weightcache/kube/rollout.py). The first
+        want of a selection wins: highest priority, then name."""
+        seen: set[str] = set()
+        for w in wanted:
+            if w.serves and w.name in results and w.ref.key not in seen:
+                seen.add(w.ref.key)
+                _try(f"pointing {w.ref.uri} at {results[w.name][:12]}", self.node.store.point,
+                     dataclasses.replace(w.ref, revision=None), results[w.name])
 
     async def _report_labels(self, o: Outcome) -> None:
         cluster = self.node.cluster

@@ -119,7 +119,8 @@ def status(api_client: kubernetes.client.ApiClient, name: str | None, *, out: Te
         result.append((mc, states))
     if output == "json":
         payload = [{"name": mc["metadata"]["name"], "spec": mc.get("spec") or {},
-                    "nodes": [{"node": n, **_state_json(s)} for n, s in sorted(states.items())]}
+                    "nodes": [{"node": n, **_state_json(s)} for n, s in sorted(states.items())],
+                    **{k: v for k, v in (mc.get("status") or {}).items() if k in ("revision", "rollout")}}
                    for mc, states in result]
         out.write(json.dumps({"modelCaches": payload}, indent=2) + "\n")
         return 0
@@ -130,6 +131,8 @@ def status(api_client: kubernetes.client.ApiClient, name: str | None, *, out: Te
             rows.append((shown, "<no node selected>", "-", "-", "-", "-", ""))
         for node, state in sorted(states.items()):
             rows.append((shown, node, *_cells(state)))
+        if (line := _rollout_row(mc)) is not None:
+            rows.append((shown, *line))
     _table(out, rows)
     return 0
 
@@ -267,6 +270,21 @@ def _shown_name(mc: dict[str, Any]) -> str:
     if labels.get(MANAGED_BY) == CONTROLLER:
         return f"{mc['metadata']['name']} (pods wait: {(mc.get('spec') or {}).get('source', '')})"
     return str(mc["metadata"]["name"])
+
+
+def _rollout_row(mc: dict[str, Any]) -> tuple[str, str, str, str, str, str] | None:
+    """A ModelCache's revision rollout as one more row: nodes on the old revision, fetching, on the new, failed."""
+    r = (mc.get("status") or {}).get("rollout")
+    if not isinstance(r, dict):
+        return None
+    def names(key: str) -> str:
+        value = r.get(key)
+        return ",".join(str(n) for n in value) if isinstance(value, list) and value else "-"
+    moving = f"{r.get('from') or '(latest)'} -> {r.get('to') or '(latest)'}"
+    nodes = f"old {names('old')}; fetching {names('fetching')}; new {names('new')}; failed {names('failed')}"
+    message = str(r.get("message") or "")
+    return (f"<rollout {moving}>", str(r.get("phase") or "-"), f"{r.get('progress') or '-'} nodes", "-", "-",
+            nodes + (f"; {message}" if message else ""))
 
 
 def _state_json(state: ModelState | None) -> dict[str, Any]:

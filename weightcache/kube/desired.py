@@ -4,6 +4,8 @@ Selection is matchLabels-style: every key of `spec.nodeSelector` must be a node 
 `spec.nodeNames` (written by the placement controller for the pods it holds back) names nodes outright.
 Demand the controller wrote (label app.kubernetes.io/managed-by: weightcache-placement) carries the namespaces
 of the pods it was made for in `spec.demandNamespaces`: the daemon authorizes it for them, never as an admin's.
+A rollout (weightcache/kube/rollout.py) makes a node serve `status.revision` and, while it is asked to, fetch the
+next revision beside it as a second DesiredModel.
 With `spec.memory.nodes: N` the placement controller picks N selected nodes (spread over zones) into
 `status.memoryNodes`: those keep the model in the RAM tier, the others on disk.
 An empty or missing nodeSelector selects NO node: such a ModelCache only declares a model for the namespace
@@ -14,12 +16,13 @@ well under a millisecond each.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from weightcache.errors import InvalidReferenceError
-from weightcache.kube import MESSAGE_MAX
+from weightcache.kube import MESSAGE_MAX, rollout
 from weightcache.redact import redact
 from weightcache.uri import ModelRef, parse_ref
 from weightcache.vocabulary import CONTROLLER, MANAGED_BY
@@ -42,6 +45,12 @@ class DesiredModel:
     namespaces: tuple[str, ...] | None = None
     # spec.warmBeforeSchedulable: the node keeps its startup taint until this model is on it (docs/startup-taint.md)
     warm_first: bool = False
+    # The ModelCache this comes from: `name` itself, but for a rollout's fetch of the next revision, reported
+    # under `<name>@<revision>` (weightcache/kube/rollout.py)
+    model_cache: str = ""
+    # The revision the nodes serve is managed by rollouts (status.revision is set): the store's `latest` ref of the
+    # selection follows this want's snapshot, so pods that name no revision get it
+    serves: bool = False
 
 
 @dataclass(frozen=True)
@@ -77,8 +86,15 @@ def plan(model_caches: Iterable[Mapping[str, Any]], node_labels: Mapping[str, st
         if not named and not selects(node_labels, selector):
             continue
         try:
-            wanted.append(_desired(name, spec, meta.get("generation"), _in_memory(mc, node_name),
-                                   _demand_namespaces(meta, spec)))
+            serving, following = rollout.revisions(mc, node_name)
+            current = _desired(name, {**spec, "revision": serving}, meta.get("generation"), _in_memory(mc, node_name),
+                               _demand_namespaces(meta, spec))
+            wanted.append(dataclasses.replace(current, model_cache=name,
+                                              serves=rollout.managed(mc) and bool(serving)))
+            if following is not None:  # a rollout's next revision, beside: on disk only, never the startup taint's
+                nxt = _desired(name, {**spec, "revision": following}, meta.get("generation"), False, current.namespaces)
+                wanted.append(dataclasses.replace(nxt, name=rollout.next_key(name, following), model_cache=name,
+                                                  warm_first=False))
         except (InvalidReferenceError, ValueError, TypeError) as exc:
             invalid.append(InvalidSpec(name, redact(str(exc), limit=MESSAGE_MAX)))
     wanted.sort(key=lambda d: (-d.priority, d.name))

@@ -9,6 +9,7 @@ last one stopped, and nothing is released on a memory of readiness — only on t
         choice.plan  ─► ModelCache placement-<hash> {source, nodeNames, demandNamespaces}   create / patch / delete
                         (at most `max_writes` a pass, round-robin over the namespaces that asked)
         memory       ─► status.memoryNodes of every ModelCache with spec.memory.nodes
+        rollouts     ─► status.revision and status.rollout of every ModelCache (weightcache/kube/rollout.py)
         per gated pod: ready on a node it may run on (with room for its GPUs when one has room)?
             yes ─► one JSON patch: test resourceVersion, add required affinity (label In [ready]), remove gate
             no  ─► Event on the pod: the model's bytes and ETA on the chosen node, at most every `event_interval`
@@ -31,7 +32,7 @@ from typing import Any
 
 import urllib3
 
-from weightcache.kube import API_VERSION, GROUP, MODELCACHES, VERSION, listers
+from weightcache.kube import API_VERSION, GROUP, MODELCACHES, VERSION, listers, rollout
 from weightcache.kube.client import ApiClient, ApiException, CoreV1Api, CustomObjectsApi
 from weightcache.kube.cluster_cli import model_cache_body
 from weightcache.kube.watch import ModelCacheWatcher
@@ -163,6 +164,7 @@ class Controller:
         demand = {name: tuple(sorted(nodes)) for name, nodes in plan.nodes.items() if nodes}
         pending = self._write_demand(demand, plan, owned)
         self._memory(caches, facts)
+        self._rollouts(caches)
         self._label_keys(caches)
         by_key = {choice.pod_key(p): p for p in pods}
         budget = self.max_writes  # refusal Events are bounded too: a thousand bad pods must not delay a pass
@@ -260,6 +262,19 @@ class Controller:
                 name = mc["metadata"]["name"]
                 self._call(f"writing ModelCache {name} status", self._custom.patch_cluster_custom_object_status,
                            GROUP, VERSION, MODELCACHES, name, {"status": {"memoryNodes": picked}})
+
+    def _rollouts(self, caches: list[dict[str, Any]]) -> None:
+        """Move each ModelCache's revision rollout on (weightcache/kube/rollout.py): status.revision and
+        status.rollout, which every daemon reads. Its own demand never changes revision: it has no rollout."""
+        reports = {str((r.get("spec") or {}).get("nodeName") or (r.get("metadata") or {}).get("name")):
+                   (r.get("status") or {}).get("models") or {} for r in self.reports.items()}
+        for mc in caches:
+            patch = None if _owned(mc) else rollout.step(mc, reports)
+            if patch is not None and self.leading():
+                name = mc["metadata"]["name"]
+                if self._call(f"writing ModelCache {name} status", self._custom.patch_cluster_custom_object_status,
+                              GROUP, VERSION, MODELCACHES, name, {"status": patch}):
+                    log.info("ModelCache %s rollout: %s", name, _rollout_line(patch))
 
     def _release_or_report(self, pod: dict[str, Any], facts: list[NodeFacts], plan: choice.Plan) -> bool:
         try:
@@ -385,6 +400,13 @@ def _budgets_and_sizes(reports: list[dict[str, Any]]) -> tuple[dict[str, int], d
             if isinstance(total, int):
                 sizes[name] = max(sizes.get(name, 0), total)
     return budgets, sizes
+
+
+def _rollout_line(patch: Mapping[str, Any]) -> str:
+    r = patch.get("rollout") or {}
+    served = f"serving {patch['revision'] or '(latest)'}" if "revision" in patch else ""
+    return " ".join(x for x in (served, str(r.get("phase") or ""), str(r.get("progress") or ""),
+                                str(r.get("message") or "")) if x)
 
 
 def _owned(mc: Mapping[str, Any]) -> bool:

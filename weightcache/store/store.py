@@ -521,6 +521,22 @@ class Store:
         body = ref_bytes(RefRecord(snap_id, ref.uri, ref.revision), ref.include, ref.exclude)
         self.tree.write_atomic(self.layout.ref(ref.key, ref_name(ref)), body)
 
+    def point(self, ref: ModelRef, snapshot_id: str) -> bool:
+        """Point `ref` (its `refs/` name: `latest` for no revision) at a snapshot of the same selection already in
+        the store; True when it moved. A rollout's switch (weightcache/kube/rollout.py) moves `latest` so that pods
+        that name no revision get the revision the cluster serves; pods that run keep theirs through their leases."""
+        with self.locked():
+            snap = self.get(snapshot_id)
+            if snap.uri != ref.uri or not all(ref.matches(f.path) for f in snap.files):
+                raise ValueError(f"snapshot {snapshot_id[:12]} is not a snapshot of {ref}")
+            if self._read_ref(ref) == snapshot_id:
+                return False
+            self.index.write(lambda db: self.index.set_ref(db, ref.key, ref_name(ref), ref.uri, ref.revision,
+                                                           snapshot_id))
+            self._write_ref(ref, snapshot_id)
+        log.info("%s now names snapshot %s", ref, snapshot_id[:12])
+        return True
+
     # -- leases and pins -----------------------------------------------------------------------------------------
     def lease(self, holder: str, snapshot_id: str) -> None:
         """Persist holder -> snapshot (idempotent for the same pair; a holder holds one snapshot)."""
