@@ -106,7 +106,7 @@ def test_the_peer_set_travels_in_the_fetch_settings_to_every_fetcher(tmp_path: P
 
 
 def test_no_module_builds_a_fetcher_but_the_settings() -> None:
-    package = Path(fetch.__file__).parent
+    package = Path(fetch.__file__).parent.parent  # weightcache/
     sites = [f"{p.relative_to(package)}:{n}" for p in package.rglob("*.py")
              for n, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"(?<![A-Za-z_])Fetcher\(", line)]
     assert len(sites) == 1 and sites[0].startswith("settings.py:"), sites

@@ -135,9 +135,9 @@ def test_a_stalled_range_is_halved_and_its_back_half_read_by_an_idle_worker(
     """Two ranges of 8 MiB; the first request is held (an origin that does not answer). The worker whose range
     is done takes the back of the held one, aligned to pieces; released, the first stops where that half begins.
     Every byte arrives once in the blob and the sha256 is of the whole file, in order."""
-    import weightcache.fetch as fetch_mod
+    from weightcache.fetch import transfer
 
-    monkeypatch.setattr(fetch_mod, "SPLIT_STALL", 0.1)
+    monkeypatch.setattr(transfer, "SPLIT_STALL", 0.1)
     body = random.Random(7).randbytes(16 * PIECE)
     s3.put("models", "stall/w.bin", body)
     hold = fault_proxy.add("hold", method="GET", path="/models/stall/w.bin", ranged_only=True, count=1)

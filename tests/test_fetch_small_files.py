@@ -26,7 +26,6 @@ from safetensors.numpy import save_file
 
 from tests.grants import admin, granted
 from weightcache import download
-from weightcache import fetch as fetch_module
 from weightcache.errors import (
     HostileKeyError,
     IntegrityError,
@@ -35,6 +34,7 @@ from weightcache.errors import (
     SourceError,
 )
 from weightcache.fetch import Fetcher
+from weightcache.fetch import publish as fetch_publish
 from weightcache.sources import ObjectInfo, open_source
 from weightcache.sources.base import OnBytes, Pieces, Source
 from weightcache.sources.fsspec import stat_token
@@ -474,8 +474,8 @@ def test_a_small_safetensors_file_is_checked_once_before_it_is_named(tmp_path: P
     check_file = safetensors_check.check_file
     monkeypatch.setattr(safetensors_check, "check_file", lambda path: (checked.append(str(path)), check_file(path)))
     verified: list[str] = []
-    verify = fetch_module._verified
-    monkeypatch.setattr(fetch_module, "_verified", lambda item, source: (verified.append(item.relpath),
+    verify = fetch_publish.verified
+    monkeypatch.setattr(fetch_publish, "verified", lambda item, source: (verified.append(item.relpath),
                                                                          verify(item, source))[1])
     model = tmp_path / "model"
     model.mkdir()
@@ -532,7 +532,7 @@ def test_a_fetch_that_links_blobs_on_a_checksum_alone_syncs_before_it_publishes(
     store = Store(tmp_path / "root")
     Fetcher(store).ensure(granted(f"file://{tmp_path / 'model'}/"))
     syncs: list[Path] = []
-    monkeypatch.setattr(fetch_module, "sync_filesystem", syncs.append)
+    monkeypatch.setattr(fetch_publish, "sync_filesystem", syncs.append)
     uri = f"file://{tmp_path / 'copy'}/"  # the same bytes from another source: nothing of it recorded here
     fetcher = Fetcher(store, source_factory=lambda ref: _ChecksumSource(uri))
     snap = fetcher.ensure(granted(uri))
@@ -589,7 +589,7 @@ def test_publish_names_the_snapshot_only_after_the_syncfs_it_overlaps_returns(
                                           for p in d.iterdir()) + [p.name for p in store.layout.snapshots.iterdir()
                                                                    if not p.name.startswith(fsops.TMP_PREFIX)]
 
-    monkeypatch.setattr(fetch_module, "sync_filesystem", slow_syncfs)
+    monkeypatch.setattr(fetch_publish, "sync_filesystem", slow_syncfs)
     snap = Fetcher(store).ensure(granted(f"file://{tmp_path / 'model'}/"))
     assert seen == {"tree built meanwhile": True, "named at its end": []}
     assert {f.path: (snap.path / f.path).read_bytes() for f in snap.files} == files
@@ -605,7 +605,7 @@ def test_a_syncfs_that_fails_abandons_the_publish_and_leaves_no_tree(
     def failing_syncfs(path: Path) -> None:
         raise OSError(errno.EIO, "syncfs: Input/output error")
 
-    monkeypatch.setattr(fetch_module, "sync_filesystem", failing_syncfs)
+    monkeypatch.setattr(fetch_publish, "sync_filesystem", failing_syncfs)
     ref = parse_ref(f"file://{tmp_path / 'model'}/")
     with pytest.raises(OSError, match="Input/output error"):
         Fetcher(store).ensure(admin(ref))

@@ -1,6 +1,6 @@
 """Progress of a fetch: one value, its one-line description, its one wire form, and the file that shares it.
 
-    engine (_Reporter) ─▶ Progress ─▶ FetchQueue (as is) ─┬─▶ CSI FetchPendingError: describe()
+    engine (fetch/report.py) ─▶ Progress ─▶ FetchQueue (as is) ─┬─▶ CSI FetchPendingError: describe()
                                                          ├─▶ API NDJSON / 202: to_wire() ─▶ client ─▶ CLI: from_wire()
                                                          └─▶ progress file: to_wire() / from_wire()
 

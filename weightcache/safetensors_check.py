@@ -59,6 +59,7 @@ QUOTE = 60  # characters of a found value an error message shows
 _F64_OVERFLOW = 2**1024 - 2**970  # integers from here on round to infinity as a float64: serde refuses them
 _META = "__metadata__"
 _FIELDS = ("dtype", "shape", "data_offsets")
+_FIELD_SET = frozenset(_FIELDS)
 _KEY, _VALUE = itemgetter(0), itemgetter(1)
 _BEGIN, _END, _NEEDS = itemgetter(2), itemgetter(3), itemgetter(4)
 # a \uD800-\uDBFF escape not followed by a \uDC00-\uDFFF one, or the latter not after the former (escaped
@@ -185,38 +186,48 @@ def _check(name: str, pairs: tuple[tuple[str, Any], ...], data_start: int,
         raise _err(name, f"the header has {_META!r} {count} times")
     if count:
         metadata = _metadata(name, pairs[keys.index(_META)][1])
-    entries: dict[str, _Entry] = {}
     extras: list[Any] = []  # values of fields the format ignores, for the JSON-level limits below
-    for key, value in pairs:  # the one pass: every pair well-formed; the last of a repeated name kept
-        if key == _META:
-            continue
-        if type(value) is tuple and len(value) == 3 and len(fields := dict(value)) == 3 and "dtype" in fields \
-                and "shape" in fields and "data_offsets" in fields:  # the usual form
-            dtype, shape, offsets = fields["dtype"], fields["shape"], fields["data_offsets"]
-        elif type(value) is tuple:
-            dtype, shape, offsets = _fields(name, key, value, extras)
-        elif type(value) is list and len(value) == 3:
-            dtype, shape, offsets = value
-        else:
-            raise _err(name, f"tensor {_quote(key)} must be an object with dtype, shape and data_offsets, got "
-                             f"{_quote(value)}")
-        if type(dtype) is tuple and len(dtype) == 1 and dtype[0][1] is None:  # {"F16": null}: serde's enum form
-            dtype = dtype[0][0]
-        bits = DTYPE_BITS.get(dtype) if type(dtype) is str else None
-        if bits is None:
-            raise _err(name, f"tensor {_quote(key)} has unknown dtype {_quote(dtype)} (known: {', '.join(DTYPE_BITS)})")
-        elements = _elements(shape) if type(shape) is list else None
-        if elements is None:
-            raise _err(name, f"tensor {_quote(key)} shape must be a list of integers in 0..2**64-1, got "
-                             f"{_quote(shape)}")
-        if type(offsets) is not list or len(offsets) != 2 or type(begin := offsets[0]) is not int \
-                or type(end := offsets[1]) is not int or not 0 <= begin <= U64 or not 0 <= end <= U64:
-            raise _err(name, f"tensor {_quote(key)} data_offsets must be [begin, end], integers in 0..2**64-1, "
-                             f"got {_quote(offsets)}")
-        nbits = elements * bits
-        entries[key] = (dtype, shape, begin, end, nbits // 8 if nbits <= U64 and not nbits % 8 else None)
+    # the one pass: every pair well-formed; the last of a repeated name kept
+    entries = {key: _entry(name, key, value, extras) for key, value in pairs if key != _META}
     if extras:
         _limits(name, extras)
+    return metadata, _table(name, entries, data_start, data_size, build)
+
+
+def _entry(name: str, key: str, value: Any, extras: list[Any]) -> _Entry:
+    if type(value) is tuple and len(value) == 3 and (fields := dict(value)).keys() == _FIELD_SET:  # the usual form
+        dtype, shape, offsets = fields["dtype"], fields["shape"], fields["data_offsets"]
+    elif type(value) is tuple:
+        dtype, shape, offsets = _fields(name, key, value, extras)
+    elif type(value) is list and len(value) == 3:
+        dtype, shape, offsets = value
+    else:
+        raise _err(name, f"tensor {_quote(key)} must be an object with dtype, shape and data_offsets, got "
+                         f"{_quote(value)}")
+    if type(dtype) is tuple and len(dtype) == 1 and dtype[0][1] is None:  # {"F16": null}: serde's enum form
+        dtype = dtype[0][0]
+    bits = DTYPE_BITS.get(dtype) if type(dtype) is str else None
+    if bits is None:
+        raise _err(name, f"tensor {_quote(key)} has unknown dtype {_quote(dtype)} (known: {', '.join(DTYPE_BITS)})")
+    elements = _elements(shape) if type(shape) is list else None
+    if elements is None:
+        raise _err(name, f"tensor {_quote(key)} shape must be a list of integers in 0..2**64-1, got {_quote(shape)}")
+    begin, end = _offsets(name, key, offsets)
+    nbits = elements * bits
+    return dtype, shape, begin, end, nbits // 8 if nbits <= U64 and not nbits % 8 else None
+
+
+def _offsets(name: str, key: str, offsets: Any) -> tuple[int, int]:
+    if type(offsets) is list and len(offsets) == 2 and type(begin := offsets[0]) is int \
+            and type(end := offsets[1]) is int and 0 <= begin <= U64 and 0 <= end <= U64:
+        return begin, end
+    raise _err(name, f"tensor {_quote(key)} data_offsets must be [begin, end], integers in 0..2**64-1, "
+                     f"got {_quote(offsets)}")
+
+
+def _table(name: str, entries: dict[str, _Entry], data_start: int, data_size: int,
+           build: bool) -> dict[str, TensorSpec]:
+    """The tensors in file order, once each holds what its shape needs and together they tile the data."""
     rows = list(entries.values())
     begins, ends = list(map(_BEGIN, rows)), list(map(_END, rows))
     if list(map(_NEEDS, rows)) != list(map(sub, ends, begins)):  # sizes only of the tensors kept, as serde has it
@@ -229,9 +240,9 @@ def _check(name: str, pairs: tuple[tuple[str, Any], ...], data_start: int,
     if not tiled:
         _layout_err(name, [names[i] for i in order], first, last, data_size)
     if not build:
-        return metadata, {}
-    return metadata, {names[i]: TensorSpec(rows[i][0], tuple(rows[i][1]), data_start + begins[i],
-                                           data_start + ends[i]) for i in order}
+        return {}
+    return {names[i]: TensorSpec(rows[i][0], tuple(rows[i][1]), data_start + begins[i], data_start + ends[i])
+            for i in order}
 
 
 def _metadata(name: str, value: Any) -> dict[str, str]:

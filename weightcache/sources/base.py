@@ -75,10 +75,11 @@ class Source(Protocol):
 
     ref: ModelRef
     name: str  # for metrics and logs: "s3", "http", "file", "gs", ...
-    #: reads are system calls (file://, memory://), not requests: the engine runs fewer threads (fetch._workers)
+    #: reads are system calls (file://, memory://), not requests: the engine runs fewer threads
+    #: (fetch/transfer.py `Transfer.workers`)
     local: bool = False
     #: @revision is the source's own (hf://, oci://), resolved by it: the engine does not check it against the
-    #: listing's ETags (fetch._check_revision)
+    #: listing's ETags (fetch/plan.py `check_revision`)
     resolves_revision: bool = False
     #: bytes that came from peers, not the origin (peers/source.PeerSource)
     peer_bytes: int = 0

@@ -127,7 +127,7 @@ class OciSource(Source):
         return sorted(files + tars, key=lambda o: o.relpath)
 
     def expand(self, entries: builtins.list[FileEntry], store: Store) -> builtins.list[FileEntry]:
-        """The fetch engine's hook between download and publish (fetch.py `_fetch_once`): each downloaded tar
+        """The fetch engine's hook between download and publish (fetch/engine.py `_fetch_once`): each downloaded tar
         layer replaced by its members passing the globs, written as blobs of `store`; `entries` itself when the
         listing had no tar layer."""
         if not any(e.path.startswith(HIDDEN) for e in entries):
@@ -151,7 +151,7 @@ class OciSource(Source):
         return None
 
     def still_names(self, snapshot: Snapshot) -> bool:
-        """Whether this reference still names `snapshot`'s files (the engine's veto of a cache hit, fetch.py
+        """Whether this reference still names `snapshot`'s files (the engine's veto of a cache hit, fetch/engine.py
         `Fetcher._still_named`). A digest always does. A tag is resolved again (its manifest, through any index:
         a GET of a few KB) and its file layers compared with the snapshot's by path, size and layer digest: a
         moved tag misses, and the engine fetches what it names now. A registry that cannot answer (down, tag

@@ -105,7 +105,7 @@ def remove_old_orphan_blobs(store: StoreView, now: float) -> int:
     while a fetch holds its lock); bytes freed.
 
     A fetch names a small file's blob as soon as it is read (store/blobwrite.py), and a streamed file's once it is
-    durable (fetch.py on_file), before the snapshot that links it is published: a young orphan may be one of
+    durable (fetch/handover.py, on_file), before the snapshot that links it is published: a young orphan may be one of
     those, whether or not a fetch held its lock when the sweep began (one may start during it), and an older one
     too while a fetch runs (it may have named it an hour ago). Age, not the locks alone, decides, so a node that is
     always fetching still collects its old orphans. ctime, not mtime: linking or unlinking a name updates it,

@@ -1,0 +1,235 @@
+"""Fetch engine: a reference becomes a published snapshot, by phase: plan (plan.py: list, what each file must
+match, dedup on trusted evidence) -> transfer (transfer.py: download missing blobs) -> publish (publish.py:
+verify, name blobs, publish the snapshot); files streamed to the caller meanwhile through handover.py.
+
+Single flight: one flock per model (`locks/<model-key>.lock`) serialises fetches of a model across threads and
+processes alike (flock belongs to an open file description, so two threads conflict like two processes). Waiters
+poll it, show the holder's progress file, and find the published snapshot when it is released.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from contextlib import closing
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from weightcache import defaults
+from weightcache.access import Grant, require_grant
+from weightcache.errors import FetchCancelledError, ObjectChangedError
+from weightcache.fetch.handover import DurableFile, HandOver
+from weightcache.fetch.items import Item, serve_partials
+from weightcache.fetch.plan import Planner, check_revision, open_parts, peer_digests, range_size
+from weightcache.fetch.publish import publish
+from weightcache.fetch.report import Reporter
+from weightcache.fetch.transfer import Transfer
+from weightcache.progress import Progress, read_progress_file
+from weightcache.sources import Source, SourceOptions
+from weightcache.store import BlobMissingError, Snapshot, Store, validate_tree
+from weightcache.units import fmt_bytes
+from weightcache.uri import ModelRef
+
+if TYPE_CHECKING:
+    from weightcache.peers import PeerSet
+
+log = logging.getLogger(__name__)
+
+MOVABLE = frozenset({"oci"})  # schemes whose source may veto a cache hit of a moved revision (Fetcher._still_named)
+MAX_RESTARTS = 3  # object replaced mid-download, or a planned blob evicted meanwhile
+
+
+class Fetcher:
+    """ensure(ref) -> Snapshot, single-flight in process (threads) and across processes (flock)."""
+
+    #: one fetch cannot be stopped alone (the constructor's `cancel` and close() stop them all): the fetch queue
+    #: lets a running fetch that every caller left run on (fetch_queue.Engine)
+    stops_on_cancel = False
+
+    def __init__(self, store: Store, *, concurrency: int = defaults.CONCURRENCY, chunk_size: int = defaults.CHUNK_SIZE,
+                 endpoint_url: str | None = None, connect_timeout: float = defaults.CONNECT_TIMEOUT,
+                 read_timeout: float = defaults.READ_TIMEOUT,
+                 source_factory: Callable[[ModelRef], Source] | None = None,
+                 cancel: threading.Event | None = None, peers: PeerSet | None = None,
+                 proxy_url: str | None = None, require_source_checksum: bool = False) -> None:
+        """`cancel`: an event that, once set, stops this fetcher's downloads like close() (a caller's own stop).
+        `peers`: blobs with a trusted sha256 are read from these peers first (weightcache/peers).
+        `proxy_url`: the source's HTTP(S) forward proxy (s3 and http ranged reads).
+        `require_source_checksum`: refuse a model with a file nothing from the source verifies (NotAllowedError)."""
+        self.store = store
+        self.concurrency = max(1, concurrency)
+        self.chunk_size = max(64 << 10, chunk_size)
+        self.endpoint_url = endpoint_url
+        self.proxy_url = proxy_url
+        self.require_source_checksum = require_source_checksum
+        self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
+        self._source_factory = source_factory
+        self.peers = peers
+        self._closing = cancel if cancel is not None else threading.Event()
+        self._stats_lock = threading.Lock()
+        self.stats: dict[str, int] = {"hits": 0, "misses": 0, "origin_bytes": 0, "peer_bytes": 0,
+                                      "fetches_in_flight": 0}
+        self._planner = Planner(store, peers=peers, require_source_checksum=require_source_checksum)
+
+    # -- public -------------------------------------------------------------------------------------------------
+    def ensure(self, grant: Grant, *, progress: Callable[[Progress], None] | None = None,
+               looked_up: bool = False, on_file: Callable[[DurableFile], None] | None = None,
+               cancel: threading.Event | None = None) -> Snapshot:
+        """The snapshot of the files `grant` gave (weightcache/access.py: no fetch without a decision).
+        Blocking; call from a thread in async code. Cache hit returns at once. `looked_up`: the caller's own
+        lookup just missed (the fetch queue's), so only the re-check under the fetch lock asks the store.
+        `on_file`: called (on a worker thread: return quickly) for each file once its blob is verified and
+        durable, while the rest downloads; on a cache hit for every file before this returns. A file is never
+        handed over twice with the same listing; a restart (an object changed at the source) may hand a path
+        over again with other bytes. Nothing unverified is ever handed over. `cancel` is not watched: one fetch
+        is not stopped alone (`stops_on_cancel`)."""
+        ref = require_grant(grant).ref
+        handover = HandOver(on_file, self.store) if on_file is not None else None
+        snap = None if looked_up else self.store.lookup(ref)
+        if snap is not None and self._still_named(ref, snap):
+            return self._hit(snap, handover)
+        moved = snap.id if snap is not None else None  # the snapshot a moved tag no longer names
+        lock_fd = self._acquire(ref, progress)
+        try:
+            snap = self.store.lookup(ref)
+            if snap is not None and snap.id != moved and (moved is not None or self._still_named(ref, snap)):
+                return self._hit(snap, handover)
+            self._count("misses")
+            self._count("fetches_in_flight")
+            try:
+                return self._fetch(ref, progress, handover)
+            finally:
+                self._count("fetches_in_flight", -1)
+        finally:
+            os.close(lock_fd)
+
+    def _hit(self, snap: Snapshot, handover: HandOver | None) -> Snapshot:
+        self._count("hits")
+        return handover.snapshot(snap) if handover is not None else snap
+
+    def lookup(self, grant: Grant) -> Snapshot | None:
+        """The cached snapshot of the granted files, or None (the store serves no file the grant leaves out)."""
+        snap = self.store.lookup(grant.ref)
+        return snap if snap is None or self._still_named(grant.ref, snap) else None
+
+    def _still_named(self, ref: ModelRef, snap: Snapshot) -> bool:
+        """A cache hit stands unless the source moves this reference's revision (MOVABLE: an oci:// tag) and
+        says it names other files now (`source.still_names(snapshot)`, sources/oci.py); the old snapshot then
+        stays until evicted. Other sources' refs are final (docs/sources.md, "A moved tag")."""
+        if ref.scheme not in MOVABLE:
+            return True
+        with closing(self._open_source(ref)) as source:
+            return source.still_names(snap)
+
+    def close(self) -> None:
+        """Cancel: in-flight fetches stop at their next read or retry wait (FetchCancelledError); journalled
+        chunks are kept and resume on the next run. Thread-safe; the Fetcher takes no new work after it."""
+        self._closing.set()
+
+    # -- locking ------------------------------------------------------------------------------------------------
+    def _progress_path(self, ref: ModelRef) -> Path:
+        return self.store.partial_path(f"{ref.key}.progress")
+
+    def _acquire(self, ref: ModelRef, progress: Callable[[Progress], None] | None) -> int:
+        fd = self.store.open_lock(ref.key)
+        last_report = 0.0
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+            except BlockingIOError:
+                pass
+            if self._closing.is_set():
+                os.close(fd)
+                raise FetchCancelledError(f"shutting down while waiting for the fetch of {ref}")
+            now = time.monotonic()
+            if progress is not None and now - last_report > 0.25:
+                p = read_progress_file(self._progress_path(ref))
+                if p is not None:
+                    progress(p)
+                last_report = now
+            time.sleep(0.05)
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._stats_lock:
+            self.stats[name] += n
+
+    # -- the fetch ----------------------------------------------------------------------------------------------
+    def _fetch(self, ref: ModelRef, progress: Callable[[Progress], None] | None,
+               handover: HandOver | None = None) -> Snapshot:
+        reporter = Reporter(ref.uri, self._progress_path(ref), progress)
+        reporter.phase("listing")
+        source = self._open_source(ref)
+        try:
+            for attempt in range(1, MAX_RESTARTS + 1):
+                try:
+                    return self._fetch_once(ref, source, reporter, handover)
+                except (ObjectChangedError, BlobMissingError) as exc:
+                    if attempt == MAX_RESTARTS:
+                        raise
+                    log.warning("restarting fetch of %s (%s)", ref, exc)
+            raise AssertionError("unreachable")
+        except BaseException as exc:
+            reporter.phase("failed", str(exc))
+            raise
+        finally:
+            source.close()
+            self._progress_path(ref).unlink(missing_ok=True)
+
+    def _open_source(self, ref: ModelRef) -> Source:
+        if self._source_factory is not None:
+            return self._source_factory(ref)
+        from weightcache.sources import open_source
+
+        return open_source(ref, SourceOptions(endpoint_url=self.endpoint_url, proxy_url=self.proxy_url,
+                                              pool_size=max(10, self.concurrency * 2),
+                                              connect_timeout=self.connect_timeout, read_timeout=self.read_timeout,
+                                              cancel=self._closing))
+
+    def _fetch_once(self, ref: ModelRef, source: Source, reporter: Reporter, handover: HandOver | None) -> Snapshot:
+        started = time.monotonic()
+        # tar layers (oci://): listed as one hidden object each, downloaded and verified like any file, then
+        # replaced by their members (sources/oci_tar.py); taken before peers wrap the source
+        expand = source.expand
+        objects = source.list()
+        validate_tree(o.relpath for o in objects)
+        check_revision(ref, source, objects)
+        items = self._planner.items(ref, source, objects)
+        todo = [i for i in items if i.sha256 is None]
+        total = sum(i.obj.size for i in items)
+        reporter.start(total, len(items), already=total - sum(i.obj.size for i in todo),
+                       files_already=len(items) - len(todo))
+        if handover is not None:
+            handover.listed(items)
+            # small files first, and of those the index, config and tokenizer before any small shard: the pod's
+            # entry point waits for them and the streaming loader plans its shards from the index, so a model of
+            # small shards starts loading after its first shard, not its last
+            todo.sort(key=lambda i: (i.obj.size > self.chunk_size, i.relpath.endswith(".safetensors")))
+        resumed = open_parts(ref, self.store, todo, range_size=self._range_size(todo, streaming=handover is not None),
+                             chunk_size=self.chunk_size)
+        if self.peers is not None and todo and (digests := peer_digests(ref, todo)):
+            source = self.peers.wrap(source, digests)
+        self.store.ensure_space(sum(i.obj.size for i in todo) - resumed, uri=ref.uri)
+        try:
+            fetched = Transfer(self.store, source, reporter, handover, self.peers, self.chunk_size, self.concurrency,
+                               self._closing, self._count).download(todo)
+        finally:  # the blobs have their names now (or the fetch failed): peers find one or nothing
+            serve_partials(self.peers, todo, False)
+        reporter.phase("publishing")
+        snap = publish(ref, self.store, items, downloaded=bool(todo), expand=expand)
+        secs = time.monotonic() - started
+        log.info("fetched %s: %s from origin (%d of %d files, %s already cached) in %.1fs, %.2f GB/s",
+                 ref, fmt_bytes(fetched), len(todo), len(items), fmt_bytes(total - fetched), secs,
+                 fetched / secs / 1e9 if secs else 0.0)
+        reporter.phase("done")
+        return snap
+
+    def _range_size(self, todo: list[Item], *, streaming: bool) -> int:
+        """Streaming (on_file) wants the first file whole first: its ranges sized so that it alone spreads over
+        every worker, as the workers take ranges in file order; else the model's bytes are spread."""
+        spread = max((i.obj.size for i in todo), default=0) if streaming else sum(i.obj.size for i in todo)
+        return range_size(spread, concurrency=self.concurrency, chunk_size=self.chunk_size)
