@@ -327,7 +327,7 @@ class FakeApiServer:
         with self._cond:
             return [copy.deepcopy(o) for (p, ns, _), o in sorted(self._objects.items()) if p == plural and (not namespace or ns == namespace)]
 
-    def create(self, plural: str, obj: Obj, namespace: str = "") -> Obj:
+    def create(self, plural: str, obj: Obj, namespace: str = "", *, user: User | None = None) -> Obj:
         res = RESOURCES[plural]
         obj = copy.deepcopy(obj)
         meta = obj.setdefault("metadata", {})
@@ -341,6 +341,11 @@ class FakeApiServer:
         self._validate(res, obj)
         name = meta["name"]
         obj["apiVersion"], obj["kind"] = res.api_version, res.kind
+        if self.policies is not None and user is not None:  # validating admission runs on creates too
+            request = admission_request(user, "CREATE", res.group, res.version, res.plural, "", obj, None)
+            if (denied := self.policies.denial(request)) is not None:
+                self.forbidden.append(denied)
+                raise ApiError(403, "Forbidden", denied)
         if res.status_subresource and res.custom:
             obj.pop("status", None)  # create ignores status when the status subresource is on
         with self._cond:
@@ -694,7 +699,7 @@ class _Handler(BaseHTTPRequestHandler):
                     raise not_allowed
                 if not isinstance(body, dict):
                     raise ApiError(400, "BadRequest", "the request body must be a JSON object")
-                return 201, api.create(res.plural, body, ns)
+                return 201, api.create(res.plural, body, ns, user=user)
             raise not_allowed
         if method == "GET":
             obj = api.get(res.plural, name, ns)

@@ -13,7 +13,7 @@ under deps/github.com/openshift/kubernetes). docs/fake-apiserver.md lists them w
     `arbitrary-node:<verb>` on `resourceclaims/driver` named by each driver whose entries change; changing
     `status.allocation` or `status.reservedFor` needs `resourceclaims/binding`. Refused with 422 Invalid.
   - ValidatingAdmissionPolicy (staging/src/k8s.io/apiserver/pkg/admission/plugin/policy/validating): the shipped
-    policies bound with Deny, their CEL evaluated with cel-python for each update a token's user sends; 403.
+    policies bound with Deny, their CEL evaluated with cel-python for each create and update a token's user sends; 403.
   - Canonical quantities (staging/src/k8s.io/apimachinery/pkg/api/resource/quantity.go, `Quantity.String` of a
     parsed value): what is stored is the canonical form, `5000000` -> `5M`, `1024Ki` -> `1Mi`.
 """
@@ -398,5 +398,6 @@ def admission_request(user: User | None, operation: str, group: str, version: st
 
 
 def shipped_policies() -> AdmissionPolicies:
-    """The daemon's own-node policy `kubectl apply -k deploy/daemonset` installs."""
+    """The daemon's own-node policies (Node and ModelCacheNode writes, Events) `kubectl apply -k deploy/daemonset`
+    installs."""
     return AdmissionPolicies.from_manifests([DEPLOY / "daemonset" / "node-policy.yaml"])

@@ -59,7 +59,9 @@ def test_the_other_namespace_example_renders_with_every_reference_moved(tmp_path
     assert one(objs, "Namespace")["metadata"]["name"] == "ml-infra"
     assert not [s for s in strings(objs) if ".weightcache.svc" in s or ":weightcache:" in s
                 or s.startswith("weightcache/")]
-    assert one(objs, "Role", "weightcache-daemon-events")["metadata"]["namespace"] == "default"
+    assert one(objs, "ClusterRoleBinding", "weightcache-daemon-events")["subjects"][0]["namespace"] == "ml-infra"
+    events_policy = one(objs, "ValidatingAdmissionPolicy", "weightcache-daemon-events")
+    assert ":ml-infra:" in events_policy["spec"]["matchConditions"][0]["expression"]
 
 
 @pytest.mark.parametrize("path", sorted(set(re.findall(r"kubectl (?:apply|delete) -k (deploy/[\w/-]+)", TEXT))))

@@ -82,3 +82,14 @@ STARTUP_TAINT_EFFECT = "NoSchedule"
 # weightcache_coldstart_stage_seconds{stage} (daemon/metrics.py) and the words of the publish log line.
 STAGE_MODEL_ON_NODE = "model_on_node"
 STAGE_VOLUME_PUBLISHED = "volume_published"
+# The stages a pod's engine reports about itself (the weightcache vLLM plugin, packages/weightcache-vllm): in the
+# report file it writes at the root of its engine-cache volume (docs/telemetry.md), which the CSI plugin reads
+# while the pod runs and when it ends, turning each stage into an Event on the pod and an observation of the same
+# histogram. The report's `compile.result`: what the engine did with the compile cache it was handed.
+STAGE_WEIGHTS_LOADED = "weights_loaded"
+STAGE_ENGINE_READY = "engine_ready"
+STAGE_FIRST_TOKEN = "first_token"
+ENGINE_STAGES = (STAGE_WEIGHTS_LOADED, STAGE_ENGINE_READY, STAGE_FIRST_TOKEN)
+ENGINE_REPORT = ".weightcache-report"
+COMPILE_HIT, COMPILE_MISS, COMPILE_INCOMPATIBLE = "hit", "miss", "incompatible"
+COMPILE_RESULTS = (COMPILE_HIT, COMPILE_MISS, COMPILE_INCOMPATIBLE)

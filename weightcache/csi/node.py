@@ -47,6 +47,7 @@ from weightcache.csi.errors import quiet_rpc, rpc
 from weightcache.csi.reconcile import SnapshotMounts, VolumeBook, VolumeRecord
 from weightcache.csi.stream import StreamFill, fail_view
 from weightcache.csi.targets import KubeletTargets, TargetMissingError
+from weightcache.csi.telemetry import ObserveCompile, Pod, PodEvent, PodTelemetry
 from weightcache.engine_name import EngineName
 from weightcache.errors import (
     FetchPendingError,
@@ -104,6 +105,10 @@ class PublishArgs:
     engine_cache: EngineName | None = None  # volume_context.engineCache: the pod's engine cache, not the model
     readonly: bool = True
     stream: bool = False  # volume_context.stream: on a miss, a view that fills while the model downloads
+
+    @property
+    def pod(self) -> Pod:
+        return Pod(self.pod_namespace, self.pod_name, self.pod_uid)
 
     def record(self, snapshot_id: str, *, handover: bool = False) -> VolumeRecord:
         return VolumeRecord(self.volume_id, self.target_path, str(self.ref), snapshot_id, self.tier,
@@ -253,15 +258,17 @@ async def finish_even_if_cancelled(work: Awaitable[T]) -> T:
 
 class NodeServicer(csi_pb2_grpc.NodeServicer):
     """`pool` runs the plugin's blocking work (records, mounts, stats); `observe(method, seconds, code)` is told
-    about every call and `observe_stage(stage, seconds, cache)` about each published model volume's cold-start
-    stages (the daemon's metrics)."""
+    about every call and `observe_stage(stage, seconds, cache)` about each pod's cold-start stages (the daemon's
+    metrics), `pod_event` writes them as Events on the pod and `observe_compile` hears what each pod's engine did
+    with the compile cache it was handed (csi/telemetry.py)."""
 
     def __init__(self, store: Store, fetches: FetchQueue, *, node_id: str, authority: Authority,
                  kubelet_dir: str | Path, publish_timeout: float = CSI_TIMEOUT_S, book: VolumeBook | None = None,
                  tier: MemoryTier | None = None, pool: ThreadPoolExecutor | None = None,
                  observe: Callable[[str, float, str], None] | None = None,
                  observe_stage: Callable[[str, float, str], None] | None = None,
-                 engine_limits: engine_cache.EngineCacheLimits | None = None) -> None:
+                 engine_limits: engine_cache.EngineCacheLimits | None = None,
+                 pod_event: PodEvent | None = None, observe_compile: ObserveCompile | None = None) -> None:
         self._store = store
         self._tier = tier
         self._fetches = fetches
@@ -278,7 +285,8 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         self._readbacks = ThreadPoolExecutor(READBACKS, thread_name_prefix="wc-csi-readback")
         self._engine_limits = engine_limits or engine_cache.EngineCacheLimits()
         self.observe = observe
-        self._observe_stage = observe_stage
+        self._telemetry = PodTelemetry(observe_stage=observe_stage, pod_event=pod_event,
+                                       observe_compile=observe_compile)
         # volume id -> monotonic time of kubelet's first publish of it: a cold model's wait spans kubelet's retries
         self._attempts: dict[str, float] = {}
 
@@ -311,6 +319,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
                         await self._io(self._book.put, args.record(existing.snapshot_id))
                     return csi_pb2.NodePublishVolumeResponse()
             retry = args.volume_id in self._attempts  # an earlier attempt waited: a miss, whatever this one finds
+            self._telemetry.first_attempt(args.pod)
             started = self._first_attempt(args.volume_id)
             grant = self._authority.authorize(args.ref, Requester(args.pod_namespace))  # weightcache/access.py
             if args.stream:  # a miss does not wait: the pod gets a view that fills as the files arrive
@@ -348,9 +357,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         """The cold-start stages of a published model volume: the metrics' histograms (no pod names: unbounded
         labels) and one key=value log line that names the pod."""
         cache = "hit" if hit else "miss"
-        if self._observe_stage is not None:
-            self._observe_stage(STAGE_MODEL_ON_NODE, model_s, cache)
-            self._observe_stage(STAGE_VOLUME_PUBLISHED, published_s, cache)
+        self._telemetry.published(args.pod, str(args.ref), cache, model_s, published_s)
         logger.info("published pod=%s/%s model=%s key=%s snapshot=%s cache=%s %s=%.3fs %s=%.3fs target=%s",
                     args.pod_namespace, args.pod_name, args.ref, args.ref.key, snapshot.id[:12], cache,
                     STAGE_MODEL_ON_NODE, model_s, STAGE_VOLUME_PUBLISHED, published_s, args.target_path)
@@ -545,6 +552,8 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         with self._locks.hold(volume_id):
             self._attempts.pop(volume_id, None)
             await finish_even_if_cancelled(self._stop_stream(volume_id))
+            if (record := await self._io(self._book.get, volume_id)) is not None and record.engine_cache:
+                await self._io(self._engine_report, record)  # what the pod's engine said last
             if await self._io(self._due, volume_id, target):  # the pod has ended: its cache, read back first
                 await finish_even_if_cancelled(self._read_back(volume_id))
             await finish_even_if_cancelled(self._io(self._unmount, volume_id, target))
@@ -605,6 +614,18 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
                         record.pod_namespace, record.pod_name, key, snapshot.id[:12], len(snapshot.files),
                         snapshot.size)
 
+    def _engine_report(self, record: VolumeRecord) -> None:
+        """What the pod's engine reported in its engine-cache volume (csi/telemetry.py): stages, compile result."""
+        try:
+            with self._targets.open_parent(record.target_path, create=False) as parent:
+                if mounts.top_mount_at(parent, "mount", record.target_path) is None:
+                    return
+                self._telemetry.engine_volume(Pod(record.pod_namespace, record.pod_name, record.pod_uid),
+                                              record.engine_cache, f"/proc/self/fd/{parent}/mount",
+                                              record.published_at)
+        except TargetMissingError:
+            return
+
     def _is_mounted(self, target: str) -> bool:
         try:
             with self._targets.open_parent(target, create=False) as parent:
@@ -645,6 +666,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
             raise VolumeNotFoundError(f"volume {volume_id} is published at {record.target_path}, "
                                       f"not at {request.volume_path}")
         if record.engine_cache and not await self._io(self._is_view, record):
+            await self._io(self._engine_report, record)
             if record.handover:  # kubelet asks about a running pod's volumes every minute: its ready file counts now
                 self._start_hand_over(record.volume_id)
             return csi_pb2.NodeGetVolumeStatsResponse(usage=await self._io(self._scratch_usage, record))

@@ -25,6 +25,7 @@ from weightcache.csi._pb import csi_pb2_grpc
 from weightcache.csi.identity import IdentityServicer
 from weightcache.csi.node import CSI_TIMEOUT_S, NodeServicer
 from weightcache.csi.reconcile import VolumeBook, reconcile
+from weightcache.csi.telemetry import ObserveCompile, PodEvent
 from weightcache.errors import ConfigError, StoreError
 from weightcache.fetch_queue import FetchQueue
 from weightcache.memory import MemoryTier
@@ -58,13 +59,17 @@ async def serve_csi(endpoint: str, *, store: Store, fetches: FetchQueue, node_id
                     tier: MemoryTier | None = None,
                     observe: Callable[[str, float, str], None] | None = None,
                     observe_stage: Callable[[str, float, str], None] | None = None,
-                    engine_limits: engine_cache.EngineCacheLimits | None = None) -> grpc.aio.Server:
+                    engine_limits: engine_cache.EngineCacheLimits | None = None,
+                    pod_event: PodEvent | None = None, observe_compile: ObserveCompile | None = None
+                    ) -> grpc.aio.Server:
     """Reconcile leases with the mount table, start serving CSI on `endpoint` and resume filling the streaming
     views a restart interrupted; the caller stops the server.
 
     Models come through `fetches` (the daemon's one fetch queue); `tier` is the daemon's memory tier (None: off):
     volumes with `tier: memory` are made resident in it; `observe(method, seconds, code)` hears every call;
-    `observe_stage(stage, seconds, cache)` each published model volume's cold-start stages;
+    `observe_stage(stage, seconds, cache)` each pod's cold-start stages, `pod_event` writes them as Events on the
+    pod (must not block), `observe_compile(engine, result)` hears each pod's compile-cache result
+    (csi/telemetry.py);
     `engine_limits`: the bounds and budgets of pods' engine caches (docs/engine-caches.md)."""
     if not node_id:
         raise ConfigError("the CSI node id is empty; set NODE_NAME (from the pod's spec.nodeName) or --node-name")
@@ -79,7 +84,8 @@ async def serve_csi(endpoint: str, *, store: Store, fetches: FetchQueue, node_id
     csi_pb2_grpc.add_IdentityServicer_to_server(identity, server)  # type: ignore[no-untyped-call]
     node = NodeServicer(store, fetches, node_id=node_id, authority=authority, kubelet_dir=kubelet_dir,
                         publish_timeout=publish_timeout, book=book, tier=tier, pool=pool, observe=observe,
-                        observe_stage=observe_stage, engine_limits=engine_limits)
+                        observe_stage=observe_stage, engine_limits=engine_limits, pod_event=pod_event,
+                        observe_compile=observe_compile)
     csi_pb2_grpc.add_NodeServicer_to_server(node, server)  # type: ignore[no-untyped-call]
     claim_socket_path(path, change="--csi-endpoint")  # kubelet reconnects to the new socket
     server.add_insecure_port(f"unix://{path}")

@@ -9,9 +9,11 @@ call them from a thread.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
 
 from weightcache.daemon.node import Node
 from weightcache.daemon.reconcile import Want
@@ -19,7 +21,12 @@ from weightcache.errors import WeightcacheError
 from weightcache.settings import node_name
 from weightcache.vocabulary import STARTUP_TAINT, STARTUP_TAINT_EFFECT
 
+if TYPE_CHECKING:
+    from weightcache.csi.telemetry import Pod
+
 log = logging.getLogger(__name__)
+
+MAX_PENDING_EVENTS = 1024  # pod Events waiting for the API server; past this a new one is logged and dropped
 
 
 class Cluster:
@@ -37,12 +44,17 @@ class Cluster:
         self._node: dict[str, Any] = {}  # the Node as read by the last `desired()` call (JSON)
         self.started = time.time()  # the startup taint's clock when the Node carries no creationTimestamp
         self._invalid: dict[str, str] = {}  # ModelCache name -> error already reported as an Event
+        # pods' Events are written on a thread of their own: a slow API server never holds up CSI calls
+        self._events = ThreadPoolExecutor(1, thread_name_prefix="wc-pod-events")
+        self._events_lock = threading.Lock()
+        self._events_pending = 0
 
     def start(self) -> None:
         self.watcher.start()
 
     def stop(self) -> None:
         self.watcher.stop()
+        self._events.shutdown(wait=False, cancel_futures=True)
         try:
             self.reporter.close()
         except WeightcacheError as exc:
@@ -72,6 +84,27 @@ class Cluster:
         from weightcache.kube.taint import remove_taint
 
         return remove_taint(self.api_client, self.node_name, STARTUP_TAINT, STARTUP_TAINT_EFFECT)
+
+    def pod_event(self, pod: Pod, reason: str, message: str, type: str) -> None:
+        """Queue an Event on `pod` (the CSI plugin's hook: never blocks)."""
+        with self._events_lock:
+            if self._events_pending >= MAX_PENDING_EVENTS:
+                log.warning("Event %s on pod %s dropped: %d Events wait for the API server", reason, pod,
+                            self._events_pending)
+                return
+            self._events_pending += 1
+
+        def write() -> None:
+            try:
+                self.reporter.pod_event(pod.namespace, pod.name, pod.uid, reason, message, type)
+            finally:
+                with self._events_lock:
+                    self._events_pending -= 1
+        try:
+            self._events.submit(write)
+        except RuntimeError:  # stopping
+            with self._events_lock:
+                self._events_pending -= 1
 
     def node_event(self, reason: str, message: str, type: str) -> None:
         self.reporter.node_event(reason, message, type, uid=(self._node.get("metadata") or {}).get("uid"))
@@ -159,4 +192,6 @@ async def serve_csi(node: Node) -> Any:
     return await serve(s.csi_endpoint or "", store=node.store, fetches=node.fetches, node_id=node_name(s.node_name),
                        authority=node.authority, kubelet_dir=s.kubelet_dir, tier=node.tier,
                        observe=node.metrics.observe_csi,
-                       observe_stage=node.metrics.observe_stage, engine_limits=s.engine_limits)
+                       observe_stage=node.metrics.observe_stage, engine_limits=s.engine_limits,
+                       pod_event=node.cluster.pod_event if node.cluster is not None else None,
+                       observe_compile=node.metrics.observe_compile)

@@ -16,7 +16,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from weightcache import __version__
-from weightcache.vocabulary import STAGE_MODEL_ON_NODE, STAGE_VOLUME_PUBLISHED, STARTUP_TAINT
+from weightcache.vocabulary import (
+    COMPILE_RESULTS,
+    ENGINE_STAGES,
+    STAGE_MODEL_ON_NODE,
+    STAGE_VOLUME_PUBLISHED,
+    STARTUP_TAINT,
+)
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +65,17 @@ class Metrics:
             buckets=(5, 10, 30, 60, 120, 300, 600, 900, 1200, 1800, 3600, 7200), registry=r)
         self.csi_seconds = Histogram("weightcache_csi_request_duration_seconds", "CSI calls, by method, whatever "
                                      "their outcome", ["method"], buckets=CSI_BUCKETS, registry=r)
-        # pods are not labels (unbounded): the publish log line names each pod with its stages
+        # pods are not labels (unbounded): the Events on each pod and the publish log line name it with its stages
         self.stage_seconds = Histogram(
-            "weightcache_coldstart_stage_seconds", f"Per published model volume, from kubelet's first "
-            f"NodePublishVolume for it (retries included) to: {STAGE_MODEL_ON_NODE} (the model on the node) and "
-            f"{STAGE_VOLUME_PUBLISHED} (the volume mounted); cache: hit or miss (docs/operations.md)",
-            ["stage", "cache"], buckets=STAGE_BUCKETS, registry=r)
+            "weightcache_coldstart_stage_seconds", f"Per pod, from kubelet's first NodePublishVolume of its "
+            f"volumes (retries included) to: {STAGE_MODEL_ON_NODE} (the model on the node), "
+            f"{STAGE_VOLUME_PUBLISHED} (the volume mounted) and what its engine reports: "
+            f"{', '.join(ENGINE_STAGES)}; cache: whether its model was on the node, hit or miss "
+            "(docs/telemetry.md)", ["stage", "cache"], buckets=STAGE_BUCKETS, registry=r)
+        self.engine_cache_results = Counter(
+            "weightcache_engine_cache_results", f"What each pod's engine did with the compile cache it was handed, "
+            f"by engine name and result: {', '.join(COMPILE_RESULTS)} (docs/engine-caches.md)",
+            ["engine", "result"], registry=r)
         self.csi_errors = Counter("weightcache_csi_errors", "CSI calls that answered an error, by gRPC code",
                                   ["method", "code"], registry=r)
         Gauge("weightcache_build_info", "Always 1; the labels say what runs", ["version", "python"],
@@ -79,6 +90,10 @@ class Metrics:
     def observe_stage(self, stage: str, seconds: float, cache: str) -> None:
         """One cold-start stage of a published volume (the CSI plugin's hook): `cache` is hit or miss."""
         self.stage_seconds.labels(stage, cache).observe(seconds)
+
+    def observe_compile(self, engine: str, result: str) -> None:
+        """One pod's compile-cache result (the CSI plugin's hook, from the pod's engine report)."""
+        self.engine_cache_results.labels(engine, result).inc()
 
     def watch(self, sample: Callable[[], Sample]) -> None:
         """Export the SAMPLED metrics, computed by `sample` at each scrape."""

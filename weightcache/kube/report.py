@@ -55,6 +55,9 @@ log = logging.getLogger(__name__)
 Phase = Literal["Pending", "Fetching", "Ready", "Failed"]
 PHASES: tuple[str, ...] = ("Pending", "Fetching", "Ready", "Failed")
 MERGE_PATCH = "application/merge-patch+json"
+MAX_EVENT_NAMES = 4096  # Events whose count is remembered (repeats bump it); the oldest is forgotten past this
+
+
 def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -315,19 +318,31 @@ class NodeReporter:
         """Record a core/v1 Event about this Node (cluster-scoped: in `namespace_for_events`, as kubelet's are)."""
         self._record({"apiVersion": "v1", "kind": "Node", "name": self.node_name, "uid": uid}, reason, message, type)
 
-    def _record(self, involved: dict[str, Any], reason: str, message: str, type: str) -> None:
+    def pod_event(self, namespace: str, name: str, uid: str, reason: str, message: str,
+                  type: str = "Normal") -> None:
+        """Record a core/v1 Event about a pod on this node, in the pod's namespace (its cold-start stages and its
+        engine's compile-cache result: docs/telemetry.md). deploy/daemonset/node-policy.yaml lets the daemon write
+        only Events that name its own node as their source."""
+        self._record({"apiVersion": "v1", "kind": "Pod", "name": name, "namespace": namespace, "uid": uid}, reason,
+                     message, type, namespace=namespace)
+
+    def _record(self, involved: dict[str, Any], reason: str, message: str, type: str, *,
+                namespace: str | None = None) -> None:
         what = f"{involved['kind']} {involved['name']}"
+        events_ns = namespace or self.namespace_for_events
         message = redact(message, limit=MESSAGE_MAX)
         digest = hashlib.sha256(f"{self.node_name}\0{reason}\0{message}".encode()).hexdigest()[:16]
-        name = f"{involved['name']}.{digest}"
+        name = f"{involved['name'][:230]}.{digest}"  # pod names run to 253 characters; an Event's must fit too
         now = _now()
         with self._lock:
             count = self._event_counts.get(name, 0) + 1
+            if count == 1 and len(self._event_counts) >= MAX_EVENT_NAMES:  # every pod adds some: keep the newest
+                del self._event_counts[next(iter(self._event_counts))]
             self._event_counts[name] = count
         try:
             if count > 1:
                 try:
-                    self._core.patch_namespaced_event(name, self.namespace_for_events,
+                    self._core.patch_namespaced_event(name, events_ns,
                                                       {"count": count, "lastTimestamp": now}, _content_type=MERGE_PATCH)
                     return
                 except ApiException as exc:
@@ -336,7 +351,7 @@ class NodeReporter:
             body = {
                 "apiVersion": "v1",
                 "kind": "Event",
-                "metadata": {"name": name, "namespace": self.namespace_for_events},
+                "metadata": {"name": name, "namespace": events_ns},
                 "involvedObject": {k: v for k, v in involved.items() if v},
                 "reason": reason,
                 "message": message,
@@ -349,11 +364,11 @@ class NodeReporter:
                 "count": 1,
             }
             try:
-                self._core.create_namespaced_event(self.namespace_for_events, body)
+                self._core.create_namespaced_event(events_ns, body)
             except ApiException as exc:
                 if exc.status != 409:
                     raise
-                self._core.patch_namespaced_event(name, self.namespace_for_events,
+                self._core.patch_namespaced_event(name, events_ns,
                                                   {"count": count + 1, "lastTimestamp": now}, _content_type=MERGE_PATCH)
         except ApiException as exc:  # Events are best effort: never fail a reconcile because of one
             log.warning("recording Event %s on %s failed: HTTP %s %s", reason, what, exc.status, exc.reason)

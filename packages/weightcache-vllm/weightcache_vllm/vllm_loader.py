@@ -44,6 +44,7 @@ from weightcache.loader import (
 )
 from weightcache.safetensors_check import parse_header
 from weightcache.vocabulary import STREAM_STATE
+from weightcache_vllm import telemetry
 from weightcache_vllm.options import LOAD_FORMAT, Options, parse_options, weights_wanted
 
 # under "vllm.": vLLM's handler and format, in every process (a logger outside that tree prints nothing)
@@ -163,6 +164,7 @@ class WeightcacheModelLoader(BaseModelLoader):
         if directory is None:
             _report({"pid": os.getpid(), "fallback": True, "model": str(model_config.model)})
             self._default().load_weights(model, model_config)
+            telemetry.weights_loaded(_current_config())
             return
         started = time.perf_counter()
         tied = bool(getattr(model_config.hf_text_config, "tie_word_embeddings", False))
@@ -197,6 +199,14 @@ class WeightcacheModelLoader(BaseModelLoader):
                  directory, seconds)
         _report({"pid": os.getpid(), "fallback": False, "directory": str(directory), "seconds": round(seconds, 4),
                  "streaming": streaming, **stats})
+        telemetry.weights_loaded(_current_config())
+
+
+def _current_config() -> Any:
+    """The VllmConfig vLLM loads this model under (set around model loading), for the compile key; None outside."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    return get_current_vllm_config_or_none()
 
 
 def register_loader() -> None:
