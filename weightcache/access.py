@@ -29,6 +29,7 @@ from typing import Any
 from weightcache.defaults import KUBELET_DIR
 from weightcache.errors import NotAllowedError
 from weightcache.policy import decide, file_source_problem
+from weightcache.signatures import SignaturePolicy, policy_from_spec
 from weightcache.uri import ModelRef, canonical_uri
 from weightcache.vocabulary import CONTROLLER, MANAGED_BY
 
@@ -49,20 +50,25 @@ ADMIN = Requester(None)
 
 
 class Grant:
-    """A decision that let `who` have the files `ref` selects, and why. Only `Authority.authorize` makes one."""
+    """A decision that let `who` have the files `ref` selects, and why. Only `Authority.authorize` makes one.
+    `signatures`: who must have signed those files (every policy holds; weightcache/signatures.py): the
+    request's own and those of the ModelCaches that declare the model; the fetch engine checks them before it
+    publishes or hands over a snapshot."""
 
-    __slots__ = ("reason", "ref", "who")
+    __slots__ = ("reason", "ref", "signatures", "who")
     ref: ModelRef
     who: Requester
     reason: str
+    signatures: tuple[SignaturePolicy, ...]
 
     def __init__(self, *_: object, **__: object) -> None:
         raise TypeError("a Grant comes only from weightcache.access.Authority.authorize: every door asks first")
 
     @classmethod
-    def _issue(cls, ref: ModelRef, who: Requester, reason: str) -> Grant:
+    def _issue(cls, ref: ModelRef, who: Requester, reason: str,
+               signatures: tuple[SignaturePolicy, ...] = ()) -> Grant:
         grant = object.__new__(cls)
-        for name, value in (("ref", ref), ("who", who), ("reason", reason)):
+        for name, value in (("ref", ref), ("who", who), ("reason", reason), ("signatures", signatures)):
             object.__setattr__(grant, name, value)
         return grant
 
@@ -95,17 +101,31 @@ class Authority:
     forbidden_paths: Sequence[str | Path] = ()
     declared: Callable[[], Iterable[ModelRef]] = tuple
 
-    def authorize(self, ref: ModelRef, who: Requester) -> Grant:
-        """The one decision: a Grant for `ref`'s files to `who`, or NotAllowedError saying what to ask for."""
+    def authorize(self, ref: ModelRef, who: Requester, *, signed_by: SignaturePolicy | None = None) -> Grant:
+        """The one decision: a Grant for `ref`'s files to `who`, or NotAllowedError saying what to ask for.
+        `signed_by`: the request's own signature requirement (`prefetch --signed-by`), beside the ModelCaches'."""
         if ref.scheme == "file" and (problem := file_source_problem(ref, self.forbidden_paths)):
             raise NotAllowedError(problem)
+        signatures = (*((signed_by,) if signed_by is not None else ()), *self._signatures(ref))
         if who.namespace is None:
-            return Grant._issue(ref, who, self._admin_reason(ref))
+            return Grant._issue(ref, who, self._admin_reason(ref), signatures)
         decision = decide(ref, who.namespace, self._grants(), allow_undeclared=self.allow_undeclared(),
                           forbidden_paths=self.forbidden_paths)
         if not decision.allowed:
             raise NotAllowedError(decision.reason)
-        return Grant._issue(ref, who, decision.reason)
+        return Grant._issue(ref, who, decision.reason, signatures)
+
+    def _signatures(self, ref: ModelRef) -> tuple[SignaturePolicy, ...]:
+        """The signature requirements of every admin-written ModelCache that declares `ref`'s source: a model one
+        of them says must be signed is checked whoever asks for it (a pod, demand, another ModelCache)."""
+        found = []
+        for mc in self.model_caches():
+            spec = mc.get("spec") or {}
+            if isinstance(spec, Mapping) and spec.get("signature") is not None and admin_written(mc) \
+                    and _source(mc) == ref.uri:
+                name = (mc.get("metadata") or {}).get("name", "?")
+                found.append(policy_from_spec(spec["signature"], source=f"ModelCache {name}"))
+        return tuple(found)
 
     def authorize_any(self, ref: ModelRef, namespaces: Iterable[str]) -> Grant:
         """Demand made for pods of several namespaces (placement): granted when one of them may have it."""

@@ -182,7 +182,7 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
         return prefetch_cluster(api, ref, name=args.name, node_selector=selector, tier=args.tier,
                                 allowed_namespaces=args.allow_namespace, wait=args.wait, timeout=args.timeout,
                                 out=sys.stdout, json_lines=args.output == "json" or not sys.stdout.isatty(),
-                                size_bytes=_selected_bytes(args, ref))
+                                size_bytes=_selected_bytes(args, ref), signature=_signature_spec(args))
     cache = _cache(args)
     if args.dry_run:
         return _dry_run(args, ref, cache)
@@ -248,7 +248,7 @@ def _prefetch_through(client: DaemonClient, ref: ModelRef, args: argparse.Namesp
 
     try:
         return client.ensure(ref.uri, revision=ref.revision, include=list(ref.include), exclude=list(ref.exclude),
-                             tier=args.tier, pin=args.pin, on_progress=on_progress)
+                             tier=args.tier, pin=args.pin, signature=_signature_spec(args), on_progress=on_progress)
     except KeyboardInterrupt:
         if kept:
             raise _Stopped(f"stopped waiting; the daemon goes on fetching {ref} for another client, a pod or a "
@@ -263,13 +263,16 @@ def _prefetch_here(ref: ModelRef, args: argparse.Namespace, printer: ProgressPri
     from weightcache.access import ADMIN, node_admin
     from weightcache.daemon.listing import snapshot_body
     from weightcache.settings import flags_from, load_fetch_settings
+    from weightcache.signatures import parse_policy
 
     store = _store(args, budget=args.disk_budget)
     cancel = threading.Event()
     # the daemon's fetch settings (WEIGHTCACHE_CONFIG, WEIGHTCACHE_CONCURRENCY, ...), the flags over them
     fetcher = load_fetch_settings(flags=flags_from(args)).fetcher(store, ref, cancel=cancel)
+    spec = _signature_spec(args)
+    signed_by = None if spec is None else parse_policy(spec, source="--signed-by")
     try:
-        snap = fetcher.ensure(node_admin(store.root).authorize(ref, ADMIN), progress=printer)
+        snap = fetcher.ensure(node_admin(store.root).authorize(ref, ADMIN, signed_by=signed_by), progress=printer)
     except KeyboardInterrupt:
         cancel.set()
         fetcher.close()
@@ -278,6 +281,29 @@ def _prefetch_here(ref: ModelRef, args: argparse.Namespace, printer: ProgressPri
     if args.pin:
         store.pin(snap.id)
     return dict(snapshot_body(snap))
+
+
+def _signature_spec(args: argparse.Namespace) -> dict[str, Any] | None:
+    """`--signed-by KEY.pub`, `--signed-by-ca CA.pem`, `--certificate-identity`, `--allow-unsigned` as the
+    `spec.signature` a ModelCache would carry (docs/signing.md); None when none is given. The files are read here,
+    by the user who named them; the daemon gets their contents."""
+    keys, cas = args.signed_by, args.signed_by_ca
+    if not keys and not cas and not args.certificate_identity and not args.allow_unsigned:
+        return None
+    from weightcache.signatures import parse_policy
+
+    texts = {}
+    for path in (*keys, *cas):
+        try:
+            with open(path, "rb") as f:
+                data = f.read(1 << 20)
+            texts[path] = data.decode()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"--signed-by: cannot read {path}: {exc}") from None
+    spec = {"publicKeys": [texts[p] for p in keys], "caCertificates": [texts[p] for p in cas],
+            "certificateIdentities": list(args.certificate_identity), "allowUnsigned": args.allow_unsigned}
+    parse_policy(spec, source="--signed-by")  # a bad key file is exit 2 here, before anything is asked of anyone
+    return spec
 
 
 def _selected_bytes(args: argparse.Namespace, ref: ModelRef) -> int | None:
@@ -394,7 +420,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         result = cache.verify(entry["id"], repair=args.repair)
         if not result["damaged"]:
             _say(args, f"ok       {result['uri']} {entry['id'][:12]} ({result['files']} files"
-                       f"{_checks_text(result.get('source_checks'))})")
+                       f"{_checks_text(result.get('source_checks'))}{_signature_text(result.get('signature'))})")
             continue
         print(f"DAMAGED  {result['uri']} {entry['id'][:12]}: {', '.join(result['damaged'])}")
         for fixed in result["repaired"]:
@@ -413,6 +439,16 @@ def _checks_text(checks: object) -> str:
     for check in checks.values():
         counts[str(check)] = counts.get(str(check), 0) + 1
     return "; checked against the source by " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+
+
+def _signature_text(signature: object) -> str:
+    """`; signed by key sha256:ab12... (model.sig 9f3e...)` for verify's line ("" when none was asked for)."""
+    if not isinstance(signature, dict) or not signature:
+        return ""
+    if signature.get("method") == "unsigned":
+        return "; unsigned (allowed)"
+    return (f"; signed by {signature.get('method')} {str(signature.get('signer'))[:80]} "
+            f"(model.sig {str(signature.get('bundle_sha256'))[:12]})")
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -656,6 +692,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pin", action="store_true", help="never evict this model")
     p.add_argument("--dry-run", action="store_true", help="list what would be fetched (files, sizes) and what "
                                                           "is already cached; download nothing")
+    p.add_argument("--signed-by", action="append", default=[], metavar="KEY.pub",
+                   help="require a model.sig signed by this EC public key (repeat: any one of them); a missing or "
+                        "failed signature is exit 7 and nothing is published (docs/signing.md)")
+    p.add_argument("--signed-by-ca", action="append", default=[], metavar="CA.pem",
+                   help="require a model.sig signed with a certificate that chains to this CA certificate")
+    p.add_argument("--certificate-identity", action="append", default=[], metavar="ID",
+                   help="with --signed-by-ca: the signing certificate's email, URI or DNS name must be one of these")
+    p.add_argument("--allow-unsigned", action="store_true",
+                   help="with --signed-by: a model without model.sig is published (recorded unsigned)")
     p.add_argument("--cluster", action="store_true", help="declare a ModelCache so matching nodes prefetch it")
     p.add_argument("--node-selector", action="append", default=[], metavar="K=V")
     p.add_argument("--allow-namespace", action="append", default=[], metavar="NS",

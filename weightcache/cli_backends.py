@@ -152,7 +152,8 @@ class StoreCache:
                 except WeightcacheError as exc:
                     raise repair_failed(exc, snapshot_id, text) from exc
         return {"id": snapshot_id, "uri": snapshot.uri, "files": len(snapshot.files), "damaged": damaged,
-                "repaired": repaired, "source_checks": store.source_checks(snapshot_id)}
+                "repaired": repaired, "source_checks": store.source_checks(snapshot_id),
+                "signature": store.signature(snapshot_id)}
 
     def _source_answers(self, ref: ModelRef) -> None:
         """List the source before a repair drops anything: where it cannot be read (gone, no credentials, down),

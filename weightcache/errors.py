@@ -6,8 +6,8 @@ gRPC code (CSI). Boundaries call `answer_for(exc)`; anything that is not a Weigh
 wherever it is defined, declares its own answer, and that docs/errors.md (the table for operators) agrees.
 
 Exit codes: 0 ok, 1 unexpected, 2 bad input, 3 not cached / not found, 4 in use, 5 no space, 6 object store or
-Kubernetes API failure, 7 integrity failure, 8 refused by policy, 9 still in progress elsewhere (retry), 130
-interrupted (partial downloads are kept).
+Kubernetes API failure, 7 integrity failure (a missing or failed signature too), 8 refused by policy, 9 still in
+progress elsewhere (retry), 130 interrupted (partial downloads are kept).
 
 Domain errors also subclass the builtin they resemble (ValueError, PermissionError, ...), so callers that only know
 the builtin still catch them; store errors are deliberately not OSErrors, so an `except OSError` around file work
@@ -91,6 +91,11 @@ class RetriesExceededError(SourceError):
 class IntegrityError(WeightcacheError, ValueError):
     """Downloaded bytes do not match the checksum the source or a sidecar declares."""
     answer = Answer(7, 502, "UNAVAILABLE")
+
+
+class SignatureError(IntegrityError):
+    """A model that must be signed has no model.sig, or one that does not verify or does not match its files."""
+    answer = Answer(7, 422, "FAILED_PRECONDITION")
 
 
 class StoreError(WeightcacheError):

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from weightcache.access import Grant, require_grant
+from weightcache.errors import NotCachedError
 from weightcache.fetch import DurableFile, FetchCancelledError
 from weightcache.progress import Progress
 from weightcache.store import Snapshot
@@ -163,7 +164,15 @@ class FetchQueue:
         if on_file is not None:
             job.subscribe(on_file)
         try:
-            return await asyncio.shield(job.future)
+            snapshot = await asyncio.shield(job.future)
+            if grant.signatures == job.grant.signatures:
+                return snapshot
+            # joined a fetch run under another caller's grant: this caller's signature requirements are checked
+            # on what it published (Fetcher.lookup: SignatureError when model.sig does not satisfy them)
+            checked = await self.lookup(grant)
+            if checked is None:
+                raise NotCachedError(f"{grant.ref} was evicted as soon as it was published; ask for it again")
+            return checked
         finally:
             job.waiters -= 1
             if progress is not None:

@@ -54,6 +54,7 @@ from weightcache.jsonbody import parse_json
 from weightcache.listener import install_log_rate_limits
 from weightcache.progress import Progress
 from weightcache.redact import redact
+from weightcache.signatures import SignaturePolicy, parse_policy
 from weightcache.store import Snapshot, SnapshotInfo, collect, drop_damaged, verify_snapshot
 from weightcache.store.holders import describe_holder
 from weightcache.unixsock import SocketAccess, peer_of
@@ -84,6 +85,7 @@ class EnsureRequest:
     tier: str
     pin: bool
     namespace: str | None
+    signature: SignaturePolicy | None = None  # the request's own requirement, beside the ModelCaches' (signatures.py)
 
 
 def error_body(exc: BaseException) -> ErrorBody:
@@ -96,10 +98,10 @@ def parse_ensure(body: Any) -> EnsureRequest:
     """Validate an ensure body; raises InvalidReferenceError naming the field."""
     if not isinstance(body, dict) or not isinstance(body.get("uri"), str):
         raise errors.InvalidReferenceError('body must be JSON like {"uri": "s3://models/llama-3-8b/"}')
-    unknown = set(body) - {"uri", "revision", "include", "exclude", "tier", "pin", "namespace"}
+    unknown = set(body) - {"uri", "revision", "include", "exclude", "tier", "pin", "namespace", "signature"}
     if unknown:
         raise errors.InvalidReferenceError(f"unknown fields {sorted(unknown)}; known: uri, revision, include, "
-                                           "exclude, tier, pin, namespace")
+                                           "exclude, tier, pin, namespace, signature")
     globs = [body.get("include") or [], body.get("exclude") or []]
     if not all(isinstance(g, list) and all(isinstance(x, str) for x in g) for g in globs):
         raise errors.InvalidReferenceError('include and exclude are lists of globs, like ["*.safetensors"]')
@@ -109,7 +111,9 @@ def parse_ensure(body: Any) -> EnsureRequest:
         raise errors.InvalidReferenceError(f"tier must be disk or memory, not {tier!r}")
     if not isinstance(body.get("pin", False), bool):
         raise errors.InvalidReferenceError("pin must be true or false")
-    return EnsureRequest(ref, tier, body.get("pin", False), _opt_str(body, "namespace"))
+    signature = None if body.get("signature") is None else \
+        parse_policy(body["signature"], source="the request's signature")  # ConfigError: 400
+    return EnsureRequest(ref, tier, body.get("pin", False), _opt_str(body, "namespace"), signature)
 
 
 def _opt_str(body: dict[str, Any], key: str) -> str | None:
@@ -185,7 +189,7 @@ async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
 async def ensure(request: web.Request) -> web.StreamResponse:
     node = request.app[NODE]
     req = parse_ensure(await _json(request))
-    grant = node.authorize(req.ref, req.namespace)  # the one decision (weightcache/access.py)
+    grant = node.authorize(req.ref, req.namespace, signed_by=req.signature)  # the one decision (access.py)
     node.check_tier(req.tier)
     if request.query.get("wait") in ("1", "true"):
         return await _ensure_stream(request, node, req, grant)
@@ -353,8 +357,9 @@ async def verify_model(request: web.Request) -> web.Response:
             repaired.append({"ref": text, "snapshot": fresh.id})
         STATES.clear(sid)
     checks = await asyncio.to_thread(node.store.source_checks, sid)
+    signature = await asyncio.to_thread(node.store.signature, sid)
     return web.json_response({"id": sid, "uri": snapshot.uri, "files": len(snapshot.files), "damaged": damaged,
-                              "repaired": repaired, "source_checks": checks})
+                              "repaired": repaired, "source_checks": checks, "signature": signature})
 
 
 async def evict_to(request: web.Request) -> web.Response:

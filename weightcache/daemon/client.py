@@ -105,12 +105,16 @@ class DaemonClient:
         exclude: tuple[str, ...] | list[str] = (),
         tier: str = "disk",
         pin: bool = False,
+        signature: dict[str, Any] | None = None,
         on_progress: Callable[[ProgressWire], None] | None = None,
     ) -> dict[str, Any]:
         """Ensure a model and wait for it; `on_progress` hears each progress line as it came, in the one wire form
-        (`Progress.from_wire` makes it the value again). Returns the snapshot dict."""
-        body = {"uri": uri, "revision": revision, "include": list(include), "exclude": list(exclude),
-                "tier": tier, "pin": pin}
+        (`Progress.from_wire` makes it the value again). `signature`: a requirement in the shape of a ModelCache's
+        `spec.signature` (docs/signing.md). Returns the snapshot dict."""
+        body: dict[str, Any] = {"uri": uri, "revision": revision, "include": list(include), "exclude": list(exclude),
+                                "tier": tier, "pin": pin}
+        if signature is not None:  # only when asked: a daemon before signatures refuses the unknown field
+            body["signature"] = signature
         conn = self._connect()
         try:
             conn.request("PUT", "/v1/models?wait=1", json.dumps(body), {"Content-Type": "application/json"})

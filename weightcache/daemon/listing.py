@@ -32,6 +32,7 @@ class InfoBody(SnapshotBody):
     leases: list[str]
     unique_bytes: int
     source_checks: dict[str, int]  # files per what verified them against the source (docs/fetch.md)
+    signature: dict[str, str | int]  # what verified its model.sig (docs/signing.md); {} when none was asked for
 
 
 def snapshot_body(s: Snapshot) -> SnapshotBody:
@@ -44,7 +45,7 @@ def info_body(i: SnapshotInfo) -> InfoBody:
     """A listed snapshot as `GET /v1/models` and `weightcache ls` show it, whichever way the CLI went."""
     return {**snapshot_body(i.snapshot), "refs": list(i.refs), "last_used": i.last_used,
             "pinned": i.pinned, "leases": list(i.leases), "unique_bytes": i.unique_bytes,
-            "source_checks": dict(i.source_checks)}
+            "source_checks": dict(i.source_checks), "signature": dict(i.signature)}
 
 
 class Listing:

@@ -24,6 +24,7 @@ from weightcache.errors import ConfigError, WeightcacheError
 from weightcache.fetch import DurableFile, Fetcher
 from weightcache.fetch_queue import FetchQueue
 from weightcache.progress import Progress
+from weightcache.signatures import SignaturePolicy
 from weightcache.store import Snapshot, Store, quarantine_usage
 from weightcache.uri import ModelRef
 
@@ -173,9 +174,10 @@ class Node:
                          forbidden_paths=(self.settings.kubelet_dir, self.settings.root),
                          declared=lambda: [m.ref for m in self.settings.models])
 
-    def authorize(self, ref: ModelRef, namespace: str | None) -> Grant:
-        """A namespace's request, or (None) an admin's on the node: the one decision, or NotAllowedError."""
-        return self.authority.authorize(ref, ADMIN if namespace is None else Requester(namespace))
+    def authorize(self, ref: ModelRef, namespace: str | None, *, signed_by: SignaturePolicy | None = None) -> Grant:
+        """A namespace's request, or (None) an admin's on the node: the one decision, or NotAllowedError.
+        `signed_by`: the request's own signature requirement (weightcache/signatures.py)."""
+        return self.authority.authorize(ref, ADMIN if namespace is None else Requester(namespace), signed_by=signed_by)
 
     def ready(self) -> dict[str, bool]:
         checks = {"store": self.store_ready}

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from weightcache import defaults
 from weightcache.access import Grant, require_grant
 from weightcache.errors import FetchCancelledError, ObjectChangedError
+from weightcache.fetch import signed
 from weightcache.fetch.handover import DurableFile, HandOver
 from weightcache.fetch.items import Item, serve_partials
 from weightcache.fetch.plan import Planner, check_revision, open_parts, peer_digests, range_size
@@ -29,6 +30,7 @@ from weightcache.fetch.publish import publish
 from weightcache.fetch.report import Reporter
 from weightcache.fetch.transfer import Transfer
 from weightcache.progress import Progress, read_progress_file
+from weightcache.signatures import SignaturePolicy
 from weightcache.sources import Source, SourceOptions
 from weightcache.store import BlobMissingError, Snapshot, Store, validate_tree
 from weightcache.units import fmt_bytes
@@ -73,6 +75,7 @@ class Fetcher:
         self._stats_lock = threading.Lock()
         self.stats: dict[str, int] = {"hits": 0, "misses": 0, "origin_bytes": 0, "peer_bytes": 0,
                                       "fetches_in_flight": 0}
+        self._signature_checked: set[tuple[str, tuple[SignaturePolicy, ...]]] = set()
         self._planner = Planner(store, peers=peers, require_source_checksum=require_source_checksum)
 
     # -- public -------------------------------------------------------------------------------------------------
@@ -91,30 +94,48 @@ class Fetcher:
         handover = HandOver(on_file, self.store) if on_file is not None else None
         snap = None if looked_up else self.store.lookup(ref)
         if snap is not None and self._still_named(ref, snap):
-            return self._hit(snap, handover)
+            return self._hit(grant, snap, handover)
         moved = snap.id if snap is not None else None  # the snapshot a moved tag no longer names
         lock_fd = self._acquire(ref, progress)
         try:
             snap = self.store.lookup(ref)
             if snap is not None and snap.id != moved and (moved is not None or self._still_named(ref, snap)):
-                return self._hit(snap, handover)
+                return self._hit(grant, snap, handover)
             self._count("misses")
             self._count("fetches_in_flight")
             try:
-                return self._fetch(ref, progress, handover)
+                if handover is not None and grant.signatures:
+                    # nothing reaches a pod before model.sig verified the whole model: handed over once published
+                    return handover.snapshot(self._fetch(grant, progress))
+                return self._fetch(grant, progress, handover)
             finally:
                 self._count("fetches_in_flight", -1)
         finally:
             os.close(lock_fd)
 
-    def _hit(self, snap: Snapshot, handover: HandOver | None) -> Snapshot:
+    def _hit(self, grant: Grant, snap: Snapshot, handover: HandOver | None) -> Snapshot:
         self._count("hits")
+        snap = self._signed(grant, snap)
         return handover.snapshot(snap) if handover is not None else snap
 
     def lookup(self, grant: Grant) -> Snapshot | None:
-        """The cached snapshot of the granted files, or None (the store serves no file the grant leaves out)."""
+        """The cached snapshot of the granted files, or None (the store serves no file the grant leaves out);
+        SignatureError when its model.sig does not satisfy the grant's signature requirements."""
         snap = self.store.lookup(grant.ref)
-        return snap if snap is None or self._still_named(grant.ref, snap) else None
+        return self._signed(grant, snap) if snap is not None and self._still_named(grant.ref, snap) else None
+
+    def _signed(self, grant: Grant, snap: Snapshot) -> Snapshot:
+        """`snap` once its model.sig satisfies the grant's signature requirements (signed.py): a snapshot published
+        for a request that asked none is checked here, and what verified it added to its manifest. Remembered
+        per snapshot and requirement, so a CSI publish of a checked model costs a dict lookup."""
+        key = (snap.id, grant.signatures)
+        if grant.signatures and key not in self._signature_checked:
+            record = signed.check(grant, self.store, snap.files)
+            if record is not None:
+                self.store.record_signature(snap.id, record.to_json())
+            with self._stats_lock:
+                self._signature_checked.add(key)
+        return snap
 
     def _still_named(self, ref: ModelRef, snap: Snapshot) -> bool:
         """A cache hit stands unless the source moves this reference's revision (MOVABLE: an oci:// tag) and
@@ -159,15 +180,16 @@ class Fetcher:
             self.stats[name] += n
 
     # -- the fetch ----------------------------------------------------------------------------------------------
-    def _fetch(self, ref: ModelRef, progress: Callable[[Progress], None] | None,
+    def _fetch(self, grant: Grant, progress: Callable[[Progress], None] | None,
                handover: HandOver | None = None) -> Snapshot:
+        ref = grant.ref
         reporter = Reporter(ref.uri, self._progress_path(ref), progress)
         reporter.phase("listing")
         source = self._open_source(ref)
         try:
             for attempt in range(1, MAX_RESTARTS + 1):
                 try:
-                    return self._fetch_once(ref, source, reporter, handover)
+                    return self._fetch_once(grant, source, reporter, handover)
                 except (ObjectChangedError, BlobMissingError) as exc:
                     if attempt == MAX_RESTARTS:
                         raise
@@ -190,7 +212,8 @@ class Fetcher:
                                               connect_timeout=self.connect_timeout, read_timeout=self.read_timeout,
                                               cancel=self._closing))
 
-    def _fetch_once(self, ref: ModelRef, source: Source, reporter: Reporter, handover: HandOver | None) -> Snapshot:
+    def _fetch_once(self, grant: Grant, source: Source, reporter: Reporter, handover: HandOver | None) -> Snapshot:
+        ref = grant.ref
         started = time.monotonic()
         # tar layers (oci://): listed as one hidden object each, downloaded and verified like any file, then
         # replaced by their members (sources/oci_tar.py); taken before peers wrap the source
@@ -220,7 +243,7 @@ class Fetcher:
         finally:  # the blobs have their names now (or the fetch failed): peers find one or nothing
             serve_partials(self.peers, todo, False)
         reporter.phase("publishing")
-        snap = publish(ref, self.store, items, downloaded=bool(todo), expand=expand)
+        snap = publish(grant, self.store, items, downloaded=bool(todo), expand=expand)
         secs = time.monotonic() - started
         log.info("fetched %s: %s from origin (%d of %d files, %s already cached) in %.1fs, %.2f GB/s",
                  ref, fmt_bytes(fetched), len(todo), len(items), fmt_bytes(total - fetched), secs,

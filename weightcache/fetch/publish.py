@@ -13,13 +13,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from weightcache.access import Grant
 from weightcache.download import sync_filesystem
 from weightcache.errors import IntegrityError, SafetensorsHeaderError
+from weightcache.fetch import signed
 from weightcache.fetch.handover import HandOver
 from weightcache.fetch.items import Item, partial, serve_partials
 from weightcache.sources import Source
 from weightcache.store import BlobWriter, FileEntry, Snapshot, Store, validate_tree
-from weightcache.uri import ModelRef
 from weightcache.vocabulary import NO_SOURCE_CHECK
 
 if TYPE_CHECKING:
@@ -157,8 +158,9 @@ def keep_verified(store: Store, items: list[Item]) -> None:
         sync_filesystem(store.layout.partial)
 
 
-def publish(ref: ModelRef, store: Store, items: list[Item], *, downloaded: bool, expand: Expand) -> Snapshot:
-    """The snapshot of every listed file (tar layers replaced by their members: `expand`, sources/oci_tar.py).
+def publish(grant: Grant, store: Store, items: list[Item], *, downloaded: bool, expand: Expand) -> Snapshot:
+    """The snapshot of every listed file (tar layers replaced by their members: `expand`, sources/oci_tar.py),
+    once its model.sig satisfies the grant's signature requirements (signed.py: SignatureError, nothing named).
     One syncfs makes the new blobs' bytes and names durable, and those of blobs linked on a checksum alone
     (another fetch may have named them before their bytes synced). The disk works while publish links the
     tree (2,000 small files: ~30 ms of each, overlapped); publish waits for it before the tree is renamed
@@ -167,11 +169,13 @@ def publish(ref: ModelRef, store: Store, items: list[Item], *, downloaded: bool,
     entries = expand(listed, store)  # `listed` itself: none to expand
     if entries is not listed:
         validate_tree(e.path for e in entries)  # members of two layers must not collide, nor with files
+    signature = signed.check(grant, store, entries)
     unsynced = downloaded or entries is not listed or any(i.unsynced_blob for i in items)
     with ThreadPoolExecutor(1, thread_name_prefix="wc-syncfs") as pool:
         synced = pool.submit(sync_filesystem, store.layout.partial) if unsynced else None
-        return store.publish(ref, entries, before_commit=synced.result if synced else None,
-                             checks=_checks_of(items, entries))
+        return store.publish(grant.ref, entries, before_commit=synced.result if synced else None,
+                             checks=_checks_of(items, entries),
+                             signature=signature.to_json() if signature is not None else None)
 
 
 def _checks_of(items: list[Item], entries: list[FileEntry]) -> dict[str, str]:

@@ -40,8 +40,11 @@ def model_cache_name(ref: ModelRef) -> str:
 
 
 def model_cache_body(ref: ModelRef, *, name: str, node_selector: dict[str, str], tier: str,
-                     allowed_namespaces: list[str], size_bytes: int | None = None) -> dict[str, Any]:
+                     allowed_namespaces: list[str], size_bytes: int | None = None,
+                     signature: dict[str, Any] | None = None) -> dict[str, Any]:
     spec: dict[str, Any] = {"source": ref.uri, "tier": tier, "nodeSelector": dict(node_selector)}
+    if signature is not None:  # prefetch --cluster --signed-by: every node checks model.sig (docs/signing.md)
+        spec["signature"] = signature
     if ref.revision:
         spec["revision"] = ref.revision
     if ref.include:
@@ -71,12 +74,13 @@ def prefetch_cluster(
     json_lines: bool,
     poll_interval: float = 2.0,
     size_bytes: int | None = None,
+    signature: dict[str, Any] | None = None,
 ) -> int:
     """Create or update the ModelCache for `ref`; with `wait`, follow every selected node to Ready or Failed.
     `size_bytes` (the selection's total as the source lists it) becomes the annotation `weightcache.io/size-bytes`."""
     custom = kubernetes.client.CustomObjectsApi(api_client)
     body = model_cache_body(ref, name=name or model_cache_name(ref), node_selector=node_selector, tier=tier,
-                            allowed_namespaces=allowed_namespaces, size_bytes=size_bytes)
+                            allowed_namespaces=allowed_namespaces, size_bytes=size_bytes, signature=signature)
     mc, verb = _apply(custom, body)
     mc_name = mc["metadata"]["name"]
     _emit(out, json_lines, {"event": verb, "modelCache": mc_name, "source": str(ref), "nodeSelector": node_selector},

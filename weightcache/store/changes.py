@@ -3,7 +3,8 @@ the DRA ResourceSlice's devices) and redoes the work only when the token moves.
 
     index.db: `PRAGMA data_version` on a read-only connection of the token's own, which changes whenever any other
         connection (the daemon's store, a CLI, the CSI plugin) commits; and index.db's inode (a rebuilt index)
-    leases/ and pins/: their mtimes (leases and pins are files; adding or removing one renames in those dirs)
+    leases/, pins/ and manifests/: their mtimes (leases and pins are files; adding or removing one renames in those
+        dirs; a manifest is rewritten by a rename only to add its signature record, Store.record_signature)
 
 Publishing and evicting a snapshot both commit to the index, so they move the token too. A directory changed
 within the last RACY_S may change again inside the same timestamp tick: `read` returns the newest mtime with the
@@ -44,7 +45,7 @@ class ChangeToken:
                 self._db = sqlite3.connect(f"file:{layout.index}?mode=ro", uri=True, check_same_thread=False)
                 self._inode = inode
             (version,) = self._db.execute("PRAGMA data_version").fetchone()
-            dirs = [os.stat(d).st_mtime_ns for d in (layout.leases, layout.pins)]
+            dirs = [os.stat(d).st_mtime_ns for d in (layout.leases, layout.pins, layout.manifests)]
             return (inode, version, *dirs), max(dirs) / 1e9
 
     def close(self) -> None:

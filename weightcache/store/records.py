@@ -66,6 +66,9 @@ class Manifest:
     # path -> what verified its bytes against the source (vocabulary.SOURCE_CHECKS); a top-level key of its own,
     # which a release before it ignores (its file entries take no unknown field), empty in manifests before it
     checks: Mapping[str, str] = field(default_factory=dict)
+    # what verified its model.sig (signatures.SignatureRecord.to_json), when a signature was asked for: a top-level
+    # key of its own like `checks`, absent otherwise
+    signature: Mapping[str, str | int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,8 @@ def manifest_bytes(m: Manifest) -> bytes:
     fields = {"version": MANIFEST_VERSION, "id": m.id, "uri": m.uri, "revision": m.revision, "created": m.created}
     if m.checks:
         fields["checks"] = dict(sorted(m.checks.items()))
+    if m.signature:
+        fields["signature"] = dict(m.signature)
     head = json.dumps(fields)
     files = b",\n ".join(map(_ENCODE, m.files))
     return b'%s, "files": [\n %s\n]}\n' % (head[:-1].encode(), files)
@@ -120,7 +125,7 @@ def parse_manifest(data: bytes, snapshot_id: str) -> Manifest:
     if snapshot_id_for(files) != snapshot_id:
         raise DamagedRecordError("manifest files do not hash to its snapshot id (edited after publish?)")
     return Manifest(snapshot_id, _string(obj, "uri"), _optional_string(obj, "revision"), float(created), files,
-                    manifest_checks(obj, {f.path for f in files}))
+                    manifest_checks(obj, {f.path for f in files}), manifest_signature(obj))
 
 
 _CHECK_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,31}")
@@ -135,6 +140,20 @@ def manifest_checks(obj: Mapping[str, object], paths: set[str] | None = None) ->
         return {}
     return {k: v for k, v in raw.items() if isinstance(k, str) and isinstance(v, str) and _CHECK_NAME.fullmatch(v)
             and (paths is None or k in paths)}
+
+
+_SIGNATURE_KEYS = {"method": str, "signer": str, "bundle_sha256": str, "files": int}
+
+
+def manifest_signature(obj: Mapping[str, object]) -> dict[str, str | int]:
+    """A manifest's `signature` record, read leniently like `checks` (it describes what verified the snapshot; the
+    fetch engine checks a signature again from model.sig whenever one is asked for): the known fields of the
+    right type and size, or nothing."""
+    raw = obj.get("signature")
+    if not isinstance(raw, dict):
+        return {}
+    return {k: v for k, v in raw.items() if k in _SIGNATURE_KEYS and type(v) is _SIGNATURE_KEYS[k]
+            and isinstance(v, (str, int)) and (not isinstance(v, str) or len(v) <= 512)}
 
 
 def file_entry(value: object) -> FileEntry:

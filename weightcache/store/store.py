@@ -22,9 +22,10 @@ import sqlite3
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from weightcache import defaults
 from weightcache.errors import (
@@ -55,6 +56,7 @@ from weightcache.store.records import (
     lease_bytes,
     manifest_bytes,
     manifest_checks,
+    manifest_signature,
     parse_lease,
     parse_manifest,
     parse_ref,
@@ -117,6 +119,7 @@ class Store:
         self.index = Index(self.layout.index, self.tree, on_full=self._release_reserve)
         self.changes = ChangeToken(self.layout)  # has the store changed? (for readers that keep what they derive)
         self._check_counts: dict[str, dict[str, int]] = {}  # snapshot id -> source_checks (manifests never change)
+        self._signatures: dict[str, dict[str, str | int]] = {}  # snapshot id -> its signature record (record_signature)
         if recover:
             recovery.sync(self, manifests)
             if evict_to_floor:
@@ -267,7 +270,8 @@ class Store:
             unique = sum(f.size for f in {f.sha256: f for f in fl if f.sha256 not in shared}.values())
             infos.append(SnapshotInfo(Snapshot(sid, self.layout.snapshot(sid), uri, rev, size, fl),
                                       tuple(refs.get(sid, ())), last_used, self.is_pinned(sid),
-                                      tuple(sorted(leases.get(sid, ()))), unique, self._source_check_counts(sid)))
+                                      tuple(sorted(leases.get(sid, ()))), unique, self._source_check_counts(sid),
+                                      self._signature_of(sid)))
         return infos
 
     def used_bytes(self) -> int:
@@ -290,14 +294,41 @@ class Store:
     def source_checks(self, snapshot_id: str) -> dict[str, str]:
         """Path -> what verified it against its source, as the snapshot's manifest records it (docs/fetch.md);
         empty when the manifest predates the record (or is gone)."""
+        return manifest_checks(self._manifest_object(snapshot_id))
+
+    def signature(self, snapshot_id: str) -> dict[str, str | int]:
+        """What verified the snapshot's model.sig (docs/signing.md); empty when no signature was asked for."""
+        return manifest_signature(self._manifest_object(snapshot_id))
+
+    def _signature_of(self, snapshot_id: str) -> dict[str, str | int]:
+        found = self._signatures.get(snapshot_id)
+        if found is None:
+            found = self._signatures[snapshot_id] = self.signature(snapshot_id)
+        return found
+
+    def _manifest_object(self, snapshot_id: str) -> dict[str, Any]:
         data = self.tree.read(self.layout.manifest(snapshot_id), limit=MAX_MANIFEST_BYTES) \
             if is_snapshot_id(snapshot_id) else None
         if data is None:
             return {}
         try:
-            return manifest_checks(json.loads(data))
-        except (ValueError, RecursionError, AttributeError):
+            obj = json.loads(data)
+        except (ValueError, RecursionError):
             return {}  # a damaged manifest is the recovery's to quarantine; it describes nothing here
+        return obj if isinstance(obj, dict) else {}
+
+    def record_signature(self, snapshot_id: str, signature: Mapping[str, str | int]) -> None:
+        """Add what verified a published snapshot to its manifest when it has no such record yet (a tree published
+        first for a request that asked no signature). The files, and so the id, are unchanged; the rewrite is atomic
+        like the first write."""
+        with self.locked():
+            data = self.tree.read(self.layout.manifest(snapshot_id), limit=MAX_MANIFEST_BYTES)
+            if data is None:
+                return
+            manifest = parse_manifest(data, snapshot_id)
+            if not manifest.signature:
+                self._write_manifest(dataclasses.replace(manifest, signature=dict(signature)))
+                self._signatures.pop(snapshot_id, None)
 
     def _source_check_counts(self, snapshot_id: str) -> dict[str, int]:
         counts = self._check_counts.get(snapshot_id)
@@ -412,11 +443,13 @@ class Store:
         return blob_dir
 
     def publish(self, ref: ModelRef, files: builtins.list[FileEntry], *,
-                before_commit: Callable[[], object] | None = None, checks: dict[str, str] | None = None) -> Snapshot:
+                before_commit: Callable[[], object] | None = None, checks: dict[str, str] | None = None,
+                signature: Mapping[str, str | int] | None = None) -> Snapshot:
         """Build the snapshot tree from blobs, rename it into place, write the manifest, index it, point the ref.
         `before_commit()` runs once the tree is built, before anything names the snapshot: the fetch waits there
         for the syncfs that makes the blobs durable (it raises to abandon the publish). `checks`: path -> what
-        verified it against the source, recorded in the manifest (a tree already published keeps its record)."""
+        verified it against the source, recorded in the manifest (a tree already published keeps its record).
+        `signature`: what verified its model.sig (weightcache/signatures.py), recorded there too."""
         snap_id = snapshot_id_for(files)
         for f in files:
             if not is_hex(f.sha256, SHA256_HEX):
@@ -430,6 +463,8 @@ class Store:
                         raise BlobMissingError(f"blob {f.sha256} for {f.path} vanished before publish")
                 if before_commit is not None:
                     before_commit()
+                if signature:
+                    self.record_signature(snap_id, signature)
             else:
                 self.tree.remove_tree(final)  # a tree without manifest: an interrupted publish; rebuild it
                 tmp = self._build_tree(final, files, blob_dirs)
@@ -441,7 +476,7 @@ class Store:
                         raise
                 self._commit_tree(tmp, final)
                 self._write_manifest(Manifest(snap_id, ref.uri, ref.revision, time.time(), tuple(files),
-                                              dict(checks or {})))
+                                              dict(checks or {}), dict(signature or {})))
                 self._check_counts.pop(snap_id, None)
             self._index_snapshot(ref, snap_id, files)
             self._write_ref(ref, snap_id)

@@ -42,3 +42,5 @@ class SnapshotInfo:
     # files per what verified them against the source ("md5-etag": 3, "none": 1), from the manifest's record
     # (vocabulary.SOURCE_CHECKS); empty for a snapshot published before the record existed
     source_checks: dict[str, int] = field(default_factory=dict)
+    # what verified its model.sig, when a signature was asked for (signatures.SignatureRecord.to_json); else empty
+    signature: dict[str, str | int] = field(default_factory=dict)
