@@ -21,13 +21,16 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from tests.command import run_cli, weightcache
+from tests.fake_apiserver import ApiError, FakeApiServer
+from tests.fixtures_daemon import eventually, start_daemon
+from tests.fixtures_kube import NODE
 from tests.sample import make_model
 from weightcache.access import ADMIN, Authority
 from weightcache.errors import SignatureError
 from weightcache.fetch import Fetcher
 from weightcache.signatures import key_fingerprint, make_policy
 from weightcache.store import Store
-from weightcache.uri import parse_ref
+from weightcache.uri import parse_ref, readiness_label
 
 
 def _key_pair(directory: Path, name: str) -> tuple[Path, Path]:
@@ -251,3 +254,42 @@ def test_a_certificate_signature_verifies_offline_against_the_ca_and_identity(tm
     other = make_policy(ca_certificates=[(tmp_path / "other" / "ca.pem").read_text()])
     with pytest.raises(SignatureError, match="certificate"):
         Fetcher(Store(tmp_path / "root2")).ensure(Authority().authorize(ref, ADMIN, signed_by=other))
+
+
+async def test_a_modelcache_with_spec_signature_refuses_with_the_reason_in_status_and_an_event(
+        cluster: FakeApiServer, short_dir: Path, tmp_path: Path, signed: tuple[Path, Path]) -> None:
+    """Through the stand-in API server (CRD schema enforced): spec.signature naming the wrong key -> the node's
+    status says Failed and why, with a FetchFailed Event, and nothing is published or labelled; the right key
+    (rotation: the old key stays listed) -> Ready, the record in the node's store."""
+    model, public = signed
+    uri = f"file://{model}/"
+    other = _key_pair(tmp_path, "other")[1].read_text()
+    cluster.create("modelcaches", {"metadata": {"name": "signed"}, "spec": {
+        "source": uri, "nodeSelector": {"pool": "a100"}, "allowedNamespaces": ["team-a"],
+        "signature": {"publicKeys": [other]}}})
+    assert cluster.get("modelcaches", "signed")["spec"]["signature"]["publicKeys"] == [other]  # in the schema
+    d = await start_daemon(short_dir, model, env={"NODE_NAME": NODE})
+
+    def state() -> dict[str, Any] | None:
+        try:
+            return cluster.get("modelcachenodes", NODE)["status"]["models"]["signed"]
+        except (KeyError, ApiError):
+            return None
+
+    try:
+        failed = await eventually(lambda: (s := state()) and s["phase"] == "Failed" and s, what="Failed")
+        assert "model.sig does not verify" in failed["message"] and "ModelCache signed" in failed["message"]
+        events = await eventually(lambda: cluster.list("events", "default"), what="a FetchFailed Event")
+        assert events[0]["reason"] == "FetchFailed" and "model.sig does not verify" in events[0]["message"]
+        assert d.daemon.node.store.list() == []
+        assert readiness_label(uri) not in cluster.get("nodes", NODE)["metadata"].get("labels", {})
+
+        mc = cluster.get("modelcaches", "signed")
+        mc["spec"]["signature"]["publicKeys"] = [other, public.read_text()]
+        cluster.update("modelcaches", "signed", mc)
+        d.daemon.node.kick()
+        await eventually(lambda: (s := state()) and s["phase"] == "Ready", what="Ready with the rotated key")
+        (info,) = d.daemon.node.store.list()
+        assert info.signature["signer"] == key_fingerprint(public.read_text())
+    finally:
+        await d.daemon.stop()

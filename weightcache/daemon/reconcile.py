@@ -25,7 +25,7 @@ from weightcache.access import ADMIN, Grant
 from weightcache.daemon import startup_taint
 from weightcache.daemon.config import ModelSpec
 from weightcache.daemon.node import Node
-from weightcache.errors import NotAllowedError
+from weightcache.errors import NotAllowedError, SignatureError
 from weightcache.fetch import Progress
 from weightcache.store import Snapshot
 from weightcache.uri import ModelRef, is_readiness_label
@@ -215,8 +215,14 @@ class Reconciler:
         return allowed, grants, refused
 
     def _lookup_all(self, grants: Mapping[str, Grant]) -> dict[str, Snapshot]:
-        found = {name: self.node.fetcher.lookup(grant) for name, grant in grants.items()}
+        found = {name: self._lookup(grant) for name, grant in grants.items()}
         return {name: snapshot for name, snapshot in found.items() if snapshot is not None}
+
+    def _lookup(self, grant: Grant) -> Snapshot | None:
+        try:
+            return self.node.fetcher.lookup(grant)
+        except SignatureError:  # cached, but not as its ModelCache requires: its fetch reports why (Failed)
+            return None
 
     async def _fetch(self, w: Want, grant: Grant) -> None:
         """Fetch one missing model through the daemon's fetch queue (`parallelModels` downloads at once, in the
