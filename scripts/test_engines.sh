@@ -10,7 +10,9 @@
 # 3. a tiny Llama built here (tests_engines/make_tiny_llama.py), prefetched into a temp store with the real
 #    `weightcache prefetch` of .venv, and the snapshot bind-mounted read-only (as a pod sees it; the snapshot dir
 #    itself where mounting is not possible).
-# 4. tests_engines/ under pytest: greedy tokens with --load-format weightcache == with the default loader.
+# 4. tests_engines/ under pytest: greedy tokens with --load-format weightcache == with the default loader, offline,
+#    from vLLM's OpenAI server with the model in the memory tier (mlock), from the tier's tmpfs copy, and from a
+#    streaming view that is still filling (the node's side by tests_engines/node_side.py in .venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$PWD"
@@ -67,5 +69,8 @@ else
 fi
 
 cd "$ROOT"
-WEIGHTCACHE_ENGINE_MODEL="$MODEL" VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 \
+# the memory tier and streaming tests run the daemon's own classes with the main venv (tests_engines/node_side.py)
+WEIGHTCACHE_ENGINE_MODEL="$MODEL" WEIGHTCACHE_ENGINE_STORE="$WORK/store" WEIGHTCACHE_ENGINE_URI="file://$WORK/src/" \
+  WEIGHTCACHE_ENGINE_SOURCE="$WORK/src" WEIGHTCACHE_NODE_PYTHON="$ROOT/.venv/bin/python" \
+  VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 \
   "$ENGINES/bin/python" -m pytest -c tests_engines/pytest.ini --rootdir tests_engines tests_engines -s "$@"
