@@ -4,6 +4,7 @@ reconciled against the kernel's mount table, and kubelet's calls keep working.""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
@@ -20,7 +21,7 @@ from tests.faultproxy import FaultProxy
 from tests.fixtures_csi import ROOT_MARKS, publish_request, status_of
 from weightcache.csi import mounts
 from weightcache.csi._pb import csi_pb2, csi_pb2_grpc
-from weightcache.csi.reconcile import VolumeBook, VolumeRecord, kubelet_volume_id
+from weightcache.csi.reconcile import VolumeBook, VolumeKind, VolumeRecord, kubelet_volume_id
 from weightcache.store import Store
 from weightcache.store.holders import volume_record_name
 
@@ -244,3 +245,21 @@ def test_volume_ids_that_spell_hidden_or_temp_names_get_records(book_store: Stor
         assert book.get(volume_id) == _record(volume_id)
     assert sorted(r.volume_id for r in book.all()) == sorted([".tmp-x", ".", "..", "a/../../b"])
     assert all(not p.is_symlink() and p.parent == book.dir for p in book.dir.iterdir())
+
+
+def test_a_volume_kind_is_written_as_the_release_before_reads_it(book_store: Store) -> None:
+    """VolumeRecord.kind is no field on disk: a streaming view is `"stream": true` and an engine cache volume its
+    engine's name, as release 1.0 of the record wrote and reads them (rolled back, a release must still tell a
+    view from a model volume, or its reconcile prunes a mounted view); read back, each has its kind again."""
+    book = VolumeBook(book_store.tree)
+    model = _record("vol-m")
+    stream = dataclasses.replace(_record("vol-s"), snapshot_id="", kind=VolumeKind.STREAM)
+    engine = dataclasses.replace(_record("vol-e"), kind=VolumeKind.ENGINE_CACHE, engine_cache="vllm-0.32.0-cpu",
+                                 handover=True)
+    for record in (model, stream, engine):
+        book.put(record)
+    wire = {v: json.loads((book.dir / f"{v}.json").read_text()) for v in ("vol-m", "vol-s", "vol-e")}
+    assert not any("kind" in obj for obj in wire.values())
+    assert [wire[v]["stream"] for v in ("vol-m", "vol-s", "vol-e")] == [False, True, False]
+    assert wire["vol-e"]["engine_cache"] == "vllm-0.32.0-cpu" and wire["vol-e"]["handover"] is True
+    assert [book.get(v) for v in ("vol-m", "vol-s", "vol-e")] == [model, stream, engine]

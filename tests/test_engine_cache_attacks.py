@@ -20,7 +20,7 @@ from tests.test_engine_cache_csi import FILES, VLLM, artifacts, engine_volume, m
 from weightcache import engine_cache
 from weightcache.csi import mounts
 from weightcache.csi._pb import csi_pb2
-from weightcache.csi.node import READBACKS
+from weightcache.csi.engine_volumes import READBACKS
 from weightcache.engine_name import EngineName
 from weightcache.store import FileEntry, Snapshot, Store
 from weightcache.uri import parse_ref

@@ -11,7 +11,7 @@ import pytest
 
 from tests.fixtures_csi import publish_request
 from tests.fixtures_webhook import REF, admission_review, apply_response, check_pod, container, deployment_pod, envs
-from weightcache.csi.node import parse_publish
+from weightcache.csi.request import parse_publish
 from weightcache.engine_name import EngineName
 from weightcache.pods.annotations import ENGINE_CACHE, MODEL, MODELS
 from weightcache.vocabulary import ENGINE_CACHE_ATTRIBUTE

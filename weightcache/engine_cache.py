@@ -373,7 +373,7 @@ def ingest_dir(store: Store, key: EngineCacheKey, directory: str | Path,
 
 def hand_over(store: Store, key: EngineCacheKey, directory: str | Path,
               limits: EngineCacheLimits = EngineCacheLimits()) -> Snapshot | None:
-    """A pod's engine-cache volume, read back when the pod has ended (weightcache/csi/node.py): published as `key`
+    """A pod's engine-cache volume, read back when the pod has ended (csi/engine_volumes.py): published as `key`
     when it holds the pod's ready file (vocabulary.ENGINE_CACHE_READY, a regular file at its root: the engine
     served) and no cache has that key yet (the first hand-over wins; a later one never replaces what pods already
     got). The ready file itself is not part of the cache. None when nothing was handed over; InvalidRequestError

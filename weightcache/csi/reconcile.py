@@ -16,6 +16,7 @@ mount is dropped, and a snapshot mount under the kubelet directory without a lea
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import logging
 import os
@@ -41,6 +42,14 @@ logger = logging.getLogger(__name__)
 _KUBELET_TARGET = re.compile(r"/pods/(?P<uid>[^/]+)/volumes/kubernetes\.io~csi/(?P<name>[^/]+)/mount$")
 
 
+class VolumeKind(enum.StrEnum):
+    """What a volume serves; each kind is published, stated and unpublished by its own part of the plugin."""
+
+    MODEL = "model"  # a snapshot bound read-only (or its hub cache layout): csi/node.py
+    ENGINE_CACHE = "engine-cache"  # an engine compile cache, or a scratch read back: csi/engine_volumes.py
+    STREAM = "stream"  # a view that fills while the model downloads: csi/stream.py
+
+
 @dataclass(frozen=True)
 class VolumeRecord:
     volume_id: str
@@ -53,11 +62,12 @@ class VolumeRecord:
     pod_uid: str = ""
     published_at: float = 0.0
     adopted: bool = False  # rebuilt from the mount table after a restart: pod and revision unknown
-    engine_cache: str = ""  # an engine cache volume (`vllm-0.32.0-cpu`): snapshot_id is what its lease keeps
-    handover: bool = False  # it started empty and writable: read back at unpublish (csi/node.py `_hand_over`)
-    # a streaming view (streams/<volume id>, csi/stream.py): snapshot_id stays "" (and nothing is leased) until
-    # the snapshot is published; the globs re-make the grant when a restarted plugin resumes filling it
-    stream: bool = False
+    # ENGINE_CACHE: snapshot_id is what its lease keeps (the artifact, or the key's model snapshot). STREAM: the
+    # view streams/<volume id>; snapshot_id stays "" (and nothing is leased) until the snapshot is published,
+    # and the globs re-make the grant when a restarted plugin resumes filling it
+    kind: VolumeKind = VolumeKind.MODEL
+    engine_cache: str = ""  # ENGINE_CACHE: the engine's name (`vllm-0.32.0-cpu`)
+    handover: bool = False  # ENGINE_CACHE that started empty and writable: read back (csi/engine_volumes.py)
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
 
@@ -78,7 +88,11 @@ def kubelet_volume_id(target_path: str) -> str | None:
     return "csi-" + hashlib.sha256((match["uid"] + match["name"]).encode()).hexdigest()
 
 
-_FIELDS = frozenset(f.name for f in dataclasses.fields(VolumeRecord))
+# On disk the kind is what release 1.0 of the record wrote and reads: `engine_cache` set, or `"stream": true`
+# (so a rollback still tells a streaming view from a model volume); no field "kind", no new record version.
+_FIELDS = frozenset({f.name for f in dataclasses.fields(VolumeRecord)} - {"kind"} | {"stream"})
+_STRINGS = ("volume_id", "target_path", "model", "snapshot_id", "tier", "pod_namespace", "pod_name", "pod_uid",
+            "engine_cache")
 
 
 class VolumeBook:
@@ -104,7 +118,9 @@ class VolumeBook:
         return [record for _, record in self._book.all(_parse)]
 
     def put(self, record: VolumeRecord) -> None:
-        self._book.put(volume_record_name(record.volume_id), dataclasses.asdict(record))
+        wire = dataclasses.asdict(record)
+        wire["stream"] = wire.pop("kind") == VolumeKind.STREAM
+        self._book.put(volume_record_name(record.volume_id), wire)
 
     def remove(self, volume_id: str) -> None:
         self._book.remove(volume_record_name(volume_id))
@@ -123,16 +139,15 @@ def _parse(obj: Any) -> VolumeRecord:
         if not isinstance(globs, list) or not all(isinstance(g, str) for g in globs):
             raise TypeError(f"{name} is not a list of strings")
         obj = {**obj, name: tuple(globs)}
-    record = VolumeRecord(**obj)
-    for name, kind in (("volume_id", str), ("target_path", str), ("model", str), ("snapshot_id", str),
-                       ("tier", str), ("pod_namespace", str), ("pod_name", str), ("pod_uid", str),
-                       ("engine_cache", str)):
-        if not isinstance(getattr(record, name), kind):
-            raise TypeError(f"{name} is not a string")
+    if not all(isinstance(obj.get(name, ""), str) for name in _STRINGS):
+        raise TypeError(f"one of {', '.join(_STRINGS)} is not a string")
+    if not all(isinstance(obj.get(flag, False), bool) for flag in ("adopted", "handover", "stream")):
+        raise TypeError("adopted, handover or stream is not a boolean")
+    stream = obj.pop("stream", False)
+    kind = VolumeKind.ENGINE_CACHE if obj.get("engine_cache") else VolumeKind.STREAM if stream else VolumeKind.MODEL
+    record = VolumeRecord(**obj, kind=kind)
     if isinstance(record.published_at, bool) or not isinstance(record.published_at, (int, float)):
         raise TypeError("published_at is not a number")
-    if not all(isinstance(flag, bool) for flag in (record.adopted, record.handover, record.stream)):
-        raise TypeError("adopted, handover or stream is not a boolean")
     return record
 
 
@@ -182,7 +197,7 @@ def reconcile(store: Store, book: VolumeBook, *, kubelet_dir: str | Path) -> Rec
         book.put(record)
         adopted.append(volume_id)
     # a view outlives its volume only when a crash came between the unmount and its removal
-    StreamViews(store.layout).prune(r.volume_id for r in book.all() if r.stream)
+    StreamViews(store.layout).prune(r.volume_id for r in book.all() if r.kind == VolumeKind.STREAM)
     report = ReconcileReport(tuple(kept), tuple(released), tuple(adopted))
     logger.info("CSI reconcile: %d volumes kept, %d leases released, %d mounts adopted",
                 len(kept), len(released), len(adopted))
