@@ -12,9 +12,11 @@ limit of 0 is none. Rates change live (`configure` again): waiting workers pick 
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Mapping
+from contextlib import closing
 
 from weightcache.errors import FetchCancelledError
 
@@ -69,35 +71,51 @@ class Limiter:
 
     def acquire(self, n: int, cancel: threading.Event | None = None) -> None:
         """Wait until `n` bytes are allowed, then take them. FetchCancelledError once `cancel` is set."""
+        with closing(self._pauses(n)) as pauses:
+            for pause in pauses:
+                if cancel is None:
+                    time.sleep(pause)
+                elif cancel.wait(pause):
+                    raise FetchCancelledError("fetch cancelled while waiting for its bandwidth limit")
+
+    async def take(self, n: int) -> None:
+        """`acquire` for a coroutine: waits on the event loop (the peer server paces its sends with one)."""
+        with closing(self._pauses(n)) as pauses:
+            for pause in pauses:
+                await asyncio.sleep(pause)
+
+    def _pauses(self, n: int) -> Generator[float, None, None]:
+        """The waits before `n` bytes are allowed (none when they are now), each at most POLL_S; taken when it
+        ends. Closed early (cancelled, interrupted), it stops counting as a waiter."""
         if n <= 0 or not self._rate:
             return
         started = None
         try:
-            while True:
-                with self._lock:
-                    self._refill()
-                    if not self._rate or self._tokens >= 0:
-                        if self._rate:
-                            self._tokens -= n
-                        if started is not None:
-                            self._waiting -= 1
-                            self.waited_s += self._clock() - started
-                            started = None
-                        return
-                    wait = -self._tokens / self._rate
-                    if started is None:
-                        started = self._clock()
-                        self._waiting += 1
-                pause = min(wait, POLL_S)
-                if cancel is not None:
-                    if cancel.wait(pause):
-                        raise FetchCancelledError("fetch cancelled while waiting for its bandwidth limit")
-                else:
-                    time.sleep(pause)
+            while (wait := self._grant(n, started)) > 0:
+                if started is None:
+                    started = self._clock()
+                yield min(wait, POLL_S)
+            started = None
         finally:
-            if started is not None:  # cancelled (or interrupted) while waiting
+            if started is not None:
                 with self._lock:
                     self._waiting -= 1
+
+    def _grant(self, n: int, since: float | None) -> float:
+        """0.0 once `n` bytes are taken (the bucket was out of debt), else the seconds until it is. `since`: when
+        the caller began waiting (None: it has not yet), for the waiting count and `waited_s`."""
+        with self._lock:
+            self._refill()
+            if not self._rate or self._tokens >= 0:
+                if self._rate:
+                    self._tokens -= n
+                if since is not None:
+                    self._waiting -= 1
+                    self.waited_s += self._clock() - since
+                return 0.0
+            if since is None:
+                self._waiting += 1
+            return -self._tokens / self._rate
 
 
 class BandwidthLimits:

@@ -42,6 +42,7 @@ from weightcache.listener import ConnectionLimits, GuardedTCPSite
 from weightcache.peers.client import NOT_YET_HEADER, PARTIAL_HEADER
 from weightcache.peers.identity import OriginId, record_matches
 from weightcache.peers.inflight import InFlight
+from weightcache.ratelimit import Limiter
 from weightcache.units import ascii_int
 from weightcache.vocabulary import ENGINE_CACHE_ADMIN_DOMAIN, ENGINE_CACHE_SCHEME
 
@@ -74,30 +75,9 @@ class PeerLimits:
         max_connections=128, header_timeout_s=10.0, body_timeout_s=10.0, idle_timeout_s=30.0))
 
 
-class TokenBucket:
-    """Bytes per second with a one-second burst; `take` waits (on the loop) until `n` bytes are allowed."""
-
-    def __init__(self, rate: int) -> None:
-        self.rate = rate
-        self.tokens = float(rate)
-        self.stamp = time.monotonic()
-
-    async def take(self, n: int) -> None:
-        if self.rate <= 0:
-            return
-        while True:
-            now = time.monotonic()
-            self.tokens = min(float(self.rate), self.tokens + (now - self.stamp) * self.rate)
-            self.stamp = now
-            if self.tokens >= min(n, self.rate):
-                self.tokens -= n
-                return
-            await asyncio.sleep((min(n, self.rate) - self.tokens) / self.rate)
-
-
 @dataclass
 class _Peer:
-    bucket: TokenBucket
+    bucket: Limiter  # bytes per second with a one-second burst (ratelimit.py)
     streams: int = 0
 
 
@@ -243,7 +223,7 @@ class PeerServer:
         if request.method == "HEAD":
             return web.Response(status=206 if ranged else 200, headers=headers)
         peer_key = request.remote or "?"
-        peer = self._peers.setdefault(peer_key, _Peer(TokenBucket(self.limits.rate_bytes_s)))
+        peer = self._peers.setdefault(peer_key, _Peer(Limiter(self.limits.rate_bytes_s, burst_s=1.0)))
         allowed = self._streams_allowed(peer)
         if peer.streams >= allowed:
             return web.Response(status=429, headers={"Retry-After": "1"},
