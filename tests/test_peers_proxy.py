@@ -1,5 +1,5 @@
 """A forward proxy per source (a cluster keeping Dragonfly's dfdaemon in proxy mode for origin traffic): the s3
-source's requests go through the configured proxy, and the daemon config chooses it per scheme or bucket."""
+and hf sources' requests go through the configured proxy, and the daemon config chooses it per scheme or bucket."""
 
 from __future__ import annotations
 
@@ -10,8 +10,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
+from tests.fixtures_hub import FakeHub
 from tests.fixtures_s3 import S3
 from tests.grants import admin
 from weightcache.daemon.config import load_settings
@@ -89,6 +92,28 @@ def test_the_s3_source_reads_through_its_proxy(s3: S3, proxy: ForwardProxy, tmp_
     ranged = [url for method, url, rng in proxy.seen if method == "GET" and rng and url.endswith("/models/m/w.bin")]
     assert ranged and all(url.startswith(s3.endpoint_url) for url in ranged)  # absolute form: a forward proxy
     assert any("list-type=2" in url for _, url, _ in proxy.seen)  # the listing too
+
+
+def test_the_hf_source_reads_through_its_proxy(fake_hub: FakeHub, proxy: ForwardProxy, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hub's listing, its resolve requests and the LFS redirects all go through the source's proxy (the
+    sources' one connection pool, SourceOptions.http_pool)."""
+    monkeypatch.setenv("HF_ENDPOINT", fake_hub.url)
+    for name in ("HF_TOKEN", "HF_TOKEN_PATH", "HUGGING_FACE_HUB_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.setenv("WEIGHTCACHE_HF_REDIRECT_HOSTS", "localhost")  # the fake hub's CDN
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    save_file({"w": np.arange(1024, dtype=np.float32)}, str(model / "w.safetensors"))  # LFS: a CDN redirect
+    repo = fake_hub.add("acme/tiny", model)
+    snap = Fetcher(Store(tmp_path / "store"), proxy_url=proxy.url).ensure(admin(parse_ref("hf://acme/tiny")))
+    assert {f.path: (snap.path / f.path).read_bytes() for f in snap.files} == repo.files
+    urls = [url for _, url, _ in proxy.seen]
+    assert any(url.startswith(f"{fake_hub.url}/api/models/acme/tiny") for url in urls)
+    assert any("/resolve/" in url for url in urls) and any("/cdn/" in url for url in urls)
+    assert len(fake_hub.seen) == len(proxy.seen), "every request to the hub came through the proxy"
 
 
 def test_proxies_are_chosen_per_scheme_or_bucket() -> None:

@@ -25,6 +25,8 @@ from weightcache.retry import PartialRead, Retry, Retryable
 from weightcache.uri import ModelRef
 
 if TYPE_CHECKING:
+    import urllib3
+
     from weightcache.store import FileEntry, Snapshot, Store
 
 log = logging.getLogger(__name__)
@@ -37,10 +39,10 @@ class SourceOptions:
     """How a source talks to its store: every backend takes these, `open_source` builds them."""
 
     endpoint_url: str | None = None  # s3 only (else AWS_ENDPOINT_URL)
-    proxy_url: str | None = None  # s3, http: an HTTP(S) forward proxy for this source (e.g. Dragonfly's dfdaemon)
+    proxy_url: str | None = None  # s3, http, hf, oci: an HTTP(S) forward proxy for this source (Dragonfly's dfdaemon)
     max_attempts: int = 5  # per request or range, failures included
     backoff: float = 0.2  # first retry pause's upper bound, doubling per failure up to retry.MAX_BACKOFF
-    pool_size: int = 16  # pooled connections (s3, http)
+    pool_size: int = 16  # pooled connections
     connect_timeout: float = defaults.CONNECT_TIMEOUT  # seconds to establish a connection
     read_timeout: float = defaults.READ_TIMEOUT  # seconds without a byte from an open connection
     cancel: threading.Event | None = None  # set: retry waits and reads stop with FetchCancelledError
@@ -48,6 +50,16 @@ class SourceOptions:
     def retry(self, what: str) -> Retry:
         """Failure accounting for one operation under these options."""
         return Retry(what, max(1, self.max_attempts), self.backoff, self.cancel)
+
+    def http_pool(self) -> urllib3.PoolManager:
+        """The connections of a source spoken to over urllib3 (http, hf, oci): `pool_size` of them, these timeouts,
+        no urllib3 retries (`retry` counts failures), through `proxy_url` when there is one."""
+        import urllib3
+
+        timeout = urllib3.Timeout(connect=self.connect_timeout, read=self.read_timeout)
+        if self.proxy_url:
+            return urllib3.ProxyManager(self.proxy_url, maxsize=self.pool_size, retries=False, timeout=timeout)
+        return urllib3.PoolManager(maxsize=self.pool_size, retries=False, timeout=timeout)
 
 
 @dataclass(frozen=True)

@@ -115,9 +115,7 @@ class HfSource(Source):
         self._origin = (hub.scheme, hub.netloc.lower())  # the token goes here and nowhere else
         self._redirect_hosts = redirect_hosts(self.endpoint)
         self._token = token()
-        o = self.options
-        self._pool = urllib3.PoolManager(maxsize=o.pool_size, retries=False,
-                                         timeout=urllib3.Timeout(connect=o.connect_timeout, read=o.read_timeout))
+        self._pool = self.options.http_pool()
         self.commit: str | None = None
         self._claims: dict[str, str] = {}
 

@@ -106,9 +106,7 @@ class HttpSource(Source):
         self.name = ref.scheme
         self.options = o = options or SourceOptions()
         self.root = ref.uri.rstrip("/") + "/"
-        timeout = urllib3.Timeout(connect=o.connect_timeout, read=o.read_timeout)
-        self._pool = (urllib3.ProxyManager(o.proxy_url, maxsize=o.pool_size, retries=False, timeout=timeout)
-                      if o.proxy_url else urllib3.PoolManager(maxsize=o.pool_size, retries=False, timeout=timeout))
+        self._pool = o.http_pool()
         self._index_servers: set[str] = set()  # the Server headers of the index pages read
 
     def __repr__(self) -> str:

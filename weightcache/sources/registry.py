@@ -24,8 +24,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode, urljoin, urlsplit
 
-import urllib3
-
 from weightcache.errors import SourceAccessDeniedError, SourceError, SourceNotFoundError
 from weightcache.sources.base import Retryable, SourceOptions
 from weightcache.sources.http import NETWORK_ERRORS, raise_for_status, read_capped
@@ -45,12 +43,10 @@ class RegistryClient:
     def __init__(self, registry: str, repository: str, options: SourceOptions) -> None:
         self.registry = registry
         self.repository = repository
-        self.options = o = options
+        self.options = options
         self.scheme = "http" if plain_http(registry) else "https"
         self.base = f"{self.scheme}://{registry}/v2/{repository}/"
-        timeout = urllib3.Timeout(connect=o.connect_timeout, read=o.read_timeout)
-        self._pool = (urllib3.ProxyManager(o.proxy_url, maxsize=o.pool_size, retries=False, timeout=timeout)
-                      if o.proxy_url else urllib3.PoolManager(maxsize=o.pool_size, retries=False, timeout=timeout))
+        self._pool = options.http_pool()
         self.credentials = docker_credentials(registry)
         self._lock = threading.Lock()
         self._authorization: str | None = None  # what the registry's last challenge asked for
