@@ -104,7 +104,7 @@ def test_slices_follow_fetches_and_evictions_and_validate(tmp_path: Path, store:
     device = next(d for d in one["spec"]["devices"] if d["name"] == f"m-{a.id}-0")
     assert device["attributes"] == {
         "model": {"string": model_key(a.uri)}, "snapshot": {"string": a.id}, "size": {"int": a.size},
-        "tier": {"string": "disk"}, "ready": {"bool": True}, "slot": {"int": 0},
+        "tier": {"string": "disk"}, "ready": {"bool": True}, "slot": {"int": 0}, "signed": {"bool": False},
         **({"source": {"string": a.uri}} if len(a.uri) <= 64 else {}),
         **({"revision": {"string": a.revision}} if a.revision else {})}
 

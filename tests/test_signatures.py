@@ -26,6 +26,7 @@ from tests.fixtures_daemon import eventually, start_daemon
 from tests.fixtures_kube import NODE
 from tests.sample import make_model
 from weightcache.access import ADMIN, Authority
+from weightcache.dra.devices import devices_for
 from weightcache.errors import SignatureError
 from weightcache.fetch import Fetcher
 from weightcache.signatures import key_fingerprint, make_policy
@@ -293,3 +294,19 @@ async def test_a_modelcache_with_spec_signature_refuses_with_the_reason_in_statu
         assert info.signature["signer"] == key_fingerprint(public.read_text())
     finally:
         await d.daemon.stop()
+
+
+def test_a_signed_snapshot_is_a_dra_device_with_signed_and_signer(tmp_path: Path, signed: tuple[Path, Path]) -> None:
+    """What verified a snapshot is offered to pods as device attributes a claim's CEL selector can require
+    (`device.attributes["models.weightcache.io"].signed`), beside model.sig in the volume itself."""
+    model, public = signed
+    store = Store(tmp_path / "root")
+    good = make_policy(keys=[public.read_text()])
+    snap = Fetcher(store).ensure(Authority().authorize(parse_ref(f"file://{model}/"), ADMIN, signed_by=good))
+    [info] = store.list()
+    [device] = devices_for([info.snapshot], slots=1, shared=False,
+                           signatures={i.snapshot.id: i.signature for i in store.list()})
+    assert device["attributes"]["signed"] == {"bool": True}
+    assert device["attributes"]["signer"] == {"string": key_fingerprint(public.read_text())}
+    [plain] = devices_for([snap], slots=1, shared=False)
+    assert plain["attributes"]["signed"] == {"bool": False} and "signer" not in plain["attributes"]

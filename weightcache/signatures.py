@@ -46,7 +46,7 @@ class SignaturePolicy:
     invalid: str = ""  # why the configured policy could not be read: every model it covers is refused
 
     def describe(self) -> str:
-        parts = [f"key {key_fingerprint(k)[:19]}" for k in self.keys]
+        parts = [f"key {key_fingerprint(k)[:12]}" for k in self.keys]
         if self.ca_certificates:
             who = f" for {', '.join(self.identities)}" if self.identities else ""
             parts.append(f"a certificate from {len(self.ca_certificates)} CA certificate(s){who}")
@@ -58,7 +58,7 @@ class SignatureRecord:
     """What verified a snapshot: recorded in its manifest, shown by `ls -o json` and `verify`, offered to pods."""
 
     method: str  # "key", "certificate", or "unsigned" (allowed by an allowUnsigned policy)
-    signer: str  # "sha256:<hex>" of the key's PEM (model_signing's own key hint), or the certificate's identity
+    signer: str  # sha256 hex of the key's PEM (model_signing's own key hint), or the certificate's identity
     bundle_sha256: str  # of model.sig ("" when unsigned)
     files: int  # files the signature covers
 
@@ -68,13 +68,14 @@ class SignatureRecord:
 
 
 def key_fingerprint(pem: str) -> str:
-    """`sha256:<hex>` of a public key's PEM as model_signing writes it into a bundle's key hint (so the bundle
-    says which key signed it); for a key file written by `cryptography` it is also `sha256sum key.pub`."""
+    """The sha256 hex of a public key's PEM, as model_signing writes it into a bundle's key hint (so the bundle
+    says which key signed it); for a key file written by `cryptography` or openssl it is `sha256sum key.pub`. 64
+    characters: it fits a DRA device attribute whole."""
     from cryptography.hazmat.primitives import serialization
 
     key = serialization.load_pem_public_key(pem.encode())
     canonical = key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
-    return "sha256:" + hashlib.sha256(canonical).hexdigest()
+    return hashlib.sha256(canonical).hexdigest()
 
 
 def policy_from_spec(spec: object, *, source: str) -> SignaturePolicy:
@@ -195,16 +196,16 @@ def _verify_bundle(policy: SignaturePolicy, data: bytes, bundle_sha: str) -> tup
         hint = material.public_key.hint or ""
         for pem in policy.keys:
             fingerprint = key_fingerprint(pem)
-            if hint and hint != fingerprint.removeprefix("sha256:"):
+            if hint and hint != fingerprint:
                 continue  # the bundle names another key: not this one (rotation keeps several)
             try:
                 manifest = sign_ec_key.Verifier(_Loaded(pem.encode())).verify(signature)  # type: ignore[arg-type]
             except Exception as exc:
-                failures.append(f"key {fingerprint[:19]}: {_short(exc)}")
+                failures.append(f"key {fingerprint[:12]}: {_short(exc)}")
                 continue
             return _signed_files(manifest), SignatureRecord("key", fingerprint, bundle_sha, _count(manifest))
         if not failures:
-            failures.append(f"it was signed by key sha256:{hint[:12]}..., which is not among the "
+            failures.append(f"it was signed by key {hint[:12]}..., which is not among the "
                             f"{len(policy.keys)} key(s) accepted")
     elif material.x509_certificate_chain is not None and policy.ca_certificates:
         try:

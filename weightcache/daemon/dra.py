@@ -39,8 +39,10 @@ def node_devices(node: Node, *, shared: Callable[[], bool] = lambda: False) -> C
 
     def devices() -> list[dict[str, Any]]:
         resident = {r.id for r in node.tier.resident()} if node.tier is not None else set()
-        return devices_for([i.snapshot for i in node.store.list()], slots=dra.slots_per_model, shared=shared(),
-                           resident=resident, states=STATES.snapshot())
+        infos = node.store.list()
+        return devices_for([i.snapshot for i in infos], slots=dra.slots_per_model, shared=shared(),
+                           resident=resident, states=STATES.snapshot(),
+                           signatures={i.snapshot.id: i.signature for i in infos if i.signature})
     return devices
 
 

@@ -22,6 +22,9 @@ out rather than cut, because a cut value would match the wrong claim:
     tier      string  "memory" when resident in the memory tier, else "disk"
     ready     bool    true: only complete, published snapshots become devices
     slot      int     0..slots-1 (slot mode only)
+    signed    bool    true: its model.sig verified under a signature requirement (docs/signing.md); false: never
+                      asked, or published unsigned under allowUnsigned
+    signer    string  who signed it, when signed: the key's sha256 (64 hex) or the certificate's identity (if it fits)
 
 A snapshot being evicted, re-verified or found damaged (`weightcache.dra.states`) keeps its devices, tainted
 `weightcache.io/unavailable=<state>`: effect NoSchedule (no new allocation), NoExecute for `damaged` only (pods
@@ -88,14 +91,20 @@ def slot_of(name: str) -> int | None:
     return int(match["slot"]) if match and match["slot"] is not None else None
 
 
-def attributes(snapshot: Snapshot, *, resident: bool, slot: int | None) -> dict[str, dict[str, Any]]:
+def attributes(snapshot: Snapshot, *, resident: bool, slot: int | None,
+               signature: Mapping[str, object] | None = None) -> dict[str, dict[str, Any]]:
+    signer = str((signature or {}).get("signer") or "")
+    signed = bool(signature) and (signature or {}).get("method") in ("key", "certificate") and bool(signer)
     attrs: dict[str, dict[str, Any]] = {
         "model": {"string": model_key(snapshot.uri)},
         "snapshot": {"string": snapshot.id},
         "size": {"int": snapshot.size},
         "tier": {"string": "memory" if resident else "disk"},
         "ready": {"bool": True},
+        "signed": {"bool": signed},
     }
+    if signed and len(signer) <= MAX_STRING:
+        attrs["signer"] = {"string": signer}
     if len(snapshot.uri) <= MAX_STRING:
         attrs["source"] = {"string": snapshot.uri}
     if snapshot.revision and len(snapshot.revision) <= MAX_STRING:
@@ -110,7 +119,8 @@ def attributes(snapshot: Snapshot, *, resident: bool, slot: int | None) -> dict[
 
 
 def devices_for(snapshots: Iterable[Snapshot], *, slots: int, shared: bool, resident: Collection[str] = (),
-                states: Mapping[str, DeviceState] | None = None) -> list[dict[str, Any]]:
+                states: Mapping[str, DeviceState] | None = None,
+                signatures: Mapping[str, Mapping[str, object]] | None = None) -> list[dict[str, Any]]:
     """The devices of a node holding `snapshots`, sorted by name (stable output: equal input, equal slices).
 
     A snapshot that makes no valid device (a damaged index row, a size past int64) is logged and left out: the API
@@ -124,7 +134,8 @@ def devices_for(snapshots: Iterable[Snapshot], *, slots: int, shared: bool, resi
                 continue
             state = (states or {}).get(snapshot.id)
             devices.extend(_devices_of(snapshot, slots=slots, shared=shared, resident=snapshot.id in resident,
-                                       taints=[taint(state)] if state is not None else []))
+                                       taints=[taint(state)] if state is not None else [],
+                                       signature=(signatures or {}).get(snapshot.id)))
         except (ValueError, TypeError, AttributeError) as exc:  # AttributeError: a damaged row's None uri
             if len(_reported) < 1024 and (snapshot.id, str(exc)) not in _reported:  # once, not every resync
                 _reported.add((snapshot.id, str(exc)))
@@ -134,12 +145,12 @@ def devices_for(snapshots: Iterable[Snapshot], *, slots: int, shared: bool, resi
 
 
 def _devices_of(snapshot: Snapshot, *, slots: int, shared: bool, resident: bool,
-                taints: list[dict[str, Any]]) -> list[dict[str, Any]]:
+                taints: list[dict[str, Any]], signature: Mapping[str, object] | None = None) -> list[dict[str, Any]]:
     devices = []
     for slot in (None,) if shared else range(slots):
         device: dict[str, Any] = {
             "name": device_name(snapshot.id, slot),
-            "attributes": attributes(snapshot, resident=resident, slot=slot),
+            "attributes": attributes(snapshot, resident=resident, slot=slot, signature=signature),
         }
         if shared:
             device["allowMultipleAllocations"] = True
