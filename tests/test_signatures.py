@@ -4,9 +4,11 @@ publishes and is recorded; a tampered file, a wrong key, a missing model.sig are
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import hashlib
 import json
+import os
 import re
 import socket
 from collections.abc import Callable
@@ -310,3 +312,29 @@ def test_a_signed_snapshot_is_a_dra_device_with_signed_and_signer(tmp_path: Path
     assert device["attributes"]["signer"] == {"string": key_fingerprint(public.read_text())}
     [plain] = devices_for([snap], slots=1, shared=False)
     assert plain["attributes"]["signed"] == {"bool": False} and "signer" not in plain["attributes"]
+
+
+async def test_prefetch_signed_by_through_the_daemon(short_dir: Path, tmp_path: Path,
+                                                     signed: tuple[Path, Path]) -> None:
+    """The CLI sends the key's contents to the daemon (the ensure body's `signature`, spec.signature's shape):
+    the wrong key is exit 7 from the daemon's fetch with nothing published; the right one publishes and records."""
+    model, public = signed
+    d = await start_daemon(short_dir, model)
+    env = {**{k: v for k, v in os.environ.items() if k not in ("WEIGHTCACHE_ROOT", "KUBECONFIG")},
+           "WEIGHTCACHE_SOCKET": str(d.socket), "KUBECONFIG": "/nonexistent"}
+    other = _key_pair(tmp_path, "other")[1]
+    try:
+        wrong = await asyncio.to_thread(weightcache, "prefetch", d.model_uri, "--signed-by", str(other), "-q", env=env)
+        assert wrong.returncode == 7, wrong.stderr
+        assert "not among the 1 key(s) accepted" in wrong.stderr and "Traceback" not in wrong.stderr
+        assert d.daemon.node.store.list() == []
+        bad = {"uri": d.model_uri, "signature": {"publicKeys": ["x"]}}  # the request's fault: 400, named
+        async with d.http() as http, http.put("/v1/models", json=bad) as r:
+            assert r.status == 400 and "is not a PEM public key" in (await r.json())["message"]
+        good = await asyncio.to_thread(weightcache, "prefetch", d.model_uri, "--signed-by", str(public), "-q",
+                                       "-o", "json", env=env)
+        assert good.returncode == 0, good.stderr
+        listed = await asyncio.to_thread(weightcache, "ls", "-o", "json", env=env)
+        assert json.loads(listed.stdout)[0]["signature"]["signer"] == key_fingerprint(public.read_text())
+    finally:
+        await d.daemon.stop()
