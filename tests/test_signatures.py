@@ -11,6 +11,8 @@ import json
 import os
 import re
 import socket
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -338,3 +340,22 @@ async def test_prefetch_signed_by_through_the_daemon(short_dir: Path, tmp_path: 
         assert json.loads(listed.stdout)[0]["signature"]["signer"] == key_fingerprint(public.read_text())
     finally:
         await d.daemon.stop()
+
+
+def test_a_model_signed_by_the_librarys_own_cli_verifies_and_a_deleted_file_is_refused(
+        tmp_path: Path, cli: Cli) -> None:
+    """`model_signing sign key DIR --private_key KEY --signature DIR/model.sig`, as docs/signing.md says to run it
+    (its manifest leaves out model.sig and the git files by name)."""
+    model = tmp_path / "model"
+    make_model(model, layers=1, hidden=32, shards=2)
+    (model / ".gitattributes").write_text("*.safetensors filter=lfs\n")  # left out by the signer, and by us
+    private, public = _key_pair(tmp_path, "key")
+    proc = subprocess.run([sys.executable, "-m", "model_signing", "sign", "key", str(model), "--private_key",
+                           str(private), "--signature", str(model / "model.sig")], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    code, _, err = _prefetch(cli, tmp_path / "root", model, "--signed-by", str(public))
+    assert code == 0, err
+    next(model.glob("*.safetensors")).unlink()
+    code, _, err = _prefetch(cli, tmp_path / "root2", model, "--signed-by", str(public))
+    assert code == 7 and "is signed but missing" in err, err
