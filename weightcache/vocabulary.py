@@ -34,9 +34,17 @@ GATE = f"{GROUP}/model"
 MANAGED_BY = "app.kubernetes.io/managed-by"
 CONTROLLER = "weightcache-placement"
 
-# Store lease holders: a mounted CSI volume (`csi:<volume>`), a prepared DRA claim (`dra:<claim uid>/<device>`).
+# Store lease holders: a mounted CSI volume (`csi:<volume>`), a prepared DRA claim (`dra:<claim uid>/<device>`), a
+# LoRA adapter linked into a pod's adapter directory (`adapter:<volume>/<adapter name>`, docs/adapters.md).
 CSI_HOLDER_PREFIX = "csi:"
 DRA_HOLDER_PREFIX = "dra:"
+ADAPTER_HOLDER_PREFIX = "adapter:"
+
+# LoRA adapters (docs/adapters.md): the CSI volume attribute of a pod's adapter directory (`adapters: "true"`, with
+# `model` naming the base model), and the environment variable that tells the pod's engine where it is mounted (the
+# vLLM plugin's LoRA resolver reads it: packages/weightcache-vllm/weightcache_vllm/lora_resolver.py).
+ADAPTERS_ATTRIBUTE = "adapters"
+ADAPTERS_PATH_ENV = "WEIGHTCACHE_ADAPTERS_PATH"
 
 # The model key (weightcache.uri.model_key of the canonical source) a ModelCache carries as a label, so the DRA
 # claim admission policy (deploy/dra/claim-policy.yaml) can match claims to it: CEL cannot hash spec.source.

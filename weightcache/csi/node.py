@@ -38,8 +38,9 @@ import grpc
 
 from weightcache import engine_cache
 from weightcache.access import Authority, Grant, Requester
-from weightcache.csi import mounts
+from weightcache.csi import adapters, mounts
 from weightcache.csi._pb import csi_pb2, csi_pb2_grpc
+from weightcache.csi.adapters import AdapterVolumes
 from weightcache.csi.engine_volumes import EngineCacheVolumes
 from weightcache.csi.errors import quiet_rpc, rpc
 from weightcache.csi.reconcile import VolumeBook, VolumeKind
@@ -82,7 +83,8 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
                  observe: Callable[[str, float, str], None] | None = None,
                  observe_stage: Callable[[str, float, str], None] | None = None,
                  engine_limits: engine_cache.EngineCacheLimits | None = None,
-                 pod_event: PodEvent | None = None, observe_compile: ObserveCompile | None = None) -> None:
+                 pod_event: PodEvent | None = None, observe_compile: ObserveCompile | None = None,
+                 on_adapters: Callable[[], None] = lambda: None) -> None:
         self._store = store
         self._tier = tier
         self._fetches = fetches
@@ -99,6 +101,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         self._engines = EngineCacheVolumes(self._host, self._locks,
                                            engine_limits or engine_cache.EngineCacheLimits(), self._telemetry)
         self._streams = StreamVolumes(self._host, fetches, authority)
+        self._adapters = AdapterVolumes(self._host, self._streams.views, fetches, authority, on_adapters)
         self.observe = observe
         # volume id -> monotonic time of kubelet's first publish of it: a cold model's wait spans kubelet's retries
         self._attempts: dict[str, float] = {}
@@ -126,6 +129,10 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
             self._telemetry.first_attempt(args.pod)
             started = self._first_attempt(args.volume_id)
             grant = self._authority.authorize(args.ref, Requester(args.pod_namespace))  # weightcache/access.py
+            if args.kind is VolumeKind.ADAPTERS:  # the base model granted: its adapters, each decided as it comes
+                await self._adapters.publish(args.record(""))
+                self._attempts.pop(args.volume_id, None)
+                return csi_pb2.NodePublishVolumeResponse()
             if args.kind is VolumeKind.STREAM:  # a miss does not wait: the pod gets a view that fills as files arrive
                 cached = await self._fetches.lookup(grant)
                 if cached is None:
@@ -267,6 +274,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
             mounts.remove_target(target)
         if record is None or ours:
             self._streams.views.remove(volume_id)  # a streaming view's links (the blobs stay: a snapshot's, or gc's)
+            adapters.release_volume(self._store, volume_id)  # an adapter directory's leases
         if record is None:
             self._store.release(holder_for(volume_id))
         elif ours:

@@ -48,6 +48,7 @@ class VolumeKind(enum.StrEnum):
     MODEL = "model"  # a snapshot bound read-only (or its hub cache layout): csi/node.py
     ENGINE_CACHE = "engine-cache"  # an engine compile cache, or a scratch read back: csi/engine_volumes.py
     STREAM = "stream"  # a view that fills while the model downloads: csi/stream.py
+    ADAPTERS = "adapters"  # a view of the model's LoRA adapters, filled while the pod runs: csi/adapters.py
 
 
 @dataclass(frozen=True)
@@ -89,8 +90,10 @@ def kubelet_volume_id(target_path: str) -> str | None:
 
 
 # On disk the kind is what release 1.0 of the record wrote and reads: `engine_cache` set, or `"stream": true`
-# (so a rollback still tells a streaming view from a model volume); no field "kind", no new record version.
-_FIELDS = frozenset({f.name for f in dataclasses.fields(VolumeRecord)} - {"kind"} | {"stream"})
+# (so a rollback still tells a streaming view from a model volume); no field "kind", no new record version. An
+# adapter directory alone says `"adapters": true` (a release before it quarantines that record and leaves the
+# mount to its reconcile: such a release has no adapter directories to serve).
+_FIELDS = frozenset({f.name for f in dataclasses.fields(VolumeRecord)} - {"kind"} | {"stream", "adapters"})
 _STRINGS = ("volume_id", "target_path", "model", "snapshot_id", "tier", "pod_namespace", "pod_name", "pod_uid",
             "engine_cache")
 
@@ -119,7 +122,10 @@ class VolumeBook:
 
     def put(self, record: VolumeRecord) -> None:
         wire = dataclasses.asdict(record)
-        wire["stream"] = wire.pop("kind") == VolumeKind.STREAM
+        kind = wire.pop("kind")
+        wire["stream"] = kind == VolumeKind.STREAM
+        if kind == VolumeKind.ADAPTERS:
+            wire["adapters"] = True
         self._book.put(volume_record_name(record.volume_id), wire)
 
     def remove(self, volume_id: str) -> None:
@@ -141,10 +147,11 @@ def _parse(obj: Any) -> VolumeRecord:
         obj = {**obj, name: tuple(globs)}
     if not all(isinstance(obj.get(name, ""), str) for name in _STRINGS):
         raise TypeError(f"one of {', '.join(_STRINGS)} is not a string")
-    if not all(isinstance(obj.get(flag, False), bool) for flag in ("adopted", "handover", "stream")):
-        raise TypeError("adopted, handover or stream is not a boolean")
-    stream = obj.pop("stream", False)
-    kind = VolumeKind.ENGINE_CACHE if obj.get("engine_cache") else VolumeKind.STREAM if stream else VolumeKind.MODEL
+    if not all(isinstance(obj.get(flag, False), bool) for flag in ("adopted", "handover", "stream", "adapters")):
+        raise TypeError("adopted, handover, stream or adapters is not a boolean")
+    stream, adapters = obj.pop("stream", False), obj.pop("adapters", False)
+    kind = (VolumeKind.ENGINE_CACHE if obj.get("engine_cache") else VolumeKind.STREAM if stream else
+            VolumeKind.ADAPTERS if adapters else VolumeKind.MODEL)
     record = VolumeRecord(**obj, kind=kind)
     if isinstance(record.published_at, bool) or not isinstance(record.published_at, (int, float)):
         raise TypeError("published_at is not a number")
@@ -197,7 +204,8 @@ def reconcile(store: Store, book: VolumeBook, *, kubelet_dir: str | Path) -> Rec
         book.put(record)
         adopted.append(volume_id)
     # a view outlives its volume only when a crash came between the unmount and its removal
-    StreamViews(store.layout).prune(r.volume_id for r in book.all() if r.kind == VolumeKind.STREAM)
+    StreamViews(store.layout).prune(r.volume_id for r in book.all()
+                                    if r.kind in (VolumeKind.STREAM, VolumeKind.ADAPTERS))
     report = ReconcileReport(tuple(kept), tuple(released), tuple(adopted))
     logger.info("CSI reconcile: %d volumes kept, %d leases released, %d mounts adopted",
                 len(kept), len(released), len(adopted))

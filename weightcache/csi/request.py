@@ -15,7 +15,7 @@ from weightcache.csi.telemetry import Pod
 from weightcache.engine_name import EngineName
 from weightcache.errors import InvalidReferenceError, InvalidRequestError
 from weightcache.uri import ModelRef, parse_globs, parse_ref, validate_repo_id
-from weightcache.vocabulary import ENGINE_CACHE_ATTRIBUTE, STREAM_ATTRIBUTE
+from weightcache.vocabulary import ADAPTERS_ATTRIBUTE, ENGINE_CACHE_ATTRIBUTE, STREAM_ATTRIBUTE
 
 POD_NAMESPACE, POD_NAME, POD_UID = (f"csi.storage.k8s.io/pod.{k}" for k in ("namespace", "name", "uid"))
 TIERS = ("disk", "memory")
@@ -41,6 +41,7 @@ class PublishArgs:
     engine_cache: EngineName | None = None  # volume_context.engineCache: the pod's engine cache, not the model
     readonly: bool = True
     stream: bool = False  # volume_context.stream: on a miss, a view that fills while the model downloads
+    adapters: bool = False  # volume_context.adapters: the model's LoRA adapters, not the model (csi/adapters.py)
 
     @property
     def pod(self) -> Pod:
@@ -50,6 +51,8 @@ class PublishArgs:
     def kind(self) -> VolumeKind:
         if self.engine_cache is not None:
             return VolumeKind.ENGINE_CACHE
+        if self.adapters:
+            return VolumeKind.ADAPTERS
         return VolumeKind.STREAM if self.stream else VolumeKind.MODEL
 
     def record(self, snapshot_id: str, *, handover: bool = False) -> VolumeRecord:
@@ -114,12 +117,14 @@ def parse_publish(request: csi_pb2.NodePublishVolumeRequest) -> PublishArgs:
         raise InvalidRequestError("volume_context.tier", f"{tier!r} is not one of {', '.join(TIERS)}")
     hf_repo = _hf_repo(ctx, engine)
     stream = _stream(ctx, engine, hf_repo, tier)
+    adapters = _adapters(ctx, engine, hf_repo, stream, tier)
     namespace = ctx.get(POD_NAMESPACE, "")
     if not namespace:
         raise InvalidRequestError(f"volume_context.{POD_NAMESPACE}", "is missing; the CSIDriver "
                                   "csi.weightcache.io must have podInfoOnMount: true")
     return PublishArgs(volume_id, target, ref, tier, parse_timeout(ctx.get("timeout", "")), namespace,
-                       ctx.get(POD_NAME, ""), ctx.get(POD_UID, ""), hf_repo, engine, bool(request.readonly), stream)
+                       ctx.get(POD_NAME, ""), ctx.get(POD_UID, ""), hf_repo, engine, bool(request.readonly), stream,
+                       adapters)
 
 
 def _check_capability(request: csi_pb2.NodePublishVolumeRequest) -> None:
@@ -173,6 +178,20 @@ def _stream(ctx: Mapping[str, str], engine: EngineName | None, hf_repo: str | No
             raise InvalidRequestError(f"volume_context.{STREAM_ATTRIBUTE}", f"cannot be \"true\" with {clash}: "
                                       "a streaming view holds the model's files as they arrive; remove one of the two")
     return stream == "true"
+
+
+def _adapters(ctx: Mapping[str, str], engine: EngineName | None, hf_repo: str | None, stream: bool,
+              tier: str) -> bool:
+    adapters = ctx.get(ADAPTERS_ATTRIBUTE, "") or "false"
+    if adapters not in ("true", "false"):
+        raise InvalidRequestError(f"volume_context.{ADAPTERS_ATTRIBUTE}", f"{adapters!r} is not \"true\" or \"false\"")
+    if adapters == "true":  # docs/adapters.md: a directory of the model's adapters, not the model
+        clash = ("engineCache" if engine is not None else "hfRepo" if hf_repo is not None else
+                 STREAM_ATTRIBUTE if stream else "tier: memory" if tier == "memory" else None)
+        if clash is not None:
+            raise InvalidRequestError(f"volume_context.{ADAPTERS_ATTRIBUTE}", f"cannot be \"true\" with {clash}: "
+                                      "an adapter directory holds the LoRA adapters of its model; use two volumes")
+    return adapters == "true"
 
 
 def _engine_cache(text: str) -> EngineName | None:

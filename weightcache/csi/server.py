@@ -60,8 +60,8 @@ async def serve_csi(endpoint: str, *, store: Store, fetches: FetchQueue, node_id
                     observe: Callable[[str, float, str], None] | None = None,
                     observe_stage: Callable[[str, float, str], None] | None = None,
                     engine_limits: engine_cache.EngineCacheLimits | None = None,
-                    pod_event: PodEvent | None = None, observe_compile: ObserveCompile | None = None
-                    ) -> grpc.aio.Server:
+                    pod_event: PodEvent | None = None, observe_compile: ObserveCompile | None = None,
+                    on_adapters: Callable[[], None] = lambda: None) -> grpc.aio.Server:
     """Reconcile leases with the mount table, start serving CSI on `endpoint` and resume filling the streaming
     views a restart interrupted; the caller stops the server.
 
@@ -70,7 +70,8 @@ async def serve_csi(endpoint: str, *, store: Store, fetches: FetchQueue, node_id
     `observe_stage(stage, seconds, cache)` each pod's cold-start stages, `pod_event` writes them as Events on the
     pod (must not block), `observe_compile(engine, result)` hears each pod's compile-cache result
     (csi/telemetry.py);
-    `engine_limits`: the bounds and budgets of pods' engine caches (docs/engine-caches.md)."""
+    `engine_limits`: the bounds and budgets of pods' engine caches (docs/engine-caches.md); `on_adapters()` hears
+    of each adapter directory published (the daemon's reconcile then fetches its adapters, csi/adapters.py)."""
     if not node_id:
         raise ConfigError("the CSI node id is empty; set NODE_NAME (from the pod's spec.nodeName) or --node-name")
     path = socket_path(endpoint)
@@ -85,7 +86,7 @@ async def serve_csi(endpoint: str, *, store: Store, fetches: FetchQueue, node_id
     node = NodeServicer(store, fetches, node_id=node_id, authority=authority, kubelet_dir=kubelet_dir,
                         publish_timeout=publish_timeout, book=book, tier=tier, pool=pool, observe=observe,
                         observe_stage=observe_stage, engine_limits=engine_limits, pod_event=pod_event,
-                        observe_compile=observe_compile)
+                        observe_compile=observe_compile, on_adapters=on_adapters)
     csi_pb2_grpc.add_NodeServicer_to_server(node, server)  # type: ignore[no-untyped-call]
     claim_socket_path(path, change="--csi-endpoint")  # kubelet reconnects to the new socket
     server.add_insecure_port(f"unix://{path}")

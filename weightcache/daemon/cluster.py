@@ -109,14 +109,15 @@ class Cluster:
     def node_event(self, reason: str, message: str, type: str) -> None:
         self.reporter.node_event(reason, message, type, uid=(self._node.get("metadata") or {}).get("uid"))
 
-    def desired(self) -> list[Want]:
+    def desired(self, adapter_views: Mapping[str, tuple[str, ...]] | None = None) -> list[Want]:
+        """`adapter_views`: base model uri -> namespaces of the pods here with an adapter directory for it."""
         from weightcache.kube.desired import plan
         from weightcache.kube.report import node_labels
 
         self._node = self.reporter.read_node()
         self._labels = node_labels(self._node)
         caches = {str((mc.get("metadata") or {}).get("name")): mc for mc in self.model_caches()}
-        wanted, invalid = plan(caches.values(), self._labels, self.node_name)
+        wanted, invalid = plan(caches.values(), self._labels, self.node_name, adapter_views)
         for bad in invalid:
             if self._invalid.get(bad.name) != bad.error:
                 self._invalid[bad.name] = bad.error
@@ -194,4 +195,4 @@ async def serve_csi(node: Node) -> Any:
                        observe=node.metrics.observe_csi,
                        observe_stage=node.metrics.observe_stage, engine_limits=s.engine_limits,
                        pod_event=node.cluster.pod_event if node.cluster is not None else None,
-                       observe_compile=node.metrics.observe_compile)
+                       observe_compile=node.metrics.observe_compile, on_adapters=node.kick)

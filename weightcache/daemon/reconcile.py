@@ -22,12 +22,14 @@ from typing import Any
 
 from weightcache import hf_layout
 from weightcache.access import ADMIN, Grant
+from weightcache.csi import adapters
+from weightcache.csi.reconcile import VolumeBook
 from weightcache.daemon import startup_taint
 from weightcache.daemon.config import ModelSpec
 from weightcache.daemon.node import Node
 from weightcache.errors import NotAllowedError, SignatureError
 from weightcache.fetch import Progress
-from weightcache.store import Snapshot
+from weightcache.store import Snapshot, StreamViews
 from weightcache.uri import ModelRef, is_readiness_label
 from weightcache.vocabulary import READINESS_LABEL_PREFIX, READY
 
@@ -140,6 +142,7 @@ class Reconciler:
         self._fetching: dict[str, asyncio.Task[None]] = {}  # want name -> its fetch
         self.passes = 0
         self._taint_due: float | None = None  # seconds from the last pass to the startup taint's deadline
+        self._book, self._views = VolumeBook(node.store.tree), StreamViews(node.store.layout)  # adapter directories
 
     def kick(self) -> None:
         """Wake the loop; call on the event loop's thread (use loop.call_soon_threadsafe from others)."""
@@ -184,6 +187,7 @@ class Reconciler:
         await asyncio.to_thread(hf_layout.prune, node.store)  # hub cache views of snapshots evicted meanwhile
         await self._report_labels(outcome)
         await self._release_startup_taint(wanted, results)  # last: pods arrive to the readiness labels already set
+        await adapters.fill_all(node.store, self._book, self._views, node.authority, node.fetches)
         self.held = outcome.held
         self.passes += 1
         node.metrics.reconcile_seconds.observe(time.monotonic() - start)
@@ -193,7 +197,10 @@ class Reconciler:
 
     async def _desired(self) -> list[Want]:
         cluster = self.node.cluster
-        return [] if cluster is None else await asyncio.to_thread(cluster.desired)
+        if cluster is None:
+            return []
+        views = await asyncio.to_thread(adapters.views_by_base, self._book)  # whose adapters to fetch here
+        return await asyncio.to_thread(cluster.desired, views)
 
     def _authorize(self, wanted: Sequence[Want]) -> tuple[list[Want], dict[str, Grant],
                                                            list[tuple[Want, str, Snapshot | None, str]]]:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightcache.errors import InvalidReferenceError
-from weightcache.kube import MESSAGE_MAX, rollout
+from weightcache.kube import MESSAGE_MAX, adapters, rollout
 from weightcache.redact import redact
 from weightcache.uri import ModelRef, parse_ref
 from weightcache.vocabulary import CONTROLLER, MANAGED_BY
@@ -69,8 +69,13 @@ def selects(node_labels: Mapping[str, str], node_selector: Mapping[str, str] | N
 
 
 def plan(model_caches: Iterable[Mapping[str, Any]], node_labels: Mapping[str, str],
-         node_name: str | None = None) -> tuple[list[DesiredModel], list[InvalidSpec]]:
-    """The models this node should hold (priority high first, then name) and the selected specs that are invalid."""
+         node_name: str | None = None, adapter_views: Mapping[str, tuple[str, ...]] | None = None,
+         ) -> tuple[list[DesiredModel], list[InvalidSpec]]:
+    """The models this node should hold (priority high first, then name) and the selected specs that are invalid.
+
+    `adapter_views`: base model uri -> the namespaces of the pods on this node with an adapter directory for it
+    (docs/adapters.md). An adapter's ModelCache for such a base is wanted here as those namespaces' demand when
+    nothing else selects the node: decided for them, as if their pods asked."""
     wanted: list[DesiredModel] = []
     invalid: list[InvalidSpec] = []
     for mc in model_caches:
@@ -79,16 +84,19 @@ def plan(model_caches: Iterable[Mapping[str, Any]], node_labels: Mapping[str, st
         name = str(meta.get("name", ""))
         selector = spec.get("nodeSelector")
         named = node_name is not None and node_name in _strings(spec.get("nodeNames"))
-        if not isinstance(selector, Mapping) and not named:
+        for_pods = (adapter_views or {}).get(adapters.base_of(mc) or "")
+        if not isinstance(selector, Mapping) and not named and not for_pods:
             if selector is not None:
                 invalid.append(InvalidSpec(name, "spec.nodeSelector must be a map of label names to values"))
             continue
-        if not named and not selects(node_labels, selector):
+        selected = named or (isinstance(selector, Mapping) and selects(node_labels, selector))
+        if not selected and not for_pods:
             continue
+        namespaces = _demand_namespaces(meta, spec) if selected else tuple(sorted(set(for_pods or ())))
         try:
             serving, following = rollout.revisions(mc, node_name)
             current = _desired(name, {**spec, "revision": serving}, meta.get("generation"), _in_memory(mc, node_name),
-                               _demand_namespaces(meta, spec))
+                               namespaces)
             wanted.append(dataclasses.replace(current, model_cache=name,
                                               serves=rollout.managed(mc) and bool(serving)))
             if following is not None:  # a rollout's next revision, beside: on disk only, never the startup taint's

@@ -745,6 +745,11 @@ class Store:
                 f"{uri} needs {fmt_bytes(needed)} but only {fmt_bytes(max(0, limit - self.used_bytes()))} can be "
                 f"made free in the store at {self.root}; evict or unpin models, or raise the disk budget")
 
+    def floor_deficit(self) -> int:
+        """Bytes the filesystem lacks to be at the free-space floor (<= 0: at or above it)."""
+        free_disk, disk_size = disk_free(self.root)
+        return self.floor_bytes(disk_size) - free_disk
+
     def restore_floor(self) -> builtins.list[str]:
         """When the filesystem is below the floor (filled by anyone), evict LRU snapshots to give space back."""
         free_disk, disk_size = disk_free(self.root)

@@ -37,13 +37,15 @@ class StreamViews:
     def path(self, volume_id: str) -> Path:
         return self._layout.stream(volume_id)
 
-    def create(self, volume_id: str) -> Path:
+    def create(self, volume_id: str, *, state: bool = True) -> Path:
         """A fresh, empty view (whatever stood at its name, a planted link included, is removed first) whose
-        state says `fetching` with the files not yet known."""
+        state says `fetching` with the files not yet known; with `state=False` no state file (a pod's adapter
+        directory, csi/adapters.py: it only grows, by whole directories)."""
         view = self.path(volume_id)
         self._tree.remove_tree(view)
         self._tree.ensure_dir(view)
-        self.write_state(volume_id, STREAM_FETCHING)
+        if state:
+            self.write_state(volume_id, STREAM_FETCHING)
         return view
 
     def exists(self, volume_id: str) -> bool:
