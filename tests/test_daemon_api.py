@@ -126,6 +126,9 @@ async def test_metrics_parse_and_count_misses_hits_and_origin_bytes(daemon: Runn
     assert samples[("weightcache_cache_hits_total", file_)] == 1
     assert samples[("weightcache_origin_bytes_total", file_)] == size
     assert samples[("weightcache_fetch_duration_seconds_count", file_)] == 1
+    # every file of the one snapshot published, by what checked it against the source: file:// has no checksum
+    assert samples[("weightcache_published_files_total", (("check", "none"), ("scheme", "file")))] == \
+        len(list(daemon.model_dir.iterdir()))
     assert samples[("weightcache_store_used_bytes", ())] == size
     assert samples[("weightcache_snapshots", ())] == 1
     assert samples[("weightcache_leases", ())] == 0

@@ -356,3 +356,20 @@ def test_prefetch_of_a_missing_backend_exits_2_with_the_pip_command(tmp_path: Pa
 
     assert main(["prefetch", "--no-daemon", "gs://models/m/", "--root", str(tmp_path / "root")]) == 2
     assert "pip install gcsfs" in capsys.readouterr().err
+
+
+def test_a_checksum_a_gs_or_az_listing_carries_is_taken_only_when_well_formed() -> None:
+    """gs:// md5Hash (else crc32c) and az:// Content-MD5 check the downloaded bytes (the object-store tier checks
+    them against fake-gcs-server and Azurite); a value that is no digest of the right size is no checksum."""
+    import base64
+
+    from weightcache.sources.fsspec import listed_checksum
+
+    md5, crc = bytes(range(16)), b"\x01\x02\x03\x04"
+    assert listed_checksum({"md5Hash": base64.b64encode(md5).decode(), "crc32c": base64.b64encode(crc).decode()}) \
+        == ("md5", md5.hex())
+    assert listed_checksum({"crc32c": base64.b64encode(crc).decode()}) == ("crc32c", "01020304")  # composed
+    assert listed_checksum({"content_settings": {"content_md5": bytearray(md5)}}) == ("md5", md5.hex())
+    assert listed_checksum({"md5Hash": "not base64!", "crc32c": "AQID"}) is None  # 3 bytes: no CRC32C
+    assert listed_checksum({"md5Hash": base64.b64encode(md5[:15]).decode()}) is None
+    assert listed_checksum({"content_settings": {"content_md5": None}, "etag": "0x8D"}) is None

@@ -75,9 +75,10 @@ STREAM_FETCHING, STREAM_COMPLETE, STREAM_FAILED = "fetching", "complete", "faile
 
 # What verified each file's bytes against its source, as a manifest's "checks" records it and `ls -o json`,
 # `verify` and the policy requireSourceChecksum read it (docs/fetch.md, "What verified a file"): the store's own
-# SHA-256 or a digest the source names (an OCI layer, the hub's LFS sha256), a full-object CRC, the single-part MD5
-# ETag, the multipart ETag (MD5 of the part MD5s), a *.sha256 / SHA256SUMS file beside it, or nothing.
-SOURCE_CHECKS = ("sha256", "crc64nvme", "crc32c", "crc32", "md5-etag", "multipart-md5", "sidecar", "none")
+# SHA-256 or a digest the source names (an OCI layer, the hub's LFS sha256), a full-object CRC, a full-object MD5 a
+# gs:// or az:// listing carries, the single-part MD5 ETag, the multipart ETag (MD5 of the part MD5s), a *.sha256 /
+# SHA256SUMS file beside it, or nothing.
+SOURCE_CHECKS = ("sha256", "crc64nvme", "crc32c", "crc32", "md5", "md5-etag", "multipart-md5", "sidecar", "none")
 NO_SOURCE_CHECK = "none"
 
 # The startup taint a node pool puts on new nodes (Karpenter `startupTaints`, cluster-autoscaler `--startup-taint`)

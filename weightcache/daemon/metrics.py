@@ -19,6 +19,7 @@ from weightcache import __version__
 from weightcache.vocabulary import (
     COMPILE_RESULTS,
     ENGINE_STAGES,
+    SOURCE_CHECKS,
     STAGE_MODEL_ON_NODE,
     STAGE_VOLUME_PUBLISHED,
     STARTUP_TAINT,
@@ -55,6 +56,10 @@ class Metrics:
         self.model_bytes = Counter("weightcache_model_fetched_bytes", "Bytes fetched per model (label: the model's "
                                    "key, weightcache.uri.model_key), from the origin or from peers (fleet fill: "
                                    "docs/peers.md)", ["model", "source"], registry=r)
+        self.published_files = Counter(
+            "weightcache_published_files", f"Files of the snapshots this daemon published, by what verified each "
+            f"against its source ({', '.join(SOURCE_CHECKS)}; docs/fetch.md, \"What verified a file\")",
+            ["scheme", "check"], registry=r)
         self.evictions = Counter("weightcache_evictions", "Snapshots evicted by the daemon", ["reason"], registry=r)
         self.reloads = Counter("weightcache_config_reloads", "Config reloads", ["result"], registry=r)
         self.reconcile_seconds = Histogram("weightcache_reconcile_duration_seconds", "One reconcile pass",

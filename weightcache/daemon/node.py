@@ -101,6 +101,8 @@ class MeteredFetcher:
                 for name, value in fetcher.stats.items():
                     done[name] = done.get(name, 0) + value
         self._metrics.fetch_seconds.labels(ref.scheme).observe(time.monotonic() - start)
+        for check, n in fetcher.published_checks.items():
+            self._metrics.published_files.labels(ref.scheme, check).inc(n)
         return snapshot
 
     def close(self) -> None:

@@ -9,6 +9,7 @@ poll it, show the holder's progress file, and find the published snapshot when i
 
 from __future__ import annotations
 
+import collections
 import fcntl
 import logging
 import os
@@ -75,6 +76,8 @@ class Fetcher:
         self._stats_lock = threading.Lock()
         self.stats: dict[str, int] = {"hits": 0, "misses": 0, "origin_bytes": 0, "peer_bytes": 0,
                                       "fetches_in_flight": 0}
+        #: files this fetcher published, by what verified each against its source (vocabulary.SOURCE_CHECKS)
+        self.published_checks: collections.Counter[str] = collections.Counter()
         self._signature_checked: set[tuple[str, tuple[SignaturePolicy, ...]]] = set()
         self._planner = Planner(store, peers=peers, require_source_checksum=require_source_checksum)
 
@@ -244,6 +247,8 @@ class Fetcher:
             serve_partials(self.peers, todo, False)
         reporter.phase("publishing")
         snap = publish(grant, self.store, items, downloaded=bool(todo), expand=expand)
+        with self._stats_lock:
+            self.published_checks.update(self.store.source_checks(snap.id).values())
         secs = time.monotonic() - started
         log.info("fetched %s: %s from origin (%d of %d files, %s already cached) in %.1fs, %.2f GB/s",
                  ref, fmt_bytes(fetched), len(todo), len(items), fmt_bytes(total - fetched), secs,

@@ -147,10 +147,12 @@ def _source_check(item: Item, source: Source) -> str | None:
         item.expect_sha256 = obj.checksum[1].lower()
         item.check = "sha256"
         return item.expect_sha256
-    if obj.checksum and new_hasher(obj.checksum[0]) is not None:
-        item.source_check = obj.checksum
+    if obj.checksum and (obj.checksum[0] == "md5" or new_hasher(obj.checksum[0]) is not None):
+        item.source_check = obj.checksum  # S3's CRCs; gs:// md5Hash or crc32c, az:// Content-MD5
+        item.check = obj.checksum[0]
     elif (md5 := source.etag_md5(obj)) is not None:
         item.source_check = ("md5", md5)
+        item.check = "md5-etag"
     return None
 
 

@@ -39,7 +39,8 @@ def verified(item: Item, source: Source) -> str:
         raise IntegrityError(f"{item.relpath}: sha256 {sha} does not match the expected {item.expect_sha256}")
     if item.source_check is not None and part.source_check is not None:
         algorithm, want = item.source_check
-        if algorithm == "md5":  # a GET may have shown SSE-KMS/SSE-C since planning: then the ETag is no MD5
+        if algorithm == "md5" and item.obj.checksum is None:  # an ETag (not a listed MD5: gs://, az://): a GET
+            # may have shown SSE-KMS/SSE-C since planning, and then the ETag is no MD5
             want = source.etag_md5(item.obj) or ""
             if not want:
                 item.check = NO_SOURCE_CHECK

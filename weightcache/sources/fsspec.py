@@ -16,6 +16,7 @@ Local symlinks to files count as the files they point to (a Hugging Face cache s
 
 from __future__ import annotations
 
+import base64
 import builtins
 import logging
 import os
@@ -166,7 +167,8 @@ class FsspecSource(Source):
     def _object(self, path: str, info: dict[str, Any]) -> ObjectInfo:
         relpath = path[len(self.root):] if path.startswith(self.root) else ""
         generation = str(info["generation"]) if self._protocol == "gcs" and info.get("generation") else None
-        return ObjectInfo(path, relpath, int(info["size"]), version_token(info), generation, None)
+        return ObjectInfo(path, relpath, int(info["size"]), version_token(info), generation,
+                          listed_checksum(info) if self._protocol in ("gcs", "az") else None)
 
     def _read_range(self, obj: ObjectInfo, pos: int, view: memoryview) -> int:
         """Read, then confirm the listed version is still the one there: a version that changed before or
@@ -284,6 +286,27 @@ def version_token(info: dict[str, Any]) -> str | None:
         return None
     stamp = stamp.timestamp() if hasattr(stamp, "timestamp") else stamp
     return f"{stamp!r}-{info.get('size')}"
+
+
+def listed_checksum(info: dict[str, Any]) -> tuple[str, str] | None:
+    """The full-object checksum a gs:// or az:// listing carries, as (algorithm, lowercase hex), to check the
+    downloaded bytes against (never evidence to link a blob: only S3's SHA-256 is, ObjectInfo.checksum):
+    gs:// `md5Hash` (Google computes it on upload; a composed object has none), else its `crc32c` (every object,
+    big-endian); az:// `Content-MD5` (computed by the service for a blob uploaded whole; for one committed from
+    blocks, whatever the uploader set, usually nothing). Anything malformed counts as no checksum."""
+    settings: Any = info.get("content_settings")  # azure.storage.blob's ContentSettings, a dict-like
+    candidates = (("md5", info.get("md5Hash"), 16), ("crc32c", info.get("crc32c"), 4),
+                  ("md5", settings.get("content_md5") if settings is not None else None, 16))
+    for algorithm, value, size in candidates:
+        if not value:
+            continue
+        try:
+            raw = bytes(value) if isinstance(value, (bytes, bytearray)) else base64.b64decode(str(value), validate=True)
+        except ValueError:
+            continue
+        if len(raw) == size:
+            return algorithm, raw.hex()
+    return None
 
 
 def stat_token(st: os.stat_result) -> str:
