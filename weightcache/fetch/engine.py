@@ -178,6 +178,10 @@ class Fetcher:
                 last_report = now
             time.sleep(0.05)
 
+    def _checked(self, checks: dict[str, str]) -> None:
+        with self._stats_lock:
+            self.published_checks.update(checks.values())
+
     def _count(self, name: str, n: int = 1) -> None:
         with self._stats_lock:
             self.stats[name] += n
@@ -246,9 +250,7 @@ class Fetcher:
         finally:  # the blobs have their names now (or the fetch failed): peers find one or nothing
             serve_partials(self.peers, todo, False)
         reporter.phase("publishing")
-        snap = publish(grant, self.store, items, downloaded=bool(todo), expand=expand)
-        with self._stats_lock:
-            self.published_checks.update(self.store.source_checks(snap.id).values())
+        snap = publish(grant, self.store, items, downloaded=bool(todo), expand=expand, checked=self._checked)
         secs = time.monotonic() - started
         log.info("fetched %s: %s from origin (%d of %d files, %s already cached) in %.1fs, %.2f GB/s",
                  ref, fmt_bytes(fetched), len(todo), len(items), fmt_bytes(total - fetched), secs,

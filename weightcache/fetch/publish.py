@@ -159,13 +159,15 @@ def keep_verified(store: Store, items: list[Item]) -> None:
         sync_filesystem(store.layout.partial)
 
 
-def publish(grant: Grant, store: Store, items: list[Item], *, downloaded: bool, expand: Expand) -> Snapshot:
+def publish(grant: Grant, store: Store, items: list[Item], *, downloaded: bool, expand: Expand,
+            checked: Callable[[dict[str, str]], None] | None = None) -> Snapshot:
     """The snapshot of every listed file (tar layers replaced by their members: `expand`, sources/oci_tar.py),
     once its model.sig satisfies the grant's signature requirements (signed.py: SignatureError, nothing named).
     One syncfs makes the new blobs' bytes and names durable, and those of blobs linked on a checksum alone
     (another fetch may have named them before their bytes synced). The disk works while publish links the
     tree (2,000 small files: ~30 ms of each, overlapped); publish waits for it before the tree is renamed
-    into place."""
+    into place. `checked` is told what verified each file this fetch published (the manifest keeps the first
+    record of a snapshot: the same files fetched from another store have the same snapshot id)."""
     listed = [FileEntry(i.relpath, i.size, i.sha256 or "", i.obj.etag, i.obj.version_id) for i in items]
     entries = expand(listed, store)  # `listed` itself: none to expand
     if entries is not listed:
@@ -174,9 +176,12 @@ def publish(grant: Grant, store: Store, items: list[Item], *, downloaded: bool, 
     unsynced = downloaded or entries is not listed or any(i.unsynced_blob for i in items)
     with ThreadPoolExecutor(1, thread_name_prefix="wc-syncfs") as pool:
         synced = pool.submit(sync_filesystem, store.layout.partial) if unsynced else None
-        return store.publish(grant.ref, entries, before_commit=synced.result if synced else None,
-                             checks=_checks_of(items, entries),
+        checks = _checks_of(items, entries)
+        snap = store.publish(grant.ref, entries, before_commit=synced.result if synced else None, checks=checks,
                              signature=signature.to_json() if signature is not None else None)
+    if checked is not None:
+        checked(checks)
+    return snap
 
 
 def _checks_of(items: list[Item], entries: list[FileEntry]) -> dict[str, str]:
