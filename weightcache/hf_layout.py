@@ -33,7 +33,7 @@ import stat
 from pathlib import Path
 
 from weightcache.errors import InvalidReferenceError, InvalidRequestError
-from weightcache.store import Snapshot, Store, tmp_name, validate_relpath
+from weightcache.store import LinkTree, Snapshot, Store, tmp_name, validate_relpath
 from weightcache.uri import validate_repo_id
 
 log = logging.getLogger(__name__)
@@ -99,23 +99,22 @@ def hub_cache(store: Store, snapshot: Snapshot, repo_id: str, *, refs: tuple[str
 def _build(store: Store, repo: Path, snapshot: Snapshot, commit: str, refs: tuple[str, ...]) -> None:
     """Hard links of the snapshot's files under `repo`, every directory opened without following a symlink."""
     files = repo / "snapshots" / commit
-    made = {repo.parent, repo, repo / "snapshots", files, repo / "refs"}
-    with store.tree.held() as held:
+    with store.tree.held() as held, LinkTree(held.fd(files, create=True)) as links:
         for entry in snapshot.files:
-            rel = Path(validate_relpath(entry.path))  # from a manifest: validated again before it becomes a path
+            rel = validate_relpath(entry.path)  # from a manifest: validated again before it becomes a path
             src_fd = held.fd((snapshot.path / rel).parent)
-            if not stat.S_ISREG(os.stat(rel.name, dir_fd=src_fd, follow_symlinks=False).st_mode):
+            name = rel.rpartition("/")[2]
+            if not stat.S_ISREG(os.stat(name, dir_fd=src_fd, follow_symlinks=False).st_mode):
                 raise OSError(40, f"{snapshot.path / rel} is not a regular file; a snapshot holds nothing else "
                                   f"(run weightcache verify)")
-            target = (files / rel).parent
-            made.update(p for p in (target, *target.parents) if p.is_relative_to(files))
-            os.link(rel.name, rel.name, src_dir_fd=src_fd, dst_dir_fd=held.fd(target, create=True),
-                    follow_symlinks=False)
+            links.link(src_fd, name, rel)
         held.fd(repo / "refs", create=True)
-        for name in dict.fromkeys(refs):  # the hub writes the bare commit, no newline
-            store.tree.write_atomic(repo / "refs" / name, commit.encode(), mode=0o444, durable=False)
-        for directory in sorted(made, key=lambda p: len(p.parts), reverse=True):
-            os.fchmod(held.fd(directory, create=True), 0o555)
+        for ref in dict.fromkeys(refs):  # the hub writes the bare commit, no newline
+            store.tree.write_atomic(repo / "refs" / ref, commit.encode(), mode=0o444, durable=False)
+        for fd in links.made():  # deepest first, then the repo's own directories
+            os.fchmod(fd, 0o555)
+        for directory in (files, repo / "refs", repo / "snapshots", repo, repo.parent):
+            os.fchmod(held.fd(directory), 0o555)
 
 
 def prune(store: Store, *, unleased: bool = True) -> int:

@@ -296,6 +296,44 @@ class HeldDirs:
         self.close()
 
 
+class LinkTree:
+    """Hard links into the directory open as `root`, each parent directory made (mode `dir_mode`) and opened
+    without following a symlink, once per directory: the one way trees of links to blobs are built (a snapshot,
+    a hub cache view, a streaming view). Close with `with` (the root stays its caller's)."""
+
+    def __init__(self, root: int, *, dir_mode: int = 0o755) -> None:
+        self._mode = dir_mode
+        self._fds: dict[str, int] = {"": root}
+
+    def link(self, src_dir_fd: int, src_name: str, relpath: str) -> None:
+        """Link `src_name` (not followed) of the directory open as `src_dir_fd` at `relpath` (validated)."""
+        parent, _, name = relpath.rpartition("/")
+        os.link(src_name, name, src_dir_fd=src_dir_fd, dst_dir_fd=self.dir(parent), follow_symlinks=False)
+
+    def dir(self, path: str) -> int:
+        """The descriptor of directory `path` below the root ("" is the root), made where missing."""
+        fd = self._fds.get(path)
+        if fd is None:
+            up, _, name = path.rpartition("/")
+            up_fd = self.dir(up)
+            with suppress(FileExistsError):
+                os.mkdir(name, self._mode, dir_fd=up_fd)
+            fd = self._fds[path] = os.open(name, _DIR_FLAGS, dir_fd=up_fd)
+        return fd
+
+    def made(self) -> list[int]:
+        """The directories below the root opened so far, deepest first."""
+        return [fd for path, fd in sorted(self._fds.items(), key=lambda e: -e[0].count("/")) if path]
+
+    def __enter__(self) -> LinkTree:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for fd in self.made():
+            os.close(fd)
+        self._fds = {"": self._fds[""]}
+
+
 _libc = ctypes.CDLL(None, use_errno=True)
 _RENAME_NOREPLACE = 1
 # until the C library lacks it or a filesystem says it has no RENAME_NOREPLACE: then link + unlink

@@ -12,13 +12,13 @@ orphan blobs (which removes only a blob with a single link) leaves it while the 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
 
 from weightcache.errors import ObjectChangedError
+from weightcache.store.fsops import LinkTree
 from weightcache.store.layout import Layout
 from weightcache.store.paths import validate_relpath
 from weightcache.vocabulary import STREAM_DIR, STREAM_FETCHING, STREAM_STATE
@@ -69,22 +69,18 @@ class StreamViews:
         view = self.path(volume_id)
         parent, _, name = relpath.rpartition("/")
         blob = self._layout.blob(sha256)
-        with self._tree.dir(blob.parent) as src, self._tree.dir(view) as root:
-            dfd = _make_dirs(root, parent)
+        with self._tree.dir(blob.parent) as src, self._tree.dir(view) as root, \
+                LinkTree(root, dir_mode=STATE_DIR_MODE) as links:
             try:
-                try:
-                    os.link(blob.name, name, src_dir_fd=src, dst_dir_fd=dfd, follow_symlinks=False)
-                    return True
-                except FileExistsError:
-                    there = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-                    if there.st_ino == os.stat(blob.name, dir_fd=src, follow_symlinks=False).st_ino:
-                        return False
-                    raise ObjectChangedError(f"{relpath} changed at the source while it was streamed to this pod "
-                                             "(the view holds the old bytes); restart the pod to load the new "
-                                             "revision") from None
-            finally:
-                if dfd != root:
-                    os.close(dfd)
+                links.link(src, blob.name, relpath)
+                return True
+            except FileExistsError:
+                there = os.stat(name, dir_fd=links.dir(parent), follow_symlinks=False)
+                if there.st_ino == os.stat(blob.name, dir_fd=src, follow_symlinks=False).st_ino:
+                    return False
+                raise ObjectChangedError(f"{relpath} changed at the source while it was streamed to this pod "
+                                         "(the view holds the old bytes); restart the pod to load the new "
+                                         "revision") from None
 
     def write_state(self, volume_id: str, state: str, files: Iterable[str] | None = None,
                     error: str | None = None) -> None:
@@ -98,17 +94,3 @@ class StreamViews:
     def remove(self, volume_id: str) -> None:
         """Remove the view (its blobs stay: a snapshot's, or orphans for gc)."""
         self._tree.remove_tree(self.path(volume_id))
-
-
-def _make_dirs(root: int, parent: str) -> int:
-    """The descriptor of directory `parent` of the view open as `root` (made 0555 where missing), walked without
-    following links; `root` itself when `parent` is empty."""
-    fd = root
-    for name in parent.split("/") if parent else ():
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(name, STATE_DIR_MODE, dir_fd=fd)
-        child = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-        if fd != root:
-            os.close(fd)
-        fd = child
-    return fd
