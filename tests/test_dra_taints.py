@@ -20,7 +20,7 @@ from weightcache.dra.claims import ClaimBook
 from weightcache.dra.devices import TAINT_KEY, devices_for, snapshot_of
 from weightcache.dra.eviction import ExtendedPodEvictor, tolerated_until
 from weightcache.dra.slices import SlicePublisher, build_slices
-from weightcache.dra.states import DAMAGED, EVICTING, STATES, VERIFYING, DeviceStates
+from weightcache.dra.states import DAMAGED, EVICTING, VERIFYING, DeviceStates
 from weightcache.store import Snapshot, Store
 
 
@@ -95,6 +95,8 @@ async def test_the_apis_verify_marks_a_damaged_copy_and_its_repair_clears_it(dae
     NoExecute at the publisher's next tick) until a repair makes it whole."""
     snap = await asyncio.to_thread(d_ensure, daemon)
     sid = snap["id"]
+    assert daemon.daemon.node is not None
+    states = daemon.daemon.node.device_states
     victim = next(p for p in Path(snap["path"]).rglob("*.safetensors"))
     os.chmod(victim, 0o644)
     with open(victim, "r+b") as f:
@@ -103,10 +105,10 @@ async def test_the_apis_verify_marks_a_damaged_copy_and_its_repair_clears_it(dae
     async with daemon.http() as http:
         async with http.post(f"/v1/models/{sid}/verify", json={"repair": False}) as r:
             assert r.status == 200 and (await r.json())["damaged"], await r.text()
-        assert STATES.snapshot()[sid].state == DAMAGED
+        assert states.snapshot()[sid].state == DAMAGED
         async with http.post(f"/v1/models/{sid}/verify", json={"repair": True}) as r:
             assert r.status == 200 and (await r.json())["repaired"], await r.text()
-    assert sid not in STATES.snapshot(), "a repaired copy is whole again: untainted"
+    assert sid not in states.snapshot(), "a repaired copy is whole again: untainted"
 
 
 def d_ensure(daemon: RunningDaemon) -> dict[str, Any]:

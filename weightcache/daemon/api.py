@@ -48,7 +48,7 @@ from weightcache.access import Grant
 from weightcache.daemon.client import error_code
 from weightcache.daemon.listing import Listing, info_body, snapshot_body
 from weightcache.daemon.node import Node
-from weightcache.dra.states import DAMAGED, EVICTING, STATES, VERIFYING
+from weightcache.dra.states import DAMAGED, EVICTING, VERIFYING
 from weightcache.fetch_queue import FetchQueue
 from weightcache.jsonbody import parse_json
 from weightcache.listener import install_log_rate_limits
@@ -339,10 +339,10 @@ async def verify_model(request: web.Request) -> web.Response:
     if not isinstance(repair, bool):
         raise errors.InvalidReferenceError('send {"repair": true} or {"repair": false}')
     snapshot = await asyncio.to_thread(node.store.get, sid)
-    with STATES.marking(sid, VERIFYING):  # its DRA devices are tainted while the bytes are re-read
+    with node.device_states.marking(sid, VERIFYING):  # its DRA devices are tainted while the bytes are re-read
         damaged = await asyncio.to_thread(verify_snapshot, node.store, sid)
         if damaged:
-            STATES.mark(sid, DAMAGED)  # stays until repaired or evicted (docs/dra.md, "Device taints")
+            node.device_states.mark(sid, DAMAGED)  # stays until repaired or evicted (docs/dra.md, "Device taints")
     repaired = []
     if damaged and repair:
         refs = await asyncio.to_thread(drop_damaged, node.store, sid, damaged) or [snapshot.uri]
@@ -355,7 +355,7 @@ async def verify_model(request: web.Request) -> web.Response:
                             "the source answers",)
                 raise
             repaired.append({"ref": text, "snapshot": fresh.id})
-        STATES.clear(sid)
+        node.device_states.clear(sid)
     checks = await asyncio.to_thread(node.store.source_checks, sid)
     signature = await asyncio.to_thread(node.store.signature, sid)
     return web.json_response({"id": sid, "uri": snapshot.uri, "files": len(snapshot.files), "damaged": damaged,
@@ -380,7 +380,7 @@ async def gc(request: web.Request) -> web.Response:
 
 
 def _evict(node: Node, snapshot_id: str) -> None:
-    with STATES.marking(snapshot_id, EVICTING):  # its DRA devices are tainted until they leave the slice
+    with node.device_states.marking(snapshot_id, EVICTING):  # its DRA devices are tainted until they leave the slice
         _evict_now(node, snapshot_id)
 
 

@@ -23,7 +23,6 @@ from weightcache.dra.eviction import ExtendedPodEvictor
 from weightcache.dra.fetchable import Fetchable, cache_counters, declared, fetchable_devices
 from weightcache.dra.server import DraPlugin, claim_reader, serve_dra
 from weightcache.dra.slices import SlicePublisher
-from weightcache.dra.states import STATES
 from weightcache.errors import ConfigError
 from weightcache.settings import node_name as node_name_of
 from weightcache.uri import model_key
@@ -41,7 +40,7 @@ def node_devices(node: Node, *, shared: Callable[[], bool] = lambda: False) -> C
         resident = {r.id for r in node.tier.resident()} if node.tier is not None else set()
         infos = node.store.list()
         return devices_for([i.snapshot for i in infos], slots=dra.slots_per_model, shared=shared(),
-                           resident=resident, states=STATES.snapshot(),
+                           resident=resident, states=node.device_states.snapshot(),
                            signatures={i.snapshot.id: i.signature for i in infos if i.signature})
     return devices
 
@@ -76,7 +75,7 @@ def change_token(node: Node, *, fetchable: bool = False) -> Callable[[], object]
     def token() -> object:
         resident = frozenset(r.id for r in node.tier.resident()) if node.tier is not None else frozenset()
         offered = tuple(sorted((k, m.size) for k, m in declared(node.model_caches()).items())) if fetchable else ()
-        return node.store.changes.read()[0], resident, offered, STATES.version
+        return node.store.changes.read()[0], resident, offered, node.device_states.version
     return token
 
 
@@ -157,4 +156,4 @@ async def serve_for_node(node: Node) -> DraPlugin:
                            publisher=publisher, publish_interval=dra.publish_seconds,
                            fetchable=resolve if fetchable else None, binder=binder,
                            evictor=ExtendedPodEvictor(api_client, book=ClaimBook(node.store.layout.tree),
-                                                      states=STATES.snapshot, api_version=dra.api_version))
+                                                      states=node.device_states.snapshot, api_version=dra.api_version))

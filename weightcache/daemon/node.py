@@ -20,6 +20,7 @@ from weightcache.daemon.client import error_code
 from weightcache.daemon.config import Settings
 from weightcache.daemon.metrics import Metrics, Sample
 from weightcache.daemon.tasks import Tasks
+from weightcache.dra.states import DeviceStates
 from weightcache.errors import ConfigError, WeightcacheError
 from weightcache.fetch import DurableFile, Fetcher
 from weightcache.fetch_queue import FetchQueue
@@ -141,6 +142,9 @@ class Node:
     kick: Callable[[], None] = lambda: None  # wakes the reconcile loop
     peer_server: Any = None  # weightcache.peers.server.PeerServer when peerListen is set
     fetches: FetchQueue = field(init=False)  # the one queue every fetch of this daemon goes through
+    # held copies whose DRA devices are tainted now (evicting, verifying, damaged): the API marks, the slice
+    # publisher reads (dra/states.py)
+    device_states: DeviceStates = field(default_factory=DeviceStates)
 
     def __post_init__(self) -> None:
         self.fetches = FetchQueue(self.fetcher, parallel=self.settings.parallel_models)

@@ -2,9 +2,9 @@
 
 A snapshot being evicted, re-verified or found damaged keeps its devices in the slice, tainted
 `weightcache.io/unavailable=<state>` (docs/dra.md, "Device taints"), until whole again. Whoever evicts or verifies
-marks it here (`STATES.marking(sid, VERIFYING)`); the slice publisher reads `snapshot()` and puts `version` in
-its change token, so a mark is published at the next tick without a store change. One registry per process: the
-daemon's API, its reconcile and the publisher share it.
+marks it here (`states.marking(sid, VERIFYING)`); the slice publisher reads `snapshot()` and puts `version` in
+its change token, so a mark is published at the next tick without a store change. One registry per daemon, handed
+down as an object (`Node.device_states`): its API, its reconcile and the publisher share it.
 """
 
 from __future__ import annotations
@@ -62,5 +62,3 @@ class DeviceStates:
         with self._lock:
             return dict(self._states)
 
-
-STATES = DeviceStates()
