@@ -235,7 +235,7 @@ def test_files_recorded_here_are_linked_once_and_fetched_again_once_evicted(tmp_
     (tmp_path / "model" / "d0" / "f00000.bin").write_bytes(b"changed")  # a new token for this file only
     files["d0/f00000.bin"] = b"changed"
     fetcher = Fetcher(store)
-    second = fetcher._fetch(ref, None)
+    second = fetcher._fetch(admin(ref), None)
     assert fetcher.stats["origin_bytes"] == len(b"changed"), "only the changed file was read"
     store.evict(first.id)
     store.evict(second.id)
