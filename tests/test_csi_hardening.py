@@ -37,6 +37,7 @@ from weightcache.csi._pb import csi_pb2
 
 pytestmark = ROOT_MARKS
 SLOW = 8  # downloads held open at once
+HELD_ANSWER_S = 30.0  # seconds a call may take while they are held: far past any answer, far below the hold
 
 
 allow_all = Authority()  # off-cluster: every undeclared model allowed
@@ -61,40 +62,41 @@ async def wide(safe_tmp: Path, model_in_s3: str, fault_proxy: FaultProxy) -> Asy
 
 
 async def timed(call: Awaitable[object]) -> float:
+    """The call's seconds; it must answer while the downloads stay held (a call queued behind them never would:
+    the bound only turns that hang into a failure, it is no speed requirement)."""
     start = time.monotonic()
-    await call
+    await asyncio.wait_for(call, HELD_ANSWER_S)
     return time.monotonic() - start
 
 
-async def test_probe_and_cached_publish_answer_fast_while_eight_slow_downloads_run(
+async def test_probe_and_cached_publish_answer_while_eight_downloads_are_held(
         wide: CsiHarness, s3: S3, safe_tmp: Path) -> None:
     csi = wide
     await csi.node.NodePublishVolume(csi.publish_request("warm"))  # llama is now cached
     models = upload_models(s3, safe_tmp, SLOW)
-    csi.proxy.add("delay", method="GET", path="/slow-", seconds=4.0, count=-1)
-    pods = [asyncio.ensure_future(csi.node.NodePublishVolume(csi.publish_request(f"cold-{i}", model=m)))
-            for i, m in enumerate(models)]
-    while len({r.path.split("/")[2] for r in csi.proxy.requests_for("GET", "/slow-")}) < SLOW:
-        await asyncio.sleep(0.02)  # until every download has a request held open by the proxy
-    assert csi.fetches.depth() == (SLOW, 0)
+    held = csi.proxy.add("hold", method="GET", path="/slow-", count=-1)  # released once every answer is in
+    try:
+        pods = [asyncio.ensure_future(csi.node.NodePublishVolume(csi.publish_request(f"cold-{i}", model=m)))
+                for i, m in enumerate(models)]
+        while len({r.path.split("/")[2] for r in csi.proxy.requests_for("GET", "/slow-")}) < SLOW:
+            await asyncio.sleep(0.02)  # until every download has a request held open by the proxy
+        assert csi.fetches.depth() == (SLOW, 0)
 
-    probes = [await timed(csi.identity.Probe(csi_pb2.ProbeRequest())) for _ in range(5)]
-    caps = await timed(csi.node.NodeGetCapabilities(csi_pb2.NodeGetCapabilitiesRequest()))
-    publishes, unpublishes = [], []
-    for i in range(5):
-        publishes.append(await timed(csi.node.NodePublishVolume(csi.publish_request(f"hot-{i}"))))
-        unpublishes.append(await timed(csi.node.NodeUnpublishVolume(csi.unpublish_request(f"hot-{i}"))))
-    stats = await timed(csi.node.NodeGetVolumeStats(
-        csi_pb2.NodeGetVolumeStatsRequest(volume_id="warm", volume_path=str(csi.target("warm")))))
-    assert not any(p.done() for p in pods), "the downloads were still running while we measured"
-    print(f"\nwith {SLOW} downloads held open: Probe max {max(probes) * 1000:.1f} ms, cached publish median "
-          f"{statistics.median(publishes) * 1000:.1f} ms (max {max(publishes) * 1000:.1f}), unpublish median "
-          f"{statistics.median(unpublishes) * 1000:.1f} ms, stats {stats * 1000:.1f} ms, capabilities "
-          f"{caps * 1000:.1f} ms")
-    assert max(probes) < 1.0
-    assert statistics.median(publishes) < 0.1 and max(publishes) < 1.0
-    assert statistics.median(unpublishes) < 0.1 and stats < 1.0 and caps < 1.0
-
+        probes = [await timed(csi.identity.Probe(csi_pb2.ProbeRequest())) for _ in range(5)]
+        caps = await timed(csi.node.NodeGetCapabilities(csi_pb2.NodeGetCapabilitiesRequest()))
+        publishes, unpublishes = [], []
+        for i in range(5):
+            publishes.append(await timed(csi.node.NodePublishVolume(csi.publish_request(f"hot-{i}"))))
+            unpublishes.append(await timed(csi.node.NodeUnpublishVolume(csi.unpublish_request(f"hot-{i}"))))
+        stats = await timed(csi.node.NodeGetVolumeStats(
+            csi_pb2.NodeGetVolumeStatsRequest(volume_id="warm", volume_path=str(csi.target("warm")))))
+        assert not any(p.done() for p in pods), "the downloads were still held while everything answered"
+        print(f"\nwith {SLOW} downloads held open: Probe max {max(probes) * 1000:.1f} ms, cached publish median "
+              f"{statistics.median(publishes) * 1000:.1f} ms (max {max(publishes) * 1000:.1f}), unpublish median "
+              f"{statistics.median(unpublishes) * 1000:.1f} ms, stats {stats * 1000:.1f} ms, capabilities "
+              f"{caps * 1000:.1f} ms")
+    finally:
+        held.release.set()
     await asyncio.gather(*pods)  # each cold pod's publish answered OK in its one call, once its model arrived
     assert all(mounts.mounted_at(csi.target(f"cold-{i}")) is not None for i in range(SLOW))
     for volume in [f"cold-{i}" for i in range(SLOW)] + ["warm"]:
