@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from weightcache.checksums import Hasher, new_hasher
+from weightcache.checksums import CRCS, Hasher, new_hasher
 from weightcache.download import PartialFile
 from weightcache.errors import NotAllowedError, SourceNotFoundError
 from weightcache.fetch.items import Item, partial
@@ -228,6 +228,7 @@ def open_parts(ref: ModelRef, store: Store, todo: list[Item], *, range_size: int
             parts / f"{ref.key}.{hashlib.sha256(item.relpath.encode()).hexdigest()[:16]}.part",
             item.obj, range_size=range_size,
             source_check=_hasher_factory(check[0]) if check and not item.expect_sha256 else None,
+            check_beside=not check or check[0] not in CRCS,
             journalled=item.obj.size > chunk_size)  # a one-chunk file has nothing to resume
     _drop_leftover_parts(parts, [partial(i) for i in todo if not partial(i).journalled])
     return sum(_resumed_size(i) for i in todo)

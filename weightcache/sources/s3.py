@@ -3,7 +3,7 @@
 Each range read is one GET with `Range`, pinned with `If-Match: <etag>` (and `VersionId` when known), so bytes of
 two object versions never mix. botocore's own retries are off: weightcache.retry retries throttling, 5xx,
 refused, reset and timed-out connections, DNS failures and short bodies, asking only for the bytes still missing.
-Integrity: a full-object checksum (SHA-256, CRC32; CRC32C and CRC64NVME with awscrt) read by HEAD where the
+Integrity: a full-object checksum (SHA-256, CRC64NVME, CRC32C, CRC32) read by HEAD where the
 listing shows one; else the ETag when it is an MD5 (single part, and no SSE-KMS/SSE-C seen in HEAD or GET).
 S3 error codes become our exceptions by one table; messages carry the code and what to do, never credentials
 (the cause is chained for detail).
