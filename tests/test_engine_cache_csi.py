@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import os
 from pathlib import Path
 
@@ -31,8 +32,9 @@ from weightcache.access import Authority
 from weightcache.csi import mounts
 from weightcache.csi._pb import csi_pb2
 from weightcache.csi.reconcile import VolumeBook
+from weightcache.engine_name import EngineName
 from weightcache.store import Snapshot
-from weightcache.vocabulary import ENGINE_CACHE_ATTRIBUTE, ENGINE_CACHE_READY
+from weightcache.vocabulary import ENGINE_CACHE_ATTRIBUTE, ENGINE_CACHE_READY, ENGINE_REPORT
 
 pytestmark = ROOT_MARKS
 
@@ -251,3 +253,33 @@ async def test_a_running_pods_cache_reaches_the_next_pod_once_it_says_its_engine
     for vid in ("pod-1", "pod-2"):
         await ec.node.NodeUnpublishVolume(ec.unpublish_request(vid))
     assert [a.id for a in artifacts(ec)] == [artifact.id] and ec.store.leases() == {}
+
+
+def engine_report_of(target: Path, *, key: str, written: int) -> None:
+    """What the weightcache vLLM plugin writes at the volume's root (weightcache/engine_report.py)."""
+    compiled = {"result": "miss", "key": key, "dir": "", "handed": [], "written": written}
+    (target / ENGINE_REPORT).write_text(json.dumps({"version": 1, "stages": {}, "compile": compiled}))
+
+
+async def test_a_compile_key_in_the_name_keys_the_cache_and_a_mismatch_is_never_handed_over(ec: CsiHarness) -> None:
+    """`vllm-0.32.0-cpu-<compile key>`: a pod whose engine compiled under another key hands nothing over (its
+    cache would be served to pods of the declared settings, which would miss it); one whose engine compiled under
+    the declared key hands it over under that name only; an engine that wrote nothing hands nothing back."""
+    keyed, other = f"{VLLM}-{'a' * 16}", "b" * 16
+    for vid, key, written in (("wrong", other, 12), ("idle", "a" * 16, 0), ("right", "a" * 16, 12)):
+        await ec.node.NodePublishVolume(engine_volume(ec, vid, name=keyed))
+        write_cache(ec.target(vid), FILES)
+        engine_report_of(ec.target(vid), key=key, written=written)
+        await ec.node.NodeUnpublishVolume(ec.unpublish_request(vid))
+        if vid != "right":
+            assert artifacts(ec) == [], vid
+    [artifact] = artifacts(ec)
+    assert artifact.uri.endswith(f"/vllm/0.32.0/cpu/{ALLOWED_NS}/{'a' * 16}/")
+    assert ENGINE_REPORT not in {f.path for f in artifact.files}, "the report is the pod's word, not the cache"
+    assert engine_cache.key_of(artifact).name == EngineName.parse(keyed)
+    await ec.node.NodePublishVolume(engine_volume(ec, "plain"))  # the name without a key is another key
+    assert os.listdir(ec.target("plain")) == []
+    await ec.node.NodePublishVolume(engine_volume(ec, "same", name=keyed))
+    assert (ec.target("same") / "modelinfos" / "llama.json").read_bytes() == b"{}"
+    for vid in ("plain", "same"):
+        await ec.node.NodeUnpublishVolume(ec.unpublish_request(vid))

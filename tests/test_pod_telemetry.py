@@ -83,7 +83,7 @@ async def test_a_pods_stages_reach_its_events_and_the_metrics(short_dir: Path, m
                                                    "namespace": NS, "uid": "uid-1"}
                     assert e["source"]["host"] == e["reportingInstance"] == NODE and e["count"] == 1
                 assert "fetched" in events["ModelOnNode"]["message"]
-                assert "compiled into 3f2a9c1b0d (7 files)" in events["EngineCacheMiss"]["message"]
+                assert "compiled (7 files written)" in events["EngineCacheMiss"]["message"]
                 assert events["EngineCacheMiss"]["type"] == "Normal"  # nothing was handed over: a first pod
                 seconds = float(events["FirstToken"]["message"].split(", ")[1].split("s after")[0])
                 assert 0 < seconds <= time.time() - started

@@ -64,7 +64,7 @@ from weightcache.store import FileEntry, Snapshot, SnapshotInfo, Store, validate
 from weightcache.store.records import snapshot_id_for
 from weightcache.units import fmt_bytes
 from weightcache.uri import ModelRef
-from weightcache.vocabulary import ENGINE_CACHE_ADMIN_DOMAIN, ENGINE_CACHE_READY, ENGINE_CACHE_SCHEME
+from weightcache.vocabulary import ENGINE_CACHE_ADMIN_DOMAIN, ENGINE_CACHE_READY, ENGINE_CACHE_SCHEME, ENGINE_REPORT
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +104,9 @@ class EngineCacheKey:
     @property
     def ref(self) -> ModelRef:
         """The artifact's reference in the store: its own scheme, so no model door can ask for it."""
-        n = self.name
-        return ModelRef(SCHEME, self.model_snapshot, f"{n.engine}/{n.version}/{n.device}/{self.domain}/")
+        n = self.name  # a compile key is one more level: the keys without one keep their references
+        compile = f"{n.compile}/" if n.compile else ""
+        return ModelRef(SCHEME, self.model_snapshot, f"{n.engine}/{n.version}/{n.device}/{self.domain}/{compile}")
 
     def __str__(self) -> str:
         return f"{self.name} for snapshot {self.model_snapshot[:12]} ({self.domain})"
@@ -126,10 +127,10 @@ def key_of(snapshot: Snapshot) -> EngineCacheKey | None:
     if not is_engine_cache(snapshot):
         return None
     parts = snapshot.uri[len(SCHEME) + 3:].split("/")
-    if len(parts) != 6 or parts[5]:
+    if len(parts) not in (6, 7) or parts[-1]:
         return None
     try:
-        return EngineCacheKey(parts[0], EngineName(*parts[1:4]), parts[4])
+        return EngineCacheKey(parts[0], EngineName(*parts[1:4], *parts[5:6]), parts[4])
     except InvalidRequestError:
         return None
 
@@ -376,8 +377,8 @@ def hand_over(store: Store, key: EngineCacheKey, directory: str | Path,
     """A pod's engine-cache volume, read back when the pod has ended (csi/engine_volumes.py): published as `key`
     when it holds the pod's ready file (vocabulary.ENGINE_CACHE_READY, a regular file at its root: the engine
     served) and no cache has that key yet (the first hand-over wins; a later one never replaces what pods already
-    got). The ready file itself is not part of the cache. None when nothing was handed over; InvalidRequestError
-    when the directory was refused (a symlink, a FIFO, past the bounds)."""
+    got). The ready file and the engine's report (csi/telemetry.py) are not part of the cache. None when nothing
+    was handed over; InvalidRequestError when the directory was refused (a symlink, a FIFO, past the bounds)."""
     with _locked(store, key):
         if _exact(store, key) is not None:
             log.info("engine cache %s exists already; the pod's copy is not handed over", key)
@@ -386,7 +387,7 @@ def hand_over(store: Store, key: EngineCacheKey, directory: str | Path,
             log.info("engine cache %s: the pod wrote no %s at its volume's root (its engine never served), so "
                      "nothing is handed over", key, ENGINE_CACHE_READY)
             return None
-        return _ingest_dir(store, key, directory, limits, skip=frozenset({ENGINE_CACHE_READY}))
+        return _ingest_dir(store, key, directory, limits, skip=frozenset({ENGINE_CACHE_READY, ENGINE_REPORT}))
 
 
 def is_ready(directory: str | Path) -> bool:

@@ -19,7 +19,7 @@ from weightcache.csi._pb import csi_pb2
 from weightcache.csi.reconcile import VolumeKind, VolumeRecord
 from weightcache.csi.request import PublishArgs
 from weightcache.csi.targets import TargetMissingError
-from weightcache.csi.telemetry import Pod, PodTelemetry
+from weightcache.csi.telemetry import Pod, PodTelemetry, worth_handing_over
 from weightcache.csi.volumes import VolumeHost, VolumeLocks, finish_even_if_cancelled
 from weightcache.engine_name import EngineName
 from weightcache.errors import OperationPendingError, WeightcacheError
@@ -120,10 +120,15 @@ class EngineCacheVolumes:
         entry = mounts.top_mount_at(parent, "mount", record.target_path)
         if entry is None or not mounts.is_scratch(entry) or entry.fstype != "tmpfs":  # not a hit's overlay
             return
+        directory = f"/proc/self/fd/{parent}/mount"
         try:
             key = engine_cache.EngineCacheKey(record.snapshot_id, EngineName.parse(record.engine_cache),
                                               record.pod_namespace)
-            snapshot = engine_cache.hand_over(self._store, key, f"/proc/self/fd/{parent}/mount", self._limits)
+            if (why := worth_handing_over(key.name, directory)) is not None:
+                logger.warning("engine cache of pod %s/%s not handed over: %s", record.pod_namespace,
+                               record.pod_name, why)
+                return
+            snapshot = engine_cache.hand_over(self._store, key, directory, self._limits)
         except WeightcacheError as exc:
             logger.warning("engine cache of pod %s/%s not handed over: %s", record.pod_namespace, record.pod_name,
                            exc)

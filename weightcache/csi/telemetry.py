@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from weightcache import engine_report
+from weightcache.engine_name import EngineName
 from weightcache.vocabulary import (
     COMPILE_HIT,
     COMPILE_INCOMPATIBLE,
@@ -160,12 +161,14 @@ class PodTelemetry:
         if outcome.result == COMPILE_HIT:
             message = f"engine cache {engine} hit: vLLM loaded its compiled graphs from {outcome.dir or '?'}"
         elif outcome.result == COMPILE_INCOMPATIBLE:
-            message = (f"engine cache {engine} incompatible: vLLM compiled again into {outcome.dir or '?'} "
-                       f"({outcome.written} files), the cache handed over holds {handed} (other compile settings: "
-                       f"compile key {outcome.key or '?'}); see docs/engine-caches.md")
+            message = (f"engine cache {engine} incompatible: vLLM compiled again ({outcome.written} files written) "
+                       f"beside the cache it was handed (made with other compile settings; this pod's compile key "
+                       f"is {outcome.key or '?'}); see docs/engine-caches.md")
         else:
-            message = (f"engine cache {engine} miss: vLLM compiled into {outcome.dir or '?'} ({outcome.written} "
-                       f"files); handed over: {handed}")
+            message = (f"engine cache {engine} miss: vLLM compiled ({outcome.written} files written); handed over: "
+                       f"{handed}")
+        if outcome.result != COMPILE_HIT and len(outcome.key) == 16 and engine.count("-") == 2:
+            message += f"; name it {engine}-{outcome.key} to key the cache by these compile settings"
         logger.info("pod=%s engine_cache=%s result=%s key=%s dir=%s handed=%s written=%d", pod, engine,
                     outcome.result, outcome.key, outcome.dir, handed, outcome.written)
         quiet = outcome.result == COMPILE_HIT or not outcome.handed  # a first pod's compile is no surprise
@@ -174,6 +177,26 @@ class PodTelemetry:
     def _event(self, pod: Pod, reason: str, message: str, kind: str) -> None:
         if self._pod_event is not None and pod.name and pod.namespace:
             self._pod_event(pod, reason, message, kind)
+
+
+def worth_handing_over(name: EngineName, directory: str) -> str | None:
+    """Why the engine-cache volume at `directory` (it started empty) is not to be handed over as `name`, from its
+    engine's report; None when it is, or when there is no report (an engine that does not report: the ready file
+    alone decides, as before). A cache compiled under another compile key than the name declares would be served
+    to pods that miss it; an engine that wrote nothing hands back nothing new (an equal cache, or none)."""
+    try:
+        report = engine_report.read(directory)
+    except ValueError:
+        return None
+    outcome = report.compile if report is not None else None
+    if outcome is None:
+        return None
+    if name.compile and outcome.key and outcome.key != name.compile:
+        return (f"its engine compiled under compile key {outcome.key}, the volume asked for {name} (its compile "
+                "settings differ from the name's)")
+    if outcome.written == 0:
+        return "its engine compiled nothing into it"
+    return None
 
 
 def _stamp(at: float) -> str:

@@ -1,0 +1,83 @@
+"""Compile-cache truth (docs/engine-caches.md, "Hit, miss or incompatible"): a real vLLM CPU start with compilation
+on tells, in the engine report the node reads (weightcache_vllm.telemetry), whether the compile cache its volume
+was handed was hit, missed or incompatible, from what vLLM read and wrote there.
+
+Three starts of the tiny Llama, each in its own process, each with its own volume (VLLM_CACHE_ROOT =
+WEIGHTCACHE_ENGINE_CACHE, inductor's cache under it): an empty one (a miss: it compiles), a copy of what the first
+wrote (what the node hands the next pod: a hit, nothing compiled), and the same copy with one inductor option
+changed (incompatible: vLLM compiles again beside the cache it was handed). Minutes on 2 shared cores: the two
+compiles dominate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+TIMEOUT = 1200  # a compiling start took 8 minutes on the 2-core VM under a load of 10
+REPORT = ".weightcache-report"  # weightcache.vocabulary.ENGINE_REPORT
+OTHER_OPTION = {"inductor_compile_config": {"unroll_reductions_threshold": 9}}  # inductor's default is 8
+
+
+@pytest.fixture(scope="session")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from test_vllm_load_format import _model  # type: ignore[import-not-found]  # the tier's one tiny Llama
+
+    return _model(tmp_path_factory)
+
+
+def start(model: Path, volume: Path, compilation: dict[str, object]) -> dict:
+    volume.mkdir(exist_ok=True)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "PYTHONPATH": str(HERE), "VLLM_USE_AOT_COMPILE": "0", "VLLM_CACHE_ROOT": str(volume),
+           "WEIGHTCACHE_ENGINE_CACHE": str(volume), "TORCHINDUCTOR_CACHE_DIR": str(volume / "inductor"),
+           "TRITON_CACHE_DIR": str(volume / "triton")}
+    proc = subprocess.run([sys.executable, str(HERE / "compile_run.py"), str(model), json.dumps(compilation)],
+                          env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"engine failed ({proc.returncode}):\n{log[-6000:]}"
+    line = [x for x in proc.stdout.splitlines() if x.startswith("WEIGHTCACHE_ENGINE_RESULT ")][-1]
+    result = json.loads(line.split(" ", 1)[1])
+    result["report"] = json.loads((volume / REPORT).read_text())
+    result["log"] = log
+    print(f"[{volume.name}] up {result['engine_up_s']} s, compile {result['report'].get('compile')}")
+    return result
+
+
+def handed_over(volume: Path, to: Path) -> Path:
+    """What the node hands the next pod: the first pod's cache, without its report."""
+    shutil.copytree(volume, to, ignore=shutil.ignore_patterns(REPORT))
+    return to
+
+
+def test_the_stat_logger_plugin_is_installed() -> None:
+    (ep,) = [ep for ep in entry_points(group="vllm.stat_logger_plugins") if ep.name == "weightcache"]
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    assert issubclass(ep.load(), StatLoggerBase)
+
+
+def test_a_hit_and_a_forced_miss_are_reported_as_such(model: Path, tmp_path: Path) -> None:
+    cold = start(model, tmp_path / "cold", {})
+    compiled = cold["report"]["compile"]
+    assert compiled["result"] == "miss" and compiled["written"] > 0 and compiled["handed"] == []
+    assert set(cold["report"]["stages"]) == {"weights_loaded"}  # offline: no stat logger, no probe
+    assert "weightcache: compile cache miss" in cold["log"]
+
+    warm = start(model, handed_over(tmp_path / "cold", tmp_path / "warm"), {})
+    assert warm["report"]["compile"]["result"] == "hit", warm["log"][-4000:]
+    assert warm["report"]["compile"]["written"] == 0 and warm["report"]["compile"]["key"] == compiled["key"]
+    assert warm["tokens"] == cold["tokens"]
+
+    other = start(model, handed_over(tmp_path / "cold", tmp_path / "other"), OTHER_OPTION)
+    changed = other["report"]["compile"]
+    assert changed["result"] == "incompatible" and changed["written"] > 0, other["log"][-4000:]
+    assert changed["key"] != compiled["key"]  # the compile key sees the option, as vLLM's own cache key does
