@@ -101,8 +101,8 @@ class EngineCacheMount:
         """WEIGHTCACHE_ENGINE_CACHE for any engine (a startup probe writes the ready file there); the engine's own
         cache root variable where we know it."""
         own = ENGINE_ENV.get(self.name.engine, ())
-        return ((ENV_ENGINE_CACHE, self.mount_path),) + tuple(
-            (var, f"{self.mount_path}/{sub}" if sub else self.mount_path) for var, sub in own)
+        return ((ENV_ENGINE_CACHE, self.mount_path),
+                *((var, f"{self.mount_path}/{sub}" if sub else self.mount_path) for var, sub in own))
 
 
 @dataclass(frozen=True)
