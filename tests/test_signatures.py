@@ -282,9 +282,9 @@ async def test_a_modelcache_with_spec_signature_refuses_with_the_reason_in_statu
             return None
 
     try:
-        failed = await eventually(lambda: (s := state()) and s["phase"] == "Failed" and s, what="Failed")
+        failed = await eventually(lambda: (s := state()) and s["phase"] == "Failed" and s, what="Failed", timeout=60)
         assert "model.sig does not verify" in failed["message"] and "ModelCache signed" in failed["message"]
-        events = await eventually(lambda: cluster.list("events", "default"), what="a FetchFailed Event")
+        events = await eventually(lambda: cluster.list("events", "default"), what="a FetchFailed Event", timeout=60)
         assert events[0]["reason"] == "FetchFailed" and "model.sig does not verify" in events[0]["message"]
         assert d.daemon.node.store.list() == []
         assert readiness_label(uri) not in cluster.get("nodes", NODE)["metadata"].get("labels", {})
@@ -293,7 +293,7 @@ async def test_a_modelcache_with_spec_signature_refuses_with_the_reason_in_statu
         mc["spec"]["signature"]["publicKeys"] = [other, public.read_text()]
         cluster.update("modelcaches", "signed", mc)
         d.daemon.node.kick()
-        await eventually(lambda: (s := state()) and s["phase"] == "Ready", what="Ready with the rotated key")
+        await eventually(lambda: (s := state()) and s["phase"] == "Ready", what="Ready with the rotated key", timeout=60)
         (info,) = d.daemon.node.store.list()
         assert info.signature["signer"] == key_fingerprint(public.read_text())
     finally:
