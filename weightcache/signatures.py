@@ -169,6 +169,10 @@ def verify(policies: Sequence[SignaturePolicy], files: Mapping[str, str], *,
     if bundle_sha is None:
         if all(p.allow_unsigned for p in policies):
             return SignatureRecord("unsigned", "", "", 0)
+        if not selected(SIGNATURE_FILE):
+            raise SignatureError(f"the reference's include/exclude globs leave out {SIGNATURE_FILE}, and "
+                                 f"{policies[0].source} requires a signature: add --include {SIGNATURE_FILE} "
+                                 f"(or include: [{SIGNATURE_FILE}]) so it is fetched with the files it signs")
         raise SignatureError(f"the model has no {SIGNATURE_FILE} and {policies[0].source} requires a signature "
                              f"by {policies[0].describe()}; X or allow unsigned models "
                              "(docs/signing.md)")
