@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 
@@ -37,10 +37,22 @@ from weightcache.redact import RedactingFormatter
 from weightcache.store import Store
 from weightcache.unixsock import SocketAccess, claim_socket_path
 
+if TYPE_CHECKING:
+    from weightcache.daemon.cluster import Cluster
+    from weightcache.dra.server import DraPlugin
+    from weightcache.memory import MemoryTier
+    from weightcache.peers import PeerSet
+
 log = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 5.0  # how long a request in progress (a streaming ensure) may take to finish on SIGTERM
 TCP_LIMITS = ConnectionLimits()  # the TCP listener's connection cap and header/body timeouts (weightcache/listener.py)
+
+
+class _Service(Protocol):
+    """A node service the daemon started (the CSI server, the DRA plugin): stopped with a grace period."""
+
+    async def stop(self, grace: float) -> None: ...
 
 
 class Daemon:
@@ -54,8 +66,8 @@ class Daemon:
         self.reconciler: Reconciler | None = None
         self._runner: web.AppRunner | None = None
         self._watcher: ConfigWatcher | None = None
-        self._csi: Any = None
-        self._dra: Any = None  # weightcache.dra.server.DraPlugin when `dra` is configured
+        self._csi: _Service | None = None  # the CSI server when `csiEndpoint` is set
+        self._dra: _Service | None = None  # weightcache.dra.server.DraPlugin when `dra` is configured
         self._loops = Tasks()  # eternal loops; node.tasks holds the fetches requests started
         self._bound: Path | None = None  # the socket file we created (never remove another daemon's)
         self.tcp_port: int | None = None
@@ -288,7 +300,7 @@ def _read_token(path: Path, what: str) -> bytes:
     return token
 
 
-def _peer_set(settings: Settings, token: bytes | None) -> Any:
+def _peer_set(settings: Settings, token: bytes | None) -> PeerSet | None:
     """The configured peers, and those discovered in a cluster later (None without a token: the origin only)."""
     if token is None:
         return None
@@ -300,7 +312,7 @@ def _peer_set(settings: Settings, token: bytes | None) -> Any:
     return PeerSet((client(url) for url in settings.peers), client, ban_s=settings.peer_ban_seconds)
 
 
-def _memory_tier(settings: Settings) -> Any:
+def _memory_tier(settings: Settings) -> MemoryTier | None:
     if settings.memory_budget <= 0:
         return None
     from weightcache.memory import MemoryTier
@@ -312,24 +324,25 @@ def _memory_tier(settings: Settings) -> Any:
     return tier
 
 
-async def _cluster(node: Node) -> Any:
+async def _cluster(node: Node) -> Cluster | None:
     from weightcache.daemon.cluster import connect
     return await connect(node)
 
 
-async def _serve_dra(node: Node) -> Any:
+async def _serve_dra(node: Node) -> DraPlugin | None:
     if node.settings.dra is None:
         return None
     from weightcache.daemon.dra import serve_for_node
     return await serve_for_node(node)
 
 
-async def _serve_csi(node: Node) -> Any:
+async def _serve_csi(node: Node) -> _Service | None:
     s = node.settings
     if s.csi_endpoint is None:
         return None
     from weightcache.daemon.cluster import serve_csi
-    return await serve_csi(node)
+    server: _Service = await serve_csi(node)  # a grpc.aio.Server: the daemon stops it, never imports grpc
+    return server
 
 
 class JsonFormatter(logging.Formatter):

@@ -32,6 +32,7 @@ from weightcache.uri import ModelRef
 if TYPE_CHECKING:
     from weightcache.memory import MemoryTier  # imported only when a memory budget is set
     from weightcache.peers import PeerSet
+    from weightcache.peers.server import PeerServer  # imported only when peerListen is set
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +141,7 @@ class Node:
     tasks: Tasks = field(default_factory=Tasks)
     store_ready: bool = False
     kick: Callable[[], None] = lambda: None  # wakes the reconcile loop
-    peer_server: Any = None  # weightcache.peers.server.PeerServer when peerListen is set
+    peer_server: PeerServer | None = None  # when peerListen is set
     fetches: FetchQueue = field(init=False)  # the one queue every fetch of this daemon goes through
     # held copies whose DRA devices are tainted now (evicting, verifying, damaged): the API marks, the slice
     # publisher reads (dra/states.py)
