@@ -1,9 +1,12 @@
 """The daemon process: one event loop hosting the store, fetch engine, API, CSI server, reconcile and config watch.
 
-Start order: store (startup recovery) -> memory tier -> cluster bridge (cluster mode) -> API sockets -> CSI ->
-background tasks. SIGTERM/SIGINT stop in reverse: stop accepting (listeners closed, socket files removed),
-park downloads (Fetcher.close leaves partial files and journals for the next start to resume), cancel the
-tasks, exit 0.
+Start order: store (startup recovery) -> memory tier -> cluster bridge (cluster mode) -> API sockets -> metrics,
+peer server -> CSI, DRA -> background tasks. Each part, once started, pushes its stop on one AsyncExitStack, so
+SIGTERM/SIGINT (or a failed start) stops them in reverse by construction, after the API stops accepting (listeners
+closed, socket file removed): config watch, DRA, CSI, peer server, metrics, the loops, then the downloads parked
+(Fetcher.close leaves partial files and journals for the next start to resume) before the API waits out its
+requests in progress, then the cluster bridge, memory tier, peers and store. One stop failing does not skip the
+others. Exit 0.
 """
 
 from __future__ import annotations
@@ -66,14 +69,12 @@ class Daemon:
         self.reconciler: Reconciler | None = None
         self._runner: web.AppRunner | None = None
         self._watcher: ConfigWatcher | None = None
-        self._csi: _Service | None = None  # the CSI server when `csiEndpoint` is set
-        self._dra: _Service | None = None  # weightcache.dra.server.DraPlugin when `dra` is configured
         self._loops = Tasks()  # eternal loops; node.tasks holds the fetches requests started
         self._bound: Path | None = None  # the socket file we created (never remove another daemon's)
         self.tcp_port: int | None = None
-        self._metrics_runner: web.AppRunner | None = None
         self.metrics_port: int | None = None
         self.peer_port: int | None = None
+        self._stack = contextlib.AsyncExitStack()  # each part's stop, pushed as it starts
 
     async def start(self) -> None:
         """Start everything; on failure, stop what had started and raise."""
@@ -84,16 +85,22 @@ class Daemon:
             raise
 
     async def _start(self) -> None:
-        s = self.settings
+        s, stack = self.settings, self._stack
         store = await asyncio.to_thread(Store, s.root, budget_bytes=s.disk_budget, min_free_bytes=s.min_free_bytes,
                                         min_free_percent=s.min_free_percent, set_by="daemon")  # kept for the CLI
+        stack.callback(store.close)
         metrics = Metrics()
         peer_token = _read_token(s.peer_token_file, "peerTokenFile") if s.peer_token_file is not None else None
-        node = self.node = Node(s, store, metrics, MeteredFetcher(store, s, metrics, _peer_set(s, peer_token)),
-                                tier=_memory_tier(s))
+        peers = _peer_set(s, peer_token)
+        if peers is not None:
+            stack.callback(peers.close)
+        node = self.node = Node(s, store, metrics, MeteredFetcher(store, s, metrics, peers), tier=_memory_tier(s))
+        stack.push_async_callback(self._close_tier, node)  # the tier then (a reload may have made or dropped one)
         node.store_ready = True
         metrics.watch(node.sample)
         node.cluster = await _cluster(node)
+        if node.cluster is not None:
+            stack.push_async_callback(asyncio.to_thread, node.cluster.stop)
         self.reconciler = Reconciler(node)
         loop = asyncio.get_running_loop()
         reconciler = self.reconciler
@@ -103,12 +110,29 @@ class Daemon:
         node.kick = kick
         await self._serve_api(node)
         if s.metrics_listen is not None:
-            self._metrics_runner, self.metrics_port = await start_metrics_server(metrics, *s.metrics_listen)
+            metrics_runner, self.metrics_port = await start_metrics_server(metrics, *s.metrics_listen)
+            stack.push_async_callback(metrics_runner.cleanup)
+        await self._serve_peers(node, peer_token)
+        await self._serve_node_services(node)
+        self._loops.spawn("reconcile", self.reconciler.run())
+        if s.config_path is not None:
+            self._watcher = ConfigWatcher(s.config_path, self.apply, env=self._env, flags=self._flags,
+                                          on_rejected=lambda _: metrics.reloads.labels("rejected").inc())
+            stack.callback(self._watcher.stop)
+            await self._watcher.start()
+            self._loops.spawn("config-watch", self._watcher.run())
+        log.info("weightcache daemon serving on %s (root %s, %s)", s.socket, s.root,
+                 "cluster mode" if node.cluster is not None else "no cluster")
+
+    async def _serve_peers(self, node: Node, peer_token: bytes | None) -> None:
+        """This node's blobs to its peers (peerListen), its address told to them, and (in a cluster) discovery."""
+        s, stack, store = self.settings, self._stack, node.store
         if s.peer_listen is not None and peer_token is not None:
             from weightcache.peers.server import PeerServer
 
             inflight = node.fetcher.peers.inflight if node.fetcher.peers is not None else None
             node.peer_server = PeerServer(store.layout.blobs, peer_token, inflight=inflight)
+            stack.push_async_callback(node.peer_server.stop)
             self.peer_port = await node.peer_server.start(*s.peer_listen)
         if node.fetcher.peers is not None and self.peer_port is not None and s.peer_listen is not None:
             from weightcache.peers.discovery import advertised_url
@@ -120,16 +144,16 @@ class Daemon:
             node.fetcher.peers.self_url = advertised_url(s.peer_listen[0], self.peer_port, env)
         if node.cluster is not None and node.fetcher.peers is not None:
             self._start_discovery(node)
-        self._csi = await _serve_csi(node)
-        self._dra = await _serve_dra(node)
-        self._loops.spawn("reconcile", self.reconciler.run())
-        if s.config_path is not None:
-            self._watcher = ConfigWatcher(s.config_path, self.apply, env=self._env, flags=self._flags,
-                                          on_rejected=lambda _: metrics.reloads.labels("rejected").inc())
-            await self._watcher.start()
-            self._loops.spawn("config-watch", self._watcher.run())
-        log.info("weightcache daemon serving on %s (root %s, %s)", s.socket, s.root,
-                 "cluster mode" if node.cluster is not None else "no cluster")
+
+    async def _serve_node_services(self, node: Node) -> None:
+        """The CSI server and the DRA plugin, as configured."""
+        s, stack = self.settings, self._stack
+        if (csi := await _serve_csi(node)) is not None:
+            assert s.csi_endpoint is not None
+            stack.callback(_unlink_socket, Path(s.csi_endpoint.removeprefix("unix://")))
+            stack.push_async_callback(csi.stop, SHUTDOWN_GRACE_S)
+        if (dra := await _serve_dra(node)) is not None:  # its registration socket goes before CSI's service
+            stack.push_async_callback(dra.stop, SHUTDOWN_GRACE_S)
 
     def _start_discovery(self, node: Node) -> None:
         """In a cluster, peers find each other through ModelCacheNode status (docs/peers.md)."""
@@ -151,6 +175,9 @@ class Daemon:
         access = SocketAccess.configured(s.socket_group)  # ConfigError when the node has no such group
         self._runner = web.AppRunner(make_app(node, token=token, access=access), shutdown_timeout=SHUTDOWN_GRACE_S,
                                      access_log=None, handle_signals=False, **TCP_LIMITS.runner_args())
+        self._stack.push_async_callback(self._runner.cleanup)  # waits out requests in progress: after the park
+        self._stack.push_async_callback(self._park, node)
+        self._stack.push_async_callback(self._loops.stop)
         await self._runner.setup()
         await web.SockSite(self._runner, _bind_unix(s.socket, access.gid)).start()
         self._bound = s.socket
@@ -205,39 +232,25 @@ class Daemon:
                 log.info("memory budget lowered to %d bytes: demoted %s", budget, ", ".join(demoted))
 
     async def stop(self) -> None:
-        node = self.node
+        """Stop accepting API requests, then everything started, in reverse (the stack)."""
         if self._runner is not None:
             for site in list(self._runner.sites):  # stop accepting first
                 await site.stop()
         if self._bound is not None:
             _unlink_socket(self._bound)
-        if self._dra is not None:  # registration socket first: kubelet stops calling before the service goes
-            await self._dra.stop(SHUTDOWN_GRACE_S)
-        if self._csi is not None:
-            await self._csi.stop(SHUTDOWN_GRACE_S)
-            _unlink_socket(Path(self.settings.csi_endpoint.removeprefix("unix://")))  # type: ignore[union-attr]
-        if self._watcher is not None:
-            self._watcher.stop()
-        await self._loops.stop()
-        if node is not None:
-            node.fetches.close()  # queued fetches fail, running ones are asked to stop
-            node.fetcher.close()  # parks downloads at their next chunk: partials and journals stay
-            await node.tasks.stop(grace=SHUTDOWN_GRACE_S)  # their streams get a final line saying so
-            if node.cluster is not None:
-                await asyncio.to_thread(node.cluster.stop)
-            if node.tier is not None:
-                await asyncio.to_thread(node.tier.close)
-        if self._runner is not None:
-            await self._runner.cleanup()
-        if self._metrics_runner is not None:
-            await self._metrics_runner.cleanup()
-        if node is not None and node.peer_server is not None:
-            await node.peer_server.stop()
-        if node is not None and node.fetcher.peers is not None:
-            node.fetcher.peers.close()
-        if node is not None:
-            node.store.close()
+        await self._stack.aclose()
         log.info("weightcache daemon stopped")
+
+    @staticmethod
+    async def _park(node: Node) -> None:
+        node.fetches.close()  # queued fetches fail, running ones are asked to stop
+        node.fetcher.close()  # parks downloads at their next chunk: partials and journals stay
+        await node.tasks.stop(grace=SHUTDOWN_GRACE_S)  # their streams get a final line saying so
+
+    @staticmethod
+    async def _close_tier(node: Node) -> None:
+        if node.tier is not None:
+            await asyncio.to_thread(node.tier.close)
 
     async def serve(self, stop: asyncio.Event) -> None:
         await self.start()
