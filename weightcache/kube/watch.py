@@ -65,7 +65,6 @@ class ModelCacheWatcher:
         self.connect_timeout = connect_timeout
         self.max_cycles = max_cycles
         self.resource_version: str | None = None
-        self.lists = 0  # how many full lists ran: 1 + relists after 410
         self._items: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
         self._synced = threading.Event()
@@ -151,7 +150,6 @@ class ModelCacheWatcher:
         with self._lock:
             self._items = items
         self.resource_version = rv
-        self.lists += 1
         log.info("listed %d ModelCaches at resourceVersion %s", len(items), rv)
         self._synced.set()
         self._notify()
