@@ -333,3 +333,21 @@ def test_a_cache_index_decides_as_the_list_does() -> None:
             request = admission_review(deployment_pod(wanted), namespace=namespace)
             assert (review(request, model_caches=CacheIndex(caches), allow_undeclared=False)
                     == review(request, model_caches=caches, allow_undeclared=False))
+
+
+def test_adapters_annotation_adds_the_base_models_adapter_directory_once() -> None:
+    pod = deployment_pod({"weightcache.io/model": f"{REF}@abc123", "weightcache.io/adapters": "true"})
+    response, patched = admit(pod)
+    assert response["allowed"]
+    spec = patched["spec"]
+    assert next(v for v in spec["volumes"] if v["name"] == "wc-adapters") == {
+        "name": "wc-adapters", "csi": {"driver": "csi.weightcache.io", "readOnly": True, "volumeAttributes": {
+            "model": "s3://models/llama-3-8b/", "adapters": "true"}}}
+    for c in spec["containers"]:
+        assert {"name": "wc-adapters", "mountPath": "/models/adapters", "readOnly": True} in c["volumeMounts"]
+        assert envs(c)["WEIGHTCACHE_ADAPTERS_PATH"] == "/models/adapters"
+    again, twice = admit(patched)
+    assert again == {"uid": again["uid"], "allowed": True} and twice == patched
+    response, _ = admit(deployment_pod({"weightcache.io/models": f"a={REF},b={DRAFT}",
+                                        "weightcache.io/adapters": "true"}))
+    assert not response["allowed"] and "is for a pod of one model" in response["status"]["message"]

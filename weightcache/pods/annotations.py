@@ -20,6 +20,9 @@
                                                              fetched (volume attribute stream); placement prefer,
                                                              no gate; not with hf-repo, tier memory or via: dra
                                                              (docs/streaming-pods.md)
+    weightcache.io/adapters: "true" | "false"                one model: its LoRA adapter directory, a read-only CSI
+                                                             volume at /models/adapters that the node fills while the
+                                                             pod runs, env WEIGHTCACHE_ADAPTERS_PATH (docs/adapters.md)
 
 Every error message shows a line the user can paste instead.
 """
@@ -34,7 +37,7 @@ from dataclasses import dataclass
 from weightcache.engine_name import EngineName
 from weightcache.errors import AnnotationError, InvalidReferenceError, InvalidRequestError
 from weightcache.uri import ModelRef, parse_globs, parse_ref, readiness_label, validate_repo_id
-from weightcache.vocabulary import ANNOTATION_PREFIX, MODEL_ANNOTATION, STREAM_ANNOTATION
+from weightcache.vocabulary import ADAPTERS_PATH_ENV, ANNOTATION_PREFIX, MODEL_ANNOTATION, STREAM_ANNOTATION
 
 PREFIX = ANNOTATION_PREFIX
 MODEL = MODEL_ANNOTATION
@@ -49,8 +52,9 @@ PLACEMENT = PREFIX + "placement"
 HF_REPO = PREFIX + "hf-repo"
 ENGINE_CACHE = PREFIX + "engine-cache"
 STREAM = STREAM_ANNOTATION  # weightcache.io/stream: the CSI plugin reads the volume attribute the webhook writes
+ADAPTERS = PREFIX + "adapters"
 KNOWN = (MODEL, MODELS, MOUNT_PATH, CONTAINERS, TIER, REQUIRE_CACHED, INCLUDE, EXCLUDE, PLACEMENT, HF_REPO,
-         ENGINE_CACHE, STREAM)
+         ENGINE_CACHE, STREAM, ADAPTERS)
 PLACEMENTS = ("require", "prefer", "gate")
 
 TIERS = ("disk", "memory")
@@ -106,6 +110,20 @@ class EngineCacheMount:
 
 
 @dataclass(frozen=True)
+class AdaptersMount:
+    """The LoRA adapter directory of the pod's one model: a read-only CSI volume the node fills while the pod
+    runs with the adapters its namespace may have (docs/adapters.md)."""
+
+    model: ModelMount
+    volume: str = VOLUME_PREFIX + "adapters"
+    mount_path: str = "/models/adapters"
+
+    @property
+    def env(self) -> tuple[tuple[str, str], ...]:
+        return ((ADAPTERS_PATH_ENV, self.mount_path),)  # the vLLM plugin's LoRA resolver reads it
+
+
+@dataclass(frozen=True)
 class Injection:
     """Everything the annotations ask for."""
 
@@ -116,6 +134,7 @@ class Injection:
     #   prefer for a streaming pod (it starts while its model downloads: nothing to gate or require it for)
     engine_cache: EngineCacheMount | None = None
     stream: bool = False  # the model volumes show each file as it is fetched (docs/streaming-pods.md)
+    adapters: AdaptersMount | None = None
 
 
 def wants_injection(annotations: Mapping[str, object]) -> bool:
@@ -171,7 +190,17 @@ def _parse(items: tuple[tuple[str, str], ...], max_models: int) -> Injection:
         placement="prefer" if stream else placement,
         engine_cache=_engine_cache(values.get(ENGINE_CACHE), models),
         stream=stream,
+        adapters=_adapters(values.get(ADAPTERS), models, single),
     )
+
+
+def _adapters(text: str | None, models: tuple[ModelMount, ...], single: bool) -> AdaptersMount | None:
+    if text is None or not _boolean(ADAPTERS, text):
+        return None
+    if not single:
+        raise AnnotationError(f'{ADAPTERS}: "true" is for a pod of one model ({MODEL}): the directory holds the '
+                              f"adapters of that base model; write {MODEL}: <base model> or remove {ADAPTERS}")
+    return AdaptersMount(models[0])
 
 
 def _stream(values: Mapping[str, str]) -> bool:

@@ -55,7 +55,7 @@ from weightcache.pods.annotations import (
 )
 from weightcache.pods.patch import PatchOp, check_names, chosen, extend, list_at, mapping_at, ready, required_affinity
 from weightcache.policy import CacheIndex, decide
-from weightcache.vocabulary import ENGINE_CACHE_ATTRIBUTE, GATE, STREAM_ATTRIBUTE
+from weightcache.vocabulary import ADAPTERS_ATTRIBUTE, ENGINE_CACHE_ATTRIBUTE, GATE, STREAM_ATTRIBUTE
 from weightcache.webhook import dra_claim, dra_templates
 
 API_VERSION = "admission.k8s.io/v1"
@@ -146,7 +146,8 @@ def plan(pod: Mapping[str, Any], injection: Injection, nodes: Sequence[NodeFacts
 
 
 def _engine_cache_ops(pod: Mapping[str, Any], injection: Injection) -> list[PatchOp]:
-    """The engine cache alone, beside DRA's claims (which add no volume, mount or env of their own)."""
+    """The engine cache and the adapter directory alone, beside DRA's claims (which add no volume, mount or env of
+    their own)."""
     return _inject(pod, injection, [], [], [])
 
 
@@ -158,6 +159,11 @@ def _inject(pod: Mapping[str, Any], injection: Injection, volumes: list[dict[str
         volumes = [*volumes, _engine_volume(ec)]
         mounts = [*mounts, {"name": ec.volume, "mountPath": ec.mount_path}]
         env = [*env, *({"name": k, "value": v} for k, v in ec.env)]
+    if (ad := injection.adapters) is not None:  # the base model's adapter directory (docs/adapters.md)
+        volumes = [*volumes, {"name": ad.volume, "csi": {"driver": DRIVER, "readOnly": True, "volumeAttributes": {
+            "model": ad.model.ref.uri, ADAPTERS_ATTRIBUTE: "true"}}}]
+        mounts = [*mounts, {"name": ad.volume, "mountPath": ad.mount_path, "readOnly": True}]
+        env = [*env, *({"name": k, "value": v} for k, v in ad.env)]
     check_names("volume", list_at(spec, "volumes"), volumes)
     ops = extend(spec, "/spec", ["volumes"], volumes)
     for path, container in chosen(spec, injection.containers):
