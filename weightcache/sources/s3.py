@@ -36,6 +36,7 @@ if _PYOPENSSL not in sys.modules:
 import botocore.exceptions
 import botocore.loaders
 import botocore.session
+import msgspec
 import urllib3.exceptions
 from botocore.config import Config
 
@@ -126,10 +127,23 @@ class _Loader(botocore.loaders.Loader):  # type: ignore[misc]  # botocore ships 
                        for name in os.listdir(where)})
 
 
+class _JsonFiles(botocore.loaders.JSONFileLoader):  # type: ignore[misc]  # botocore ships no types
+    """botocore's data files decoded by msgspec into plain dicts: botocore's own decode builds an OrderedDict per
+    JSON object through a Python hook, 0.11 of the 0.13 CPU s its three files cost a client (endpoints 1.3 MB, the
+    S3 model 1.4 MB, its endpoint rules 0.9 MB: 57, 39 and 12 ms; here 23, 2 and 2 ms). Dicts keep their order,
+    and nothing in botocore asks for the OrderedDict type."""
+
+    def _load_file(self, full_path: str, open_method: Callable[..., Any]) -> Any:
+        if not os.path.isfile(full_path):
+            return None
+        with open_method(full_path, "rb") as fp:
+            return msgspec.json.decode(fp.read())
+
+
 # botocore's service models and endpoint rules, parsed once per process: a fresh session parses their JSON again
 # (0.27 CPU seconds a client; 0.03 with the loader shared). Only the loader is shared: each source still gets its
 # own session, so credentials are resolved per source as before (a rotated key or token file is read again).
-_LOADER = _Loader()
+_LOADER = _Loader(file_loader=_JsonFiles())
 
 
 def _client(endpoint_url: str | None, config: Config) -> Any:
