@@ -12,6 +12,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from tests.fake_apiserver import FakeApiServer
 from tests.fixtures_daemon import RunningDaemon, eventually, start_daemon
 from tests.fixtures_kube import NODE
@@ -34,6 +36,19 @@ def _status(cluster: FakeApiServer) -> dict[str, Any]:
 def _models(cluster: FakeApiServer, node: str) -> dict[str, Any]:
     found = [o for o in cluster.list("modelcachenodes") if o["metadata"]["name"] == node]
     return dict(((found[0].get("status") or {}).get("models") or {}) if found else {})
+
+
+def _printed(mc: dict[str, Any]) -> dict[str, Any]:
+    """The CRD's printer columns over `.status` (what `kubectl get mc` shows), read off the object."""
+    crd = yaml.safe_load((Path(__file__).parents[1] / "deploy/daemonset/crd-modelcache.yaml").read_text())
+    shown = {}
+    for column in crd["spec"]["versions"][0]["additionalPrinterColumns"]:
+        if column["jsonPath"].startswith(".status."):
+            value: Any = mc
+            for part in column["jsonPath"].split(".")[1:]:
+                value = (value or {}).get(part)
+            shown[column["name"]] = value
+    return shown
 
 
 def _watch_fetching(cluster: FakeApiServer, stop: threading.Event, seen: list[int]) -> None:
@@ -81,6 +96,8 @@ async def test_a_new_revision_rolls_out_over_three_daemons_and_a_failed_fetch_st
         assert (done["phase"], done["from"], done["to"], done["progress"]) == ("Complete", "", new_revision, "3/3")
         assert done["new"] == sorted(NODES) and done["old"] == done["fetching"] == done["failed"] == []
         assert max(seen) <= 2, "at most maxConcurrent nodes fetch at once"
+        assert _printed(cluster.get("modelcaches", "llama")) == {
+            "Serving": new_revision, "Rollout": "Complete", "Nodes": "3/3"}, "kubectl get mc's columns"
 
         def switched(d: RunningDaemon) -> bool:
             latest = d.daemon.node.store.lookup(ref)  # what a pod naming no revision mounts now
