@@ -360,18 +360,19 @@ def test_read_pieces_streams_one_range_and_resumes_a_cut_body_at_the_first_unyie
 
 def test_the_s3_client_starts_without_pyopenssl_or_a_scan_of_every_service(tmp_path: Path) -> None:
     """A CLI fetch pays the client's start: botocore's import of urllib3.contrib.pyopenssl (pyOpenSSL and
-    cryptography, for a class the stdlib has) and its loader's scan of ~460 service directories are not paid, and
-    its data files are decoded without an OrderedDict per object, while the credential chain's services still
+    cryptography, for a class the stdlib has), asyncio's (the rate limiter's coroutine alone wants it), and its
+    loader's scan of ~460 service directories are not paid, and its data files are decoded without an OrderedDict
+    per object, while the credential chain's services still
     load, an unknown one still fails, and the data is what botocore's own decode gives."""
     import subprocess
     import sys
 
     code = """if True:
         import os, sys
-        import weightcache.sources.s3 as s3
+        import weightcache.fetch, weightcache.sources.s3 as s3  # what a CLI fetch from S3 imports
         from botocore.exceptions import DataNotFoundError
         client = s3._client("http://127.0.0.1:9", s3.Config(region_name="us-east-1"))
-        print("OpenSSL" in sys.modules, "urllib3.contrib.pyopenssl" in sys.modules)
+        print("OpenSSL" in sys.modules, "urllib3.contrib.pyopenssl" in sys.modules, "asyncio" in sys.modules)
         listed = []
         real_listdir = os.listdir
         os.listdir = lambda p=".": listed.append(p) or real_listdir(p)
@@ -390,4 +391,4 @@ def test_the_s3_client_starts_without_pyopenssl_or_a_scan_of_every_service(tmp_p
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"})
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["False", "False", "unknown", "refused", "True", "s3", "True"]
+    assert done.stdout.split() == ["False", "False", "False", "unknown", "refused", "True", "s3", "True"]
