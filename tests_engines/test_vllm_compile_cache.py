@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -63,6 +64,24 @@ def test_the_stat_logger_plugin_is_installed() -> None:
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     assert issubclass(ep.load(), StatLoggerBase)
+
+
+def test_the_openai_server_reports_engine_ready_and_first_token(model: Path, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """`vllm serve` loads the plugin's stat logger in its front end: engine ready once vLLM says the engine is up,
+    first token at the first step that generated one; the worker's loader adds weights_loaded, in that order."""
+    from make_tiny_llama import PROMPT  # type: ignore[import-not-found]
+    from test_vllm_load_format import serve_one_completion  # type: ignore[import-not-found]
+
+    volume = tmp_path / "engine-cache"
+    volume.mkdir()
+    monkeypatch.setenv("WEIGHTCACHE_ENGINE_CACHE", str(volume))  # what the webhook sets for the pod
+    started = time.time()
+    tokens, log = serve_one_completion(model, tmp_path / "server.jsonl", PROMPT)
+    stages = json.loads((volume / REPORT).read_text())["stages"]
+    assert set(stages) == {"weights_loaded", "engine_ready", "first_token"}, log[-3000:]
+    assert started < stages["weights_loaded"] <= stages["engine_ready"] <= stages["first_token"] < time.time()
+    assert tokens
 
 
 def test_a_hit_and_a_forced_miss_are_reported_as_such(model: Path, tmp_path: Path) -> None:

@@ -101,6 +101,8 @@ class PodTelemetry:
     def engine_volume(self, pod: Pod, engine: str, directory: str, published_at: float) -> None:
         """Read the report of `pod`'s engine-cache volume mounted at `directory` (blocking: a small read) and tell
         what is new in it. `published_at`: the volume's publish time, the clock when the daemon restarted since."""
+        if not pod.uid:  # a volume adopted after a restart: which pod it serves is not known
+            return
         try:
             report = engine_report.read(directory)
         except ValueError as exc:
