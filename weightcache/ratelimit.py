@@ -1,8 +1,9 @@
-"""Bandwidth limits: one token bucket per limit, shared by every fetch worker of the process.
+"""Bandwidth limits: one token bucket per limit, shared by every fetch worker that is handed the same limits.
 
-    LIMITS.configure(origin=100 << 20, peers=0, sources={"s3://models": 50 << 20})   # the daemon's bytesPerSecond
-    acquire_origin("s3://models/llama/a.bin", n, cancel)   # before reading n bytes from the origin
-    acquire_peers(n, cancel)                               # before / as reading n bytes from peers
+    limits = BandwidthLimits()                              # the daemon's one, passed down (Node.bandwidth)
+    limits.configure(origin=100 << 20, peers=0, sources={"s3://models": 50 << 20})   # its bytesPerSecond
+    limits.acquire_origin("s3://models/llama/a.bin", n, cancel)   # before reading n bytes from the origin
+    limits.acquire_peers(n, cancel)                               # before / as reading n bytes from peers
 
 Origin and peer traffic are limited separately (peers are usually on the free cluster network); a source's own
 limit (`scheme` or `scheme://bucket`, the most specific wins) applies on top of the node's origin limit. A
@@ -70,6 +71,8 @@ class Limiter:
 
     def acquire(self, n: int, cancel: threading.Event | None = None) -> None:
         """Wait until `n` bytes are allowed, then take them. FetchCancelledError once `cancel` is set."""
+        if n <= 0 or not self._rate:  # unlimited: called per piece, so no generator is made (0.1 us, not 10)
+            return
         with closing(self._pauses(n)) as pauses:
             for pause in pauses:
                 if cancel is None:
@@ -79,6 +82,8 @@ class Limiter:
 
     async def take(self, n: int) -> None:
         """`acquire` for a coroutine: waits on the event loop (the peer server paces its sends with one)."""
+        if n <= 0 or not self._rate:
+            return
         import asyncio  # here: a CLI fetch paces threads only, and asyncio's import was 0.02-0.07 s of its start
 
         with closing(self._pauses(n)) as pauses:
@@ -88,8 +93,6 @@ class Limiter:
     def _pauses(self, n: int) -> Generator[float, None, None]:
         """The waits before `n` bytes are allowed (none when they are now), each at most POLL_S; taken when it
         ends. Closed early (cancelled, interrupted), it stops counting as a waiter."""
-        if n <= 0 or not self._rate:
-            return
         started = None
         try:
             while (wait := self._grant(n, started)) > 0:
@@ -165,17 +168,12 @@ class BandwidthLimits:
                 "waited_seconds": {"origin": round(self.origin.waited_s, 3), "peers": round(self.peers.waited_s, 3),
                                    "sources": waited}}
 
+    def acquire_origin(self, name: str, n: int, cancel: threading.Event | None = None) -> None:
+        """Before `n` bytes of the object `name` are read from its origin: the source's limit, then the node's."""
+        if (source := self.for_source(name)) is not None:
+            source.acquire(n, cancel)
+        self.origin.acquire(n, cancel)
 
-LIMITS = BandwidthLimits()
-
-
-def acquire_origin(name: str, n: int, cancel: threading.Event | None = None) -> None:
-    """Before `n` bytes of the object `name` are read from its origin: the source's limit, then the node's."""
-    if (source := LIMITS.for_source(name)) is not None:
-        source.acquire(n, cancel)
-    LIMITS.origin.acquire(n, cancel)
-
-
-def acquire_peers(n: int, cancel: threading.Event | None = None) -> None:
-    """As `n` bytes are read from peers."""
-    LIMITS.peers.acquire(n, cancel)
+    def acquire_peers(self, n: int, cancel: threading.Event | None = None) -> None:
+        """As `n` bytes are read from peers."""
+        self.peers.acquire(n, cancel)
