@@ -47,9 +47,11 @@ from tests.grants import admin
 from tests.peers_fleet import Fleet
 from weightcache.fetch import Fetcher
 from weightcache.progress import Progress
-from weightcache.ratelimit import LIMITS
+from weightcache.ratelimit import BandwidthLimits
 from weightcache.store import Store
 from weightcache.uri import parse_ref
+
+LIMITS = BandwidthLimits()  # the limits every fetch of this benchmark is handed, as a daemon hands its own
 
 REF = parse_ref("s3://fleet/model/")  # bench_fleet.upload's bucket and prefix
 OPTIONS = {"chunk_size": 4 << 20, "concurrency": 8}
@@ -93,7 +95,7 @@ def limited(endpoint: str, limits: Mapping[str, int], expected: float,
     """One fetch into a fresh root under `limits` (origin, peers, source keys); `during(started)` runs beside it."""
     rest = dict(limits)
     with tempfile.TemporaryDirectory(prefix="bench-rate-") as tmp:
-        fetcher = Fetcher(Store(Path(tmp)), endpoint_url=endpoint, **OPTIONS)  # type: ignore[arg-type]
+        fetcher = Fetcher(Store(Path(tmp)), endpoint_url=endpoint, limits=LIMITS, **OPTIONS)  # type: ignore[arg-type]
         LIMITS.configure(origin=rest.pop("origin", 0), peers=rest.pop("peers", 0), sources=rest)
         cpu, started = cpu_now(), time.perf_counter()
         side = threading.Thread(target=during, args=(started,)) if during else None
@@ -117,7 +119,8 @@ def from_peer(endpoint: str, rate: int) -> Run:
         LIMITS.configure()
         seed.fetcher(endpoint_url=endpoint, **OPTIONS).ensure(admin(REF))
         node = fleet.node("node", peers=[seed.url])
-        fetcher = node.fetcher(endpoint_url=endpoint, **OPTIONS)
+        node.peers.limits = LIMITS  # the node's peer bucket
+        fetcher = node.fetcher(endpoint_url=endpoint, limits=LIMITS, **OPTIONS)
         LIMITS.configure(origin=rate // 32, peers=rate)
         cpu, started, phases = cpu_now(), time.perf_counter(), Phases()
         fetcher.ensure(admin(REF), progress=phases)

@@ -1,5 +1,5 @@
 """weightcache/ratelimit.py: one token bucket shared by threads holds its rate, waits end at a cancel, rates change
-live, and the daemon's bytesPerSecond reaches the process's limits."""
+live, and the daemon's bytesPerSecond reaches the limits it hands its fetches (no process-wide state)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,15 +19,8 @@ from weightcache.daemon.config import load_settings
 from weightcache.errors import ConfigError, FetchCancelledError
 from weightcache.fetch import Fetcher
 from weightcache.peers.client import Pace
-from weightcache.ratelimit import BURST_S, LIMITS, Limiter, acquire_origin
+from weightcache.ratelimit import BURST_S, BandwidthLimits, Limiter
 from weightcache.store import Store
-
-
-@pytest.fixture(autouse=True)
-def no_limits() -> Iterator[None]:
-    LIMITS.configure()
-    yield
-    LIMITS.configure()
 
 
 def _drain(limiter: Limiter, threads: int, seconds: float, piece: int) -> int:
@@ -101,28 +93,31 @@ def test_unlimited_costs_nothing() -> None:
 
 
 def test_a_source_limit_applies_on_top_of_the_nodes_and_the_most_specific_wins() -> None:
-    LIMITS.configure(origin=0, peers=0, sources={"s3": 1 << 30, "s3://slow": 1000})
-    assert LIMITS.for_source("s3://slow/a/b.bin") is not None
-    assert LIMITS.for_source("s3://slow/a/b.bin").rate == 1000  # type: ignore[union-attr]
-    assert LIMITS.for_source("s3://fast/a").rate == 1 << 30  # type: ignore[union-attr]
-    assert LIMITS.for_source("gs://x/a") is None
-    acquire_origin("s3://slow/k", 1000)
+    limits = BandwidthLimits()
+    limits.configure(origin=0, peers=0, sources={"s3": 1 << 30, "s3://slow": 1000})
+    assert limits.for_source("s3://slow/a/b.bin") is not None
+    assert limits.for_source("s3://slow/a/b.bin").rate == 1000  # type: ignore[union-attr]
+    assert limits.for_source("s3://fast/a").rate == 1 << 30  # type: ignore[union-attr]
+    assert limits.for_source("gs://x/a") is None
+    limits.acquire_origin("s3://slow/k", 1000)
     start = time.monotonic()
-    acquire_origin("s3://slow/k", 500)
+    limits.acquire_origin("s3://slow/k", 500)
     assert time.monotonic() - start >= 0.4
 
 
 def test_bytes_per_second_in_the_daemon_config_is_parsed_and_applied_live() -> None:
-    from weightcache.daemon.config import Settings, apply_live, parse_settings
+    from weightcache.daemon.config import Settings, apply_bandwidth, apply_live, parse_settings
 
     s = parse_settings({"bytesPerSecond": {"origin": "200Mi", "peers": "1Gi", "s3://models": "50Mi"}})
     assert dict(s.bytes_per_second) == {"origin": 200 << 20, "peers": 1 << 30, "s3://models": 50 << 20}
     merged, pending = apply_live(Settings(), s)
     assert "bytes_per_second" not in pending
-    rates = {k: v for k, v in LIMITS.status().items() if k != "waited_seconds"}
+    limits = BandwidthLimits()
+    apply_bandwidth(limits, merged)
+    rates = {k: v for k, v in limits.status().items() if k != "waited_seconds"}
     assert rates == {"origin": 200 << 20, "peers": 1 << 30, "sources": {"s3://models": 50 << 20}}
-    apply_live(merged, Settings())
-    assert {k: v for k, v in LIMITS.status().items() if k != "waited_seconds"} == \
+    apply_bandwidth(limits, apply_live(merged, Settings())[0])
+    assert {k: v for k, v in limits.status().items() if k != "waited_seconds"} == \
         {"origin": 0, "peers": 0, "sources": {}}
     with pytest.raises(ConfigError, match="bytesPerSecond"):
         parse_settings({"bytesPerSecond": {"s3://a/b c": 1}})
@@ -135,10 +130,11 @@ def test_a_big_file_from_s3_holds_the_nodes_origin_limit(tmp_path: Path, s3: S3)
     an 8 MiB object at 8 MiB/s takes about a second, not what moto can serve."""
     size, rate = 8 << 20, 8 << 20
     s3.put("models", "big/w.bin", bytes(range(256)) * (size // 256))
-    LIMITS.configure(origin=rate)
+    limits = BandwidthLimits()
+    limits.configure(origin=rate)
     started = time.monotonic()
     snap = Fetcher(Store(tmp_path / "root"), endpoint_url=s3.endpoint_url, chunk_size=1 << 20,
-                   concurrency=4).ensure(granted("s3://models/big/"))
+                   concurrency=4, limits=limits).ensure(granted("s3://models/big/"))
     took = time.monotonic() - started
     assert snap.size == size
     assert took >= 0.9 * (size / rate - BURST_S), f"{size} bytes in {took:.2f}s: the limit was not held"
@@ -203,7 +199,7 @@ async def test_status_shows_the_daemons_limits_and_a_reload_changes_them(
     try:
         assert await asyncio.to_thread(cli.main, ["status", "-o", "json"]) == 0
         bandwidth = json.loads(capsys.readouterr().out)["bandwidth"]
-        waited = bandwidth.pop("waited_seconds")  # since the process started: other tests' waits count too
+        waited = bandwidth.pop("waited_seconds")  # this daemon's buckets: no other test's waits
         assert bandwidth == {"origin": 200 << 20, "peers": 1 << 30, "sources": {"s3://models": 50 << 20}, "live": True}
         assert waited["sources"] == {"s3://models": 0.0} and waited["origin"] >= 0 and waited["peers"] >= 0
         assert await asyncio.to_thread(cli.main, ["status"]) == 0

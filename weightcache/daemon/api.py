@@ -521,9 +521,9 @@ async def status(request: web.Request) -> web.Response:
     """What the daemon enforces now that no other answer says: its bandwidth limits (bytesPerSecond, the buckets'
     rates and the seconds workers waited on them; `live`: a config reload changes them without a restart)."""
     from weightcache.daemon.config import LIVE_FIELDS
-    from weightcache.ratelimit import LIMITS
 
-    return web.json_response({"bandwidth": {**LIMITS.status(), "live": "bytes_per_second" in LIVE_FIELDS}})
+    bandwidth = request.app[NODE].bandwidth.status()
+    return web.json_response({"bandwidth": {**bandwidth, "live": "bytes_per_second" in LIVE_FIELDS}})
 
 
 async def healthz(request: web.Request) -> web.Response:

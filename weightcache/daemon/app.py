@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from aiohttp import web
 
 from weightcache.daemon.api import make_app
-from weightcache.daemon.config import Settings, apply_live
+from weightcache.daemon.config import Settings, apply_bandwidth, apply_live
 from weightcache.daemon.configwatch import ConfigWatcher
 from weightcache.daemon.metrics import Metrics
 from weightcache.daemon.metrics_server import start_metrics_server
@@ -36,6 +36,7 @@ from weightcache.daemon.reconcile import Reconciler
 from weightcache.daemon.tasks import Tasks
 from weightcache.errors import ConfigError, MemoryTierError, StoreError
 from weightcache.listener import ConnectionLimits, GuardedTCPSite
+from weightcache.ratelimit import BandwidthLimits
 from weightcache.redact import RedactingFormatter
 from weightcache.store import Store
 from weightcache.unixsock import SocketAccess, claim_socket_path
@@ -91,10 +92,13 @@ class Daemon:
         stack.callback(store.close)
         metrics = Metrics()
         peer_token = _read_token(s.peer_token_file, "peerTokenFile") if s.peer_token_file is not None else None
-        peers = _peer_set(s, peer_token)
+        bandwidth = BandwidthLimits()  # the node's bytesPerSecond, handed to every fetch and peer read
+        apply_bandwidth(bandwidth, s)
+        peers = _peer_set(s, peer_token, bandwidth)
         if peers is not None:
             stack.callback(peers.close)
-        node = self.node = Node(s, store, metrics, MeteredFetcher(store, s, metrics, peers), tier=_memory_tier(s))
+        node = self.node = Node(s, store, metrics, MeteredFetcher(store, s, metrics, peers, limits=bandwidth),
+                                tier=_memory_tier(s), bandwidth=bandwidth)
         stack.push_async_callback(self._close_tier, node)  # the tier then (a reload may have made or dropped one)
         node.store_ready = True
         metrics.watch(node.sample)
@@ -192,6 +196,7 @@ class Daemon:
         node = self.node
         assert node is not None
         merged, pending = apply_live(self.settings, new)
+        apply_bandwidth(node.bandwidth, merged)
         if pending:
             log.warning("config fields %s changed; they take effect at the next restart", ", ".join(sorted(pending)))
         old, self.settings, node.settings = self.settings, merged, merged
@@ -313,7 +318,7 @@ def _read_token(path: Path, what: str) -> bytes:
     return token
 
 
-def _peer_set(settings: Settings, token: bytes | None) -> PeerSet | None:
+def _peer_set(settings: Settings, token: bytes | None, limits: BandwidthLimits | None = None) -> PeerSet | None:
     """The configured peers, and those discovered in a cluster later (None without a token: the origin only)."""
     if token is None:
         return None
@@ -322,7 +327,7 @@ def _peer_set(settings: Settings, token: bytes | None) -> PeerSet | None:
     def client(url: str) -> PeerClient:
         return PeerClient(url, token, connect_timeout=settings.connect_timeout, read_timeout=settings.read_timeout)
 
-    return PeerSet((client(url) for url in settings.peers), client, ban_s=settings.peer_ban_seconds)
+    return PeerSet((client(url) for url in settings.peers), client, ban_s=settings.peer_ban_seconds, limits=limits)
 
 
 def _memory_tier(settings: Settings) -> MemoryTier | None:

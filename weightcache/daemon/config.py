@@ -20,6 +20,7 @@ from typing import Any
 
 from weightcache import defaults, engine_cache
 from weightcache.errors import ConfigError, InvalidReferenceError
+from weightcache.ratelimit import BandwidthLimits
 from weightcache.settings import (
     FETCH_ENV,
     FETCH_PARSERS,
@@ -177,7 +178,6 @@ def load_settings(
     if raw.get("dra") is True and isinstance(tuned, dict):  # --dra turns the plugin on; the file's mapping tunes it
         raw["dra"] = tuned
     settings = parse_settings(raw)
-    apply_bandwidth(settings)  # the daemon's limits from its start; reloads go through apply_live
     return settings if file is None else _with_path(settings, file)
 
 
@@ -447,17 +447,14 @@ def apply_live(running: Settings, new: Settings) -> tuple[Settings, set[str]]:
     pending = changed_fields(running, new) - LIVE_FIELDS
     kept = {name: getattr(running, name) for name in pending}
     merged = Settings(**{f.name: kept.get(f.name, getattr(new, f.name)) for f in fields(Settings)})
-    apply_bandwidth(merged)
     return merged, pending
 
 
-def apply_bandwidth(settings: Settings) -> None:
-    """The process's bandwidth limits (weightcache/ratelimit.py) as `settings` say, live: workers waiting on a
+def apply_bandwidth(limits: BandwidthLimits, settings: Settings) -> None:
+    """The daemon's bandwidth limits (weightcache/ratelimit.py) as `settings` say, live: workers waiting on a
     bucket take the new rate within 50 ms."""
-    from weightcache.ratelimit import LIMITS
-
-    limits = dict(settings.bytes_per_second)
-    LIMITS.configure(origin=limits.pop("origin", 0), peers=limits.pop("peers", 0), sources=limits)
+    rates = dict(settings.bytes_per_second)
+    limits.configure(origin=rates.pop("origin", 0), peers=rates.pop("peers", 0), sources=rates)
 
 
 def _bytes_per_second(value: Any) -> tuple[tuple[str, int], ...]:

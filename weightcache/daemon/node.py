@@ -25,6 +25,7 @@ from weightcache.errors import ConfigError, WeightcacheError
 from weightcache.fetch import DurableFile, Fetcher
 from weightcache.fetch_queue import FetchQueue
 from weightcache.progress import Progress
+from weightcache.ratelimit import BandwidthLimits
 from weightcache.signatures import SignaturePolicy
 from weightcache.store import Snapshot, Store, quarantine_usage
 from weightcache.uri import ModelRef
@@ -46,11 +47,12 @@ class MeteredFetcher:
 
     stops_on_cancel = True  # fetch_queue.Engine: each fetch's own Fetcher watches its `cancel`
 
-    def __init__(self, store: Store, settings: Settings, metrics: Metrics, peers: PeerSet | None = None) -> None:
+    def __init__(self, store: Store, settings: Settings, metrics: Metrics, peers: PeerSet | None = None, *,
+                 limits: BandwidthLimits | None = None) -> None:
         self._store = store
         # fetch settings are read at start (docs/config.md: restart); blobs with a trusted sha256 come from the
-        # peers first (docs/peers.md)
-        self._fetch = settings.fetch.with_peers(peers)
+        # peers first (docs/peers.md); origin reads wait on the node's bandwidth limits
+        self._fetch = settings.fetch.with_peers(peers, limits=limits)
         self._metrics = metrics
         self._live: dict[Fetcher, str] = {}  # running fetchers -> scheme
         self._done: dict[str, dict[str, int]] = {}  # scheme -> counters of finished fetchers
@@ -146,6 +148,8 @@ class Node:
     # held copies whose DRA devices are tainted now (evicting, verifying, damaged): the API marks, the slice
     # publisher reads (dra/states.py)
     device_states: DeviceStates = field(default_factory=DeviceStates)
+    # the node's bytesPerSecond buckets (weightcache/ratelimit.py), configured at start and by a reload
+    bandwidth: BandwidthLimits = field(default_factory=BandwidthLimits)
 
     def __post_init__(self) -> None:
         self.fetches = FetchQueue(self.fetcher, parallel=self.settings.parallel_models)

@@ -50,7 +50,7 @@ from weightcache.peers.client import (
 )
 from weightcache.peers.identity import OriginId
 from weightcache.peers.inflight import InFlight
-from weightcache.ratelimit import acquire_peers
+from weightcache.ratelimit import BandwidthLimits
 from weightcache.retry import Retry, Retryable
 from weightcache.sources.base import ObjectInfo, OnBytes, Pieces, Source, stream_range
 
@@ -124,8 +124,10 @@ class PeerSet:
     the discovered peers (ModelCacheNode status) while the configured ones stay."""
 
     def __init__(self, clients: Iterable[PeerClient], make_client: Callable[[str], PeerClient] | None = None,
-                 inflight: InFlight | None = None, self_url: str | None = None, ban_s: float = BAN_S) -> None:
-        """`self_url`: this node's own peer address, as the others list it (its rank among them spreads the
+                 inflight: InFlight | None = None, self_url: str | None = None, ban_s: float = BAN_S,
+                 limits: BandwidthLimits | None = None) -> None:
+        """`limits`: the node's bandwidth limits, whose peer bucket paces what peers send (none by default).
+        `self_url`: this node's own peer address, as the others list it (its rank among them spreads the
         pieces that nodes started together fetch first); unknown: a hash of the host name stands in. `ban_s`:
         how long a peer whose bytes the origin contradicts is first left out (PeerStats.ban)."""
         self.clients = list(clients)
@@ -134,6 +136,7 @@ class PeerSet:
         self._make_client = make_client
         self.stats = PeerStats(ban_s=ban_s)
         self.inflight = inflight or InFlight()  # this node's downloads its peer server may serve from
+        self.limits = limits or BandwidthLimits()
 
     def wrap(self, origin: Source, digests: dict[str, tuple[Blob, int]]) -> PeerSource:
         """`digests`: object key -> (trusted sha256 or origin identity, size) for the objects peers may serve."""
@@ -144,7 +147,8 @@ class PeerSet:
         me = self.self_url or socket.gethostname()
         rank = (bisect.bisect_left(everyone, me) if self.self_url
                 else int.from_bytes(hashlib.sha256(me.encode()).digest()[:4], "big") % (len(everyone) + 1))
-        source = PeerSource(origin, usable, digests, self.stats, self.inflight, (rank, len(everyone) + 1))
+        source = PeerSource(origin, usable, digests, self.stats, self.inflight, (rank, len(everyone) + 1),
+                            limits=self.limits)
         source.ranked = [*everyone[:rank], "", *everyone[rank:]]  # "": this node
         return source
 
@@ -178,9 +182,10 @@ class PeerSource(Source):
 
     def __init__(self, origin: Source, peers: typing.List[PeerClient],  # noqa: UP006
                  digests: dict[str, tuple[Blob, int]], stats: PeerStats, inflight: InFlight | None = None,
-                 rank: tuple[int, int] = (0, 1)) -> None:
+                 rank: tuple[int, int] = (0, 1), *, limits: BandwidthLimits | None = None) -> None:
         """`rank`: (this node's place, nodes) among its peers and itself: which share of pieces it fetches first."""
         self.origin = origin
+        self._limits = limits or BandwidthLimits()
         self._inflight = inflight or InFlight()
         self._rank = rank
         # object key -> [(start, node)]: the node that fetches the range from `start` first ("": this one)
@@ -503,7 +508,7 @@ class PeerSource(Source):
         with closing(stream_range(open_once, pos, served - pos, buf, retry, counted)) as pieces:
             for at, view in pieces:
                 with pace.held():  # our own wait is no slowness of the peer's
-                    acquire_peers(len(view))  # the node's peer bytesPerSecond: the next piece waits (ratelimit.py)
+                    self._limits.acquire_peers(len(view))  # the node's peer bytesPerSecond: the next piece waits
                 with self._lock:
                     self._served[(key, at)] = (peer.url, hashlib.sha256(view).digest())
                     self.peer_bytes += len(view)

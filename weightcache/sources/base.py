@@ -15,12 +15,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Generator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from weightcache import defaults
 from weightcache.errors import SourceNotFoundError
-from weightcache.ratelimit import acquire_origin
+from weightcache.ratelimit import BandwidthLimits
 from weightcache.retry import PartialRead, Retry, Retryable
 from weightcache.uri import ModelRef
 
@@ -46,6 +46,8 @@ class SourceOptions:
     connect_timeout: float = defaults.CONNECT_TIMEOUT  # seconds to establish a connection
     read_timeout: float = defaults.READ_TIMEOUT  # seconds without a byte from an open connection
     cancel: threading.Event | None = None  # set: retry waits and reads stop with FetchCancelledError
+    # the node's bytesPerSecond (weightcache/ratelimit.py): the daemon's one set of buckets; none by default
+    limits: BandwidthLimits = field(default_factory=BandwidthLimits, compare=False, repr=False)
 
     def retry(self, what: str) -> Retry:
         """Failure accounting for one operation under these options."""
@@ -177,7 +179,7 @@ def read_range_into(options: SourceOptions, name: str, obj: ObjectInfo, offset: 
     if offset < 0 or offset + len(buf) > obj.size:
         raise ValueError(f"range {offset}+{len(buf)} outside {name} of {obj.size} bytes")
     if len(buf):
-        acquire_origin(name, len(buf), options.cancel)  # the node's bytesPerSecond (weightcache/ratelimit.py)
+        options.limits.acquire_origin(name, len(buf), options.cancel)  # the node's bytesPerSecond
         read_with_retries(reader, offset, buf, options.retry(f"reading {name} bytes {offset}-{offset + len(buf) - 1}"))
 
 
@@ -222,7 +224,7 @@ def origin_pieces(options: SourceOptions, name: str, open_range: Opener, offset:
     paced by the node's bytesPerSecond for `name` (`scheme://bucket/key`, as read_range_into's)."""
     return stream_range(open_range, offset, length, buf,
                         options.retry(f"reading {name} bytes {offset}-{offset + length - 1}"), on_bytes,
-                        throttle=lambda n: acquire_origin(name, n, options.cancel))
+                        throttle=lambda n: options.limits.acquire_origin(name, n, options.cancel))
 
 
 def stream_range(open_range: Opener, offset: int, length: int, buf: memoryview, retry: Retry,
