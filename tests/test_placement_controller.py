@@ -290,20 +290,27 @@ def test_a_ready_node_without_room_does_not_release_while_a_node_with_room_fetch
 
 
 def test_lease_takeover_only_after_the_record_stood_still_for_the_lease_duration(api: FakeApiServer) -> None:
+    """Both candidates measure on one held clock that the test moves (no sleeps): each step lands exactly where
+    it says, on either side of the lease duration and renew deadline."""
+    now = [1000.0]
+
     def elector(identity: str) -> LeaderElector:
         return LeaderElector(api.api_client(), namespace="ns", name="l", identity=identity,
-                             lease_duration=1.0, renew_deadline=0.5, retry_period=0.1)
+                             lease_duration=1.0, renew_deadline=0.5, retry_period=0.1, clock=lambda: now[0])
 
     a, b = elector("a"), elector("b")
     assert a.try_acquire_or_renew() and a.is_leader()
     assert not b.try_acquire_or_renew(), "held and fresh"
-    time.sleep(0.6)
-    assert a.try_acquire_or_renew(), "renewal"
+    now[0] += 0.6
+    assert not a.is_leader(), "past renew_deadline without a renewal"
+    assert a.try_acquire_or_renew() and a.is_leader(), "renewal"
     assert not b.try_acquire_or_renew(), "a renewed record restarts the wait"
-    time.sleep(1.1)
+    now[0] += 0.9
+    assert not b.try_acquire_or_renew(), "the record stood still for less than the lease duration"
+    now[0] += 0.2
     assert b.try_acquire_or_renew() and b.is_leader(), "the holder stopped renewing for a lease duration"
     assert not a.try_acquire_or_renew()
-    time.sleep(0.6)
+    now[0] += 0.6
     assert not a.is_leader(), "a leader that cannot renew stops leading within renew_deadline"
     lease = api.get("leases", "l", "ns")
     assert (lease["spec"]["holderIdentity"], lease["spec"]["leaseTransitions"]) == ("b", 1)

@@ -17,6 +17,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import urllib3
@@ -32,12 +33,15 @@ def _micro_now() -> str:
 
 class LeaderElector:
     def __init__(self, api_client: ApiClient, *, namespace: str, name: str, identity: str,
-                 lease_duration: float = 15.0, renew_deadline: float = 10.0, retry_period: float = 2.0) -> None:
+                 lease_duration: float = 15.0, renew_deadline: float = 10.0, retry_period: float = 2.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`clock`: the monotonic clock every duration is measured on (a test's held one)."""
         if not retry_period < renew_deadline < lease_duration:
             raise ValueError("leader election needs retry_period < renew_deadline < lease_duration")
         self._api = CoordinationV1Api(api_client)
         self.namespace, self.name, self.identity = namespace, name, identity
         self.lease_duration, self.renew_deadline, self.retry_period = lease_duration, renew_deadline, retry_period
+        self._clock = clock
         self._renewed = -1e18  # monotonic time of our last successful acquire or renew
         self._observed: tuple[str, str] | None = None  # (holder, renewTime) of another holder's record
         self._observed_at = 0.0
@@ -46,7 +50,7 @@ class LeaderElector:
         self.transitions = 0  # times this candidate became leader
 
     def is_leader(self) -> bool:
-        return time.monotonic() - self._renewed < self.renew_deadline
+        return self._clock() - self._renewed < self.renew_deadline
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="leader-election", daemon=True)
@@ -80,7 +84,7 @@ class LeaderElector:
     def try_acquire_or_renew(self, release: bool = False) -> bool:
         """One round; True when we hold the Lease afterwards. Leadership counts from before the request was sent:
         the server may have recorded it any time after."""
-        sent, now = time.monotonic(), _micro_now()
+        sent, now = self._clock(), _micro_now()
         try:
             lease = json.loads(self._api.read_namespaced_lease(self.name, self.namespace, _preload_content=False).data)
         except ApiException as exc:
@@ -108,9 +112,9 @@ class LeaderElector:
         if holder and holder != self.identity:
             record = (holder, str(spec.get("renewTime") or ""))
             if record != self._observed:
-                self._observed, self._observed_at = record, time.monotonic()
+                self._observed, self._observed_at = record, self._clock()
             duration = spec.get("leaseDurationSeconds")
-            if time.monotonic() - self._observed_at < (duration if isinstance(duration, int) and duration > 0 else 1):
+            if self._clock() - self._observed_at < (duration if isinstance(duration, int) and duration > 0 else 1):
                 return False
         transitions = int(spec.get("leaseTransitions") or 0) + (0 if holder == self.identity else 1)
         acquired = spec.get("acquireTime") if holder == self.identity else now
