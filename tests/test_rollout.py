@@ -15,8 +15,11 @@ from typing import Any
 import yaml
 
 from tests.fake_apiserver import FakeApiServer
+from tests.faultproxy import FaultProxy
 from tests.fixtures_daemon import RunningDaemon, eventually, start_daemon
 from tests.fixtures_kube import NODE
+from tests.fixtures_s3 import S3
+from tests.peers_fleet import origin_bytes
 from weightcache.fetch import source_revision
 from weightcache.kube import rollout
 from weightcache.kube.client import load_api_client
@@ -192,3 +195,49 @@ def test_daemon_side_serves_status_revision_and_fetches_the_next_only_when_asked
     assert rollout.revisions(_mc("r2"), "a") == ("r2", None), "before the controller's first pass: the spec's"
     mc["status"]["rollout"]["phase"] = "Failed"
     assert rollout.revisions(mc, "a") == ("r1", None)
+
+
+async def test_a_rollout_fills_later_nodes_from_the_peers_that_fetched_first(
+        cluster: FakeApiServer, s3: S3, fault_proxy: FaultProxy, short_dir: Path, model_copy: Path) -> None:
+    """maxConcurrent 1 over two daemons with peers: the first node asked reads the new revision from the origin,
+    the second from that node, so the origin serves the new bytes once."""
+    old, new = bytes(range(256)) * 4096, bytes(reversed(range(256))) * 4096  # 1 MiB each
+    s3.put("models", "m/w.bin", old, ChecksumAlgorithm="SHA256")
+    token = short_dir / "peer-token"
+    token.write_text("rollout-peer-token-0123456789")
+    config = {"peerTokenFile": str(token), "peerListen": "127.0.0.1:0",
+              "endpoints": {"s3": {"endpointUrl": fault_proxy.endpoint_url}}}
+    cluster.create("nodes", {"metadata": {"name": "gpu-2", "labels": {"pool": "a100"}}})
+    cluster.create("modelcaches", {"metadata": {"name": "llama"}, "spec": {
+        "source": "s3://models/m/", "nodeSelector": {"pool": "a100"}, "allowedNamespaces": ["*"]}})
+    stop_controller = start_controller(load_api_client())
+    daemons: list[RunningDaemon] = []
+    try:
+        for name in (NODE, "gpu-2"):
+            (short_dir / name).mkdir()
+            daemons.append(await start_daemon(short_dir / name, model_copy, config=config, env={"NODE_NAME": name}))
+        await eventually(lambda: all(_models(cluster, n).get("llama", {}).get("phase") == "Ready"
+                                     for n in (NODE, "gpu-2")) and _status(cluster).get("revision") == "",
+                         timeout=30, what="both nodes on the first revision")
+        peers = daemons[1].daemon.node.fetcher.peers  # asked second (nodes in name order): it reads from gpu-1
+        assert peers is not None
+        await eventually(lambda: peers.urls == [f"http://127.0.0.1:{daemons[0].daemon.peer_port}"], timeout=30,
+                         what="gpu-2 to find gpu-1")
+        s3.put("models", "m/w.bin", new, ChecksumAlgorithm="SHA256")
+        source = open_source(parse_ref("s3://models/m/"), endpoint_url=fault_proxy.endpoint_url)
+        revision = source_revision(source.list())[:16]
+        source.close()
+        fault_proxy.clear()
+        cluster.patch("modelcaches", "llama", {"spec": {"revision": revision}}, MERGE)
+        await eventually(lambda: _status(cluster).get("revision") == revision, timeout=30, what="the switch")
+        assert origin_bytes(fault_proxy, "/models/m/") == len(new), "the second node read it from the first"
+        def serves_new(d: RunningDaemon) -> bool:
+            snapshot = d.daemon.node.store.lookup(parse_ref("s3://models/m/"))
+            return snapshot is not None and (snapshot.path / "w.bin").read_bytes() == new
+
+        for d in daemons:  # each daemon moves its `latest` at its first pass after the switch
+            await eventually(lambda d=d: serves_new(d), what="the node to serve the new revision")
+    finally:
+        for d in daemons:
+            await d.daemon.stop()
+        stop_controller()
