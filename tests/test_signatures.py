@@ -33,8 +33,9 @@ from weightcache.access import ADMIN, Authority
 from weightcache.dra.devices import devices_for
 from weightcache.errors import SignatureError
 from weightcache.fetch import Fetcher
+from weightcache.fetch_queue import FetchQueue
 from weightcache.signatures import key_fingerprint, make_policy
-from weightcache.store import Store
+from weightcache.store import Snapshot, Store
 from weightcache.uri import parse_ref, readiness_label
 
 
@@ -292,6 +293,11 @@ async def test_a_modelcache_with_spec_signature_refuses_with_the_reason_in_statu
         mc = cluster.get("modelcaches", "signed")
         mc["spec"]["signature"]["publicKeys"] = [other, public.read_text()]
         cluster.update("modelcaches", "signed", mc)
+
+        def keys_seen() -> bool:  # the daemon's watch has the new spec: the next pass decides with it
+            return any(len(((m.get("spec") or {}).get("signature") or {}).get("publicKeys") or []) == 2
+                       for m in d.daemon.node.authority.model_caches())
+        await eventually(keys_seen, what="the daemon to see the rotated keys", timeout=60)
         d.daemon.node.kick()
         await eventually(lambda: (s := state()) and s["phase"] == "Ready", what="Ready, rotated", timeout=60)
         (info,) = d.daemon.node.store.list()
@@ -369,3 +375,29 @@ def test_globs_that_leave_out_model_sig_say_so_and_globs_that_keep_it_verify_a_s
     code, _, err = _prefetch(cli, tmp_path / "root", model, "--signed-by", str(public), "--include", "*.safetensors",
                              "--include", "model.sig")
     assert code == 0, err  # the signed files the globs leave out may be missing; those fetched must match
+
+
+async def test_callers_with_other_requirements_never_share_one_fetch(tmp_path: Path,
+                                                                      signed: tuple[Path, Path]) -> None:
+    """The daemon's fetch queue: three callers at once for one model, one requiring nothing, one the wrong key, one
+    the right key and streaming its files. They run one after the other (the model's lock); the wrong key is
+    refused, and the streaming caller hears of no file before model.sig verified the whole model."""
+    model, public = signed
+    store = Store(tmp_path / "root")
+    queue = FetchQueue(Fetcher(store))
+    ref = parse_ref(f"file://{model}/")
+    authority = Authority()
+    wrong = make_policy(keys=[_key_pair(tmp_path, "other")[1].read_text()])
+    seen: list[bool] = []  # per file handed over: was the snapshot already published (so checked)?
+    try:
+        plain, refused, streamed = await asyncio.gather(
+            queue.fetch(authority.authorize(ref, ADMIN), keep=True),
+            queue.fetch(authority.authorize(ref, ADMIN, signed_by=wrong)),
+            queue.fetch(authority.authorize(ref, ADMIN, signed_by=make_policy(keys=[public.read_text()])),
+                        on_file=lambda durable: seen.append(bool(store.list()))),
+            return_exceptions=True)
+    finally:
+        queue.close()
+    assert isinstance(refused, SignatureError), refused
+    assert isinstance(plain, Snapshot) and isinstance(streamed, Snapshot) and plain.id == streamed.id
+    assert seen and all(seen), seen

@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from weightcache.access import Grant, require_grant
-from weightcache.errors import NotCachedError
 from weightcache.fetch import DurableFile, FetchCancelledError
 from weightcache.progress import Progress
+from weightcache.signatures import SignaturePolicy
 from weightcache.store import Snapshot
 from weightcache.uri import ModelRef
 
@@ -45,9 +45,15 @@ STOPPING = "the daemon is stopping"
 MAX_FETCH_THREADS = 64  # a ceiling only: `parallel` bounds the running jobs, threads are made on demand
 
 
-def job_key(ref: ModelRef) -> tuple[str, str | None]:
-    """What makes two requests the same fetch: the model (uri and filters) and the revision asked for."""
-    return ref.key, ref.revision
+JobKey = tuple[str, str | None, tuple[SignaturePolicy, ...]]
+
+
+def job_key(grant: Grant) -> JobKey:
+    """What makes two requests the same fetch: the model (uri and filters), the revision asked for, and the
+    signatures required (a caller that requires one never joins a fetch that checks none: its files would be
+    handed over before model.sig is checked; the engine's model lock runs the two one after the other, and the
+    second is a cache hit the engine checks)."""
+    return grant.ref.key, grant.ref.revision, grant.signatures
 
 
 class Engine(Protocol):
@@ -130,7 +136,7 @@ class FetchQueue:
     def __init__(self, engine: Engine, *, parallel: int = 2) -> None:
         self._engine = engine
         self.parallel = max(1, parallel)
-        self._jobs: dict[tuple[str, str | None], _Job] = {}
+        self._jobs: dict[JobKey, _Job] = {}
         self._queued: collections.deque[_Job] = collections.deque()
         self._running: set[_Job] = set()
         self._fetch_pool = ThreadPoolExecutor(MAX_FETCH_THREADS, thread_name_prefix="wc-fetches")
@@ -164,15 +170,7 @@ class FetchQueue:
         if on_file is not None:
             job.subscribe(on_file)
         try:
-            snapshot = await asyncio.shield(job.future)
-            if grant.signatures == job.grant.signatures:
-                return snapshot
-            # joined a fetch run under another caller's grant: this caller's signature requirements are checked
-            # on what it published (Fetcher.lookup: SignatureError when model.sig does not satisfy them)
-            checked = await self.lookup(grant)
-            if checked is None:
-                raise NotCachedError(f"{grant.ref} was evicted as soon as it was published; ask for it again")
-            return checked
+            return await asyncio.shield(job.future)
         finally:
             job.waiters -= 1
             if progress is not None:
@@ -188,7 +186,7 @@ class FetchQueue:
 
     def progress(self, ref: ModelRef) -> Progress | None:
         """Where the fetch of `ref` is: its engine's last report, or its place in the queue; None when idle."""
-        job = self._jobs.get(job_key(ref))
+        job = self._job_of(ref)
         if job is None:
             return None
         if job.running:
@@ -196,10 +194,15 @@ class FetchQueue:
         ahead = self._queued.index(job) + len(self._running) if job in self._queued else 0
         return Progress.waiting(ref.uri, message=f"behind {ahead} download{'s' if ahead != 1 else ''}")
 
+    def _job_of(self, ref: ModelRef) -> _Job | None:
+        """The job fetching `ref` (of any signature requirement: there is one, or one after the other)."""
+        return next((job for (key, revision, _), job in self._jobs.items()
+                     if (key, revision) == (ref.key, ref.revision)), None)
+
     def kept(self, ref: ModelRef) -> bool:
         """Whether the fetch of `ref` goes on when one of its waiters leaves (kept, or another waiter): what a
         client hears before its Ctrl-C, so it can say whether the download stops."""
-        job = self._jobs.get(job_key(ref))
+        job = self._job_of(ref)
         return job is not None and (job.keep or job.waiters > 1)
 
     def set_parallel(self, parallel: int) -> None:
@@ -240,7 +243,7 @@ class FetchQueue:
 
     def _join(self, grant: Grant, *, keep: bool, streaming: bool = False) -> _Job:
         self._refuse_if_closed(require_grant(grant).ref)
-        key = job_key(grant.ref)
+        key = job_key(grant)
         job = self._jobs.get(key)
         if job is None:
             job = self._jobs[key] = _Job(grant, asyncio.get_running_loop().create_future(), streaming=streaming)
@@ -273,8 +276,8 @@ class FetchQueue:
 
     def _finished(self, job: _Job, done: Future[Snapshot]) -> None:
         self._running.discard(job)
-        if self._jobs.get(job_key(job.ref)) is job:
-            del self._jobs[job_key(job.ref)]
+        if self._jobs.get(job_key(job.grant)) is job:
+            del self._jobs[job_key(job.grant)]
         if not job.future.done():
             exc = done.exception() if not done.cancelled() else FetchCancelledError(f"fetch of {job.ref} stopped")
             if exc is None:
@@ -292,13 +295,13 @@ class FetchQueue:
         elif self._engine.stops_on_cancel:
             log.info("cancelling the fetch of %s: every caller that wanted it went away", job.ref)
             job.cancel.set()
-            if self._jobs.get(job_key(job.ref)) is job:  # a new caller starts afresh (resuming its chunks)
-                del self._jobs[job_key(job.ref)]
+            if self._jobs.get(job_key(job.grant)) is job:  # a new caller starts afresh (resuming its chunks)
+                del self._jobs[job_key(job.grant)]
 
     def _drop(self, job: _Job, why: str) -> None:
         self._queued.remove(job)
-        if self._jobs.get(job_key(job.ref)) is job:
-            del self._jobs[job_key(job.ref)]
+        if self._jobs.get(job_key(job.grant)) is job:
+            del self._jobs[job_key(job.grant)]
         job.future.set_exception(FetchCancelledError(f"the queued fetch of {job.ref} was dropped: {why}"))
         job.future.exception()  # retrieved: its waiters are gone
         log.info("dropped the queued fetch of %s: %s", job.ref, why)
