@@ -165,13 +165,13 @@ class Daemon:
                    if line.startswith(name) and label in line.split(" ", 1)[0])
 
 
-def start_daemon(i: int, n: int, work: Path, token: Path) -> Daemon:
+def start_daemon(i: int, n: int, work: Path, token: Path, chunk: str) -> Daemon:
     home = work / f"n{i}"
     home.mkdir(parents=True)
     peers = [f"http://{node_ip(j)}:{PEER_PORT}" for j in range(n) if j != i]
     config = {"root": str(home / "store"), "socket": str(home / "api.sock"),
               "peerListen": f"{node_ip(i)}:{PEER_PORT}", "peerTokenFile": str(token), "peers": peers,
-              "endpoints": {"s3": {"endpointUrl": f"http://{ORIGIN_IP}:5000"}}}
+              "endpoints": {"s3": {"endpointUrl": f"http://{ORIGIN_IP}:5000"}}, "chunkSize": chunk}
     (home / "config.yaml").write_text(json.dumps(config))  # JSON is YAML
     log = home / "daemon.log"
     env = {**os.environ, **AWS_ENV, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
@@ -183,7 +183,7 @@ def start_daemon(i: int, n: int, work: Path, token: Path) -> Daemon:
     return Daemon(i, proc, home / "api.sock", log)
 
 
-def wait_answering(daemons: list[Daemon], timeout: float = 180.0) -> None:
+def wait_answering(daemons: list[Daemon], timeout: float = 600.0) -> None:
     deadline = time.monotonic() + timeout
     for d in daemons:
         while not (d.socket.exists() and d.client().available()):
@@ -236,6 +236,19 @@ def inject(net: Net, daemons: list[Daemon], roles: dict[int, str]) -> None:
         net.limit_both(name, net.link_mbps)
 
 
+WHY = (("no byte for", "pending expired"), (" cut", "after a cut"), (" failed", "after a failure"),
+       ("gone", "holder gone"), (", 0 holders", "no holder known"), ("own share", "own share"))
+
+
+def origin_reads(log_text: str) -> dict[str, float]:
+    """Bytes a daemon read from the origin, by why (its `origin read:` log lines, peers/source.py)."""
+    why: dict[str, float] = {}
+    for m in re.finditer(r"origin read: .* \((\d+)\): (.*)", log_text):
+        kind = next((k for word, k in WHY if word in m[2]), "other")
+        why["why:" + kind] = why.get("why:" + kind, 0.0) + int(m[1])
+    return why
+
+
 def fill(net: Net, n: int, work: Path, args: argparse.Namespace, model: int) -> dict[str, Any]:
     """One row: n fresh node namespaces and daemons, all asked for the model at once."""
     run_dir = work / f"run-{n}"
@@ -243,7 +256,7 @@ def fill(net: Net, n: int, work: Path, args: argparse.Namespace, model: int) -> 
     for i, name in enumerate(names):
         net.namespace(name, node_ip(i))
         net.limit_both(name, args.link_mbps)
-    daemons = [start_daemon(i, n, run_dir, work / "token") for i in range(n)]
+    daemons = [start_daemon(i, n, run_dir, work / "token", args.chunk_size) for i in range(n)]
     try:
         wait_answering(daemons)
         for d in daemons:
@@ -277,7 +290,8 @@ def fill(net: Net, n: int, work: Path, args: argparse.Namespace, model: int) -> 
                        "origin": d.metric(text, "weightcache_model_fetched_bytes_total", 'source="origin"'),
                        "peers": d.metric(text, "weightcache_model_fetched_bytes_total", 'source="peers"'),
                        "served": d.metric(text, "weightcache_peer_served_bytes_total"),
-                       "cuts": len(re.findall(r"below the floor", d.log.read_text()))}
+                       "cuts": len(re.findall(r"below the floor", d.log.read_text())),
+                       **origin_reads(d.log.read_text())}
     finally:
         stop_all(daemons)
         if args.keep_logs:
@@ -306,6 +320,8 @@ def fill(net: Net, n: int, work: Path, args: argparse.Namespace, model: int) -> 
         "served_mb": [round(s / 1e6, 1) for s in served],
         "max_served_share": round(max(served) / mean_served, 2) if mean_served else 0.0,
         "peer_cuts": sum(int(d.stats.get("cuts", 0)) for d in daemons),
+        "origin_why": {k[4:]: round(sum(d.stats.get(k, 0.0) for d in daemons) / model, 3)
+                       for k in sorted({k for d in daemons for k in d.stats if k.startswith("why:")})},
         "errors": [f"n{d.index}: {d.error}" for d in daemons if d.error],
     }
 
@@ -353,6 +369,7 @@ def print_row(row: dict[str, Any], one: float) -> None:
     print(f"  CPU s:     {' '.join(f'{x:.1f}' for x in row['cpu_s'])}")
     print(f"  RSS MiB:   {' '.join(str(x) for x in row['rss_mb'])}")
     print(f"  served MB: {' '.join(f'{x:.0f}' for x in row['served_mb'])}")
+    print(f"  origin by why (x the model): {', '.join(f'{k} {v:.2f}' for k, v in row['origin_why'].items())}")
     if row["faults"]:
         print(f"  faults:    {' '.join(f'{k}={v}' for k, v in row['faults'].items())} (origin: its veth's bytes)")
     for e in row["errors"]:
@@ -364,6 +381,8 @@ def main() -> int:
     parser.add_argument("--nodes", default="8,16", help="comma-separated fleet sizes")
     parser.add_argument("--model-mb", type=int, default=256, help="model size, MB (10^6 bytes)")
     parser.add_argument("--shards", type=int, default=4)
+    parser.add_argument("--chunk-size", default="16Mi",
+                        help="the daemons' chunkSize: a fleet's ranges are 4 pieces of min(1 MiB, this) or more")
     parser.add_argument("--origin-mbps", type=float, default=20.0, help="the origin's link, MB/s each way")
     parser.add_argument("--link-mbps", type=float, default=20.0, help="each node's link, MB/s each way")
     parser.add_argument("--json", action="store_true", help="print one JSON summary (the last N's row)")

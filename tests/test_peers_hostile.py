@@ -3,9 +3,11 @@ a peer that trickles costs about a second, not the fetch, and untrusted digits i
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,9 +20,12 @@ from tests.faultproxy import FaultProxy
 from tests.fixtures_s3 import S3
 from tests.peers_fleet import Fleet, FleetNode, HostilePeer
 from tests.test_peers import FILES, MODEL_BYTES, OPTIONS, TOKEN, assert_model, ensure, origin_bytes
+from weightcache.errors import SourceError
 from weightcache.listener import ConnectionLimits
-from weightcache.peers.client import SLOW_GRACE_S, Pace, PeerFlow
+from weightcache.peers.client import SLOW_GRACE_S, EagerBody, Pace, PeerFlow
 from weightcache.peers.server import PeerLimits
+from weightcache.retry import Retry
+from weightcache.sources.base import stream_range
 
 BIG = "model-00001.safetensors.bin"
 SHAS = {name: hashlib.sha256(body).hexdigest() for name, body in FILES.items()}
@@ -275,3 +280,46 @@ def test_a_stream_waiting_its_turn_is_not_cut_while_the_peers_other_streams_flow
     assert not waiting.due(now)  # its peer is sending this fetch well above the floor
     time.sleep(0.3)  # now nothing flows from that peer at all
     assert waiting.due(time.monotonic())
+
+
+def test_a_peers_bytes_count_as_they_come_not_when_a_read_slice_fills() -> None:
+    """A buffered read of 128 KiB blocked until all of it had come: a peer sending one stream a busy link's share
+    (0.1-0.6 MB/s with 30 streams on 20 MB/s) showed 0 bytes for over a second, and the floor cut it as a
+    trickler (issue 38: 431 cuts of a 16-node fill, each sending its range to the origin). A peer's body is read
+    one receive at a time (client.EagerBody), so its Pace sees the first bytes at once."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    release = threading.Event()
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 200000\r\n\r\n" + b"x" * 1000)
+            release.wait(10)  # the rest never comes while the client is judged
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    pool = urllib3.PoolManager(retries=False)
+    seen: list[tuple[float, int]] = []
+    started = time.monotonic()
+    try:
+        resp = pool.request("GET", f"http://127.0.0.1:{port}/", preload_content=False)
+        pieces = stream_range(lambda a, b: EagerBody(resp), 0, 200000, memoryview(bytearray(1 << 20)),
+                              Retry("a slow peer's body", 1), lambda n: seen.append((time.monotonic(), n)))
+
+        def drain() -> None:
+            with contextlib.suppress(SourceError):  # the body is cut short once the test is done with it
+                list(pieces)
+
+        threading.Thread(target=drain, daemon=True).start()
+        deadline = time.monotonic() + 5
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert seen and seen[0][1] == 1000  # what one receive brought, at once
+        assert seen[0][0] - started < 1.0
+    finally:
+        release.set()
+        server.join(10)
+        listener.close()
+        pool.clear()

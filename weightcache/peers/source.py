@@ -38,6 +38,7 @@ from weightcache.peers.client import (
     SLOW_MIN_BYTES_S,
     WATCHDOG,
     Blob,
+    EagerBody,
     Pace,
     PeerBlobGone,
     PeerClient,
@@ -73,6 +74,7 @@ REASK_S = 0.25  # a peer that lacked a blob is asked again after this (nodes sta
 BENCH_S = 1.0  # a peer cut as too slow is left out of the fetch this long, doubled each time, up to MAX_BENCH_S
 MAX_BENCH_S = 30.0
 PROVEN_BYTES = 4 << 20  # a peer cut as slow after sending this fetch this much is waited for, not the origin
+DOWN_S = 2.0  # a peer that failed, or sent nothing this long and was cut, is down this long (or its bench's)
 PENDING_S = 15.0  # a range waits on peers ("not yet", a bench) at most this long without a byte of it
 BAN_S = 600.0  # a peer whose bytes the origin contradicts is not asked for this long; doubled per repeat offence
 MAX_BAN_S = 24 * 3600.0
@@ -204,13 +206,16 @@ class PeerSource(Source):
         self._origin_only: set[str] = set()  # object keys that failed verification once
         self._dead: set[str] = set()  # peers that did not answer a HEAD during this fetch
         self._served: dict[tuple[str, int], tuple[str, bytes]] = {}  # (key, offset) -> (peer, piece digest)
-        self._empty: set[tuple[str, str]] = set()  # (blob, peer): downloading it, nothing from the origin yet
         self._downloading: set[tuple[str, str]] = set()  # (blob, peer): downloading it when asked (HEAD)
+        self._ahead: set[tuple[str, str]] = set()  # (blob, peer): had origin bytes of it at this fetch's first HEAD
         self._flows: dict[str, PeerFlow] = {}  # bytes from each peer over all streams (client.PeerFlow)
         self._asked: dict[tuple[str, int], float] = {}  # (key, range end) -> when it was first asked of peers
         self._claimers: set[tuple[str, str]] = set()  # (peer, blob): it answered "not yet" (reads it now)
         self._moved: dict[tuple[str, int], float] = {}  # (key, range end) -> when a byte of it last came
         self._benched: dict[str, tuple[float, int]] = {}  # peer cut as slow -> (left out until, times)
+        self._down: dict[str, float] = {}  # peer -> until when its ranges go to the next node (_serving_owner)
+        self._heard: dict[str, float] = {}  # peer -> when it last answered this fetch or sent it a byte
+        self._given_up: dict[tuple[str, int], set[str]] = {}  # (key, range end) -> owners it waited PENDING_S on
         self._origin_rate: float | None = None  # bytes/s this fetch reads per origin connection (a moving mean)
         self.peer_bytes = 0
         self._may_defer: Callable[[], bool] = lambda: False  # the fetch engine: other ranges wait for a worker
@@ -273,6 +278,7 @@ class PeerSource(Source):
         pos, end = offset, offset + length
         trusted = self._digests.get(obj.key)
         if trusted is None or obj.key in self._origin_only:
+            self._why_origin(obj, pos, end, "no trusted digest" if trusted is None else "failed verification")
             yield from self._from_origin(obj, pos, end, buf, on_bytes, None)
             return
         name = blob_key(trusted[0])
@@ -285,39 +291,78 @@ class PeerSource(Source):
                 self._grace_until = time.monotonic() + GRACE_S
             fetch_deadline = self._grace_until
         with self._lock:  # from this range's first ask: a range deferred (Later) and taken again waits no longer
-            deadline = self._asked.setdefault((obj.key, end), time.monotonic()) + GRACE_S
+            asked = self._asked.setdefault((obj.key, end), time.monotonic())
+            deadline = asked + GRACE_S
             self._moved.setdefault((obj.key, end), time.monotonic())
+        outcome: dict[str, str] = {}  # peer -> what it last answered (the origin read's log line says why)
         while True:
             progressed, downloading, pending = False, False, False
-            for peer in self._holders_in_turn(*trusted, first=owner):
-                if not wait and (name, peer.url) in self._empty:
-                    continue  # a range of this node's own: that peer had nothing of the blob when asked
+            serving = self._serving_owner(obj.key, offset, end, name)  # the owner, or the next node in rank
+            if serving != owner:
+                with self._lock:
+                    self._moved[(obj.key, end)] = time.monotonic()  # the next node gets PENDING_S of its own
+                log.info("%s bytes %d-%d: %s reads them from the origin now (%s is not there for them)", obj.relpath,
+                         pos, end - 1, serving or "this node", owner)
+                owner = serving
+            if owner == "" and wait:
+                self._why_origin(obj, pos, end, "its owner is not there for it: this node is next in rank")
+                break
+            holders = self._holders_in_turn(*trusted, first=owner)
+            if any(p.url == owner for p in holders) or not wait:
+                # only a range's owner reads it from the origin, and a node relays origin bytes only: the other
+                # nodes still downloading the blob lack it (asking each cost a request, and on a busy link a cut)
+                # A node that started before this one may hold them (a late joiner asks it), and so may the next
+                # node in rank: it takes this node's share when this node starts after the grace
+                after = self._next_in_rank(name) if not wait else None
+                with self._lock:
+                    holders = [p for p in holders if p.url in (owner, after) or (name, p.url) not in self._downloading
+                               or (name, p.url) in self._ahead]
+            for peer in holders:
                 try:
                     for at, view in self._from_peer(peer, obj.key, trusted[0], pos, end, buf, on_bytes):
                         yield at, view
                         pos, progressed = at + len(view), True
                         self._moved[(obj.key, end)] = time.monotonic()
                 except PeerBlobGone:
+                    outcome[peer.url] = "gone"
                     downloading = True  # no fault; probed again after REASK_S: it may serve the blob by then
                     self._drop_holder(name, peer)
                 except PeerRangePending:
+                    outcome[peer.url] = "not yet"
                     with self._lock:
                         self._claimers.add((peer.url, name))
                     pending = downloading = True  # the peer reads these bytes from the origin now: wait for them
                     break  # and ask no other peer meanwhile (each would be one more request per poll)
                 except PeerRangeMissing:
+                    outcome[peer.url] = "missing"
                     downloading = True  # a peer still downloading the blob lacks these bytes: no fault of its own
                     if peer.url == owner:  # it fetches the blob and this range first: it is about to read it
                         pending = True  # (a node that started late, or that is short of CPU, still does)
                         break  # and the others relay nothing of it: ask none of them
                 except PeerTooSlow as exc:
+                    outcome[peer.url] = "cut"
                     self._stats.error(peer.url)
+                    if peer.url == owner and (name, peer.url) in self._downloading:
+                        # the owner filling the blob with this node is the one node reading this range from the
+                        # origin: a stall of its (a busy CPU, a full link) is waited out, not paid at the origin;
+                        # heard from on no stream for DOWN_S, it is down and the next node in rank takes its ranges
+                        silent = time.monotonic() - self._heard.get(peer.url, asked) >= DOWN_S
+                        if silent:
+                            with self._lock:
+                                self._down[peer.url] = time.monotonic() + DOWN_S
+                        log.warning("%s at byte %d of %s; %s", exc, pos, obj.relpath,
+                                    "down: the next node in rank takes its ranges" if silent else "asked again")
+                        pending = True
+                        break
                     bench_s = self._bench(peer.url)
                     log.warning("%s at byte %d of %s; this fetch leaves it out for %.0f s", exc, pos, obj.relpath,
                                 bench_s)
                 except SourceError as exc:
+                    outcome[peer.url] = "failed"
                     self._stats.error(peer.url)
                     self._drop_holder(name, peer)
+                    with self._lock:  # its ranges go to the next node in rank meanwhile (_serving_owner)
+                        self._down[peer.url] = time.monotonic() + DOWN_S
                     log.warning("peer %s failed at byte %d of %s (%s); the rest of the range from another source",
                                 peer.url, pos, obj.relpath, exc)
                 if pos >= end:
@@ -328,13 +373,29 @@ class PeerSource(Source):
             # a peer that served this fetch well and was cut only now is congested, not hostile: wait out its
             # bench rather than read the range from the origin again; and no wait lasts past PENDING_S without
             # a byte of this range (a peer answering "not yet" for ever costs that, once)
-            pending = (pending or self._benched_holder(name, owner)) and now - self._moved[(obj.key, end)] < PENDING_S
+            stalled = now - self._moved[(obj.key, end)] >= PENDING_S
+            if wait and owner and stalled:  # the next node in rank takes it (the others give up on it too)
+                with self._lock:
+                    self._given_up.setdefault((obj.key, end), set()).add(owner)
+                continue
+            if wait and owner and (now < fetch_deadline or self._fetching(name, owner)):
+                pending = True  # the owner (or the node after it) is fetching the blob: its bytes will come
+            pending = (pending or self._benched_holder(name, owner)) and not stalled
             if not pending and (not wait or (now >= fetch_deadline and not (downloading and now < deadline))):
+                why = "own share" if not wait else f"owner {owner}" if owner else "no owner"
+                why += f", {len(holders)} holders" + "".join(f", {u} {o}" for u, o in sorted(outcome.items()))
+                if now - self._moved[(obj.key, end)] >= PENDING_S:
+                    why += f", no byte for {PENDING_S:g} s"
+                self._why_origin(obj, pos, end, why)
                 break
             if self._may_defer():
                 raise Later(pos)  # another range may be ready now: this one's bytes are still on their way
             time.sleep(POLL_S)
         yield from self._from_origin(obj, pos, end, buf, on_bytes, name)
+
+    @staticmethod
+    def _why_origin(obj: ObjectInfo, pos: int, end: int, why: str) -> None:
+        log.info("origin read: %s bytes %d-%d (%d): %s", obj.relpath, pos, end - 1, end - pos, why)
 
     def _bench(self, url: str) -> float:
         """Leave a peer cut as too slow out of this fetch for a while: BENCH_S, doubled each time (a peer that is
@@ -348,6 +409,49 @@ class PeerSource(Source):
             length = min(MAX_BENCH_S, BENCH_S * (1 << min(times, 16)))
             self._benched[url] = (now + length, times + 1)
         return length
+
+    def _serving_owner(self, key: str, pos: int, end: int, sha256: str) -> str | None:
+        """The node that reads byte `pos` of `key` from the origin ("": this one; None: no spread): the range's
+        owner, or the next node in rank while it is not there for it: dead, down (failed, or cut and silent for
+        DOWN_S), benched (cut as slow while not filling the blob with this node: a trickler claiming to hold it
+        costs its second, then its ranges go on), or given up on for this range (no byte of it for PENDING_S).
+        An owner not fetching the blob once the grace is over is not walked past: views of who fetches differ
+        between nodes that started apart, and every node took itself for the next one. Every node
+        walks the same ranks from what it saw itself, so one node takes over such a range and the others wait
+        for it, rather than all of them reading it from the origin (a third of a fleet killed cost it 2.7
+        models, nodes starting seconds apart on a busy machine 3-4)."""
+        owner = self._owner(key, pos)
+        if not owner or len(self.ranked) < 2:
+            return owner
+        now = time.monotonic()
+        at = self.ranked.index(owner) if owner in self.ranked else -1
+        with self._lock:
+            given_up = self._given_up.get((key, end), set())
+            for step in range(len(self.ranked)):
+                url = self.ranked[(at + step) % len(self.ranked)]
+                if url == "":
+                    return url
+                if url in self._dead or self._down.get(url, 0.0) > now or url in given_up or \
+                        (self._benched.get(url, (0.0, 0))[0] > now and (sha256, url) not in self._downloading):
+                    continue
+                return url
+        return ""
+
+    def _next_in_rank(self, sha256: str) -> str | None:
+        """The first node after this one in rank that fetches the blob: it takes this node's share when this node
+        is late (_serving_owner)."""
+        if "" not in self.ranked:
+            return None
+        at = self.ranked.index("")
+        with self._lock:
+            fetching = {p.url for p in self._holders.get(sha256, (0.0, []))[1]}
+        return next((u for step in range(1, len(self.ranked))
+                     if (u := self.ranked[(at + step) % len(self.ranked)]) in fetching), None)
+
+    def _fetching(self, sha256: str, url: str) -> bool:
+        """`url` said it holds or downloads the blob (benched or not)."""
+        with self._lock:
+            return any(p.url == url for p in self._holders.get(sha256, (0.0, []))[1])
 
     def _benched_holder(self, sha256: str, owner: str | None) -> bool:
         """A holder of the blob is benched now that is worth waiting for: it sent this fetch PROVEN_BYTES or more,
@@ -420,7 +524,8 @@ class PeerSource(Source):
                 with self._lock:
                     asked, known = self._holders.get(sha256, (-REASK_S, []))
                 if time.monotonic() - asked >= REASK_S:
-                    known = [p for p in self._live_peers() if p in known or self._asks(p, blob, size)]
+                    first_ask = sha256 not in self._holders
+                    known = [p for p in self._live_peers() if p in known or self._asks(p, blob, size, first_ask)]
                     with self._lock:
                         self._holders[sha256] = (time.monotonic(), known)
         banned = self._stats.banned
@@ -438,16 +543,17 @@ class PeerSource(Source):
         with self._lock:
             return [p for p in self._peers if p.url not in self._dead]
 
-    def _asks(self, peer: PeerClient, sha256: Blob, size: int) -> bool:
+    def _asks(self, peer: PeerClient, sha256: Blob, size: int, first_ask: bool = False) -> bool:
         """HEAD one peer; one that cannot be reached is not asked again by this fetch (a blackholed peer costs
-        one connect timeout per fetch, not one per blob)."""
+        one connect timeout per fetch, not one per blob). `first_ask`: this fetch's first probe of the blob (a peer
+        with origin bytes of it by then started before this node: it may hold this node's share too)."""
         try:
             kind = peer.probe(sha256, size)
             with self._lock:
-                if kind == "empty":
-                    self._empty.add((blob_key(sha256), peer.url))
                 if kind in ("empty", "partial"):
                     self._downloading.add((blob_key(sha256), peer.url))
+                if kind == "partial" and first_ask:
+                    self._ahead.add((blob_key(sha256), peer.url))
             return kind is not None
         except PeerUnreachable as exc:
             log.info("%s; this fetch goes on without it", exc)
@@ -473,6 +579,7 @@ class PeerSource(Source):
         try:
             yield from self._paced(peer, key, sha256, pos, end, buf, on_bytes, pace)
         except PeerRangeMissing:
+            self._heard[peer.url] = time.monotonic()  # an answer: alive
             raise
         except SourceError as exc:
             if pace.was_cut:
@@ -490,8 +597,9 @@ class PeerSource(Source):
         except Retryable as exc:
             raise SourceError(str(exc)) from exc
         pace.answered()
+        self._heard[peer.url] = time.monotonic()
         pace.expect(served - pos)
-        opened = iter([resp])
+        opened = iter([EagerBody(resp)])
 
         def counted(n: int) -> None:
             pace.add(n)
@@ -512,6 +620,7 @@ class PeerSource(Source):
                 with self._lock:
                     self._served[(key, at)] = (peer.url, hashlib.sha256(view).digest())
                     self.peer_bytes += len(view)
+                    self._heard[peer.url] = time.monotonic()
                 self._stats.add_bytes(peer.url, len(view))
                 yield at, view
 
