@@ -227,10 +227,12 @@ def test_quiet_prints_only_the_path(model_copy: Path, tmp_path: Path) -> None:
 @pytest.mark.e2e
 async def test_a_hit_through_the_daemon_imports_no_store(daemon: RunningDaemon) -> None:
     """The CLI's side of a cache hit is interpreter start and imports: the store's modules (msgspec, sqlite3:
-    0.1-0.3 s) were imported to read a free-space floor only a direct fetch uses."""
+    0.1-0.3 s) were imported to read a free-space floor only a direct fetch uses, and the pods package (0.02-0.07
+    s) for two constants of the webhook command's parser."""
     await asyncio.to_thread(daemon.client.ensure, daemon.model_uri)
     code = ("import sys; from weightcache.cli import main; rc = main(['prefetch', '-q', sys.argv[1]]); "
-            "print(rc, sorted(m for m in ('weightcache.store', 'msgspec', 'sqlite3') if m in sys.modules))")
+            "print(rc, sorted(m for m in ('weightcache.store', 'msgspec', 'sqlite3', 'weightcache.pods') "
+            "if m in sys.modules))")
     done = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", code, daemon.model_uri], capture_output=True,
                                    text=True, timeout=60, env=cli_env(socket=daemon.socket))
     assert done.returncode == 0, done.stderr

@@ -78,6 +78,10 @@ STREAM_FETCHING, STREAM_COMPLETE, STREAM_FAILED = "fetching", "complete", "faile
 # SHA-256 or a digest the source names (an OCI layer, the hub's LFS sha256), a full-object CRC, a full-object MD5 a
 # gs:// or az:// listing carries, the single-part MD5 ETag, the multipart ETag (MD5 of the part MD5s), a *.sha256 /
 # SHA256SUMS file beside it, or nothing.
+# What the webhook does with a weightcache.io/ annotation key it does not know (pods/unknown_keys.py; the webhook's
+# --unknown-annotations, whose parser every CLI command builds without importing the pods package).
+UNKNOWN_ANNOTATION_MODES = ("warn", "deny")  # pods.unknown_keys.Mode spells them as a type
+
 SOURCE_CHECKS = ("sha256", "crc64nvme", "crc32c", "crc32", "md5", "md5-etag", "multipart-md5", "sidecar", "none")
 NO_SOURCE_CHECK = "none"
 

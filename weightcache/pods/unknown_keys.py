@@ -19,8 +19,7 @@ from weightcache.vocabulary import VIA_ANNOTATION as VIA
 
 KNOWN_KEYS: tuple[str, ...] = (*KNOWN, VIA)
 MAX_WARNINGS = 10
-Mode = Literal["warn", "deny"]
-MODES: tuple[Mode, ...] = ("warn", "deny")
+Mode = Literal["warn", "deny"]  # vocabulary.UNKNOWN_ANNOTATION_MODES: the webhook command's choices
 _NAMES = {k[len(PREFIX):]: k for k in KNOWN_KEYS}
 _SHOWN = 24  # characters of an unknown key's name shown; longer ones are cut in the middle
 

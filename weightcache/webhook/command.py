@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from weightcache.errors import ConfigError
-from weightcache.pods.annotations import MAX_MODELS
-from weightcache.pods.unknown_keys import MODES
+from weightcache.vocabulary import UNKNOWN_ANNOTATION_MODES
 
 if TYPE_CHECKING:  # the server pulls in aiohttp: imported only when the command runs, so every CLI call stays fast
     from weightcache.webhook.server import Policy
@@ -48,7 +47,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     )
     hook.add_argument(
         "--unknown-annotations",
-        choices=MODES,
+        choices=UNKNOWN_ANNOTATION_MODES,
         default="warn",
         help="a weightcache.io/ annotation key the webhook does not know (a typo): warn, naming the nearest known "
              "key, or deny the pod (default warn)",
@@ -83,7 +82,7 @@ def run_webhook(args: argparse.Namespace) -> int:
         return 2
     try:
         policy, stop = _policy(args.allow_undeclared, controller=args.controller, dra=args.dra,
-                               max_models=args.max_models or MAX_MODELS)
+                               max_models=args.max_models)
         if args.max_models is not None:
             policy = dataclasses.replace(policy, max_models=args.max_models)
         policy = dataclasses.replace(policy, unknown_annotations=args.unknown_annotations)
@@ -147,10 +146,12 @@ def run_certs(args: argparse.Namespace) -> int:
 
 
 def _policy(allow_undeclared: bool | None, *, controller: bool = False, dra: bool = False,
-            max_models: int = MAX_MODELS) -> tuple[Policy, Callable[[], None]]:
+            max_models: int | None = None) -> tuple[Policy, Callable[[], None]]:
     """(policy, stop): ModelCaches and nodes from watchers when a cluster config is found, else none;
     with `controller`, the placement controller too (refusing what the webhook refuses: `max_models`); with
-    `dra`, a watch of ResourceClaimTemplates so `via: dra` pods without theirs are refused."""
+    `dra`, a watch of ResourceClaimTemplates so `via: dra` pods without theirs are refused. `max_models` None:
+    pods.annotations.MAX_MODELS (imported here: the pods package is no import of every CLI command's parser)."""
+    from weightcache.pods.annotations import MAX_MODELS
     from weightcache.webhook.server import Policy
 
     try:
@@ -179,7 +180,8 @@ def _policy(allow_undeclared: bool | None, *, controller: bool = False, dra: boo
     watcher.start()
     # Gating needs someone to lift the gate: without the controller the webhook does not look at nodes at all
     nodes, stop_nodes = node_view(api_client) if controller else (lambda: None, lambda: None)
-    stops = [watcher.stop, stop_nodes] + ([start_controller(api_client, max_models=max_models)] if controller else [])
+    controlling = [start_controller(api_client, max_models=max_models or MAX_MODELS)] if controller else []
+    stops = [watcher.stop, stop_nodes, *controlling]
     if dra:
         from weightcache.webhook import dra_templates
 
