@@ -29,7 +29,7 @@ from tests.fake_apiserver import ApiError, FakeApiServer
 from tests.fixtures_daemon import eventually, start_daemon
 from tests.fixtures_kube import NODE
 from tests.sample import make_model
-from weightcache.access import ADMIN, Authority
+from weightcache.access import ADMIN, Authority, Requester
 from weightcache.dra.devices import devices_for
 from weightcache.errors import SignatureError
 from weightcache.fetch import Fetcher
@@ -401,3 +401,21 @@ async def test_callers_with_other_requirements_never_share_one_fetch(tmp_path: P
     assert isinstance(refused, SignatureError), refused
     assert isinstance(plain, Snapshot) and isinstance(streamed, Snapshot) and plain.id == streamed.id
     assert seen and all(seen), seen
+
+
+def test_a_malformed_spec_signature_fails_closed_for_every_door(tmp_path: Path, signed: tuple[Path, Path]) -> None:
+    """A ModelCache whose spec.signature cannot be read refuses the model (it is never fetched as if nothing were
+    asked); a namespace's grant carries the ModelCache's requirement like the admin's."""
+    model, public = signed
+    uri = f"file://{model}/"
+    caches = [{"metadata": {"name": "broken"}, "spec": {"source": uri, "allowedNamespaces": ["team-a"],
+                                                         "signature": {"publicKeys": ["not a key"]}}}]
+    authority = Authority(model_caches=lambda: caches, allow_undeclared=lambda: False)
+    fetcher = Fetcher(Store(tmp_path / "root"))
+    with pytest.raises(SignatureError, match=r"ModelCache broken is invalid .*not a PEM public key"):
+        fetcher.ensure(authority.authorize(parse_ref(uri), Requester("team-a")))
+    assert fetcher.store.list() == []
+    caches[0]["spec"]["signature"] = {"publicKeys": [public.read_text()]}
+    grant = authority.authorize(parse_ref(uri), Requester("team-a"))
+    assert [p.source for p in grant.signatures] == ["ModelCache broken"]
+    assert fetcher.store.signature(fetcher.ensure(grant).id)["method"] == "key"
