@@ -129,6 +129,21 @@ def our_load(report: Path, log: str) -> dict:
     return loads[0]
 
 
+def test_register_leaves_vllms_loader_package_unimported_until_vllm_imports_it() -> None:
+    # vLLM calls register() in its API server process too, which never imports its loader package; importing it
+    # there for us was seconds of every engine-up (docs/loader.md). A fresh process: nothing imported before.
+    code = (
+        "import sys, weightcache_vllm\n"
+        "weightcache_vllm.register(); weightcache_vllm.register()\n"
+        "from vllm.config import LoadConfig\n"
+        "assert 'vllm.model_executor.model_loader' not in sys.modules, 'register imported the loader package'\n"
+        "from vllm.model_executor.model_loader import get_model_loader\n"
+        "print(type(get_model_loader(LoadConfig(load_format='weightcache'))).__name__)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-1] == "WeightcacheModelLoader"
+
+
 def test_same_greedy_tokens_as_vllms_default_loader_on_a_sharded_model(model: Path, tmp_path: Path,
                                                                         default_tokens: list[int]) -> None:
     index = json.loads((model / "model.safetensors.index.json").read_text())
