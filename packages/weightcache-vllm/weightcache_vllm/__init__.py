@@ -4,9 +4,10 @@ vLLM finds `register` through the entry point `weightcache` in group `vllm.gener
 process it starts (the API server, the engine core, each worker), so it must be cheap and idempotent. It imports
 vLLM only when called: importing this package needs neither vLLM nor torch. Nor does `register` import vLLM's
 loader package (`vllm.model_executor.model_loader`, whose imports pull in the attention and kernel modules): where
-that package is not imported yet, the loader is registered the moment it is. The API server's process never
-imports it (load formats are not checked there), and importing it there only for us cost 2 s of every engine-up
-(12 s at load 20; scripts/bench_engine.py, docs/loader.md).
+that package is not imported yet, the loader is registered the moment it is. The API server's (or `LLM`'s)
+process never imports it (load formats are not checked there); importing it there only for us put 2 s on the
+engine-up path on top of that process's own imports, at load 20 on 2 cores (11.7 s in a cProfile of a
+single-process engine, where it was the first to import vLLM's attention and kernel modules).
 """
 
 from __future__ import annotations
