@@ -1,3 +1,3 @@
-from weightcache.cli import main
+from weightcache.cli import entry
 
-raise SystemExit(main())
+entry()

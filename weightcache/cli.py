@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 import weightcache
 from weightcache import defaults
@@ -779,6 +779,18 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         mod.add_commands(sub)
     return parser
+
+
+def entry() -> NoReturn:
+    """The `weightcache` command. After Ctrl-C (exit 130) it leaves without joining its fetch threads: one may sit in
+    a read that the origin holds until the read timeout, and the interpreter joins every worker at exit. What they
+    finished is journalled, so the next run resumes as it does after `kill -9`."""
+    code = main()
+    if code == 130:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    raise SystemExit(code)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -238,21 +238,19 @@ class _Round:
         workers = self.t.workers([*(partial(i).resumed_bytes for i in self.items if partial(i).resumed_bytes),
                                   *(n for _, _, n in self.pieces)])
         try:
-            with ThreadPoolExecutor(workers, thread_name_prefix="wc-fetch") as pool:
-                futures = [pool.submit(self.worker) for _ in range(workers)]
-                try:
-                    done, not_done = wait(futures, return_when=FIRST_EXCEPTION)
-                except BaseException:  # KeyboardInterrupt in the main thread: stop the workers, keep the journal
-                    self.abort.set()
-                    for f in futures:
-                        f.cancel()
-                    raise
-                if errors := [e for f in done if (e := f.exception()) is not None]:
-                    self.abort.set()
-                    for f in not_done:
-                        f.cancel()
-                    wait(not_done)
-                    _handle_failure(errors[0], self.items, self.t.store)
+            pool = ThreadPoolExecutor(workers, thread_name_prefix="wc-fetch")
+            futures = [pool.submit(self.worker) for _ in range(workers)]
+            try:
+                done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            except BaseException:  # KeyboardInterrupt in the main thread: stop the workers, keep the journal, and
+                self.abort.set()  # do not join them: one may sit in a read the origin holds until its timeout
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
+            if errors := [e for f in done if (e := f.exception()) is not None]:
+                self.abort.set()  # the other workers return at their next read
+            pool.shutdown()
+            if errors:
+                _handle_failure(errors[0], self.items, self.t.store)
         finally:
             peer = self.source.peer_bytes - peer_before
             with self._fetched_lock:
