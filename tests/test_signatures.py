@@ -126,8 +126,8 @@ def test_a_bad_or_missing_signature_is_exit_7_and_nothing_is_published(tmp_path:
     code, out, err = _prefetch(cli, tmp_path / "root", model, "--signed-by", str(accepted))
     assert code == 7, (out, err)
     expected = {"tampered": r"has sha256 .*, the signature says", "wrong-key": r"not among the 1 key\(s\) accepted",
-                "missing": "has no model.sig", "unsigned-file": "extra.py is not signed",
-                "garbage": "not a model_signing bundle"}[wrong]
+                "missing": r"has no model.sig .*; sign it \(model_signing sign key",
+                "unsigned-file": "extra.py is not signed", "garbage": "not a model_signing bundle"}[wrong]
     assert re.search(expected, err), err
     assert "Traceback" not in err
     assert _listed(cli, tmp_path / "root") == []  # nothing published

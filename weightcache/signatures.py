@@ -174,8 +174,9 @@ def verify(policies: Sequence[SignaturePolicy], files: Mapping[str, str], *,
                                  f"{policies[0].source} requires a signature: add --include {SIGNATURE_FILE} "
                                  f"(or include: [{SIGNATURE_FILE}]) so it is fetched with the files it signs")
         raise SignatureError(f"the model has no {SIGNATURE_FILE} and {policies[0].source} requires a signature "
-                             f"by {policies[0].describe()}; X or allow unsigned models "
-                             "(docs/signing.md)")
+                             f"by {policies[0].describe()}; sign it (model_signing sign key DIR --private_key KEY "
+                             f"--signature DIR/{SIGNATURE_FILE}) and upload {SIGNATURE_FILE} with it, or allow "
+                             "unsigned models (docs/signing.md)")
     data = read_bundle()
     if data is None:
         raise SignatureError(f"{SIGNATURE_FILE} is over {MAX_BUNDLE_BYTES} bytes or unreadable")
