@@ -351,6 +351,64 @@ async def test_prefetch_signed_by_through_the_daemon(short_dir: Path, tmp_path: 
         await d.daemon.stop()
 
 
+def _damage(snapshot: Path) -> None:
+    victim = snapshot / "config.json"
+    os.chmod(victim, 0o644)
+    victim.write_text('{"damaged": true}\n')
+
+
+def test_repair_refetches_under_the_requirement_the_snapshot_was_published_with(
+        tmp_path: Path, signed: tuple[Path, Path], cli: Cli) -> None:
+    """`verify --repair` (no daemon) refetches under the snapshot's recorded signature: the repaired snapshot keeps
+    its record, and a source whose files no longer match what model.sig signs is refused with exit 7."""
+    model, public = signed
+    root = tmp_path / "root"
+    code, out, err = _prefetch(cli, root, model, "--signed-by", str(public))
+    assert code == 0, err
+    snap = json.loads(out)
+    [before] = _listed(cli, root)
+    _damage(Path(snap["path"]))
+    code, out, err = cli("verify", "--repair", "--root", str(root), "--no-daemon")
+    assert code == 0 and "repaired" in out, out + err
+    [after] = _listed(cli, root)
+    assert after["id"] == before["id"] and after["signature"] == before["signature"]
+    assert after["signature"]["method"] == "key"
+    _damage(Path(snap["path"]))
+    (model / "config.json").write_text('{"tampered": true}\n')  # the source changed, model.sig did not
+    code, out, err = cli("verify", "--repair", "--root", str(root), "--no-daemon")
+    assert code == 7 and "model.sig" in err, err
+    assert "Traceback" not in err
+    assert _listed(cli, root) == []
+
+
+async def test_repair_through_the_daemon_keeps_the_signature_record(short_dir: Path,
+                                                                   signed: tuple[Path, Path]) -> None:
+    """The daemon's verify --repair refetches under the recorded requirement too (the grant it asks
+    node.authorize for carries it), and a tampered source is exit 7."""
+    model, public = signed
+    d = await start_daemon(short_dir, model)
+    env = {**{k: v for k, v in os.environ.items() if k not in ("WEIGHTCACHE_ROOT", "KUBECONFIG")},
+           "WEIGHTCACHE_SOCKET": str(d.socket), "KUBECONFIG": "/nonexistent"}
+    try:
+        done = await asyncio.to_thread(weightcache, "prefetch", d.model_uri, "--signed-by", str(public), "-q",
+                                       "-o", "json", env=env)
+        assert done.returncode == 0, done.stderr
+        snap = json.loads(done.stdout)
+        record = d.daemon.node.store.signature(snap["id"])
+        assert record["method"] == "key"
+        _damage(Path(snap["path"]))
+        done = await asyncio.to_thread(weightcache, "verify", "--repair", env=env)
+        assert done.returncode == 0 and "repaired" in done.stdout, done.stdout + done.stderr
+        assert d.daemon.node.store.signature(snap["id"]) == record
+        _damage(Path(snap["path"]))
+        (model / "config.json").write_text('{"tampered": true}\n')
+        done = await asyncio.to_thread(weightcache, "verify", "--repair", env=env)
+        assert done.returncode == 7 and "Traceback" not in done.stderr, done.stderr
+        assert d.daemon.node.store.list() == []
+    finally:
+        await d.daemon.stop()
+
+
 def test_a_model_signed_by_the_librarys_own_cli_verifies_and_a_deleted_file_is_refused(
         tmp_path: Path, cli: Cli) -> None:
     """`model_signing sign key DIR --private_key KEY --signature DIR/model.sig`, as docs/signing.md says to run it

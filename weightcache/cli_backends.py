@@ -139,14 +139,17 @@ class StoreCache:
         if damaged and repair:
             from weightcache.access import ADMIN, node_admin
             from weightcache.settings import flags_from, load_fetch_settings
+            from weightcache.signatures import recorded_policy
             from weightcache.uri import parse_ref
 
             self._source_answers(parse_ref(snapshot.uri))  # before dropping: an unreachable source keeps it
             # the fetch settings prefetch and the daemon read; --endpoint-url over them
             fetch = load_fetch_settings(flags=flags_from(self))
             authority = node_admin(store.root)
+            # the requirement it was published under, read before the drop removes its manifest (docs/signing.md)
+            signed_by = recorded_policy(store.signature(snapshot_id), snapshot_id)
             for text in drop_damaged(store, snapshot_id, damaged) or [snapshot.uri]:
-                grant = authority.authorize(parse_ref(text), ADMIN)
+                grant = authority.authorize(parse_ref(text), ADMIN, signed_by=signed_by)
                 try:
                     repaired.append({"ref": text, "snapshot": fetch.fetcher(store, grant.ref).ensure(grant).id})
                 except WeightcacheError as exc:

@@ -44,8 +44,13 @@ class SignaturePolicy:
     allow_unsigned: bool = False  # a model without model.sig is published (recorded unsigned); a bad one never
     source: str = field(default="the request", compare=False)
     invalid: str = ""  # why the configured policy could not be read: every model it covers is refused
+    # (method, signer, bundle sha256) of a snapshot's record (recorded_policy): only that very model.sig is accepted
+    recorded: tuple[str, ...] = ()
 
     def describe(self) -> str:
+        if self.recorded:
+            method, signer, bundle = self.recorded
+            return f"the {method} signature {signer[:12]} (model.sig {bundle[:12]}) it was published with"
         parts = [f"key {key_fingerprint(k)[:12]}" for k in self.keys]
         if self.ca_certificates:
             who = f" for {', '.join(self.identities)}" if self.identities else ""
@@ -113,6 +118,18 @@ def _parse_spec(text: str, source: str) -> SignaturePolicy:
                        ca_certificates=_strings(spec, "caCertificates", source),
                        identities=_strings(spec, "certificateIdentities", source), allow_unsigned=allow,
                        source=source)
+
+
+def recorded_policy(record: Mapping[str, str | int], snapshot_id: str) -> SignaturePolicy | None:
+    """The requirement a snapshot was published under, from its signature record (None when none was asked), for
+    `verify --repair`'s refetch. The keys are not kept on the node, but the record names the model.sig that
+    verified (its sha256): that very bundle verifies the same again, so it is pinned and its signed file list
+    compared with the refetched files as always; a different or missing model.sig is refused (exit 7)."""
+    method, signer, bundle = (str(record.get(k, "")) for k in ("method", "signer", "bundle_sha256"))
+    if not method:
+        return None
+    return SignaturePolicy(allow_unsigned=method == "unsigned", recorded=(method, signer, bundle),
+                           source=f"snapshot {snapshot_id[:12]}'s signature record")
 
 
 def _strings(spec: Mapping[str, Any], name: str, source: str) -> tuple[str, ...]:
@@ -197,6 +214,14 @@ def _verify_bundle(policy: SignaturePolicy, data: bytes, bundle_sha: str) -> tup
     except Exception as exc:  # the library parses with pydantic/json: any error is a malformed bundle
         raise SignatureError(f"{SIGNATURE_FILE} is not a model_signing bundle ({_short(exc)})") from None
     failures: list[str] = []
+    if policy.recorded:
+        method, signer, recorded = policy.recorded
+        if bundle_sha != recorded:
+            raise SignatureError(f"{SIGNATURE_FILE} (sha256 {bundle_sha[:12]}) is not the one {policy.source} "
+                                 f"names ({recorded[:12] or 'none: it was published unsigned'}); fetch it again "
+                                 "with --signed-by to verify the new signature")
+        manifest = _recorded_verifier().verify(signature)
+        return _signed_files(manifest), SignatureRecord(method, signer, bundle_sha, _count(manifest))
     if material.public_key is not None and policy.keys:
         hint = material.public_key.hint or ""
         for pem in policy.keys:
@@ -229,6 +254,18 @@ def _verify_bundle(policy: SignaturePolicy, data: bytes, bundle_sha: str) -> tup
         failures.append(f"it is signed with {kind}, and {policy.source} accepts only {policy.describe()}")
     raise SignatureError(f"{SIGNATURE_FILE} does not verify: {'; '.join(failures)}; {policy.source} accepts "
                          f"{policy.describe()}")
+
+
+def _recorded_verifier() -> Any:
+    """A model_signing verifier that reads the envelope's statement without its signature: only for a bundle
+    pinned by sha256 to one that verified before (recorded_policy), whose signature therefore still holds."""
+    from model_signing._signing import sign_sigstore_pb
+
+    class Recorded(sign_sigstore_pb.Verifier):
+        def _verify_bundle(self, bundle: Any) -> tuple[str, bytes]:
+            return bundle.dsse_envelope.payload_type, bundle.dsse_envelope.payload
+
+    return Recorded()
 
 
 def _count(manifest: Any) -> int:

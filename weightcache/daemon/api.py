@@ -54,7 +54,7 @@ from weightcache.jsonbody import parse_json
 from weightcache.listener import install_log_rate_limits
 from weightcache.progress import Progress
 from weightcache.redact import redact
-from weightcache.signatures import SignaturePolicy, parse_policy
+from weightcache.signatures import SignaturePolicy, parse_policy, recorded_policy
 from weightcache.store import Snapshot, SnapshotInfo, collect, drop_damaged, verify_snapshot
 from weightcache.store.holders import describe_holder
 from weightcache.unixsock import SocketAccess, peer_of
@@ -345,10 +345,13 @@ async def verify_model(request: web.Request) -> web.Response:
             node.device_states.mark(sid, DAMAGED)  # stays until repaired or evicted (docs/dra.md, "Device taints")
     repaired = []
     if damaged and repair:
+        # the requirement it was published under, read before the drop removes its manifest (docs/signing.md)
+        signed_by = recorded_policy(await asyncio.to_thread(node.store.signature, sid), sid)
         refs = await asyncio.to_thread(drop_damaged, node.store, sid, damaged) or [snapshot.uri]
         for text in refs:
             try:
-                fresh = await node.fetches.ensure(node.authorize(parse_ref(text), None), keep=True)
+                fresh = await node.fetches.ensure(node.authorize(parse_ref(text), None, signed_by=signed_by),
+                                                  keep=True)
             except errors.WeightcacheError as exc:  # the snapshot is gone: say so (same class: same status)
                 exc.args = (f"snapshot {sid[:12]} of {text} was damaged and has been removed, and refetching it "
                             f"failed: {exc}. The model is no longer cached; run `weightcache prefetch {text}` once "
