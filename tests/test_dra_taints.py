@@ -111,6 +111,26 @@ async def test_the_apis_verify_marks_a_damaged_copy_and_its_repair_clears_it(dae
     assert sid not in states.snapshot(), "a repaired copy is whole again: untainted"
 
 
+async def test_a_failed_repair_leaves_no_damaged_mark_for_the_next_copy(daemon: RunningDaemon) -> None:
+    """A repair whose refetch fails has still removed the damaged copy: its mark goes with it, so the same
+    snapshot fetched again later (same files, same id) is published untainted, not evicting the pods that get it."""
+    snap = await asyncio.to_thread(d_ensure, daemon)
+    sid = snap["id"]
+    assert daemon.daemon.node is not None
+    states = daemon.daemon.node.device_states
+    victim = Path(snap["path"]) / "config.json"
+    os.chmod(victim, 0o644)
+    victim.write_text('{"damaged": true}\n')
+    away = daemon.model_dir.with_name("moved")
+    daemon.model_dir.rename(away)  # the source is gone: the refetch fails
+    async with daemon.http() as http, http.post(f"/v1/models/{sid}/verify", json={"repair": True}) as r:
+        assert r.status >= 400 and "no longer cached" in (await r.json())["message"], await r.text()
+    assert sid not in states.snapshot(), "the damaged copy is gone: nothing left to taint"
+    away.rename(daemon.model_dir)
+    assert (await asyncio.to_thread(d_ensure, daemon))["id"] == sid
+    assert sid not in states.snapshot()
+
+
 def d_ensure(daemon: RunningDaemon) -> dict[str, Any]:
     answer = daemon.client.ensure(daemon.model_uri)
     return dict(answer.get("snapshot", answer))

@@ -348,6 +348,9 @@ async def verify_model(request: web.Request) -> web.Response:
         # the requirement it was published under, read before the drop removes its manifest (docs/signing.md)
         signed_by = recorded_policy(await asyncio.to_thread(node.store.signature, sid), sid)
         refs = await asyncio.to_thread(drop_damaged, node.store, sid, damaged) or [snapshot.uri]
+        # the damaged copy is gone (its devices leave the slice): a refetch, now or later, is whole, and must not
+        # come back under the DAMAGED taint (NoExecute) even where this refetch fails
+        node.device_states.clear(sid)
         for text in refs:
             try:
                 fresh = await node.fetches.ensure(node.authorize(parse_ref(text), None, signed_by=signed_by),
@@ -358,7 +361,6 @@ async def verify_model(request: web.Request) -> web.Response:
                             "the source answers",)
                 raise
             repaired.append({"ref": text, "snapshot": fresh.id})
-        node.device_states.clear(sid)
     checks = await asyncio.to_thread(node.store.source_checks, sid)
     signature = await asyncio.to_thread(node.store.signature, sid)
     return web.json_response({"id": sid, "uri": snapshot.uri, "files": len(snapshot.files), "damaged": damaged,
