@@ -179,9 +179,14 @@ async def connect(node: Node) -> Cluster | None:
     api_client = await asyncio.to_thread(load_api_client)
     if api_client is None:
         return None
+    from weightcache.daemon.reconcile import stored_labels
+    from weightcache.kube.copies import Keeper
+
     cluster = Cluster(api_client, node_name(node.settings.node_name), lambda: node.kick(),
                       lambda: node.settings.disk_budget)
     cluster.start()
+    # every eviction on this node asks which snapshots are the cluster's last copies (minCopies, docs/modelcache.md)
+    node.store.keeper = Keeper(api_client, cluster.node_name, cluster.model_caches, lambda: stored_labels(node.store))
     return cluster
 
 

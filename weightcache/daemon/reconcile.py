@@ -29,7 +29,7 @@ from weightcache.daemon.config import ModelSpec
 from weightcache.daemon.node import Node
 from weightcache.errors import NotAllowedError, SignatureError
 from weightcache.fetch import Progress
-from weightcache.store import Snapshot, StreamViews
+from weightcache.store import Snapshot, Store, StreamViews
 from weightcache.uri import ModelRef, is_readiness_label
 from weightcache.vocabulary import READINESS_LABEL_PREFIX, READY
 
@@ -320,10 +320,18 @@ class Reconciler:
 
 
 def _stored_labels(node: Node) -> frozenset[str]:
-    """The readiness label of every selection a complete snapshot in the store answers: a ref's model key is
-    `ModelRef.key` (uri + globs), the very hash `readiness_label` names; eviction deletes the snapshot's refs."""
-    rows = node.store.index.query("SELECT DISTINCT r.model_key FROM refs r JOIN snapshots s ON s.id = r.snapshot_id")
-    return frozenset(READINESS_LABEL_PREFIX + str(key) for (key,) in rows)
+    return frozenset(key for keys in stored_labels(node.store).values() for key in keys)
+
+
+def stored_labels(store: Store) -> dict[str, list[str]]:
+    """Snapshot id -> the readiness label of every selection it answers, for each complete snapshot in the store: a
+    ref's model key is `ModelRef.key` (uri + globs), the very hash `readiness_label` names; eviction deletes the
+    snapshot's refs."""
+    out: dict[str, list[str]] = {}
+    for sid, key in store.index.query(
+            "SELECT DISTINCT r.snapshot_id, r.model_key FROM refs r JOIN snapshots s ON s.id = r.snapshot_id"):
+        out.setdefault(str(sid), []).append(READINESS_LABEL_PREFIX + str(key))
+    return out
 
 
 def _try(what: str, fn: Any, *args: Any) -> None:

@@ -139,17 +139,18 @@ def _desired(name: str, spec: Mapping[str, Any], generation: Any, in_memory: boo
     priority = spec.get("priority") or 0
     if not isinstance(priority, int) or isinstance(priority, bool):
         raise TypeError(f"spec.priority {priority!r} must be an integer")
-    ref = parse_ref(
-        str(spec.get("source") or ""),
-        revision=spec.get("revision") or None,
-        include=_globs(spec, "include"),
-        exclude=_globs(spec, "exclude"),
-    )
+    ref = parse_ref_of(spec)
     warm_first = spec.get("warmBeforeSchedulable") or False
     if not isinstance(warm_first, bool):
         raise TypeError(f"spec.warmBeforeSchedulable {warm_first!r} must be true or false")
     gen = generation if isinstance(generation, int) else None
     return DesiredModel(name, ref, tier, priority, ref.label_key, gen, namespaces, warm_first)
+
+
+def parse_ref_of(spec: Mapping[str, Any]) -> ModelRef:
+    """The model a ModelCache spec names (source, revision, globs); ValueError/TypeError/InvalidReferenceError."""
+    return parse_ref(str(spec.get("source") or ""), revision=spec.get("revision") or None,
+                     include=_globs(spec, "include"), exclude=_globs(spec, "exclude"))
 
 
 def _globs(spec: Mapping[str, Any], field: str) -> tuple[str, ...]:

@@ -118,6 +118,9 @@ class Store:
             budget_bytes, Unset) else budget_bytes)
         if given and dataclasses.replace(self.limits, set_by="") != dataclasses.replace(stored, set_by=""):
             floor.write_limits(self.layout, self.limits)
+        # the cluster's say on which snapshots are among its last copies (minCopies, weightcache/kube/copies.py):
+        # snapshot id -> why it stays; set by the daemon in cluster mode, consulted by every eviction
+        self.keeper: Callable[[builtins.list[SnapshotInfo]], dict[str, str]] | None = None
         self._tlock = threading.RLock()
         self._depth = 0  # re-entry count of locked() in the thread that holds it
         manifests = recovery.free_space(self) if recover else {}  # before any write: on a full disk it makes room
@@ -630,8 +633,10 @@ class Store:
         return bool(self.pins(snapshot_id))
 
     # -- eviction ------------------------------------------------------------------------------------------------
-    def evict(self, snapshot_id: str) -> None:
-        """Remove a snapshot: refs, tree, unshared blobs; raises InUseError naming the leases/pins that hold it."""
+    def evict(self, snapshot_id: str, *, past_floor: bool = False) -> None:
+        """Remove a snapshot: refs, tree, unshared blobs; raises InUseError naming the leases/pins that hold it, or
+        why the cluster keeps it (one of its last copies) unless `past_floor`: the disk is below its floor, the
+        node's own health comes first, and the eviction is logged as such."""
         if not is_snapshot_id(snapshot_id):  # before any path is made of it
             raise NotCachedError(f"snapshot {snapshot_id[:80]!r} is not in the store at {self.root}: not a snapshot id")
         with self.locked():
@@ -644,7 +649,24 @@ class Store:
                 if pins:
                     why.append(f"pinned by {', '.join(pins)} (`weightcache unpin` or delete the ModelCache)")
                 raise InUseError(f"snapshot {snapshot_id} is in use: {'; '.join(why)}")
+            kept = self.kept([i for i in self.list() if i.snapshot.id == snapshot_id]).get(snapshot_id)
+            if kept and not past_floor:
+                raise InUseError(f"snapshot {snapshot_id} is kept: {kept}")
             self._remove_snapshot(snapshot_id)
+            if kept:
+                log.warning("evicted snapshot %s although it is %s: the disk is below its free-space floor",
+                            snapshot_id, kept)
+
+    def kept(self, infos: builtins.list[SnapshotInfo]) -> dict[str, str]:
+        """Of `infos`, those the cluster keeps (snapshot id -> why); none without a keeper or when it fails."""
+        if self.keeper is None or not infos:
+            return {}
+        try:
+            return self.keeper(infos)
+        except Exception as exc:  # the cluster unreadable: evict as a node alone would, and say so
+            log.warning("could not learn which snapshots are the cluster's last copies (%s); evicting as usual",
+                        str(exc)[:200])
+            return {}
 
     def _remove_snapshot(self, snapshot_id: str) -> None:
         """Commit the eviction by moving the manifest to evicting/ (a rename: no new bytes on a full disk), then
@@ -676,19 +698,23 @@ class Store:
             self.tree.unlink(record)
 
     def evict_to(self, target_bytes: int, *, keep: frozenset[str] = frozenset(), best_effort: bool = False,
-                 used: int | None = None) -> builtins.list[str]:
+                 used: int | None = None, past_floor: bool = False) -> builtins.list[str]:
         """LRU-evict unleased, unpinned snapshots until used bytes <= target; returns evicted ids.
 
         `best_effort` evicts every candidate when even that cannot reach the target, instead of raising.
         `used`: the bytes measured against the target when they are not the whole store's (the engine caches'
-        own budget: their bytes, every other snapshot in `keep`).
+        own budget: their bytes, every other snapshot in `keep`). The cluster's last copies (`kept`) stay,
+        unless `past_floor` (restore_floor, once the others are gone).
         """
-        plan = plan_eviction(self.list(), used_bytes=self.used_bytes() if used is None else used,
+        infos = self.list()
+        if not past_floor:
+            keep = keep | frozenset(self.kept(infos))
+        plan = plan_eviction(infos, used_bytes=self.used_bytes() if used is None else used,
                              target_bytes=target_bytes, keep=keep, best_effort=best_effort)
         done = []
         for snap_id in plan:
             try:
-                self.evict(snap_id)
+                self.evict(snap_id, past_floor=past_floor)
                 done.append(snap_id)
             except InUseError as exc:  # leased since we planned: skip it, the caller re-checks space
                 log.info("skipping eviction: %s", exc)
@@ -763,6 +789,10 @@ class Store:
         if deficit <= 0:
             return []
         gone = self.evict_to(max(0, self.used_bytes() - deficit), best_effort=True)
+        short = self.floor_deficit()
+        if short > 0:  # the cluster's last copies too: the node's disk comes first
+            gone += self.evict_to(max(0, self.used_bytes() - short),
+                                  best_effort=True, past_floor=True)
         if gone:
             log.warning("the disk under %s had %s free, below the floor of %s: evicted %d snapshot(s)", self.root,
                         fmt_bytes(free_disk), fmt_bytes(self.floor_bytes(disk_size)), len(gone))
