@@ -146,7 +146,8 @@ def test_weightcache_vllm_installs_from_the_wheelhouse_alone(wheelhouse: Path, t
     assert done.returncode == 0, done.stderr
     got = json.loads(done.stdout)
     assert got["vllm"] == got["loader"] == version("weightcache")
-    assert got["plugins"] == ["weightcache_vllm:register"] and got["file"].startswith(str(tmp_path))
+    assert sorted(got["plugins"]) == ["weightcache_vllm.lora_resolver:register", "weightcache_vllm:register"]
+    assert got["file"].startswith(str(tmp_path))
 
 
 PROBE = """

@@ -415,7 +415,8 @@ def test_the_state_disappearing_is_an_error_not_a_hang(daemon: Daemon, staged: P
 
 @pytest.fixture
 def plugin(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.ModuleType]:
-    """weightcache_vllm.vllm_loader imported against stand-ins for the three vLLM names it imports at the top."""
+    """weightcache_vllm.vllm_loader imported against stand-ins for the vLLM names it imports: the three at the top,
+    and the config lookup after a load (vLLM's answers None outside a config context, as here)."""
     class BaseModelLoader:
         def __init__(self, load_config: Any) -> None:
             self.load_config = load_config
@@ -430,7 +431,9 @@ def plugin(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.ModuleType]:
     loader.BaseModelLoader = BaseModelLoader  # type: ignore[attr-defined]
     loader.DefaultModelLoader = DefaultModelLoader  # type: ignore[attr-defined]
     loader.register_model_loader = lambda name: lambda cls: cls  # type: ignore[attr-defined]
-    for name, module in {"vllm": types.ModuleType("vllm"), "vllm.logger": logger,
+    config = types.ModuleType("vllm.config")
+    config.get_current_vllm_config_or_none = lambda: None  # type: ignore[attr-defined]
+    for name, module in {"vllm": types.ModuleType("vllm"), "vllm.logger": logger, "vllm.config": config,
                          "vllm.model_executor": types.ModuleType("vllm.model_executor"),
                          "vllm.model_executor.model_loader": loader}.items():
         monkeypatch.setitem(sys.modules, name, module)
