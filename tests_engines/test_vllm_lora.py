@@ -15,13 +15,11 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
-from test_vllm_load_format import MAX_TOKENS, TIMEOUT, _model, engine_env, free_port
+from test_vllm_load_format import _model, complete, engine_env, free_port, stop_server, wait_until_healthy
 from weightcache_vllm.lora_resolver import ADAPTERS_PATH_ENV, adapter_path
 
 HERE = Path(__file__).parent
@@ -65,15 +63,6 @@ def test_the_file_side_takes_only_a_whole_adapter_named_by_one_component(tmp_pat
         assert adapter_path(str(root), name) is None, name
 
 
-def _post(port: int, model: str, prompt: str) -> list[int]:
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
-                       "ignore_eos": True, "return_token_ids": True}).encode()
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
-                                     {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=120) as r:
-        return list(json.loads(r.read())["choices"][0]["token_ids"])
-
-
 def _mount_readonly(source: Path, target: Path) -> bool:
     target.mkdir(parents=True)
     done = subprocess.run(["mount", "--bind", str(source), str(target)], capture_output=True).returncode == 0
@@ -107,34 +96,20 @@ def test_an_adapter_added_after_start_serves_as_one_given_at_start(tmp_path_fact
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + TIMEOUT
-        while True:
-            assert proc.poll() is None, f"the server exited ({proc.returncode}):\n{log.read_text()[-8000:]}"
-            assert time.monotonic() < deadline, f"the server was not up in {TIMEOUT} s:\n{log.read_text()[-3000:]}"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(1)
-        base = _post(port, str(model), PROMPT)
-        at_start = _post(port, "a", PROMPT)
+        wait_until_healthy(proc, port, log)
+        base = complete(port, str(model), PROMPT)
+        at_start = complete(port, "a", PROMPT)
         assert at_start != base, "the adapter changes what the model says"
         with pytest.raises(urllib.error.HTTPError) as missing:
-            _post(port, "b", PROMPT)
+            complete(port, "b", PROMPT)
         assert missing.value.code == 404
         (source / "b").mkdir()  # as the node links one in: weights first, adapter_config.json last
         shutil.copy(made / "a" / "adapter_model.safetensors", source / "b")
         shutil.copy(made / "a" / "adapter_config.json", source / "b")
-        added = _post(port, "b", PROMPT)
+        added = complete(port, "b", PROMPT)
         assert added == at_start, log.read_text()[-3000:]
         assert "Resolved and loaded LoRA adapter 'b'" in log.read_text()
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
         if mounted:
             subprocess.run(["umount", str(pod_view)], check=False)
