@@ -15,12 +15,16 @@ from tests.fake_apiserver import FakeApiServer
 from tests.fixtures_crd_cel import cel_eval
 from tests.fixtures_dra import NODE, cel_device, fetch_models
 from tests.fixtures_k8s_schema import validate_strict
+from tests.grants import granted
+from tests.sample import make_model
 from weightcache.dra import DRIVER_NAME
-from weightcache.dra.devices import devices_for, snapshot_of
+from weightcache.dra.devices import devices_for, latest_ids, snapshot_of
 from weightcache.dra.slices import MAX_DEVICES_PER_SLICE, SlicePublisher, build_slices
-from weightcache.dra.template import claim_template, selector
+from weightcache.dra.template import claim_template, device_class, selector
+from weightcache.fetch import Fetcher, source_revision
+from weightcache.sources import open_source
 from weightcache.store import Snapshot, Store
-from weightcache.uri import model_key
+from weightcache.uri import model_key, parse_ref
 
 # Rules the schema cannot express, from the API's field docs and validation (resource.k8s.io/v1): device names
 # are DNS labels, attribute names C identifiers (<= 32) optionally qualified by a DNS subdomain, string and
@@ -105,7 +109,7 @@ def test_slices_follow_fetches_and_evictions_and_validate(tmp_path: Path, store:
     assert device["attributes"] == {
         "model": {"string": model_key(a.uri)}, "snapshot": {"string": a.id}, "size": {"int": a.size},
         "tier": {"string": "disk"}, "ready": {"bool": True}, "slot": {"int": 0}, "signed": {"bool": False},
-        **({"source": {"string": a.uri}} if len(a.uri) <= 64 else {}),
+        "latest": {"bool": True}, **({"source": {"string": a.uri}} if len(a.uri) <= 64 else {}),
         **({"revision": {"string": a.revision}} if a.revision else {})}
 
     writes = len(apiserver.requests)
@@ -209,3 +213,37 @@ def test_a_bad_snapshot_costs_only_its_own_devices(tmp_path: Path, store: Store,
     [published] = slices_of(apiserver)
     check_slice(published)
     assert {snapshot_of(d["name"]) for d in published["spec"]["devices"]} == {good.id}
+
+
+def test_a_claim_without_a_revision_follows_the_served_revision_after_a_rollouts_switch(tmp_path: Path) -> None:
+    """Both revisions stay devices after a rollout's switch (the old one until its pods end); the generated claim
+    and device class that name no revision select the one the store's `latest` ref names (what the switch moves,
+    docs/modelcache.md), and a device without `latest` (published before
+    the attribute existed) still matches."""
+    src = tmp_path / "src"
+    make_model(src, layers=1, hidden=32, seed=1)
+    uri, ref = f"file://{src}/", parse_ref(f"file://{src}/")
+    store = Store(tmp_path / "root")
+    old = Fetcher(store).ensure(granted(uri))  # a pod naming no revision: latest names it
+    (src / "config.json").write_text('{"model_type": "llama", "revision": 2}')
+    source = open_source(ref)
+    revision = source_revision(source.list())[:16]
+    source.close()
+    new = Fetcher(store).ensure(granted(f"{uri}@{revision}"))  # the rollout's fetch, beside the old one
+
+    def chosen(selectors: list[dict[str, Any]]) -> set[str | None]:
+        infos = store.list()
+        devices = devices_for([i.snapshot for i in infos], slots=2, shared=False, latest=latest_ids(infos))
+        return {snapshot_of(d["name"]) for d in devices if all(matches(s["cel"]["expression"], d) for s in selectors)}
+
+    def unnamed() -> list[dict[str, Any]]:
+        return claim_template(uri)["spec"]["spec"]["devices"]["requests"][0]["exactly"]["selectors"]
+
+    assert chosen(unnamed()) == {old.id}, "before the switch: the served (old) revision only"
+    assert store.point(ref, new.id)  # the switch (daemon/reconcile.py)
+    assert chosen(unnamed()) == {new.id}
+    assert chosen(device_class(uri)["spec"]["selectors"]) == {new.id}
+    validate_strict(claim_template(uri), "1.34")
+    legacy = {"name": f"m-{old.id}-0", "attributes": {"model": {"string": model_key(uri)}, "ready": {"bool": True}}}
+    assert all(matches(s["cel"]["expression"], legacy) for s in unnamed())
+    store.close()

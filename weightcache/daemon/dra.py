@@ -18,7 +18,7 @@ from typing import Any
 from weightcache.daemon.node import Node
 from weightcache.dra.binding import ClaimBinder
 from weightcache.dra.claims import ClaimBook
-from weightcache.dra.devices import devices_for
+from weightcache.dra.devices import devices_for, latest_ids
 from weightcache.dra.eviction import ExtendedPodEvictor
 from weightcache.dra.fetchable import Fetchable, cache_counters, declared, fetchable_devices
 from weightcache.dra.server import DraPlugin, claim_reader, serve_dra
@@ -41,7 +41,8 @@ def node_devices(node: Node, *, shared: Callable[[], bool] = lambda: False) -> C
         infos = node.store.list()
         return devices_for([i.snapshot for i in infos], slots=dra.slots_per_model, shared=shared(),
                            resident=resident, states=node.device_states.snapshot(),
-                           signatures={i.snapshot.id: i.signature for i in infos if i.signature})
+                           signatures={i.snapshot.id: i.signature for i in infos if i.signature},
+                           latest=latest_ids(infos))
     return devices
 
 

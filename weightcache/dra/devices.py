@@ -17,6 +17,9 @@ out rather than cut, because a cut value would match the wrong claim:
     model     string  m + 20 hex: the model key of the canonical source (weightcache.uri.model_key); always set
     source    string  canonical source URI, when it fits 64 characters
     revision  string  the source revision the snapshot was fetched at, when known and short enough
+    latest    bool    true: the snapshot the store's `latest` ref of its model names (what a pod naming no revision
+                      mounts; a rollout's switch moves it, docs/modelcache.md), or every snapshot of a model without
+                      one; a claim that names no revision selects it (dra/template.selector)
     snapshot  string  snapshot id (40 hex)
     size      int     bytes
     tier      string  "memory" when resident in the memory tier, else "disk"
@@ -40,7 +43,7 @@ from typing import Any
 
 from weightcache.dra.states import DAMAGED, DeviceState
 from weightcache.engine_cache import is_engine_cache
-from weightcache.store import Snapshot
+from weightcache.store import Snapshot, SnapshotInfo
 from weightcache.units import quantity
 from weightcache.uri import model_key
 from weightcache.vocabulary import GROUP
@@ -92,7 +95,7 @@ def slot_of(name: str) -> int | None:
 
 
 def attributes(snapshot: Snapshot, *, resident: bool, slot: int | None,
-               signature: Mapping[str, object] | None = None) -> dict[str, dict[str, Any]]:
+               signature: Mapping[str, object] | None = None, latest: bool = True) -> dict[str, dict[str, Any]]:
     signer = str((signature or {}).get("signer") or "")
     signed = bool(signature) and (signature or {}).get("method") in ("key", "certificate") and bool(signer)
     attrs: dict[str, dict[str, Any]] = {
@@ -102,6 +105,7 @@ def attributes(snapshot: Snapshot, *, resident: bool, slot: int | None,
         "tier": {"string": "memory" if resident else "disk"},
         "ready": {"bool": True},
         "signed": {"bool": signed},
+        "latest": {"bool": latest},
     }
     if signed and len(signer) <= MAX_STRING:
         attrs["signer"] = {"string": signer}
@@ -118,15 +122,24 @@ def attributes(snapshot: Snapshot, *, resident: bool, slot: int | None,
     return attrs
 
 
+def latest_ids(infos: Iterable[SnapshotInfo]) -> set[str]:
+    """The snapshots the store's `latest` refs name (a ref without a revision is listed as the bare uri)."""
+    return {i.snapshot.id for i in infos if i.snapshot.uri in i.refs}
+
+
 def devices_for(snapshots: Iterable[Snapshot], *, slots: int, shared: bool, resident: Collection[str] = (),
                 states: Mapping[str, DeviceState] | None = None,
-                signatures: Mapping[str, Mapping[str, object]] | None = None) -> list[dict[str, Any]]:
+                signatures: Mapping[str, Mapping[str, object]] | None = None,
+                latest: Collection[str] | None = None) -> list[dict[str, Any]]:
     """The devices of a node holding `snapshots`, sorted by name (stable output: equal input, equal slices).
+    `latest`: the snapshot ids the store's `latest` refs name (None: not known, every device is `latest`).
 
     A snapshot that makes no valid device (a damaged index row, a size past int64) is logged and left out: the API
     server would refuse the whole slice for it, and with it every other model of the node."""
     if not 1 <= slots <= MAX_SLOTS:
         raise ValueError(f"slots must be 1..{MAX_SLOTS}, got {slots}")
+    snapshots = list(snapshots)
+    named = {s.uri for s in snapshots if latest is not None and s.id in latest}  # models whose latest is known
     devices = []
     for snapshot in snapshots:
         try:
@@ -135,7 +148,8 @@ def devices_for(snapshots: Iterable[Snapshot], *, slots: int, shared: bool, resi
             state = (states or {}).get(snapshot.id)
             devices.extend(_devices_of(snapshot, slots=slots, shared=shared, resident=snapshot.id in resident,
                                        taints=[taint(state)] if state is not None else [],
-                                       signature=(signatures or {}).get(snapshot.id)))
+                                       signature=(signatures or {}).get(snapshot.id),
+                                       latest=latest is None or snapshot.id in latest or snapshot.uri not in named))
         except (ValueError, TypeError, AttributeError) as exc:  # AttributeError: a damaged row's None uri
             if len(_reported) < 1024 and (snapshot.id, str(exc)) not in _reported:  # once, not every resync
                 _reported.add((snapshot.id, str(exc)))
@@ -145,12 +159,13 @@ def devices_for(snapshots: Iterable[Snapshot], *, slots: int, shared: bool, resi
 
 
 def _devices_of(snapshot: Snapshot, *, slots: int, shared: bool, resident: bool,
-                taints: list[dict[str, Any]], signature: Mapping[str, object] | None = None) -> list[dict[str, Any]]:
+                taints: list[dict[str, Any]], signature: Mapping[str, object] | None = None,
+                latest: bool = True) -> list[dict[str, Any]]:
     devices = []
     for slot in (None,) if shared else range(slots):
         device: dict[str, Any] = {
             "name": device_name(snapshot.id, slot),
-            "attributes": attributes(snapshot, resident=resident, slot=slot, signature=signature),
+            "attributes": attributes(snapshot, resident=resident, slot=slot, signature=signature, latest=latest),
         }
         if shared:
             device["allowMultipleAllocations"] = True

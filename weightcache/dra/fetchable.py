@@ -87,7 +87,7 @@ def fetchable_devices(models: Iterable[Fetchable], *, held: Iterable[str] = ()) 
         if model.key in held_keys:
             continue
         attrs: dict[str, dict[str, Any]] = {"model": {"string": model.key}, "size": {"int": model.size},
-                                            "ready": {"bool": False}}
+                                            "ready": {"bool": False}, "latest": {"bool": True}}
         if len(model.ref.uri) <= MAX_STRING:
             attrs["source"] = {"string": model.ref.uri}
         if model.ref.revision and len(model.ref.revision) <= MAX_STRING:

@@ -42,6 +42,18 @@ def selector(uri: str, revision: str | None = None) -> str:
     return expression
 
 
+def model_selectors(uri: str, revision: str | None = None) -> list[dict[str, Any]]:
+    """The model's selector and, where no revision is asked, the served one's: `latest` (after a rollout's switch
+    the old revision stays a device until its pods end). Separate, so deploy/dra/claim-policy.yaml still reads the
+    model's; `has`: a device published before the attribute existed matches as before, where a missing attribute
+    would be an error that aborts the claim's allocation."""
+    found = [{"cel": {"expression": selector(uri, revision)}}]
+    if not revision:
+        attrs = f'device.attributes["{DRIVER_NAME}"]'
+        found.append({"cel": {"expression": f"!has({attrs}.latest) || {attrs}.latest"}})
+    return found
+
+
 def template_name(uri: str, *, revision: str | None = None, mount_path: str | None = None,
                   env: str | None = None) -> str:
     """`weightcache-<model key>`, plus a short digest of the revision, mount path and env name when any is not
@@ -71,7 +83,7 @@ def device_class(uri: str, *, revision: str | None = None, mount_path: str | Non
     ref = parse_ref(uri, revision=revision)
     spec: dict[str, Any] = {
         "selectors": [{"cel": {"expression": f'device.driver == "{DRIVER_NAME}"'}},
-                      {"cel": {"expression": selector(ref.uri, ref.revision)}}],
+                      *model_selectors(ref.uri, ref.revision)],
         "extendedResourceName": extended_resource_name(ref.uri, revision=ref.revision, mount_path=mount_path,
                                                        env=env)}
     parameters = {k: v for k, v in (("mountPath", mount_path), ("env", env)) if v}
@@ -99,13 +111,13 @@ def claim_template(uri: str, *, revision: str | None = None, namespace: str | No
                                 "annotations": {MODEL_ANNOTATION: ref.uri}}
     if namespace:
         metadata["namespace"] = namespace
-    model = {"cel": {"expression": selector(ref.uri, ref.revision)}}
+    model = model_selectors(ref.uri, ref.revision)
     request: dict[str, Any] = {"name": REQUEST, "exactly": {"deviceClassName": DEVICE_CLASS, "selectors": [
-        model, {"cel": {"expression": ready_selector(True)}}]}}
+        *model, {"cel": {"expression": ready_selector(True)}}]}}
     if fetchable:
         request = {"name": REQUEST, "firstAvailable": [
             {"name": name, "deviceClassName": DEVICE_CLASS,
-             "selectors": [model, {"cel": {"expression": ready_selector(ready)}}]}
+             "selectors": [*model, {"cel": {"expression": ready_selector(ready)}}]}
             for name, ready in (("held", True), ("fetch", False))]}
     devices: dict[str, Any] = {"requests": [request]}
     parameters = {k: v for k, v in (("mountPath", mount_path), ("env", env)) if v}
