@@ -4,7 +4,11 @@ every link limited with `tc` both ways, an S3 origin (moto) in its own namespace
 Root only (it makes namespaces, veth pairs, a bridge and tc qdiscs, and removes them all on exit, Ctrl-C included):
 
     sudo .venv/bin/python scripts/bench_fleet_netns.py [--nodes 8,16] [--model-mb 256] [--shards 4]
-        [--origin-mbps 20] [--link-mbps 20] [--json] [--keep-logs DIR]
+        [--origin-mbps 20] [--link-mbps 20] [--json] [--keep-logs DIR] [--faults]
+
+`--faults` (`fault_roles`): every third node killed -9 mid-fill, one cut off for a while, one asked late (from
+N = 4), and from N = 6 n0 a lying peer (`make_liar`: it holds the model with one byte flipped in every piece);
+the row adds `lies_caught`, the pieces each node took from the liar (its `that the origin contradicts` lines).
 
 The net (addresses in 10.77.0.0/16, bridge `wcfbr0`, namespaces `wcf-origin` and `wcf-n<i>`):
 
@@ -50,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts.bench_prefetch import make_model
 from weightcache.daemon.client import DaemonClient
+from weightcache.units import parse_size
 
 PY = sys.executable
 BRIDGE = "wcfbr0"
@@ -216,7 +221,23 @@ def fault_roles(n: int) -> dict[int, str]:
     if len(rest) >= 3:
         roles[rest[-2]] = "cut"
         roles[rest[-1]] = "late"
+    if len(rest) >= 4:
+        roles[rest[0]] = "liar"
     return roles
+
+
+def make_liar(d: Daemon, uri: str, home: Path, chunk: int) -> None:
+    """The liar holds the whole model before the fill (read from the origin before the row's count starts) and
+    then serves other bytes: one byte flipped in every piece of every blob, under the daemon's feet (root)."""
+    d.client().ensure(uri)
+    for blob in (home / "store" / "blobs").rglob("*"):
+        if blob.is_file() and not blob.is_symlink():
+            with blob.open("r+b") as f:
+                for at in range(0, blob.stat().st_size, chunk):
+                    f.seek(at)
+                    byte = f.read(1)
+                    f.seek(at)
+                    f.write(bytes([byte[0] ^ 0xFF]))
 
 
 def inject(net: Net, daemons: list[Daemon], roles: dict[int, str]) -> None:
@@ -259,13 +280,15 @@ def fill(net: Net, n: int, work: Path, args: argparse.Namespace, model: int) -> 
     daemons = [start_daemon(i, n, run_dir, work / "token", args.chunk_size) for i in range(n)]
     try:
         wait_answering(daemons)
+        uri = f"s3://{BUCKET}/model/"
+        roles = fault_roles(n) if args.faults else {}
+        for d in daemons:
+            if roles.get(d.index) == "liar":
+                make_liar(d, uri, run_dir / f"n{d.index}", parse_size(args.chunk_size, "--chunk-size"))
         for d in daemons:
             d.cpu_before = d.cpu_s()
         sent_before = tx_bytes(PREFIX + "origin", "eth0")
-        uri = f"s3://{BUCKET}/model/"
         started = time.monotonic()
-
-        roles = fault_roles(n) if args.faults else {}
 
         def one(d: Daemon) -> None:
             if roles.get(d.index) == "late":
@@ -291,6 +314,7 @@ def fill(net: Net, n: int, work: Path, args: argparse.Namespace, model: int) -> 
                        "peers": d.metric(text, "weightcache_model_fetched_bytes_total", 'source="peers"'),
                        "served": d.metric(text, "weightcache_peer_served_bytes_total"),
                        "cuts": len(re.findall(r"below the floor", d.log.read_text())),
+                       "lies": len(re.findall(r"that the origin contradicts", d.log.read_text())),
                        **origin_reads(d.log.read_text())}
     finally:
         stop_all(daemons)
@@ -320,6 +344,8 @@ def fill(net: Net, n: int, work: Path, args: argparse.Namespace, model: int) -> 
         "served_mb": [round(s / 1e6, 1) for s in served],
         "max_served_share": round(max(served) / mean_served, 2) if mean_served else 0.0,
         "peer_cuts": sum(int(d.stats.get("cuts", 0)) for d in daemons),
+        # --faults: pieces each node took from the liar before it banned it (one ban line each)
+        "lies_caught": [int(d.stats.get("lies", 0)) for d in daemons],
         "origin_why": {k[4:]: round(sum(d.stats.get(k, 0.0) for d in daemons) / model, 3)
                        for k in sorted({k for d in daemons for k in d.stats if k.startswith("why:")})},
         "errors": [f"n{d.index}: {d.error}" for d in daemons if d.error],
@@ -371,7 +397,9 @@ def print_row(row: dict[str, Any], one: float) -> None:
     print(f"  served MB: {' '.join(f'{x:.0f}' for x in row['served_mb'])}")
     print(f"  origin by why (x the model): {', '.join(f'{k} {v:.2f}' for k, v in row['origin_why'].items())}")
     if row["faults"]:
-        print(f"  faults:    {' '.join(f'{k}={v}' for k, v in row['faults'].items())} (origin: its veth's bytes)")
+        print(f"  faults:    {' '.join(f'{k}={v}' for k, v in row['faults'].items())} (origin: its veth's bytes, "
+              f"the liar's own fill before the row not counted)")
+        print(f"  lies caught (pieces from the liar, then banned): {' '.join(str(x) for x in row['lies_caught'])}")
     for e in row["errors"]:
         print(f"  FAILED {e}")
 
@@ -389,7 +417,8 @@ def main() -> int:
     parser.add_argument("--keep-logs", metavar="DIR", help="copy every daemon's log here")
     parser.add_argument("--faults", action="store_true",
                         help=f"every third node killed -9 at {KILL_AT_S:g} s, one node's link at 100%% loss from "
-                             f"{CUT_AT_S:g} s for {CUT_FOR_S:g} s, one node asked {LATE_S:g} s late")
+                             f"{CUT_AT_S:g} s for {CUT_FOR_S:g} s, one node asked {LATE_S:g} s late, one node (n0) "
+                             "holding the model with a byte flipped in every piece (a lying peer)")
     args = parser.parse_args()
     if os.geteuid() != 0 or not shutil.which("tc") or not shutil.which("ip"):
         print("bench_fleet_netns: needs root and iproute2 (ip, tc): it makes namespaces, veths and qdiscs",
