@@ -104,11 +104,18 @@ class PeerStats:
         return {peer for peer, (until, _) in self.bans.items() if now < until}
 
     def ban(self, peer: str) -> float:
-        """Ban `peer` (its offence counts as an error too); returns the ban's length in seconds."""
+        """Ban `peer` (its offence counts as an error too); returns the ban's length in seconds. A peer banned now
+        is not banned again: the other wrong pieces of the same blob (each is compared with the origin's after
+        it failed, and a liar sends many at once, docs/peers.md "The lying peer") are one offence, not one each
+        (before: the 18-32 pieces a liar got in were as many offences, a ban of 24 h after the sixth)."""
         with self.lock:
-            offences = self.bans.get(peer, (0.0, 0))[1] + 1
+            until, offences = self.bans.get(peer, (0.0, 0))
+            now = self.clock()
+            if now < until:
+                return until - now
+            offences += 1
             length = min(MAX_BAN_S, self.ban_s * (1 << min(offences - 1, 32)))
-            self.bans[peer] = (self.clock() + length, offences)
+            self.bans[peer] = (now + length, offences)
             self.errors_by_peer[peer] = self.errors_by_peer.get(peer, 0) + 1
         return length
 
