@@ -162,8 +162,11 @@ class Reconciler:
             timeout = self.node.settings.resync_seconds
             if self._taint_due is not None:  # wake just past the deadline, not up to a resync later
                 timeout = min(timeout, self._taint_due + 0.05)
+            # asyncio.timeout, not wait_for: 3.11's wait_for swallows a cancel that lands as the wake does (a kick
+            # racing the daemon's stop), and the pass loop ran on while stop waited for it
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=timeout)
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
 
     async def once(self) -> Outcome:
         start = time.monotonic()
