@@ -649,7 +649,9 @@ class Store:
                 if pins:
                     why.append(f"pinned by {', '.join(pins)} (`weightcache unpin` or delete the ModelCache)")
                 raise InUseError(f"snapshot {snapshot_id} is in use: {'; '.join(why)}")
-            kept = self.kept([i for i in self.list() if i.snapshot.id == snapshot_id]).get(snapshot_id)
+            # only a cluster's keeper needs the listing (it reads the index; evict itself trusts only the manifest)
+            kept = self.kept([i for i in self.list() if i.snapshot.id == snapshot_id]).get(snapshot_id) \
+                if self.keeper is not None else None
             if kept and not past_floor:
                 raise InUseError(f"snapshot {snapshot_id} is kept: {kept}")
             self._remove_snapshot(snapshot_id)
