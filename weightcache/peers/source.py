@@ -312,8 +312,13 @@ class PeerSource(Source):
                          pos, end - 1, serving or "this node", owner)
                 owner = serving
             if owner == "" and wait:
-                self._why_origin(obj, pos, end, "its owner is not there for it: this node is next in rank")
-                break
+                holders = self._holders_in_turn(*trusted)
+                with self._lock:  # a peer holding the whole blob still serves it: the origin is for nobody's bytes
+                    whole = [p for p in holders if (name, p.url) not in self._downloading]
+                if not whole:
+                    self._why_origin(obj, pos, end, "its owner is not there for it: this node is next in rank")
+                    break
+                wait = False  # this node's own range now: asked of the whole blob's holders, then the origin
             holders = self._holders_in_turn(*trusted, first=owner)
             if any(p.url == owner for p in holders) or not wait:
                 # only a range's owner reads it from the origin, and a node relays origin bytes only: the other
