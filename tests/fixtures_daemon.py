@@ -15,6 +15,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,11 +102,17 @@ async def daemon(short_dir: Path, model_copy: Path) -> AsyncIterator[RunningDaem
         await running.daemon.stop()
 
 
+_CHECKS = ThreadPoolExecutor(4, thread_name_prefix="eventually")
+
+
 async def eventually(check: Callable[[], Any], *, timeout: float = 10.0, what: str = "condition") -> Any:
-    """Poll a (blocking) check in a thread until it returns something truthy; fail after `timeout`."""
+    """Poll a (blocking) check in a thread until it returns something truthy; fail after `timeout`. The checks run
+    on a pool of their own: in the loop's default pool they would queue behind the daemon under test's own blocking
+    work (6 threads on 2 cores), and a test could wait on that rather than on what it checks."""
     deadline = time.monotonic() + timeout
+    loop = asyncio.get_running_loop()
     while True:
-        result = await asyncio.to_thread(check)
+        result = await loop.run_in_executor(_CHECKS, check)
         if result:
             return result
         if time.monotonic() > deadline:
