@@ -11,10 +11,11 @@ import pytest
 
 from tests.fixtures_csi import publish_request
 from tests.fixtures_webhook import REF, admission_review, apply_response, check_pod, container, deployment_pod, envs
+from weightcache.csi.reconcile import VolumeKind
 from weightcache.csi.request import parse_publish
 from weightcache.engine_name import EngineName
-from weightcache.pods.annotations import ENGINE_CACHE, MODEL, MODELS
-from weightcache.vocabulary import ENGINE_CACHE_ATTRIBUTE
+from weightcache.pods.annotations import ENGINE_CACHE, MODEL, MODELS, TELEMETRY
+from weightcache.vocabulary import ENGINE_CACHE_ATTRIBUTE, REPORT_ATTRIBUTE, REPORT_DIR_ENV
 from weightcache.webhook.mutate import review
 
 OPEN = {"model_caches": [], "allow_undeclared": True}
@@ -90,3 +91,23 @@ def test_with_dra_the_engine_cache_is_still_its_csi_volume() -> None:
     assert [v["name"] for v in spec["volumes"] if v["name"].startswith("wc-")] == ["wc-engine-cache"]
     assert [c["name"] for c in spec["resourceClaims"]] == ["wc-model"]
     assert envs(spec["containers"][0])["VLLM_CACHE_ROOT"] == ROOT
+
+
+def test_telemetry_without_an_engine_cache_adds_a_report_volume_the_plugin_takes() -> None:
+    """weightcache.io/telemetry (docs/telemetry.md): a pod that mounts only its model gets a small writable report
+    volume naming its model and WEIGHTCACHE_REPORT_DIR; with an engine cache, that volume reports and none is added."""
+    _, patched = admit(deployment_pod({MODEL: REF, TELEMETRY: "true"}))
+    volumes = {v["name"]: v["csi"] for v in patched["spec"]["volumes"] if "csi" in v}
+    assert volumes["wc-report"]["readOnly"] is False
+    assert volumes["wc-report"]["volumeAttributes"] == {"model": volumes["wc-model"]["volumeAttributes"]["model"],
+                                                        "revision": "", REPORT_ATTRIBUTE: "true"}
+    server = patched["spec"]["containers"][0]
+    assert {"name": "wc-report", "mountPath": "/var/run/weightcache-report"} in server["volumeMounts"]
+    assert envs(server)[REPORT_DIR_ENV] == "/var/run/weightcache-report"
+    args = parse_publish(publish_request("r", Path("/k/r"), readonly=False, **volumes["wc-report"]["volumeAttributes"]))
+    assert args.kind is VolumeKind.REPORT and args.ref == parse_publish(
+        publish_request("m", Path("/k/m"), **volumes["wc-model"]["volumeAttributes"])).ref
+    _, with_cache = admit(deployment_pod({MODEL: REF, TELEMETRY: "true", ENGINE_CACHE: "vllm-0.32.0-cpu"}))
+    assert {v["name"] for v in with_cache["spec"]["volumes"] if "csi" in v} == {"wc-model", "wc-engine-cache"}
+    response, _ = admit(deployment_pod({MODEL: REF, TELEMETRY: "yes"}))
+    assert not response["allowed"] and 'must be "true" or "false"' in response["status"]["message"]

@@ -6,9 +6,12 @@ format weightcache_vllm.telemetry writes; tests_engines/test_vllm_compile_cache.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import json
 import os
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +25,10 @@ from tests.fixtures_csi import publish_request, unmount_under
 from tests.fixtures_daemon import eventually, start_daemon
 from weightcache import engine_report
 from weightcache.csi._pb import csi_pb2, csi_pb2_grpc
+from weightcache.csi.engine_volumes import REPORT_BYTES
 from weightcache.csi.telemetry import Pod, PodTelemetry
 from weightcache.kube.client import CoreV1Api
-from weightcache.vocabulary import ENGINE_CACHE_ATTRIBUTE, ENGINE_CACHE_READY, ENGINE_REPORT
+from weightcache.vocabulary import ENGINE_CACHE_ATTRIBUTE, ENGINE_CACHE_READY, ENGINE_REPORT, REPORT_ATTRIBUTE
 
 NODE, NS = "gpu-1", "ml"
 VLLM = "vllm-0.32.0-cpu"
@@ -38,13 +42,12 @@ def pod_events(api: FakeApiServer) -> dict[str, dict[str, Any]]:
     return {e["reason"]: e for e in api.list("events", NS) if e["involvedObject"]["kind"] == "Pod"}
 
 
-@pytest.mark.root
-@pytest.mark.skipif(os.geteuid() != 0, reason="bind mounts need root")
-async def test_a_pods_stages_reach_its_events_and_the_metrics(short_dir: Path, model_copy: Path,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+@contextlib.asynccontextmanager
+async def node_of(short_dir: Path, model_copy: Path,
+                  monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[FakeApiServer, Any, Any]]:
+    """(the API server, the daemon, its CSI Node stub): a real daemon on node NODE serving CSI, its ModelCache
+    granting NS the model, the stand-in API server enforcing the shipped RBAC and policies for its token."""
     csi_sock, kubelet = short_dir / "csi.sock", short_dir / "kubelet"
-    volumes = kubelet / "pods" / "uid-1" / "volumes" / "kubernetes.io~csi"
-    model_target, cache_target = volumes / "llama" / "mount", volumes / "wc-engine-cache" / "mount"
     with FakeApiServer(schemas=crd_schemas(), rbac=shipped_rbac(), policies=shipped_policies()) as api:
         api.create("nodes", {"metadata": {"name": NODE}})
         api.create("modelcaches", {"metadata": {"name": "llama"}, "spec": {"source": f"file://{model_copy}/",
@@ -54,49 +57,110 @@ async def test_a_pods_stages_reach_its_events_and_the_metrics(short_dir: Path, m
             "csiEndpoint": f"unix://{csi_sock}", "kubeletDir": str(kubelet)})
         try:
             async with grpc.aio.insecure_channel(f"unix://{csi_sock}") as channel:
-                stub = csi_pb2_grpc.NodeStub(channel)
-                started = time.time()
                 await eventually(lambda: d.daemon.node is not None and d.daemon.node.cluster.synced(),
                                  what="the ModelCache watch", timeout=30)
-                await stub.NodePublishVolume(publish_request("vol-m", model_target, model=d.model_uri,
-                                                             namespace=NS, pod_uid="uid-1"))
-                await stub.NodePublishVolume(publish_request("vol-c", cache_target, model=d.model_uri, namespace=NS,
-                                                             pod_uid="uid-1", readonly=False,
-                                                             **{ENGINE_CACHE_ATTRIBUTE: VLLM}))
-                # the pod's engine: loads, compiles into its empty cache, serves (the plugin's report)
-                await asyncio.sleep(0.3)
-                now = time.time()
-                (cache_target / ENGINE_REPORT).write_bytes(report(
-                    {"weights_loaded": now - 0.2, "engine_ready": now - 0.1, "first_token": now},
-                    result="miss", key="ab12", dir="3f2a9c1b0d", handed=[], written=7))
-                stats = csi_pb2.NodeGetVolumeStatsRequest(volume_id="vol-c", volume_path=str(cache_target))
-                await stub.NodeGetVolumeStats(stats)
-                want = {"ModelOnNode", "VolumePublished", "WeightsLoaded", "EngineReady", "FirstToken",
-                        "EngineCacheMiss"}
-                events = await eventually(lambda: (e := pod_events(api)).keys() >= want and e,
-                                          what="the pod's Events", timeout=30)
-                await stub.NodeGetVolumeStats(stats)  # a minute later, kubelet asks again: nothing new to say
-                metrics = await asyncio.to_thread(d.client.metrics)
-                for reason in want:
-                    e = events[reason]
-                    assert e["involvedObject"] == {"apiVersion": "v1", "kind": "Pod", "name": "pod-uid-1",
-                                                   "namespace": NS, "uid": "uid-1"}
-                    assert e["source"]["host"] == e["reportingInstance"] == NODE and e["count"] == 1
-                assert "fetched" in events["ModelOnNode"]["message"]
-                assert "compiled (7 files written)" in events["EngineCacheMiss"]["message"]
-                assert events["EngineCacheMiss"]["type"] == "Normal"  # nothing was handed over: a first pod
-                seconds = float(events["FirstToken"]["message"].split(", ")[1].split("s after")[0])
-                assert 0 < seconds <= time.time() - started
-                for stage in ("model_on_node", "volume_published", "weights_loaded", "engine_ready", "first_token"):
-                    assert f'weightcache_coldstart_stage_seconds_count{{cache="miss",stage="{stage}"}} 1.0' in metrics
-                assert f'weightcache_engine_cache_results_total{{engine="{VLLM}",result="miss"}} 1.0' in metrics
-                assert api.forbidden == []  # every Event the daemon wrote passed RBAC and the events policy
-                for vid, target in (("vol-c", cache_target), ("vol-m", model_target)):
-                    await stub.NodeUnpublishVolume(csi_pb2.NodeUnpublishVolumeRequest(volume_id=vid,
-                                                                                      target_path=str(target)))
+                yield api, d, csi_pb2_grpc.NodeStub(channel)
         finally:
             await d.daemon.stop()
             unmount_under(short_dir)
+
+
+def volume_target(short_dir: Path, name: str) -> Path:
+    return short_dir / "kubelet" / "pods" / "uid-1" / "volumes" / "kubernetes.io~csi" / name / "mount"
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="bind mounts need root")
+async def test_a_pods_stages_reach_its_events_and_the_metrics(short_dir: Path, model_copy: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    model_target, cache_target = volume_target(short_dir, "llama"), volume_target(short_dir, "wc-engine-cache")
+    async with node_of(short_dir, model_copy, monkeypatch) as (api, d, stub):
+        started = time.time()
+        await stub.NodePublishVolume(publish_request("vol-m", model_target, model=d.model_uri,
+                                                     namespace=NS, pod_uid="uid-1"))
+        await stub.NodePublishVolume(publish_request("vol-c", cache_target, model=d.model_uri, namespace=NS,
+                                                     pod_uid="uid-1", readonly=False,
+                                                     **{ENGINE_CACHE_ATTRIBUTE: VLLM}))
+        # the pod's engine: loads, compiles into its empty cache, serves (the plugin's report)
+        await asyncio.sleep(0.3)
+        now = time.time()
+        (cache_target / ENGINE_REPORT).write_bytes(report(
+            {"weights_loaded": now - 0.2, "engine_ready": now - 0.1, "first_token": now},
+            result="miss", key="ab12", dir="3f2a9c1b0d", handed=[], written=7))
+        stats = csi_pb2.NodeGetVolumeStatsRequest(volume_id="vol-c", volume_path=str(cache_target))
+        await stub.NodeGetVolumeStats(stats)
+        want = {"ModelOnNode", "VolumePublished", "WeightsLoaded", "EngineReady", "FirstToken",
+                "EngineCacheMiss"}
+        events = await eventually(lambda: (e := pod_events(api)).keys() >= want and e,
+                                  what="the pod's Events", timeout=30)
+        await stub.NodeGetVolumeStats(stats)  # a minute later, kubelet asks again: nothing new to say
+        metrics = await asyncio.to_thread(d.client.metrics)
+        for reason in want:
+            e = events[reason]
+            assert e["involvedObject"] == {"apiVersion": "v1", "kind": "Pod", "name": "pod-uid-1",
+                                           "namespace": NS, "uid": "uid-1"}
+            assert e["source"]["host"] == e["reportingInstance"] == NODE and e["count"] == 1
+        assert "fetched" in events["ModelOnNode"]["message"]
+        assert "compiled (7 files written)" in events["EngineCacheMiss"]["message"]
+        assert events["EngineCacheMiss"]["type"] == "Normal"  # nothing was handed over: a first pod
+        seconds = float(events["FirstToken"]["message"].split(", ")[1].split("s after")[0])
+        assert 0 < seconds <= time.time() - started
+        for stage in ("model_on_node", "volume_published", "weights_loaded", "engine_ready", "first_token"):
+            assert f'weightcache_coldstart_stage_seconds_count{{cache="miss",stage="{stage}"}} 1.0' in metrics
+        assert f'weightcache_engine_cache_results_total{{engine="{VLLM}",result="miss"}} 1.0' in metrics
+        assert api.forbidden == []  # every Event the daemon wrote passed RBAC and the events policy
+        for vid, target in (("vol-c", cache_target), ("vol-m", model_target)):
+            await stub.NodeUnpublishVolume(csi_pb2.NodeUnpublishVolumeRequest(volume_id=vid,
+                                                                              target_path=str(target)))
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="bind mounts need root")
+async def test_a_pod_without_an_engine_cache_reports_through_its_report_volume(
+        short_dir: Path, model_copy: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """weightcache.io/telemetry: the webhook's report volume (report: "true", writable), a bounded tmpfs: the
+    engine's stages reach the pod's Events and /metrics as from an engine-cache volume, a compile result in it is
+    not told (there is no cache to be hit), and the pod cannot write more than the report needs."""
+    model_target, report_target = volume_target(short_dir, "llama"), volume_target(short_dir, "wc-report")
+    async with node_of(short_dir, model_copy, monkeypatch) as (api, d, stub):
+        for denied in ("not-allowed", NS):  # the model it names is authorized for the pod's namespace, as a mount is
+            request = publish_request("vol-r", report_target, model=d.model_uri, namespace=denied, pod_uid="uid-1",
+                                      readonly=False, **{REPORT_ATTRIBUTE: "true"})
+            if denied != NS:
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.NodePublishVolume(request)
+                assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                continue
+            await stub.NodePublishVolume(request)
+        await stub.NodePublishVolume(publish_request("vol-m", model_target, model=d.model_uri, namespace=NS,
+                                                     pod_uid="uid-1"))
+        with pytest.raises(OSError) as full:  # the tmpfs's bounds: the pod gets ENOSPC, nobody else does
+            (report_target / "filler").write_bytes(b"x" * (2 * REPORT_BYTES))
+        assert full.value.errno == errno.ENOSPC
+        (report_target / "filler").unlink()
+        await asyncio.sleep(0.3)
+        now = time.time()
+        (report_target / ENGINE_REPORT).write_bytes(report(
+            {"weights_loaded": now - 0.2, "engine_ready": now - 0.1, "first_token": now}, result="hit"))
+        await stub.NodeGetVolumeStats(csi_pb2.NodeGetVolumeStatsRequest(volume_id="vol-r",
+                                                                        volume_path=str(report_target)))
+        want = {"ModelOnNode", "VolumePublished", "WeightsLoaded", "EngineReady", "FirstToken"}
+        events = await eventually(lambda: (e := pod_events(api)).keys() >= want and e,
+                                  what="the pod's Events", timeout=30)
+        assert "EngineCacheHit" not in events and "the pod's report" in events["FirstToken"]["message"]
+        metrics = await asyncio.to_thread(d.client.metrics)
+        for stage in ("weights_loaded", "engine_ready", "first_token"):
+            assert f'weightcache_coldstart_stage_seconds_count{{cache="miss",stage="{stage}"}} 1.0' in metrics
+        assert "weightcache_engine_cache_results_total{" not in metrics
+        assert api.forbidden == []
+        for vid, target in (("vol-r", report_target), ("vol-m", model_target)):
+            await stub.NodeUnpublishVolume(csi_pb2.NodeUnpublishVolumeRequest(volume_id=vid,
+                                                                              target_path=str(target)))
+        assert not report_target.exists() and not os.path.ismount(report_target.parent)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:  # only a report or engine-cache volume is writable
+            await stub.NodePublishVolume(publish_request("vol-w", model_target, model=d.model_uri, namespace=NS,
+                                                         pod_uid="uid-1", readonly=False))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def event(source: str, kind: str = "Pod", name: str = "p") -> dict[str, Any]:

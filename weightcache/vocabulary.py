@@ -104,5 +104,11 @@ STAGE_ENGINE_READY = "engine_ready"
 STAGE_FIRST_TOKEN = "first_token"
 ENGINE_STAGES = (STAGE_WEIGHTS_LOADED, STAGE_ENGINE_READY, STAGE_FIRST_TOKEN)
 ENGINE_REPORT = ".weightcache-report"
+# A pod without an engine-cache volume reports into a report volume instead (`weightcache.io/telemetry: "true"`):
+# the CSI volume attribute the webhook writes (`report: "true"`, with `model` naming the pod's model) for a small
+# writable tmpfs the plugin reads as it reads an engine-cache volume's report, and the variable that tells the pod's
+# engine where it is mounted (the vLLM plugin prefers it to the engine-cache volume's).
+REPORT_ATTRIBUTE = "report"
+REPORT_DIR_ENV = "WEIGHTCACHE_REPORT_DIR"
 COMPILE_HIT, COMPILE_MISS, COMPILE_INCOMPATIBLE = "hit", "miss", "incompatible"
 COMPILE_RESULTS = (COMPILE_HIT, COMPILE_MISS, COMPILE_INCOMPATIBLE)

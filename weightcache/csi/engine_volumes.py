@@ -1,7 +1,11 @@
 """Engine cache volumes (VolumeKind.ENGINE_CACHE, docs/engine-caches.md): the pod's engine compile cache, published
 as the artifact itself or a private scratch, and a scratch that started empty read back into the store when its
 pod says its engine served (while the pod runs, or at unpublish). A read-back (as long as the pod wrote, up to
-4 GiB) runs on a pool of its own, so publish, unpublish and stats answer while read-backs run."""
+4 GiB) runs on a pool of its own, so publish, unpublish and stats answer while read-backs run.
+
+A report volume (VolumeKind.REPORT, `report: "true"`) is the scratch alone, without a cache: a tmpfs of REPORT_BYTES
+and REPORT_INODES where a pod that mounts only its model writes its engine's report (docs/telemetry.md), read
+exactly as an engine-cache volume's is and never handed over."""
 
 from __future__ import annotations
 
@@ -28,6 +32,10 @@ from weightcache.store import Snapshot
 logger = logging.getLogger(__name__)
 
 READBACKS = 2  # engine-cache read-backs at once; more wait their turn, on their own pool
+# A report volume's bounds: the report (at most engine_report.MAX_BYTES), its temporary twin during a replace and
+# the startup probe's ready file fit in a page each; the root, those three, and a spare (another writer's tmp)
+REPORT_BYTES, REPORT_INODES = 64 << 10, 8
+REPORTING = (VolumeKind.ENGINE_CACHE, VolumeKind.REPORT)  # the kinds whose volume holds a pod's report
 
 
 class EngineCacheVolumes:
@@ -68,6 +76,17 @@ class EngineCacheVolumes:
                     args.pod_namespace, args.pod_name, args.target_path,
                     f"snapshot {found.id[:12]}" if found else "none yet, started empty")
 
+    def publish_report(self, args: PublishArgs) -> None:
+        """The pod's report volume: a fresh, bounded, writable tmpfs; nothing leased (it holds no snapshot). The
+        model it names was authorized for the pod's namespace before this (csi/node.py): the volume exists only for
+        pods that may mount that model."""
+        record = args.record("")
+        with self._host.recorded(record, None), self._targets.open_parent(record.target_path, create=True) as parent:
+            self._host.unmount_ours(parent, record.target_path)  # a stale mount of ours from a crashed attempt
+            mounts.tmpfs_at(parent, "mount", record.target_path, size_bytes=REPORT_BYTES, inodes=REPORT_INODES)
+        logger.info("published report volume for pod %s/%s at %s", args.pod_namespace, args.pod_name,
+                    args.target_path)
+
     def _scratch(self, record: VolumeRecord, found: Snapshot | None, *, readonly: bool) -> None:
         size, inodes = engine_cache.scratch_bounds(self._limits, found)
         with self._targets.open_parent(record.target_path, create=True) as parent:
@@ -85,7 +104,7 @@ class EngineCacheVolumes:
         """Unpublish, with the volume's lock held: what the pod's engine said last, then (the pod has ended) its
         cache read back first if due."""
         record = await self._host.io(self._host.book.get, volume_id)
-        if record is not None and record.kind is VolumeKind.ENGINE_CACHE:
+        if record is not None and record.kind in REPORTING:
             await self._host.io(self._engine_report, record)
         if await self._host.io(self._due, volume_id, target):
             await finish_even_if_cancelled(self._read_back(volume_id))

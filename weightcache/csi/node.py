@@ -41,7 +41,7 @@ from weightcache.access import Authority, Grant, Requester
 from weightcache.csi import adapters, mounts
 from weightcache.csi._pb import csi_pb2, csi_pb2_grpc
 from weightcache.csi.adapters import AdapterVolumes
-from weightcache.csi.engine_volumes import EngineCacheVolumes
+from weightcache.csi.engine_volumes import REPORTING, EngineCacheVolumes
 from weightcache.csi.errors import quiet_rpc, rpc
 from weightcache.csi.reconcile import VolumeBook, VolumeKind
 from weightcache.csi.request import PublishArgs, parse_publish, require_id, require_path
@@ -129,6 +129,10 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
             self._telemetry.first_attempt(args.pod)
             started = self._first_attempt(args.volume_id)
             grant = self._authority.authorize(args.ref, Requester(args.pod_namespace))  # weightcache/access.py
+            if args.kind is VolumeKind.REPORT:  # the model granted: the pod's report scratch, no fetch to wait for
+                await finish_even_if_cancelled(io(self._engines.publish_report, args))
+                self._attempts.pop(args.volume_id, None)
+                return csi_pb2.NodePublishVolumeResponse()
             if args.kind is VolumeKind.ADAPTERS:  # the base model granted: its adapters, each decided as it comes
                 await self._adapters.publish(args.record(""))
                 self._attempts.pop(args.volume_id, None)
@@ -300,7 +304,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         if os.path.normpath(request.volume_path) != record.target_path:  # noqa: ASYNC240 - a string op, no I/O
             raise VolumeNotFoundError(f"volume {volume_id} is published at {record.target_path}, "
                                       f"not at {request.volume_path}")
-        if record.kind is VolumeKind.ENGINE_CACHE and (scratch := await self._engines.usage(record)) is not None:
+        if record.kind in REPORTING and (scratch := await self._engines.usage(record)) is not None:
             return scratch
         if record.kind is VolumeKind.STREAM and not record.snapshot_id:  # still filling
             return await self._streams.usage(volume_id)

@@ -49,6 +49,7 @@ class VolumeKind(enum.StrEnum):
     ENGINE_CACHE = "engine-cache"  # an engine compile cache, or a scratch read back: csi/engine_volumes.py
     STREAM = "stream"  # a view that fills while the model downloads: csi/stream.py
     ADAPTERS = "adapters"  # a view of the model's LoRA adapters, filled while the pod runs: csi/adapters.py
+    REPORT = "report"  # a pod's small writable scratch for its engine's report: csi/engine_volumes.py
 
 
 @dataclass(frozen=True)
@@ -92,8 +93,9 @@ def kubelet_volume_id(target_path: str) -> str | None:
 # On disk the kind is what release 1.0 of the record wrote and reads: `engine_cache` set, or `"stream": true`
 # (so a rollback still tells a streaming view from a model volume); no field "kind", no new record version. An
 # adapter directory alone says `"adapters": true` (a release before it quarantines that record and leaves the
-# mount to its reconcile: such a release has no adapter directories to serve).
-_FIELDS = frozenset({f.name for f in dataclasses.fields(VolumeRecord)} - {"kind"} | {"stream", "adapters"})
+# mount to its reconcile: such a release has no adapter directories to serve); a report volume `"report": true`
+# likewise.
+_FIELDS = frozenset({f.name for f in dataclasses.fields(VolumeRecord)} - {"kind"} | {"stream", "adapters", "report"})
 _STRINGS = ("volume_id", "target_path", "model", "snapshot_id", "tier", "pod_namespace", "pod_name", "pod_uid",
             "engine_cache")
 
@@ -124,8 +126,8 @@ class VolumeBook:
         wire = dataclasses.asdict(record)
         kind = wire.pop("kind")
         wire["stream"] = kind == VolumeKind.STREAM
-        if kind == VolumeKind.ADAPTERS:
-            wire["adapters"] = True
+        if kind in (VolumeKind.ADAPTERS, VolumeKind.REPORT):
+            wire[str(kind)] = True
         self._book.put(volume_record_name(record.volume_id), wire)
 
     def remove(self, volume_id: str) -> None:
@@ -147,11 +149,12 @@ def _parse(obj: Any) -> VolumeRecord:
         obj = {**obj, name: tuple(globs)}
     if not all(isinstance(obj.get(name, ""), str) for name in _STRINGS):
         raise TypeError(f"one of {', '.join(_STRINGS)} is not a string")
-    if not all(isinstance(obj.get(flag, False), bool) for flag in ("adopted", "handover", "stream", "adapters")):
-        raise TypeError("adopted, handover, stream or adapters is not a boolean")
-    stream, adapters = obj.pop("stream", False), obj.pop("adapters", False)
+    flags = ("adopted", "handover", "stream", "adapters", "report")
+    if not all(isinstance(obj.get(flag, False), bool) for flag in flags):
+        raise TypeError(f"one of {', '.join(flags)} is not a boolean")
+    stream, adapters, report = obj.pop("stream", False), obj.pop("adapters", False), obj.pop("report", False)
     kind = (VolumeKind.ENGINE_CACHE if obj.get("engine_cache") else VolumeKind.STREAM if stream else
-            VolumeKind.ADAPTERS if adapters else VolumeKind.MODEL)
+            VolumeKind.ADAPTERS if adapters else VolumeKind.REPORT if report else VolumeKind.MODEL)
     record = VolumeRecord(**obj, kind=kind)
     if isinstance(record.published_at, bool) or not isinstance(record.published_at, (int, float)):
         raise TypeError("published_at is not a number")

@@ -15,7 +15,7 @@ from weightcache.csi.telemetry import Pod
 from weightcache.engine_name import EngineName
 from weightcache.errors import InvalidReferenceError, InvalidRequestError
 from weightcache.uri import ModelRef, parse_globs, parse_ref, validate_repo_id
-from weightcache.vocabulary import ADAPTERS_ATTRIBUTE, ENGINE_CACHE_ATTRIBUTE, STREAM_ATTRIBUTE
+from weightcache.vocabulary import ADAPTERS_ATTRIBUTE, ENGINE_CACHE_ATTRIBUTE, REPORT_ATTRIBUTE, STREAM_ATTRIBUTE
 
 POD_NAMESPACE, POD_NAME, POD_UID = (f"csi.storage.k8s.io/pod.{k}" for k in ("namespace", "name", "uid"))
 TIERS = ("disk", "memory")
@@ -42,6 +42,7 @@ class PublishArgs:
     readonly: bool = True
     stream: bool = False  # volume_context.stream: on a miss, a view that fills while the model downloads
     adapters: bool = False  # volume_context.adapters: the model's LoRA adapters, not the model (csi/adapters.py)
+    report: bool = False  # volume_context.report: the pod's report volume, not the model (csi/engine_volumes.py)
 
     @property
     def pod(self) -> Pod:
@@ -53,6 +54,8 @@ class PublishArgs:
             return VolumeKind.ENGINE_CACHE
         if self.adapters:
             return VolumeKind.ADAPTERS
+        if self.report:
+            return VolumeKind.REPORT
         return VolumeKind.STREAM if self.stream else VolumeKind.MODEL
 
     def record(self, snapshot_id: str, *, handover: bool = False) -> VolumeRecord:
@@ -108,9 +111,11 @@ def parse_publish(request: csi_pb2.NodePublishVolumeRequest) -> PublishArgs:
     _check_capability(request)
     ctx = request.volume_context
     engine = _engine_cache(ctx.get(ENGINE_CACHE_ATTRIBUTE, ""))
-    if not request.readonly and engine is None:  # only an engine cache's private scratch is ever writable
+    report = _flag(ctx, REPORT_ATTRIBUTE)
+    if not request.readonly and engine is None and not report:  # only a pod's private scratch is ever writable
         raise InvalidRequestError("readonly", "weightcache volumes are read-only; set `readOnly: true` on the "
-                                  f"pod's csi volume (only a volume with {ENGINE_CACHE_ATTRIBUTE} may be writable)")
+                                  f"pod's csi volume (only a volume with {ENGINE_CACHE_ATTRIBUTE} or "
+                                  f"{REPORT_ATTRIBUTE} may be writable)")
     ref = _model(ctx)
     tier = ctx.get("tier") or "disk"
     if tier not in TIERS:
@@ -118,13 +123,19 @@ def parse_publish(request: csi_pb2.NodePublishVolumeRequest) -> PublishArgs:
     hf_repo = _hf_repo(ctx, engine)
     stream = _stream(ctx, engine, hf_repo, tier)
     adapters = _adapters(ctx, engine, hf_repo, stream, tier)
+    if report and (clash := next((name for name, on in (("engineCache", engine is not None), ("hfRepo", hf_repo),
+                                                        (STREAM_ATTRIBUTE, stream), (ADAPTERS_ATTRIBUTE, adapters),
+                                                        ("tier: memory", tier == "memory")) if on), None)):
+        raise InvalidRequestError(f"volume_context.{REPORT_ATTRIBUTE}", f"cannot be \"true\" with {clash}: a report "
+                                  "volume holds what the pod's engine says about its start, not the model; use two "
+                                  "volumes (an engine-cache volume carries the report itself)")
     namespace = ctx.get(POD_NAMESPACE, "")
     if not namespace:
         raise InvalidRequestError(f"volume_context.{POD_NAMESPACE}", "is missing; the CSIDriver "
                                   "csi.weightcache.io must have podInfoOnMount: true")
     return PublishArgs(volume_id, target, ref, tier, parse_timeout(ctx.get("timeout", "")), namespace,
                        ctx.get(POD_NAME, ""), ctx.get(POD_UID, ""), hf_repo, engine, bool(request.readonly), stream,
-                       adapters)
+                       adapters, report)
 
 
 def _check_capability(request: csi_pb2.NodePublishVolumeRequest) -> None:
@@ -168,30 +179,33 @@ def _hf_repo(ctx: Mapping[str, str], engine: EngineName | None) -> str | None:
 
 
 def _stream(ctx: Mapping[str, str], engine: EngineName | None, hf_repo: str | None, tier: str) -> bool:
-    stream = ctx.get(STREAM_ATTRIBUTE, "") or "false"
-    if stream not in ("true", "false"):
-        raise InvalidRequestError(f"volume_context.{STREAM_ATTRIBUTE}", f"{stream!r} is not \"true\" or \"false\"")
-    if stream == "true":  # docs/streaming-pods.md: a plain tree of verified files, nothing built from the whole
+    stream = _flag(ctx, STREAM_ATTRIBUTE)
+    if stream:  # docs/streaming-pods.md: a plain tree of verified files, nothing built from the whole
         clash = ("engineCache" if engine is not None else "hfRepo" if hf_repo is not None else
                  "tier: memory" if tier == "memory" else None)
         if clash is not None:
             raise InvalidRequestError(f"volume_context.{STREAM_ATTRIBUTE}", f"cannot be \"true\" with {clash}: "
                                       "a streaming view holds the model's files as they arrive; remove one of the two")
-    return stream == "true"
+    return stream
+
+
+def _flag(ctx: Mapping[str, str], name: str) -> bool:
+    value = ctx.get(name, "") or "false"
+    if value not in ("true", "false"):
+        raise InvalidRequestError(f"volume_context.{name}", f"{value!r} is not \"true\" or \"false\"")
+    return value == "true"
 
 
 def _adapters(ctx: Mapping[str, str], engine: EngineName | None, hf_repo: str | None, stream: bool,
               tier: str) -> bool:
-    adapters = ctx.get(ADAPTERS_ATTRIBUTE, "") or "false"
-    if adapters not in ("true", "false"):
-        raise InvalidRequestError(f"volume_context.{ADAPTERS_ATTRIBUTE}", f"{adapters!r} is not \"true\" or \"false\"")
-    if adapters == "true":  # docs/adapters.md: a directory of the model's adapters, not the model
+    adapters = _flag(ctx, ADAPTERS_ATTRIBUTE)
+    if adapters:  # docs/adapters.md: a directory of the model's adapters, not the model
         clash = ("engineCache" if engine is not None else "hfRepo" if hf_repo is not None else
                  STREAM_ATTRIBUTE if stream else "tier: memory" if tier == "memory" else None)
         if clash is not None:
             raise InvalidRequestError(f"volume_context.{ADAPTERS_ATTRIBUTE}", f"cannot be \"true\" with {clash}: "
                                       "an adapter directory holds the LoRA adapters of its model; use two volumes")
-    return adapters == "true"
+    return adapters
 
 
 def _engine_cache(text: str) -> EngineName | None:

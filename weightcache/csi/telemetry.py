@@ -4,8 +4,9 @@ histogram, and what its engine did with the compile cache it was handed (docs/te
     stage            told by                                      when the CSI plugin learns it
     model_on_node    the plugin (cache hit, or the fetch joined)  NodePublishVolume of the model's volume
     volume_published the plugin (the bind mount made)             same
-    weights_loaded   the pod's engine, in its report file          NodeGetVolumeStats of its engine-cache volume
-    engine_ready     the engine's report, else the ready file      (about every minute) and its unpublish
+    weights_loaded   the pod's engine, in its report file          NodeGetVolumeStats of its engine-cache (or
+    engine_ready     the engine's report, else the ready file      report) volume, about every minute, and its
+                                                                  unpublish
     first_token      the engine's report                          same
 
 Each duration counts from kubelet's first NodePublishVolume of any of the pod's volumes (its retries included),
@@ -100,7 +101,8 @@ class PodTelemetry:
 
     def engine_volume(self, pod: Pod, engine: str, directory: str, published_at: float) -> None:
         """Read the report of `pod`'s engine-cache volume mounted at `directory` (blocking: a small read) and tell
-        what is new in it. `published_at`: the volume's publish time, the clock when the daemon restarted since."""
+        what is new in it. `published_at`: the volume's publish time, the clock when the daemon restarted since.
+        `engine` "": a report volume, which holds no compile cache: its stages alone are told."""
         if not pod.uid:  # a volume adopted after a restart: which pod it serves is not known
             return
         try:
@@ -122,8 +124,8 @@ class PodTelemetry:
                                _stamp(at), _stamp(start.first))
                 start.told |= {stage}
                 continue
-            self._stage(pod, start, stage, at - start.first, f"engine {engine}")
-        if report is not None and report.compile is not None:
+            self._stage(pod, start, stage, at - start.first, f"engine {engine}" if engine else "the pod's report")
+        if report is not None and report.compile is not None and engine:
             self._compile(pod, start, engine, report.compile)
 
     def forget(self, pod_uid: str) -> None:

@@ -37,7 +37,13 @@ from dataclasses import dataclass
 from weightcache.engine_name import EngineName
 from weightcache.errors import AnnotationError, InvalidReferenceError, InvalidRequestError
 from weightcache.uri import ModelRef, parse_globs, parse_ref, readiness_label, validate_repo_id
-from weightcache.vocabulary import ADAPTERS_PATH_ENV, ANNOTATION_PREFIX, MODEL_ANNOTATION, STREAM_ANNOTATION
+from weightcache.vocabulary import (
+    ADAPTERS_PATH_ENV,
+    ANNOTATION_PREFIX,
+    MODEL_ANNOTATION,
+    REPORT_DIR_ENV,
+    STREAM_ANNOTATION,
+)
 
 PREFIX = ANNOTATION_PREFIX
 MODEL = MODEL_ANNOTATION
@@ -53,8 +59,9 @@ HF_REPO = PREFIX + "hf-repo"
 ENGINE_CACHE = PREFIX + "engine-cache"
 STREAM = STREAM_ANNOTATION  # weightcache.io/stream: the CSI plugin reads the volume attribute the webhook writes
 ADAPTERS = PREFIX + "adapters"
+TELEMETRY = PREFIX + "telemetry"
 KNOWN = (MODEL, MODELS, MOUNT_PATH, CONTAINERS, TIER, REQUIRE_CACHED, INCLUDE, EXCLUDE, PLACEMENT, HF_REPO,
-         ENGINE_CACHE, STREAM, ADAPTERS)
+         ENGINE_CACHE, STREAM, ADAPTERS, TELEMETRY)
 PLACEMENTS = ("require", "prefer", "gate")
 
 TIERS = ("disk", "memory")
@@ -124,6 +131,20 @@ class AdaptersMount:
 
 
 @dataclass(frozen=True)
+class ReportMount:
+    """Where the pod's engine reports its start when it has no engine-cache volume (docs/telemetry.md): a small
+    writable CSI volume naming the pod's first model, so only pods that may mount that model get one."""
+
+    model: ModelMount
+    volume: str = VOLUME_PREFIX + "report"
+    mount_path: str = "/var/run/weightcache-report"
+
+    @property
+    def env(self) -> tuple[tuple[str, str], ...]:
+        return ((REPORT_DIR_ENV, self.mount_path),)  # the vLLM plugin writes its report there
+
+
+@dataclass(frozen=True)
 class Injection:
     """Everything the annotations ask for."""
 
@@ -135,6 +156,7 @@ class Injection:
     engine_cache: EngineCacheMount | None = None
     stream: bool = False  # the model volumes show each file as it is fetched (docs/streaming-pods.md)
     adapters: AdaptersMount | None = None
+    report: ReportMount | None = None  # weightcache.io/telemetry without an engine cache, whose volume reports
 
 
 def wants_injection(annotations: Mapping[str, object]) -> bool:
@@ -191,6 +213,8 @@ def _parse(items: tuple[tuple[str, str], ...], max_models: int) -> Injection:
         engine_cache=_engine_cache(values.get(ENGINE_CACHE), models),
         stream=stream,
         adapters=_adapters(values.get(ADAPTERS), models, single),
+        report=ReportMount(models[0]) if ENGINE_CACHE not in values and TELEMETRY in values
+        and _boolean(TELEMETRY, values[TELEMETRY]) else None,
     )
 
 

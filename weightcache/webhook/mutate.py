@@ -11,6 +11,9 @@ API server sent):
     /spec/containers/<i>/env/-              {name: WEIGHTCACHE_MODEL_PATH[_<NAME>], value: <mountPath>}
                                             with weightcache.io/hf-repo also HF_HUB_CACHE=<mountPath>,
                                             HF_HUB_OFFLINE=1 (and volumeAttributes.hfRepo)
+    with weightcache.io/telemetry: "true"  volume wc-report {csi: {readOnly: false, volumeAttributes: {model, revision,
+    (and no engine cache) also              report: "true"}}}, its mount /var/run/weightcache-report and
+                                            WEIGHTCACHE_REPORT_DIR (docs/telemetry.md)
     with weightcache.io/engine-cache also   volume wc-engine-cache {csi: {readOnly: false, volumeAttributes:
                                             {model, revision, include, exclude, engineCache}}}, its mount and
                                             WEIGHTCACHE_ENGINE_CACHE (VLLM_CACHE_ROOT) (docs/engine-caches.md)
@@ -55,7 +58,13 @@ from weightcache.pods.annotations import (
 )
 from weightcache.pods.patch import PatchOp, check_names, chosen, extend, list_at, mapping_at, ready, required_affinity
 from weightcache.policy import CacheIndex, decide
-from weightcache.vocabulary import ADAPTERS_ATTRIBUTE, ENGINE_CACHE_ATTRIBUTE, GATE, STREAM_ATTRIBUTE
+from weightcache.vocabulary import (
+    ADAPTERS_ATTRIBUTE,
+    ENGINE_CACHE_ATTRIBUTE,
+    GATE,
+    REPORT_ATTRIBUTE,
+    STREAM_ATTRIBUTE,
+)
 from weightcache.webhook import dra_claim, dra_templates
 
 API_VERSION = "admission.k8s.io/v1"
@@ -164,6 +173,11 @@ def _inject(pod: Mapping[str, Any], injection: Injection, volumes: list[dict[str
             "model": ad.model.ref.uri, ADAPTERS_ATTRIBUTE: "true"}}}]
         mounts = [*mounts, {"name": ad.volume, "mountPath": ad.mount_path, "readOnly": True}]
         env = [*env, *({"name": k, "value": v} for k, v in ad.env)]
+    if (rp := injection.report) is not None:  # the pod's report volume (docs/telemetry.md)
+        volumes = [*volumes, {"name": rp.volume, "csi": {"driver": DRIVER, "readOnly": False, "volumeAttributes": {
+            "model": rp.model.ref.uri, "revision": rp.model.ref.revision or "", REPORT_ATTRIBUTE: "true"}}}]
+        mounts = [*mounts, {"name": rp.volume, "mountPath": rp.mount_path}]
+        env = [*env, *({"name": k, "value": v} for k, v in rp.env)]
     check_names("volume", list_at(spec, "volumes"), volumes)
     ops = extend(spec, "/spec", ["volumes"], volumes)
     for path, container in chosen(spec, injection.containers):

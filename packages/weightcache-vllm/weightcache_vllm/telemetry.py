@@ -2,7 +2,10 @@
 
 The node's CSI plugin reads `$WEIGHTCACHE_ENGINE_CACHE/.weightcache-report` while the pod runs and when it ends
 (weightcache/engine_report.py draws the format) and turns it into Events on the pod and the node's metrics
-(docs/telemetry.md). Without that variable (no engine-cache volume) nothing is written; the log lines stay.
+(docs/telemetry.md). A pod that mounts no engine-cache volume may have a report volume instead
+(`weightcache.io/telemetry: "true"`): `$WEIGHTCACHE_REPORT_DIR` names it, and wins; its report holds the stages
+alone (the compile result is about an engine-cache volume). Without either variable nothing is written; the log
+lines stay.
 
 - **weights_loaded**: the `weightcache` loader has handed the model its last tensor (vllm_loader.load_weights).
 - **compile result**: what vLLM read and wrote in its cache root (`VLLM_CACHE_ROOT`, the volume) for this start.
@@ -46,6 +49,7 @@ from weightcache.vocabulary import (
     COMPILE_MISS,
     ENGINE_CACHE_READY,
     ENGINE_REPORT,
+    REPORT_DIR_ENV,
     STAGE_WEIGHTS_LOADED,
 )
 
@@ -61,7 +65,7 @@ _lock = threading.Lock()
 
 
 def report_path() -> Path | None:
-    volume = os.environ.get(VOLUME_ENV)
+    volume = os.environ.get(REPORT_DIR_ENV) or os.environ.get(VOLUME_ENV)
     return Path(volume) / ENGINE_REPORT if volume and os.path.isdir(volume) else None
 
 
@@ -179,9 +183,9 @@ class CompileWatch(logging.Handler):
 def weights_loaded(vllm_config: Any | None) -> None:
     """The loader's last tensor is in: record the stage, and watch what vLLM compiles next (once per process)."""
     stage(STAGE_WEIGHTS_LOADED)
-    root = os.environ.get(CACHE_ROOT_ENV)
-    if vllm_config is None or not root or report_path() is None or not os.path.isdir(root):
-        return
+    root, volume = os.environ.get(CACHE_ROOT_ENV), os.environ.get(VOLUME_ENV)
+    if vllm_config is None or not root or not volume or not os.path.isdir(volume) or not os.path.isdir(root):
+        return  # no engine-cache volume: no compile result to tell (a report volume's report has the stages)
     vllm_logger = logging.getLogger("vllm")
     if any(isinstance(h, CompileWatch) for h in vllm_logger.handlers):
         return
