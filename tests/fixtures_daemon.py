@@ -89,8 +89,8 @@ async def start_daemon(base: Path, model_dir: Path, *, config: dict[str, Any] | 
     settings = load_settings(path, env=env or {}, flags=flags)
     daemon = Daemon(settings, env=env or {}, flags=flags)
     await daemon.start()
-    return RunningDaemon(daemon, settings.socket, settings.root, f"file://{model_dir}/", model_dir,
-                         DaemonClient(settings.socket))
+    return RunningDaemon(daemon, settings.api.socket, settings.store.root, f"file://{model_dir}/", model_dir,
+                         DaemonClient(settings.api.socket))
 
 
 @pytest.fixture

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,12 +13,13 @@ from weightcache import defaults
 from weightcache.daemon.config import Settings, apply_live, load_settings, parse_settings
 from weightcache.errors import ConfigError
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "deploy" / "daemonset" / "configmap.yaml"
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "deploy" / "daemonset" / "configmap.yaml"
 
 
 @pytest.mark.parametrize(("text", "expected"), [("500Gi", 500 * 2**30), (4096, 4096), ("1.5T", 1_500_000_000_000)])
 def test_sizes_are_kubernetes_quantities(text: object, expected: int) -> None:
-    assert parse_settings({"diskBudget": text}).disk_budget == expected
+    assert parse_settings({"diskBudget": text}).store.disk_budget == expected
 
 
 @pytest.mark.parametrize("text", ["lots", "5 GB", "-1Gi", True, "1m"])
@@ -35,30 +38,31 @@ def test_file_then_env_then_flags(tmp_path: Path) -> None:
     }))
     env = {"WEIGHTCACHE_ROOT": "/srv/env-root", "WEIGHTCACHE_DISK_BUDGET": "200Gi", "NODE_NAME": "gpu-1"}
     s = load_settings(path, env=env, flags={"root": "/srv/flag-root", "socket": None})
-    assert s.root == Path("/srv/flag-root")  # flag beats env beats file
-    assert s.disk_budget == 200 * 2**30  # env beats file
-    assert (s.concurrency, s.log_format, s.node_name, s.socket) == (4, "json", "gpu-1", defaults.SOCKET)
-    (model,) = s.models
+    assert s.store.root == Path("/srv/flag-root")  # flag beats env beats file
+    assert s.store.disk_budget == 200 * 2**30  # env beats file
+    assert (s.fetch.concurrency, s.log.format, s.cluster.node_name) == (4, "json", "gpu-1")
+    assert s.api.socket == defaults.SOCKET
+    (model,) = s.models.warm
     assert (model.ref.uri, model.ref.include, model.tier, model.pin) == ("s3://models/llama/", ("*.safetensors",),
                                                                          "memory", True)
     from weightcache.uri import parse_ref
-    assert s.endpoint_for(parse_ref("s3://special/x/")) == "https://special.example"
-    assert s.endpoint_for(parse_ref("s3://models/x/")) == "http://minio:9000"
-    assert s.endpoint_for(parse_ref("gs://models/x/")) is None
+    assert s.fetch.endpoint_for(parse_ref("s3://special/x/")) == "https://special.example"
+    assert s.fetch.endpoint_for(parse_ref("s3://models/x/")) == "http://minio:9000"
+    assert s.fetch.endpoint_for(parse_ref("gs://models/x/")) is None
     assert s.config_path == path
 
 
 def test_config_path_from_env(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text("memoryBudget: 8Gi\n")
-    assert load_settings(None, env={"WEIGHTCACHE_CONFIG": str(path)}).memory_budget == 8 * 2**30
+    assert load_settings(None, env={"WEIGHTCACHE_CONFIG": str(path)}).memory.budget == 8 * 2**30
 
 
 def test_defaults_and_allow_undeclared_auto() -> None:
     s = load_settings(None, env={})
     assert s == Settings()
-    assert s.allow_undeclared(cluster=False) is True and s.allow_undeclared(cluster=True) is False
-    assert parse_settings({"allowUndeclaredModels": "true"}).allow_undeclared(cluster=True) is True
+    assert s.models.undeclared_allowed(cluster=False) is True and s.models.undeclared_allowed(cluster=True) is False
+    assert parse_settings({"allowUndeclaredModels": "true"}).models.undeclared_allowed(cluster=True) is True
 
 
 @pytest.mark.parametrize(("raw", "message"), [
@@ -103,21 +107,33 @@ def test_live_fields_apply_and_restart_fields_wait() -> None:
     new = parse_settings({"root": "/b", "diskBudget": "2Gi", "models": [{"source": "s3://models/x/"}]})
     merged, pending = apply_live(running, new)
     assert pending == {"root"}
-    assert merged.root == Path("/a") and merged.disk_budget == 2 * 2**30 and len(merged.models) == 1
+    assert merged.store.root == Path("/a") and merged.store.disk_budget == 2 * 2**30 and len(merged.models.warm) == 1
 
 
 def test_the_shipped_example_config_is_valid() -> None:
     configmap = yaml.safe_load(EXAMPLE.read_text())
     s = parse_settings(yaml.safe_load(configmap["data"]["config.yaml"]))
-    assert s.models == () and s.disk_budget  # no default model: no bucket fetched on every node
+    assert s.models.warm == () and s.store.disk_budget  # no default model: no bucket fetched on every node
 
 
-def test_every_field_and_env_variable_is_documented() -> None:
-    from weightcache.daemon.config import _PARSERS, ENV
+def test_the_docs_and_the_chart_schema_are_made_from_the_settings_definition(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/config.md's tables and values.schema.json's `config` are what scripts/gen_config.py makes from the
+    settings groups: a key added, renamed or retyped in the code without regenerating them fails here."""
+    script = ROOT / "scripts" / "gen_config.py"
+    done = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    from weightcache.daemon.config import ENV, KEYS
 
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text()
-    assert [f for f in _PARSERS if f"| `{f}` |" not in doc] == []
-    assert [e for e in ENV if f"`{e}`" not in doc] == []
+    doc = (ROOT / "docs" / "config.md").read_text()
+    assert [k for k in KEYS if f"| `{k}` |" not in doc] == [] and [e for e in ENV if f"`{e}`" not in doc] == []
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gen_config
+
+    drifted = tmp_path / "config.md"  # a hand edit of a generated row is drift too
+    drifted.write_text(doc.replace("| `diskBudget` | `WEIGHTCACHE_DISK_BUDGET` |", "| `diskBudget` | |"))
+    monkeypatch.setattr(gen_config, "DOC", drifted)
+    assert gen_config.main(["--check"]) == 1
 
 
 def test_peer_ban_seconds_reaches_the_peer_set(tmp_path: Path) -> None:
@@ -127,7 +143,7 @@ def test_peer_ban_seconds_reaches_the_peer_set(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump({"peerBanSeconds": 30, "peers": ["http://10.0.0.2:9479"],
                                     "peerTokenFile": str(tmp_path / "token")}))
     s = load_settings(path, env={})
-    assert s.peer_ban_seconds == 30
+    assert s.peers.ban_seconds == 30
     assert _peer_set(s, b"x" * 16).stats.ban_s == 30
     path.write_text(yaml.safe_dump({"peerBanSeconds": "soon"}))
     with pytest.raises(ConfigError, match="peerBanSeconds"):
@@ -135,6 +151,6 @@ def test_peer_ban_seconds_reaches_the_peer_set(tmp_path: Path) -> None:
 
 
 def test_engine_cache_budgets_reach_the_engine_cache_limits() -> None:
-    limits = parse_settings({"engineCacheBudget": "2Gi", "engineCacheNamespaceBudget": "512Mi"}).engine_limits
+    limits = parse_settings({"engineCacheBudget": "2Gi", "engineCacheNamespaceBudget": "512Mi"}).store.engine_limits
     assert (limits.node_bytes, limits.namespace_bytes) == (2 << 30, 512 << 20)
-    assert Settings().engine_limits.max_bytes == 4 << 30  # the per-cache bound is not a setting
+    assert Settings().store.engine_limits.max_bytes == 4 << 30  # the per-cache bound is not a setting

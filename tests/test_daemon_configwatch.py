@@ -62,7 +62,7 @@ async def test_configmap_symlink_swap_is_applied(watched: tuple[ConfigMapDir, Co
     cm, _, changes = watched
     cm.publish("diskBudget: 2Gi\nmodels: [{source: 's3://models/llama/'}]\n")
     settings = await asyncio.wait_for(changes.get(), 10)
-    assert settings.disk_budget == 2 * 2**30 and settings.models[0].ref.uri == "s3://models/llama/"
+    assert settings.store.disk_budget == 2 * 2**30 and settings.models.warm[0].ref.uri == "s3://models/llama/"
 
 
 async def test_invalid_config_is_refused_then_a_fixed_one_applies(
@@ -73,7 +73,7 @@ async def test_invalid_config_is_refused_then_a_fixed_one_applies(
     assert isinstance(refused, ConfigError) and "did you mean 'concurrency'" in str(refused)
     cm.publish("diskBudget: 3Gi\nconcurrency: 4\n")
     settings = await asyncio.wait_for(changes.get(), 10)
-    assert settings.concurrency == 4
+    assert settings.fetch.concurrency == 4
 
 
 async def test_an_unchanged_file_is_not_reapplied(watched: tuple[ConfigMapDir, ConfigWatcher, asyncio.Queue]) -> None:
@@ -81,7 +81,7 @@ async def test_an_unchanged_file_is_not_reapplied(watched: tuple[ConfigMapDir, C
     cm.publish("diskBudget: 1Gi\n")  # same bytes, new version directory
     cm.publish("diskBudget: 5Gi\n")
     settings = await asyncio.wait_for(changes.get(), 10)
-    assert settings.disk_budget == 5 * 2**30  # the first swap changed nothing, so nothing else was queued
+    assert settings.store.disk_budget == 5 * 2**30  # the first swap changed nothing, so nothing else was queued
     assert changes.empty() and not await watcher.reload()
 
 
@@ -98,11 +98,11 @@ async def test_daemon_applies_an_edited_file_live_and_keeps_running_config_on_a_
             return [i.snapshot.id for i in d.daemon.node.store.list()
                     if PIN_OWNER in d.daemon.node.store.pins(i.snapshot.id)]
         (snap_id,) = await eventually(pinned, what="the config model to be fetched and pinned")
-        assert d.daemon.settings.disk_budget == 2 * 2**30 == d.daemon.node.store.budget_bytes
+        assert d.daemon.settings.store.disk_budget == 2 * 2**30 == d.daemon.node.store.budget_bytes
 
         path.write_text("diskBudget: [not a size]\n")
         await eventually(lambda: _reloads(d, "rejected") == 1, what="the bad edit to be refused")
-        assert d.daemon.settings.disk_budget == 2 * 2**30 and len(d.daemon.settings.models) == 1
+        assert d.daemon.settings.store.disk_budget == 2 * 2**30 and len(d.daemon.settings.models.warm) == 1
 
         path.write_text(yaml.safe_dump({"diskBudget": "2Gi", "models": []}))
         await eventually(lambda: not pinned(), what="the removed model to be unpinned")

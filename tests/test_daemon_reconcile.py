@@ -84,7 +84,7 @@ def test_unpinned_wants_and_shared_snapshots() -> None:
 
 
 def test_wants_orders_by_priority_then_name() -> None:
-    config = parse_settings({"models": [{"source": "s3://models/c/"}]}).models
+    config = parse_settings({"models": [{"source": "s3://models/c/"}]}).models.warm
     picked = wants(config, [want("z", "s3://models/z/", priority=5), want("b", "s3://models/b/")])
     assert [w.name for w in picked] == ["z", "b", config[0].name]
 

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from weightcache import defaults
-from weightcache.daemon.config import _SNAKE, Settings, parse_settings
+from weightcache.daemon.config import Settings, parse_settings, value_of
 from weightcache.units import parse_size
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
@@ -27,7 +27,7 @@ def test_the_table_was_read() -> None:
 @pytest.mark.parametrize(("key", "documented"), [r for r in ROWS if r[0] not in SPECIAL], ids=lambda v: str(v))
 def test_documented_defaults_are_the_code_defaults(key: str, documented: str) -> None:
     parsed = parse_settings({key: yaml.safe_load(documented)})
-    assert getattr(parsed, _SNAKE[key]) == getattr(Settings(), _SNAKE[key]), f"docs/config.md: {key} default"
+    assert value_of(parsed, key) == value_of(Settings(), key), f"docs/config.md: {key} default"
 
 
 def test_cli_help_states_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:

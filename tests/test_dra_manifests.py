@@ -69,8 +69,8 @@ def test_the_daemonset_starts_the_plugin_and_sees_the_cdi_dir(objects: list[dict
     mounts = {m["mountPath"]: m["name"] for m in daemon["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes[mounts[str(settings.dra.cdi_dir)]]["hostPath"]["path"] == str(settings.dra.cdi_dir)
-    kubelet = volumes[mounts[str(settings.kubelet_dir)]]["hostPath"]["path"]
-    assert kubelet == str(settings.kubelet_dir)  # the plugin's sockets are where kubelet looks
+    kubelet = volumes[mounts[str(settings.csi.kubelet_dir)]]["hostPath"]["path"]
+    assert kubelet == str(settings.csi.kubelet_dir)  # the plugin's sockets are where kubelet looks
 
 
 def test_rbac_grants_what_the_plugin_calls(objects: list[dict[str, Any]]) -> None:

@@ -97,7 +97,7 @@ def test_an_endpoint_flag_with_credentials_is_refused_without_echoing_them() -> 
 def test_the_peer_set_travels_in_the_fetch_settings_to_every_fetcher(tmp_path: Path,
                                                                      built: list[dict[str, Any]]) -> None:
     peers: Any = object()  # a PeerSet stand-in: only handed on
-    s = Settings(concurrency=2)
+    s = Settings(fetch=FetchSettings(concurrency=2))
     metered = MeteredFetcher(Store(tmp_path), s, Metrics(), peers)
     assert metered.peers is peers
     metered._fetcher(parse_ref("s3://bkt/m/"))
@@ -118,7 +118,7 @@ def test_a_bad_fetch_setting_is_a_config_error_naming_it() -> None:
 
 
 def test_the_daemon_builds_its_fetchers_from_the_same_settings(tmp_path: Path, built: list[dict[str, Any]]) -> None:
-    s = Settings(concurrency=6, read_timeout=4.0, proxies=(("s3", "http://127.0.0.1:65001"),))
+    s = Settings(fetch=FetchSettings(concurrency=6, read_timeout=4.0, proxies=(("s3", "http://127.0.0.1:65001"),)))
     MeteredFetcher(Store(tmp_path), s, Metrics())._fetcher(parse_ref("s3://bkt/m/"))
     assert built[0]["concurrency"] == 6 and built[0]["read_timeout"] == 4.0
     assert built[0]["proxy_url"] == "http://127.0.0.1:65001"

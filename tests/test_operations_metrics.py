@@ -117,8 +117,8 @@ async def test_metrics_port_taken_is_a_config_error(short_dir: Path, model_copy:
 @pytest.mark.parametrize(("value", "expected"), [("0.0.0.0:9478", ("0.0.0.0", 9478)), ("[::]:9478", ("::", 9478)),
                                                  ("localhost:0", ("localhost", 0))])
 def test_metrics_listen_parses(value: str, expected: tuple[str, int]) -> None:
-    assert load_settings(None, env={}, flags={"metricsListen": value}).metrics_listen == expected
-    assert load_settings(None, env={"WEIGHTCACHE_METRICS_LISTEN": value}).metrics_listen == expected
+    assert load_settings(None, env={}, flags={"metricsListen": value}).api.metrics_listen == expected
+    assert load_settings(None, env={"WEIGHTCACHE_METRICS_LISTEN": value}).api.metrics_listen == expected
 
 
 @pytest.mark.parametrize("value", ["9478", ":9478", "host:", "host:99999", "host:http"])
@@ -131,7 +131,7 @@ def test_metrics_listen_flag_reaches_the_settings() -> None:
     parser = argparse.ArgumentParser()
     add_commands(parser.add_subparsers())
     args = parser.parse_args(["daemon", "--metrics-listen", "0.0.0.0:9478"])
-    assert load_settings(None, env={}, flags=flags_of(args)).metrics_listen == ("0.0.0.0", 9478)
+    assert load_settings(None, env={}, flags=flags_of(args)).api.metrics_listen == ("0.0.0.0", 9478)
 
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana-dashboard.json"

@@ -85,13 +85,13 @@ def test_peer_flags_and_config_keys(tmp_path: Path) -> None:
     args = build_parser().parse_args(["daemon", "--peer-listen", "0.0.0.0:9479", "--peer", "http://10.0.0.2:9479",
                                       "--peer", "http://10.0.0.3:9479/", "--peer-token-file", str(token)])
     s = load_settings(None, env={}, flags=flags_of(args))
-    assert s.peer_listen == ("0.0.0.0", 9479)
-    assert s.peers == ("http://10.0.0.2:9479", "http://10.0.0.3:9479")
-    assert s.peer_token_file == token
+    assert s.peers.listen == ("0.0.0.0", 9479)
+    assert s.peers.urls == ("http://10.0.0.2:9479", "http://10.0.0.3:9479")
+    assert s.peers.token_file == token
     env = {"WEIGHTCACHE_PEER_LISTEN": "127.0.0.1:0", "WEIGHTCACHE_PEER_TOKEN_FILE": str(token)}
-    assert load_settings(None, env=env).peer_listen == ("127.0.0.1", 0)
+    assert load_settings(None, env=env).peers.listen == ("127.0.0.1", 0)
     both = load_settings(None, env={**env, "WEIGHTCACHE_PEERS": "http://a:1, http://b:2"})
-    assert both.peers == ("http://a:1", "http://b:2")
+    assert both.peers.urls == ("http://a:1", "http://b:2")
     with pytest.raises(ConfigError, match="peerTokenFile"):
         load_settings(None, env={}, flags={"peerListen": "0.0.0.0:9479"})
     with pytest.raises(ConfigError, match="peerTokenFile"):

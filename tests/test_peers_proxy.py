@@ -119,9 +119,9 @@ def test_the_hf_source_reads_through_its_proxy(fake_hub: FakeHub, proxy: Forward
 def test_proxies_are_chosen_per_scheme_or_bucket() -> None:
     s = load_settings(None, env={}, flags={"proxies": {"s3": "http://127.0.0.1:65001",
                                                        "s3://special": "http://10.0.0.1:3128"}})
-    assert s.proxy_for(parse_ref("s3://models/m/")) == "http://127.0.0.1:65001"
-    assert s.proxy_for(parse_ref("s3://special/m/")) == "http://10.0.0.1:3128"
-    assert s.proxy_for(parse_ref("gs://models/m/")) is None
+    assert s.fetch.proxy_for(parse_ref("s3://models/m/")) == "http://127.0.0.1:65001"
+    assert s.fetch.proxy_for(parse_ref("s3://special/m/")) == "http://10.0.0.1:3128"
+    assert s.fetch.proxy_for(parse_ref("gs://models/m/")) is None
     with pytest.raises(ConfigError, match="credentials") as err:
         load_settings(None, env={}, flags={"proxies": {"s3": "http://u:hunter2@proxy:3128"}})
     assert "hunter2" not in str(err.value)

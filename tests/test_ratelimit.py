@@ -109,9 +109,9 @@ def test_bytes_per_second_in_the_daemon_config_is_parsed_and_applied_live() -> N
     from weightcache.daemon.config import Settings, apply_bandwidth, apply_live, parse_settings
 
     s = parse_settings({"bytesPerSecond": {"origin": "200Mi", "peers": "1Gi", "s3://models": "50Mi"}})
-    assert dict(s.bytes_per_second) == {"origin": 200 << 20, "peers": 1 << 30, "s3://models": 50 << 20}
+    assert dict(s.limits.bytes_per_second) == {"origin": 200 << 20, "peers": 1 << 30, "s3://models": 50 << 20}
     merged, pending = apply_live(Settings(), s)
-    assert "bytes_per_second" not in pending
+    assert "bytesPerSecond" not in pending
     limits = BandwidthLimits()
     apply_bandwidth(limits, merged)
     rates = {k: v for k, v in limits.status().items() if k != "waited_seconds"}

@@ -59,7 +59,7 @@ def test_a_bad_flag_is_a_usage_error(tmp_path: Path) -> None:
 def test_daemon_config_and_cli_read_the_env_alike() -> None:
     env = {ENV_BYTES: "1Gi", ENV_PERCENT: "20"}
     settings = load_settings(None, env=env, flags={})
-    assert (settings.min_free_bytes, settings.min_free_percent) == floor_from(env) == (1 << 30, 20.0)
+    assert (settings.store.min_free_bytes, settings.store.min_free_percent) == floor_from(env) == (1 << 30, 20.0)
     assert floor_from({}) == (None, None)  # set nowhere: the store's own (limits.json), else the defaults
     for bad in ({ENV_PERCENT: "91"}, {ENV_BYTES: "-1"}):
         with pytest.raises(ConfigError):
@@ -82,7 +82,8 @@ async def test_the_daemons_floor_and_budget_are_kept_for_every_command(short_dir
         kept = Store(d.root, evict_to_floor=False)
         assert (kept.budget_bytes, kept.min_free_bytes, kept.min_free_percent) == (1 << 30, 1 << 20, 0.0)
         assert kept.limits.set_by == "daemon"
-        await d.daemon.apply(replace(d.daemon.settings, disk_budget=None, min_free_bytes=2 << 20))  # live
+        s = d.daemon.settings  # the budget dropped, the floor raised: live
+        await d.daemon.apply(replace(s, store=replace(s.store, disk_budget=None, min_free_bytes=2 << 20)))
         again = Store(d.root, evict_to_floor=False)
         assert (again.budget_bytes, again.min_free_bytes) == (None, 2 << 20)
     finally:

@@ -168,13 +168,13 @@ def test_floor_is_configured_by_the_daemon_config(tmp_path: Path) -> None:
     from weightcache.errors import ConfigError
 
     s = parse_settings({"minFreeBytes": "2Gi", "minFreePercent": 5})
-    assert (s.min_free_bytes, s.min_free_percent) == (2 << 30, 5.0)
+    assert (s.store.min_free_bytes, s.store.min_free_percent) == (2 << 30, 5.0)
     env = load_settings(None, env={"WEIGHTCACHE_MIN_FREE_BYTES": "1Gi", "WEIGHTCACHE_MIN_FREE_PERCENT": "0"})
-    assert (env.min_free_bytes, env.min_free_percent) == (1 << 30, 0.0)
+    assert (env.store.min_free_bytes, env.store.min_free_percent) == (1 << 30, 0.0)
     for bad in ({"minFreePercent": 95}, {"minFreePercent": "lots"}, {"minFreeBytes": "-1"}):
         with pytest.raises(ConfigError, match="minFree"):
             parse_settings(bad)
-    store = Store(tmp_path / "root", min_free_bytes=s.min_free_bytes, min_free_percent=s.min_free_percent)
+    store = Store(tmp_path / "root", min_free_bytes=s.store.min_free_bytes, min_free_percent=s.store.min_free_percent)
     assert store.floor_bytes(100 << 30) == 5 << 30 and store.floor_bytes(10 << 30) == 2 << 30
 
 

@@ -18,14 +18,14 @@ import os
 import socket
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from weightcache import defaults
 from weightcache.errors import ConfigError
 from weightcache.redact import redact
-from weightcache.units import parse_size
+from weightcache.units import QUANTITY_PATTERN, parse_size
 from weightcache.uri import ModelRef
 
 if TYPE_CHECKING:
@@ -36,29 +36,151 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Environment variable -> config key, for the fetch settings (the daemon adds its own: daemon/config.py ENV).
-FETCH_ENV = {
-    "WEIGHTCACHE_CONCURRENCY": "concurrency",
-    "WEIGHTCACHE_CHUNK_SIZE": "chunkSize",
-    "WEIGHTCACHE_CONNECT_TIMEOUT": "connectTimeout",
-    "WEIGHTCACHE_READ_TIMEOUT": "readTimeout",
-    "WEIGHTCACHE_REQUIRE_SOURCE_CHECKSUM": "requireSourceChecksum",
-}
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Key:
+    """One config key, defined once on the settings field it fills (`setting`): its camelCase name in the file,
+    its environment variable and flag, its parser and JSON Schema, and whether a running daemon applies it live.
+    The parser, docs/config.md's tables and the Helm chart's values.schema.json are all made from these
+    (scripts/gen_config.py); the field's docstring is its documentation."""
+
+    name: str
+    parse: Callable[[Any, str], Any]  # (value, the key's name for errors) -> the field's value; raises ConfigError
+    schema: Mapping[str, Any]
+    env: str | None = None
+    flag: str | None = None  # as docs/config.md shows it
+    live: bool = False
+    shown: str | None = None  # the default's cell in docs/config.md (markdown), where the value says too little
+
+
+def setting(default: Any, name: str, parse: Callable[[Any, str], Any], schema: Mapping[str, Any], *,
+            env: str | None = None, flag: str | None = None, live: bool = False, shown: str | None = None) -> Any:
+    """A settings field that a config key fills (see `Key`)."""
+    return field(default=default, metadata={"key": Key(name, parse, schema, env, flag, live, shown)})
+
+
+def keys_of(group: Any) -> list[tuple[str, Key]]:
+    """(attribute, Key) of each of a settings group's fields that a config key fills, in definition order."""
+    return [(f.name, f.metadata["key"]) for f in fields(group) if "key" in f.metadata]
+
+
+def parse_group(group: Callable[..., T], raw: Mapping[str, Any]) -> T:
+    """A group's fields from a camelCase mapping (the keys that are absent or null keep their defaults)."""
+    return group(**{attr: key.parse(raw[key.name], key.name) for attr, key in keys_of(group)
+                    if raw.get(key.name) is not None})
+
+
+# The JSON Schema of each kind of value (values.schema.json types the chart's `config` with them): it refuses
+# early, at `helm install`, what the parsers would refuse on the node; the parsers stay the judge.
+SIZE = {"type": ["integer", "string"], "minimum": 0, "pattern": rf"^\s*{QUANTITY_PATTERN}\s*$"}
+SECONDS = {"type": ["number", "string"], "exclusiveMinimum": 0, "pattern": r"^\s*[0-9.eE+-]+\s*$"}
+WHOLE = {"type": ["integer", "string"], "minimum": 1, "pattern": r"^\s*[0-9]+\s*$"}
+PATH = {"type": "string", "pattern": "^/"}
+BOOL = {"type": ["boolean", "string"], "pattern": r"(?i)^\s*(true|1|yes|on|false|0|no|off)\s*$"}
+URL = {"type": "string", "pattern": "^https?://"}
+
+
+def whole_number(value: Any, what: str, minimum: int = 1) -> int:
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{what}: expected a whole number, got {value!r}") from None
+    if isinstance(value, bool) or number < minimum:
+        raise ConfigError(f"{what}: expected a whole number >= {minimum}, got {value!r}")
+    return number
+
+
+def seconds(value: Any, what: str) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{what}: expected seconds, got {value!r}") from None
+    if not number > 0 or number == float("inf"):
+        raise ConfigError(f"{what}: must be a number of seconds > 0, got {value!r}")
+    return number
+
+
+def boolean(value: Any, what: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes", "on"):
+        return True
+    if text in ("false", "0", "no", "off"):
+        return False
+    raise ConfigError(f"{what}: expected true or false, got {value!r}")
+
+
+def _endpoints(value: Any, what: str) -> tuple[tuple[str, str], ...]:
+    """`{s3: {endpointUrl: http://minio:9000}, "s3://special-bucket": {endpointUrl: ...}}`."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"{what}: expected a mapping such as {{s3: {{endpointUrl: http://minio:9000}}}}")
+    out = []
+    for key, entry in value.items():
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{what}.{key}: expected a mapping with endpointUrl")
+        reject_unknown(entry, {"endpointUrl": None}, f"{what}.{key}")
+        out.append((str(key), _http_url(f"{what}.{key}.endpointUrl", entry.get("endpointUrl"),
+                                        "use the environment's credentials (AWS_* or the pod's service account)")))
+    return tuple(out)
+
+
+def _proxies(value: Any, what: str) -> tuple[tuple[str, str], ...]:
+    """`{s3: http://127.0.0.1:65001, "s3://special-bucket": ...}`: a forward proxy per scheme or bucket."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"{what}: expected a mapping such as {{s3: http://127.0.0.1:65001}}")
+    return tuple((str(key), _http_url(f"{what}.{key}", url, "run the proxy without authentication on the node "
+                                                             "(dfdaemon listens on the node)"))
+                 for key, url in value.items())
 
 
 @dataclass(frozen=True)
 class FetchSettings:
-    """How a fetch reads its source: what s3transfer's TransferConfig is to its TransferManager."""
+    """How a fetch reads its source (docs/fetch.md): what s3transfer's TransferConfig is to its TransferManager.
+    The daemon, the direct CLI (`prefetch`, `verify --repair`) and the standalone CSI server read these the same
+    way."""
 
-    concurrency: int = defaults.CONCURRENCY  # parallel ranged GETs per fetch
-    chunk_size: int = defaults.CHUNK_SIZE
-    connect_timeout: float = defaults.CONNECT_TIMEOUT  # seconds to connect to a model source
-    read_timeout: float = defaults.READ_TIMEOUT  # seconds a model source may stay silent
-    endpoints: tuple[tuple[str, str], ...] = ()  # ("s3" or "s3://bucket", endpoint url), most specific wins
-    proxies: tuple[tuple[str, str], ...] = ()  # ("s3" or "s3://bucket", HTTP(S) forward proxy url), the same way
+    concurrency: int = setting(defaults.CONCURRENCY, "concurrency", whole_number, WHOLE,
+                               env="WEIGHTCACHE_CONCURRENCY")
+    """Ranged GETs in flight per model fetch. Each worker holds 1 MiB for the piece of a large file it reads and
+    1 MiB to hash from, and, when the model has files of at most `chunkSize`, a buffer the size of the largest:
+    memory <= concurrency x (chunkSize + 1 MiB) per fetch (8 x 17 MiB), 16 MiB for a model of large files only."""
+    chunk_size: int = setting(defaults.CHUNK_SIZE, "chunkSize", lambda v, w: max(1, parse_size(v, w)), SIZE,
+                              env="WEIGHTCACHE_CHUNK_SIZE", shown="`16Mi`")
+    """Files of at most this size (at least 64 KiB) are read whole in one request, without a resume journal;
+    larger ones are written and journalled a 1 MiB piece at a time, so an interrupted download loses at most a
+    piece per worker. Requests ask for whole chunks: about two per worker, but 4 (64 MiB by default) or more as
+    long as every worker gets one, at most 256 MiB."""
+    connect_timeout: float = setting(defaults.CONNECT_TIMEOUT, "connectTimeout", seconds, SECONDS,
+                                     env="WEIGHTCACHE_CONNECT_TIMEOUT", flag="`--connect-timeout` (CLI)")
+    """Seconds to open a connection to a model source (S3, http). A refused or timed-out connection is retried
+    like throttling and 5xx: 5 attempts with backoff, then exit 6 / HTTP 502."""
+    read_timeout: float = setting(defaults.READ_TIMEOUT, "readTimeout", seconds, SECONDS,
+                                  env="WEIGHTCACHE_READ_TIMEOUT", flag="`--read-timeout` (CLI)")
+    """Seconds a model source may stay silent on an open connection before the request is retried. With the
+    defaults a blackholed endpoint fails in under 60 s."""
+    endpoints: tuple[tuple[str, str], ...] = setting((), "endpoints", _endpoints, {
+        "type": "object", "additionalProperties": {
+            "type": "object", "additionalProperties": False, "properties": {"endpointUrl": URL}}}, shown="none")
+    """Object-store endpoint overrides, by scheme or by `scheme://bucket` (the more specific wins):
+    `{s3: {endpointUrl: "http://minio.storage:9000"}, "s3://special": {endpointUrl: "https://..."}}`; where none
+    applies, the SDK's own (`AWS_ENDPOINT_URL`). Credentials never go here: they come from the environment (AWS
+    chain, workload identity)."""
+    proxies: tuple[tuple[str, str], ...] = setting((), "proxies", _proxies,
+                                                   {"type": "object", "additionalProperties": URL}, shown="none")
+    """An HTTP(S) forward proxy per scheme or `scheme://bucket` (the more specific wins), for s3, http(s), hf and
+    oci sources: `{s3: "http://127.0.0.1:65001"}` (else the SDK's `HTTPS_PROXY`, for the whole process). For
+    clusters that keep a P2P engine for origin traffic, such as Dragonfly's dfdaemon in proxy mode
+    (docs/peers.md). No credentials in the URL."""
+    require_source_checksum: bool = setting(False, "requireSourceChecksum", boolean, BOOL,
+                                            env="WEIGHTCACHE_REQUIRE_SOURCE_CHECKSUM")
+    """Refuse (exit 8, nothing downloaded) a model with a file that nothing from its source verifies: no
+    full-object checksum, MD5 or multipart ETag, source digest or `SHA256SUMS`/`*.sha256` sidecar (its record
+    would be `none`; docs/fetch.md, "What verified a file"). `file://` and `memory://` models carry no such
+    check."""
     endpoint_flag: str | None = None  # the command line's --endpoint-url: the command's reference's endpoint
-    # refuse a fetch with a file nothing from its source verifies (its check would be "none": docs/fetch.md)
-    require_source_checksum: bool = False
     # the daemons that serve verified blobs (docs/peers.md): a running daemon's, not a setting read from a file
     peers: PeerSet | None = field(default=None, compare=False, repr=False)
     # a running daemon's bandwidth limits (bytesPerSecond, weightcache/ratelimit.py), handed to every Fetcher
@@ -115,17 +237,11 @@ def load_fetch_settings(path: str | Path | None = None, *, env: Mapping[str, str
     flags = dict(flags or {})
     endpoint_flag = flags.pop(ENDPOINT_FLAG, None)  # a flag only: a file's key of that name is not read
     raw, _ = merged(path, os.environ if env is None else env, FETCH_ENV, flags)
-    fetch = parse_fetch(raw)
+    fetch = parse_group(FetchSettings, raw)
     if endpoint_flag is None:
         return fetch
     return replace(fetch, endpoint_flag=_http_url("--endpoint-url", endpoint_flag, "use the environment's "
                                                   "credentials (AWS_* or the pod's service account)"))
-
-
-def parse_fetch(raw: Mapping[str, Any]) -> FetchSettings:
-    """The fetch fields of a camelCase mapping, validated; other keys are ignored here."""
-    values = {snake: FETCH_PARSERS[key](raw[key]) for key, snake in _FETCH_FIELDS.items() if raw.get(key) is not None}
-    return FetchSettings(**values)
 
 
 def flags_from(args: object) -> dict[str, Any]:
@@ -158,7 +274,6 @@ def node_name(configured: str | None = None) -> str:
     return host
 
 
-# -- the parsers the daemon's reader shares --------------------------------------------------------------------
 def read_file(path: Path) -> dict[str, Any]:
     import yaml  # only where a config file is read: 20-30 ms of every CLI start otherwise
 
@@ -185,53 +300,6 @@ def reject_unknown(raw: Mapping[str, Any], known: Mapping[str, Any], where: str)
             raise ConfigError(f"{where}: unknown field {key!r}; {hint}")
 
 
-def whole_number(what: str, minimum: int) -> Callable[[Any], int]:
-    def parse(value: Any) -> int:
-        try:
-            number = int(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{what}: expected a whole number, got {value!r}") from None
-        if isinstance(value, bool) or number < minimum:
-            raise ConfigError(f"{what}: expected a whole number >= {minimum}, got {value!r}")
-        return number
-    return parse
-
-
-def seconds(what: str) -> Callable[[Any], float]:
-    def parse(value: Any) -> float:
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{what}: expected seconds, got {value!r}") from None
-        if not number > 0 or number == float("inf"):
-            raise ConfigError(f"{what}: must be a number of seconds > 0, got {value!r}")
-        return number
-    return parse
-
-
-def _endpoints(value: Any) -> tuple[tuple[str, str], ...]:
-    """`{s3: {endpointUrl: http://minio:9000}, "s3://special-bucket": {endpointUrl: ...}}`."""
-    if not isinstance(value, dict):
-        raise ConfigError("endpoints: expected a mapping such as {s3: {endpointUrl: http://minio:9000}}")
-    out = []
-    for key, entry in value.items():
-        if not isinstance(entry, dict):
-            raise ConfigError(f"endpoints.{key}: expected a mapping with endpointUrl")
-        reject_unknown(entry, {"endpointUrl": None}, f"endpoints.{key}")
-        out.append((str(key), _http_url(f"endpoints.{key}.endpointUrl", entry.get("endpointUrl"),
-                                        "use the environment's credentials (AWS_* or the pod's service account)")))
-    return tuple(out)
-
-
-def _proxies(value: Any) -> tuple[tuple[str, str], ...]:
-    """`{s3: http://127.0.0.1:65001, "s3://special-bucket": ...}`: a forward proxy per scheme or bucket."""
-    if not isinstance(value, dict):
-        raise ConfigError("proxies: expected a mapping such as {s3: http://127.0.0.1:65001}")
-    return tuple((str(key), _http_url(f"proxies.{key}", url, "run the proxy without authentication on the node "
-                                                              "(dfdaemon listens on the node)"))
-                 for key, url in value.items())
-
-
 def _http_url(where: str, url: Any, credentials_hint: str) -> str:
     """An http(s) URL without userinfo (credentials never live in the config)."""
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
@@ -242,28 +310,6 @@ def _http_url(where: str, url: Any, credentials_hint: str) -> str:
     return url
 
 
-def boolean(what: str) -> Callable[[Any], bool]:
-    def parse(value: Any) -> bool:
-        if isinstance(value, bool):
-            return value
-        text = str(value).strip().lower()
-        if text in ("true", "1", "yes", "on"):
-            return True
-        if text in ("false", "0", "no", "off"):
-            return False
-        raise ConfigError(f"{what}: expected true or false, got {value!r}")
-    return parse
 
 
-FETCH_PARSERS: dict[str, Callable[[Any], Any]] = {
-    "concurrency": whole_number("concurrency", 1),
-    "chunkSize": lambda v: max(1, parse_size(v, "chunkSize")),
-    "connectTimeout": seconds("connectTimeout"),
-    "readTimeout": seconds("readTimeout"),
-    "endpoints": _endpoints,
-    "proxies": _proxies,
-    "requireSourceChecksum": boolean("requireSourceChecksum"),
-}
-_FETCH_FIELDS = {"concurrency": "concurrency", "chunkSize": "chunk_size", "connectTimeout": "connect_timeout",
-                 "readTimeout": "read_timeout", "endpoints": "endpoints", "proxies": "proxies",
-                 "requireSourceChecksum": "require_source_checksum"}
+FETCH_ENV = {key.env: key.name for _, key in keys_of(FetchSettings) if key.env}  # variable -> config key

@@ -452,7 +452,7 @@ async def put_engine_cache(request: web.Request) -> web.Response:
     node = request.app[NODE]
     name, grant, model = await _engine_cache_model(request)
     key = engine_cache.EngineCacheKey.for_model(model, name, grant.who)
-    limits = node.settings.engine_limits
+    limits = node.settings.store.engine_limits
     pipe = engine_cache.Pipe(engine_cache.body_limit(limits))
 
     def ingest() -> Snapshot:
@@ -489,7 +489,7 @@ async def fill_engine_cache(request: web.Request) -> web.Response:
     key = engine_cache.EngineCacheKey.for_model(model, name, grant.who)
     snapshot = await asyncio.to_thread(engine_cache.fill_from_peers, node.store, key,
                                        request.query.get("snapshot", ""), list(peers.clients),
-                                       node.settings.engine_limits)
+                                       node.settings.store.engine_limits)
     return web.json_response({"key": str(name), "model_snapshot": model.id, "domain": key.domain,
                               "snapshot": snapshot_body(snapshot)}, status=201)
 
@@ -525,10 +525,10 @@ async def list_engine_caches(request: web.Request) -> web.Response:
 async def status(request: web.Request) -> web.Response:
     """What the daemon enforces now that no other answer says: its bandwidth limits (bytesPerSecond, the buckets'
     rates and the seconds workers waited on them; `live`: a config reload changes them without a restart)."""
-    from weightcache.daemon.config import LIVE_FIELDS
+    from weightcache.daemon.config import KEYS
 
     bandwidth = request.app[NODE].bandwidth.status()
-    return web.json_response({"bandwidth": {**bandwidth, "live": "bytes_per_second" in LIVE_FIELDS}})
+    return web.json_response({"bandwidth": {**bandwidth, "live": KEYS["bytesPerSecond"][2].live}})
 
 
 async def healthz(request: web.Request) -> web.Response:

@@ -87,11 +87,12 @@ class Daemon:
 
     async def _start(self) -> None:
         s, stack = self.settings, self._stack
-        store = await asyncio.to_thread(Store, s.root, budget_bytes=s.disk_budget, min_free_bytes=s.min_free_bytes,
-                                        min_free_percent=s.min_free_percent, set_by="daemon")  # kept for the CLI
+        kept = s.store
+        store = await asyncio.to_thread(Store, kept.root, budget_bytes=kept.disk_budget, set_by="daemon",
+                                        min_free_bytes=kept.min_free_bytes, min_free_percent=kept.min_free_percent)
         stack.callback(store.close)
         metrics = Metrics()
-        peer_token = _read_token(s.peer_token_file, "peerTokenFile") if s.peer_token_file is not None else None
+        peer_token = _read_token(s.peers.token_file, "peerTokenFile") if s.peers.token_file is not None else None
         bandwidth = BandwidthLimits()  # the node's bytesPerSecond, handed to every fetch and peer read
         apply_bandwidth(bandwidth, s)
         peers = _peer_set(s, peer_token, bandwidth)
@@ -113,8 +114,8 @@ class Daemon:
             loop.call_soon_threadsafe(reconciler.kick)
         node.kick = kick
         await self._serve_api(node)
-        if s.metrics_listen is not None:
-            metrics_runner, self.metrics_port = await start_metrics_server(metrics, *s.metrics_listen)
+        if s.api.metrics_listen is not None:
+            metrics_runner, self.metrics_port = await start_metrics_server(metrics, *s.api.metrics_listen)
             stack.push_async_callback(metrics_runner.cleanup)
         await self._serve_peers(node, peer_token)
         await self._serve_node_services(node)
@@ -125,27 +126,27 @@ class Daemon:
             stack.callback(self._watcher.stop)
             await self._watcher.start()
             self._loops.spawn("config-watch", self._watcher.run())
-        log.info("weightcache daemon serving on %s (root %s, %s)", s.socket, s.root,
+        log.info("weightcache daemon serving on %s (root %s, %s)", s.api.socket, s.store.root,
                  "cluster mode" if node.cluster is not None else "no cluster")
 
     async def _serve_peers(self, node: Node, peer_token: bytes | None) -> None:
         """This node's blobs to its peers (peerListen), its address told to them, and (in a cluster) discovery."""
         s, stack, store = self.settings, self._stack, node.store
-        if s.peer_listen is not None and peer_token is not None:
+        if s.peers.listen is not None and peer_token is not None:
             from weightcache.peers.server import PeerServer
 
             inflight = node.fetcher.peers.inflight if node.fetcher.peers is not None else None
             node.peer_server = PeerServer(store.layout.blobs, peer_token, inflight=inflight)
             stack.push_async_callback(node.peer_server.stop)
-            self.peer_port = await node.peer_server.start(*s.peer_listen)
-        if node.fetcher.peers is not None and self.peer_port is not None and s.peer_listen is not None:
+            self.peer_port = await node.peer_server.start(*s.peers.listen)
+        if node.fetcher.peers is not None and self.peer_port is not None and s.peers.listen is not None:
             from weightcache.peers.discovery import advertised_url
 
             # its rank among the peers spreads the first ranges of nodes started together; static peers too:
             # unset, every node of one image hashed the same host name to the same rank and read the same
             # ranges from the origin first
             env = self._env if self._env is not None else os.environ
-            node.fetcher.peers.self_url = advertised_url(s.peer_listen[0], self.peer_port, env)
+            node.fetcher.peers.self_url = advertised_url(s.peers.listen[0], self.peer_port, env)
         if node.cluster is not None and node.fetcher.peers is not None:
             self._start_discovery(node)
 
@@ -153,8 +154,8 @@ class Daemon:
         """The CSI server and the DRA plugin, as configured."""
         s, stack = self.settings, self._stack
         if (csi := await _serve_csi(node)) is not None:
-            assert s.csi_endpoint is not None
-            stack.callback(_unlink_socket, Path(s.csi_endpoint.removeprefix("unix://")))
+            assert s.csi.endpoint is not None
+            stack.callback(_unlink_socket, Path(s.csi.endpoint.removeprefix("unix://")))
             stack.push_async_callback(csi.stop, SHUTDOWN_GRACE_S)
         if (dra := await _serve_dra(node)) is not None:  # its registration socket goes before CSI's service
             stack.push_async_callback(dra.stop, SHUTDOWN_GRACE_S)
@@ -164,32 +165,32 @@ class Daemon:
         from weightcache.peers.discovery import keep_discovering
 
         assert node.fetcher.peers is not None
-        if self.peer_port is not None and self.settings.peer_listen is not None:
+        if self.peer_port is not None and self.settings.peers.listen is not None:
             address = node.fetcher.peers.self_url  # advertised_url, set when the listener started
             if address is None:
                 log.warning("peerListen %s:%d is not advertised to other nodes: set POD_IP (downward API) or "
-                            "listen on the node's address", *self.settings.peer_listen)
+                            "listen on the node's address", *self.settings.peers.listen)
             node.cluster.reporter.peer_address = address
         self._loops.spawn("peer-discovery", keep_discovering(node.cluster.api_client, node.cluster.node_name,
                                                              node.fetcher.peers))
 
     async def _serve_api(self, node: Node) -> None:
         s = self.settings
-        token = _read_token(s.tcp.token_file, "tcp.tokenFile") if s.tcp is not None else None
-        access = SocketAccess.configured(s.socket_group)  # ConfigError when the node has no such group
+        token = _read_token(s.api.tcp.token_file, "tcp.tokenFile") if s.api.tcp is not None else None
+        access = SocketAccess.configured(s.api.socket_group)  # ConfigError when the node has no such group
         self._runner = web.AppRunner(make_app(node, token=token, access=access), shutdown_timeout=SHUTDOWN_GRACE_S,
                                      access_log=None, handle_signals=False, **TCP_LIMITS.runner_args())
         self._stack.push_async_callback(self._runner.cleanup)  # waits out requests in progress: after the park
         self._stack.push_async_callback(self._park, node)
         self._stack.push_async_callback(self._loops.stop)
         await self._runner.setup()
-        await web.SockSite(self._runner, _bind_unix(s.socket, access.gid)).start()
-        self._bound = s.socket
-        if s.tcp is not None:
-            site = GuardedTCPSite(self._runner, s.tcp.host, s.tcp.port, limits=TCP_LIMITS)  # timeouts, conn cap
+        await web.SockSite(self._runner, _bind_unix(s.api.socket, access.gid)).start()
+        self._bound = s.api.socket
+        if s.api.tcp is not None:
+            site = GuardedTCPSite(self._runner, s.api.tcp.host, s.api.tcp.port, limits=TCP_LIMITS)  # timeouts, conn cap
             await site.start()
             self.tcp_port = site.port
-            log.info("API also on tcp %s:%d (bearer token required)", s.tcp.host, self.tcp_port)
+            log.info("API also on tcp %s:%d (bearer token required)", s.api.tcp.host, self.tcp_port)
 
     async def apply(self, new: Settings) -> None:
         """Live reload: apply what can change now; log what waits for a restart."""
@@ -200,22 +201,23 @@ class Daemon:
         if pending:
             log.warning("config fields %s changed; they take effect at the next restart", ", ".join(sorted(pending)))
         old, self.settings, node.settings = self.settings, merged, merged
-        logging.getLogger().setLevel(merged.log_level)
-        floor_moved = (merged.min_free_bytes, merged.min_free_percent) != (old.min_free_bytes, old.min_free_percent)
-        if merged.disk_budget != old.disk_budget or floor_moved:  # kept with the store: every command agrees
-            await asyncio.to_thread(node.store.set_limits, budget_bytes=merged.disk_budget,
-                                    min_free_bytes=merged.min_free_bytes, min_free_percent=merged.min_free_percent,
+        logging.getLogger().setLevel(merged.log.level)
+        now, was = merged.store, old.store
+        floor_moved = (now.min_free_bytes, now.min_free_percent) != (was.min_free_bytes, was.min_free_percent)
+        if now.disk_budget != was.disk_budget or floor_moved:  # kept with the store: every command agrees
+            await asyncio.to_thread(node.store.set_limits, budget_bytes=now.disk_budget,
+                                    min_free_bytes=now.min_free_bytes, min_free_percent=now.min_free_percent,
                                     set_by="daemon")
-        if merged.disk_budget != old.disk_budget and merged.disk_budget is not None:
-            evicted = await asyncio.to_thread(node.store.evict_to, merged.disk_budget)
+        if now.disk_budget != was.disk_budget and now.disk_budget is not None:
+            evicted = await asyncio.to_thread(node.store.evict_to, now.disk_budget)
             node.metrics.evictions.labels("budget").inc(len(evicted))
         if floor_moved:
             evicted = await asyncio.to_thread(node.store.restore_floor)
             node.metrics.evictions.labels("budget").inc(len(evicted))
-        if merged.memory_budget != old.memory_budget:
-            await asyncio.to_thread(self._resize_tier, merged.memory_budget)
-        if merged.parallel_models != old.parallel_models:
-            node.fetches.set_parallel(merged.parallel_models)
+        if merged.memory.budget != old.memory.budget:
+            await asyncio.to_thread(self._resize_tier, merged.memory.budget)
+        if merged.models.parallel != old.models.parallel:
+            node.fetches.set_parallel(merged.models.parallel)
         node.metrics.reloads.labels("applied").inc()
         node.kick()
 
@@ -267,7 +269,7 @@ class Daemon:
 
 def run(settings: Settings, *, env: Mapping[str, str] | None = None, flags: Mapping[str, Any] | None = None) -> int:
     """The `weightcache daemon` process: returns the exit code."""
-    setup_logging(settings.log_format, settings.log_level)
+    setup_logging(settings.log.format, settings.log.level)
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -325,16 +327,17 @@ def _peer_set(settings: Settings, token: bytes | None, limits: BandwidthLimits |
     from weightcache.peers import PeerClient, PeerSet
 
     def client(url: str) -> PeerClient:
-        return PeerClient(url, token, connect_timeout=settings.connect_timeout, read_timeout=settings.read_timeout)
+        return PeerClient(url, token, connect_timeout=fetch.connect_timeout, read_timeout=fetch.read_timeout)
 
-    return PeerSet((client(url) for url in settings.peers), client, ban_s=settings.peer_ban_seconds, limits=limits)
+    fetch, peers = settings.fetch, settings.peers
+    return PeerSet((client(url) for url in peers.urls), client, ban_s=peers.ban_seconds, limits=limits)
 
 
 def _memory_tier(settings: Settings) -> MemoryTier | None:
-    if settings.memory_budget <= 0:
+    if settings.memory.budget <= 0:
         return None
     from weightcache.memory import MemoryTier
-    tier = MemoryTier(settings.memory_budget)
+    tier = MemoryTier(settings.memory.budget)
     try:
         tier.check_limits()
     except MemoryTierError as exc:  # serve from disk meanwhile: each promote fails with its own reason
@@ -356,7 +359,7 @@ async def _serve_dra(node: Node) -> DraPlugin | None:
 
 async def _serve_csi(node: Node) -> _Service | None:
     s = node.settings
-    if s.csi_endpoint is None:
+    if s.csi.endpoint is None:
         return None
     from weightcache.daemon.cluster import serve_csi
     server: _Service = await serve_csi(node)  # a grpc.aio.Server: the daemon stops it, never imports grpc

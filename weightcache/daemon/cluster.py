@@ -182,8 +182,8 @@ async def connect(node: Node) -> Cluster | None:
     from weightcache.daemon.reconcile import stored_labels
     from weightcache.kube.copies import Keeper
 
-    cluster = Cluster(api_client, node_name(node.settings.node_name), lambda: node.kick(),
-                      lambda: node.settings.disk_budget)
+    cluster = Cluster(api_client, node_name(node.settings.cluster.node_name), lambda: node.kick(),
+                      lambda: node.settings.store.disk_budget)
     cluster.start()
     # every eviction on this node asks which snapshots are the cluster's last copies (minCopies, docs/modelcache.md)
     node.store.keeper = Keeper(api_client, cluster.node_name, cluster.model_caches, lambda: stored_labels(node.store))
@@ -195,9 +195,10 @@ async def serve_csi(node: Node) -> Any:
     from weightcache.csi.server import serve_csi as serve
 
     s = node.settings
-    return await serve(s.csi_endpoint or "", store=node.store, fetches=node.fetches, node_id=node_name(s.node_name),
-                       authority=node.authority, kubelet_dir=s.kubelet_dir, tier=node.tier,
+    return await serve(s.csi.endpoint or "", store=node.store, fetches=node.fetches,
+                       node_id=node_name(s.cluster.node_name),
+                       authority=node.authority, kubelet_dir=s.csi.kubelet_dir, tier=node.tier,
                        observe=node.metrics.observe_csi,
-                       observe_stage=node.metrics.observe_stage, engine_limits=s.engine_limits,
+                       observe_stage=node.metrics.observe_stage, engine_limits=s.store.engine_limits,
                        pod_event=node.cluster.pod_event if node.cluster is not None else None,
                        observe_compile=node.metrics.observe_compile, on_adapters=node.kick)

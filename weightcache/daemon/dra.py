@@ -128,7 +128,7 @@ async def serve_for_node(node: Node) -> DraPlugin:
         raise ConfigError("dra is enabled but no Kubernetes config was found: the DRA plugin reads ResourceClaims "
                           "from the API server; run the daemon in the cluster or remove `dra` from the config")
     api_client = node.cluster.api_client
-    node_name = node_name_of(s.node_name)
+    node_name = node_name_of(s.cluster.node_name)
 
     version = await asyncio.to_thread(server_version, api_client)
     # fetchable devices need the 1.36 API (binding conditions, device status and counters on by default): an older
@@ -152,7 +152,7 @@ async def serve_for_node(node: Node) -> DraPlugin:
 
     binder = ClaimBinder(api_client, pool=node_name, store=node.store, authority=node.authority, resolve=resolve,
                          fetch=lambda grant: node.fetches.ensure(grant, keep=True)) if fetchable else None
-    return await serve_dra(store=node.store, pool=node_name, kubelet_dir=s.kubelet_dir, cdi_dir=dra.cdi_dir,
+    return await serve_dra(store=node.store, pool=node_name, kubelet_dir=s.csi.kubelet_dir, cdi_dir=dra.cdi_dir,
                            authority=node.authority, claims=claim_reader(api_client, dra.api_version),
                            publisher=publisher, publish_interval=dra.publish_seconds,
                            fetchable=resolve if fetchable else None, binder=binder,

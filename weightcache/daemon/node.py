@@ -152,7 +152,7 @@ class Node:
     bandwidth: BandwidthLimits = field(default_factory=BandwidthLimits)
 
     def __post_init__(self) -> None:
-        self.fetches = FetchQueue(self.fetcher, parallel=self.settings.parallel_models)
+        self.fetches = FetchQueue(self.fetcher, parallel=self.settings.models.parallel)
 
     async def ensure(self, grant: Grant, *, progress: ProgressCallback | None = None) -> Snapshot:
         """A model the node keeps wanting (reconcile): its fetch goes on whoever else stops waiting."""
@@ -176,14 +176,14 @@ class Node:
         return list(self.cluster.model_caches()) if self.cluster is not None else []
 
     def allow_undeclared(self) -> bool:
-        return self.settings.allow_undeclared(cluster=self.cluster is not None)
+        return self.settings.models.undeclared_allowed(cluster=self.cluster is not None)
 
     @property
     def authority(self) -> Authority:
         """The one decision (weightcache/access.py) with this node's ModelCaches, settings and directories."""
         return Authority(model_caches=self.model_caches, allow_undeclared=self.allow_undeclared,
-                         forbidden_paths=(self.settings.kubelet_dir, self.settings.root),
-                         declared=lambda: [m.ref for m in self.settings.models])
+                         forbidden_paths=(self.settings.csi.kubelet_dir, self.settings.store.root),
+                         declared=lambda: [m.ref for m in self.settings.models.warm])
 
     def authorize(self, ref: ModelRef, namespace: str | None, *, signed_by: SignaturePolicy | None = None) -> Grant:
         """A namespace's request, or (None) an admin's on the node: the one decision, or NotAllowedError.
@@ -213,7 +213,7 @@ class Node:
             "weightcache_pinned_snapshots": sum(1 for i in infos if i.pinned),
             "weightcache_leases": len(self.store.leases()),
             "weightcache_memory_tier_locked_bytes": self.tier.locked_bytes() if self.tier is not None else None,
-            "weightcache_memory_tier_budget_bytes": self.settings.memory_budget if self.tier is not None else None,
+            "weightcache_memory_tier_budget_bytes": self.settings.memory.budget if self.tier is not None else None,
             **self.peer_sample(),
         }
 

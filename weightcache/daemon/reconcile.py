@@ -159,7 +159,7 @@ class Reconciler:
                     await self.once()
                 except Exception:  # level-triggered: log, and the next pass starts over
                     log.exception("reconcile pass failed")
-            timeout = self.node.settings.resync_seconds
+            timeout = self.node.settings.models.resync_seconds
             if self._taint_due is not None:  # wake just past the deadline, not up to a resync later
                 timeout = min(timeout, self._taint_due + 0.05)
             # asyncio.timeout, not wait_for: 3.11's wait_for swallows a cancel that lands as the wake does (a kick
@@ -171,7 +171,7 @@ class Reconciler:
     async def once(self) -> Outcome:
         start = time.monotonic()
         node = self.node
-        everything = wants(node.settings.models, await self._desired())
+        everything = wants(node.settings.models.warm, await self._desired())
         wanted, grants, refused = self._authorize(everything)
         await self._report(refused)
         cached = await asyncio.to_thread(self._lookup_all, grants)  # one thread hop for all the hits
@@ -276,7 +276,7 @@ class Reconciler:
         def release_now() -> float | None:
             resident = frozenset(i.id for i in tier.resident()) if tier is not None else frozenset()
             waiting = startup_taint.waiting_on(wanted, results, resident)
-            return startup_taint.release(cluster, waiting, self.node.settings.startup_taint_deadline,
+            return startup_taint.release(cluster, waiting, self.node.settings.cluster.startup_taint_deadline,
                                          observe=lambda why, seconds: histogram.labels(why).observe(seconds))
         self._taint_due = await asyncio.to_thread(release_now)
 
