@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.server
 import importlib.util
+import os
 import subprocess
 import sys
 import threading
@@ -70,6 +71,8 @@ def _env(url: str, home: Path) -> dict[str, str]:
         "AZURE_STORAGE_CONNECTION_STRING": (f"DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;"
                                             f"AccountKey={AZURE_KEY};BlobEndpoint={url}/devstoreaccount1;"),
         "HF_ENDPOINT": url, "HF_HUB_DISABLE_TELEMETRY": "1",
+        # the checkout under test, where it is not the one installed (a git worktree)
+        **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"},
     }
 
 
@@ -103,3 +106,13 @@ def test_each_scheme_at_a_web_server_exits_6_with_what_to_check(web_server: str,
 ])
 def test_a_web_page_is_no_object_store_listing(web_server: str, ref: str, says: str, tmp_path: Path) -> None:
     test_each_scheme_at_a_web_server_exits_6_with_what_to_check(web_server, ref, says, tmp_path)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("web_server", [404, 403], indirect=True)
+def test_a_web_servers_error_page_is_no_missing_bucket(web_server: str, tmp_path: Path) -> None:
+    """nginx answers a path it does not serve with a 404 (or 403) HTML page: no S3 error code in it, so the
+    listing says the endpoint is no S3, not that the bucket is missing or the credentials are wrong. Before
+    (real nginx 1.22 at --endpoint-url): "404 (HTTP 404); check that the bucket and prefix exist"."""
+    test_each_scheme_at_a_web_server_exits_6_with_what_to_check(web_server, "s3://models/tiny/",
+                                                                "did not answer like S3", tmp_path)

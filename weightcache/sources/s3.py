@@ -339,6 +339,10 @@ class S3Source(Source):
             try:
                 return fn()
             except (botocore.exceptions.ClientError, botocore.exceptions.NoCredentialsError) as exc:
+                if _web_page(exc):
+                    raise SourceError(f"{what}: " + _NOT_S3.format(
+                        where=self._endpoint() or "AWS S3", kind=f"HTTP {_status(exc)} without an S3 error code")
+                    ) from exc
                 translated = translate(exc, what, uri=self.ref.uri)
                 raise translated from exc
             except WeightcacheError:
@@ -374,6 +378,22 @@ def translate(exc: botocore.exceptions.ClientError | botocore.exceptions.NoCrede
     err = cls(f"{what}: {code} (HTTP {status}); {hint.format(uri=uri)}")
     err.__cause__ = exc
     return err
+
+
+def _status(exc: botocore.exceptions.ClientError) -> int:
+    return int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+
+
+def _web_page(exc: botocore.exceptions.ClientError | botocore.exceptions.NoCredentialsError) -> bool:
+    """A listing refused with a 4xx whose body names no S3 error code (botocore leaves the code empty, or makes
+    the status the code where the body is no XML at all):
+    S3 and the stores like it answer ListObjectsV2 errors with an XML <Code> (NoSuchBucket, AccessDenied); a web
+    server's 404 or 403 page (nginx, an ingress, a console port) has none. HEAD answers carry no body at all, so
+    only the listing tells."""
+    if not isinstance(exc, botocore.exceptions.ClientError) or exc.operation_name != "ListObjectsV2":
+        return False
+    status, code = _status(exc), str(exc.response.get("Error", {}).get("Code") or "")
+    return 400 <= status < 500 and status != 429 and code in ("", str(status))
 
 
 def _unquote(etag: str | None) -> str | None:
