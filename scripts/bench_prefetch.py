@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -154,6 +155,12 @@ def then_sync(cmd: list[str], d: Path) -> list[str]:
 SPAWN = ("import json, os, sys, time; t = time.perf_counter(); pid = os.posix_spawnp(sys.argv[1], sys.argv[1:], "
          "os.environ); _, st, ru = os.wait4(pid, 0); print(json.dumps([time.perf_counter() - t, ru.ru_utime + "
          "ru.ru_stime, ru.ru_maxrss / 1024, os.waitstatus_to_exitcode(st)]), file=sys.stderr)")
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user + system) process `pid` has used so far, from /proc/PID/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def timed(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, float, float]:
@@ -423,6 +430,29 @@ def start_rgw(stack: contextlib.ExitStack, work: Path, src: Path, files: list[st
     return rgw
 
 
+def upload_variants(rgw: Any, src: Path, files: list[str], count: int) -> list[str]:
+    """`count` models like src's at s3://bench/cold-K/ (uploaded as upload() does), each of other bytes (a
+    shard's last 8 bytes hold K, a JSON file ends in K + 1 spaces), so that no file of one is a blob of another
+    or of s3://bench/model/. Returns their references."""
+    import boto3
+    from botocore.config import Config
+
+    s3 = boto3.client("s3", endpoint_url=rgw.endpoint_url, aws_access_key_id=rgw.access_key,
+                      aws_secret_access_key=rgw.secret_key, region_name="us-east-1",
+                      config=Config(s3={"addressing_style": "path"}))
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in range(count):
+            for f in files:
+                data = bytearray((src / f).read_bytes())
+                if f.endswith(".json"):
+                    data += b" " * (k + 1)  # JSON still
+                else:
+                    data[-8:] = k.to_bytes(8, "little")
+                (Path(tmp) / f).write_bytes(data)
+                s3.upload_file(str(Path(tmp) / f), "bench", f"cold-{k}/{f}")
+    return [f"s3://bench/cold-{k}/" for k in range(count)]
+
+
 def upload(url: str, key: str, secret: str, src: Path, files: list[str], kind: str = "boto3") -> None:
     """The model into s3://bench/model/ as users' buckets hold it (`--checksum`): `boto3` upload_file's defaults
     (a CRC32, multipart from 8 MiB); one PUT with a full-object CRC64NVME (new AWS objects), CRC32C or CRC32; one
@@ -545,6 +575,7 @@ def run_clients(args: argparse.Namespace, work: Path, src: Path, size: int, file
         moto = Moto()
         upload(moto.url, "bench", "bench", src, files, args.checksum)
     rgw, daemon_socket = None, work / "d.sock"
+    daemon_cpu: Callable[[], float] = float  # 0.0 until a daemon runs
     if args.rgw:
         rgw = start_rgw(stack, work, src, files)
         env |= {"AWS_ACCESS_KEY_ID": rgw.access_key, "AWS_SECRET_ACCESS_KEY": rgw.secret_key}  # moto takes any
@@ -554,6 +585,7 @@ def run_clients(args: argparse.Namespace, work: Path, src: Path, size: int, file
                                   stderr=subprocess.DEVNULL)
         stack.callback(daemon.wait, 30)
         stack.callback(daemon.terminate)
+        daemon_cpu = functools.partial(process_cpu, daemon.pid)
         fill = [PY, "-m", "weightcache", "prefetch", "-q", "--socket", str(daemon_socket), "s3://bench/model/"]
         deadline = time.monotonic() + 60
         while subprocess.run(fill, env=env, capture_output=True, check=False).returncode != 0:
@@ -598,6 +630,12 @@ def run_clients(args: argparse.Namespace, work: Path, src: Path, size: int, file
         # API round trip; the daemon reaches radosgw by AWS_ENDPOINT_URL, as a node's would by its config
         clients[f"weightcache prefetch (daemon hit){RGW}"] = ("rgw", lambda d: [
             PY, "-m", "weightcache", "prefetch", "-q", "--socket", str(daemon_socket), "s3://bench/model/"])
+        if not args.only or "daemon cold" in args.only:
+            # a cold fetch through the node daemon, as a node fetches (its botocore warm): each run a model of
+            # other bytes, uploaded before the runs (upload_variants), so that nothing of it is cached
+            prefixes = iter(upload_variants(rgw, src, files, args.runs))
+            clients[f"weightcache prefetch s3 (daemon cold){RGW}"] = ("rgw", lambda d: [
+                PY, "-m", "weightcache", "prefetch", "-q", "--socket", str(daemon_socket), next(prefixes)])
     if args.only:
         wanted = [w for w in args.only.split(",") if w]
         clients = {k: v for k, v in clients.items() if k.startswith("disk") or any(w in k for w in wanted)}
@@ -613,7 +651,10 @@ def run_clients(args: argparse.Namespace, work: Path, src: Path, size: int, file
             d = fresh()
             time.sleep(args.idle)
             try:
-                results[name].append(timed(cmd(d), env))
+                # a row through the daemon: the daemon's CPU in that run counts too (wait4 sees the client's alone)
+                served = daemon_cpu() if "(daemon" in name else 0.0
+                wall, cpu, rss = timed(cmd(d), env)
+                results[name].append((wall, cpu + daemon_cpu() - served, rss))
             except RuntimeError as exc:  # a client that fails (the old code on a slow origin) is a row's figure too
                 failed[name] = failed.get(name, 0) + 1
                 print(f"  run {run + 1}: {name}: FAILED: {str(exc).splitlines()[-1][-300:]}", flush=True)
@@ -661,6 +702,12 @@ def run_clients(args: argparse.Namespace, work: Path, src: Path, size: int, file
             print(f"{ours}: wall {statistics.median(walls):.2f} s = {ratio:.2f}x {theirs}'s "
                   f"{statistics.median(other):.2f} s (range {min(walls):.2f}-{max(walls):.2f} against "
                   f"{min(other):.2f}-{max(other):.2f})")
+        cold = f"weightcache prefetch s3 (daemon cold){t}"
+        if cold in results and theirs in results:
+            walls, other = [r[0] for r in results[cold]], [r[0] for r in results[theirs]]
+            print(f"{cold}: wall {statistics.median(walls):.2f} s = "
+                  f"{statistics.median(walls) / statistics.median(other):.2f}x {theirs}'s "
+                  f"{statistics.median(other):.2f} s (range {min(walls):.2f}-{max(walls):.2f})")
         if (hit := f"weightcache prefetch (daemon hit){t}") in results:
             print(f"{hit}: wall {med(results[hit], 0):.3f} s (range {min(r[0] for r in results[hit]):.3f}-"
                   f"{max(r[0] for r in results[hit]):.3f}), CPU {med(results[hit], 1):.3f} s")

@@ -35,6 +35,7 @@ from weightcache.errors import (
 )
 from weightcache.fetch import Fetcher
 from weightcache.fetch import publish as fetch_publish
+from weightcache.fetch.engine import FEW_FILES
 from weightcache.sources import ObjectInfo, open_source
 from weightcache.sources.base import OnBytes, Pieces, Source
 from weightcache.sources.fsspec import stat_token
@@ -598,8 +599,9 @@ def test_publish_names_the_snapshot_only_after_the_syncfs_it_overlaps_returns(
 def test_a_syncfs_that_fails_abandons_the_publish_and_leaves_no_tree(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """syncfs failing (EIO: the disk lost writes) means the blobs may not be on disk: the fetch fails with that
-    error, the tree publish built meanwhile is removed, and nothing names a snapshot."""
-    _small_model(tmp_path / "model", 10)
+    error, the tree publish built meanwhile is removed, and nothing names a snapshot (a model of more than
+    FEW_FILES files: fewer are made durable one by one, without a syncfs)."""
+    _small_model(tmp_path / "model", FEW_FILES + 8)
     store = Store(tmp_path / "root")
 
     def failing_syncfs(path: Path) -> None:
@@ -611,3 +613,25 @@ def test_a_syncfs_that_fails_abandons_the_publish_and_leaves_no_tree(
         Fetcher(store).ensure(admin(ref))
     assert store.lookup(ref) is None
     assert [*store.layout.snapshots.iterdir(), *store.layout.manifests.iterdir()] == []
+
+
+def test_a_model_of_few_files_is_made_durable_file_by_file_without_a_syncfs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model of at most FEW_FILES files: each file fsynced with its blob directory by the worker that finished
+    it, and the snapshot published without a syncfs (one writes whatever every other writer of the filesystem left
+    dirty: 0.08-0.92 s after an 88 MB model on the development VM). Before: two syncfs calls per fetch. More files:
+    one syncfs, as before."""
+    syncs: list[Path] = []
+    monkeypatch.setattr(fetch_publish, "sync_filesystem", syncs.append)
+    few = _small_model(tmp_path / "few", FEW_FILES - 2)
+    (tmp_path / "few" / "big.bin").write_bytes(big := os.urandom(3 << 20))  # journalled: a part, then its blob
+    few["big.bin"] = big
+    store = Store(tmp_path / "root")
+    snap = Fetcher(store, chunk_size=1 << 20).ensure(granted(f"file://{tmp_path / 'few'}/"))
+    assert {f.path: (snap.path / f.path).read_bytes() for f in snap.files} == few
+    assert all(stat.S_IMODE(store.layout.blob(f.sha256).stat().st_mode) == 0o444 for f in snap.files)
+    assert syncs == []
+    many = _small_model(tmp_path / "many", FEW_FILES + 1)
+    snap = Fetcher(store).ensure(granted(f"file://{tmp_path / 'many'}/"))
+    assert {f.path: (snap.path / f.path).read_bytes() for f in snap.files} == many
+    assert len(syncs) == 1

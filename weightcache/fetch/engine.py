@@ -45,6 +45,12 @@ log = logging.getLogger(__name__)
 
 MOVABLE = frozenset({"oci"})  # schemes whose source may veto a cache hit of a moved revision (Fetcher._still_named)
 MAX_RESTARTS = 3  # object replaced mid-download, or a planned blob evicted meanwhile
+#: A fetch of at most this many files makes each durable by its own fsyncs (the file, its blob directory) in the
+#: worker that finished it, while the others download, and publishes without a syncfs: a syncfs also writes what
+#: every other writer of the filesystem left dirty (containerd's layers, logs, other fetches), 0.08-0.92 s after an
+#: 88 MB model from radosgw on the shared development VM (docs/fetch.md, "Small models"). More files: one syncfs
+#: (2,000 small files: two fsyncs each took seconds).
+FEW_FILES = 32
 
 
 class Fetcher:
@@ -248,13 +254,16 @@ class Fetcher:
         if self.peers is not None and todo and (digests := peer_digests(ref, todo)):
             source = self.peers.wrap(source, digests)
         self.store.ensure_space(sum(i.obj.size for i in todo) - resumed, uri=ref.uri)
+        each = handover or (HandOver(None, self.store) if len(todo) <= FEW_FILES else None)
         try:
-            fetched = Transfer(self.store, source, reporter, handover, self.peers, self.chunk_size, self.concurrency,
+            fetched = Transfer(self.store, source, reporter, each, self.peers, self.chunk_size, self.concurrency,
                                self._closing, self._count).download(todo)
         finally:  # the blobs have their names now (or the fetch failed): peers find one or nothing
             serve_partials(self.peers, todo, False)
         reporter.phase("publishing")
-        snap = publish(grant, self.store, items, downloaded=bool(todo), expand=expand, checked=self._checked)
+        # files made durable one by one (reported) need no syncfs before the snapshot is named
+        snap = publish(grant, self.store, items, downloaded=any(not i.reported for i in todo), expand=expand,
+                       checked=self._checked)
         secs = time.monotonic() - started
         log.info("fetched %s: %s from origin (%d of %d files, %s already cached) in %.1fs, %.2f GB/s",
                  ref, fmt_bytes(fetched), len(todo), len(items), fmt_bytes(total - fetched), secs,

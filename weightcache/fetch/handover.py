@@ -26,9 +26,10 @@ class DurableFile:
 
 
 class HandOver:
-    """The claims and the callback of one `ensure(on_file=...)`."""
+    """The claims and the callback of one `ensure(on_file=...)`; without a callback (`on_file=None`), only the
+    claims: a fetch of few files makes each durable on its own as it completes (Fetcher.FEW_FILES)."""
 
-    def __init__(self, on_file: Callable[[DurableFile], None], store: Store) -> None:
+    def __init__(self, on_file: Callable[[DurableFile], None] | None, store: Store) -> None:
         self.on_file, self.store = on_file, store
         self._mu = threading.Lock()
         self._planned: frozenset[str] = frozenset()
@@ -37,8 +38,9 @@ class HandOver:
     def snapshot(self, snap: Snapshot) -> Snapshot:
         """A cache hit: every file of a published snapshot is durable already."""
         planned = frozenset(f.path for f in snap.files)
-        for f in snap.files:
-            self.on_file(DurableFile(f, self.store.layout.blob(f.sha256), planned))
+        if (on_file := self.on_file) is not None:
+            for f in snap.files:
+                on_file(DurableFile(f, self.store.layout.blob(f.sha256), planned))
         return snap
 
     def listed(self, items: list[Item]) -> None:
@@ -66,6 +68,6 @@ class HandOver:
             self._claimed.discard(id(item))
 
     def give(self, item: Item) -> None:
-        if item.sha256:
+        if item.sha256 and self.on_file is not None:
             entry = FileEntry(item.relpath, item.size, item.sha256, item.obj.etag, item.obj.version_id)
             self.on_file(DurableFile(entry, self.store.layout.blob(item.sha256), self._planned))
