@@ -21,6 +21,7 @@ import grpc
 import pytest
 
 from tests.fake_apiserver import FakeApiServer
+from tests.fixtures_crd_cel import cel_eval
 from tests.grants import granted
 from tests.sample import make_model
 from weightcache.access import Authority
@@ -162,6 +163,21 @@ async def dra(apiserver: FakeApiServer) -> AsyncIterator[DraHarness]:
         await harness.plugin.stop(0)
         store.close()
         shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def selected(expressions: list[str], device: dict[str, Any] | Any) -> bool:
+    """As the scheduler's structured allocator (k8s.io/dynamic-resource-allocation/structured) evaluates one
+    request's selectors on one device: ANDed in order. A result that is not a bool (a CEL runtime error, such as
+    reading an attribute the device does not publish) is no mismatch there: it aborts the allocation of the whole
+    claim ("CEL runtime error during evaluation of selector"), so here it fails the test."""
+    cel = device if isinstance(device, celpy.celtypes.MapType) else cel_device(device)
+    for expression in expressions:
+        result = cel_eval(expression, {"device": cel})
+        if not isinstance(result, celpy.celtypes.BoolType):
+            raise AssertionError(f"CEL runtime error, the claim's allocation aborts: {expression}: {result!r}")
+        if not result:
+            return False
+    return True
 
 
 def cel_device(device: dict[str, Any]) -> Any:

@@ -147,6 +147,14 @@ def test_an_allowed_namespace_gets_its_claim(policy: dict[str, Any], make: Any) 
     assert admit(policy, make(LLAMA, "ml")) == (True, "allowed")
     assert admit(policy, make(LLAMA, "ml", revision="v2", mount_path="/models/llama")) == (True, "allowed")
     assert admit(policy, make(MISTRAL, "anyone")) == (True, "allowed")  # allowedNamespaces: ["*"]
+    older = make(LLAMA, "ml", revision="v2")  # written before the selector read `has(...revision)` first
+    spec = older["spec"]["spec"] if older["kind"] == "ResourceClaimTemplate" else older["spec"]
+    [first, *_] = spec["devices"]["requests"][0]["exactly"]["selectors"]
+    assert "has(" in first["cel"]["expression"]
+    first["cel"]["expression"] = first["cel"]["expression"].replace(
+        'has(device.attributes["models.weightcache.io"].revision) && ', "")
+    assert admit(policy, older) == (True, "allowed")
+    assert not admit(policy, make(LLAMA, "intruder", revision="v2"))[0]
 
 
 @pytest.mark.parametrize("make", [claim, template])

@@ -14,8 +14,7 @@ from typing import Any
 import celpy
 import yaml
 
-from tests.fixtures_crd_cel import cel_eval
-from tests.fixtures_dra import ALLOWED_NS, DraHarness, cel_device
+from tests.fixtures_dra import ALLOWED_NS, DraHarness, selected
 from tests.fixtures_k8s_schema import validate_strict
 from tests.fixtures_webhook import DRAFT, REF, admission_review, apply_response, deployment_pod
 from tests.test_dra_claim_policy import FLEET, LLAMA, MISTRAL
@@ -48,9 +47,7 @@ def is_extended_resource_name(name: str) -> bool:
 
 def selects(cls: dict[str, Any], device: dict[str, Any] | Any) -> bool:
     """The class's selectors ANDed, in order, as the scheduler evaluates them (a CEL value passes through)."""
-    cel = device if isinstance(device, celpy.celtypes.MapType) else cel_device(device)
-    return all(cel_eval(s["cel"]["expression"], {"device": cel})
-               == celpy.celtypes.BoolType(True) for s in cls["spec"]["selectors"])
+    return selected([s["cel"]["expression"] for s in cls["spec"]["selectors"]], device)
 
 
 def test_the_models_class_names_a_valid_extended_resource_and_selects_only_that_model(tmp_path: Path) -> None:

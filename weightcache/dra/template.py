@@ -34,11 +34,14 @@ _QUALIFIED_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 
 
 def selector(uri: str, revision: str | None = None) -> str:
-    """CEL on the published attributes: this model (by its key), and this revision when one is asked for."""
+    """CEL on the published attributes: this model (by its key), and this revision when one is asked for. `has`
+    first: a snapshot fetched without a known revision publishes no `revision` attribute, and reading a missing
+    attribute is a CEL runtime error, which aborts the whole claim's allocation (k8s.io/dynamic-resource-allocation
+    structured allocator), not a mismatch of that one device."""
     attrs = f'device.attributes["{DRIVER_NAME}"]'
     expression = f"{attrs}.model == {json.dumps(model_key(parse_ref(uri).uri))}"
     if revision:
-        expression += f" && {attrs}.revision == {json.dumps(revision)}"
+        expression += f" && has({attrs}.revision) && {attrs}.revision == {json.dumps(revision)}"
     return expression
 
 
