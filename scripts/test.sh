@@ -14,6 +14,7 @@ warm=$!
 "$PY" -m ruff check weightcache tests scripts  # rules and line length: [tool.ruff] in pyproject.toml
 "$PY" -m mypy  # --strict on the package: [tool.mypy] in pyproject.toml
 "$VENV/bin/lint-imports"  # the layers of docs/architecture.md: [tool.importlinter] in pyproject.toml
+"$PY" scripts/import_graph.py  # and no import circle, even inside a layer (exit 1 on one)
 wait "$warm" || true  # a module that fails to collect is reported by the run below, with its traceback
 # One worker more than the CPUs (tests also wait on sockets and subprocesses: on 2 cores, 3 workers ran the suite in
 # 156 s from a clean clone); WEIGHTCACHE_TEST_WORKERS=0 runs in this process (pdb, -s). Each worker starts its own moto

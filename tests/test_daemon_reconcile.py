@@ -9,7 +9,8 @@ from tests.fake_apiserver import FakeApiServer
 from tests.fixtures_daemon import eventually, start_daemon
 from tests.fixtures_kube import NODE
 from weightcache.daemon.config import parse_settings
-from weightcache.daemon.reconcile import PIN_OWNER, READY, Actual, Held, Want, settle, wants
+from weightcache.daemon.node import Want
+from weightcache.daemon.reconcile import PIN_OWNER, READY, Actual, Held, settle, wants
 from weightcache.uri import ModelRef, parse_ref, readiness_label
 
 

@@ -14,7 +14,8 @@ import pytest
 from tests.fake_apiserver import FakeApiServer, crd_schemas, model_cache
 from tests.fixtures_webhook import REF, admission_review, apply_response, deployment_pod
 from tests.test_placement_controller import MERGE, eventually, gpu_node, grant
-from weightcache.daemon.reconcile import READY, Actual, Want, settle
+from weightcache.daemon.node import Want
+from weightcache.daemon.reconcile import READY, Actual, settle
 from weightcache.kube.desired import plan as desired_plan
 from weightcache.placement import CONTROLLER, MANAGED_BY, choice
 from weightcache.placement.controller import Controller

@@ -15,7 +15,7 @@ from tests.fake_apiserver import FakeApiServer, RequestRecord, crd_schemas
 from tests.fake_rules import daemon_user, shipped_policies, shipped_rbac
 from tests.fixtures_daemon import eventually, start_daemon
 from tests.fixtures_kube import NODE
-from weightcache.daemon.reconcile import Want
+from weightcache.daemon.node import Want
 from weightcache.daemon.startup_taint import waiting_on
 from weightcache.errors import ClusterError
 from weightcache.kube.taint import JSON_PATCH, remove_taint

@@ -164,15 +164,15 @@ class Daemon:
         """In a cluster, peers find each other through ModelCacheNode status (docs/peers.md)."""
         from weightcache.peers.discovery import keep_discovering
 
-        assert node.fetcher.peers is not None
+        cluster = node.cluster
+        assert node.fetcher.peers is not None and cluster is not None
         if self.peer_port is not None and self.settings.peers.listen is not None:
             address = node.fetcher.peers.self_url  # advertised_url, set when the listener started
             if address is None:
                 log.warning("peerListen %s:%d is not advertised to other nodes: set POD_IP (downward API) or "
                             "listen on the node's address", *self.settings.peers.listen)
-            node.cluster.reporter.peer_address = address
-        self._loops.spawn("peer-discovery", keep_discovering(node.cluster.api_client, node.cluster.node_name,
-                                                             node.fetcher.peers))
+            cluster.advertise_peer(address)
+        self._loops.spawn("peer-discovery", keep_discovering(cluster.api_client, cluster.node_name, node.fetcher.peers))
 
     async def _serve_api(self, node: Node) -> None:
         s = self.settings

@@ -15,8 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from weightcache.daemon.node import Node
-from weightcache.daemon.reconcile import Want
+from weightcache.daemon.node import Node, Want
 from weightcache.errors import WeightcacheError
 from weightcache.settings import node_name
 from weightcache.vocabulary import STARTUP_TAINT, STARTUP_TAINT_EFFECT
@@ -59,6 +58,10 @@ class Cluster:
             self.reporter.close()
         except WeightcacheError as exc:
             log.warning("final status write failed: %s", exc)
+
+    def advertise_peer(self, address: str | None) -> None:
+        """This node's peer listener, sent with each status write: other daemons fetch from it."""
+        self.reporter.peer_address = address
 
     def synced(self) -> bool:
         return self.watcher.wait_synced(0)

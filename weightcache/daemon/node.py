@@ -11,9 +11,9 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from weightcache.access import ADMIN, Authority, Grant, Requester
 from weightcache.daemon.client import error_code
@@ -31,6 +31,7 @@ from weightcache.store import Snapshot, Store, quarantine_usage
 from weightcache.uri import ModelRef
 
 if TYPE_CHECKING:
+    from weightcache.csi.telemetry import Pod
     from weightcache.memory import MemoryTier  # imported only when a memory budget is set
     from weightcache.peers import PeerSet
     from weightcache.peers.server import PeerServer  # imported only when peerListen is set
@@ -130,6 +131,46 @@ class MeteredFetcher:
         return out
 
 
+@dataclass(frozen=True)
+class Want:
+    """One model this node should hold. `model_cache` is the ModelCache object (None for config models)."""
+
+    name: str
+    ref: ModelRef
+    tier: str = "disk"
+    pin: bool = True
+    priority: int = 0
+    model_cache: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
+    namespaces: tuple[str, ...] | None = None  # who asked: None = an admin (config, ModelCache); else demand's
+    warm_first: bool = False  # ModelCache spec.warmBeforeSchedulable: the startup taint waits for it
+    serves: bool = False  # the store's `latest` ref of its selection follows it (a rollout's served revision)
+
+
+class ClusterBridge(Protocol):
+    """What the daemon asks of its Kubernetes bridge (weightcache/daemon/cluster.py's Cluster; None off-cluster).
+    Typed here, below the reconcile loop and the startup taint that use it, so neither imports the bridge."""
+
+    node_name: str
+    api_client: Any  # a kubernetes ApiClient: only kube/ and peer discovery use it
+    started: float  # the startup taint's clock when the Node carries no creationTimestamp
+
+    def stop(self) -> None: ...
+    def synced(self) -> bool: ...
+    def model_caches(self) -> list[dict[str, Any]]: ...
+    def node(self) -> dict[str, Any]: ...
+    def node_labels(self) -> dict[str, str]: ...
+    def has_startup_taint(self) -> bool: ...
+    def remove_startup_taint(self) -> bool: ...
+    def node_event(self, reason: str, message: str, type: str) -> None: ...
+    def pod_event(self, pod: Pod, reason: str, message: str, type: str) -> None: ...
+    def desired(self, adapter_views: Mapping[str, tuple[str, ...]] | None = None) -> list[Want]: ...
+    def report_many(self, states: Sequence[tuple[Want, str, Any, str]]) -> None: ...
+    def progress(self, want: Want, done: int, total: int) -> None: ...
+    def set_labels(self, changes: Mapping[str, str | None]) -> None: ...
+    def forget(self, name: str) -> None: ...
+    def advertise_peer(self, address: str | None) -> None: ...
+
+
 @dataclass
 class Node:
     """The daemon's shared state. `cluster` is the kube bridge (None off-cluster); `tier` None = no memory tier."""
@@ -139,7 +180,7 @@ class Node:
     metrics: Metrics
     fetcher: MeteredFetcher
     tier: MemoryTier | None = None
-    cluster: Any = None
+    cluster: ClusterBridge | None = None
     tasks: Tasks = field(default_factory=Tasks)
     store_ready: bool = False
     kick: Callable[[], None] = lambda: None  # wakes the reconcile loop

@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from weightcache import hf_layout
@@ -26,31 +26,16 @@ from weightcache.csi import adapters
 from weightcache.csi.reconcile import VolumeBook
 from weightcache.daemon import startup_taint
 from weightcache.daemon.config import ModelSpec
-from weightcache.daemon.node import Node
+from weightcache.daemon.node import Node, Want
 from weightcache.errors import NotAllowedError, SignatureError
 from weightcache.fetch import Progress
 from weightcache.store import Snapshot, Store, StreamViews
-from weightcache.uri import ModelRef, is_readiness_label
+from weightcache.uri import is_readiness_label
 from weightcache.vocabulary import READINESS_LABEL_PREFIX, READY
 
 log = logging.getLogger(__name__)
 
 PIN_OWNER = "daemon"  # the store keeps one pin per owner: a pin someone made by hand is never taken away
-
-
-@dataclass(frozen=True)
-class Want:
-    """One model this node should hold. `model_cache` is the ModelCache object (None for config models)."""
-
-    name: str
-    ref: ModelRef
-    tier: str = "disk"
-    pin: bool = True
-    priority: int = 0
-    model_cache: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
-    namespaces: tuple[str, ...] | None = None  # who asked: None = an admin (config, ModelCache); else demand's
-    warm_first: bool = False  # ModelCache spec.warmBeforeSchedulable: the startup taint waits for it
-    serves: bool = False  # the store's `latest` ref of its selection follows it (a rollout's served revision)
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,7 @@ from weightcache.errors import ClusterError
 from weightcache.vocabulary import STARTUP_TAINT, STARTUP_TAINT_EFFECT
 
 if TYPE_CHECKING:
-    from weightcache.daemon.cluster import Cluster
-    from weightcache.daemon.reconcile import Want
+    from weightcache.daemon.node import ClusterBridge, Want
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +56,7 @@ def created_at(node: Mapping[str, Any]) -> float | None:
         return None
 
 
-def release(cluster: Cluster, waiting: Sequence[str], deadline_s: float, *, now: float | None = None,
+def release(cluster: ClusterBridge, waiting: Sequence[str], deadline_s: float, *, now: float | None = None,
             observe: Callable[[str, float], None] = lambda reason, seconds: None) -> float | None:
     """Remove the startup taint when nothing is `waiting` or the deadline has passed. Blocks (call from a thread).
     `observe(reason, seconds since the Node's creation)` hears each removal (models_ready or deadline).

@@ -99,18 +99,10 @@ def status(api_client: kubernetes.client.ApiClient, name: str | None, *, out: Te
            output: Literal["table", "json"] = "table") -> int:
     """Print each ModelCache's per-node state (all ModelCaches, or the one named)."""
     custom = kubernetes.client.CustomObjectsApi(api_client)
-    if name:
-        try:
-            read = functools.partial(custom.get_cluster_custom_object, GROUP, VERSION, MODELCACHES, name)
-            mcs = [_call(f"reading ModelCache {name}", read)]
-        except ClusterError as exc:
-            if exc.status == 404 and f'"{name}" not found' in str(exc):  # not "the server could not find the resource"
-                out.write(f"ModelCache {name!r} not found; list them with `weightcache status`\n")
-                return 1
-            raise
-    else:
-        listing = functools.partial(_paged, custom.list_cluster_custom_object, GROUP, VERSION, MODELCACHES)
-        mcs = list(_call("listing ModelCaches", lambda: list(listing())))
+    mcs = _model_caches(custom, name)
+    if mcs is None:
+        out.write(f"ModelCache {name!r} not found; list them with `weightcache status`\n")
+        return 1
     reports = _node_reports(custom)
     core = kubernetes.client.CoreV1Api(api_client)
     result = []
@@ -119,15 +111,34 @@ def status(api_client: kubernetes.client.ApiClient, name: str | None, *, out: Te
         selected = _selected_nodes(core, selector) if selector else []
         named = (mc.get("spec") or {}).get("nodeNames") or []  # the placement controller's demand
         selected = sorted(set(selected) | {n for n in named if isinstance(n, str)})
-        states = _states_for(mc["metadata"]["name"], reports, selected)
-        result.append((mc, states))
-    if output == "json":
-        payload = [{"name": mc["metadata"]["name"], "spec": mc.get("spec") or {},
-                    "nodes": [{"node": n, **_state_json(s)} for n, s in sorted(states.items())],
-                    **{k: v for k, v in (mc.get("status") or {}).items() if k in ("revision", "rollout")}}
-                   for mc, states in result]
-        out.write(json.dumps({"modelCaches": payload}, indent=2) + "\n")
-        return 0
+        result.append((mc, _states_for(mc["metadata"]["name"], reports, selected)))
+    (_status_json if output == "json" else _status_table)(out, result)
+    return 0
+
+
+def _model_caches(custom: kubernetes.client.CustomObjectsApi, name: str | None) -> list[dict[str, Any]] | None:
+    """Every ModelCache, or the one named (None: no such ModelCache)."""
+    if not name:
+        listing = functools.partial(_paged, custom.list_cluster_custom_object, GROUP, VERSION, MODELCACHES)
+        return list(_call("listing ModelCaches", lambda: list(listing())))
+    try:
+        read = functools.partial(custom.get_cluster_custom_object, GROUP, VERSION, MODELCACHES, name)
+        return [_call(f"reading ModelCache {name}", read)]
+    except ClusterError as exc:
+        if exc.status == 404 and f'"{name}" not found' in str(exc):  # not "the server could not find the resource"
+            return None
+        raise
+
+
+def _status_json(out: TextIO, result: list[tuple[dict[str, Any], dict[str, ModelState | None]]]) -> None:
+    payload = [{"name": mc["metadata"]["name"], "spec": mc.get("spec") or {},
+                "nodes": [{"node": n, **_state_json(s)} for n, s in sorted(states.items())],
+                **{k: v for k, v in (mc.get("status") or {}).items() if k in ("revision", "rollout")}}
+               for mc, states in result]
+    out.write(json.dumps({"modelCaches": payload}, indent=2) + "\n")
+
+
+def _status_table(out: TextIO, result: list[tuple[dict[str, Any], dict[str, ModelState | None]]]) -> None:
     rows = [("MODELCACHE", "NODE", "PHASE", "PROGRESS", "SNAPSHOT", "UPDATED", "MESSAGE")]
     for mc, states in result:
         shown = _shown_name(mc)
@@ -138,7 +149,6 @@ def status(api_client: kubernetes.client.ApiClient, name: str | None, *, out: Te
         if (line := _rollout_row(mc)) is not None:
             rows.append((shown, *line))
     _table(out, rows)
-    return 0
 
 
 # create / update --------------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 PROGRESSING, COMPLETE, FAILED = "Progressing", "Complete", "Failed"
 DEFAULT_MAX_CONCURRENT = 1
@@ -60,8 +60,6 @@ def step(mc: Mapping[str, Any], reports: Mapping[str, Mapping[str, Any]]) -> dic
     """The status patch that moves this ModelCache's rollout on (None: nothing to write). `reports`: node name ->
     its ModelCacheNode `status.models`."""
     meta, spec, status = _map(mc.get("metadata")), _map(mc.get("spec")), _map(mc.get("status"))
-    name = str(meta.get("name", ""))
-    generation = meta.get("generation") if isinstance(meta.get("generation"), int) else 0
     wanted = _revision(spec.get("revision"))
     if "revision" not in status:
         return {"revision": wanted}  # first sight: nothing is served yet that a switch would replace
@@ -69,39 +67,68 @@ def step(mc: Mapping[str, Any], reports: Mapping[str, Mapping[str, Any]]) -> dic
     old = _map(status.get("rollout"))
     if wanted == serving:  # nothing to roll (a rollout set back before its switch is dropped)
         return None if not old or _revision(old.get("to")) == serving else {"rollout": None}
-    rollout: dict[str, Any] = dict(old)
-    if _revision(old.get("to")) != wanted or (old.get("phase") == FAILED and old.get("generation") != generation):
-        rollout = {"from": serving, "to": wanted, "phase": PROGRESSING, "generation": generation, "nodes": []}
-    elif old.get("phase") != PROGRESSING:
+    rollout = _started(old, serving, wanted, meta.get("generation"))
+    if rollout is None:
         return None  # stopped: it waits for an edit of the spec
-    targets = sorted(n for n, models in reports.items() if isinstance(_map(models).get(name), Mapping))
-    asked = [n for n in _names(rollout.get("nodes")) if n in targets]
-    key = next_key(name, wanted)
-    state = {n: _map(_map(reports[n]).get(key)) for n in targets}
-    new = [n for n in targets if state[n].get("phase") == "Ready"]
-    failed = [n for n in asked if state[n].get("phase") == "Failed" and _generation(state[n]) >= rollout["generation"]]
-    fetching = [n for n in asked if n not in new and n not in failed]
-    waiting = [n for n in targets if n not in new and n not in asked]
-    waiting.sort(key=lambda n: _map(_map(reports[n]).get(name)).get("phase") != "Ready")  # holders of the old one first
-    if failed:
-        why = str(state[failed[0]].get("message") or "no reason given")
-        rollout.update(phase=FAILED, message=f"node {failed[0]} could not fetch revision {wanted or '(latest)'}: "
-                       f"{why}; nodes keep serving {serving or '(latest)'}; edit the spec to try again")
-    elif len(new) == len(targets):
-        rollout.update(phase=COMPLETE, message="")
-    else:
-        room = max(0, max_concurrent(spec, len(targets)) - len(fetching))
-        fetching += waiting[:room]
-        waiting = waiting[room:]
-        asked = sorted(set(asked) | set(fetching))
-    rollout.update(nodes=sorted(set(asked)), old=sorted(waiting), fetching=sorted(fetching), new=new,
-                   failed=failed, progress=f"{len(new)}/{len(targets)}")
+    _advance(rollout, str(meta.get("name", "")), spec, reports)
     patch: dict[str, Any] = {}
     if rollout["phase"] == COMPLETE:
         patch["revision"] = wanted
     if rollout != old:
         patch["rollout"] = rollout
     return patch or None
+
+
+def _started(old: Mapping[str, Any], serving: str, wanted: str, generation: Any) -> dict[str, Any] | None:
+    """The rollout to move on: `old` while it progresses, a new one for a new revision or a retried failure (a new
+    generation); None while a stopped one waits for an edit of the spec."""
+    generation = generation if isinstance(generation, int) else 0
+    if _revision(old.get("to")) != wanted or (old.get("phase") == FAILED and old.get("generation") != generation):
+        return {"from": serving, "to": wanted, "phase": PROGRESSING, "generation": generation, "nodes": []}
+    return dict(old) if old.get("phase") == PROGRESSING else None
+
+
+class _Nodes(NamedTuple):
+    """The nodes that report a ModelCache, by where each is with the rollout's revision."""
+
+    targets: list[str]  # every node that reports the ModelCache
+    new: list[str]  # hold `to`
+    failed: list[str]  # asked, and their fetch of `to` failed (this generation)
+    fetching: list[str]  # asked, neither yet
+    waiting: list[str]  # not asked yet: holders of the old revision first
+    state: dict[str, Mapping[str, Any]]  # each target's report of its fetch of `to`
+
+
+def _tally(rollout: Mapping[str, Any], name: str, reports: Mapping[str, Mapping[str, Any]]) -> _Nodes:
+    targets = sorted(n for n, models in reports.items() if isinstance(_map(models).get(name), Mapping))
+    asked = [n for n in _names(rollout.get("nodes")) if n in targets]
+    state = {n: _map(_map(reports[n]).get(next_key(name, rollout["to"]))) for n in targets}
+    new = [n for n in targets if state[n].get("phase") == "Ready"]
+    failed = [n for n in asked if state[n].get("phase") == "Failed" and _generation(state[n]) >= rollout["generation"]]
+    waiting = [n for n in targets if n not in new and n not in asked]
+    waiting.sort(key=lambda n: _map(_map(reports[n]).get(name)).get("phase") != "Ready")
+    return _Nodes(targets, new, failed, [n for n in asked if n not in new and n not in failed], waiting, state)
+
+
+def _advance(rollout: dict[str, Any], name: str, spec: Mapping[str, Any],
+             reports: Mapping[str, Mapping[str, Any]]) -> None:
+    """Count the nodes by where they are with `rollout["to"]`, then fail, complete or ask more nodes to fetch it."""
+    wanted, serving = rollout["to"], rollout["from"]
+    nodes = _tally(rollout, name, reports)
+    fetching, waiting = nodes.fetching, nodes.waiting
+    if nodes.failed:
+        first = nodes.failed[0]
+        why = str(nodes.state[first].get("message") or "no reason given")
+        rollout.update(phase=FAILED, message=f"node {first} could not fetch revision {wanted or '(latest)'}: "
+                       f"{why}; nodes keep serving {serving or '(latest)'}; edit the spec to try again")
+    elif len(nodes.new) == len(nodes.targets):
+        rollout.update(phase=COMPLETE, message="")
+    else:
+        room = max(0, max_concurrent(spec, len(nodes.targets)) - len(fetching))
+        fetching, waiting = fetching + waiting[:room], waiting[room:]
+    asked = set(fetching) | set(nodes.failed) | {n for n in _names(rollout.get("nodes")) if n in nodes.targets}
+    rollout.update(nodes=sorted(asked), old=sorted(waiting), fetching=sorted(fetching), new=nodes.new,
+                   failed=nodes.failed, progress=f"{len(nodes.new)}/{len(nodes.targets)}")
 
 
 def max_concurrent(spec: Mapping[str, Any], nodes: int) -> int:
