@@ -3,10 +3,13 @@ worker's buffer, over connections the pool keeps."""
 
 from __future__ import annotations
 
+import ctypes
 import gzip
 import hashlib
 import http.server
 import json
+import mmap
+import os
 import random
 import re
 import threading
@@ -23,6 +26,7 @@ from hypothesis import strategies as st
 from tests.faultproxy import FaultProxy, QuietHTTPServer
 from tests.fixtures_s3 import S3
 from tests.grants import admin, granted
+from weightcache import download
 from weightcache.download import PIECE, PartialFile
 from weightcache.errors import FetchCancelledError
 from weightcache.fetch import Fetcher
@@ -192,8 +196,10 @@ class _BigHandler(http.server.BaseHTTPRequestHandler):
                 time.sleep(0.1)
 
 
-@pytest.mark.parametrize("path", ["/fast", "/slow"])
-def test_reads_grow_on_a_fast_body_and_stay_small_on_a_slow_one(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+@pytest.fixture
+def big_body(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, list[int]]]:
+    """A server of _BigHandler's bodies, and the size of every readinto asked of a body (recorded around
+    body_readinto)."""
     httpd = QuietHTTPServer(("127.0.0.1", 0), _BigHandler)
     threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True).start()
     asked: list[int] = []
@@ -208,20 +214,79 @@ def test_reads_grow_on_a_fast_body_and_stay_small_on_a_slow_one(monkeypatch: pyt
         return record
 
     monkeypatch.setattr(base, "body_readinto", recording)
-    try:
-        resp = urllib3.PoolManager(retries=False).request(
-            "GET", f"http://127.0.0.1:{httpd.server_address[1]}{path}", preload_content=False)
-        size = int(resp.headers["Content-Length"])
-        buf = memoryview(bytearray(size))
-        assert base.read_body_into(resp, buf) == size and not any(buf)
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}", asked
+    httpd.shutdown()
+    httpd.server_close()
+
+
+@pytest.mark.parametrize("path", ["/fast", "/slow"])
+def test_reads_grow_on_a_fast_body_and_stay_small_on_a_slow_one(big_body: tuple[str, list[int]], path: str) -> None:
+    url, asked = big_body
+    resp = urllib3.PoolManager(retries=False).request("GET", f"{url}{path}", preload_content=False)
+    size = int(resp.headers["Content-Length"])
+    buf = memoryview(bytearray(size))
+    assert base.read_body_into(resp, buf) == size and not any(buf)
     assert asked[0] == base.READ_SLICE
     if path == "/fast":  # few Python calls per GB: the size doubles up to the cap
         assert base.READ_SLICE_MAX in asked and len(asked) < 16 * 2, asked
     else:  # 0.64 MB/s: each read waits for all it asked, so progress and a cancel must not wait long
         assert max(asked) == base.READ_SLICE, asked
+
+
+def test_a_fast_body_keeps_its_read_size_from_one_piece_to_the_next(big_body: tuple[str, list[int]]) -> None:
+    """A range streamed a piece at a time: reads stay large once the body has shown it is fast. Each piece started
+    over at READ_SLICE, so a 1 MiB piece took four reads (128, 256, 512, 128 KiB), 64 for these 16 MiB."""
+    url, asked = big_body
+    pool = urllib3.PoolManager(retries=False)
+    got = sum(len(view) for _, view in base.stream_range(
+        lambda pos, end: pool.request("GET", f"{url}/fast", preload_content=False), 0, 16 << 20,
+        memoryview(bytearray(PIECE)), SourceOptions().retry("reading /fast")))
+    assert got == 16 << 20
+    assert len(asked) < 3 * 16, f"{len(asked)} reads for 16 pieces: {asked}"
+
+
+def test_a_download_nobody_streams_leaves_its_hashed_bytes_out_of_the_page_cache(tmp_path: Path) -> None:
+    """drop_behind: the hashed and written bytes leave the page cache as the download goes (a fetch no one
+    streams), but for the last DROP_LAG; without it (a stream reads the files as they land) every page stays."""
+    probe = tmp_path / "probe"
+    probe.write_bytes(bytes(1 << 20))
+    fd = os.open(probe, os.O_RDONLY)
+    try:
+        download.drop_cached(fd, 0, 0)
+        if _resident(fd, 1 << 20):
+            pytest.skip("this filesystem keeps pages DONTNEED asks to drop (tmpfs)")
+    finally:
+        os.close(fd)
+    size = 4 * download.DROP_LAG + 3 * PIECE
+    body = random.Random(4).randbytes(size)
+    obj = ObjectInfo("k", "w.bin", size, "e", None, None)
+    left = {}
+    for drop in (True, False):
+        part = PartialFile(tmp_path / f"{drop}.part", obj, range_size=size, drop_behind=drop)
+        part.open()
+        scratch = memoryview(bytearray(PIECE))
+        for off in range(0, size, PIECE):  # in order, as one worker reads a range
+            part.write(off, memoryview(body)[off:off + PIECE], scratch)
+        assert part.complete and part.sha256.digest() == hashlib.sha256(body).digest()
+        left[drop] = _resident(part._fd, size)
+        part.close()
+        assert (tmp_path / f"{drop}.part").read_bytes() == body
+    assert left[False] == size // download._PAGE
+    assert left[True] <= (download.DROP_LAG + download.WRITEBACK_STEP) // download._PAGE, left
+
+
+def _resident(fd: int, size: int) -> int:
+    """Pages of the first `size` bytes of `fd` in the page cache: mincore over a mapping that populates nothing."""
+    libc = download._libc
+    addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    assert addr not in (None, download._MAP_FAILED)
+    try:
+        pages = -(-size // download._PAGE)
+        vec = ctypes.create_string_buffer(pages)
+        assert libc.mincore(addr, size, vec) == 0
+        return sum(b & 1 for b in vec.raw[:pages])
+    finally:
+        libc.munmap(addr, size)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -45,6 +45,8 @@ MAP_WINDOW = 8 << 20
 BESIDE_MIN = 256 << 10
 #: A large file's bytes are handed to the disk in steps of this many as they arrive (see PartialFile.write).
 WRITEBACK_STEP = 8 << 20
+#: Hashed bytes this far behind the hash frontier leave the page cache, in steps of this size (see _drop_behind).
+DROP_LAG = 4 * WRITEBACK_STEP
 
 
 class PartialFile:
@@ -52,9 +54,11 @@ class PartialFile:
 
     def __init__(self, part: Path, obj: ObjectInfo, *, range_size: int,
                  source_check: Callable[[], Hasher] | None = None, check_beside: bool = True,
-                 journalled: bool = True) -> None:
+                 journalled: bool = True, drop_behind: bool = False) -> None:
         """`check_beside`: the source check is slow enough (MD5) to run on a thread beside sha256; a CRC is not
-        (its hand-over to a thread cost more CPU than the CRC itself: 0.92 against 0.81 CPU s/GiB with sha256)."""
+        (its hand-over to a thread cost more CPU than the CRC itself: 0.92 against 0.81 CPU s/GiB with sha256).
+        `drop_behind`: nobody reads the file while it downloads (no stream), so its hashed bytes leave the page
+        cache as the download goes (see _drop_behind)."""
         self.part = part
         self.journalled = journalled  # without a journal a rerun starts the file over (small files: cheaper)
         self.obj = obj
@@ -64,6 +68,8 @@ class PartialFile:
         self._held = Runs()  # the same bytes as merged runs: `holds` answers in O(log n) under the lock
         self._hash_at = 0
         self._hashing = False
+        self._drop_behind = drop_behind and journalled
+        self._dropped_to = 0  # bytes below this are written back and out of the page cache (_drop_behind)
         self.sha256 = hashlib.sha256()
         self._source_check = source_check
         self.source_check: Hasher | None = source_check() if source_check else None  # the source's checksum
@@ -143,7 +149,7 @@ class PartialFile:
         self.journal.unlink(missing_ok=True)
         self._done.clear()
         self._held = Runs()
-        self._hash_at = 0
+        self._hash_at = self._dropped_to = 0
         self._whole_size = None
         self.sha256 = hashlib.sha256()
         self.source_check = self._source_check() if self._source_check else None
@@ -174,6 +180,8 @@ class PartialFile:
             self._feed(data)
             with self._mu:
                 self._hash_at = offset + len(data)
+            if self._drop_behind:
+                self._drop_to(offset + len(data) - DROP_LAG)
         self.advance_hash(scratch)
 
     def _write_whole(self, data: memoryview) -> None:
@@ -217,6 +225,8 @@ class PartialFile:
             self._hash_range(start, length, scratch)
             with self._mu:
                 self._hash_at = start + length
+            if self._drop_behind:
+                self._drop_to(start + length - DROP_LAG)
 
     def _hash_range(self, start: int, length: int, scratch: memoryview) -> None:
         """Hash bytes another worker wrote: straight from the page cache through a mapping, with no copy, where
@@ -236,16 +246,33 @@ class PartialFile:
             self._feed(scratch[:n])
             start += n
 
+    def _drop_to(self, end: int) -> None:
+        """Write back and drop from the page cache the hashed bytes below `end`, in whole WRITEBACK_STEPs (the
+        hashing worker alone calls it). A download through the page cache otherwise leaves a model-sized trail
+        of pages behind it, each a page the kernel had to find anew: on the development VM (free page reporting
+        hands idle memory back to the host, and touching it again costs a fault there) writing 4 GB took 1.58
+        system CPU s/GB kept against 0.27 dropped, 1 GB 0.19 (docs/fetch.md, "Cost per GB as the model grows").
+        Dropped pages go back to the allocator and carry the next bytes. The wait is for writeback started
+        DROP_LAG ago (write): dirty pages would stay. Whoever reads the blob later reads it from the disk."""
+        end -= end % WRITEBACK_STEP
+        if end - self._dropped_to < WRITEBACK_STEP:
+            return
+        start, self._dropped_to = self._dropped_to, end
+        drop_cached(self._fd, start, end - start)
+
     def _feed(self, data: memoryview) -> None:
         """sha256 here and an MD5 source check on a thread beside it (both release the GIL for large buffers):
         an MD5 ETag (0.7 GB/s) no longer adds its time to sha256's (1.5 GB/s) on the hashing thread. A CRC
-        (10 GB/s) runs here. Both are done with `data` when this returns (the caller reuses its buffer)."""
+        (10 GB/s) runs here, a piece at a time after sha256's (a mapped 8 MiB window would otherwise come from
+        RAM twice). Both are done with `data` when this returns (the caller reuses its buffer)."""
         check = self.source_check
         if check is None:
             self.sha256.update(data)
         elif len(data) < BESIDE_MIN or not self._check_beside:
-            self.sha256.update(data)
-            check.update(data)
+            for at in range(0, len(data), PIECE):  # a CRC right behind sha256, while the piece is in the core's cache
+                piece = data[at:at + PIECE]
+                self.sha256.update(piece)
+                check.update(piece)
         else:
             beside = _beside().submit(check.update, data)
             try:
@@ -306,6 +333,7 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 _RESIDENT = bytes(i & 1 for i in range(256))  # mincore: bit 0 of each page's byte says resident
 _libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
 _SYNC_FILE_RANGE_WRITE = 2
+_SYNC_FILE_RANGE_WAIT_ALL = 1 | 2 | 4  # wait for writeback in flight, start it, wait for it
 
 
 def _start_writeback(fd: int, start: int, length: int) -> None:
@@ -318,6 +346,14 @@ def _start_writeback(fd: int, start: int, length: int) -> None:
     makes the bytes durable: this is a hint, and a filesystem that refuses it (EINVAL, ESPIPE) loses nothing."""
     if start >= 0:
         _libc.sync_file_range(fd, start, length, _SYNC_FILE_RANGE_WRITE)
+
+
+def drop_cached(fd: int, start: int, length: int) -> None:
+    """Take bytes [start, start + length) of `fd` out of the page cache (length 0: to the end). DONTNEED leaves
+    dirty pages and those under writeback where they are, so they are written first and waited for (no device
+    flush: clean is what is needed here, not durable)."""
+    _libc.sync_file_range(fd, start, length, _SYNC_FILE_RANGE_WAIT_ALL)
+    os.posix_fadvise(fd, start, length, os.POSIX_FADV_DONTNEED)
 
 
 @contextlib.contextmanager

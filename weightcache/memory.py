@@ -40,6 +40,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from weightcache.download import drop_cached
 from weightcache.errors import MemoryTierError
 from weightcache.units import fmt_bytes
 
@@ -59,8 +60,6 @@ _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
 for _fn in (_libc.mlock, _libc.munlock, _libc.munmap):
     _fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-_SYNC_FILE_RANGE_WAIT_ALL = 1 | 2 | 4  # WAIT_BEFORE | WRITE | WAIT_AFTER: every dirty page written, then clean
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _MADV_HUGEPAGE, _MADV_POPULATE_READ = 14, 22
 _TOUCH_STEP = 8 << 20  # bytes touched per call holding the GIL: 2,048 pages, at most ~6 ms under a hypervisor
@@ -278,9 +277,8 @@ def _map_and_lock(file: Path, size: int, snapshot_id: str, huge_folios: bool) ->
             # 512 PTEs (measured 2.5x faster loads). Pages someone has mapped stay where they are, and so do dirty
             # ones: DONTNEED only starts their writeback. A file written moments ago (a copy, a fetch whose
             # writeback is still going) kept a tenth of its pages small, mapped 4 KiB at a time; so its dirty
-            # pages are written first (no device flush: the bytes need to be clean here, not durable).
-            _libc.sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WAIT_ALL)
-            os.posix_fadvise(fd, 0, size, os.POSIX_FADV_DONTNEED)
+            # pages are written first (drop_cached).
+            drop_cached(fd, 0, 0)
         addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
     finally:
         os.close(fd)

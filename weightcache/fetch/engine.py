@@ -250,7 +250,7 @@ class Fetcher:
             # small shards starts loading after its first shard, not its last
             todo.sort(key=lambda i: (i.obj.size > self.chunk_size, i.relpath.endswith(".safetensors")))
         resumed = open_parts(ref, self.store, todo, range_size=self._range_size(todo, streaming=handover is not None),
-                             chunk_size=self.chunk_size)
+                             chunk_size=self.chunk_size, drop_behind=handover is None)
         if self.peers is not None and todo and (digests := peer_digests(ref, todo)):
             source = self.peers.wrap(source, digests)
         self.store.ensure_space(sum(i.obj.size for i in todo) - resumed, uri=ref.uri)

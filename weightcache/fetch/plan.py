@@ -218,9 +218,11 @@ def range_size(total: int, *, concurrency: int, chunk_size: int) -> int:
     return max(1, -(-min(256 << 20, size) // chunk_size)) * chunk_size
 
 
-def open_parts(ref: ModelRef, store: Store, todo: list[Item], *, range_size: int, chunk_size: int) -> int:
+def open_parts(ref: ModelRef, store: Store, todo: list[Item], *, range_size: int, chunk_size: int,
+               drop_behind: bool = False) -> int:
     """A part file for each download (journalled when it has more than one chunk to resume); returns the bytes
-    resumed from an earlier run's journals."""
+    resumed from an earlier run's journals. `drop_behind`: no one reads the files as they arrive (no stream):
+    their hashed bytes leave the page cache (download.PartialFile._drop_to)."""
     parts = store.partial_dir()  # checked once: each writer opens O_NOFOLLOW
     for item in todo:
         check = item.source_check
@@ -229,7 +231,8 @@ def open_parts(ref: ModelRef, store: Store, todo: list[Item], *, range_size: int
             item.obj, range_size=range_size,
             source_check=_hasher_factory(check[0]) if check and not item.expect_sha256 else None,
             check_beside=not check or check[0] not in CRCS,
-            journalled=item.obj.size > chunk_size)  # a one-chunk file has nothing to resume
+            journalled=item.obj.size > chunk_size,  # a one-chunk file has nothing to resume
+            drop_behind=drop_behind)
     _drop_leftover_parts(parts, [partial(i) for i in todo if not partial(i).journalled])
     return sum(_resumed_size(i) for i in todo)
 

@@ -238,6 +238,7 @@ def stream_range(open_range: Opener, offset: int, length: int, buf: memoryview, 
     """
     pos, end = offset, offset + length
     resp = None
+    reads = _Reads()
     try:
         while pos < end:
             view = buf[:min(len(buf), end - pos)]
@@ -247,7 +248,8 @@ def stream_range(open_range: Opener, offset: int, length: int, buf: memoryview, 
             try:
                 if resp is None:
                     resp = open_range(pos, end)
-                got = _readinto_all(resp, view, told)
+                    reads = _Reads()
+                got = _readinto_all(resp, view, told, reads)
                 if got < len(view):
                     raise Retryable(f"short body: {end - pos - got} bytes missing")
             except Retryable as err:
@@ -297,11 +299,20 @@ READ_SLICE_MAX = 4 << 20
 SLICE_FAST_BPS = 4 * READ_SLICE_MAX
 
 
-def _readinto_all(resp: Any, view: memoryview, on_bytes: OnBytes | None = None) -> int:
+class _Reads:
+    """The size of a response's next readinto, kept from one piece to the next: started over at each piece, a
+    1 MiB piece took four reads (128, 256, 512 and 128 KiB), each a Python frame, a progress call and a GIL
+    hand-over, where one does once the body has shown it is fast."""
+
+    size = READ_SLICE
+
+
+def _readinto_all(resp: Any, view: memoryview, on_bytes: OnBytes | None = None, reads: _Reads | None = None) -> int:
     """Fill `view` from the body until it is full or the body ends; PartialRead(done) on a failure."""
     readinto = body_readinto(resp)
     done = 0
-    size = READ_SLICE
+    reads = reads or _Reads()
+    size = reads.size
     while done < len(view):
         started = time.monotonic()
         try:
@@ -312,7 +323,7 @@ def _readinto_all(resp: Any, view: memoryview, on_bytes: OnBytes | None = None) 
             break
         done += n
         fast = n >= SLICE_FAST_BPS * (time.monotonic() - started)
-        size = min(size * 2, READ_SLICE_MAX) if fast else READ_SLICE
+        size = reads.size = min(size * 2, READ_SLICE_MAX) if fast else READ_SLICE
         if on_bytes is not None:
             on_bytes(n)  # outside the try: a cancel it raises is no network failure
     return done
