@@ -22,26 +22,29 @@ Rows (one run each, in this order):
   hot       a ModelCache with memory: {nodes: 1} keeps it pinned and resident in the RAM tier: no gate at all
   baseline  what a user has today: an init container downloading with boto3 tuned (every file at once, 16 MiB
             parts on up to 16 connections each), then safetensors.torch.load_file of every file (same touch)
-With --engine vllm the container is a real engine instead: vLLM's CPU build (.venv-engines, made by
-scripts/test_engines.sh) serving a tiny Llama (tests_engines/make_tiny_llama.py) with --load-format weightcache
-and compilation on (scripts/engine_start.py --compile), VLLM_CACHE_ROOT an empty writable directory, except:
-  cold                       the model only at the origin; the pod carries weightcache.io/engine-cache, so the
-                             webhook adds its engine-cache CSI volume (VLLM_CACHE_ROOT): empty here; once the
-                             engine served, the pod writes .weightcache-ready there (its startupProbe's step) and
-                             the unpublish hands the cache over (docs/engine-caches.md)
-  warm, no engine cache      the model on the node's disk (page cache dropped), no annotation; vLLM compiles again
-  warm + engine cache        the same with the annotation: the plugin's tmpfs holds a copy of the cache for the key
-  baseline                   boto3 download, then vLLM's default loader (load_format auto), compiling
-Stages, seconds from pod create: scheduled, model on node, volume ready, weights loaded, engine ready (LLM()
-returned: compiled, KV cache made), first token.
-The scheduler stand-in binds the pod the moment it is released and its affinity matches the node; the pod's
-process start (python + torch import) is inside "loaded" for every row alike. "ratio" is baseline / row.
+With --engine vllm (WEIGHTCACHE_ENGINES_VENV: the engines venv, default .venv-engines, made by
+scripts/test_engines.sh) the container is a real engine: vLLM's OpenAI server (CPU build) serving a tiny Llama
+(tests_engines/make_tiny_llama.py) with --load-format weightcache and compilation on, with the env the webhook
+injected (each mount path mapped to the volume kubelet's stand-in published), and the table is what the NODE told:
+each stage is the pod's observation of weightcache_coldstart_stage_seconds{stage, cache} in the daemon's /metrics
+(sums and counts before and after the pod) and must equal, to the millisecond, the stage Event the daemon wrote on
+the pod; the compile result is weightcache_engine_cache_results_total and the pod's EngineCache* Event; the gate's
+wait is the placement controller's ModelReady Event against the pod's creation (1 s resolution). The bench's own
+clock measures nothing. After one completion the kubelet stand-in asks NodeGetVolumeStats of the pod's reporting
+volume (kubelet does every minute), then the server stops and the volumes are unpublished. Rows, in order:
+  cold         the model only at the origin (the pod is gated until it is on the node); weightcache.io/engine-cache:
+               its engine-cache volume starts empty, vLLM compiles into it, the startupProbe's ready file is
+               written, and the node hands the cache over
+  warm         the model on the node's disk (page cache dropped), no engine cache: weightcache.io/telemetry gives
+               it a report volume; vLLM compiles into the container's own empty cache dir
+  warm+cache   the same with weightcache.io/engine-cache: the cold pod's cache, an overlay in its volume
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
 import os
 import re
@@ -49,8 +52,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,7 @@ from scripts.bench_load import drop_caches, make_model  # noqa: E402
 from scripts.bench_prefetch import PY, Moto  # noqa: E402
 from tests.fake_apiserver import FakeApiServer, crd_schemas  # noqa: E402
 from tests.faultproxy import FaultProxy  # noqa: E402
+from weightcache.csi.reconcile import kubelet_volume_id  # noqa: E402
 from weightcache.engine_cache import is_engine_cache  # noqa: E402
 from weightcache.uri import parse_ref  # noqa: E402
 
@@ -131,7 +133,9 @@ class Node:
         from weightcache.daemon.app import Daemon
         from weightcache.daemon.config import load_settings
 
+        # no free-space floor: the bench's models are small, and a shared dev disk may sit below the default floor
         config = {"endpoints": {"s3": {"endpointUrl": self.origin}}, "memoryBudget": self.memory_budget,
+                  "minFreeBytes": 0, "minFreePercent": 0,
                   "csiEndpoint": f"unix://{self.base}/csi.sock", "kubeletDir": str(self.base / "kubelet")}
         path = self.base / "config.yaml"
         path.write_text(yaml.safe_dump(config))
@@ -160,8 +164,8 @@ async def publish(base: Path, pod: dict[str, Any], name: str | None = None) -> P
                "csi.storage.k8s.io/serviceAccount.name": "default", "csi.storage.k8s.io/ephemeral": "true"}
     mode = csi_pb2.VolumeCapability.AccessMode(mode=csi_pb2.VolumeCapability.AccessMode.SINGLE_NODE_WRITER)
     request = csi_pb2.NodePublishVolumeRequest(
-        volume_id=f"csi-{uuid.uuid4().hex}", target_path=str(target), readonly=volume["csi"].get("readOnly", True),
-        volume_context=context,
+        volume_id=kubelet_volume_id(str(target)) or "", target_path=str(target),
+        readonly=volume["csi"].get("readOnly", True), volume_context=context,
         volume_capability=csi_pb2.VolumeCapability(mount=csi_pb2.VolumeCapability.MountVolume(), access_mode=mode))
     async with grpc.aio.insecure_channel(f"unix://{base}/csi.sock") as channel:
         # kubelet's csi plugin gives one NodePublishVolume 2 minutes (csiTimeout); a failure is retried with backoff
@@ -176,7 +180,8 @@ async def unpublish(base: Path, target: Path) -> None:
 
     async with grpc.aio.insecure_channel(f"unix://{base}/csi.sock") as channel:
         await csi_pb2_grpc.NodeStub(channel).NodeUnpublishVolume(  # type: ignore[no-untyped-call]
-            csi_pb2.NodeUnpublishVolumeRequest(volume_id="x", target_path=str(target)), timeout=60)
+            csi_pb2.NodeUnpublishVolumeRequest(volume_id=kubelet_volume_id(str(target)) or "", target_path=str(target)),
+            timeout=60)
 
 
 def schedulable(api: FakeApiServer, name: str) -> dict[str, Any] | None:
@@ -190,20 +195,14 @@ def schedulable(api: FakeApiServer, name: str) -> dict[str, Any] | None:
     return pod
 
 
-async def pod_start(api: FakeApiServer, policy: Any, base: Path, name: str,
-                    engine: Callable[[Path, Path | None], Awaitable[dict[str, Any]]] | None = None,
-                    engine_cache: str | None = None) -> dict[str, float]:
-    """pod create -> volume ready -> all tensors loaded, through webhook, controller, daemon, kubelet.
-    `engine(target, cache)`: the pod's container is that engine start instead (its epoch times, made relative
-    here); with `engine_cache` the pod asks for its engine-cache volume (weightcache.io/engine-cache), `cache`."""
+async def pod_start(api: FakeApiServer, policy: Any, base: Path, name: str) -> dict[str, float]:
+    """pod create -> volume ready -> all tensors loaded, through webhook, controller, daemon, kubelet."""
     from tests.fixtures_webhook import admission_review, apply_response, deployment_pod
-    from weightcache.pods.annotations import ENGINE_CACHE
-    from weightcache.vocabulary import ENGINE_CACHE_READY
     from weightcache.webhook.mutate import review
 
-    pod = deployment_pod({"weightcache.io/model": URI, **({ENGINE_CACHE: engine_cache} if engine_cache else {})})
+    pod = deployment_pod({"weightcache.io/model": URI})
     pod["metadata"].update(name=name, namespace=NS)
-    t0, wall0 = time.perf_counter(), time.time()
+    t0 = time.perf_counter()
     answer = review(admission_review(pod, namespace=NS), model_caches=policy.model_caches(),
                     allow_undeclared=policy.allow_undeclared, nodes=policy.nodes())
     if not answer["response"]["allowed"]:
@@ -224,23 +223,6 @@ async def pod_start(api: FakeApiServer, policy: Any, base: Path, name: str,
     t_bound = time.perf_counter()
     target = await publish(base, bound)
     t_ready = time.perf_counter()
-    if engine is not None:
-        cache = await publish(base, bound, "wc-engine-cache") if engine_cache else None
-        t_cache = time.perf_counter()
-        started = await engine(target, cache)
-        await watcher
-        handed = 0.0
-        if cache is not None:
-            (cache / ENGINE_CACHE_READY).touch()  # the pod's startupProbe, once the engine answered
-            t = time.perf_counter()
-            await unpublish(base, cache)  # the pod ends: the plugin reads an empty-started volume back
-            handed = time.perf_counter() - t
-        await unpublish(base, target)
-        api.delete("pods", name, NS)
-        return {"model": max(0.0, labelled[0] - t0), "scheduled": t_bound - t0, "ready": t_ready - t0,
-                "cache_volume_s": t_cache - t_ready, "handover_s": handed,
-                **{k: v - wall0 for k, v in started.items() if k.startswith("t_")},
-                **{k: v for k, v in started.items() if not k.startswith("t_")}}
     load, count = await asyncio.to_thread(container, "weightcache", target)
     t_loaded = time.perf_counter()
     await watcher
@@ -326,11 +308,17 @@ async def run(args: argparse.Namespace, base: Path) -> dict[str, dict[str, float
     return results
 
 
-# -- --engine vllm: the container is vLLM's CPU build (.venv-engines), starting with compilation ------------------
-ENGINES_PY = str(ROOT / ".venv-engines" / "bin" / "python")
-ENGINE_RESULT = "WEIGHTCACHE_ENGINE_START "
-_LOG_TIME = re.compile(r"(\d\d)-(\d\d) (\d\d):(\d\d):(\d\d)")
-_INIT = re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([0-9.]+) s")
+# -- --engine vllm: the container is vLLM's OpenAI server (CPU build), compiling; the node tells its stages ---------
+ENGINES_PY = str(Path(os.environ.get("WEIGHTCACHE_ENGINES_VENV") or ROOT / ".venv-engines") / "bin" / "python")
+STAGE_METRIC = "weightcache_coldstart_stage_seconds"
+COMPILE_METRIC = "weightcache_engine_cache_results"
+# the pod's Event for each stage says "<stage> at <time>, <seconds>s after kubelet first asked ..." (csi/telemetry.py)
+_STAGE_EVENT = re.compile(r"^(\w+) at \S+, ([0-9.]+)s after ")
+ENGINE_ROWS = {  # row -> (the pod's annotations beside weightcache.io/model, what the row is)
+    "cold": ("engine-cache", "cold: model only at the origin, engine-cache volume empty (compiles, hands over)"),
+    "warm": ("telemetry", "warm: model on the node's disk, no engine cache (report volume; compiles)"),
+    "warm+cache": ("engine-cache", "warm + engine cache: the cold pod's compile cache handed over"),
+}
 
 
 def engine_version() -> str:
@@ -339,45 +327,202 @@ def engine_version() -> str:
     return out.stdout.split()[-1].replace("-", "_")
 
 
-def _log_time(log: str, marker: str) -> float:
-    """Epoch seconds of vLLM's first log line holding `marker` (its log has 1 s resolution, local time)."""
-    for line in log.splitlines():
-        found = _LOG_TIME.search(line) if marker in line else None
-        if found:
-            month, day, hour, minute, sec = (int(g) for g in found.groups())
-            now = time.localtime()
-            return time.mktime((now.tm_year, month, day, hour, minute, sec, 0, 0, -1))
-    return float("nan")
+def stage_sums(metrics: str) -> dict[tuple[str, str], tuple[float, float]]:
+    """(stage, cache) -> (sum, count) of the daemon's stage histogram, and ("compile:" + result, engine) -> (0,
+    count) of its compile results, from its /metrics text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found: dict[tuple[str, str], tuple[float, float]] = {}
+    for family in text_string_to_metric_families(metrics):
+        for sample in family.samples:
+            if family.name == STAGE_METRIC and sample.name.endswith(("_sum", "_count")):
+                key = (sample.labels["stage"], sample.labels["cache"])
+                total, count = found.get(key, (0.0, 0.0))
+                found[key] = (sample.value, count) if sample.name.endswith("_sum") else (total, sample.value)
+            elif family.name == COMPILE_METRIC and sample.name.endswith("_total"):
+                found[("compile:" + sample.labels["result"], sample.labels["engine"])] = (0.0, sample.value)
+    return found
 
 
-def vllm_start(model: Path, cache_root: Path, load_format: str) -> dict[str, Any]:
-    """One vLLM start (scripts/engine_start.py --compile) with VLLM_CACHE_ROOT=cache_root: epoch times of weights
-    loaded (the plugin's report file, or the default loader's log line), engine up and first token."""
-    cache_root.mkdir(parents=True, exist_ok=True)
-    report = cache_root.with_name(cache_root.name + ".report.jsonl")
-    env = {**os.environ, "VLLM_CACHE_ROOT": str(cache_root), "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-           "WEIGHTCACHE_VLLM_REPORT": str(report), "WEIGHTCACHE_T0": repr(time.time())}
-    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
-        env.pop(name, None)
-    out = subprocess.run([ENGINES_PY, str(ROOT / "scripts" / "engine_start.py"), str(model), "--load-format",
-                          load_format, "--compile"], env=env, capture_output=True, text=True)
-    log = out.stdout + out.stderr
-    (cache_root.parent / (cache_root.name + ".log")).write_text(log)
-    line = next((x for x in log.splitlines() if x.startswith(ENGINE_RESULT)), None)
-    if out.returncode or line is None:
-        raise RuntimeError(f"vLLM failed (exit {out.returncode}): {log[-3000:]}")
-    result = json.loads(line[len(ENGINE_RESULT):])
-    loaded = report.stat().st_mtime if report.exists() else _log_time(log, "Loading weights took")
-    return {"t_loaded": loaded, "t_up": result["t_up"], "t_first": result["t_first"],
-            # vLLM's INFO log does not say hit or miss; its engine init (profile, KV cache, warm-up: the compile
-            # or the cache load) is where the cache shows
-            "init_s": float(init.group(1)) if (init := _INIT.search(log)) else float("nan"),
-            "tokens": float(len(result["tokens"]))}
+def one_pod(before: dict[tuple[str, str], tuple[float, float]],
+            after: dict[tuple[str, str], tuple[float, float]]) -> dict[str, tuple[float, str]]:
+    """What one pod added to the histograms: stage -> (seconds, cache label); "compile" -> (0, result)."""
+    added: dict[str, tuple[float, str]] = {}
+    for key, (total, count) in after.items():
+        old_total, old_count = before.get(key, (0.0, 0.0))
+        if count - old_count == 0:
+            continue
+        if count - old_count != 1:
+            raise RuntimeError(f"{key} was observed {count - old_count:.0f} times for one pod")
+        stage, label = key
+        if stage.startswith("compile:"):
+            added["compile"] = (0.0, stage.removeprefix("compile:"))
+        else:
+            added[stage] = (total - old_total, label)
+    return added
 
 
-async def run_engine(args: argparse.Namespace, base: Path) -> dict[str, dict[str, float]]:
-    """The rows of --engine vllm: cold (compiles, then hands its cache over), warm without and with the engine
-    cache, and the baseline (boto3 download + vLLM's default loader, compiling)."""
+def pod_events(api: FakeApiServer, name: str) -> dict[str, dict[str, Any]]:
+    return {e["reason"]: e for e in api.list("events", NS) if e["involvedObject"].get("name") == name}
+
+
+def stage_events(events: dict[str, dict[str, Any]]) -> dict[str, float]:
+    return {m[1]: float(m[2]) for e in events.values() if (m := _STAGE_EVENT.match(e.get("message", "")))}
+
+
+def _stamp(text: str) -> float:
+    return datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC).timestamp()
+
+
+def pod_env(pod: dict[str, Any], hosts: dict[str, Path]) -> dict[str, str]:
+    """The env the webhook gave the pod's container, each mount path in it replaced by where this host has that
+    volume (`hosts`: volume name -> path)."""
+    container = pod["spec"]["containers"][0]
+    mounts = {m["mountPath"]: hosts[m["name"]] for m in container.get("volumeMounts", []) if m["name"] in hosts}
+    env = {}
+    for e in container.get("env", []):
+        value = e.get("value", "")
+        for mount, host in mounts.items():
+            if value == mount or value.startswith(mount + "/"):
+                value = str(host) + value[len(mount):]
+        env[e["name"]] = value
+    return env
+
+
+def serve(model: Path, env: dict[str, str], log: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`: vllm-cpu's `vllm` script is broken)
+    with --load-format weightcache and compilation on, as the pod's container; up when /health answers."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    cmd = [ENGINES_PY, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--load-format",
+           "weightcache", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "128",
+           "--max-num-seqs", "4", "--seed", "0"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 1800
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop(proc)
+            raise RuntimeError(f"vLLM's server did not come up (exit {proc.returncode}): {log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                if r.status == 200:
+                    return proc, port
+        except OSError:
+            time.sleep(1)
+
+
+def complete(port: int, model: Path) -> None:
+    """One greedy token over HTTP: the plugin's stat logger sees the first step that generated one."""
+    import urllib.request
+
+    body = json.dumps({"model": str(model), "prompt": "the cache serves the model weights to every pod",
+                       "max_tokens": 1, "temperature": 0.0}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as r:
+        r.read()
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    import signal
+
+    for sig, wait_s in ((signal.SIGTERM, 60), (signal.SIGKILL, 30)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+async def engine_pod(api: FakeApiServer, policy: Any, node: Node, base: Path, row: str, name: str,
+                     fixed: Path) -> dict[str, Any]:
+    """One pod through webhook, controller, kubelet stand-in and the daemon, its container vLLM's server; then its
+    stages as the node told them: /metrics (the histograms' sums and counts before and after this pod) and the
+    pod's Events (which must agree)."""
+    from tests.fixtures_webhook import admission_review, apply_response, deployment_pod
+    from weightcache.daemon.client import DaemonClient
+    from weightcache.pods.annotations import ENGINE_CACHE, TELEMETRY
+    from weightcache.vocabulary import ENGINE_CACHE_READY
+
+    client = DaemonClient(base / "d.sock")
+    before = stage_sums(await asyncio.to_thread(client.metrics))
+    wanted = ENGINE_ROWS[row][0]
+    pod = deployment_pod({"weightcache.io/model": URI,
+                          **({ENGINE_CACHE: name} if wanted == "engine-cache" else {TELEMETRY: "true"})})
+    pod["metadata"].update(name=row.replace("+", "-"), namespace=NS)
+    from weightcache.webhook.mutate import review
+
+    answer = review(admission_review(pod, namespace=NS), model_caches=policy.model_caches(),
+                    allow_undeclared=policy.allow_undeclared, nodes=policy.nodes())
+    if not answer["response"]["allowed"]:
+        raise RuntimeError(answer["response"]["status"]["message"])
+    created = api.create("pods", apply_response(pod, answer), NS)
+    pod_name = created["metadata"]["name"]
+    bound = await asyncio.to_thread(wait, lambda: schedulable(api, pod_name), "the pod to be schedulable")
+    hosts: dict[str, Path] = {}
+    for volume in bound["spec"]["volumes"]:  # kubelet publishes each of the pod's CSI volumes
+        if volume.get("csi"):
+            hosts[volume["name"]] = await publish(base, bound, volume["name"])
+    fixed.unlink(missing_ok=True)  # the pod sees its model at one path: vLLM's compile-cache hash names it
+    targets = dict(hosts)
+    fixed.symlink_to(hosts["wc-model"])
+    hosts["wc-model"] = fixed
+    own = base / f"home-{pod_name}"  # the container's own (empty) cache dirs, where no volume gives them
+    env = {**{k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")},
+           "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "VLLM_USE_AOT_COMPILE": "0",  # scripts/engine_start.py: vllm-cpu 0.32.0's AOT artifacts do not load back
+           "VLLM_CACHE_ROOT": str(own), "TORCHINDUCTOR_CACHE_DIR": str(own / "inductor"),
+           **pod_env(bound, hosts)}
+    reporting = "wc-engine-cache" if "wc-engine-cache" in hosts else "wc-report"
+    proc, port = await asyncio.to_thread(serve, fixed, env, base / f"{pod_name}.log")
+    try:
+        await asyncio.to_thread(complete, port, fixed)
+        if reporting == "wc-engine-cache":
+            (hosts[reporting] / ENGINE_CACHE_READY).touch()  # the pod's startupProbe, once the engine answered
+        await stats(base, hosts[reporting])  # kubelet's next volume-stats call (about every minute)
+        events = await asyncio.to_thread(wait, lambda: (e := pod_events(api, pod_name)).get("FirstToken") and e,
+                                         "the pod's FirstToken Event", 120)
+    finally:
+        await asyncio.to_thread(stop, proc)
+    for target in targets.values():
+        await unpublish(base, target)
+    api.delete("pods", pod_name, NS)
+    told = one_pod(before, stage_sums(await asyncio.to_thread(client.metrics)))
+    by_event = stage_events(events)
+    for stage, (seconds, _) in told.items():
+        if stage != "compile" and abs(by_event.get(stage, -1.0) - seconds) > 0.002:
+            raise RuntimeError(f"{pod_name}: /metrics says {stage} {seconds:.3f}s, its Event "
+                               f"{by_event.get(stage)}")
+    compile_event = next((r for r in ("EngineCacheHit", "EngineCacheMiss", "EngineCacheIncompatible")
+                          if r in events), None)
+    gate = events.get("ModelReady")
+    return {"stages": told, "compile_event": compile_event,
+            "gated_s": _stamp(gate["firstTimestamp"]) - _stamp(created["metadata"]["creationTimestamp"])
+            if gate else None}
+
+
+async def stats(base: Path, target: Path) -> None:
+    import grpc
+
+    from weightcache.csi._pb import csi_pb2, csi_pb2_grpc
+    async with grpc.aio.insecure_channel(f"unix://{base}/csi.sock") as channel:
+        await csi_pb2_grpc.NodeStub(channel).NodeGetVolumeStats(  # type: ignore[no-untyped-call]
+            csi_pb2.NodeGetVolumeStatsRequest(volume_id=kubelet_volume_id(str(target)) or "",
+                                              volume_path=str(target)), timeout=60)
+
+
+async def run_engine(args: argparse.Namespace, base: Path) -> dict[str, dict[str, Any]]:
+    """The rows of --engine vllm (ENGINE_ROWS), one pod each, in order: the cold pod's compile cache is what the
+    warm + engine cache pod is handed."""
     from weightcache.webhook.command import _policy
 
     src = base / "src"
@@ -392,18 +537,9 @@ async def run_engine(args: argparse.Namespace, base: Path) -> dict[str, dict[str
     for f in sorted(src.iterdir()):
         if f.is_file():
             s3.upload_file(str(f), "bench", f"model/{f.name}")
-    # the pod always sees its model at one path (/models/model in a pod): vLLM's compile-cache hash names it
     fixed = base / "pod" / "models" / "model"
     fixed.parent.mkdir(parents=True)
-
-    def engine_in(cache_root: Path) -> Callable[[Path, Path | None], Awaitable[dict[str, Any]]]:
-        async def start(target: Path, cache: Path | None) -> dict[str, Any]:
-            fixed.unlink(missing_ok=True)
-            fixed.symlink_to(target)
-            return await asyncio.to_thread(vllm_start, fixed, cache or cache_root, "weightcache")
-        return start
-
-    results: dict[str, dict[str, float]] = {}
+    results: dict[str, dict[str, Any]] = {}
     with FakeApiServer(schemas=crd_schemas()) as api:
         _cluster(api, base)
         policy, stop_policy = _policy(None, controller=True)
@@ -412,55 +548,43 @@ async def run_engine(args: argparse.Namespace, base: Path) -> dict[str, dict[str
             wait(lambda: policy.synced() and policy.nodes(), "the webhook's view", 30)
             await node.start()
             print(f"model: tiny Llama, {size / 1e6:.1f} MB; engine {name}; origin S3 (moto)", file=sys.stderr)
-            results["cold (origin only)"] = cold = await pod_start(api, policy, base, "cold",
-                                                                   engine_in(base / "cache-cold"), name)
-            handed = [i.snapshot for i in node.daemon.node.store.list() if is_engine_cache(i.snapshot)] \
-                if node.daemon.node is not None else []
-            if not handed:
-                raise RuntimeError("the cold pod's engine cache was not handed over (see the daemon's log)")
-            print(f"engine cache handed over at unpublish in {cold['handover_s']:.2f} s: snapshot "
-                  f"{handed[0].id[:12]}, {len(handed[0].files)} files, {handed[0].size} bytes", file=sys.stderr)
-            for row, cached in (("warm, no engine cache", False), ("warm + engine cache", True)):
-                # the readiness label stays while the snapshot is in the store (reconcile): a warm pod is not gated
-                drop_caches()
-                results[row] = r = await pod_start(api, policy, base, "warm" + str(cached).lower(),
-                                                   engine_in(base / f"cache-warm-{cached}"), name if cached else None)
-                if cached:
-                    print(f"engine cache volume (a copy of the cache in the pod's tmpfs) ready in "
-                          f"{r['cache_volume_s']:.2f} s", file=sys.stderr)
+            for row in ENGINE_ROWS:
+                if row != "cold":
+                    drop_caches()  # the model on the node's disk, not in the page cache
+                results[row] = await engine_pod(api, policy, node, base, row, name, fixed)
+                print(f"{row}: {results[row]}", file=sys.stderr)
+                if row == "cold" and not any(is_engine_cache(i.snapshot) for i in node.daemon.node.store.list()):
+                    raise RuntimeError("the cold pod's engine cache was not handed over (see the daemon's log)")
         finally:
             await node.stop()
             stop_policy()
-        drop_caches()
-        out = base / "baseline"
-        out.mkdir()
-        wall0 = time.time()
-        subprocess.run([PY, "-c", BOTO, moto.url, str(out)], check=True, capture_output=True)
-        downloaded = time.time() - wall0
-        fixed.unlink(missing_ok=True)
-        fixed.symlink_to(out)
-        started = await asyncio.to_thread(vllm_start, fixed, base / "cache-baseline", "auto")
-        results["baseline: boto3 + vLLM default loader"] = {
-            "model": downloaded, "scheduled": 0.0, "ready": downloaded,
-            **{k: v - wall0 for k, v in started.items() if k.startswith("t_")},
-            **{k: v for k, v in started.items() if not k.startswith("t_")}}
     moto.stop()
     return results
 
 
-def print_engine(results: dict[str, dict[str, float]]) -> None:
-    base = results["baseline: boto3 + vLLM default loader"]["t_first"]
-    print(f"\n| {'row':38} | scheduled | model on node | volume ready | weights loaded | engine ready | "
-          f"first token | engine init | ratio |")
-    print(f"|{'-' * 40}|---|---|---|---|---|---|---|---|")
-    for row, r in results.items():
-        hit = f"{r['init_s']:.1f}"
-        print(f"| {row:38} | {r['scheduled']:.2f} | {r['model']:.2f} | {r['ready']:.2f} | {r['t_loaded']:.2f} | "
-              f"{r['t_up']:.2f} | {r['t_first']:.2f} | {hit} | {base / r['t_first']:.2f}x |")
-    print("seconds from pod create, one run each; weights loaded: the plugin's report written (baseline: vLLM's "
-          "'Loading weights took' line, 1 s resolution); engine ready: LLM() returned (compiled, KV cache made); "
-          "engine init: vLLM's 'init engine (profile, create kv cache, warmup model)', the compile or the cache load; "
-          "ratio = baseline first token / row")
+def print_engine(results: dict[str, dict[str, Any]], name: str, load: tuple[float, float]) -> None:
+    """The README's table: each stage as the node's /metrics told it for each pod (the Events agreed)."""
+    from weightcache.vocabulary import ENGINE_STAGES, STAGE_MODEL_ON_NODE, STAGE_VOLUME_PUBLISHED
+
+    rows = list(results)
+    print(f"\n| stage ({name}, tiny Llama, compiling) | " + " | ".join(ENGINE_ROWS[r][1] for r in rows) + " |")
+    print("|---|" + "---|" * len(rows))
+    gated = [f"{r['gated_s']:.0f}" if r["gated_s"] is not None else "not gated" for r in results.values()]
+    print("| gated: pod created → scheduling gate removed (Events, 1 s resolution) | " + " | ".join(gated) + " |")
+    for stage in (STAGE_MODEL_ON_NODE, STAGE_VOLUME_PUBLISHED, *ENGINE_STAGES):
+        cells = []
+        for r in results.values():
+            seconds, cache = r["stages"].get(stage, (None, ""))
+            cells.append("—" if seconds is None else f"{seconds:.2f}" + (f" ({cache})" if stage ==
+                                                                          STAGE_MODEL_ON_NODE else ""))
+        print(f"| `{stage}` | " + " | ".join(cells) + " |")
+    compiled = [f"{r['stages']['compile'][1]} ({r['compile_event']})" if "compile" in r["stages"] else
+                "— (no engine cache)" for r in results.values()]
+    print("| engine compile cache | " + " | ".join(compiled) + " |")
+    print(f"\nseconds from kubelet's first NodePublishVolume of the pod's volumes: each pod's observation of "
+          f"{STAGE_METRIC}{{stage, cache}} in the daemon's /metrics (sum and count before and after the pod), equal "
+          f"to its Events' to the millisecond; the compile result from {COMPILE_METRIC}_total and the pod's Event; "
+          f"load average (1 min) {load[0]:.1f} at the start, {load[1]:.1f} at the end")
 
 
 def main() -> int:
@@ -478,8 +602,10 @@ def main() -> int:
               file=sys.stderr)
         return 2
     if args.engine:
+        load = os.getloadavg()[0]
         with tempfile.TemporaryDirectory(prefix="wc-cold-", dir="/tmp") as tmp:
-            print_engine(asyncio.run(run_engine(args, Path(tmp))))
+            results = asyncio.run(run_engine(args, Path(tmp)))
+        print_engine(results, f"vllm-{engine_version()}-cpu", (load, os.getloadavg()[0]))
         return 0
     with tempfile.TemporaryDirectory(prefix="wc-cold-", dir="/tmp") as tmp:
         results = asyncio.run(run(args, Path(tmp)))
