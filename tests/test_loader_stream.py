@@ -81,6 +81,22 @@ class Daemon:
         (view / STREAM_DIR).mkdir(parents=True)
         self.errors: list[BaseException] = []
         self._thread: threading.Thread | None = None
+        self._pauses = 0
+        self._paused = threading.Condition()
+
+    def pause(self, seconds: float) -> None:
+        """The loader's wait between two looks at the view (its `pause`), counted for `looked`."""
+        with self._paused:
+            self._pauses += 1
+            self._paused.notify_all()
+        time.sleep(seconds)
+
+    def looked(self) -> None:
+        """Return once the loader has looked at the view since this call, and found it wanting: the second pause
+        from now follows a look that began after it (a held gate, not a sleep that hopes the loader looked)."""
+        with self._paused:
+            mark = self._pauses
+            assert self._paused.wait_for(lambda: self._pauses >= mark + 2, timeout=5), "the loader stopped looking"
 
     def state(self, state: str = STREAM_FETCHING, files: list[str] | None = None, error: str | None = None,
               raw: bytes | None = None) -> None:
@@ -139,23 +155,22 @@ def test_shards_are_yielded_as_they_arrive_with_the_index(daemon: Daemon, staged
     first_tensor = threading.Event()
 
     def script() -> None:
-        daemon.state(files=None)  # the listing is not in hand yet
-        time.sleep(0.1)
+        daemon.looked()  # the listing is not in hand yet
         daemon.state(files=plan())
-        time.sleep(0.1)
+        daemon.looked()
         daemon.link(*SMALL, SHARDS[0])  # a shard before the index: held until the index says it is the model's
-        time.sleep(0.1)
+        daemon.looked()
         daemon.link(INDEX_NAME)
         assert first_tensor.wait(5)
         daemon.link(SHARDS[1])
-        time.sleep(0.1)
+        daemon.looked()
         daemon.link(SHARDS[2])
         daemon.state(STREAM_COMPLETE, plan())
 
     daemon.state(files=None)
     daemon.run(script)
     got: dict[str, torch.Tensor] = {}
-    for name, tensor in iter_tensors_streaming(daemon.view, timeout=5):
+    for name, tensor in iter_tensors_streaming(daemon.view, timeout=5, pause=daemon.pause):
         if not got:
             # streaming for real: the first tensors come while the other shards are still missing
             assert not (daemon.view / SHARDS[1]).exists() and not (daemon.view / SHARDS[2]).exists()
@@ -171,14 +186,14 @@ def test_shards_out_of_order_without_an_index(daemon: Daemon, staged: Path) -> N
 
     def script() -> None:
         for rel in order:
-            time.sleep(0.1)
+            daemon.looked()  # the shard before was seen (and handed out) first
             daemon.link(rel)
 
     daemon.state(files=plan(index=False))  # no index planned: every root *.safetensors
     daemon.run(script)
     names: list[str] = []
     got: dict[str, torch.Tensor] = {}
-    for name, tensor in iter_tensors_streaming(daemon.view, timeout=5):
+    for name, tensor in iter_tensors_streaming(daemon.view, timeout=5, pause=daemon.pause):
         names.append(name)
         got[name] = tensor
     daemon.join()
@@ -189,16 +204,16 @@ def test_shards_out_of_order_without_an_index(daemon: Daemon, staged: Path) -> N
 
 def test_failed_state_raises_the_daemons_error(daemon: Daemon, staged: Path) -> None:
     def script() -> None:
-        time.sleep(0.1)
+        daemon.looked()
         daemon.link(INDEX_NAME, SHARDS[0])
-        time.sleep(0.2)
+        daemon.looked()  # the first shard was handed out: the loader waits for the second
         daemon.state(STREAM_FAILED, plan(), "model-00002-of-00003.safetensors: sha256 mismatch from the peer")
 
     daemon.state(files=plan())
     daemon.run(script)
     got = []
     with pytest.raises(StreamFailedError, match="sha256 mismatch from the peer"):
-        for name, _ in iter_tensors_streaming(daemon.view, timeout=5):
+        for name, _ in iter_tensors_streaming(daemon.view, timeout=5, pause=daemon.pause):
             got.append(name)
     daemon.join()
     assert got == list(load_file(staged / SHARDS[0]))  # what was there was loaded; then the error, not a hang
@@ -323,14 +338,14 @@ def test_a_hostile_state_is_a_clear_error(daemon: Daemon, case: str) -> None:
 
 def test_a_hostile_state_written_mid_stream_is_caught(daemon: Daemon, staged: Path) -> None:
     def script() -> None:
-        time.sleep(0.1)
+        daemon.looked()  # mid-stream: the first shard was handed out
         daemon.state(raw=b'{"state": "fetching", "files": ["../x"]}')
 
     daemon.link(INDEX_NAME, SHARDS[0])
     daemon.state(files=plan())
     daemon.run(script)
     with pytest.raises(ModelLayoutError, match="not a relative path inside the view"):
-        dict(iter_tensors_streaming(daemon.view, timeout=5))
+        dict(iter_tensors_streaming(daemon.view, timeout=5, pause=daemon.pause))
     daemon.join()
 
 
@@ -348,9 +363,9 @@ def test_a_tensor_in_two_shards(daemon: Daemon, tmp_path: Path) -> None:
     save_file({"b": torch.ones(4), "shared": torch.ones(2)}, str(staging / "b.safetensors"))
     daemon.state(files=["a.safetensors", "b.safetensors"])
     daemon.link("a.safetensors")
-    daemon.run(lambda: (time.sleep(0.1), daemon.link("b.safetensors")))
+    daemon.run(lambda: (daemon.looked(), daemon.link("b.safetensors")))  # after a.safetensors was handed out
     with pytest.raises(ModelLayoutError, match="'shared' appears in more than one file"):
-        dict(iter_tensors_streaming(daemon.view, timeout=5))
+        dict(iter_tensors_streaming(daemon.view, timeout=5, pause=daemon.pause))
     daemon.join()
 
 
@@ -376,15 +391,15 @@ def test_a_view_planning_no_safetensors(daemon: Daemon) -> None:
 
 def test_wait_for_files(daemon: Daemon, staged: Path) -> None:
     def script() -> None:
-        time.sleep(0.1)
+        daemon.looked()
         daemon.state(files=plan())
         for rel in [SHARDS[0], *SMALL, INDEX_NAME]:
-            time.sleep(0.05)
+            daemon.looked()
             daemon.link(rel)
 
     daemon.state(files=None)
     daemon.run(script)
-    wait_for_files(daemon.view, timeout=5)  # every planned file but the shards
+    wait_for_files(daemon.view, timeout=5, pause=daemon.pause)  # every planned file but the shards
     assert all((daemon.view / rel).is_file() for rel in [*SMALL, INDEX_NAME])
     assert not (daemon.view / SHARDS[1]).exists()
     daemon.join()
@@ -404,9 +419,9 @@ def test_wait_for_files(daemon: Daemon, staged: Path) -> None:
 def test_the_state_disappearing_is_an_error_not_a_hang(daemon: Daemon, staged: Path) -> None:
     daemon.link(INDEX_NAME)
     daemon.state(files=plan())
-    daemon.run(lambda: (time.sleep(0.1), (daemon.view / STREAM_STATE).unlink()))
+    daemon.run(lambda: (daemon.looked(), (daemon.view / STREAM_STATE).unlink()))  # while the loader waits
     with pytest.raises(ModelFileNotFoundError, match="disappeared"):
-        dict(iter_tensors_streaming(daemon.view, timeout=5))
+        dict(iter_tensors_streaming(daemon.view, timeout=5, pause=daemon.pause))
     daemon.join()
 
 

@@ -150,6 +150,7 @@ def iter_tensors_streaming(
     keys: Keys = None,
     copy: bool = False,
     host_register: bool | None = None,
+    pause: Callable[[float], None] = time.sleep,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Like `iter_tensors` on a directory, but from a view that is still being filled: each shard's tensors are
     yielded as soon as that shard is in the view (shards in the order they arrive).
@@ -163,13 +164,15 @@ def iter_tensors_streaming(
     spent by the consumer between tensors does not count), ModelLayoutError for a state file that is not what the
     daemon writes (a symlink, too large, bad JSON or types, a path outside the view) and, as for a directory, for a
     tensor in two shards or an index that maps a tensor to a shard without it. A tensor found in a second shard
-    is an error only when that shard arrives: tensors of earlier shards were handed out already.
+    is an error only when that shard arrives: tensors of earlier shards were handed out already. `pause(seconds)`
+    is how the loader waits between two looks at the view (tests count its calls to order their steps after the
+    loader's looks).
     """
     p = Path(path)
     if not os.path.lexists(p / STREAM_STATE):
         yield from _plain(p, keys, torch.device(device), dtype, copy, host_register)  # a plain snapshot
         return
-    view = _View(p, timeout)
+    view = _View(p, timeout, pause)
     planned = view.plan()
     if INDEX_NAME in planned:
         view.wait_for([INDEX_NAME])
@@ -201,7 +204,7 @@ def iter_tensors_streaming(
 
 
 def wait_for_files(path: str | os.PathLike[str], names: Iterable[str] | None = None, *,
-                   timeout: float = 600.0) -> None:
+                   timeout: float = 600.0, pause: Callable[[float], None] = time.sleep) -> None:
     """Return once `names` (relpaths) are in the model directory `path`; for an engine's entry point, which reads
     config.json and the tokenizer before any weight (`python -c 'from weightcache.loader import wait_for_files;
     wait_for_files("/models/model")' && exec vllm serve /models/model ...`).
@@ -210,7 +213,7 @@ def wait_for_files(path: str | os.PathLike[str], names: Iterable[str] | None = N
     chat template, the index...). Without `<path>/.weightcache/state` (a plain snapshot) nothing is waited for:
     each name must be there already. The state's rules are iter_tensors_streaming's: StreamFailedError on
     `failed`, ModelFileNotFoundError for a name the view will not hold or that is absent once `complete`,
-    FetchPendingError after `timeout` seconds without a new file.
+    FetchPendingError after `timeout` seconds without a new file; `pause` as there.
     """
     p = Path(path)
     asked = None if names is None else [_checked_name(n) for n in names]
@@ -219,7 +222,7 @@ def wait_for_files(path: str | os.PathLike[str], names: Iterable[str] | None = N
         if absent:
             raise ModelFileNotFoundError(f"{p} holds no {absent[0]!r}; is the model volume mounted at that path?")
         return
-    view = _View(p, timeout)
+    view = _View(p, timeout, pause)
     planned = view.plan()
     if asked is None:
         asked = [r for r in planned if not r.endswith(".safetensors")]
@@ -266,8 +269,8 @@ class _State:
 class _View:
     """A streaming view being waited on: its state (re-read when the file was replaced) and the no-progress clock."""
 
-    def __init__(self, path: Path, timeout: float) -> None:
-        self.path, self.timeout = path, timeout
+    def __init__(self, path: Path, timeout: float, pause: Callable[[float], None] = time.sleep) -> None:
+        self.path, self.timeout, self._sleep = path, timeout, pause
         self.state_path = path / STREAM_STATE
         self._signature: tuple[int, ...] | None = None
         self._state: _State | None = None
@@ -314,7 +317,7 @@ class _View:
                                     f"{self.timeout:g}s, state {state!r}); still waiting for {waiting_for}. The "
                                     f"node's fetch of the model may be stalled: see `weightcache status` on the "
                                     f"node, or allow a longer timeout")
-        time.sleep(min(POLL_SECONDS, self.timeout - waited))
+        self._sleep(min(POLL_SECONDS, self.timeout - waited))
 
     def _current(self) -> _State:
         """The state, read again only when the file changed (tmp + rename gives a new inode); raises on failed."""
