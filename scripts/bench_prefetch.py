@@ -652,9 +652,10 @@ def run_clients(args: argparse.Namespace, work: Path, src: Path, size: int, file
             time.sleep(args.idle)
             try:
                 # a row through the daemon: the daemon's CPU in that run counts too (wait4 sees the client's alone)
-                served = daemon_cpu() if "(daemon" in name else 0.0
+                through = "(daemon" in name
+                served = daemon_cpu() if through else 0.0
                 wall, cpu, rss = timed(cmd(d), env)
-                results[name].append((wall, cpu + daemon_cpu() - served, rss))
+                results[name].append((wall, cpu + (daemon_cpu() - served if through else 0.0), rss))
             except RuntimeError as exc:  # a client that fails (the old code on a slow origin) is a row's figure too
                 failed[name] = failed.get(name, 0) + 1
                 print(f"  run {run + 1}: {name}: FAILED: {str(exc).splitlines()[-1][-300:]}", flush=True)
