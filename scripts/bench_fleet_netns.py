@@ -170,13 +170,14 @@ class Daemon:
                    if line.startswith(name) and label in line.split(" ", 1)[0])
 
 
-def start_daemon(i: int, n: int, work: Path, token: Path, chunk: str) -> Daemon:
+def start_daemon(i: int, n: int, work: Path, token: Path, chunk: str, port: int = 5000) -> Daemon:
     home = work / f"n{i}"
     home.mkdir(parents=True)
     peers = [f"http://{node_ip(j)}:{PEER_PORT}" for j in range(n) if j != i]
     config = {"root": str(home / "store"), "socket": str(home / "api.sock"),
               "peerListen": f"{node_ip(i)}:{PEER_PORT}", "peerTokenFile": str(token), "peers": peers,
-              "endpoints": {"s3": {"endpointUrl": f"http://{ORIGIN_IP}:5000"}}, "chunkSize": chunk}
+              "endpoints": {"s3": {"endpointUrl": f"http://{ORIGIN_IP}:{port}"}}, "chunkSize": chunk,
+              "minFreePercent": 0}  # throwaway stores: a disk that other work filled past 11 % must not fail a row
     (home / "config.yaml").write_text(json.dumps(config))  # JSON is YAML
     log = home / "daemon.log"
     env = {**os.environ, **AWS_ENV, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
@@ -212,6 +213,20 @@ def stop_all(daemons: list[Daemon]) -> None:
 KILL_AT_S = 3.0  # --faults: a third of the nodes are killed (SIGKILL) this far into the fill
 CUT_AT_S, CUT_FOR_S = 4.0, 10.0  # one node's link drops every packet (netem loss 100%) for a while
 LATE_S = 6.0  # one node is asked for the model this much later than the others
+OUTAGE_S = 10.0  # from CUT_AT_S the origin answers every request 503 SlowDown this long
+PROXY_PORT = 5001  # --faults: the daemons reach moto through a fault proxy (tests/faultproxy.py) in its namespace
+OUTAGE_PROXY = """
+import signal, sys, threading
+from tests.faultproxy import FaultProxy
+proxy = FaultProxy(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+def outage(*_):
+    proxy.add("status", status=503, code="SlowDown", count=-1)
+    threading.Timer(float(sys.argv[4]), proxy.clear).start()
+signal.signal(signal.SIGUSR1, outage)
+print("ready", flush=True)
+while True:
+    signal.pause()
+"""
 
 
 def fault_roles(n: int) -> dict[int, str]:
@@ -240,7 +255,7 @@ def make_liar(d: Daemon, uri: str, home: Path, chunk: int) -> None:
                     f.write(bytes([byte[0] ^ 0xFF]))
 
 
-def inject(net: Net, daemons: list[Daemon], roles: dict[int, str]) -> None:
+def inject(net: Net, daemons: list[Daemon], roles: dict[int, str], outage: subprocess.Popen[bytes] | None) -> None:
     started = time.monotonic()
     time.sleep(KILL_AT_S)
     for d in daemons:
@@ -252,6 +267,8 @@ def inject(net: Net, daemons: list[Daemon], roles: dict[int, str]) -> None:
         loss = ("netem", "loss", "100%")
         sh("ip", "netns", "exec", PREFIX + name, "tc", "qdisc", "replace", "dev", "eth0", "root", *loss)
         sh("tc", "qdisc", "replace", "dev", f"wcfh-{name}", "root", *loss)
+    if outage is not None:  # the proxy answers 503 from now for OUTAGE_S
+        outage.send_signal(signal.SIGUSR1)
     time.sleep(CUT_FOR_S)
     for name in cut:  # back: it finishes its own fetch from whoever has the model by then
         net.limit_both(name, net.link_mbps)
@@ -277,7 +294,8 @@ def fill(net: Net, n: int, work: Path, args: argparse.Namespace, model: int) -> 
     for i, name in enumerate(names):
         net.namespace(name, node_ip(i))
         net.limit_both(name, args.link_mbps)
-    daemons = [start_daemon(i, n, run_dir, work / "token", args.chunk_size) for i in range(n)]
+    daemons = [start_daemon(i, n, run_dir, work / "token", args.chunk_size, PROXY_PORT if args.outage else 5000)
+               for i in range(n)]
     try:
         wait_answering(daemons)
         uri = f"s3://{BUCKET}/model/"
@@ -301,7 +319,7 @@ def fill(net: Net, n: int, work: Path, args: argparse.Namespace, model: int) -> 
 
         with ThreadPoolExecutor(n + 1) as pool:
             if roles:
-                pool.submit(inject, net, daemons, roles)
+                pool.submit(inject, net, daemons, roles, args.outage if n > 1 else None)
             list(pool.map(one, daemons))
         egress = tx_bytes(PREFIX + "origin", "eth0") - sent_before
         for d in daemons:
@@ -381,10 +399,19 @@ def origin(net: Net, work: Path, args: argparse.Namespace) -> Iterator[int]:
             model += path.stat().st_size
         shutil.rmtree(model_dir)
         net.limit_both("origin", args.origin_mbps)
+        if args.faults:  # the daemons reach moto through the fault proxy, which `inject` turns to 503 a while
+            env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+            args.outage = subprocess.Popen(["ip", "netns", "exec", ns, PY, "-c", OUTAGE_PROXY, f"http://{ORIGIN_IP}:5000",
+                                            ORIGIN_IP, str(PROXY_PORT), str(OUTAGE_S)], stdout=subprocess.PIPE, env=env)
+            assert args.outage.stdout is not None
+            if args.outage.stdout.readline().strip() != b"ready":
+                raise RuntimeError("the origin's fault proxy did not start")
         yield model
     finally:
-        moto.terminate()
-        moto.wait(10)
+        for proc in (moto, args.outage):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(10)
 
 
 def print_row(row: dict[str, Any], one: float) -> None:
@@ -406,18 +433,19 @@ def print_row(row: dict[str, Any], one: float) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nodes", default="8,16", help="comma-separated fleet sizes")
-    parser.add_argument("--model-mb", type=int, default=256, help="model size, MB (10^6 bytes)")
+    parser.add_argument("--nodes", default="16", help="comma-separated fleet sizes")
+    parser.add_argument("--model-mb", type=int, default=32, help="model size, MB (10^6 bytes)")
     parser.add_argument("--shards", type=int, default=4)
-    parser.add_argument("--chunk-size", default="16Mi",
+    parser.add_argument("--chunk-size", default="256Ki",
                         help="the daemons' chunkSize: a fleet's ranges are 4 pieces of min(1 MiB, this) or more")
-    parser.add_argument("--origin-mbps", type=float, default=20.0, help="the origin's link, MB/s each way")
-    parser.add_argument("--link-mbps", type=float, default=20.0, help="each node's link, MB/s each way")
+    parser.add_argument("--origin-mbps", type=float, default=1.0, help="the origin's link, MB/s each way")
+    parser.add_argument("--link-mbps", type=float, default=1.0, help="each node's link, MB/s each way")
     parser.add_argument("--json", action="store_true", help="print one JSON summary (the last N's row)")
     parser.add_argument("--keep-logs", metavar="DIR", help="copy every daemon's log here")
     parser.add_argument("--faults", action="store_true",
                         help=f"every third node killed -9 at {KILL_AT_S:g} s, one node's link at 100%% loss from "
-                             f"{CUT_AT_S:g} s for {CUT_FOR_S:g} s, one node asked {LATE_S:g} s late, one node (n0) "
+                             f"{CUT_AT_S:g} s for {CUT_FOR_S:g} s, the origin answering 503 from {CUT_AT_S:g} s for "
+                             f"{OUTAGE_S:g} s, one node asked {LATE_S:g} s late, one node (n0) "
                              "holding the model with a byte flipped in every piece (a lying peer)")
     args = parser.parse_args()
     if os.geteuid() != 0 or not shutil.which("tc") or not shutil.which("ip"):
@@ -425,6 +453,7 @@ def main() -> int:
               file=sys.stderr)
         return 2
     sizes = [int(x) for x in args.nodes.split(",")]
+    args.outage = None  # --faults: the origin's fault proxy (origin())
     net = Net()
     net.link_mbps = args.link_mbps
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally below removes the net

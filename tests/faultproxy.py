@@ -88,9 +88,10 @@ class QuietHTTPServer(http.server.ThreadingHTTPServer):
 
 
 class FaultProxy:
-    """Threaded reverse proxy on 127.0.0.1, port 0. Use as a context manager or call `close()`."""
+    """Threaded reverse proxy on 127.0.0.1 (or `host`), port 0 (or `port`). Use as a context manager or call
+    `close()`."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, host: str = "127.0.0.1", port: int = 0) -> None:
         parts = urlsplit(target)
         self.target = (parts.hostname or "127.0.0.1", parts.port or 80)
         self.requests: list[RecordedRequest] = []
@@ -98,9 +99,9 @@ class FaultProxy:
         self.reverse_etags = False
         self._lock = threading.Lock()
         handler = type("Handler", (_Handler,), {"proxy": self})
-        self._server = QuietHTTPServer(("127.0.0.1", 0), handler)
+        self._server = QuietHTTPServer((host, port), handler)
         self.port = self._server.server_address[1]
-        self.endpoint_url = f"http://127.0.0.1:{self.port}"
+        self.endpoint_url = f"http://{host}:{self.port}"
         self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), name="faultproxy",
                                         daemon=True)
         self._thread.start()

@@ -177,6 +177,9 @@ async def connect(node: Node) -> Cluster | None:
     """The cluster bridge, started, or None off-cluster (no Kubernetes config found)."""
     import asyncio
 
+    from weightcache.kube import may_be_in_a_cluster
+    if not may_be_in_a_cluster():
+        return None
     from weightcache.kube.client import load_api_client
 
     api_client = await asyncio.to_thread(load_api_client)

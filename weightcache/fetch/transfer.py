@@ -7,6 +7,7 @@ to a peer (`Later`) is put back and taken again shortly."""
 
 from __future__ import annotations
 
+import bisect
 import functools
 import logging
 import threading
@@ -154,8 +155,9 @@ class _Round:
         self.queue: deque[Callable[[], None]] = deque([
             *(functools.partial(self.hash_resumed, i) for i in items if partial(i).resumed_bytes),
             *(functools.partial(self.read, *p) for p in pieces)])
-        # (when, task): ranges a peer is still fetching from the origin (Later), taken again from `when`
-        self.deferred: deque[tuple[float, Callable[[], None]]] = deque()
+        # (when, task) in order of when: ranges a peer is still fetching from the origin (Later), taken again
+        # from `when` (the peer's estimate of when its bytes are journalled, or LATER_S)
+        self.deferred: list[tuple[float, Callable[[], None]]] = []
         self.source.defer_while(lambda: bool(self.queue) or len(self.deferred) > 1)
 
     def buffers(self) -> tuple[memoryview, memoryview]:
@@ -195,8 +197,9 @@ class _Round:
             if entry is not None:
                 end = self.reading.end(entry)
                 entry = None
-            self.deferred.append((time.monotonic() + LATER_S,
-                                  functools.partial(self.read, item, later.pos, end - later.pos)))
+            when = time.monotonic() + (LATER_S if later.delay is None else later.delay)
+            self.deferred.insert(bisect.bisect(self.deferred, when, key=_when),
+                                 (when, functools.partial(self.read, item, later.pos, end - later.pos)))
         finally:
             if entry is not None:
                 self.reading.end(entry)
@@ -210,7 +213,7 @@ class _Round:
         """A deferred range whose wait is over, else the next in order; popleft hands each to one thread."""
         with suppress(IndexError):
             if self.deferred[0][0] <= time.monotonic() or not self.queue:
-                when, task = self.deferred.popleft()
+                when, task = self.deferred.pop(0)
                 if when > time.monotonic():
                     time.sleep(when - time.monotonic())
                 return task
@@ -319,6 +322,10 @@ class _Reading:
         log.info("%s: bytes %d-%d stalled; reading %d-%d on another connection", item.relpath, nxt, end - 1,
                  mid, end - 1)
         return item, mid, end - mid
+
+
+def _when(deferred: tuple[float, Callable[[], None]]) -> float:
+    return deferred[0]
 
 
 def _finer(pieces: list[Piece], nodes: int, piece: int) -> list[Piece]:

@@ -27,6 +27,7 @@ from kubernetes.client import (
 )
 
 from weightcache.errors import ConfigError
+from weightcache.kube import kubeconfig_paths
 
 __all__ = ["ApiClient", "ApiException", "CoordinationV1Api", "CoreV1Api", "CustomObjectsApi", "V1DeleteOptions",
            "V1Preconditions", "VersionApi", "api_reason", "in_cluster", "load_api_client", "status_message"]
@@ -55,13 +56,6 @@ def in_cluster() -> bool:
     return bool(env.get("KUBERNETES_SERVICE_HOST") and env.get("KUBERNETES_SERVICE_PORT")) and token.is_file()
 
 
-def _kubeconfig_paths() -> list[Path]:
-    env = os.environ.get("KUBECONFIG")
-    if env:
-        return [Path(p).expanduser() for p in env.split(os.pathsep) if p]
-    return [Path("~/.kube/config").expanduser()]
-
-
 def load_api_client() -> ApiClient | None:
     """An ApiClient for the cluster this process belongs to, or None when no Kubernetes config exists."""
     config = kubernetes.client.Configuration()
@@ -69,7 +63,7 @@ def load_api_client() -> ApiClient | None:
         kubernetes.config.load_incluster_config(client_configuration=config)
         log.info("cluster mode: in-cluster service account, API server %s", config.host)
         return ApiClient(config)
-    paths = [p for p in _kubeconfig_paths() if p.is_file()]
+    paths = [p for p in kubeconfig_paths() if p.is_file()]
     if not paths:
         log.debug("no kubeconfig found; off-cluster mode")
         return None

@@ -36,6 +36,9 @@ Blob = str | OriginId
 _CONTENT_RANGE = re.compile(r"bytes ([0-9]{1,19})-([0-9]{1,19})/[0-9]{1,19}")
 PARTIAL_HEADER = "X-Weightcache-Partial"  # set on answers about a blob still being downloaded
 NOT_YET_HEADER = "X-Weightcache-Not-Yet"  # beside it on a 404: the peer is reading those bytes from the origin now
+RETRY_MS_HEADER = "X-Weightcache-Retry-Ms"  # beside that: when the peer expects the first of them journalled
+_RETRY_MS = re.compile(r"[0-9]{1,6}")
+_SHORT = re.compile(r"[0-9]{1,3}|[0-3][0-9]{3}")  # a Content-Length below 4,000
 
 
 class PeerRangeMissing(SourceError):
@@ -52,8 +55,13 @@ class PeerBlobGone(PeerRangeMissing):
 
 class PeerRangePending(PeerRangeMissing):
     """The peer is reading these bytes from the origin now (404 with X-Weightcache-Not-Yet): wait and ask again,
-    rather than read them from the origin a second time."""
+    rather than read them from the origin a second time; `retry_s`: when the peer expects them (untrusted: the
+    asker bounds it), None when it did not say."""
     answer = Answer(6, 502, "UNAVAILABLE")  # handled inside a fetch; this is what shows if one ever escapes
+
+    def __init__(self, message: str, retry_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_s = retry_s
 
 
 class PeerBusy(PeerRangeMissing):
@@ -148,16 +156,18 @@ class PeerClient:
             raise Retryable(f"{type(exc).__name__} from peer {self.url}") from exc
         finally:
             _asking.pace = None
+        if resp.status in (404, 429):  # answers, not faults: the connection serves the next ask (no handshake)
+            _reuse(resp, pace)
         if resp.status == 404 and not resp.headers.get(PARTIAL_HEADER):
-            resp.close()  # it held the blob (HEAD) and has it no more, or is moving its finished download to it
+            # it held the blob (HEAD) and has it no more, or is moving its finished download to it
             raise PeerBlobGone(f"peer {self.url} does not hold the blob now")
         if resp.status == 404:
-            resp.close()
             if resp.headers.get(NOT_YET_HEADER):
-                raise PeerRangePending(f"peer {self.url} is fetching bytes {pos}-{end - 1} from the origin now")
+                retry = _RETRY_MS.fullmatch(resp.headers.get(RETRY_MS_HEADER, ""))
+                raise PeerRangePending(f"peer {self.url} is fetching bytes {pos}-{end - 1} from the origin now",
+                                       int(retry[0]) / 1000 if retry else None)
             raise PeerRangeMissing(f"peer {self.url} has not downloaded bytes {pos}-{end - 1} yet")
         if resp.status == 429:
-            resp.close()
             raise PeerBusy(f"peer {self.url} is serving us all the streams it allows")
         m = _CONTENT_RANGE.fullmatch(resp.headers.get("Content-Range", "")) if resp.status == 206 else None
         if m is None or int(m[1]) != pos or not pos <= int(m[2]) < end:
@@ -186,6 +196,24 @@ class PeerClient:
 
     def close(self) -> None:
         self._pool.clear()
+
+
+def _reuse(resp: Any, pace: Pace | None) -> None:
+    """Read a short answer's body (at most 4 KiB, by its Content-Length) and give its connection back to the
+    pool; any other body closes the connection. A fleet polling its owners closed one connection per "not yet"
+    and opened a new one for the next ask. The range's Pace is finished first: the watchdog never shuts down a
+    connection that is the pool's again."""
+    if pace is not None:
+        pace.finish()
+    short = _SHORT.fullmatch(resp.headers.get("Content-Length", ""))
+    if (pace is not None and pace.was_cut) or not isinstance(resp, urllib3.HTTPResponse) or not short:
+        resp.close()
+        return
+    try:
+        resp.read(4000)
+        resp.release_conn()
+    except NETWORK_ERRORS:
+        resp.close()
 
 
 #: The rate floor of a range from a peer: after SLOW_GRACE_S it must have sent, on average since it was asked,

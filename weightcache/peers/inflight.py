@@ -35,9 +35,22 @@ class Claim:
     start: int
     end: int
     touched: float = field(default_factory=time.monotonic)
+    began: float = field(default_factory=time.monotonic)
+    got: int = 0  # bytes of it received so far (from `start`)
+    piece: int = 0  # the largest piece journalled at once: bytes are servable a piece at a time
 
-    def touch(self) -> None:
-        self.touched = time.monotonic()  # one float store: no lock needed under the GIL
+    def touch(self, n: int = 0) -> None:
+        self.got += n  # called by the one thread reading the claim; eta() reads a stale value at worst
+        self.touched = time.monotonic()
+
+    def eta(self, pos: int, now: float) -> float | None:
+        """Seconds until the piece holding byte `pos` is journalled, at the rate the claim has had; None before
+        its first bytes (no rate yet)."""
+        if self.got <= 0 or self.piece <= 0:
+            return None
+        done = self.start + ((pos - self.start) // self.piece + 1) * self.piece
+        missing = min(done, self.end) - (self.start + self.got)
+        return max(0.0, missing) / (self.got / max(now - self.began, 1e-3))
 
 
 class InFlight:
@@ -106,6 +119,15 @@ class InFlight:
     def release(self, claim: Claim) -> None:
         with self._lock:
             self._claims.remove(claim)
+
+    def eta(self, sha256: str, pos: int) -> float | None:
+        """Seconds until byte `pos` of the blob is journalled, by the claim covering it (None: unknown). Told to
+        an asker with "not yet", so that it asks again about then rather than every fraction of a second: a
+        fleet of N nodes following each other's ranges polled N^2 times per piece."""
+        now = time.monotonic()
+        with self._lock:
+            claim = next((c for c in self._claims if c.sha256 == sha256 and c.start <= pos < c.end), None)
+        return claim.eta(pos, now) if claim is not None else None
 
     def pending(self, sha256: str, pos: int) -> bool:
         """Byte `pos` of the blob is on its way from the origin: a claim covers it and gained a byte within

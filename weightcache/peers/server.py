@@ -39,7 +39,7 @@ from aiohttp import web
 
 from weightcache.download import PartialFile
 from weightcache.listener import ConnectionLimits, GuardedTCPSite
-from weightcache.peers.client import NOT_YET_HEADER, PARTIAL_HEADER
+from weightcache.peers.client import NOT_YET_HEADER, PARTIAL_HEADER, RETRY_MS_HEADER
 from weightcache.peers.identity import OriginId, record_matches
 from weightcache.peers.inflight import InFlight
 from weightcache.ratelimit import Limiter
@@ -214,7 +214,8 @@ class PeerServer:
             if request.method != "HEAD":
                 servable = await self._journalled(digest, partial, start, end)
                 if servable <= start:
-                    return _not_held(start, end, self.inflight is not None and self.inflight.pending(digest, start))
+                    pending = self.inflight.pending(digest, start)
+                    return _not_held(start, end, pending, self.inflight.eta(digest, start) if pending else None)
                 if servable < end:  # a shorter range than asked: the asker asks again for the rest
                     end, ranged = servable, True
                     headers["Content-Length"] = str(end - start)
@@ -330,11 +331,15 @@ class OriginRecords:
         return None
 
 
-def _not_held(start: int, end: int, pending: bool) -> web.Response:
+def _not_held(start: int, end: int, pending: bool, eta_s: float | None = None) -> web.Response:
     """404 with X-Weightcache-Partial; with X-Weightcache-Not-Yet too when the bytes are on their way here (a
-    claim that is moving): the asker waits and asks again rather than read them from the origin itself."""
+    claim that is moving): the asker waits and asks again rather than read them from the origin itself, about
+    when the claim's rate says the first piece is journalled (X-Weightcache-Retry-Ms) when it has a rate."""
     if pending:
-        return web.Response(status=404, headers={PARTIAL_HEADER: "1", NOT_YET_HEADER: "1"},
+        headers = {PARTIAL_HEADER: "1", NOT_YET_HEADER: "1"}
+        if eta_s is not None:
+            headers[RETRY_MS_HEADER] = str(min(int(eta_s * 1000), 999_999))
+        return web.Response(status=404, headers=headers,
                             text=f"bytes {start}-{end - 1} are being fetched by this node: ask again shortly\n")
     return web.Response(status=404, headers={PARTIAL_HEADER: "1"}, text=f"bytes {start}-{end - 1} not downloaded yet\n")
 

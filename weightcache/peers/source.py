@@ -65,16 +65,23 @@ class Later(Exception):
     that owns the range has yet to start): the fetch engine takes another range first and comes back. Raised only
     while the engine's `defer_while` test says the engine has other ranges to take."""
 
-    def __init__(self, pos: int) -> None:
+    def __init__(self, pos: int, delay: float | None = None) -> None:
         super().__init__(pos)
         self.pos = pos
+        self.delay = delay  # when to come back (the peer's estimate, bounded); None: the engine's default
+
+
 GRACE_S = 1.0  # how long a range of another node's first share waits for that node to start fetching it
-POLL_S = 0.05  # between asks while waiting
+POLL_S = 0.05  # between asks while waiting, when the peer gave no estimate of when the bytes come
+# a peer's "not yet" says when it expects the first piece (X-Weightcache-Retry-Ms); its word is bounded by these
+NOT_YET_MIN_S, NOT_YET_MAX_S = 0.05, 3.0
+NOT_YET_SLACK_S = 0.1  # the piece is journalled a little after its last byte came
 REASK_S = 0.25  # a peer that lacked a blob is asked again after this (nodes started together register late)
 BENCH_S = 1.0  # a peer cut as too slow is left out of the fetch this long, doubled each time, up to MAX_BENCH_S
 MAX_BENCH_S = 30.0
 PROVEN_BYTES = 4 << 20  # a peer cut as slow after sending this fetch this much is waited for, not the origin
 DOWN_S = 2.0  # a peer that failed, or sent nothing this long and was cut, is down this long (or its bench's)
+RELAY_FLOOR = SLOW_MIN_BYTES_S // 4  # the rate floor of a range from its owner while it fills the blob (_from_peer)
 PENDING_S = 15.0  # a range waits on peers ("not yet", a bench) at most this long without a byte of it
 BAN_S = 600.0  # a peer whose bytes the origin contradicts is not asked for this long; doubled per repeat offence
 MAX_BAN_S = 24 * 3600.0
@@ -304,6 +311,7 @@ class PeerSource(Source):
         outcome: dict[str, str] = {}  # peer -> what it last answered (the origin read's log line says why)
         while True:
             progressed, downloading, pending = False, False, False
+            retry_s: float | None = None  # when the peer reading these bytes expects them
             serving = self._serving_owner(obj.key, offset, end, name)  # the owner, or the next node in rank
             if serving != owner:
                 with self._lock:
@@ -330,8 +338,11 @@ class PeerSource(Source):
                     holders = [p for p in holders if p.url in (owner, after) or (name, p.url) not in self._downloading
                                or (name, p.url) in self._ahead]
             for peer in holders:
+                # the owner filling the blob with this node relays the range as its origin pieces land, to
+                # every node of the fleet at once: its link's share, not a trickle (below)
+                relay = peer.url == owner and (name, peer.url) in self._downloading
                 try:
-                    for at, view in self._from_peer(peer, obj.key, trusted[0], pos, end, buf, on_bytes):
+                    for at, view in self._from_peer(peer, obj.key, trusted[0], pos, end, buf, on_bytes, relay):
                         yield at, view
                         pos, progressed = at + len(view), True
                         self._moved[(obj.key, end)] = time.monotonic()
@@ -339,8 +350,10 @@ class PeerSource(Source):
                     outcome[peer.url] = "gone"
                     downloading = True  # no fault; probed again after REASK_S: it may serve the blob by then
                     self._drop_holder(name, peer)
-                except PeerRangePending:
+                except PeerRangePending as exc:
                     outcome[peer.url] = "not yet"
+                    if exc.retry_s is not None:
+                        retry_s = min(NOT_YET_MAX_S, max(NOT_YET_MIN_S, exc.retry_s + NOT_YET_SLACK_S))
                     with self._lock:
                         self._claimers.add((peer.url, name))
                     pending = downloading = True  # the peer reads these bytes from the origin now: wait for them
@@ -401,8 +414,8 @@ class PeerSource(Source):
                 self._why_origin(obj, pos, end, why)
                 break
             if self._may_defer():
-                raise Later(pos)  # another range may be ready now: this one's bytes are still on their way
-            time.sleep(POLL_S)
+                raise Later(pos, retry_s)  # another range may be ready now: this one's bytes are still on their way
+            time.sleep(POLL_S if retry_s is None else retry_s)
         yield from self._from_origin(obj, pos, end, buf, on_bytes, name)
 
     @staticmethod
@@ -498,7 +511,7 @@ class PeerSource(Source):
 
         def arrived(n: int) -> None:
             if claim is not None:
-                claim.touch()  # the claim moves: peers asking for it are told "not yet", not "go elsewhere"
+                claim.touch(n)  # the claim moves: peers asking for it are told "not yet", not "go elsewhere"
             if on_bytes is not None:
                 on_bytes(n)
 
@@ -511,6 +524,8 @@ class PeerSource(Source):
                     self._blame(obj.key, at, view)
                     if sha256:  # this node's peer server may relay these bytes while the download goes on
                         self._inflight.from_origin(sha256, at, at + len(view))
+                    if claim is not None:
+                        claim.piece = max(claim.piece, len(view))
                     yield at, view
         finally:
             if claim is not None:
@@ -580,13 +595,16 @@ class PeerSource(Source):
             self._holders[sha256] = (asked, [p for p in known if p is not peer])
 
     def _from_peer(self, peer: PeerClient, key: str, sha256: Blob, pos: int, end: int, buf: memoryview,
-                   on_bytes: OnBytes | None) -> Pieces:
+                   on_bytes: OnBytes | None, relay: bool = False) -> Pieces:
         """Yield pieces of [pos, end), or of the shorter span a peer still downloading the blob serves, from one
         peer. One attempt: a failure raises SourceError and the caller goes on with the bytes not yet yielded;
-        PeerTooSlow when the watchdog cut a range below its rate floor (client.Pace)."""
+        PeerTooSlow when the watchdog cut a range below its rate floor (client.Pace). `relay`: the peer is the
+        range's owner filling the blob with this node: its floor is RELAY_FLOOR (a fleet of N shares its link N
+        ways; before the fetch had an origin rate its floor was 1 MiB/s, and at N = 16 on 1 MB/s links every
+        relay was cut, 230-360 times a fill, each a new connection and its bytes on the wire lost)."""
         with self._lock:
             flow = self._flows.setdefault(peer.url, PeerFlow())
-        pace = Pace(end - pos, self._floor(), flow=flow)
+        pace = Pace(end - pos, min(self._floor(), RELAY_FLOOR) if relay else self._floor(), flow=flow)
         WATCHDOG.watch(pace)
         try:
             yield from self._paced(peer, key, sha256, pos, end, buf, on_bytes, pace)
