@@ -4,10 +4,14 @@ every link limited with `tc` both ways, an S3 origin (moto) in its own namespace
 Root only (it makes namespaces, veth pairs, a bridge and tc qdiscs, and removes them all on exit, Ctrl-C included):
 
     sudo .venv/bin/python scripts/bench_fleet_netns.py [--nodes 8,16] [--model-mb 256] [--shards 4]
-        [--origin-mbps 20] [--link-mbps 20] [--json] [--keep-logs DIR] [--faults]
+        [--origin-mbps 20] [--link-mbps 20] [--json] [--keep-logs DIR] [--faults] [--liar]
+
+The defaults (16 nodes, 32 MB, 1 MB/s links, 256 KiB pieces) keep the links, not the 2 cores of a small machine,
+the bottleneck: at 256 MB and 20 MB/s the 16 daemons needed more CPU than 2 cores have (docs/peers.md).
 
 `--faults` (`fault_roles`): every third node killed -9 mid-fill, one cut off for a while, one asked late (from
-N = 4), and from N = 6 n0 a lying peer (`make_liar`: it holds the model with one byte flipped in every piece);
+N = 4), the origin answering 503 SlowDown for OUTAGE_S (a fault proxy, tests/faultproxy.py, in the origin's
+namespace). `--liar`: n0 a lying peer (`make_liar`: it holds the model with one byte flipped in every piece);
 the row adds `lies_caught`, the pieces each node took from the liar (its `that the origin contradicts` lines).
 
 The net (addresses in 10.77.0.0/16, bridge `wcfbr0`, namespaces `wcf-origin` and `wcf-n<i>`):
@@ -202,9 +206,10 @@ def stop_all(daemons: list[Daemon]) -> None:
     for d in daemons:
         if d.proc.poll() is None:
             d.proc.terminate()
+    deadline = time.monotonic() + 20  # for all of them: a daemon stuck in a fetch costs 20 s once, not each
     for d in daemons:
         try:
-            d.proc.wait(20)
+            d.proc.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             d.proc.kill()
             d.proc.wait()
@@ -213,15 +218,19 @@ def stop_all(daemons: list[Daemon]) -> None:
 KILL_AT_S = 3.0  # --faults: a third of the nodes are killed (SIGKILL) this far into the fill
 CUT_AT_S, CUT_FOR_S = 4.0, 10.0  # one node's link drops every packet (netem loss 100%) for a while
 LATE_S = 6.0  # one node is asked for the model this much later than the others
-OUTAGE_S = 10.0  # from CUT_AT_S the origin answers every request 503 SlowDown this long
+OUTAGE_S = 10.0  # from the fill's start the origin answers every request 503 SlowDown this long
 PROXY_PORT = 5001  # --faults: the daemons reach moto through a fault proxy (tests/faultproxy.py) in its namespace
 OUTAGE_PROXY = """
 import signal, sys, threading
 from tests.faultproxy import FaultProxy
 proxy = FaultProxy(sys.argv[1], sys.argv[2], int(sys.argv[3]))
 def outage(*_):
-    proxy.add("status", status=503, code="SlowDown", count=-1)
-    threading.Timer(float(sys.argv[4]), proxy.clear).start()
+    fault = proxy.add("status", status=503, code="SlowDown", count=-1)
+    def over():
+        proxy.clear()
+        with open(sys.argv[5], "w") as f:
+            f.write(str(fault.fired))
+    threading.Timer(float(sys.argv[4]), over).start()
 signal.signal(signal.SIGUSR1, outage)
 print("ready", flush=True)
 while True:
@@ -229,15 +238,16 @@ while True:
 """
 
 
-def fault_roles(n: int) -> dict[int, str]:
-    """Which node suffers what: every third from n1 killed, then one cut off, the last one late."""
-    roles = dict.fromkeys(range(1, n, 3), "killed")
+def fault_roles(n: int, faults: bool, liar: bool) -> dict[int, str]:
+    """Which node suffers what: every third from n1 killed, then one cut off, the last one late (`faults`);
+    n0 a liar (`liar`)."""
+    roles = dict.fromkeys(range(1, n, 3), "killed") if faults else {}
     rest = [i for i in range(n) if i not in roles]
-    if len(rest) >= 3:
+    if faults and len(rest) >= 3:
         roles[rest[-2]] = "cut"
         roles[rest[-1]] = "late"
-    if len(rest) >= 4:
-        roles[rest[0]] = "liar"
+    if liar and n >= 2:
+        roles[0] = "liar"
     return roles
 
 
@@ -257,6 +267,8 @@ def make_liar(d: Daemon, uri: str, home: Path, chunk: int) -> None:
 
 def inject(net: Net, daemons: list[Daemon], roles: dict[int, str], outage: subprocess.Popen[bytes] | None) -> None:
     started = time.monotonic()
+    if outage is not None:  # the proxy answers 503 from the start for OUTAGE_S: every first list, HEAD and GET
+        outage.send_signal(signal.SIGUSR1)
     time.sleep(KILL_AT_S)
     for d in daemons:
         if roles.get(d.index) == "killed":
@@ -267,8 +279,6 @@ def inject(net: Net, daemons: list[Daemon], roles: dict[int, str], outage: subpr
         loss = ("netem", "loss", "100%")
         sh("ip", "netns", "exec", PREFIX + name, "tc", "qdisc", "replace", "dev", "eth0", "root", *loss)
         sh("tc", "qdisc", "replace", "dev", f"wcfh-{name}", "root", *loss)
-    if outage is not None:  # the proxy answers 503 from now for OUTAGE_S
-        outage.send_signal(signal.SIGUSR1)
     time.sleep(CUT_FOR_S)
     for name in cut:  # back: it finishes its own fetch from whoever has the model by then
         net.limit_both(name, net.link_mbps)
@@ -299,7 +309,7 @@ def fill(net: Net, n: int, work: Path, args: argparse.Namespace, model: int) -> 
     try:
         wait_answering(daemons)
         uri = f"s3://{BUCKET}/model/"
-        roles = fault_roles(n) if args.faults else {}
+        roles = fault_roles(n, args.faults, args.liar)
         for d in daemons:
             if roles.get(d.index) == "liar":
                 make_liar(d, uri, run_dir / f"n{d.index}", parse_size(args.chunk_size, "--chunk-size"))
@@ -317,10 +327,13 @@ def fill(net: Net, n: int, work: Path, args: argparse.Namespace, model: int) -> 
                 d.error = f"{type(exc).__name__}: {exc}"
             d.ready_s = time.monotonic() - started
 
-        with ThreadPoolExecutor(n + 1) as pool:
+        pool = ThreadPoolExecutor(n + 1)
+        try:
             if roles:
                 pool.submit(inject, net, daemons, roles, args.outage if n > 1 else None)
             list(pool.map(one, daemons))
+        finally:  # Ctrl-C or SIGTERM: on to stopping the daemons (their asks then end), not waiting for them
+            pool.shutdown(wait=False, cancel_futures=True)
         egress = tx_bytes(PREFIX + "origin", "eth0") - sent_before
         for d in daemons:
             if roles.get(d.index) == "killed":
@@ -367,6 +380,8 @@ def fill(net: Net, n: int, work: Path, args: argparse.Namespace, model: int) -> 
         "origin_why": {k[4:]: round(sum(d.stats.get(k, 0.0) for d in daemons) / model, 3)
                        for k in sorted({k for d in daemons for k in d.stats if k.startswith("why:")})},
         "errors": [f"n{d.index}: {d.error}" for d in daemons if d.error],
+        # --faults: requests the origin answered 503 during its outage (0: none came then)
+        "origin_503s": int(outage_log.read_text()) if (outage_log := work / "503s").exists() else None,
     }
 
 
@@ -402,7 +417,8 @@ def origin(net: Net, work: Path, args: argparse.Namespace) -> Iterator[int]:
         if args.faults:  # the daemons reach moto through the fault proxy, which `inject` turns to 503 a while
             env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
             args.outage = subprocess.Popen(["ip", "netns", "exec", ns, PY, "-c", OUTAGE_PROXY, f"http://{ORIGIN_IP}:5000",
-                                            ORIGIN_IP, str(PROXY_PORT), str(OUTAGE_S)], stdout=subprocess.PIPE, env=env)
+                                            ORIGIN_IP, str(PROXY_PORT), str(OUTAGE_S), str(work / "503s")],
+                                           stdout=subprocess.PIPE, env=env)
             assert args.outage.stdout is not None
             if args.outage.stdout.readline().strip() != b"ready":
                 raise RuntimeError("the origin's fault proxy did not start")
@@ -424,9 +440,11 @@ def print_row(row: dict[str, Any], one: float) -> None:
     print(f"  served MB: {' '.join(f'{x:.0f}' for x in row['served_mb'])}")
     print(f"  origin by why (x the model): {', '.join(f'{k} {v:.2f}' for k, v in row['origin_why'].items())}")
     if row["faults"]:
-        print(f"  faults:    {' '.join(f'{k}={v}' for k, v in row['faults'].items())} (origin: its veth's bytes, "
-              f"the liar's own fill before the row not counted)")
-        print(f"  lies caught (pieces from the liar, then banned): {' '.join(str(x) for x in row['lies_caught'])}")
+        liar = ", the liar's own fill before the row not counted" if "liar" in row["faults"].values() else ""
+        print(f"  faults:    {' '.join(f'{k}={v}' for k, v in row['faults'].items())} (origin: its veth's bytes"
+              f"{liar})")
+        print(f"  lies caught (pieces from the liar, then banned): {' '.join(str(x) for x in row['lies_caught'])}; "
+              f"origin 503s: {row['origin_503s']}")
     for e in row["errors"]:
         print(f"  FAILED {e}")
 
@@ -440,13 +458,14 @@ def main() -> int:
                         help="the daemons' chunkSize: a fleet's ranges are 4 pieces of min(1 MiB, this) or more")
     parser.add_argument("--origin-mbps", type=float, default=1.0, help="the origin's link, MB/s each way")
     parser.add_argument("--link-mbps", type=float, default=1.0, help="each node's link, MB/s each way")
+    parser.add_argument("--liar", action="store_true",
+                        help="n0 holds the model with a byte flipped in every piece (a lying peer)")
     parser.add_argument("--json", action="store_true", help="print one JSON summary (the last N's row)")
     parser.add_argument("--keep-logs", metavar="DIR", help="copy every daemon's log here")
     parser.add_argument("--faults", action="store_true",
                         help=f"every third node killed -9 at {KILL_AT_S:g} s, one node's link at 100%% loss from "
-                             f"{CUT_AT_S:g} s for {CUT_FOR_S:g} s, the origin answering 503 from {CUT_AT_S:g} s for "
-                             f"{OUTAGE_S:g} s, one node asked {LATE_S:g} s late, one node (n0) "
-                             "holding the model with a byte flipped in every piece (a lying peer)")
+                             f"{CUT_AT_S:g} s for {CUT_FOR_S:g} s, the origin answering 503 from 0 s for "
+                             f"{OUTAGE_S:g} s, one node asked {LATE_S:g} s late")
     args = parser.parse_args()
     if os.geteuid() != 0 or not shutil.which("tc") or not shutil.which("ip"):
         print("bench_fleet_netns: needs root and iproute2 (ip, tc): it makes namespaces, veths and qdiscs",

@@ -17,6 +17,7 @@ import pytest
 from tests.faultproxy import FaultProxy
 from tests.fixtures_s3 import S3
 from tests.sample import make_model
+from weightcache import retry
 from weightcache.errors import (
     ObjectChangedError,
     RetriesExceededError,
@@ -254,15 +255,36 @@ def test_retries_run_out_with_the_last_exception(s3: S3, fault_proxy: FaultProxy
     s3.put("models", "m/w.bin", DATA)
     src = source(fault_proxy.endpoint_url, max_attempts=3)
     obj = listed(src, "w.bin")
-    fault_proxy.add("slowdown", method="GET", ranged_only=True, count=-1)
+    fault_proxy.add("status", method="GET", ranged_only=True, count=-1, status=500, code="InternalError")
 
-    with pytest.raises(RetriesExceededError, match=r"failed 3 times, last: SlowDown \(HTTP 503\)") as info:
+    with pytest.raises(RetriesExceededError, match=r"failed 3 times, last: InternalError \(HTTP 500\)") as info:
         src.read_into(obj, 0, memoryview(bytearray(10)))
 
     last = info.value.last_exception
     assert isinstance(last, botocore.exceptions.ClientError)
-    assert last.response["Error"]["Code"] == "SlowDown"
+    assert last.response["Error"]["Code"] == "InternalError"
     assert len(fault_proxy.requests_for("GET", "/models/m/w.bin")) == 3
+
+
+def test_a_store_asking_to_slow_down_is_retried_for_a_while_not_for_a_few_attempts(
+        s3: S3, fault_proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch) -> None:
+    """503 SlowDown is the store throttling the client: retried for THROTTLED_S whatever the attempts (a fleet
+    starting behind an origin that throttled it for 10 s failed every fetch at its listing, 5 attempts in under
+    3 s), then given up with the last exception."""
+    s3.put("models", "m/w.bin", DATA)
+    src = source(fault_proxy.endpoint_url, max_attempts=3)
+    obj = listed(src, "w.bin")
+    fault_proxy.add("slowdown", method="GET", ranged_only=True, count=8)
+    buf = memoryview(bytearray(10))
+    src.read_into(obj, 0, buf)  # 8 refusals, then the bytes: more than max_attempts
+    assert bytes(buf) == DATA[:10]
+    assert len(fault_proxy.requests_for("GET", "/models/m/w.bin")) == 9
+
+    monkeypatch.setattr(retry, "THROTTLED_S", 0.3)
+    fault_proxy.add("slowdown", method="GET", ranged_only=True, count=-1)
+    with pytest.raises(RetriesExceededError, match=r"last: SlowDown \(HTTP 503\)") as info:
+        src.read_into(obj, 0, buf)
+    assert info.value.last_exception.response["Error"]["Code"] == "SlowDown"
 
 
 def test_listing_is_retried_too(s3: S3, fault_proxy: FaultProxy) -> None:

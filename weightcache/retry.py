@@ -25,6 +25,10 @@ T = TypeVar("T")
 MAX_BACKOFF = 10.0  # seconds; also the cap on a server's Retry-After
 DEFAULT_ATTEMPTS = 5
 DEFAULT_BACKOFF = 0.2  # the first pause's upper bound; doubles per failure
+# a store answering "slow down" (S3 503 SlowDown, 429) is retried this long from its first such answer, whatever
+# the attempts: 5 attempts took under 3 s, and a fleet starting behind an origin throttling it for 10 s failed
+# every fetch at its listing (scripts/bench_fleet_netns.py --faults)
+THROTTLED_S = 60.0
 
 
 #: A range's first byte may take this long per byte asked for, beyond the per-read timeout: some origins copy
@@ -51,10 +55,11 @@ def body_timeout(resp: object, seconds: float) -> None:
 class Retryable(Exception):
     """A failure worth another attempt; the backend's exception is chained as the cause."""
 
-    def __init__(self, reason: str, retry_after: float | None = None) -> None:
+    def __init__(self, reason: str, retry_after: float | None = None, *, throttled: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
         self.retry_after = retry_after
+        self.throttled = throttled  # the server asked us to slow down (THROTTLED_S)
 
 
 class PartialRead(Retryable):
@@ -83,12 +88,18 @@ class Retry:
     backoff: float = DEFAULT_BACKOFF
     cancel: threading.Event | None = field(default=None, repr=False)
     failures: int = 0
+    throttled_since: float | None = None  # the first "slow down" answer: throttled failures count by time
 
     def failed(self, err: Retryable) -> None:
-        """Count `err`; wait before the next attempt, or raise RetriesExceededError when none is left."""
+        """Count `err`; wait before the next attempt, or raise RetriesExceededError when none is left (a
+        throttled failure: when THROTTLED_S have passed since the first)."""
         self.failures += 1
         cause = err.__cause__ or err
-        if self.failures >= self.max_attempts:
+        if err.throttled and self.throttled_since is None:
+            self.throttled_since = time.monotonic()
+        throttled_for = time.monotonic() - self.throttled_since if err.throttled and self.throttled_since else None
+        if (self.failures >= self.max_attempts and throttled_for is None) or \
+                (throttled_for is not None and throttled_for >= THROTTLED_S):
             raise RetriesExceededError(
                 f"{self.what} failed {self.failures} times, last: {err.reason}; check the network and the object "
                 "store, then fetch again (finished ranges are kept)", cause) from cause

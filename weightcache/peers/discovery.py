@@ -16,7 +16,6 @@ from typing import Any
 import urllib3
 
 from weightcache.errors import ConfigError
-from weightcache.kube.client import ApiException, CustomObjectsApi
 from weightcache.peers.client import peer_base_url
 from weightcache.peers.source import PeerSet
 from weightcache.vocabulary import GROUP, MODELCACHENODES, VERSION
@@ -47,6 +46,9 @@ def advertised_url(host: str, port: int, env: Mapping[str, str]) -> str | None:
 def discover(api_client: Any, node_name: str) -> list[str] | None:
     """Peer URLs of the other nodes' daemons, from the ModelCacheNodes; None when the API could not be read
     (keep the peers known so far). Blocking."""
+    # here, not at the top: `advertised_url` serves every daemon, and off-cluster the client is never imported
+    from weightcache.kube.client import ApiException, CustomObjectsApi
+
     custom = CustomObjectsApi(api_client)
     try:
         listing = custom.list_cluster_custom_object(GROUP, VERSION, MODELCACHENODES)

@@ -105,6 +105,9 @@ RETRYABLE = frozenset({
     "SlowDown", "Throttling", "ThrottlingException", "TooManyRequests", "RequestLimitExceeded",
     "RequestTimeout", "InternalError", "ServiceUnavailable",
 })
+#: Of those, the store asking the client to slow down: retried for THROTTLED_S, not DEFAULT_ATTEMPTS (retry.py).
+THROTTLING = frozenset({"SlowDown", "Throttling", "ThrottlingException", "TooManyRequests", "RequestLimitExceeded",
+                        "ServiceUnavailable", "503", "429"})
 #: Transport failures worth another attempt (botocore wraps most; raw body reads raise the rest).
 NETWORK_ERRORS = (
     botocore.exceptions.ConnectionError,  # refused, DNS failure (EndpointConnectionError), connect timeout
@@ -373,7 +376,8 @@ def translate(exc: botocore.exceptions.ClientError | botocore.exceptions.NoCrede
     code = str(exc.response.get("Error", {}).get("Code") or status)
     if code in RETRYABLE or status == 429 or status >= 500:
         retry_after = meta.get("HTTPHeaders", {}).get("retry-after", "")
-        return Retryable(f"{code} (HTTP {status})", ascii_int(retry_after))
+        return Retryable(f"{code} (HTTP {status})", ascii_int(retry_after),
+                         throttled=code in THROTTLING or status in (429, 503))
     cls, hint = ERRORS.get(code) or ERRORS.get(str(status)) or (SourceError, "see the chained cause")
     err = cls(f"{what}: {code} (HTTP {status}); {hint.format(uri=uri)}")
     err.__cause__ = exc
