@@ -78,7 +78,6 @@ log = logging.getLogger(__name__)
 
 # The free-space floor (weightcache.defaults): the store never fills its filesystem past it, and gives space back
 # down to it at start. The store usually shares its disk with the pods, so kubelet's eviction threshold matters.
-DEFAULT_MIN_FREE_PERCENT = defaults.MIN_FREE_PERCENT
 DEFAULT_MIN_FREE_BYTES = defaults.MIN_FREE_BYTES
 RESERVE_BYTES = 4 << 20  # preallocated; released when a full disk refuses an index write, so eviction can finish
 
