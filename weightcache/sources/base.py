@@ -238,7 +238,7 @@ def stream_range(open_range: Opener, offset: int, length: int, buf: memoryview, 
     """
     pos, end = offset, offset + length
     resp = None
-    reads = _Reads()
+    reads = None
     try:
         while pos < end:
             view = buf[:min(len(buf), end - pos)]
@@ -248,7 +248,7 @@ def stream_range(open_range: Opener, offset: int, length: int, buf: memoryview, 
             try:
                 if resp is None:
                     resp = open_range(pos, end)
-                    reads = _Reads()
+                    reads = _Reads(resp)
                 got = _readinto_all(resp, view, told, reads)
                 if got < len(view):
                     raise Retryable(f"short body: {end - pos - got} bytes missing")
@@ -300,18 +300,20 @@ SLICE_FAST_BPS = 4 * READ_SLICE_MAX
 
 
 class _Reads:
-    """The size of a response's next readinto, kept from one piece to the next: started over at each piece, a
-    1 MiB piece took four reads (128, 256, 512 and 128 KiB), each a Python frame, a progress call and a GIL
-    hand-over, where one does once the body has shown it is fast."""
+    """How a response is read, kept from one piece to the next: its readinto (body_readinto looks at the headers)
+    and the size of the next read (started over at each piece, a 1 MiB piece took four reads, 128, 256, 512 and
+    128 KiB, each a Python frame, a progress call and a GIL hand-over, where one does once the body is fast)."""
 
-    size = READ_SLICE
+    def __init__(self, resp: Any) -> None:
+        self.readinto = body_readinto(resp)
+        self.size = READ_SLICE
 
 
 def _readinto_all(resp: Any, view: memoryview, on_bytes: OnBytes | None = None, reads: _Reads | None = None) -> int:
     """Fill `view` from the body until it is full or the body ends; PartialRead(done) on a failure."""
-    readinto = body_readinto(resp)
+    reads = reads or _Reads(resp)
+    readinto = reads.readinto
     done = 0
-    reads = reads or _Reads()
     size = reads.size
     while done < len(view):
         started = time.monotonic()
