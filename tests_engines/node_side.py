@@ -11,6 +11,11 @@ does not have): what the daemon would do for a pod, done by its own classes, hel
         `release` line on stdin, so a pod's loader starts on a view that is still filling. Prints {"view": ...}
         at once, {"holding": <relpath>} when the last shard is verified and held, {"complete": true} once the
         snapshot is published and the view says so.
+    python tests_engines/node_side.py report DIRECTORY ENGINE FIRST
+        What the CSI plugin tells of the engine report at the root of DIRECTORY (weightcache/csi/telemetry.py, the
+        code NodeGetVolumeStats runs on a pod's engine-cache volume), for a pod whose first publish was at FIRST
+        (Unix seconds): prints {"events": [[reason, type, message], ...], "stages": [[stage, seconds], ...],
+        "compile": [[engine, result], ...]}.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from pathlib import Path
 
 from weightcache.access import ADMIN, Authority
 from weightcache.csi.stream import StreamFill
+from weightcache.csi.telemetry import Pod, PodTelemetry
 from weightcache.fetch import DurableFile, Fetcher
 from weightcache.memory import MemoryTier
 from weightcache.store import Store, StreamViews
@@ -70,11 +76,22 @@ def stream(source: Path, store_root: Path, volume_id: str) -> None:
     say({"complete": fill.complete(snapshot)})
 
 
+def report(directory: str, engine: str, first: float) -> None:
+    told: dict[str, list[list[object]]] = {"events": [], "stages": [], "compile": []}
+    telemetry = PodTelemetry(observe_stage=lambda stage, seconds, _: told["stages"].append([stage, seconds]),
+                             pod_event=lambda _, reason, message, kind: told["events"].append([reason, kind, message]),
+                             observe_compile=lambda name, result: told["compile"].append([name, result]))
+    telemetry.engine_volume(Pod("ml", "pod", "uid"), engine, directory, first)
+    say(told)
+
+
 if __name__ == "__main__":
     command, args = sys.argv[1], sys.argv[2:]
     if command == "hold":
         hold(Path(args[0]), args[1], args[2], args[3] if len(args) > 3 else None)
     elif command == "stream":
         stream(Path(args[0]), Path(args[1]), args[2])
+    elif command == "report":
+        report(args[0], args[1], float(args[2]))
     else:
-        raise SystemExit(f"unknown command {command!r}: hold or stream")
+        raise SystemExit(f"unknown command {command!r}: hold, stream or report")
