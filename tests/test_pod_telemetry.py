@@ -226,3 +226,15 @@ def test_a_hostile_report_costs_only_itself(tmp_path: Path) -> None:
     assert engine_report.parse(report({}, result="hit", key="../x")).compile == engine_report.CompileOutcome("hit")
     with pytest.raises(ValueError, match="not JSON"):
         engine_report.parse(b"[" * 3000)
+
+
+def test_an_incompatible_cache_is_a_warning_even_when_vllm_names_no_cache_dir(tmp_path: Path) -> None:
+    """vLLM's CPU build keeps its compile cache in inductor's directory alone, so the report's `handed` (vLLM's own
+    torch_compile_cache dirs) is empty although a cache was handed over: incompatible is still a Warning
+    (tests_engines/test_vllm_compile_cache.py found it a Normal Event from a real vLLM start)."""
+    told: list[tuple[str, str]] = []
+    t = PodTelemetry(pod_event=lambda pod, reason, message, kind: told.append((reason, kind)), clock=lambda: 1010.0)
+    (tmp_path / ENGINE_REPORT).write_bytes(report({}, result="incompatible", key="0123456789abcdef", handed=[],
+                                                  written=3))
+    t.engine_volume(Pod(NS, "p", "u"), VLLM, str(tmp_path), 1000.0)
+    assert told == [("EngineCacheIncompatible", "Warning")]

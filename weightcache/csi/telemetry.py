@@ -175,7 +175,9 @@ class PodTelemetry:
             message += f"; name it {engine}-{outcome.key} to key the cache by these compile settings"
         logger.info("pod=%s engine_cache=%s result=%s key=%s dir=%s handed=%s written=%d", pod, engine,
                     outcome.result, outcome.key, outcome.dir, handed, outcome.written)
-        quiet = outcome.result == COMPILE_HIT or not outcome.handed  # a first pod's compile is no surprise
+        # a first pod's compile is no surprise; an incompatible cache always is: it means one was handed over (on
+        # vLLM's CPU build the handed cache is inductor's alone, so `handed`, vLLM's own cache dirs, stays empty)
+        quiet = outcome.result == COMPILE_HIT or (outcome.result != COMPILE_INCOMPATIBLE and not outcome.handed)
         self._event(pod, COMPILE_REASONS[outcome.result], message, "Normal" if quiet else "Warning")
 
     def _event(self, pod: Pod, reason: str, message: str, kind: str) -> None:
