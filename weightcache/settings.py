@@ -50,20 +50,54 @@ class Key:
     parse: Callable[[Any, str], Any]  # (value, the key's name for errors) -> the field's value; raises ConfigError
     schema: Mapping[str, Any]
     env: str | None = None
-    flag: str | None = None  # as docs/config.md shows it
+    flag: Flag | None = None
     live: bool = False
     shown: str | None = None  # the default's cell in docs/config.md (markdown), where the value says too little
 
 
+@dataclass(frozen=True)
+class Flag:
+    """A key's command-line flag. `weightcache daemon` declares one for each (weightcache/daemon/command.py), and
+    hands its text to the key's parser, as it does the key's environment variable."""
+
+    name: str  # --peer-listen
+    metavar: str | None = None
+    repeat: bool = False  # each use adds one value (--peer URL --peer URL)
+    switch: bool = False  # takes no value and means `true`
+    daemon: bool = True  # False: only the direct CLI's fetch commands take it (cli.py)
+
+    def __str__(self) -> str:
+        """Its cell in docs/config.md."""
+        if self.repeat:
+            return f"`{self.name} {self.metavar}` (repeatable)"
+        return f"`{self.name}`" + (" (= `true`)" if self.switch else "" if self.daemon else " (CLI)")
+
+
 def setting(default: Any, name: str, parse: Callable[[Any, str], Any], schema: Mapping[str, Any], *,
-            env: str | None = None, flag: str | None = None, live: bool = False, shown: str | None = None) -> Any:
-    """A settings field that a config key fills (see `Key`)."""
+            env: str | None = None, flag: str | Flag | None = None, live: bool = False,
+            shown: str | None = None) -> Any:
+    """A settings field that a config key fills (see `Key`); `flag`: a Flag, or its name."""
+    flag = Flag(flag) if isinstance(flag, str) else flag
     return field(default=default, metadata={"key": Key(name, parse, schema, env, flag, live, shown)})
 
 
 def keys_of(group: Any) -> list[tuple[str, Key]]:
     """(attribute, Key) of each of a settings group's fields that a config key fills, in definition order."""
     return [(f.name, f.metadata["key"]) for f in fields(group) if "key" in f.metadata]
+
+
+def docs_of(group: type) -> dict[str, str]:
+    """Each field's docstring (the string right after its annotated assignment), whitespace folded: the key's
+    documentation, read from the source (docs/config.md's tables and the daemon's --help show it)."""
+    import ast
+    import inspect
+
+    body = ast.parse(inspect.getsource(group)).body[0]
+    assert isinstance(body, ast.ClassDef)
+    return {stmt.target.id: " ".join(after.value.value.split())
+            for stmt, after in zip(body.body, body.body[1:], strict=False)
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)}
 
 
 def parse_group(group: Callable[..., T], raw: Mapping[str, Any]) -> T:
@@ -154,11 +188,13 @@ class FetchSettings:
     piece per worker. Requests ask for whole chunks: about two per worker, but 4 (64 MiB by default) or more as
     long as every worker gets one, at most 256 MiB."""
     connect_timeout: float = setting(defaults.CONNECT_TIMEOUT, "connectTimeout", seconds, SECONDS,
-                                     env="WEIGHTCACHE_CONNECT_TIMEOUT", flag="`--connect-timeout` (CLI)")
+                                     env="WEIGHTCACHE_CONNECT_TIMEOUT",
+                                     flag=Flag("--connect-timeout", "SECONDS", daemon=False))
     """Seconds to open a connection to a model source (S3, http). A refused or timed-out connection is retried
     like throttling and 5xx: 5 attempts with backoff, then exit 6 / HTTP 502."""
     read_timeout: float = setting(defaults.READ_TIMEOUT, "readTimeout", seconds, SECONDS,
-                                  env="WEIGHTCACHE_READ_TIMEOUT", flag="`--read-timeout` (CLI)")
+                                  env="WEIGHTCACHE_READ_TIMEOUT",
+                                  flag=Flag("--read-timeout", "SECONDS", daemon=False))
     """Seconds a model source may stay silent on an open connection before the request is retried. With the
     defaults a blackholed endpoint fails in under 60 s."""
     endpoints: tuple[tuple[str, str], ...] = setting((), "endpoints", _endpoints, {

@@ -32,6 +32,7 @@ from weightcache.settings import (
     URL,
     WHOLE,
     FetchSettings,
+    Flag,
     Key,
     boolean,
     keys_of,
@@ -214,7 +215,7 @@ def _bytes_per_second(value: Any, what: str) -> tuple[tuple[str, int], ...]:
 class StoreSettings:
     """The store on the node's disk (docs/store.md) and how much of the disk the cache may use."""
 
-    root: Path = setting(defaults.ROOT, "root", _path, PATH, env="WEIGHTCACHE_ROOT", flag="`--root`")
+    root: Path = setting(defaults.ROOT, "root", _path, PATH, env="WEIGHTCACHE_ROOT", flag="--root")
     """Store root: blobs, snapshots, index (layout in `docs/store.md`). Put it on the node's NVMe."""
     disk_budget: int | None = setting(None, "diskBudget", parse_size, SIZE, env="WEIGHTCACHE_DISK_BUDGET",
                                       live=True, shown="none (the disk)")
@@ -304,7 +305,7 @@ class ModelSettings:
 class ApiSettings:
     """Where the daemon's API listens and who may use it (docs/authorization.md)."""
 
-    socket: Path = setting(defaults.SOCKET, "socket", _path, PATH, env="WEIGHTCACHE_SOCKET", flag="`--socket`")
+    socket: Path = setting(defaults.SOCKET, "socket", _path, PATH, env="WEIGHTCACHE_SOCKET", flag="--socket")
     """The API's Unix socket (mode 0660). The CLI uses the daemon when this socket exists. Every request on it is
     checked against the connecting process's kernel credentials (SO_PEERCRED, weightcache/unixsock.py): root
     (uid 0), the daemon's own uid, and members of `socketGroup` are admitted; anyone else (a process of group 0
@@ -328,7 +329,8 @@ class ApiSettings:
     connection idle between requests closes after 15 s, and what it refuses is logged at most every 10 s
     (weightcache/listener.py; `scripts/bench_listener.py` measures a slowloris against it)."""
     metrics_listen: tuple[str, int] | None = setting(None, "metricsListen", _host_port, _HOST_PORT,
-                                                     env="WEIGHTCACHE_METRICS_LISTEN", flag="`--metrics-listen`")
+                                                     env="WEIGHTCACHE_METRICS_LISTEN",
+                                                     flag=Flag("--metrics-listen", "HOST:PORT"))
     """`HOST:PORT` (`[::]:9478` for IPv6) of a second TCP listener that serves only `GET /metrics`, without a
     token: every other path is 404, every other method 405, so Prometheus needs no admin credential. The
     DaemonSet uses `0.0.0.0:9478`; `deploy/components/prometheus` scrapes it."""
@@ -339,19 +341,19 @@ class PeerSettings:
     """Fleet fill: this node's daemon and its peers serve each other verified blobs (docs/peers.md)."""
 
     listen: tuple[str, int] | None = setting(None, "peerListen", _host_port, _HOST_PORT,
-                                             env="WEIGHTCACHE_PEER_LISTEN", flag="`--peer-listen`",
+                                             env="WEIGHTCACHE_PEER_LISTEN", flag=Flag("--peer-listen", "HOST:PORT"),
                                              shown="none (not served)")
     """`HOST:PORT` serving this node's verified blobs to other daemons: `GET`/`HEAD /v1/blobs/sha256/<hex>` with
     Range, read-only, bearer token from `peerTokenFile` required, at most 8 streams per peer address (fewer
     while many peers ask: docs/peers.md) and 500 MiB/s. Needs `peerTokenFile`."""
     urls: tuple[str, ...] = setting((), "peers", _peers, {"type": ["array", "string"], "items": URL},
-                                    env="WEIGHTCACHE_PEERS", flag="`--peer URL` (repeatable)")
+                                    env="WEIGHTCACHE_PEERS", flag=Flag("--peer", "URL", repeat=True))
     """Other daemons' peer listeners, a list of `http(s)://HOST:PORT` (no path, no userinfo; in the environment,
     separated by commas). A blob whose sha256 the store itself vouches for (S3 SHA-256 checksum) is read from
     these first, range by range across every peer holding it, then from the origin; every blob is still verified
     before publish. Needs `peerTokenFile`."""
     token_file: Path | None = setting(None, "peerTokenFile", _path, PATH, env="WEIGHTCACHE_PEER_TOKEN_FILE",
-                                      flag="`--peer-token-file`")
+                                      flag=Flag("--peer-token-file", "FILE"))
     """The fleet's shared bearer token (at least 16 characters; a Secret mounted on every node). Required by
     `peerListen` and `peers`."""
     ban_seconds: float = setting(600.0, "peerBanSeconds", seconds, SECONDS)
@@ -380,7 +382,7 @@ class CsiSettings:
     """The CSI node plugin (docs/csi.md)."""
 
     endpoint: str | None = setting(None, "csiEndpoint", _csi_endpoint, {"type": "string", "pattern": "^unix:///"},
-                                   env="CSI_ENDPOINT", flag="`--csi-endpoint`", shown="none (no CSI)")
+                                   env="CSI_ENDPOINT", flag="--csi-endpoint", shown="none (no CSI)")
     """Serve the CSI node plugin on `unix:///path/csi.sock`, sharing the daemon's store, single flight, policy and
     metrics."""
     kubelet_dir: Path = setting(defaults.KUBELET_DIR, "kubeletDir", _path, PATH, env="WEIGHTCACHE_KUBELET_DIR")
@@ -399,7 +401,7 @@ class ClusterSettings:
     """This node in its Kubernetes cluster (cluster mode: docs/modelcache.md, docs/startup-taint.md)."""
 
     node_name: str | None = setting(None, "nodeName", lambda v, w: str(v), {"type": "string"}, env="NODE_NAME",
-                                    flag="`--node-name`", shown="the host name")
+                                    flag="--node-name", shown="the host name")
     """This node's Kubernetes name: the node labelled `weightcache.io/<model-key>=ready`, the `ModelCacheNode`
     written, the CSI node id. Set it from `spec.nodeName` (the DaemonSet does)."""
     startup_taint_deadline: float = setting(600.0, "startupTaintDeadline", seconds, SECONDS, live=True)
@@ -413,12 +415,12 @@ class LogSettings:
     """The daemon's log lines."""
 
     format: str = setting("text", "logFormat", lambda v, w: _choice(v, w, ("text", "json")),
-                          {"enum": ["text", "json"]}, env="WEIGHTCACHE_LOG_FORMAT", flag="`--log-format`")
+                          {"enum": ["text", "json"]}, env="WEIGHTCACHE_LOG_FORMAT", flag="--log-format")
     """`text`, or `json` (one object per line: `time`, `level`, `logger`, `message`, `exc`)."""
     level: str = setting("INFO", "logLevel", lambda v, w: _choice(v, w, ("DEBUG", "INFO", "WARNING", "ERROR"),
                                                                  upper=True),
                          {"type": "string", "pattern": "(?i)^(debug|info|warning|error)$"},
-                         env="WEIGHTCACHE_LOG_LEVEL", flag="`--log-level`", live=True, shown="`info`")
+                         env="WEIGHTCACHE_LOG_LEVEL", flag="--log-level", live=True, shown="`info`")
     """`debug`, `info`, `warning`, `error`."""
 
 
@@ -434,7 +436,8 @@ class Settings:
     peers: PeerSettings = field(default_factory=PeerSettings)
     limits: LimitSettings = field(default_factory=LimitSettings)
     csi: CsiSettings = field(default_factory=CsiSettings)
-    dra: DraSettings | None = setting(None, "dra", _dra, _DRA_SCHEMA, flag="`--dra` (= `true`)", shown="none (off)")
+    dra: DraSettings | None = setting(None, "dra", _dra, _DRA_SCHEMA, flag=Flag("--dra", switch=True),
+                                      shown="none (off)")
     """The DRA kubelet plugin `models.weightcache.io` (docs/dra.md): `true`, or `{slotsPerModel: 8, shared: auto,
     cdiDir: /var/run/cdi, apiVersion: v1, publishSeconds: 2}`. `slotsPerModel` (1-64) = claims on the node that
     can hold a cached snapshot at once: that many slot devices, or the `readers` capacity of its one shared
