@@ -393,7 +393,7 @@ def test_the_s3_client_starts_without_pyopenssl_or_a_scan_of_every_service(tmp_p
         import os, sys
         import weightcache.fetch, weightcache.sources.s3 as s3  # what a CLI fetch from S3 imports
         from botocore.exceptions import DataNotFoundError
-        client = s3._client("http://127.0.0.1:9", s3.Config(region_name="us-east-1"))
+        _, _, client = s3._client("http://127.0.0.1:9", s3.Config(region_name="us-east-1"), ())
         print("OpenSSL" in sys.modules, "urllib3.contrib.pyopenssl" in sys.modules, "asyncio" in sys.modules)
         listed = []
         real_listdir = os.listdir

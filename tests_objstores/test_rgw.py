@@ -13,7 +13,7 @@ from tests.faultproxy import FaultProxy
 from tests.grants import granted
 from tests_objstores.conftest import Bucket, wc
 from tests_objstores.servers import Rgw
-from weightcache.errors import IntegrityError, ObjectChangedError
+from weightcache.errors import IntegrityError, ObjectChangedError, SourceAccessDeniedError
 from weightcache.fetch import Fetcher
 from weightcache.sources import open_source
 from weightcache.store import Store
@@ -110,3 +110,34 @@ def test_wrong_credentials_exit_6_without_the_secret(rgw_bucket: Bucket, tmp_pat
         assert "Traceback" not in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
         assert wrong not in done.stderr
         assert "SignatureDoesNotMatch" in done.stderr or "InvalidAccessKeyId" in done.stderr, done.stderr
+
+
+def test_a_kept_client_serves_the_next_source_only_with_the_same_credentials(rgw_bucket: Bucket,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A daemon's next fetch takes the botocore client the last one gave back (its connections open), never one
+    another source holds, and credentials rotated in between get a client of their own: radosgw refuses the wrong
+    secret, then the right one works again."""
+    rgw_bucket.put("m/config.json", b"{}")
+
+    def listing() -> tuple[object, list[str]]:
+        source = open_source(parse_ref(rgw_bucket.uri("m/")), endpoint_url=rgw_bucket.endpoint_url, max_attempts=1)
+        try:
+            return source._client, [o.relpath for o in source.list()]  # type: ignore[attr-defined]
+        finally:
+            source.close()
+
+    first, names = listing()
+    assert names == ["config.json"]
+    assert listing()[0] is first
+    held = open_source(parse_ref(rgw_bucket.uri("m/")), endpoint_url=rgw_bucket.endpoint_url)
+    try:
+        assert held._client is first  # type: ignore[attr-defined]
+        assert listing()[0] is not first  # held: the other source gets a client of its own
+    finally:
+        held.close()
+    secret = os.environ["AWS_SECRET_ACCESS_KEY"]
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "rotated-but-wrong-7f3a")
+    with pytest.raises(SourceAccessDeniedError, match="SignatureDoesNotMatch"):
+        listing()
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    assert listing() == (first, ["config.json"])

@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import base64
 import builtins
+import functools
+import hashlib
 import http.client
 import logging
 import os
 import re
 import sys
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -144,15 +148,66 @@ class _JsonFiles(botocore.loaders.JSONFileLoader):  # type: ignore[misc]  # boto
 
 
 # botocore's service models and endpoint rules, parsed once per process: a fresh session parses their JSON again
-# (0.27 CPU seconds a client; 0.03 with the loader shared). Only the loader is shared: each source still gets its
-# own session, so credentials are resolved per source as before (a rotated key or token file is read again).
+# (0.27 CPU seconds a client; 0.03 with the loader shared). Each source still resolves credentials in a session
+# of its own (a rotated key or token file is read again); a client is kept only for the same ones (_client).
 _LOADER = _Loader(file_loader=_JsonFiles())
 
 
-def _client(endpoint_url: str | None, config: Config) -> Any:
+#: Idle clients kept for the next source with the same settings, region and credentials (a daemon's next fetch):
+#: botocore built one in 0.02-0.10 s inside the daemon (0.37 once, at load 20), and a kept one's pool has its
+#: connections open. A source takes its client out and `close` gives it back, so no two sources share one (nor its
+#: pool of `pool_size`). At most CLIENTS_KEPT, none older than CLIENT_MAX_AGE_S.
+CLIENTS_KEPT = 4
+CLIENT_MAX_AGE_S = 300.0
+_idle: list[tuple[tuple[Any, ...], float, Any]] = []  # (key, created, client), oldest first
+_idle_lock = threading.Lock()
+
+
+def _client(endpoint_url: str | None, config: Config, settings: tuple[Any, ...]) -> tuple[tuple[Any, ...], float, Any]:
+    """A client for these settings: a kept one if its key matches, else a new one. Credentials are resolved anew
+    each time, as a fresh client did (a rotated key or token file is read again): the key holds who they name, so
+    rotated credentials get a new client, and a client whose credentials refresh themselves (STS, IMDS) keeps
+    doing so. `settings`: everything of `config` that differs between sources."""
     session = botocore.session.get_session()
     session.register_component("data_loader", _LOADER)
-    return session.create_client("s3", endpoint_url=endpoint_url, config=config)
+    key = (endpoint_url, *settings, *(session.get_config_variable(v) for v in ("region", "ca_bundle", "profile")),
+           _identity(session.get_credentials()))
+    now = time.monotonic()
+    with _idle_lock:
+        _idle[:] = [kept for kept in _idle if now - kept[1] < CLIENT_MAX_AGE_S]
+        for i in reversed(range(len(_idle))):  # the last given back: its connections are the likeliest still open
+            if _idle[i][0] == key:
+                return _idle.pop(i)
+    # create_client reuses the session's credentials resolved above
+    return key, now, session.create_client("s3", endpoint_url=endpoint_url, config=config)
+
+
+def _first_byte_deadline(read_timeout: float, params: dict[str, Any], context: dict[str, Any], **_: Any) -> None:
+    """A ranged GET waits for its response as long as the range's size allows (retry.first_byte_timeout):
+    botocore reads a read timeout from the request's context; `_open_range` sets the per-read one back for the
+    body."""
+    match = re.fullmatch(r"bytes=(\d{1,20})-(\d{1,20})", str(params.get("headers", {}).get("Range", "")))
+    if match:
+        length = int(match[2]) - int(match[1]) + 1
+        context["read_timeout"] = first_byte_timeout(read_timeout, length)
+
+
+def _identity(credentials: Any) -> tuple[str, ...]:
+    """Who `credentials` name, the secret parts hashed (refreshable ones are refreshed first when due)."""
+    if credentials is None:
+        return ()
+    frozen = credentials.get_frozen_credentials()
+    secret = hashlib.sha256(f"{frozen.secret_key}\0{frozen.token or ''}".encode()).hexdigest()
+    return credentials.method or "", frozen.access_key or "", secret
+
+
+def _give_back(kept: tuple[tuple[Any, ...], float, Any]) -> None:
+    with _idle_lock:
+        _idle.append(kept)
+        dropped = _idle[:max(0, len(_idle) - CLIENTS_KEPT)]
+        del _idle[:len(dropped)]
+    for _, _, client in dropped:
+        client.close()
 
 
 class S3Source(Source):
@@ -178,8 +233,10 @@ class S3Source(Source):
             response_checksum_validation="when_required",
             proxies={"http": o.proxy_url, "https": o.proxy_url} if o.proxy_url else None,
         )
-        self._client = _client(self.endpoint_url, config)
-        self._client.meta.events.register("before-call.s3.GetObject", self._first_byte_deadline)
+        self._kept = _client(self.endpoint_url, config, (o.pool_size, o.connect_timeout, o.read_timeout, o.proxy_url))
+        self._client = self._kept[2]
+        self._client.meta.events.register("before-call.s3.GetObject", functools.partial(
+            _first_byte_deadline, o.read_timeout), unique_id="weightcache-first-byte")
 
     def __repr__(self) -> str:
         return f"S3Source({self.ref.uri!r}, endpoint={self._endpoint()!r})"
@@ -245,7 +302,8 @@ class S3Source(Source):
         return self._client.head_object(**args, **params)  # type: ignore[no-any-return]
 
     def close(self) -> None:
-        self._client.close()
+        """Give the client back for the next source (its connections stay open while kept)."""
+        _give_back(self._kept)
 
     def _uri(self, key: str) -> str:
         return f"s3://{self.ref.bucket}/{key}"
@@ -319,15 +377,6 @@ class S3Source(Source):
             raise SourceError(f"{what}: the store ignored the Range header; use an S3 endpoint that supports it")
         raw.enforce_content_length = False  # a short body returns what came; we count and resume from there
         return raw
-
-    def _first_byte_deadline(self, params: dict[str, Any], context: dict[str, Any], **_: Any) -> None:
-        """A ranged GET waits for its response as long as the range's size allows (retry.first_byte_timeout):
-        botocore reads a read timeout from the request's context; `_open_range` sets the per-read one back for
-        the body."""
-        match = re.fullmatch(r"bytes=(\d{1,20})-(\d{1,20})", str(params.get("headers", {}).get("Range", "")))
-        if match:
-            length = int(match[2]) - int(match[1]) + 1
-            context["read_timeout"] = first_byte_timeout(self.options.read_timeout, length)
 
     def _network_reason(self, exc: BaseException, request: str) -> str:
         """What failed, naming the endpoint without userinfo (botocore's own messages print it whole)."""
