@@ -229,6 +229,7 @@ class PeerSource(Source):
         self._benched: dict[str, tuple[float, int]] = {}  # peer cut as slow -> (left out until, times)
         self._down: dict[str, float] = {}  # peer -> until when its ranges go to the next node (_serving_owner)
         self._heard: dict[str, float] = {}  # peer -> when it last answered this fetch or sent it a byte
+        self._handed: dict[tuple[str, int], str | None] = {}  # (key, range end) -> the node its owner handed it to
         self._given_up: dict[tuple[str, int], set[str]] = {}  # (key, range end) -> owners it waited PENDING_S on
         self._origin_rate: float | None = None  # bytes/s this fetch reads per origin connection (a moving mean)
         self.peer_bytes = 0
@@ -314,10 +315,14 @@ class PeerSource(Source):
             retry_s: float | None = None  # when the peer reading these bytes expects them
             serving = self._serving_owner(obj.key, offset, end, name)  # the owner, or the next node in rank
             if serving != owner:
-                with self._lock:
-                    self._moved[(obj.key, end)] = time.monotonic()  # the next node gets PENDING_S of its own
-                log.info("%s bytes %d-%d: %s reads them from the origin now (%s is not there for them)", obj.relpath,
-                         pos, end - 1, serving or "this node", owner)
+                with self._lock:  # once per hand-over, not per ask: a deferred range (Later) comes back often
+                    handed = self._handed.get((obj.key, end)) != serving
+                    if handed:
+                        self._handed[(obj.key, end)] = serving
+                        self._moved[(obj.key, end)] = time.monotonic()  # the next node gets PENDING_S of its own
+                if handed:
+                    log.info("%s bytes %d-%d: %s reads them from the origin now (%s is not there for them)",
+                             obj.relpath, pos, end - 1, serving or "this node", owner)
                 owner = serving
             if owner == "" and wait:
                 holders = self._holders_in_turn(*trusted)
