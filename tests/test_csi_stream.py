@@ -10,7 +10,6 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -20,6 +19,7 @@ from safetensors.torch import load_file
 
 from tests.faultproxy import Fault, FaultProxy
 from tests.fixtures_csi import ROOT_MARKS, CsiHarness, start_harness, status_of, stop_harness
+from tests.fixtures_daemon import eventually
 from weightcache.csi import mounts
 from weightcache.csi._pb import csi_pb2
 from weightcache.csi.reconcile import VolumeBook
@@ -31,13 +31,6 @@ pytestmark = ROOT_MARKS
 
 SHARD_1, SHARD_2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
 STREAM = {"stream": "true"}
-
-
-async def wait_until(check: Callable[[], object], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
 
 
 def state_of(target: Path) -> dict[str, object]:
@@ -76,12 +69,14 @@ async def test_a_streaming_pod_loads_the_first_shard_while_the_second_downloads(
             done.set()
 
     threading.Thread(target=pod, daemon=True).start()
-    await wait_until(lambda: (target / SHARD_1).is_file() and (target / "config.json").is_file(), "shard 1")
+    await eventually(lambda: (target / SHARD_1).is_file() and (target / "config.json").is_file(),
+                     what="shard 1", timeout=20)
     state = state_of(target)
     assert state["state"] == STREAM_FETCHING and SHARD_2 in state["files"] and "config.json" in state["files"]
     assert not (target / SHARD_2).exists(), "a file enters the view only whole and verified"
     shard_1 = set(load_file(target / SHARD_1))
-    await wait_until(lambda: shard_1 <= set(got), "the pod to load shard 1's tensors before shard 2 exists")
+    await eventually(lambda: shard_1 <= set(got),
+                     what="the pod to load shard 1's tensors before shard 2 exists", timeout=20)
     assert not done.is_set()
     with pytest.raises(OSError) as err:  # the pod's view is read-only
         (target / "new-file").write_bytes(b"x")
@@ -94,14 +89,15 @@ async def test_a_streaming_pod_loads_the_first_shard_while_the_second_downloads(
     hold.release.set()
     await asyncio.to_thread(done.wait, 30)
     assert not errors, errors
-    await wait_until(lambda: state_of(target)["state"] == STREAM_COMPLETE, "the view to be complete")
+    await eventually(lambda: state_of(target)["state"] == STREAM_COMPLETE, what="the view to be complete", timeout=20)
     snapshot = csi.store.list()[0].snapshot
     assert sorted(state_of(target)["files"]) == sorted(f.path for f in snapshot.files)
     for f in snapshot.files:
         assert (target / f.path).read_bytes() == (snapshot.path / f.path).read_bytes(), f.path
     want = {**load_file(snapshot.path / SHARD_1), **load_file(snapshot.path / SHARD_2)}
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
-    await wait_until(lambda: csi.store.leases() == {"csi:vol-1": snapshot.id}, "the lease to move to the snapshot")
+    await eventually(lambda: csi.store.leases() == {"csi:vol-1": snapshot.id},
+                     what="the lease to move to the snapshot", timeout=20)
     assert (await asyncio.to_thread(VolumeBook(csi.store.root).get, "vol-1")).snapshot_id == snapshot.id
 
     await csi.node.NodeUnpublishVolume(csi.unpublish_request("vol-1"))
@@ -143,7 +139,7 @@ async def test_stream_with_what_needs_the_whole_model_is_invalid(csi: CsiHarness
 async def test_globs_give_the_view_only_the_files_they_select(csi: CsiHarness) -> None:
     await csi.node.NodePublishVolume(csi.publish_request("vol-1", include=f"config.json,{SHARD_1}", **STREAM))
     target = csi.target("vol-1")
-    await wait_until(lambda: state_of(target)["state"] == STREAM_COMPLETE, "the view to be complete")
+    await eventually(lambda: state_of(target)["state"] == STREAM_COMPLETE, what="the view to be complete", timeout=20)
     assert state_of(target)["files"] == ["config.json", SHARD_1]
     assert sorted(os.listdir(target)) == [".weightcache", "config.json", SHARD_1]
 
@@ -152,7 +148,7 @@ async def test_bad_bytes_fail_the_view_and_the_loader_says_why(csi: CsiHarness) 
     csi.proxy.add("flip", method="GET", path=SHARD_2, count=-1)  # the origin keeps serving a damaged shard
     await csi.node.NodePublishVolume(csi.publish_request("vol-1", **STREAM))
     target = csi.target("vol-1")
-    await wait_until(lambda: state_of(target)["state"] == STREAM_FAILED, "the view to fail", timeout=60)
+    await eventually(lambda: state_of(target)["state"] == STREAM_FAILED, what="the view to fail", timeout=60)
     state = state_of(target)
     assert "delete the pod" in state["error"] and SHARD_2 in state["error"]
     assert not (target / SHARD_2).exists() and (target / SHARD_1).is_file(), "the view keeps what it has"
@@ -170,7 +166,7 @@ async def test_a_symlink_planted_at_the_view_is_replaced_not_followed(csi: CsiHa
     (csi.store.layout.streams / "vol-1").symlink_to(outside)
     await csi.node.NodePublishVolume(csi.publish_request("vol-1", **STREAM))
     target = csi.target("vol-1")
-    await wait_until(lambda: state_of(target)["state"] == STREAM_COMPLETE, "the view to be complete")
+    await eventually(lambda: state_of(target)["state"] == STREAM_COMPLETE, what="the view to be complete", timeout=20)
     view = csi.store.layout.streams / "vol-1"
     assert view.is_dir() and not view.is_symlink()
     assert os.listdir(outside) == ["keep"] and (outside / "keep").read_text() == "mine"
@@ -182,16 +178,18 @@ async def test_pods_share_one_fetch_a_late_one_gets_what_came_and_one_leaving_st
     hold = hold_shard_2(csi)
     await csi.node.NodePublishVolume(csi.publish_request("vol-1", **STREAM))
     one, two = csi.target("vol-1"), csi.target("vol-2")
-    await wait_until(lambda: (one / SHARD_1).is_file(), "shard 1 in the first view")
+    await eventually(lambda: (one / SHARD_1).is_file(), what="shard 1 in the first view", timeout=20)
     await csi.node.NodePublishVolume(csi.publish_request("vol-2", **STREAM))  # joins late: replayed, not refetched
-    await wait_until(lambda: (two / SHARD_1).is_file() and (two / "config.json").is_file(), "the replay")
+    await eventually(lambda: (two / SHARD_1).is_file() and (two / "config.json").is_file(),
+                     what="the replay", timeout=20)
     assert state_of(two)["files"] == state_of(one)["files"]
     assert os.stat(two / SHARD_1).st_ino == os.stat(one / SHARD_1).st_ino, "both are links to the one blob"
 
     await csi.node.NodeUnpublishVolume(csi.unpublish_request("vol-1"))  # mid-stream
     assert mounts.mounted_at(one) is None and not (csi.store.layout.streams / "vol-1").exists()
     hold.release.set()
-    await wait_until(lambda: state_of(two)["state"] == STREAM_COMPLETE, "the second view to be complete")
+    await eventually(lambda: state_of(two)["state"] == STREAM_COMPLETE,
+                     what="the second view to be complete", timeout=20)
     assert sorted(csi.weight_gets()) == sorted(f"/models/llama/{s}" for s in (SHARD_1, SHARD_2)), \
         "one download of each shard for both pods"
     assert (two / SHARD_2).read_bytes() == (csi.store.list()[0].snapshot.path / SHARD_2).read_bytes()
@@ -205,7 +203,7 @@ async def test_a_restarted_plugin_goes_on_filling_the_view(safe_tmp: Path, model
     target = first.target("vol-1")
     try:
         await first.node.NodePublishVolume(first.publish_request("vol-1", **STREAM))
-        await wait_until(lambda: (target / SHARD_1).is_file(), "shard 1")
+        await eventually(lambda: (target / SHARD_1).is_file(), what="shard 1", timeout=20)
     finally:
         await stop_harness(first)
     hold.release.set()
@@ -216,9 +214,11 @@ async def test_a_restarted_plugin_goes_on_filling_the_view(safe_tmp: Path, model
     second = await start_harness(safe_tmp, fault_proxy)
     try:
         assert not stale.exists(), "a view without a volume record is removed at start"
-        await wait_until(lambda: state_of(target)["state"] == STREAM_COMPLETE, "the resumed view to be complete")
+        await eventually(lambda: state_of(target)["state"] == STREAM_COMPLETE,
+                         what="the resumed view to be complete", timeout=20)
         assert (target / SHARD_2).is_file()
-        assert second.store.leases() == {"csi:vol-1": second.store.list()[0].snapshot.id}
+        await eventually(lambda: second.store.leases() == {"csi:vol-1": second.store.list()[0].snapshot.id},
+                         what="the volume's lease to move to the published snapshot", timeout=20)
         await second.node.NodeUnpublishVolume(second.unpublish_request("vol-1"))
         assert mounts.mounted_at(target) is None and list(second.store.layout.streams.iterdir()) == []
     finally:
@@ -229,7 +229,7 @@ async def test_a_source_cannot_plant_a_state_of_its_own(csi: CsiHarness, s3) -> 
     s3.put("models", "llama/.weightcache/state", json.dumps({"state": STREAM_COMPLETE, "files": []}).encode())
     await csi.node.NodePublishVolume(csi.publish_request("vol-1", **STREAM))
     target = csi.target("vol-1")
-    await wait_until(lambda: state_of(target)["state"] == STREAM_COMPLETE and (target / SHARD_2).is_file(),
-                     "the view to be complete")
+    await eventually(lambda: state_of(target)["state"] == STREAM_COMPLETE and (target / SHARD_2).is_file(),
+                     what="the view to be complete", timeout=20)
     files = state_of(target)["files"]
     assert SHARD_2 in files and not any(f.startswith(".weightcache") for f in files)
