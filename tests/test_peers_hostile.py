@@ -312,28 +312,26 @@ def test_a_peers_bytes_count_as_they_come_not_when_a_read_slice_fills() -> None:
         with conn:
             conn.recv(65536)
             conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 200000\r\n\r\n" + b"x" * 1000)
-            release.wait(10)  # the rest never comes while the client is judged
+            release.wait(60)  # the rest never comes while the client is judged
 
     server = threading.Thread(target=serve, daemon=True)
     server.start()
     pool = urllib3.PoolManager(retries=False)
-    seen: list[tuple[float, int]] = []
-    started = time.monotonic()
+    seen: list[int] = []
     try:
         resp = pool.request("GET", f"http://127.0.0.1:{port}/", preload_content=False)
         pieces = stream_range(lambda a, b: EagerBody(resp), 0, 200000, memoryview(bytearray(1 << 20)),
-                              Retry("a slow peer's body", 1), lambda n: seen.append((time.monotonic(), n)))
+                              Retry("a slow peer's body", 1), seen.append)
 
         def drain() -> None:
             with contextlib.suppress(SourceError):  # the body is cut short once the test is done with it
                 list(pieces)
 
         threading.Thread(target=drain, daemon=True).start()
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30  # the server holds the rest for 60 s: a buffered read sees nothing
         while not seen and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert seen and seen[0][1] == 1000  # what one receive brought, at once
-        assert seen[0][0] - started < 1.0
+        assert seen and seen[0] == 1000  # what one receive brought, while the rest was still held
     finally:
         release.set()
         server.join(10)
