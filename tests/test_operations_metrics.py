@@ -7,7 +7,6 @@ import argparse
 import asyncio
 import os
 import socket
-import time
 from pathlib import Path
 
 import aiohttp
@@ -58,7 +57,8 @@ async def test_half_sent_requests_on_the_metrics_port_cannot_take_the_daemons_de
         short_dir: Path, model_copy: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Hardening III: 562 half-sent requests on the (token-free, default-on) metrics port took every descriptor
     and the Unix-socket API stopped answering. Replayed: 300 of them; the daemon holds at most its cap."""
-    limits = ConnectionLimits(max_connections=8, header_timeout_s=1.0, body_timeout_s=1.0, idle_timeout_s=3.0)
+    # the flood is held for the whole test (a minute's header timeout), so the answers below come during it
+    limits = ConnectionLimits(max_connections=8, header_timeout_s=60.0, body_timeout_s=60.0, idle_timeout_s=60.0)
     monkeypatch.setattr(metrics_server, "LIMITS", limits)
     running = await start_daemon(short_dir, model_copy, config={"metricsListen": "127.0.0.1:0"})
     port = running.daemon.metrics_port
@@ -76,9 +76,7 @@ async def test_half_sent_requests_on_the_metrics_port_cannot_take_the_daemons_de
     socks = await asyncio.to_thread(flood)
     try:
         await asyncio.sleep(0)  # let the loop accept what the kernel queued
-        started = time.monotonic()
-        assert await asyncio.wait_for(asyncio.to_thread(running.client.list), 5) == []  # the Unix API answers
-        assert time.monotonic() - started < 2
+        assert await asyncio.wait_for(asyncio.to_thread(running.client.list), 30) == []  # the Unix API answers
         held_by_daemon = len(os.listdir("/proc/self/fd")) - baseline - len(socks)  # the test's own sockets aside
         assert held_by_daemon <= limits.max_connections + 8, held_by_daemon
         # Prometheus, sending whole requests, still scrapes during the flood
