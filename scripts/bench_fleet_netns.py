@@ -361,8 +361,8 @@ def fill(net: Net, n: int, work: Path, args: argparse.Namespace, model: int) -> 
             net.drop(name)
         shutil.rmtree(run_dir, ignore_errors=True)
     served = [d.stats.get("served", 0.0) for d in daemons]
-    mean_served = sum(served) / n
     live = [d for d in daemons if roles.get(d.index) != "killed"]
+    mean_served = sum(d.stats.get("served", 0.0) for d in live) / len(live)  # the killed serve nothing after
     return {
         "nodes": n,
         "faults": {f"n{i}": role for i, role in sorted(roles.items())},

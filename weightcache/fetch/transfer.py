@@ -158,6 +158,7 @@ class _Round:
         # (when, task) in order of when: ranges a peer is still fetching from the origin (Later), taken again
         # from `when` (the peer's estimate of when its bytes are journalled, or LATER_S)
         self.deferred: list[tuple[float, Callable[[], None]]] = []
+        self._deferred_lock = threading.Lock()  # a sorted list is no deque: its insert and pop race between workers
         self.source.defer_while(lambda: bool(self.queue) or len(self.deferred) > 1)
 
     def buffers(self) -> tuple[memoryview, memoryview]:
@@ -198,8 +199,9 @@ class _Round:
                 end = self.reading.end(entry)
                 entry = None
             when = time.monotonic() + (LATER_S if later.delay is None else later.delay)
-            self.deferred.insert(bisect.bisect(self.deferred, when, key=_when),
-                                 (when, functools.partial(self.read, item, later.pos, end - later.pos)))
+            with self._deferred_lock:
+                self.deferred.insert(bisect.bisect(self.deferred, when, key=_when),
+                                     (when, functools.partial(self.read, item, later.pos, end - later.pos)))
         finally:
             if entry is not None:
                 self.reading.end(entry)
@@ -210,13 +212,15 @@ class _Round:
         self.t.durable(item)
 
     def next_task(self) -> Callable[[], None] | None:
-        """A deferred range whose wait is over, else the next in order; popleft hands each to one thread."""
-        with suppress(IndexError):
-            if self.deferred[0][0] <= time.monotonic() or not self.queue:
-                when, task = self.deferred.pop(0)
-                if when > time.monotonic():
-                    time.sleep(when - time.monotonic())
-                return task
+        """A deferred range whose wait is over, else the next in order; each is handed to one thread."""
+        with self._deferred_lock:
+            due = self.deferred.pop(0) if self.deferred and (self.deferred[0][0] <= time.monotonic()
+                                                              or not self.queue) else None
+        if due is not None:
+            when, task = due
+            if when > time.monotonic():
+                time.sleep(when - time.monotonic())
+            return task
         with suppress(IndexError):
             return self.queue.popleft()
         return None

@@ -315,11 +315,13 @@ class PeerSource(Source):
             retry_s: float | None = None  # when the peer reading these bytes expects them
             serving = self._serving_owner(obj.key, offset, end, name)  # the owner, or the next node in rank
             if serving != owner:
-                with self._lock:  # once per hand-over, not per ask: a deferred range (Later) comes back often
+                with self._lock:  # logged once per hand-over, not per ask: a deferred range (Later) comes back often
                     handed = self._handed.get((obj.key, end)) != serving
-                    if handed:
-                        self._handed[(obj.key, end)] = serving
-                        self._moved[(obj.key, end)] = time.monotonic()  # the next node gets PENDING_S of its own
+                    self._handed[(obj.key, end)] = serving
+                    # the next node gets PENDING_S of its own from this ask: counted from the hand-over instead,
+                    # a --faults run (kills and a 503 origin) gave up on the next nodes too and read 2.37x the
+                    # model, 1.77x with the clock reset (one run each, scripts/bench_fleet_netns.py)
+                    self._moved[(obj.key, end)] = time.monotonic()
                 if handed:
                     log.info("%s bytes %d-%d: %s reads them from the origin now (%s is not there for them)",
                              obj.relpath, pos, end - 1, serving or "this node", owner)
