@@ -49,6 +49,7 @@ def _parser_flags() -> set[str]:
     parsers = [build_parser()]
     while parsers:
         parser = parsers.pop()
+        parser.format_help()  # as `--help` shows them: the daemon declares its flags (the settings' own) only then
         for action in parser._actions:
             flags.update(o for o in action.option_strings if o.startswith("--"))
             if isinstance(action, argparse._SubParsersAction):
