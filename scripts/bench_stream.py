@@ -16,7 +16,10 @@ weightcache checks it beside sha256 (Run:ai checks nothing). The model (safetens
 config) is made here. Each trial is a fresh process, rows interleaved in a new order every run; the store is new
 for every weightcache trial. A tensor counts once one byte of each of its 4 KiB pages was read (as bench_load's
 "touch"). Prints medians: seconds, GB/s, CPU s/GB (the process's user + system time, all its threads), and
-the ratio of Run:ai's time to the row's (above 1: faster than Run:ai), with the load average.
+the ratio of Run:ai's time to the row's (above 1: faster than Run:ai), with the load average. The checks row
+is what weightcache verifies and Run:ai does not: sha256 and the CRC32 (the project's own hasher) of the same
+files, a MiB at a time from memory, in a process of its own; "like for like" prints each weightcache row's CPU
+over Run:ai's plus that row's (issue 37's target: at most 1.1).
 Needs `pip install runai-model-streamer runai-model-streamer-s3` (the bench extra).
 """
 
@@ -51,7 +54,9 @@ ROWS = {
     "weightcache prefetch, then load": "prefetch_load",
     "Run:ai SafetensorsStreamer from S3": "runai",
     "disk floor: dd write + fsync of the model's bytes": "dd",
+    "checks Run:ai skips: sha256 + CRC32 of the same bytes": "checks",
 }
+LIKE_FOR_LIKE = 1.1  # issue 37's target: a stream's CPU per GB at most this times Run:ai's plus the checks row's
 BASELINE_ROW = "weightcache stream, baseline"
 
 
@@ -187,6 +192,21 @@ def cpu():
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
 n = nbytes = 0
+if method == "checks":  # what weightcache verifies and Run:ai does not, alone: the origin's own files, in memory
+    import hashlib
+    from pathlib import Path
+    from weightcache.checksums import new_hasher
+    used = 0.0
+    for p in sorted((Path(store_dir).parent / "model").iterdir()):
+        data = memoryview(p.read_bytes())  # read outside the clock: the fetch hashes bytes it already holds
+        c0 = cpu()
+        sha, crc = hashlib.sha256(), new_hasher("crc32")
+        for at in range(0, len(data), 1 << 20):  # a piece at a time, as the fetch feeds them (download._feed)
+            sha.update(data[at:at + (1 << 20)]); crc.update(data[at:at + (1 << 20)])
+        used += cpu() - c0
+        n += 1; nbytes += len(data)
+    print(json.dumps({"seconds": used, "cpu": used, "tensors": 0, "files": n, "bytes": nbytes}))
+    sys.exit(0)
 if method == "runai":
     from runai_model_streamer import SafetensorsStreamer
     import boto3
@@ -283,17 +303,26 @@ def main() -> int:
         print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         med = {r: (statistics.median(x["seconds"] for x in v), statistics.median(x["cpu"] for x in v))
                for r, v in results.items()}
-        gb = next(v for r, v in results.items() if rows[r] != "dd")[0]["bytes"] / 1e9
+        gb = next(v for r, v in results.items() if rows[r] not in ("dd", "checks"))[0]["bytes"] / 1e9
         ref = next((med[r][0] for r in med if r.startswith("Run:ai")), None)
         print("\n| client | s to all tensors | GB/s | CPU s/GB | x Run:ai | runs (s) |\n|---|---|---|---|---|---|")
         for r, (secs, cpu) in med.items():
-            ratio = f"{ref / secs:.2f}" if ref else "-"
+            ratio = f"{ref / secs:.2f}" if ref and rows[r] not in ("dd", "checks") else "-"
             runs = " ".join(f"{x['seconds']:.2f}" for x in results[r])
             print(f"| {r} | {secs:.2f} | {gb / secs:.2f} | {cpu / gb:.2f} | {ratio} | {runs} |")
         floor = next((med[r][0] for r in med if rows[r] == "dd"), None)
         if floor:
             print("x disk floor (the dd row's time over the row's; a row that fills the cache durably stays under "
                   "1.0): " + ", ".join(f"{r} {floor / med[r][0]:.2f}" for r in med if rows[r] != "dd"))
+        runai = next((med[r][1] for r in med if rows[r] == "runai"), None)
+        checks = next((med[r][1] for r in med if rows[r] == "checks"), None)
+        if runai is not None and checks is not None:
+            floor_cpu = runai + checks
+            print(f"like for like: Run:ai {runai / gb:.2f} + its skipped checks {checks / gb:.2f} = "
+                  f"{floor_cpu / gb:.2f} CPU s/GB; CPU x that (target <= {LIKE_FOR_LIKE}): " + ", ".join(
+                      f"{r} {med[r][1] / floor_cpu:.2f}"
+                      f"{' met' if med[r][1] <= LIKE_FOR_LIKE * floor_cpu else ' NOT met'}"
+                      for r in med if rows[r] in ("stream", "prefetch_load")))
         for r, v in results.items():
             if "published" in v[0]:
                 print(f"{r}: snapshot published at {statistics.median(x['published'] for x in v):.2f} s, "
