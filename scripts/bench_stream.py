@@ -313,7 +313,7 @@ def main() -> int:
         floor = next((med[r][0] for r in med if rows[r] == "dd"), None)
         if floor:
             print("x disk floor (the dd row's time over the row's; a row that fills the cache durably stays under "
-                  "1.0): " + ", ".join(f"{r} {floor / med[r][0]:.2f}" for r in med if rows[r] != "dd"))
+                  "1.0): " + ", ".join(f"{r} {floor / med[r][0]:.2f}" for r in med if rows[r] not in ("dd", "checks")))
         runai = next((med[r][1] for r in med if rows[r] == "runai"), None)
         checks = next((med[r][1] for r in med if rows[r] == "checks"), None)
         if runai is not None and checks is not None:
