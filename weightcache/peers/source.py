@@ -193,6 +193,55 @@ class PeerSet:
             c.close()
 
 
+@dataclass
+class _Ask:
+    """One range's asks of peers (PeerSource.read_pieces): where it stands, and what the peers answered. The
+    round's answers (`progressed` to `stop`) start afresh each round (`new_round`)."""
+
+    obj: ObjectInfo
+    blob: Blob
+    size: int  # the blob's
+    offset: int  # where the range starts: its owner is the node of the share that holds this byte
+    end: int
+    owner: str | None  # the node that reads the range from the origin now ("": this one; None: no spread)
+    wait: bool  # the range is another node's share: wait for its bytes from that node rather than the origin
+    asked: float  # when the range was first asked of peers (monotonic)
+    fetch_deadline: float  # until when ranges of others' shares wait for any peer (the fetch's grace)
+    pos: int = -1  # the first byte not yet yielded
+    outcome: dict[str, str] = field(default_factory=dict)  # peer -> what it last answered (the origin's log line)
+    progressed: bool = False  # a peer sent bytes this round
+    downloading: bool = False  # a peer downloads the blob (lacks the bytes through no fault of its own)
+    pending: bool = False  # the bytes are on their way to a peer that will serve them: wait
+    retry_s: float | None = None  # when the peer reading these bytes expects them (its "not yet")
+    stop: bool = False  # ask no other peer this round
+    name: str = field(init=False)  # how the blob is keyed (blob_key)
+
+    def __post_init__(self) -> None:
+        if self.pos < 0:
+            self.pos = self.offset
+        self.name = blob_key(self.blob)
+
+    @property
+    def span(self) -> tuple[str, int]:
+        """How the fetch keys the range's clocks: (object key, range end)."""
+        return self.obj.key, self.end
+
+    @property
+    def deadline(self) -> float:
+        """Until when the range waits for a peer downloading the blob, from its first ask."""
+        return self.asked + GRACE_S
+
+    def new_round(self) -> None:
+        self.progressed = self.downloading = self.pending = self.stop = False
+        self.retry_s = None
+
+    def why_origin(self, holders: int, stalled: bool) -> str:
+        """Why the range goes to the origin after all, for its log line."""
+        why = "own share" if not self.wait else f"owner {self.owner}" if self.owner else "no owner"
+        why += f", {holders} holders" + "".join(f", {u} {o}" for u, o in sorted(self.outcome.items()))
+        return why + (f", no byte for {PENDING_S:g} s" if stalled else "")
+
+
 class PeerSource(Source):
     """`origin` with peer-first ranged reads for the objects in `digests`; thread-safe like any Source."""
 
@@ -289,141 +338,177 @@ class PeerSource(Source):
         arrive). A range outside this node's own share that no peer has yet is asked again for up to GRACE_S
         (the node it falls to first is about to fetch it), counted from the fetch's first ask unless a peer is
         downloading the blob, then from this range's; then the origin, with a claim that lets this node's peer
-        server stream it to the others."""
-        pos, end = offset, offset + length
+        server stream it to the others. Each round: who reads the range from the origin now (`_hand_over`),
+        which holders to ask (`_holders_for`), each one's answer (`_ask_peer`), then wait or go to the origin
+        (`_settle`)."""
+        end = offset + length
         trusted = self._digests.get(obj.key)
         if trusted is None or obj.key in self._origin_only:
-            self._why_origin(obj, pos, end, "no trusted digest" if trusted is None else "failed verification")
-            yield from self._from_origin(obj, pos, end, buf, on_bytes, None)
+            self._why_origin(obj, offset, end, "no trusted digest" if trusted is None else "failed verification")
+            yield from self._from_origin(obj, offset, end, buf, on_bytes, None)
             return
-        name = blob_key(trusted[0])
+        ask = self._begin(obj, offset, end, trusted[0], trusted[1])
+        while True:
+            ask.new_round()
+            self._hand_over(ask)
+            holders = self._holders_for(ask)
+            if holders is None:
+                break
+            for peer in holders:
+                yield from self._ask_peer(ask, peer, buf, on_bytes)
+                if ask.stop:
+                    break  # the peer reads these bytes now (or is waited out): ask no other one meanwhile
+                if ask.pos >= end:
+                    return
+            if ask.progressed:
+                continue
+            step = self._settle(ask, len(holders))
+            if step == "origin":
+                break
+            if step == "wait":
+                if self._may_defer():  # another range may be ready now: this one's bytes are still on their way
+                    raise Later(ask.pos, ask.retry_s)
+                time.sleep(POLL_S if ask.retry_s is None else ask.retry_s)
+        yield from self._from_origin(obj, ask.pos, end, buf, on_bytes, ask.name)
+
+    def _begin(self, obj: ObjectInfo, offset: int, end: int, blob: Blob, size: int) -> _Ask:
+        """A range's asks of peers start: its owner, and the clocks its waits are measured by."""
         owner = self._owner(obj.key, offset)
-        wait = owner not in (None, "")
         with self._lock:
             # peers that start later register later: ranges may wait for them until GRACE_S after this fetch's
             # first ask (once per fetch, so peers that never fetch the model cost that once, not per blob)
             if self._grace_until is None:
                 self._grace_until = time.monotonic() + GRACE_S
             fetch_deadline = self._grace_until
-        with self._lock:  # from this range's first ask: a range deferred (Later) and taken again waits no longer
+            # from this range's first ask: a range deferred (Later) and taken again waits no longer
             asked = self._asked.setdefault((obj.key, end), time.monotonic())
-            deadline = asked + GRACE_S
             self._moved.setdefault((obj.key, end), time.monotonic())
-        outcome: dict[str, str] = {}  # peer -> what it last answered (the origin read's log line says why)
-        while True:
-            progressed, downloading, pending = False, False, False
-            retry_s: float | None = None  # when the peer reading these bytes expects them
-            serving = self._serving_owner(obj.key, offset, end, name)  # the owner, or the next node in rank
-            if serving != owner:
-                with self._lock:  # logged once per hand-over, not per ask: a deferred range (Later) comes back often
-                    handed = self._handed.get((obj.key, end)) != serving
-                    self._handed[(obj.key, end)] = serving
-                    # the next node gets PENDING_S of its own from this ask: counted from the hand-over instead,
-                    # a --faults run (kills and a 503 origin) gave up on the next nodes too and read 2.37x the
-                    # model, 1.77x with the clock reset (one run each, scripts/bench_fleet_netns.py)
-                    self._moved[(obj.key, end)] = time.monotonic()
-                if handed:
-                    log.info("%s bytes %d-%d: %s reads them from the origin now (%s is not there for them)",
-                             obj.relpath, pos, end - 1, serving or "this node", owner)
-                owner = serving
-            if owner == "" and wait:
-                holders = self._holders_in_turn(*trusted)
-                with self._lock:  # a peer holding the whole blob still serves it: the origin is for nobody's bytes
-                    whole = [p for p in holders if (name, p.url) not in self._downloading]
-                if not whole:
-                    self._why_origin(obj, pos, end, "its owner is not there for it: this node is next in rank")
-                    break
-                wait = False  # this node's own range now: asked of the whole blob's holders, then the origin
-            holders = self._holders_in_turn(*trusted, first=owner)
-            if any(p.url == owner for p in holders) or not wait:
-                # only a range's owner reads it from the origin, and a node relays origin bytes only: the other
-                # nodes still downloading the blob lack it (asking each cost a request, and on a busy link a cut)
-                # A node that started before this one may hold them (a late joiner asks it), and so may the next
-                # node in rank: it takes this node's share when this node starts after the grace
-                after = self._next_in_rank(name) if not wait else None
+        return _Ask(obj, blob, size, offset, end, owner, owner not in (None, ""), asked, fetch_deadline)
+
+    def _hand_over(self, ask: _Ask) -> None:
+        """The owner, or the next node in rank while the owner is not there for the range, reads it now."""
+        serving = self._serving_owner(ask.obj.key, ask.offset, ask.end, ask.name)
+        if serving == ask.owner:
+            return
+        with self._lock:  # logged once per hand-over, not per ask: a deferred range (Later) comes back often
+            handed = self._handed.get(ask.span) != serving
+            self._handed[ask.span] = serving
+            # the next node gets PENDING_S of its own from this ask: counted from the hand-over instead,
+            # a --faults run (kills and a 503 origin) gave up on the next nodes too and read 2.37x the
+            # model, 1.77x with the clock reset (one run each, scripts/bench_fleet_netns.py)
+            self._moved[ask.span] = time.monotonic()
+        if handed:
+            log.info("%s bytes %d-%d: %s reads them from the origin now (%s is not there for them)",
+                     ask.obj.relpath, ask.pos, ask.end - 1, serving or "this node", ask.owner)
+        ask.owner = serving
+
+    def _holders_for(self, ask: _Ask) -> typing.List[PeerClient] | None:  # noqa: UP006
+        """The peers to ask for the range this round, its owner first; None: read it from the origin now (the
+        range fell to this node and no peer holds the whole blob)."""
+        if ask.owner == "" and ask.wait:
+            holders = self._holders_in_turn(ask.blob, ask.size)
+            with self._lock:  # a peer holding the whole blob still serves it: the origin is for nobody's bytes
+                whole = [p for p in holders if (ask.name, p.url) not in self._downloading]
+            if not whole:
+                self._why_origin(ask.obj, ask.pos, ask.end, "its owner is not there for it: this node is next in rank")
+                return None
+            ask.wait = False  # this node's own range now: asked of the whole blob's holders, then the origin
+        holders = self._holders_in_turn(ask.blob, ask.size, first=ask.owner)
+        if any(p.url == ask.owner for p in holders) or not ask.wait:
+            # only a range's owner reads it from the origin, and a node relays origin bytes only: the other
+            # nodes still downloading the blob lack it (asking each cost a request, and on a busy link a cut)
+            # A node that started before this one may hold them (a late joiner asks it), and so may the next
+            # node in rank: it takes this node's share when this node starts after the grace
+            after = self._next_in_rank(ask.name) if not ask.wait else None
+            with self._lock:
+                holders = [p for p in holders if p.url in (ask.owner, after)
+                           or (ask.name, p.url) not in self._downloading or (ask.name, p.url) in self._ahead]
+        return holders
+
+    def _ask_peer(self, ask: _Ask, peer: PeerClient, buf: memoryview, on_bytes: OnBytes | None) -> Pieces:
+        """Yield what one peer sends of the range from `ask.pos`; its answer (a fault, "not yet", a cut) goes
+        to `ask` for the round's verdict."""
+        # the owner filling the blob with this node relays the range as its origin pieces land, to
+        # every node of the fleet at once: its link's share, not a trickle (_from_peer)
+        relay = peer.url == ask.owner and (ask.name, peer.url) in self._downloading
+        try:
+            for at, view in self._from_peer(peer, ask.obj.key, ask.blob, ask.pos, ask.end, buf, on_bytes, relay):
+                yield at, view
+                ask.pos, ask.progressed = at + len(view), True
+                self._moved[ask.span] = time.monotonic()
+        except PeerBlobGone:
+            ask.outcome[peer.url] = "gone"
+            ask.downloading = True  # no fault; probed again after REASK_S: it may serve the blob by then
+            self._drop_holder(ask.name, peer)
+        except PeerRangePending as exc:
+            self._not_yet(ask, peer, exc.retry_s)
+        except PeerRangeMissing:
+            ask.outcome[peer.url] = "missing"
+            ask.downloading = True  # a peer still downloading the blob lacks these bytes: no fault of its own
+            if peer.url == ask.owner:  # it fetches the blob and this range first: it is about to read it
+                ask.pending = ask.stop = True  # (a node that started late, or short of CPU, still does): and the
+                # others relay nothing of it: ask none of them
+        except PeerTooSlow as exc:
+            self._cut(ask, peer, exc)
+        except SourceError as exc:
+            ask.outcome[peer.url] = "failed"
+            self._stats.error(peer.url)
+            self._drop_holder(ask.name, peer)
+            with self._lock:  # its ranges go to the next node in rank meanwhile (_serving_owner)
+                self._down[peer.url] = time.monotonic() + DOWN_S
+            log.warning("peer %s failed at byte %d of %s (%s); the rest of the range from another source",
+                        peer.url, ask.pos, ask.obj.relpath, exc)
+
+    def _not_yet(self, ask: _Ask, peer: PeerClient, retry_s: float | None) -> None:
+        """The peer reads these bytes from the origin now: wait for them, and ask no other peer meanwhile (each
+        would be one more request per poll)."""
+        ask.outcome[peer.url] = "not yet"
+        if retry_s is not None:
+            ask.retry_s = min(NOT_YET_MAX_S, max(NOT_YET_MIN_S, retry_s + NOT_YET_SLACK_S))
+        with self._lock:
+            self._claimers.add((peer.url, ask.name))
+        ask.pending = ask.downloading = ask.stop = True
+
+    def _cut(self, ask: _Ask, peer: PeerClient, exc: PeerTooSlow) -> None:
+        """The watchdog cut the peer's stream below its rate floor."""
+        ask.outcome[peer.url] = "cut"
+        self._stats.error(peer.url)
+        if peer.url == ask.owner and (ask.name, peer.url) in self._downloading:
+            # the owner filling the blob with this node is the one node reading this range from the
+            # origin: a stall of its (a busy CPU, a full link) is waited out, not paid at the origin;
+            # heard from on no stream for DOWN_S, it is down and the next node in rank takes its ranges
+            silent = time.monotonic() - self._heard.get(peer.url, ask.asked) >= DOWN_S
+            if silent:
                 with self._lock:
-                    holders = [p for p in holders if p.url in (owner, after) or (name, p.url) not in self._downloading
-                               or (name, p.url) in self._ahead]
-            for peer in holders:
-                # the owner filling the blob with this node relays the range as its origin pieces land, to
-                # every node of the fleet at once: its link's share, not a trickle (below)
-                relay = peer.url == owner and (name, peer.url) in self._downloading
-                try:
-                    for at, view in self._from_peer(peer, obj.key, trusted[0], pos, end, buf, on_bytes, relay):
-                        yield at, view
-                        pos, progressed = at + len(view), True
-                        self._moved[(obj.key, end)] = time.monotonic()
-                except PeerBlobGone:
-                    outcome[peer.url] = "gone"
-                    downloading = True  # no fault; probed again after REASK_S: it may serve the blob by then
-                    self._drop_holder(name, peer)
-                except PeerRangePending as exc:
-                    outcome[peer.url] = "not yet"
-                    if exc.retry_s is not None:
-                        retry_s = min(NOT_YET_MAX_S, max(NOT_YET_MIN_S, exc.retry_s + NOT_YET_SLACK_S))
-                    with self._lock:
-                        self._claimers.add((peer.url, name))
-                    pending = downloading = True  # the peer reads these bytes from the origin now: wait for them
-                    break  # and ask no other peer meanwhile (each would be one more request per poll)
-                except PeerRangeMissing:
-                    outcome[peer.url] = "missing"
-                    downloading = True  # a peer still downloading the blob lacks these bytes: no fault of its own
-                    if peer.url == owner:  # it fetches the blob and this range first: it is about to read it
-                        pending = True  # (a node that started late, or that is short of CPU, still does)
-                        break  # and the others relay nothing of it: ask none of them
-                except PeerTooSlow as exc:
-                    outcome[peer.url] = "cut"
-                    self._stats.error(peer.url)
-                    if peer.url == owner and (name, peer.url) in self._downloading:
-                        # the owner filling the blob with this node is the one node reading this range from the
-                        # origin: a stall of its (a busy CPU, a full link) is waited out, not paid at the origin;
-                        # heard from on no stream for DOWN_S, it is down and the next node in rank takes its ranges
-                        silent = time.monotonic() - self._heard.get(peer.url, asked) >= DOWN_S
-                        if silent:
-                            with self._lock:
-                                self._down[peer.url] = time.monotonic() + DOWN_S
-                        log.warning("%s at byte %d of %s; %s", exc, pos, obj.relpath,
-                                    "down: the next node in rank takes its ranges" if silent else "asked again")
-                        pending = True
-                        break
-                    bench_s = self._bench(peer.url)
-                    log.warning("%s at byte %d of %s; this fetch leaves it out for %.0f s", exc, pos, obj.relpath,
-                                bench_s)
-                except SourceError as exc:
-                    outcome[peer.url] = "failed"
-                    self._stats.error(peer.url)
-                    self._drop_holder(name, peer)
-                    with self._lock:  # its ranges go to the next node in rank meanwhile (_serving_owner)
-                        self._down[peer.url] = time.monotonic() + DOWN_S
-                    log.warning("peer %s failed at byte %d of %s (%s); the rest of the range from another source",
-                                peer.url, pos, obj.relpath, exc)
-                if pos >= end:
-                    return
-            if progressed:
-                continue
-            now = time.monotonic()
-            # a peer that served this fetch well and was cut only now is congested, not hostile: wait out its
-            # bench rather than read the range from the origin again; and no wait lasts past PENDING_S without
-            # a byte of this range (a peer answering "not yet" for ever costs that, once)
-            stalled = now - self._moved[(obj.key, end)] >= PENDING_S
-            if wait and owner and stalled:  # the next node in rank takes it (the others give up on it too)
-                with self._lock:
-                    self._given_up.setdefault((obj.key, end), set()).add(owner)
-                continue
-            if wait and owner and (now < fetch_deadline or self._fetching(name, owner)):
-                pending = True  # the owner (or the node after it) is fetching the blob: its bytes will come
-            pending = (pending or self._benched_holder(name, owner)) and not stalled
-            if not pending and (not wait or (now >= fetch_deadline and not (downloading and now < deadline))):
-                why = "own share" if not wait else f"owner {owner}" if owner else "no owner"
-                why += f", {len(holders)} holders" + "".join(f", {u} {o}" for u, o in sorted(outcome.items()))
-                if now - self._moved[(obj.key, end)] >= PENDING_S:
-                    why += f", no byte for {PENDING_S:g} s"
-                self._why_origin(obj, pos, end, why)
-                break
-            if self._may_defer():
-                raise Later(pos, retry_s)  # another range may be ready now: this one's bytes are still on their way
-            time.sleep(POLL_S if retry_s is None else retry_s)
-        yield from self._from_origin(obj, pos, end, buf, on_bytes, name)
+                    self._down[peer.url] = time.monotonic() + DOWN_S
+            log.warning("%s at byte %d of %s; %s", exc, ask.pos, ask.obj.relpath,
+                        "down: the next node in rank takes its ranges" if silent else "asked again")
+            ask.pending = ask.stop = True
+            return
+        bench_s = self._bench(peer.url)
+        log.warning("%s at byte %d of %s; this fetch leaves it out for %.0f s", exc, ask.pos, ask.obj.relpath,
+                    bench_s)
+
+    def _settle(self, ask: _Ask, holders: int) -> typing.Literal["again", "wait", "origin"]:
+        """After a round without a byte: ask again at once (the range's owner was given up on), wait for the
+        bytes on their way, or read the range from the origin."""
+        now = time.monotonic()
+        # a peer that served this fetch well and was cut only now is congested, not hostile: wait out its
+        # bench rather than read the range from the origin again; and no wait lasts past PENDING_S without
+        # a byte of this range (a peer answering "not yet" for ever costs that, once)
+        stalled = now - self._moved[ask.span] >= PENDING_S
+        if ask.wait and ask.owner and stalled:  # the next node in rank takes it (the others give up on it too)
+            with self._lock:
+                self._given_up.setdefault(ask.span, set()).add(ask.owner)
+            return "again"
+        pending = ask.pending
+        if ask.wait and ask.owner and (now < ask.fetch_deadline or self._fetching(ask.name, ask.owner)):
+            pending = True  # the owner (or the node after it) is fetching the blob: its bytes will come
+        pending = (pending or self._benched_holder(ask.name, ask.owner)) and not stalled
+        if pending or (ask.wait and (now < ask.fetch_deadline or (ask.downloading and now < ask.deadline))):
+            return "wait"
+        self._why_origin(ask.obj, ask.pos, ask.end, ask.why_origin(holders, stalled))
+        return "origin"
 
     @staticmethod
     def _why_origin(obj: ObjectInfo, pos: int, end: int, why: str) -> None:
