@@ -35,11 +35,9 @@ def test_bad_values_name_the_field(value: object, message: str) -> None:
 
 
 def test_the_flag_turns_it_on(tmp_path: Path) -> None:
-    import argparse
+    from weightcache.cli import build_parser
 
-    from weightcache.daemon.command import add_commands
-    parser = argparse.ArgumentParser()
-    add_commands(parser.add_subparsers())
+    parser = build_parser()  # `daemon` declares its flags, the settings' own, when it parses
     on = flags_of(parser.parse_args(["daemon", "--dra"]))
     assert load_settings(None, env={}, flags=on).dra == DraSettings()
     off = flags_of(parser.parse_args(["daemon"]))

@@ -212,11 +212,9 @@ class _Stopped(Exception):
     """Ctrl-C during a prefetch; the message says what happens to the download."""
 
 
-#: Flags of a fetch that the daemon's API does not take: its fetches run under its own config (endpoints,
-#: concurrency, timeouts), shared by every client that joins them.
-UNSENT_FLAGS = (("endpoint_url", "--endpoint-url", "endpoints"), ("concurrency", "--concurrency", "concurrency"),
-                ("chunk_size", "--chunk-size", "chunkSize"), ("connect_timeout", "--connect-timeout", "connectTimeout"),
-                ("read_timeout", "--read-timeout", "readTimeout"), ("disk_budget", "--disk-budget", "diskBudget"),
+#: Flags of a fetch that the daemon's API does not take (those of the fetch settings, `FETCH_FLAGS`, and these):
+#: its fetches run under its own config (endpoints, concurrency, timeouts), shared by every client that joins them.
+UNSENT_FLAGS = (("endpoint_url", "--endpoint-url", "endpoints"), ("disk_budget", "--disk-budget", "diskBudget"),
                 ("min_free_bytes", "--min-free-bytes", "minFreeBytes"),
                 ("min_free_percent", "--min-free-percent", "minFreePercent"))
 
@@ -224,7 +222,9 @@ UNSENT_FLAGS = (("endpoint_url", "--endpoint-url", "endpoints"), ("concurrency",
 def _refuse_unsent(args: argparse.Namespace, cache: DaemonCache) -> None:
     """A flag the daemon would not honour is refused, never dropped (a fetch that went to AWS instead of the
     --endpoint-url given, while --no-daemon worked)."""
-    given = [(flag, key) for attr, flag, key in UNSENT_FLAGS if getattr(args, attr, None) is not None]
+    from weightcache.settings import FETCH_FLAGS
+
+    given = [(flag, key) for attr, flag, key in (*UNSENT_FLAGS, *FETCH_FLAGS) if getattr(args, attr, None) is not None]
     if given:
         flags = ", ".join(flag for flag, _ in given)
         keys = ", ".join(f"`{key}`" for _, key in given)
@@ -455,6 +455,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     """Push one cached snapshot to a registry as a ModelPack artifact (weightcache/sources/oci_export.py)."""
     from weightcache.access import ADMIN, node_admin
     from weightcache.cli_backends import StoreCache
+    from weightcache.settings import flags_from, load_fetch_settings
     from weightcache.sources import SourceOptions
     from weightcache.sources.oci_export import export_snapshot
     from weightcache.uri import parse_ref
@@ -468,8 +469,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     store = cache.open()
     snap = store.get(found[0]["id"])
     node_admin(store.root).authorize(parse_ref(snap.uri), ADMIN)  # the same decision a direct prefetch asks
-    done = export_snapshot(snap, target, SourceOptions(connect_timeout=args.connect_timeout or defaults.CONNECT_TIMEOUT,
-                                                       read_timeout=args.read_timeout or defaults.READ_TIMEOUT),
+    fetch = load_fetch_settings(flags=flags_from(args))
+    done = export_snapshot(snap, target, SourceOptions(connect_timeout=fetch.connect_timeout,
+                                                       read_timeout=fetch.read_timeout),
                            on_file=None if args.quiet or args.output == "json" else
                            lambda path, sent: print(f"{'pushed ' if sent else 'exists '} {path}"))
     body = {"snapshot": snap.id, "target": done.target, "digest": done.digest, "files": done.files,
@@ -631,6 +633,38 @@ def cmd_version(args: argparse.Namespace) -> int:
 
 
 # -- parser -----------------------------------------------------------------------------------------------------
+def _fetch_flags(attrs: tuple[str, ...]) -> Callable[[argparse.ArgumentParser], None]:
+    def declare(parser: argparse.ArgumentParser) -> None:
+        from weightcache.settings import fetch_flags
+
+        fetch_flags(parser, *attrs)
+    return declare
+
+
+class CommandParser(argparse.ArgumentParser):
+    """A command's parser that may declare some flags only once it parses or shows its help (`declare`): those
+    made from the settings' definitions (weightcache/settings.py, `weightcache daemon`'s from its config) cost
+    their imports and docstrings, which every other command starts without."""
+
+    def __init__(self, *args: Any, declare: Callable[[argparse.ArgumentParser], None] | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._declare = declare
+
+    def _declared(self) -> None:
+        declare, self._declare = self._declare, None
+        if declare is not None:
+            declare(self)
+
+    def parse_known_args(self, *args: Any, **kwargs: Any) -> Any:
+        self._declared()
+        return super().parse_known_args(*args, **kwargs)
+
+    def format_help(self) -> str:
+        self._declared()
+        return super().format_help()
+
+
 class _Version(argparse.Action):
     """--version, reading the version only when asked: importlib.metadata is not loaded by every command."""
 
@@ -643,15 +677,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="weightcache", description="Node-local model weight cache.")
     parser.add_argument("--version", action=_Version, nargs=0, help="show the version and exit")
     parser.add_argument("--log-level", default=os.environ.get("WEIGHTCACHE_LOG_LEVEL", "WARNING"))
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=CommandParser)
 
     def add(name: str, func: Callable[[argparse.Namespace], int], help_: str, *, writes: bool = False,
             quiet: str | None = "no chatter: errors, and what was asked for",
-            aliases: list[str] | None = None) -> argparse.ArgumentParser:
+            aliases: list[str] | None = None, fetch: tuple[str, ...] = ()) -> argparse.ArgumentParser:
         """A store command with the flags it uses and no others: every one finds the store (--root, --socket,
         --no-daemon) and prints (-o); those that write the store take the free-space floor (`writes`); those
-        that say what they did take -q (`quiet`: what is still printed)."""
-        p = sub.add_parser(name, help=help_, description=help_[:1].upper() + help_[1:] + ".", aliases=aliases or [])
+        that say what they did take -q (`quiet`: what is still printed); those that fetch take the fetch
+        settings' flags named in `fetch` (weightcache/settings.py)."""
+        p = sub.add_parser(name, help=help_, description=help_[:1].upper() + help_[1:] + ".", aliases=aliases or [],
+                           declare=_fetch_flags(fetch) if fetch else None)
         p.set_defaults(func=func, quiet=False, min_free_bytes=None, min_free_percent=None)
         p.add_argument("--root", help=f"store root (env WEIGHTCACHE_ROOT, default {defaults.ROOT}); "
                                       "given explicitly, the CLI uses the store directly, not the daemon")
@@ -671,22 +707,13 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     p = add("prefetch", cmd_prefetch, "fetch a model into the node store (or across a cluster with --cluster)",
-            writes=True, quiet="no progress and no chatter: errors, and the snapshot path")
+            writes=True, quiet="no progress and no chatter: errors, and the snapshot path",
+            fetch=("concurrency", "chunk_size", "connect_timeout", "read_timeout"))
     p.add_argument("ref", help="model reference, e.g. s3://models/llama-3-8b/[@revision]")
     p.add_argument("--revision")
     p.add_argument("--include", action="append", default=[], metavar="GLOB")
     p.add_argument("--exclude", action="append", default=[], metavar="GLOB")
-    p.add_argument("--concurrency", type=int, default=None,  # None: env WEIGHTCACHE_* or the config file
-                   help=f"parallel ranged reads (default {defaults.CONCURRENCY})")
-    p.add_argument("--chunk-size", type=size_arg, default=None,
-                   help="files up to this size are read whole, larger ones journalled every 1Mi piece; memory "
-                        "used is at most concurrency x (chunk size + 1Mi); requests ask for 4 chunks or more while "
-                        "every worker gets one, up to 256Mi (default 16Mi)")
     p.add_argument("--endpoint-url", default=None, help="S3 endpoint (default: AWS_ENDPOINT_URL or AWS)")
-    p.add_argument("--connect-timeout", type=float, default=None, metavar="SECONDS",
-                   help=f"seconds to connect to the source (default {defaults.CONNECT_TIMEOUT:g})")
-    p.add_argument("--read-timeout", type=float, default=None, metavar="SECONDS",
-                   help=f"seconds the source may stay silent before a retry (default {defaults.READ_TIMEOUT:g})")
     p.add_argument("--disk-budget", type=size_arg, default=None, help="evict LRU models to stay under this size")
     p.add_argument("--tier", choices=["disk", "memory"], default="disk")
     p.add_argument("--pin", action="store_true", help="never evict this model")
@@ -722,11 +749,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--endpoint-url", default=None, help="S3 endpoint for --repair (default: AWS_ENDPOINT_URL or AWS)")
     add("gc", cmd_gc, "remove unreferenced blobs and abandoned partial downloads", writes=True)
     p = add("export", cmd_export, "push a cached snapshot to a registry as a ModelPack artifact (oci://)",
-            quiet="no chatter: errors, and the pushed reference by digest", aliases=["push"])
+            quiet="no chatter: errors, and the pushed reference by digest", aliases=["push"],
+            fetch=("connect_timeout", "read_timeout"))
     p.add_argument("ref", help="the cached model: a reference, snapshot id or id prefix")
     p.add_argument("target", help="oci://REGISTRY[:PORT]/REPOSITORY[:TAG] (default tag latest)")
-    p.add_argument("--connect-timeout", type=float, default=None, metavar="SECONDS")
-    p.add_argument("--read-timeout", type=float, default=None, metavar="SECONDS")
     p = add("status", cmd_status, "per-node state of ModelCaches (cluster), or this store's summary", quiet=None)
     p.add_argument("name", nargs="?")
 

@@ -12,9 +12,12 @@ same thing wherever a fetch starts. Field docs: docs/config.md.
 
 from __future__ import annotations
 
+import argparse
 import difflib
+import functools
 import logging
 import os
+import re
 import socket
 import threading
 from collections.abc import Callable, Mapping
@@ -177,12 +180,12 @@ class FetchSettings:
     way."""
 
     concurrency: int = setting(defaults.CONCURRENCY, "concurrency", whole_number, WHOLE,
-                               env="WEIGHTCACHE_CONCURRENCY")
+                               env="WEIGHTCACHE_CONCURRENCY", flag=Flag("--concurrency", daemon=False))
     """Ranged GETs in flight per model fetch. Each worker holds 1 MiB for the piece of a large file it reads and
     1 MiB to hash from, and, when the model has files of at most `chunkSize`, a buffer the size of the largest:
     memory <= concurrency x (chunkSize + 1 MiB) per fetch (8 x 17 MiB), 16 MiB for a model of large files only."""
     chunk_size: int = setting(defaults.CHUNK_SIZE, "chunkSize", lambda v, w: max(1, parse_size(v, w)), SIZE,
-                              env="WEIGHTCACHE_CHUNK_SIZE", shown="`16Mi`")
+                              env="WEIGHTCACHE_CHUNK_SIZE", flag=Flag("--chunk-size", daemon=False), shown="`16Mi`")
     """Files of at most this size (at least 64 KiB) are read whole in one request, without a resume journal;
     larger ones are written and journalled a 1 MiB piece at a time, so an interrupted download loses at most a
     piece per worker. Requests ask for whole chunks: about two per worker, but 4 (64 MiB by default) or more as
@@ -281,15 +284,48 @@ def load_fetch_settings(path: str | Path | None = None, *, env: Mapping[str, str
 
 
 def flags_from(args: object) -> dict[str, Any]:
-    """The fetch flags a command line set (`--concurrency`, `--chunk-size`, `--connect-timeout`, `--read-timeout`,
-    `--endpoint-url`), as config keys; unset ones (None) leave the file's and the environment's values."""
-    flags = {key: getattr(args, attr, None) for attr, key in (
-        ("concurrency", "concurrency"), ("chunk_size", "chunkSize"), ("connect_timeout", "connectTimeout"),
-        ("read_timeout", "readTimeout"))}
+    """The fetch flags a command line set (`fetch_flags`, and `--endpoint-url`), as config keys; unset ones (None)
+    leave the file's and the environment's values."""
+    flags = {key: getattr(args, attr, None) for attr, _, key in FETCH_FLAGS}
     url = getattr(args, "endpoint_url", None)
     if url:  # the endpoint of the command's reference, whatever its scheme; the file's other entries stay
         flags[ENDPOINT_FLAG] = url
     return flags
+
+
+def fetch_flags(parser: argparse.ArgumentParser, *attrs: str) -> None:
+    """The direct CLI's fetch flags (`--concurrency`, `--read-timeout`, ...) of the FetchSettings fields `attrs`,
+    declared from their keys as `weightcache daemon` declares its own; parsed, so a bad value is a usage error."""
+    docs = docs_of(FetchSettings)
+    for attr, key in keys_of(FetchSettings):
+        if attr in attrs:
+            add_flag(parser, key, dest=attr, doc=docs[attr], default=getattr(FetchSettings, attr), check=True)
+
+
+def add_flag(parser: argparse.ArgumentParser, key: Key, *, dest: str, doc: str, default: Any,
+             check: bool = False) -> None:
+    """`key`'s flag: its help the first sentence of the field's docstring (`doc`), its environment variable and
+    default. The value stays the text given (None when absent) for the key's parser to read with the file's and
+    the environment's; `check`: read by that parser here already, so a bad value is argparse's usage error."""
+    flag = key.flag
+    assert flag is not None, key.name
+    if key.shown and re.fullmatch(r"`[^`]+`", key.shown):
+        default = key.shown.strip("`")  # 16Mi, not 16777216
+    first = re.split(r"(?<=\.)\s+(?=[A-Z`])", doc, maxsplit=1)[0].rstrip(".")
+    text = first + (f"; env {key.env}" if key.env else "") + (f" (default {default})" if default else "")
+    how: dict[str, Any] = {"action": "append"} if flag.repeat else \
+        {"action": "store_const", "const": True} if flag.switch else {}
+    if check:
+        how["type"] = functools.partial(_checked, key)
+    parser.add_argument(flag.name, dest=dest, metavar=flag.metavar or flag.name[2:].upper().replace("-", "_"),
+                        help=text.replace("%", "%%"), **how)
+
+
+def _checked(key: Key, text: str) -> Any:
+    try:
+        return key.parse(text, "value")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("value: ")) from None
 
 
 ENDPOINT_FLAG = "--endpoint-url"  # its key among the flags: no config key (camelCase) can take its place
@@ -349,3 +385,5 @@ def _http_url(where: str, url: Any, credentials_hint: str) -> str:
 
 
 FETCH_ENV = {key.env: key.name for _, key in keys_of(FetchSettings) if key.env}  # variable -> config key
+#: (attribute, flag, config key) of each fetch setting the direct CLI takes a flag for (`fetch_flags`)
+FETCH_FLAGS = tuple((attr, key.flag.name, key.name) for attr, key in keys_of(FetchSettings) if key.flag)

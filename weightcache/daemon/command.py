@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 from typing import Any
 
 from weightcache.errors import ConfigError
@@ -20,46 +19,24 @@ log = logging.getLogger(__name__)
 
 
 def add_commands(sub: Any) -> None:
-    """Add `daemon` to the CLI's subparsers; its `func(args) -> int` runs it."""
+    """Add `daemon` to the CLI's subparsers (cli.CommandParser: `declare` runs once it parses or shows help); its
+    `func(args) -> int` runs it."""
     p = sub.add_parser("daemon", help="run the node daemon (API, reconcile, metrics, CSI with --csi-endpoint)",
                        description="Run the weightcache node daemon. Flags win over environment, environment "
-                                   "over the config file (fields: docs/config.md).")
-    p.__class__ = _DaemonParser  # the subparsers action makes every parser of one class
+                                   "over the config file (fields: docs/config.md).", declare=_declare)
     p.add_argument("--config", help="YAML config file (env WEIGHTCACHE_CONFIG); watched and applied live")
     p.set_defaults(func=run_daemon)
 
 
-class _DaemonParser(argparse.ArgumentParser):
-    declared = False
+def _declare(parser: argparse.ArgumentParser) -> None:
+    """A flag for each settings key that has one; its text is parsed with the file's and the env's."""
+    from weightcache.daemon.config import GROUPS, KEYS, Settings, value_of
+    from weightcache.settings import add_flag, docs_of
 
-    def parse_known_args(self, *args: Any, **kwargs: Any) -> Any:
-        self._declare()
-        return super().parse_known_args(*args, **kwargs)
-
-    def format_help(self) -> str:
-        self._declare()
-        return super().format_help()
-
-    def _declare(self) -> None:
-        """A flag for each settings key that has one; its text is parsed with the file's and the env's."""
-        from weightcache.daemon.config import GROUPS, KEYS, Settings, value_of
-        from weightcache.settings import docs_of
-
-        if self.declared:
-            return
-        self.declared = True
-        docs = {group: docs_of(GROUPS[group] if group else Settings) for group, _, _ in KEYS.values()}
-        for name, (group, attr, key) in KEYS.items():
-            if key.flag is None or not key.flag.daemon:
-                continue
-            default = value_of(Settings(), name)
-            notes = ([f"env {key.env}"] if key.env else []) + ([f"default {default}"] if default else [])
-            first = re.split(r"(?<=\.)\s+(?=[A-Z`])", docs[group][attr], maxsplit=1)[0].rstrip(".")
-            text = f"{first} ({'; '.join(notes)})".replace(" ()", "").replace("%", "%%")
-            how = {"action": "append"} if key.flag.repeat else \
-                {"action": "store_const", "const": True} if key.flag.switch else {}
-            self.add_argument(key.flag.name, dest=name, help=text,
-                              metavar=key.flag.metavar or key.flag.name[2:].upper().replace("-", "_"), **how)
+    docs = {group: docs_of(GROUPS[group] if group else Settings) for group, _, _ in KEYS.values()}
+    for name, (group, attr, key) in KEYS.items():
+        if key.flag is not None and key.flag.daemon:
+            add_flag(parser, key, dest=name, doc=docs[group][attr], default=value_of(Settings(), name))
 
 
 def flags_of(args: argparse.Namespace) -> dict[str, Any]:
