@@ -12,7 +12,7 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
 from google.protobuf.message import Message
@@ -55,24 +55,34 @@ def _strip(message: Message) -> None:
                 _strip(item)
 
 
+Observe = Callable[[str, float, str], None]  # (method, seconds, gRPC code): the daemon's metrics
+
+
+class Observed(Protocol):
+    """A servicer whose RPCs `rpc` wraps: it says who hears each call's time and code (None: nobody)."""
+
+    observe: Observe | None
+
+
+Servicer = TypeVar("Servicer", bound=Observed)
 Req = TypeVar("Req", bound=Message)
 Resp = TypeVar("Resp", bound=Message)
-Handler = Callable[[Any, Req, grpc.aio.ServicerContext[Any, Any]], Awaitable[Resp]]
+Handler = Callable[[Servicer, Req, grpc.aio.ServicerContext[Any, Any]], Awaitable[Resp]]
 
 
-def rpc(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
+def rpc(handler: Handler[Servicer, Req, Resp]) -> Handler[Servicer, Req, Resp]:
     """Wrap a servicer method: log the call without secrets, translate exceptions by their declared gRPC code."""
     return _wrap(handler, logging.INFO)
 
 
-def quiet_rpc(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
+def quiet_rpc(handler: Handler[Servicer, Req, Resp]) -> Handler[Servicer, Req, Resp]:
     """`rpc` for calls a CO repeats every few seconds (Probe, capabilities): success is logged at DEBUG."""
     return _wrap(handler, logging.DEBUG)
 
 
-def _wrap(handler: Handler[Req, Resp], ok_level: int) -> Handler[Req, Resp]:
+def _wrap(handler: Handler[Servicer, Req, Resp], ok_level: int) -> Handler[Servicer, Req, Resp]:
     @functools.wraps(handler)
-    async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext[Any, Any]) -> Resp:
+    async def wrapper(self: Servicer, request: Req, context: grpc.aio.ServicerContext[Any, Any]) -> Resp:
         name = handler.__name__
         start = time.monotonic()
         logger.debug("%s request: %s", name, Redacted(request))
@@ -100,8 +110,6 @@ def _wrap(handler: Handler[Req, Resp], ok_level: int) -> Handler[Req, Resp]:
     return wrapper
 
 
-def _observe(servicer: Any, method: str, start: float, code: str) -> None:
-    """Tell the servicer's `observe(method, seconds, code)` hook (the daemon's metrics), where it has one."""
-    observe = getattr(servicer, "observe", None)
-    if observe is not None:
-        observe(method, time.monotonic() - start, code)
+def _observe(servicer: Observed, method: str, start: float, code: str) -> None:
+    if servicer.observe is not None:
+        servicer.observe(method, time.monotonic() - start, code)

@@ -12,7 +12,7 @@ import grpc
 from weightcache import __version__
 from weightcache.csi import DRIVER_NAME
 from weightcache.csi._pb import csi_pb2, csi_pb2_grpc
-from weightcache.csi.errors import quiet_rpc
+from weightcache.csi.errors import Observe, quiet_rpc
 from weightcache.errors import ConfigError
 
 __all__ = ["DRIVER_NAME", "IdentityServicer"]
@@ -21,6 +21,8 @@ __all__ = ["DRIVER_NAME", "IdentityServicer"]
 class IdentityServicer(csi_pb2_grpc.IdentityServicer):
     """`check` raises when the node cannot serve volumes (store unreadable, index broken); it runs on `pool`
     (the plugin's own, so a busy node still answers the liveness probe)."""
+
+    observe: Observe | None = None  # its calls are not timed: kubelet's liveness probe every few seconds
 
     def __init__(self, check: Callable[[], object], pool: Executor | None = None) -> None:
         self._check = check

@@ -42,7 +42,7 @@ from weightcache.csi import adapters, mounts
 from weightcache.csi._pb import csi_pb2, csi_pb2_grpc
 from weightcache.csi.adapters import AdapterVolumes
 from weightcache.csi.engine_volumes import REPORTING, EngineCacheVolumes
-from weightcache.csi.errors import quiet_rpc, rpc
+from weightcache.csi.errors import Observe, quiet_rpc, rpc
 from weightcache.csi.reconcile import VolumeBook, VolumeKind
 from weightcache.csi.request import PublishArgs, parse_publish, require_id, require_path
 from weightcache.csi.stream import StreamVolumes
@@ -80,7 +80,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
     def __init__(self, store: Store, fetches: FetchQueue, *, node_id: str, authority: Authority,
                  kubelet_dir: str | Path, publish_timeout: float = CSI_TIMEOUT_S, book: VolumeBook | None = None,
                  tier: MemoryTier | None = None, pool: ThreadPoolExecutor | None = None,
-                 observe: Callable[[str, float, str], None] | None = None,
+                 observe: Observe | None = None,
                  observe_stage: Callable[[str, float, str], None] | None = None,
                  engine_limits: engine_cache.EngineCacheLimits | None = None,
                  pod_event: PodEvent | None = None, observe_compile: ObserveCompile | None = None,
@@ -102,7 +102,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
                                            engine_limits or engine_cache.EngineCacheLimits(), self._telemetry)
         self._streams = StreamVolumes(self._host, fetches, authority)
         self._adapters = AdapterVolumes(self._host, self._streams.views, fetches, authority, on_adapters)
-        self.observe = observe
+        self.observe: Observe | None = observe
         # volume id -> monotonic time of kubelet's first publish of it: a cold model's wait spans kubelet's retries
         self._attempts: dict[str, float] = {}
 
