@@ -24,7 +24,7 @@ from weightcache.errors import (
     SourceAccessDeniedError,
     SourceNotFoundError,
 )
-from weightcache.sources import ObjectInfo, SourceOptions, open_source
+from weightcache.sources import ClientPool, ObjectInfo, SourceOptions, open_source
 from weightcache.sources.s3 import S3Source
 from weightcache.uri import parse_ref
 
@@ -53,6 +53,34 @@ def test_list_is_recursive_sorted_and_skips_directory_markers(s3: S3) -> None:
     assert [(o.key, o.relpath, o.size) for o in objects] == [("m/a/c.json", "a/c.json", 2), ("m/b.bin", "b.bin", 2)]
     assert objects[1].etag == etag
     assert objects[1].checksum == ("crc32", f"{zlib.crc32(b'bb'):08x}")  # botocore adds CRC32 to every upload
+
+
+def test_a_client_pool_keeps_a_client_for_the_next_source_and_none_is_shared(s3: S3) -> None:
+    """The composition's ClientPool (the daemon's) hands the client a closed source gave back to the next one with
+    the same settings, never one another source holds; without a pool nothing is kept (a CLI fetch)."""
+    s3.put("models", "m/a.bin", b"a")
+    pool = ClientPool()
+
+    def opened(**options: object) -> S3Source:
+        return source(s3.endpoint_url, **options)
+
+    first = opened(clients=pool)
+    assert [o.relpath for o in first.list()] == ["a.bin"]
+    client = first._client
+    first.close()
+    held = opened(clients=pool)
+    assert held._client is client
+    other = opened(clients=pool)
+    assert other._client is not client  # held: the other source gets a client of its own
+    other.close()
+    held.close()
+    assert opened(clients=pool)._client is client  # the last given back
+    assert opened(clients=pool, read_timeout=3.0)._client is not client  # other settings: another client
+    alone = opened()
+    alone.close()
+    assert opened()._client is not alone._client
+    pool.close()
+    assert pool.take(first._key) is None
 
 
 def test_list_reads_every_page(s3: S3, fault_proxy: FaultProxy) -> None:
@@ -393,7 +421,7 @@ def test_the_s3_client_starts_without_pyopenssl_or_a_scan_of_every_service(tmp_p
         import os, sys
         import weightcache.fetch, weightcache.sources.s3 as s3  # what a CLI fetch from S3 imports
         from botocore.exceptions import DataNotFoundError
-        _, _, client = s3._client("http://127.0.0.1:9", s3.Config(region_name="us-east-1"), ())
+        _, _, client = s3._client("http://127.0.0.1:9", s3.Config(region_name="us-east-1"), (), None)
         print("OpenSSL" in sys.modules, "urllib3.contrib.pyopenssl" in sys.modules, "asyncio" in sys.modules)
         listed = []
         real_listdir = os.listdir

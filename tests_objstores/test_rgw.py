@@ -15,7 +15,7 @@ from tests_objstores.conftest import Bucket, wc
 from tests_objstores.servers import Rgw
 from weightcache.errors import IntegrityError, ObjectChangedError, SourceAccessDeniedError
 from weightcache.fetch import Fetcher
-from weightcache.sources import open_source
+from weightcache.sources import ClientPool, open_source
 from weightcache.store import Store
 from weightcache.uri import parse_ref
 
@@ -118,9 +118,11 @@ def test_a_kept_client_serves_the_next_source_only_with_the_same_credentials(rgw
     another source holds, and credentials rotated in between get a client of their own: radosgw refuses the wrong
     secret, then the right one works again."""
     rgw_bucket.put("m/config.json", b"{}")
+    pool = ClientPool()  # the daemon's, handed to each of its sources
 
     def listing() -> tuple[object, list[str]]:
-        source = open_source(parse_ref(rgw_bucket.uri("m/")), endpoint_url=rgw_bucket.endpoint_url, max_attempts=1)
+        source = open_source(parse_ref(rgw_bucket.uri("m/")), endpoint_url=rgw_bucket.endpoint_url, max_attempts=1,
+                             clients=pool)
         try:
             return source._client, [o.relpath for o in source.list()]  # type: ignore[attr-defined]
         finally:
@@ -129,7 +131,7 @@ def test_a_kept_client_serves_the_next_source_only_with_the_same_credentials(rgw
     first, names = listing()
     assert names == ["config.json"]
     assert listing()[0] is first
-    held = open_source(parse_ref(rgw_bucket.uri("m/")), endpoint_url=rgw_bucket.endpoint_url)
+    held = open_source(parse_ref(rgw_bucket.uri("m/")), endpoint_url=rgw_bucket.endpoint_url, clients=pool)
     try:
         assert held._client is first  # type: ignore[attr-defined]
         assert listing()[0] is not first  # held: the other source gets a client of its own

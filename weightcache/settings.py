@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from weightcache.fetch import Fetcher
     from weightcache.peers import PeerSet
     from weightcache.ratelimit import BandwidthLimits
+    from weightcache.sources import ClientPool
     from weightcache.store import Store
 
 log = logging.getLogger(__name__)
@@ -224,6 +225,8 @@ class FetchSettings:
     peers: PeerSet | None = field(default=None, compare=False, repr=False)
     # a running daemon's bandwidth limits (bytesPerSecond, weightcache/ratelimit.py), handed to every Fetcher
     limits: BandwidthLimits | None = field(default=None, compare=False, repr=False)
+    # source clients kept between fetches (sources/base.py ClientPool): the composing process's, never a file's
+    clients: ClientPool | None = field(default=None, compare=False, repr=False)
 
     def endpoint_for(self, ref: ModelRef) -> str | None:
         """The endpoint for a reference: --endpoint-url, whatever the reference's scheme (it overrides the most
@@ -234,10 +237,11 @@ class FetchSettings:
         """The forward proxy for a reference's source, chosen like its endpoint; None = no proxy of ours."""
         return _most_specific(self.proxies, ref)
 
-    def with_peers(self, peers: PeerSet | None, *, limits: BandwidthLimits | None = None) -> FetchSettings:
-        """These settings with the daemon's peer set, so its Fetchers ask peers first, and its bandwidth limits
-        (`fetcher` hands both on)."""
-        return replace(self, peers=peers, limits=limits)
+    def with_peers(self, peers: PeerSet | None, *, limits: BandwidthLimits | None = None,
+                   clients: ClientPool | None = None) -> FetchSettings:
+        """These settings with the daemon's peer set, so its Fetchers ask peers first, its bandwidth limits and its
+        kept source clients (`fetcher` hands them on)."""
+        return replace(self, peers=peers, limits=limits, clients=clients)
 
     def fetcher(self, store: Store, ref: ModelRef | None = None, *, cancel: threading.Event | None = None) -> Fetcher:
         """The one way a Fetcher is configured (the package builds a Fetcher nowhere else). `ref`: the model it is for
@@ -250,7 +254,7 @@ class FetchSettings:
         return Fetcher(store, concurrency=self.concurrency, chunk_size=self.chunk_size, endpoint_url=endpoint,
                        proxy_url=proxy, connect_timeout=self.connect_timeout, read_timeout=self.read_timeout,
                        cancel=cancel, peers=self.peers, require_source_checksum=self.require_source_checksum,
-                       limits=self.limits)
+                       limits=self.limits, clients=self.clients)
 
 
 def _most_specific(entries: tuple[tuple[str, str], ...], ref: ModelRef) -> str | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import functools
 import logging
 import os
@@ -31,6 +32,7 @@ from weightcache.fetch_queue import FetchQueue
 from weightcache.memory import MemoryTier
 from weightcache.redact import redact_log_handlers
 from weightcache.settings import load_fetch_settings, node_name
+from weightcache.sources import ClientPool
 from weightcache.store import Store
 from weightcache.unixsock import claim_socket_path
 
@@ -100,7 +102,8 @@ async def serve_csi(endpoint: str, *, store: Store, fetches: FetchQueue, node_id
 async def _main(args: argparse.Namespace) -> None:
     store = Store(args.root)
     # the fetch settings the daemon and the CLI read (WEIGHTCACHE_CONFIG, WEIGHTCACHE_CONCURRENCY, ...)
-    fetcher = load_fetch_settings().fetcher(store)
+    clients = ClientPool()  # S3 clients kept between fetches
+    fetcher = dataclasses.replace(load_fetch_settings(), clients=clients).fetcher(store)
     fetches = FetchQueue(fetcher)
     authority = Authority(allow_undeclared=lambda: bool(args.allow_undeclared),  # no cluster: the flag decides
                           forbidden_paths=(args.kubelet_dir, args.root))
@@ -115,6 +118,7 @@ async def _main(args: argparse.Namespace) -> None:
     await server.stop(grace=5)
     fetches.close()
     fetcher.close()
+    clients.close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -38,6 +38,7 @@ from weightcache.errors import ConfigError, MemoryTierError, StoreError
 from weightcache.listener import ConnectionLimits, GuardedTCPSite
 from weightcache.ratelimit import BandwidthLimits
 from weightcache.redact import RedactingFormatter
+from weightcache.sources import ClientPool
 from weightcache.store import Store
 from weightcache.unixsock import SocketAccess, claim_socket_path
 
@@ -98,8 +99,10 @@ class Daemon:
         peers = _peer_set(s, peer_token, bandwidth)
         if peers is not None:
             stack.callback(peers.close)
-        node = self.node = Node(s, store, metrics, MeteredFetcher(store, s, metrics, peers, limits=bandwidth),
-                                tier=_memory_tier(s), bandwidth=bandwidth)
+        clients = ClientPool()  # S3 clients kept between fetches, closed after the fetches park
+        stack.callback(clients.close)
+        fetcher = MeteredFetcher(store, s, metrics, peers, limits=bandwidth, clients=clients)
+        node = self.node = Node(s, store, metrics, fetcher, tier=_memory_tier(s), bandwidth=bandwidth)
         stack.push_async_callback(self._close_tier, node)  # the tier then (a reload may have made or dropped one)
         node.store_ready = True
         metrics.watch(node.sample)

@@ -27,6 +27,7 @@ from weightcache.fetch_queue import FetchQueue
 from weightcache.progress import Progress
 from weightcache.ratelimit import BandwidthLimits
 from weightcache.signatures import SignaturePolicy
+from weightcache.sources import ClientPool
 from weightcache.store import Snapshot, Store, quarantine_usage
 from weightcache.uri import ModelRef
 
@@ -49,11 +50,11 @@ class MeteredFetcher:
     stops_on_cancel = True  # fetch_queue.Engine: each fetch's own Fetcher watches its `cancel`
 
     def __init__(self, store: Store, settings: Settings, metrics: Metrics, peers: PeerSet | None = None, *,
-                 limits: BandwidthLimits | None = None) -> None:
+                 limits: BandwidthLimits | None = None, clients: ClientPool | None = None) -> None:
         self._store = store
         # fetch settings are read at start (docs/config.md: restart); blobs with a trusted sha256 come from the
-        # peers first (docs/peers.md); origin reads wait on the node's bandwidth limits
-        self._fetch = settings.fetch.with_peers(peers, limits=limits)
+        # peers first (docs/peers.md); origin reads wait on the node's bandwidth limits; source clients are kept
+        self._fetch = settings.fetch.with_peers(peers, limits=limits, clients=clients)
         self._metrics = metrics
         self._live: dict[Fetcher, str] = {}  # running fetchers -> scheme
         self._done: dict[str, dict[str, int]] = {}  # scheme -> counters of finished fetchers

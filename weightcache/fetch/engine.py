@@ -33,7 +33,7 @@ from weightcache.fetch.transfer import Transfer
 from weightcache.progress import Progress, read_progress_file
 from weightcache.ratelimit import BandwidthLimits
 from weightcache.signatures import SignaturePolicy
-from weightcache.sources import Source, SourceOptions
+from weightcache.sources import ClientPool, Source, SourceOptions
 from weightcache.store import BlobMissingError, Snapshot, Store, validate_tree
 from weightcache.units import fmt_bytes
 from weightcache.uri import ModelRef
@@ -66,8 +66,9 @@ class Fetcher:
                  source_factory: Callable[[ModelRef], Source] | None = None,
                  cancel: threading.Event | None = None, peers: PeerSet | None = None,
                  proxy_url: str | None = None, require_source_checksum: bool = False,
-                 limits: BandwidthLimits | None = None) -> None:
+                 limits: BandwidthLimits | None = None, clients: ClientPool | None = None) -> None:
         """`limits`: the node's bandwidth limits (weightcache/ratelimit.py) its origin reads wait on; none by default.
+        `clients`: source clients kept between fetches (the daemon's; sources/base.py ClientPool).
         `cancel`: an event that, once set, stops this fetcher's downloads like close() (a caller's own stop).
         `peers`: blobs with a trusted sha256 are read from these peers first (weightcache/peers).
         `proxy_url`: the source's HTTP(S) forward proxy (s3 and http ranged reads).
@@ -82,6 +83,7 @@ class Fetcher:
         self._source_factory = source_factory
         self.peers = peers
         self.limits = limits or BandwidthLimits()
+        self.clients = clients
         self._closing = cancel if cancel is not None else threading.Event()
         self._stats_lock = threading.Lock()
         self.stats: dict[str, int] = {"hits": 0, "misses": 0, "origin_bytes": 0, "peer_bytes": 0,
@@ -227,7 +229,7 @@ class Fetcher:
         return open_source(ref, SourceOptions(endpoint_url=self.endpoint_url, proxy_url=self.proxy_url,
                                               pool_size=max(10, self.concurrency * 2),
                                               connect_timeout=self.connect_timeout, read_timeout=self.read_timeout,
-                                              cancel=self._closing, limits=self.limits))
+                                              cancel=self._closing, limits=self.limits, clients=self.clients))
 
     def _fetch_once(self, grant: Grant, source: Source, reporter: Reporter, handover: HandOver | None) -> Snapshot:
         ref = grant.ref

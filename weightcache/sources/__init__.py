@@ -22,10 +22,10 @@ from collections.abc import Callable
 from typing import Any
 
 from weightcache.errors import BackendMissingError, InvalidReferenceError
-from weightcache.sources.base import ObjectInfo, Source, SourceOptions
+from weightcache.sources.base import ClientPool, ObjectInfo, Source, SourceOptions
 from weightcache.uri import ModelRef
 
-__all__ = ["BACKENDS", "ObjectInfo", "Source", "SourceOptions", "open_source"]
+__all__ = ["BACKENDS", "ClientPool", "ObjectInfo", "Source", "SourceOptions", "open_source"]
 
 #: scheme -> ("module:Class", the package it needs beyond our own dependencies or None)
 BACKENDS: dict[str, tuple[str, str | None]] = {

@@ -14,7 +14,7 @@ import http.client
 import logging
 import threading
 import time
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -31,7 +31,53 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ObjectInfo", "OnBytes", "PartialRead", "Reader", "Retryable", "Source", "SourceOptions"]
+__all__ = ["ClientPool", "ObjectInfo", "OnBytes", "PartialRead", "Reader", "Retryable", "Source", "SourceOptions"]
+
+
+class Closable(Protocol):
+    def close(self) -> None: ...
+
+
+class ClientPool:
+    """Idle clients kept for the next source with the same key (S3's botocore clients: one is built in 0.02-0.10 s,
+    and a kept one's pool has its connections open). A source takes a client out and gives it back at `close`, so
+    no two sources share one. At most `kept`, none older than `max_age_s`. Owned by whoever composes the sources
+    (the daemon, the standalone CSI server), handed down in SourceOptions and closed with them; without one, a
+    source closes its client itself (a one-shot CLI fetch)."""
+
+    def __init__(self, *, kept: int = 4, max_age_s: float = 300.0) -> None:
+        self.kept, self.max_age_s = kept, max_age_s
+        self._idle: list[tuple[Hashable, float, Closable]] = []  # (key, created, client), oldest first
+        self._lock = threading.Lock()
+
+    def take(self, key: Hashable) -> tuple[float, Any] | None:
+        """(created, client) of the last one given back under `key` (its connections are the likeliest still
+        open), or None."""
+        now = time.monotonic()
+        with self._lock:
+            stale = [kept for kept in self._idle if now - kept[1] >= self.max_age_s]
+            self._idle[:] = [kept for kept in self._idle if now - kept[1] < self.max_age_s]
+            found = next((i for i in reversed(range(len(self._idle))) if self._idle[i][0] == key), None)
+            taken = None if found is None else self._idle.pop(found)[1:]
+        _close(stale)
+        return taken
+
+    def give_back(self, key: Hashable, created: float, client: Closable) -> None:
+        with self._lock:
+            self._idle.append((key, created, client))
+            dropped = self._idle[:max(0, len(self._idle) - self.kept)]
+            del self._idle[:len(dropped)]
+        _close(dropped)
+
+    def close(self) -> None:
+        with self._lock:
+            dropped, self._idle = self._idle, []
+        _close(dropped)
+
+
+def _close(entries: builtins.list[tuple[Hashable, float, Closable]]) -> None:
+    for _, _, client in entries:
+        client.close()
 
 
 @dataclass(frozen=True)
@@ -48,6 +94,8 @@ class SourceOptions:
     cancel: threading.Event | None = None  # set: retry waits and reads stop with FetchCancelledError
     # the node's bytesPerSecond (weightcache/ratelimit.py): the daemon's one set of buckets; none by default
     limits: BandwidthLimits = field(default_factory=BandwidthLimits, compare=False, repr=False)
+    # clients kept between sources (s3): the composition's own (the daemon's); none: each source closes its own
+    clients: ClientPool | None = field(default=None, compare=False, repr=False)
 
     def retry(self, what: str) -> Retry:
         """Failure accounting for one operation under these options."""

@@ -20,7 +20,6 @@ import logging
 import os
 import re
 import sys
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -55,6 +54,7 @@ from weightcache.errors import (
 from weightcache.redact import redact
 from weightcache.retry import body_timeout, first_byte_timeout
 from weightcache.sources.base import (
+    ClientPool,
     ObjectInfo,
     OnBytes,
     Pieces,
@@ -153,33 +153,22 @@ class _JsonFiles(botocore.loaders.JSONFileLoader):  # type: ignore[misc]  # boto
 _LOADER = _Loader(file_loader=_JsonFiles())
 
 
-#: Idle clients kept for the next source with the same settings, region and credentials (a daemon's next fetch):
-#: botocore built one in 0.02-0.10 s inside the daemon (0.37 once, at load 20), and a kept one's pool has its
-#: connections open. A source takes its client out and `close` gives it back, so no two sources share one (nor its
-#: pool of `pool_size`). At most CLIENTS_KEPT, none older than CLIENT_MAX_AGE_S.
-CLIENTS_KEPT = 4
-CLIENT_MAX_AGE_S = 300.0
-_idle: list[tuple[tuple[Any, ...], float, Any]] = []  # (key, created, client), oldest first
-_idle_lock = threading.Lock()
-
-
-def _client(endpoint_url: str | None, config: Config, settings: tuple[Any, ...]) -> tuple[tuple[Any, ...], float, Any]:
-    """A client for these settings: a kept one if its key matches, else a new one. Credentials are resolved anew
-    each time, as a fresh client did (a rotated key or token file is read again): the key holds who they name, so
-    rotated credentials get a new client, and a client whose credentials refresh themselves (STS, IMDS) keeps
-    doing so. `settings`: everything of `config` that differs between sources."""
+def _client(endpoint_url: str | None, config: Config, settings: tuple[Any, ...],
+            pool: ClientPool | None) -> tuple[tuple[Any, ...], float, Any]:
+    """(key, created, client) for these settings: one `pool` kept under the same key, else a new one. Credentials
+    are resolved anew each time, as a fresh client did (a rotated key or token file is read again): the key holds
+    who they name, so rotated credentials get a new client, and a client whose credentials refresh themselves
+    (STS, IMDS) keeps doing so. `settings`: everything of `config` that differs between sources."""
     session = botocore.session.get_session()
     session.register_component("data_loader", _LOADER)
     key = (endpoint_url, *settings, *(session.get_config_variable(v) for v in ("region", "ca_bundle", "profile")),
            _identity(session.get_credentials()))
-    now = time.monotonic()
-    with _idle_lock:
-        _idle[:] = [kept for kept in _idle if now - kept[1] < CLIENT_MAX_AGE_S]
-        for i in reversed(range(len(_idle))):  # the last given back: its connections are the likeliest still open
-            if _idle[i][0] == key:
-                return _idle.pop(i)
+    kept = pool.take(key) if pool is not None else None
+    if kept is not None:
+        created, client = kept
+        return key, created, client
     # create_client reuses the session's credentials resolved above
-    return key, now, session.create_client("s3", endpoint_url=endpoint_url, config=config)
+    return key, time.monotonic(), session.create_client("s3", endpoint_url=endpoint_url, config=config)
 
 
 def _first_byte_deadline(read_timeout: float, params: dict[str, Any], context: dict[str, Any], **_: Any) -> None:
@@ -199,15 +188,6 @@ def _identity(credentials: Any) -> tuple[str, ...]:
     frozen = credentials.get_frozen_credentials()
     secret = hashlib.sha256(f"{frozen.secret_key}\0{frozen.token or ''}".encode()).hexdigest()
     return credentials.method or "", frozen.access_key or "", secret
-
-
-def _give_back(kept: tuple[tuple[Any, ...], float, Any]) -> None:
-    with _idle_lock:
-        _idle.append(kept)
-        dropped = _idle[:max(0, len(_idle) - CLIENTS_KEPT)]
-        del _idle[:len(dropped)]
-    for _, _, client in dropped:
-        client.close()
 
 
 class S3Source(Source):
@@ -233,8 +213,8 @@ class S3Source(Source):
             response_checksum_validation="when_required",
             proxies={"http": o.proxy_url, "https": o.proxy_url} if o.proxy_url else None,
         )
-        self._kept = _client(self.endpoint_url, config, (o.pool_size, o.connect_timeout, o.read_timeout, o.proxy_url))
-        self._client = self._kept[2]
+        self._key, self._created, self._client = _client(
+            self.endpoint_url, config, (o.pool_size, o.connect_timeout, o.read_timeout, o.proxy_url), o.clients)
         self._client.meta.events.register("before-call.s3.GetObject", functools.partial(
             _first_byte_deadline, o.read_timeout), unique_id="weightcache-first-byte")
 
@@ -302,8 +282,12 @@ class S3Source(Source):
         return self._client.head_object(**args, **params)  # type: ignore[no-any-return]
 
     def close(self) -> None:
-        """Give the client back for the next source (its connections stay open while kept)."""
-        _give_back(self._kept)
+        """Give the client back to the options' pool for the next source (its connections stay open while kept);
+        without a pool, close it."""
+        if self.options.clients is None:
+            self._client.close()
+        else:
+            self.options.clients.give_back(self._key, self._created, self._client)
 
     def _uri(self, key: str) -> str:
         return f"s3://{self.ref.bucket}/{key}"
