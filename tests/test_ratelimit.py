@@ -23,6 +23,28 @@ from weightcache.ratelimit import BURST_S, BandwidthLimits, Limiter
 from weightcache.store import Store
 
 
+class PolledClock:
+    """A limiter's clock that counts its reads: `polled()` returns once a waiter has looked at the bucket again
+    (a held gate, not a sleep that hopes the waiter got there). `now` is None: the real clock."""
+
+    def __init__(self, now: float | None = None) -> None:
+        self.now = now
+        self._reads = 0
+        self._read = threading.Condition()
+
+    def __call__(self) -> float:
+        with self._read:
+            self._reads += 1
+            self._read.notify_all()
+        return time.monotonic() if self.now is None else self.now
+
+    def polled(self) -> None:
+        """Return once the clock has been read twice since this call: a waiter's whole turn in the bucket."""
+        with self._read:
+            mark = self._reads
+            assert self._read.wait_for(lambda: self._reads >= mark + 2, timeout=10), "nobody waits in the bucket"
+
+
 def _drain(limiter: Limiter, threads: int, seconds: float, piece: int) -> int:
     got = [0] * threads
     stop = time.monotonic() + seconds
@@ -59,18 +81,29 @@ def test_a_piece_larger_than_the_burst_passes_and_the_average_holds() -> None:
 
 
 def test_a_wait_ends_at_once_when_the_fetch_is_cancelled() -> None:
-    limiter = Limiter(1000)
+    clock = PolledClock(0.0)  # stopped: the bucket never refills, so only the cancel can end the wait
+    limiter = Limiter(1000, clock=clock)
     limiter.acquire(1000)
     cancel = threading.Event()
-    threading.Timer(0.1, cancel.set).start()
-    start = time.monotonic()
-    with pytest.raises(FetchCancelledError):
-        limiter.acquire(1000, cancel)  # would wait 1 s
-    assert time.monotonic() - start < 0.5
+    raised: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            limiter.acquire(1000, cancel)
+        except FetchCancelledError as exc:
+            raised.append(exc)
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    clock.polled()  # it waits in the bucket
+    cancel.set()
+    waiter.join(10)
+    assert not waiter.is_alive() and len(raised) == 1
 
 
 def test_a_rate_changed_live_reaches_a_waiting_worker() -> None:
-    limiter = Limiter(100)
+    clock = PolledClock(0.0)  # stopped: at the old rate the worker would wait for ever
+    limiter = Limiter(100, clock=clock)
     limiter.acquire(100)
     done = threading.Event()
     def wait() -> None:
@@ -78,10 +111,10 @@ def test_a_rate_changed_live_reaches_a_waiting_worker() -> None:
         done.set()
 
     threading.Thread(target=wait, daemon=True).start()
-    time.sleep(0.1)
-    assert not done.is_set()  # 10 s at the old rate
+    clock.polled()
+    assert not done.is_set()
     limiter.set_rate(0)
-    assert done.wait(1)
+    assert done.wait(10)
 
 
 def test_unlimited_costs_nothing() -> None:
@@ -143,37 +176,38 @@ def test_a_big_file_from_s3_holds_the_nodes_origin_limit(tmp_path: Path, s3: S3)
 def test_a_waiter_without_cpu_is_owed_its_bytes_but_idle_time_is_never_banked() -> None:
     """A fake clock jumps 2 s while a worker waits in the bucket (descheduled on a busy CPU): it and the next
     request get the bytes of those 2 s, so the average holds. Two idle seconds give only the 0.1 s burst."""
-    now = [0.0]
-    limiter = Limiter(1000, burst_s=0.1, clock=lambda: now[0])
+    clock = PolledClock(0.0)
+    limiter = Limiter(1000, burst_s=0.1, clock=clock)
     limiter.acquire(1000)  # the 100-byte burst, then 900 in debt
-    granted_at: list[float] = []
+    granted_at: list[float | None] = []
 
     def take(n: int) -> None:
         limiter.acquire(n)
-        granted_at.append(now[0])
+        granted_at.append(clock.now)
 
     waiter = threading.Thread(target=take, args=(1000,), daemon=True)
     waiter.start()
-    time.sleep(0.1)  # it polls the bucket, in debt
+    clock.polled()  # it polls the bucket, in debt
     assert not granted_at
-    now[0] = 2.0  # 2,000 bytes accrued while it waited: 1,100 more than its debt and request
-    waiter.join(2)
+    clock.now = 2.0  # 2,000 bytes accrued while it waited: 1,100 more than its debt and request
+    waiter.join(10)
     assert granted_at == [2.0]
     second = threading.Thread(target=take, args=(1000,), daemon=True)
     second.start()
-    second.join(2)
+    second.join(10)
     assert granted_at == [2.0, 2.0]  # 3,000 bytes granted by t=2: the rate and the burst, no more
 
-    idle = Limiter(1000, burst_s=0.1, clock=lambda: now[0])
+    clock = PolledClock(2.0)
+    idle = Limiter(1000, burst_s=0.1, clock=clock)
     idle.acquire(100)
-    now[0] = 10.0  # nobody waits: the bucket fills to its 100-byte burst only
+    clock.now = 10.0  # nobody waits: the bucket fills to its 100-byte burst only
     idle.acquire(200)  # 100 in debt
     late = threading.Thread(target=idle.acquire, args=(100,), daemon=True)
     late.start()
-    late.join(0.2)
+    clock.polled()
     assert late.is_alive()  # in debt: waits for a clock that no longer moves
-    now[0] = 10.2  # its debt paid
-    late.join(2)
+    clock.now = 10.2  # its debt paid
+    late.join(10)
     assert not late.is_alive()
 
 
