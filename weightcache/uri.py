@@ -143,6 +143,19 @@ def parse_ref(
     exclude: tuple[str, ...] | list[str] = (),
 ) -> ModelRef:
     """Parse and validate a reference; `revision` (a flag) wins over an `@revision` suffix."""
+    text, scheme, rest = _split_scheme(text)
+    if scheme == "oci":
+        bucket, path, rev = _parse_oci(text, rest, revision)
+    else:
+        bucket, path, rev = _parse_path(text, scheme, rest, revision)
+    for glob in (*include, *exclude):
+        if not glob or "\0" in glob or glob.startswith("/"):
+            raise _fail(text, f"glob {glob!r} must be a non-empty relative pattern such as '*.safetensors'")
+    return ModelRef(scheme, bucket, path, rev, tuple(include), tuple(exclude))
+
+
+def _split_scheme(text: str) -> tuple[str, str, str]:
+    """(the reference stripped, its scheme in lowercase, what follows `://`)."""
     if not isinstance(text, str) or not text.strip():
         raise _fail(str(text), "it is empty")
     text = text.strip()
@@ -154,12 +167,12 @@ def parse_ref(
         raise _fail(text, "it has no scheme")
     if scheme not in SCHEMES:
         raise _fail(text, f"unknown scheme {scheme!r} (known: {', '.join(SCHEMES)})")
-    if scheme == "oci":
-        bucket, path, rev = _parse_oci(text, rest, revision)
-        for glob in (*include, *exclude):
-            if not glob or "\0" in glob or glob.startswith("/"):
-                raise _fail(text, f"glob {glob!r} must be a non-empty relative pattern such as '*.safetensors'")
-        return ModelRef(scheme, bucket, path, rev, tuple(include), tuple(exclude))
+    return text, scheme, rest
+
+
+def _parse_path(text: str, scheme: str, rest: str, revision: str | None) -> tuple[str, str, str | None]:
+    """`bucket/prefix[@revision]` (file: `/path[@revision]`) -> (bucket, "prefix/", revision or None); `revision`
+    (a flag) wins."""
     if scheme == "file":
         bucket, path = "", rest
         if not path.startswith("/"):
@@ -179,11 +192,7 @@ def parse_ref(
     if rev is not None and not _REVISION.fullmatch(rev):
         raise _fail(text, f"revision {rev!r} must be 1-128 characters of letters, digits, '.', '_' or '-'")
     _check_bucket(text, scheme, bucket)
-    path = _normalise_path(text, scheme, path)
-    for glob in (*include, *exclude):
-        if not glob or "\0" in glob or glob.startswith("/"):
-            raise _fail(text, f"glob {glob!r} must be a non-empty relative pattern such as '*.safetensors'")
-    return ModelRef(scheme, bucket, path, rev, tuple(include), tuple(exclude))
+    return bucket, _normalise_path(text, scheme, path), rev
 
 
 def _parse_oci(text: str, rest: str, revision: str | None) -> tuple[str, str, str | None]:

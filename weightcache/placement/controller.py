@@ -146,10 +146,7 @@ class Controller:
     # one pass ---------------------------------------------------------------------------------------------------
     def reconcile(self) -> Pass:
         pods = self.pods.items()
-        by_node: dict[str, list[dict[str, Any]]] = {}
-        for pod in pods:
-            by_node.setdefault(str((pod.get("spec") or {}).get("nodeName") or ""), []).append(pod)
-        facts = [node_facts(n, by_node.get(str((n.get("metadata") or {}).get("name")), [])) for n in self.nodes.items()]
+        facts = self._facts(pods)
         caches = self.caches.items()
         owned = {mc["metadata"]["name"]: mc for mc in caches if _owned(mc)}
         current = {name: _names((mc.get("spec") or {}).get("nodeNames")) for name, mc in owned.items()}
@@ -167,10 +164,7 @@ class Controller:
         self._rollouts(caches)
         self._label_keys(caches)
         by_key = {choice.pod_key(p): p for p in pods}
-        budget = self.max_writes  # refusal Events are bounded too: a thousand bad pods must not delay a pass
-        for key, refusal in refused.items():
-            if budget > 0 and key in by_key and self.leading():
-                budget -= self._event(by_key[key], refusal.reason, refusal.message, "Warning")
+        self._refuse(refused, by_key)
         admitted = {choice.pod_key(p) for p in admission.pods} - set(plan.failed)
         released = [choice.pod_key(p) for p in pods
                     if choice.pod_key(p) in admitted and choice.gated(p) and self._release_or_report(p, facts, plan)]
@@ -179,6 +173,21 @@ class Controller:
         if pending:
             self._wake.set()  # the rest of the demand goes out in the next pass, without waiting for `resync`
         return Pass(tuple(released), demand, refused, pending)
+
+    def _facts(self, pods: list[dict[str, Any]]) -> list[NodeFacts]:
+        """Each node's facts, with the pods bound to it."""
+        by_node: dict[str, list[dict[str, Any]]] = {}
+        for pod in pods:
+            by_node.setdefault(str((pod.get("spec") or {}).get("nodeName") or ""), []).append(pod)
+        return [node_facts(n, by_node.get(str((n.get("metadata") or {}).get("name")), [])) for n in self.nodes.items()]
+
+    def _refuse(self, refused: Mapping[str, choice.Refusal], by_key: Mapping[str, dict[str, Any]]) -> None:
+        """A Warning Event on each refused pod, at most `max_writes` a pass: a thousand bad pods must not delay
+        one."""
+        budget = self.max_writes
+        for key, refusal in refused.items():
+            if budget > 0 and key in by_key and self.leading():
+                budget -= self._event(by_key[key], refusal.reason, refusal.message, "Warning")
 
     def _write_demand(self, demand: Mapping[str, tuple[str, ...]], plan: choice.Plan,
                       owned: Mapping[str, dict[str, Any]]) -> int:
@@ -319,17 +328,7 @@ class Controller:
             self._event(pod, "NoNodeForModel", "no node can run this pod (nodeSelector, affinity, taints); it "
                         f"stays gated until one can (or set {PLACEMENT}: prefer)", "Warning")
             return
-        report = next((r for r in self.reports.items() if (r.get("spec") or {}).get("nodeName") == node
-                       or (r.get("metadata") or {}).get("name") == node), {})
-        models = (report.get("status") or {}).get("models") or {}
-        done = total = 0
-        parts = []
-        for ref in state.refs:
-            wire = models.get(choice.demand_name(ref)) or {}
-            phase = str(wire.get("phase") or "Pending")
-            d, t = int(wire.get("bytesDone") or 0), int(wire.get("bytesTotal") or 0)
-            done, total = done + d, total + t
-            parts.append(f"{ref}: {phase}" + (f" ({redact(str(wire.get('message')))})" if wire.get("message") else ""))
+        done, total, parts = _fetch_progress(state, self._node_models(node))
         key, now = choice.pod_key(pod), self._clock()
         seen = self._seen.get(key)
         rate = (done - seen.bytes_done) / (now - seen.at) if seen and now > seen.at and done >= seen.bytes_done else 0.0
@@ -338,6 +337,12 @@ class Controller:
                         0, 0, rate, eta).describe()
         message = f"waiting for the model on node {node}: {line} [{'; '.join(parts)}]"
         self._event(pod, "FetchingModel", message, "Normal", bytes_done=done)
+
+    def _node_models(self, node: str) -> dict[str, Any]:
+        """The models its ModelCacheNode reports (wire form, by demand name); none when it has no report."""
+        report = next((r for r in self.reports.items() if (r.get("spec") or {}).get("nodeName") == node
+                       or (r.get("metadata") or {}).get("name") == node), {})
+        return dict((report.get("status") or {}).get("models") or {})
 
     def _event(self, pod: Mapping[str, Any], reason: str, message: str, kind: str, *, force: bool = False,
                bytes_done: int = 0) -> bool:
@@ -383,6 +388,18 @@ class Controller:
             log.warning("%s failed: %s", what, type(exc).__name__)
             return False
         return True
+
+
+def _fetch_progress(state: choice.PodModels, models: Mapping[str, Any]) -> tuple[int, int, list[str]]:
+    """(bytes done, bytes in all, `ref: phase (message)` for each) of a pod's models on a node."""
+    done = total = 0
+    parts = []
+    for ref in state.refs:
+        wire = models.get(choice.demand_name(ref)) or {}
+        done, total = done + int(wire.get("bytesDone") or 0), total + int(wire.get("bytesTotal") or 0)
+        message = f" ({redact(str(wire.get('message')))})" if wire.get("message") else ""
+        parts.append(f"{ref}: {wire.get('phase') or 'Pending'}{message}")
+    return done, total, parts
 
 
 def _budgets_and_sizes(reports: list[dict[str, Any]]) -> tuple[dict[str, int], dict[str, int]]:
