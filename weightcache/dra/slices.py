@@ -95,18 +95,27 @@ def dropped_fields(sent: list[dict[str, Any]], stored: list[dict[str, Any]]) -> 
             dropped.add("sharedCounters")
         for device in spec.get("devices") or []:
             back = stored_devices.get(str(device.get("name")))
-            if back is None:
-                continue
-            dropped |= {k for k in device if k not in back}
-            kept = back.get("capacity") or {}
-            for name, capacity in (device.get("capacity") or {}).items():
-                if "requestPolicy" in capacity and "requestPolicy" not in (kept.get(name) or {}):
-                    dropped.add("capacity.requestPolicy")
+            if back is not None:
+                dropped |= _dropped_device_fields(device, back)
     return dropped
+
+
+def _dropped_device_fields(device: dict[str, Any], back: dict[str, Any]) -> set[str]:
+    kept = back.get("capacity") or {}
+    policy = any("requestPolicy" in capacity and "requestPolicy" not in (kept.get(name) or {})
+                 for name, capacity in (device.get("capacity") or {}).items())
+    return {k for k in device if k not in back} | ({"capacity.requestPolicy"} if policy else set())
 
 
 def _owners(obj: dict[str, Any]) -> Any:
     return (obj.get("metadata") or {}).get("ownerReferences")
+
+
+def _same(existing: dict[str, dict[str, Any]], current: list[dict[str, Any]]) -> bool:
+    """The API server holds exactly `current` (specs and owners), slice for slice."""
+    stored = [existing.get(s["metadata"]["name"], {}) for s in current]
+    return len(existing) == len(current) and [s.get("spec") for s in stored] == [s["spec"] for s in current] \
+        and [_owners(s) for s in stored] == [_owners(s) for s in current]
 
 
 class SlicePublisher:
@@ -153,14 +162,24 @@ class SlicePublisher:
                                    default=0)
         current = build_slices(self._node, devices, self._generation, api_version=self._version,
                                node_uid=self._node_uid, shared_counters=counters)
-        if [existing.get(s["metadata"]["name"], {}).get("spec") for s in current] == [s["spec"] for s in current] \
-                and [_owners(existing[s["metadata"]["name"]]) for s in current] == [_owners(s) for s in current] \
-                and len(existing) == len(current):
+        if _same(existing, current):
             self._published, self._published_counters = devices, counters
             return False
         self._generation += 1
         wanted = build_slices(self._node, devices, self._generation, api_version=self._version,
                               node_uid=self._node_uid, shared_counters=counters)
+        stored = self._write(wanted, existing)
+        self._published, self._published_counters = devices, counters
+        log.info("ResourceSlice pool %s generation %d: %d devices in %d slices", self._node, self._generation,
+                 len(devices), len(wanted))
+        dropped = dropped_fields(wanted, stored)
+        if dropped and self._on_dropped is not None:
+            self._on_dropped(dropped)
+        return True
+
+    def _write(self, wanted: list[dict[str, Any]], existing: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+        """Replace the slices that exist, create the others, delete those of a larger pool than now; the slices as
+        the API server stored them."""
         stored = []
         for obj in wanted:
             name = obj["metadata"]["name"]
@@ -171,16 +190,10 @@ class SlicePublisher:
             else:
                 stored.append(self._api.create_cluster_custom_object(GROUP, self._version, PLURAL, obj,
                                                                      _request_timeout=API_TIMEOUT_S))
-        for name in existing:  # slices of a larger pool than now
+        for name in existing:
             self._api.delete_cluster_custom_object(GROUP, self._version, PLURAL, name,
                                                    _request_timeout=API_TIMEOUT_S)
-        self._published, self._published_counters = devices, counters
-        log.info("ResourceSlice pool %s generation %d: %d devices in %d slices", self._node, self._generation,
-                 len(devices), len(wanted))
-        dropped = dropped_fields(wanted, [s for s in stored if isinstance(s, dict)])
-        if dropped and self._on_dropped is not None:
-            self._on_dropped(dropped)
-        return True
+        return [s for s in stored if isinstance(s, dict)]
 
     def published_names(self) -> list[str]:
         """The names of the devices last published (empty before the first write)."""
