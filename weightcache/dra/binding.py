@@ -221,6 +221,21 @@ class ClaimBinder:
         return condition(MODEL_READY, "Fetched", f"{model.ref.uri} is in the node's store as snapshot "
                          f"{snapshot.id} ({snapshot.size} bytes, {time.monotonic() - started:.1f} s)")
 
+    def _with_verdict(self, claim: dict[str, Any], device: str, verdict: dict[str, Any]) -> list[dict[str, Any]]:
+        """The claim's status.devices with `verdict` as our device's model condition (its entry made if missing)."""
+        entries = list((claim.get("status") or {}).get("devices") or [])
+        ours = {"driver": DRIVER_NAME, "pool": self._pool, "device": device}
+        index = next((i for i, e in enumerate(entries)
+                      if all(e.get(k) == v for k, v in ours.items()) and not e.get("shareID")), None)
+        entry: dict[str, Any] = dict(entries[index]) if index is not None else dict(ours)
+        entry["conditions"] = [c for c in entry.get("conditions") or []
+                               if c.get("type") not in (MODEL_READY, MODEL_FAILED)] + [verdict]
+        if index is None:
+            entries.append(entry)
+        else:
+            entries[index] = entry
+        return entries
+
     def _set(self, namespace: str, name: str, uid: str, device: str, alloc: str, verdict: dict[str, Any]) -> None:
         """Merge the condition into the claim's status.devices entry; a conflict re-reads and retries. Raises
         AllocationGone when the claim no longer holds the allocation the verdict answers."""
@@ -237,19 +252,8 @@ class ClaimBinder:
             if str(claim["metadata"].get("uid")) != uid or allocation_id(claim) != alloc \
                     or device not in allocated(claim, self._pool):
                 raise AllocationGone("the claim was allocated anew or un-allocated since")
-            entries = list((claim.get("status") or {}).get("devices") or [])
-            ours = {"driver": DRIVER_NAME, "pool": self._pool, "device": device}
-            index = next((i for i, e in enumerate(entries)
-                          if all(e.get(k) == v for k, v in ours.items()) and not e.get("shareID")), None)
-            entry: dict[str, Any] = dict(entries[index]) if index is not None else dict(ours)
-            entry["conditions"] = [c for c in entry.get("conditions") or []
-                                   if c.get("type") not in (MODEL_READY, MODEL_FAILED)] + [verdict]
-            if index is None:
-                entries.append(entry)
-            else:
-                entries[index] = entry
             body = {"metadata": {"resourceVersion": claim["metadata"]["resourceVersion"]},
-                    "status": {"devices": entries}}
+                    "status": {"devices": self._with_verdict(claim, device, verdict)}}
             try:
                 self._api.patch_namespaced_custom_object_status(GROUP, self._version, namespace, PLURAL, name, body,
                                                                 _request_timeout=API_TIMEOUT_S)

@@ -71,26 +71,27 @@ def allocated_devices(claim: dict[str, Any], *, pool: str) -> list[Allocated]:
     if not results:
         raise InvalidRequestError("status.allocation", f"the claim has no device of driver {DRIVER_NAME} "
                                   "allocated; the scheduler allocates it before kubelet prepares it")
-    out = []
-    for result in results:
-        if result.get("pool") != pool:
-            raise InvalidRequestError("status.allocation.devices.results", f"device {result.get('device')!r} is "
-                                      f"from pool {result.get('pool')!r}, not this node's pool {pool!r}")
-        request = str(result.get("request", ""))
-        share_id = result.get("shareID") or ""
-        if share_id and not (isinstance(share_id, str) and _SHARE_ID.match(share_id)):
-            raise InvalidRequestError("status.allocation.devices.results.shareID",
-                                      f"{str(share_id)[:80]!r} is not a share id (a DNS label)")
-        path, env = DEFAULT_CONTAINER_PATH, cdi.ENV_NAME
-        for config in devices.get("config") or []:  # later entries win, as in the API's documented order
-            opaque = config.get("opaque") or {}
-            wanted = config.get("requests") or []
-            if opaque.get("driver") != DRIVER_NAME or (wanted and request not in wanted
-                                                        and request.partition("/")[0] not in wanted):
-                continue
+    return [_allocated(result, devices.get("config") or [], pool) for result in results]
+
+
+def _allocated(result: dict[str, Any], configs: list[dict[str, Any]], pool: str) -> Allocated:
+    """One allocated device of ours, with the last of `configs` (the allocation's opaque ones) that applies."""
+    if result.get("pool") != pool:
+        raise InvalidRequestError("status.allocation.devices.results", f"device {result.get('device')!r} is "
+                                  f"from pool {result.get('pool')!r}, not this node's pool {pool!r}")
+    request = str(result.get("request", ""))
+    share_id = result.get("shareID") or ""
+    if share_id and not (isinstance(share_id, str) and _SHARE_ID.match(share_id)):
+        raise InvalidRequestError("status.allocation.devices.results.shareID",
+                                  f"{str(share_id)[:80]!r} is not a share id (a DNS label)")
+    path, env = DEFAULT_CONTAINER_PATH, cdi.ENV_NAME
+    for config in configs:  # later entries win, as in the API's documented order
+        opaque = config.get("opaque") or {}
+        wanted = config.get("requests") or []
+        if opaque.get("driver") == DRIVER_NAME and (not wanted or request in wanted
+                                                    or request.partition("/")[0] in wanted):
             path, env = _model_config(opaque.get("parameters") or {}, path, env)
-        out.append(Allocated(request, str(result.get("device", "")), path, env, share_id))
-    return out
+    return Allocated(request, str(result.get("device", "")), path, env, share_id)
 
 
 def _model_config(params: Any, path: str, env: str) -> tuple[str, str]:
