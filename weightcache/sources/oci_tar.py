@@ -44,6 +44,8 @@ from weightcache.store.paths import validate_relpath
 from weightcache.store.types import FileEntry
 
 if TYPE_CHECKING:
+    import tarfile
+
     from weightcache.store import BlobWriter, Store
 
 MAX_MEMBERS = 100_000
@@ -104,55 +106,73 @@ def unpack_layer(stream: IO[bytes], layer: str, compression: str, write: Write,
                           "unpacked (push it uncompressed or gzip-compressed)")
     layer = validate_relpath(layer)
     raw: IO[bytes] = cast(IO[bytes], gzip.GzipFile(fileobj=stream, mode="rb")) if compression == "tar+gzip" else stream
-    files: dict[str, Unpacked] = {}
-    dirs: set[str] = set()
-    ancestors: set[str] = set()  # the directories above every file so far
-    total = members = 0
+    unpacked = _Layer(layer, limits)
     try:
         with intake.reading(raw, max_header_bytes=limits.max_header_bytes, hard_links=True, bufsize=1 << 20) as tf:
             for member in tf:
-                members += 1
-                if members > limits.max_members:
-                    raise HostileKeyError(f"{layer} member {members}", f"more than {limits.max_members} members")
-                if member.isdir():
-                    if member_name(member.name) in ("", "."):  # the tar's own root (`tar -C model .`)
-                        continue
-                    relpath = _name(member.name, layer)
-                    if relpath in files:
-                        raise HostileKeyError(relpath, f"is a file and a directory in the tar layer {layer!r}")
-                    dirs.add(relpath)
-                    continue
-                relpath = _name(member.name, layer)
-                if relpath in files or relpath in dirs:
-                    raise HostileKeyError(relpath, f"is named twice in the tar layer {layer!r}")
-                parts = relpath.split("/")
-                above = ["/".join(parts[:i]) for i in range(1, len(parts))]
-                if relpath in ancestors or any(a in files for a in above):
-                    raise HostileKeyError(relpath, f"is a file and a directory in the tar layer {layer!r}")
-                ancestors.update(above)
-                if member.islnk():
-                    target = files.get(_name(member.linkname, layer)) if member.linkname else None
-                    if target is None:
-                        raise HostileKeyError(relpath, f"is a hard link to {member.linkname[:200]!r}, not to an "
-                                                       "earlier file of the same layer")
-                    files[relpath] = Unpacked(relpath, target.size, target.sha256)
-                    continue
-                if not member.isreg() or member.issparse():
-                    raise HostileKeyError(relpath, f"is of tar type {member.type!r}; regular files and directories "
-                                                   "only")
-                total += member.size
-                if total > limits.max_bytes:
-                    raise HostileKeyError(relpath, f"the tar layer {layer!r} unpacks to more than "
-                                                   f"{limits.max_bytes} bytes")
-                data = tf.extractfile(member)
-                assert data is not None  # a regular member always has a reader
-                sha256 = write(relpath, member.size, data.read)
-                files[relpath] = Unpacked(relpath, member.size, sha256)
+                unpacked.add(member, tf, write)
     except intake.TarRefused as exc:
         raise HostileKeyError(exc.name, f"{exc.why} (in the tar layer {layer!r})") from None
     except intake.TarDamaged as exc:
         raise SourceError(f"the tar layer {layer!r} is damaged or truncated ({exc})") from None
-    return sorted(files.values(), key=lambda u: u.relpath)
+    return sorted(unpacked.files.values(), key=lambda u: u.relpath)
+
+
+class _Layer:
+    """The members of one tar layer so far: each new one is checked against them and the limits, then stored."""
+
+    def __init__(self, layer: str, limits: TarLimits) -> None:
+        self.layer, self.limits = layer, limits
+        self.files: dict[str, Unpacked] = {}
+        self.dirs: set[str] = set()
+        self.ancestors: set[str] = set()  # the directories above every file so far
+        self.total = self.members = 0
+
+    def add(self, member: tarfile.TarInfo, tf: tarfile.TarFile, write: Write) -> None:
+        layer = self.layer
+        self.members += 1
+        if self.members > self.limits.max_members:
+            raise HostileKeyError(f"{layer} member {self.members}", f"more than {self.limits.max_members} members")
+        if member.isdir():
+            self._dir(member)
+            return
+        relpath = self._file(member)
+        if member.islnk():
+            target = self.files.get(_name(member.linkname, layer)) if member.linkname else None
+            if target is None:
+                raise HostileKeyError(relpath, f"is a hard link to {member.linkname[:200]!r}, not to an "
+                                               "earlier file of the same layer")
+            self.files[relpath] = Unpacked(relpath, target.size, target.sha256)
+            return
+        if not member.isreg() or member.issparse():
+            raise HostileKeyError(relpath, f"is of tar type {member.type!r}; regular files and directories only")
+        self.total += member.size
+        if self.total > self.limits.max_bytes:
+            raise HostileKeyError(relpath, f"the tar layer {layer!r} unpacks to more than "
+                                           f"{self.limits.max_bytes} bytes")
+        data = tf.extractfile(member)
+        assert data is not None  # a regular member always has a reader
+        self.files[relpath] = Unpacked(relpath, member.size, write(relpath, member.size, data.read))
+
+    def _dir(self, member: tarfile.TarInfo) -> None:
+        if member_name(member.name) in ("", "."):  # the tar's own root (`tar -C model .`)
+            return
+        relpath = _name(member.name, self.layer)
+        if relpath in self.files:
+            raise HostileKeyError(relpath, f"is a file and a directory in the tar layer {self.layer!r}")
+        self.dirs.add(relpath)
+
+    def _file(self, member: tarfile.TarInfo) -> str:
+        """A file's (or hard link's) path, named once and never also a directory."""
+        relpath = _name(member.name, self.layer)
+        if relpath in self.files or relpath in self.dirs:
+            raise HostileKeyError(relpath, f"is named twice in the tar layer {self.layer!r}")
+        parts = relpath.split("/")
+        above = ["/".join(parts[:i]) for i in range(1, len(parts))]
+        if relpath in self.ancestors or any(a in self.files for a in above):
+            raise HostileKeyError(relpath, f"is a file and a directory in the tar layer {self.layer!r}")
+        self.ancestors.update(above)
+        return relpath
 
 
 def sha256_of(read: Callable[[int], bytes], size: int, sink: Callable[[bytes], object] | None = None) -> str:
