@@ -1,8 +1,9 @@
 """The one way tests run the `weightcache` command: `weightcache(...)` as a user runs it (a child process of this
-interpreter, output captured), `run_cli(...)` in this process (`cli.main`, so a stand-in's state and the test's
-environment are shared).
+interpreter, output captured), `start_weightcache(...)` the same left running, `run_cli(...)` in this process
+(`cli.main`, so a stand-in's state and the test's environment are shared).
 
     proc = weightcache("ls", "--root", str(root))                 # CompletedProcess: returncode, stdout, stderr
+    proc = start_weightcache("daemon", ..., stderr=subprocess.PIPE)  # Popen: still running
     code, out, err = run_cli(capsys, "status", "-o", "json")     # capsys or capfd
 """
 
@@ -12,6 +13,7 @@ import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,6 +28,13 @@ def weightcache(*args: str, env: Mapping[str, str] | None = None,
     process's)."""
     return subprocess.run([sys.executable, "-m", "weightcache", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT, env=None if env is None else dict(env))
+
+
+def start_weightcache(*args: str, env: Mapping[str, str] | None = None, **popen: Any) -> subprocess.Popen[str]:
+    """`weightcache ARGS` started as `weightcache` does it, left running: `popen` says where its output goes (and
+    e.g. `preexec_fn`)."""
+    return subprocess.Popen([sys.executable, "-m", "weightcache", *args], text=True, cwd=ROOT,
+                            env=None if env is None else dict(env), **popen)
 
 
 def run_cli(capture: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

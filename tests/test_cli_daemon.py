@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.command import weightcache
+from tests.command import start_weightcache, weightcache
 from tests.faultproxy import FaultProxy
 from tests.fixtures_daemon import RunningDaemon, eventually, start_daemon
 from tests.fixtures_s3 import S3
@@ -115,8 +115,7 @@ def test_no_such_bucket_hint_names_the_model(s3: S3, tmp_path: Path) -> None:
 
 
 def _start(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "weightcache", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, preexec_fn=sigint_default)
+    return start_weightcache(*args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=sigint_default)
 
 
 def _wait_for_download(proc: subprocess.Popen[str], timeout: float = 60.0) -> None:

@@ -7,19 +7,18 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.command import weightcache
 from tests.fixtures_daemon import RunningDaemon
 
 
 def _wc(*args: str, sock: Path) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("WEIGHTCACHE_ROOT", "AWS_ENDPOINT_URL")}
     env.update({"KUBECONFIG": "/nonexistent", "WEIGHTCACHE_SOCKET": str(sock)})
-    return subprocess.run([sys.executable, "-m", "weightcache", *args], capture_output=True, text=True, timeout=120,
-                          env=env)
+    return weightcache(*args, env=env)
 
 
 @pytest.mark.e2e

@@ -9,11 +9,11 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.command import weightcache
 from tests.sample import make_model
 from tests.test_cli import wc
 from weightcache.cli import ProgressPrinter, build_parser
@@ -148,8 +148,7 @@ def test_each_command_shows_its_own_flags_only() -> None:
     for command in ("ls", "status"):  # nothing to quieten
         assert "--quiet" not in _flags(command)
     assert floor <= _flags("prefetch") and floor <= _flags("gc")
-    r = subprocess.run([sys.executable, "-m", "weightcache", "ls", "--help"], capture_output=True, text=True,
-                       timeout=60)
+    r = weightcache("ls", "--help")
     assert r.returncode == 0 and "--min-free" not in r.stdout and "prefetch" not in r.stdout
 
 

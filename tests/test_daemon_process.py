@@ -7,7 +7,6 @@ import os
 import queue
 import signal
 import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.command import start_weightcache
 from tests.sample import make_model
 from weightcache.daemon.client import DaemonClient
 from weightcache.errors import FetchCancelledError
@@ -27,10 +27,9 @@ class DaemonProcess:
         self.socket = base / "d.sock"
         env = {k: v for k, v in os.environ.items() if not k.startswith(("KUBE", "WEIGHTCACHE_"))}
         env.update(HOME=str(base), KUBECONFIG=str(base / "no-kubeconfig"), PYTHONPATH=str(REPO))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "weightcache", "daemon", "--root", str(base / "root"), "--socket",
-             str(self.socket), "--log-format", "json", *args],
-            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.proc = start_weightcache("daemon", "--root", str(base / "root"), "--socket", str(self.socket),
+                                      "--log-format", "json", *args, env=env, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE)
         self.lines: queue.Queue[str] = queue.Queue()
         self.log: list[str] = []
         threading.Thread(target=self._pump, daemon=True).start()

@@ -7,12 +7,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.command import weightcache
 from tests.fixtures_registry import Registry, docker_config
 from tests.grants import granted
 from weightcache.errors import InvalidReferenceError, SourceAccessDeniedError
@@ -131,15 +130,12 @@ def test_the_cli_exports_and_prints_json(tmp_path: Path, registry: Registry) -> 
     snap = cached(tmp_path / "root", tmp_path, want)
     env = {**os.environ, "DOCKER_CONFIG": str(tmp_path / "none")}
     target = f"oci://{registry.host}/models/cli:v1"
-    done = subprocess.run([sys.executable, "-m", "weightcache", "export", snap.id[:12], target,
-                           "--root", str(tmp_path / "root"), "-o", "json"], capture_output=True, text=True, env=env,
-                          timeout=120)
+    done = weightcache("export", snap.id[:12], target, "--root", str(tmp_path / "root"), "-o", "json", env=env)
     assert done.returncode == 0, done.stderr
     body = json.loads(done.stdout)
     assert body["snapshot"] == snap.id and body["target"] == target and body["files"] == len(want)
     assert body["digest"].startswith("sha256:")
     back = Fetcher(Store(tmp_path / "b")).ensure(granted(f"oci://{registry.host}/models/cli@{body['digest']}"))
     assert tree(back) == want
-    push = subprocess.run([sys.executable, "-m", "weightcache", "push", "nothing-like-it", target,
-                           "--root", str(tmp_path / "root")], capture_output=True, text=True, env=env, timeout=120)
+    push = weightcache("push", "nothing-like-it", target, "--root", str(tmp_path / "root"), env=env)
     assert push.returncode != 0 and "nothing cached" in push.stderr

@@ -8,13 +8,13 @@ import os
 import signal
 import struct
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.command import start_weightcache
 from tests.grants import granted
 from tests.sample import make_model
 from weightcache.errors import HostileKeyError, InsufficientSpaceError, IntegrityError, SafetensorsHeaderError
@@ -185,7 +185,7 @@ def test_huge_header_length_is_refused(tmp_path: Path, s3) -> None:
         _fetcher(tmp_path / "root", s3.endpoint_url).ensure(granted("s3://models/bad/"))
 
 
-_PREFETCH = [sys.executable, "-m", "weightcache", "prefetch", "--no-daemon", "-o", "json"]
+_PREFETCH = ["prefetch", "--no-daemon", "-o", "json"]
 
 
 def test_single_flight_across_three_processes(tmp_path: Path, s3, fault_proxy, model: Path) -> None:
@@ -194,7 +194,7 @@ def test_single_flight_across_three_processes(tmp_path: Path, s3, fault_proxy, m
     root = tmp_path / "root"
     cmd = [*_PREFETCH, "s3://models/llama/", "--root", str(root), "--endpoint-url", fault_proxy.endpoint_url,
            "--chunk-size", str(CHUNK)]
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    procs = [start_weightcache(*cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(3)]
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], outs
     ids = {json.loads(o[0].strip().splitlines()[-1])["id"] for o in outs}
@@ -213,7 +213,7 @@ def test_kill_9_mid_download_resumes_without_refetching_journalled_ranges(tmp_pa
     concurrency = 2
     cmd = [*_PREFETCH, "s3://models/big/", "--root", str(root), "--endpoint-url", fault_proxy.endpoint_url,
            "--chunk-size", str(CHUNK), "--concurrency", str(concurrency)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = start_weightcache(*cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     journal = None
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
+from tests.command import start_weightcache
 from tests.faultproxy import FaultProxy
 from tests.fixtures_s3 import S3
 from tests.grants import admin, granted
@@ -44,10 +44,10 @@ def test_ctrl_c_stops_a_download_without_waiting_for_its_ranges_and_resume_asks_
     throttle = fault_proxy.add("throttle", method="GET", ranged_only=True, count=-1, rate=400_000)  # ~10 s in all
     held = fault_proxy.add("hold", method="GET", ranged_only=True, count=-1)
     root = tmp_path / "root"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "weightcache", "prefetch", "--no-daemon", "-o", "json", "s3://models/big/", "--root",
-         str(root), "--endpoint-url", fault_proxy.endpoint_url, "--chunk-size", str(chunk), "--concurrency", "2"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=sigint_default)
+    proc = start_weightcache(
+        "prefetch", "--no-daemon", "-o", "json", "s3://models/big/", "--root", str(root), "--endpoint-url",
+        fault_proxy.endpoint_url, "--chunk-size", str(chunk), "--concurrency", "2",
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=sigint_default)
     deadline = time.monotonic() + 60
     journal = None
     while journal is None and time.monotonic() < deadline:  # wait for the journal to record two chunks

@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 
+from tests.command import run_cli
 from tests.grants import granted
 from tests.sample import make_model
-from weightcache import cli, defaults, fetch, settings
+from weightcache import defaults, fetch, settings
 from weightcache.daemon.config import Settings, load_settings
 from weightcache.daemon.metrics import Metrics
 from weightcache.daemon.node import MeteredFetcher
@@ -40,14 +41,15 @@ def built(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
 
 
 def test_the_direct_cli_prefetch_reads_the_daemons_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                       built: list[dict[str, Any]]) -> None:
+                                                       built: list[dict[str, Any]],
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
     make_model(tmp_path / "m", layers=1, hidden=16, vocab=32, shards=1)
     monkeypatch.setenv("WEIGHTCACHE_CONCURRENCY", "3")
     monkeypatch.setenv("WEIGHTCACHE_READ_TIMEOUT", "7")
     monkeypatch.delenv("WEIGHTCACHE_CONFIG", raising=False)
-    rc = cli.main(["prefetch", f"file://{tmp_path / 'm'}/", "--root", str(tmp_path / "store"), "-q",
-                   "--connect-timeout", "2"])
-    assert rc == 0
+    rc, _, err = run_cli(capsys, "prefetch", f"file://{tmp_path / 'm'}/", "--root", str(tmp_path / "store"), "-q",
+                         "--connect-timeout", "2")
+    assert rc == 0, err
     assert [(b["concurrency"], b["read_timeout"], b["connect_timeout"]) for b in built] == [(3, 7.0, 2.0)]
     assert Store(tmp_path / "store").list()  # it fetched
 

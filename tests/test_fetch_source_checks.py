@@ -9,14 +9,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.command import weightcache
 from tests.faultproxy import FaultProxy
 from tests.fixtures_s3 import S3
 from tests.grants import granted
@@ -79,15 +78,12 @@ def test_each_file_records_what_verified_it(tmp_path: Path, s3: S3, plain: Any) 
         "a file entry with a new field is refused by the release before (records.file_entry)"
 
     env = {**os.environ, "WEIGHTCACHE_SOCKET": "/nonexistent/wc.sock", "KUBECONFIG": "/nonexistent"}
-    ls = subprocess.run([sys.executable, "-m", "weightcache", "ls", "-o", "json", "--root", str(store.root)],
-                        capture_output=True, text=True, env=env, timeout=60)
+    ls = weightcache("ls", "-o", "json", "--root", str(store.root), env=env)
     assert json.loads(ls.stdout)[0]["source_checks"] == {"md5-etag": 2, "crc32": 1, "sha256": 1, "sidecar": 1,
                                                          "multipart-md5": 1}
-    verify = subprocess.run([sys.executable, "-m", "weightcache", "verify", "-o", "json", "--root", str(store.root)],
-                            capture_output=True, text=True, env=env, timeout=60)
+    verify = weightcache("verify", "-o", "json", "--root", str(store.root), env=env)
     assert json.loads(verify.stdout)["snapshots"][0]["source_checks"] == checks
-    table = subprocess.run([sys.executable, "-m", "weightcache", "verify", "--root", str(store.root)],
-                           capture_output=True, text=True, env=env, timeout=60)
+    table = weightcache("verify", "--root", str(store.root), env=env)
     assert "checked against the source by crc32 1, md5-etag 2, multipart-md5 1, sha256 1, sidecar 1" in table.stdout
 
 
@@ -126,7 +122,6 @@ def test_require_source_checksum_from_the_environment_through_the_cli(tmp_path: 
     (model / "config.json").write_text("{}")
     env = {**os.environ, "WEIGHTCACHE_SOCKET": "/nonexistent/wc.sock", "KUBECONFIG": "/nonexistent",
            "WEIGHTCACHE_REQUIRE_SOURCE_CHECKSUM": "true"}
-    done = subprocess.run([sys.executable, "-m", "weightcache", "prefetch", f"file://{model}/", "--root",
-                           str(tmp_path / "root"), "-q"], capture_output=True, text=True, env=env, timeout=60)
+    done = weightcache("prefetch", f"file://{model}/", "--root", str(tmp_path / "root"), "-q", env=env)
     assert done.returncode == 8, done.stderr
     assert "requireSourceChecksum" in done.stderr and "Traceback" not in done.stderr

@@ -12,7 +12,6 @@ import io
 import os
 import stat
 import subprocess
-import sys
 import tarfile
 import threading
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from tests.command import weightcache
 from tests.fixtures_csi import needs_root
 from tests.fixtures_registry import Registry
 from tests.grants import granted
@@ -231,10 +231,8 @@ def test_a_gzip_bomb_stops_at_the_disk_budget_not_at_a_full_disk(tmp_path: Path,
         watcher = threading.Thread(target=watch)
         watcher.start()
         try:
-            run = subprocess.run([sys.executable, "-m", "weightcache", "prefetch",
-                                  f"oci://{registry.host}/models/bomb:v1", "--root", str(disk / "root"),
-                                  *flags, "-q"], capture_output=True, text=True, timeout=300,
-                                 env={**os.environ, "DOCKER_CONFIG": str(tmp_path / "none")})
+            run = weightcache("prefetch", f"oci://{registry.host}/models/bomb:v1", "--root", str(disk / "root"),
+                              *flags, "-q", timeout=300, env={**os.environ, "DOCKER_CONFIG": str(tmp_path / "none")})
         finally:
             done.set()
             watcher.join()

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.command import weightcache
 from tests.fixtures_csi import CsiHarness
 from tests.fixtures_daemon import RunningDaemon
 from weightcache.daemon.app import setup_logging
@@ -163,8 +164,7 @@ def test_importing_the_package_leaves_global_logging_alone() -> None:
 def test_the_cli_never_prints_the_secret(tmp_path: Path, ref: str) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "WEIGHTCACHE_SOCKET")}
     env["KUBECONFIG"] = "/nonexistent"
-    r = subprocess.run([sys.executable, "-m", "weightcache", "--log-level", "debug", "prefetch", ref,
-                        "--root", str(tmp_path / "root")], capture_output=True, text=True, timeout=120, env=env)
+    r = weightcache("--log-level", "debug", "prefetch", ref, "--root", str(tmp_path / "root"), env=env)
     assert r.returncode != 0
     assert "error:" in r.stderr
     assert_clean(r.stdout + r.stderr)

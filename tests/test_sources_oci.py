@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from tests.command import weightcache
 from tests.fixtures_daemon import start_daemon
 from tests.fixtures_registry import FILEPATH, MODEL_CONFIG, RAW, Registry, docker_config
 from tests.grants import granted
@@ -375,9 +376,8 @@ def test_the_cli_prefetches_an_oci_reference(tmp_path: Path, registry: Registry)
     want = files("cli")
     registry.push("models/tiny:cli", want)
     env = {**os.environ, "DOCKER_CONFIG": str(tmp_path / "none")}
-    done = subprocess.run([sys.executable, "-m", "weightcache", "prefetch", f"oci://{registry.host}/models/tiny:cli",
-                           "--root", str(tmp_path / "root"), "-q"], capture_output=True, text=True, env=env,
-                          timeout=120)
+    done = weightcache("prefetch", f"oci://{registry.host}/models/tiny:cli", "--root", str(tmp_path / "root"), "-q",
+                       env=env)
     assert done.returncode == 0, done.stderr
     path = Path(done.stdout.strip())
     assert {p: (path / p).read_bytes() for p in want} == want

@@ -9,13 +9,13 @@ from __future__ import annotations
 import http.server
 import importlib.util
 import os
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.command import weightcache
 
 AZURE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
 AWS_SECRET = "wrong-server-secret-do-not-print"
@@ -89,8 +89,7 @@ def test_each_scheme_at_a_web_server_exits_6_with_what_to_check(web_server: str,
                                                                  tmp_path: Path) -> None:
     host = web_server.removeprefix("http://")
     ref, says = ref.format(host=host), says.format(host=host)
-    done = subprocess.run([sys.executable, "-m", "weightcache", "prefetch", ref, "--root", str(tmp_path / "root"),
-                           "-q"], capture_output=True, text=True, timeout=120, env=_env(web_server, tmp_path))
+    done = weightcache("prefetch", ref, "--root", str(tmp_path / "root"), "-q", env=_env(web_server, tmp_path))
     assert done.returncode == 6, done.stderr[-3000:]
     assert "Traceback" not in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr[-3000:]
     assert says in done.stderr

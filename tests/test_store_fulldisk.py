@@ -247,9 +247,8 @@ def test_gc_keeps_the_floor_the_store_was_given_and_says_what_it_removed(tmpfs: 
     model = make_models(tmp_path / "src", "a", hidden=256)["a"]
     root = tmpfs / "root"
     _leave_free(tmpfs, 40 << 20)  # under the default floor of 64 MiB (11 % of 160 MiB: 17.6 MiB)
-    proc = subprocess.run([sys.executable, "-m", "weightcache", "prefetch", f"file://{model}/", "--root", str(root),
-                           "--min-free-bytes", "0", "--min-free-percent", "0", "-q"], capture_output=True, text=True,
-                          timeout=120)
+    proc = weightcache("prefetch", f"file://{model}/", "--root", str(root), "--min-free-bytes", "0",
+                       "--min-free-percent", "0", "-q")
     assert proc.returncode == 0, proc.stderr
     (snap_id,) = [p.name for p in (root / "snapshots").iterdir()]
     (root / "partial" / "mabandoned.0123.part").write_bytes(b"x" * (256 << 10))

@@ -12,7 +12,6 @@ import signal
 import socket
 import ssl
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -24,6 +23,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from tests.command import start_weightcache
 from tests.fixtures_daemon import eventually
 from tests.fixtures_webhook import REF, admission_review, apply_response, check_pod, container, deployment_pod
 from weightcache.listener import ConnectionLimits, GuardedTCPSite
@@ -197,14 +197,7 @@ async def _reloads(port: int, ca: CertPair, result: str, count: int | None = Non
 
 def run_command(*args: str, **kwargs: Any) -> subprocess.Popen[str]:
     """The real entry point, as the Deployment runs it: `weightcache webhook ...`."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "weightcache", *args],
-        cwd=Path(__file__).resolve().parent.parent,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        **kwargs,
-    )
+    return start_weightcache(*args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
 
 
 async def listening(proc: subprocess.Popen[str]) -> str:
