@@ -10,8 +10,6 @@ import hashlib
 import http.client
 import json
 import os
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -383,7 +381,6 @@ def test_the_cli_prefetches_an_oci_reference(tmp_path: Path, registry: Registry)
     assert {p: (path / p).read_bytes() for p in want} == want
     blob = registry.blob_file("sha256:" + hashlib.sha256(want["config.json"]).hexdigest())
     blob.write_bytes(blob.read_bytes()[:-1] + b"!")  # a bit flipped behind the registry's back
-    bad = subprocess.run([sys.executable, "-m", "weightcache", "prefetch", f"oci://{registry.host}/models/tiny:cli",
-                          "--root", str(tmp_path / "root2"), "-q"], capture_output=True, text=True, env=env,
-                         timeout=120)
+    bad = weightcache("prefetch", f"oci://{registry.host}/models/tiny:cli", "--root", str(tmp_path / "root2"), "-q",
+                      env=env)
     assert bad.returncode == 7, bad.stderr
