@@ -72,6 +72,13 @@ class Plan:
     namespaces: dict[str, set[str]] = field(default_factory=dict)  # demand name -> namespaces of its pods
     failed: dict[str, str] = field(default_factory=dict)  # pod (ns/name) -> an error met planning it (skipped)
 
+    def ask(self, ref: ModelRef, pod: Mapping[str, Any], nodes: Iterable[str]) -> None:
+        """`nodes` must hold `ref` for `pod`."""
+        name = demand_name(ref)
+        self.refs.setdefault(name, ref)
+        self.nodes.setdefault(name, set()).update(nodes)
+        self.namespaces.setdefault(name, set()).add(str((pod.get("metadata") or {}).get("namespace") or ""))
+
 
 def demand_name(ref: ModelRef) -> str:
     """The ModelCache that carries the controller's demand for `ref` (revision included): stable across restarts."""
@@ -226,29 +233,7 @@ def plan(pods: Iterable[Mapping[str, Any]], nodes: Sequence[NodeFacts], current:
     asked = {name: set(ns) for name, ns in current.items()}
     assigned: dict[str, int] = {}  # node -> GPUs promised to gated pods in this plan
     by_name = {n.name: n for n in nodes}
-    gated_pods: list[tuple[Mapping[str, Any], PodModels]] = []
-
-    def ask(ref: ModelRef, pod: Mapping[str, Any], nodes: Iterable[str]) -> None:
-        name = demand_name(ref)
-        out.refs.setdefault(name, ref)
-        out.nodes.setdefault(name, set()).update(nodes)
-        out.namespaces.setdefault(name, set()).add(str((pod.get("metadata") or {}).get("namespace") or ""))
-
-    for pod in pods:
-        try:
-            state = pod_state(pod, max_models=max_models)
-        except Exception as exc:  # admit() refused it already in the controller; a pure caller learns it here
-            out.failed[pod_key(pod)] = f"{type(exc).__name__}: {exc}"
-            continue
-        if state.state == "gated":
-            gated_pods.append((pod, state))
-        elif state.state == "bound":
-            for ref in state.refs:
-                ask(ref, pod, (state.node,))
-        elif state.state == "waiting":
-            for ref in state.refs:
-                ask(ref, pod, asked.get(demand_name(ref), ()))
-    gated_pods.sort(key=lambda p: (_created(p[0]), pod_key(p[0])))
+    gated_pods = _placed_and_gated(pods, out, asked, max_models)
     on_node: dict[str, set[str]] = {}  # node -> demand names it is asked to hold
     for name, ns in [*asked.items(), *out.nodes.items()]:
         for n in ns:
@@ -274,11 +259,32 @@ def plan(pods: Iterable[Mapping[str, Any]], nodes: Sequence[NodeFacts], current:
         out.chosen[pod_key(pod)] = best.name
         assigned[best.name] = assigned.get(best.name, 0) + need
         for ref in state.refs:
-            ask(ref, pod, (best.name,))
+            out.ask(ref, pod, (best.name,))
             asked.setdefault(demand_name(ref), set()).add(best.name)
             on_node.setdefault(best.name, set()).add(demand_name(ref))
     out.nodes = {name: {n for n in ns if n in by_name} for name, ns in out.nodes.items()}
     return out
+
+
+def _placed_and_gated(pods: Iterable[Mapping[str, Any]], out: Plan, asked: Mapping[str, set[str]],
+                      max_models: int) -> list[tuple[Mapping[str, Any], PodModels]]:
+    """The demand of pods already bound or waiting into `out`; the gated pods, oldest first, to choose for."""
+    gated: list[tuple[Mapping[str, Any], PodModels]] = []
+    for pod in pods:
+        try:
+            state = pod_state(pod, max_models=max_models)
+        except Exception as exc:  # admit() refused it already in the controller; a pure caller learns it here
+            out.failed[pod_key(pod)] = f"{type(exc).__name__}: {exc}"
+            continue
+        if state.state == "gated":
+            gated.append((pod, state))
+        elif state.state == "bound":
+            for ref in state.refs:
+                out.ask(ref, pod, (state.node,))
+        elif state.state == "waiting":
+            for ref in state.refs:
+                out.ask(ref, pod, asked.get(demand_name(ref), ()))
+    return sorted(gated, key=lambda p: (_created(p[0]), pod_key(p[0])))
 
 
 def _rank(node: NodeFacts, refs: Sequence[ModelRef], asked: Mapping[str, set[str]], need: int,
@@ -308,19 +314,22 @@ def memory_nodes(nodes: Sequence[NodeFacts], count: int, previous: Iterable[str]
             picked.append(name)
     unused_zones = len({n.labels.get(ZONE, "") for n in nodes}) - len({zone(p) for p in picked})
     room = (count - len(picked)) - min(count - len(picked), unused_zones)  # slots no unused zone needs
-    for name in still:
-        if room > 0 and name not in picked:
-            picked.append(name)
-            room -= 1
+    picked += [name for name in still if name not in picked][:room]
+    return sorted(picked + _round_robin(nodes, count - len(picked), picked))
+
+
+def _round_robin(nodes: Sequence[NodeFacts], count: int, picked: Sequence[str]) -> list[str]:
+    """`count` more of `nodes`, one zone after another (zones `picked` has none of first), most free GPUs first
+    within a zone."""
     zones: dict[str, list[NodeFacts]] = {}
     for n in sorted(nodes, key=lambda n: (-n.gpus_free, n.name)):
         if n.name not in picked:
             zones.setdefault(n.labels.get(ZONE, ""), []).append(n)
-    used = {zone(name) for name in picked}
-    while len(picked) < count and any(zones.values()):
-        order = sorted(zones, key=lambda z: (z in used, z))
-        for z in order:
-            if zones[z] and len(picked) < count:
-                picked.append(zones[z].pop(0).name)
+    used = {n.labels.get(ZONE, "") for n in nodes if n.name in picked}
+    more: list[str] = []
+    while len(more) < count and any(zones.values()):
+        for z in sorted(zones, key=lambda z: (z in used, z)):
+            if zones[z] and len(more) < count:
+                more.append(zones[z].pop(0).name)
                 used.add(z)
-    return sorted(picked)
+    return more
