@@ -90,32 +90,15 @@ class LeaderElector:
         except ApiException as exc:
             if exc.status != 404 or release:
                 raise
-            body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                    "metadata": {"name": self.name, "namespace": self.namespace},
-                    "spec": self._spec(now, now, 0)}
-            try:
-                self._api.create_namespaced_lease(self.namespace, body, _preload_content=False)
-            except ApiException as exc2:
-                if exc2.status == 409:
-                    return False
-                raise
-            self._took(sent)
-            return True
+            return self._create(sent, now)
         spec: dict[str, Any] = lease.get("spec") or {}
         holder = str(spec.get("holderIdentity") or "")
         if release:
-            if holder != self.identity:
-                return False
-            spec = {**spec, "holderIdentity": "", "leaseDurationSeconds": 1, "renewTime": now}
-            self._replace(lease, spec)
+            if holder == self.identity:
+                self._replace(lease, {**spec, "holderIdentity": "", "leaseDurationSeconds": 1, "renewTime": now})
             return False
-        if holder and holder != self.identity:
-            record = (holder, str(spec.get("renewTime") or ""))
-            if record != self._observed:
-                self._observed, self._observed_at = record, self._clock()
-            duration = spec.get("leaseDurationSeconds")
-            if self._clock() - self._observed_at < (duration if isinstance(duration, int) and duration > 0 else 1):
-                return False
+        if holder and holder != self.identity and self._still_held(holder, spec):
+            return False
         transitions = int(spec.get("leaseTransitions") or 0) + (0 if holder == self.identity else 1)
         acquired = spec.get("acquireTime") if holder == self.identity else now
         if not self._replace(lease, self._spec(str(acquired or now), now, transitions)):
@@ -124,6 +107,27 @@ class LeaderElector:
             self._took(sent)
         self._renewed = sent
         return True
+
+    def _create(self, sent: float, now: str) -> bool:
+        body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                "metadata": {"name": self.name, "namespace": self.namespace}, "spec": self._spec(now, now, 0)}
+        try:
+            self._api.create_namespaced_lease(self.namespace, body, _preload_content=False)
+        except ApiException as exc:
+            if exc.status == 409:
+                return False
+            raise
+        self._took(sent)
+        return True
+
+    def _still_held(self, holder: str, spec: dict[str, Any]) -> bool:
+        """Another holder's Lease is held until its record (holder, renewTime) stays unchanged for its duration on
+        our own clock (clocks of two hosts are never compared)."""
+        record = (holder, str(spec.get("renewTime") or ""))
+        if record != self._observed:
+            self._observed, self._observed_at = record, self._clock()
+        duration = spec.get("leaseDurationSeconds")
+        return self._clock() - self._observed_at < (duration if isinstance(duration, int) and duration > 0 else 1)
 
     def _took(self, sent: float) -> None:
         self._renewed = sent
