@@ -136,7 +136,21 @@ class RegistryClient:
             return self._basic()
         if scheme.lower() != "bearer":
             return None
-        fields = dict(re.findall(r'([A-Za-z_]+)="([^"]*)"', params))
+        headers = {"Accept": "application/json"}
+        basic = self._basic()
+        if basic is not None:
+            headers["Authorization"] = basic
+        resp = self.send("GET", self._token_url(dict(re.findall(r'([A-Za-z_]+)="([^"]*)"', params))), headers)
+        if resp.status in (401, 403):
+            resp.close()
+            raise SourceAccessDeniedError(f"{self.registry}: its token service refuses the credentials"
+                                          f"{'' if self.credentials else ' (none found)'}; put them in a docker "
+                                          "config file ($DOCKER_CONFIG/config.json or ~/.docker/config.json)")
+        raise_for_status(resp, f"the token service of {self.registry}", (200,), "check the registry's token service")
+        return f"Bearer {self._token(read_capped(resp, TOKEN_MAX, 'a token'))}"
+
+    def _token_url(self, fields: dict[str, str]) -> str:
+        """The URL a Bearer challenge's fields (realm, service, scope) name, if it is one we may ask."""
         realm = fields.get("realm", "")
         parts = urlsplit(realm)
         if parts.scheme not in ("http", "https") or not parts.hostname or parts.username or parts.password:
@@ -145,19 +159,10 @@ class RegistryClient:
             raise SourceError(f"{self.registry}: the token realm {origin(realm)[:100]!r} is plain HTTP; only a "
                               f"loopback or {INSECURE_ENV} host may be")
         query = {k: fields[k] for k in ("service", "scope") if fields.get(k)}
-        url = realm + ("&" if parts.query else "?") + urlencode(query) if query else realm
-        headers = {"Accept": "application/json"}
-        basic = self._basic()
-        if basic is not None:
-            headers["Authorization"] = basic
-        resp = self.send("GET", url, headers)
-        if resp.status in (401, 403):
-            resp.close()
-            raise SourceAccessDeniedError(f"{self.registry}: its token service refuses the credentials"
-                                          f"{'' if self.credentials else ' (none found)'}; put them in a docker "
-                                          "config file ($DOCKER_CONFIG/config.json or ~/.docker/config.json)")
-        raise_for_status(resp, f"the token service of {self.registry}", (200,), "check the registry's token service")
-        answer_body = read_capped(resp, TOKEN_MAX, "a token")
+        return realm + ("&" if parts.query else "?") + urlencode(query) if query else realm
+
+    def _token(self, answer_body: bytes) -> str:
+        """The token of a token service's answer (`token` or `access_token`)."""
         if len(answer_body) > TOKEN_MAX:
             raise SourceError(f"{self.registry}: its token service answered over {TOKEN_MAX >> 20} MiB")
         try:
@@ -167,7 +172,7 @@ class RegistryClient:
         token = answer.get("token") or answer.get("access_token") if isinstance(answer, dict) else None
         if not isinstance(token, str) or not re.fullmatch(r"[A-Za-z0-9._~+/=-]{1,8192}", token):
             raise SourceError(f"{self.registry}: its token service gave no usable token")
-        return f"Bearer {token}"
+        return token
 
 
 # -- where and how ---------------------------------------------------------------------------------------------
