@@ -229,49 +229,47 @@ class OciSource(Source):
         artifact_type = manifest.get("artifactType")
         modelpack = any(isinstance(t, str) and (_MODEL_CONFIG.fullmatch(t) or _MODEL_ARTIFACT.fullmatch(t))
                         for t in (config_type, artifact_type))
-        objects: builtins.list[ObjectInfo] = []
         names: set[str] = set()
         self.tars = {}
-        for i, raw in enumerate(layers):
-            layer = _descriptor(raw, f"{self.ref} layer {i}")
-            media_type, annotations = layer["mediaType"], layer["annotations"]
-            what = f"{self.ref} layer {i} ({media_type})"
-            name = next((annotations[a] for a in FILEPATH_ANNOTATIONS if annotations.get(a)), None)
-            if name is None:
-                raise SourceError(f"{what} names no file (no {' / '.join(FILEPATH_ANNOTATIONS)} annotation): "
-                                  "not a ModelPack or ORAS artifact")
-            model = _MODEL_LAYER.fullmatch(media_type)
-            compression = _tar_compression(media_type, model.group(1) if model else None,
-                                           annotations.get(ORAS_UNPACK, "").lower() == "true" or
-                                           _oras_py_directory(media_type, name))
-            # a directory's tar layer may be named `weights/` or `./weights` (its members say the rest)
-            relpath = validate_relpath(name if compression is None else member_name(name))
-            if relpath.split("/", 1)[0] == HIDDEN.split("/", 1)[0]:
-                raise HostileKeyError(relpath, f"names the store's own directory {HIDDEN.split('/', 1)[0]!r}")
-            if relpath in names:
-                raise HostileKeyError(relpath, f"named by two layers of {self.ref}")
-            names.add(relpath)
-            if not model and (_MODEL_NS.match(media_type) or modelpack):
-                raise SourceError(f"{what}: unknown media type for a ModelPack layer {media_type[:100]!r}; known: "
-                                  "application/vnd.cncf.model.{weight,weight.config,config,doc,code,dataset}"
-                                  ".v1.{raw,tar,tar+gzip,tar+zstd} (and vnd.cnai.model.*)")
-            hexdigest = layer["digest"].partition(":")[2]
-            if compression is not None:
-                if compression not in COMPRESSIONS:
-                    raise SourceError(f"{what} for {relpath!r} is {compression}, which this build does not unpack: "
-                                      f"push it as {' or '.join(COMPRESSIONS)}, or each file as its own raw layer")
-                if hexdigest in self.tars:
-                    raise HostileKeyError(relpath, f"is a tar layer of {self.ref} that another layer is too")
-                self.tars[hexdigest] = (relpath, compression)
-                objects.append(ObjectInfo(f"{self.base}blobs/{layer['digest']}", HIDDEN + hexdigest, layer["size"],
-                                          hexdigest, None, None))
-                continue
-            # never evidence (checksum None), even under a pinned manifest: the registry (or whoever wrote the
-            # manifest the tenant pinned) names any digest it likes, and linking one unread would hand it another
-            # tenant's blob; the digest checks the bytes downloaded (claimed_sha256), as the hub's lfs.sha256 does
-            objects.append(ObjectInfo(f"{self.base}blobs/{layer['digest']}", relpath, layer["size"], hexdigest, None,
-                                      None))
-        return objects
+        return [self._object(i, raw, modelpack, names) for i, raw in enumerate(layers)]
+
+    def _object(self, i: int, raw: Any, modelpack: bool, names: set[str]) -> ObjectInfo:
+        """The file (or hidden tar object, kept in `tars`) of layer `i`; `names`: the paths of the layers before."""
+        layer = _descriptor(raw, f"{self.ref} layer {i}")
+        media_type, annotations = layer["mediaType"], layer["annotations"]
+        what = f"{self.ref} layer {i} ({media_type})"
+        name = next((annotations[a] for a in FILEPATH_ANNOTATIONS if annotations.get(a)), None)
+        if name is None:
+            raise SourceError(f"{what} names no file (no {' / '.join(FILEPATH_ANNOTATIONS)} annotation): "
+                              "not a ModelPack or ORAS artifact")
+        model = _MODEL_LAYER.fullmatch(media_type)
+        compression = _tar_compression(media_type, model.group(1) if model else None,
+                                       annotations.get(ORAS_UNPACK, "").lower() == "true" or
+                                       _oras_py_directory(media_type, name))
+        # a directory's tar layer may be named `weights/` or `./weights` (its members say the rest)
+        relpath = validate_relpath(name if compression is None else member_name(name))
+        if relpath.split("/", 1)[0] == HIDDEN.split("/", 1)[0]:
+            raise HostileKeyError(relpath, f"names the store's own directory {HIDDEN.split('/', 1)[0]!r}")
+        if relpath in names:
+            raise HostileKeyError(relpath, f"named by two layers of {self.ref}")
+        names.add(relpath)
+        if not model and (_MODEL_NS.match(media_type) or modelpack):
+            raise SourceError(f"{what}: unknown media type for a ModelPack layer {media_type[:100]!r}; known: "
+                              "application/vnd.cncf.model.{weight,weight.config,config,doc,code,dataset}"
+                              ".v1.{raw,tar,tar+gzip,tar+zstd} (and vnd.cnai.model.*)")
+        hexdigest = layer["digest"].partition(":")[2]
+        if compression is not None:
+            if compression not in COMPRESSIONS:
+                raise SourceError(f"{what} for {relpath!r} is {compression}, which this build does not unpack: "
+                                  f"push it as {' or '.join(COMPRESSIONS)}, or each file as its own raw layer")
+            if hexdigest in self.tars:
+                raise HostileKeyError(relpath, f"is a tar layer of {self.ref} that another layer is too")
+            self.tars[hexdigest] = (relpath, compression)
+            relpath = HIDDEN + hexdigest
+        # never evidence (checksum None), even under a pinned manifest: the registry (or whoever wrote the
+        # manifest the tenant pinned) names any digest it likes, and linking one unread would hand it another
+        # tenant's blob; the digest checks the bytes downloaded (claimed_sha256), as the hub's lfs.sha256 does
+        return ObjectInfo(f"{self.base}blobs/{layer['digest']}", relpath, layer["size"], hexdigest, None, None)
 
     # -- HTTP -------------------------------------------------------------------------------------------------
     def _open_range(self, obj: ObjectInfo, pos: int, end: int) -> Any:
