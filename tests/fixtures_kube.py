@@ -1,6 +1,8 @@
 """The stand-in API server (tests/fake_apiserver.py) as fixtures, started in one place.
 
     def test_x(apiserver: FakeApiServer): ...   # a fresh server with the project's CRD schemas; seed it in the test
+    @pytest.mark.shipped_access                 # ... that also enforces deploy/'s RBAC and admission policies
+    def test_z(apiserver: FakeApiServer): ...   # (tests/fake_rules.py) for the tokens it hands out (token_for)
     def test_y(cluster: FakeApiServer): ...     # the same server with one GPU node, NODE, as the kubeconfig that every
                                                 # client of this process (and any daemon the test starts) finds
 
@@ -20,13 +22,16 @@ from pathlib import Path
 import pytest
 
 from tests.fake_apiserver import FakeApiServer, crd_schemas
+from tests.fake_rules import shipped_policies, shipped_rbac
 
 NODE = "gpu-1"  # the node of `cluster`: labelled pool=a100, one allocatable GPU
 
 
 @pytest.fixture
-def apiserver() -> Iterator[FakeApiServer]:
-    with FakeApiServer(schemas=crd_schemas()) as server:
+def apiserver(request: pytest.FixtureRequest) -> Iterator[FakeApiServer]:
+    shipped = request.node.get_closest_marker("shipped_access") is not None
+    with FakeApiServer(schemas=crd_schemas(), rbac=shipped_rbac() if shipped else None,
+                       policies=shipped_policies() if shipped else None) as server:
         yield server
 
 

@@ -45,6 +45,7 @@ from weightcache.store import Store
 from weightcache.uri import model_key
 
 BUDGET = 64 << 20
+pytestmark = pytest.mark.shipped_access  # the apiserver fixture enforces deploy/'s RBAC and policies
 
 
 @dataclass
@@ -91,7 +92,7 @@ def verdict(api: FakeApiServer, namespace: str, name: str) -> dict[str, Any] | N
 
 
 @pytest.fixture
-async def node() -> AsyncIterator[Node]:
+async def node(apiserver: FakeApiServer) -> AsyncIterator[Node]:
     root = Path(tempfile.mkdtemp(prefix="drab-", dir="/tmp"))
     make_model(root / "src" / "llama", layers=2, hidden=64, seed=3)
     uri = f"file://{root}/src/llama/"
@@ -106,26 +107,26 @@ async def node() -> AsyncIterator[Node]:
     def resolve(key: str) -> Any:
         return declared(caches).get(key)
 
-    with FakeApiServer(rbac=shipped_rbac()) as api:  # the daemon's token and the shipped RBAC, as on 1.36
-        client = api.api_client(api.token_for(daemon_user(NODE)))
-        held = lambda: {model_key(i.snapshot.uri) for i in store.list()}  # noqa: E731
-        publisher = SlicePublisher(client, NODE,
-                                   lambda: fetchable_devices(declared(caches).values(), held=held()),
-                                   counters=lambda: cache_counters(BUDGET - store.used_bytes()))
-        binder = ClaimBinder(client, pool=NODE, store=store, authority=authority, resolve=resolve,
-                             fetch=lambda grant: queue.ensure(grant, keep=True))
-        plugin = await serve_dra(store=store, pool=NODE, kubelet_dir=root / "kubelet", cdi_dir=root / "cdi",
-                                 authority=authority, claims=claim_reader(client), fetchable=resolve,
-                                 binder=binder)
-        kubelet = Kubelet(root / "kubelet")
-        try:
-            yield Node(root, api, store, uri, caches, publisher, binder, plugin, kubelet)
-        finally:
-            await kubelet.close()
-            await plugin.stop(0)
-            queue.close()
-            store.close()
-            shutil.rmtree(root, ignore_errors=True)
+    api = apiserver
+    client = api.api_client(api.token_for(daemon_user(NODE)))  # the daemon's token, as on 1.36
+    held = lambda: {model_key(i.snapshot.uri) for i in store.list()}  # noqa: E731
+    publisher = SlicePublisher(client, NODE,
+                               lambda: fetchable_devices(declared(caches).values(), held=held()),
+                               counters=lambda: cache_counters(BUDGET - store.used_bytes()))
+    binder = ClaimBinder(client, pool=NODE, store=store, authority=authority, resolve=resolve,
+                         fetch=lambda grant: queue.ensure(grant, keep=True))
+    plugin = await serve_dra(store=store, pool=NODE, kubelet_dir=root / "kubelet", cdi_dir=root / "cdi",
+                             authority=authority, claims=claim_reader(client), fetchable=resolve,
+                             binder=binder)
+    kubelet = Kubelet(root / "kubelet")
+    try:
+        yield Node(root, api, store, uri, caches, publisher, binder, plugin, kubelet)
+    finally:
+        await kubelet.close()
+        await plugin.stop(0)
+        queue.close()
+        store.close()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_fetchable_slices_match_the_136_schema(node: Node) -> None:
@@ -258,18 +259,18 @@ async def test_a_refused_status_write_is_retried_on_its_own_clock_and_logged_who
     assert failed["reason"] == "NotAllowed"
 
 
-def test_an_idle_pool_with_decimal_sizes_is_not_rewritten_on_resync(tmp_path: Path) -> None:
+def test_an_idle_pool_with_decimal_sizes_is_not_rewritten_on_resync(apiserver: FakeApiServer) -> None:
     """The API server stores quantities canonically (`10000000000` -> `10G`); an idle node with a decimal disk
     budget and a ModelCache of a decimal size must compare equal on every full resync: one write, generation 1."""
     caches = [{"metadata": {"name": "big", "annotations": {SIZE_ANNOTATION: "5000000"}},
                "spec": {"source": "s3://models/big/", "allowedNamespaces": ["ml"]}}]
-    with FakeApiServer() as api:
-        publisher = SlicePublisher(api.api_client(), NODE, lambda: fetchable_devices(declared(caches).values()),
-                                   counters=lambda: cache_counters(10_000_000_000))
-        for _ in range(4):
-            publisher.sync(full=True)
-        slices = api.list("resourceslices")
-        assert [s["spec"]["pool"]["generation"] for s in slices] == [1, 1]
-        assert len(api.requests_matching("PUT", "/resourceslices")) == 0
-        counters = next(s for s in slices if "sharedCounters" in s["spec"])["spec"]["sharedCounters"]
-        assert counters[0]["counters"]["bytes"]["value"] == "10G"  # stored canonical, as the real server does
+    daemon = apiserver.api_client(apiserver.token_for(daemon_user(NODE)))  # its own token, under the shipped RBAC
+    publisher = SlicePublisher(daemon, NODE, lambda: fetchable_devices(declared(caches).values()),
+                               counters=lambda: cache_counters(10_000_000_000))
+    for _ in range(4):
+        publisher.sync(full=True)
+    slices = apiserver.list("resourceslices")
+    assert [s["spec"]["pool"]["generation"] for s in slices] == [1, 1]
+    assert len(apiserver.requests_matching("PUT", "/resourceslices")) == 0
+    counters = next(s for s in slices if "sharedCounters" in s["spec"])["spec"]["sharedCounters"]
+    assert counters[0]["counters"]["bytes"]["value"] == "10G"  # stored canonical, as the real server does

@@ -19,8 +19,8 @@ import grpc
 import pytest
 from kubernetes.client.exceptions import ApiException
 
-from tests.fake_apiserver import FakeApiServer, crd_schemas
-from tests.fake_rules import daemon_user, shipped_policies, shipped_rbac
+from tests.fake_apiserver import FakeApiServer
+from tests.fake_rules import daemon_user
 from tests.fixtures_csi import publish_request, unmount_under
 from tests.fixtures_daemon import eventually, start_daemon
 from weightcache import engine_report
@@ -43,26 +43,25 @@ def pod_events(api: FakeApiServer) -> dict[str, dict[str, Any]]:
 
 
 @contextlib.asynccontextmanager
-async def node_of(short_dir: Path, model_copy: Path,
+async def node_of(api: FakeApiServer, short_dir: Path, model_copy: Path,
                   monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[FakeApiServer, Any, Any]]:
     """(the API server, the daemon, its CSI Node stub): a real daemon on node NODE serving CSI, its ModelCache
-    granting NS the model, the stand-in API server enforcing the shipped RBAC and policies for its token."""
+    granting NS the model, the stand-in API server (shipped_access: the shipped RBAC and policies) for its token."""
     csi_sock, kubelet = short_dir / "csi.sock", short_dir / "kubelet"
-    with FakeApiServer(schemas=crd_schemas(), rbac=shipped_rbac(), policies=shipped_policies()) as api:
-        api.create("nodes", {"metadata": {"name": NODE}})
-        api.create("modelcaches", {"metadata": {"name": "llama"}, "spec": {"source": f"file://{model_copy}/",
-                                                                          "allowedNamespaces": [NS]}})
-        api.use_as_kubeconfig(short_dir, monkeypatch, api.token_for(daemon_user(NODE)))
-        d = await start_daemon(short_dir, model_copy, env={"NODE_NAME": NODE}, config={
-            "csiEndpoint": f"unix://{csi_sock}", "kubeletDir": str(kubelet)})
-        try:
-            async with grpc.aio.insecure_channel(f"unix://{csi_sock}") as channel:
-                await eventually(lambda: d.daemon.node is not None and d.daemon.node.cluster.synced(),
-                                 what="the ModelCache watch", timeout=30)
-                yield api, d, csi_pb2_grpc.NodeStub(channel)
-        finally:
-            await d.daemon.stop()
-            unmount_under(short_dir)
+    api.create("nodes", {"metadata": {"name": NODE}})
+    api.create("modelcaches", {"metadata": {"name": "llama"}, "spec": {"source": f"file://{model_copy}/",
+                                                                      "allowedNamespaces": [NS]}})
+    api.use_as_kubeconfig(short_dir, monkeypatch, api.token_for(daemon_user(NODE)))
+    d = await start_daemon(short_dir, model_copy, env={"NODE_NAME": NODE}, config={
+        "csiEndpoint": f"unix://{csi_sock}", "kubeletDir": str(kubelet)})
+    try:
+        async with grpc.aio.insecure_channel(f"unix://{csi_sock}") as channel:
+            await eventually(lambda: d.daemon.node is not None and d.daemon.node.cluster.synced(),
+                             what="the ModelCache watch", timeout=30)
+            yield api, d, csi_pb2_grpc.NodeStub(channel)
+    finally:
+        await d.daemon.stop()
+        unmount_under(short_dir)
 
 
 def volume_target(short_dir: Path, name: str) -> Path:
@@ -71,10 +70,11 @@ def volume_target(short_dir: Path, name: str) -> Path:
 
 @pytest.mark.root
 @pytest.mark.skipif(os.geteuid() != 0, reason="bind mounts need root")
-async def test_a_pods_stages_reach_its_events_and_the_metrics(short_dir: Path, model_copy: Path,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.shipped_access
+async def test_a_pods_stages_reach_its_events_and_the_metrics(
+        apiserver: FakeApiServer, short_dir: Path, model_copy: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     model_target, cache_target = volume_target(short_dir, "llama"), volume_target(short_dir, "wc-engine-cache")
-    async with node_of(short_dir, model_copy, monkeypatch) as (api, d, stub):
+    async with node_of(apiserver, short_dir, model_copy, monkeypatch) as (api, d, stub):
         started = time.time()
         await stub.NodePublishVolume(publish_request("vol-m", model_target, model=d.model_uri,
                                                      namespace=NS, pod_uid="uid-1"))
@@ -116,13 +116,14 @@ async def test_a_pods_stages_reach_its_events_and_the_metrics(short_dir: Path, m
 
 @pytest.mark.root
 @pytest.mark.skipif(os.geteuid() != 0, reason="bind mounts need root")
+@pytest.mark.shipped_access
 async def test_a_pod_without_an_engine_cache_reports_through_its_report_volume(
-        short_dir: Path, model_copy: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        apiserver: FakeApiServer, short_dir: Path, model_copy: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """weightcache.io/telemetry: the webhook's report volume (report: "true", writable), a bounded tmpfs: the
     engine's stages reach the pod's Events and /metrics as from an engine-cache volume, a compile result in it is
     not told (there is no cache to be hit), and the pod cannot write more than the report needs."""
     model_target, report_target = volume_target(short_dir, "llama"), volume_target(short_dir, "wc-report")
-    async with node_of(short_dir, model_copy, monkeypatch) as (api, d, stub):
+    async with node_of(apiserver, short_dir, model_copy, monkeypatch) as (api, d, stub):
         for denied in ("not-allowed", NS):  # the model it names is authorized for the pod's namespace, as a mount is
             request = publish_request("vol-r", report_target, model=d.model_uri, namespace=denied, pod_uid="uid-1",
                                       readonly=False, **{REPORT_ATTRIBUTE: "true"})
@@ -171,23 +172,23 @@ def event(source: str, kind: str = "Pod", name: str = "p") -> dict[str, Any]:
             "source": {"component": "weightcache", "host": source}, "reportingInstance": source}
 
 
-def test_the_events_policy_confines_a_daemon_token_to_its_own_node() -> None:
-    with FakeApiServer(schemas=crd_schemas(), rbac=shipped_rbac(), policies=shipped_policies()) as api:
-        core = CoreV1Api(api.api_client(api.token_for(daemon_user(NODE))))
-        core.create_namespaced_event(NS, event(NODE))  # about a pod, from its own node: allowed anywhere
-        core.create_namespaced_event("default", event(NODE, "Node", NODE))
-        for ns, body in ((NS, event("gpu-2")),  # signed with another node's name
-                         ("default", event(NODE, "Node", "gpu-2")),  # about another Node
-                         (NS, {**event(NODE), "reportingInstance": "gpu-2"}),
-                         (NS, event(NODE, "Secret"))):
-            with pytest.raises(ApiException) as denied:
-                core.create_namespaced_event(ns, body)
-            assert denied.value.status == 403, body
-        name = event(NODE)["metadata"]["name"]
-        with pytest.raises(ApiException) as denied:  # nor re-signed by a patch
-            core.patch_namespaced_event(name, NS, {"source": {"host": "gpu-2"}})
-        assert denied.value.status == 403
-        assert len(api.forbidden) == 5
+@pytest.mark.shipped_access
+def test_the_events_policy_confines_a_daemon_token_to_its_own_node(apiserver: FakeApiServer) -> None:
+    core = CoreV1Api(apiserver.api_client(apiserver.token_for(daemon_user(NODE))))
+    core.create_namespaced_event(NS, event(NODE))  # about a pod, from its own node: allowed anywhere
+    core.create_namespaced_event("default", event(NODE, "Node", NODE))
+    for ns, body in ((NS, event("gpu-2")),  # signed with another node's name
+                     ("default", event(NODE, "Node", "gpu-2")),  # about another Node
+                     (NS, {**event(NODE), "reportingInstance": "gpu-2"}),
+                     (NS, event(NODE, "Secret"))):
+        with pytest.raises(ApiException) as denied:
+            core.create_namespaced_event(ns, body)
+        assert denied.value.status == 403, body
+    name = event(NODE)["metadata"]["name"]
+    with pytest.raises(ApiException) as denied:  # nor re-signed by a patch
+        core.patch_namespaced_event(name, NS, {"source": {"host": "gpu-2"}})
+    assert denied.value.status == 403
+    assert len(apiserver.forbidden) == 5
 
 
 def test_a_hostile_report_costs_only_itself(tmp_path: Path) -> None:

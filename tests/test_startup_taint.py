@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from tests.fake_apiserver import FakeApiServer, RequestRecord, crd_schemas
-from tests.fake_rules import daemon_user, shipped_policies, shipped_rbac
+from tests.fake_apiserver import FakeApiServer, RequestRecord
+from tests.fake_rules import daemon_user
 from tests.fixtures_daemon import eventually, start_daemon
 from tests.fixtures_kube import NODE
 from weightcache.daemon.node import Want
@@ -130,28 +130,28 @@ async def test_a_node_nothing_asks_to_warm_first_is_untainted_at_once(cluster: F
         await d.daemon.stop()
 
 
+@pytest.mark.shipped_access
 async def test_the_shipped_rbac_and_node_policy_let_a_daemon_untaint_its_own_node_only(
-        short_dir: Path, model_copy: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        apiserver: FakeApiServer, short_dir: Path, model_copy: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """deploy/daemonset/rbac.yaml and node-policy.yaml enforced by the stand-in for the daemon's node-bound token."""
-    with FakeApiServer(schemas=crd_schemas(), rbac=shipped_rbac(), policies=shipped_policies()) as api:
-        api.create("nodes", tainted_node(NODE, GPU, PENDING))
-        api.create("nodes", tainted_node(OTHER, PENDING))
-        api.create("modelcaches", warm_first("llama", f"file://{model_copy}/"))
-        token = api.token_for(daemon_user(NODE))
-        api.use_as_kubeconfig(short_dir, monkeypatch, token)
-        d = await start_daemon(short_dir, model_copy, env={"NODE_NAME": NODE})
-        try:
-            await eventually(lambda: PENDING not in taints(api, NODE), what="the startup taint to go", timeout=30)
-            assert taints(api, NODE) == [GPU]
-            labels = api.get("nodes", NODE)["metadata"]["labels"]
-            assert labels[readiness_label(f"file://{model_copy}/")] == "ready"  # labelled while still tainted
-            await eventually(lambda: node_events(api), what="the Node's Event, in namespace default", timeout=30)
-            assert api.forbidden == []  # nothing the daemon sent was refused
-        finally:
-            await d.daemon.stop()
-        with pytest.raises(ClusterError) as denied:  # the same token on another node's taint
-            await asyncio.to_thread(remove_taint, api.api_client(token), OTHER, STARTUP_TAINT, STARTUP_TAINT_EFFECT)
-        assert denied.value.status == 403 and taints(api, OTHER) == [PENDING]
+    apiserver.create("nodes", tainted_node(NODE, GPU, PENDING))
+    apiserver.create("nodes", tainted_node(OTHER, PENDING))
+    apiserver.create("modelcaches", warm_first("llama", f"file://{model_copy}/"))
+    token = apiserver.token_for(daemon_user(NODE))
+    apiserver.use_as_kubeconfig(short_dir, monkeypatch, token)
+    d = await start_daemon(short_dir, model_copy, env={"NODE_NAME": NODE})
+    try:
+        await eventually(lambda: PENDING not in taints(apiserver, NODE), what="the startup taint to go", timeout=30)
+        assert taints(apiserver, NODE) == [GPU]
+        labels = apiserver.get("nodes", NODE)["metadata"]["labels"]
+        assert labels[readiness_label(f"file://{model_copy}/")] == "ready"  # labelled while still tainted
+        await eventually(lambda: node_events(apiserver), what="the Node's Event, in namespace default", timeout=30)
+        assert apiserver.forbidden == []  # nothing the daemon sent was refused
+    finally:
+        await d.daemon.stop()
+    with pytest.raises(ClusterError) as denied:  # the same token on another node's taint
+        await asyncio.to_thread(remove_taint, apiserver.api_client(token), OTHER, STARTUP_TAINT, STARTUP_TAINT_EFFECT)
+    assert denied.value.status == 403 and taints(apiserver, OTHER) == [PENDING]
 
 
 def test_a_taint_another_controller_adds_meanwhile_is_kept(cluster: FakeApiServer) -> None:

@@ -24,6 +24,7 @@ import aiohttp
 import pytest
 
 from tests.command import start_weightcache
+from tests.fake_apiserver import FakeApiServer, model_cache
 from tests.fixtures_daemon import eventually
 from tests.fixtures_webhook import REF, admission_review, apply_response, check_pod, container, deployment_pod
 from weightcache.listener import ConnectionLimits, GuardedTCPSite
@@ -200,6 +201,12 @@ def run_command(*args: str, **kwargs: Any) -> subprocess.Popen[str]:
     return start_weightcache(*args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
 
 
+def serve(certs: Path, *flags: str, **kwargs: Any) -> subprocess.Popen[str]:
+    """`weightcache webhook` on 127.0.0.1, a free port, with the pair in `certs` (tls.crt, tls.key)."""
+    return run_command("webhook", "--cert", str(certs / "tls.crt"), "--key", str(certs / "tls.key"),
+                       "--host", "127.0.0.1", "--port", "0", *flags, **kwargs)
+
+
 async def listening(proc: subprocess.Popen[str]) -> str:
     """The command's "webhook listening on https://HOST:PORT/mutate" line (log lines may come first)."""
     assert proc.stderr is not None
@@ -219,18 +226,7 @@ async def test_command_serves_until_sigterm(tmp_path: Path) -> None:
     assert ca.cert_pem == (tmp_path / "ca.crt").read_bytes()
     assert "kubectl" in err and "BEGIN" not in err and "PRIVATE" not in out + err
 
-    proc = run_command(
-        "webhook",
-        "--cert",
-        str(tmp_path / "tls.crt"),
-        "--key",
-        str(tmp_path / "tls.key"),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--no-allow-undeclared",
-    )
+    proc = serve(tmp_path, "--no-allow-undeclared")
     try:
         line = await listening(proc)
         assert "allow undeclared models: False" in line
@@ -287,60 +283,47 @@ async def test_readyz_waits_for_the_modelcache_list(tmp_path: Path) -> None:
 
 
 @pytest.mark.e2e
-async def test_command_in_cluster_mode_follows_modelcaches(tmp_path: Path) -> None:
+async def test_command_in_cluster_mode_follows_modelcaches(apiserver: FakeApiServer, tmp_path: Path) -> None:
     """Cluster mode through a kubeconfig: the ModelCache watcher feeds the shared policy, live."""
-    from tests.fake_apiserver import FakeApiServer, crd_schemas, model_cache
-
+    api = apiserver
     write_service_certs(tmp_path, service=SERVICE, namespace=NAMESPACE)
     ca = CertPair((tmp_path / "ca.crt").read_bytes())
-    with FakeApiServer(schemas=crd_schemas()) as api:
-        api.create("modelcaches", model_cache("llama", REF, allowedNamespaces=["inference"]))
-        kubeconfig = tmp_path / "kubeconfig"
-        kubeconfig.write_text(
-            json.dumps(
-                {
-                    "apiVersion": "v1",
-                    "kind": "Config",
-                    "current-context": "fake",
-                    "clusters": [{"name": "fake", "cluster": {"server": api.url}}],
-                    "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "webhook"}}],
-                    "users": [{"name": "webhook", "user": {"token": "not-a-real-token"}}],
-                }
-            )
+    api.create("modelcaches", model_cache("llama", REF, allowedNamespaces=["inference"]))
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "fake",
+                "clusters": [{"name": "fake", "cluster": {"server": api.url}}],
+                "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "webhook"}}],
+                "users": [{"name": "webhook", "user": {"token": "not-a-real-token"}}],
+            }
         )
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")} | {"KUBECONFIG": str(kubeconfig)}
-        proc = run_command(
-            "webhook",
-            "--cert",
-            str(tmp_path / "tls.crt"),
-            "--key",
-            str(tmp_path / "tls.key"),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            env=env,
-        )
-        try:
-            line = await listening(proc)
-            assert "allow undeclared models: False" in line, line
-            port = int(line.split("127.0.0.1:")[1].split("/")[0])
-            await wait_for(lambda: _ok(get(port, ca, "/readyz")))
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")} | {"KUBECONFIG": str(kubeconfig)}
+    proc = serve(tmp_path, env=env)
+    try:
+        line = await listening(proc)
+        assert "allow undeclared models: False" in line, line
+        port = int(line.split("127.0.0.1:")[1].split("/")[0])
+        await wait_for(lambda: _ok(get(port, ca, "/readyz")))
 
-            async def allowed(namespace: str, ref: str = REF) -> bool:
-                pod = deployment_pod({"weightcache.io/model": ref})
-                _, answer = await call(port, ca, admission_review(pod, namespace=namespace))
-                return bool(answer["response"]["allowed"])
+        async def allowed(namespace: str, ref: str = REF) -> bool:
+            pod = deployment_pod({"weightcache.io/model": ref})
+            _, answer = await call(port, ca, admission_review(pod, namespace=namespace))
+            return bool(answer["response"]["allowed"])
 
-            assert await allowed("inference")
-            assert not await allowed("research")
-            api.create("modelcaches", model_cache("shared", "s3://models/shared/", allowedNamespaces=["*"]))
-            await wait_for(lambda: allowed("research", "s3://models/shared/"))
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            _, err = await asyncio.to_thread(proc.communicate, None, 30)
-        assert proc.returncode == 0, err
-        assert "not-a-real-token" not in err
+        assert await allowed("inference")
+        assert not await allowed("research")
+        api.create("modelcaches", model_cache("shared", "s3://models/shared/", allowedNamespaces=["*"]))
+        await wait_for(lambda: allowed("research", "s3://models/shared/"))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = await asyncio.to_thread(proc.communicate, None, 30)
+    assert proc.returncode == 0, err
+    assert "not-a-real-token" not in err
 
 
 async def _ok(request: Any) -> bool:
@@ -563,8 +546,7 @@ async def test_shed_tls_connections_free_their_descriptors_under_a_low_ulimit(tm
     timed out. Shed connections are now aborted: the webhook holds about its cap and answers at once."""
     write_service_certs(tmp_path, service=SERVICE, namespace=NAMESPACE)
     ca = CertPair((tmp_path / "ca.crt").read_bytes())
-    proc = run_command("webhook", "--cert", str(tmp_path / "tls.crt"), "--key", str(tmp_path / "tls.key"),
-                       "--host", "127.0.0.1", "--port", "0", preexec_fn=_low_nofile)
+    proc = serve(tmp_path, preexec_fn=_low_nofile)
     context = client_context(ca)
     socks: list[ssl.SSLSocket] = []
     try:
