@@ -235,10 +235,13 @@ def test_quiet_prints_only_the_path(model_copy: Path, tmp_path: Path) -> None:
 async def test_a_hit_through_the_daemon_imports_no_store(daemon: RunningDaemon) -> None:
     """The CLI's side of a cache hit is interpreter start and imports: the store's modules (msgspec, sqlite3:
     0.1-0.3 s) were imported to read a free-space floor only a direct fetch uses, and the pods package (0.02-0.07
-    s) for two constants of the webhook command's parser."""
+    s) for two constants of the webhook command's parser; http.client (with the email package and ssl, 20 ms)
+    for the few requests the daemon's client makes, tarfile for engine caches only. No source's library either:
+    the daemon fetches."""
     await asyncio.to_thread(daemon.client.ensure, daemon.model_uri)
     code = ("import sys; from weightcache.cli import main; rc = main(['prefetch', '-q', sys.argv[1]]); "
-            "print(rc, sorted(m for m in ('weightcache.store', 'msgspec', 'sqlite3', 'weightcache.pods') "
+            "print(rc, sorted(m for m in ('weightcache.store', 'msgspec', 'sqlite3', 'weightcache.pods', 'botocore', "
+            "'http.client', 'email', 'ssl', 'tarfile', 'weightcache.sources', 'weightcache.fetch') "
             "if m in sys.modules))")
     done = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", code, daemon.model_uri], capture_output=True,
                                    text=True, timeout=60, env=cli_env(socket=daemon.socket))

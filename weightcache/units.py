@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import re
-from decimal import Decimal
 
 from weightcache.errors import ConfigError
 
@@ -48,6 +47,8 @@ def parse_size(value: object, what: str = "size") -> int:
     if match is None:
         shown = repr(value) if len(text) <= _MAX_TEXT else f"a {len(text)}-character value"
         raise ConfigError(f"{what}: {shown} is not a size; {_hint(text)}")
+    from decimal import Decimal  # here: most commands parse no size (the C module's load, 2-4 ms of every start)
+
     number, suffix, exponent = Decimal(match.group(1)), match.group(2) or "", match.group(3)
     exact = number * (Decimal(10) ** int(exponent) if exponent else _FACTORS[suffix])  # 28 digits: ample for 63 bits
     return _checked(math.ceil(exact) if exact <= MAX_BYTES else MAX_BYTES + 1, value, what)

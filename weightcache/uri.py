@@ -14,7 +14,6 @@ Credentials never belong in a reference (`https://user:pw@host/` is refused): th
 from __future__ import annotations
 
 import fnmatch
-import hashlib
 import json
 import re
 from dataclasses import dataclass
@@ -79,6 +78,8 @@ class ModelRef:
 
 def model_key(uri: str, include: tuple[str, ...] = (), exclude: tuple[str, ...] = ()) -> str:
     """`m` + 20 hex digits of sha256 over the canonical uri and globs (fits DNS labels and label names)."""
+    import hashlib  # here: the CLI's path through the daemon never needs it (OpenSSL's libcrypto, 3-8 ms)
+
     material = "\0".join([uri, *sorted(include), "\0", *sorted(exclude)])
     return "m" + hashlib.sha256(material.encode()).hexdigest()[:20]
 

@@ -1,5 +1,8 @@
 """Synchronous client of the daemon's API over its Unix socket (stdlib only), for the CLI.
 
+It speaks the little HTTP/1.1 the API needs itself (`_UnixConnection`): http.client imports the email package
+and ssl, 20 ms of the 0.1-0.2 s a cache hit through the daemon costs the CLI (docs/fetch.md, "Small models").
+
 Going through the daemon when it runs means joining its single flight and its metrics. Error answers
 (`{"error": code, "message": ...}`) are raised again as the same exception classes the store raises, so the
 CLI handles one set of errors whichever way it went.
@@ -9,16 +12,14 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import http.client
 import json
 import os
 import re
 import socket
-import tarfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 from urllib.parse import quote, urlencode
 
 from weightcache import defaults, errors
@@ -29,20 +30,119 @@ if TYPE_CHECKING:
 TIMEOUT_S = 30.0  # per socket operation; a streaming ensure may last hours, but sends a line at least this often
 
 
-class _UnixConnection(http.client.HTTPConnection):
-    def __init__(self, path: Path, timeout: float | None) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self._path = path
+MAX_LINE = 1 << 16  # an answer's status or header line, or a progress line, longer than this is no daemon's
+MAX_HEADERS = 100
 
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+
+class _UnixConnection:
+    """One request and its answer on a new connection to the daemon's socket (`Connection: close`): a body of
+    bytes, or a file sent in chunks; the answer's body by Content-Length, in chunks, or to the end. `timeout`:
+    per socket operation, None for none."""
+
+    def __init__(self, path: Path, timeout: float | None) -> None:
+        self._path, self.timeout = path, timeout
+        self._sock: socket.socket | None = None
+
+    def request(self, method: str, path: str, body: str | bytes | IO[bytes] | None = None,
+                headers: dict[str, str] | None = None) -> None:
+        """Send the request; a file `body` is read and sent in chunks (its length unknown)."""
+        sock = self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.timeout)
-        try:
-            sock.connect(str(self._path))
-        except OSError:
-            sock.close()
-            raise
-        self.sock = sock
+        sock.connect(str(self._path))
+        head = [f"{method} {path} HTTP/1.1", "Host: localhost", "Connection: close",
+                *(f"{k}: {v}" for k, v in (headers or {}).items())]
+        if body is None or isinstance(body, str | bytes):
+            data = body.encode() if isinstance(body, str) else body or b""
+            sock.sendall(("\r\n".join([*head, f"Content-Length: {len(data)}"]) + "\r\n\r\n").encode("latin-1")
+                         + data)
+            return
+        sock.sendall(("\r\n".join([*head, "Transfer-Encoding: chunked"]) + "\r\n\r\n").encode("latin-1"))
+        while chunk := body.read(1 << 16):
+            sock.sendall(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+        sock.sendall(b"0\r\n\r\n")
+
+    def getresponse(self) -> _Response:
+        if self._sock is None:
+            raise DaemonError("no request sent", code="unavailable", status=503)
+        return _Response(self._sock.makefile("rb"))
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+class _Response:
+    """The daemon's answer: `status`, then its body whole (`read`) or a line at a time (`readline`)."""
+
+    def __init__(self, stream: Any) -> None:
+        self._in = stream
+        line = stream.readline(MAX_LINE)
+        if not line:
+            raise ConnectionResetError("the daemon closed the connection without an answer")
+        version, _, rest = line.decode("latin-1").partition(" ")
+        code = rest[:3]
+        if not version.startswith("HTTP/1.") or not (code.isascii() and code.isdigit()):
+            raise DaemonError(f"not an HTTP answer on the daemon's socket: {line[:80]!r}", code="unavailable",
+                              status=502)
+        self.status = int(code)
+        fields: dict[str, str] = {}
+        for _ in range(MAX_HEADERS + 1):
+            line = stream.readline(MAX_LINE)
+            if line in (b"\r\n", b"\n", b""):
+                break
+            name, _, value = line.decode("latin-1").partition(":")
+            fields[name.strip().lower()] = value.strip()
+        else:
+            raise DaemonError("the daemon's answer has too many header lines", code="unavailable", status=502)
+        self._chunked = fields.get("transfer-encoding", "").lower() == "chunked"
+        length = fields.get("content-length", "")
+        self._left = 0 if self.status in (204, 304) else int(length) if length.isascii() and length.isdigit() else None
+        self._buf = b""
+        self._eof = False
+
+    def _more(self) -> bytes:
+        """The body's next bytes (b"" at its end)."""
+        if self._eof:
+            return b""
+        if self._chunked:
+            size_line = self._in.readline(MAX_LINE).split(b";")[0].strip()
+            try:
+                size = int(size_line, 16)
+            except ValueError:
+                size = 0  # a cut stream: the end
+            if size <= 0:
+                self._eof = True
+                return b""
+            data = self._in.read(size)
+            self._in.readline(MAX_LINE)  # the CRLF after the chunk
+            self._eof = len(data) < size
+            return bytes(data)
+        if self._left is not None:
+            data = self._in.read(min(self._left, 1 << 16)) if self._left else b""
+            self._left -= len(data)
+        else:
+            data = self._in.read1(1 << 16)
+        self._eof = not data
+        return bytes(data)
+
+    def read(self) -> bytes:
+        parts = [self._buf]
+        self._buf = b""
+        while data := self._more():
+            parts.append(data)
+        return b"".join(parts)
+
+    def readline(self) -> bytes:
+        """The body's next line, with its newline (b"" at the end)."""
+        while b"\n" not in self._buf and len(self._buf) < MAX_LINE:
+            data = self._more()
+            if not data:
+                break
+            self._buf += data
+        end = self._buf.find(b"\n") + 1 or len(self._buf)
+        line, self._buf = self._buf[:end], self._buf[end:]
+        return line
 
 
 class DaemonError(errors.WeightcacheError):
@@ -178,6 +278,8 @@ class DaemonClient:
         read_fd, write_fd = os.pipe()
         failed: list[BaseException] = []
 
+        import tarfile  # here: no other call needs it
+
         def write_tar() -> None:
             try:
                 with os.fdopen(write_fd, "wb") as out, tarfile.open(fileobj=out, mode="w|",
@@ -259,7 +361,7 @@ def _decode(payload: bytes) -> Any:
         return payload.decode(errors="replace")
 
 
-def _follow(response: http.client.HTTPResponse, on_progress: Callable[[ProgressWire], None] | None
+def _follow(response: _Response, on_progress: Callable[[ProgressWire], None] | None
             ) -> dict[str, Any]:
     """Read NDJSON lines until the final snapshot or error line."""
     while True:
