@@ -105,6 +105,17 @@ async def daemon(short_dir: Path, model_copy: Path) -> AsyncIterator[RunningDaem
 _CHECKS = ThreadPoolExecutor(4, thread_name_prefix="eventually")
 
 
+def wait_until(check: Callable[[], Any], *, timeout: float = 20.0, what: str = "condition", every: float = 0.05) -> Any:
+    """`eventually` for a test without an event loop: poll `check` here, every `every` seconds, until it returns
+    something truthy (returned); fail after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not (result := check()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(every)
+    return result
+
+
 async def eventually(check: Callable[[], Any], *, timeout: float = 10.0, what: str = "condition") -> Any:
     """Poll a (blocking) check in a thread until it returns something truthy; fail after `timeout`. The checks run
     on a pool of their own: in the loop's default pool they would queue behind the daemon under test's own blocking

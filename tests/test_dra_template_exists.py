@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 import yaml
 
 from tests.fake_apiserver import FakeApiServer
+from tests.fixtures_daemon import wait_until
 from tests.fixtures_webhook import REF, admission_review, deployment_pod
 from weightcache.dra.template import claim_template
 from weightcache.kube.watch import ModelCacheWatcher
@@ -53,10 +53,7 @@ def test_a_missing_template_is_refused_with_the_command_that_creates_it(
     template = yaml.safe_load(printed)
     assert template["metadata"]["namespace"] == NS
     api.create("resourceclaimtemplates", template, NS)  # what `kubectl apply -f -` does
-    deadline = time.monotonic() + 10
-    while not answer()["allowed"] and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert answer()["allowed"] is True
+    wait_until(lambda: answer()["allowed"], timeout=10, what="the template to be seen", every=0.02)
     assert answer("other")["allowed"] is False, "a template in another namespace does not count"
 
 
@@ -80,10 +77,7 @@ def test_the_webhook_command_with_dra_watches_templates(apiserver: FakeApiServer
         stop()
     _, stop = _policy(None, dra=True)
     try:
-        deadline = time.monotonic() + 10
-        while answer()["allowed"] and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert answer()["allowed"] is False
+        wait_until(lambda: answer()["allowed"] is False, timeout=10, what="the lookup to refuse", every=0.02)
     finally:
         stop()
         dra_templates.install(None)

@@ -9,12 +9,12 @@ import signal
 import struct
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.command import start_weightcache
+from tests.fixtures_daemon import wait_until
 from tests.grants import granted
 from tests.sample import make_model
 from weightcache.errors import HostileKeyError, InsufficientSpaceError, IntegrityError, SafetensorsHeaderError
@@ -214,16 +214,9 @@ def test_kill_9_mid_download_resumes_without_refetching_journalled_ranges(tmp_pa
     cmd = [*_PREFETCH, "s3://models/big/", "--root", str(root), "--endpoint-url", fault_proxy.endpoint_url,
            "--chunk-size", str(CHUNK), "--concurrency", str(concurrency)]
     proc = start_weightcache(*cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    journal = None
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        journals = list((root / "partial").glob("*.journal")) if (root / "partial").exists() else []
-        big = [j for j in journals if len(j.read_text().splitlines()) > 11]  # the header and > 10 chunks
-        if big:
-            journal = big[0]
-            break
-        time.sleep(0.02)
-    assert journal is not None, "download never got going"
+    journal = wait_until(lambda: next((j for j in root.glob("partial/*.journal")  # the header and > 10 chunks
+                                       if len(j.read_text().splitlines()) > 11), None),
+                         timeout=60, what="the download to journal 10 chunks", every=0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     journalled = [tuple(map(int, line.split())) for line in journal.read_text().splitlines()[1:]

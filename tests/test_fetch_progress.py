@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 from tests.command import start_weightcache
 from tests.faultproxy import FaultProxy
+from tests.fixtures_daemon import wait_until
 from tests.fixtures_s3 import S3
 from tests.grants import admin, granted
 from tests.tools import sigint_default
@@ -48,14 +48,10 @@ def test_ctrl_c_stops_a_download_without_waiting_for_its_ranges_and_resume_asks_
         "prefetch", "--no-daemon", "-o", "json", "s3://models/big/", "--root", str(root), "--endpoint-url",
         fault_proxy.endpoint_url, "--chunk-size", str(chunk), "--concurrency", "2",
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=sigint_default)
-    deadline = time.monotonic() + 60
-    journal = None
-    while journal is None and time.monotonic() < deadline:  # wait for the journal to record two chunks
-        found = [j for j in root.glob("partial/*.journal") if len(j.read_text().splitlines()) >= 3]
-        journal = found[0] if found else None
-        time.sleep(0.02)
     try:
-        assert journal is not None, "the download never got going"
+        journal = wait_until(lambda: next((j for j in root.glob("partial/*.journal")
+                                           if len(j.read_text().splitlines()) >= 3), None),
+                             timeout=60, what="the journal to record two chunks", every=0.02)
         throttle.count = throttle.fired  # from here on every ranged GET is held
         assert held.arrived.wait(30), "no range reached the held origin"
         proc.send_signal(signal.SIGINT)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.faultproxy import FaultProxy, QuietHTTPServer
+from tests.fixtures_daemon import wait_until
 from tests.fixtures_s3 import S3
 from tests.grants import granted
 from weightcache import retry
@@ -144,12 +145,12 @@ def test_a_stalled_range_is_halved_and_its_back_half_read_by_an_idle_worker(
 
     def release_once_split() -> None:
         hold.arrived.wait(30)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not any(
-                r.range and not r.range.startswith(("bytes=0-", f"bytes={8 * PIECE}-"))
-                for r in fault_proxy.requests_for("GET", "/models/stall/w.bin")):
-            time.sleep(0.02)
-        hold.release.set()
+        try:
+            wait_until(lambda: any(r.range and not r.range.startswith(("bytes=0-", f"bytes={8 * PIECE}-"))
+                                   for r in fault_proxy.requests_for("GET", "/models/stall/w.bin")),
+                       timeout=30, what="a split range", every=0.02)
+        finally:
+            hold.release.set()
 
     releaser = threading.Thread(target=release_once_split, daemon=True)
     releaser.start()

@@ -6,12 +6,12 @@ import io
 import json
 import re
 import threading
-import time
 
 import pytest
 
 from tests.command import run_cli
 from tests.fake_apiserver import FakeApiServer, node
+from tests.fixtures_daemon import wait_until
 from weightcache.dra.admission import MODEL_KEY_LABEL, model_key_label
 from weightcache.errors import ClusterError
 from weightcache.kube.cluster_cli import model_cache_name, prefetch_cluster, status
@@ -42,10 +42,8 @@ def play_daemon(server: FakeApiServer, phases: dict[str, list[ModelState]]) -> t
 
     def daemon() -> None:
         server.wait_requests("POST", MC)  # recorded when it arrives: the object is stored after its schema checks
-        deadline = time.monotonic() + 10
-        while not server.list("modelcaches") and time.monotonic() < deadline:
-            time.sleep(0.01)
-        name = server.list("modelcaches")[0]["metadata"]["name"]
+        name = wait_until(lambda: server.list("modelcaches"), timeout=10, what="the ModelCache stored",
+                          every=0.01)[0]["metadata"]["name"]
         server.wait_requests("GET", "/api/v1/nodes")  # the CLI is waiting now
         for node_name, states in phases.items():
             reporter = NodeReporter(server.api_client(), node_name, min_interval=0)

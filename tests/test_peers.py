@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.faultproxy import FaultProxy
+from tests.fixtures_daemon import wait_until
 from tests.fixtures_s3 import S3
 from tests.grants import admin
 from tests.peers_fleet import Fleet, FleetNode
@@ -165,10 +165,8 @@ def test_a_node_still_downloading_serves_the_pieces_it_has(origin: FaultProxy, f
                     and all(a.store.has_blob(d) or ((p := a.peers.inflight.get(d)) is not None
                                                     and p.holds(0, p.obj.size)) for d in others))  # small: a blob
 
-        deadline = time.monotonic() + 30
-        while not a_has_all_but_the_held_range():
-            assert time.monotonic() < deadline, "a never journalled the ranges it was not held on"
-            time.sleep(0.02)
+        wait_until(a_has_all_but_the_held_range, timeout=30, what="a to journal the ranges it was not held on",
+                   every=0.02)
         before = origin_bytes(origin)
         b = fleet.node("b", peers=[a.url])
         assert_model(ensure(b, origin))
@@ -240,10 +238,7 @@ def test_a_peer_killed_while_others_wait_on_it_costs_only_a_fall_back_to_the_ori
     with ThreadPoolExecutor(2) as pool:
         a_done = pool.submit(ensure, a, origin)
         b_done = pool.submit(ensure, b, origin)
-        deadline = time.monotonic() + 30
-        while not b.peers.stats.bytes_by_peer.get(a.url):  # B is being served by A
-            assert time.monotonic() < deadline, "b never read from a"
-            time.sleep(0.01)
+        wait_until(lambda: b.peers.stats.bytes_by_peer.get(a.url), timeout=30, what="b served by a", every=0.01)
         fleet.kill(a)
         assert_model(b_done.result(60))
         assert_model(a_done.result(60))

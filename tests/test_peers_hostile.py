@@ -18,6 +18,7 @@ import pytest
 import urllib3
 
 from tests.faultproxy import FaultProxy
+from tests.fixtures_daemon import wait_until
 from tests.fixtures_s3 import S3
 from tests.peers_fleet import Fleet, FleetNode, HostilePeer
 from tests.test_peers import FILES, MODEL_BYTES, OPTIONS, TOKEN, assert_model, ensure, origin_bytes
@@ -71,10 +72,7 @@ def test_a_liars_bytes_relayed_by_an_honest_node_in_flight_get_the_liar_banned_n
                 p = part.get(SHAS[BIG])
                 return p is not None and p.holds(0, p.obj.size)
 
-            deadline = time.monotonic() + 30
-            while not h_journalled_the_big_file():
-                assert time.monotonic() < deadline, "h never journalled the big file"
-                time.sleep(0.02)
+            wait_until(h_journalled_the_big_file, timeout=30, what="h to journal the big file", every=0.02)
             assert liar.faults[0].fired == 1  # the flipped piece is in H's journal now
             c = fleet.node("c", peers=[h.url])
             assert_model(ensure(c, origin))
@@ -327,10 +325,9 @@ def test_a_peers_bytes_count_as_they_come_not_when_a_read_slice_fills() -> None:
                 list(pieces)
 
         threading.Thread(target=drain, daemon=True).start()
-        deadline = time.monotonic() + 30  # the server holds the rest for 60 s: a buffered read sees nothing
-        while not seen and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert seen and seen[0] == 1000  # what one receive brought, while the rest was still held
+        # the server holds the rest for 60 s: a buffered read sees nothing
+        wait_until(lambda: seen, timeout=30, what="the first receive", every=0.01)
+        assert seen[0] == 1000  # what one receive brought, while the rest was still held
     finally:
         release.set()
         server.join(10)

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import io
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from tests.fake_apiserver import FakeApiServer
+from tests.fixtures_daemon import wait_until
 from tests.fixtures_k8s_schema import validate_strict
 from tests.fixtures_webhook import REF, admission_review, apply_response, deployment_pod
 from weightcache.kube import cluster_cli
@@ -27,16 +28,6 @@ LABEL = parse_ref(REF).label_key
 DEMAND = choice.demand_name(parse_ref(REF))
 MERGE = "application/merge-patch+json"
 REQUIRED = "requiredDuringSchedulingIgnoredDuringExecution"
-
-
-def eventually(check: Callable[[], Any], *, timeout: float = 20.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def gpu_node(name: str, labels: dict[str, str] | None = None, *, gpus: int = 1,
@@ -85,7 +76,7 @@ def gated(api: FakeApiServer, name: str) -> bool:
 def settle(ctl: Controller, passes: int = 3) -> None:
     """Let the controller run `passes` more passes (it acts on what it saw: wait for it, not for time)."""
     start = ctl.passes
-    eventually(lambda: ctl.passes >= start + passes, what=f"{passes} controller passes")
+    wait_until(lambda: ctl.passes >= start + passes, what=f"{passes} controller passes")
 
 
 def grant(api: FakeApiServer, name: str, source: str, namespaces: list[str]) -> None:
@@ -115,7 +106,7 @@ def test_gated_pod_is_released_only_to_ready_nodes_and_only_once_ready(api: Fake
     api.create("nodes", gpu_node("cpu-1", {"pool": "cpu"}, gpus=0))
     admitted_pod(api, "llama-0", nodeSelector={"pool": "a100"})
 
-    assert eventually(lambda: demand_nodes(api), what="demand") == ["gpu-a"], "only the node the pod may run on"
+    assert wait_until(lambda: demand_nodes(api), what="demand") == ["gpu-a"], "only the node the pod may run on"
     mc = api.get("modelcaches", DEMAND)
     assert mc["metadata"]["labels"]["app.kubernetes.io/managed-by"] == CONTROLLER
     assert mc["spec"]["source"] == REF and not mc["spec"].get("allowedNamespaces"), "demand grants nothing"
@@ -130,20 +121,20 @@ def test_gated_pod_is_released_only_to_ready_nodes_and_only_once_ready(api: Fake
     assert gated(api, "llama-0"), "released although no node it may run on holds the model"
 
     report(api, "gpu-a", "Fetching", 400_000_000, 1_600_000_000)
-    event = eventually(lambda: [e for e in api.list("events", NS) if e["involvedObject"]["name"] == "llama-0"
+    event = wait_until(lambda: [e for e in api.list("events", NS) if e["involvedObject"]["name"] == "llama-0"
                                 and e["reason"] == "FetchingModel" and "25%" in e["message"]],
                        what="a progress Event")[0]
     assert "gpu-a" in event["message"]
     validate_strict(event)
     report(api, "gpu-a", "Fetching", 800_000_000, 1_600_000_000)
-    eventually(lambda: "50%" in (m := api.get("events", "llama-0.weightcache-placement", NS)["message"]) and "ETA" in m,
+    wait_until(lambda: "50%" in (m := api.get("events", "llama-0.weightcache-placement", NS)["message"]) and "ETA" in m,
                what="the Event to show the new bytes and an ETA")
 
     report(api, "gpu-a", "Ready", 1_600_000_000, 1_600_000_000)
     settle(controller)
     assert gated(api, "llama-0"), "a report alone is not readiness: the scheduler reads the label"
     set_label(api, "gpu-a", "ready")
-    eventually(lambda: not gated(api, "llama-0"), what="the release")
+    wait_until(lambda: not gated(api, "llama-0"), what="the release")
     pod = api.get("pods", "llama-0", NS)
     validate_strict(pod)
     terms = pod["spec"]["affinity"]["nodeAffinity"][REQUIRED]["nodeSelectorTerms"]
@@ -154,7 +145,7 @@ def test_gated_pod_is_released_only_to_ready_nodes_and_only_once_ready(api: Fake
     settle(controller)
     assert demand_nodes(api) == ["gpu-a"]
     api.delete("pods", "llama-0", NS)
-    eventually(lambda: demand_nodes(api) is None, what="the demand to be garbage-collected")
+    wait_until(lambda: demand_nodes(api) is None, what="the demand to be garbage-collected")
 
 
 def test_release_keeps_the_pods_own_required_terms(api: FakeApiServer, controller: Controller) -> None:
@@ -165,9 +156,9 @@ def test_release_keeps_the_pods_own_required_terms(api: FakeApiServer, controlle
         {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["z1"]}]},
         {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["gpu-x"]}]}]}}}
     admitted_pod(api, "llama-1", affinity=own)
-    eventually(lambda: demand_nodes(api) == ["gpu-a"], what="demand")
+    wait_until(lambda: demand_nodes(api) == ["gpu-a"], what="demand")
     set_label(api, "gpu-a", "ready")
-    eventually(lambda: not gated(api, "llama-1"), what="the release")
+    wait_until(lambda: not gated(api, "llama-1"), what="the release")
     terms = api.get("pods", "llama-1", NS)["spec"]["affinity"]["nodeAffinity"][REQUIRED]["nodeSelectorTerms"]
     ours = {"key": LABEL, "operator": "In", "values": ["ready"]}
     zone_z1 = {"key": "zone", "operator": "In", "values": ["z1"]}
@@ -189,7 +180,7 @@ def test_fake_refuses_what_the_api_server_refuses_on_pods(api: FakeApiServer) ->
 def test_no_node_for_the_pod_is_a_warning_and_no_demand(api: FakeApiServer, controller: Controller) -> None:
     api.create("nodes", gpu_node("gpu-a", {"pool": "a100"}))
     admitted_pod(api, "odd", nodeSelector={"pool": "tpu"})
-    event = eventually(lambda: [e for e in api.list("events", NS) if e["involvedObject"]["name"] == "odd"],
+    event = wait_until(lambda: [e for e in api.list("events", NS) if e["involvedObject"]["name"] == "odd"],
                        what="a warning Event")[0]
     assert event["type"] == "Warning" and event["reason"] == "NoNodeForModel"
     assert demand_nodes(api) is None and gated(api, "odd")
@@ -201,7 +192,7 @@ def test_progress_events_are_rate_limited(api: FakeApiServer) -> None:
     ctl.start()
     try:
         admitted_pod(api, "llama-0")
-        eventually(lambda: demand_nodes(api), what="demand")
+        wait_until(lambda: demand_nodes(api), what="demand")
         start = time.monotonic()
         for i in range(30):
             report(api, "gpu-a", "Fetching", i * 1_000_000, 100_000_000)
@@ -220,11 +211,11 @@ def test_memory_nodes_are_picked_across_zones(api: FakeApiServer, controller: Co
     api.create("modelcaches", {"apiVersion": "weightcache.io/v1alpha1", "kind": "ModelCache",
                                "metadata": {"name": "llama"},
                                "spec": {"source": REF, "nodeSelector": {"pool": "gpu"}, "memory": {"nodes": 2}}})
-    picked = eventually(lambda: (api.get("modelcaches", "llama").get("status") or {}).get("memoryNodes"),
+    picked = wait_until(lambda: (api.get("modelcaches", "llama").get("status") or {}).get("memoryNodes"),
                         what="memoryNodes")
     assert len(picked) == 2 and "n2" in picked, "one per zone"
     api.delete("nodes", "n2")
-    eventually(lambda: api.get("modelcaches", "llama")["status"]["memoryNodes"] == ["n0", "n1"],
+    wait_until(lambda: api.get("modelcaches", "llama")["status"]["memoryNodes"] == ["n0", "n1"],
                what="a replacement for the deleted node")
 
 
@@ -239,23 +230,23 @@ def test_leader_change_keeps_demand_and_releases_nothing_early(api: FakeApiServe
         return ctl
 
     first = candidate("pod-1")
-    eventually(first.leading, what="the first candidate to lead")
+    wait_until(first.leading, what="the first candidate to lead")
     second = candidate("pod-2")
     try:
         admitted_pod(api, "llama-0")
-        eventually(lambda: demand_nodes(api) == ["gpu-a"], what="demand from the leader")
+        wait_until(lambda: demand_nodes(api) == ["gpu-a"], what="demand from the leader")
         settle(first)
         assert not second.leading() and second.passes == 0, "a follower does nothing"
 
         first.stop(release=False)  # crash: the Lease runs out on its own
-        eventually(second.leading, what="the second candidate to take over")
+        wait_until(second.leading, what="the second candidate to take over")
         assert api.get("leases", "placement", "weightcache")["spec"]["holderIdentity"] == "pod-2"
         settle(second)
         assert gated(api, "llama-0") and demand_nodes(api) == ["gpu-a"]
         assert not api.requests_matching("DELETE", "/modelcaches"), "no demand was dropped on the way"
 
         set_label(api, "gpu-a", "ready")
-        eventually(lambda: not gated(api, "llama-0"), what="the new leader to release the pod")
+        wait_until(lambda: not gated(api, "llama-0"), what="the new leader to release the pod")
         lease = api.get("leases", "placement", "weightcache")
         validate_strict(lease)
         assert lease["spec"]["leaseTransitions"] == 1
@@ -274,7 +265,7 @@ def test_a_ready_node_without_room_does_not_release_while_a_node_with_room_fetch
     api.create("nodes", gpu_node("idle"))
     # the controller's node watch must have seen both nodes: with only `busy` (no room anywhere) it would
     # rightly release the pod there
-    eventually(lambda: len(controller.nodes.items()) == 2 and len(controller.pods.items()) == 1, what="the watches")
+    wait_until(lambda: len(controller.nodes.items()) == 2 and len(controller.pods.items()) == 1, what="the watches")
     pod = deployment_pod({"weightcache.io/model": REF, "weightcache.io/placement": "gate"})
     pod["metadata"]["name"] = "llama-2"
     pod["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": "1"}}
@@ -282,11 +273,11 @@ def test_a_ready_node_without_room_does_not_release_while_a_node_with_room_fetch
     api.create("pods", apply_response(pod, review(admission_review(pod), model_caches=[], allow_undeclared=True,
                                                    nodes=nodes)), NS)
     assert gated(api, "llama-2"), "placement: gate holds the pod even though a node holds the model"
-    eventually(lambda: "idle" in (demand_nodes(api) or []), what="the node with a free GPU to be asked")
+    wait_until(lambda: "idle" in (demand_nodes(api) or []), what="the node with a free GPU to be asked")
     settle(controller)
     assert gated(api, "llama-2"), "released to a node whose only GPU is taken"
     set_label(api, "idle", "ready")
-    eventually(lambda: not gated(api, "llama-2"), what="the release once the node with room is ready")
+    wait_until(lambda: not gated(api, "llama-2"), what="the release once the node with room is ready")
 
 
 def test_lease_takeover_only_after_the_record_stood_still_for_the_lease_duration(api: FakeApiServer) -> None:
@@ -326,5 +317,5 @@ def test_a_hand_written_model_cache_gets_its_model_key_label(api: FakeApiServer,
     wrong["metadata"].setdefault("labels", {})[MODEL_KEY_LABEL] = "m" + "0" * 20
     api.update("modelcaches", "grant-llama", wrong)
     for name, source in (("by-hand", "s3://models/other/"), ("grant-llama", REF)):
-        eventually(lambda n=name, s=source: (api.get("modelcaches", n)["metadata"].get("labels") or {}).get(
+        wait_until(lambda n=name, s=source: (api.get("modelcaches", n)["metadata"].get("labels") or {}).get(
             MODEL_KEY_LABEL) == model_key_label(s), what=f"the key label on {name}")

@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 
 from tests.fake_apiserver import FakeApiServer, crd_schemas, model_cache
+from tests.fixtures_daemon import wait_until
 from tests.fixtures_webhook import REF, admission_review, apply_response, deployment_pod
-from tests.test_placement_controller import MERGE, eventually, gpu_node, grant
+from tests.test_placement_controller import MERGE, gpu_node, grant
 from weightcache.daemon.node import Want
 from weightcache.daemon.reconcile import READY, Actual, settle
 from weightcache.kube.desired import plan as desired_plan
@@ -149,12 +150,12 @@ def watching(api: FakeApiServer, **options: Any) -> Controller:
     """A controller that watches but does not loop: each test runs and counts its passes."""
     ctl = Controller(api.api_client(), event_interval=0.0, **options)
     ctl.start(loop=False)
-    eventually(ctl.synced, what="the watches")
+    wait_until(ctl.synced, what="the watches")
     return ctl
 
 
 def seen(ctl: Controller, pods: int) -> None:
-    eventually(lambda: len(ctl.pods.items()) == pods and len(ctl.nodes.items()) >= 1, what="the pods")
+    wait_until(lambda: len(ctl.pods.items()) == pods and len(ctl.nodes.items()) >= 1, what="the pods")
 
 
 def events(api: FakeApiServer, namespace: str, name: str) -> list[dict[str, Any]]:
@@ -181,7 +182,7 @@ def test_one_hostile_annotation_no_longer_halts_placement_cluster_wide(api: Fake
     ctl = watching(api)
     try:
         seen(ctl, 2)
-        eventually(lambda: ctl.pods.items()[0]["metadata"]["annotations"].get("weightcache.io/model") == HOSTILE
+        wait_until(lambda: ctl.pods.items()[0]["metadata"]["annotations"].get("weightcache.io/model") == HOSTILE
                    or ctl.pods.items()[1]["metadata"]["annotations"].get("weightcache.io/model") == HOSTILE,
                    what="the edit")
         result = ctl.reconcile()
@@ -214,7 +215,7 @@ def test_demand_names_the_namespaces_that_asked_and_grants_none(api: FakeApiServ
         (wanted,), _ = desired_plan([demand], {}, "gpu-a")
         assert wanted.namespaces == (TENANT, OTHER)
         api.delete("pods", "b", OTHER)
-        eventually(lambda: len(ctl.pods.items()) == 2, what="the delete")
+        wait_until(lambda: len(ctl.pods.items()) == 2, what="the delete")
         ctl.reconcile()
         assert api.get("modelcaches", demand["metadata"]["name"])["spec"]["demandNamespaces"] == [TENANT]
     finally:
