@@ -62,9 +62,9 @@ def test_invalid_specs_are_skipped_and_reported_by_name():
 def test_five_hundred_model_caches_plan_fast():
     mcs = [model_cache(f"m{i:03d}", f"s3://models/m{i}/", node_selector={"gpu": "h100"} if i % 2 else {"gpu": "a10"},
                        priority=i % 7) for i in range(500)]
-    start = time.perf_counter()
+    start = time.thread_time()  # CPU time: a loaded machine stretches wall time, not this
     wanted, _ = plan(mcs, GPU)
-    assert time.perf_counter() - start < 0.5  # a loose bound: the real figure is in scripts/bench_daemon.py
+    assert time.thread_time() - start < 0.5  # a loose bound: the real figure is in scripts/bench_daemon.py
     assert len(wanted) == 250
 
 
