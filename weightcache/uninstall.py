@@ -21,13 +21,16 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from weightcache.errors import ClusterError, ConfigError, InUseError
 from weightcache.store.holders import describe_holder
 from weightcache.store.layout import Layout
 from weightcache.uri import is_readiness_label
 from weightcache.vocabulary import CSI_DRIVER, DRA_DRIVER
+
+if TYPE_CHECKING:
+    from weightcache.kube.client import ApiClient
 
 STORE_MARKERS = ("index.db", "blobs", "snapshots", "manifests", "refs", "leases")
 DAEMON_SOCKET = "weightcache.sock"
@@ -91,7 +94,7 @@ def holders(root: Path) -> list[str]:
 
 
 def uninstall(root: Path, kubelet_dir: Path, cdi_dir: Path, run_dir: Path, *, yes: bool, force: bool = False,
-              api_client: Any = None, node: str | None = None) -> Report:
+              api_client: ApiClient | None = None, node: str | None = None) -> Report:
     """Remove (with `yes`) or list what weightcache left on this node; see the module docstring."""
     report = Report(removed=plan(root, kubelet_dir, cdi_dir, run_dir), node=node, applied=yes)
     in_use = holders(root) if root.is_dir() else []
@@ -161,7 +164,7 @@ def _writable_and_retry(func: Callable[..., Any], path: str, _exc: Any) -> None:
     func(path)
 
 
-def _readiness_labels(api_client: Any, node: str) -> list[str]:
+def _readiness_labels(api_client: ApiClient, node: str) -> list[str]:
     from weightcache.kube.client import ApiException, CoreV1Api
 
     try:
@@ -172,7 +175,7 @@ def _readiness_labels(api_client: Any, node: str) -> list[str]:
     return sorted(k for k in (obj.metadata.labels or {}) if is_readiness_label(k))
 
 
-def _unlabel(api_client: Any, node: str, labels: list[str]) -> None:
+def _unlabel(api_client: ApiClient, node: str, labels: list[str]) -> None:
     from weightcache.kube.client import ApiException, CoreV1Api
 
     try:

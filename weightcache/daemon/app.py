@@ -22,7 +22,7 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -31,7 +31,7 @@ from weightcache.daemon.config import Settings, apply_bandwidth, apply_live
 from weightcache.daemon.configwatch import ConfigWatcher
 from weightcache.daemon.metrics import Metrics
 from weightcache.daemon.metrics_server import start_metrics_server
-from weightcache.daemon.node import MeteredFetcher, Node
+from weightcache.daemon.node import MeteredFetcher, Node, Service
 from weightcache.daemon.reconcile import Reconciler
 from weightcache.daemon.tasks import Tasks
 from weightcache.errors import ConfigError, MemoryTierError, StoreError
@@ -52,12 +52,6 @@ log = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 5.0  # how long a request in progress (a streaming ensure) may take to finish on SIGTERM
 TCP_LIMITS = ConnectionLimits()  # the TCP listener's connection cap and header/body timeouts (weightcache/listener.py)
-
-
-class _Service(Protocol):
-    """A node service the daemon started (the CSI server, the DRA plugin): stopped with a grace period."""
-
-    async def stop(self, grace: float) -> None: ...
 
 
 class Daemon:
@@ -360,13 +354,12 @@ async def _serve_dra(node: Node) -> DraPlugin | None:
     return await serve_for_node(node)
 
 
-async def _serve_csi(node: Node) -> _Service | None:
+async def _serve_csi(node: Node) -> Service | None:
     s = node.settings
     if s.csi.endpoint is None:
         return None
     from weightcache.daemon.cluster import serve_csi
-    server: _Service = await serve_csi(node)  # a grpc.aio.Server: the daemon stops it, never imports grpc
-    return server
+    return await serve_csi(node)
 
 
 class JsonFormatter(logging.Formatter):

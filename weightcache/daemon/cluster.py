@@ -15,13 +15,14 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from weightcache.daemon.node import Node, Want
+from weightcache.daemon.node import Node, Service, Want
 from weightcache.errors import WeightcacheError
 from weightcache.settings import node_name
 from weightcache.vocabulary import STARTUP_TAINT, STARTUP_TAINT_EFFECT
 
 if TYPE_CHECKING:
     from weightcache.csi.telemetry import Pod
+    from weightcache.kube.client import ApiClient
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ MAX_PENDING_EVENTS = 1024  # pod Events waiting for the API server; past this a 
 
 
 class Cluster:
-    def __init__(self, api_client: Any, node_name: str, on_change: Callable[[], None],
+    def __init__(self, api_client: ApiClient, node_name: str, on_change: Callable[[], None],
                  disk_budget: Callable[[], int | None] = lambda: None) -> None:
         from weightcache.kube.report import NodeReporter
         from weightcache.kube.watch import ModelCacheWatcher
@@ -196,8 +197,9 @@ async def connect(node: Node) -> Cluster | None:
     return cluster
 
 
-async def serve_csi(node: Node) -> Any:
-    """Start the CSI plugin on the daemon's loop, sharing its store, fetch queue, authority and metrics."""
+async def serve_csi(node: Node) -> Service:
+    """Start the CSI plugin on the daemon's loop, sharing its store, fetch queue, authority and metrics (a
+    grpc.aio.Server: the daemon stops it, never imports grpc)."""
     from weightcache.csi.server import serve_csi as serve
 
     s = node.settings

@@ -13,7 +13,7 @@ import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from weightcache.daemon.node import Node
 from weightcache.dra.binding import ClaimBinder
@@ -26,6 +26,9 @@ from weightcache.dra.slices import SlicePublisher
 from weightcache.errors import ConfigError
 from weightcache.settings import node_name as node_name_of
 from weightcache.uri import model_key
+
+if TYPE_CHECKING:
+    from weightcache.kube.client import ApiClient
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +99,7 @@ def free_cache_bytes(node: Node) -> int:
     return max(0, free)
 
 
-def server_version(api_client: Any) -> tuple[int, int] | None:
+def server_version(api_client: ApiClient) -> tuple[int, int] | None:
     """The API server's (major, minor), or None when it cannot be read (logged)."""
     from weightcache.kube.client import VersionApi
 

@@ -33,6 +33,7 @@ from weightcache.uri import ModelRef
 
 if TYPE_CHECKING:
     from weightcache.csi.telemetry import Pod
+    from weightcache.kube.client import ApiClient
     from weightcache.memory import MemoryTier  # imported only when a memory budget is set
     from weightcache.peers import PeerSet
     from weightcache.peers.server import PeerServer  # imported only when peerListen is set
@@ -147,12 +148,18 @@ class Want:
     serves: bool = False  # the store's `latest` ref of its selection follows it (a rollout's served revision)
 
 
+class Service(Protocol):
+    """A node service the daemon started (the CSI server, the DRA plugin): stopped with a grace period."""
+
+    async def stop(self, grace: float) -> None: ...
+
+
 class ClusterBridge(Protocol):
     """What the daemon asks of its Kubernetes bridge (weightcache/daemon/cluster.py's Cluster; None off-cluster).
     Typed here, below the reconcile loop and the startup taint that use it, so neither imports the bridge."""
 
     node_name: str
-    api_client: Any  # a kubernetes ApiClient: only kube/ and peer discovery use it
+    api_client: ApiClient  # only kube/ and peer discovery use it
     started: float  # the startup taint's clock when the Node carries no creationTimestamp
 
     def stop(self) -> None: ...

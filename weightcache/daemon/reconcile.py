@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,7 +112,7 @@ def _label_changes(ready: set[str], labels: Mapping[str, str] | None,
     return changes
 
 
-def _ids(held: Mapping[str, Held], keep: Any) -> set[str]:
+def _ids(held: Mapping[str, Held], keep: Callable[[Held], bool]) -> set[str]:
     return {h.snapshot for h in held.values() if keep(h)}
 
 
@@ -322,7 +322,7 @@ def stored_labels(store: Store) -> dict[str, list[str]]:
     return out
 
 
-def _try(what: str, fn: Any, *args: Any) -> None:
+def _try(what: str, fn: Callable[..., object], *args: Any) -> None:
     try:
         fn(*args)
     except Exception as exc:  # level-triggered: the next pass retries

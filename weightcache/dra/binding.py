@@ -36,7 +36,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from weightcache.access import Authority, Grant, Requester
 from weightcache.dra import DRIVER_NAME
@@ -47,6 +47,9 @@ from weightcache.errors import NotAllowedError
 from weightcache.redact import shorten
 from weightcache.store import Snapshot, Store
 from weightcache.store.holders import claim_of_holder, dra_holder
+
+if TYPE_CHECKING:
+    from weightcache.kube.client import ApiClient
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +104,7 @@ def pending(claim: dict[str, Any], pool: str) -> list[str]:
 class ClaimBinder:
     """Watches ResourceClaims and answers the binding conditions of this node's fetchable devices."""
 
-    def __init__(self, api_client: Any, *, pool: str, store: Store, authority: Authority, resolve: Resolve,
+    def __init__(self, api_client: ApiClient, *, pool: str, store: Store, authority: Authority, resolve: Resolve,
                  fetch: Fetch, api_version: str = "v1") -> None:
         from weightcache.kube.client import CustomObjectsApi
 

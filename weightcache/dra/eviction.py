@@ -21,13 +21,16 @@ import calendar
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from weightcache.dra import DRIVER_NAME
 from weightcache.dra.claims import ClaimBook, ClaimRecord
 from weightcache.dra.devices import TAINT_KEY
 from weightcache.dra.slices import API_TIMEOUT_S
 from weightcache.dra.states import DAMAGED, DeviceState
+
+if TYPE_CHECKING:
+    from weightcache.kube.client import ApiClient
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +54,7 @@ def tolerated_until(result: dict[str, Any], taint_since: str) -> float | None:
 class ExtendedPodEvictor:
     """Deletes the `dra-extended` pods of this node whose claims hold a device of a damaged snapshot."""
 
-    def __init__(self, api_client: Any, *, book: ClaimBook, states: Callable[[], Mapping[str, DeviceState]],
+    def __init__(self, api_client: ApiClient, *, book: ClaimBook, states: Callable[[], Mapping[str, DeviceState]],
                  api_version: str = "v1") -> None:
         from weightcache.kube.client import CoreV1Api, CustomObjectsApi
 

@@ -22,7 +22,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -45,6 +45,9 @@ from weightcache.dra.slices import API_TIMEOUT_S, SlicePublisher
 from weightcache.errors import ClusterError, ConfigError
 from weightcache.store import Store
 from weightcache.unixsock import claim_socket_path
+
+if TYPE_CHECKING:
+    from weightcache.kube.client import ApiClient
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +154,7 @@ async def _listen(server: grpc.aio.Server, path: Path) -> None:
 
 
 
-def claim_reader(api_client: Any, api_version: str = "v1") -> ClaimSource:
+def claim_reader(api_client: ApiClient, api_version: str = "v1") -> ClaimSource:
     """ResourceClaims through the official client; API failures become ClusterError (a per-claim error)."""
     import urllib3
 

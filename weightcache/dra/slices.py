@@ -30,9 +30,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from weightcache.dra import DRIVER_NAME
+
+if TYPE_CHECKING:
+    from weightcache.kube.client import ApiClient
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +124,7 @@ def _same(existing: dict[str, dict[str, Any]], current: list[dict[str, Any]]) ->
 class SlicePublisher:
     """Publishes the devices `devices()` returns as this node's pool; `sync()` writes only on change."""
 
-    def __init__(self, api_client: Any, node_name: str, devices: Devices, *, api_version: str = "v1",
+    def __init__(self, api_client: ApiClient, node_name: str, devices: Devices, *, api_version: str = "v1",
                  change_token: Callable[[], object] = lambda: None, resync_s: float = 10.0,
                  counters: Callable[[], list[dict[str, Any]]] | None = None,
                  on_dropped: Callable[[set[str]], None] | None = None) -> None:

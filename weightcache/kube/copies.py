@@ -11,7 +11,7 @@ free-space floor, logging it (Store.evict).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import urllib3
 
@@ -20,6 +20,9 @@ from weightcache.kube.client import ApiException, CoreV1Api
 from weightcache.kube.desired import parse_ref_of
 from weightcache.store.types import SnapshotInfo
 from weightcache.uri import readiness_label
+
+if TYPE_CHECKING:
+    from weightcache.kube.client import ApiClient
 
 MAX_COPIES = 1000  # the CRD's bound on spec.minCopies
 
@@ -69,7 +72,7 @@ class Keeper:
     readiness labels (one list per model that asks for copies and is held here). Blocking: evictions run in
     threads."""
 
-    def __init__(self, api_client: Any, node_name: str, caches: Callable[[], list[dict[str, Any]]],
+    def __init__(self, api_client: ApiClient, node_name: str, caches: Callable[[], list[dict[str, Any]]],
                  model_keys: Callable[[], Mapping[str, Sequence[str]]]) -> None:
         self.api_client, self.node_name, self.caches, self.model_keys = api_client, node_name, caches, model_keys
 

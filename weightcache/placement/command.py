@@ -7,7 +7,7 @@ import os
 import socket
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from weightcache.kube import listers
 from weightcache.kube.watch import ModelCacheWatcher
@@ -16,10 +16,13 @@ from weightcache.placement.lease import LeaderElector
 from weightcache.placement.nodes import NodeFacts, node_facts
 from weightcache.pods.annotations import MAX_MODELS
 
+if TYPE_CHECKING:
+    from weightcache.kube.client import ApiClient
+
 LEASE_NAME = "weightcache-placement"
 
 
-def node_view(api_client: Any) -> tuple[Callable[[], Sequence[NodeFacts] | None], Callable[[], None]]:
+def node_view(api_client: ApiClient) -> tuple[Callable[[], Sequence[NodeFacts] | None], Callable[[], None]]:
     """(nodes, stop): the cluster's nodes as NodeFacts, rebuilt on each change, not on each admission;
     None until the first list arrived (the webhook then keeps the preference, it does not gate blindly)."""
     facts: list[Sequence[NodeFacts] | None] = [None]
@@ -40,7 +43,7 @@ def node_view(api_client: Any) -> tuple[Callable[[], Sequence[NodeFacts] | None]
     return nodes, watcher.stop
 
 
-def start_controller(api_client: Any, *, max_models: int = MAX_MODELS) -> Callable[[], None]:
+def start_controller(api_client: ApiClient, *, max_models: int = MAX_MODELS) -> Callable[[], None]:
     """Start the controller under a Lease in the pod's namespace (POD_NAMESPACE, POD_NAME from the downward
     API; the host name when unset); returns its stop. `max_models`: the webhook's --max-models, so a pod the
     webhook admits is not refused by the controller, nor the other way round."""

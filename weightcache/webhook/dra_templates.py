@@ -19,12 +19,15 @@ is refused here (an unknown answer never blocks a pod).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from weightcache.dra.template import template_name
 from weightcache.errors import AnnotationError
 from weightcache.pods.annotations import Injection
 from weightcache.webhook.dra_claim import options
+
+if TYPE_CHECKING:
+    from weightcache.kube.client import ApiClient
 
 Lookup = Callable[[str, str], bool | None]  # (namespace, name) -> exists; None: unknown ('' namespace: cluster)
 _lookup: Lookup | None = None
@@ -46,7 +49,7 @@ def from_watcher(watcher: Any) -> Lookup:
     return exists
 
 
-def watch(api_client: Any, plural: str = "resourceclaimtemplates") -> Any:
+def watch(api_client: ApiClient, plural: str = "resourceclaimtemplates") -> Any:
     """A started ModelCacheWatcher over every namespace's ResourceClaimTemplates (or, `plural="deviceclasses"`,
     the DeviceClasses); `install(from_watcher(w), ...)`. The webhook's ServiceAccount needs `list` and `watch` on
     them (resource.k8s.io)."""
