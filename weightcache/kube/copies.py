@@ -20,6 +20,7 @@ from weightcache.kube.client import ApiException, CoreV1Api
 from weightcache.kube.desired import parse_ref_of
 from weightcache.store.types import SnapshotInfo
 from weightcache.uri import readiness_label
+from weightcache.vocabulary import READY
 
 if TYPE_CHECKING:
     from weightcache.kube.client import ApiClient
@@ -88,7 +89,7 @@ class Keeper:
         holders: dict[str, list[str]] = {}
         for key in sorted({k for ks in held.values() for k in ks}):
             try:
-                nodes = core.list_node(label_selector=f"{key}=ready").items or []
+                nodes = core.list_node(label_selector=f"{key}={READY}").items or []
             except (ApiException, urllib3.exceptions.HTTPError) as exc:
                 raise ClusterError(f"listing the Nodes that hold {key} failed: {type(exc).__name__}") from exc
             holders[key] = [n.metadata.name for n in nodes if n.metadata is not None]
