@@ -129,13 +129,18 @@ class HostilePeer:
         "trickle-body"     a correct 206 head, then the right bytes one every `every_s` seconds
         "trickle-headers"  the status line and headers one byte every `every_s` seconds
         "huge-range"       a 206 whose Content-Range holds 5,000-digit numbers (int() refuses them)
+        "honest"           a correct 206 with the right bytes at once
 
-    `requests` counts the GETs it answered; `close()` stops every connection at once."""
+    A digest request (`?digests=`, server.PeerServer._digests) is answered 200 with `digests` as its body when
+    given (a malformed or oversized answer), else 404. `requests` counts the GETs it answered; `close()` stops
+    every connection at once."""
 
-    def __init__(self, sizes: dict[str, int], bodies: dict[str, bytes], mode: str, every_s: float = 2.0) -> None:
+    def __init__(self, sizes: dict[str, int], bodies: dict[str, bytes], mode: str, every_s: float = 2.0,
+                 digests: bytes | None = None) -> None:
         import socket
 
         self.sizes, self.bodies, self.mode, self.every_s = sizes, bodies, mode, every_s
+        self.digests = digests
         self.requests = 0
         self._stop = threading.Event()
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -164,9 +169,14 @@ class HostilePeer:
                     while (h := reader.readline()) not in (b"\r\n", b"\n", b""):
                         k, _, v = h.decode().partition(":")
                         headers[k.strip().lower()] = v.strip()
-                    sha = path.decode().rsplit("/", 1)[-1]
+                    sha, _, query = path.decode().rsplit("/", 1)[-1].partition("?")
                     size = self.sizes.get(sha)
-                    if size is None:
+                    if query.startswith("digests=") and size is not None and self.digests is not None:
+                        self.requests += 1
+                        conn.sendall(f"HTTP/1.1 200 OK\r\nContent-Length: {len(self.digests)}\r\n\r\n".encode()
+                                     + self.digests)
+                        continue
+                    if size is None or query:
                         conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
                         continue
                     if method == b"HEAD":
@@ -195,6 +205,9 @@ class HostilePeer:
         if self.mode == "huge-range":
             return
         body = self.bodies[sha][first:last + 1]
+        if self.mode == "honest":
+            conn.sendall(body)
+            return
         for i in range(len(body)):
             conn.sendall(body[i:i + 1])
             if self._stop.wait(self.every_s):

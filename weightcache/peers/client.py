@@ -21,7 +21,7 @@ from urllib.parse import urlencode, urlsplit
 
 import urllib3
 
-from weightcache.errors import Answer, ConfigError, SourceError
+from weightcache.errors import Answer, ConfigError, InvalidRequestError, SourceError
 from weightcache.jsonbody import parse_json
 from weightcache.peers.identity import OriginId
 from weightcache.redact import redact
@@ -38,6 +38,7 @@ PARTIAL_HEADER = "X-Weightcache-Partial"  # set on answers about a blob still be
 NOT_YET_HEADER = "X-Weightcache-Not-Yet"  # beside it on a 404: the peer is reading those bytes from the origin now
 RETRY_MS_HEADER = "X-Weightcache-Retry-Ms"  # beside that: when the peer expects the first of them journalled
 _RETRY_MS = re.compile(r"[0-9]{1,6}")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 _SHORT = re.compile(r"[0-9]{1,3}|[0-3][0-9]{3}")  # a Content-Length below 4,000
 
 
@@ -72,6 +73,18 @@ class PeerBusy(PeerRangeMissing):
 class PeerTooSlow(SourceError):
     """The peer sent a range below the rate floor (`Pace`): the rest comes from elsewhere, and this fetch leaves
     that peer out for a while, longer each time (source.BENCH_S)."""
+    answer = Answer(6, 502, "UNAVAILABLE")  # handled inside a fetch; this is what shows if one ever escapes
+
+
+class PeerBadAnswer(SourceError):
+    """The peer answered a digest request with something that is not one (not JSON of the asked shape, over its
+    size bound): an offence of the peer's, never a crash of the asker's."""
+    answer = Answer(6, 502, "UNAVAILABLE")  # handled inside a fetch; this is what shows if one ever escapes
+
+
+class PeerLied(SourceError):
+    """A piece the peer sent was judged wrong before it was used (source.PeerSource._judged): it is banned, and
+    the rest of its range comes from elsewhere."""
     answer = Answer(6, 502, "UNAVAILABLE")  # handled inside a fetch; this is what shows if one ever escapes
 
 
@@ -176,6 +189,35 @@ class PeerClient:
         if isinstance(resp, urllib3.HTTPResponse):
             resp.enforce_content_length = False  # a short body returns what came: the caller resumes elsewhere
         return resp, int(m[2]) + 1
+
+    def piece_digests(self, blob: Blob, spans: list[tuple[int, int]]) -> list[bytes | None]:
+        """The peer's SHA-256 of each span [a, b) of a blob, of bytes it holds verified or read from the origin
+        itself (server.PeerServer._digests); None for a span it does not vouch for, every span None when it
+        does not hold the blob (404) or speaks no digests. PeerUnreachable when it cannot be reached;
+        PeerBadAnswer for an answer that is not one digest or null per span within its size bound."""
+        query = "digests=" + ",".join(f"{a}-{b - 1}" for a, b in spans)
+        url = self.blob_url(blob)
+        try:
+            resp = self._pool.request("GET", url + ("&" if "?" in url else "?") + query, headers=self._auth,
+                                      preload_content=False, redirect=False)
+        except NETWORK_ERRORS as exc:
+            raise PeerUnreachable(f"peer {self.url} unreachable: {type(exc).__name__}") from exc
+        limit = 64 + 70 * len(spans)  # {"sha256": [...]}: 64 hex digits, quotes and a comma, or null, per span
+        body = read_capped(resp, limit, f"peer {self.url}'s piece digests", broke=PeerUnreachable)
+        if resp.status != 200:
+            return [None] * len(spans)
+        if len(body) > limit:
+            raise PeerBadAnswer(f"peer {self.url} sent piece digests over {limit} bytes for {len(spans)} spans")
+        try:
+            value = parse_json(body, what=f"peer {self.url}'s piece digests", example='{"sha256": ["<hex>", null]}')
+        except InvalidRequestError as exc:
+            raise PeerBadAnswer(str(exc)) from None
+        sums = value.get("sha256") if isinstance(value, dict) else None
+        if not isinstance(sums, list) or len(sums) != len(spans) or \
+                not all(d is None or (isinstance(d, str) and _HEX64.fullmatch(d)) for d in sums):
+            raise PeerBadAnswer(f"peer {self.url} answered piece digests that are not one sha256 or null for "
+                                f"each of {len(spans)} spans")
+        return [bytes.fromhex(d) if d is not None else None for d in sums]
 
     def engine_cache_files(self, snapshot_id: str, limit: int) -> Any:
         """The peer's file list of the admin's engine cache `snapshot_id` (decoded JSON, untrusted: the caller

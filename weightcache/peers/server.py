@@ -9,6 +9,13 @@
                                        the same for an object named by its origin identity (identity.OriginId):
                                        the blob a manifest of this node records for exactly that bucket, key,
                                        ETag, version and size, or this node's download of it in flight
+    GET  either blob URL with ?digests=A-B,C-D (inclusive byte spans, as in Range)
+                                       {"sha256": [hex or null, ...]}: the SHA-256 of each span this node holds
+                                       verified (a published blob) or read from the origin itself (journalled in
+                                       flight), null for a span it does not; an asker judges a peer's piece by it
+                                       (docs/peers.md, "The lying peer"). At most MAX_DIGEST_SPANS spans of at most
+                                       MAX_DIGEST_BYTES in all, hashed from the file on request, paced by the
+                                       asker's token bucket like a body
 
 Only `blobs/sha256/` is reachable: the digest must be 64 lowercase hex digits, and the file is opened component by
 component with O_NOFOLLOW under a descriptor of the blobs directory, so a symlink planted in the store (or a
@@ -25,6 +32,7 @@ serving never starves the node's own pods; file reads run in threads, never on t
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import logging
 import os
@@ -54,11 +62,15 @@ _SNAPSHOT = re.compile(r"[0-9a-f]{40}")
 ORIGIN_ROUTE = "/v1/origin"
 _HEX = re.compile(r"[0-9a-f]{64}")
 _RANGE = re.compile(r"bytes=([0-9]*)-([0-9]*)")  # ASCII only: \d also matches '٣', which int() reads
+_SPAN = re.compile(r"([0-9]{1,19})-([0-9]{1,19})")  # one span of ?digests=, ASCII digits, below 10^19
 _MAX_DIGITS = 19  # a longer number is past any blob (10^19 > 2^63): read as such, never given to int()
 SEND_SLICE = 1 << 20  # bytes read and written per step: bounds memory per stream and rate-limit granularity
 WRITE_TIMEOUT_S = 30.0  # a peer that stops reading loses its stream (and its slot) after this
 NOT_YET_WAIT_S = 0.3  # a request for a claimed range waits this long for its first journalled bytes, then "not yet"
 POLL_S = 0.02  # how often such a request looks at the journal
+# a digest request hashes at most this many spans and bytes: an asker judges one piece of a peer at a time
+MAX_DIGEST_SPANS = 64
+MAX_DIGEST_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -203,6 +215,8 @@ class PeerServer:
             return web.Response(status=416, headers={"Content-Range": f"bytes */{size}"},
                                 text=f"Range starts past the end of this blob ({size} bytes): ask for bytes=FIRST-LAST "
                                      "with FIRST below the size\n")
+        if request.method == "GET" and "digests" in request.query:
+            return await self._digests(request, fd, digest, partial, size)
         start, end, ranged = span
         headers = {"Content-Length": str(end - start), "Accept-Ranges": "bytes", "ETag": f'"{digest}"',
                    "Content-Type": "application/octet-stream"}
@@ -252,6 +266,24 @@ class PeerServer:
         finally:
             peer.streams -= 1
 
+    async def _digests(self, request: web.Request, fd: int, digest: str, partial: PartialFile | None,
+                       size: int) -> web.Response:
+        """The SHA-256 of each span asked (`?digests=A-B,...`) that this node holds on its own evidence: a
+        published blob (verified before it got its name) or origin bytes of its download in flight, journalled;
+        null for any other span (bytes it got from a peer are not vouched for, as they are not relayed)."""
+        spans = parse_spans(request.query.get("digests", ""), size)
+        if spans is None:
+            return web.Response(status=400, text=f"digests=FIRST-LAST[,FIRST-LAST...]: at most {MAX_DIGEST_SPANS} "
+                                                 f"spans inside the blob, {MAX_DIGEST_BYTES >> 20} MiB in all\n")
+        if partial is not None:
+            assert self.inflight is not None
+            spans_held = [(a, b) if self.inflight.origin_end(digest, partial, a, b) >= b else None for a, b in spans]
+        else:
+            spans_held = list(spans)
+        peer = self._peers.setdefault(request.remote or "?", _Peer(Limiter(self.limits.rate_bytes_s, burst_s=1.0)))
+        await peer.bucket.take(sum(b - a for a, b in (s for s in spans_held if s is not None)))  # a disk read
+        sums = await asyncio.to_thread(_hash_spans, fd, spans_held)
+        return web.json_response({"sha256": sums})
 
     def _streams_allowed(self, peer: _Peer) -> int:
         """Streams one peer may have now: `max_streams`, fewer while many peers ask at once (their share of
@@ -387,6 +419,40 @@ def parse_range(header: str | None, size: int) -> tuple[int, int, bool] | None:
     if first >= size:
         return None
     return first, min(last, size - 1) + 1, True
+
+
+def parse_spans(text: str, size: int) -> list[tuple[int, int]] | None:
+    """`A-B,C-D` (inclusive, ASCII digits) as [(A, B + 1), ...] inside a blob of `size` bytes; None when
+    malformed, empty, past the blob, or over MAX_DIGEST_SPANS spans or MAX_DIGEST_BYTES in all."""
+    parts = text.split(",", MAX_DIGEST_SPANS)
+    if len(parts) > MAX_DIGEST_SPANS:
+        return None
+    spans, total = [], 0
+    for part in parts:
+        m = _SPAN.fullmatch(part)
+        if m is None:
+            return None
+        first, last = int(m[1]), int(m[2])
+        if not first <= last < size:
+            return None
+        total += last + 1 - first
+        spans.append((first, last + 1))
+    return spans if total <= MAX_DIGEST_BYTES else None
+
+
+def _hash_spans(fd: int, spans: list[tuple[int, int] | None]) -> list[str | None]:
+    """The SHA-256 (hex) of each span of the file, None for None; None too where the file is shorter."""
+    out: list[str | None] = []
+    for span in spans:
+        if span is None:
+            out.append(None)
+            continue
+        h, pos, end = hashlib.sha256(), *span
+        while pos < end and (data := os.pread(fd, min(SEND_SLICE, end - pos), pos)):
+            h.update(data)
+            pos += len(data)
+        out.append(h.hexdigest() if pos == end else None)
+    return out
 
 
 def _number(digits: str) -> int:
