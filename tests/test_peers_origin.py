@@ -80,7 +80,9 @@ def test_a_plain_put_object_bucket_fills_the_second_node_from_its_peer(s3: S3, f
     b, from_origin, from_peer = two_nodes(fleet, fault_proxy, ref, PLAIN)
     total = sum(len(v) for v in PLAIN.values())
     assert from_peer >= 0.9 * total
-    assert from_origin == len(PLAIN["config.json"])  # below MIN_PEER_BYTES: not worth a HEAD of its own
+    # config.json is below MIN_PEER_BYTES (not worth a HEAD of its own); A, B's only holder, had its first piece
+    # judged by the origin's bytes before use (docs/peers.md, "The lying peer")
+    assert len(PLAIN["config.json"]) < from_origin <= len(PLAIN["config.json"]) + OPTIONS["chunk_size"]
     assert not b.peers.stats.errors_by_peer
 
 
@@ -91,7 +93,7 @@ def test_a_multipart_bucket_fills_the_second_node_from_its_peer(s3: S3, fault_pr
     assert s3.client.head_object(Bucket="multi", Key="llama/big.bin")["ETag"].endswith('-3"')
     b, from_origin, from_peer = two_nodes(fleet, fault_proxy, ref, MULTIPART)
     assert from_peer >= 0.9 * len(MULTIPART["big.bin"])
-    assert from_origin == 0
+    assert 0 < from_origin <= OPTIONS["chunk_size"]  # A's first piece, judged by the origin's bytes
     assert not b.peers.stats.errors_by_peer
 
 

@@ -20,6 +20,7 @@ streams) is cut and taken elsewhere, and that peer is left out for BENCH_S, doub
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import itertools
 import logging
@@ -40,9 +41,11 @@ from weightcache.peers.client import (
     Blob,
     EagerBody,
     Pace,
+    PeerBadAnswer,
     PeerBlobGone,
     PeerClient,
     PeerFlow,
+    PeerLied,
     PeerRangeMissing,
     PeerRangePending,
     PeerTooSlow,
@@ -85,6 +88,25 @@ RELAY_FLOOR = SLOW_MIN_BYTES_S // 4  # the rate floor of a range from its owner 
 PENDING_S = 15.0  # a range waits on peers ("not yet", a bench) at most this long without a byte of it
 BAN_S = 600.0  # a peer whose bytes the origin contradicts is not asked for this long; doubled per repeat offence
 MAX_BAN_S = 24 * 3600.0
+VOUCHERS = 2  # other holders asked for a digest of a peer's first piece before the origin judges it
+# the origin judges a peer's first piece when no other holder vouches for it only if the piece is at most this
+# big, or at most 1/JUDGE_SHARE of its blob: one piece of a small blob may be the whole file (a 2 MiB model read
+# twice), and there the blob's own sha256 bounds what a liar costs about as well
+JUDGE_BYTES = 1 << 20
+JUDGE_SHARE = 8
+#: judges a peer's piece (at, view, its sha256) before it is used (PeerSource._judged): "vouched" (a second
+#: holder's digest agrees), "origin" (the origin's bytes agree: they count as the origin's), "lied" (the origin
+#: contradicts it, and `view` holds the origin's bytes now), "unjudged" (no one could judge it at a fair cost)
+Verdict = typing.Literal["vouched", "origin", "lied", "unjudged"]
+Judge = Callable[[int, memoryview, bytes], Verdict]
+
+
+class _JudgeFailed(Exception):
+    """The origin failed while judging a peer's piece: raised as the origin's error, never as the peer's fault."""
+
+    def __init__(self, error: SourceError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 @dataclass
@@ -269,6 +291,9 @@ class PeerSource(Source):
         self._origin_only: set[str] = set()  # object keys that failed verification once
         self._dead: set[str] = set()  # peers that did not answer a HEAD during this fetch
         self._served: dict[tuple[str, int], tuple[str, bytes]] = {}  # (key, offset) -> (peer, piece digest)
+        self._proven: set[str] = set()  # peers whose first piece in this fetch was judged right (_trial)
+        self._on_trial: set[str] = set()  # peers whose first piece a range is judging now
+        self._unjudged: set[tuple[str, str]] = set()  # (blob, peer): no one vouches, too big for the origin to judge
         self._downloading: set[tuple[str, str]] = set()  # (blob, peer): downloading it when asked (HEAD)
         self._ahead: set[tuple[str, str]] = set()  # (blob, peer): had origin bytes of it at this fetch's first HEAD
         self._flows: dict[str, PeerFlow] = {}  # bytes from each peer over all streams (client.PeerFlow)
@@ -431,11 +456,23 @@ class PeerSource(Source):
         # the owner filling the blob with this node relays the range as its origin pieces land, to
         # every node of the fleet at once: its link's share, not a trickle (_from_peer)
         relay = peer.url == ask.owner and (ask.name, peer.url) in self._downloading
+        trial = self._trial(ask, peer)
+        if trial == "busy":  # its first piece is being judged for another range: wait for the verdict
+            ask.outcome[peer.url] = "on trial"
+            ask.pending = True
+            return
+        judge = functools.partial(self._judged, ask, peer) if trial == "mine" else None
         try:
-            for at, view in self._from_peer(peer, ask.obj.key, ask.blob, ask.pos, ask.end, buf, on_bytes, relay):
+            for at, view in self._from_peer(peer, ask.obj.key, ask.blob, ask.pos, ask.end, buf, on_bytes, relay,
+                                            judge):
                 yield at, view
                 ask.pos, ask.progressed = at + len(view), True
                 self._moved[ask.span] = time.monotonic()
+        except _JudgeFailed as exc:  # the origin failed us while judging: an origin failure, not the peer's
+            raise exc.error from None
+        except PeerLied:
+            ask.outcome[peer.url] = "lied"  # banned (_judged): the rest of the range from another source
+            self._drop_holder(ask.name, peer)
         except PeerBlobGone:
             ask.outcome[peer.url] = "gone"
             ask.downloading = True  # no fault; probed again after REASK_S: it may serve the blob by then
@@ -458,6 +495,90 @@ class PeerSource(Source):
                 self._down[peer.url] = time.monotonic() + DOWN_S
             log.warning("peer %s failed at byte %d of %s (%s); the rest of the range from another source",
                         peer.url, ask.pos, ask.obj.relpath, exc)
+        finally:
+            if trial == "mine":
+                with self._lock:
+                    self._on_trial.discard(peer.url)
+
+    def _trial(self, ask: _Ask, peer: PeerClient) -> typing.Literal["none", "mine", "busy"]:
+        """Whether the peer's next piece must be judged before it is used ("mine": this range judges it; "busy":
+        another range does now, so no second piece of it is taken meanwhile). A peer's first piece in a fetch
+        is judged unless the peer is downloading the blob with this node (its HEAD said so: it relays origin
+        bytes of its own share, and judging each relay would cost the fleet a piece per pair of nodes) or no
+        one could judge its piece of this blob at a fair cost (_judged: "unjudged"); once one piece was right,
+        its others are used as they come (the blob's sha256 still decides)."""
+        with self._lock:
+            if (ask.name, peer.url) in self._downloading or (ask.name, peer.url) in self._unjudged or \
+                    peer.url in self._proven:
+                return "none"
+            if peer.url in self._on_trial:
+                return "busy"
+            self._on_trial.add(peer.url)
+            return "mine"
+
+    def _judged(self, ask: _Ask, peer: PeerClient, at: int, view: memoryview, digest: bytes) -> Verdict:
+        """Is the peer's piece [at, at + len(view)) right? By a second holder's digest of the same bytes (one it
+        holds verified or read from the origin itself: PeerServer._digests), else by the origin's bytes (one
+        piece). Where they disagree the origin decides, and whoever it contradicts is banned. "lied": `view`
+        holds the origin's bytes now."""
+        span = (at, at + len(view))
+        theirs: tuple[PeerClient, bytes] | None = None
+        for other in self._vouchers(ask, peer):
+            try:
+                said = other.piece_digests(ask.blob, [span])[0]
+            except PeerBadAnswer as exc:
+                length = self._stats.ban(other.url)
+                log.warning("%s; not asking it for %.0f s", exc, length)
+                continue
+            except SourceError as exc:  # unreachable: asked no more by this judge
+                log.info("asking %s for a piece digest: %s", other.url, exc)
+                continue
+            if said is not None:
+                theirs = (other, said)
+                break
+        if theirs is not None and theirs[1] == digest:
+            self._prove(peer.url)
+            return "vouched"
+        if theirs is None and len(view) > JUDGE_BYTES and len(view) * JUDGE_SHARE > ask.size:
+            with self._lock:  # this blob's pieces from it are used as they come: its sha256 decides
+                self._unjudged.add((ask.name, peer.url))
+            return "unjudged"
+        origin = bytearray(len(view))
+        why = f"judging {peer.url}'s first piece" + (f" ({theirs[0].url} disagrees)" if theirs else
+                                                      " (no other holder vouches for it)")
+        self._why_origin(ask.obj, at, span[1], why)
+        try:
+            self.origin.read_into(ask.obj, at, memoryview(origin))
+        except SourceError as exc:
+            raise _JudgeFailed(exc) from exc
+        truth = hashlib.sha256(origin).digest()
+        if theirs is not None and theirs[1] != truth:
+            length = self._stats.ban(theirs[0].url)
+            log.warning("peer %s vouched for a digest of bytes %d-%d of %s that the origin contradicts; not "
+                        "asking it for %.0f s", theirs[0].url, at, span[1] - 1, ask.obj.key, length)
+        if truth == digest:
+            self._prove(peer.url)
+            return "origin"
+        length = self._stats.ban(peer.url)
+        log.warning("peer %s sent bytes at offset %d of %s that the origin contradicts; not asking it for "
+                    "%.0f s (judged before use: its bytes were not used)", peer.url, at, ask.obj.key, length)
+        view[:] = origin
+        return "lied"
+
+    def _prove(self, url: str) -> None:
+        with self._lock:
+            self._proven.add(url)
+
+    def _vouchers(self, ask: _Ask, peer: PeerClient) -> typing.List[PeerClient]:  # noqa: UP006
+        """Up to VOUCHERS other peers that may hold the blob's bytes on their own evidence: the range's owner
+        (it reads the range from the origin) first, then peers that said they hold the whole blob."""
+        banned = self._stats.banned
+        with self._lock:
+            known = [p for p in self._holders.get(ask.name, (0.0, []))[1]
+                     if p is not peer and p.url not in banned and p.url not in self._dead]
+            whole = [p for p in known if (ask.name, p.url) not in self._downloading]
+        owner = [p for p in known if p.url == ask.owner]
+        return (owner + [p for p in whole if p.url != ask.owner])[:VOUCHERS]
 
     def _not_yet(self, ask: _Ask, peer: PeerClient, retry_s: float | None) -> None:
         """The peer reads these bytes from the origin now: wait for them, and ask no other peer meanwhile (each
@@ -542,13 +663,14 @@ class PeerSource(Source):
             return owner
         now = time.monotonic()
         at = self.ranked.index(owner) if owner in self.ranked else -1
+        banned = self._stats.banned  # a liar's share is read from the origin by the next node in rank
         with self._lock:
             given_up = self._given_up.get((key, end), set())
             for step in range(len(self.ranked)):
                 url = self.ranked[(at + step) % len(self.ranked)]
                 if url == "":
                     return url
-                if url in self._dead or self._down.get(url, 0.0) > now or url in given_up or \
+                if url in self._dead or url in banned or self._down.get(url, 0.0) > now or url in given_up or \
                         (self._benched.get(url, (0.0, 0))[0] > now and (sha256, url) not in self._downloading):
                     continue
                 return url
@@ -687,19 +809,20 @@ class PeerSource(Source):
             self._holders[sha256] = (asked, [p for p in known if p is not peer])
 
     def _from_peer(self, peer: PeerClient, key: str, sha256: Blob, pos: int, end: int, buf: memoryview,
-                   on_bytes: OnBytes | None, relay: bool = False) -> Pieces:
+                   on_bytes: OnBytes | None, relay: bool = False, judge: Judge | None = None) -> Pieces:
         """Yield pieces of [pos, end), or of the shorter span a peer still downloading the blob serves, from one
         peer. One attempt: a failure raises SourceError and the caller goes on with the bytes not yet yielded;
         PeerTooSlow when the watchdog cut a range below its rate floor (client.Pace). `relay`: the peer is the
         range's owner filling the blob with this node: its floor is RELAY_FLOOR (a fleet of N shares its link N
         ways; before the fetch had an origin rate its floor was 1 MiB/s, and at N = 16 on 1 MB/s links every
-        relay was cut, 230-360 times a fill, each a new connection and its bytes on the wire lost)."""
+        relay was cut, 230-360 times a fill, each a new connection and its bytes on the wire lost). `judge`: the
+        first piece is judged before it is used (_trial)."""
         with self._lock:
             flow = self._flows.setdefault(peer.url, PeerFlow())
         pace = Pace(end - pos, min(self._floor(), RELAY_FLOOR) if relay else self._floor(), flow=flow)
         WATCHDOG.watch(pace)
         try:
-            yield from self._paced(peer, key, sha256, pos, end, buf, on_bytes, pace)
+            yield from self._paced(peer, key, sha256, pos, end, buf, on_bytes, pace, judge)
         except PeerRangeMissing:
             self._heard[peer.url] = time.monotonic()  # an answer: alive
             raise
@@ -712,7 +835,7 @@ class PeerSource(Source):
             WATCHDOG.unwatch(pace)
 
     def _paced(self, peer: PeerClient, key: str, blob: Blob, pos: int, end: int, buf: memoryview,
-               on_bytes: OnBytes | None, pace: Pace) -> Pieces:
+               on_bytes: OnBytes | None, pace: Pace, judge: Judge | None = None) -> Pieces:
         sha256 = blob_key(blob)
         try:
             resp, served = peer.open_span(blob, pos, end, pace)
@@ -739,8 +862,19 @@ class PeerSource(Source):
             for at, view in pieces:
                 with pace.held():  # our own wait is no slowness of the peer's
                     self._limits.acquire_peers(len(view))  # the node's peer bytesPerSecond: the next piece waits
+                digest = hashlib.sha256(view).digest()
+                if judge is not None:
+                    with pace.held():  # a digest request or an origin read of ours
+                        verdict = judge(at, view, digest)
+                    judge = None
+                    if verdict == "lied":  # `view` holds the origin's bytes now: the peer's are never used
+                        yield at, view
+                        raise PeerLied(f"peer {peer.url} sent a piece at byte {at} that the origin contradicts")
+                    if verdict == "origin":  # the origin sent these bytes too: counted as its own
+                        yield at, view
+                        continue
                 with self._lock:
-                    self._served[(key, at)] = (peer.url, hashlib.sha256(view).digest())
+                    self._served[(key, at)] = (peer.url, digest)
                     self.peer_bytes += len(view)
                     self._heard[peer.url] = time.monotonic()
                 self._stats.add_bytes(peer.url, len(view))
