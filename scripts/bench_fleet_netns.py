@@ -288,7 +288,8 @@ def inject(net: Net, daemons: list[Daemon], roles: dict[int, str], outage: subpr
 
 
 WHY = (("no byte for", "pending expired"), (" cut", "after a cut"), (" failed", "after a failure"),
-       ("gone", "holder gone"), (", 0 holders", "no holder known"), ("own share", "own share"))
+       ("gone", "holder gone"), (", 0 holders", "no holder known"), ("own share", "own share"),
+       ("judging", "judging a peer"))
 
 
 def origin_reads(log_text: str) -> dict[str, float]:
@@ -349,6 +350,8 @@ def fill(net: Net, n: int, work: Path, args: argparse.Namespace, model: int) -> 
                        "served": d.metric(text, "weightcache_peer_served_bytes_total"),
                        "cuts": len(re.findall(r"below the floor", d.log.read_text())),
                        "lies": len(re.findall(r"that the origin contradicts", d.log.read_text())),
+                       # of those, pieces judged before use (PeerSource._judged): the liar's bytes never used
+                       "judged": len(re.findall(r"judged before use", d.log.read_text())),
                        **origin_reads(d.log.read_text())}
     finally:
         stop_all(daemons)
@@ -380,6 +383,7 @@ def fill(net: Net, n: int, work: Path, args: argparse.Namespace, model: int) -> 
         "peer_cuts": sum(int(d.stats.get("cuts", 0)) for d in daemons),
         # --faults: pieces each node took from the liar before it banned it (one ban line each)
         "lies_caught": [int(d.stats.get("lies", 0)) for d in daemons],
+        "lies_judged_before_use": [int(d.stats.get("judged", 0)) for d in daemons],
         "origin_why": {k[4:]: round(sum(d.stats.get(k, 0.0) for d in daemons) / model, 3)
                        for k in sorted({k for d in daemons for k in d.stats if k.startswith("why:")})},
         "errors": [f"n{d.index}: {d.error}" for d in daemons if d.error],
@@ -446,7 +450,8 @@ def print_row(row: dict[str, Any], one: float) -> None:
         liar = ", the liar's own fill before the row not counted" if "liar" in row["faults"].values() else ""
         print(f"  faults:    {' '.join(f'{k}={v}' for k, v in row['faults'].items())} (origin: its veth's bytes"
               f"{liar})")
-        print(f"  lies caught (pieces from the liar, then banned): {' '.join(str(x) for x in row['lies_caught'])}; "
+        print(f"  lies caught (pieces from the liar, then banned): {' '.join(str(x) for x in row['lies_caught'])} "
+              f"(judged before use, never used: {' '.join(str(x) for x in row['lies_judged_before_use'])}); "
               f"origin 503s: {row['origin_503s']}")
     for e in row["errors"]:
         print(f"  FAILED {e}")
