@@ -13,7 +13,9 @@ Rows, per N:
 
 Columns: origin bytes as a multiple of the model, wall seconds until every node has the snapshot (median of
 --runs), ratio = independent wall / this row's wall, and "vs one" = this row's wall / one node's wall alone
-(the target for "at once": <= 1.3). Each run uses fresh roots.
+(the target for "at once": <= 1.3), and CPU s/GB: this process's CPU seconds (every node's fetcher and peer
+server, and the origin proxy) per GB the nodes filled; in the "fleet" row only the other N-1 nodes' fill from
+their peers is counted, not the first node's from the origin. Each run uses fresh roots.
 
     .venv/bin/python scripts/bench_fleet.py [--size-mb 64] [--nodes 2,4,8] [--runs 1] [--origin-mbps 10]
 """
@@ -68,19 +70,19 @@ def fetch_all(nodes: list[FleetNode], proxy: FaultProxy) -> None:
             f.result()
 
 
-def run(mode: str, n: int, proxy: FaultProxy) -> tuple[int, float]:
-    """(origin bytes, wall seconds) of one run of `mode` with `n` nodes, fresh roots."""
+def run(mode: str, n: int, proxy: FaultProxy) -> tuple[int, float, float]:
+    """(origin bytes, wall seconds, CPU seconds per GB filled) of one run of `mode` with `n` nodes, fresh roots."""
     proxy.requests.clear()
     with tempfile.TemporaryDirectory(prefix="bench-fleet-") as tmp, Fleet(Path(tmp), TOKEN) as fleet:
         if mode == "independent":
             nodes = [fleet.node(f"n{i}") for i in range(n)]
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             fetch_all(nodes, proxy)
         elif mode == "at once":
             nodes = [fleet.node(f"n{i}") for i in range(n)]
             for node in nodes:
                 fleet.connect(node, [o.url for o in nodes if o is not node])
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             fetch_all(nodes, proxy)
         else:
             seed = fleet.node("n0")
@@ -89,8 +91,12 @@ def run(mode: str, n: int, proxy: FaultProxy) -> tuple[int, float]:
                 fleet.connect(node, [o.url for o in [seed, *others] if o is not node])
             started = time.perf_counter()
             fetch_all([seed], proxy)
+            cpu = time.process_time()  # the peer fill only
             fetch_all(others, proxy)
-        return origin_bytes(proxy, "/fleet/model/"), time.perf_counter() - started
+            nodes = others
+        cpu_s = time.process_time() - cpu
+        filled = sum(sum(f.stats["origin_bytes"] + f.stats["peer_bytes"] for f in node.fetchers) for node in nodes)
+        return origin_bytes(proxy, "/fleet/model/"), time.perf_counter() - started, cpu_s / max(filled, 1) * 1e9
 
 
 def main() -> int:
@@ -115,15 +121,18 @@ def main() -> int:
                   f"{OPTIONS['concurrency']} connections per fetch, median of {args.runs} run(s)")
             one = statistics.median(run("independent", 1, proxy)[1] for _ in range(args.runs))
             print(f"one node alone: {one:.2f} s")
-            print(f"{'N':>3} {'mode':<12} {'origin bytes':>13} {'wall s':>8} {'ratio':>6} {'vs one':>7}")
+            print(f"{'N':>3} {'mode':<12} {'origin bytes':>13} {'wall s':>8} {'ratio':>6} {'vs one':>7} "
+                  f"{'CPU s/GB':>8}")
             for n in [int(x) for x in args.nodes.split(",")]:
                 rows = {}
                 for mode in ("independent", "fleet", "at once"):
                     results = [run(mode, n, proxy) for _ in range(args.runs)]
-                    rows[mode] = (statistics.median(r[0] for r in results), statistics.median(r[1] for r in results))
-                for mode, (sent, wall) in rows.items():
+                    rows[mode] = (statistics.median(r[0] for r in results), statistics.median(r[1] for r in results),
+                                  statistics.median(r[2] for r in results))
+                for mode, (sent, wall, cpu_gb) in rows.items():
                     ratio = rows["independent"][1] / wall if wall else 0.0
-                    print(f"{n:>3} {mode:<12} {sent / model:>12.2f}x {wall:>8.2f} {ratio:>6.2f} {wall / one:>7.2f}")
+                    print(f"{n:>3} {mode:<12} {sent / model:>12.2f}x {wall:>8.2f} {ratio:>6.2f} {wall / one:>7.2f} "
+                          f"{cpu_gb:>8.2f}")
     finally:
         moto.stop()
     return 0

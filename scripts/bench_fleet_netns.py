@@ -12,7 +12,8 @@ the bottleneck: at 256 MB and 20 MB/s the 16 daemons needed more CPU than 2 core
 `--faults` (`fault_roles`): every third node killed -9 mid-fill, one cut off for a while, one asked late (from
 N = 4), the origin answering 503 SlowDown for OUTAGE_S (a fault proxy, tests/faultproxy.py, in the origin's
 namespace). `--liar`: n0 a lying peer (`make_liar`: it holds the model with one byte flipped in every piece);
-the row adds `lies_caught`, the pieces each node took from the liar (its `that the origin contradicts` lines).
+the row adds `lies_caught` (each node's `that the origin contradicts` lines), split into the liar's pieces a node
+used (found when their blob failed), took but judged before use, and digests it vouched for falsely.
 
 The net (addresses in 10.77.0.0/16, bridge `wcfbr0`, namespaces `wcf-origin` and `wcf-n<i>`):
 
@@ -350,8 +351,10 @@ def fill(net: Net, n: int, work: Path, args: argparse.Namespace, model: int) -> 
                        "served": d.metric(text, "weightcache_peer_served_bytes_total"),
                        "cuts": len(re.findall(r"below the floor", d.log.read_text())),
                        "lies": len(re.findall(r"that the origin contradicts", d.log.read_text())),
-                       # of those, pieces judged before use (PeerSource._judged): the liar's bytes never used
+                       # of those: pieces taken and judged before use (PeerSource._judged), never used; and
+                       # digests a peer vouched for (of another's piece) that the origin contradicts: no piece
                        "judged": len(re.findall(r"judged before use", d.log.read_text())),
+                       "false_digests": len(re.findall(r"vouched for a digest", d.log.read_text())),
                        **origin_reads(d.log.read_text())}
     finally:
         stop_all(daemons)
@@ -383,7 +386,11 @@ def fill(net: Net, n: int, work: Path, args: argparse.Namespace, model: int) -> 
         "peer_cuts": sum(int(d.stats.get("cuts", 0)) for d in daemons),
         # --faults: pieces each node took from the liar before it banned it (one ban line each)
         "lies_caught": [int(d.stats.get("lies", 0)) for d in daemons],
-        "lies_judged_before_use": [int(d.stats.get("judged", 0)) for d in daemons],
+        # pieces each node took from the liar: used (found when their blob failed), judged before use (never used)
+        "liar_pieces_used": [int(d.stats.get("lies", 0) - d.stats.get("judged", 0) - d.stats.get("false_digests", 0))
+                             for d in daemons],
+        "liar_pieces_judged": [int(d.stats.get("judged", 0)) for d in daemons],
+        "false_digests": [int(d.stats.get("false_digests", 0)) for d in daemons],
         "origin_why": {k[4:]: round(sum(d.stats.get(k, 0.0) for d in daemons) / model, 3)
                        for k in sorted({k for d in daemons for k in d.stats if k.startswith("why:")})},
         "errors": [f"n{d.index}: {d.error}" for d in daemons if d.error],
@@ -450,9 +457,10 @@ def print_row(row: dict[str, Any], one: float) -> None:
         liar = ", the liar's own fill before the row not counted" if "liar" in row["faults"].values() else ""
         print(f"  faults:    {' '.join(f'{k}={v}' for k, v in row['faults'].items())} (origin: its veth's bytes"
               f"{liar})")
-        print(f"  lies caught (pieces from the liar, then banned): {' '.join(str(x) for x in row['lies_caught'])} "
-              f"(judged before use, never used: {' '.join(str(x) for x in row['lies_judged_before_use'])}); "
-              f"origin 503s: {row['origin_503s']}")
+        print(f"  lies caught (then banned): {' '.join(str(x) for x in row['lies_caught'])}: pieces from the liar "
+              f"used {' '.join(str(x) for x in row['liar_pieces_used'])}, judged before use (never used) "
+              f"{' '.join(str(x) for x in row['liar_pieces_judged'])}, false digests "
+              f"{' '.join(str(x) for x in row['false_digests'])}; origin 503s: {row['origin_503s']}")
     for e in row["errors"]:
         print(f"  FAILED {e}")
 

@@ -456,6 +456,9 @@ class PeerSource(Source):
         # the owner filling the blob with this node relays the range as its origin pieces land, to
         # every node of the fleet at once: its link's share, not a trickle (_from_peer)
         relay = peer.url == ask.owner and (ask.name, peer.url) in self._downloading
+        if peer.url in self._stats.banned:  # since this round's holders were chosen (its trial took seconds)
+            ask.outcome[peer.url] = "banned"
+            return
         trial = self._trial(ask, peer)
         if trial == "busy":  # its first piece is being judged for another range: wait for the verdict
             ask.outcome[peer.url] = "on trial"
