@@ -10,10 +10,13 @@ needs them fails here.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import subprocess
 import sys
 import zipfile
+from collections.abc import Iterator
 from email.parser import Parser
 from importlib.metadata import Distribution, PackageNotFoundError, distribution, version
 from pathlib import Path
@@ -28,13 +31,31 @@ MODULES = {"weightcache/__init__.py", "weightcache/loader.py", "weightcache/erro
            "weightcache/safetensors_check.py", "weightcache/vocabulary.py"}
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
+@contextlib.contextmanager
+def _built_once(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The wheel directory of this test run, held under a lock: every xdist worker that runs one of these tests
+    shares it, so each wheel is built once per run, never by two workers at once (setuptools builds in the source
+    tree, packages/*/build and *.egg-info: two concurrent builds of one tree failed). Without xdist, this process's."""
+    uid = getattr(request.config, "workerinput", {}).get("testrunuid")
+    out = tmp_path_factory.getbasetemp().parent / f"wheels-{uid}" if uid else tmp_path_factory.getbasetemp() / "wheels"
+    out.mkdir(exist_ok=True)
+    with (out / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield out
+
+
+def _pip_wheel(out: Path, *sources: Path, timeout: float) -> None:
     done = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                           "-w", str(out), str(PACKAGE)], capture_output=True, text=True, timeout=120)
+                           "-w", str(out), *map(str, sources)], capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr
-    (found,) = out.glob("weightcache_loader-*.whl")
+
+
+@pytest.fixture(scope="module")
+def wheel(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    with _built_once(request, tmp_path_factory) as out:
+        if not list(out.glob("weightcache_loader-*.whl")):
+            _pip_wheel(out, PACKAGE, timeout=120)
+        (found,) = out.glob("weightcache_loader-*.whl")
     return found
 
 
@@ -108,13 +129,12 @@ def fresh_python(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def wheelhouse(wheel: Path) -> Path:
+def wheelhouse(wheel: Path, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The three distributions as wheels in one directory, as the release workflow builds them."""
-    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                           "-w", str(wheel.parent), str(ROOT / "packages" / "weightcache-vllm"), str(ROOT)],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    return wheel.parent
+    with _built_once(request, tmp_path_factory) as out:
+        if not list(out.glob("weightcache_vllm-*.whl")):
+            _pip_wheel(out, ROOT / "packages" / "weightcache-vllm", ROOT, timeout=300)
+    return out
 
 
 def test_the_three_distributions_have_one_version(wheelhouse: Path) -> None:
