@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.command import weightcache
+from tests.command import run_cli, weightcache
 from tests.sample import make_model
 from tests.test_cli import wc
 from weightcache.cli import ProgressPrinter, build_parser
@@ -79,16 +79,21 @@ def cached(tmp_path: Path) -> tuple[Path, str, dict[str, object]]:
     return root, model, json.loads(r.stdout)
 
 
-def test_every_store_command_prints_one_json_document(cached: tuple[Path, str, dict[str, object]]) -> None:
+def test_every_store_command_prints_one_json_document(cached: tuple[Path, str, dict[str, object]],
+                                                       capfd: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """In this process (cli.main; capfd reads file descriptor 1, so a stray write from any library shows too): ten
+    commands as child processes cost ten interpreter starts, 9 of this test's 10 s on a loaded machine."""
     root, model, snap = cached
+    monkeypatch.delenv("WEIGHTCACHE_SOCKET", raising=False)  # as wc: no daemon's socket
     commands = [["ls"], ["status"], ["verify"], ["gc"], ["pin", model], ["unpin", model], ["prefetch", model],
                 ["prefetch", model, "--dry-run"], ["evict", "--to-size", "100Gi"], ["evict", model]]
     assert {c[0] for c in commands} == {a.dest for a in _store_commands()}, "a command without a json test"
     answers = {}
     for command in commands:
-        r = wc(*command, "-o", "json", root=root)
-        assert r.returncode == 0, (command, r.stderr)
-        answers[" ".join(command[:1] + command[2:])] = json.loads(r.stdout)  # one document, nothing else
+        code, out, err = run_cli(capfd, *command, "-o", "json", "--root", str(root))
+        assert code == 0, (command, err)
+        answers[" ".join(command[:1] + command[2:])] = json.loads(out)  # one document, nothing else
     assert answers["verify"]["damaged_left"] == 0 and answers["verify"]["snapshots"][0]["id"] == snap["id"]
     assert answers["gc"]["freed_bytes"] == 0 and answers["gc"]["evicted"] == []
     assert answers["pin"] == {"pinned": [snap["id"]]} and answers["unpin"] == {"unpinned": [snap["id"]]}
