@@ -38,6 +38,7 @@ def node_devices(node: Node, *, shared: Callable[[], bool] = lambda: False) -> C
     many readers."""
     dra = node.settings.dra
     assert dra is not None
+    reported: set[tuple[str, str]] = set()  # snapshots that make no device, warned about once
 
     def devices() -> list[dict[str, Any]]:
         resident = {r.id for r in node.tier.resident()} if node.tier is not None else set()
@@ -45,7 +46,7 @@ def node_devices(node: Node, *, shared: Callable[[], bool] = lambda: False) -> C
         return devices_for([i.snapshot for i in infos], slots=dra.slots_per_model, shared=shared(),
                            resident=resident, states=node.device_states.snapshot(),
                            signatures={i.snapshot.id: i.signature for i in infos if i.signature},
-                           latest=latest_ids(infos))
+                           latest=latest_ids(infos), reported=reported)
     return devices
 
 

@@ -57,7 +57,6 @@ MAX_INT = (1 << 63) - 1  # DeviceAttribute.int is an int64: a larger value fails
 _NAME = re.compile(r"^m-(?P<id>[0-9a-f]{40})(?:-(?P<slot>[0-9]{1,2}))?$")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _C_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,31}$")
-_reported: set[tuple[str, str]] = set()  # snapshots already warned about (bounded)
 TAINT_KEY = f"{GROUP}/unavailable"
 READERS = "readers"  # the shared device's consumable capacity: claims holding the model at once
 
@@ -130,15 +129,19 @@ def latest_ids(infos: Iterable[SnapshotInfo]) -> set[str]:
 def devices_for(snapshots: Iterable[Snapshot], *, slots: int, shared: bool, resident: Collection[str] = (),
                 states: Mapping[str, DeviceState] | None = None,
                 signatures: Mapping[str, Mapping[str, object]] | None = None,
-                latest: Collection[str] | None = None) -> list[dict[str, Any]]:
+                latest: Collection[str] | None = None,
+                reported: set[tuple[str, str]] | None = None) -> list[dict[str, Any]]:
     """The devices of a node holding `snapshots`, sorted by name (stable output: equal input, equal slices).
     `latest`: the snapshot ids the store's `latest` refs name (None: not known, every device is `latest`).
+    `reported`: the (snapshot, reason)s already warned about, kept by the caller across calls (the daemon's
+    resyncs): each is logged once (at most 1024).
 
     A snapshot that makes no valid device (a damaged index row, a size past int64) is logged and left out: the API
     server would refuse the whole slice for it, and with it every other model of the node."""
     if not 1 <= slots <= MAX_SLOTS:
         raise ValueError(f"slots must be 1..{MAX_SLOTS}, got {slots}")
     snapshots = list(snapshots)
+    reported = set() if reported is None else reported
     named = {s.uri for s in snapshots if latest is not None and s.id in latest}  # models whose latest is known
     devices = []
     for snapshot in snapshots:
@@ -151,8 +154,8 @@ def devices_for(snapshots: Iterable[Snapshot], *, slots: int, shared: bool, resi
                                        signature=(signatures or {}).get(snapshot.id),
                                        latest=latest is None or snapshot.id in latest or snapshot.uri not in named))
         except (ValueError, TypeError, AttributeError) as exc:  # AttributeError: a damaged row's None uri
-            if len(_reported) < 1024 and (snapshot.id, str(exc)) not in _reported:  # once, not every resync
-                _reported.add((snapshot.id, str(exc)))
+            if len(reported) < 1024 and (snapshot.id, str(exc)) not in reported:  # once, not every resync
+                reported.add((snapshot.id, str(exc)))
                 log.warning("snapshot %r (%r) is not published as a DRA device: %s; run `weightcache verify "
                             "--repair`, or evict it", snapshot.id, snapshot.uri, exc)
     return sorted(devices, key=lambda d: str(d["name"]))
