@@ -641,6 +641,11 @@ def _fetch_flags(attrs: tuple[str, ...]) -> Callable[[argparse.ArgumentParser], 
     return declare
 
 
+def _output(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-o", "--output", choices=["table", "json"], default="table",
+                        help="table for people (default) or one JSON document for scripts")
+
+
 class CommandParser(argparse.ArgumentParser):
     """A command's parser that may declare some flags only once it parses or shows its help (`declare`): those
     made from the settings' definitions (weightcache/settings.py, `weightcache daemon`'s from its config) cost
@@ -691,8 +696,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func, quiet=False, min_free_bytes=None, min_free_percent=None)
         p.add_argument("--root", help=f"store root (env WEIGHTCACHE_ROOT, default {defaults.ROOT}); "
                                       "given explicitly, the CLI uses the store directly, not the daemon")
-        p.add_argument("-o", "--output", choices=["table", "json"], default="table",
-                       help="table for people (default) or one JSON document for scripts")
+        _output(p)
         p.add_argument("--socket", help=f"daemon socket (env WEIGHTCACHE_SOCKET, default {defaults.SOCKET})")
         p.add_argument("--no-daemon", action="store_true", help="use the store directly even if a daemon runs")
         if writes:
@@ -773,8 +777,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--snapshot", help="fill: the cache's snapshot id on the node that has it; the peers' bytes "
                                       "must digest to it")
     p.add_argument("--socket", help=f"daemon socket (env WEIGHTCACHE_SOCKET, default {defaults.SOCKET})")
-    p.add_argument("-o", "--output", choices=["table", "json"], default="table",
-                   help="table for people (default) or one JSON document for scripts")
+    _output(p)
 
     p = sub.add_parser("uninstall-node", help="remove weightcache from this node: store, plugin sockets, CDI specs, "
                        "readiness labels", description="Remove what weightcache left on this node (the store, the CSI "
@@ -788,14 +791,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"the daemon's socket directory (default {defaults.SOCKET.parent})")
     p.add_argument("--yes", action="store_true", help="remove; without it, only list what would be removed")
     p.add_argument("--force", action="store_true", help="remove even while a lease is held or the daemon runs")
-    p.add_argument("-o", "--output", choices=["table", "json"], default="table",
-                   help="table for people (default) or one JSON document for scripts")
+    _output(p)
 
     p = sub.add_parser("version", help="version of weightcache, Python, platform and store formats",
                        description="Version of weightcache, Python, the platform and the store's on-disk formats.")
     p.set_defaults(func=cmd_version)
-    p.add_argument("-o", "--output", choices=["table", "json"], default="table",
-                   help="table for people (default) or one JSON document for scripts")
+    _output(p)
 
     for module in ("weightcache.daemon.command", "weightcache.webhook.command"):
         try:
