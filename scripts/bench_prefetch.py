@@ -12,7 +12,8 @@ peak RSS), interleaved (a new order each run), each after the same idle pause, m
 
     .venv/bin/python scripts/bench_prefetch.py [--size-gb 2] [--runs 3] [--idle 3] [--skip-moto] [--small-files 2000]
         [--baseline DIR|REV]  # also weightcache from another checkout or git revision (a `git worktree` made
-                              # and removed here), interleaved with this one's rows
+                              # and removed here), interleaved with this one's rows (with --rgw: its CLI's
+                              # cache hit through this daemon too)
         [--only ROW,...]      # only rows whose name contains one of these (the disk row always runs)
         [--checksum boto3|crc64nvme|crc32c|crc32|md5-etag|multipart-md5|sidecar]  # what the moto objects carry
         [--no-bytecode]       # the checkouts timed are byte-compiled first, as in the image, unless this
@@ -603,8 +604,8 @@ def run_clients(args: argparse.Namespace, work: Path, src: Path, size: int, file
 
     wc = [PY, "-m", "weightcache", "prefetch", "--no-daemon", "-o", "json"]
     # the baseline's package first on sys.path (python -m would put the current directory's first)
-    base = [PY, "-c", BASELINE_MAIN, str(Path(args.baseline).resolve()), "prefetch", "--no-daemon", "-o", "json"] \
-        if args.baseline else None
+    base_cli = [PY, "-c", BASELINE_MAIN, str(Path(args.baseline).resolve())] if args.baseline else None
+    base = [*base_cli, "prefetch", "--no-daemon", "-o", "json"] if base_cli else None
 
     def aria2c(d: Path) -> list[str]:
         return ["aria2c", "-q", "-Z", "-x", "8", "-s", "8", "-k", "8M", "-d", str(d), "--file-allocation=none",
@@ -630,6 +631,9 @@ def run_clients(args: argparse.Namespace, work: Path, src: Path, size: int, file
         # API round trip; the daemon reaches radosgw by AWS_ENDPOINT_URL, as a node's would by its config
         clients[f"weightcache prefetch (daemon hit){RGW}"] = ("rgw", lambda d: [
             PY, "-m", "weightcache", "prefetch", "-q", "--socket", str(daemon_socket), "s3://bench/model/"])
+        if base_cli:  # the baseline's CLI against this daemon: what the client's own start costs, old and new
+            clients[f"baseline prefetch (daemon hit){RGW}"] = ("rgw", lambda d: [
+                *base_cli, "prefetch", "-q", "--socket", str(daemon_socket), "s3://bench/model/"])
         if not args.only or "daemon cold" in args.only:
             # a cold fetch through the node daemon, as a node fetches (its botocore warm): each run a model of
             # other bytes, uploaded before the runs (upload_variants), so that nothing of it is cached
@@ -704,14 +708,17 @@ def run_clients(args: argparse.Namespace, work: Path, src: Path, size: int, file
                   f"{statistics.median(other):.2f} s (range {min(walls):.2f}-{max(walls):.2f} against "
                   f"{min(other):.2f}-{max(other):.2f})")
         cold = f"weightcache prefetch s3 (daemon cold){t}"
-        if cold in results and theirs in results:
-            walls, other = [r[0] for r in results[cold]], [r[0] for r in results[theirs]]
-            print(f"{cold}: wall {statistics.median(walls):.2f} s = "
-                  f"{statistics.median(walls) / statistics.median(other):.2f}x {theirs}'s "
-                  f"{statistics.median(other):.2f} s (range {min(walls):.2f}-{max(walls):.2f})")
-        if (hit := f"weightcache prefetch (daemon hit){t}") in results:
-            print(f"{hit}: wall {med(results[hit], 0):.3f} s (range {min(r[0] for r in results[hit]):.3f}-"
-                  f"{max(r[0] for r in results[hit]):.3f}), CPU {med(results[hit], 1):.3f} s")
+        for floor in (theirs, f"s5cmd cp + sha256 + sync -f{t}"):  # bare, and with the checks and durability
+            if cold in results and floor in results:
+                walls, other = [r[0] for r in results[cold]], [r[0] for r in results[floor]]
+                print(f"{cold}: wall {statistics.median(walls):.2f} s = "
+                      f"{statistics.median(walls) / statistics.median(other):.2f}x {floor}'s "
+                      f"{statistics.median(other):.2f} s (range {min(walls):.2f}-{max(walls):.2f} against "
+                      f"{min(other):.2f}-{max(other):.2f})")
+        for hit in (f"weightcache prefetch (daemon hit){t}", f"baseline prefetch (daemon hit){t}"):
+            if hit in results:
+                print(f"{hit}: wall {med(results[hit], 0):.3f} s (range {min(r[0] for r in results[hit]):.3f}-"
+                      f"{max(r[0] for r in results[hit]):.3f}), CPU {med(results[hit], 1):.3f} s")
     if hits:
         print(f"{'weightcache prefetch (cache hit)':<44} {'-':<6} {med(hits, 0):>7.2f} {'':>6} {med(hits, 1):>7.2f} "
               f"{'':>8} {med(hits, 2):>7.0f}   (off-daemon, incl. interpreter start)")
