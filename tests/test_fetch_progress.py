@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tests.command import start_weightcache
@@ -74,3 +76,31 @@ def test_ctrl_c_stops_a_download_without_waiting_for_its_ranges_and_resume_asks_
     for a, b in asked:
         assert not any(a < off + n and off <= b for off, n in journalled), f"journalled bytes refetched: {a}-{b}"
     assert sum(b - a + 1 for a, b in asked) == size - sum(n for _, n in journalled)
+
+
+def test_the_progress_file_is_written_only_for_a_process_that_waits_on_the_fetch(
+        tmp_path: Path, s3: S3, fault_proxy: FaultProxy) -> None:
+    """The holder of a model's fetch lock writes its progress file only once another process says it waits
+    (engine `_acquire`: `want_progress`), at most once a second: a daemon's fetches have no such waiter and
+    rewrote it 5 times a second each (issue 39). The waiter still sees the holder's progress."""
+    s3.put("models", "m/w.bin", bytes(SIZE))
+    fault_proxy.add("throttle", method="GET", ranged_only=True, count=-1, rate=SIZE // 4)  # about 4 s
+    store = Store(tmp_path / "root")
+    holder = Fetcher(store, endpoint_url=fault_proxy.endpoint_url, chunk_size=SIZE // 4, concurrency=1)
+    progress_file = store.partial_path(f"{parse_ref('s3://models/m/').key}.progress")
+    seen: list[Progress] = []
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(holder.ensure, granted("s3://models/m/"), progress=seen.append)
+        deadline = time.monotonic() + 30
+        while not any(p.phase == "downloading" and p.bytes_done for p in seen):
+            assert time.monotonic() < deadline, "the holder never got going"
+            time.sleep(0.02)
+        time.sleep(1.2)  # more than FILE_EVERY_S of downloading with nobody waiting
+        assert not progress_file.exists()
+        waited: list[Progress] = []
+        waiter = Fetcher(store, endpoint_url=fault_proxy.endpoint_url, chunk_size=SIZE // 4, concurrency=1)
+        second = pool.submit(waiter.ensure, granted("s3://models/m/"), progress=waited.append)
+        first.result(60)
+        second.result(60)
+    assert any(p.phase == "downloading" and 0 < p.bytes_done < SIZE for p in waited), waited
+    assert not progress_file.exists() and not list(store.partial_path("x").parent.glob("*.wanted"))

@@ -17,6 +17,11 @@ from tests.fixtures_s3 import S3
 from tests.grants import admin
 from tests.peers_fleet import Fleet, FleetNode
 from tests.peers_fleet import origin_bytes as fleet_origin_bytes
+from weightcache.download import PartialFile
+from weightcache.peers import PeerClient, PeerSet
+from weightcache.peers.inflight import InFlight
+from weightcache.peers.source import Later
+from weightcache.sources import open_source
 from weightcache.store import Snapshot
 from weightcache.uri import parse_ref
 
@@ -264,3 +269,45 @@ def test_a_peer_killed_while_others_wait_on_it_costs_only_a_fall_back_to_the_ori
     assert a.url not in b.peers.stats.banned  # dead is not dishonest
     assert origin_bytes(origin) <= 2 * MODEL_BYTES
     assert b.fetchers[-1].stats["origin_bytes"] > 0
+
+
+def test_a_range_whose_owner_has_not_started_it_is_asked_again_less_and_less_often(origin: FaultProxy, fleet: Fleet,
+                                                                                   tmp_path: Path) -> None:
+    """The owner of a range downloads the blob but has not started that range ("missing"): the asker comes back
+    after UNSTARTED_S, then twice as long each time up to UNSTARTED_MAX_S, instead of every 0.2 s (16 daemons
+    starting seconds apart asked each other about 150 times a second each). Once the owner reads the range
+    ("not yet") the count starts over."""
+    big = "model-00001.safetensors.bin"
+    sha = hashlib.sha256(FILES[big]).hexdigest()
+    owner = fleet.node("owner")
+    source = open_source(REF, endpoint_url=origin.endpoint_url)
+    obj = next(o for o in source.list() if o.relpath == big)
+    part = PartialFile(tmp_path / "big.part", obj, range_size=1 << 16)
+    part.open()
+    inflight = owner.peers.inflight
+    inflight.add(sha, part)  # downloading the blob, nothing of it claimed or read yet
+    # this node ranks after the owner ("http://127.0.0.2" sorts after it): the owner's share is the first half
+    peers = PeerSet([PeerClient(owner.url, TOKEN, connect_timeout=2.0, read_timeout=5.0)], inflight=InFlight(),
+                    self_url="http://127.0.0.2:1")
+    asker = peers.wrap(source, {obj.key: (sha, obj.size)})
+    half = obj.size // 2
+    asker.spread([(obj.key, 0), (obj.key, half)], key=lambda r: r)
+    asker.defer_while(lambda: True)  # other ranges wait: a range waiting on its owner is put back (Later)
+    buf = memoryview(bytearray(256 << 10))
+
+    def ask() -> float | None:
+        with pytest.raises(Later) as later:
+            next(asker.read_pieces(obj, 0, half, buf))
+        return later.value.delay
+
+    try:
+        assert [ask() for _ in range(6)] == [0.2, 0.4, 0.8, 1.0, 1.0, 1.0]
+        claim = inflight.claim(sha, 0, half)  # the owner reads it now: "not yet", no rate to say when yet
+        assert ask() is None
+        inflight.release(claim)
+        assert ask() == 0.2
+    finally:
+        inflight.remove(sha, part)
+        part.close()
+        peers.close()
+        source.close()

@@ -6,12 +6,14 @@
 
 `to_wire` is the only encoding (the API's lines, the CLI's JSON lines, the progress file) and `from_wire` the only
 decoding; a wire dict carries `text` (describe(), for people) beside the fields, and every text in it is redacted.
-The process that holds a model's fetch lock writes `partial/<model-key>.progress` (tmp + rename, a few times a
-second); any other process waiting on the same model (a second CLI, the CSI plugin) reads it to show progress.
+The process that holds a model's fetch lock writes `partial/<model-key>.progress` (tmp + rename, at most once a
+second) while any other process waiting on the same model (a second CLI, the CSI plugin) says it waits
+(`partial/<model-key>.progress.wanted`, `want_progress`); that process reads it to show progress.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -125,6 +127,26 @@ def write_progress_file(path: Path, progress: Progress) -> None:
     except OSError:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def want_progress(path: Path) -> None:
+    """Say that a process waits on the fetch that writes the progress file `path` (engine.py `_acquire`): the
+    fetch writes it only then (`progress_wanted`). A marker file beside it; a fetch's end removes both."""
+    with contextlib.suppress(OSError):  # progress is advisory
+        _wanted(path).touch()
+
+
+def progress_wanted(path: Path) -> bool:
+    return _wanted(path).exists()
+
+
+def drop_progress_files(path: Path) -> None:
+    path.unlink(missing_ok=True)
+    _wanted(path).unlink(missing_ok=True)
+
+
+def _wanted(path: Path) -> Path:
+    return path.with_name(path.name + ".wanted")
 
 
 def read_progress_file(path: Path) -> Progress | None:

@@ -30,7 +30,7 @@ from weightcache.fetch.plan import Planner, check_revision, open_parts, peer_dig
 from weightcache.fetch.publish import publish
 from weightcache.fetch.report import Reporter
 from weightcache.fetch.transfer import Transfer
-from weightcache.progress import Progress, read_progress_file
+from weightcache.progress import Progress, drop_progress_files, read_progress_file, want_progress
 from weightcache.ratelimit import BandwidthLimits
 from weightcache.signatures import SignaturePolicy
 from weightcache.sources import ClientPool, Source, SourceOptions
@@ -187,6 +187,8 @@ class Fetcher:
                 p = read_progress_file(self._progress_path(ref))
                 if p is not None:
                     progress(p)
+                else:  # the holder writes it only for a waiter: say so (again, after a fetch ended)
+                    want_progress(self._progress_path(ref))
                 last_report = now
             time.sleep(0.05)
 
@@ -219,7 +221,7 @@ class Fetcher:
             raise
         finally:
             source.close()
-            self._progress_path(ref).unlink(missing_ok=True)
+            drop_progress_files(self._progress_path(ref))
 
     def _open_source(self, ref: ModelRef) -> Source:
         if self._source_factory is not None:

@@ -270,7 +270,7 @@ SLOW_BYTES_S = 1 << 20
 SLOW_MIN_BYTES_S = 64 << 10
 FLOOR_SHARE = 0.25
 SLOW_GRACE_S = 1.0
-WATCH_TICK_S = 0.05  # how often the watchdog looks at the streams it watches
+WATCH_TICK_S = 0.1  # how often the watchdog looks at the streams it watches (a cut comes this much late at most)
 
 class _Asking(threading.local):
     pace: Pace | None = None  # the Pace of the request this thread is making now
@@ -408,11 +408,13 @@ class _Watchdog:
 
     def watch(self, pace: Pace) -> None:
         with self._cv:
+            idle = not self._paces
             self._paces.add(pace)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="peer-watchdog", daemon=True)
                 self._thread.start()
-            self._cv.notify()
+            if idle:  # it sleeps until a first stream; otherwise it looks at this one on its next tick (waking it
+                self._cv.notify()  # for each ask was a thread switch per request)
 
     def unwatch(self, pace: Pace) -> None:
         with self._cv:

@@ -67,7 +67,7 @@ _MAX_DIGITS = 19  # a longer number is past any blob (10^19 > 2^63): read as suc
 SEND_SLICE = 1 << 20  # bytes read and written per step: bounds memory per stream and rate-limit granularity
 WRITE_TIMEOUT_S = 30.0  # a peer that stops reading loses its stream (and its slot) after this
 NOT_YET_WAIT_S = 0.3  # a request for a claimed range waits this long for its first journalled bytes, then "not yet"
-POLL_S = 0.02  # how often such a request looks at the journal
+POLL_S = 0.05  # how often such a request looks at the journal (while the claim has no rate to say when)
 # a digest request hashes at most this many spans and bytes: an asker judges one piece of a peer at a time
 MAX_DIGEST_SPANS = 64
 MAX_DIGEST_BYTES = 64 << 20
@@ -142,17 +142,12 @@ class PeerServer:
         digest = request.match_info["digest"]
         if not _HEX.fullmatch(digest):
             return web.Response(status=400, text="a blob is named by 64 lowercase hex digits of its sha256\n")
-        partial = None
-        try:
-            fd = await asyncio.to_thread(open_blob, self.blobs_dir, digest)
+        if (not_yet := await self._not_yet(request, digest)) is not None:
+            return not_yet
+        try:  # one thread hop for both: the published blob, else the download in flight
+            fd, partial = await asyncio.to_thread(self._open_held, digest)
         except FileNotFoundError:
-            partial = self.inflight.get(digest) if self.inflight is not None else None
-            if partial is None:
-                return web.Response(status=404, text="blob not held by this node\n")
-            try:
-                fd = await asyncio.to_thread(os.open, partial.part, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except OSError:  # finished or discarded meanwhile
-                return web.Response(status=404, text="blob not held by this node\n")
+            return web.Response(status=404, text="blob not held by this node\n")
         except OSError as exc:
             log.warning("peer request for blob %s refused: %s", digest, exc)
             return web.Response(status=404, text="blob not held by this node\n")
@@ -160,6 +155,35 @@ class PeerServer:
             return await self._send(request, fd, digest, partial)
         finally:
             os.close(fd)
+
+    def _open_held(self, digest: str) -> tuple[int, PartialFile | None]:
+        """A read-only fd of the published blob, else of its download in flight (with its PartialFile);
+        FileNotFoundError when neither is here (a download finished or discarded meanwhile included)."""
+        try:
+            return open_blob(self.blobs_dir, digest), None
+        except FileNotFoundError:
+            partial = self.inflight.get(digest) if self.inflight is not None else None
+            if partial is None:
+                raise
+        try:
+            return os.open(partial.part, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), partial
+        except OSError as exc:
+            raise FileNotFoundError(str(exc)) from exc
+
+    async def _not_yet(self, request: web.Request, name: str) -> web.Response | None:
+        """The answer to a GET of a blob downloading here whose asked range has nothing journalled from the origin
+        yet (after the short wait of `_journalled`), given on the event loop without opening a file (no thread
+        hop): most asks of a fleet filling together are these. None: go on as for any request."""
+        asks_bytes = request.method == "GET" and "digests" not in request.query  # not HEAD, not digests (_send)
+        partial = self.inflight.get(name) if self.inflight is not None and asks_bytes else None
+        span = parse_range(request.headers.get("Range"), partial.obj.size) if partial is not None else None
+        if partial is None or span is None or self.inflight is None:
+            return None
+        start, end, _ = span
+        if await self._journalled(name, partial, start, end) > start:
+            return None
+        pending = self.inflight.pending(name, start)
+        return _not_held(start, end, pending, self.inflight.eta(name, start) if pending else None)
 
     async def _engine_cache(self, request: web.Request) -> web.Response:
         """The file list of an admin's engine cache: the asker checks it against the snapshot id it was given
@@ -182,6 +206,8 @@ class PeerServer:
         if oid is None:
             return web.Response(status=400, text="an object is named by scheme=s3, bucket, key, etag, size and "
                                                  "optionally version\n")
+        if (not_yet := await self._not_yet(request, oid.address)) is not None:
+            return not_yet
         digest = await asyncio.to_thread(self.records.lookup, oid)
         fd, partial = None, None
         if digest is not None:
@@ -300,10 +326,14 @@ class PeerServer:
         assert self.inflight is not None
         waited_since = time.monotonic()
         while (got := self.inflight.origin_end(digest, partial, start, end)) == start:
-            if time.monotonic() - waited_since >= NOT_YET_WAIT_S or not self.inflight.pending(digest, start) or \
-                    self.inflight.get(digest) is not partial:
+            left = NOT_YET_WAIT_S - (time.monotonic() - waited_since)
+            if left <= 0 or not self.inflight.pending(digest, start) or self.inflight.get(digest) is not partial:
                 break
-            await asyncio.sleep(POLL_S)
+            # a piece due after the wait is answered "not yet" now, with when (Retry-Ms): holding the request
+            # only woke the loop 15 times for nothing
+            if (eta := self.inflight.eta(digest, start)) is not None and eta > left:
+                break
+            await asyncio.sleep(min(left, max(POLL_S, eta or 0.0)))
         return got
 
 

@@ -79,6 +79,10 @@ POLL_S = 0.05  # between asks while waiting, when the peer gave no estimate of w
 # a peer's "not yet" says when it expects the first piece (X-Weightcache-Retry-Ms); its word is bounded by these
 NOT_YET_MIN_S, NOT_YET_MAX_S = 0.05, 3.0
 NOT_YET_SLACK_S = 0.1  # the piece is journalled a little after its last byte came
+# a range whose owner has not started it ("missing" from the owner) is asked again after UNSTARTED_S, doubled each
+# time up to UNSTARTED_MAX_S: at 0.2 s each, 16 daemons starting a few seconds apart asked each other ~150 times a
+# second per node before the first origin byte (docs/peers.md, "Less CPU a fill")
+UNSTARTED_S, UNSTARTED_MAX_S = 0.2, 1.0
 REASK_S = 0.25  # a peer that lacked a blob is asked again after this (nodes started together register late)
 BENCH_S = 1.0  # a peer cut as too slow is left out of the fetch this long, doubled each time, up to MAX_BENCH_S
 MAX_BENCH_S = 30.0
@@ -305,6 +309,7 @@ class PeerSource(Source):
         self._heard: dict[str, float] = {}  # peer -> when it last answered this fetch or sent it a byte
         self._handed: dict[tuple[str, int], str | None] = {}  # (key, range end) -> the node its owner handed it to
         self._given_up: dict[tuple[str, int], set[str]] = {}  # (key, range end) -> owners it waited PENDING_S on
+        self._unstarted: dict[tuple[str, int], int] = {}  # (key, range end) -> its owner's "missing" answers in a row
         self._origin_rate: float | None = None  # bytes/s this fetch reads per origin connection (a moving mean)
         self.peer_bytes = 0
         self._may_defer: Callable[[], bool] = lambda: False  # the fetch engine: other ranges wait for a worker
@@ -471,6 +476,7 @@ class PeerSource(Source):
                 yield at, view
                 ask.pos, ask.progressed = at + len(view), True
                 self._moved[ask.span] = time.monotonic()
+                self._unstarted.pop(ask.span, None)
         except _JudgeFailed as exc:  # the origin failed us while judging: an origin failure, not the peer's
             raise exc.error from None
         except PeerLied:
@@ -487,7 +493,10 @@ class PeerSource(Source):
             ask.downloading = True  # a peer still downloading the blob lacks these bytes: no fault of its own
             if peer.url == ask.owner:  # it fetches the blob and this range first: it is about to read it
                 ask.pending = ask.stop = True  # (a node that started late, or short of CPU, still does): and the
-                # others relay nothing of it: ask none of them
+                # others relay nothing of it: ask none of them. Asked again later each time (UNSTARTED_S)
+                with self._lock:
+                    times = self._unstarted[ask.span] = self._unstarted.get(ask.span, 0) + 1
+                ask.retry_s = min(UNSTARTED_MAX_S, UNSTARTED_S * (1 << min(times - 1, 8)))
         except PeerTooSlow as exc:
             self._cut(ask, peer, exc)
         except SourceError as exc:
@@ -587,6 +596,7 @@ class PeerSource(Source):
         """The peer reads these bytes from the origin now: wait for them, and ask no other peer meanwhile (each
         would be one more request per poll)."""
         ask.outcome[peer.url] = "not yet"
+        self._unstarted.pop(ask.span, None)
         if retry_s is not None:
             ask.retry_s = min(NOT_YET_MAX_S, max(NOT_YET_MIN_S, retry_s + NOT_YET_SLACK_S))
         with self._lock:
