@@ -19,6 +19,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -52,6 +53,17 @@ log = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 5.0  # how long a request in progress (a streaming ensure) may take to finish on SIGTERM
 TCP_LIMITS = ConnectionLimits()  # the TCP listener's connection cap and header/body timeouts (weightcache/listener.py)
+
+
+def _warm_s3() -> None:
+    """The S3 source's botocore data parsed before the first fetch needs it (sources/s3.py `warm`): off the event
+    loop, and a failure costs nothing but the first fetch's time."""
+    try:
+        from weightcache.sources import s3
+
+        s3.warm()
+    except Exception as exc:
+        log.info("S3 source not warmed: %s", exc)
 
 
 class Daemon:
@@ -123,6 +135,8 @@ class Daemon:
             stack.callback(self._watcher.stop)
             await self._watcher.start()
             self._loops.spawn("config-watch", self._watcher.run())
+        if any(where.startswith("s3") for where, _ in s.fetch.endpoints):
+            threading.Thread(target=_warm_s3, name="warm-s3", daemon=True).start()
         log.info("weightcache daemon serving on %s (root %s, %s)", s.api.socket, s.store.root,
                  "cluster mode" if node.cluster is not None else "no cluster")
 
