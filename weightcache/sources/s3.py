@@ -20,6 +20,7 @@ import logging
 import os
 import re
 import sys
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -153,13 +154,18 @@ class _JsonFiles(botocore.loaders.JSONFileLoader):  # type: ignore[misc]  # boto
 _LOADER = _Loader(file_loader=_JsonFiles())
 
 
+# held while `warm` parses: a fetch that starts meanwhile waits for that parse instead of doing it a second time
+_warming = threading.Lock()
+
+
 def _client(endpoint_url: str | None, config: Config, settings: tuple[Any, ...],
             pool: ClientPool | None) -> tuple[tuple[Any, ...], float, Any]:
     """(key, created, client) for these settings: one `pool` kept under the same key, else a new one. Credentials
     are resolved anew each time, as a fresh client did (a rotated key or token file is read again): the key holds
     who they name, so rotated credentials get a new client, and a client whose credentials refresh themselves
     (STS, IMDS) keeps doing so. `settings`: everything of `config` that differs between sources."""
-    session = botocore.session.get_session()
+    with _warming:  # free at once unless `warm` is parsing what this client needs
+        session = botocore.session.get_session()
     session.register_component("data_loader", _LOADER)
     key = (endpoint_url, *settings, *(session.get_config_variable(v) for v in ("region", "ca_bundle", "profile")),
            _identity(session.get_credentials()))
@@ -177,10 +183,11 @@ def warm() -> None:
     a few ms instead of 0.3-0.5 CPU s. 16 daemons asked for a model at once spent 6 s of 2 shared cores on it
     before their first origin byte (docs/peers.md, "Less CPU a fill"). The client made here has made-up static
     credentials (no credential chain is asked, nothing is sent) and is closed at once."""
-    session = botocore.session.get_session()
-    session.register_component("data_loader", _LOADER)
-    session.create_client("s3", region_name="us-east-1", aws_access_key_id="warm",
-                          aws_secret_access_key="warm").close()
+    with _warming:
+        session = botocore.session.get_session()
+        session.register_component("data_loader", _LOADER)
+        session.create_client("s3", region_name="us-east-1", aws_access_key_id="warm",
+                              aws_secret_access_key="warm").close()
 
 
 def _first_byte_deadline(read_timeout: float, params: dict[str, Any], context: dict[str, Any], **_: Any) -> None:
