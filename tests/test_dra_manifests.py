@@ -4,7 +4,6 @@ from the DaemonSet's args, it sees the host's CDI directory, and RBAC grants wha
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,8 @@ from tests.fixtures_crd_cel import cel_eval
 from tests.fixtures_dra import cel_device
 from tests.fixtures_k8s_schema import has_schema, validate_strict
 from tests.tools import kubectl
-from weightcache.daemon.command import add_commands, flags_of
+from weightcache.cli import build_parser
+from weightcache.daemon.command import flags_of
 from weightcache.daemon.config import load_settings
 from weightcache.dra import DRIVER_NAME
 from weightcache.dra.devices import devices_for
@@ -61,8 +61,7 @@ def test_the_daemonset_starts_the_plugin_and_sees_the_cdi_dir(objects: list[dict
     ds = one(objects, "DaemonSet", "weightcache-node")
     pod = ds["spec"]["template"]["spec"]
     [daemon] = [c for c in pod["containers"] if c["name"] == "weightcache"]
-    parser = argparse.ArgumentParser()
-    add_commands(parser.add_subparsers())
+    parser = build_parser()  # `daemon` declares its flags, the settings' own, when it parses
     args = parser.parse_args(daemon["args"])
     settings = load_settings(None, env={}, flags=flags_of(args))  # the config file is applied on the node
     assert settings.dra is not None

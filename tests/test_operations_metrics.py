@@ -3,7 +3,6 @@ everything but GET/HEAD /metrics is refused there, without any token."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import socket
@@ -14,8 +13,9 @@ import pytest
 
 from tests import fixtures_daemon
 from tests.fixtures_daemon import start_daemon
+from weightcache.cli import build_parser
 from weightcache.daemon import metrics_server
-from weightcache.daemon.command import add_commands, flags_of
+from weightcache.daemon.command import flags_of
 from weightcache.daemon.config import load_settings
 from weightcache.errors import ConfigError
 from weightcache.listener import ConnectionLimits
@@ -126,8 +126,7 @@ def test_metrics_listen_rejects_bad_values(value: str) -> None:
 
 
 def test_metrics_listen_flag_reaches_the_settings() -> None:
-    parser = argparse.ArgumentParser()
-    add_commands(parser.add_subparsers())
+    parser = build_parser()  # `daemon` declares its flags, the settings' own, when it parses
     args = parser.parse_args(["daemon", "--metrics-listen", "0.0.0.0:9478"])
     assert load_settings(None, env={}, flags=flags_of(args)).api.metrics_listen == ("0.0.0.0", 9478)
 
