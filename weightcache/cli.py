@@ -637,8 +637,16 @@ def _fetch_flags(attrs: tuple[str, ...]) -> Callable[[argparse.ArgumentParser], 
     def declare(parser: argparse.ArgumentParser) -> None:
         from weightcache.settings import fetch_flags
 
-        fetch_flags(parser, *attrs)
+        fetch_flags(parser, *attrs, described=False)
     return declare
+
+
+def _describe_fetch_flags(attrs: tuple[str, ...]) -> Callable[[argparse.ArgumentParser], None]:
+    def describe(parser: argparse.ArgumentParser) -> None:
+        from weightcache.settings import describe_fetch_flags
+
+        describe_fetch_flags(parser, *attrs)
+    return describe
 
 
 def _output(parser: argparse.ArgumentParser) -> None:
@@ -652,9 +660,10 @@ class CommandParser(argparse.ArgumentParser):
     their imports and docstrings, which every other command starts without."""
 
     def __init__(self, *args: Any, declare: Callable[[argparse.ArgumentParser], None] | None = None,
-                 **kwargs: Any) -> None:
+                 describe: Callable[[argparse.ArgumentParser], None] | None = None, **kwargs: Any) -> None:
+        """`describe`: writes the help of what `declare` declared without it, once help is shown."""
         super().__init__(*args, **kwargs)
-        self._declare = declare
+        self._declare, self._describe = declare, describe
 
     def _declared(self) -> None:
         declare, self._declare = self._declare, None
@@ -667,6 +676,9 @@ class CommandParser(argparse.ArgumentParser):
 
     def format_help(self) -> str:
         self._declared()
+        describe, self._describe = self._describe, None
+        if describe is not None:
+            describe(self)
         return super().format_help()
 
 
@@ -692,7 +704,8 @@ def build_parser() -> argparse.ArgumentParser:
         that say what they did take -q (`quiet`: what is still printed); those that fetch take the fetch
         settings' flags named in `fetch` (weightcache/settings.py)."""
         p = sub.add_parser(name, help=help_, description=help_[:1].upper() + help_[1:] + ".", aliases=aliases or [],
-                           declare=_fetch_flags(fetch) if fetch else None)
+                           declare=_fetch_flags(fetch) if fetch else None,
+                           describe=_describe_fetch_flags(fetch) if fetch else None)
         p.set_defaults(func=func, quiet=False, min_free_bytes=None, min_free_percent=None)
         p.add_argument("--root", help=f"store root (env WEIGHTCACHE_ROOT, default {defaults.ROOT}); "
                                       "given explicitly, the CLI uses the store directly, not the daemon")

@@ -297,13 +297,23 @@ def flags_from(args: object) -> dict[str, Any]:
     return flags
 
 
-def fetch_flags(parser: argparse.ArgumentParser, *attrs: str) -> None:
+def fetch_flags(parser: argparse.ArgumentParser, *attrs: str, described: bool = True) -> None:
     """The direct CLI's fetch flags (`--concurrency`, `--read-timeout`, ...) of the FetchSettings fields `attrs`,
-    declared from their keys as `weightcache daemon` declares its own; parsed, so a bad value is a usage error."""
-    docs = docs_of(FetchSettings)
+    declared from their keys as `weightcache daemon` declares its own; parsed, so a bad value is a usage error.
+    Not `described`: without their help (docs_of reads this file's source: 14 ms of CPU of every prefetch, a hit
+    through the daemon included), which describe_fetch_flags writes once help is shown."""
+    docs = docs_of(FetchSettings) if described else {}
     for attr, key in keys_of(FetchSettings):
         if attr in attrs:
-            add_flag(parser, key, dest=attr, doc=docs[attr], default=getattr(FetchSettings, attr), check=True)
+            add_flag(parser, key, dest=attr, doc=docs.get(attr, ""), default=getattr(FetchSettings, attr), check=True)
+
+
+def describe_fetch_flags(parser: argparse.ArgumentParser, *attrs: str) -> None:
+    """The help of the fetch flags fetch_flags declared without it."""
+    docs, keys = docs_of(FetchSettings), dict(keys_of(FetchSettings))
+    for action in parser._actions:
+        if action.dest in attrs and action.dest in keys:
+            action.help = flag_help(keys[action.dest], docs[action.dest], getattr(FetchSettings, action.dest))
 
 
 def add_flag(parser: argparse.ArgumentParser, key: Key, *, dest: str, doc: str, default: Any,
@@ -313,16 +323,21 @@ def add_flag(parser: argparse.ArgumentParser, key: Key, *, dest: str, doc: str, 
     the environment's; `check`: read by that parser here already, so a bad value is argparse's usage error."""
     flag = key.flag
     assert flag is not None, key.name
-    if key.shown and re.fullmatch(r"`[^`]+`", key.shown):
-        default = key.shown.strip("`")  # 16Mi, not 16777216
-    first = re.split(r"(?<=\.)\s+(?=[A-Z`])", doc, maxsplit=1)[0].rstrip(".")
-    text = first + (f"; env {key.env}" if key.env else "") + (f" (default {default})" if default else "")
     how: dict[str, Any] = {"action": "append"} if flag.repeat else \
         {"action": "store_const", "const": True} if flag.switch else {}
     if check:
         how["type"] = functools.partial(_checked, key)
     parser.add_argument(flag.name, dest=dest, metavar=flag.metavar or flag.name[2:].upper().replace("-", "_"),
-                        help=text.replace("%", "%%"), **how)
+                        help=flag_help(key, doc, default), **how)
+
+
+def flag_help(key: Key, doc: str, default: Any) -> str:
+    """A flag's help: the first sentence of its field's docstring (`doc`), its environment variable and default."""
+    if key.shown and re.fullmatch(r"`[^`]+`", key.shown):
+        default = key.shown.strip("`")  # 16Mi, not 16777216
+    first = re.split(r"(?<=\.)\s+(?=[A-Z`])", doc, maxsplit=1)[0].rstrip(".")
+    text = first + (f"; env {key.env}" if key.env else "") + (f" (default {default})" if default else "")
+    return text.replace("%", "%%")
 
 
 def _checked(key: Key, text: str) -> Any:
