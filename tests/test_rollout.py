@@ -201,7 +201,9 @@ async def test_a_rollout_fills_later_nodes_from_the_peers_that_fetched_first(
         cluster: FakeApiServer, s3: S3, fault_proxy: FaultProxy, short_dir: Path, model_copy: Path) -> None:
     """maxConcurrent 1 over two daemons with peers: the first node asked reads the new revision from the origin,
     the second from that node, so the origin serves the new bytes once."""
-    old, new = bytes(range(256)) * 4096, bytes(reversed(range(256))) * 4096  # 1 MiB each
+    # 2 MiB each: one piece, too big a share of its blob for a peer's first piece to be judged by the origin's bytes
+    # (docs/peers.md, "The lying peer"), so every byte the second node reads comes from the first
+    old, new = bytes(range(256)) * 8192, bytes(reversed(range(256))) * 8192
     s3.put("models", "m/w.bin", old, ChecksumAlgorithm="SHA256")
     token = short_dir / "peer-token"
     token.write_text("rollout-peer-token-0123456789")
