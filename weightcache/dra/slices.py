@@ -242,6 +242,8 @@ class SlicePublisher:
 
 
 def _short(exc: Exception) -> str:
-    reason = getattr(exc, "reason", None)
-    status = getattr(exc, "status", None)
-    return f"HTTP {status} {reason}" if status else str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    from weightcache.kube.client import ApiException
+
+    if isinstance(exc, ApiException) and exc.status:
+        return f"HTTP {exc.status} {exc.reason}"
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
