@@ -65,7 +65,7 @@ def _store(args: argparse.Namespace, *, budget: int | None = None) -> Store:
 def _cache(args: argparse.Namespace) -> DaemonCache | StoreCache:
     """The node daemon when its socket answers (and no --root or --no-daemon), else the store at the root."""
     return open_cache(args.root, defaults.root(), args.socket or defaults.socket(), use_daemon=not args.no_daemon,
-                      endpoint_url=getattr(args, "endpoint_url", None), floor=lambda: _floor(args))
+                      endpoint_url=args.endpoint_url, floor=lambda: _floor(args))
 
 
 def _say(args: argparse.Namespace, text: str) -> None:
@@ -706,7 +706,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_, description=help_[:1].upper() + help_[1:] + ".", aliases=aliases or [],
                            declare=_fetch_flags(fetch) if fetch else None,
                            describe=_describe_fetch_flags(fetch) if fetch else None)
-        p.set_defaults(func=func, quiet=False, min_free_bytes=None, min_free_percent=None)
+        p.set_defaults(func=func, quiet=False, min_free_bytes=None, min_free_percent=None, endpoint_url=None)
         p.add_argument("--root", help=f"store root (env WEIGHTCACHE_ROOT, default {defaults.ROOT}); "
                                       "given explicitly, the CLI uses the store directly, not the daemon")
         _output(p)
