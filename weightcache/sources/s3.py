@@ -179,10 +179,10 @@ def _client(endpoint_url: str | None, config: Config, settings: tuple[Any, ...],
 
 def warm() -> None:
     """Import botocore and parse its S3 model and endpoint data into the process's loader now: a daemon whose
-    endpoints name S3 calls this in a thread at start (daemon/app.py), and its first fetch builds its client in
-    a few ms instead of 0.3-0.5 CPU s. 16 daemons asked for a model at once spent 6 s of 2 shared cores on it
-    before their first origin byte (docs/peers.md, "Less CPU a fill"). The client made here has made-up static
-    credentials (no credential chain is asked, nothing is sent) and is closed at once."""
+    endpoints name S3 calls this in a thread at start, before its API answers (daemon/app.py), and its first
+    fetch builds its client in a few ms instead of 0.3-0.5 CPU s. 16 daemons asked for a model at once spent 6 s
+    of 2 shared cores on it before their first origin byte (docs/peers.md, "Less CPU a fill"). The client made
+    here has made-up static credentials (no credential chain is asked, nothing is sent) and is closed at once."""
     with _warming:
         session = botocore.session.get_session()
         session.register_component("data_loader", _LOADER)
