@@ -263,6 +263,13 @@ class PeerServer:
             headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
         if request.method == "HEAD":
             return web.Response(status=206 if ranged else 200, headers=headers)
+        return await self._stream(request, fd, digest, (start, end), web.StreamResponse(
+            status=206 if ranged else 200, headers=headers))
+
+    async def _stream(self, request: web.Request, fd: int, digest: str, span: tuple[int, int],
+                      resp: web.StreamResponse) -> web.StreamResponse:
+        """Send bytes [start, end) of `fd` as `resp`'s body, within the asking peer's streams and rate."""
+        start, end = span
         peer_key = request.remote or "?"
         peer = self._peers.setdefault(peer_key, _Peer(Limiter(self.limits.rate_bytes_s, burst_s=1.0)))
         allowed = self._streams_allowed(peer)
@@ -271,7 +278,6 @@ class PeerServer:
                                 text=f"at most {allowed} streams per peer now; retry elsewhere\n")
         peer.streams += 1
         pos = start
-        resp = web.StreamResponse(status=206 if ranged else 200, headers=headers)
         try:
             await resp.prepare(request)
             step = min(SEND_SLICE, self.limits.rate_bytes_s or SEND_SLICE)  # the bucket paces slices, not bodies
