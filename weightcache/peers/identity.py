@@ -148,16 +148,26 @@ def _evidence(source: Source, bucket: str, obj: ObjectInfo) -> OriginEvidence | 
     oid = OriginId("s3", bucket, obj.key, etag, version if version and version != "null" else None, obj.size)
     if int(head.get("ContentLength", -1)) != obj.size:
         return None
-    if not encrypted and _MD5.fullmatch(etag):
-        return OriginEvidence(oid, ("md5", etag))
-    m = _MULTIPART.fullmatch(etag)
-    if not encrypted and m:  # the part size from ?partNumber=1, the last part's to check they are uniform
-        first = source.head(obj, PartNumber=1) or {}
-        parts, part = int(first.get("PartsCount") or 0), int(first.get("ContentLength") or 0)
-        if parts == int(m[2]) and part > 0 and -(-obj.size // part) == parts:
-            last = obj.size - (parts - 1) * part
-            if parts == 1 or int((source.head(obj, PartNumber=parts) or {})["ContentLength"]) == last:
-                return OriginEvidence(oid, (f"{COMPOSITE}{part}", etag))
+    if not encrypted and (check := _etag_check(source, obj, etag)) is not None:
+        return OriginEvidence(oid, check)
     if obj.checksum and obj.checksum[0] in FACTORIES and obj.checksum[0] != "sha256":
         return OriginEvidence(oid, obj.checksum)
     return None
+
+
+def _etag_check(source: Source, obj: ObjectInfo, etag: str) -> tuple[str, str] | None:
+    """The ETag as a check of the bytes: the MD5 of a single-part object, or the MD5 of the part MD5s where the
+    parts are of one size (from ?partNumber=1; the last part's size checked against it)."""
+    if _MD5.fullmatch(etag):
+        return ("md5", etag)
+    m = _MULTIPART.fullmatch(etag)
+    if m is None:
+        return None
+    first = source.head(obj, PartNumber=1) or {}
+    parts, part = int(first.get("PartsCount") or 0), int(first.get("ContentLength") or 0)
+    if parts != int(m[2]) or part <= 0 or -(-obj.size // part) != parts:
+        return None
+    last = obj.size - (parts - 1) * part
+    if parts > 1 and int((source.head(obj, PartNumber=parts) or {}).get("ContentLength", -1)) != last:
+        return None
+    return (f"{COMPOSITE}{part}", etag)
