@@ -37,7 +37,6 @@ import hmac
 import logging
 import os
 import re
-import sqlite3
 import stat
 import time
 from dataclasses import dataclass, field
@@ -51,8 +50,8 @@ from weightcache.peers.client import NOT_YET_HEADER, PARTIAL_HEADER, RETRY_MS_HE
 from weightcache.peers.identity import OriginId, record_matches
 from weightcache.peers.inflight import InFlight
 from weightcache.ratelimit import Limiter
+from weightcache.store.origins import IndexReader
 from weightcache.units import ascii_int
-from weightcache.vocabulary import ENGINE_CACHE_ADMIN_DOMAIN, ENGINE_CACHE_SCHEME
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +102,7 @@ class PeerServer:
         one beside `blobs_dir`, root/index.db)."""
         self.blobs_dir = blobs_dir
         self.inflight = inflight
-        self.records = OriginRecords(index_path or blobs_dir.parent.parent / "index.db")
+        self.records = IndexReader(index_path or blobs_dir.parent.parent / "index.db")
         self._token = b"Bearer " + token
         self.limits = limits or PeerLimits()
         self._peers: dict[str, _Peer] = {}
@@ -198,6 +197,13 @@ class PeerServer:
             return web.Response(status=404, text="no engine cache of the admin's with that id on this node\n")
         return web.json_response({"files": files})
 
+    def _recorded(self, oid: OriginId) -> str | None:
+        """The sha256 of the blob this node downloaded (or linked on evidence) as exactly the object `oid` names,
+        from the manifests it wrote; blocking."""
+        rows = self.records.files_with_etag(oid.etag, oid.size)
+        return next((sha for uri, path, etag, version, size, sha in rows
+                     if record_matches(oid, uri, path, etag, version, size)), None)
+
     async def _origin(self, request: web.Request) -> web.StreamResponse:
         """An object by its origin identity: only a blob this node's own manifests record for that identity."""
         if not self._authorized(request):
@@ -208,7 +214,7 @@ class PeerServer:
                                                  "optionally version\n")
         if (not_yet := await self._not_yet(request, oid.address)) is not None:
             return not_yet
-        digest = await asyncio.to_thread(self.records.lookup, oid)
+        digest = await asyncio.to_thread(self._recorded, oid)
         fd, partial = None, None
         if digest is not None:
             try:
@@ -341,62 +347,6 @@ class PeerServer:
                 break
             await asyncio.sleep(min(left, max(POLL_S, eta or 0.0)))
         return got
-
-
-class OriginRecords:
-    """Origin identity -> sha256 from the manifests this node wrote (the store's index, read only): the node
-    downloaded (or linked on evidence) exactly that object version and verified its bytes."""
-
-    def __init__(self, index_path: Path) -> None:
-        self.index_path = index_path
-
-    def _open(self) -> sqlite3.Connection | None:
-        try:
-            if not stat.S_ISREG(os.lstat(self.index_path).st_mode):  # never a symlink planted as the index
-                return None
-            return sqlite3.connect(f"file:{self.index_path}?mode=ro", uri=True, timeout=5)
-        except (OSError, sqlite3.Error):
-            return None
-
-    def engine_cache_files(self, snapshot_id: str) -> list[list[str | int]] | None:
-        """[[path, size, sha256], ...] of snapshot `snapshot_id` when it is an engine cache of the admin's domain
-        (`weightcache-engine-cache://<model>/<engine>/<version>/<device>/_admin/`); None for anything else."""
-        db = self._open()
-        if db is None:
-            return None
-        try:
-            rows = db.execute("SELECT uri FROM snapshots WHERE id = ?", (snapshot_id,)).fetchall()
-            if not rows or not str(rows[0][0]).startswith(ENGINE_CACHE_SCHEME + "://") or \
-                    not str(rows[0][0]).endswith(f"/{ENGINE_CACHE_ADMIN_DOMAIN}/"):
-                return None
-            files = db.execute("SELECT path, size, sha256 FROM files WHERE snapshot_id = ? ORDER BY path",
-                               (snapshot_id,)).fetchall()
-        except sqlite3.Error as exc:
-            log.info("peer lookup of engine cache %s: index unreadable (%s)", snapshot_id[:12], exc)
-            return None
-        finally:
-            db.close()
-        return [[str(p), int(n), str(h)] for p, n, h in files] or None
-
-    def lookup(self, oid: OriginId) -> str | None:
-        db = self._open()
-        if db is None:
-            return None
-        try:
-            rows = db.execute(
-                "SELECT s.uri, f.path, f.etag, f.version_id, f.size, f.sha256 FROM files f "
-                "JOIN snapshots s ON s.id = f.snapshot_id WHERE f.etag = ? AND f.size = ?",
-                (oid.etag, oid.size)).fetchall()
-        except sqlite3.Error as exc:
-            log.info("peer lookup of s3://%s/%s: index unreadable (%s)", oid.bucket, oid.key, exc)
-            return None
-        finally:
-            db.close()
-        for uri, path, etag, version, size, sha in rows:
-            if path and record_matches(oid, str(uri), str(path), etag, version, int(size)) and \
-                    _HEX.fullmatch(str(sha)):
-                return str(sha)
-        return None
 
 
 def _not_held(start: int, end: int, pending: bool, eta_s: float | None = None) -> web.Response:
