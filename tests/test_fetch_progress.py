@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import time
@@ -15,7 +16,7 @@ from tests.fixtures_s3 import S3
 from tests.grants import admin, granted
 from tests.tools import sigint_default
 from weightcache.fetch import Fetcher
-from weightcache.progress import Progress
+from weightcache.progress import Progress, drop_progress_files, progress_wanted, want_progress
 from weightcache.store import Store
 from weightcache.uri import parse_ref
 
@@ -104,3 +105,19 @@ def test_the_progress_file_is_written_only_for_a_process_that_waits_on_the_fetch
         second.result(60)
     assert any(p.phase == "downloading" and 0 < p.bytes_done < SIZE for p in waited), waited
     assert not progress_file.exists() and not list(store.partial_path("x").parent.glob("*.wanted"))
+
+
+def test_a_link_planted_as_the_wanted_marker_is_not_followed(tmp_path: Path) -> None:
+    """The marker a waiting process leaves beside the progress file is created without following a link there:
+    a link planted to a file elsewhere never creates that file."""
+    path = tmp_path / "m0123.progress"
+    target = tmp_path / "elsewhere" / "created-through-the-link"
+    target.parent.mkdir()
+    path.with_name(path.name + ".wanted").symlink_to(target)
+    want_progress(path)
+    assert not target.exists()
+    assert progress_wanted(path)  # a marker is there (the link): the fetch writes its progress, nothing more
+    drop_progress_files(path)
+    assert not os.path.lexists(path.with_name(path.name + ".wanted"))
+    want_progress(path)
+    assert progress_wanted(path) and path.with_name(path.name + ".wanted").is_file()

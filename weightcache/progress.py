@@ -132,12 +132,12 @@ def write_progress_file(path: Path, progress: Progress) -> None:
 def want_progress(path: Path) -> None:
     """Say that a process waits on the fetch that writes the progress file `path` (engine.py `_acquire`): the
     fetch writes it only then (`progress_wanted`). A marker file beside it; a fetch's end removes both."""
-    with contextlib.suppress(OSError):  # progress is advisory
-        _wanted(path).touch()
+    with contextlib.suppress(OSError):  # progress is advisory; a link planted as the marker is not followed
+        os.close(os.open(_wanted(path), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
 
 
 def progress_wanted(path: Path) -> bool:
-    return _wanted(path).exists()
+    return os.path.lexists(_wanted(path))
 
 
 def drop_progress_files(path: Path) -> None:
