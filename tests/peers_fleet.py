@@ -131,16 +131,17 @@ class HostilePeer:
         "huge-range"       a 206 whose Content-Range holds 5,000-digit numbers (int() refuses them)
         "honest"           a correct 206 with the right bytes at once
 
-    A digest request (`?digests=`, server.PeerServer._digests) is answered 200 with `digests` as its body when
-    given (a malformed or oversized answer), else 404. `requests` counts the GETs it answered; `close()` stops
-    every connection at once."""
+    A digest request (`?digests=`, server.PeerServer._digests) is answered 200 with `digests` as its JSON body
+    when given (a malformed or oversized answer); with `old_release`, as a daemon from before `?digests=` answers
+    it (a plain GET: the whole blob, 200, application/octet-stream); else 404. `requests` counts the GETs it
+    answered; `close()` stops every connection at once."""
 
     def __init__(self, sizes: dict[str, int], bodies: dict[str, bytes], mode: str, every_s: float = 2.0,
-                 digests: bytes | None = None) -> None:
+                 digests: bytes | None = None, old_release: bool = False) -> None:
         import socket
 
         self.sizes, self.bodies, self.mode, self.every_s = sizes, bodies, mode, every_s
-        self.digests = digests
+        self.digests, self.old_release = digests, old_release
         self.requests = 0
         self._stop = threading.Event()
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -173,8 +174,13 @@ class HostilePeer:
                     size = self.sizes.get(sha)
                     if query.startswith("digests=") and size is not None and self.digests is not None:
                         self.requests += 1
-                        conn.sendall(f"HTTP/1.1 200 OK\r\nContent-Length: {len(self.digests)}\r\n\r\n".encode()
-                                     + self.digests)
+                        conn.sendall(f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                                     f"Content-Length: {len(self.digests)}\r\n\r\n".encode() + self.digests)
+                        continue
+                    if query.startswith("digests=") and size is not None and self.old_release:
+                        self.requests += 1
+                        conn.sendall(f"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\n"
+                                     f"Content-Length: {size}\r\n\r\n".encode() + self.bodies[sha])
                         continue
                     if size is None or query:
                         conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")

@@ -434,3 +434,23 @@ def test_a_malformed_digest_answer_is_an_offence_not_a_crash(origin: FaultProxy,
         assert_model(ensure(node, origin))
         assert bad.url in node.peers.stats.banned
         assert good.url not in node.peers.stats.banned
+
+
+def test_a_daemon_from_before_digests_speaks_none_and_is_not_taken_for_a_liar(origin: FaultProxy,
+                                                                             fleet: Fleet) -> None:
+    """In a rolling upgrade a peer of the last release answers `?digests=` as a plain GET: the whole blob, 200,
+    application/octet-stream. It vouches for nothing (every span None), is no offence and is not banned; the
+    asker closes that answer instead of reading the blob."""
+    sizes = {SHAS[n]: len(b) for n, b in FILES.items()}
+    with HostilePeer(sizes, {SHAS[n]: b for n, b in FILES.items()}, "honest", old_release=True) as old:
+        client = PeerClient(old.url, TOKEN, connect_timeout=2, read_timeout=5)
+        try:
+            assert client.piece_digests(SHAS[BIG], [(0, PIECE), (PIECE, 2 * PIECE)]) == [None, None]
+        finally:
+            client.close()
+        good = fleet.node("good")
+        assert_model(ensure(good, origin))
+        node = fleet.node("upgraded", peers=[good.url, old.url])
+        assert_model(ensure(node, origin))
+        assert old.url not in node.peers.stats.banned and good.url not in node.peers.stats.banned
+

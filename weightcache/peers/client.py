@@ -37,6 +37,7 @@ _CONTENT_RANGE = re.compile(r"bytes ([0-9]{1,19})-([0-9]{1,19})/[0-9]{1,19}")
 PARTIAL_HEADER = "X-Weightcache-Partial"  # set on answers about a blob still being downloaded
 NOT_YET_HEADER = "X-Weightcache-Not-Yet"  # beside it on a 404: the peer is reading those bytes from the origin now
 RETRY_MS_HEADER = "X-Weightcache-Retry-Ms"  # beside that: when the peer expects the first of them journalled
+JSON = "application/json"  # the media type of a ?digests= answer (server.PeerServer._digests: json_response)
 _RETRY_MS = re.compile(r"[0-9]{1,6}")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _SHORT = re.compile(r"[0-9]{1,3}|[0-3][0-9]{3}")  # a Content-Length below 4,000
@@ -202,6 +203,12 @@ class PeerClient:
                                       preload_content=False, redirect=False)
         except NETWORK_ERRORS as exc:
             raise PeerUnreachable(f"peer {self.url} unreachable: {type(exc).__name__}") from exc
+        if resp.status == 200 and resp.headers.get("Content-Type", "").partition(";")[0].strip() != JSON:
+            # a daemon of a release before ?digests= (a rolling upgrade) answers a plain GET: the blob itself. It
+            # speaks no digests, which is no offence; its connection is closed, not drained of the blob
+            resp.close()
+            resp.release_conn()
+            return [None] * len(spans)
         limit = 64 + 70 * len(spans)  # {"sha256": [...]}: 64 hex digits, quotes and a comma, or null, per span
         body = read_capped(resp, limit, f"peer {self.url}'s piece digests", broke=PeerUnreachable)
         if resp.status != 200:
