@@ -420,20 +420,11 @@ def test_a_malformed_digest_answer_is_an_offence_not_a_crash(origin: FaultProxy,
     """A holder asked to vouch for another's piece answers something that is not one digest or null per span:
     the client says so (PeerBadAnswer, no traceback), the asker bans it, and the fill finishes (the origin
     judges the piece instead)."""
-    sizes = {SHAS[n]: len(b) for n, b in FILES.items()}
-    with HostilePeer(sizes, {SHAS[n]: b for n, b in FILES.items()}, "honest", digests=answer) as bad:
-        client = PeerClient(bad.url, TOKEN, connect_timeout=2, read_timeout=5)
-        try:
-            with pytest.raises(PeerBadAnswer):
-                client.piece_digests(SHAS[BIG], [(0, PIECE)])
-        finally:
-            client.close()
-        good = fleet.node("good")
-        assert_model(ensure(good, origin))
-        node = fleet.node("victim", peers=[good.url, bad.url])
-        assert_model(ensure(node, origin))
+    with HostilePeer(*_model_files(), "honest", digests=answer) as bad:
+        with pytest.raises(PeerBadAnswer):
+            _ask_digests(bad.url, [(0, PIECE)])
+        node = _fill_beside(fleet, origin, bad.url)
         assert bad.url in node.peers.stats.banned
-        assert good.url not in node.peers.stats.banned
 
 
 def test_a_daemon_from_before_digests_speaks_none_and_is_not_taken_for_a_liar(origin: FaultProxy,
@@ -441,16 +432,30 @@ def test_a_daemon_from_before_digests_speaks_none_and_is_not_taken_for_a_liar(or
     """In a rolling upgrade a peer of the last release answers `?digests=` as a plain GET: the whole blob, 200,
     application/octet-stream. It vouches for nothing (every span None), is no offence and is not banned; the
     asker closes that answer instead of reading the blob."""
-    sizes = {SHAS[n]: len(b) for n, b in FILES.items()}
-    with HostilePeer(sizes, {SHAS[n]: b for n, b in FILES.items()}, "honest", old_release=True) as old:
-        client = PeerClient(old.url, TOKEN, connect_timeout=2, read_timeout=5)
-        try:
-            assert client.piece_digests(SHAS[BIG], [(0, PIECE), (PIECE, 2 * PIECE)]) == [None, None]
-        finally:
-            client.close()
-        good = fleet.node("good")
-        assert_model(ensure(good, origin))
-        node = fleet.node("upgraded", peers=[good.url, old.url])
-        assert_model(ensure(node, origin))
-        assert old.url not in node.peers.stats.banned and good.url not in node.peers.stats.banned
+    with HostilePeer(*_model_files(), "honest", old_release=True) as old:
+        assert _ask_digests(old.url, [(0, PIECE), (PIECE, 2 * PIECE)]) == [None, None]
+        node = _fill_beside(fleet, origin, old.url)
+        assert old.url not in node.peers.stats.banned
+
+
+def _model_files() -> tuple[dict[str, int], dict[str, bytes]]:
+    return {SHAS[n]: len(b) for n, b in FILES.items()}, {SHAS[n]: b for n, b in FILES.items()}
+
+
+def _ask_digests(url: str, spans: list[tuple[int, int]]) -> list[bytes | None]:
+    client = PeerClient(url, TOKEN, connect_timeout=2, read_timeout=5)
+    try:
+        return client.piece_digests(SHAS[BIG], spans)
+    finally:
+        client.close()
+
+
+def _fill_beside(fleet: Fleet, origin: FaultProxy, other: str) -> FleetNode:
+    """A node filled from an honest holder and `other`: the fill finishes, the honest one is never banned."""
+    good = fleet.node("good")
+    assert_model(ensure(good, origin))
+    node = fleet.node("asker", peers=[good.url, other])
+    assert_model(ensure(node, origin))
+    assert good.url not in node.peers.stats.banned
+    return node
 
