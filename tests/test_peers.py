@@ -291,7 +291,7 @@ def test_a_range_whose_owner_has_not_started_it_is_asked_again_less_and_less_oft
                     self_url="http://127.0.0.2:1")
     asker = peers.wrap(source, {obj.key: (sha, obj.size)})
     half = obj.size // 2
-    asker.spread([(obj.key, 0), (obj.key, half)], key=lambda r: r)
+    asker.spread([(obj.key, 0, half), (obj.key, half, obj.size - half)], key=lambda r: r)
     asker.defer_while(lambda: True)  # other ranges wait: a range waiting on its owner is put back (Later)
     buf = memoryview(bytearray(256 << 10))
 
@@ -311,3 +311,29 @@ def test_a_range_whose_owner_has_not_started_it_is_asked_again_less_and_less_oft
         part.close()
         peers.close()
         source.close()
+
+
+def test_a_fleets_shares_are_cut_by_bytes_so_no_owner_relays_much_more_than_its_share(tmp_path: Path) -> None:
+    """Every owner relays its share to every other node, so the largest share bounds the fill. The bench's model
+    (two small files, four shards of 8 MB cut in 1 MiB ranges, the last of each 0.63 MiB: 34 ranges) at N = 16:
+    cut by count, two nodes owned 3 ranges (2.6 MiB, 41 MB to relay at 1 MB/s) and one a 23-byte file and a
+    range; cut by bytes, no share is over 2 MiB and the small files (1.9 MiB is 1/16 of the model)."""
+    urls = [f"http://10.0.0.{i}:9479" for i in range(10, 26)]
+    ranges = [("config.json", 0, 23), ("index.json", 0, 260)]
+    for shard in range(4):
+        ranges += [(f"shard{shard}", at, min(1 << 20, 8_000_000 - at)) for at in range(0, 8_000_000, 1 << 20)]
+    source = open_source(parse_ref(f"file://{tmp_path}/"))
+    shares: dict[str, int] = {}
+    for me in urls:
+        peers = PeerSet([PeerClient(u, TOKEN, connect_timeout=1.0, read_timeout=1.0) for u in urls if u != me],
+                        self_url=me)
+        node = peers.wrap(source, {})
+        mine = node.spread(ranges, key=lambda r: r)
+        first = mine[0]
+        owned = [r for r in ranges if node._owner(r[0], r[1]) == ""]
+        assert owned and first == owned[0]  # a node starts on its own share
+        shares[me] = sum(n for _, _, n in owned)
+        peers.close()
+    total = sum(n for _, _, n in ranges)
+    assert sum(shares.values()) == total  # every range has exactly one owner
+    assert max(shares.values()) < (2 << 20) + 4096  # two 1 MiB ranges and the small files at most

@@ -112,7 +112,7 @@ class Transfer:
         serve_partials(self.peers, items, True)
         # peers: nodes started together fetch different ranges first
         pieces = self.source.spread(_finer(pieces, self.source.nodes, min(PIECE, self.chunk_size)),
-                                    lambda p: (p[0].obj.key, p[1]))
+                                    lambda p: (p[0].obj.key, p[1], p[2]))
         return _Round(self, items, pieces, blobs).run()
 
     def workers(self, task_bytes: list[int]) -> int:

@@ -335,22 +335,29 @@ class PeerSource(Source):
     def defer_while(self, may_defer: Callable[[], bool]) -> None:
         self._may_defer = may_defer
 
-    def spread(self, ranges: typing.List[T], key: Callable[[T], tuple[str, int]]) -> typing.List[T]:  # noqa: UP006
+    def spread(self, ranges: typing.List[T], key: Callable[[T], tuple[str, int, int]]) -> typing.List[T]:  # noqa: UP006
         """The fetch's ranges in this node's order: rotated by its rank, so nodes started together fetch different
-        ranges from the origin first; the node of rank r owns the r-th share (`key`: (object key, offset)), and
-        this node asks a range's owner first."""
+        ranges from the origin first; the node of rank r owns the r-th share (`key`: (object key, offset,
+        length)), and this node asks a range's owner first. Shares are cut by bytes, not by count: a range goes
+        to the node whose 1/N of the model holds its middle byte. By count, a model's small files and the short
+        last range of each shard made some shares 3 ranges (2.6 MiB of a 32 MB model at N = 16) and others 1:
+        an owner relays its share to every other node, so its uplink carried 41 MB where 31 MB was the mean."""
         place, nodes = self._rank
         if nodes <= 1 or not ranges:
             return ranges
         ranked = self.ranked if len(self.ranked) == nodes else [""] * nodes  # unknown peers: every share "mine"
+        total = max(1, sum(key(r)[2] for r in ranges))
         owners: dict[str, list[tuple[int, str]]] = {}
-        for rank in range(nodes):
-            for r in ranges[len(ranges) * rank // nodes:len(ranges) * (rank + 1) // nodes]:
-                k, offset = key(r)
-                owners.setdefault(k, []).append((offset, ranked[rank] if rank != place else ""))
+        ranks, at = [], 0
+        for r in ranges:
+            k, offset, length = key(r)
+            rank = min(nodes - 1, (2 * at + length) * nodes // (2 * total))  # the share holding its middle byte
+            ranks.append(rank)
+            at += length
+            owners.setdefault(k, []).append((offset, ranked[rank] if rank != place else ""))
         with self._lock:
             self._owners = {k: sorted(v) for k, v in owners.items()}
-        cut = len(ranges) * place // nodes
+        cut = bisect.bisect_left(ranks, place)
         return ranges[cut:] + ranges[:cut]
 
     def _owner(self, key: str, pos: int) -> str | None:

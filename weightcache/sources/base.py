@@ -199,8 +199,9 @@ class Source(Protocol):
         """Nodes that may fetch this model together: this one and its peers."""
         return 1
 
-    def spread(self, ranges: builtins.list[T], key: Callable[[T], tuple[str, int]]) -> builtins.list[T]:
-        """The fetch's ranges in this node's order (its share of a fleet's ranges first)."""
+    def spread(self, ranges: builtins.list[T], key: Callable[[T], tuple[str, int, int]]) -> builtins.list[T]:
+        """The fetch's ranges in this node's order (its share of a fleet's ranges first); `key`: (object key,
+        offset, length)."""
         return ranges
 
     def defer_while(self, may_defer: Callable[[], bool]) -> None:
