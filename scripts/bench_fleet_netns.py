@@ -288,9 +288,9 @@ def inject(net: Net, daemons: list[Daemon], roles: dict[int, str], outage: subpr
         net.limit_both(name, net.link_mbps)
 
 
-WHY = (("no byte for", "pending expired"), (" cut", "after a cut"), (" failed", "after a failure"),
-       ("gone", "holder gone"), (", 0 holders", "no holder known"), ("own share", "own share"),
-       ("judging", "judging a peer"))
+WHY = (("no byte for", "pending expired"), ("next in rank", "taken over"), (" cut", "after a cut"),
+       (" failed", "after a failure"), ("gone", "holder gone"), (", 0 holders", "no holder known"),
+       ("own share", "own share"), ("judging", "judging a peer"))
 
 
 def origin_reads(log_text: str) -> dict[str, float]:

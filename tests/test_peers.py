@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing, contextmanager
 from pathlib import Path
 
 import pytest
@@ -19,9 +21,10 @@ from tests.peers_fleet import Fleet, FleetNode
 from tests.peers_fleet import origin_bytes as fleet_origin_bytes
 from weightcache.download import PartialFile
 from weightcache.peers import PeerClient, PeerSet
+from weightcache.peers import source as source_module
 from weightcache.peers.inflight import InFlight
-from weightcache.peers.source import Later
-from weightcache.sources import open_source
+from weightcache.peers.source import GRACE_S, Later, PeerSource
+from weightcache.sources import ObjectInfo, open_source
 from weightcache.store import Snapshot
 from weightcache.uri import parse_ref
 
@@ -271,12 +274,12 @@ def test_a_peer_killed_while_others_wait_on_it_costs_only_a_fall_back_to_the_ori
     assert b.fetchers[-1].stats["origin_bytes"] > 0
 
 
-def test_a_range_whose_owner_has_not_started_it_is_asked_again_less_and_less_often(origin: FaultProxy, fleet: Fleet,
-                                                                                   tmp_path: Path) -> None:
-    """The owner of a range downloads the blob but has not started that range ("missing"): the asker comes back
-    after UNSTARTED_S, then twice as long each time up to UNSTARTED_MAX_S, instead of every 0.2 s (16 daemons
-    starting seconds apart asked each other about 150 times a second each). Once the owner reads the range
-    ("not yet") the count starts over."""
+@contextmanager
+def asking_an_owner(origin: FaultProxy, fleet: Fleet, tmp_path: Path) -> Iterator[tuple[PeerSource, InFlight, str,
+                                                                                      ObjectInfo]]:
+    """A node downloading the big file (registered, nothing of it claimed or read yet), and the PeerSource of a
+    node that ranks after it ("http://127.0.0.2" sorts after it): the owner's share is the first half of the
+    file, the asker's the second. Yields (asker, the owner's InFlight, the file's sha256, the file)."""
     big = "model-00001.safetensors.bin"
     sha = hashlib.sha256(FILES[big]).hexdigest()
     owner = fleet.node("owner")
@@ -285,27 +288,14 @@ def test_a_range_whose_owner_has_not_started_it_is_asked_again_less_and_less_oft
     part = PartialFile(tmp_path / "big.part", obj, range_size=1 << 16)
     part.open()
     inflight = owner.peers.inflight
-    inflight.add(sha, part)  # downloading the blob, nothing of it claimed or read yet
-    # this node ranks after the owner ("http://127.0.0.2" sorts after it): the owner's share is the first half
+    inflight.add(sha, part)
     peers = PeerSet([PeerClient(owner.url, TOKEN, connect_timeout=2.0, read_timeout=5.0)], inflight=InFlight(),
                     self_url="http://127.0.0.2:1")
     asker = peers.wrap(source, {obj.key: (sha, obj.size)})
     half = obj.size // 2
     asker.spread([(obj.key, 0, half), (obj.key, half, obj.size - half)], key=lambda r: r)
-    asker.defer_while(lambda: True)  # other ranges wait: a range waiting on its owner is put back (Later)
-    buf = memoryview(bytearray(256 << 10))
-
-    def ask() -> float | None:
-        with pytest.raises(Later) as later:
-            next(asker.read_pieces(obj, 0, half, buf))
-        return later.value.delay
-
     try:
-        assert [ask() for _ in range(6)] == [0.2, 0.4, 0.8, 1.0, 1.0, 1.0]
-        claim = inflight.claim(sha, 0, half)  # the owner reads it now: "not yet", no rate to say when yet
-        assert ask() is None
-        inflight.release(claim)
-        assert ask() == 0.2
+        yield asker, inflight, sha, obj
     finally:
         inflight.remove(sha, part)
         part.close()
@@ -337,3 +327,107 @@ def test_a_fleets_shares_are_cut_by_bytes_so_no_owner_relays_much_more_than_its_
     total = sum(n for _, _, n in ranges)
     assert sum(shares.values()) == total  # every range has exactly one owner
     assert max(shares.values()) < (2 << 20) + 4096  # two 1 MiB ranges and the small files at most
+
+
+def test_a_range_whose_owner_has_not_started_it_is_asked_again_less_and_less_often(origin: FaultProxy, fleet: Fleet,
+                                                                                   tmp_path: Path) -> None:
+    """The owner of a range downloads the blob but has not started that range ("missing"): the asker comes back
+    after UNSTARTED_S, then twice as long each time up to UNSTARTED_MAX_S, instead of every 0.2 s (16 daemons
+    starting seconds apart asked each other about 150 times a second each). Once the owner reads the range
+    ("not yet") the count starts over."""
+    buf = memoryview(bytearray(256 << 10))
+    with asking_an_owner(origin, fleet, tmp_path) as (asker, inflight, sha, obj):
+        half = obj.size // 2
+        asker.defer_while(lambda: True)  # other ranges wait: a range waiting on its owner is put back (Later)
+
+        def ask() -> float | None:
+            with pytest.raises(Later) as later:
+                next(asker.read_pieces(obj, 0, half, buf))
+            return later.value.delay
+
+        assert [ask() for _ in range(6)] == [0.2, 0.4, 0.8, 1.0, 1.0, 1.0]
+        claim = inflight.claim(sha, 0, half)  # the owner reads it now: "not yet", no rate to say when yet
+        assert ask() is None
+        inflight.release(claim)
+        assert ask() == 0.2
+
+
+def test_a_node_still_listing_the_model_is_waited_for_not_its_share_read_from_the_origin(origin: FaultProxy,
+                                                                                         fleet: Fleet) -> None:
+    """B is asked for the model with A1 and A2, but its listing is held at the origin past GRACE_S (a busy daemon,
+    an origin answering 503, a slow HEAD). B's peer server answers the blobs it lacks "planning" meanwhile (an idle
+    node answers plain "no"), so A1 and A2 wait for B's share rather than each read it from the origin once their
+    grace is over (before: 1.3x the model at N = 16 where one node started late, 1.75x with the origin down 10 s)."""
+    big = "model-00001.safetensors.bin"
+    sha, size = hashlib.sha256(FILES[big]).hexdigest(), len(FILES[big])
+    nodes = [fleet.node(name) for name in ("a1", "a2", "b")]
+    for node in nodes:
+        fleet.connect(node, [o.url for o in nodes if o is not node])
+    a1, a2, b = nodes
+    look = PeerClient(b.url, TOKEN, connect_timeout=2.0, read_timeout=5.0)
+    hold = origin.add("hold", method="GET", path="/models", count=1)  # B's first GET: its listing
+    pool = ThreadPoolExecutor(3)
+    try:
+        assert look.probe(sha, size) is None  # idle: nothing to wait for
+        b_done = pool.submit(ensure, b, origin)
+        assert hold.arrived.wait(30)
+        assert "list-type=2" in origin.requests_for("GET", "/models")[0].query
+        assert look.probe(sha, size) == "planning"
+        a_done = [pool.submit(ensure, a, origin) for a in (a1, a2)]
+        # both ask B for its share and are told "planning" past their grace (GRACE_S from their first ask)
+        wait_until(lambda: all(a.peers.inflight.get(sha) is not None for a in (a1, a2)), timeout=30,
+                   what="a1 and a2 to register their downloads", every=0.02)
+        time.sleep(GRACE_S + 1.5)
+        assert not b_done.done()
+        hold.release.set()
+        for done in (b_done, *a_done):
+            assert_model(done.result(60))
+    finally:
+        hold.release.set()
+        pool.shutdown()
+        look.close()
+    ratio = origin_bytes(origin) / MODEL_BYTES
+    print(f"B listed {GRACE_S + 1.5:.1f} s late: origin sent {ratio:.3f}x the model")
+    # B read its own share itself and served it to A1 and A2 (before: they each read it from the origin once
+    # their grace was over, about 1.6x the model, and B took it from them)
+    assert all(a.peers.stats.bytes_by_peer.get(b.url, 0) > 0 for a in (a1, a2))
+    # the origin sent the model once, and at most a piece for each node to judge each complete holder's first
+    # piece by (A1 and A2 publish the blobs their two shares make whole before B starts: "The lying peer")
+    assert origin_bytes(origin) <= MODEL_BYTES + 4 * JUDGED
+
+
+def test_a_range_waits_on_its_owner_as_long_as_pieces_take_from_the_origin(origin: FaultProxy, fleet: Fleet,
+                                                                           tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The owner reads its range from the origin ("not yet") no faster than this node's own origin connections:
+    a range waits on it without a byte for PENDING_PIECES pieces at this fetch's own origin rate, not PENDING_S
+    alone (behind one 1 MB/s origin link shared by 11 nodes a piece took 9 s, owners' relays went 15 s without a
+    byte, and every node handed the live owners' ranges on: 0.6x the model more), and then gives up on it."""
+    monkeypatch.setattr(source_module, "PENDING_S", 0.5)  # the floor, short; the fetch's rate makes it 2.6 s
+    origin.add("throttle", method="GET", path="/models/llama/", ranged_only=True, rate=400_000, count=-1)
+    piece = 256 << 10
+    buf = memoryview(bytearray(piece))
+    with asking_an_owner(origin, fleet, tmp_path) as (asker, inflight, sha, obj):
+        half = obj.size // 2
+        claim = inflight.claim(sha, 0, half)  # the owner reads its share now, and no piece of it has landed yet
+        try:
+            with closing(asker.read_pieces(obj, half, piece, buf)) as own:  # this node's share: its origin rate
+                assert sum(len(view) for _, view in own) == piece
+            asker.defer_while(lambda: True)
+            started = time.monotonic()
+
+            def waits() -> bool:
+                try:
+                    with closing(asker.read_pieces(obj, 0, half, buf)) as pieces:
+                        next(pieces)
+                    return False  # a piece from the origin: it gave up on the owner
+                except Later:
+                    return True
+
+            while time.monotonic() - started < 1.5:  # three times PENDING_S: still waiting on the owner
+                assert waits(), f"gave up on the owner after {time.monotonic() - started:.1f} s"
+                time.sleep(0.1)
+            wait_until(lambda: not waits(), timeout=10, what="the asker to give up on the owner", every=0.1)
+            assert time.monotonic() - started < 8  # 4 pieces at about 400 kB/s, not for ever
+        finally:
+            inflight.release(claim)

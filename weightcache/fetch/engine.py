@@ -40,6 +40,7 @@ from weightcache.uri import ModelRef
 
 if TYPE_CHECKING:
     from weightcache.peers import PeerSet
+    from weightcache.peers.inflight import Planning
 
 log = logging.getLogger(__name__)
 
@@ -206,11 +207,18 @@ class Fetcher:
         ref = grant.ref
         reporter = Reporter(ref.uri, self._progress_path(ref), progress)
         reporter.phase("listing")
-        source = self._open_source(ref)
+        # peers that wait on this node for its share of the model wait on while it lists and plans
+        plan = self.peers.inflight.planning() if self.peers is not None else None
+        try:
+            source = self._open_source(ref)
+        except BaseException:
+            if plan is not None:
+                plan.done()
+            raise
         try:
             for attempt in range(1, MAX_RESTARTS + 1):
                 try:
-                    return self._fetch_once(grant, source, reporter, handover)
+                    return self._fetch_once(grant, source, reporter, handover, plan)
                 except (ObjectChangedError, BlobMissingError) as exc:
                     if attempt == MAX_RESTARTS:
                         raise
@@ -220,6 +228,8 @@ class Fetcher:
             reporter.phase("failed", str(exc))
             raise
         finally:
+            if plan is not None:
+                plan.done()
             source.close()
             drop_progress_files(self._progress_path(ref))
 
@@ -233,7 +243,8 @@ class Fetcher:
                                               connect_timeout=self.connect_timeout, read_timeout=self.read_timeout,
                                               cancel=self._closing, limits=self.limits, clients=self.clients))
 
-    def _fetch_once(self, grant: Grant, source: Source, reporter: Reporter, handover: HandOver | None) -> Snapshot:
+    def _fetch_once(self, grant: Grant, source: Source, reporter: Reporter, handover: HandOver | None,
+                    plan: Planning | None = None) -> Snapshot:
         ref = grant.ref
         started = time.monotonic()
         # tar layers (oci://): listed as one hidden object each, downloaded and verified like any file, then
@@ -259,6 +270,8 @@ class Fetcher:
             source = self.peers.wrap(source, digests)
         self.store.ensure_space(sum(i.obj.size for i in todo) - resumed, uri=ref.uri)
         each = handover or (HandOver(None, self.store) if len(todo) <= FEW_FILES else None)
+        if plan is not None:  # its downloads are registered as the transfer opens them (peers: "empty")
+            plan.done()
         try:
             fetched = Transfer(self.store, source, reporter, each, self.peers, self.chunk_size, self.concurrency,
                                self._closing, self._count).download(todo)

@@ -37,6 +37,8 @@ _CONTENT_RANGE = re.compile(r"bytes ([0-9]{1,19})-([0-9]{1,19})/[0-9]{1,19}")
 PARTIAL_HEADER = "X-Weightcache-Partial"  # set on answers about a blob still being downloaded
 NOT_YET_HEADER = "X-Weightcache-Not-Yet"  # beside it on a 404: the peer is reading those bytes from the origin now
 RETRY_MS_HEADER = "X-Weightcache-Retry-Ms"  # beside that: when the peer expects the first of them journalled
+# on a 404 for a blob the peer lacks: a fetch of its is listing and planning now (it may be of this blob)
+PLANNING_HEADER = "X-Weightcache-Planning"
 JSON = "application/json"  # the media type of a ?digests= answer (server.PeerServer._digests: json_response)
 _RETRY_MS = re.compile(r"[0-9]{1,6}")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -132,11 +134,12 @@ class PeerClient:
     def holds(self, sha256: Blob, size: int) -> bool:
         """The peer says it has the blob, with the size the origin lists (a different size: not the same blob,
         so no point asking). Refusals read as 'no'; PeerUnreachable when the peer cannot be reached."""
-        return self.probe(sha256, size) is not None
+        return self.probe(sha256, size) in ("blob", "partial", "empty")
 
     def probe(self, sha256: Blob, size: int) -> str | None:
         """"blob" (published there), "partial" (downloading it now), "empty" (downloading it, nothing read from
-        the origin yet) or None (neither, or another size)."""
+        the origin yet), "planning" (lacks it, and a fetch of its has yet to register its downloads: it may be
+        about to download it) or None (neither, or another size)."""
         try:
             resp = self._pool.request("HEAD", self.blob_url(sha256), headers=self._auth, redirect=False)
         except NETWORK_ERRORS as exc:
@@ -144,6 +147,8 @@ class PeerClient:
         if resp.status == 401:
             log.warning("peer %s refuses our token (401): the daemons' peerTokenFile must hold the same token",
                         self.url)
+        if resp.status == 404 and resp.headers.get(PLANNING_HEADER) == "1":
+            return "planning"
         if resp.status != 200 or resp.headers.get("Content-Length") != str(size):
             return None
         partial = resp.headers.get(PARTIAL_HEADER)

@@ -64,6 +64,7 @@ class InFlight:
         # are not recorded, since they could belong to either part
         self._others: dict[str, list[PartialFile]] = {}
         self._claims: list[Claim] = []
+        self._planning = 0  # fetches of this node that have yet to register their downloads (`planning`)
 
     def add(self, sha256: str, part: PartialFile) -> None:
         with self._lock:
@@ -82,6 +83,20 @@ class InFlight:
                 others[:] = [p for p in others if p is not part]
                 if not others:
                     del self._others[sha256]
+
+    def planning(self) -> Planning:
+        """A fetch of this node begins: until it registers its downloads (`Planning.done`) the peer server answers
+        a blob it lacks with "planning" (its fetch may be of that blob), and a node waiting on this one for its
+        share of a model waits on rather than read that share from the origin after its grace: a daemon slow to
+        list and plan (a busy CPU, an origin answering 503) lost its share to every other node of the fleet
+        (docs/peers.md, "Nodes started together")."""
+        with self._lock:
+            self._planning += 1
+        return Planning(self)
+
+    def is_planning(self) -> bool:
+        with self._lock:
+            return self._planning > 0
 
     def get(self, sha256: str) -> PartialFile | None:
         with self._lock:
@@ -136,3 +151,16 @@ class InFlight:
         with self._lock:
             return any(c.sha256 == sha256 and c.start <= pos < c.end and now - c.touched < STALL_S
                        for c in self._claims)
+
+
+class Planning:
+    """One fetch's planning (InFlight.planning); `done` once its downloads are registered or it failed."""
+
+    def __init__(self, inflight: InFlight) -> None:
+        self._inflight: InFlight | None = inflight
+
+    def done(self) -> None:
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            with inflight._lock:
+                inflight._planning -= 1

@@ -1,6 +1,8 @@
 """The peer server: a node's verified blobs, read-only, to other weightcache daemons holding the shared token.
 
-    HEAD /v1/blobs/sha256/<64 hex>     200 with Content-Length when the blob is published here, else 404
+    HEAD /v1/blobs/sha256/<64 hex>     200 with Content-Length when the blob is published here, else 404 (with
+                                       X-Weightcache-Planning: 1 while a fetch here lists and plans: it may
+                                       download this blob within seconds)
     GET  /v1/blobs/sha256/<64 hex>     the body; one `Range: bytes=a-b` (or a-, -n) answers 206, else 200
     GET  /v1/engine-caches/<40 hex>    {"files": [[path, size, sha256], ...]} of an engine cache the node's admin
                                        put (docs/engine-caches.md, "Peers"), by its snapshot id; 404 for any
@@ -46,7 +48,7 @@ from aiohttp import web
 
 from weightcache.download import PartialFile
 from weightcache.listener import ConnectionLimits, GuardedTCPSite
-from weightcache.peers.client import NOT_YET_HEADER, PARTIAL_HEADER, RETRY_MS_HEADER
+from weightcache.peers.client import NOT_YET_HEADER, PARTIAL_HEADER, PLANNING_HEADER, RETRY_MS_HEADER
 from weightcache.peers.identity import OriginId, record_matches
 from weightcache.peers.inflight import InFlight
 from weightcache.ratelimit import Limiter
@@ -146,14 +148,21 @@ class PeerServer:
         try:  # one thread hop for both: the published blob, else the download in flight
             fd, partial = await asyncio.to_thread(self._open_held, digest)
         except FileNotFoundError:
-            return web.Response(status=404, text="blob not held by this node\n")
+            return self._lacks("blob")
         except OSError as exc:
             log.warning("peer request for blob %s refused: %s", digest, exc)
-            return web.Response(status=404, text="blob not held by this node\n")
+            return self._lacks("blob")
         try:
             return await self._send(request, fd, digest, partial)
         finally:
             os.close(fd)
+
+    def _lacks(self, what: str) -> web.Response:
+        """404 for a blob this node neither holds nor downloads; "planning" while a fetch of this node has yet to
+        register its downloads (InFlight.planning): the asker's fleet waits for it rather than read its share."""
+        planning = self.inflight is not None and self.inflight.is_planning()
+        return web.Response(status=404, headers={PLANNING_HEADER: "1"} if planning else None,
+                            text=f"{what} not held by this node\n")
 
     def _open_held(self, digest: str) -> tuple[int, PartialFile | None]:
         """A read-only fd of the published blob, else of its download in flight (with its PartialFile);
@@ -229,11 +238,11 @@ class PeerServer:
             name = oid.address
             partial = self.inflight.get(name) if self.inflight is not None else None
             if partial is None:
-                return web.Response(status=404, text="object not held by this node\n")
+                return self._lacks("object")
             try:
                 fd = await asyncio.to_thread(os.open, partial.part, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             except OSError:  # finished or discarded meanwhile
-                return web.Response(status=404, text="object not held by this node\n")
+                return self._lacks("object")
         try:
             return await self._send(request, fd, name, partial)
         finally:

@@ -84,12 +84,20 @@ NOT_YET_SLACK_S = 0.1  # the piece is journalled a little after its last byte ca
 # second per node before the first origin byte (docs/peers.md, "Less CPU a fill")
 UNSTARTED_S, UNSTARTED_MAX_S = 0.2, 1.0
 REASK_S = 0.25  # a peer that lacked a blob is asked again after this (nodes started together register late)
+# a peer whose HEAD said "planning" (a fetch of its lists and plans: InFlight.planning) is waited on as the owner of
+# its share this long after it last said so: it registers its downloads moments after its plan is done
+PLANNED_S = 1.0
 BENCH_S = 1.0  # a peer cut as too slow is left out of the fetch this long, doubled each time, up to MAX_BENCH_S
 MAX_BENCH_S = 30.0
 PROVEN_BYTES = 4 << 20  # a peer cut as slow after sending this fetch this much is waited for, not the origin
 DOWN_S = 2.0  # a peer that failed, or sent nothing this long and was cut, is down this long (or its bench's)
 RELAY_FLOOR = SLOW_MIN_BYTES_S // 4  # the rate floor of a range from its owner while it fills the blob (_from_peer)
-PENDING_S = 15.0  # a range waits on peers ("not yet", a bench) at most this long without a byte of it
+PENDING_S = 15.0  # a range waits on peers ("not yet", a bench) at most this long without a byte of it, or longer:
+# as long as PENDING_PIECES pieces take at this fetch's own rate per origin connection, at most MAX_PENDING_S. The
+# owner reads the range at about that rate too: behind one 1 MB/s origin link shared by 11 nodes (--faults) a piece
+# took 9 s, an owner's relay went 15 s without a byte, and every node handed live owners' ranges on (0.6x the model)
+PENDING_PIECES = 4
+MAX_PENDING_S = 60.0
 BAN_S = 600.0  # a peer whose bytes the origin contradicts is not asked for this long; doubled per repeat offence
 MAX_BAN_S = 24 * 3600.0
 VOUCHERS = 2  # other holders asked for a digest of a peer's first piece before the origin judges it
@@ -233,6 +241,7 @@ class _Ask:
     wait: bool  # the range is another node's share: wait for its bytes from that node rather than the origin
     asked: float  # when the range was first asked of peers (monotonic)
     fetch_deadline: float  # until when ranges of others' shares wait for any peer (the fetch's grace)
+    piece: int  # the fetch's piece: how much a peer journals and serves at a time
     pos: int = -1  # the first byte not yet yielded
     outcome: dict[str, str] = field(default_factory=dict)  # peer -> what it last answered (the origin's log line)
     progressed: bool = False  # a peer sent bytes this round
@@ -261,11 +270,11 @@ class _Ask:
         self.progressed = self.downloading = self.pending = self.stop = False
         self.retry_s = None
 
-    def why_origin(self, holders: int, stalled: bool) -> str:
-        """Why the range goes to the origin after all, for its log line."""
+    def why_origin(self, holders: int, stalled: float | None) -> str:
+        """Why the range goes to the origin after all, for its log line (`stalled`: it waited this long)."""
         why = "own share" if not self.wait else f"owner {self.owner}" if self.owner else "no owner"
         why += f", {holders} holders" + "".join(f", {u} {o}" for u, o in sorted(self.outcome.items()))
-        return why + (f", no byte for {PENDING_S:g} s" if stalled else "")
+        return why + (f", no byte for {stalled:.0f} s" if stalled is not None else "")
 
 
 class PeerSource(Source):
@@ -300,6 +309,7 @@ class PeerSource(Source):
         self._unjudged: set[tuple[str, str]] = set()  # (blob, peer): no one vouches, too big for the origin to judge
         self._downloading: set[tuple[str, str]] = set()  # (blob, peer): downloading it when asked (HEAD)
         self._ahead: set[tuple[str, str]] = set()  # (blob, peer): had origin bytes of it at this fetch's first HEAD
+        self._planning: dict[tuple[str, str], float] = {}  # (blob, peer) -> when its HEAD last said "planning"
         self._flows: dict[str, PeerFlow] = {}  # bytes from each peer over all streams (client.PeerFlow)
         self._asked: dict[tuple[str, int], float] = {}  # (key, range end) -> when it was first asked of peers
         self._claimers: set[tuple[str, str]] = set()  # (peer, blob): it answered "not yet" (reads it now)
@@ -384,7 +394,7 @@ class PeerSource(Source):
             self._why_origin(obj, offset, end, "no trusted digest" if trusted is None else "failed verification")
             yield from self._from_origin(obj, offset, end, buf, on_bytes, None)
             return
-        ask = self._begin(obj, offset, end, trusted[0], trusted[1])
+        ask = self._begin(obj, offset, end, trusted[0], trusted[1], len(buf))
         while True:
             ask.new_round()
             self._hand_over(ask)
@@ -408,7 +418,7 @@ class PeerSource(Source):
                 time.sleep(POLL_S if ask.retry_s is None else ask.retry_s)
         yield from self._from_origin(obj, ask.pos, end, buf, on_bytes, ask.name)
 
-    def _begin(self, obj: ObjectInfo, offset: int, end: int, blob: Blob, size: int) -> _Ask:
+    def _begin(self, obj: ObjectInfo, offset: int, end: int, blob: Blob, size: int, piece: int) -> _Ask:
         """A range's asks of peers start: its owner, and the clocks its waits are measured by."""
         owner = self._owner(obj.key, offset)
         with self._lock:
@@ -420,7 +430,7 @@ class PeerSource(Source):
             # from this range's first ask: a range deferred (Later) and taken again waits no longer
             asked = self._asked.setdefault((obj.key, end), time.monotonic())
             self._moved.setdefault((obj.key, end), time.monotonic())
-        return _Ask(obj, blob, size, offset, end, owner, owner not in (None, ""), asked, fetch_deadline)
+        return _Ask(obj, blob, size, offset, end, owner, owner not in (None, ""), asked, fetch_deadline, piece)
 
     def _hand_over(self, ask: _Ask) -> None:
         """The owner, or the next node in rank while the owner is not there for the range, reads it now."""
@@ -451,7 +461,8 @@ class PeerSource(Source):
                 return None
             ask.wait = False  # this node's own range now: asked of the whole blob's holders, then the origin
         holders = self._holders_in_turn(ask.blob, ask.size, first=ask.owner)
-        if any(p.url == ask.owner for p in holders) or not ask.wait:
+        if any(p.url == ask.owner for p in holders) or not ask.wait or \
+                (ask.owner and self._about_to_fetch(ask.name, ask.owner)):
             # only a range's owner reads it from the origin, and a node relays origin bytes only: the other
             # nodes still downloading the blob lack it (asking each cost a request, and on a busy link a cut)
             # A node that started before this one may hold them (a late joiner asks it), and so may the next
@@ -635,21 +646,37 @@ class PeerSource(Source):
         bytes on their way, or read the range from the origin."""
         now = time.monotonic()
         # a peer that served this fetch well and was cut only now is congested, not hostile: wait out its
-        # bench rather than read the range from the origin again; and no wait lasts past PENDING_S without
-        # a byte of this range (a peer answering "not yet" for ever costs that, once)
-        stalled = now - self._moved[ask.span] >= PENDING_S
+        # bench rather than read the range from the origin again; and no wait lasts past PENDING_S (or the
+        # time of PENDING_PIECES pieces from the origin) without a byte of this range (a peer answering "not
+        # yet" for ever costs that, once)
+        stalled = now - self._moved[ask.span] >= self._pending_s(ask.piece)
         if ask.wait and ask.owner and stalled:  # the next node in rank takes it (the others give up on it too)
             with self._lock:
                 self._given_up.setdefault(ask.span, set()).add(ask.owner)
             return "again"
         pending = ask.pending
-        if ask.wait and ask.owner and (now < ask.fetch_deadline or self._fetching(ask.name, ask.owner)):
-            pending = True  # the owner (or the node after it) is fetching the blob: its bytes will come
+        if ask.wait and ask.owner and (now < ask.fetch_deadline or self._fetching(ask.name, ask.owner)
+                                       or self._about_to_fetch(ask.name, ask.owner)):
+            # the owner (or the node after it) is fetching the blob, or listing and planning a fetch: its
+            # bytes will come (an owner that started its share seconds late lost it to every other node, whose
+            # grace was over: 1.31-1.33x the model at N = 16, and 1.75x with an origin answering 503 for 10 s)
+            pending = True
         pending = (pending or self._benched_holder(ask.name, ask.owner)) and not stalled
         if pending or (ask.wait and (now < ask.fetch_deadline or (ask.downloading and now < ask.deadline))):
             return "wait"
-        self._why_origin(ask.obj, ask.pos, ask.end, ask.why_origin(holders, stalled))
+        self._why_origin(ask.obj, ask.pos, ask.end,
+                         ask.why_origin(holders, now - self._moved[ask.span] if stalled else None))
         return "origin"
+
+    def _pending_s(self, piece: int) -> float:
+        """How long a range waits on peers without a byte of it: PENDING_S, or PENDING_PIECES pieces at this
+        fetch's own rate per origin connection (the owner reads the range at about that rate), at most
+        MAX_PENDING_S."""
+        with self._lock:
+            rate = self._origin_rate
+        if not rate:
+            return PENDING_S
+        return min(MAX_PENDING_S, max(PENDING_S, PENDING_PIECES * piece / rate))
 
     @staticmethod
     def _why_origin(obj: ObjectInfo, pos: int, end: int, why: str) -> None:
@@ -711,6 +738,11 @@ class PeerSource(Source):
         """`url` said it holds or downloads the blob (benched or not)."""
         with self._lock:
             return any(p.url == url for p in self._holders.get(sha256, (0.0, []))[1])
+
+    def _about_to_fetch(self, sha256: str, url: str) -> bool:
+        """`url` said within PLANNED_S that a fetch of its lists and plans (it may be about to fetch the blob)."""
+        with self._lock:
+            return time.monotonic() - self._planning.get((sha256, url), -PLANNED_S) < PLANNED_S
 
     def _benched_holder(self, sha256: str, owner: str | None) -> bool:
         """A holder of the blob is benched now that is worth waiting for: it sent this fetch PROVEN_BYTES or more,
@@ -811,6 +843,9 @@ class PeerSource(Source):
         try:
             kind = peer.probe(sha256, size)
             with self._lock:
+                if kind == "planning":  # lacks it, but may be about to fetch it: its share is waited for
+                    self._planning[(blob_key(sha256), peer.url)] = time.monotonic()
+                    return False
                 if kind in ("empty", "partial"):
                     self._downloading.add((blob_key(sha256), peer.url))
                 if kind == "partial" and first_ask:
