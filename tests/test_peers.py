@@ -4,6 +4,7 @@ proxy (which records every ranged GET, so origin bytes are counted where they le
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import time
 from collections.abc import Iterator
@@ -275,30 +276,32 @@ def test_a_peer_killed_while_others_wait_on_it_costs_only_a_fall_back_to_the_ori
 
 
 @contextmanager
-def asking_an_owner(origin: FaultProxy, fleet: Fleet, tmp_path: Path) -> Iterator[tuple[PeerSource, InFlight, str,
-                                                                                      ObjectInfo]]:
-    """A node downloading the big file (registered, nothing of it claimed or read yet), and the PeerSource of a
-    node that ranks after it ("http://127.0.0.2" sorts after it): the owner's share is the first half of the
-    file, the asker's the second. Yields (asker, the owner's InFlight, the file's sha256, the file)."""
+def asking_owners(origin: FaultProxy, fleet: Fleet, tmp_path: Path, owners: int = 1) -> Iterator[
+        tuple[PeerSource, list[FleetNode], str, ObjectInfo]]:
+    """Nodes downloading the big file (registered, nothing of it claimed or read yet), and the PeerSource of a
+    node that ranks after them ("http://127.0.0.2" sorts after them): the file is cut in `owners` + 1 equal
+    shares, the owners' first in rank order, the asker's last. Yields (asker, the owners in rank order, the file's
+    sha256, the file)."""
     big = "model-00001.safetensors.bin"
     sha = hashlib.sha256(FILES[big]).hexdigest()
-    owner = fleet.node("owner")
+    nodes = sorted((fleet.node(f"owner{i}") for i in range(owners)), key=lambda n: n.url)
     source = open_source(REF, endpoint_url=origin.endpoint_url)
     obj = next(o for o in source.list() if o.relpath == big)
-    part = PartialFile(tmp_path / "big.part", obj, range_size=1 << 16)
-    part.open()
-    inflight = owner.peers.inflight
-    inflight.add(sha, part)
-    peers = PeerSet([PeerClient(owner.url, TOKEN, connect_timeout=2.0, read_timeout=5.0)], inflight=InFlight(),
-                    self_url="http://127.0.0.2:1")
+    parts = [PartialFile(tmp_path / f"{n.name}.part", obj, range_size=1 << 16) for n in nodes]
+    for node, part in zip(nodes, parts, strict=True):
+        part.open()
+        node.peers.inflight.add(sha, part)
+    peers = PeerSet([PeerClient(n.url, TOKEN, connect_timeout=2.0, read_timeout=5.0) for n in nodes],
+                    inflight=InFlight(), self_url="http://127.0.0.2:1")
     asker = peers.wrap(source, {obj.key: (sha, obj.size)})
-    half = obj.size // 2
-    asker.spread([(obj.key, 0, half), (obj.key, half, obj.size - half)], key=lambda r: r)
+    cuts = [obj.size * i // (owners + 1) for i in range(owners + 2)]
+    asker.spread([(obj.key, a, b - a) for a, b in itertools.pairwise(cuts)], key=lambda r: r)
     try:
-        yield asker, inflight, sha, obj
+        yield asker, nodes, sha, obj
     finally:
-        inflight.remove(sha, part)
-        part.close()
+        for node, part in zip(nodes, parts, strict=True):
+            node.peers.inflight.remove(sha, part)
+            part.close()
         peers.close()
         source.close()
 
@@ -336,8 +339,8 @@ def test_a_range_whose_owner_has_not_started_it_is_asked_again_less_and_less_oft
     starting seconds apart asked each other about 150 times a second each). Once the owner reads the range
     ("not yet") the count starts over."""
     buf = memoryview(bytearray(256 << 10))
-    with asking_an_owner(origin, fleet, tmp_path) as (asker, inflight, sha, obj):
-        half = obj.size // 2
+    with asking_owners(origin, fleet, tmp_path) as (asker, (owner,), sha, obj):
+        inflight, half = owner.peers.inflight, obj.size // 2
         asker.defer_while(lambda: True)  # other ranges wait: a range waiting on its owner is put back (Later)
 
         def ask() -> float | None:
@@ -407,8 +410,8 @@ def test_a_range_waits_on_its_owner_as_long_as_pieces_take_from_the_origin(origi
     origin.add("throttle", method="GET", path="/models/llama/", ranged_only=True, rate=400_000, count=-1)
     piece = 256 << 10
     buf = memoryview(bytearray(piece))
-    with asking_an_owner(origin, fleet, tmp_path) as (asker, inflight, sha, obj):
-        half = obj.size // 2
+    with asking_owners(origin, fleet, tmp_path) as (asker, (owner,), sha, obj):
+        inflight, half = owner.peers.inflight, obj.size // 2
         claim = inflight.claim(sha, 0, half)  # the owner reads its share now, and no piece of it has landed yet
         try:
             with closing(asker.read_pieces(obj, half, piece, buf)) as own:  # this node's share: its origin rate
@@ -431,3 +434,45 @@ def test_a_range_waits_on_its_owner_as_long_as_pieces_take_from_the_origin(origi
             assert time.monotonic() - started < 8  # 4 pieces at about 400 kB/s, not for ever
         finally:
             inflight.release(claim)
+
+
+def test_a_range_whose_owner_fails_goes_to_the_next_node_in_rank_not_the_origin(origin: FaultProxy, fleet: Fleet,
+                                                                                tmp_path: Path) -> None:
+    """The owner of a range dies after this node's grace is over: asked for the range, it fails, and the range
+    goes to the next node in rank, which this node then waits on, not to the origin (the round had chosen the
+    owner before it failed; with a third of a fleet killed, nodes read dead owners' ranges from the origin as
+    well as the node that took them over)."""
+    buf = memoryview(bytearray(256 << 10))
+    with asking_owners(origin, fleet, tmp_path, owners=2) as (asker, (dead, _), _, obj):
+        third = obj.size // 3
+        with closing(asker.read_pieces(obj, 2 * third, 256 << 10, buf)) as own:  # its own share: the HEADs
+            assert sum(len(view) for _, view in own) == 256 << 10
+        time.sleep(GRACE_S + 0.2)  # the fetch's grace is over
+        fleet.kill(dead)
+        asker.defer_while(lambda: True)
+        before = len(origin.requests_for("GET", "/models/llama/"))
+        with pytest.raises(Later):  # the next node in rank has not started the range ("missing"): waited for
+            next(asker.read_pieces(obj, 0, third, buf))
+        assert len(origin.requests_for("GET", "/models/llama/")) == before  # nothing of it from the origin
+
+
+def test_an_owner_moving_its_download_to_its_blob_is_asked_again_not_the_origin(origin: FaultProxy, fleet: Fleet,
+                                                                                tmp_path: Path) -> None:
+    """The owner answers a plain 404 for a blob it said it was downloading: it is moving the finished download
+    to its blob (or evicted it). The range waits for the owner's next HEAD rather than go to the origin."""
+    buf = memoryview(bytearray(256 << 10))
+    with asking_owners(origin, fleet, tmp_path) as (asker, (owner,), sha, obj):
+        half = obj.size // 2
+        with closing(asker.read_pieces(obj, half, 256 << 10, buf)) as own:  # its own share: the HEADs
+            assert sum(len(view) for _, view in own) == 256 << 10
+        asker.defer_while(lambda: True)
+        claim = owner.peers.inflight.claim(sha, 0, half)
+        with pytest.raises(Later):  # "not yet": the owner reads it
+            next(asker.read_pieces(obj, 0, half, buf))
+        owner.peers.inflight.release(claim)
+        time.sleep(GRACE_S + 0.2)  # the range's grace and the fetch's are over
+        owner.peers.inflight.remove(sha, owner.peers.inflight.get(sha))  # type: ignore[arg-type]
+        before = len(origin.requests_for("GET", "/models/llama/"))
+        with pytest.raises(Later):
+            next(asker.read_pieces(obj, 0, half, buf))
+        assert len(origin.requests_for("GET", "/models/llama/")) == before  # nothing of it from the origin

@@ -504,6 +504,8 @@ class PeerSource(Source):
             ask.outcome[peer.url] = "gone"
             ask.downloading = True  # no fault; probed again after REASK_S: it may serve the blob by then
             self._drop_holder(ask.name, peer)
+            if peer.url == ask.owner:  # most likely moving its finished download to its blob: wait for the
+                ask.pending = ask.stop = True  # probe rather than read the owner's range from the origin
         except PeerRangePending as exc:
             self._not_yet(ask, peer, exc.retry_s)
         except PeerRangeMissing:
@@ -645,6 +647,11 @@ class PeerSource(Source):
         """After a round without a byte: ask again at once (the range's owner was given up on), wait for the
         bytes on their way, or read the range from the origin."""
         now = time.monotonic()
+        if ask.wait and ask.owner and self._serving_owner(ask.obj.key, ask.offset, ask.end, ask.name) != ask.owner:
+            # found not there for it this round (it failed, or its HEAD found it dead): the next node in rank
+            # now, not the origin (the round's owner was chosen before: with a third of a fleet killed, nodes
+            # read dead owners' ranges from the origin as well as the node that took them over)
+            return "again"
         # a peer that served this fetch well and was cut only now is congested, not hostile: wait out its
         # bench rather than read the range from the origin again; and no wait lasts past PENDING_S (or the
         # time of PENDING_PIECES pieces from the origin) without a byte of this range (a peer answering "not
