@@ -10,7 +10,9 @@ the last byte arrived, when the in-order hashing ended, and the GETs made.
     .venv/bin/python scripts/bench_small_fetch.py [--size-gb 0.088] [--runs 9] [--variants default,no-md5,range-8]
 
 Variants: `default`; `no-md5` (the multipart ETag's MD5 left out: what that check costs, for measurement only);
-`range-N` (ranges of N MiB instead of range_size's).
+`in-order-md5` (the part MD5s taken at the in-order frontier only, beside sha256, as before each part took the
+pieces that continue it as they arrived: `CompositeMD5.update_at`); `range-N` (ranges of N MiB instead of
+range_size's).
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ def run(work: Path, variants: list[str], runs: int) -> dict[str, list[tuple[floa
     import weightcache.fetch.transfer as transfer
     import weightcache.sources.s3 as s3
     from weightcache.access import ADMIN, Authority
+    from weightcache.checksums import InOrder
     from weightcache.settings import load_fetch_settings
     from weightcache.store import Store
     from weightcache.uri import parse_ref
@@ -97,9 +100,14 @@ def run(work: Path, variants: list[str], runs: int) -> dict[str, list[tuple[floa
 
     def parts(*a: Any, **k: Any) -> int:
         resumed = open_parts(*a, **k)
-        if variant["name"] == "no-md5":
-            for item in a[2]:
-                item.partial.source_check = item.partial._source_check = None
+        for item in a[2]:
+            part = item.partial
+            if variant["name"] == "no-md5":
+                part.source_check = part._source_check = None
+            elif variant["name"] == "in-order-md5" and part._source_check is not None:
+                factory = part._source_check
+                part._source_check = lambda factory=factory: InOrder(factory())
+                part.source_check = part._source_check()
         return resumed
 
     transfer._Round.arrived, download.PartialFile._feed, s3.S3Source._open_range = on_arrived, on_feed, on_get

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from tests.fixtures_s3 import S3
 from tests.grants import granted
 from weightcache.errors import IntegrityError, NotAllowedError
 from weightcache.fetch import Fetcher
+from weightcache.peers.identity import CompositeMD5
 from weightcache.store import Store
 
 MiB = 1 << 20
@@ -99,6 +101,50 @@ def test_a_bit_flipped_in_a_two_part_object_is_refused(tmp_path: Path, s3: S3, f
 
     good = Fetcher(Store(tmp_path / "good"), endpoint_url=s3.endpoint_url).ensure(granted("s3://models/m/"))
     assert (good.path / "big.bin").read_bytes() == b"".join(parts)
+
+
+@pytest.mark.parametrize("concurrency", [1, 8])
+def test_a_bit_flipped_in_a_part_hashed_as_it_arrived_is_refused(tmp_path: Path, s3: S3, fault_proxy: FaultProxy,
+                                                                 concurrency: int) -> None:
+    """Ranges of 1 MiB pieces (journalled): each part's MD5 takes the pieces that continue it as they arrive, on
+    the worker that read them (one worker: every piece; eight: those in order within their part), the in-order
+    pass the rest. A flipped byte in any range is refused all the same, and the same fetch of good bytes passes."""
+    parts = [os.urandom(5 * MiB), os.urandom(5 * MiB), os.urandom(MiB + 123)]
+    put_multipart(s3, "models", "m/big.bin", parts)
+    fault_proxy.add("flip", method="GET", path="/models/m/big.bin", at=MiB + 5, count=-1)
+    settings: dict[str, Any] = {"chunk_size": MiB, "concurrency": concurrency}
+    fetcher = Fetcher(Store(tmp_path / "root"), endpoint_url=fault_proxy.endpoint_url, **settings)
+    with pytest.raises(IntegrityError, match=r"big\.bin: md5-parts:5242880 .* does not match"):
+        fetcher.ensure(granted("s3://models/m/"))
+    assert fetcher.store.list() == []
+
+    good = Fetcher(Store(tmp_path / "good"), endpoint_url=s3.endpoint_url, **settings)
+    snap = good.ensure(granted("s3://models/m/"))
+    assert (snap.path / "big.bin").read_bytes() == b"".join(parts)
+    assert good.store.source_checks(snap.id) == {"big.bin": "multipart-md5"}
+
+
+@pytest.mark.parametrize("piece", [MiB, 3 * MiB, 7 * MiB])
+def test_part_md5s_taken_as_pieces_arrive_in_any_order_give_the_multipart_etag(piece: int) -> None:
+    parts = [os.urandom(5 * MiB), os.urandom(5 * MiB), os.urandom(MiB + 123)]
+    body = b"".join(parts)
+    etag = hashlib.md5(b"".join(hashlib.md5(p).digest() for p in parts)).hexdigest() + "-3"
+    pieces = [(at, memoryview(body)[at:at + piece]) for at in range(0, len(body), piece)]
+    for seed in range(6):
+        check = CompositeMD5(5 * MiB)
+        for at, view in random.Random(seed).sample(pieces, len(pieces))[:seed]:  # the first `seed` to arrive
+            check.update_at(at, view)
+        for at in range(0, len(body), 2 * MiB + 1):  # the in-order pass, in steps that match no piece
+            check.update(memoryview(body)[at:at + 2 * MiB + 1])
+        assert check.hexdigest() == etag
+
+    flipped = bytearray(body)
+    flipped[6 * MiB] ^= 1
+    check = CompositeMD5(5 * MiB)
+    for at, _ in pieces:
+        check.update_at(at, memoryview(flipped)[at:at + piece])
+    check.update(flipped)
+    assert check.hexdigest() != etag
 
 
 def test_require_source_checksum_refuses_a_file_nothing_verifies(tmp_path: Path, s3: S3, plain: Any,

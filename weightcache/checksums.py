@@ -25,6 +25,35 @@ class Hasher(Protocol):
     def hexdigest(self) -> str: ...
 
 
+class SourceCheck(Protocol):
+    """A source's checksum over a download. `update` takes every byte in order; `update_at` is offered each
+    piece as it arrives, in any order, and takes what the algorithm can (a multipart ETag's part MD5s:
+    peers/identity.py, CompositeMD5), so that `update` then passes over it."""
+
+    def update(self, data: bytes | memoryview, /) -> None: ...
+
+    def update_at(self, offset: int, data: memoryview, /) -> None: ...
+
+    def hexdigest(self) -> str: ...
+
+
+class InOrder:
+    """The SourceCheck of a hasher that takes bytes in order only (an MD5, a CRC): `update_at` leaves them all
+    to `update`."""
+
+    def __init__(self, hasher: Hasher) -> None:
+        self._hasher = hasher
+
+    def update(self, data: bytes | memoryview, /) -> None:
+        self._hasher.update(data)
+
+    def update_at(self, offset: int, data: memoryview, /) -> None:
+        pass
+
+    def hexdigest(self) -> str:
+        return self._hasher.hexdigest()
+
+
 class Crc:
     """A CRC as a hashlib-style object. Cheap enough to run where the bytes are (no thread of its own:
     `CRCS` names the algorithms that are)."""

@@ -9,7 +9,9 @@ not match the object (new ETag, size or version) discards both files: a body is 
 Chunks finish out of order; whichever worker completes the next contiguous range feeds it to sha256 (and to
 the source's own checksum, on a thread beside it: a full-object CRC32 or the like, or the MD5 an ETag is), from
 its own buffer when the chunk it just wrote is next, else from the page cache through a read-only mapping (no
-copy; read into a buffer only when pages were evicted), so hashing overlaps the download.
+copy; read into a buffer only when pages were evicted), so hashing overlaps the download. A multipart ETag's
+part MD5s need no order across parts: each chunk is offered to them by the worker that wrote it, while it is in
+that core's cache (`SourceCheck.update_at`), and the in-order pass takes only what they could not.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from weightcache.checksums import Hasher
+    from weightcache.checksums import SourceCheck
     from weightcache.sources import ObjectInfo
 
 
@@ -53,7 +55,7 @@ class PartialFile:
     """Download state of one object; thread-safe for many workers writing disjoint chunks."""
 
     def __init__(self, part: Path, obj: ObjectInfo, *, range_size: int,
-                 source_check: Callable[[], Hasher] | None = None, check_beside: bool = True,
+                 source_check: Callable[[], SourceCheck] | None = None, check_beside: bool = True,
                  journalled: bool = True, drop_behind: bool = False) -> None:
         """`check_beside`: the source check is slow enough (MD5) to run on a thread beside sha256; a CRC is not
         (its hand-over to a thread cost more CPU than the CRC itself: 0.92 against 0.81 CPU s/GiB with sha256).
@@ -72,7 +74,7 @@ class PartialFile:
         self._dropped_to = 0  # bytes below this are written back and out of the page cache (_drop_behind)
         self.sha256 = hashlib.sha256()
         self._source_check = source_check
-        self.source_check: Hasher | None = source_check() if source_check else None  # the source's checksum
+        self.source_check: SourceCheck | None = source_check() if source_check else None  # the source's checksum
         self._check_beside = check_beside
         self.resumed_bytes = 0
         self._fd = -1
@@ -167,6 +169,8 @@ class PartialFile:
             view, pos = view[n:], pos + n
         if self._jfd >= 0:
             os.write(self._jfd, f"{offset} {len(data)}\n".encode())
+        if self.source_check is not None:  # what of it the check can take now, while it is in this core's cache
+            self.source_check.update_at(offset, data)
         if pos % WRITEBACK_STEP == 0:
             _start_writeback(self._fd, pos - WRITEBACK_STEP, WRITEBACK_STEP)
         with self._mu:

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from weightcache.checksums import CRCS, Hasher, new_hasher
+from weightcache.checksums import CRCS, InOrder, SourceCheck, new_hasher
 from weightcache.download import PartialFile
 from weightcache.errors import NotAllowedError, SourceNotFoundError
 from weightcache.fetch.items import Item, partial
@@ -248,19 +248,23 @@ class _AnyPartSize:
         for hasher in self._each:
             hasher.update(data)
 
+    def update_at(self, offset: int, data: memoryview) -> None:
+        for hasher in self._each:
+            hasher.update_at(offset, data)
+
     def hexdigest(self) -> str:
         return " ".join(h.hexdigest() for h in self._each)
 
 
-def _hasher_factory(algorithm: str) -> Callable[[], Hasher]:
+def _hasher_factory(algorithm: str) -> Callable[[], SourceCheck]:
     if algorithm == "md5":
-        return lambda: hashlib.md5(usedforsecurity=False)
+        return lambda: InOrder(hashlib.md5(usedforsecurity=False))
     if algorithm.startswith(COMPOSITE) and "," in algorithm:
         sizes = [int(size) for size in algorithm[len(COMPOSITE):].split(",")]
         return lambda: _AnyPartSize(sizes)
     if (composite := composite_factory(algorithm)) is not None:  # a multipart ETag of uniform parts
         return composite
-    return lambda: new_hasher(algorithm) or hashlib.sha256()  # _source_check keeps only computable ones
+    return lambda: InOrder(new_hasher(algorithm) or hashlib.sha256())  # _source_check keeps only computable ones
 
 
 def _drop_leftover_parts(parts: Path, started_over: list[PartialFile]) -> None:

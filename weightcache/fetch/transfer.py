@@ -235,8 +235,10 @@ class _Round:
             taken = self.reading.split()
             if taken is not None:
                 self.read(*taken)
-            elif self.abort.wait(0.05):
-                return
+            else:
+                self.reading.wait_end(0.05)
+                if self.abort.is_set():
+                    return
             self.check_cancel()
 
     def run(self) -> int:
@@ -286,6 +288,7 @@ class _Reading:
     def __init__(self, piece: int) -> None:
         self.piece = piece
         self._mu = threading.Lock()
+        self._ended = threading.Condition(self._mu)
         self._ranges: dict[int, _Range] = {}
 
     def begin(self, item: Item, start: int, end: int) -> _Range:
@@ -304,11 +307,20 @@ class _Reading:
         """The range is done with; returns where it ends now (an idle worker may have taken its back half)."""
         with self._mu:
             self._ranges.pop(id(entry), None)
+            self._ended.notify_all()
             return entry.end
 
     def busy(self) -> bool:
         with self._mu:
             return bool(self._ranges)
+
+    def wait_end(self, timeout: float) -> None:
+        """Wait until a range ends or `timeout` passes (a stall to look for again). The workers with no task
+        left wait here for the last range: waking only every 50 ms, they held the round's end, and the fetch,
+        by up to that after its last byte was hashed (36 ms of an 88 MB fetch's 0.55 s)."""
+        with self._mu:
+            if self._ranges:
+                self._ended.wait(timeout)
 
     def split(self) -> Piece | None:
         """The back half of the stalled range with the most bytes left, or None."""
