@@ -3,8 +3,9 @@ interpreter start, imports or client built), phase by phase, and what each of a 
 
 Ceph radosgw on 127.0.0.1 (tests_objstores/servers.py) holds a model of --size-gb in one shard, uploaded as
 `aws s3 cp` would (multipart from 8 MiB, so the shard is checked by the MD5 of its part MD5s). One Fetcher with
-the daemon's settings (load_fetch_settings) fetches it once to warm botocore, then --runs times per variant,
-interleaved (a new order each run), each into a new store: wall and process CPU seconds of `Fetcher.ensure`, when
+the daemon's settings (load_fetch_settings) and a ClientPool as the daemon's (its botocore client kept between
+fetches) fetches it once to warm botocore, then --runs times per variant, interleaved (a new order each run),
+each into a new store: wall and process CPU seconds of `Fetcher.ensure`, when
 the last byte arrived, when the in-order hashing ended, and the GETs made.
 
     .venv/bin/python scripts/bench_small_fetch.py [--size-gb 0.088] [--runs 9] [--variants default,no-md5,range-8]
@@ -72,6 +73,7 @@ def run(work: Path, variants: list[str], runs: int) -> dict[str, list[tuple[floa
     from weightcache.access import ADMIN, Authority
     from weightcache.checksums import InOrder
     from weightcache.settings import load_fetch_settings
+    from weightcache.sources.base import ClientPool
     from weightcache.store import Store
     from weightcache.uri import parse_ref
 
@@ -115,7 +117,7 @@ def run(work: Path, variants: list[str], runs: int) -> dict[str, list[tuple[floa
 
     ref = parse_ref("s3://bench/model/")
     grant = Authority().authorize(ref, ADMIN)
-    fetcher = load_fetch_settings().fetcher(Store(work / "warm"), ref)
+    fetcher = load_fetch_settings().with_peers(None, clients=ClientPool()).fetcher(Store(work / "warm"), ref)
     fetcher.ensure(grant)  # botocore's client built and kept, as in a daemon that fetched before
     rows: dict[str, list[tuple[float, ...]]] = {v: [] for v in variants}
     for n in range(runs):
