@@ -476,3 +476,21 @@ def test_an_owner_moving_its_download_to_its_blob_is_asked_again_not_the_origin(
         with pytest.raises(Later):
             next(asker.read_pieces(obj, 0, half, buf))
         assert len(origin.requests_for("GET", "/models/llama/")) == before  # nothing of it from the origin
+
+
+def test_a_node_takes_the_share_before_its_own_second_the_one_it_takes_over(tmp_path: Path) -> None:
+    """A share whose owner is not there (killed, cut off) goes to the next node in rank: each node asks for its own
+    share first and for the one before it in rank second, so it takes a dead owner's share at the start of the
+    fill, not after every other share (with a third of 16 nodes killed it took them 15-55 s in)."""
+    urls = [f"http://10.0.0.{i}:9479" for i in range(10, 14)]
+    ranges = [("shard", at, 1 << 20) for at in range(0, 8 << 20, 1 << 20)]  # two ranges a node
+    source = open_source(parse_ref(f"file://{tmp_path}/"))
+    for place, me in enumerate(urls):
+        peers = PeerSet([PeerClient(u, TOKEN, connect_timeout=1.0, read_timeout=1.0) for u in urls if u != me],
+                        self_url=me)
+        node = peers.wrap(source, {})
+        order = node.spread(ranges, key=lambda r: r)
+        owners = [urls.index(node._owner(k, at) or me) for k, at, _ in order]
+        before = (place - 1) % len(urls)
+        assert owners[:4] == [place, place, before, before]  # its own share, then the one it would take over
+        peers.close()

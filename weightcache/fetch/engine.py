@@ -270,11 +270,10 @@ class Fetcher:
             source = self.peers.wrap(source, digests)
         self.store.ensure_space(sum(i.obj.size for i in todo) - resumed, uri=ref.uri)
         each = handover or (HandOver(None, self.store) if len(todo) <= FEW_FILES else None)
-        if plan is not None:  # its downloads are registered as the transfer opens them (peers: "empty")
-            plan.done()
         try:
+            # the plan is done once its downloads are registered (peers' HEADs: "empty", not a plain 404)
             fetched = Transfer(self.store, source, reporter, each, self.peers, self.chunk_size, self.concurrency,
-                               self._closing, self._count).download(todo)
+                               self._closing, self._count, plan.done if plan is not None else None).download(todo)
         finally:  # the blobs have their names now (or the fetch failed): peers find one or nothing
             serve_partials(self.peers, todo, False)
         reporter.phase("publishing")

@@ -59,6 +59,8 @@ class Transfer:
     concurrency: int
     closing: threading.Event  # the Fetcher's: set, every read stops at its next chunk
     count: Callable[[str, int], None]  # Fetcher stats: origin_bytes, peer_bytes
+    # called once the round's downloads are registered with this node's peer server (Fetcher: the plan is done)
+    serving: Callable[[], None] | None = None
 
     def download(self, todo: list[Item]) -> int:
         """Download every item; a file failing verification is refetched once. Returns origin bytes."""
@@ -110,6 +112,8 @@ class Transfer:
             raise _space_error(exc, items, self.store) from exc
         self.reporter.add(sum(partial(i).resumed_bytes for i in items), 0)
         serve_partials(self.peers, items, True)
+        if self.serving is not None:
+            self.serving()
         # peers: nodes started together fetch different ranges first
         pieces = self.source.spread(_finer(pieces, self.source.nodes, min(PIECE, self.chunk_size)),
                                     lambda p: (p[0].obj.key, p[1], p[2]))
