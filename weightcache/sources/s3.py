@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import builtins
+import copy
 import functools
 import hashlib
 import http.client
@@ -38,6 +39,7 @@ if _PYOPENSSL not in sys.modules:
     finally:
         del sys.modules[_PYOPENSSL]
 import botocore.exceptions
+import botocore.hooks
 import botocore.loaders
 import botocore.session
 import msgspec
@@ -156,6 +158,20 @@ _LOADER = _Loader(file_loader=_JsonFiles())
 
 # held while `warm` parses: a fetch that starts meanwhile waits for that parse instead of doing it a second time
 _warming = threading.Lock()
+_handlers: list[botocore.hooks.HierarchicalEmitter] = []  # botocore's builtin event handlers, registered once
+
+
+def _session() -> botocore.session.Session:
+    """A botocore session of its own for one source (held `_warming`), its builtin event handlers copied from
+    ones registered once per process, as each client copies its session's (the emitter's own __copy__): a new
+    `Session()` registered all ~1,200 again, each signature checked by inspect, 9-15 ms of every fetch before
+    its LIST (docs/fetch.md, "Small models")."""
+    if not _handlers:
+        _handlers.append(botocore.hooks.HierarchicalEmitter())
+        botocore.session.Session(event_hooks=_handlers[0])  # registers the builtin handlers on it
+    session = botocore.session.Session(event_hooks=copy.copy(_handlers[0]), include_builtin_handlers=False)
+    session.register_component("data_loader", _LOADER)
+    return session
 
 
 def _client(endpoint_url: str | None, config: Config, settings: tuple[Any, ...],
@@ -165,8 +181,7 @@ def _client(endpoint_url: str | None, config: Config, settings: tuple[Any, ...],
     who they name, so rotated credentials get a new client, and a client whose credentials refresh themselves
     (STS, IMDS) keeps doing so. `settings`: everything of `config` that differs between sources."""
     with _warming:  # free at once unless `warm` is parsing what this client needs
-        session = botocore.session.get_session()
-    session.register_component("data_loader", _LOADER)
+        session = _session()
     key = (endpoint_url, *settings, *(session.get_config_variable(v) for v in ("region", "ca_bundle", "profile")),
            _identity(session.get_credentials()))
     kept = pool.take(key) if pool is not None else None
@@ -184,10 +199,8 @@ def warm() -> None:
     of 2 shared cores on it before their first origin byte (docs/peers.md, "Less CPU a fill"). The client made
     here has made-up static credentials (no credential chain is asked, nothing is sent) and is closed at once."""
     with _warming:
-        session = botocore.session.get_session()
-        session.register_component("data_loader", _LOADER)
-        session.create_client("s3", region_name="us-east-1", aws_access_key_id="warm",
-                              aws_secret_access_key="warm").close()
+        _session().create_client("s3", region_name="us-east-1", aws_access_key_id="warm",
+                                 aws_secret_access_key="warm").close()
 
 
 def _first_byte_deadline(read_timeout: float, params: dict[str, Any], context: dict[str, Any], **_: Any) -> None:
