@@ -4,7 +4,8 @@ every link limited with `tc` both ways, an S3 origin (moto) in its own namespace
 Root only (it makes namespaces, veth pairs, a bridge and tc qdiscs, and removes them all on exit, Ctrl-C included):
 
     sudo .venv/bin/python scripts/bench_fleet_netns.py [--nodes 16] [--model-mb 32] [--shards 4]
-        [--origin-mbps 1] [--link-mbps 1] [--chunk-size 256Ki] [--json] [--keep-logs DIR] [--faults] [--liar]
+        [--origin-mbps 1] [--link-mbps 1] [--chunk-size 256Ki] [--json] [--keep-logs DIR] [--link-samples FILE]
+        [--faults] [--liar]
 
 The defaults (16 nodes, 32 MB, 1 MB/s links, 256 KiB pieces) keep the links, not the 2 cores of a small machine,
 the bottleneck: at 256 MB and 20 MB/s the 16 daemons needed more CPU than 2 cores have (docs/peers.md).
@@ -48,6 +49,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -302,6 +304,21 @@ def origin_reads(log_text: str) -> dict[str, float]:
     return why
 
 
+def sample_links(path: Path, names: list[str], started: float, filled: threading.Event) -> None:
+    """Every 0.5 s until the row's nodes are all ready, one line per node to `path` (appended): fleet size, seconds
+    since the ask, node, bytes it sent and bytes it received so far (its bridge port's counters: what crossed its
+    link, TCP/IP headers included)."""
+    with path.open("a") as out:
+        while not filled.wait(0.5):
+            at = time.monotonic() - started
+            for name in names:
+                stats = Path(f"/sys/class/net/wcfh-{name}/statistics")
+                with contextlib.suppress(OSError):  # a node's link dropped (--faults)
+                    sent, got = (stats / "rx_bytes").read_text().strip(), (stats / "tx_bytes").read_text().strip()
+                    out.write(f"{len(names)} {at:.2f} {name} {sent} {got}\n")
+            out.flush()
+
+
 def fill(net: Net, n: int, work: Path, args: argparse.Namespace, model: int) -> dict[str, Any]:
     """One row: n fresh node namespaces and daemons, all asked for the model at once."""
     run_dir = work / f"run-{n}"
@@ -332,12 +349,16 @@ def fill(net: Net, n: int, work: Path, args: argparse.Namespace, model: int) -> 
                 d.error = f"{type(exc).__name__}: {exc}"
             d.ready_s = time.monotonic() - started
 
-        pool = ThreadPoolExecutor(n + 1)
+        pool = ThreadPoolExecutor(n + 2)
+        filled = threading.Event()
         try:
             if roles:
                 pool.submit(inject, net, daemons, roles, args.outage if n > 1 else None)
+            if args.link_samples:
+                pool.submit(sample_links, Path(args.link_samples), names, started, filled)
             list(pool.map(one, daemons))
         finally:  # Ctrl-C or SIGTERM: on to stopping the daemons (their asks then end), not waiting for them
+            filled.set()
             pool.shutdown(wait=False, cancel_futures=True)
         egress = tx_bytes(PREFIX + "origin", "eth0") - sent_before
         for d in daemons:
@@ -478,6 +499,9 @@ def main() -> int:
                         help="n0 holds the model with a byte flipped in every piece (a lying peer)")
     parser.add_argument("--json", action="store_true", help="print one JSON summary (the last N's row)")
     parser.add_argument("--keep-logs", metavar="DIR", help="copy every daemon's log here")
+    parser.add_argument("--link-samples", metavar="FILE",
+                        help="append each node's sent and received bytes every 0.5 s of each row's fill here: "
+                             "'N SECONDS NODE SENT RECEIVED' (its link's counters, headers included)")
     parser.add_argument("--faults", action="store_true",
                         help=f"every third node killed -9 at {KILL_AT_S:g} s, one node's link at 100%% loss from "
                              f"{CUT_AT_S:g} s for {CUT_FOR_S:g} s, the origin answering 503 from 0 s for "

@@ -24,7 +24,7 @@ from weightcache.download import PartialFile
 from weightcache.peers import PeerClient, PeerSet
 from weightcache.peers import source as source_module
 from weightcache.peers.inflight import InFlight
-from weightcache.peers.source import GRACE_S, Later, PeerSource
+from weightcache.peers.source import GRACE_S, RELAY_PIECE_MIN, RELAY_PIECES, Later, PeerSource
 from weightcache.sources import ObjectInfo, open_source
 from weightcache.store import Snapshot
 from weightcache.uri import parse_ref
@@ -494,3 +494,28 @@ def test_a_node_takes_the_share_before_its_own_second_the_one_it_takes_over(tmp_
         before = (place - 1) % len(urls)
         assert owners[:4] == [place, place, before, before]  # its own share, then the one it would take over
         peers.close()
+
+
+def test_a_fleet_node_reads_its_share_from_the_origin_in_small_pieces_that_its_peers_can_follow(
+        origin: FaultProxy, fleet: Fleet) -> None:
+    """In a fleet each origin piece of a node's share is journalled, then relayed to every other node as it lands
+    (docs/peers.md, "Downloads in flight"): the range is read in RELAY_PIECES pieces of at least RELAY_PIECE_MIN,
+    not in the fetch's pieces (256 KiB took 8 s to land behind a 1 MB/s origin shared by 16 nodes, and the last
+    ones of every range were relayed after the origin's last byte). Alone, a node reads in its own pieces."""
+    big = "model-00001.safetensors.bin"
+    sha = hashlib.sha256(FILES[big]).hexdigest()
+    other = fleet.node("other")  # lists the model's blob nowhere: the range is this node's, from the origin
+    source = open_source(REF, endpoint_url=origin.endpoint_url)
+    obj = next(o for o in source.list() if o.relpath == big)
+    buf = memoryview(bytearray(256 << 10))
+    sizes = {}
+    for nodes in ([other.url], []):
+        peers = PeerSet([PeerClient(u, TOKEN, connect_timeout=2.0, read_timeout=5.0) for u in nodes],
+                        self_url="http://127.0.0.1:1")  # ranks before the other node: the first half is its own
+        node = peers.wrap(source, {obj.key: (sha, obj.size)})
+        half = obj.size // 2
+        node.spread([(obj.key, 0, half), (obj.key, half, obj.size - half)], key=lambda r: r)
+        sizes[len(nodes) + 1] = {len(view) for _, view in node.read_pieces(obj, 0, 1 << 21, buf)}
+        peers.close()
+    source.close()
+    assert sizes == {2: {max(RELAY_PIECE_MIN, (2 << 20) // RELAY_PIECES)}, 1: {256 << 10}}

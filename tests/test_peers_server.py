@@ -329,6 +329,61 @@ def test_not_yet_says_when_the_claim_lands_its_next_piece(
         part.close()
 
 
+def test_a_claim_landing_pieces_often_is_streamed_to_one_ask_as_they_land_and_ends_short_if_it_stops(
+        http: urllib3.PoolManager, fleet: Fleet, tmp_path: Path) -> None:
+    """A claimed range whose pieces land at least every FOLLOW_S is answered with the whole claim in one body, each
+    piece sent as it is journalled: one ask per range, and the owner's uplink busy as soon as there is a byte to
+    send. Before, an ask got what was journalled as a shorter range, then "not yet" until the next piece, and at
+    N = 16 on 1 MB/s links the last pieces of every range were relayed after the origin's last byte. A claim that
+    stops (its origin read failed) ends the body short and closes the connection: the asker takes the rest
+    elsewhere, never a byte that is not the origin's. A download published meanwhile (the owner finished before
+    its askers, whose streams lag behind its journal) is sent on from its blob."""
+    n, part, inflight, claim = claimed(fleet, tmp_path)
+    scratch = memoryview(bytearray(1 << 16))
+    piece = 1 << 14
+
+    def land(claim: Claim, at: int) -> None:  # as PeerSource._from_origin does with each origin piece
+        inflight.from_origin(SHA, at, at + piece)
+        part.write(at, memoryview(BODY)[at:at + piece], scratch)
+        claim.touch(piece)
+        claim.piece = piece
+        inflight.landed(SHA)
+
+    def ask(at: int) -> urllib3.BaseHTTPResponse:
+        return http.request("GET", f"{n.url}/v1/blobs/sha256/{SHA}", headers={**AUTH, "Range": f"bytes={at}-299999"},
+                            preload_content=False)
+
+    claim.began = time.monotonic() - 0.5
+    land(claim, 0)  # 16 KiB in 0.5 s: a piece every 0.5 s
+    landing = threading.Thread(target=lambda: [time.sleep(0.05) or land(claim, at) for at in range(piece, 4 * piece,
+                                                                                                    piece)])
+    try:
+        landing.start()
+        resp = ask(0)
+        assert resp.status == 206 and resp.headers["Content-Range"] == f"bytes 0-131071/{len(BODY)}"  # the claim
+        first = resp.read(4 * piece)
+        landing.join()
+        assert first == BODY[:4 * piece]
+        inflight.release(claim)  # the rest never comes: the body ends short
+        with pytest.raises(urllib3.exceptions.ProtocolError):
+            resp.read()
+        again = inflight.claim(SHA, 4 * piece, 1 << 17)  # read again from where it stopped
+        again.began = time.monotonic() - 0.5
+        land(again, 4 * piece)
+        resp = ask(4 * piece)
+        assert resp.headers["Content-Range"] == f"bytes {4 * piece}-131071/{len(BODY)}"
+        assert resp.read(piece) == BODY[4 * piece:5 * piece]
+        blob = n.store.layout.blob(SHA)  # the download is verified and published: the rest from the blob
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(BODY)
+        inflight.release(again)
+        inflight.remove(SHA, part)
+        assert resp.read() == BODY[5 * piece:1 << 17]
+    finally:
+        inflight.remove(SHA, part)
+        part.close()
+
+
 def test_many_askers_at_once_get_fewer_streams_each(tmp_path: Path) -> None:
     """A node asked by many peers at once gives each its share of `stream_budget` (at least `min_streams`): 15
     askers with 8 streams each got 1/120 of its link per stream, and every stream looked like a trickler."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 import logging
 import threading
 import time
@@ -41,6 +42,7 @@ SPLIT_STALL = 2.0  # seconds without a piece after which an idle worker halves a
 LATER_S = 0.2  # a range whose bytes are on their way to a peer (Later) is taken again after this
 FLEET_RANGES_PER_NODE = 2  # with peers, ranges are cut so that every node of a fleet owns this many (_finer)
 FLEET_MIN_PIECES = 4
+FLEET_MAX_WORKERS = 64  # a fleet's fetch has a worker per range it follows (Transfer.workers), at most this many
 SPLIT_MIN = 4 * PIECE  # a range is halved only while this much of it is left beyond the piece in flight
 
 Piece = tuple[Item, int, int]  # (item, offset, length): one range to read
@@ -125,7 +127,11 @@ class Transfer:
         one. So a local round gets one worker per large task (disk reads and hashing of those overlap; a resumed
         file's hashing is a task too), up to `concurrency`, and one for all the small ones."""
         if not self.source.local:
-            return max(1, min(self.concurrency, len(task_bytes)))
+            # a fleet: a range of another node's share streams at its owner's origin pace (peers/server.py
+            # `_stream`), holding a worker all along, so every range of the fleet gets one (with `concurrency`
+            # workers, 8 streams at 1/32 of a 1 MB/s origin each filled an eighth of a node's link)
+            fleet = min(FLEET_MAX_WORKERS, FLEET_RANGES_PER_NODE * self.source.nodes) if self.source.nodes > 1 else 0
+            return max(1, min(max(self.concurrency, fleet), len(task_bytes)))
         large = sum(1 for n in task_bytes if n >= LOCAL_LARGE_PIECE)
         return max(1, min(self.concurrency, len(task_bytes), large))
 
@@ -147,6 +153,7 @@ class _Round:
         self.fetched = 0
         self._fetched_lock = threading.Lock()
         self._local = threading.local()
+        self._threads = itertools.count()  # workers that made their buffers, in turn (buffers)
         # a worker's buffer: a whole small file, or one piece of a large one (download.PIECE: written, journalled
         # and hashed while still in the core's cache); bytearray() writes every byte, so never more than needed
         self.piece = piece = min(PIECE, transfer.chunk_size)
@@ -165,11 +172,19 @@ class _Round:
         self._deferred_lock = threading.Lock()  # a sorted list is no deque: its insert and pop race between workers
         self.source.defer_while(lambda: bool(self.queue) or len(self.deferred) > 1)
 
-    def buffers(self) -> tuple[memoryview, memoryview]:
+    def buffers(self, whole: bool = False) -> tuple[memoryview, memoryview]:
+        """This worker's buffer and scratch. `whole`: a file read in one go, which needs the round's largest
+        buffer; a worker beyond `concurrency` (a fleet's, Transfer.workers) keeps a piece's and makes that one
+        for the read, so memory stays `concurrency` large buffers and a piece per other worker."""
         if not hasattr(self._local, "buf"):
-            self._local.buf = memoryview(bytearray(self._buf_size))
+            extra = next(self._threads) >= self.t.concurrency
+            self._local.buf = memoryview(bytearray(min(self._buf_size, max(64 << 10, self.piece)) if extra
+                                                   else self._buf_size))
             self._local.scratch = memoryview(bytearray(self._scratch_size))
-        return self._local.buf, self._local.scratch
+        buf = self._local.buf
+        if whole and len(buf) < self._buf_size:
+            buf = memoryview(bytearray(self._buf_size))
+        return buf, self._local.scratch
 
     def check_cancel(self) -> None:
         if self.abort.is_set() or self.t.closing.is_set():
@@ -183,9 +198,9 @@ class _Round:
         self.t.reporter.add(n, 0)
 
     def read(self, item: Item, offset: int, length: int) -> None:
-        buf, scratch = self.buffers()
-        self.check_cancel()
         part = partial(item)
+        buf, scratch = self.buffers(not part.journalled)
+        self.check_cancel()
         into = buf[:self.piece] if part.journalled else buf
         entry = self.reading.begin(item, offset, offset + length) if part.journalled else None
         end = offset + length

@@ -18,6 +18,8 @@ source wrote them in an earlier run is unknown.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,6 +27,9 @@ from dataclasses import dataclass, field
 from weightcache.download import PartialFile, Runs
 
 STALL_S = 10.0  # a claim that gained no byte for this long is no longer answered "not yet"
+# a claim that journals a piece at least this often is streamed to an asker as its pieces land (InFlight.following),
+# one request per range: answered "not yet" and asked again per piece, a fleet's asks grew with N^2
+FOLLOW_S = 1.0
 
 
 @dataclass(eq=False)
@@ -52,6 +57,12 @@ class Claim:
         missing = min(done, self.end) - (self.start + self.got)
         return max(0.0, missing) / (self.got / max(now - self.began, 1e-3))
 
+    def interval(self, now: float) -> float | None:
+        """Seconds between two of its pieces at the rate it has had; None before a first piece."""
+        if self.got <= 0 or self.piece <= 0:
+            return None
+        return self.piece / (self.got / max(now - self.began, 1e-3))
+
 
 class InFlight:
     """Thread-safe registry shared by a node's fetches and its peer server."""
@@ -65,6 +76,8 @@ class InFlight:
         self._others: dict[str, list[PartialFile]] = {}
         self._claims: list[Claim] = []
         self._planning = 0  # fetches of this node that have yet to register their downloads (`planning`)
+        # sha256 -> futures of peer streams waiting for the next origin piece of it to be journalled (`landed`)
+        self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]]] = {}
 
     def add(self, sha256: str, part: PartialFile) -> None:
         with self._lock:
@@ -83,6 +96,7 @@ class InFlight:
                 others[:] = [p for p in others if p is not part]
                 if not others:
                     del self._others[sha256]
+        self.landed(sha256)  # streams following it go on from its blob, or end
 
     def planning(self) -> Planning:
         """A fetch of this node begins: until it registers its downloads (`Planning.done`) the peer server answers
@@ -134,6 +148,7 @@ class InFlight:
     def release(self, claim: Claim) -> None:
         with self._lock:
             self._claims.remove(claim)
+        self.landed(claim.sha256)  # streams following it look again: at what it journalled, or at its end
 
     def eta(self, sha256: str, pos: int) -> float | None:
         """Seconds until byte `pos` of the blob is journalled, by the claim covering it (None: unknown). Told to
@@ -151,6 +166,48 @@ class InFlight:
         with self._lock:
             return any(c.sha256 == sha256 and c.start <= pos < c.end and now - c.touched < STALL_S
                        for c in self._claims)
+
+    def following(self, sha256: str, pos: int) -> Claim | None:
+        """The claim bringing byte `pos` of the blob, when it journals a piece at least every FOLLOW_S and moved
+        within STALL_S: an asker is streamed the range as its pieces land (server `_stream`) rather than told
+        "not yet"; None otherwise."""
+        now = time.monotonic()
+        with self._lock:
+            claim = next((c for c in self._claims if c.sha256 == sha256 and c.start <= pos < c.end), None)
+        if claim is None or now - claim.touched >= STALL_S:
+            return None
+        interval = claim.interval(now)
+        return claim if interval is not None and interval <= FOLLOW_S else None
+
+    def watch(self, sha256: str) -> asyncio.Future[None]:
+        """A future (of the running loop) done when the next origin piece of the blob is journalled; `unwatch` it
+        when done with it."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        with self._lock:
+            self._waiters.setdefault(sha256, []).append((loop, future))
+        return future
+
+    def unwatch(self, sha256: str, future: asyncio.Future[None]) -> None:
+        with self._lock:
+            waiting = self._waiters.get(sha256, [])
+            waiting[:] = [(loop, f) for loop, f in waiting if f is not future]
+            if not waiting:
+                self._waiters.pop(sha256, None)
+
+    def landed(self, sha256: str) -> None:
+        """An origin piece of the blob was journalled (called by the fetch, from its thread): the streams
+        following it send it now."""
+        with self._lock:
+            waiting = self._waiters.pop(sha256, [])
+        for loop, future in waiting:
+            with contextlib.suppress(RuntimeError):  # that loop is closed: its server stopped
+                loop.call_soon_threadsafe(_wake, future)
+
+
+def _wake(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 class Planning:

@@ -34,6 +34,7 @@ serving never starves the node's own pods; file reads run in threads, never on t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -69,6 +70,8 @@ SEND_SLICE = 1 << 20  # bytes read and written per step: bounds memory per strea
 WRITE_TIMEOUT_S = 30.0  # a peer that stops reading loses its stream (and its slot) after this
 NOT_YET_WAIT_S = 0.3  # a request for a claimed range waits this long for its first journalled bytes, then "not yet"
 POLL_S = 0.05  # how often such a request looks at the journal (while the claim has no rate to say when)
+PUBLISH_WAIT_S = 3.0  # how long a stream following a finished download looks for its blob (_published)
+FOLLOW_WAKE_S = 0.5  # a stream following a claim looks again at least this often (it is woken as pieces land)
 # a digest request hashes at most this many spans and bytes: an asker judges one piece of a peer at a time
 MAX_DIGEST_SPANS = 64
 MAX_DIGEST_BYTES = 64 << 20
@@ -261,29 +264,38 @@ class PeerServer:
         start, end, ranged = span
         headers = {"Content-Length": str(end - start), "Accept-Ranges": "bytes", "ETag": f'"{digest}"',
                    "Content-Type": "application/octet-stream"}
+        follow = None
         if partial is not None:  # a download in flight: only what it has journalled from the origin
             # "empty": nothing read from the origin yet (a node of a fleet starting together): the asker reads
             # its own ranges from the origin without asking this node for each
             assert self.inflight is not None
             headers[PARTIAL_HEADER] = "1" if self.inflight.started(digest) else "empty"
             if request.method != "HEAD":
-                servable = await self._journalled(digest, partial, start, end)
-                if servable <= start:
-                    pending = self.inflight.pending(digest, start)
-                    return _not_held(start, end, pending, self.inflight.eta(digest, start) if pending else None)
-                if servable < end:  # a shorter range than asked: the asker asks again for the rest
-                    end, ranged = servable, True
-                    headers["Content-Length"] = str(end - start)
+                servable = self.inflight.origin_end(digest, partial, start, end)
+                claim = self.inflight.following(digest, servable) if servable < end else None
+                if claim is not None:  # streamed to the claim's end as its pieces land (_stream)
+                    follow, end, ranged = partial, min(end, claim.end), True
+                else:
+                    servable = await self._journalled(digest, partial, start, end)
+                    if servable <= start:
+                        pending = self.inflight.pending(digest, start)
+                        return _not_held(start, end, pending, self.inflight.eta(digest, start) if pending else None)
+                    if servable < end:  # a shorter range than asked: the asker asks again for the rest
+                        end, ranged = servable, True
+                headers["Content-Length"] = str(end - start)
         if ranged:
             headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
         if request.method == "HEAD":
             return web.Response(status=206 if ranged else 200, headers=headers)
         return await self._stream(request, fd, digest, (start, end), web.StreamResponse(
-            status=206 if ranged else 200, headers=headers))
+            status=206 if ranged else 200, headers=headers), follow)
 
     async def _stream(self, request: web.Request, fd: int, digest: str, span: tuple[int, int],
-                      resp: web.StreamResponse) -> web.StreamResponse:
-        """Send bytes [start, end) of `fd` as `resp`'s body, within the asking peer's streams and rate."""
+                      resp: web.StreamResponse, follow: PartialFile | None = None) -> web.StreamResponse:
+        """Send bytes [start, end) of `fd` as `resp`'s body, within the asking peer's streams and rate. `follow`:
+        the download in flight whose claimed range this is, sent as its origin pieces are journalled; when they
+        stop coming (the claim stalled or failed) the body ends short and the connection closes, and the asker
+        takes the rest elsewhere."""
         start, end = span
         peer_key = request.remote or "?"
         peer = self._peers.setdefault(peer_key, _Peer(Limiter(self.limits.rate_bytes_s, burst_s=1.0)))
@@ -293,11 +305,23 @@ class PeerServer:
                                 text=f"at most {allowed} streams per peer now; retry elsewhere\n")
         peer.streams += 1
         pos = start
+        blob: int | None = None  # the published blob, once the download followed became it
         try:
+            if follow is not None:
+                resp.force_close()  # a body that may end short is never followed by another answer
             await resp.prepare(request)
             step = min(SEND_SLICE, self.limits.rate_bytes_s or SEND_SLICE)  # the bucket paces slices, not bodies
             while pos < end:
                 n = min(step, end - pos)
+                if follow is not None and (n := await self._landed(digest, follow, pos, pos + n)) == 0:
+                    # the download ended: verified and published (the rest from the blob, at the link's speed:
+                    # the owner finished before its askers, whose streams lag behind its journal), or not
+                    blob = await self._published(digest)
+                    if blob is None:
+                        log.info("the claim of blob %s stopped at byte %d: a stream following it ends short",
+                                 digest[:12], pos)
+                        return resp
+                    fd, follow, n = blob, None, min(step, end - pos)
                 await peer.bucket.take(n)
                 data = await asyncio.to_thread(os.pread, fd, n, pos)
                 if not data:
@@ -312,6 +336,8 @@ class PeerServer:
             return resp
         finally:
             peer.streams -= 1
+            if blob is not None:
+                os.close(blob)
 
     async def _digests(self, request: web.Request, fd: int, digest: str, partial: PartialFile | None,
                        size: int) -> web.Response:
@@ -339,6 +365,37 @@ class PeerServer:
         if not self.limits.stream_budget:
             return self.limits.max_streams
         return min(self.limits.max_streams, max(self.limits.min_streams, self.limits.stream_budget // askers))
+
+    async def _published(self, digest: str) -> int | None:
+        """A descriptor of the blob `digest` once published here, or None (never a download's, nor a link). A
+        verified download leaves InFlight just before its part becomes the blob (fetch/publish.py `durable`: its
+        fsyncs between), so it is looked for a while (PUBLISH_WAIT_S); one that failed never comes."""
+        if not _HEX.fullmatch(digest):  # an origin identity's download: its blob is named by its digest
+            return None
+        deadline = time.monotonic() + PUBLISH_WAIT_S
+        while True:
+            try:
+                return await asyncio.to_thread(open_blob, self.blobs_dir, digest)
+            except OSError:
+                if time.monotonic() >= deadline:
+                    return None
+            await asyncio.sleep(POLL_S * 2)
+
+    async def _landed(self, digest: str, partial: PartialFile, start: int, end: int) -> int:
+        """How many origin bytes from `start` (at most to `end`) are journalled, waiting for the claim bringing
+        them to land its next piece; 0 once no claim brings them (stalled, failed, or the download ended)."""
+        assert self.inflight is not None
+        while True:
+            landing = self.inflight.watch(digest)  # before looking: a piece landing meanwhile still wakes it
+            try:
+                if (got := self.inflight.origin_end(digest, partial, start, end)) > start:
+                    return got - start
+                if not self.inflight.pending(digest, start) or self.inflight.get(digest) is not partial:
+                    return 0
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(landing, FOLLOW_WAKE_S)
+            finally:
+                self.inflight.unwatch(digest, landing)
 
     async def _journalled(self, digest: str, partial: PartialFile, start: int, end: int) -> int:
         """How far from `start` (at most `end`) origin bytes are journalled; when none are yet but the range is

@@ -92,6 +92,11 @@ MAX_BENCH_S = 30.0
 PROVEN_BYTES = 4 << 20  # a peer cut as slow after sending this fetch this much is waited for, not the origin
 DOWN_S = 2.0  # a peer that failed, or sent nothing this long and was cut, is down this long (or its bench's)
 RELAY_FLOOR = SLOW_MIN_BYTES_S // 4  # the rate floor of a range from its owner while it fills the blob (_from_peer)
+# and its grace: such a range streams as the owner's origin pieces land, one of ~30 flows on each link of a fleet
+# filling at once, and flows starved for a second or more in the links' queues (N = 16, 1 MB/s: 85 cuts a fill)
+RELAY_GRACE_S = 3.0
+RELAY_PIECES = 64  # in a fleet, a claimed range is read from the origin in this many pieces (_relay_piece)
+RELAY_PIECE_MIN = 16 << 10
 PENDING_S = 15.0  # a range waits on peers ("not yet", a bench) at most this long without a byte of it, or longer:
 # as long as PENDING_PIECES pieces take at this fetch's own rate per origin connection, at most MAX_PENDING_S. The
 # owner reads the range at about that rate too: behind one 1 MB/s origin link shared by 11 nodes (--faults) a piece
@@ -793,8 +798,9 @@ class PeerSource(Source):
                 on_bytes(n)
 
         started, got = time.monotonic(), 0
+        piece = self._relay_piece(len(buf), end - pos) if claim is not None else len(buf)
         try:
-            with closing(self.origin.read_pieces(obj, pos, end - pos, buf, arrived)) as pieces:
+            with closing(self.origin.read_pieces(obj, pos, end - pos, buf[:piece], arrived)) as pieces:
                 for at, view in pieces:
                     got += len(view)
                     self._origin_rate_seen(got, time.monotonic() - started)
@@ -804,9 +810,23 @@ class PeerSource(Source):
                     if claim is not None:
                         claim.piece = max(claim.piece, len(view))
                     yield at, view
+                    if sha256:  # journalled now (the caller wrote it): streams following the claim send it
+                        self._inflight.landed(sha256)
         finally:
             if claim is not None:
                 self._inflight.release(claim)
+
+    def _relay_piece(self, size: int, length: int) -> int:
+        """The piece (at most `size`) a claimed range of `length` bytes is read from the origin in. In a fleet each
+        origin piece is journalled, then relayed to every other node as it lands (server `_stream`), so it is a
+        1/RELAY_PIECES of the range (at least RELAY_PIECE_MIN): at N = 16 behind a 1 MB/s origin a 256 KiB piece
+        took 8 s to land, the owner's uplink idled meanwhile, and the last pieces of every range landed together
+        and were relayed after the origin's last byte, 15 times each. Relative to the range, not to the origin's
+        rate: a range's CPU stays RELAY_PIECES journal lines and wakes however fast the origin (re-asking the
+        range once the rate was known wasted what the origin had sent ahead: 1.87x the model at N = 4)."""
+        if self.nodes <= 1:
+            return size
+        return min(size, max(RELAY_PIECE_MIN, length // RELAY_PIECES >> 12 << 12))
 
     def _origin_rate_seen(self, got: int, took: float) -> None:
         if took < 0.1:  # the first piece's rate is mostly the request's latency, or a burst
@@ -885,7 +905,8 @@ class PeerSource(Source):
         first piece is judged before it is used (_trial)."""
         with self._lock:
             flow = self._flows.setdefault(peer.url, PeerFlow())
-        pace = Pace(end - pos, min(self._floor(), RELAY_FLOOR) if relay else self._floor(), flow=flow)
+        pace = Pace(end - pos, min(self._floor(), RELAY_FLOOR), RELAY_GRACE_S, flow) if relay else \
+            Pace(end - pos, self._floor(), flow=flow)
         WATCHDOG.watch(pace)
         try:
             yield from self._paced(peer, key, sha256, pos, end, buf, on_bytes, pace, judge)
