@@ -290,9 +290,11 @@ def inject(net: Net, daemons: list[Daemon], roles: dict[int, str], outage: subpr
         net.limit_both(name, net.link_mbps)
 
 
+# the first that a line's reason holds names it: a node's own share read with no peer holding anything yet (the
+# first node through) is its own share, not "no holder known"
 WHY = (("no byte for", "pending expired"), ("next in rank", "taken over"), (" cut", "after a cut"),
-       (" failed", "after a failure"), ("gone", "holder gone"), (", 0 holders", "no holder known"),
-       ("own share", "own share"), ("judging", "judging a peer"))
+       (" failed", "after a failure"), ("gone", "holder gone"), ("own share", "own share"),
+       (", 0 holders", "no holder known"), ("judging", "judging a peer"))
 
 
 def origin_reads(log_text: str) -> dict[str, float]:

@@ -84,9 +84,6 @@ NOT_YET_SLACK_S = 0.1  # the piece is journalled a little after its last byte ca
 # second per node before the first origin byte (docs/peers.md, "Less CPU a fill")
 UNSTARTED_S, UNSTARTED_MAX_S = 0.2, 1.0
 REASK_S = 0.25  # a peer that lacked a blob is asked again after this (nodes started together register late)
-# a peer whose HEAD said "planning" (a fetch of its lists and plans: InFlight.planning) is waited on as the owner of
-# its share this long after it last said so: it registers its downloads moments after its plan is done
-PLANNED_S = 1.0
 BENCH_S = 1.0  # a peer cut as too slow is left out of the fetch this long, doubled each time, up to MAX_BENCH_S
 MAX_BENCH_S = 30.0
 PROVEN_BYTES = 4 << 20  # a peer cut as slow after sending this fetch this much is waited for, not the origin
@@ -314,7 +311,10 @@ class PeerSource(Source):
         self._unjudged: set[tuple[str, str]] = set()  # (blob, peer): no one vouches, too big for the origin to judge
         self._downloading: set[tuple[str, str]] = set()  # (blob, peer): downloading it when asked (HEAD)
         self._ahead: set[tuple[str, str]] = set()  # (blob, peer): had origin bytes of it at this fetch's first HEAD
-        self._planning: dict[tuple[str, str], float] = {}  # (blob, peer) -> when its HEAD last said "planning"
+        # (blob, peer): its last HEAD said "planning" (a fetch of its lists and plans: InFlight.planning); a peer
+        # that lacks a blob is asked again every REASK_S while a range waits, so this is fresh. Kept for a second
+        # after the answer, a range whose round outlasted that went to the origin (--faults: 1 MiB, 1.03x)
+        self._planning: set[tuple[str, str]] = set()
         self._flows: dict[str, PeerFlow] = {}  # bytes from each peer over all streams (client.PeerFlow)
         self._asked: dict[tuple[str, int], float] = {}  # (key, range end) -> when it was first asked of peers
         self._claimers: set[tuple[str, str]] = set()  # (peer, blob): it answered "not yet" (reads it now)
@@ -756,9 +756,9 @@ class PeerSource(Source):
             return any(p.url == url for p in self._holders.get(sha256, (0.0, []))[1])
 
     def _about_to_fetch(self, sha256: str, url: str) -> bool:
-        """`url` said within PLANNED_S that a fetch of its lists and plans (it may be about to fetch the blob)."""
+        """`url` said in its last HEAD that a fetch of its lists and plans (it may be about to fetch the blob)."""
         with self._lock:
-            return time.monotonic() - self._planning.get((sha256, url), -PLANNED_S) < PLANNED_S
+            return (sha256, url) in self._planning
 
     def _benched_holder(self, sha256: str, owner: str | None) -> bool:
         """A holder of the blob is benched now that is worth waiting for: it sent this fetch PROVEN_BYTES or more,
@@ -875,8 +875,9 @@ class PeerSource(Source):
             kind = peer.probe(sha256, size)
             with self._lock:
                 if kind == "planning":  # lacks it, but may be about to fetch it: its share is waited for
-                    self._planning[(blob_key(sha256), peer.url)] = time.monotonic()
+                    self._planning.add((blob_key(sha256), peer.url))
                     return False
+                self._planning.discard((blob_key(sha256), peer.url))
                 if kind in ("empty", "partial"):
                     self._downloading.add((blob_key(sha256), peer.url))
                 if kind == "partial" and first_ask:
