@@ -355,12 +355,15 @@ def test_a_range_whose_owner_has_not_started_it_is_asked_again_less_and_less_oft
         assert ask() == 0.2
 
 
-def test_a_node_still_listing_the_model_is_waited_for_not_its_share_read_from_the_origin(origin: FaultProxy,
-                                                                                         fleet: Fleet) -> None:
+def test_a_node_still_listing_the_model_is_waited_for_not_its_share_read_from_the_origin(
+        origin: FaultProxy, fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
     """B is asked for the model with A1 and A2, but its listing is held at the origin past GRACE_S (a busy daemon,
     an origin answering 503, a slow HEAD). B's peer server answers the blobs it lacks "planning" meanwhile (an idle
     node answers plain "no"), so A1 and A2 wait for B's share rather than each read it from the origin once their
-    grace is over (before: 1.3x the model at N = 16 where one node started late, 1.75x with the origin down 10 s)."""
+    grace is over (before: 1.3x the model at N = 16 where one node started late, 1.75x with the origin down 10 s),
+    nor once PENDING_S is over: a node still planning is waited for up to MAX_PENDING_S (nodes came out of a 503
+    listing's backoff up to 16 s apart)."""
+    monkeypatch.setattr(source_module, "PENDING_S", 1.0)  # shorter than B's listing is held
     big = "model-00001.safetensors.bin"
     sha, size = hashlib.sha256(FILES[big]).hexdigest(), len(FILES[big])
     nodes = [fleet.node(name) for name in ("a1", "a2", "b")]

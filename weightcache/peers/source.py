@@ -665,7 +665,14 @@ class PeerSource(Source):
         # bench rather than read the range from the origin again; and no wait lasts past PENDING_S (or the
         # time of PENDING_PIECES pieces from the origin) without a byte of this range (a peer answering "not
         # yet" for ever costs that, once)
-        stalled = now - self._moved[ask.span] >= self._pending_s(ask.piece)
+        # An owner still listing and planning (its last HEAD) is waited for up to MAX_PENDING_S: with the origin
+        # answering 503 for 10 s nodes came out of their listing's backoff up to 16 s apart (load 50), and the
+        # first through took the last one's share after PENDING_S and read it from the origin too (--faults, 1.17x)
+        # from this range's first ask; the wait for a byte of it starts again once the owner's plan is done
+        if planning := ask.wait and bool(ask.owner) and self._about_to_fetch(ask.name, ask.owner or ""):
+            self._moved[ask.span] = now
+        stalled = now - ask.asked >= MAX_PENDING_S if planning else \
+            now - self._moved[ask.span] >= self._pending_s(ask.piece)
         if ask.wait and ask.owner and stalled:  # the next node in rank takes it (the others give up on it too)
             with self._lock:
                 self._given_up.setdefault(ask.span, set()).add(ask.owner)
