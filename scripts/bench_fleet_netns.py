@@ -227,10 +227,13 @@ def stop_all(daemons: list[Daemon]) -> None:
             d.proc.wait()
 
 
-KILL_AT_S = 3.0  # --faults: a third of the nodes are killed (SIGKILL) this far into the fill
-CUT_AT_S, CUT_FOR_S = 4.0, 10.0  # one node's link drops every packet (`cut_off`) for a while
-LATE_S = 6.0  # one node is asked for the model this much later than the others
 OUTAGE_S = 10.0  # from the fill's start the origin answers every request 503 SlowDown this long
+# --faults: a third of the nodes are killed (SIGKILL) this far into the fill, and one node's link drops every
+# packet (`cut_off`) for CUT_FOR_S: after the outage, mid-transfer (at 3 s and 4 s, as before session 46, the
+# origin's 503s still held every node in its listing: the killed nodes had read nothing, nor the cut one)
+KILL_AT_S = OUTAGE_S + 8.0
+CUT_AT_S, CUT_FOR_S = OUTAGE_S + 10.0, 10.0
+LATE_S = 6.0  # one node is asked for the model this much later than the others
 PROXY_PORT = 5001  # --faults: the daemons reach moto through a fault proxy (tests/faultproxy.py) in its namespace
 OUTAGE_PROXY = """
 import signal, sys, threading
