@@ -18,13 +18,16 @@ source wrote them in an earlier run is unknown.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import threading
 import time
+import typing
 from dataclasses import dataclass, field
 
 from weightcache.download import PartialFile, Runs
+
+if typing.TYPE_CHECKING:  # the fetch path imports this module: a CLI fetch pays no asyncio (only `watch` runs it)
+    import asyncio
 
 STALL_S = 10.0  # a claim that gained no byte for this long is no longer answered "not yet"
 # a claim that journals a piece at least this often is streamed to an asker as its pieces land (InFlight.following),
@@ -182,6 +185,8 @@ class InFlight:
     def watch(self, sha256: str) -> asyncio.Future[None]:
         """A future (of the running loop) done when the next origin piece of the blob is journalled; `unwatch` it
         when done with it."""
+        import asyncio  # the peer server's own loop: loaded long before
+
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
         with self._lock:
