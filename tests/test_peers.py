@@ -394,9 +394,10 @@ def test_a_node_still_listing_the_model_is_waited_for_not_its_share_read_from_th
         look.close()
     ratio = origin_bytes(origin) / MODEL_BYTES
     print(f"B listed {GRACE_S + 1.5:.1f} s late: origin sent {ratio:.3f}x the model")
-    # B read its own share itself and served it to A1 and A2 (before: they each read it from the origin once
-    # their grace was over, about 1.6x the model, and B took it from them)
-    assert all(a.peers.stats.bytes_by_peer.get(b.url, 0) > 0 for a in (a1, a2))
+    # B read its own share itself and served it (before: A1 and A2 each read it from the origin once their grace
+    # was over, about 1.6x the model, and B took it from them); one of them may take it from the other instead,
+    # once that one holds the blob whole: in one CI run one of them took none of it from B (origin 1.000x)
+    assert any(a.peers.stats.bytes_by_peer.get(b.url, 0) > 0 for a in (a1, a2))
     # the origin sent the model once, and at most a piece for each node to judge each complete holder's first
     # piece by (A1 and A2 publish the blobs their two shares make whole before B starts: "The lying peer")
     assert origin_bytes(origin) <= MODEL_BYTES + 4 * JUDGED
