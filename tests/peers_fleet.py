@@ -130,6 +130,7 @@ class HostilePeer:
         "trickle-headers"  the status line and headers one byte every `every_s` seconds
         "huge-range"       a 206 whose Content-Range holds 5,000-digit numbers (int() refuses them)
         "honest"           a correct 206 with the right bytes at once
+        "planning"         every HEAD and GET of a blob: 404 `X-Weightcache-Planning: 1` ("about to fetch it"), for ever
 
     A digest request (`?digests=`, server.PeerServer._digests) is answered 200 with `digests` as its JSON body
     when given (a malformed or oversized answer); with `old_release`, as a daemon from before `?digests=` answers
@@ -184,6 +185,11 @@ class HostilePeer:
                         continue
                     if size is None or query:
                         conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+                        continue
+                    if self.mode == "planning":
+                        self.requests += method == b"GET"
+                        conn.sendall(b"HTTP/1.1 404 Not Found\r\nX-Weightcache-Planning: 1\r\n"
+                                     b"Content-Length: 0\r\n\r\n")
                         continue
                     if method == b"HEAD":
                         conn.sendall(f"HTTP/1.1 200 OK\r\nContent-Length: {size}\r\n\r\n".encode())

@@ -25,6 +25,7 @@ from tests.test_peers import FILES, MODEL_BYTES, OPTIONS, TOKEN, assert_model, e
 from weightcache.errors import SourceError
 from weightcache.listener import ConnectionLimits
 from weightcache.peers import PeerClient
+from weightcache.peers import source as source_module
 from weightcache.peers.client import SLOW_GRACE_S, EagerBody, Pace, PeerBadAnswer, PeerFlow
 from weightcache.peers.server import PeerLimits
 from weightcache.peers.source import PeerStats
@@ -164,6 +165,31 @@ def test_a_peer_that_trickles_costs_about_a_second_not_the_fetch(origin: FaultPr
     assert slow.requests - 1 <= stats.errors_by_peer[slow.url] <= slow.requests  # every other range was cut
     assert slow.url not in stats.banned  # slow is not dishonest
     assert origin_bytes(origin) == MODEL_BYTES - peer_bytes
+
+
+def test_a_peer_that_says_planning_for_ever_costs_its_share_one_wait_then_the_origin(
+        origin: FaultProxy, fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hostile peer holding the token answers every blob "planning" (a node still listing, about to fetch
+    it) and never fetches: the ranges it owns wait on it at most MAX_PENDING_S from their first ask, once, then
+    this node reads them from the origin itself; the fetch finishes, the origin sends the model once, and the
+    peer is asked for no body it could trickle."""
+    monkeypatch.setattr(source_module, "MAX_PENDING_S", 2.0)  # 60 s in a daemon: the 503 budget of a listing
+    sizes = {SHAS[n]: len(b) for n, b in FILES.items()}
+    pool = ThreadPoolExecutor(1)
+    with HostilePeer(sizes, {}, "planning") as planner:
+        node = fleet.node("node", peers=[planner.url])
+        started = time.monotonic()
+        done = pool.submit(ensure, node, origin)
+        try:
+            assert_model(done.result(30))  # an unbounded wait would never end
+        finally:
+            planner.close()
+            pool.shutdown()
+        took = time.monotonic() - started
+    assert took < source_module.MAX_PENDING_S + 8, f"a peer saying 'planning' held the fetch {took:.1f}s"
+    assert took >= source_module.MAX_PENDING_S - 0.5, "its share was not waited for: the planning answer was ignored"
+    assert origin_bytes(origin) == MODEL_BYTES
+    assert node.fetchers[-1].stats["peer_bytes"] == 0
 
 
 def test_a_peers_content_range_of_4300_digits_costs_only_that_peer(origin: FaultProxy, fleet: Fleet) -> None:
