@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.command import weightcache
+from tests.command import ROOT, weightcache
 from tests.sample import make_model
+from weightcache import cli
 
 
 def wc(*args: str, root: Path) -> subprocess.CompletedProcess[str]:
@@ -94,3 +96,42 @@ def test_evict_to_size_and_gc(tmp_path: Path, model: str) -> None:
     assert r.returncode == 0 and "evicted 1" in r.stdout
     assert wc("gc", root=root).returncode == 0
     assert not [p for p in (root / "blobs").rglob("*") if p.is_file()]
+
+
+@pytest.mark.parametrize("argv", [
+    ["prefetch", "s3://m/x/", "--concurrency", "4", "-q", "--include", "*.json"],
+    ["--log-level", "DEBUG", "ls", "-o", "json"],
+    ["--log-level=INFO", "evict", "--to-size", "1Gi"],
+    ["--lo", "version", "ls"],  # the value of --log-level is "version"; the command is ls
+    ["pin", "s3://m/x/"], ["unpin", "s3://m/x/"], ["verify", "--repair"], ["gc"], ["push", "s3://m/x/", "oci://r/m"],
+    ["export", "s3://m/x/", "oci://r/m"], ["status"], ["engine-cache", "list"], ["uninstall-node", "--yes"],
+    ["version", "-o", "json"],
+])
+def test_a_command_parsed_by_its_parser_alone_parses_as_by_all(argv: list[str]) -> None:
+    """main builds the parser of the command argv names alone (argparse's construction of all of them was 7-14 ms
+    of each start): the same flags, defaults and function as with every command's parser."""
+    named = cli.command_named(argv)
+    assert named is not None and named in argv
+    alone, everyone = cli.build_parser(named), cli.build_parser()
+    assert vars(alone.parse_args(argv)) == vars(everyone.parse_args(argv))
+    assert "daemon" not in alone._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("argv", [[], ["--help"], ["--version"], ["daemon"], ["webhook", "serve"], ["bogus"],
+                                  ["--", "ls"], ["-q", "ls"]])
+def test_a_command_not_named_plainly_gets_every_parser(argv: list[str]) -> None:
+    assert cli.command_named(argv) is None
+
+
+def test_the_command_leaves_with_its_output_and_its_atexit_handlers_run(tmp_path: Path) -> None:
+    """`weightcache` leaves without the interpreter's teardown once only its thread is left (entry): what it
+    printed and its exit code come out whole, after atexit handlers (logging's flush) ran."""
+    code = ("import atexit, sys; atexit.register(lambda: print('atexit ran', file=sys.stderr)); "
+            "from weightcache.cli import entry; sys.argv[0] = 'weightcache'; entry()")
+    env = {**os.environ, "KUBECONFIG": "/nonexistent"}
+    ok = subprocess.run([sys.executable, "-c", code, "ls", "-o", "json", "--root", str(tmp_path / "root")],
+                        capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    assert (ok.returncode, json.loads(ok.stdout), ok.stderr) == (0, [], "atexit ran\n")
+    bad = subprocess.run([sys.executable, "-c", code, "prefetch", "s3:/models", "--root", str(tmp_path / "root")],
+                         capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    assert bad.returncode == 2 and bad.stderr.endswith("atexit ran\n") and "write it like s3://" in bad.stderr

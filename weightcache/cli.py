@@ -6,6 +6,7 @@ Exit codes: each error declares its own (weightcache/errors.py lists them all).
 from __future__ import annotations
 
 import argparse
+import atexit
 import errno
 import json
 import logging
@@ -690,11 +691,32 @@ class _Version(argparse.Action):
         parser.exit()
 
 
-def build_parser() -> argparse.ArgumentParser:
+#: The commands build_parser defines itself (the daemon's and the webhook's come from their modules).
+COMMANDS = frozenset({"prefetch", "ls", "evict", "pin", "unpin", "verify", "gc", "export", "push", "status",
+                      "engine-cache", "uninstall-node", "version"})
+
+
+def command_named(argv: list[str]) -> str | None:
+    """The command of COMMANDS that `argv` runs, where nothing before it but --log-level and its value (the
+    top-level flag that takes one, abbreviated or not) could make argparse read it otherwise; else None."""
+    at = 0
+    while at < len(argv) and len(name := argv[at].split("=", 1)[0]) > 2 and "--log-level".startswith(name):
+        at += 1 if "=" in argv[at] else 2
+    return argv[at] if at < len(argv) and argv[at] in COMMANDS else None
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """Every command's parser, or with `only` (one of COMMANDS, from `command_named`) that command's alone:
+    argparse's parsers cost their construction (gettext looking for translations on disk three times each,
+    the terminal's size asked for each flag), 7-14 ms for all of them, of a prefetch that otherwise spends
+    about 10 ms in Python once its modules are imported."""
     parser = argparse.ArgumentParser(prog="weightcache", description="Node-local model weight cache.")
     parser.add_argument("--version", action=_Version, nargs=0, help="show the version and exit")
     parser.add_argument("--log-level", default=os.environ.get("WEIGHTCACHE_LOG_LEVEL", "WARNING"))
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=CommandParser)
+
+    def wanted(*names: str) -> bool:
+        return only is None or only in names
 
     def add(name: str, func: Callable[[argparse.Namespace], int], help_: str, *, writes: bool = False,
             quiet: str | None = "no chatter: errors, and what was asked for",
@@ -723,94 +745,111 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("-q", "--quiet", action="store_true", help=quiet)
         return p
 
-    p = add("prefetch", cmd_prefetch, "fetch a model into the node store (or across a cluster with --cluster)",
-            writes=True, quiet="no progress and no chatter: errors, and the snapshot path",
-            fetch=("concurrency", "chunk_size", "connect_timeout", "read_timeout"))
-    p.add_argument("ref", help="model reference, e.g. s3://models/llama-3-8b/[@revision]")
-    p.add_argument("--revision")
-    p.add_argument("--include", action="append", default=[], metavar="GLOB")
-    p.add_argument("--exclude", action="append", default=[], metavar="GLOB")
-    p.add_argument("--endpoint-url", default=None, help="S3 endpoint (default: AWS_ENDPOINT_URL or AWS)")
-    p.add_argument("--disk-budget", type=size_arg, default=None, help="evict LRU models to stay under this size")
-    p.add_argument("--tier", choices=["disk", "memory"], default="disk")
-    p.add_argument("--pin", action="store_true", help="never evict this model")
-    p.add_argument("--dry-run", action="store_true", help="list what would be fetched (files, sizes) and what "
-                                                          "is already cached; download nothing")
-    p.add_argument("--signed-by", action="append", default=[], metavar="KEY.pub",
-                   help="require a model.sig signed by this EC public key (repeat: any one of them); a missing or "
-                        "failed signature is exit 7 and nothing is published (docs/signing.md)")
-    p.add_argument("--signed-by-ca", action="append", default=[], metavar="CA.pem",
-                   help="require a model.sig signed with a certificate that chains to this CA certificate")
-    p.add_argument("--certificate-identity", action="append", default=[], metavar="ID",
-                   help="with --signed-by-ca: the signing certificate's email, URI or DNS name must be one of these")
-    p.add_argument("--allow-unsigned", action="store_true",
-                   help="with --signed-by: a model without model.sig is published (recorded unsigned)")
-    p.add_argument("--cluster", action="store_true", help="declare a ModelCache so matching nodes prefetch it")
-    p.add_argument("--node-selector", action="append", default=[], metavar="K=V")
-    p.add_argument("--allow-namespace", action="append", default=[], metavar="NS",
-                   help="namespace whose pods may mount the model ('*' for all); with --cluster")
-    p.add_argument("--name", help="ModelCache name (default: derived from the reference)")
-    p.add_argument("--wait", action="store_true", help="with --cluster: wait until every selected node is ready")
-    p.add_argument("--timeout", type=float, default=3600.0)
+    if wanted("prefetch"):
+        p = add("prefetch", cmd_prefetch, "fetch a model into the node store (or across a cluster with --cluster)",
+                writes=True, quiet="no progress and no chatter: errors, and the snapshot path",
+                fetch=("concurrency", "chunk_size", "connect_timeout", "read_timeout"))
+        p.add_argument("ref", help="model reference, e.g. s3://models/llama-3-8b/[@revision]")
+        p.add_argument("--revision")
+        p.add_argument("--include", action="append", default=[], metavar="GLOB")
+        p.add_argument("--exclude", action="append", default=[], metavar="GLOB")
+        p.add_argument("--endpoint-url", default=None, help="S3 endpoint (default: AWS_ENDPOINT_URL or AWS)")
+        p.add_argument("--disk-budget", type=size_arg, default=None, help="evict LRU models to stay under this size")
+        p.add_argument("--tier", choices=["disk", "memory"], default="disk")
+        p.add_argument("--pin", action="store_true", help="never evict this model")
+        p.add_argument("--dry-run", action="store_true", help="list what would be fetched (files, sizes) and what "
+                                                              "is already cached; download nothing")
+        p.add_argument("--signed-by", action="append", default=[], metavar="KEY.pub",
+                       help="require a model.sig signed by this EC public key (repeat: any one of them); a missing or "
+                            "failed signature is exit 7 and nothing is published (docs/signing.md)")
+        p.add_argument("--signed-by-ca", action="append", default=[], metavar="CA.pem",
+                       help="require a model.sig signed with a certificate that chains to this CA certificate")
+        p.add_argument("--certificate-identity", action="append", default=[], metavar="ID",
+                       help="with --signed-by-ca: the signing certificate's email, URI or DNS name must be one of "
+                            "these")
+        p.add_argument("--allow-unsigned", action="store_true",
+                       help="with --signed-by: a model without model.sig is published (recorded unsigned)")
+        p.add_argument("--cluster", action="store_true", help="declare a ModelCache so matching nodes prefetch it")
+        p.add_argument("--node-selector", action="append", default=[], metavar="K=V")
+        p.add_argument("--allow-namespace", action="append", default=[], metavar="NS",
+                       help="namespace whose pods may mount the model ('*' for all); with --cluster")
+        p.add_argument("--name", help="ModelCache name (default: derived from the reference)")
+        p.add_argument("--wait", action="store_true", help="with --cluster: wait until every selected node is ready")
+        p.add_argument("--timeout", type=float, default=3600.0)
 
-    add("ls", cmd_ls, "list cached models", quiet=None)
-    p = add("evict", cmd_evict, "remove a cached model (refused while pods use it or it is pinned)", writes=True)
-    p.add_argument("ref", nargs="?", help="reference, snapshot id or id prefix")
-    p.add_argument("--to-size", type=size_arg, help="evict least recently used models until the store fits")
-    for name in ("pin", "unpin"):
-        p = add(name, cmd_pin, f"{name} a cached model")
-        p.add_argument("ref")
-    p = add("verify", cmd_verify, "re-hash cached models; --repair refetches damaged ones", writes=True)
-    p.add_argument("ref", nargs="?")
-    p.add_argument("--repair", action="store_true", help="refetch damaged snapshots from their source")
-    p.add_argument("--endpoint-url", default=None, help="S3 endpoint for --repair (default: AWS_ENDPOINT_URL or AWS)")
-    add("gc", cmd_gc, "remove unreferenced blobs and abandoned partial downloads", writes=True)
-    p = add("export", cmd_export, "push a cached snapshot to a registry as a ModelPack artifact (oci://)",
-            quiet="no chatter: errors, and the pushed reference by digest", aliases=["push"],
-            fetch=("connect_timeout", "read_timeout"))
-    p.add_argument("ref", help="the cached model: a reference, snapshot id or id prefix")
-    p.add_argument("target", help="oci://REGISTRY[:PORT]/REPOSITORY[:TAG] (default tag latest)")
-    p = add("status", cmd_status, "per-node state of ModelCaches (cluster), or this store's summary", quiet=None)
-    p.add_argument("name", nargs="?")
+    if wanted("ls"):
+        add("ls", cmd_ls, "list cached models", quiet=None)
+    if wanted("evict"):
+        p = add("evict", cmd_evict, "remove a cached model (refused while pods use it or it is pinned)", writes=True)
+        p.add_argument("ref", nargs="?", help="reference, snapshot id or id prefix")
+        p.add_argument("--to-size", type=size_arg, help="evict least recently used models until the store fits")
+    if wanted("pin", "unpin"):
+        for name in ("pin", "unpin"):
+            p = add(name, cmd_pin, f"{name} a cached model")
+            p.add_argument("ref")
+    if wanted("verify"):
+        p = add("verify", cmd_verify, "re-hash cached models; --repair refetches damaged ones", writes=True)
+        p.add_argument("ref", nargs="?")
+        p.add_argument("--repair", action="store_true", help="refetch damaged snapshots from their source")
+        p.add_argument("--endpoint-url", default=None,
+                       help="S3 endpoint for --repair (default: AWS_ENDPOINT_URL or AWS)")
+    if wanted("gc"):
+        add("gc", cmd_gc, "remove unreferenced blobs and abandoned partial downloads", writes=True)
+    if wanted("export", "push"):
+        p = add("export", cmd_export, "push a cached snapshot to a registry as a ModelPack artifact (oci://)",
+                quiet="no chatter: errors, and the pushed reference by digest", aliases=["push"],
+                fetch=("connect_timeout", "read_timeout"))
+        p.add_argument("ref", help="the cached model: a reference, snapshot id or id prefix")
+        p.add_argument("target", help="oci://REGISTRY[:PORT]/REPOSITORY[:TAG] (default tag latest)")
+    if wanted("status"):
+        p = add("status", cmd_status, "per-node state of ModelCaches (cluster), or this store's summary", quiet=None)
+        p.add_argument("name", nargs="?")
 
-    p = sub.add_parser("engine-cache", help="an engine's compile cache on this node: put DIR, get its path, list, "
-                       "fill from a peer",
-                       description="Engine compile caches kept by the node's daemon, keyed by the model snapshot it "
-                       "serves, ENGINE-VERSION-DEVICE and the namespace (docs/engine-caches.md).")
-    p.set_defaults(func=cmd_engine_cache)
-    p.add_argument("action", choices=["put", "get", "list", "fill"])
-    p.add_argument("name", nargs="?", help="ENGINE-VERSION-DEVICE, e.g. vllm-0.32.0-cpu")
-    p.add_argument("directory", nargs="?", help="put: the engine's cache root (vLLM: VLLM_CACHE_ROOT)")
-    p.add_argument("--model", help="the model the cache was compiled for, e.g. s3://models/llama-3-8b/")
-    p.add_argument("--revision")
-    p.add_argument("--include", action="append", default=[], metavar="GLOB")
-    p.add_argument("--exclude", action="append", default=[], metavar="GLOB")
-    p.add_argument("--namespace", help="put: the trust domain (default: the admin's, served to every namespace "
-                                       "granted the model); get, list: what that namespace is served")
-    p.add_argument("--snapshot", help="fill: the cache's snapshot id on the node that has it; the peers' bytes "
-                                      "must digest to it")
-    p.add_argument("--socket", help=f"daemon socket (env WEIGHTCACHE_SOCKET, default {defaults.SOCKET})")
-    _output(p)
+    if wanted("engine-cache"):
+        p = sub.add_parser("engine-cache", help="an engine's compile cache on this node: put DIR, get its path, "
+                           "list, fill from a peer",
+                           description="Engine compile caches kept by the node's daemon, keyed by the model snapshot "
+                           "it serves, ENGINE-VERSION-DEVICE and the namespace (docs/engine-caches.md).")
+        p.set_defaults(func=cmd_engine_cache)
+        p.add_argument("action", choices=["put", "get", "list", "fill"])
+        p.add_argument("name", nargs="?", help="ENGINE-VERSION-DEVICE, e.g. vllm-0.32.0-cpu")
+        p.add_argument("directory", nargs="?", help="put: the engine's cache root (vLLM: VLLM_CACHE_ROOT)")
+        p.add_argument("--model", help="the model the cache was compiled for, e.g. s3://models/llama-3-8b/")
+        p.add_argument("--revision")
+        p.add_argument("--include", action="append", default=[], metavar="GLOB")
+        p.add_argument("--exclude", action="append", default=[], metavar="GLOB")
+        p.add_argument("--namespace", help="put: the trust domain (default: the admin's, served to every namespace "
+                                           "granted the model); get, list: what that namespace is served")
+        p.add_argument("--snapshot", help="fill: the cache's snapshot id on the node that has it; the peers' bytes "
+                                          "must digest to it")
+        p.add_argument("--socket", help=f"daemon socket (env WEIGHTCACHE_SOCKET, default {defaults.SOCKET})")
+        _output(p)
 
-    p = sub.add_parser("uninstall-node", help="remove weightcache from this node: store, plugin sockets, CDI specs, "
-                       "readiness labels", description="Remove what weightcache left on this node (the store, the CSI "
-                       "and DRA sockets, the DRA CDI specs, this node's readiness labels); without --yes, say what.")
-    p.set_defaults(func=cmd_uninstall_node)
-    p.add_argument("--root", default=None, help=f"store root (env WEIGHTCACHE_ROOT, default {defaults.ROOT})")
-    p.add_argument("--kubelet-dir", default=str(defaults.KUBELET_DIR),
-                   help=f"kubelet's root directory (default {defaults.KUBELET_DIR})")
-    p.add_argument("--cdi-dir", default=str(defaults.CDI_DIR), help=f"CDI spec directory (default {defaults.CDI_DIR})")
-    p.add_argument("--run-dir", default=str(defaults.SOCKET.parent),
-                   help=f"the daemon's socket directory (default {defaults.SOCKET.parent})")
-    p.add_argument("--yes", action="store_true", help="remove; without it, only list what would be removed")
-    p.add_argument("--force", action="store_true", help="remove even while a lease is held or the daemon runs")
-    _output(p)
+    if wanted("uninstall-node"):
+        p = sub.add_parser("uninstall-node", help="remove weightcache from this node: store, plugin sockets, CDI "
+                           "specs, readiness labels", description="Remove what weightcache left on this node (the "
+                           "store, the CSI and DRA sockets, the DRA CDI specs, this node's readiness labels); without "
+                           "--yes, say what.")
+        p.set_defaults(func=cmd_uninstall_node)
+        p.add_argument("--root", default=None, help=f"store root (env WEIGHTCACHE_ROOT, default {defaults.ROOT})")
+        p.add_argument("--kubelet-dir", default=str(defaults.KUBELET_DIR),
+                       help=f"kubelet's root directory (default {defaults.KUBELET_DIR})")
+        p.add_argument("--cdi-dir", default=str(defaults.CDI_DIR),
+                       help=f"CDI spec directory (default {defaults.CDI_DIR})")
+        p.add_argument("--run-dir", default=str(defaults.SOCKET.parent),
+                       help=f"the daemon's socket directory (default {defaults.SOCKET.parent})")
+        p.add_argument("--yes", action="store_true", help="remove; without it, only list what would be removed")
+        p.add_argument("--force", action="store_true", help="remove even while a lease is held or the daemon runs")
+        _output(p)
 
-    p = sub.add_parser("version", help="version of weightcache, Python, platform and store formats",
-                       description="Version of weightcache, Python, the platform and the store's on-disk formats.")
-    p.set_defaults(func=cmd_version)
-    _output(p)
+    if wanted("version"):
+        p = sub.add_parser("version", help="version of weightcache, Python, platform and store formats",
+                           description="Version of weightcache, Python, the platform and the store's on-disk formats.")
+        p.set_defaults(func=cmd_version)
+        _output(p)
 
+    if only is not None:  # a command of this module: the others' modules are not imported
+        return parser
     for module in ("weightcache.daemon.command", "weightcache.webhook.command"):
         try:
             mod = __import__(module, fromlist=["add_commands"])
@@ -824,18 +863,30 @@ def build_parser() -> argparse.ArgumentParser:
 def entry() -> NoReturn:
     """The `weightcache` command. After Ctrl-C (exit 130) it leaves without joining its fetch threads: one may sit in
     a read that the origin holds until the read timeout, and the interpreter joins every worker at exit. What they
-    finished is journalled, so the next run resumes as it does after `kill -9`."""
+    finished is journalled, so the next run resumes as it does after `kill -9`.
+
+    With no thread but this one left, it leaves once the atexit handlers ran and its output is flushed, without the
+    interpreter's teardown of every module and object (nothing of ours waits for it: files are written through
+    descriptors and closed, the daemon's answer is read): 16 ms of a 0.13 s prefetch through the daemon, about a
+    tenth of what the client costs a hit or a small model (docs/fetch.md)."""
     code = main()
-    if code == 130:
+    alone = threading.active_count() == 1
+    if alone:
+        atexit._run_exitfuncs()  # logging's flush, weakref finalizers: what a normal exit runs
+    try:
         sys.stdout.flush()
         sys.stderr.flush()
+    except OSError:
+        if code != 130:  # a reader that went away: the interpreter's own exit says so, as before
+            raise SystemExit(code) from None
+    if alone or code == 130:
         os._exit(code)
     raise SystemExit(code)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(command_named(argv)).parse_args(argv)
     level = getattr(logging, str(args.log_level).upper(), logging.WARNING)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     redact_log_handlers()

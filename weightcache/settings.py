@@ -13,7 +13,6 @@ same thing wherever a fetch starts. Field docs: docs/config.md.
 from __future__ import annotations
 
 import argparse
-import difflib
 import functools
 import logging
 import os
@@ -386,6 +385,8 @@ def read_file(path: Path) -> dict[str, Any]:
 def reject_unknown(raw: Mapping[str, Any], known: Mapping[str, Any], where: str) -> None:
     for key in raw:
         if key not in known:
+            import difflib  # here: a mistyped field only, not every CLI start that declares fetch flags
+
             close = difflib.get_close_matches(str(key), list(known), n=1)
             hint = f"did you mean {close[0]!r}?" if close else f"known fields: {', '.join(known)}"
             raise ConfigError(f"{where}: unknown field {key!r}; {hint}")
