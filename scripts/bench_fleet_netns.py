@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import json
 import os
 import re
@@ -166,6 +167,7 @@ class Daemon:
     ready_s: float = 0.0
     error: str = ""
     stats: dict[str, float] = field(default_factory=dict)
+    moved: list[float] = field(default_factory=list)  # --faults: cut_moves
 
     def client(self) -> DaemonClient:
         return DaemonClient(self.socket, timeout=600)
@@ -280,8 +282,10 @@ def make_liar(d: Daemon, uri: str, home: Path, chunk: int) -> None:
                     f.write(bytes([byte[0] ^ 0xFF]))
 
 
-def inject(net: Net, daemons: list[Daemon], roles: dict[int, str], outage: subprocess.Popen[bytes] | None) -> None:
-    started = time.monotonic()
+def inject(net: Net, daemons: list[Daemon], roles: dict[int, str],
+           outage: subprocess.Popen[bytes] | None) -> float | None:
+    """Kill, cut and restore on the schedule above; the wall time of the cut (None: no node cut)."""
+    started, cut_at = time.monotonic(), None
     if outage is not None:  # the proxy answers 503 from the start for OUTAGE_S: every first list, HEAD and GET
         outage.send_signal(signal.SIGUSR1)
     time.sleep(KILL_AT_S)
@@ -293,15 +297,33 @@ def inject(net: Net, daemons: list[Daemon], roles: dict[int, str], outage: subpr
     for name in cut:
         cut_off("eth0", PREFIX + name)
         cut_off(f"wcfh-{name}")
+        cut_at = time.time()
     time.sleep(CUT_FOR_S)
     for name in cut:  # back: it finishes its own fetch from whoever has the model by then
         net.limit_both(name, net.link_mbps)
+    return cut_at
+
+
+# a range handed on from the node that was serving it ("not there"): peers/source.py PeerSource._hand_over
+HANDED = re.compile(r"^(\S+ \S+) \S+ weightcache\.peers\.source: \S+ bytes \d+-\d+: .* reads them from the origin "
+                    r"now \((\S+) is not there for them\)", re.M)
+
+
+def cut_moves(log_text: str, cut_url: str, cut_at: float) -> list[float]:
+    """Seconds after the cut at which this daemon handed each range it waited on from the node cut off to another
+    node (its log's hand-over lines naming that node, while the link was down)."""
+    moved = []
+    for m in HANDED.finditer(log_text):
+        at = datetime.datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()  # local time, as logged
+        if m[2] == cut_url and cut_at <= at <= cut_at + CUT_FOR_S:
+            moved.append(round(at - cut_at, 1))
+    return moved
 
 
 # the first that a line's reason holds names it: a node's own share read with no peer holding anything yet (the
 # first node through) is its own share, not "no holder known"
-WHY = (("no byte for", "pending expired"), ("next in rank", "taken over"), (" cut", "after a cut"),
-       (" failed", "after a failure"), ("gone", "holder gone"), ("own share", "own share"),
+WHY = (("no byte for", "pending expired"), ("next in rank", "taken over"),
+       (" cut", "after a cut"), (" failed", "after a failure"), ("gone", "holder gone"), ("own share", "own share"),
        (", 0 holders", "no holder known"), ("judging", "judging a peer"))
 
 
@@ -371,8 +393,9 @@ def fill(net: Net, n: int, work: Path, args: argparse.Namespace, model: int) -> 
         finally:  # Ctrl-C or SIGTERM: on to stopping the daemons (their asks then end), not waiting for them
             filled.set()
             pool.shutdown(wait=False, cancel_futures=True)
+        cut_at = None
         if faults is not None:  # a fault that could not be injected ends the bench, not a row that claims it
-            faults.result()  # (a `tc ... netem` this kernel lacks failed unseen here: the "cut" node was never cut)
+            cut_at = faults.result()  # (a `tc ... netem` this kernel lacks failed unseen: the "cut" node was not)
         egress = tx_bytes(PREFIX + "origin", "eth0") - sent_before
         for d in daemons:
             if roles.get(d.index) == "killed":
@@ -390,6 +413,9 @@ def fill(net: Net, n: int, work: Path, args: argparse.Namespace, model: int) -> 
                        "judged": len(re.findall(r"judged before use", d.log.read_text())),
                        "false_digests": len(re.findall(r"vouched for a digest", d.log.read_text())),
                        **origin_reads(d.log.read_text())}
+            cut_url = next((f"http://{node_ip(i)}:{PEER_PORT}" for i, role in roles.items() if role == "cut"), "")
+            if cut_at is not None and roles.get(d.index) != "cut":
+                d.moved = cut_moves(d.log.read_text(), cut_url, cut_at)
     finally:
         stop_all(daemons)
         if args.keep_logs:
@@ -425,6 +451,9 @@ def fill(net: Net, n: int, work: Path, args: argparse.Namespace, model: int) -> 
                              for d in daemons],
         "liar_pieces_judged": [int(d.stats.get("judged", 0)) for d in daemons],
         "false_digests": [int(d.stats.get("false_digests", 0)) for d in daemons],
+        # --faults: per node, seconds after the cut at which it handed each range it waited on from the node cut
+        # off to another node (the target: within 1 s)
+        "cut_moved_s": {f"n{d.index}": d.moved for d in daemons if d.moved},
         "origin_why": {k[4:]: round(sum(d.stats.get(k, 0.0) for d in daemons) / model, 3)
                        for k in sorted({k for d in daemons for k in d.stats if k.startswith("why:")})},
         "errors": [f"n{d.index}: {d.error}" for d in daemons if d.error],
@@ -486,6 +515,11 @@ def print_row(row: dict[str, Any], one: float) -> None:
     print(f"  CPU s:     {' '.join(f'{x:.1f}' for x in row['cpu_s'])}")
     print(f"  RSS MiB:   {' '.join(str(x) for x in row['rss_mb'])}")
     print(f"  served MB: {' '.join(f'{x:.0f}' for x in row['served_mb'])}")
+    if row.get("cut_moved_s"):
+        moves = [x for v in row["cut_moved_s"].values() for x in v]
+        each = " ".join(f"{k}=" + ",".join(f"{x:g}" for x in v) for k, v in row["cut_moved_s"].items())
+        print(f"  cut node's ranges handed on, s after the cut (per node, each range it waited on; max "
+              f"{max(moves):.1f}): {each}")
     print(f"  origin by why (x the model): {', '.join(f'{k} {v:.2f}' for k, v in row['origin_why'].items())}")
     if row["faults"]:
         liar = ", the liar's own fill before the row not counted" if "liar" in row["faults"].values() else ""
