@@ -308,8 +308,8 @@ def stream_range(open_range: Opener, offset: int, length: int, buf: memoryview, 
                 told.take_back()  # this piece is asked for again from its first byte
                 retry.failed(err)
                 continue
-            yield pos, view
-            pos += len(view)
+            pos += len(view)  # before the yield: a reader that stops at the last piece has read the body whole
+            yield pos - len(view), view
     finally:
         if resp is not None:
             if pos >= end and _at_eof(resp):
