@@ -147,6 +147,25 @@ def test_part_md5s_taken_as_pieces_arrive_in_any_order_give_the_multipart_etag(p
     assert check.hexdigest() != etag
 
 
+def test_the_in_order_pass_is_pending_only_where_the_part_md5s_left_bytes() -> None:
+    """`pending`: the in-order pass of bytes every part took as they arrived has nothing to hash, so the hashing
+    worker does not hand it to a thread (download.PartialFile._feed: ~100 hand-overs of nothing per 88 MB)."""
+    parts = [os.urandom(5 * MiB), os.urandom(5 * MiB), os.urandom(MiB + 123)]
+    body = memoryview(b"".join(parts))
+    etag = hashlib.md5(b"".join(hashlib.md5(p).digest() for p in parts)).hexdigest() + "-3"
+    check = CompositeMD5(5 * MiB)
+    for at in range(0, 5 * MiB, MiB):  # the first part, as it arrived
+        check.update_at(at, body[at:at + MiB])
+    check.update_at(6 * MiB, body[6 * MiB:7 * MiB])  # the second part's second piece first: it continues nothing
+    assert not check.pending(5 * MiB) and check.pending(5 * MiB + 1)
+    check.update(body[:5 * MiB])
+    assert check.pending(MiB)
+    check.update_at(5 * MiB, body[5 * MiB:6 * MiB])
+    assert not check.pending(MiB) and check.pending(MiB + 1)
+    check.update(body[5 * MiB:])
+    assert not check.pending(0) and check.hexdigest() == etag
+
+
 def test_require_source_checksum_refuses_a_file_nothing_verifies(tmp_path: Path, s3: S3, plain: Any,
                                                                   fault_proxy: FaultProxy) -> None:
     plain.put_object(Bucket="models", Key="m/config.json", Body=b"{}")

@@ -34,6 +34,11 @@ class SourceCheck(Protocol):
 
     def update_at(self, offset: int, data: memoryview, /) -> None: ...
 
+    def pending(self, length: int, /) -> bool:
+        """Whether `update` of the next `length` bytes has any to hash (update_at took none or not all of them):
+        False, and the caller need not hand them to a thread of their own."""
+        ...
+
     def hexdigest(self) -> str: ...
 
 
@@ -49,6 +54,9 @@ class InOrder:
 
     def update_at(self, offset: int, data: memoryview, /) -> None:
         pass
+
+    def pending(self, length: int, /) -> bool:
+        return length > 0
 
     def hexdigest(self) -> str:
         return self._hasher.hexdigest()

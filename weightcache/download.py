@@ -268,11 +268,13 @@ class PartialFile:
         """sha256 here and an MD5 source check on a thread beside it (both release the GIL for large buffers):
         an MD5 ETag (0.7 GB/s) no longer adds its time to sha256's (1.5 GB/s) on the hashing thread. A CRC
         (10 GB/s) runs here, a piece at a time after sha256's (a mapped 8 MiB window would otherwise come from
-        RAM twice). Both are done with `data` when this returns (the caller reuses its buffer)."""
+        RAM twice). So does a check with nothing of `data` left to hash: a multipart ETag's part MD5s took it as it
+        arrived (`pending`), and handing each piece to a thread to pass over it cost more than the pass. Both are
+        done with `data` when this returns (the caller reuses its buffer)."""
         check = self.source_check
         if check is None:
             self.sha256.update(data)
-        elif len(data) < BESIDE_MIN or not self._check_beside:
+        elif len(data) < BESIDE_MIN or not self._check_beside or not check.pending(len(data)):
             for at in range(0, len(data), PIECE):  # a CRC right behind sha256, while the piece is in the core's cache
                 piece = data[at:at + PIECE]
                 self.sha256.update(piece)

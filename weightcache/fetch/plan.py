@@ -252,6 +252,9 @@ class _AnyPartSize:
         for hasher in self._each:
             hasher.update_at(offset, data)
 
+    def pending(self, length: int) -> bool:
+        return any(hasher.pending(length) for hasher in self._each)
+
     def hexdigest(self) -> str:
         return " ".join(h.hexdigest() for h in self._each)
 

@@ -102,6 +102,18 @@ class CompositeMD5:
         for index, within, piece in self._slices(offset, data):
             self._part(index).take(within, piece, only_next=True)
 
+    def pending(self, length: int) -> bool:
+        """Whether `update` of the next `length` bytes hashes any: a part they do not all continue from what it
+        took. Usually none does (each byte continued its part as it arrived); a resumed file's, a split range's."""
+        offset, end = self._pos, self._pos + length
+        while offset < end:
+            index, within = divmod(offset, self.part_size)
+            n = min(self.part_size - within, end - offset)
+            if self._part(index).taken < within + n:
+                return True
+            offset += n
+        return False
+
     def hexdigest(self) -> str:
         digests = [self._parts[i].digest() for i in range(-(-self._pos // self.part_size))]
         return f"{hashlib.md5(b''.join(digests), usedforsecurity=False).hexdigest()}-{len(digests)}"
@@ -139,6 +151,11 @@ class _Part:
                 return
             self._md5.update(data[skip:])
             self._taken = within + len(data)
+
+    @property
+    def taken(self) -> int:
+        """Bytes of the part hashed so far (it only grows: a read without the lock is at most behind)."""
+        return self._taken
 
     def digest(self) -> bytes:
         with self._mu:
