@@ -5,7 +5,7 @@ Root only (it makes namespaces, veth pairs, a bridge and tc qdiscs, and removes 
 
     sudo .venv/bin/python scripts/bench_fleet_netns.py [--nodes 16] [--model-mb 32] [--shards 4]
         [--origin-mbps 1] [--link-mbps 1] [--chunk-size 256Ki] [--json] [--keep-logs DIR] [--link-samples FILE]
-        [--faults] [--liar]
+        [--serve-share 0.88] [--faults] [--liar]
 
 The defaults (16 nodes, 32 MB, 1 MB/s links, 256 KiB pieces) keep the links, not the 2 cores of a small machine,
 the bottleneck: at 256 MB and 20 MB/s the 16 daemons needed more CPU than 2 cores have (docs/peers.md).
@@ -65,6 +65,10 @@ from weightcache.daemon.client import DaemonClient
 from weightcache.units import parse_size
 
 PY = sys.executable
+# each daemon's bytesPerSecond.serve, a share of its link's rate: a peer server that fills the node's uplink queues
+# the ACKs of what the node receives behind its bytes, and that node's download starved (docs/peers.md, "Serving
+# below the uplink"; the payload of a full 1 MB/s link is ~0.95 MB/s)
+SERVE_SHARE = 0.88
 BRIDGE = "wcfbr0"
 PREFIX = "wcf-"
 ORIGIN_IP = "10.77.0.2"
@@ -185,14 +189,15 @@ class Daemon:
                    if line.startswith(name) and label in line.split(" ", 1)[0])
 
 
-def start_daemon(i: int, n: int, work: Path, token: Path, chunk: str, port: int = 5000) -> Daemon:
+def start_daemon(i: int, n: int, work: Path, token: Path, chunk: str, port: int = 5000, serve: int = 0) -> Daemon:
     home = work / f"n{i}"
     home.mkdir(parents=True)
     peers = [f"http://{node_ip(j)}:{PEER_PORT}" for j in range(n) if j != i]
     config = {"root": str(home / "store"), "socket": str(home / "api.sock"),
               "peerListen": f"{node_ip(i)}:{PEER_PORT}", "peerTokenFile": str(token), "peers": peers,
               "endpoints": {"s3": {"endpointUrl": f"http://{ORIGIN_IP}:{port}"}}, "chunkSize": chunk,
-              "minFreePercent": 0}  # throwaway stores: a disk that other work filled past 11 % must not fail a row
+              "minFreePercent": 0,  # throwaway stores: a disk that other work filled past 11 % must not fail a row
+              "bytesPerSecond": {"serve": serve}}  # what its peer server sends, all peers together (0: no limit)
     # a directory of its own: the daemon watches its config's directory, and its log and store beside it made
     # every log line and progress write an inotify event for the watcher (0.1 CPU s of 1 a node in a fill)
     (home / "etc").mkdir()
@@ -358,7 +363,8 @@ def fill(net: Net, n: int, work: Path, args: argparse.Namespace, model: int) -> 
     for i, name in enumerate(names):
         net.namespace(name, node_ip(i))
         net.limit_both(name, args.link_mbps)
-    daemons = [start_daemon(i, n, run_dir, work / "token", args.chunk_size, PROXY_PORT if args.outage else 5000)
+    serve = int(args.serve_share * args.link_mbps * 1e6)
+    daemons = [start_daemon(i, n, run_dir, work / "token", args.chunk_size, PROXY_PORT if args.outage else 5000, serve)
                for i in range(n)]
     try:
         wait_answering(daemons)
@@ -542,6 +548,8 @@ def main() -> int:
                         help="the daemons' chunkSize: a fleet's ranges are 4 pieces of min(1 MiB, this) or more")
     parser.add_argument("--origin-mbps", type=float, default=1.0, help="the origin's link, MB/s each way")
     parser.add_argument("--link-mbps", type=float, default=1.0, help="each node's link, MB/s each way")
+    parser.add_argument("--serve-share", type=float, default=SERVE_SHARE,
+                        help="each daemon's bytesPerSecond.serve as a share of --link-mbps (0: no serving limit)")
     parser.add_argument("--liar", action="store_true",
                         help="n0 holds the model with a byte flipped in every piece (a lying peer)")
     parser.add_argument("--json", action="store_true", help="print one JSON summary (the last N's row)")

@@ -141,17 +141,18 @@ def test_a_source_limit_applies_on_top_of_the_nodes_and_the_most_specific_wins()
 def test_bytes_per_second_in_the_daemon_config_is_parsed_and_applied_live() -> None:
     from weightcache.daemon.config import Settings, apply_bandwidth, apply_live, parse_settings
 
-    s = parse_settings({"bytesPerSecond": {"origin": "200Mi", "peers": "1Gi", "s3://models": "50Mi"}})
-    assert dict(s.limits.bytes_per_second) == {"origin": 200 << 20, "peers": 1 << 30, "s3://models": 50 << 20}
+    s = parse_settings({"bytesPerSecond": {"origin": "200Mi", "peers": "1Gi", "serve": "100Mi", "s3://models": "50Mi"}})
+    assert dict(s.limits.bytes_per_second) == {"origin": 200 << 20, "peers": 1 << 30, "serve": 100 << 20,
+                                               "s3://models": 50 << 20}
     merged, pending = apply_live(Settings(), s)
     assert "bytesPerSecond" not in pending
     limits = BandwidthLimits()
     apply_bandwidth(limits, merged)
     rates = {k: v for k, v in limits.status().items() if k != "waited_seconds"}
-    assert rates == {"origin": 200 << 20, "peers": 1 << 30, "sources": {"s3://models": 50 << 20}}
+    assert rates == {"origin": 200 << 20, "peers": 1 << 30, "serve": 100 << 20, "sources": {"s3://models": 50 << 20}}
     apply_bandwidth(limits, apply_live(merged, Settings())[0])
     assert {k: v for k, v in limits.status().items() if k != "waited_seconds"} == \
-        {"origin": 0, "peers": 0, "sources": {}}
+        {"origin": 0, "peers": 0, "serve": 0, "sources": {}}
     with pytest.raises(ConfigError, match="bytesPerSecond"):
         parse_settings({"bytesPerSecond": {"s3://a/b c": 1}})
     with pytest.raises(ConfigError, match="bytesPerSecond"):
@@ -227,19 +228,20 @@ async def test_status_shows_the_daemons_limits_and_a_reload_changes_them(
         short_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """`weightcache status` (and -o json) of a running daemon: its bytesPerSecond as the buckets hold them now,
     the seconds waited on each and that they are live; after a config reload, the new ones."""
-    limits = {"origin": "200Mi", "peers": "1Gi", "s3://models": "50Mi"}
+    limits = {"origin": "200Mi", "peers": "1Gi", "serve": "8Mi", "s3://models": "50Mi"}
     running = await start_daemon(short_dir, short_dir / "no-model", config={"bytesPerSecond": limits})
     monkeypatch.setenv("WEIGHTCACHE_SOCKET", str(running.socket))
     try:
         assert await asyncio.to_thread(cli.main, ["status", "-o", "json"]) == 0
         bandwidth = json.loads(capsys.readouterr().out)["bandwidth"]
         waited = bandwidth.pop("waited_seconds")  # this daemon's buckets: no other test's waits
-        assert bandwidth == {"origin": 200 << 20, "peers": 1 << 30, "sources": {"s3://models": 50 << 20}, "live": True}
+        assert bandwidth == {"origin": 200 << 20, "peers": 1 << 30, "serve": 8 << 20,
+                             "sources": {"s3://models": 50 << 20}, "live": True}
         assert waited["sources"] == {"s3://models": 0.0} and waited["origin"] >= 0 and waited["peers"] >= 0
         assert await asyncio.to_thread(cli.main, ["status"]) == 0
         line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("bandwidth"))
-        assert line.split(None, 1)[1] == "origin 200 MiB/s, peers 1 GiB/s, s3://models 50 MiB/s; live (a config " \
-                                         "reload applies it)"
+        assert line.split(None, 1)[1] == "origin 200 MiB/s, peers 1 GiB/s, serve 8 MiB/s, s3://models 50 MiB/s; " \
+                                         "live (a config reload applies it)"
         await running.daemon.apply(load_settings(flags={"root": str(running.root), "socket": str(running.socket)}))
         assert await asyncio.to_thread(cli.main, ["status"]) == 0
         assert "bandwidth     no limit (bytesPerSecond unset); live" in capsys.readouterr().out

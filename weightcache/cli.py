@@ -155,7 +155,7 @@ def _bandwidth_line(bandwidth: Any) -> str:
     if not isinstance(bandwidth, dict):
         return "?"
     sources = bandwidth.get("sources")
-    rates = {"origin": bandwidth.get("origin"), "peers": bandwidth.get("peers"),
+    rates = {"origin": bandwidth.get("origin"), "peers": bandwidth.get("peers"), "serve": bandwidth.get("serve"),
              **(sources if isinstance(sources, dict) else {})}
     shown = [f"{k} {fmt_bytes(v)}/s" for k, v in rates.items() if isinstance(v, int) and v > 0]
     live = "live (a config reload applies it)" if bandwidth.get("live") else "changed by a restart only"

@@ -23,6 +23,7 @@ from weightcache.errors import FetchCancelledError
 BURST_S = 0.1  # a bucket holds this many seconds of its rate: short bursts, a limit held over ~1 s windows
 POLL_S = 0.05  # a waiting worker looks at the bucket (and its cancel event) at least this often
 CATCH_UP_S = 1.0  # while workers wait, the bucket holds up to this many seconds of its rate (see Limiter)
+SERVE_BURST_S = 0.05  # the serving bucket's burst: a link's queue holds ~0.1 s, and a burst past it is what fills it
 
 
 class Limiter:
@@ -129,12 +130,17 @@ class BandwidthLimits:
         self._lock = threading.Lock()
         self.origin = Limiter()
         self.peers = Limiter()
+        # what this node's peer server sends, to every peer together: below the node's uplink, so the ACKs of what
+        # the node receives are not queued behind it (docs/peers.md, "Serving below the uplink"); short bursts
+        self.serve = Limiter(burst_s=SERVE_BURST_S)
         self._sources: dict[str, Limiter] = {}
 
-    def configure(self, origin: int = 0, peers: int = 0, sources: Mapping[str, int] | None = None) -> None:
+    def configure(self, origin: int = 0, peers: int = 0, sources: Mapping[str, int] | None = None,
+                  serve: int = 0) -> None:
         """Set every limit (live: buckets in use keep their state and take the new rate)."""
         self.origin.set_rate(origin)
         self.peers.set_rate(peers)
+        self.serve.set_rate(serve)
         wanted = {k.rstrip("/"): v for k, v in (sources or {}).items()}
         with self._lock:
             for key in list(self._sources):
@@ -164,9 +170,9 @@ class BandwidthLimits:
         with self._lock:
             sources = {k: v.rate for k, v in self._sources.items()}
             waited = {k: round(v.waited_s, 3) for k, v in self._sources.items()}
-        return {"origin": self.origin.rate, "peers": self.peers.rate, "sources": sources,
+        return {"origin": self.origin.rate, "peers": self.peers.rate, "serve": self.serve.rate, "sources": sources,
                 "waited_seconds": {"origin": round(self.origin.waited_s, 3), "peers": round(self.peers.waited_s, 3),
-                                   "sources": waited}}
+                                   "serve": round(self.serve.waited_s, 3), "sources": waited}}
 
     def acquire_origin(self, name: str, n: int, cancel: threading.Event | None = None) -> None:
         """Before `n` bytes of the object `name` are read from its origin: the source's limit, then the node's."""

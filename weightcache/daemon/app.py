@@ -151,7 +151,8 @@ class Daemon:
             from weightcache.peers.server import PeerServer
 
             inflight = node.fetcher.peers.inflight if node.fetcher.peers is not None else None
-            node.peer_server = PeerServer(store.layout.blobs, peer_token, inflight=inflight)
+            node.peer_server = PeerServer(store.layout.blobs, peer_token, inflight=inflight,
+                                          bandwidth=node.bandwidth)
             stack.push_async_callback(node.peer_server.stop)
             self.peer_port = await node.peer_server.start(*s.peers.listen)
         if node.fetcher.peers is not None and self.peer_port is not None and s.peers.listen is not None:

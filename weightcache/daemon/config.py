@@ -205,8 +205,8 @@ def _bytes_per_second(value: Any, what: str) -> tuple[tuple[str, int], ...]:
     out = []
     for key, rate in value.items():
         key = str(key)
-        if key not in ("origin", "peers") and not re.fullmatch(r"[a-z0-9+.-]+(://[^/\s]+)?", key):
-            raise ConfigError(f"{what}.{key}: expected origin, peers, a scheme (s3) or scheme://bucket")
+        if key not in ("origin", "peers", "serve") and not re.fullmatch(r"[a-z0-9+.-]+(://[^/\s]+)?", key):
+            raise ConfigError(f"{what}.{key}: expected origin, peers, serve, a scheme (s3) or scheme://bucket")
         out.append((key.rstrip("/"), parse_size(rate, f"{what}.{key}")))
     return tuple(sorted(out))
 
@@ -370,8 +370,10 @@ class LimitSettings:
                                                             live=True, shown="`{}`")
     """Bandwidth limits in bytes per second, none by default: `{origin: 200Mi, peers: 1Gi, s3: 100Mi,
     "s3://bucket": 50Mi}`. `origin` caps what this node reads from every origin together, `peers` what it reads
-    from peers; a scheme or `scheme://bucket` (the most specific wins) caps that source on top of `origin`. One
-    token bucket per limit shared by every fetch worker; a reload changes the rates of reads in flight.
+    from peers, `serve` what its peer server sends to all peers together (set it a little below the node's
+    uplink where that link is the slow part: docs/peers.md, "Serving below the uplink"); a scheme or
+    `scheme://bucket` (the most specific wins) caps that source on top of `origin`. One token bucket per limit
+    shared by every fetch worker; a reload changes the rates of reads in flight.
     `weightcache status` (and `-o json`, `bandwidth`) shows the limits a running daemon enforces (its `GET
     /v1/status`), the seconds its workers waited on each, and that they are live; the direct CLI (`prefetch
     --no-daemon`) fetches without them."""
@@ -510,7 +512,8 @@ def apply_bandwidth(limits: BandwidthLimits, settings: Settings) -> None:
     """The daemon's bandwidth limits (weightcache/ratelimit.py) as `settings` say, live: workers waiting on a
     bucket take the new rate within 50 ms."""
     rates = dict(settings.limits.bytes_per_second)
-    limits.configure(origin=rates.pop("origin", 0), peers=rates.pop("peers", 0), sources=rates)
+    limits.configure(origin=rates.pop("origin", 0), peers=rates.pop("peers", 0), serve=rates.pop("serve", 0),
+                     sources=rates)
 
 
 def json_schema() -> dict[str, Any]:

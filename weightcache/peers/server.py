@@ -52,7 +52,7 @@ from weightcache.listener import ConnectionLimits, GuardedTCPSite
 from weightcache.peers.client import NOT_YET_HEADER, PARTIAL_HEADER, PLANNING_HEADER, RETRY_MS_HEADER
 from weightcache.peers.identity import OriginId, record_matches
 from weightcache.peers.inflight import InFlight
-from weightcache.ratelimit import Limiter
+from weightcache.ratelimit import BandwidthLimits, Limiter
 from weightcache.store.origins import IndexReader
 from weightcache.units import ascii_int
 
@@ -67,6 +67,7 @@ _RANGE = re.compile(r"bytes=([0-9]*)-([0-9]*)")  # ASCII only: \d also matches '
 _SPAN = re.compile(r"([0-9]{1,19})-([0-9]{1,19})")  # one span of ?digests=, ASCII digits, below 10^19
 _MAX_DIGITS = 19  # a longer number is past any blob (10^19 > 2^63): read as such, never given to int()
 SEND_SLICE = 1 << 20  # bytes read and written per step: bounds memory per stream and rate-limit granularity
+SERVE_SLICE = 32 << 10  # the step while the node's serving limit is set: 1 MiB is a second of a 1 MB/s uplink
 WRITE_TIMEOUT_S = 30.0  # a peer that stops reading loses its stream (and its slot) after this
 NOT_YET_WAIT_S = 0.3  # a request for a claimed range waits this long for its first journalled bytes, then "not yet"
 POLL_S = 0.05  # how often such a request looks at the journal (while the claim has no rate to say when)
@@ -101,15 +102,18 @@ class PeerServer:
     """aiohttp app serving `blobs_dir` (the store's `blobs/sha256`) to bearers of `token`."""
 
     def __init__(self, blobs_dir: Path, token: bytes, limits: PeerLimits | None = None,
-                 inflight: InFlight | None = None, index_path: Path | None = None) -> None:
+                 inflight: InFlight | None = None, index_path: Path | None = None,
+                 bandwidth: BandwidthLimits | None = None) -> None:
         """`inflight`: downloads of this node whose journalled ranges may be served before they are blobs.
         `index_path`: the store's index.db, whose manifest rows map an origin identity to a blob (default: the
-        one beside `blobs_dir`, root/index.db)."""
+        one beside `blobs_dir`, root/index.db). `bandwidth`: the node's bytesPerSecond, whose `serve` bucket
+        paces what this server sends to all peers together (none by default)."""
         self.blobs_dir = blobs_dir
         self.inflight = inflight
         self.records = IndexReader(index_path or blobs_dir.parent.parent / "index.db")
         self._token = b"Bearer " + token
         self.limits = limits or PeerLimits()
+        self.bandwidth = bandwidth or BandwidthLimits()
         self._peers: dict[str, _Peer] = {}
         self.bytes_served = 0
         self.app = web.Application()
@@ -311,7 +315,10 @@ class PeerServer:
                 resp.force_close()  # a body that may end short is never followed by another answer
             await resp.prepare(request)
             step = min(SEND_SLICE, self.limits.rate_bytes_s or SEND_SLICE)  # the bucket paces slices, not bodies
+            serve = self.bandwidth.serve
             while pos < end:
+                if serve.rate:  # the node's serving limit, taken in slices that stay under its link's queue
+                    step = min(step, SERVE_SLICE)
                 n = min(step, end - pos)
                 if follow is not None and (n := await self._landed(digest, follow, pos, pos + n)) == 0:
                     # the download ended: verified and published (the rest from the blob, at the link's speed:
@@ -323,6 +330,7 @@ class PeerServer:
                         return resp
                     fd, follow, n = blob, None, min(step, end - pos)
                 await peer.bucket.take(n)
+                await serve.take(n)
                 data = await asyncio.to_thread(os.pread, fd, n, pos)
                 if not data:
                     raise OSError(f"blob {digest} shorter than its size")  # never pad: the client sees a cut body
