@@ -47,3 +47,30 @@ def test_the_serving_limit_paces_what_the_node_sends_to_all_peers_together_and_c
         node.server.bandwidth.configure(serve=0)
         assert read_at_once(node.url, 2) < 1.0
         assert node.server.bandwidth.serve.waited_s > 0  # `weightcache status` says the limit bit
+
+
+def test_streams_sharing_the_serving_limit_take_its_slices_in_turn(tmp_path: Path) -> None:
+    """Twelve streams on one 600 kB/s limit: each gets a 32 KiB slice every 0.66 s, none waits much longer (each
+    polling the bucket on its own, some went 1-3.6 s without a slice, and in a fleet one now and then 10 s: its
+    asker's read timed out)."""
+    with Fleet(tmp_path, TOKEN, PeerLimits(rate_bytes_s=0, max_streams=16, stream_budget=0)) as fleet:
+        node = holding_node(fleet)
+        node.server.bandwidth.configure(serve=600_000)
+        http = urllib3.PoolManager(retries=False, timeout=30, maxsize=16)
+        gaps: list[float] = []
+
+        def ask() -> None:
+            resp = http.request("GET", f"{node.url}/v1/blobs/sha256/{SHA}", preload_content=False,
+                                headers={**AUTH, "Range": "bytes=0-149999"})
+            last, gap = time.monotonic(), 0.0
+            for _ in resp.stream(16 << 10):
+                gap, last = max(gap, time.monotonic() - last), time.monotonic()
+            gaps.append(gap)
+
+        threads = [threading.Thread(target=ask) for _ in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        http.clear()
+        assert len(gaps) == 12 and max(gaps) < 1.2, gaps
