@@ -523,3 +523,50 @@ def test_a_fleet_node_reads_its_share_from_the_origin_in_small_pieces_that_its_p
         peers.close()
     source.close()
     assert sizes == {2: {max(RELAY_PIECE_MIN, (2 << 20) // RELAY_PIECES)}, 1: {256 << 10}}
+
+
+
+def test_a_range_taken_over_asks_the_node_after_this_one_first_not_the_origin(origin: FaultProxy, fleet: Fleet,
+                                                                               tmp_path: Path) -> None:
+    """This node is next in rank after a dead owner, and the node after it took the range over first (this node
+    was cut off meanwhile, or saw the owner later). The range is asked of that node, which reads it now ("not
+    yet"), before this node reads it from the origin too: before, the cut node of the netns bench's --faults
+    came back and read a killed node's share (2 MiB) that the node after it was reading already."""
+    buf = memoryview(bytearray(256 << 10))
+    with asking_owners(origin, fleet, tmp_path, owners=2) as (asker, (after, dead), sha, obj):
+        third = obj.size // 3
+        with closing(asker.read_pieces(obj, 2 * third, 256 << 10, buf)) as own:  # its own share: the HEADs
+            assert sum(len(view) for _, view in own) == 256 << 10
+        fleet.kill(dead)
+        claim = after.peers.inflight.claim(sha, third, 2 * third)  # the node after this one reads it now
+        try:
+            asker.defer_while(lambda: True)
+            before = len(origin.requests_for("GET", "/models/llama/"))
+            with pytest.raises(Later):  # found dead, then "not yet" from the node after this one: waited for
+                next(asker.read_pieces(obj, third, third, buf))
+            assert len(origin.requests_for("GET", "/models/llama/")) == before  # nothing of it from the origin
+        finally:
+            after.peers.inflight.release(claim)
+
+
+
+def test_an_owner_idle_past_the_grace_is_walked_past_to_the_next_node_in_rank(origin: FaultProxy, fleet: Fleet,
+                                                                              tmp_path: Path) -> None:
+    """The owner of a range answers a plain "no" (not "planning"): its fetch failed (the --faults cut node's
+    listing timed out while its link was down), or it was never asked for the model. Once the fetch's grace is
+    over its range goes to the next node in rank, which this node waits on, rather than every node reading it
+    from the origin."""
+    buf = memoryview(bytearray(256 << 10))
+    with asking_owners(origin, fleet, tmp_path, owners=2) as (asker, (idle, _), sha, obj):
+        idle.peers.inflight.remove(sha, idle.peers.inflight.get(sha))  # type: ignore[arg-type]
+        third = obj.size // 3
+        with closing(asker.read_pieces(obj, 2 * third, 256 << 10, buf)) as own:  # its own share: the HEADs
+            assert sum(len(view) for _, view in own) == 256 << 10
+        time.sleep(GRACE_S + 0.2)  # the fetch's grace is over
+        asker.defer_while(lambda: True)
+        before = len(origin.requests_for("GET", "/models/llama/"))
+        for _ in range(2):  # and past the range's own grace (GRACE_S from its first ask, a peer downloading)
+            with pytest.raises(Later):  # the next node in rank has not started it ("missing"): waited for
+                next(asker.read_pieces(obj, 0, third, buf))
+            time.sleep(GRACE_S + 0.2)
+        assert len(origin.requests_for("GET", "/models/llama/")) == before  # nothing of it from the origin

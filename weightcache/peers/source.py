@@ -250,6 +250,7 @@ class _Ask:
     downloading: bool = False  # a peer downloads the blob (lacks the bytes through no fault of its own)
     pending: bool = False  # the bytes are on their way to a peer that will serve them: wait
     retry_s: float | None = None  # when the peer reading these bytes expects them (its "not yet")
+    taken: bool = False  # another node's range that fell to this one (its owner is not there for it)
     stop: bool = False  # ask no other peer this round
     name: str = field(init=False)  # how the blob is keyed (blob_key)
 
@@ -274,7 +275,8 @@ class _Ask:
 
     def why_origin(self, holders: int, stalled: float | None) -> str:
         """Why the range goes to the origin after all, for its log line (`stalled`: it waited this long)."""
-        why = "own share" if not self.wait else f"owner {self.owner}" if self.owner else "no owner"
+        why = "its owner is not there for it: this node is next in rank" if self.taken else \
+            "own share" if not self.wait else f"owner {self.owner}" if self.owner else "no owner"
         why += f", {holders} holders" + "".join(f", {u} {o}" for u, o in sorted(self.outcome.items()))
         return why + (f", no byte for {stalled:.0f} s" if stalled is not None else "")
 
@@ -315,6 +317,9 @@ class PeerSource(Source):
         # that lacks a blob is asked again every REASK_S while a range waits, so this is fresh. Kept for a second
         # after the answer, a range whose round outlasted that went to the origin (--faults: 1 MiB, 1.03x)
         self._planning: set[tuple[str, str]] = set()
+        # (blob, peer): its last HEAD said it neither holds, downloads nor plans it (an idle daemon, or one whose
+        # fetch failed: the --faults cut node's listing timed out while its link was down)
+        self._idle: set[tuple[str, str]] = set()
         self._flows: dict[str, PeerFlow] = {}  # bytes from each peer over all streams (client.PeerFlow)
         self._asked: dict[tuple[str, int], float] = {}  # (key, range end) -> when it was first asked of peers
         self._claimers: set[tuple[str, str]] = set()  # (peer, blob): it answered "not yet" (reads it now)
@@ -465,10 +470,15 @@ class PeerSource(Source):
             holders = self._holders_in_turn(ask.blob, ask.size)
             with self._lock:  # a peer holding the whole blob still serves it: the origin is for nobody's bytes
                 whole = [p for p in holders if (ask.name, p.url) not in self._downloading]
-            if not whole:
+            # and the node after this one in rank may have taken it over first (this node was cut off, or saw
+            # the owner gone later): asked once, as for this node's own share, before the origin reads it twice
+            after = self._next_in_rank(ask.name)
+            with self._lock:  # (not one given up on for this range: it waited on that one already)
+                after_waited = after is None or after in self._given_up.get(ask.span, set())
+            if not whole and after_waited:
                 self._why_origin(ask.obj, ask.pos, ask.end, "its owner is not there for it: this node is next in rank")
                 return None
-            ask.wait = False  # this node's own range now: asked of the whole blob's holders, then the origin
+            ask.wait, ask.taken = False, True  # this node's own range now: asked of those, then the origin
         holders = self._holders_in_turn(ask.blob, ask.size, first=ask.owner)
         if any(p.url == ask.owner for p in holders) or not ask.wait or \
                 (ask.owner and self._about_to_fetch(ask.name, ask.owner)):
@@ -722,9 +732,11 @@ class PeerSource(Source):
         """The node that reads byte `pos` of `key` from the origin ("": this one; None: no spread): the range's
         owner, or the next node in rank while it is not there for it: dead, down (failed, or cut and silent for
         DOWN_S), benched (cut as slow while not filling the blob with this node: a trickler claiming to hold it
-        costs its second, then its ranges go on), or given up on for this range (no byte of it for PENDING_S).
-        An owner not fetching the blob once the grace is over is not walked past: views of who fetches differ
-        between nodes that started apart, and every node took itself for the next one. Every node
+        costs its second, then its ranges go on), given up on for this range (no byte of it for PENDING_S), or
+        idle once the fetch's grace is over (its last HEAD: it neither holds, downloads nor plans the blob; a node
+        still listing says "planning" and is waited for). Before the planning answer an idle owner was not walked
+        past (views of who fetches differed between nodes started apart, and every node took itself for the next
+        one), and every node read its share from the origin past the grace. Every node
         walks the same ranks from what it saw itself, so one node takes over such a range and the others wait
         for it, rather than all of them reading it from the origin (a third of a fleet killed cost it 2.7
         models, nodes starting seconds apart on a busy machine 3-4)."""
@@ -736,12 +748,14 @@ class PeerSource(Source):
         banned = self._stats.banned  # a liar's share is read from the origin by the next node in rank
         with self._lock:
             given_up = self._given_up.get((key, end), set())
+            idle = self._grace_until is not None and now >= self._grace_until
             for step in range(len(self.ranked)):
                 url = self.ranked[(at + step) % len(self.ranked)]
                 if url == "":
                     return url
                 if url in self._dead or url in banned or self._down.get(url, 0.0) > now or url in given_up or \
-                        (self._benched.get(url, (0.0, 0))[0] > now and (sha256, url) not in self._downloading):
+                        (self._benched.get(url, (0.0, 0))[0] > now and (sha256, url) not in self._downloading) or \
+                        (idle and (sha256, url) in self._idle):
                     continue
                 return url
         return ""
@@ -883,8 +897,13 @@ class PeerSource(Source):
             with self._lock:
                 if kind == "planning":  # lacks it, but may be about to fetch it: its share is waited for
                     self._planning.add((blob_key(sha256), peer.url))
+                    self._idle.discard((blob_key(sha256), peer.url))
                     return False
                 self._planning.discard((blob_key(sha256), peer.url))
+                if kind is None:
+                    self._idle.add((blob_key(sha256), peer.url))
+                else:
+                    self._idle.discard((blob_key(sha256), peer.url))
                 if kind in ("empty", "partial"):
                     self._downloading.add((blob_key(sha256), peer.url))
                 if kind == "partial" and first_ask:
