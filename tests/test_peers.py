@@ -570,3 +570,23 @@ def test_an_owner_idle_past_the_grace_is_walked_past_to_the_next_node_in_rank(or
                 next(asker.read_pieces(obj, 0, third, buf))
             time.sleep(GRACE_S + 0.2)
         assert len(origin.requests_for("GET", "/models/llama/")) == before  # nothing of it from the origin
+
+
+def test_every_peer_silent_then_failing_is_this_nodes_link_not_theirs(origin: FaultProxy, fleet: Fleet,
+                                                                      tmp_path: Path) -> None:
+    """No peer has answered this node or sent it a byte for DOWN_S, then a peer fails: that is what this node
+    sees when its own link goes (the netns bench's --faults cut node: its streams' read timeouts ended together
+    10 s into the cut). The owner keeps its range (asked again, not the origin); before, the cut node took every
+    live owner it waited on for down, walked past them all to itself and read 0.3x the model from the origin."""
+    buf = memoryview(bytearray(256 << 10))
+    with asking_owners(origin, fleet, tmp_path, owners=2) as (asker, (_, owner), _, obj):
+        third = obj.size // 3
+        with closing(asker.read_pieces(obj, 2 * third, 256 << 10, buf)) as own:  # its own share: the HEADs
+            assert sum(len(view) for _, view in own) == 256 << 10
+        time.sleep(source_module.DOWN_S + 0.2)  # nothing heard from any peer since
+        fleet.kill(owner)  # its range's next node in rank is this one
+        asker.defer_while(lambda: True)
+        before = len(origin.requests_for("GET", "/models/llama/"))
+        with pytest.raises(Later):  # its failure is taken for this node's link: asked again later
+            next(asker.read_pieces(obj, third, third, buf))
+        assert len(origin.requests_for("GET", "/models/llama/")) == before  # nothing of it from the origin

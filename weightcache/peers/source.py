@@ -540,6 +540,11 @@ class PeerSource(Source):
             self._cut(ask, peer, exc)
         except SourceError as exc:
             ask.outcome[peer.url] = "failed"
+            if self._link_down():  # not the peer's fault: it keeps its ranges, asked again
+                log.warning("peer %s failed at byte %d of %s (%s) while no peer was heard from for %.0f s: this "
+                            "node's link, asked again", peer.url, ask.pos, ask.obj.relpath, exc, DOWN_S)
+                ask.pending = ask.stop = True
+                return
             self._stats.error(peer.url)
             self._drop_holder(ask.name, peer)
             with self._lock:  # its ranges go to the next node in rank meanwhile (_serving_owner)
@@ -651,7 +656,7 @@ class PeerSource(Source):
             # origin: a stall of its (a busy CPU, a full link) is waited out, not paid at the origin;
             # heard from on no stream for DOWN_S, it is down and the next node in rank takes its ranges
             silent = time.monotonic() - self._heard.get(peer.url, ask.asked) >= DOWN_S
-            if silent:
+            if silent and not self._link_down():
                 with self._lock:
                     self._down[peer.url] = time.monotonic() + DOWN_S
             log.warning("%s at byte %d of %s; %s", exc, ask.pos, ask.obj.relpath,
@@ -714,6 +719,15 @@ class PeerSource(Source):
     @staticmethod
     def _why_origin(obj: ObjectInfo, pos: int, end: int, why: str) -> None:
         log.info("origin read: %s bytes %d-%d (%d): %s", obj.relpath, pos, end - 1, end - pos, why)
+
+    def _link_down(self) -> bool:
+        """No peer answered this fetch or sent it a byte for DOWN_S, after some did: a peer failing now is taken
+        for this node's own link going, not for the peer's (the --faults node cut off: its streams' read timeouts
+        ended together 10 s into the cut, it took every live owner it waited on for down, walked past them all
+        to itself and read 0.3x the model from the origin once its link was back)."""
+        with self._lock:
+            last = max(self._heard.values(), default=None)
+        return last is not None and time.monotonic() - last >= DOWN_S
 
     def _bench(self, url: str) -> float:
         """Leave a peer cut as too slow out of this fetch for a while: BENCH_S, doubled each time (a peer that is
@@ -895,6 +909,7 @@ class PeerSource(Source):
         try:
             kind = peer.probe(sha256, size)
             with self._lock:
+                self._heard[peer.url] = time.monotonic()  # an answer: alive
                 if kind == "planning":  # lacks it, but may be about to fetch it: its share is waited for
                     self._planning.add((blob_key(sha256), peer.url))
                     self._idle.discard((blob_key(sha256), peer.url))
@@ -910,6 +925,9 @@ class PeerSource(Source):
                     self._ahead.add((blob_key(sha256), peer.url))
             return kind is not None
         except PeerUnreachable as exc:
+            if self._link_down():  # this node's link: probed again next round
+                log.info("%s while no peer was heard from for %.0f s: this node's link", exc, DOWN_S)
+                return False
             log.info("%s; this fetch goes on without it", exc)
             self._stats.error(peer.url)
             with self._lock:
