@@ -49,7 +49,9 @@ async def test_a_daemon_fills_from_its_peer_and_the_metrics_say_where_bytes_came
     common = {"peerTokenFile": str(token), "endpoints": {"s3": {"endpointUrl": fault_proxy.endpoint_url}}}
     (short_dir / "a").mkdir()
     (short_dir / "b").mkdir()
-    a = await start_daemon(short_dir / "a", model_copy, config={**common, "peerListen": "127.0.0.1:0"})
+    # a's serving limit (bytesPerSecond.serve) paces what its peer server sends: 2 MiB at 4 MiB/s
+    a = await start_daemon(short_dir / "a", model_copy, config={**common, "peerListen": "127.0.0.1:0",
+                                                                 "bytesPerSecond": {"serve": "4Mi"}})
     b: RunningDaemon | None = None
     try:
         assert a.daemon.peer_port
@@ -68,6 +70,7 @@ async def test_a_daemon_fills_from_its_peer_and_the_metrics_say_where_bytes_came
         assert sum(sample["weightcache_peer_bytes"].values()) == len(BODY)  # type: ignore[union-attr]
         served = (await asyncio.to_thread(a.daemon.node.sample))["weightcache_peer_served_bytes"]
         assert served == len(BODY) + 2
+        assert a.daemon.node.bandwidth.status()["waited_seconds"]["serve"] > 0.2  # type: ignore[index]
         text = (await asyncio.to_thread(b.daemon.node.metrics.exposition)).decode()
         key = parse_ref("s3://models/m/").key  # the metrics port names no URI
         assert f'weightcache_model_fetched_bytes_total{{model="{key}",source="peers"}} 2.097152e+06' in text
