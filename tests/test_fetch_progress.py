@@ -56,7 +56,10 @@ def test_ctrl_c_stops_a_download_without_waiting_for_its_ranges_and_resume_asks_
                                            if len(j.read_text().splitlines()) >= 3), None),
                              timeout=60, what="the journal to record two chunks", every=0.02)
         throttle.count = throttle.fired  # from here on every ranged GET is held
-        assert held.arrived.wait(30), "no range reached the held origin"
+        # both workers' next ranges held, so each was recorded before the resume's requests are counted: a range
+        # sent on a kept connection reached the proxy only once its handler had trickled out the last body
+        wait_until(lambda: held.fired >= 2, timeout=30, what="both workers' next ranges at the held origin",
+                   every=0.02)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)  # ending here means no held range was waited for
     finally:
