@@ -49,14 +49,15 @@ def test_the_serving_limit_paces_what_the_node_sends_to_all_peers_together_and_c
         assert node.server.bandwidth.serve.waited_s > 0  # `weightcache status` says the limit bit
 
 
-def test_streams_sharing_the_serving_limit_take_its_slices_in_turn(tmp_path: Path) -> None:
-    """Twelve streams on one 600 kB/s limit: each gets a 32 KiB slice every 0.66 s, none waits much longer (each
+def test_streams_sharing_the_serving_limit_take_its_slices_in_turn_and_a_new_one_first(tmp_path: Path) -> None:
+    """Sixteen streams on one 600 kB/s limit: each gets a 32 KiB slice every 0.87 s, none waits much longer (each
     polling the bucket on its own, some went 1-3.6 s without a slice, and in a fleet one now and then 10 s: its
-    asker's read timed out)."""
-    with Fleet(tmp_path, TOKEN, PeerLimits(rate_bytes_s=0, max_streams=16, stream_budget=0)) as fleet:
+    asker's read timed out). A stream asked meanwhile gets its first slice next, not after a round of the others'
+    (in the order asked, at N = 32 a new stream waited 2.2 s and its asker cut it as a trickler)."""
+    with Fleet(tmp_path, TOKEN, PeerLimits(rate_bytes_s=0, max_streams=20, stream_budget=0)) as fleet:
         node = holding_node(fleet)
         node.server.bandwidth.configure(serve=600_000)
-        http = urllib3.PoolManager(retries=False, timeout=30, maxsize=16)
+        http = urllib3.PoolManager(retries=False, timeout=30, maxsize=20)
         gaps: list[float] = []
 
         def ask() -> None:
@@ -64,13 +65,23 @@ def test_streams_sharing_the_serving_limit_take_its_slices_in_turn(tmp_path: Pat
                                 headers={**AUTH, "Range": "bytes=0-149999"})
             last, gap = time.monotonic(), 0.0
             for _ in resp.stream(16 << 10):
-                gap, last = max(gap, time.monotonic() - last), time.monotonic()
+                if last > started + 1.0:  # once all are streaming (one that began first is ahead: it waits a round)
+                    gap = max(gap, time.monotonic() - last)
+                last = time.monotonic()
             gaps.append(gap)
 
-        threads = [threading.Thread(target=ask) for _ in range(12)]
+        started = time.monotonic()
+        threads = [threading.Thread(target=ask) for _ in range(16)]
         for t in threads:
             t.start()
+        time.sleep(1.0)
+        asked = time.monotonic()
+        late = http.request("GET", f"{node.url}/v1/blobs/sha256/{SHA}", preload_content=False,
+                            headers={**AUTH, "Range": "bytes=0-99"})
+        first_s = time.monotonic() - asked
+        assert late.read() == BODY[:100]
         for t in threads:
             t.join()
         http.clear()
-        assert len(gaps) == 12 and max(gaps) < 1.2, gaps
+        assert len(gaps) == 16 and max(gaps) < 2.0, gaps  # in turn: 0.87 s; the lottery: up to 3.6 s of 12
+        assert first_s < 0.6  # in the order asked: a round of the others' slices, 0.87 s
