@@ -33,7 +33,8 @@ Printed per N: origin bytes / model (what the daemons counted as read from the o
 transmitted bytes with TCP/IP and HTTP overhead), each node's ready time, all ready / one node alone, daemon CPU
 seconds during the fill and peak RSS (VmHWM) per node, and bytes each node's peer listener served. `--json`: one
 object, the last N's summary (`nodes`, `origin_bytes_ratio`, `origin_egress_ratio`, `all_ready_ratio`,
-`max_rss_mb`, `max_served_share`: the most a node served over the mean, `one_node_s`, `ready_s`) and `rows`
+`max_rss_mb`, `max_served_share`: the most a node served over the mean, `one_node_s`, `ready_s`,
+`serve_limit_bytes_s`: each daemon's `bytesPerSecond.serve`, 0.88 of its link unless `--serve-share` says) and `rows`
 with every N's.
 """
 
@@ -356,6 +357,12 @@ def sample_links(path: Path, names: list[str], started: float, filled: threading
             out.flush()
 
 
+def serve_limit(args: argparse.Namespace) -> int:
+    """Each daemon's bytesPerSecond.serve: a share of its link, set below it as an operator would (docs/peers.md,
+    "Serving below the uplink"); the summary says which, so a row is never read as the unlimited case."""
+    return int(args.serve_share * args.link_mbps * 1e6)
+
+
 def fill(net: Net, n: int, work: Path, args: argparse.Namespace, model: int) -> dict[str, Any]:
     """One row: n fresh node namespaces and daemons, all asked for the model at once."""
     run_dir = work / f"run-{n}"
@@ -363,7 +370,7 @@ def fill(net: Net, n: int, work: Path, args: argparse.Namespace, model: int) -> 
     for i, name in enumerate(names):
         net.namespace(name, node_ip(i))
         net.limit_both(name, args.link_mbps)
-    serve = int(args.serve_share * args.link_mbps * 1e6)
+    serve = serve_limit(args)
     daemons = [start_daemon(i, n, run_dir, work / "token", args.chunk_size, PROXY_PORT if args.outage else 5000, serve)
                for i in range(n)]
     try:
@@ -437,6 +444,7 @@ def fill(net: Net, n: int, work: Path, args: argparse.Namespace, model: int) -> 
     mean_served = sum(d.stats.get("served", 0.0) for d in live) / len(live)  # the killed serve nothing after
     return {
         "nodes": n,
+        "serve_limit_bytes_s": serve,
         "faults": {f"n{i}": role for i, role in sorted(roles.items())},
         # with nodes killed their counts die with them: then the origin veth's bytes (overhead included)
         "origin_bytes_ratio": round((egress if roles else sum(d.stats.get("origin", 0.0) for d in daemons)) / model,
@@ -582,7 +590,9 @@ def main() -> int:
                 one = one_row["all_ready_s"]
                 if not args.json:
                     print(f"model {model / 1e6:.0f} MB in {args.shards} shards; origin link {args.origin_mbps:g} MB/s, "
-                          f"node links {args.link_mbps:g} MB/s each way; one node alone: {one:.1f} s "
+                          f"node links {args.link_mbps:g} MB/s each way; each daemon serves peers at most "
+                          f"{serve_limit(args) / 1e6:g} MB/s (bytesPerSecond.serve, --serve-share "
+                          f"{args.serve_share:g}; 0: no limit); one node alone: {one:.1f} s "
                           f"(origin {one_row['origin_bytes_ratio']:.2f}x); load average {load:.1f}")
                 for n in sizes:
                     row = fill(net, n, work, args, model)
