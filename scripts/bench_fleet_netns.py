@@ -328,7 +328,7 @@ def cut_moves(log_text: str, cut_url: str, cut_at: float) -> list[float]:
 
 # the first that a line's reason holds names it: a node's own share read with no peer holding anything yet (the
 # first node through) is its own share, not "no holder known"
-WHY = (("no byte for", "pending expired"), ("next in rank", "taken over"),
+WHY = (("read again", "relay read again"), ("no byte for", "pending expired"), ("next in rank", "taken over"),
        (" cut", "after a cut"), (" failed", "after a failure"), ("gone", "holder gone"), ("own share", "own share"),
        (", 0 holders", "no holder known"), ("judging", "judging a peer"))
 

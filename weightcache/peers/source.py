@@ -330,6 +330,7 @@ class PeerSource(Source):
         self._handed: dict[tuple[str, int], str | None] = {}  # (key, range end) -> the node its owner handed it to
         self._given_up: dict[tuple[str, int], set[str]] = {}  # (key, range end) -> owners it waited PENDING_S on
         self._unstarted: dict[tuple[str, int], int] = {}  # (key, range end) -> its owner's "missing" answers in a row
+        self._relayed: dict[tuple[str, int], int] = {}  # (key, range end) -> its first byte that a peer sent
         self._origin_rate: float | None = None  # bytes/s this fetch reads per origin connection (a moving mean)
         self.peer_bytes = 0
         self._may_defer: Callable[[], bool] = lambda: False  # the fetch engine: other ranges wait for a worker
@@ -430,7 +431,20 @@ class PeerSource(Source):
                 if self._may_defer():  # another range may be ready now: this one's bytes are still on their way
                     raise Later(ask.pos, ask.retry_s)
                 time.sleep(POLL_S if ask.retry_s is None else ask.retry_s)
-        yield from self._from_origin(obj, ask.pos, end, buf, on_bytes, ask.name)
+        yield from self._from_origin(obj, ask.pos, end, buf, on_bytes, ask.name, self._relayed_gap(ask))
+
+    def _relayed_gap(self, ask: _Ask) -> int | None:
+        """Where a range taken over from its owner is read from the origin again: the first byte a peer sent this
+        node of it, when one did (None: from `ask.pos` only). A node relays origin bytes only ("Blame"), so it
+        would answer the nodes behind it on the dead owner's relay "not held" for those bytes: each waited
+        PENDING_S on it, then read the range, or its own gap, from the origin (--faults: "taken over" 0.45-0.55x
+        the model where the killed nodes' shares are 0.31x). Read again once here, under the claim of the rest,
+        they follow this node's claim as its pieces land (server `_stream`)."""
+        if not ask.taken:
+            return None
+        with self._lock:
+            first = self._relayed.get(ask.span)
+        return first if first is not None and first < ask.pos else None
 
     def _begin(self, obj: ObjectInfo, offset: int, end: int, blob: Blob, size: int, piece: int) -> _Ask:
         """A range's asks of peers start: its owner, and the clocks its waits are measured by."""
@@ -476,6 +490,7 @@ class PeerSource(Source):
             with self._lock:  # (not one given up on for this range: it waited on that one already)
                 after_waited = after is None or after in self._given_up.get(ask.span, set())
             if not whole and after_waited:
+                ask.taken = True  # its relayed bytes are read again with the rest (_relayed_gap)
                 self._why_origin(ask.obj, ask.pos, ask.end, "its owner is not there for it: this node is next in rank")
                 return None
             ask.wait, ask.taken = False, True  # this node's own range now: asked of those, then the origin
@@ -512,6 +527,8 @@ class PeerSource(Source):
                                             judge):
                 yield at, view
                 ask.pos, ask.progressed = at + len(view), True
+                with self._lock:
+                    self._relayed.setdefault(ask.span, at)
                 self._moved[ask.span] = time.monotonic()
                 self._unstarted.pop(ask.span, None)
         except _JudgeFailed as exc:  # the origin failed us while judging: an origin failure, not the peer's
@@ -823,8 +840,16 @@ class PeerSource(Source):
         return int(min(SLOW_BYTES_S, max(SLOW_MIN_BYTES_S, rate * FLOOR_SHARE)))
 
     def _from_origin(self, obj: ObjectInfo, pos: int, end: int, buf: memoryview, on_bytes: OnBytes | None,
-                     sha256: str | None) -> Pieces:
-        claim = self._inflight.claim(sha256, pos, end) if sha256 else None
+                     sha256: str | None, again: int | None = None) -> Pieces:
+        """[pos, end) from the origin, claimed while it is read so that peers follow it; `again`: [again, pos)
+        first, bytes held from a peer that is not there for the range any more (_relayed_gap), under the same
+        claim. The two reads meet at `pos`, where the held pieces end too, so the part's in-order hash goes on
+        over whichever pieces it follows."""
+        spans = [(pos, end)] if again is None else [(again, pos), (pos, end)]
+        if again is not None:
+            self._why_origin(obj, again, pos, "read again, relayed by its owner that is not there for it: the "
+                                              "nodes behind on its relay follow this node")
+        claim = self._inflight.claim(sha256, spans[0][0], end) if sha256 else None
 
         def arrived(n: int) -> None:
             if claim is not None:
@@ -833,20 +858,21 @@ class PeerSource(Source):
                 on_bytes(n)
 
         started, got = time.monotonic(), 0
-        piece = self._relay_piece(len(buf), end - pos) if claim is not None else len(buf)
+        piece = self._relay_piece(len(buf), end - spans[0][0]) if claim is not None else len(buf)
         try:
-            with closing(self.origin.read_pieces(obj, pos, end - pos, buf[:piece], arrived)) as pieces:
-                for at, view in pieces:
-                    got += len(view)
-                    self._origin_rate_seen(got, time.monotonic() - started)
-                    self._blame(obj.key, at, view)
-                    if sha256:  # this node's peer server may relay these bytes while the download goes on
-                        self._inflight.from_origin(sha256, at, at + len(view))
-                    if claim is not None:
-                        claim.piece = max(claim.piece, len(view))
-                    yield at, view
-                    if sha256:  # journalled now (the caller wrote it): streams following the claim send it
-                        self._inflight.landed(sha256)
+            for a, b in spans:
+                with closing(self.origin.read_pieces(obj, a, b - a, buf[:piece], arrived)) as pieces:
+                    for at, view in pieces:
+                        got += len(view)
+                        self._origin_rate_seen(got, time.monotonic() - started)
+                        self._blame(obj.key, at, view)
+                        if sha256:  # this node's peer server may relay these bytes while the download goes on
+                            self._inflight.from_origin(sha256, at, at + len(view))
+                        if claim is not None:
+                            claim.piece = max(claim.piece, len(view))
+                        yield at, view
+                        if sha256:  # journalled now (the caller wrote it): streams following the claim send it
+                            self._inflight.landed(sha256)
         finally:
             if claim is not None:
                 self._inflight.release(claim)
