@@ -144,6 +144,26 @@ async def test_memory_tier_models_are_locked_and_released_when_no_longer_wanted(
         await d.daemon.stop()
 
 
+async def test_passes_run_one_at_a_time_so_a_second_settles_against_the_first(short_dir: Path,
+                                                                               model_copy: Path) -> None:
+    """A caller's pass beside the loop's (CI saw it): both diffed against the same stale `held`, so the second
+    demoted nothing while the first was still running, or both demoted the same model."""
+    d = await start_daemon(short_dir, model_copy, config={
+        "memoryBudget": "64Mi", "resyncSeconds": 3600,
+        "models": [{"source": f"file://{model_copy}/", "tier": "memory"}]})
+    try:
+        node, rec = d.daemon.node, d.daemon.reconciler
+        await eventually(lambda: any(h.tier == "memory" for h in rec.held.values()) and node.tier.resident(),
+                         what="the model held and resident in memory")
+        (resident,) = node.tier.resident()
+        node.settings = parse_settings({"memoryBudget": "64Mi", "models": []})
+        first, second = await asyncio.gather(rec.once(), rec.once())
+        assert (first.demote, second.demote) == ({resident.id}, frozenset())
+        assert node.tier.locked_bytes() == 0 and rec.held == {}
+    finally:
+        await d.daemon.stop()
+
+
 async def test_turning_the_memory_tier_on_and_off_live(short_dir: Path, model_copy: Path) -> None:
     d = await start_daemon(short_dir, model_copy, config={"resyncSeconds": 3600})
     try:

@@ -127,6 +127,9 @@ class Reconciler:
         self._fetching: dict[str, asyncio.Task[None]] = {}  # want name -> its fetch
         self.passes = 0
         self._taint_due: float | None = None  # seconds from the last pass to the startup taint's deadline
+        # one pass at a time: settle() diffs against `held`, which a pass sets only at its end, so a second pass
+        # started meanwhile (the loop's, and a caller's) diffed against the stale one: a demotion went missing
+        self._passing = asyncio.Lock()
         self._book, self._views = VolumeBook(node.store.tree), StreamViews(node.store.layout)  # adapter directories
 
     def kick(self) -> None:
@@ -154,6 +157,10 @@ class Reconciler:
                     await self._wake.wait()
 
     async def once(self) -> Outcome:
+        async with self._passing:
+            return await self._once()
+
+    async def _once(self) -> Outcome:
         start = time.monotonic()
         node = self.node
         everything = wants(node.settings.models.warm, await self._desired())
