@@ -195,7 +195,7 @@ class PeerServer:
         try:  # one thread hop for both: the published blob, else the download in flight
             fd, partial = await asyncio.to_thread(self._open_held, digest)
         except FileNotFoundError:
-            return self._lacks("blob")
+            return self._unwritten(request, digest) or self._lacks("blob")
         except OSError as exc:
             log.warning("peer request for blob %s refused: %s", digest, exc)
             return self._lacks("blob")
@@ -211,6 +211,18 @@ class PeerServer:
         return web.Response(status=404, headers={PLANNING_HEADER: "1"} if planning else None,
                             text=f"{what} not held by this node\n")
 
+    def _unwritten(self, request: web.Request, name: str) -> web.Response | None:
+        """The answer to a HEAD of a download registered here whose part is not on disk yet (a file read in one
+        request: its worker creates the part, or the blob, when its bytes come): downloading, as `_send` answers
+        one with a part; None for any other request, or no such download. A plain 404 reads as idle, and once
+        their grace is over the askers read this node's share elsewhere (`PeerSource._serving_owner`)."""
+        partial = self.inflight.get(name) if self.inflight is not None and request.method == "HEAD" else None
+        if partial is None or self.inflight is None:
+            return None
+        headers = _headers(name, partial.obj.size)
+        headers[PARTIAL_HEADER] = "1" if self.inflight.started(name) else "empty"
+        return web.Response(status=200, headers=headers)
+
     def _open_held(self, digest: str) -> tuple[int, PartialFile | None]:
         """A read-only fd of the published blob, else of its download in flight (with its PartialFile);
         FileNotFoundError when neither is here (a download finished or discarded meanwhile included)."""
@@ -223,7 +235,12 @@ class PeerServer:
         try:
             return os.open(partial.part, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), partial
         except OSError as exc:
-            raise FileNotFoundError(str(exc)) from exc
+            # the finished download became its blob since the first look (it leaves InFlight only after): a
+            # 404 now would tell the asker this node is idle, and it would read this node's share elsewhere
+            try:
+                return open_blob(self.blobs_dir, digest), None
+            except FileNotFoundError:
+                raise FileNotFoundError(str(exc)) from exc
 
     async def _not_yet(self, request: web.Request, name: str) -> web.Response | None:
         """The answer to a GET of a blob downloading here whose asked range has nothing journalled from the origin
@@ -288,7 +305,9 @@ class PeerServer:
                 return self._lacks("object")
             try:
                 fd = await asyncio.to_thread(os.open, partial.part, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except OSError:  # finished or discarded meanwhile
+            except FileNotFoundError:  # not written yet, or discarded meanwhile
+                return self._unwritten(request, name) or self._lacks("object")
+            except OSError:
                 return self._lacks("object")
         try:
             return await self._send(request, fd, name, partial)
@@ -306,8 +325,7 @@ class PeerServer:
         if request.method == "GET" and "digests" in request.query:
             return await self._digests(request, fd, digest, partial, size)
         start, end, ranged = span
-        headers = {"Content-Length": str(end - start), "Accept-Ranges": "bytes", "ETag": f'"{digest}"',
-                   "Content-Type": "application/octet-stream"}
+        headers = _headers(digest, end - start)
         follow = None
         if partial is not None:  # a download in flight: only what it has journalled from the origin
             # "empty": nothing read from the origin yet (a node of a fleet starting together): the asker reads
@@ -418,8 +436,9 @@ class PeerServer:
 
     async def _published(self, digest: str) -> int | None:
         """A descriptor of the blob `digest` once published here, or None (never a download's, nor a link). A
-        verified download leaves InFlight just before its part becomes the blob (fetch/publish.py `durable`: its
-        fsyncs between), so it is looked for a while (PUBLISH_WAIT_S); one that failed never comes."""
+        verified download leaves InFlight once its part is the blob (fetch/publish.py `durable`, Transfer
+        `download`), but a stream may find its claim ended first, so it is looked for a while (PUBLISH_WAIT_S);
+        one that failed never comes."""
         if not _HEX.fullmatch(digest):  # an origin identity's download: its blob is named by its digest
             return None
         deadline = time.monotonic() + PUBLISH_WAIT_S
@@ -463,6 +482,12 @@ class PeerServer:
                 break
             await asyncio.sleep(min(left, max(POLL_S, eta or 0.0)))
         return got
+
+
+def _headers(digest: str, length: int) -> dict[str, str]:
+    """The headers of an answer with (or, to a HEAD, about) `length` bytes of a blob."""
+    return {"Content-Length": str(length), "Accept-Ranges": "bytes", "ETag": f'"{digest}"',
+            "Content-Type": "application/octet-stream"}
 
 
 def _not_held(start: int, end: int, pending: bool, eta_s: float | None = None) -> web.Response:
