@@ -130,18 +130,22 @@ class HostilePeer:
         "trickle-headers"  the status line and headers one byte every `every_s` seconds
         "huge-range"       a 206 whose Content-Range holds 5,000-digit numbers (int() refuses them)
         "honest"           a correct 206 with the right bytes at once
+        "paced"            a correct 206, then the right bytes at `rate` bytes a second (a busy honest peer's share)
         "planning"         every HEAD and GET of a blob: 404 `X-Weightcache-Planning: 1` ("about to fetch it"), for ever
 
     A digest request (`?digests=`, server.PeerServer._digests) is answered 200 with `digests` as its JSON body
     when given (a malformed or oversized answer); with `old_release`, as a daemon from before `?digests=` answers
     it (a plain GET: the whole blob, 200, application/octet-stream); else 404. `requests` counts the GETs it
-    answered; `close()` stops every connection at once."""
+    answered; `close()` stops every connection at once. `streams`: each body's head says the peer sends that many
+    bodies now (X-Weightcache-Streams, as PeerServer._stream does)."""
 
     def __init__(self, sizes: dict[str, int], bodies: dict[str, bytes], mode: str, every_s: float = 2.0,
-                 digests: bytes | None = None, old_release: bool = False) -> None:
+                 digests: bytes | None = None, old_release: bool = False, streams: int | None = None,
+                 rate: int = 0) -> None:
         import socket
 
         self.sizes, self.bodies, self.mode, self.every_s = sizes, bodies, mode, every_s
+        self.streams, self.rate = streams, rate
         self.digests, self.old_release = digests, old_release
         self.requests = 0
         self._stop = threading.Event()
@@ -205,7 +209,8 @@ class HostilePeer:
         assert isinstance(conn, socket.socket)
         huge = "9" * 5000
         span = f"{huge}-{huge}" if self.mode == "huge-range" else f"{first}-{last}"
-        head = (f"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes {span}/{size}\r\n"
+        fanout = f"X-Weightcache-Streams: {self.streams}\r\n" if self.streams is not None else ""
+        head = (f"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes {span}/{size}\r\n{fanout}"
                 f"Content-Length: {last - first + 1}\r\n\r\n").encode()
         if self.mode == "trickle-headers":
             for i in range(len(head)):
@@ -219,6 +224,13 @@ class HostilePeer:
         body = self.bodies[sha][first:last + 1]
         if self.mode == "honest":
             conn.sendall(body)
+            return
+        if self.mode == "paced":
+            step = max(1, self.rate // 20)
+            for i in range(0, len(body), step):
+                conn.sendall(body[i:i + step])
+                if self._stop.wait(step / self.rate):
+                    return
             return
         for i in range(len(body)):
             conn.sendall(body[i:i + 1])

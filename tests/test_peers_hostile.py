@@ -21,7 +21,7 @@ from tests.faultproxy import FaultProxy
 from tests.fixtures_daemon import wait_until
 from tests.fixtures_s3 import S3
 from tests.peers_fleet import Fleet, FleetNode, HostilePeer
-from tests.test_peers import FILES, MODEL_BYTES, OPTIONS, TOKEN, assert_model, ensure, origin_bytes
+from tests.test_peers import FILES, JUDGED, MODEL_BYTES, OPTIONS, TOKEN, assert_model, ensure, origin_bytes
 from weightcache.errors import SourceError
 from weightcache.listener import ConnectionLimits
 from weightcache.peers import PeerClient
@@ -320,6 +320,41 @@ def test_a_stream_waiting_its_turn_is_not_cut_while_the_peers_other_streams_flow
     assert waiting.got == 0 and now - waiting.started > waiting.grace_s
     assert not waiting.due(now)  # its peer is sending this fetch well above the floor
     assert waiting.due(now + 0.3)  # the same fetch 0.3 s on, with nothing more from that peer at all
+
+
+def test_a_peer_serving_many_streams_is_judged_by_its_share_and_a_trickler_saying_so_still_costs_a_second(
+        origin: FaultProxy, fleet: Fleet) -> None:
+    """A complete holder serving many askers at once sends each stream its share of its uplink: at N = 32 a node
+    sent 62 streams 14 kB/s each, and a fetch judged every stream at the floor of a peer sending it alone (1 MiB/s
+    before it has read from the origin, 64 KiB/s after): 326 of a run's 331 cuts, each range then read elsewhere.
+    A peer's body says how many it sends now (X-Weightcache-Streams), and the floor is the stream's share. Here a
+    peer sending each stream 400 kB/s says it serves 40 (counted as 8, the most the one other node of this fleet
+    could ask of it): it is not cut, and the model comes from it; before, it was cut a second into each range. A
+    trickler saying it serves a million streams is cut all the same, about a second after it answers."""
+    sizes = {SHAS[n]: len(b) for n, b in FILES.items()}
+    bodies = {SHAS[n]: b for n, b in FILES.items()}
+    with HostilePeer(sizes, bodies, "paced", streams=40, rate=400_000) as busy:
+        node = fleet.node("node", peers=[busy.url])
+        assert_model(ensure(node, origin))
+    stats = node.peers.stats
+    assert stats.errors_by_peer.get(busy.url, 0) == 0, "an honest peer serving 40 streams was cut as a trickler"
+    assert node.fetchers[-1].stats["peer_bytes"] >= MODEL_BYTES - JUDGED  # its first piece judged by the origin
+    assert origin_bytes(origin) <= JUDGED
+
+    pool = ThreadPoolExecutor(1)
+    with HostilePeer(sizes, bodies, "trickle-body", streams=1_000_000) as slow:
+        other = fleet.node("other", peers=[slow.url])
+        started = time.monotonic()
+        done = pool.submit(ensure, other, origin)
+        try:
+            assert_model(done.result(15))  # a trickler's word on its fan-out held each range for days
+        finally:
+            slow.close()
+            pool.shutdown()
+        took = time.monotonic() - started
+    assert took < SLOW_GRACE_S + 6, f"a trickling peer held the fetch {took:.1f}s"
+    assert other.peers.stats.errors_by_peer[slow.url] >= 1
+    assert other.fetchers[-1].stats["peer_bytes"] <= 1
 
 
 def test_a_peers_bytes_count_as_they_come_not_when_a_read_slice_fills() -> None:

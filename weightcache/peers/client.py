@@ -39,6 +39,8 @@ NOT_YET_HEADER = "X-Weightcache-Not-Yet"  # beside it on a 404: the peer is read
 RETRY_MS_HEADER = "X-Weightcache-Retry-Ms"  # beside that: when the peer expects the first of them journalled
 # on a 404 for a blob the peer lacks: a fetch of its is listing and planning now (it may be of this blob)
 PLANNING_HEADER = "X-Weightcache-Planning"
+STREAMS_HEADER = "X-Weightcache-Streams"  # on a body: how many bodies the peer sends now, all askers (Pace.answered)
+_STREAMS = re.compile(r"[0-9]{1,6}")
 JSON = "application/json"  # the media type of a ?digests= answer (server.PeerServer._digests: json_response)
 _RETRY_MS = re.compile(r"[0-9]{1,6}")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -252,6 +254,13 @@ class PeerClient:
         self._pool.clear()
 
 
+def streams_of(resp: Any) -> int:
+    """The bodies a peer says it sends now (`STREAMS_HEADER`), 1 when it does not say (a daemon of a release
+    before it: the floor of a peer sending this range alone, as then)."""
+    m = _STREAMS.fullmatch(resp.headers.get(STREAMS_HEADER, ""))
+    return max(1, int(m[0])) if m else 1
+
+
 def _reuse(resp: Any, pace: Pace | None) -> None:
     """Read a short answer's body (at most 4 KiB, by its Content-Length) and give its connection back to the
     pool; any other body closes the connection. A fleet polling its owners closed one connection per "not yet"
@@ -278,10 +287,19 @@ def _reuse(resp: Any, pace: Pace | None) -> None:
 #: filling at once behind a slow origin link (each served 15 askers at 0.2-0.8 MB/s a stream), and the fleet read
 #: the model 5-11 times from the origin: relative to the origin, a peer is slow only when the origin would be
 #: much faster.
+#: A floor is what the peer's whole uplink must send, so a stream's is that over the bodies the peer says it sends
+#: now (`STREAMS_HEADER`): a complete holder serving 62 streams of a 32-node fleet sent each 14 kB/s of its 0.88 MB/s
+#: and was cut at 64 KiB/s (36 cuts of a run at N = 32), or at 1 MiB/s by a fetch without an origin rate (290). The
+#: peer's word is untrusted: it counts for at most MAX_FANOUT streams (an honest peer has no more: its listener
+#: holds 128 connections), and for at most STREAMS_PER_ASKER per other node of the fleet (a server's max_streams),
+#: so a trickler still costs a second: a byte every 2 s is below every floor (SLOW_MIN_BYTES_S / MAX_FANOUT at the
+#: least, 512 B/s).
 SLOW_BYTES_S = 1 << 20
 SLOW_MIN_BYTES_S = 64 << 10
 FLOOR_SHARE = 0.25
 SLOW_GRACE_S = 1.0
+MAX_FANOUT = 128
+STREAMS_PER_ASKER = 8
 WATCH_TICK_S = 0.1  # how often the watchdog looks at the streams it watches (a cut comes this much late at most)
 
 class _Asking(threading.local):
@@ -331,9 +349,13 @@ class Pace:
     grace to answer (a long poll, a busy link) gets its body's grace too; a header trickler is cut all the same."""
 
     def __init__(self, length: int, min_rate: int = SLOW_BYTES_S, grace_s: float = SLOW_GRACE_S,
-                 flow: PeerFlow | None = None) -> None:
+                 flow: PeerFlow | None = None, max_fanout: int = MAX_FANOUT) -> None:
+        """`min_rate`: the floor of a peer sending this range alone; `max_fanout`: the most streams the peer's word
+        on its fan-out counts for (`answered`)."""
         self.started = time.monotonic()
         self.length, self.min_rate, self.grace_s = length, min_rate, grace_s
+        self.peer_floor = min_rate  # what the peer's whole uplink must send
+        self.max_fanout = max(1, min(max_fanout, MAX_FANOUT))
         self.flow = flow
         self.got = 0
         self.was_cut = False
@@ -359,10 +381,13 @@ class Pace:
         if self.flow is not None:
             self.flow.add(n)
 
-    def answered(self) -> None:
-        """The answer's headers came: the body's floor counts from now."""
+    def answered(self, streams: int = 1) -> None:
+        """The answer's headers came: the body's floor counts from now, and is this stream's share of the peer's
+        (`streams`: the bodies it says it sends now, bounded by `max_fanout`)."""
         with self._lock:
             self.started = time.monotonic()
+            share = self.peer_floor // max(1, min(streams, self.max_fanout))
+            self.min_rate = min(self.peer_floor, max(SLOW_MIN_BYTES_S // MAX_FANOUT, share))
 
     def finish(self) -> None:
         with self._lock:

@@ -28,7 +28,8 @@ are verified), at once and at the link's speed; other ranges answer 404 with `X-
 Every request needs `Authorization: Bearer <token>`, compared in constant time. Each peer (remote address) gets
 at most `max_streams` bodies at once, fewer while many peers ask (their share of `stream_budget`; 429 beyond,
 with Retry-After) and a token bucket of `rate_bytes_s`, so
-serving never starves the node's own pods; file reads run in threads, never on the event loop.
+serving never starves the node's own pods; file reads run in threads, never on the event loop. Each body says how
+many this node sends now, all peers together (`X-Weightcache-Streams`): the asker judges its rate by its share.
 """
 
 from __future__ import annotations
@@ -49,7 +50,13 @@ from aiohttp import web
 
 from weightcache.download import PartialFile
 from weightcache.listener import ConnectionLimits, GuardedTCPSite
-from weightcache.peers.client import NOT_YET_HEADER, PARTIAL_HEADER, PLANNING_HEADER, RETRY_MS_HEADER
+from weightcache.peers.client import (
+    NOT_YET_HEADER,
+    PARTIAL_HEADER,
+    PLANNING_HEADER,
+    RETRY_MS_HEADER,
+    STREAMS_HEADER,
+)
 from weightcache.peers.identity import OriginId, record_matches
 from weightcache.peers.inflight import InFlight
 from weightcache.ratelimit import BandwidthLimits, Limiter
@@ -366,6 +373,9 @@ class PeerServer:
             return web.Response(status=429, headers={"Retry-After": "1"},
                                 text=f"at most {allowed} streams per peer now; retry elsewhere\n")
         peer.streams += 1
+        # how many bodies this node sends now, all peers together: the asker's rate floor is its share of them
+        # (client.Pace.answered; a stream of a node serving 62 looked like a trickler at the floor of one)
+        resp.headers[STREAMS_HEADER] = str(sum(p.streams for p in self._peers.values()))
         pos = start
         began = time.monotonic()
         blob: int | None = None  # the published blob, once the download followed became it

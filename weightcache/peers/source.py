@@ -37,6 +37,7 @@ from weightcache.peers.client import (
     FLOOR_SHARE,
     SLOW_BYTES_S,
     SLOW_MIN_BYTES_S,
+    STREAMS_PER_ASKER,
     WATCHDOG,
     Blob,
     EagerBody,
@@ -51,6 +52,7 @@ from weightcache.peers.client import (
     PeerTooSlow,
     PeerUnreachable,
     peer_base_url,
+    streams_of,
 )
 from weightcache.peers.identity import OriginId
 from weightcache.peers.inflight import InFlight
@@ -976,8 +978,11 @@ class PeerSource(Source):
         first piece is judged before it is used (_trial)."""
         with self._lock:
             flow = self._flows.setdefault(peer.url, PeerFlow())
-        pace = Pace(end - pos, min(self._floor(), RELAY_FLOOR), RELAY_GRACE_S, flow) if relay else \
-            Pace(end - pos, self._floor(), flow=flow)
+        # its floor is its share of the bodies it sends (client.Pace.answered), as many as the fleet's other nodes
+        # could ask of an honest peer at most
+        fanout = STREAMS_PER_ASKER * max(1, self.nodes - 1)
+        pace = Pace(end - pos, min(self._floor(), RELAY_FLOOR), RELAY_GRACE_S, flow, fanout) if relay else \
+            Pace(end - pos, self._floor(), flow=flow, max_fanout=fanout)
         WATCHDOG.watch(pace)
         try:
             yield from self._paced(peer, key, sha256, pos, end, buf, on_bytes, pace, judge)
@@ -999,7 +1004,7 @@ class PeerSource(Source):
             resp, served = peer.open_span(blob, pos, end, pace)
         except Retryable as exc:
             raise SourceError(str(exc)) from exc
-        pace.answered()
+        pace.answered(streams_of(resp))
         self._heard[peer.url] = time.monotonic()
         pace.expect(served - pos)
         opened = iter([EagerBody(resp)])
