@@ -357,6 +357,30 @@ def test_a_peer_serving_many_streams_is_judged_by_its_share_and_a_trickler_sayin
     assert other.fetchers[-1].stats["peer_bytes"] <= 1
 
 
+def test_a_streams_floor_is_its_share_of_the_most_bodies_its_peer_said_it_sends_within_bounds() -> None:
+    """The peer's word on its fan-out (X-Weightcache-Streams) sets a stream's floor, and its latest word to the
+    fetch counts for the streams that began before it (a stream asked while the peer sent 2 bodies is judged by
+    its share of the 64 it sends later); it counts for at most `max_fanout` streams, and the floor is never
+    above the peer's nor below SLOW_MIN_BYTES_S / MAX_FANOUT."""
+    flow = PeerFlow()
+    early, later = (Pace(1 << 20, min_rate=1 << 20, grace_s=0.2, flow=flow, max_fanout=128) for _ in range(2))
+    assert early.min_rate == 1 << 20  # no answer yet: the peer's own floor (a header trickler is cut by it)
+    early.answered(2)
+    assert early.min_rate == 512 << 10
+    later.answered(64)
+    early.due(time.monotonic())
+    assert early.min_rate == later.min_rate == 16 << 10
+    liar = Pace(1 << 20, min_rate=64 << 10, grace_s=0.2, max_fanout=8)
+    liar.answered(10 ** 6)  # counted as 8: the most one other node could ask of an honest peer
+    assert liar.min_rate == 8 << 10
+    alone = Pace(1 << 20, min_rate=64 << 10, grace_s=0.2)
+    alone.answered(0)  # a daemon of an earlier release says nothing: streams_of reads 1
+    assert alone.min_rate == 64 << 10
+    many = Pace(1 << 20, min_rate=64 << 10, grace_s=0.2)
+    many.answered(10 ** 6)
+    assert many.min_rate == (64 << 10) // 128
+
+
 def test_a_peers_bytes_count_as_they_come_not_when_a_read_slice_fills() -> None:
     """A buffered read of 128 KiB blocked until all of it had come: a peer sending one stream a busy link's share
     (0.1-0.6 MB/s with 30 streams on 20 MB/s) showed 0 bytes for over a second, and the floor cut it as a

@@ -318,6 +318,9 @@ class PeerFlow:
         self._lock = threading.Lock()
         self._samples: collections.deque[tuple[float, int]] = collections.deque([(time.monotonic(), 0)])
         self._total = 0
+        # the bodies the peer said it sends, in its latest answer to this fetch: a stream that began while it sent
+        # 2 is judged by its share of the 62 it sends later (Pace.due)
+        self.streams = 1
 
     def add(self, n: int) -> None:
         now = time.monotonic()
@@ -356,6 +359,7 @@ class Pace:
         self.length, self.min_rate, self.grace_s = length, min_rate, grace_s
         self.peer_floor = min_rate  # what the peer's whole uplink must send
         self.max_fanout = max(1, min(max_fanout, MAX_FANOUT))
+        self.streams = 0  # the bodies the peer said it sends now (`answered`; 0: no answer yet)
         self.flow = flow
         self.got = 0
         self.was_cut = False
@@ -386,8 +390,17 @@ class Pace:
         (`streams`: the bodies it says it sends now, bounded by `max_fanout`)."""
         with self._lock:
             self.started = time.monotonic()
-            share = self.peer_floor // max(1, min(streams, self.max_fanout))
-            self.min_rate = min(self.peer_floor, max(SLOW_MIN_BYTES_S // MAX_FANOUT, share))
+            self.streams = max(1, streams)
+            if self.flow is not None:
+                self.flow.streams = self.streams
+            self.min_rate = self._share()
+
+    def _share(self) -> int:
+        """This stream's floor (under the lock): its share of the peer's, by the most bodies the peer said it sends
+        (this answer's, or its latest to this fetch)."""
+        streams = max(self.streams, self.flow.streams if self.flow is not None else 1)
+        share = self.peer_floor // max(1, min(streams, self.max_fanout))
+        return min(self.peer_floor, max(SLOW_MIN_BYTES_S // MAX_FANOUT, share))
 
     def finish(self) -> None:
         with self._lock:
@@ -411,6 +424,8 @@ class Pace:
 
     def due(self, now: float) -> bool:
         with self._lock:
+            if self.streams:
+                self.min_rate = self._share()
             slow = not self._done and self._held_since is None and \
                 self.got < self.min_rate * (now - self.started - self.grace_s)
         return slow and (self.flow is None or self.flow.rate(now, self.grace_s) < self.min_rate)
