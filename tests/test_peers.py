@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -276,7 +277,8 @@ def test_a_peer_killed_while_others_wait_on_it_costs_only_a_fall_back_to_the_ori
 
 
 @contextmanager
-def asking_owners(origin: FaultProxy, fleet: Fleet, tmp_path: Path, owners: int = 1) -> Iterator[
+def asking_owners(origin: FaultProxy, fleet: Fleet, tmp_path: Path, owners: int = 1,
+                  read_timeout: float = 5.0) -> Iterator[
         tuple[PeerSource, list[FleetNode], str, ObjectInfo]]:
     """Nodes downloading the big file (registered, nothing of it claimed or read yet), and the PeerSource of a
     node that ranks after them ("http://127.0.0.2" sorts after them): the file is cut in `owners` + 1 equal
@@ -291,7 +293,7 @@ def asking_owners(origin: FaultProxy, fleet: Fleet, tmp_path: Path, owners: int 
     for node, part in zip(nodes, parts, strict=True):
         part.open()
         node.peers.inflight.add(sha, part)
-    peers = PeerSet([PeerClient(n.url, TOKEN, connect_timeout=2.0, read_timeout=5.0) for n in nodes],
+    peers = PeerSet([PeerClient(n.url, TOKEN, connect_timeout=2.0, read_timeout=read_timeout) for n in nodes],
                     inflight=InFlight(), self_url="http://127.0.0.2:1")
     asker = peers.wrap(source, {obj.key: (sha, obj.size)})
     cuts = [obj.size * i // (owners + 1) for i in range(owners + 2)]
@@ -488,6 +490,34 @@ def test_a_range_whose_owner_fails_goes_to_the_next_node_in_rank_not_the_origin(
         with pytest.raises(Later):  # the next node in rank has not started the range ("missing"): waited for
             next(asker.read_pieces(obj, 0, third, buf))
         assert len(origin.requests_for("GET", "/models/llama/")) == before  # nothing of it from the origin
+
+
+def test_a_failed_owner_stays_down_until_it_answers_and_asking_it_holds_no_range(origin: FaultProxy, fleet: Fleet,
+                                                                                 tmp_path: Path) -> None:
+    """The owner of a range is cut off (its requests go unanswered: connected, never answered). Its GET times out,
+    and its range goes to the next node in rank until the owner answers again, not for DOWN_S: before, once that
+    ran out the range went back to it, and, dropped from the blob's holders, it was no longer waited on and the
+    range went to the origin (--faults: the cut node's share, and the killed node's it had taken over, read by
+    two to four nodes). Asking the down owner again (a HEAD) holds no range meanwhile: a round's HEAD to it held
+    every range of the fetch until its read timeout."""
+    buf = memoryview(bytearray(256 << 10))
+    with asking_owners(origin, fleet, tmp_path, owners=2, read_timeout=1.2) as (asker, (cut, _), _, obj):
+        third = obj.size // 3
+        with closing(asker.read_pieces(obj, 2 * third, 256 << 10, buf)) as own:  # its own share: the HEADs
+            assert sum(len(view) for _, view in own) == 256 << 10
+        port = int(cut.url.rsplit(":", 1)[1])
+        fleet.kill(cut)
+        with socket.create_server(("127.0.0.1", port)):  # never accepted: connects, and nothing is answered
+            asker.defer_while(lambda: True)
+            before = len(origin.requests_for("GET", "/models/llama/"))
+            with pytest.raises(Later):  # its GET timed out; the next node in rank has not started the range
+                next(asker.read_pieces(obj, 0, third, buf))
+            time.sleep(source_module.DOWN_S + 0.5)  # still silent
+            started = time.monotonic()
+            with pytest.raises(Later):  # still the next node's: not handed back to it, nor read from the origin
+                next(asker.read_pieces(obj, 0, third, buf))
+            assert time.monotonic() - started < 1.0
+            assert len(origin.requests_for("GET", "/models/llama/")) == before
 
 
 def test_an_owner_moving_its_download_to_its_blob_is_asked_again_not_the_origin(origin: FaultProxy, fleet: Fleet,

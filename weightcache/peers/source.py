@@ -89,7 +89,9 @@ REASK_S = 0.25  # a peer that lacked a blob is asked again after this (nodes sta
 BENCH_S = 1.0  # a peer cut as too slow is left out of the fetch this long, doubled each time, up to MAX_BENCH_S
 MAX_BENCH_S = 30.0
 PROVEN_BYTES = 4 << 20  # a peer cut as slow after sending this fetch this much is waited for, not the origin
-DOWN_S = 2.0  # a peer that failed, or sent nothing this long and was cut, is down this long (or its bench's)
+# a peer that failed, or sent nothing this long and was cut, is down until it answers again (PeerSource._went_down);
+# and no peer heard from this long is this node's own link going (_link_down)
+DOWN_S = 2.0
 RELAY_FLOOR = SLOW_MIN_BYTES_S // 4  # the rate floor of a range from its owner while it fills the blob (_from_peer)
 # and its grace: such a range streams as the owner's origin pieces land, one of ~30 flows on each link of a fleet
 # filling at once, and flows starved for a second or more in the links' queues (N = 16, 1 MB/s: 85 cuts a fill)
@@ -327,7 +329,9 @@ class PeerSource(Source):
         self._claimers: set[tuple[str, str]] = set()  # (peer, blob): it answered "not yet" (reads it now)
         self._moved: dict[tuple[str, int], float] = {}  # (key, range end) -> when a byte of it last came
         self._benched: dict[str, tuple[float, int]] = {}  # peer cut as slow -> (left out until, times)
-        self._down: dict[str, float] = {}  # peer -> until when its ranges go to the next node (_serving_owner)
+        # peer -> when it went down: its ranges go to the next node (_serving_owner) until it is heard from again
+        self._down: dict[str, float] = {}
+        self._reprobing: set[str] = set()  # down peers a thread asks again (_reprobe), not the fetch's rounds
         self._heard: dict[str, float] = {}  # peer -> when it last answered this fetch or sent it a byte
         self._handed: dict[tuple[str, int], str | None] = {}  # (key, range end) -> the node its owner handed it to
         self._given_up: dict[tuple[str, int], set[str]] = {}  # (key, range end) -> owners it waited PENDING_S on
@@ -565,9 +569,7 @@ class PeerSource(Source):
                 ask.pending = ask.stop = True
                 return
             self._stats.error(peer.url)
-            self._drop_holder(ask.name, peer)
-            with self._lock:  # its ranges go to the next node in rank meanwhile (_serving_owner)
-                self._down[peer.url] = time.monotonic() + DOWN_S
+            self._went_down(peer, ask.blob, ask.size)
             log.warning("peer %s failed at byte %d of %s (%s); the rest of the range from another source",
                         peer.url, ask.pos, ask.obj.relpath, exc)
         finally:
@@ -676,8 +678,7 @@ class PeerSource(Source):
             # heard from on no stream for DOWN_S, it is down and the next node in rank takes its ranges
             silent = time.monotonic() - self._heard.get(peer.url, ask.asked) >= DOWN_S
             if silent and not self._link_down():
-                with self._lock:
-                    self._down[peer.url] = time.monotonic() + DOWN_S
+                self._went_down(peer, ask.blob, ask.size)
             log.warning("%s at byte %d of %s; %s", exc, ask.pos, ask.obj.relpath,
                         "down: the next node in rank takes its ranges" if silent else "asked again")
             ask.pending = ask.stop = True
@@ -786,12 +787,54 @@ class PeerSource(Source):
                 url = self.ranked[(at + step) % len(self.ranked)]
                 if url == "":
                     return url
-                if url in self._dead or url in banned or self._down.get(url, 0.0) > now or url in given_up or \
+                if url in self._dead or url in banned or self._is_down(url) or url in given_up or \
                         (self._benched.get(url, (0.0, 0))[0] > now and (sha256, url) not in self._downloading) or \
                         (idle and (sha256, url) in self._idle):
                     continue
                 return url
         return ""
+
+    def _is_down(self, url: str) -> bool:
+        """`url` failed, or was cut silent, and has not answered or sent a byte since (self._lock held)."""
+        since = self._down.get(url)
+        return since is not None and self._heard.get(url, -1.0) <= since
+
+    def _went_down(self, peer: PeerClient, blob: Blob, size: int) -> None:
+        """The peer failed, or went silent on every stream and was cut: its ranges go to the next node in rank
+        until it answers again, and a thread asks it (a HEAD) meanwhile (_reprobe). Down for DOWN_S only, a
+        peer cut off or killed had its ranges handed back to it when that ran out: it failed again (a connect
+        timeout), or, dropped from the blob's holders, was no longer waited on and the range went to the
+        origin (--faults: the cut node's share and the killed node's it had taken over, read by 2-4 nodes)."""
+        self._drop_holder(blob_key(blob), peer)
+        with self._lock:
+            self._down[peer.url] = time.monotonic()
+            if peer.url in self._reprobing:
+                return
+            self._reprobing.add(peer.url)
+        threading.Thread(target=self._reprobe, args=(peer, blob, size), name="peer-reprobe", daemon=True).start()
+
+    def _reprobe(self, peer: PeerClient, blob: Blob, size: int) -> None:
+        """Ask a down peer for the blob (HEAD) every REASK_S until it answers (it is up again, and a holder if it
+        says so), cannot be reached (dead for this fetch, as in any round), or MAX_PENDING_S passed. Not in the
+        fetch's rounds (_holders_in_turn): their probes run one at a time under one lock, and a HEAD to a node
+        cut off held every range of the fetch until its timeout (10 s), long enough for no peer to have been
+        heard from, so the failure was taken for this node's link and the peer was never found dead."""
+        sha256, deadline = blob_key(blob), time.monotonic() + MAX_PENDING_S
+        try:
+            while time.monotonic() < deadline:
+                holds = self._asks(peer, blob, size)
+                with self._lock:
+                    if peer.url in self._dead:
+                        return
+                    if not self._is_down(peer.url):
+                        asked, known = self._holders.get(sha256, (time.monotonic(), []))
+                        if holds and peer not in known:
+                            self._holders[sha256] = (asked, [*known, peer])
+                        return
+                time.sleep(REASK_S)
+        finally:
+            with self._lock:
+                self._reprobing.discard(peer.url)
 
     def _next_in_rank(self, sha256: str) -> str | None:
         """The first node after this one in rank that fetches the blob: it takes this node's share when this node
@@ -912,7 +955,10 @@ class PeerSource(Source):
                     asked, known = self._holders.get(sha256, (-REASK_S, []))
                 if time.monotonic() - asked >= REASK_S:
                     first_ask = sha256 not in self._holders
-                    known = [p for p in self._live_peers() if p in known or self._asks(p, blob, size, first_ask)]
+                    with self._lock:  # a down peer is asked by its own thread (_reprobe)
+                        reprobing = set(self._reprobing)
+                    known = [p for p in self._live_peers() if p in known or
+                             (p.url not in reprobing and self._asks(p, blob, size, first_ask))]
                     with self._lock:
                         self._holders[sha256] = (time.monotonic(), known)
         banned = self._stats.banned
