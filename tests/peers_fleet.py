@@ -132,6 +132,9 @@ class HostilePeer:
         "honest"           a correct 206 with the right bytes at once
         "paced"            a correct 206, then the right bytes at `rate` bytes a second (a busy honest peer's share)
         "planning"         every HEAD and GET of a blob: 404 `X-Weightcache-Planning: 1` ("about to fetch it"), for ever
+        "relay-then-cut"   HEAD: downloading it (`X-Weightcache-Partial: 1`, a relay); GET: a correct 206 head and
+                           the range's first 256 KiB, then nothing; `cut()` then refuses every new connection while
+                           the streams stay open and silent (a node whose link is cut: no handshake completes)
 
     A digest request (`?digests=`, server.PeerServer._digests) is answered 200 with `digests` as its JSON body
     when given (a malformed or oversized answer); with `old_release`, as a daemon from before `?digests=` answers
@@ -196,7 +199,8 @@ class HostilePeer:
                                      b"Content-Length: 0\r\n\r\n")
                         continue
                     if method == b"HEAD":
-                        conn.sendall(f"HTTP/1.1 200 OK\r\nContent-Length: {size}\r\n\r\n".encode())
+                        partial = "X-Weightcache-Partial: 1\r\n" if self.mode == "relay-then-cut" else ""
+                        conn.sendall(f"HTTP/1.1 200 OK\r\n{partial}Content-Length: {size}\r\n\r\n".encode())
                         continue
                     self.requests += 1
                     first, last = (int(x) for x in headers["range"].removeprefix("bytes=").split("-"))
@@ -232,10 +236,18 @@ class HostilePeer:
                 if self._stop.wait(step / self.rate):
                     return
             return
+        if self.mode == "relay-then-cut":
+            conn.sendall(body[:256 << 10])
+            self._stop.wait()
+            return
         for i in range(len(body)):
             conn.sendall(body[i:i + 1])
             if self._stop.wait(self.every_s):
                 return
+
+    def cut(self) -> None:
+        """New connections are refused; the open ones stay as they are."""
+        self._listener.close()
 
     def close(self) -> None:
         self._stop.set()

@@ -19,7 +19,7 @@ from tests.faultproxy import FaultProxy
 from tests.fixtures_daemon import wait_until
 from tests.fixtures_s3 import S3
 from tests.grants import admin
-from tests.peers_fleet import Fleet, FleetNode
+from tests.peers_fleet import Fleet, FleetNode, HostilePeer
 from tests.peers_fleet import origin_bytes as fleet_origin_bytes
 from weightcache.download import PartialFile
 from weightcache.peers import PeerClient, PeerSet
@@ -518,6 +518,44 @@ def test_a_failed_owner_stays_down_until_it_answers_and_asking_it_holds_no_range
                 next(asker.read_pieces(obj, 0, third, buf))
             assert time.monotonic() - started < 1.0
             assert len(origin.requests_for("GET", "/models/llama/")) == before
+
+
+def test_a_relay_cut_off_mid_stream_has_its_range_go_elsewhere_within_a_second(origin: FaultProxy) -> None:
+    """The owner relaying a range is cut off mid-stream: its stream goes silent and no connect to it completes,
+    while this node still receives from elsewhere (the origin). Silent for SILENT_S on every stream, probed and
+    not answering a connect, it is down, and its range is read again from the origin (this node is next in rank)
+    within about a second: before, a relay got RELAY_GRACE_S and a rate floor averaged since it was asked, and
+    a stream that had sent 256 KiB waited its read timeout (the netns bench's cut node: 2.6-10 s)."""
+    big, other = "model-00001.safetensors.bin", "model-00002.bin"
+    body = FILES[big]
+    sha = hashlib.sha256(body).hexdigest()
+    origin.add("throttle", method="GET", path="/models/llama/", ranged_only=True, rate=300_000, count=-1)
+    source = open_source(REF, endpoint_url=origin.endpoint_url)
+    objs = {o.relpath: o for o in source.list()}
+    obj = objs[big]
+    half = obj.size // 2
+    with HostilePeer({sha: obj.size}, {sha: body}, "relay-then-cut") as owner, ThreadPoolExecutor(1) as pool:
+        peers = PeerSet([PeerClient(owner.url, TOKEN, connect_timeout=2.0, read_timeout=10.0)],
+                        self_url="http://127.0.0.2:1")  # ranks after the owner: the first half is the owner's
+        asker = peers.wrap(source, {obj.key: (sha, obj.size)})
+        asker.spread([(obj.key, 0, half), (obj.key, half, obj.size - half)], key=lambda r: r)
+        # bytes from elsewhere meanwhile: a file peers are not asked for, 1 MiB from the origin at 300 kB/s
+        elsewhere = pool.submit(lambda: sum(len(v) for _, v in asker.read_pieces(
+            objs[other], 0, 1 << 20, memoryview(bytearray(256 << 10)))))
+        cut_at, gap = None, None
+        with closing(asker.read_pieces(obj, 0, half, memoryview(bytearray(256 << 10)))) as pieces:
+            for at, view in pieces:
+                assert bytes(view) == body[at:at + len(view)]
+                if cut_at is not None:
+                    gap = time.monotonic() - cut_at
+                    break
+                owner.cut()  # after its first 256 KiB
+                cut_at = time.monotonic()
+        assert elsewhere.result(30) == 1 << 20
+        peers.close()
+    source.close()
+    print(f"the cut owner's range went on {gap:.2f} s after the cut")
+    assert gap is not None and gap < 2.0, f"the cut owner's range went on after {gap} s"
 
 
 def test_an_owner_moving_its_download_to_its_blob_is_asked_again_not_the_origin(origin: FaultProxy, fleet: Fleet,

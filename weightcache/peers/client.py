@@ -12,7 +12,9 @@ import contextlib
 import http.client
 import logging
 import re
+import select
 import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -127,6 +129,12 @@ class PeerClient:
 
     def __repr__(self) -> str:
         return f"PeerClient({self.url})"
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """The peer's host and port (a TCP connect probes it: _Watchdog._probe)."""
+        parts = urlsplit(self.url)
+        return parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
 
     def blob_url(self, blob: Blob) -> str:
         if isinstance(blob, OriginId):  # the peer maps it to a blob from records of its own downloads only
@@ -301,6 +309,16 @@ SLOW_GRACE_S = 1.0
 MAX_FANOUT = 128
 STREAMS_PER_ASKER = 8
 WATCH_TICK_S = 0.1  # how often the watchdog looks at the streams it watches (a cut comes this much late at most)
+#: A peer that sent nothing on any stream for SILENT_S while a stream waits on it, and while bytes came from
+#: elsewhere (its link up: `Link`), is probed: a TCP connect, PROBE_CONNECTS at once, answered by the peer's
+#: kernel (its daemon may be busy) within PROBE_S. None answered, and bytes still coming from elsewhere: its link
+#: is cut, or it is dead, and its streams are cut as unreachable (their ranges go to the next node at once). A
+#: silence alone proves nothing: a relay waits on its owner's origin pieces, and flows starve for a second or
+#: more in a full link's queue (RELAY_GRACE_S); a node cut off mid-transfer held its ranges 2.6-10 s (read
+#: timeouts, the relay floor's grace). Several connects: one SYN may be dropped at a full queue.
+SILENT_S = 0.4
+PROBE_S = 0.4
+PROBE_CONNECTS = 3
 
 class _Asking(threading.local):
     pace: Pace | None = None  # the Pace of the request this thread is making now
@@ -309,21 +327,40 @@ class _Asking(threading.local):
 _asking = _Asking()
 
 
+class Link:
+    """When a fetch last received a byte from anywhere (any peer, the origin): what tells a peer gone quiet from
+    this node's own link gone (a node cut off hears from no one)."""
+
+    def __init__(self) -> None:
+        self.last = time.monotonic()
+
+    def touch(self) -> None:
+        self.last = time.monotonic()
+
+
 class PeerFlow:
     """Bytes from one peer over all of a fetch's streams from it: a peer is slow only when all of them together
     are below the floor. A peer serving many askers at once sends each stream little, and one stream may wait on
-    its turn while the others flow; a trickler is below the floor on every stream at once."""
+    its turn while the others flow; a trickler is below the floor on every stream at once. With `addr` (the
+    peer's host and port) and `link` (the fetch's), the watchdog probes a peer silent on every stream (SILENT_S)."""
 
-    def __init__(self) -> None:
+    def __init__(self, addr: tuple[str, int] | None = None, link: Link | None = None) -> None:
         self._lock = threading.Lock()
         self._samples: collections.deque[tuple[float, int]] = collections.deque([(time.monotonic(), 0)])
         self._total = 0
         # the bodies the peer said it sends, in its latest answer to this fetch: a stream that began while it sent
         # 2 is judged by its share of the 62 it sends later (Pace.due)
         self.streams = 1
+        self.addr, self.link = addr, link
+        self.last = time.monotonic()  # its last byte, on any stream
+        self.probing = False
+        self.probe_after = 0.0  # a probe it answered: the next one not before this
 
     def add(self, n: int) -> None:
         now = time.monotonic()
+        self.last = now
+        if self.link is not None:
+            self.link.last = now
         with self._lock:
             self._total += n
             self._samples.append((now, self._total))
@@ -355,7 +392,7 @@ class Pace:
                  flow: PeerFlow | None = None, max_fanout: int = MAX_FANOUT) -> None:
         """`min_rate`: the floor of a peer sending this range alone; `max_fanout`: the most streams the peer's word
         on its fan-out counts for (`answered`)."""
-        self.started = time.monotonic()
+        self.started = self.asked = time.monotonic()
         self.length, self.min_rate, self.grace_s = length, min_rate, grace_s
         self.peer_floor = min_rate  # what the peer's whole uplink must send
         self.max_fanout = max(1, min(max_fanout, MAX_FANOUT))
@@ -363,6 +400,7 @@ class Pace:
         self.flow = flow
         self.got = 0
         self.was_cut = False
+        self.unreachable = False  # cut because its peer answered no connect while silent (the watchdog's probe)
         self._done = False
         self._conn: Any = None
         self._held_since: float | None = None
@@ -430,7 +468,12 @@ class Pace:
                 self.got < self.min_rate * (now - self.started - self.grace_s)
         return slow and (self.flow is None or self.flow.rate(now, self.grace_s) < self.min_rate)
 
-    def cut(self) -> bool:
+    def waiting(self) -> bool:
+        """It waits on its peer's bytes: not done, not cut, not held by this node."""
+        with self._lock:
+            return not self._done and not self.was_cut and self._held_since is None
+
+    def cut(self, unreachable: bool = False) -> bool:
         """Shut the socket down; False while there is none yet (connecting: the connect timeout bounds that)."""
         with self._lock:
             if self._done or self.was_cut:
@@ -438,7 +481,7 @@ class Pace:
             sock = getattr(self._conn, "sock", None)
             if not isinstance(sock, socket.socket):
                 return False
-            self.was_cut = True
+            self.was_cut, self.unreachable = True, unreachable
             # under the lock: a range that completes meanwhile must not see its pooled connection shut
             with contextlib.suppress(OSError):  # closed meanwhile
                 sock.shutdown(socket.SHUT_RDWR)
@@ -482,8 +525,76 @@ class _Watchdog:
             cut = [pace for pace in due if pace.cut()]
             with self._cv:
                 self._paces.difference_update(cut)
+                silent = self._silent(now)
+            for flow, since in silent:
+                flow.probing = True
+                threading.Thread(target=self._probe, args=(flow, since), name="peer-probe", daemon=True).start()
             with self._cv:
                 self._cv.wait(WATCH_TICK_S)
+
+    def _silent(self, now: float) -> list[tuple[PeerFlow, float]]:
+        """Peers to probe (self._cv held): a stream waits on each, it sent nothing on any stream for SILENT_S
+        (since its last byte, or the oldest such stream's ask), and bytes came from elsewhere since."""
+        oldest: dict[PeerFlow, float] = {}
+        for p in self._paces:
+            if p.flow is not None and p.flow.addr is not None and p.flow.link is not None and p.waiting():
+                oldest[p.flow] = min(oldest.get(p.flow, p.asked), p.asked)
+        probe = []
+        for flow, asked in oldest.items():
+            since = max(flow.last, asked)
+            if now - since >= SILENT_S and flow.link is not None and flow.link.last > since and \
+                    not flow.probing and now >= flow.probe_after:
+                probe.append((flow, since))
+        return probe
+
+    def _probe(self, flow: PeerFlow, since: float) -> None:
+        """A silent peer's kernel answers a connect, or its waiting streams are cut as unreachable (while bytes
+        still come from elsewhere: a node cut off itself hears from no one, and cuts nothing)."""
+        try:
+            if flow.addr is None or flow.link is None or reachable(flow.addr, PROBE_S):
+                flow.probe_after = time.monotonic() + SILENT_S
+                return
+            # it spoke meanwhile, or nothing came from elsewhere lately: a node cut off hears from no one, and all
+            # of its peers went silent when its link did
+            if flow.last > since or flow.link.last < time.monotonic() - SILENT_S / 2:
+                return
+            with self._cv:
+                paces = [p for p in self._paces if p.flow is flow]
+            cut = [p for p in paces if p.cut(unreachable=True)]
+            with self._cv:
+                self._paces.difference_update(cut)
+        finally:
+            flow.probing = False
+
+
+def reachable(addr: tuple[str, int], timeout: float) -> bool:
+    """Does `addr` complete a TCP handshake within `timeout` (PROBE_CONNECTS tries at once; refused is no)? The
+    connections are reset at once, never used."""
+    try:
+        infos = socket.getaddrinfo(addr[0], addr[1], type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    family, kind, proto, _, sockaddr = infos[0]
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(PROBE_CONNECTS):
+            s = socket.socket(family, kind, proto)
+            socks.append(s)
+            s.setblocking(False)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # closed with a reset
+            s.connect_ex(sockaddr)
+        deadline = time.monotonic() + timeout
+        pending = list(socks)
+        while pending and (left := deadline - time.monotonic()) > 0:
+            _, ready, _ = select.select([], pending, [], left)
+            for s in ready:
+                if s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0:
+                    return True
+                pending.remove(s)
+        return False
+    finally:
+        for s in socks:
+            s.close()
 
 
 WATCHDOG = _Watchdog()

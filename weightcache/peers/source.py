@@ -35,12 +35,15 @@ from dataclasses import dataclass, field
 from weightcache.errors import SourceError
 from weightcache.peers.client import (
     FLOOR_SHARE,
+    PROBE_S,
+    SILENT_S,
     SLOW_BYTES_S,
     SLOW_MIN_BYTES_S,
     STREAMS_PER_ASKER,
     WATCHDOG,
     Blob,
     EagerBody,
+    Link,
     Pace,
     PeerBadAnswer,
     PeerBlobGone,
@@ -325,6 +328,7 @@ class PeerSource(Source):
         # fetch failed: the --faults cut node's listing timed out while its link was down)
         self._idle: set[tuple[str, str]] = set()
         self._flows: dict[str, PeerFlow] = {}  # bytes from each peer over all streams (client.PeerFlow)
+        self._link = Link()  # this fetch's last byte from anywhere: a silent peer is probed only while it moves
         self._asked: dict[tuple[str, int], float] = {}  # (key, range end) -> when it was first asked of peers
         self._claimers: set[tuple[str, str]] = set()  # (peer, blob): it answered "not yet" (reads it now)
         self._moved: dict[tuple[str, int], float] = {}  # (key, range end) -> when a byte of it last came
@@ -333,6 +337,7 @@ class PeerSource(Source):
         self._down: dict[str, float] = {}
         self._reprobing: set[str] = set()  # down peers a thread asks again (_reprobe), not the fetch's rounds
         self._heard: dict[str, float] = {}  # peer -> when it last answered this fetch or sent it a byte
+        self._link_back = 0.0  # when a peer was heard from after none was for DOWN_S (this node's link back)
         self._handed: dict[tuple[str, int], str | None] = {}  # (key, range end) -> the node its owner handed it to
         self._given_up: dict[tuple[str, int], set[str]] = {}  # (key, range end) -> owners it waited PENDING_S on
         self._unstarted: dict[tuple[str, int], int] = {}  # (key, range end) -> its owner's "missing" answers in a row
@@ -528,6 +533,7 @@ class PeerSource(Source):
             ask.pending = True
             return
         judge = functools.partial(self._judged, ask, peer) if trial == "mine" else None
+        began = time.monotonic()
         try:
             for at, view in self._from_peer(peer, ask.obj.key, ask.blob, ask.pos, ask.end, buf, on_bytes, relay,
                                             judge):
@@ -560,12 +566,13 @@ class PeerSource(Source):
                     times = self._unstarted[ask.span] = self._unstarted.get(ask.span, 0) + 1
                 ask.retry_s = min(UNSTARTED_MAX_S, UNSTARTED_S * (1 << min(times - 1, 8)))
         except PeerTooSlow as exc:
-            self._cut(ask, peer, exc)
+            self._cut(ask, peer, exc, began)
         except SourceError as exc:
             ask.outcome[peer.url] = "failed"
-            if self._link_down():  # not the peer's fault: it keeps its ranges, asked again
-                log.warning("peer %s failed at byte %d of %s (%s) while no peer was heard from for %.0f s: this "
-                            "node's link, asked again", peer.url, ask.pos, ask.obj.relpath, exc, DOWN_S)
+            if self._not_theirs(began):  # not the peer's fault: it keeps its ranges, asked again
+                log.warning("peer %s failed at byte %d of %s (%s) while no peer was heard from for %.0f s since "
+                            "it was asked: this node's link, asked again", peer.url, ask.pos, ask.obj.relpath, exc,
+                            DOWN_S)
                 ask.pending = ask.stop = True
                 return
             self._stats.error(peer.url)
@@ -668,7 +675,7 @@ class PeerSource(Source):
             self._claimers.add((peer.url, ask.name))
         ask.pending = ask.downloading = ask.stop = True
 
-    def _cut(self, ask: _Ask, peer: PeerClient, exc: PeerTooSlow) -> None:
+    def _cut(self, ask: _Ask, peer: PeerClient, exc: PeerTooSlow, began: float) -> None:
         """The watchdog cut the peer's stream below its rate floor."""
         ask.outcome[peer.url] = "cut"
         self._stats.error(peer.url)
@@ -677,7 +684,8 @@ class PeerSource(Source):
             # origin: a stall of its (a busy CPU, a full link) is waited out, not paid at the origin;
             # heard from on no stream for DOWN_S, it is down and the next node in rank takes its ranges
             silent = time.monotonic() - self._heard.get(peer.url, ask.asked) >= DOWN_S
-            if silent and not self._link_down():
+            silent = silent and not self._not_theirs(began)
+            if silent:
                 self._went_down(peer, ask.blob, ask.size)
             log.warning("%s at byte %d of %s; %s", exc, ask.pos, ask.obj.relpath,
                         "down: the next node in rank takes its ranges" if silent else "asked again")
@@ -739,6 +747,24 @@ class PeerSource(Source):
     @staticmethod
     def _why_origin(obj: ObjectInfo, pos: int, end: int, why: str) -> None:
         log.info("origin read: %s bytes %d-%d (%d): %s", obj.relpath, pos, end - 1, end - pos, why)
+
+    def _hear(self, url: str) -> None:
+        """`url` answered or sent a byte now (self._lock held); after DOWN_S of hearing from no peer, this node's
+        link is back: a request begun before then that fails now failed on this node's link (_not_theirs)."""
+        now = time.monotonic()
+        last = max(self._heard.values(), default=None)
+        if last is not None and now - last >= DOWN_S:
+            self._link_back = now
+        self._heard[url] = now
+
+    def _not_theirs(self, began: float) -> bool:
+        """A request begun at `began` that failed now failed on this node's link, not the peer's: no peer heard
+        from for DOWN_S (_link_down), or none was between `began` and a moment since (the cut node: its streams'
+        read timeouts ended 0.5-2 s after its link was back, it took the peers for down and read 0.1x the model
+        from the origin)."""
+        with self._lock:
+            back = self._link_back
+        return self._link_down() or began < back
 
     def _link_down(self) -> bool:
         """No peer answered this fetch or sent it a byte for DOWN_S, after some did: a peer failing now is taken
@@ -897,6 +923,7 @@ class PeerSource(Source):
         claim = self._inflight.claim(sha256, spans[0][0], end) if sha256 else None
 
         def arrived(n: int) -> None:
+            self._link.touch()
             if claim is not None:
                 claim.touch(n)  # the claim moves: peers asking for it are told "not yet", not "go elsewhere"
             if on_bytes is not None:
@@ -980,10 +1007,11 @@ class PeerSource(Source):
         """HEAD one peer; one that cannot be reached is not asked again by this fetch (a blackholed peer costs
         one connect timeout per fetch, not one per blob). `first_ask`: this fetch's first probe of the blob (a peer
         with origin bytes of it by then started before this node: it may hold this node's share too)."""
+        began = time.monotonic()
         try:
             kind = peer.probe(sha256, size)
             with self._lock:
-                self._heard[peer.url] = time.monotonic()  # an answer: alive
+                self._hear(peer.url)  # an answer: alive
                 if kind == "planning":  # lacks it, but may be about to fetch it: its share is waited for
                     self._planning.add((blob_key(sha256), peer.url))
                     self._idle.discard((blob_key(sha256), peer.url))
@@ -999,8 +1027,9 @@ class PeerSource(Source):
                     self._ahead.add((blob_key(sha256), peer.url))
             return kind is not None
         except PeerUnreachable as exc:
-            if self._link_down():  # this node's link: probed again next round
-                log.info("%s while no peer was heard from for %.0f s: this node's link", exc, DOWN_S)
+            if self._not_theirs(began):  # this node's link: probed again next round
+                log.info("%s while no peer was heard from for %.0f s since it was asked: this node's link", exc,
+                         DOWN_S)
                 return False
             log.info("%s; this fetch goes on without it", exc)
             self._stats.error(peer.url)
@@ -1023,7 +1052,7 @@ class PeerSource(Source):
         relay was cut, 230-360 times a fill, each a new connection and its bytes on the wire lost). `judge`: the
         first piece is judged before it is used (_trial)."""
         with self._lock:
-            flow = self._flows.setdefault(peer.url, PeerFlow())
+            flow = self._flows.setdefault(peer.url, PeerFlow(peer.address, self._link))
         # its floor is its share of the bodies it sends (client.Pace.answered), as many as the fleet's other nodes
         # could ask of an honest peer at most
         fanout = STREAMS_PER_ASKER * max(1, self.nodes - 1)
@@ -1033,9 +1062,13 @@ class PeerSource(Source):
         try:
             yield from self._paced(peer, key, sha256, pos, end, buf, on_bytes, pace, judge)
         except PeerRangeMissing:
-            self._heard[peer.url] = time.monotonic()  # an answer: alive
+            with self._lock:
+                self._hear(peer.url)  # an answer: alive
             raise
         except SourceError as exc:
+            if pace.unreachable:  # the watchdog's probe: its link is cut, or it is dead (a failure, not slowness)
+                raise PeerUnreachable(f"peer {peer.url} sent nothing for {SILENT_S:g} s and answered no connect "
+                                      f"within {PROBE_S:g} s") from exc
             if pace.was_cut:
                 raise PeerTooSlow(f"peer {peer.url} sent {pace.describe()}") from exc
             raise
@@ -1051,7 +1084,8 @@ class PeerSource(Source):
         except Retryable as exc:
             raise SourceError(str(exc)) from exc
         pace.answered(streams_of(resp))
-        self._heard[peer.url] = time.monotonic()
+        with self._lock:
+            self._hear(peer.url)
         pace.expect(served - pos)
         opened = iter([EagerBody(resp)])
 
@@ -1085,7 +1119,7 @@ class PeerSource(Source):
                 with self._lock:
                     self._served[(key, at)] = (peer.url, digest)
                     self.peer_bytes += len(view)
-                    self._heard[peer.url] = time.monotonic()
+                    self._hear(peer.url)
                 self._stats.add_bytes(peer.url, len(view))
                 yield at, view
 
