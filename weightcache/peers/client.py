@@ -315,10 +315,11 @@ WATCH_TICK_S = 0.1  # how often the watchdog looks at the streams it watches (a 
 #: is cut, or it is dead, and its streams are cut as unreachable (their ranges go to the next node at once). A
 #: silence alone proves nothing: a relay waits on its owner's origin pieces, and flows starve for a second or
 #: more in a full link's queue (RELAY_GRACE_S); a node cut off mid-transfer held its ranges 2.6-10 s (read
-#: timeouts, the relay floor's grace). Several connects: one SYN may be dropped at a full queue.
+#: timeouts, the relay floor's grace). Several connects, PROBE_GAP_S apart: a full queue drops SYNs (a live node
+#: taken for cut at 3 connects at once within 0.4 s: its range read from the origin again, --faults).
 SILENT_S = 0.4
-PROBE_S = 0.4
-PROBE_CONNECTS = 3
+PROBE_S = 0.5
+PROBE_CONNECTS, PROBE_GAP_S = 3, 0.1
 
 class _Asking(threading.local):
     pace: Pace | None = None  # the Pace of the request this thread is making now
@@ -568,29 +569,34 @@ class _Watchdog:
 
 
 def reachable(addr: tuple[str, int], timeout: float) -> bool:
-    """Does `addr` complete a TCP handshake within `timeout` (PROBE_CONNECTS tries at once; refused is no)? The
-    connections are reset at once, never used."""
+    """Does `addr` complete a TCP handshake within `timeout`? PROBE_CONNECTS tries, PROBE_GAP_S apart (a full
+    link's queue drops a burst of packets together); refused is no. The connections are reset at once, unused."""
     try:
         infos = socket.getaddrinfo(addr[0], addr[1], type=socket.SOCK_STREAM)
     except OSError:
         return False
     family, kind, proto, _, sockaddr = infos[0]
     socks: list[socket.socket] = []
+    pending: list[socket.socket] = []
+    started = time.monotonic()
     try:
-        for _ in range(PROBE_CONNECTS):
-            s = socket.socket(family, kind, proto)
-            socks.append(s)
-            s.setblocking(False)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # closed with a reset
-            s.connect_ex(sockaddr)
-        deadline = time.monotonic() + timeout
-        pending = list(socks)
-        while pending and (left := deadline - time.monotonic()) > 0:
-            _, ready, _ = select.select([], pending, [], left)
+        while (left := started + timeout - time.monotonic()) > 0:
+            if len(socks) < PROBE_CONNECTS and time.monotonic() >= started + len(socks) * PROBE_GAP_S:
+                s = socket.socket(family, kind, proto)
+                socks.append(s)
+                s.setblocking(False)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # closed with a reset
+                s.connect_ex(sockaddr)
+                pending.append(s)
+            wait = left if len(socks) == PROBE_CONNECTS else \
+                min(left, max(0.0, started + len(socks) * PROBE_GAP_S - time.monotonic()))
+            _, ready, _ = select.select([], pending, [], wait)
             for s in ready:
                 if s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0:
                     return True
                 pending.remove(s)
+            if not pending and len(socks) == PROBE_CONNECTS:
+                return False
         return False
     finally:
         for s in socks:

@@ -986,7 +986,9 @@ class PeerSource(Source):
                         reprobing = set(self._reprobing)
                     known = [p for p in self._live_peers() if p in known or
                              (p.url not in reprobing and self._asks(p, blob, size, first_ask))]
-                    with self._lock:
+                    with self._lock:  # and a down peer its thread found up and holding it meanwhile
+                        known += [p for p in self._holders.get(sha256, (0.0, []))[1]
+                                  if p not in known and p.url in reprobing]
                         self._holders[sha256] = (time.monotonic(), known)
         banned = self._stats.banned
         now = time.monotonic()
