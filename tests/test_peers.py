@@ -25,6 +25,7 @@ from weightcache.download import PartialFile
 from weightcache.peers import PeerClient, PeerSet
 from weightcache.peers import source as source_module
 from weightcache.peers.inflight import InFlight
+from weightcache.peers.server import PeerLimits
 from weightcache.peers.source import GRACE_S, RELAY_PIECE_MIN, RELAY_PIECES, Later, PeerSource
 from weightcache.sources import ObjectInfo, open_source
 from weightcache.store import Snapshot
@@ -556,6 +557,51 @@ def test_a_relay_cut_off_mid_stream_has_its_range_go_elsewhere_within_a_second(o
     source.close()
     print(f"the cut owner's range went on {gap:.2f} s after the cut")
     assert gap is not None and gap < 2.0, f"the cut owner's range went on after {gap} s"
+
+
+def test_a_range_of_an_owner_busy_serving_this_node_its_other_ranges_waits_its_turn(
+        origin: FaultProxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The owner serves this node as many streams as it allows (429 beyond) and they flow: its other range waits
+    its turn past PENDING_S rather than go to the origin. Before, it counted as a range with no byte for
+    PENDING_S, given up on: the --faults node that took over the cut and the killed nodes' shares (four ranges)
+    answered 429 to the nodes behind on them, and they read three of those ranges from the origin again."""
+    monkeypatch.setattr(source_module, "PENDING_S", 2.0)
+    big = "model-00001.safetensors.bin"
+    body = FILES[big]
+    sha = hashlib.sha256(body).hexdigest()
+    source = open_source(REF, endpoint_url=origin.endpoint_url)
+    obj = next(o for o in source.list() if o.relpath == big)
+    half, quarter = obj.size // 2, obj.size // 4
+    # one stream to each asker, paced at 150 kB/s (a second's worth at a time): the first quarter takes 5 s
+    with Fleet(tmp_path / "fleet", TOKEN, PeerLimits(rate_bytes_s=150_000, max_streams=1, stream_budget=0)) as fleet, \
+            ThreadPoolExecutor(1) as pool:
+        owner = fleet.node("owner")
+        part = PartialFile(tmp_path / "owner.part", obj, range_size=1 << 16)
+        part.open()
+        owner.peers.inflight.add(sha, part)
+        part.write(0, memoryview(body[:half]), memoryview(bytearray(1 << 16)))  # its share, read from the origin
+        owner.peers.inflight.from_origin(sha, 0, half)
+        peers = PeerSet([PeerClient(owner.url, TOKEN, connect_timeout=2.0, read_timeout=5.0)],
+                        self_url="http://127.0.0.2:1")  # ranks after the owner: the first half is its share
+        asker = peers.wrap(source, {obj.key: (sha, obj.size)})
+        asker.spread([(obj.key, 0, quarter), (obj.key, quarter, half - quarter), (obj.key, half, obj.size - half)],
+                     key=lambda r: r)
+        first = pool.submit(lambda: sum(len(v) for _, v in asker.read_pieces(
+            obj, 0, quarter, memoryview(bytearray(64 << 10)))))
+        wait_until(lambda: asker.peer_bytes > 0, timeout=10, what="the first range's stream", every=0.02)
+        asker.defer_while(lambda: True)
+        before = len(origin.requests_for("GET", "/models/llama/"))
+        started = time.monotonic()
+        while time.monotonic() - started < 3.0:  # past PENDING_S: the owner still busy with the first
+            with pytest.raises(Later):
+                next(asker.read_pieces(obj, quarter, half - quarter, memoryview(bytearray(64 << 10))))
+            time.sleep(0.1)
+        assert len(origin.requests_for("GET", "/models/llama/")) == before  # nothing of it from the origin
+        assert first.result(30) == quarter
+        owner.peers.inflight.remove(sha, part)
+        part.close()
+        peers.close()
+    source.close()
 
 
 def test_an_owner_moving_its_download_to_its_blob_is_asked_again_not_the_origin(origin: FaultProxy, fleet: Fleet,

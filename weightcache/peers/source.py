@@ -47,6 +47,7 @@ from weightcache.peers.client import (
     Pace,
     PeerBadAnswer,
     PeerBlobGone,
+    PeerBusy,
     PeerClient,
     PeerFlow,
     PeerLied,
@@ -556,15 +557,23 @@ class PeerSource(Source):
                 ask.pending = ask.stop = True  # probe rather than read the owner's range from the origin
         except PeerRangePending as exc:
             self._not_yet(ask, peer, exc.retry_s)
-        except PeerRangeMissing:
-            ask.outcome[peer.url] = "missing"
+        except PeerRangeMissing as exc:
+            busy = isinstance(exc, PeerBusy)
+            ask.outcome[peer.url] = "busy" if busy else "missing"
             ask.downloading = True  # a peer still downloading the blob lacks these bytes: no fault of its own
             if peer.url == ask.owner:  # it fetches the blob and this range first: it is about to read it
                 ask.pending = ask.stop = True  # (a node that started late, or short of CPU, still does): and the
                 # others relay nothing of it: ask none of them. Asked again later each time (UNSTARTED_S)
                 with self._lock:
                     times = self._unstarted[ask.span] = self._unstarted.get(ask.span, 0) + 1
+                    flow = self._flows.get(peer.url)
                 ask.retry_s = min(UNSTARTED_MAX_S, UNSTARTED_S * (1 << min(times - 1, 8)))
+                if busy and flow is not None:
+                    # it serves this node as many streams as it allows: the range waits its turn, PENDING_S from
+                    # the owner's last byte to this node, not from its own (--faults: the node that took over the
+                    # cut and the killed nodes' shares, four ranges, answered 429 to the nodes behind on them for
+                    # 15 s, and they read three of them from the origin)
+                    self._moved[ask.span] = max(self._moved[ask.span], flow.last)
         except PeerTooSlow as exc:
             self._cut(ask, peer, exc, began)
         except SourceError as exc:
