@@ -736,6 +736,8 @@ class PeerSource(Source):
             # bytes will come (an owner that started its share seconds late lost it to every other node, whose
             # grace was over: 1.31-1.33x the model at N = 16, and 1.75x with an origin answering 503 for 10 s)
             pending = True
+        if ask.wait and ask.owner and self._down_lately(ask.owner):  # confirmed down or up within DOWN_S
+            pending = True
         pending = (pending or self._benched_holder(ask.name, ask.owner)) and not stalled
         if pending or (ask.wait and (now < ask.fetch_deadline or (ask.downloading and now < ask.deadline))):
             return "wait"
@@ -818,16 +820,28 @@ class PeerSource(Source):
         with self._lock:
             given_up = self._given_up.get((key, end), set())
             idle = self._grace_until is not None and now >= self._grace_until
+            lately: str | None = None  # the first owner walked past that went down under DOWN_S ago
             for step in range(len(self.ranked)):
                 url = self.ranked[(at + step) % len(self.ranked)]
                 if url == "":
-                    return url
+                    # this node would read it from the origin: not on a peer down for under DOWN_S that has not
+                    # been found dead (a live node may miss a probe: a --faults run took one for cut at its full
+                    # link, and the node after it in rank read its range from the origin again at once)
+                    return lately or url
+                if lately is None and url not in self._dead and self._is_down(url) and \
+                        now - self._down[url] < DOWN_S:
+                    lately = url
                 if url in self._dead or url in banned or self._is_down(url) or url in given_up or \
                         (self._benched.get(url, (0.0, 0))[0] > now and (sha256, url) not in self._downloading) or \
                         (idle and (sha256, url) in self._idle):
                     continue
                 return url
         return ""
+
+    def _down_lately(self, url: str) -> bool:
+        """`url` is down, under DOWN_S, and not found dead: this node waits on it rather than read its range."""
+        with self._lock:
+            return url not in self._dead and self._is_down(url) and time.monotonic() - self._down[url] < DOWN_S
 
     def _is_down(self, url: str) -> bool:
         """`url` failed, or was cut silent, and has not answered or sent a byte since (self._lock held)."""
