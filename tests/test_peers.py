@@ -762,6 +762,7 @@ def test_a_range_taken_over_from_a_dead_relay_is_read_again_from_its_relayed_sta
                 got = at + len(view)
         assert got == relayed
         fleet.kill(owner)
+        asker.defer_while(lambda: False)  # waits the moment until the owner is found dead (refused), not Later
         seen = []
         with closing(asker.read_pieces(obj, got, half - got, buf)) as rest:
             for at, view in rest:
