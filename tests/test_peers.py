@@ -23,6 +23,7 @@ from tests.peers_fleet import Fleet, FleetNode, HostilePeer
 from tests.peers_fleet import origin_bytes as fleet_origin_bytes
 from weightcache.download import PartialFile
 from weightcache.peers import PeerClient, PeerSet
+from weightcache.peers import server as server_module
 from weightcache.peers import source as source_module
 from weightcache.peers.inflight import InFlight
 from weightcache.peers.server import PeerLimits
@@ -557,6 +558,30 @@ def test_a_relay_cut_off_mid_stream_has_its_range_go_elsewhere_within_a_second(o
     source.close()
     print(f"the cut owner's range went on {gap:.2f} s after the cut")
     assert gap is not None and gap < 2.0, f"the cut owner's range went on after {gap} s"
+
+
+def test_the_next_node_in_rank_reads_a_down_owners_range_only_once_it_is_confirmed(
+        origin: FaultProxy, fleet: Fleet, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The owner's answer comes later than this node's read timeout (a live node whose link is full missed it, or
+    missed the silence probe): it is down, but this node, next in rank, would read its range from the origin, so
+    it waits until the owner is confirmed down (dead, or silent for DOWN_S); the owner answers its HEAD at once
+    and keeps its range. Before, this node read the range from the origin right after the failure (--faults: a
+    live owner taken for cut by the probe, its range read twice)."""
+    monkeypatch.setattr(server_module, "NOT_YET_WAIT_S", 3.0)  # the owner answers "not yet" after 3 s
+    buf = memoryview(bytearray(256 << 10))
+    with asking_owners(origin, fleet, tmp_path, read_timeout=1.0) as (asker, (owner,), sha, obj):
+        half = obj.size // 2
+        with closing(asker.read_pieces(obj, half, 256 << 10, buf)) as own:  # its own share: the HEADs
+            assert sum(len(view) for _, view in own) == 256 << 10
+        claim = owner.peers.inflight.claim(sha, 0, half)  # it reads its share now, nothing journalled yet
+        try:
+            asker.defer_while(lambda: True)
+            before = len(origin.requests_for("GET", "/models/llama/"))
+            with pytest.raises(Later):  # its answer timed out: down, and not confirmed, so waited for
+                next(asker.read_pieces(obj, 0, half, buf))
+            assert len(origin.requests_for("GET", "/models/llama/")) == before  # nothing of it from the origin
+        finally:
+            owner.peers.inflight.release(claim)
 
 
 def test_a_range_of_an_owner_busy_serving_this_node_its_other_ranges_waits_its_turn(
