@@ -26,7 +26,15 @@ from weightcache.errors import SourceError
 from weightcache.listener import ConnectionLimits
 from weightcache.peers import PeerClient
 from weightcache.peers import source as source_module
-from weightcache.peers.client import SLOW_GRACE_S, EagerBody, Pace, PeerBadAnswer, PeerFlow
+from weightcache.peers.client import (
+    ANSWER_SLACK,
+    MAX_ANSWER_WAIT_S,
+    SLOW_GRACE_S,
+    EagerBody,
+    Pace,
+    PeerBadAnswer,
+    PeerFlow,
+)
 from weightcache.peers.server import PeerLimits
 from weightcache.peers.source import PeerStats
 from weightcache.retry import Retry
@@ -379,6 +387,23 @@ def test_a_streams_floor_is_its_share_of_the_most_bodies_its_peer_said_it_sends_
     many = Pace(1 << 20, min_rate=64 << 10, grace_s=0.2)
     many.answered(10 ** 6)
     assert many.min_rate == (64 << 10) // 128
+
+
+def test_a_request_waits_for_its_answer_as_long_as_the_peers_answers_take_not_one_second() -> None:
+    """Before its headers come a request is judged after SLOW_GRACE_S, or ANSWER_SLACK times what that peer's
+    answers to the fetch took: on a fleet's full links answers took over a second, and 35,437 asks of a 32-node
+    fill were cut before their answer came (each asked again: 150 requests a second more). A peer that never
+    completes an answer (a header trickler) has no such time: it is cut at SLOW_GRACE_S."""
+    first = Pace(1 << 20, min_rate=64 << 10, flow=PeerFlow())
+    assert first.due(first.started + SLOW_GRACE_S + 0.2)  # nothing known of the peer: a second
+    flow = PeerFlow()
+    flow.took(1.2)  # its answers took 1.2 s
+    slow = Pace(1 << 20, min_rate=64 << 10, flow=flow)
+    assert not slow.due(slow.started + SLOW_GRACE_S + 0.2)
+    assert not slow.due(slow.started + 3.4)
+    assert slow.due(slow.started + ANSWER_SLACK * 1.2 + 0.2)
+    flow.took(60.0)  # never longer than MAX_ANSWER_WAIT_S, whatever it answered before
+    assert slow.due(slow.started + MAX_ANSWER_WAIT_S + 0.2)
 
 
 def test_a_peers_bytes_count_as_they_come_not_when_a_read_slice_fills() -> None:

@@ -185,6 +185,8 @@ class PeerClient:
             raise Retryable(f"{type(exc).__name__} from peer {self.url}") from exc
         finally:
             _asking.pace = None
+        if pace is not None:
+            pace.answered(streams_of(resp))
         if resp.status in (404, 429):  # answers, not faults: the connection serves the next ask (no handshake)
             _reuse(resp, pace)
         if resp.status == 404 and not resp.headers.get(PARTIAL_HEADER):
@@ -263,10 +265,10 @@ class PeerClient:
 
 
 def streams_of(resp: Any) -> int:
-    """The bodies a peer says it sends now (`STREAMS_HEADER`), 1 when it does not say (a daemon of a release
-    before it: the floor of a peer sending this range alone, as then)."""
+    """The bodies a peer says it sends now (`STREAMS_HEADER`), 0 when it does not say (a 404, or a daemon of a
+    release before it: the floor of a peer sending this range alone, as then)."""
     m = _STREAMS.fullmatch(resp.headers.get(STREAMS_HEADER, ""))
-    return max(1, int(m[0])) if m else 1
+    return int(m[0]) if m else 0
 
 
 def _reuse(resp: Any, pace: Pace | None) -> None:
@@ -308,6 +310,13 @@ FLOOR_SHARE = 0.25
 SLOW_GRACE_S = 1.0
 MAX_FANOUT = 128
 STREAMS_PER_ASKER = 8
+#: Before its answer's headers come, a request's grace is SLOW_GRACE_S, or ANSWER_SLACK times what the peer's answers
+#: to this fetch took (a moving mean), at most MAX_ANSWER_WAIT_S: a fleet of 32 on full 0.25 MB/s FIFO links with
+#: two cores had answers take over a second, and 35,437 asks were cut before their answer came (0 bytes in 1.1 s),
+#: 150 a second, each one more request, and the origin read 2.0x the model. A peer trickling its headers never
+#: completes an answer: it is cut at SLOW_GRACE_S (or at ANSWER_SLACK times its own honest answers' time).
+ANSWER_SLACK = 3.0
+MAX_ANSWER_WAIT_S = 10.0
 WATCH_TICK_S = 0.1  # how often the watchdog looks at the streams it watches (a cut comes this much late at most)
 #: A peer that sent nothing on any stream for SILENT_S while a stream waits on it, and while bytes came from
 #: elsewhere (its link up: `Link`), is probed: a TCP connect, PROBE_CONNECTS at once, answered by the peer's
@@ -356,6 +365,7 @@ class PeerFlow:
         self.last = time.monotonic()  # its last byte, on any stream
         self.probing = False
         self.probe_after = 0.0  # a probe it answered: the next one not before this
+        self.answer_s: float | None = None  # how long its answers' headers took (a moving mean; Pace.answered)
 
     def add(self, n: int) -> None:
         now = time.monotonic()
@@ -367,6 +377,11 @@ class PeerFlow:
             self._samples.append((now, self._total))
             while len(self._samples) > 2 and self._samples[1][0] < now - 4 * SLOW_GRACE_S:
                 self._samples.popleft()
+
+    def took(self, seconds: float) -> None:
+        """An answer's headers came `seconds` after it was asked."""
+        with self._lock:
+            self.answer_s = seconds if self.answer_s is None else 0.8 * self.answer_s + 0.2 * seconds
 
     @property
     def total(self) -> int:
@@ -424,14 +439,17 @@ class Pace:
         if self.flow is not None:
             self.flow.add(n)
 
-    def answered(self, streams: int = 1) -> None:
+    def answered(self, streams: int = 0) -> None:
         """The answer's headers came: the body's floor counts from now, and is this stream's share of the peer's
-        (`streams`: the bodies it says it sends now, bounded by `max_fanout`)."""
+        (`streams`: the bodies it says it sends now, bounded by `max_fanout`; 0: it did not say)."""
+        now = time.monotonic()
         with self._lock:
-            self.started = time.monotonic()
+            asked, self.started = self.started, now
             self.streams = max(1, streams)
             if self.flow is not None:
-                self.flow.streams = self.streams
+                self.flow.took(now - asked)
+                if streams:
+                    self.flow.streams = streams
             self.min_rate = self._share()
 
     def _share(self) -> int:
@@ -463,10 +481,13 @@ class Pace:
 
     def due(self, now: float) -> bool:
         with self._lock:
+            grace = self.grace_s
             if self.streams:
                 self.min_rate = self._share()
+            elif self.flow is not None and self.flow.answer_s is not None:  # no answer yet: as long as they take
+                grace = max(grace, min(MAX_ANSWER_WAIT_S, ANSWER_SLACK * self.flow.answer_s))
             slow = not self._done and self._held_since is None and \
-                self.got < self.min_rate * (now - self.started - self.grace_s)
+                self.got < self.min_rate * (now - self.started - grace)
         return slow and (self.flow is None or self.flow.rate(now, self.grace_s) < self.min_rate)
 
     def waiting(self) -> bool:
@@ -490,8 +511,9 @@ class Pace:
 
     def describe(self) -> str:
         took = time.monotonic() - self.started
+        said = f"; it sends {self.streams} bodies" if self.streams > 1 else "" if self.streams else "; no answer"
         return (f"{self.got} bytes in {took:.1f}s, below the floor of {self.min_rate >> 10} KiB/s after "
-                f"{self.grace_s:g}s")
+                f"{self.grace_s:g}s{said}")
 
 
 class _Watchdog:

@@ -56,7 +56,6 @@ from weightcache.peers.client import (
     PeerTooSlow,
     PeerUnreachable,
     peer_base_url,
-    streams_of,
 )
 from weightcache.peers.identity import OriginId
 from weightcache.peers.inflight import InFlight
@@ -1108,7 +1107,6 @@ class PeerSource(Source):
             resp, served = peer.open_span(blob, pos, end, pace)
         except Retryable as exc:
             raise SourceError(str(exc)) from exc
-        pace.answered(streams_of(resp))
         with self._lock:
             self._hear(peer.url)
         pace.expect(served - pos)
