@@ -393,7 +393,8 @@ def test_a_request_waits_for_its_answer_as_long_as_the_peers_answers_take_not_on
     """Before its headers come a request is judged after SLOW_GRACE_S, or ANSWER_SLACK times what that peer's
     answers to the fetch took: on a fleet's full links answers took over a second, and 35,437 asks of a 32-node
     fill were cut before their answer came (each asked again: 150 requests a second more). A peer that never
-    completes an answer (a header trickler) has no such time: it is cut at SLOW_GRACE_S."""
+    completes an answer (a header trickler) has no such time of its own: it is cut at SLOW_GRACE_S, or at
+    ANSWER_SLACK times what other peers' answers took (this node's own links)."""
     first = Pace(1 << 20, min_rate=64 << 10, flow=PeerFlow())
     assert first.due(first.started + SLOW_GRACE_S + 0.2)  # nothing known of the peer: a second
     flow = PeerFlow()
@@ -404,6 +405,11 @@ def test_a_request_waits_for_its_answer_as_long_as_the_peers_answers_take_not_on
     assert slow.due(slow.started + ANSWER_SLACK * 1.2 + 0.2)
     flow.took(60.0)  # never longer than MAX_ANSWER_WAIT_S, whatever it answered before
     assert slow.due(slow.started + MAX_ANSWER_WAIT_S + 0.2)
+    answers = PeerFlow()  # the fetch's answers from any peer: a first request of a new peer on this node's slow links
+    answers.took(1.2)
+    new = Pace(1 << 20, min_rate=64 << 10, flow=PeerFlow(), answers=answers)
+    assert not new.due(new.started + 3.4)
+    assert new.due(new.started + ANSWER_SLACK * 1.2 + 0.2)
 
 
 def test_a_peers_bytes_count_as_they_come_not_when_a_read_slice_fills() -> None:

@@ -310,11 +310,12 @@ FLOOR_SHARE = 0.25
 SLOW_GRACE_S = 1.0
 MAX_FANOUT = 128
 STREAMS_PER_ASKER = 8
-#: Before its answer's headers come, a request's grace is SLOW_GRACE_S, or ANSWER_SLACK times what the peer's answers
-#: to this fetch took (a moving mean), at most MAX_ANSWER_WAIT_S: a fleet of 32 on full 0.25 MB/s FIFO links with
-#: two cores had answers take over a second, and 35,437 asks were cut before their answer came (0 bytes in 1.1 s),
-#: 150 a second, each one more request, and the origin read 2.0x the model. A peer trickling its headers never
-#: completes an answer: it is cut at SLOW_GRACE_S (or at ANSWER_SLACK times its own honest answers' time).
+#: Before its answer's headers come, a request's grace is SLOW_GRACE_S, or ANSWER_SLACK times what the peer's
+#: answers to this fetch took, or any peer's (moving means: this node's own links), at most MAX_ANSWER_WAIT_S: a
+#: fleet of 32 on full 0.25 MB/s FIFO links with two cores had answers take over a second, and 35,437 asks were cut
+#: before their answer came (0 bytes in 1.1 s), 150 a second, each one more request, and the origin read 2.0x the
+#: model. A peer trickling its headers never completes an answer: it is cut at SLOW_GRACE_S, or at ANSWER_SLACK
+#: times what the other answers took.
 ANSWER_SLACK = 3.0
 MAX_ANSWER_WAIT_S = 10.0
 WATCH_TICK_S = 0.1  # how often the watchdog looks at the streams it watches (a cut comes this much late at most)
@@ -405,15 +406,16 @@ class Pace:
     grace to answer (a long poll, a busy link) gets its body's grace too; a header trickler is cut all the same."""
 
     def __init__(self, length: int, min_rate: int = SLOW_BYTES_S, grace_s: float = SLOW_GRACE_S,
-                 flow: PeerFlow | None = None, max_fanout: int = MAX_FANOUT) -> None:
+                 flow: PeerFlow | None = None, max_fanout: int = MAX_FANOUT, answers: PeerFlow | None = None) -> None:
         """`min_rate`: the floor of a peer sending this range alone; `max_fanout`: the most streams the peer's word
-        on its fan-out counts for (`answered`)."""
+        on its fan-out counts for (`answered`); `flow`: the fetch's streams from this peer; `answers`: the fetch's
+        answers from all its peers (how long they take: this node's own links)."""
         self.started = self.asked = time.monotonic()
         self.length, self.min_rate, self.grace_s = length, min_rate, grace_s
         self.peer_floor = min_rate  # what the peer's whole uplink must send
         self.max_fanout = max(1, min(max_fanout, MAX_FANOUT))
         self.streams = 0  # the bodies the peer said it sends now (`answered`; 0: no answer yet)
-        self.flow = flow
+        self.flow, self.answers = flow, answers
         self.got = 0
         self.was_cut = False
         self.unreachable = False  # cut because its peer answered no connect while silent (the watchdog's probe)
@@ -444,12 +446,13 @@ class Pace:
         (`streams`: the bodies it says it sends now, bounded by `max_fanout`; 0: it did not say)."""
         now = time.monotonic()
         with self._lock:
-            asked, self.started = self.started, now
+            self.started = now
             self.streams = max(1, streams)
-            if self.flow is not None:
-                self.flow.took(now - asked)
-                if streams:
-                    self.flow.streams = streams
+            for clock in (self.flow, self.answers):
+                if clock is not None:
+                    clock.took(now - self.asked)
+            if self.flow is not None and streams:
+                self.flow.streams = streams
             self.min_rate = self._share()
 
     def _share(self) -> int:
@@ -484,8 +487,9 @@ class Pace:
             grace = self.grace_s
             if self.streams:
                 self.min_rate = self._share()
-            elif self.flow is not None and self.flow.answer_s is not None:  # no answer yet: as long as they take
-                grace = max(grace, min(MAX_ANSWER_WAIT_S, ANSWER_SLACK * self.flow.answer_s))
+            else:  # no answer yet: as long as the peer's answers take, or any peer's (this node's links)
+                took = max((c.answer_s or 0.0 for c in (self.flow, self.answers) if c is not None), default=0.0)
+                grace = max(grace, min(MAX_ANSWER_WAIT_S, ANSWER_SLACK * took))
             slow = not self._done and self._held_since is None and \
                 self.got < self.min_rate * (now - self.started - grace)
         return slow and (self.flow is None or self.flow.rate(now, self.grace_s) < self.min_rate)

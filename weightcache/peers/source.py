@@ -329,6 +329,7 @@ class PeerSource(Source):
         self._idle: set[tuple[str, str]] = set()
         self._flows: dict[str, PeerFlow] = {}  # bytes from each peer over all streams (client.PeerFlow)
         self._link = Link()  # this fetch's last byte from anywhere: a silent peer is probed only while it moves
+        self._answers = PeerFlow()  # how long answers from any peer take (a first request's wait: client.Pace)
         self._asked: dict[tuple[str, int], float] = {}  # (key, range end) -> when it was first asked of peers
         self._claimers: set[tuple[str, str]] = set()  # (peer, blob): it answered "not yet" (reads it now)
         self._moved: dict[tuple[str, int], float] = {}  # (key, range end) -> when a byte of it last came
@@ -1080,8 +1081,8 @@ class PeerSource(Source):
         # its floor is its share of the bodies it sends (client.Pace.answered), as many as the fleet's other nodes
         # could ask of an honest peer at most
         fanout = STREAMS_PER_ASKER * max(1, self.nodes - 1)
-        pace = Pace(end - pos, min(self._floor(), RELAY_FLOOR), RELAY_GRACE_S, flow, fanout) if relay else \
-            Pace(end - pos, self._floor(), flow=flow, max_fanout=fanout)
+        pace = Pace(end - pos, min(self._floor(), RELAY_FLOOR), RELAY_GRACE_S, flow, fanout, self._answers) \
+            if relay else Pace(end - pos, self._floor(), flow=flow, max_fanout=fanout, answers=self._answers)
         WATCHDOG.watch(pace)
         try:
             yield from self._paced(peer, key, sha256, pos, end, buf, on_bytes, pace, judge)
