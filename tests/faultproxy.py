@@ -219,7 +219,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if link is None:
                 time.sleep(0.05)
 
-    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+    do_GET = do_PUT = do_POST = do_PATCH = do_DELETE = do_HEAD = _handle
 
     def _request_body(self) -> bytes:
         if self.headers.get("Transfer-Encoding", "").lower() == "chunked":

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 
 from tests.fake_apiserver import FakeApiServer, model_cache, node
+from tests.faultproxy import FaultProxy
 from tests.test_kube_watch import until
 from weightcache.errors import ClusterError
 from weightcache.kube.report import ModelState, NodeReporter
@@ -66,6 +68,30 @@ def test_progress_is_coalesced_and_phase_changes_are_immediate(server):
     assert models_of(server, "n1")["llama"]["phase"] == "Ready"  # at once, without waiting for the interval
     assert reporter.writes <= 3
     reporter.close()
+
+
+def test_states_reported_from_two_threads_are_written_in_the_order_they_were_taken(server):
+    """A fetch's "Fetching" (the reconciler) and its "Ready" a moment later (the fetch's task) are written from two
+    threads: their patches crossed on their way to the API server and the stale "Fetching" stayed (a rollout
+    stuck at 2/3 in CI), since the reconciler sends a state only once."""
+    with FaultProxy(server.url) as proxy:
+        api = server.api_client()
+        api.configuration.host = proxy.endpoint_url
+        reporter = NodeReporter(api, "n1", min_interval=0)
+        reporter.report_many({"mistral": ModelState("Ready")})  # its object made: the writes below are patches
+        hold = proxy.add("hold", method="PATCH", path=f"{MCN}/n1/status")
+        first = threading.Thread(target=reporter.report_many, args=({"llama": ModelState("Fetching")},))
+        first.start()
+        assert hold.arrived.wait(10)
+        second = threading.Thread(target=reporter.report_many, args=({"llama": ModelState("Ready", snapshot="a")},))
+        second.start()
+        second.join(0.5)  # before: its patch went past the held one and landed first
+        hold.release.set()
+        first.join(10)
+        second.join(10)
+        assert models_of(server, "n1")["llama"]["phase"] == "Ready"
+        assert [r.body["status"]["models"]["llama"]["phase"] for r in server.requests_matching("PATCH", MCN)
+                if "llama" in r.body["status"]["models"]] == ["Fetching", "Ready"]
 
 
 def test_each_node_writes_only_its_own_object(server):

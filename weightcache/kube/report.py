@@ -154,6 +154,9 @@ class NodeReporter:
         self.min_interval = min_interval
         self.component = component
         self._lock = threading.Lock()
+        # one status write at a time, in the order their states were taken: two threads' patches (a fetch's
+        # "Fetching", its "Ready" a moment later) could reach the API server crossed, and the older one stayed
+        self._writing = threading.Lock()
         self._pending: dict[str, ModelState | None] = {}
         self._written: dict[str, ModelState] = {}
         self._last_write = 0.0
@@ -212,6 +215,10 @@ class NodeReporter:
 
     def flush(self) -> None:
         """Write every pending state now, in one merge patch of the status subresource."""
+        with self._writing:
+            self._flush()
+
+    def _flush(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, {}
             if self._timer is not None:
