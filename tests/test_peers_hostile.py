@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import re
+import resource
 import select
 import socket
 import threading
@@ -29,11 +30,13 @@ from weightcache.peers import source as source_module
 from weightcache.peers.client import (
     ANSWER_SLACK,
     MAX_ANSWER_WAIT_S,
+    PROBE_S,
     SLOW_GRACE_S,
     EagerBody,
     Pace,
     PeerBadAnswer,
     PeerFlow,
+    reachable,
 )
 from weightcache.peers.server import PeerLimits
 from weightcache.peers.source import PeerStats
@@ -575,3 +578,28 @@ def _fill_beside(fleet: Fleet, origin: FaultProxy, other: str) -> FleetNode:
     assert good.url not in node.peers.stats.banned
     return node
 
+
+
+def test_the_silence_probe_answers_past_descriptor_1024() -> None:
+    """A daemon with many peers and pods holds more than 1024 descriptors; the probe waited on its connects with
+    select(), which raised ValueError for such a descriptor in the watchdog's probe thread (a traceback, and no
+    verdict on the peer). A listening peer is reachable, a closed port is not, whatever the descriptors' numbers."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    closed = socket.create_server(("127.0.0.1", 0))
+    closed_addr = closed.getsockname()[:2]
+    closed.close()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"this machine allows {hard} descriptors a process: the probe cannot be given one past 1024")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    ballast: list[socket.socket] = []
+    try:
+        while not ballast or ballast[-1].fileno() <= 1024:
+            ballast.append(socket.socket())
+        assert reachable(listener.getsockname()[:2], PROBE_S)
+        assert not reachable(closed_addr, PROBE_S)
+    finally:
+        for s in ballast:
+            s.close()
+        listener.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -12,7 +12,7 @@ import contextlib
 import http.client
 import logging
 import re
-import select
+import selectors
 import socket
 import struct
 import threading
@@ -372,7 +372,7 @@ class PeerFlow:
         now = time.monotonic()
         self.last = now
         if self.link is not None:
-            self.link.last = now
+            self.link.touch()
         with self._lock:
             self._total += n
             self._samples.append((now, self._total))
@@ -578,12 +578,17 @@ class _Watchdog:
         """A silent peer's kernel answers a connect, or its waiting streams are cut as unreachable (while bytes
         still come from elsewhere: a node cut off itself hears from no one, and cuts nothing)."""
         try:
-            if flow.addr is None or flow.link is None or reachable(flow.addr, PROBE_S):
+            addr, link = flow.addr, flow.link
+            try:
+                up = addr is None or link is None or reachable(addr, PROBE_S)
+            except OSError:  # this node could not probe (out of descriptors): no verdict on the peer
+                up = True
+            if up or link is None:
                 flow.probe_after = time.monotonic() + SILENT_S
                 return
             # it spoke meanwhile, or nothing came from elsewhere lately: a node cut off hears from no one, and all
             # of its peers went silent when its link did
-            if flow.last > since or flow.link.last < time.monotonic() - SILENT_S / 2:
+            if flow.last > since or link.last < time.monotonic() - SILENT_S / 2:
                 return
             with self._cv:
                 paces = [p for p in self._paces if p.flow is flow]
@@ -596,37 +601,37 @@ class _Watchdog:
 
 def reachable(addr: tuple[str, int], timeout: float) -> bool:
     """Does `addr` complete a TCP handshake within `timeout`? PROBE_CONNECTS tries, PROBE_GAP_S apart (a full
-    link's queue drops a burst of packets together); refused is no. The connections are reset at once, unused."""
+    link's queue drops a burst of packets together); refused is no. The connections are reset at once, unused.
+    A selector, not select(): a daemon's descriptors pass 1024 (FD_SETSIZE) with many peers and pods."""
     try:
         infos = socket.getaddrinfo(addr[0], addr[1], type=socket.SOCK_STREAM)
     except OSError:
         return False
     family, kind, proto, _, sockaddr = infos[0]
-    socks: list[socket.socket] = []
-    pending: list[socket.socket] = []
-    started = time.monotonic()
-    try:
-        while (left := started + timeout - time.monotonic()) > 0:
-            if len(socks) < PROBE_CONNECTS and time.monotonic() >= started + len(socks) * PROBE_GAP_S:
-                s = socket.socket(family, kind, proto)
-                socks.append(s)
-                s.setblocking(False)
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # closed with a reset
-                s.connect_ex(sockaddr)
-                pending.append(s)
-            wait = left if len(socks) == PROBE_CONNECTS else \
-                min(left, max(0.0, started + len(socks) * PROBE_GAP_S - time.monotonic()))
-            _, ready, _ = select.select([], pending, [], wait)
-            for s in ready:
-                if s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0:
-                    return True
-                pending.remove(s)
-            if not pending and len(socks) == PROBE_CONNECTS:
-                return False
-        return False
-    finally:
-        for s in socks:
-            s.close()
+    started, opened = time.monotonic(), 0
+    with selectors.DefaultSelector() as waiting:
+        try:
+            while (left := started + timeout - time.monotonic()) > 0:
+                if opened < PROBE_CONNECTS and time.monotonic() >= started + opened * PROBE_GAP_S:
+                    s = socket.socket(family, kind, proto)
+                    opened += 1
+                    s.setblocking(False)
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # closed with a reset
+                    s.connect_ex(sockaddr)
+                    waiting.register(s, selectors.EVENT_WRITE, s)
+                wait = left if opened == PROBE_CONNECTS else \
+                    min(left, max(0.0, started + opened * PROBE_GAP_S - time.monotonic()))
+                for key, _ in waiting.select(wait):
+                    if key.data.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0:
+                        return True
+                    waiting.unregister(key.data)
+                    key.data.close()
+                if not waiting.get_map() and opened == PROBE_CONNECTS:
+                    return False
+            return False
+        finally:
+            for key in list(waiting.get_map().values()):
+                key.data.close()
 
 
 WATCHDOG = _Watchdog()
