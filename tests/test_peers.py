@@ -3,6 +3,7 @@ proxy (which records every ranged GET, so origin bytes are counted where they le
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import os
@@ -280,7 +281,7 @@ def test_a_peer_killed_while_others_wait_on_it_costs_only_a_fall_back_to_the_ori
 
 @contextmanager
 def asking_owners(origin: FaultProxy, fleet: Fleet, tmp_path: Path, owners: int = 1,
-                  read_timeout: float = 5.0) -> Iterator[
+                  read_timeout: float = 5.0, connect_timeout: float = 2.0) -> Iterator[
         tuple[PeerSource, list[FleetNode], str, ObjectInfo]]:
     """Nodes downloading the big file (registered, nothing of it claimed or read yet), and the PeerSource of a
     node that ranks after them ("http://127.0.0.2" sorts after them): the file is cut in `owners` + 1 equal
@@ -295,8 +296,8 @@ def asking_owners(origin: FaultProxy, fleet: Fleet, tmp_path: Path, owners: int 
     for node, part in zip(nodes, parts, strict=True):
         part.open()
         node.peers.inflight.add(sha, part)
-    peers = PeerSet([PeerClient(n.url, TOKEN, connect_timeout=2.0, read_timeout=read_timeout) for n in nodes],
-                    inflight=InFlight(), self_url="http://127.0.0.2:1")
+    peers = PeerSet([PeerClient(n.url, TOKEN, connect_timeout=connect_timeout, read_timeout=read_timeout)
+                     for n in nodes], inflight=InFlight(), self_url="http://127.0.0.2:1")
     asker = peers.wrap(source, {obj.key: (sha, obj.size)})
     cuts = [obj.size * i // (owners + 1) for i in range(owners + 2)]
     asker.spread([(obj.key, a, b - a) for a, b in itertools.pairwise(cuts)], key=lambda r: r)
@@ -798,3 +799,160 @@ def test_a_range_taken_over_from_a_dead_relay_is_read_again_from_its_relayed_sta
                 seen.append((at, asker._inflight.pending(sha, 0)))
     assert seen[0] == (0, True)  # from the first relayed byte, not from where the relay stopped
     assert max(at for at, _ in seen) >= half - RELAY_PIECE_MIN
+
+
+@contextmanager
+def unanswering(port: int, held: list[socket.socket]) -> Iterator[None]:
+    """127.0.0.1:`port` accepts connections into `held` and answers nothing on them (a node whose link is cut, as an
+    asker with pooled connections sees it: its requests time out). On leaving it stops accepting; what it accepted
+    stays open and silent until the caller closes it (a link back resets nothing)."""
+    listener = socket.create_server(("127.0.0.1", port))
+    listener.settimeout(0.1)
+    done = False
+
+    def accept() -> None:
+        while not done:
+            try:
+                held.append(listener.accept()[0])
+            except TimeoutError:
+                continue
+
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(accept)
+        try:
+            yield
+        finally:
+            done = True
+    listener.close()
+
+
+def test_a_peer_whose_ask_timed_out_is_down_until_it_answers_not_dead_for_the_fetch(
+        origin: FaultProxy, fleet: Fleet, tmp_path: Path) -> None:
+    """An owner's HEAD times out (its link cut: no refusal, no reset), then its link comes back and it answers:
+    its share is its own again, waited for, not read from the origin by this node, next in rank. Before, a peer
+    whose HEAD timed out was dead for the rest of the fetch: a HEAD begun while the --faults node was cut off
+    timed out a second after its link was back, and the node after it in rank read the cut node's share and the
+    share it had taken over (4 MiB) from the origin while the cut node read them too."""
+    buf = memoryview(bytearray(256 << 10))
+    held: list[socket.socket] = []
+    with asking_owners(origin, fleet, tmp_path, owners=2, read_timeout=1.0) as (asker, (_, cut), _, obj), \
+            contextlib.ExitStack() as closed:
+        closed.callback(lambda: [s.close() for s in held])
+        third = obj.size // 3
+        port = int(cut.url.rsplit(":", 1)[1])
+        fleet.stop(cut)
+        with unanswering(port, held), closing(asker.read_pieces(obj, 2 * third, 256 << 10, buf)) as own:
+            assert sum(len(view) for _, view in own) == 256 << 10  # its own share: the HEADs
+        cut.server = server_module.PeerServer(cut.store.layout.blobs, TOKEN, fleet.limits, cut.peers.inflight)
+        fleet.run(cut.server.start("127.0.0.1", port))  # its link is back: it answers
+        time.sleep(source_module.REASK_S + 1.5)  # asked again meanwhile (a HEAD every REASK_S)
+        asker.defer_while(lambda: True)
+        before = len(origin.requests_for("GET", "/models/llama/"))
+        with pytest.raises(Later):  # its own range: it has not started it ("missing"), waited for
+            next(asker.read_pieces(obj, third, third, buf))
+        assert len(origin.requests_for("GET", "/models/llama/")) == before  # nothing of it from the origin
+
+
+def test_a_peer_failing_while_only_the_origin_sends_is_the_peers_fault_not_this_nodes_link(
+        origin: FaultProxy, fleet: Fleet, tmp_path: Path) -> None:
+    """No peer has answered this node for DOWN_S, but the origin sends it bytes all along (it reads its own share):
+    its link works, so a peer failing now is down, and its range, which falls to this node, is read at once.
+    Before, only peers counted: the failure was taken for this node's link and the peer asked again until the
+    range's wait ran out (PENDING_S); in a --faults run a node whose asks all waited on connects to the node cut
+    off took a killed node's share over 17 s late, after the node behind it had given up and read it too."""
+    buf = memoryview(bytearray(256 << 10))
+    with asking_owners(origin, fleet, tmp_path, owners=2) as (asker, (_, owner), _, obj), \
+            ThreadPoolExecutor(1) as pool:
+        third = obj.size // 3
+        with closing(asker.read_pieces(obj, 2 * third, 256 << 10, buf)) as own:  # its own share: the HEADs
+            assert sum(len(view) for _, view in own) == 256 << 10
+        other = next(o for o in asker.list() if o.relpath == "model-00002.bin")  # not asked of peers
+        reading = time.monotonic() + source_module.DOWN_S + 0.5
+
+        def from_origin() -> None:  # a piece every 0.2 s: bytes from elsewhere, no peer heard from
+            while time.monotonic() < reading:
+                assert sum(len(v) for _, v in asker.read_pieces(other, 0, 16 << 10, memoryview(bytearray(16 << 10))))
+                time.sleep(0.2)
+
+        pool.submit(from_origin).result(30)
+        fleet.kill(owner)  # its range's next node in rank is this one
+        started = time.monotonic()
+        with closing(asker.read_pieces(obj, third, third, buf)) as pieces:
+            next(pieces)
+        took = time.monotonic() - started
+        assert took < source_module.PENDING_S / 3, f"the failed owner's range began after {took:.1f} s"
+
+
+def test_a_peer_heard_from_that_completes_no_connect_within_a_second_is_down(origin: FaultProxy, fleet: Fleet,
+                                                                            tmp_path: Path) -> None:
+    """The owner answered this fetch, then its link is cut (its connects complete no handshake: here a listener
+    whose queue is full drops every SYN). A request to it that is still connecting fails after KNOWN_CONNECT_S,
+    not the configured connect timeout (5 s here), and its range goes on; the silence probe cuts a socket, and a
+    connect has none yet (--faults: the streams still connecting when the node was cut off held its ranges 5 s)."""
+    buf = memoryview(bytearray(256 << 10))
+    with asking_owners(origin, fleet, tmp_path, connect_timeout=5.0) as (asker, (owner,), _, obj):
+        half = obj.size // 2
+        with closing(asker.read_pieces(obj, half, 256 << 10, buf)) as own:  # its own share: the HEADs
+            assert sum(len(view) for _, view in own) == 256 << 10
+        port = int(owner.url.rsplit(":", 1)[1])
+        fleet.kill(owner)
+        with socket.create_server(("127.0.0.1", port), backlog=0) as full, \
+                socket.create_connection(("127.0.0.1", port)):  # its queue is full now: SYNs are dropped
+            asker.defer_while(lambda: True)
+            started = time.monotonic()
+            with pytest.raises(Later):  # down and not confirmed yet: waited for, as any owner found down
+                next(asker.read_pieces(obj, 0, half, buf))
+            took = time.monotonic() - started
+            full.close()
+        assert took < 2.0, f"the connect to the cut owner held its range {took:.1f} s"
+
+
+def test_an_owner_up_again_whose_head_of_the_blob_was_skipped_is_asked_before_the_origin(
+        origin: FaultProxy, fleet: Fleet, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The owner's link is cut: its HEAD of one blob times out, it is down, and the round of another blob skips it
+    (its own thread asks it, of the first blob). Its link back, it answers that thread: up again, but no round
+    has asked it about the second blob yet, and its range of that blob waits for one, not the origin. Before, an
+    owner up again and not among the blob's holders was taken for not fetching it (--faults: two nodes read the
+    cut node's share, 3 MiB, from the origin while it read it itself)."""
+    monkeypatch.setattr(source_module, "REASK_S", 3.0)  # the skipping round's answer stands this long
+    big, small = "model-00001.safetensors.bin", "model-00002.bin"
+    owner = fleet.node("owner")  # 127.0.0.1: ranks before the asker
+    source = open_source(REF, endpoint_url=origin.endpoint_url)
+    objs = {o.relpath: o for o in source.list()}
+    shas = {name: hashlib.sha256(FILES[name]).hexdigest() for name in (big, small)}
+    parts = [PartialFile(tmp_path / f"{name}.part", objs[name], range_size=1 << 16) for name in (big, small)]
+    for name, part in zip((big, small), parts, strict=True):
+        part.open()
+        owner.peers.inflight.add(shas[name], part)  # it downloads both
+    peers = PeerSet([PeerClient(owner.url, TOKEN, connect_timeout=2.0, read_timeout=1.0)], inflight=InFlight(),
+                    self_url="http://127.0.0.2:1")
+    asker = peers.wrap(source, {objs[n].key: (shas[n], objs[n].size) for n in (big, small)})
+    asker.spread([(objs[big].key, 0, objs[big].size), (objs[small].key, 0, objs[small].size)], key=lambda r: r)
+    buf = memoryview(bytearray(256 << 10))
+    port = int(owner.url.rsplit(":", 1)[1])
+    held: list[socket.socket] = []
+    try:
+        fleet.stop(owner)
+        with unanswering(port, held):
+            with closing(asker.read_pieces(objs[small], 0, 256 << 10, buf)) as own:  # its own share
+                next(own)  # the HEAD of the small blob timed out: down, asked again by its own thread
+            down_at = time.monotonic()
+            time.sleep(2.0)  # that thread's first HEAD timed out too; its next comes REASK_S after it
+            asker.defer_while(lambda: True)
+            with pytest.raises(Later):  # the big blob's round skips it; down under DOWN_S: waited for
+                next(asker.read_pieces(objs[big], 0, 256 << 10, buf))
+        owner.server = server_module.PeerServer(owner.store.layout.blobs, TOKEN, fleet.limits, owner.peers.inflight)
+        fleet.run(owner.server.start("127.0.0.1", port))  # its link is back
+        time.sleep(max(0.0, down_at + 1.0 + source_module.REASK_S + 0.6 - time.monotonic()))  # it answered
+        before = len(origin.requests_for("GET", "/models/llama/"))
+        with pytest.raises(Later):  # its range: waited for until a round asks it, not read from the origin
+            next(asker.read_pieces(objs[big], 0, 256 << 10, buf))
+        assert len(origin.requests_for("GET", "/models/llama/")) == before
+    finally:
+        for s in held:
+            s.close()
+        for name, part in zip((big, small), parts, strict=True):
+            owner.peers.inflight.remove(shas[name], part)
+            part.close()
+        peers.close()
+        source.close()

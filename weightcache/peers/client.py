@@ -96,8 +96,20 @@ class PeerLied(SourceError):
 
 
 class PeerUnreachable(SourceError):
-    """The peer did not answer (refused, timed out, reset): not asked again during this fetch."""
+    """The peer did not answer (refused, timed out, reset). `timed_out`: nothing came back at all (no refusal, no
+    reset): its link may be cut for a while, or it may be gone (source.PeerSource._asks)."""
     answer = Answer(6, 502, "UNAVAILABLE")  # handled inside a fetch; this is what shows if one ever escapes
+
+    def __init__(self, message: str, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """A connect or a read that timed out: no refusal, no reset (urllib3's NewConnectionError, a refused or
+    unroutable connect, subclasses its ConnectTimeoutError)."""
+    return isinstance(exc, urllib3.exceptions.TimeoutError | TimeoutError) and \
+        not isinstance(exc, urllib3.exceptions.NewConnectionError)
 
 
 def peer_base_url(url: str) -> str:
@@ -122,6 +134,7 @@ class PeerClient:
     def __init__(self, url: str, token: bytes, *, connect_timeout: float, read_timeout: float,
                  pool_size: int = 8, ca_certs: str | None = None) -> None:
         self.url = peer_base_url(url)
+        self._connect_timeout, self._read_timeout = connect_timeout, read_timeout
         self._auth = {"Authorization": "Bearer " + token.decode("ascii", "replace")}
         self._pool = urllib3.PoolManager(maxsize=pool_size, retries=False, ca_certs=ca_certs,
                                          timeout=urllib3.Timeout(connect=connect_timeout, read=read_timeout))
@@ -146,14 +159,20 @@ class PeerClient:
         so no point asking). Refusals read as 'no'; PeerUnreachable when the peer cannot be reached."""
         return self.probe(sha256, size) in ("blob", "partial", "empty")
 
-    def probe(self, sha256: Blob, size: int) -> str | None:
+    def _timeout(self, connect_s: float | None) -> urllib3.Timeout:
+        """The client's timeouts, its connect's at most `connect_s` (None: as configured)."""
+        connect = self._connect_timeout if connect_s is None else min(connect_s, self._connect_timeout)
+        return urllib3.Timeout(connect=connect, read=self._read_timeout)
+
+    def probe(self, sha256: Blob, size: int, connect_s: float | None = None) -> str | None:
         """"blob" (published there), "partial" (downloading it now), "empty" (downloading it, nothing read from
         the origin yet), "planning" (lacks it, and a fetch of its has yet to register its downloads: it may be
-        about to download it) or None (neither, or another size)."""
+        about to download it) or None (neither, or another size). `connect_s`: a shorter connect timeout."""
         try:
-            resp = self._pool.request("HEAD", self.blob_url(sha256), headers=self._auth, redirect=False)
+            resp = self._pool.request("HEAD", self.blob_url(sha256), headers=self._auth, redirect=False,
+                                      timeout=self._timeout(connect_s))
         except NETWORK_ERRORS as exc:
-            raise PeerUnreachable(f"peer {self.url} unreachable: {type(exc).__name__}") from exc
+            raise PeerUnreachable(f"peer {self.url} unreachable: {type(exc).__name__}", _timed_out(exc)) from exc
         if resp.status == 401:
             log.warning("peer %s refuses our token (401): the daemons' peerTokenFile must hold the same token",
                         self.url)
@@ -172,15 +191,17 @@ class PeerClient:
             raise Retryable(f"peer {self.url} answered bytes {pos}-{served - 1} to bytes {pos}-{end - 1}")
         return resp
 
-    def open_span(self, sha256: Blob, pos: int, end: int, pace: Pace | None = None) -> tuple[Any, int]:
+    def open_span(self, sha256: Blob, pos: int, end: int, pace: Pace | None = None,
+                  connect_s: float | None = None) -> tuple[Any, int]:
         """GET bytes [pos, end) of a blob; a peer still downloading it may answer a shorter span [pos, served):
         (the checked response with its body unread, served). `pace`: the watchdog may cut this request's
-        connection, headers included, when it falls below its rate floor."""
+        connection, headers included, when it falls below its rate floor (not while it connects: `connect_s`,
+        a shorter connect timeout, bounds that)."""
         headers = {**self._auth, "Range": f"bytes={pos}-{end - 1}", "Accept-Encoding": "identity"}
         _asking.pace = pace
         try:
             resp = self._pool.request("GET", self.blob_url(sha256), headers=headers, preload_content=False,
-                                      redirect=False)
+                                      redirect=False, timeout=self._timeout(connect_s))
         except NETWORK_ERRORS as exc:
             raise Retryable(f"{type(exc).__name__} from peer {self.url}") from exc
         finally:
@@ -340,13 +361,29 @@ _asking = _Asking()
 
 class Link:
     """When a fetch last received a byte from anywhere (any peer, the origin): what tells a peer gone quiet from
-    this node's own link gone (a node cut off hears from no one)."""
+    this node's own link gone (a node cut off hears from no one). `quiet()`: no byte and no peer's answer for
+    `quiet_s`, after one came; `back`: when one came after such a quiet (this node's link back)."""
 
-    def __init__(self) -> None:
+    def __init__(self, quiet_s: float = 2.0) -> None:
         self.last = time.monotonic()
+        self.quiet_s = quiet_s
+        self.sign: float | None = None  # the last byte or answer
+        self.back = 0.0
 
     def touch(self) -> None:
         self.last = time.monotonic()
+        self.heard()
+
+    def heard(self) -> None:
+        """A byte, or a peer's answer, came now."""
+        now = time.monotonic()
+        if self.sign is not None and now - self.sign >= self.quiet_s:
+            self.back = now
+        self.sign = now
+
+    def quiet(self) -> bool:
+        sign = self.sign
+        return sign is not None and time.monotonic() - sign >= self.quiet_s
 
 
 class PeerFlow:

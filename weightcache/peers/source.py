@@ -95,6 +95,11 @@ PROVEN_BYTES = 4 << 20  # a peer cut as slow after sending this fetch this much 
 # a peer that failed, or sent nothing this long and was cut, is down until it answers again (PeerSource._went_down);
 # and no peer heard from this long is this node's own link going (_link_down)
 DOWN_S = 2.0
+# a peer this fetch has heard from is connected to within this long (at most the configured connectTimeout): its
+# connects took milliseconds, a SYN dropped in a full queue is sent again after 1 s; a peer that completes none in
+# that time is cut off or gone, and its ranges go on. At the configured 5 s the streams still connecting when the
+# --faults node was cut off held its ranges 5-10 s (the silence probe cuts a socket, and a connect has none yet)
+KNOWN_CONNECT_S = 1.0
 RELAY_FLOOR = SLOW_MIN_BYTES_S // 4  # the rate floor of a range from its owner while it fills the blob (_from_peer)
 # and its grace: such a range streams as the owner's origin pieces land, one of ~30 flows on each link of a fleet
 # filling at once, and flows starved for a second or more in the links' queues (N = 16, 1 MB/s: 85 cuts a fill)
@@ -328,7 +333,9 @@ class PeerSource(Source):
         # fetch failed: the --faults cut node's listing timed out while its link was down)
         self._idle: set[tuple[str, str]] = set()
         self._flows: dict[str, PeerFlow] = {}  # bytes from each peer over all streams (client.PeerFlow)
-        self._link = Link()  # this fetch's last byte from anywhere: a silent peer is probed only while it moves
+        # this fetch's last byte from anywhere: a silent peer is probed only while it moves; quiet for DOWN_S (no
+        # byte, no answer): this node's own link (_not_theirs)
+        self._link = Link(DOWN_S)
         self._answers = PeerFlow()  # how long answers from any peer take (a first request's wait: client.Pace)
         self._asked: dict[tuple[str, int], float] = {}  # (key, range end) -> when it was first asked of peers
         self._claimers: set[tuple[str, str]] = set()  # (peer, blob): it answered "not yet" (reads it now)
@@ -338,7 +345,6 @@ class PeerSource(Source):
         self._down: dict[str, float] = {}
         self._reprobing: set[str] = set()  # down peers a thread asks again (_reprobe), not the fetch's rounds
         self._heard: dict[str, float] = {}  # peer -> when it last answered this fetch or sent it a byte
-        self._link_back = 0.0  # when a peer was heard from after none was for DOWN_S (this node's link back)
         self._handed: dict[tuple[str, int], str | None] = {}  # (key, range end) -> the node its owner handed it to
         self._given_up: dict[tuple[str, int], set[str]] = {}  # (key, range end) -> owners it waited PENDING_S on
         self._unstarted: dict[tuple[str, int], int] = {}  # (key, range end) -> its owner's "missing" answers in a row
@@ -579,9 +585,9 @@ class PeerSource(Source):
         except SourceError as exc:
             ask.outcome[peer.url] = "failed"
             if self._not_theirs(began):  # not the peer's fault: it keeps its ranges, asked again
-                log.warning("peer %s failed at byte %d of %s (%s) while no peer was heard from for %.0f s since "
-                            "it was asked: this node's link, asked again", peer.url, ask.pos, ask.obj.relpath, exc,
-                            DOWN_S)
+                log.warning("peer %s failed at byte %d of %s (%s) while nothing came (no answer, no byte) for %.0f s "
+                            "since it was asked: this node's link, asked again", peer.url, ask.pos, ask.obj.relpath,
+                            exc, DOWN_S)
                 ask.pending = ask.stop = True
                 return
             self._stats.error(peer.url)
@@ -738,6 +744,8 @@ class PeerSource(Source):
             pending = True
         if ask.wait and ask.owner and self._down_lately(ask.owner):  # confirmed down or up within DOWN_S
             pending = True
+        if ask.wait and ask.owner and self._unasked(ask.name, ask.owner):
+            pending = True
         pending = (pending or self._benched_holder(ask.name, ask.owner)) and not stalled
         if pending or (ask.wait and (now < ask.fetch_deadline or (ask.downloading and now < ask.deadline))):
             return "wait"
@@ -760,31 +768,31 @@ class PeerSource(Source):
         log.info("origin read: %s bytes %d-%d (%d): %s", obj.relpath, pos, end - 1, end - pos, why)
 
     def _hear(self, url: str) -> None:
-        """`url` answered or sent a byte now (self._lock held); after DOWN_S of hearing from no peer, this node's
-        link is back: a request begun before then that fails now failed on this node's link (_not_theirs)."""
-        now = time.monotonic()
-        last = max(self._heard.values(), default=None)
-        if last is not None and now - last >= DOWN_S:
-            self._link_back = now
-        self._heard[url] = now
+        """`url` answered or sent a byte now (self._lock held)."""
+        self._heard[url] = time.monotonic()
+        self._link.heard()
+
+    def _connect_s(self, url: str) -> float | None:
+        """The connect timeout of a request to `url`: KNOWN_CONNECT_S once it was heard from, else as configured."""
+        with self._lock:
+            return KNOWN_CONNECT_S if url in self._heard else None
 
     def _not_theirs(self, began: float) -> bool:
-        """A request begun at `began` that failed now failed on this node's link, not the peer's: no peer heard
-        from for DOWN_S (_link_down), or none was between `began` and a moment since (the cut node: its streams'
-        read timeouts ended 0.5-2 s after its link was back, it took the peers for down and read 0.1x the model
-        from the origin)."""
-        with self._lock:
-            back = self._link_back
-        return self._link_down() or began < back
+        """A request begun at `began` that failed now failed on this node's link, not the peer's: nothing came
+        from anywhere (no peer's answer, no byte, the origin's included) for DOWN_S (_link_down), or nothing had
+        between `began` and a moment since (`Link.back`: the cut node, its streams' read timeouts ended 0.5-2 s
+        after its link was back; it took the peers for down and read 0.1x the model from the origin). Peers alone
+        were not enough: a node reading its own share from the origin while its asks all waited on connects to
+        the node cut off took that node's failures for its own link, kept asking it, and took over a killed
+        node's share 17 s late, once the node after it in rank had given up on it and read it too (--faults)."""
+        return self._link_down() or began < self._link.back
 
     def _link_down(self) -> bool:
-        """No peer answered this fetch or sent it a byte for DOWN_S, after some did: a peer failing now is taken
-        for this node's own link going, not for the peer's (the --faults node cut off: its streams' read timeouts
-        ended together 10 s into the cut, it took every live owner it waited on for down, walked past them all
-        to itself and read 0.3x the model from the origin once its link was back)."""
-        with self._lock:
-            last = max(self._heard.values(), default=None)
-        return last is not None and time.monotonic() - last >= DOWN_S
+        """Nothing came for DOWN_S, after something did: a peer failing now is taken for this node's own link
+        going, not for the peer's (the --faults node cut off: its streams' read timeouts ended together 10 s into
+        the cut, it took every live owner it waited on for down, walked past them all to itself and read 0.3x the
+        model from the origin once its link was back)."""
+        return self._link.quiet()
 
     def _bench(self, url: str) -> float:
         """Leave a peer cut as too slow out of this fetch for a while: BENCH_S, doubled each time (a peer that is
@@ -864,7 +872,7 @@ class PeerSource(Source):
 
     def _reprobe(self, peer: PeerClient, blob: Blob, size: int) -> None:
         """Ask a down peer for the blob (HEAD) every REASK_S until it answers (it is up again, and a holder if it
-        says so), cannot be reached (dead for this fetch, as in any round), or MAX_PENDING_S passed. Not in the
+        says so), refuses (dead for this fetch, as in any round), or MAX_PENDING_S passed (it stays down). Not in the
         fetch's rounds (_holders_in_turn): their probes run one at a time under one lock, and a HEAD to a node
         cut off held every range of the fetch until its timeout (10 s), long enough for no peer to have been
         heard from, so the failure was taken for this node's link and the peer was never found dead."""
@@ -900,6 +908,15 @@ class PeerSource(Source):
         """`url` said it holds or downloads the blob (benched or not)."""
         with self._lock:
             return any(p.url == url for p in self._holders.get(sha256, (0.0, []))[1])
+
+    def _unasked(self, sha256: str, url: str) -> bool:
+        """`url` gave no answer about the blob that stands: a round skipped it while it was down (its own thread
+        asks it then, of another blob maybe), and it is up again. Its range waits for the next round's HEAD (one
+        REASK_S away), not the origin: the --faults cut node, its link back, answered another blob's HEAD, and two
+        nodes read its share (3 MiB) from the origin while it read it itself."""
+        with self._lock:
+            known = any(p.url == url for p in self._holders.get(sha256, (0.0, []))[1])
+            return not known and (sha256, url) not in self._idle and (sha256, url) not in self._planning
 
     def _about_to_fetch(self, sha256: str, url: str) -> bool:
         """`url` said in its last HEAD that a fetch of its lists and plans (it may be about to fetch the blob)."""
@@ -1005,8 +1022,8 @@ class PeerSource(Source):
                     asked, known = self._holders.get(sha256, (-REASK_S, []))
                 if time.monotonic() - asked >= REASK_S:
                     first_ask = sha256 not in self._holders
-                    with self._lock:  # a down peer is asked by its own thread (_reprobe)
-                        reprobing = set(self._reprobing)
+                    with self._lock:  # a down peer is asked by its own thread (_reprobe), or no more
+                        reprobing = self._reprobing | {u for u in self._down if self._is_down(u)}
                     known = [p for p in self._live_peers() if p in known or
                              (p.url not in reprobing and self._asks(p, blob, size, first_ask))]
                     with self._lock:  # and a down peer its thread found up and holding it meanwhile
@@ -1029,12 +1046,13 @@ class PeerSource(Source):
             return [p for p in self._peers if p.url not in self._dead]
 
     def _asks(self, peer: PeerClient, sha256: Blob, size: int, first_ask: bool = False) -> bool:
-        """HEAD one peer; one that cannot be reached is not asked again by this fetch (a blackholed peer costs
-        one connect timeout per fetch, not one per blob). `first_ask`: this fetch's first probe of the blob (a peer
+        """HEAD one peer; one that refuses is not asked again by this fetch, one that times out is down until it
+        answers (_went_down: a blackholed peer costs one timeout of the fetch's rounds, not one per blob; its own
+        thread asks it meanwhile). `first_ask`: this fetch's first probe of the blob (a peer
         with origin bytes of it by then started before this node: it may hold this node's share too)."""
         began = time.monotonic()
         try:
-            kind = peer.probe(sha256, size)
+            kind = peer.probe(sha256, size, self._connect_s(peer.url))
             with self._lock:
                 self._hear(peer.url)  # an answer: alive
                 if kind == "planning":  # lacks it, but may be about to fetch it: its share is waited for
@@ -1053,11 +1071,19 @@ class PeerSource(Source):
             return kind is not None
         except PeerUnreachable as exc:
             if self._not_theirs(began):  # this node's link: probed again next round
-                log.info("%s while no peer was heard from for %.0f s since it was asked: this node's link", exc,
-                         DOWN_S)
+                log.info("%s while nothing came (no answer, no byte) for %.0f s since it was asked: this node's link",
+                         exc, DOWN_S)
+                return False
+            self._stats.error(peer.url)
+            if exc.timed_out:
+                # no refusal: its link may be cut for a while. Down until it answers (asked again by its own
+                # thread), not dead for the fetch: a HEAD begun while the --faults node was cut off timed out a
+                # second after its link was back, and the node after it in rank read its share and the share it
+                # had taken over (4 MiB) from the origin while it read them itself
+                log.info("%s; down until it answers", exc)
+                self._went_down(peer, sha256, size)
                 return False
             log.info("%s; this fetch goes on without it", exc)
-            self._stats.error(peer.url)
             with self._lock:
                 self._dead.add(peer.url)
             return False
@@ -1105,7 +1131,7 @@ class PeerSource(Source):
                on_bytes: OnBytes | None, pace: Pace, judge: Judge | None = None) -> Pieces:
         sha256 = blob_key(blob)
         try:
-            resp, served = peer.open_span(blob, pos, end, pace)
+            resp, served = peer.open_span(blob, pos, end, pace, self._connect_s(peer.url))
         except Retryable as exc:
             raise SourceError(str(exc)) from exc
         with self._lock:
