@@ -135,6 +135,9 @@ class HostilePeer:
         "relay-then-cut"   HEAD: downloading it (`X-Weightcache-Partial: 1`, a relay); GET: a correct 206 head and
                            the range's first 256 KiB, then nothing; `cut()` then refuses every new connection while
                            the streams stay open and silent (a node whose link is cut: no handshake completes)
+        "relay-full-link"  a live relay behind a full link: HEAD as "relay-then-cut"; GET: its head after `every_s`
+                           (answers take that long), the first 256 KiB, then for `silent_s` nothing, and no
+                           handshake completes (its listener's queue full: the kernel drops every SYN), then the rest
 
     A digest request (`?digests=`, server.PeerServer._digests) is answered 200 with `digests` as its JSON body
     when given (a malformed or oversized answer); with `old_release`, as a daemon from before `?digests=` answers
@@ -144,22 +147,33 @@ class HostilePeer:
 
     def __init__(self, sizes: dict[str, int], bodies: dict[str, bytes], mode: str, every_s: float = 2.0,
                  digests: bytes | None = None, old_release: bool = False, streams: int | None = None,
-                 rate: int = 0) -> None:
+                 rate: int = 0, silent_s: float = 0.0) -> None:
         import socket
 
         self.sizes, self.bodies, self.mode, self.every_s = sizes, bodies, mode, every_s
-        self.streams, self.rate = streams, rate
+        self.streams, self.rate, self.silent_s = streams, rate, silent_s
         self.digests, self.old_release = digests, old_release
         self.requests = 0
         self._stop = threading.Event()
-        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._accepting = threading.Event()  # cleared: connections wait in the listener's queue
+        self._accepting.set()
+        self._parked = threading.Event()  # the accept thread saw it cleared
+        # "relay-full-link": a queue of one connection; with it held, the kernel drops every SYN
+        self._listener = socket.create_server(("127.0.0.1", 0), backlog=0 if mode == "relay-full-link" else None)
         self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
         threading.Thread(target=self._accept, name="hostile-peer", daemon=True).start()
 
     def _accept(self) -> None:
+        self._listener.settimeout(0.05)
         while not self._stop.is_set():
+            if not self._accepting.is_set():
+                self._parked.set()
+                self._accepting.wait()
+                self._parked.clear()
             try:
                 conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
             except OSError:
                 return
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
@@ -199,7 +213,7 @@ class HostilePeer:
                                      b"Content-Length: 0\r\n\r\n")
                         continue
                     if method == b"HEAD":
-                        partial = "X-Weightcache-Partial: 1\r\n" if self.mode == "relay-then-cut" else ""
+                        partial = "X-Weightcache-Partial: 1\r\n" if self.mode.startswith("relay-") else ""
                         conn.sendall(f"HTTP/1.1 200 OK\r\n{partial}Content-Length: {size}\r\n\r\n".encode())
                         continue
                     self.requests += 1
@@ -216,6 +230,8 @@ class HostilePeer:
         fanout = f"X-Weightcache-Streams: {self.streams}\r\n" if self.streams is not None else ""
         head = (f"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes {span}/{size}\r\n{fanout}"
                 f"Content-Length: {last - first + 1}\r\n\r\n").encode()
+        if self.mode == "relay-full-link" and self._stop.wait(self.every_s):
+            return
         if self.mode == "trickle-headers":
             for i in range(len(head)):
                 conn.sendall(head[i:i + 1])
@@ -240,10 +256,27 @@ class HostilePeer:
             conn.sendall(body[:256 << 10])
             self._stop.wait()
             return
+        if self.mode == "relay-full-link":
+            conn.sendall(body[:256 << 10])
+            self._full_link()
+            conn.sendall(body[256 << 10:])
+            return
         for i in range(len(body)):
             conn.sendall(body[i:i + 1])
             if self._stop.wait(self.every_s):
                 return
+
+    def _full_link(self) -> None:
+        """For `silent_s` no new connection completes its handshake: the listener stops accepting and one
+        connection of its own fills its queue, so the kernel drops every SYN (the asker's resend after 1 s
+        completes once the queue is drained)."""
+        import socket
+
+        self._accepting.clear()
+        self._parked.wait(1.0)
+        with socket.create_connection(self._listener.getsockname()[:2]):
+            self._stop.wait(self.silent_s)
+            self._accepting.set()
 
     def cut(self) -> None:
         """New connections are refused; the open ones stay as they are."""

@@ -348,9 +348,22 @@ WATCH_TICK_S = 0.1  # how often the watchdog looks at the streams it watches (a 
 #: more in a full link's queue (RELAY_GRACE_S); a node cut off mid-transfer held its ranges 2.6-10 s (read
 #: timeouts, the relay floor's grace). Several connects, PROBE_GAP_S apart: a full queue drops SYNs (a live node
 #: taken for cut at 3 connects at once within 0.4 s: its range read from the origin again, --faults).
+#: A probe waits PROBE_S, or as long as answers take (`answer_wait`): on full 0.25 MB/s FIFO links (the netns
+#: bench at N = 32) whole bursts of SYNs were dropped, and probes of 0.5 s took live peers for cut in 4,985 streams
+#: of one fill (their ranges read from the origin again: 1.26x the model). A connect's SYN and SYN-ACK wait in the
+#: queues its answers wait in, and a longer probe spans the kernel's own SYN resends (1 s, 3 s after each connect).
 SILENT_S = 0.4
 PROBE_S = 0.5
 PROBE_CONNECTS, PROBE_GAP_S = 3, 0.1
+
+
+def answer_wait(*clocks: PeerFlow | None) -> float:
+    """How long to wait for a peer's answer, or for its kernel's to a probe: ANSWER_SLACK times what the answers
+    of `clocks` took (moving means: the peer's to this fetch, any peer's), at most MAX_ANSWER_WAIT_S; 0 before any
+    answer came."""
+    took = max((c.answer_s or 0.0 for c in clocks if c is not None), default=0.0)
+    return min(MAX_ANSWER_WAIT_S, ANSWER_SLACK * took)
+
 
 class _Asking(threading.local):
     pace: Pace | None = None  # the Pace of the request this thread is making now
@@ -404,6 +417,7 @@ class PeerFlow:
         self.probing = False
         self.probe_after = 0.0  # a probe it answered: the next one not before this
         self.answer_s: float | None = None  # how long its answers' headers took (a moving mean; Pace.answered)
+        self.probe_s = PROBE_S  # how long its last silence probe waited for a connect (_Watchdog._probe)
 
     def add(self, n: int) -> None:
         now = time.monotonic()
@@ -525,8 +539,7 @@ class Pace:
             if self.streams:
                 self.min_rate = self._share()
             else:  # no answer yet: as long as the peer's answers take, or any peer's (this node's links)
-                took = max((c.answer_s or 0.0 for c in (self.flow, self.answers) if c is not None), default=0.0)
-                grace = max(grace, min(MAX_ANSWER_WAIT_S, ANSWER_SLACK * took))
+                grace = max(grace, answer_wait(self.flow, self.answers))
             slow = not self._done and self._held_since is None and \
                 self.got < self.min_rate * (now - self.started - grace)
         return slow and (self.flow is None or self.flow.rate(now, self.grace_s) < self.min_rate)
@@ -590,34 +603,39 @@ class _Watchdog:
             with self._cv:
                 self._paces.difference_update(cut)
                 silent = self._silent(now)
-            for flow, since in silent:
+            for flow, since, wait in silent:
                 flow.probing = True
-                threading.Thread(target=self._probe, args=(flow, since), name="peer-probe", daemon=True).start()
+                threading.Thread(target=self._probe, args=(flow, since, wait), name="peer-probe",
+                                 daemon=True).start()
             with self._cv:
                 self._cv.wait(WATCH_TICK_S)
 
-    def _silent(self, now: float) -> list[tuple[PeerFlow, float]]:
-        """Peers to probe (self._cv held): a stream waits on each, it sent nothing on any stream for SILENT_S
-        (since its last byte, or the oldest such stream's ask), and bytes came from elsewhere since."""
-        oldest: dict[PeerFlow, float] = {}
+    def _silent(self, now: float) -> list[tuple[PeerFlow, float, float]]:
+        """Peers to probe (self._cv held), with how long each probe waits: a stream waits on each, it sent
+        nothing on any stream for SILENT_S (since its last byte, or the oldest such stream's ask), and bytes came
+        from elsewhere since. A probe waits PROBE_S, or as long as answers take on this node's links
+        (`answer_wait`: the peer's answers to the fetch, or any peer's)."""
+        oldest: dict[PeerFlow, tuple[float, float]] = {}
         for p in self._paces:
             if p.flow is not None and p.flow.addr is not None and p.flow.link is not None and p.waiting():
-                oldest[p.flow] = min(oldest.get(p.flow, p.asked), p.asked)
+                asked, wait = oldest.get(p.flow, (p.asked, 0.0))
+                oldest[p.flow] = min(asked, p.asked), max(wait, answer_wait(p.flow, p.answers))
         probe = []
-        for flow, asked in oldest.items():
+        for flow, (asked, wait) in oldest.items():
             since = max(flow.last, asked)
             if now - since >= SILENT_S and flow.link is not None and flow.link.last > since and \
                     not flow.probing and now >= flow.probe_after:
-                probe.append((flow, since))
+                probe.append((flow, since, max(PROBE_S, wait)))
         return probe
 
-    def _probe(self, flow: PeerFlow, since: float) -> None:
-        """A silent peer's kernel answers a connect, or its waiting streams are cut as unreachable (while bytes
-        still come from elsewhere: a node cut off itself hears from no one, and cuts nothing)."""
+    def _probe(self, flow: PeerFlow, since: float, wait: float) -> None:
+        """A silent peer's kernel answers a connect within `wait`, or its waiting streams are cut as unreachable
+        (while bytes still come from elsewhere: a node cut off itself hears from no one, and cuts nothing)."""
         try:
             addr, link = flow.addr, flow.link
+            flow.probe_s = wait
             try:
-                up = addr is None or link is None or reachable(addr, PROBE_S)
+                up = addr is None or link is None or reachable(addr, wait)
             except OSError:  # this node could not probe (out of descriptors): no verdict on the peer
                 up = True
             if up or link is None:

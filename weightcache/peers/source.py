@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from weightcache.errors import SourceError
 from weightcache.peers.client import (
     FLOOR_SHARE,
-    PROBE_S,
     SILENT_S,
     SLOW_BYTES_S,
     SLOW_MIN_BYTES_S,
@@ -1119,7 +1118,7 @@ class PeerSource(Source):
         except SourceError as exc:
             if pace.unreachable:  # the watchdog's probe: its link is cut, or it is dead (a failure, not slowness)
                 raise PeerUnreachable(f"peer {peer.url} sent nothing for {SILENT_S:g} s and answered no connect "
-                                      f"within {PROBE_S:g} s") from exc
+                                      f"within {flow.probe_s:.1f} s") from exc
             if pace.was_cut:
                 raise PeerTooSlow(f"peer {peer.url} sent {pace.describe()}") from exc
             raise
