@@ -105,6 +105,16 @@ class PeerUnreachable(SourceError):
         self.timed_out = timed_out
 
 
+def connect_timed_out(exc: BaseException | None) -> bool:
+    """`exc`, or an error it was raised from, is a connect that timed out (no handshake completed)."""
+    while exc is not None:
+        if isinstance(exc, urllib3.exceptions.ConnectTimeoutError) and \
+                not isinstance(exc, urllib3.exceptions.NewConnectionError):
+            return True
+        exc = exc.__cause__
+    return False
+
+
 def _timed_out(exc: BaseException) -> bool:
     """A connect or a read that timed out: no refusal, no reset (urllib3's NewConnectionError, a refused or
     unroutable connect, subclasses its ConnectTimeoutError)."""

@@ -54,6 +54,7 @@ from weightcache.peers.client import (
     PeerRangePending,
     PeerTooSlow,
     PeerUnreachable,
+    connect_timed_out,
     peer_base_url,
 )
 from weightcache.peers.identity import OriginId
@@ -583,8 +584,8 @@ class PeerSource(Source):
             self._cut(ask, peer, exc, began)
         except SourceError as exc:
             ask.outcome[peer.url] = "failed"
-            if self._not_theirs(began):  # not the peer's fault: it keeps its ranges, asked again
-                log.warning("peer %s failed at byte %d of %s (%s) while nothing came (no answer, no byte) for %.0f s "
+            if self._not_theirs(began, connect_timed_out(exc)):  # not the peer's: it keeps its ranges, asked again
+                log.warning("peer %s failed at byte %d of %s (%s) while nothing came to this node lately (%.0f s) "
                             "since it was asked: this node's link, asked again", peer.url, ask.pos, ask.obj.relpath,
                             exc, DOWN_S)
                 ask.pending = ask.stop = True
@@ -776,15 +777,19 @@ class PeerSource(Source):
         with self._lock:
             return KNOWN_CONNECT_S if url in self._heard else None
 
-    def _not_theirs(self, began: float) -> bool:
-        """A request begun at `began` that failed now failed on this node's link, not the peer's: nothing came
-        from anywhere (no peer's answer, no byte, the origin's included) for DOWN_S (_link_down), or nothing had
-        between `began` and a moment since (`Link.back`: the cut node, its streams' read timeouts ended 0.5-2 s
-        after its link was back; it took the peers for down and read 0.1x the model from the origin). Peers alone
-        were not enough: a node reading its own share from the origin while its asks all waited on connects to
-        the node cut off took that node's failures for its own link, kept asking it, and took over a killed
-        node's share 17 s late, once the node after it in rank had given up on it and read it too (--faults)."""
-        return self._link_down() or began < self._link.back
+    def _not_theirs(self, began: float, connecting: bool = False) -> bool:
+        """A request begun at `began` that failed now failed on this node's link, not the peer's: its connect
+        timed out (`connecting`: after KNOWN_CONNECT_S, under DOWN_S) and no byte came from anywhere within
+        SILENT_S / 2 (the silence probe's rule; the --faults node cut off took 14 live peers for down 1 s into
+        its cut); nothing came from anywhere (no peer's answer, no byte, the origin's included) for DOWN_S
+        (_link_down); or nothing had between `began` and a moment since (`Link.back`: the cut node, its streams'
+        read timeouts ended 0.5-2 s after its link was back; it took the peers for down and read 0.1x the model
+        from the origin). Peers alone were not enough: a node reading its own share from the origin while its
+        asks all waited on connects to the node cut off took that node's failures for its own link, kept asking
+        it, and took over a killed node's share 17 s late, once the node after it in rank had given up on it and
+        read it too (--faults)."""
+        late = connecting and time.monotonic() - self._link.last >= SILENT_S / 2
+        return late or self._link_down() or began < self._link.back
 
     def _link_down(self) -> bool:
         """Nothing came for DOWN_S, after something did: a peer failing now is taken for this node's own link
@@ -863,7 +868,8 @@ class PeerSource(Source):
         origin (--faults: the cut node's share and the killed node's it had taken over, read by 2-4 nodes)."""
         self._drop_holder(blob_key(blob), peer)
         with self._lock:
-            self._down[peer.url] = time.monotonic()
+            if not self._is_down(peer.url):  # down since its first failure: its thread's failures confirm it
+                self._down[peer.url] = time.monotonic()
             if peer.url in self._reprobing:
                 return
             self._reprobing.add(peer.url)
@@ -1069,8 +1075,8 @@ class PeerSource(Source):
                     self._ahead.add((blob_key(sha256), peer.url))
             return kind is not None
         except PeerUnreachable as exc:
-            if self._not_theirs(began):  # this node's link: probed again next round
-                log.info("%s while nothing came (no answer, no byte) for %.0f s since it was asked: this node's link",
+            if self._not_theirs(began, connect_timed_out(exc)):  # this node's link: probed again next round
+                log.info("%s while nothing came to this node lately (%.0f s): this node's link",
                          exc, DOWN_S)
                 return False
             self._stats.error(peer.url)
