@@ -135,14 +135,17 @@ class HostilePeer:
         "relay-then-cut"   HEAD: downloading it (`X-Weightcache-Partial: 1`, a relay); GET: a correct 206 head and
                            the range's first 256 KiB, then nothing; `cut()` then refuses every new connection while
                            the streams stay open and silent (a node whose link is cut: no handshake completes)
-        "relay-full-link"  a live relay behind a full link: HEAD as "relay-then-cut"; GET: its head after `every_s`
-                           (answers take that long), the first 256 KiB, then for `silent_s` nothing, and no
-                           handshake completes (its listener's queue full: the kernel drops every SYN), then the rest
+        "relay-pause"      a live relay waiting on its origin pieces: HEAD as "relay-then-cut"; GET: a correct 206
+                           head, the range's first 256 KiB, then for `silent_s` nothing, then the rest
+        "relay-full-link"  a live relay behind a full link: as "relay-pause", its head sent after `every_s` (answers
+                           take that long), and while it is silent no handshake completes (its listener's queue
+                           full: the kernel drops every SYN)
 
     A digest request (`?digests=`, server.PeerServer._digests) is answered 200 with `digests` as its JSON body
     when given (a malformed or oversized answer); with `old_release`, as a daemon from before `?digests=` answers
     it (a plain GET: the whole blob, 200, application/octet-stream); else 404. `requests` counts the GETs it
-    answered; `close()` stops every connection at once. `streams`: each body's head says the peer sends that many
+    answered, `connections` the connections it accepted (a silence probe is one); `close()` stops every
+    connection at once. `streams`: each body's head says the peer sends that many
     bodies now (X-Weightcache-Streams, as PeerServer._stream does)."""
 
     def __init__(self, sizes: dict[str, int], bodies: dict[str, bytes], mode: str, every_s: float = 2.0,
@@ -153,7 +156,7 @@ class HostilePeer:
         self.sizes, self.bodies, self.mode, self.every_s = sizes, bodies, mode, every_s
         self.streams, self.rate, self.silent_s = streams, rate, silent_s
         self.digests, self.old_release = digests, old_release
-        self.requests = 0
+        self.requests = self.connections = 0
         self._stop = threading.Event()
         self._accepting = threading.Event()  # cleared: connections wait in the listener's queue
         self._accepting.set()
@@ -176,6 +179,7 @@ class HostilePeer:
                 continue
             except OSError:
                 return
+            self.connections += 1
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: object) -> None:
@@ -256,9 +260,12 @@ class HostilePeer:
             conn.sendall(body[:256 << 10])
             self._stop.wait()
             return
-        if self.mode == "relay-full-link":
+        if self.mode in ("relay-pause", "relay-full-link"):
             conn.sendall(body[:256 << 10])
-            self._full_link()
+            if self.mode == "relay-pause":
+                self._stop.wait(self.silent_s)
+            else:
+                self._full_link()
             conn.sendall(body[256 << 10:])
             return
         for i in range(len(body)):
