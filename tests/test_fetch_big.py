@@ -299,6 +299,22 @@ def test_a_download_nobody_streams_leaves_its_hashed_bytes_out_of_the_page_cache
     assert left[True] <= (download.DROP_LAG + download.WRITEBACK_STEP) // download._PAGE, left
 
 
+def test_a_fetch_under_the_drop_behind_size_keeps_its_pages(tmp_path: Path, s3: S3) -> None:
+    """A fetch nobody streams of fewer than DROP_BEHIND_MIN bytes leaves what it wrote in the page cache: its
+    first load finds it there, and no drop waits on writeback while the hashing goes on. Before, every fetch
+    nobody streamed dropped all but its last DROP_LAG bytes."""
+    size = download.DROP_LAG + 2 * download.WRITEBACK_STEP + 12_345
+    body = random.Random(5).randbytes(size)
+    s3.put("models", "kept/w.bin", body)
+    snap = Fetcher(Store(tmp_path / "root"), endpoint_url=s3.endpoint_url, concurrency=1).ensure(
+        granted("s3://models/kept/"))
+    fd = os.open(snap.path / "w.bin", os.O_RDONLY)
+    try:
+        assert _resident(fd, size) == -(-size // download._PAGE)
+    finally:
+        os.close(fd)
+
+
 def _resident(fd: int, size: int) -> int:
     """Pages of the first `size` bytes of `fd` in the page cache: mincore over a mapping that populates nothing."""
     libc = download._libc

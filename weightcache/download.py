@@ -49,6 +49,11 @@ BESIDE_MIN = 256 << 10
 WRITEBACK_STEP = 8 << 20
 #: Hashed bytes this far behind the hash frontier leave the page cache, in steps of this size (see _drop_behind).
 DROP_LAG = 4 * WRITEBACK_STEP
+#: A fetch of fewer bytes than this keeps its pages (engine.py): up to 1 GB, kept and dropped pages cost the
+#: same system CPU per GB (docs/fetch.md, "Cost per GB as the model grows"), while each drop waits for its bytes'
+#: writeback on the hashing thread (16 ms of an 88 MB fetch's 0.25 s from radosgw), and the model's first load
+#: finds it in the page cache instead of reading it from the disk.
+DROP_BEHIND_MIN = 1 << 30
 
 
 class PartialFile:

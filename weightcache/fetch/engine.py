@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from weightcache import defaults
 from weightcache.access import Grant, require_grant
+from weightcache.download import DROP_BEHIND_MIN
 from weightcache.errors import FetchCancelledError, ObjectChangedError
 from weightcache.fetch import signed
 from weightcache.fetch.handover import DurableFile, HandOver
@@ -265,7 +266,8 @@ class Fetcher:
             # small shards starts loading after its first shard, not its last
             todo.sort(key=lambda i: (i.obj.size > self.chunk_size, i.relpath.endswith(".safetensors")))
         resumed = open_parts(ref, self.store, todo, range_size=self._range_size(todo, streaming=handover is not None),
-                             chunk_size=self.chunk_size, drop_behind=handover is None)
+                             chunk_size=self.chunk_size,
+                             drop_behind=handover is None and sum(i.obj.size for i in todo) >= DROP_BEHIND_MIN)
         if self.peers is not None and todo and (digests := peer_digests(ref, todo)):
             source = self.peers.wrap(source, digests)
         self.store.ensure_space(sum(i.obj.size for i in todo) - resumed, uri=ref.uri)

@@ -221,8 +221,9 @@ def range_size(total: int, *, concurrency: int, chunk_size: int) -> int:
 def open_parts(ref: ModelRef, store: Store, todo: list[Item], *, range_size: int, chunk_size: int,
                drop_behind: bool = False) -> int:
     """A part file for each download (journalled when it has more than one chunk to resume); returns the bytes
-    resumed from an earlier run's journals. `drop_behind`: no one reads the files as they arrive (no stream):
-    their hashed bytes leave the page cache (download.PartialFile._drop_to)."""
+    resumed from an earlier run's journals. `drop_behind`: no one reads the files as they arrive (no stream)
+    and the fetch is large (download.DROP_BEHIND_MIN): their hashed bytes leave the page cache
+    (download.PartialFile._drop_to)."""
     parts = store.partial_dir()  # checked once: each writer opens O_NOFOLLOW
     for item in todo:
         check = item.source_check
