@@ -11,9 +11,10 @@ the last byte arrived, when the in-order hashing ended, and the GETs made.
     .venv/bin/python scripts/bench_small_fetch.py [--size-gb 0.088] [--runs 9] [--variants default,no-md5,range-8]
 
 Variants: `default`; `no-md5` (the multipart ETag's MD5 left out: what that check costs, for measurement only);
-`in-order-md5` (the part MD5s taken at the in-order frontier only, beside sha256, as before each part took the
-pieces that continue it as they arrived: `CompositeMD5.update_at`); `range-N` (ranges of N MiB instead of
-range_size's).
+`drop-behind` (the hashed bytes dropped from the page cache behind the frontier, as a fetch under
+download.DROP_BEHIND_MIN did before); `in-order-md5` (the part MD5s taken at the in-order frontier only, beside
+sha256, as before each part took the pieces that continue it as they arrived: `CompositeMD5.update_at`);
+`range-N` (ranges of N MiB instead of range_size's).
 """
 
 from __future__ import annotations
@@ -104,6 +105,8 @@ def run(work: Path, variants: list[str], runs: int) -> dict[str, list[tuple[floa
         resumed = open_parts(*a, **k)
         for item in a[2]:
             part = item.partial
+            if variant["name"] == "drop-behind":  # as every fetch nobody streamed did before DROP_BEHIND_MIN
+                part._drop_behind = part.journalled
             if variant["name"] == "no-md5":
                 part.source_check = part._source_check = None
             elif variant["name"] == "in-order-md5" and part._source_check is not None:
