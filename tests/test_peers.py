@@ -10,7 +10,7 @@ import os
 import socket
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import closing, contextmanager
 from pathlib import Path
 
@@ -26,9 +26,10 @@ from weightcache.download import PartialFile
 from weightcache.peers import PeerClient, PeerSet
 from weightcache.peers import server as server_module
 from weightcache.peers import source as source_module
+from weightcache.peers.client import SLOW_GRACE_S
 from weightcache.peers.inflight import InFlight
 from weightcache.peers.server import PeerLimits
-from weightcache.peers.source import GRACE_S, RELAY_PIECE_MIN, RELAY_PIECES, Later, PeerSource
+from weightcache.peers.source import GRACE_S, RELAY_PIECE_MIN, RELAY_PIECES, Later, PeerSource, PeerStats
 from weightcache.sources import ObjectInfo, open_source
 from weightcache.store import Snapshot
 from weightcache.uri import parse_ref
@@ -527,10 +528,11 @@ def test_a_failed_owner_stays_down_until_it_answers_and_asking_it_holds_no_range
 
 @contextmanager
 def relay_beside_origin(origin: FaultProxy, mode: str, elsewhere_bytes: int = 1 << 20, **hostile: float) -> Iterator[
-        tuple[HostilePeer, PeerSource, ObjectInfo, bytes]]:
+        tuple[HostilePeer, PeerSource, ObjectInfo, bytes, PeerStats]]:
     """A HostilePeer in `mode` owning (relaying) the first half of a model file, an asker ranked after it, and
     bytes from elsewhere all along (`elsewhere_bytes` of a file peers are not asked for, from the origin at 300
-    kB/s): what tells a silent peer from this node's own link gone. Yields (owner, asker, the file, its body)."""
+    kB/s): what tells a silent peer from this node's own link gone. Yields (owner, asker, the file, its body,
+    the asker's peer counters)."""
     big, other = "model-00001.safetensors.bin", "model-00002.bin"
     body = FILES[big]
     sha = hashlib.sha256(body).hexdigest()
@@ -546,7 +548,7 @@ def relay_beside_origin(origin: FaultProxy, mode: str, elsewhere_bytes: int = 1 
         asker.spread([(obj.key, 0, half), (obj.key, half, obj.size - half)], key=lambda r: r)
         elsewhere = pool.submit(lambda: sum(len(v) for _, v in asker.read_pieces(
             objs[other], 0, elsewhere_bytes, memoryview(bytearray(256 << 10)))))
-        yield owner, asker, obj, body
+        yield owner, asker, obj, body, peers.stats
         assert elsewhere.result(30) == elsewhere_bytes
         peers.close()
     source.close()
@@ -558,7 +560,7 @@ def test_a_relay_cut_off_mid_stream_has_its_range_go_elsewhere_within_a_second(o
     not answering a connect, it is down, and its range is read again from the origin (this node is next in rank)
     within about a second: before, a relay got RELAY_GRACE_S and a rate floor averaged since it was asked, and
     a stream that had sent 256 KiB waited its read timeout (the netns bench's cut node: 2.6-10 s)."""
-    with relay_beside_origin(origin, "relay-then-cut") as (owner, asker, obj, body):
+    with relay_beside_origin(origin, "relay-then-cut") as (owner, asker, obj, body, _):
         cut_at, gap = None, None
         with closing(asker.read_pieces(obj, 0, obj.size // 2, memoryview(bytearray(256 << 10)))) as pieces:
             for at, view in pieces:
@@ -579,7 +581,7 @@ def test_a_live_relay_behind_a_full_link_is_waited_for_not_taken_for_cut(origin:
     resend: the owner answers it, and the whole range comes from the owner's one stream. Before, the probe gave up
     after 0.5 s and the stream was cut as unreachable, the range asked again once the owner answered (the netns
     bench at N = 32 on 0.25 MB/s links: 4,985 streams of live peers cut, much of them read from the origin again)."""
-    with relay_beside_origin(origin, "relay-full-link", every_s=0.5, silent_s=1.2) as (owner, asker, obj, body):
+    with relay_beside_origin(origin, "relay-full-link", every_s=0.5, silent_s=1.2) as (owner, asker, obj, body, _):
         got = 0
         with closing(asker.read_pieces(obj, 0, obj.size // 2, memoryview(bytearray(256 << 10)))) as pieces:
             for at, view in pieces:
@@ -590,13 +592,43 @@ def test_a_live_relay_behind_a_full_link_is_waited_for_not_taken_for_cut(origin:
     assert origin.requests_for("GET", f"/models/llama/{obj.relpath}") == [], "the owner's range read from the origin"
 
 
+def test_a_connect_to_a_live_peer_behind_a_full_link_waits_as_long_as_its_answers_take(origin: FaultProxy) -> None:
+    """The owner relaying its range is alive behind a full link: its answers take 1.2 s, and after its first
+    256 KiB its listener's queue is full for 2.5 s (every SYN dropped) while this node still receives from
+    elsewhere. A second range of its share is asked meanwhile, on a new connection: its connect waits as long as
+    answers take here (3 x 1.2 s), which spans the kernel's SYN resend at 3 s, and both ranges come from the owner.
+    Before, a peer heard from was connected to within KNOWN_CONNECT_S (1 s) whatever its answers took: the owner
+    was taken for down and its share read from the origin (at N = 32 on 0.25 MB/s links answers took over a
+    second)."""
+    with relay_beside_origin(origin, "relay-full-link", every_s=1.2, silent_s=2.5) as (_, asker, obj, body, stats), \
+            ThreadPoolExecutor(1) as pool:
+        quarter = obj.size // 4
+
+        def read(pos: int, end: int) -> int:
+            got = 0
+            with closing(asker.read_pieces(obj, pos, end - pos, memoryview(bytearray(256 << 10)))) as pieces:
+                for at, view in pieces:
+                    assert bytes(view) == body[at:at + len(view)]
+                    got += len(view)
+                    if not started and got >= 256 << 10:  # its first 256 KiB came: its queue is full now
+                        time.sleep(0.1)
+                        started.append(pool.submit(read, quarter, obj.size // 2))
+            return got
+
+        started: list[Future[int]] = []
+        assert read(0, quarter) == quarter
+        assert started and started[0].result(30) == obj.size // 2 - quarter
+    assert stats.errors_by_peer == {}, "the live owner was taken for failed"
+    assert origin.requests_for("GET", f"/models/llama/{obj.relpath}") == [], "the owner's range read from the origin"
+
+
 def test_a_silent_live_relay_is_probed_less_and_less_often(origin: FaultProxy) -> None:
     """The owner relaying a range is alive and silent for 4 s (it waits on its origin pieces) while this node
     receives from elsewhere: the silence probe finds it up, and probes it again only once its silence has doubled
     (0.4, 0.8, 1.6, 3.2 s), not every SILENT_S: before, about 8 connections in those 4 s, each one the peer's
     daemon accepts (the netns bench at N = 32: 22 probe connections a second made by each node, 37 accepted)."""
     with relay_beside_origin(origin, "relay-pause", elsewhere_bytes=2 << 20, silent_s=4.0) as (owner, asker, obj,
-                                                                                                 body):
+                                                                                                 body, _):
         got, before = 0, None
         with closing(asker.read_pieces(obj, 0, obj.size // 2, memoryview(bytearray(256 << 10)))) as pieces:
             for at, view in pieces:
@@ -1019,6 +1051,47 @@ def test_an_owner_up_again_whose_head_of_the_blob_was_skipped_is_asked_before_th
         for name, part in zip((big, small), parts, strict=True):
             owner.peers.inflight.remove(shas[name], part)
             part.close()
+        peers.close()
+        source.close()
+
+
+def test_a_head_to_a_peer_that_stops_answering_waits_as_long_as_answers_take_not_the_read_timeout(
+        origin: FaultProxy, fleet: Fleet, tmp_path: Path) -> None:
+    """The owner answered this fetch in milliseconds, then stops answering (its link cut, as an asker with pooled
+    connections sees it: the connect is done, the answer never comes). A HEAD to it fails once it has waited as
+    long as a GET waits for its headers (SLOW_GRACE_S here), not the configured read timeout (8 s here), and the
+    range goes on. Before, the HEAD waited the read timeout while every round of the fetch waited on it (one
+    prober at a time): the --faults cut node's ranges were handed on 8.7-10 s into its cut."""
+    big, small = "model-00001.safetensors.bin", "model-00002.bin"
+    owner = fleet.node("owner")
+    source = open_source(REF, endpoint_url=origin.endpoint_url)
+    objs = {o.relpath: o for o in source.list()}
+    shas = {name: hashlib.sha256(FILES[name]).hexdigest() for name in (big, small)}
+    part = PartialFile(tmp_path / "small.part", objs[small], range_size=1 << 16)
+    part.open()
+    owner.peers.inflight.add(shas[small], part)  # it downloads the small blob only: the big one's HEAD comes later
+    peers = PeerSet([PeerClient(owner.url, TOKEN, connect_timeout=2.0, read_timeout=8.0)], inflight=InFlight(),
+                    self_url="http://127.0.0.2:1")
+    asker = peers.wrap(source, {objs[n].key: (shas[n], objs[n].size) for n in (big, small)})
+    buf = memoryview(bytearray(256 << 10))
+    port = int(owner.url.rsplit(":", 1)[1])
+    held: list[socket.socket] = []
+    try:
+        with closing(asker.read_pieces(objs[small], 0, 256 << 10, buf)) as pieces:  # asked of it: its answers timed
+            assert sum(len(view) for _, view in pieces) == 256 << 10
+        fleet.stop(owner)
+        with unanswering(port, held):
+            started = time.monotonic()
+            with closing(asker.read_pieces(objs[big], 0, 256 << 10, buf)) as pieces:  # its HEAD of the big blob
+                next(pieces)
+            took = time.monotonic() - started
+        limit = SLOW_GRACE_S + 2.0
+        assert took < limit, f"the range began {took:.1f} s after it was asked (at most {limit} s)"
+    finally:
+        for s in held:
+            s.close()
+        owner.peers.inflight.remove(shas[small], part)
+        part.close()
         peers.close()
         source.close()
 

@@ -169,18 +169,20 @@ class PeerClient:
         so no point asking). Refusals read as 'no'; PeerUnreachable when the peer cannot be reached."""
         return self.probe(sha256, size) in ("blob", "partial", "empty")
 
-    def _timeout(self, connect_s: float | None) -> urllib3.Timeout:
-        """The client's timeouts, its connect's at most `connect_s` (None: as configured)."""
+    def _timeout(self, connect_s: float | None, read_s: float | None = None) -> urllib3.Timeout:
+        """The client's timeouts, its connect's at most `connect_s` and its read's at most `read_s` (None: as
+        configured)."""
         connect = self._connect_timeout if connect_s is None else min(connect_s, self._connect_timeout)
-        return urllib3.Timeout(connect=connect, read=self._read_timeout)
+        read = self._read_timeout if read_s is None else min(read_s, self._read_timeout)
+        return urllib3.Timeout(connect=connect, read=read)
 
-    def probe(self, sha256: Blob, size: int, connect_s: float | None = None) -> str | None:
+    def probe(self, sha256: Blob, size: int, connect_s: float | None = None, read_s: float | None = None) -> str | None:
         """"blob" (published there), "partial" (downloading it now), "empty" (downloading it, nothing read from
         the origin yet), "planning" (lacks it, and a fetch of its has yet to register its downloads: it may be
-        about to download it) or None (neither, or another size). `connect_s`: a shorter connect timeout."""
+        about to download it) or None (neither, or another size). `connect_s`, `read_s`: shorter timeouts."""
         try:
             resp = self._pool.request("HEAD", self.blob_url(sha256), headers=self._auth, redirect=False,
-                                      timeout=self._timeout(connect_s))
+                                      timeout=self._timeout(connect_s, read_s))
         except NETWORK_ERRORS as exc:
             raise PeerUnreachable(f"peer {self.url} unreachable: {type(exc).__name__}", _timed_out(exc)) from exc
         if resp.status == 401:

@@ -37,6 +37,7 @@ from weightcache.peers.client import (
     FLOOR_SHARE,
     SILENT_S,
     SLOW_BYTES_S,
+    SLOW_GRACE_S,
     SLOW_MIN_BYTES_S,
     STREAMS_PER_ASKER,
     WATCHDOG,
@@ -54,6 +55,7 @@ from weightcache.peers.client import (
     PeerRangePending,
     PeerTooSlow,
     PeerUnreachable,
+    answer_wait,
     connect_timed_out,
     peer_base_url,
 )
@@ -98,7 +100,8 @@ DOWN_S = 2.0
 # a peer this fetch has heard from is connected to within this long (at most the configured connectTimeout): its
 # connects took milliseconds, a SYN dropped in a full queue is sent again after 1 s; a peer that completes none in
 # that time is cut off or gone, and its ranges go on. At the configured 5 s the streams still connecting when the
-# --faults node was cut off held its ranges 5-10 s (the silence probe cuts a socket, and a connect has none yet)
+# --faults node was cut off held its ranges 5-10 s (the silence probe cuts a socket, and a connect has none yet).
+# Longer where answers take longer (_timeouts)
 KNOWN_CONNECT_S = 1.0
 RELAY_FLOOR = SLOW_MIN_BYTES_S // 4  # the rate floor of a range from its owner while it fills the blob (_from_peer)
 # and its grace: such a range streams as the owner's origin pieces land, one of ~30 flows on each link of a fleet
@@ -772,10 +775,19 @@ class PeerSource(Source):
         self._heard[url] = time.monotonic()
         self._link.heard()
 
-    def _connect_s(self, url: str) -> float | None:
-        """The connect timeout of a request to `url`: KNOWN_CONNECT_S once it was heard from, else as configured."""
+    def _timeouts(self, url: str) -> tuple[float | None, float | None]:
+        """A request to `url`: its connect timeout and a HEAD's read timeout (None: as configured). Once this
+        fetch has timed answers (the peer's, or any peer's: client.answer_wait), a HEAD waits for its answer as
+        long as a GET waits for its headers (SLOW_GRACE_S, or ANSWER_SLACK times what answers took): on a pooled
+        connection (no connect) a HEAD to the --faults node cut off waited the read timeout, 10 s, while every
+        round of the fetch waited on it (`_probing`), and the cut node's ranges were handed on at 8.7-10 s. A
+        peer heard from is connected to within KNOWN_CONNECT_S, or that wait where answers take longer (the
+        silence probe's rule): on full links a burst of SYNs is dropped and the kernel sends them again 1 s and
+        3 s later, so a 1 s connect took a live peer behind such a link for down."""
         with self._lock:
-            return KNOWN_CONNECT_S if url in self._heard else None
+            wait = answer_wait(self._flows.get(url), self._answers)
+            heard = url in self._heard
+        return max(KNOWN_CONNECT_S, wait) if heard else None, max(SLOW_GRACE_S, wait) if wait > 0 else None
 
     def _not_theirs(self, began: float, connecting: bool = False) -> bool:
         """A request begun at `began` that failed now failed on this node's link, not the peer's: its connect
@@ -1057,7 +1069,7 @@ class PeerSource(Source):
         with origin bytes of it by then started before this node: it may hold this node's share too)."""
         began = time.monotonic()
         try:
-            kind = peer.probe(sha256, size, self._connect_s(peer.url))
+            kind = peer.probe(sha256, size, *self._timeouts(peer.url))
             with self._lock:
                 self._hear(peer.url)  # an answer: alive
                 if kind == "planning":  # lacks it, but may be about to fetch it: its share is waited for
@@ -1136,7 +1148,7 @@ class PeerSource(Source):
                on_bytes: OnBytes | None, pace: Pace, judge: Judge | None = None) -> Pieces:
         sha256 = blob_key(blob)
         try:
-            resp, served = peer.open_span(blob, pos, end, pace, self._connect_s(peer.url))
+            resp, served = peer.open_span(blob, pos, end, pace, self._timeouts(peer.url)[0])
         except Retryable as exc:
             raise SourceError(str(exc)) from exc
         with self._lock:
