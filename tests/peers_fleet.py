@@ -146,15 +146,16 @@ class HostilePeer:
     it (a plain GET: the whole blob, 200, application/octet-stream); else 404. `requests` counts the GETs it
     answered, `connections` the connections it accepted (a silence probe is one); `close()` stops every
     connection at once. `streams`: each body's head says the peer sends that many
-    bodies now (X-Weightcache-Streams, as PeerServer._stream does)."""
+    bodies now (X-Weightcache-Streams, as PeerServer._stream does). `closes`: each body's head says Connection: close
+    (as PeerServer._stream's of a claim it follows: a body that may end short)."""
 
     def __init__(self, sizes: dict[str, int], bodies: dict[str, bytes], mode: str, every_s: float = 2.0,
                  digests: bytes | None = None, old_release: bool = False, streams: int | None = None,
-                 rate: int = 0, silent_s: float = 0.0) -> None:
+                 rate: int = 0, silent_s: float = 0.0, closes: bool = False) -> None:
         import socket
 
         self.sizes, self.bodies, self.mode, self.every_s = sizes, bodies, mode, every_s
-        self.streams, self.rate, self.silent_s = streams, rate, silent_s
+        self.streams, self.rate, self.silent_s, self.closes = streams, rate, silent_s, closes
         self.digests, self.old_release = digests, old_release
         self.requests = self.connections = 0
         self._stop = threading.Event()
@@ -232,6 +233,7 @@ class HostilePeer:
         huge = "9" * 5000
         span = f"{huge}-{huge}" if self.mode == "huge-range" else f"{first}-{last}"
         fanout = f"X-Weightcache-Streams: {self.streams}\r\n" if self.streams is not None else ""
+        fanout += "Connection: close\r\n" if self.closes else ""
         head = (f"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes {span}/{size}\r\n{fanout}"
                 f"Content-Length: {last - first + 1}\r\n\r\n").encode()
         if self.mode == "relay-full-link" and self._stop.wait(self.every_s):

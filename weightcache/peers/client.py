@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import http.client
 import logging
 import re
@@ -219,7 +220,7 @@ class PeerClient:
         finally:
             _asking.pace = None
         if pace is not None:
-            pace.answered(streams_of(resp))
+            pace.answered(streams_of(resp), resp)
         if resp.status in (404, 429):  # answers, not faults: the connection serves the next ask (no handshake)
             _reuse(resp, pace)
         if resp.status == 404 and not resp.headers.get(PARTIAL_HEADER):
@@ -490,6 +491,7 @@ class Pace:
         self.unreachable = False  # cut because its peer answered no connect while silent (the watchdog's probe)
         self._done = False
         self._conn: Any = None
+        self._resp: Any = None  # the answer, once its headers came (`answered`)
         self._held_since: float | None = None
         self._lock = threading.Lock()
 
@@ -510,12 +512,13 @@ class Pace:
         if self.flow is not None:
             self.flow.add(n)
 
-    def answered(self, streams: int = 0) -> None:
+    def answered(self, streams: int = 0, resp: Any = None) -> None:
         """The answer's headers came: the body's floor counts from now, and is this stream's share of the peer's
-        (`streams`: the bodies it says it sends now, bounded by `max_fanout`; 0: it did not say)."""
+        (`streams`: the bodies it says it sends now, bounded by `max_fanout`; 0: it did not say). `resp`: the
+        answer (urllib3's), whose body `cut` shuts down."""
         now = time.monotonic()
         with self._lock:
-            self.started = now
+            self.started, self._resp = now, resp
             self.streams = max(1, streams)
             for clock in (self.flow, self.answers):
                 if clock is not None:
@@ -573,12 +576,17 @@ class Pace:
             if self._done or self.was_cut:
                 return True
             sock = getattr(self._conn, "sock", None)
-            if not isinstance(sock, socket.socket):
+            # an answer that says Connection: close (a relay of a claim: server.PeerServer._stream) takes the
+            # socket from its connection (http.client), and only the answer can shut it: such streams were never
+            # cut, and a relay cut off mid-stream held its range to the read timeout (--faults: 8.3-10 s)
+            shut = functools.partial(sock.shutdown, socket.SHUT_RDWR) if isinstance(sock, socket.socket) else \
+                getattr(self._resp, "shutdown", None)
+            if shut is None:
                 return False
             self.was_cut, self.unreachable = True, unreachable
             # under the lock: a range that completes meanwhile must not see its pooled connection shut
-            with contextlib.suppress(OSError):  # closed meanwhile
-                sock.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError, ValueError, RuntimeError):  # closed or given back meanwhile
+                shut()
         return True
 
     def describe(self) -> str:
