@@ -912,35 +912,6 @@ def unanswering(port: int, held: list[socket.socket]) -> Iterator[None]:
     listener.close()
 
 
-def test_a_claimed_origin_read_whose_link_was_down_asks_the_node_after_it_before_reading_on(
-        origin: FaultProxy, fleet: Fleet, tmp_path: Path) -> None:
-    """This node reads its own share from the origin under a claim, then hears nothing from anyone for DOWN_S (its
-    link cut: the origin's connection outlives it), and the node after it in rank took the share over meanwhile
-    and holds its bytes. Its link back, the next origin piece is the last: the rest comes from that node, not the
-    origin again. Before, it read on from the origin (--faults: the cut node and the next one in rank both read
-    the cut node's claimed ranges, 3-4 MiB, 0.09-0.13x the model)."""
-    buf = memoryview(bytearray(256 << 10))
-    with asking_owners(origin, fleet, tmp_path) as (asker, (after,), sha, obj):
-        half = obj.size // 2
-        big = FILES["model-00001.safetensors.bin"]
-        with closing(asker.read_pieces(obj, half, obj.size - half, buf)) as own:
-            at, view = next(own)  # a first piece from the origin, under this node's claim
-            first = at + len(view)
-            part = after.peers.inflight.get(sha)  # the next node in rank took the share over and read it
-            assert part is not None
-            part.write(first, memoryview(big[first:]), memoryview(bytearray(1 << 16)))
-            after.peers.inflight.from_origin(sha, first, obj.size)
-            time.sleep(source_module.DOWN_S + 0.2)  # nothing from anyone: this node's link is down
-            before = asker.peer_bytes
-            got = first
-            for at, view in own:
-                assert at == got and bytes(view) == big[at:at + len(view)]
-                got = at + len(view)
-        assert got == obj.size
-        from_peer = asker.peer_bytes - before
-        assert from_peer >= obj.size - first - len(buf), f"{from_peer} bytes of {obj.size - first} from the peer"
-
-
 def test_a_peer_whose_ask_timed_out_is_down_until_it_answers_not_dead_for_the_fetch(
         origin: FaultProxy, fleet: Fleet, tmp_path: Path) -> None:
     """An owner's HEAD times out (its link cut: no refusal, no reset), then its link comes back and it answers:

@@ -28,7 +28,7 @@ import socket
 import threading
 import time
 import typing
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Iterable
 from contextlib import closing
 from dataclasses import dataclass, field
 
@@ -452,9 +452,7 @@ class PeerSource(Source):
                 if self._may_defer():  # another range may be ready now: this one's bytes are still on their way
                     raise Later(ask.pos, ask.retry_s)
                 time.sleep(POLL_S if ask.retry_s is None else ask.retry_s)
-        stopped = yield from self._from_origin(obj, ask.pos, end, buf, on_bytes, ask.name, self._relayed_gap(ask))
-        if stopped is not None:  # this node's link was down and is back: the rest goes through the rounds again
-            yield from self.read_pieces(obj, stopped, end - stopped, buf, on_bytes)
+        yield from self._from_origin(obj, ask.pos, end, buf, on_bytes, ask.name, self._relayed_gap(ask))
 
     def _relayed_gap(self, ask: _Ask) -> int | None:
         """Where a range taken over from its owner is read from the origin again: the first byte a peer sent this
@@ -970,16 +968,11 @@ class PeerSource(Source):
         return int(min(SLOW_BYTES_S, max(SLOW_MIN_BYTES_S, rate * FLOOR_SHARE)))
 
     def _from_origin(self, obj: ObjectInfo, pos: int, end: int, buf: memoryview, on_bytes: OnBytes | None,
-                     sha256: str | None, again: int | None = None,
-                     ) -> Generator[tuple[int, memoryview], None, int | None]:
+                     sha256: str | None, again: int | None = None) -> Pieces:
         """[pos, end) from the origin, claimed while it is read so that peers follow it; `again`: [again, pos)
         first, bytes held from a peer that is not there for the range any more (_relayed_gap), under the same
         claim. The two reads meet at `pos`, where the held pieces end too, so the part's in-order hash goes on
-        over whichever pieces it follows. Returns where it stopped short of `end` (None: it did not): a claimed
-        read stops at the first piece after this node's own link was down and back (`Link.back` moved), and the
-        rest goes back to the rounds, the node after this one in rank asked first. That node took the claimed
-        range over while this one was cut off, and the origin's connections outlive a 10 s cut: both read the
-        same bytes (--faults: the cut node and the next, 3-4 MiB, 0.09-0.13x the model a run)."""
+        over whichever pieces it follows."""
         spans = [(pos, end)] if again is None else [(again, pos), (pos, end)]
         if again is not None:
             self._why_origin(obj, again, pos, "read again, relayed by its owner that is not there for it: the "
@@ -993,7 +986,7 @@ class PeerSource(Source):
             if on_bytes is not None:
                 on_bytes(n)
 
-        started, got, back = time.monotonic(), 0, self._link.back
+        started, got = time.monotonic(), 0
         piece = self._relay_piece(len(buf), end - spans[0][0]) if claim is not None else len(buf)
         try:
             for a, b in spans:
@@ -1009,12 +1002,9 @@ class PeerSource(Source):
                         yield at, view
                         if sha256:  # journalled now (the caller wrote it): streams following the claim send it
                             self._inflight.landed(sha256)
-                        if claim is not None and self._link.back != back and at + len(view) < end:
-                            return at + len(view)
         finally:
             if claim is not None:
                 self._inflight.release(claim)
-        return None
 
     def _relay_piece(self, size: int, length: int) -> int:
         """The piece (at most `size`) a claimed range of `length` bytes is read from the origin in. In a fleet each
