@@ -491,7 +491,7 @@ class Pace:
         self.unreachable = False  # cut because its peer answered no connect while silent (the watchdog's probe)
         self._done = False
         self._conn: Any = None
-        self._resp: Any = None  # the answer, once its headers came (`answered`)
+        self._resp: urllib3.BaseHTTPResponse | None = None  # the answer, once its headers came (`answered`)
         self._held_since: float | None = None
         self._lock = threading.Lock()
 
@@ -512,7 +512,7 @@ class Pace:
         if self.flow is not None:
             self.flow.add(n)
 
-    def answered(self, streams: int = 0, resp: Any = None) -> None:
+    def answered(self, streams: int = 0, resp: urllib3.BaseHTTPResponse | None = None) -> None:
         """The answer's headers came: the body's floor counts from now, and is this stream's share of the peer's
         (`streams`: the bodies it says it sends now, bounded by `max_fanout`; 0: it did not say). `resp`: the
         answer (urllib3's), whose body `cut` shuts down."""
@@ -580,7 +580,7 @@ class Pace:
             # socket from its connection (http.client), and only the answer can shut it: such streams were never
             # cut, and a relay cut off mid-stream held its range to the read timeout (--faults: 8.3-10 s)
             shut = functools.partial(sock.shutdown, socket.SHUT_RDWR) if isinstance(sock, socket.socket) else \
-                getattr(self._resp, "shutdown", None)
+                None if self._resp is None else self._resp.shutdown
             if shut is None:
                 return False
             self.was_cut, self.unreachable = True, unreachable
