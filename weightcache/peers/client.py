@@ -699,10 +699,11 @@ def reachable(addr: tuple[str, int], timeout: float) -> bool:
                 if opened < PROBE_CONNECTS and time.monotonic() >= started + opened * PROBE_GAP_S:
                     s = socket.socket(family, kind, proto)
                     opened += 1
+                    # registered first: the finally below closes what is registered, should a call after fail
+                    waiting.register(s, selectors.EVENT_WRITE, s)
                     s.setblocking(False)
                     s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # closed with a reset
                     s.connect_ex(sockaddr)
-                    waiting.register(s, selectors.EVENT_WRITE, s)
                 wait = left if opened == PROBE_CONNECTS else \
                     min(left, max(0.0, started + opened * PROBE_GAP_S - time.monotonic()))
                 for key, _ in waiting.select(wait):
