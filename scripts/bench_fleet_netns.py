@@ -109,12 +109,33 @@ def tx_bytes(ns: str, dev: str) -> int:
     return int(sh("ip", "netns", "exec", ns, "cat", f"/sys/class/net/{dev}/statistics/tx_bytes"))
 
 
+NEIGH = Path("/proc/sys/net/ipv4/neigh/default")
+
+
+def room_for_neighbours(nodes: int) -> dict[str, str]:
+    """Raise the host's ARP table limits so that `nodes` namespaces fit, each holding an entry for every other node,
+    the origin and the host; returns the old values (`Net.close` restores them). The kernel keeps one ARP table for
+    every network namespace, 1,024 entries at most by default (`gc_thresh3`): at N = 32 the 32 x 33 entries
+    overflowed it (dmesg: "neighbour: arp_cache: neighbor table overflow!"), and the nodes whose entries came last
+    (n22-n31) could not reach each other: their HEADs timed out on connect 5 s each, one after another, or failed
+    with no route to the host, and they began their own shares 16-63 s late (docs/peers.md, "The ARP table").
+    A fleet of hosts has a table each."""
+    need = (nodes + 2) ** 2
+    old = {}
+    for key, want in (("gc_thresh3", 4 * need), ("gc_thresh2", 2 * need), ("gc_thresh1", need)):
+        old[key] = (NEIGH / key).read_text().strip()
+        if int(old[key]) < want:
+            (NEIGH / key).write_text(str(want))
+    return old
+
+
 class Net:
     """The bridge and every namespace made here; `close` removes them (also what an earlier run left)."""
 
-    def __init__(self) -> None:
+    def __init__(self, nodes: int = 0) -> None:
         self.namespaces: list[str] = []
         self.cleanup()
+        self._neigh = room_for_neighbours(nodes)
         sh("ip", "link", "add", BRIDGE, "type", "bridge")
         sh("ip", "addr", "add", f"{HOST_IP}/16", "dev", BRIDGE)
         sh("ip", "link", "set", BRIDGE, "up")
@@ -160,6 +181,8 @@ class Net:
             sh("ip", "netns", "del", ns, check=False)
         self.namespaces.clear()
         sh("ip", "link", "del", BRIDGE, check=False)
+        for key in ("gc_thresh1", "gc_thresh2", "gc_thresh3"):  # lowest first: each stays below the next
+            (NEIGH / key).write_text(self._neigh[key])
 
 
 @dataclass
@@ -576,7 +599,7 @@ def main() -> int:
         return 2
     sizes = [int(x) for x in args.nodes.split(",")]
     args.outage = None  # --faults: the origin's fault proxy (origin())
-    net = Net()
+    net = Net(max(sizes))
     net.link_mbps = args.link_mbps
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally below removes the net
     rows = []
