@@ -8,6 +8,7 @@ import hashlib
 import itertools
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -1125,3 +1126,142 @@ def test_a_connect_timing_out_while_nothing_comes_to_this_node_is_its_own_link(o
                 with pytest.raises(Later):  # asked again: its range is not taken from it
                     next(asker.read_pieces(obj, 0, half, buf))
         assert len(origin.requests_for("GET", "/models/llama/")) == before  # nothing of it from the origin
+
+
+def test_a_claimed_origin_read_cut_off_with_its_node_asks_the_node_after_it_before_reading_on(
+        origin: FaultProxy, fleet: Fleet, tmp_path: Path) -> None:
+    """This node reads its own share from the origin under a claim; its link is cut (nothing from anyone for
+    DOWN_S, and a peer's failure meanwhile is taken for its link), the origin's connection outlives the cut, and
+    the node after it in rank took the share over meanwhile. Its link back, the claimed read stops at the next
+    piece, exactly where the caller's bytes end (Later), and the rest comes from that node, not the origin again.
+    Before, it read on from the origin (--faults: the cut node and the next one in rank both read the cut node's
+    claimed ranges, 3-4 MiB, 0.09-0.13x the model). An origin read merely held past DOWN_S, no failure taken for
+    this node's link, reads on: b9d98fb stopped there too, and a node whose read was held read 0.75 MiB again."""
+    buf = memoryview(bytearray(256 << 10))
+    big = FILES["model-00001.safetensors.bin"]
+    with asking_owners(origin, fleet, tmp_path, owners=2) as (asker, (after, dead), sha, obj):
+        third = obj.size // 3
+        asker.defer_while(lambda: True)
+        with closing(asker.read_pieces(obj, 2 * third, obj.size - 2 * third, buf)) as own:
+            at, view = next(own)  # a first piece from the origin, under this node's claim
+            got = at + len(view)
+            time.sleep(source_module.DOWN_S + 0.2)  # the origin's bytes held, no peer asked: no cut
+            at, view = next(own)
+            assert at == got
+            got = at + len(view)
+            at, view = next(own)  # read on past the hold
+            assert at == got
+            got = at + len(view)
+            part = after.peers.inflight.get(sha)  # the node after this one in rank took the share over
+            assert part is not None
+            part.write(got, memoryview(big[got:]), memoryview(bytearray(1 << 16)))
+            after.peers.inflight.from_origin(sha, got, obj.size)
+            time.sleep(source_module.DOWN_S + 0.2)  # nothing from anyone
+            fleet.kill(dead)
+            with pytest.raises(Later):  # its failure is taken for this node's link: cut off
+                next(asker.read_pieces(obj, third, third, buf))
+            origin_before = len(origin.requests_for("GET", "/models/llama/"))
+            with pytest.raises(Later) as handed:
+                for at, view in own:  # the origin's next piece comes: the link is back
+                    assert at == got and bytes(view) == big[at:at + len(view)]
+                    got = at + len(view)
+        assert handed.value.pos == got < obj.size - (256 << 10)  # nothing skipped, nothing read twice
+        peer_before = asker.peer_bytes
+        with closing(asker.read_pieces(obj, got, obj.size - got, buf)) as rest:
+            for at, view in rest:
+                assert at == got and bytes(view) == big[at:at + len(view)]
+                got = at + len(view)
+        assert got == obj.size
+        assert asker.peer_bytes - peer_before == obj.size - handed.value.pos  # all of it from the node after
+        assert len(origin.requests_for("GET", "/models/llama/")) == origin_before
+
+
+def test_a_filling_peer_busy_with_this_nodes_other_streams_is_waited_for_not_the_origin(
+        origin: FaultProxy, tmp_path: Path) -> None:
+    """The node after this one in rank took this node's share over and holds it, and serves this node as many
+    streams as it allows (429 beyond). This node's own range waits its turn (asked again every BUSY_S), not the
+    origin. Before, a busy answer from a peer not the range's owner sent the range to the origin at once: in a
+    --faults run the cut node, its link back, was told busy by the node after it and read the ranges that node
+    had taken over again (4.2 MB, 0.13x the model)."""
+    big = "model-00001.safetensors.bin"
+    body = FILES[big]
+    sha = hashlib.sha256(body).hexdigest()
+    source = open_source(REF, endpoint_url=origin.endpoint_url)
+    obj = next(o for o in source.list() if o.relpath == big)
+    half, quarter = obj.size // 2, obj.size // 4
+    # one stream to each asker, paced at 150 kB/s (a second's worth at a time): the first quarter takes 5 s
+    with Fleet(tmp_path / "fleet", TOKEN, PeerLimits(rate_bytes_s=150_000, max_streams=1, stream_budget=0)) as fleet, \
+            ThreadPoolExecutor(1) as pool:
+        after = fleet.node("after")
+        part = PartialFile(tmp_path / "after.part", obj, range_size=1 << 16)
+        part.open()
+        after.peers.inflight.add(sha, part)
+        part.write(0, memoryview(body), memoryview(bytearray(1 << 16)))  # its share and this node's, from the origin
+        after.peers.inflight.from_origin(sha, 0, obj.size)
+        peers = PeerSet([PeerClient(after.url, TOKEN, connect_timeout=2.0, read_timeout=5.0)],
+                        self_url="http://127.0.0.2:1")  # ranks after it: the second half is this node's share
+        asker = peers.wrap(source, {obj.key: (sha, obj.size)})
+        asker.spread([(obj.key, 0, quarter), (obj.key, quarter, half - quarter), (obj.key, half, obj.size - half)],
+                     key=lambda r: r)
+        first = pool.submit(lambda: sum(len(v) for _, v in asker.read_pieces(
+            obj, 0, quarter, memoryview(bytearray(64 << 10)))))
+        wait_until(lambda: asker.peer_bytes > 0, timeout=10, what="the first range's stream", every=0.02)
+        asker.defer_while(lambda: True)
+        before = len(origin.requests_for("GET", "/models/llama/"))
+        with pytest.raises(Later) as later:  # "busy": its turn waited for
+            next(asker.read_pieces(obj, half, obj.size - half, memoryview(bytearray(64 << 10))))
+        assert later.value.pos == half and later.value.delay == source_module.BUSY_S
+        assert len(origin.requests_for("GET", "/models/llama/")) == before  # nothing of it from the origin
+        assert first.result(30) == quarter
+        after.peers.inflight.remove(sha, part)
+        part.close()
+        peers.close()
+    source.close()
+
+
+def test_a_connect_timing_out_just_after_this_nodes_link_came_back_from_a_cut_is_its_own_link(
+        origin: FaultProxy, fleet: Fleet, tmp_path: Path) -> None:
+    """This node was cut off (nothing from anyone for DOWN_S, a peer's failure taken for its link) and its link is
+    back: bytes come again. A connect to a peer it has heard from, begun then, times out (KNOWN_CONNECT_S) within
+    DOWN_S of the link's return: that is still this node's link (what every node resends fills the queues), and
+    the owner keeps its range, asked again. Before, it counted against the peer, down: a silence probe failing a
+    second after the --faults cut node's link was back took the node after it in rank for down, and the cut node
+    read the ranges that node had taken over again. A refused connect stays the peer's."""
+    buf = memoryview(bytearray(256 << 10))
+    with asking_owners(origin, fleet, tmp_path, owners=2, connect_timeout=8.0) as (asker, (owner, dead), _, obj), \
+            ThreadPoolExecutor(1) as pool:
+        third = obj.size // 3
+        with closing(asker.read_pieces(obj, 2 * third, 256 << 10, buf)) as own:  # its own share: the HEADs
+            assert sum(len(view) for _, view in own) == 256 << 10
+        port = int(owner.url.rsplit(":", 1)[1])
+        fleet.kill(owner)
+        other = next(o for o in asker.list() if o.relpath == "model-00002.bin")  # not asked of peers
+        stop, back = False, threading.Event()
+
+        def from_origin() -> None:  # a piece every 0.05 s: this node's link works again
+            while not stop:
+                assert sum(len(v) for _, v in asker.read_pieces(other, 0, 4 << 10, memoryview(bytearray(4 << 10))))
+                back.set()
+                time.sleep(0.05)
+
+        with socket.create_server(("127.0.0.1", port), backlog=0) as full, \
+                socket.create_connection(("127.0.0.1", port)):  # its queue is full now: SYNs are dropped
+            time.sleep(source_module.DOWN_S + 0.2)  # nothing from anyone
+            fleet.kill(dead)
+            asker.defer_while(lambda: True)
+            with pytest.raises(Later):  # its failure is taken for this node's link: cut off
+                next(asker.read_pieces(obj, third, third, buf))
+            reading = pool.submit(from_origin)  # the link is back
+            try:
+                assert back.wait(5)
+                back_at = time.monotonic()
+                before = len(origin.requests_for("GET", f"/models/llama/{obj.relpath}"))
+                with pytest.raises(Later):  # its owner's connect timed out: asked again, not down
+                    next(asker.read_pieces(obj, 0, third, buf))
+                assert time.monotonic() - back_at < source_module.DOWN_S
+            finally:
+                stop = True
+                reading.result(30)
+            full.close()
+        assert asker._stats.errors_by_peer.get(owner.url, 0) == 0
+        assert len(origin.requests_for("GET", f"/models/llama/{obj.relpath}")) == before  # none of it from the origin

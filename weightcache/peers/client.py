@@ -116,6 +116,16 @@ def connect_timed_out(exc: BaseException | None) -> bool:
     return False
 
 
+def refused(exc: BaseException | None) -> bool:
+    """`exc`, or an error it was raised from, is a connect the peer's host refused (or could not be routed to):
+    an answer from its side, never a sign of this node's link."""
+    while exc is not None:
+        if isinstance(exc, urllib3.exceptions.NewConnectionError | ConnectionRefusedError):
+            return True
+        exc = exc.__cause__
+    return False
+
+
 def _timed_out(exc: BaseException) -> bool:
     """A connect or a read that timed out: no refusal, no reset (urllib3's NewConnectionError, a refused or
     unroutable connect, subclasses its ConnectTimeoutError)."""
@@ -394,13 +404,19 @@ _asking = _Asking()
 class Link:
     """When a fetch last received a byte from anywhere (any peer, the origin): what tells a peer gone quiet from
     this node's own link gone (a node cut off hears from no one). `quiet()`: no byte and no peer's answer for
-    `quiet_s`, after one came; `back`: when one came after such a quiet (this node's link back)."""
+    `quiet_s`, after one came; `back`: when one came after such a quiet (this node's link back); `cut_back`: when
+    one came after a quiet in which a peer's request failed and was taken for this link (`blame`): the link was
+    cut off, not merely idle. A node whose only request, an origin read, is held past `quiet_s` moves `back` when
+    the hold ends, with no link cut: a claimed read that handed its rest on at `back` read 0.75 MiB of a test's
+    model again (docs/peers.md, "a claimed origin read hands its rest back after a cut")."""
 
     def __init__(self, quiet_s: float = 2.0) -> None:
         self.last = time.monotonic()
         self.quiet_s = quiet_s
         self.sign: float | None = None  # the last byte or answer
         self.back = 0.0
+        self.cut_back = 0.0
+        self._blamed = 0.0  # when a peer's failure was last taken for this link
 
     def touch(self) -> None:
         self.last = time.monotonic()
@@ -411,7 +427,13 @@ class Link:
         now = time.monotonic()
         if self.sign is not None and now - self.sign >= self.quiet_s:
             self.back = now
+            if self._blamed > self.sign:  # a request failed in this quiet: the link was cut off
+                self.cut_back = now
         self.sign = now
+
+    def blame(self) -> None:
+        """A peer's request failed now and was taken for this link, not the peer's (PeerSource._not_theirs)."""
+        self._blamed = time.monotonic()
 
     def quiet(self) -> bool:
         sign = self.sign

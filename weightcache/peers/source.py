@@ -58,6 +58,7 @@ from weightcache.peers.client import (
     answer_wait,
     connect_timed_out,
     peer_base_url,
+    refused,
 )
 from weightcache.peers.identity import OriginId
 from weightcache.peers.inflight import InFlight
@@ -103,6 +104,7 @@ DOWN_S = 2.0
 # --faults node was cut off held its ranges 5-10 s (the silence probe cuts a socket, and a connect has none yet).
 # Longer where answers take longer (_timeouts)
 KNOWN_CONNECT_S = 1.0
+BUSY_S = 1.0  # a filling peer that answered 429 (busy) for a range is asked again after this (its Retry-After)
 RELAY_FLOOR = SLOW_MIN_BYTES_S // 4  # the rate floor of a range from its owner while it fills the blob (_from_peer)
 # and its grace: such a range streams as the owner's origin pieces land, one of ~30 flows on each link of a fleet
 # filling at once, and flows starved for a second or more in the links' queues (N = 16, 1 MB/s: 85 cuts a fill)
@@ -583,11 +585,19 @@ class PeerSource(Source):
                     # cut and the killed nodes' shares, four ranges, answered 429 to the nodes behind on them for
                     # 15 s, and they read three of them from the origin)
                     self._moved[ask.span] = max(self._moved[ask.span], flow.last)
+            elif busy and (ask.name, peer.url) in self._downloading:
+                # a peer filling the blob answers 429 only once it found bytes of the range to send (server
+                # `_stream`): it holds or reads them now, and serves this node all the streams it allows. Its turn
+                # is waited for, asked every BUSY_S, up to the range's wait without a byte (`_settle`), not read
+                # from the origin: the --faults cut node, its link back, asked the node after it in rank for the
+                # ranges that node had taken over, was told busy and read them again (b9d98fb's run, 0.13x)
+                ask.pending = ask.stop = True
+                ask.retry_s = BUSY_S
         except PeerTooSlow as exc:
             self._cut(ask, peer, exc, began)
         except SourceError as exc:
             ask.outcome[peer.url] = "failed"
-            if self._not_theirs(began, connect_timed_out(exc)):  # not the peer's: it keeps its ranges, asked again
+            if self._not_theirs(began, connect_timed_out(exc), refused(exc)):  # not the peer's: asked again
                 log.warning("peer %s failed at byte %d of %s (%s) while nothing came to this node lately (%.0f s) "
                             "since it was asked: this node's link, asked again", peer.url, ask.pos, ask.obj.relpath,
                             exc, DOWN_S)
@@ -789,7 +799,7 @@ class PeerSource(Source):
             heard = url in self._heard
         return max(KNOWN_CONNECT_S, wait) if heard else None, max(SLOW_GRACE_S, wait) if wait > 0 else None
 
-    def _not_theirs(self, began: float, connecting: bool = False) -> bool:
+    def _not_theirs(self, began: float, connecting: bool = False, refusal: bool = False) -> bool:
         """A request begun at `began` that failed now failed on this node's link, not the peer's: its connect
         timed out (`connecting`: after KNOWN_CONNECT_S, under DOWN_S) and no byte came from anywhere within
         SILENT_S / 2 (the silence probe's rule; the --faults node cut off took 14 live peers for down 1 s into
@@ -799,9 +809,17 @@ class PeerSource(Source):
         from the origin). Peers alone were not enough: a node reading its own share from the origin while its
         asks all waited on connects to the node cut off took that node's failures for its own link, kept asking
         it, and took over a killed node's share 17 s late, once the node after it in rank had given up on it and
-        read it too (--faults)."""
-        late = connecting and time.monotonic() - self._link.last >= SILENT_S / 2
-        return late or self._link_down() or began < self._link.back
+        read it too (--faults). And a failure other than a refusal (`refusal`: the peer's host answered) within
+        DOWN_S after this node's link came back from a cut (`Link.cut_back`): connects and probes begun then meet
+        queues full of what every node resends, and a silence probe failing a second after the --faults cut
+        node's link was back took the node after it in rank for down, so the node read the ranges that node had
+        taken over again. A failure taken for this node's link marks it cut off (`Link.blame`)."""
+        now = time.monotonic()
+        late = connecting and now - self._link.last >= SILENT_S / 2
+        if late or self._link_down():
+            self._link.blame()
+            return True
+        return began < self._link.back or (not refusal and now - self._link.cut_back < DOWN_S)
 
     def _link_down(self) -> bool:
         """Nothing came for DOWN_S, after something did: a peer failing now is taken for this node's own link
@@ -986,7 +1004,7 @@ class PeerSource(Source):
             if on_bytes is not None:
                 on_bytes(n)
 
-        started, got = time.monotonic(), 0
+        started, got, cut_back = time.monotonic(), 0, self._link.cut_back
         piece = self._relay_piece(len(buf), end - spans[0][0]) if claim is not None else len(buf)
         try:
             for a, b in spans:
@@ -1002,9 +1020,30 @@ class PeerSource(Source):
                         yield at, view
                         if sha256:  # journalled now (the caller wrote it): streams following the claim send it
                             self._inflight.landed(sha256)
+                        if claim is not None and a == pos and self._link.cut_back != cut_back and \
+                                self._hand_back(obj, sha256, at + len(view), end):
+                            # the caller wrote every byte before this one: it takes the range again from here
+                            raise Later(at + len(view), 0.0)
         finally:
             if claim is not None:
                 self._inflight.release(claim)
+
+    def _hand_back(self, obj: ObjectInfo, sha256: str | None, pos: int, end: int) -> bool:
+        """A claimed origin read whose node was cut off (its link back now, `Link.cut_back` moved since the read
+        began) stops at `pos` and goes back to the rounds (the caller's `Later`), where the node after this one in
+        rank is asked first: it took the claim's range over while this node was cut off (its relay stopped), and
+        the origin's connections outlive a 10 s cut, so both read it (--faults: the cut node and the next, 3-4 MiB,
+        0.09-0.13x the model a run). Nobody holds it: the rounds read it on from the origin under a new claim.
+        Not without a node after this one fetching the blob, nor at the range's end."""
+        if not sha256 or pos >= end or self._next_in_rank(sha256) is None:
+            return False
+        with self._lock:  # the next node's wait for a byte starts now, not at the range's first ask
+            self._moved[(obj.key, end)] = time.monotonic()
+            # the bytes a dead owner relayed were read again under this claim (_relayed_gap): not a third time
+            self._relayed.pop((obj.key, end), None)
+        log.info("%s bytes %d-%d: this node's link was cut off and is back; the node after it in rank may have "
+                 "taken them over: asked before the origin reads on", obj.relpath, pos, end - 1)
+        return True
 
     def _relay_piece(self, size: int, length: int) -> int:
         """The piece (at most `size`) a claimed range of `length` bytes is read from the origin in. In a fleet each
@@ -1087,7 +1126,7 @@ class PeerSource(Source):
                     self._ahead.add((blob_key(sha256), peer.url))
             return kind is not None
         except PeerUnreachable as exc:
-            if self._not_theirs(began, connect_timed_out(exc)):  # this node's link: probed again next round
+            if self._not_theirs(began, connect_timed_out(exc), refused(exc)):  # this node's link: asked next round
                 log.info("%s while nothing came to this node lately (%.0f s): this node's link",
                          exc, DOWN_S)
                 return False
