@@ -1265,3 +1265,56 @@ def test_a_connect_timing_out_just_after_this_nodes_link_came_back_from_a_cut_is
             full.close()
         assert asker._stats.errors_by_peer.get(owner.url, 0) == 0
         assert len(origin.requests_for("GET", f"/models/llama/{obj.relpath}")) == before  # none of it from the origin
+
+
+def test_a_taken_over_range_handed_back_after_a_cut_reads_on_from_where_it_stopped_not_its_relayed_start(
+        origin: FaultProxy, fleet: Fleet, tmp_path: Path) -> None:
+    """This node took a dead owner's range over and read it from the origin from the first byte the owner relayed
+    to it (the relayed bytes again, under its claim), then was cut off and handed the rest back to the rounds. The
+    node after it in rank lacks it: the rest is read from the origin from where the claim stopped, not from the
+    relayed start a second time (the relayed bytes were read again under the first claim already)."""
+    buf = memoryview(bytearray(256 << 10))
+    big = FILES["model-00001.safetensors.bin"]
+    with asking_owners(origin, fleet, tmp_path, owners=3) as (asker, (_, dead, relay), sha, obj):
+        q = obj.size // 4
+        with closing(asker.read_pieces(obj, 3 * q, 256 << 10, buf)) as own:  # its own share: the HEADs
+            assert sum(len(view) for _, view in own) == 256 << 10
+        relayed = 256 << 10  # what the owner read from the origin and relayed before it died
+        part = relay.peers.inflight.get(sha)
+        assert part is not None
+        part.write(2 * q, memoryview(big[2 * q:2 * q + relayed]), memoryview(bytearray(1 << 16)))
+        relay.peers.inflight.from_origin(sha, 2 * q, 2 * q + relayed)
+        asker.defer_while(lambda: True)
+        got = 2 * q
+        with pytest.raises(Later):  # the owner's bytes, then "missing" past them: its own next piece, waited for
+            for at, view in asker.read_pieces(obj, 2 * q, q, buf):
+                got = at + len(view)
+        assert got == 2 * q + relayed
+        fleet.kill(relay)
+        asker.defer_while(lambda: False)  # waits until the owner is found down and confirmed, not Later
+        path = f"/models/llama/{obj.relpath}"
+        with closing(asker.read_pieces(obj, got, 3 * q - got, buf)) as rest:
+            at, view = next(rest)  # the relayed bytes again, under the claim of the rest
+            assert at == 2 * q
+            while at + len(view) <= got:  # past them: this node's own origin bytes
+                at, view = next(rest)
+            got = at + len(view)
+            time.sleep(source_module.DOWN_S + 0.2)  # nothing from anyone
+            fleet.kill(dead)
+            asker.defer_while(lambda: True)
+            with pytest.raises(Later):  # its failure is taken for this node's link: cut off
+                next(asker.read_pieces(obj, q, q, buf))
+            with pytest.raises(Later) as handed:
+                for at, view in rest:  # the link is back: handed on at the next piece
+                    assert at == got
+                    got = at + len(view)
+        assert handed.value.pos == got < 3 * q
+        before = len(origin.requests_for("GET", path))
+        asker.defer_while(lambda: False)
+        with closing(asker.read_pieces(obj, got, 3 * q - got, buf)) as again:
+            for at, view in again:  # the node after this one lacks it: the origin, from where it stopped
+                assert at == got and bytes(view) == big[at:at + len(view)]
+                got = at + len(view)
+        assert got == 3 * q
+        ranges = [r.range for r in origin.requests_for("GET", path)[before:]]
+        assert ranges == [f"bytes={handed.value.pos}-{3 * q - 1}"]
