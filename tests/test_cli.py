@@ -135,3 +135,25 @@ def test_the_command_leaves_with_its_output_and_its_atexit_handlers_run(tmp_path
     bad = subprocess.run([sys.executable, "-c", code, "prefetch", "s3:/models", "--root", str(tmp_path / "root")],
                          capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
     assert bad.returncode == 2 and bad.stderr.endswith("atexit ran\n") and "write it like s3://" in bad.stderr
+
+
+@pytest.mark.parametrize("argv", [
+    ["prefetch", "s3://m/x/", "--conc", "4"],  # an abbreviation of a flag the settings declare
+    ["prefetch", "s3://m/x/", "--read-timeout=5"],
+    ["prefetch", "-qo", "json", "s3://m/x/"],  # a cluster of short flags
+    ["prefetch", "s3://m/x/", "-q", "--socket", "/s"],
+])
+def test_a_prefetch_parses_as_with_its_fetch_flags_declared_first(argv: list[str]) -> None:
+    """The prefetch parser declares the fetch settings' flags only where the command line may name one
+    (cli.CommandParser `skippable`): every given flag parses to the same value as with them declared first."""
+    declared = cli.build_parser("prefetch")
+    declared._subparsers._group_actions[0].choices["prefetch"]._declared()  # type: ignore[union-attr]
+    got, want = vars(cli.build_parser("prefetch").parse_args(argv)), vars(declared.parse_args(argv))
+    assert {k: v for k, v in want.items() if k in got or v is not None} == got
+
+
+def test_a_prefetch_usage_error_lists_the_fetch_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    """A usage error prints every flag of the command, those of the settings too, though none was given."""
+    with pytest.raises(SystemExit):
+        cli.build_parser("prefetch").parse_args(["prefetch", "-q"])
+    assert "[--concurrency CONCURRENCY]" in " ".join(capsys.readouterr().err.split())

@@ -238,11 +238,14 @@ async def test_a_hit_through_the_daemon_imports_no_store(daemon: RunningDaemon) 
     s) for two constants of the webhook command's parser; http.client (with the email package and ssl, 20 ms)
     for the few requests the daemon's client makes, tarfile for engine caches only. No source's library either:
     the daemon fetches. Nor does parsing its flags read weightcache/settings.py's source for their help (14 ms of
-    CPU): only --help does."""
+    CPU): only --help does. Nor logging (5-9 ms with traceback, linecache and tokenize: nothing on this path logs),
+    threading, or the fetch settings themselves (weightcache/settings.py: its flags are declared only where one
+    may be given, cli.CommandParser)."""
     await asyncio.to_thread(daemon.client.ensure, daemon.model_uri)
     code = ("import sys; from weightcache.cli import main; rc = main(['prefetch', '-q', sys.argv[1]]); "
             "print(rc, sorted(m for m in ('weightcache.store', 'msgspec', 'sqlite3', 'weightcache.pods', 'botocore', "
-            "'http.client', 'email', 'ssl', 'tarfile', 'weightcache.sources', 'weightcache.fetch') "
+            "'http.client', 'email', 'ssl', 'tarfile', 'weightcache.sources', 'weightcache.fetch', 'logging', "
+            "'threading', 'weightcache.settings') "
             "if m in sys.modules), [f for f in __import__('linecache').cache if f.endswith('settings.py')])")
     done = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", code, daemon.model_uri], capture_output=True,
                                    text=True, timeout=60, env=cli_env(socket=daemon.socket))

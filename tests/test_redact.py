@@ -153,7 +153,7 @@ def test_the_cli_log_setup_redacts_other_libraries_lines() -> None:
 
 def test_importing_the_package_leaves_global_logging_alone() -> None:
     code = ("import logging; factory = logging.getLogRecordFactory(); handlers = list(logging.getLogger().handlers); "
-            "import weightcache, weightcache.loader, weightcache.redact, weightcache.uri; "
+            "import weightcache, weightcache.loader, weightcache.redact, weightcache.redact_logs, weightcache.uri; "
             "print(logging.getLogRecordFactory() is factory, logging.getLogger().handlers == handlers)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["True", "True"]

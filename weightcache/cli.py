@@ -9,11 +9,9 @@ import argparse
 import atexit
 import errno
 import json
-import logging
 import os
 import shutil
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,15 +28,17 @@ from weightcache.errors import (
     answer_for,
 )
 from weightcache.progress import Progress, ProgressWire
-from weightcache.redact import redact, redact_log_handlers
+from weightcache.redact import redact
 from weightcache.units import fmt_bytes, parse_size
 
+# Imported where used: a prefetch through the daemon (the node's cache hits and small models) imports neither
+# logging (with traceback, linecache, tokenize: 5-9 ms) nor threading, nor the fetch settings
+# (weightcache/settings.py, 3-4 ms more) unless one of their flags is given
+# (tests/test_cli_daemon.py::test_a_hit_through_the_daemon_imports_no_store).
 if TYPE_CHECKING:  # imported lazily at run time: `weightcache --help` stays fast
     from weightcache.daemon.client import DaemonClient
     from weightcache.store import Store
     from weightcache.uri import ModelRef
-
-log = logging.getLogger("weightcache")
 
 # -- helpers ----------------------------------------------------------------------------------------------------
 def _root(args: argparse.Namespace) -> str:
@@ -173,6 +173,7 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
 
     ref = parse_ref(args.ref, revision=args.revision, include=args.include, exclude=args.exclude)
     if args.cluster:
+        _log_to_stderr(args)
         from weightcache.kube.client import load_api_client
         from weightcache.kube.cluster_cli import prefetch_cluster
 
@@ -185,6 +186,8 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
                                 out=sys.stdout, json_lines=args.output == "json" or not sys.stdout.isatty(),
                                 size_bytes=_selected_bytes(args, ref), signature=_signature_spec(args))
     cache = _cache(args)
+    if args.dry_run or not isinstance(cache, DaemonCache):  # this process reads the source: its libraries log
+        _log_to_stderr(args)
     if args.dry_run:
         return _dry_run(args, ref, cache)
     printer = ProgressPrinter(quiet=args.quiet)
@@ -213,6 +216,8 @@ class _Stopped(Exception):
     """Ctrl-C during a prefetch; the message says what happens to the download."""
 
 
+#: The FetchSettings fields `prefetch` takes a flag for (weightcache/settings.py declares them: `fetch_flags`).
+PREFETCH_FETCH_FLAGS = ("concurrency", "chunk_size", "connect_timeout", "read_timeout")
 #: Flags of a fetch that the daemon's API does not take (those of the fetch settings, `FETCH_FLAGS`, and these):
 #: its fetches run under its own config (endpoints, concurrency, timeouts), shared by every client that joins them.
 UNSENT_FLAGS = (("endpoint_url", "--endpoint-url", "endpoints"), ("disk_budget", "--disk-budget", "diskBudget"),
@@ -222,10 +227,13 @@ UNSENT_FLAGS = (("endpoint_url", "--endpoint-url", "endpoints"), ("disk_budget",
 
 def _refuse_unsent(args: argparse.Namespace, cache: DaemonCache) -> None:
     """A flag the daemon would not honour is refused, never dropped (a fetch that went to AWS instead of the
-    --endpoint-url given, while --no-daemon worked)."""
-    from weightcache.settings import FETCH_FLAGS
+    --endpoint-url given, while --no-daemon worked). The fetch settings' flags are named by weightcache/settings.py,
+    imported only when one of them is given."""
+    fetch: tuple[tuple[str, str, str], ...] = ()
+    if any(getattr(args, attr, None) is not None for attr in PREFETCH_FETCH_FLAGS):
+        from weightcache.settings import FETCH_FLAGS as fetch
 
-    given = [(flag, key) for attr, flag, key in (*UNSENT_FLAGS, *FETCH_FLAGS) if getattr(args, attr, None) is not None]
+    given = [(flag, key) for attr, flag, key in (*UNSENT_FLAGS, *fetch) if getattr(args, attr, None) is not None]
     if given:
         flags = ", ".join(flag for flag, _ in given)
         keys = ", ".join(f"`{key}`" for _, key in given)
@@ -261,6 +269,8 @@ def _prefetch_through(client: DaemonClient, ref: ModelRef, args: argparse.Namesp
 def _prefetch_here(ref: ModelRef, args: argparse.Namespace, printer: ProgressPrinter) -> dict[str, Any]:
     """Download into the store directly. Ctrl-C cancels the queued ranges at once; finished chunks and their
     journal stay for the next run."""
+    import threading
+
     from weightcache.access import ADMIN, node_admin
     from weightcache.daemon.listing import snapshot_body
     from weightcache.settings import flags_from, load_fetch_settings
@@ -656,24 +666,47 @@ def _output(parser: argparse.ArgumentParser) -> None:
 
 
 class CommandParser(argparse.ArgumentParser):
-    """A command's parser that may declare some flags only once it parses or shows its help (`declare`): those
-    made from the settings' definitions (weightcache/settings.py, `weightcache daemon`'s from its config) cost
-    their imports and docstrings, which every other command starts without."""
+    """A command's parser that may declare some flags only once it parses or shows its help or usage (`declare`):
+    those made from the settings' definitions (weightcache/settings.py, `weightcache daemon`'s from its config) cost
+    their imports and docstrings, which every other command starts without.
+
+    `skippable`: flags whose absence reads as not given (None, `getattr(args, attr, None)`). A command line whose
+    every option is one the parser has, spelled whole, then parses without them (what they would add cannot change
+    how it parses: an option spelled whole is never read as another) and they stay undeclared: a prefetch through
+    the daemon without them never imports the settings (3-4 ms, and logging with them)."""
 
     def __init__(self, *args: Any, declare: Callable[[argparse.ArgumentParser], None] | None = None,
-                 describe: Callable[[argparse.ArgumentParser], None] | None = None, **kwargs: Any) -> None:
+                 describe: Callable[[argparse.ArgumentParser], None] | None = None, skippable: bool = False,
+                 **kwargs: Any) -> None:
         """`describe`: writes the help of what `declare` declared without it, once help is shown."""
         super().__init__(*args, **kwargs)
-        self._declare, self._describe = declare, describe
+        self._declare, self._describe, self._skippable = declare, describe, skippable
 
     def _declared(self) -> None:
         declare, self._declare = self._declare, None
         if declare is not None:
             declare(self)
 
-    def parse_known_args(self, *args: Any, **kwargs: Any) -> Any:
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        if not self._skippable or not self._spelled_whole(sys.argv[1:] if args is None else list(args)):
+            self._declared()
+        return super().parse_known_args(args, namespace)
+
+    def _spelled_whole(self, argv: list[str]) -> bool:
+        """Every option in `argv` is one this parser has, spelled whole (alone or with `=VALUE`); anything
+        else (an abbreviation, a flag still to declare, a cluster of short flags, a value that looks like an
+        option) and the flags are declared first, as they always were."""
+        for arg in argv:
+            if arg == "--":  # the rest are positionals
+                return True
+            if len(arg) > 1 and arg[0] in self.prefix_chars and arg not in self._option_string_actions \
+                    and arg.split("=", 1)[0] not in self._option_string_actions:
+                return False
+        return True
+
+    def format_usage(self) -> str:  # a usage error's message lists every flag, as it always did
         self._declared()
-        return super().parse_known_args(*args, **kwargs)
+        return super().format_usage()
 
     def format_help(self) -> str:
         self._declared()
@@ -727,7 +760,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         settings' flags named in `fetch` (weightcache/settings.py)."""
         p = sub.add_parser(name, help=help_, description=help_[:1].upper() + help_[1:] + ".", aliases=aliases or [],
                            declare=_fetch_flags(fetch) if fetch else None,
-                           describe=_describe_fetch_flags(fetch) if fetch else None)
+                           describe=_describe_fetch_flags(fetch) if fetch else None, skippable=True)
         p.set_defaults(func=func, quiet=False, min_free_bytes=None, min_free_percent=None, endpoint_url=None)
         p.add_argument("--root", help=f"store root (env WEIGHTCACHE_ROOT, default {defaults.ROOT}); "
                                       "given explicitly, the CLI uses the store directly, not the daemon")
@@ -748,7 +781,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     if wanted("prefetch"):
         p = add("prefetch", cmd_prefetch, "fetch a model into the node store (or across a cluster with --cluster)",
                 writes=True, quiet="no progress and no chatter: errors, and the snapshot path",
-                fetch=("concurrency", "chunk_size", "connect_timeout", "read_timeout"))
+                fetch=PREFETCH_FETCH_FLAGS)
         p.add_argument("ref", help="model reference, e.g. s3://models/llama-3-8b/[@revision]")
         p.add_argument("--revision")
         p.add_argument("--include", action="append", default=[], metavar="GLOB")
@@ -854,7 +887,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         try:
             mod = __import__(module, fromlist=["add_commands"])
         except ImportError as exc:  # a part not installed in this build
-            log.debug("no %s: %s", module, exc)
+            import logging
+
+            logging.getLogger("weightcache").debug("no %s: %s", module, exc)
             continue
         mod.add_commands(sub)
     return parser
@@ -870,7 +905,9 @@ def entry() -> NoReturn:
     descriptors and closed, the daemon's answer is read): 16 ms of a 0.13 s prefetch through the daemon, about a
     tenth of what the client costs a hit or a small model (docs/fetch.md)."""
     code = main()
-    alone = threading.active_count() == 1
+    # threading is imported only by a command that may start threads: without it there is no other thread
+    threading = sys.modules.get("threading")
+    alone = threading is None or threading.active_count() == 1
     if alone:
         atexit._run_exitfuncs()  # logging's flush, weakref finalizers: what a normal exit runs
     try:
@@ -887,13 +924,8 @@ def entry() -> NoReturn:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(command_named(argv)).parse_args(argv)
-    level = getattr(logging, str(args.log_level).upper(), logging.WARNING)
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    redact_log_handlers()
-    for noisy in ("botocore", "boto3", "urllib3", "s3transfer"):  # their DEBUG logs carry Authorization headers
-        logging.getLogger(noisy).setLevel(max(level, logging.INFO))
-    for chatty in ("gcsfs", "adlfs", "azure"):  # they log each failure with its traceback, then raise it to us
-        logging.getLogger(chatty).setLevel(level if level <= logging.DEBUG else logging.CRITICAL)
+    if args.func is not cmd_prefetch:  # prefetch does where it logs: not through the daemon (cmd_prefetch)
+        _log_to_stderr(args)
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
@@ -908,6 +940,22 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         print(redact(f"error: {_os_error(exc, args)}"), file=sys.stderr)
         return 1
+
+
+def _log_to_stderr(args: argparse.Namespace) -> None:
+    """Log at --log-level to stderr, every line through `redact`, before anything that logs runs. Not done by a
+    prefetch through the daemon: nothing on that path logs (nor imports logging, 5-9 ms of its start)."""
+    import logging
+
+    from weightcache.redact_logs import redact_log_handlers
+
+    level = getattr(logging, str(args.log_level).upper(), logging.WARNING)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    redact_log_handlers()
+    for noisy in ("botocore", "boto3", "urllib3", "s3transfer"):  # their DEBUG logs carry Authorization headers
+        logging.getLogger(noisy).setLevel(max(level, logging.INFO))
+    for chatty in ("gcsfs", "adlfs", "azure"):  # they log each failure with its traceback, then raise it to us
+        logging.getLogger(chatty).setLevel(level if level <= logging.DEBUG else logging.CRITICAL)
 
 
 def _os_error(exc: OSError, args: argparse.Namespace) -> str:

@@ -30,7 +30,7 @@ from weightcache.csi.telemetry import ObserveCompile, PodEvent
 from weightcache.errors import ConfigError, StoreError
 from weightcache.fetch_queue import FetchQueue
 from weightcache.memory import MemoryTier
-from weightcache.redact import redact_log_handlers
+from weightcache.redact_logs import redact_log_handlers
 from weightcache.settings import load_fetch_settings, node_name
 from weightcache.sources import ClientPool
 from weightcache.store import Store

@@ -37,7 +37,7 @@ from weightcache.daemon.tasks import Tasks
 from weightcache.errors import ConfigError, MemoryTierError, StoreError
 from weightcache.listener import ConnectionLimits, GuardedTCPSite
 from weightcache.ratelimit import BandwidthLimits
-from weightcache.redact import RedactingFormatter
+from weightcache.redact_logs import RedactingFormatter
 from weightcache.sources import ClientPool
 from weightcache.store import Store
 from weightcache.unixsock import SocketAccess, claim_socket_path

@@ -16,7 +16,6 @@ import json
 import os
 import re
 import socket
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -278,7 +277,8 @@ class DaemonClient:
         read_fd, write_fd = os.pipe()
         failed: list[BaseException] = []
 
-        import tarfile  # here: no other call needs it
+        import tarfile  # here, as threading: no other call needs them (a CLI that has no thread leaves sooner: entry)
+        import threading
 
         def write_tar() -> None:
             try:

@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from weightcache.errors import ConfigError
-from weightcache.redact import redact_log_handlers
+from weightcache.redact_logs import redact_log_handlers
 
 log = logging.getLogger(__name__)
 
