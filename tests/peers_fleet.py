@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -278,14 +279,26 @@ class HostilePeer:
     def _full_link(self) -> None:
         """For `silent_s` no new connection completes its handshake: the listener stops accepting and one
         connection of its own fills its queue, so the kernel drops every SYN (the asker's resend after 1 s
-        completes once the queue is drained)."""
+        completes once the queue is drained). A connect of the asker's (its silence probe) may fill the queue
+        first, once the listener stopped accepting: the queue is full all the same, and this connect's SYN is
+        dropped. It gives up before the kernel's resend: without a timeout it waited on resends (1, 3, 7, 15 s
+        ...) and the listener never accepted again, the owner silent and unreachable for good (CI, on a loaded
+        machine: connects to it timed out for 17 s, and its range was taken over)."""
         import socket
 
         self._accepting.clear()
         self._parked.wait(1.0)
-        with socket.create_connection(self._listener.getsockname()[:2]):
-            self._stop.wait(self.silent_s)
+        until = time.monotonic() + self.silent_s
+        try:
+            own: socket.socket | None = socket.create_connection(self._listener.getsockname()[:2], timeout=0.5)
+        except OSError:  # the queue is full already
+            own = None
+        try:
+            self._stop.wait(max(0.0, until - time.monotonic()))
+        finally:
             self._accepting.set()
+            if own is not None:
+                own.close()
 
     def cut(self) -> None:
         """New connections are refused; the open ones stay as they are."""

@@ -8,6 +8,7 @@ import hashlib
 import itertools
 import os
 import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -580,6 +581,24 @@ def test_a_relay_cut_off_mid_stream_has_its_range_go_elsewhere_within_a_second(o
     assert gap is not None and gap < 2.0, f"the cut owner's range went on after {gap} s"
 
 
+def test_a_range_taken_over_from_a_cut_relay_yields_each_of_its_bytes_once(origin: FaultProxy) -> None:
+    """The owner relaying a range is cut off after its first 256 KiB, and this node, next in rank, reads the rest
+    of the range from the origin. Each byte of the range is yielded once, in order: before, the relayed bytes were
+    read from the origin again and yielded a second time (a 1,572,864-byte range yielded 1,835,008 bytes, one piece
+    twice: CI's flake of the full-link test, whose owner stalled until this node took its range over), and the
+    fetch engine's progress counted them twice."""
+    with relay_beside_origin(origin, "relay-then-cut") as (owner, asker, obj, body, _):
+        half, pos = obj.size // 2, 0
+        with closing(asker.read_pieces(obj, 0, half, memoryview(bytearray(256 << 10)))) as pieces:
+            for at, view in pieces:
+                assert at == pos, f"a piece at {at} where the range stood at {pos}"
+                assert bytes(view) == body[at:at + len(view)]
+                pos += len(view)
+                owner.cut()  # after its first 256 KiB
+    assert pos == half
+    assert len(origin.requests_for("GET", f"/models/llama/{obj.relpath}")) == 1, "the relayed bytes read again"
+
+
 @pytest.mark.parametrize("closes", [False, True])  # True: as a relay of its claim answers, a stream cut can shut
 def test_a_live_relay_behind_a_full_link_is_waited_for_not_taken_for_cut(origin: FaultProxy, closes: bool) -> None:
     """The owner relaying a range is alive behind a full link: its answers take 0.5 s, and its stream goes silent
@@ -598,6 +617,25 @@ def test_a_live_relay_behind_a_full_link_is_waited_for_not_taken_for_cut(origin:
     assert got == obj.size // 2
     assert owner.requests == 1, "the live owner's stream was cut, and its range asked again"
     assert origin.requests_for("GET", f"/models/llama/{obj.relpath}") == [], "the owner's range read from the origin"
+
+
+def test_the_full_link_fixture_accepts_again_after_its_silence_though_a_probe_filled_its_queue() -> None:
+    """The fixture of the full-link tests: a connect of the asker's (its silence probe, reset at once) lands in the
+    owner's one-slot queue after its listener stopped accepting and before the fixture's own connection. The
+    queue is full all the same, and after `silent_s` the owner accepts again. Before, the fixture's own connect
+    waited on the kernel's SYN resends behind the queued probe, and the owner never accepted again: on a loaded
+    CI machine its connects timed out for 17 s and its range was taken over (the full-link test's flake)."""
+    with HostilePeer({}, {}, "relay-full-link", silent_s=0.3) as owner:
+        address = owner._listener.getsockname()[:2]
+        owner._accepting.clear()  # as _full_link begins
+        assert owner._parked.wait(5.0)
+        with socket.create_connection(address) as probe:  # queued (the listener accepts nothing now), then reset
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        silence = threading.Thread(target=owner._full_link, daemon=True)
+        silence.start()
+        silence.join(5.0)
+        assert not silence.is_alive(), "the full link outlasted its silent_s"
+        socket.create_connection(address, timeout=2.0).close()  # accepted again: the queue drains
 
 
 def test_a_connect_to_a_live_peer_behind_a_full_link_waits_as_long_as_its_answers_take(origin: FaultProxy) -> None:
@@ -851,41 +889,62 @@ def test_every_peer_silent_then_failing_is_this_nodes_link_not_theirs(origin: Fa
         assert len(origin.requests_for("GET", "/models/llama/")) == before  # nothing of it from the origin
 
 
+@pytest.mark.parametrize("right", [True, False])
 def test_a_range_taken_over_from_a_dead_relay_is_read_again_from_its_relayed_start_under_one_claim(
-        origin: FaultProxy, fleet: Fleet, tmp_path: Path) -> None:
+        origin: FaultProxy, fleet: Fleet, tmp_path: Path, right: bool) -> None:
     """The owner relayed the start of its range to this node, then died; this node is next in rank and takes the
-    range over. It reads the relayed bytes from the origin again, under the claim of the rest, so the nodes
-    behind it on the dead owner's relay follow this node for them: a node relays origin bytes only, and before,
-    it answered them "not held" for those bytes, and each read the range, or its own gap, from the origin
-    (--faults: "taken over" 0.45-0.55x the model where the killed nodes' shares are 0.31x)."""
+    range over. It reads the relayed bytes from the origin again, under the claim of the rest, and its download
+    holding the same bytes serves them as origin bytes, so the nodes behind it on the dead owner's relay follow
+    this node for them: a node relays origin bytes only, and before, it answered them "not held" for those
+    bytes, and each read the range, or its own gap, from the origin (--faults: "taken over" 0.45-0.55x the model
+    where the killed nodes' shares are 0.31x). The bytes read again are not yielded again: the range goes on
+    from where the relay stopped (before, they were yielded twice). Not `right`: the owner relayed other bytes
+    than the origin's, and this node does not serve them (the blob's sha256 decides)."""
     buf = memoryview(bytearray(256 << 10))
     with asking_owners(origin, fleet, tmp_path) as (asker, (owner,), sha, obj):
+        mine = PartialFile(tmp_path / "asker.part", obj, range_size=1 << 16)  # the asker's own download, as a
+        mine.open()  # fetch registers it (written by the test as the fetch engine writes what it is yielded)
+        asker._inflight.add(sha, mine)
+        scratch = memoryview(bytearray(1 << 16))
         half = obj.size // 2
         with closing(asker.read_pieces(obj, half, 256 << 10, buf)) as own:  # its own share: the HEADs
-            assert sum(len(view) for _, view in own) == 256 << 10
+            for at, view in own:
+                mine.write(at, view, scratch)
         relayed = 512 << 10  # what the owner read from the origin before it died
         big = FILES["model-00001.safetensors.bin"]
         part = owner.peers.inflight.get(sha)
         assert part is not None
-        part.write(0, memoryview(big[:relayed]), memoryview(bytearray(1 << 16)))
+        sent = big[:relayed] if right else bytes(b ^ 1 for b in big[:relayed])
+        part.write(0, memoryview(sent), memoryview(bytearray(1 << 16)))
         owner.peers.inflight.from_origin(sha, 0, relayed)
         asker.defer_while(lambda: True)
         got = 0
         with pytest.raises(Later):  # the owner's bytes, then "missing" past them: its own next piece, waited for
             for at, view in asker.read_pieces(obj, 0, half, buf):
-                assert bytes(view) == big[at:at + len(view)]
+                assert bytes(view) == sent[at:at + len(view)]
+                mine.write(at, view, scratch)
                 got = at + len(view)
         assert got == relayed
+        assert asker._inflight.origin_end(sha, mine, 0, half) == 0  # a peer's bytes: not served by this node
         fleet.kill(owner)
         asker.defer_while(lambda: False)  # waits the moment until the owner is found dead (refused), not Later
         seen = []
         with closing(asker.read_pieces(obj, got, half - got, buf)) as rest:
             for at, view in rest:
+                assert at == (seen[-1][0] if seen else got), "a piece yielded twice, or skipped"
                 assert bytes(view) == big[at:at + len(view)]
-                # the claim covers the relayed bytes while they come: a node behind on the relay follows it
-                seen.append((at, asker._inflight.pending(sha, 0)))
-    assert seen[0] == (0, True)  # from the first relayed byte, not from where the relay stopped
-    assert max(at for at, _ in seen) >= half - RELAY_PIECE_MIN
+                mine.write(at, view, scratch)
+                # the claim covers the relayed bytes while the range comes, and they are served as origin bytes
+                seen.append((at + len(view), asker._inflight.pending(sha, 0),
+                             asker._inflight.origin_end(sha, mine, 0, half)))
+        asker._inflight.remove(sha, mine)
+        mine.close()
+    assert seen[-1][0] == half
+    if right:
+        assert seen[0][1:] == (True, seen[0][0])  # from byte 0: the relayed bytes too, with the range's first piece
+        assert seen[-1][2] == half  # every byte of the range: servable as origin bytes
+    else:
+        assert [s[2] for s in seen] == [0] * len(seen)  # none of the bytes the origin contradicts
 
 
 @contextmanager
@@ -1270,15 +1329,21 @@ def test_a_connect_timing_out_just_after_this_nodes_link_came_back_from_a_cut_is
 def test_a_taken_over_range_handed_back_after_a_cut_reads_on_from_where_it_stopped_not_its_relayed_start(
         origin: FaultProxy, fleet: Fleet, tmp_path: Path) -> None:
     """This node took a dead owner's range over and read it from the origin from the first byte the owner relayed
-    to it (the relayed bytes again, under its claim), then was cut off and handed the rest back to the rounds. The
-    node after it in rank lacks it: the rest is read from the origin from where the claim stopped, not from the
-    relayed start a second time (the relayed bytes were read again under the first claim already)."""
+    to it (the relayed bytes again, under its claim, not yielded again), then was cut off and handed the rest back
+    to the rounds. The node after it in rank lacks it: the rest is read from the origin from where the claim
+    stopped, not from the relayed start a second time (the relayed bytes were read again under the first claim
+    already)."""
     buf = memoryview(bytearray(256 << 10))
     big = FILES["model-00001.safetensors.bin"]
     with asking_owners(origin, fleet, tmp_path, owners=3) as (asker, (_, dead, relay), sha, obj):
+        mine = PartialFile(tmp_path / "asker.part", obj, range_size=1 << 16)  # the asker's download (_reread)
+        mine.open()
+        asker._inflight.add(sha, mine)
+        scratch = memoryview(bytearray(1 << 16))
         q = obj.size // 4
         with closing(asker.read_pieces(obj, 3 * q, 256 << 10, buf)) as own:  # its own share: the HEADs
-            assert sum(len(view) for _, view in own) == 256 << 10
+            for at, view in own:
+                mine.write(at, view, scratch)
         relayed = 256 << 10  # what the owner read from the origin and relayed before it died
         part = relay.peers.inflight.get(sha)
         assert part is not None
@@ -1288,17 +1353,18 @@ def test_a_taken_over_range_handed_back_after_a_cut_reads_on_from_where_it_stopp
         got = 2 * q
         with pytest.raises(Later):  # the owner's bytes, then "missing" past them: its own next piece, waited for
             for at, view in asker.read_pieces(obj, 2 * q, q, buf):
+                mine.write(at, view, scratch)
                 got = at + len(view)
         assert got == 2 * q + relayed
         fleet.kill(relay)
         asker.defer_while(lambda: False)  # waits until the owner is found down and confirmed, not Later
         path = f"/models/llama/{obj.relpath}"
         with closing(asker.read_pieces(obj, got, 3 * q - got, buf)) as rest:
-            at, view = next(rest)  # the relayed bytes again, under the claim of the rest
-            assert at == 2 * q
-            while at + len(view) <= got:  # past them: this node's own origin bytes
-                at, view = next(rest)
+            at, view = next(rest)  # the relayed bytes read again under the claim of the rest, not yielded
+            assert at == got and asker._inflight.pending(sha, 2 * q)
+            mine.write(at, view, scratch)
             got = at + len(view)
+            assert asker._inflight.origin_end(sha, mine, 2 * q, 3 * q) == got
             time.sleep(source_module.DOWN_S + 0.2)  # nothing from anyone
             fleet.kill(dead)
             asker.defer_while(lambda: True)
@@ -1307,6 +1373,7 @@ def test_a_taken_over_range_handed_back_after_a_cut_reads_on_from_where_it_stopp
             with pytest.raises(Later) as handed:
                 for at, view in rest:  # the link is back: handed on at the next piece
                     assert at == got
+                    mine.write(at, view, scratch)
                     got = at + len(view)
         assert handed.value.pos == got < 3 * q
         before = len(origin.requests_for("GET", path))
@@ -1318,3 +1385,5 @@ def test_a_taken_over_range_handed_back_after_a_cut_reads_on_from_where_it_stopp
         assert got == 3 * q
         ranges = [r.range for r in origin.requests_for("GET", path)[before:]]
         assert ranges == [f"bytes={handed.value.pos}-{3 * q - 1}"]
+        asker._inflight.remove(sha, mine)
+        mine.close()

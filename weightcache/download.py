@@ -309,6 +309,16 @@ class PartialFile:
         with self._mu:
             return min(end, self._held.reach(start))
 
+    def holds_same(self, offset: int, data: memoryview) -> bool:
+        """The part holds `data` at `offset`, written and journalled (False when it holds other bytes there, not
+        all of them yet, or is closed)."""
+        if not self.holds(offset, offset + len(data)) or self._fd < 0:
+            return False
+        try:
+            return os.pread(self._fd, len(data), offset) == data
+        except OSError:  # closed meanwhile (the fetch ended): no verdict, nothing to serve
+            return False
+
     @property
     def complete(self) -> bool:
         return self._hash_at >= self.obj.size

@@ -127,6 +127,12 @@ class InFlight:
             if runs is not None and sha256 not in self._others:
                 runs.add(start, end)
 
+    def origin_part(self, sha256: str) -> PartialFile | None:
+        """The registered download of the blob whose origin bytes are recorded (`from_origin`), None when there is
+        none or another download of the same blob runs beside it."""
+        with self._lock:
+            return self._parts.get(sha256) if sha256 in self._origin and sha256 not in self._others else None
+
     def origin_end(self, sha256: str, part: PartialFile, start: int, end: int) -> int:
         """How far from `start` (at most `end`) `part` holds journalled bytes that came from the origin."""
         held = part.held_end(start, end)

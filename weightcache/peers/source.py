@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable
 from contextlib import closing
 from dataclasses import dataclass, field
 
+from weightcache.download import PartialFile
 from weightcache.errors import SourceError
 from weightcache.peers.client import (
     FLOOR_SHARE,
@@ -462,7 +463,7 @@ class PeerSource(Source):
         would answer the nodes behind it on the dead owner's relay "not held" for those bytes: each waited
         PENDING_S on it, then read the range, or its own gap, from the origin (--faults: "taken over" 0.45-0.55x
         the model where the killed nodes' shares are 0.31x). Read again once here, under the claim of the rest,
-        they follow this node's claim as its pieces land (server `_stream`)."""
+        they follow this node's claim as its pieces land (server `_stream`); not yielded again (_reread)."""
         if not ask.taken:
             return None
         with self._lock:
@@ -988,42 +989,48 @@ class PeerSource(Source):
     def _from_origin(self, obj: ObjectInfo, pos: int, end: int, buf: memoryview, on_bytes: OnBytes | None,
                      sha256: str | None, again: int | None = None) -> Pieces:
         """[pos, end) from the origin, claimed while it is read so that peers follow it; `again`: [again, pos)
-        first, bytes held from a peer that is not there for the range any more (_relayed_gap), under the same
-        claim. The two reads meet at `pos`, where the held pieces end too, so the part's in-order hash goes on
-        over whichever pieces it follows."""
-        spans = [(pos, end)] if again is None else [(again, pos), (pos, end)]
+        first, bytes this range already yielded from a peer that is not there for it any more (_relayed_gap),
+        under the same claim and not yielded again (_reread)."""
+        part = self._inflight.origin_part(sha256) if sha256 and again is not None else None
+        if again is not None and part is None:  # no download of this node's serves them: not read again
+            again = None
         if again is not None:
             self._why_origin(obj, again, pos, "read again, relayed by its owner that is not there for it: the "
                                               "nodes behind on its relay follow this node")
-        claim = self._inflight.claim(sha256, spans[0][0], end) if sha256 else None
+        first = pos if again is None else again
+        claim = self._inflight.claim(sha256, first, end) if sha256 else None
 
         def arrived(n: int) -> None:
             self._link.touch()
             if claim is not None:
                 claim.touch(n)  # the claim moves: peers asking for it are told "not yet", not "go elsewhere"
+
+        def told(n: int) -> None:
+            arrived(n)
             if on_bytes is not None:
                 on_bytes(n)
 
         started, got, cut_back = time.monotonic(), 0, self._link.cut_back
-        piece = self._relay_piece(len(buf), end - spans[0][0]) if claim is not None else len(buf)
+        piece = self._relay_piece(len(buf), end - first) if claim is not None else len(buf)
         try:
-            for a, b in spans:
-                with closing(self.origin.read_pieces(obj, a, b - a, buf[:piece], arrived)) as pieces:
-                    for at, view in pieces:
-                        got += len(view)
-                        self._origin_rate_seen(got, time.monotonic() - started)
-                        self._blame(obj.key, at, view)
-                        if sha256:  # this node's peer server may relay these bytes while the download goes on
-                            self._inflight.from_origin(sha256, at, at + len(view))
-                        if claim is not None:
-                            claim.piece = max(claim.piece, len(view))
-                        yield at, view
-                        if sha256:  # journalled now (the caller wrote it): streams following the claim send it
-                            self._inflight.landed(sha256)
-                        if claim is not None and a == pos and self._link.cut_back != cut_back and \
-                                self._hand_back(obj, sha256, at + len(view), end):
-                            # the caller wrote every byte before this one: it takes the range again from here
-                            raise Later(at + len(view), 0.0)
+            if sha256 and part is not None and again is not None:
+                self._reread(obj, sha256, part, again, pos, buf[:piece], arrived)
+            with closing(self.origin.read_pieces(obj, pos, end - pos, buf[:piece], told)) as pieces:
+                for at, view in pieces:
+                    got += len(view)
+                    self._origin_rate_seen(got, time.monotonic() - started)
+                    self._blame(obj.key, at, view)
+                    if sha256:  # this node's peer server may relay these bytes while the download goes on
+                        self._inflight.from_origin(sha256, at, at + len(view))
+                    if claim is not None:
+                        claim.piece = max(claim.piece, len(view))
+                    yield at, view
+                    if sha256:  # journalled now (the caller wrote it): streams following the claim send it
+                        self._inflight.landed(sha256)
+                    if claim is not None and self._link.cut_back != cut_back and \
+                            self._hand_back(obj, sha256, at + len(view), end):
+                        # the caller wrote every byte before this one: it takes the range again from here
+                        raise Later(at + len(view), 0.0)
         finally:
             if claim is not None:
                 self._inflight.release(claim)
@@ -1044,6 +1051,26 @@ class PeerSource(Source):
         log.info("%s bytes %d-%d: this node's link was cut off and is back; the node after it in rank may have "
                  "taken them over: asked before the origin reads on", obj.relpath, pos, end - 1)
         return True
+
+    def _reread(self, obj: ObjectInfo, sha256: str, part: PartialFile, start: int, end: int, buf: memoryview,
+                arrived: OnBytes) -> None:
+        """Read [start, end) of `obj` from the origin again, bytes a peer sent that this node's download holds
+        already, and make each piece the part holds the same of servable as origin bytes (InFlight.from_origin):
+        a node relays origin bytes only. Not yielded (each byte of a range is yielded once: before, they were
+        yielded again, and a range yielded more bytes than it had), and not told to the caller's on_bytes (its
+        progress). A piece that differs is not served; the blob's own sha256 decides (a peer's piece is no
+        offence until then: _blame)."""
+        differ = 0
+        with closing(self.origin.read_pieces(obj, start, end - start, buf, arrived)) as pieces:
+            for at, view in pieces:
+                if part.holds_same(at, view):
+                    self._inflight.from_origin(sha256, at, at + len(view))
+                    self._inflight.landed(sha256)
+                else:
+                    differ += len(view)
+        if differ:
+            log.warning("%s: %d of the bytes %d-%d a peer relayed are not the origin's (or not written yet): not "
+                        "served by this node; the blob's sha256 decides", obj.relpath, differ, start, end - 1)
 
     def _relay_piece(self, size: int, length: int) -> int:
         """The piece (at most `size`) a claimed range of `length` bytes is read from the origin in. In a fleet each
