@@ -295,7 +295,7 @@ def test_a_download_nobody_streams_leaves_its_hashed_bytes_out_of_the_page_cache
         left[drop] = _resident(part._fd, size)
         part.close()
         assert (tmp_path / f"{drop}.part").read_bytes() == body
-    assert left[False] == size // download._PAGE
+    assert left[False] >= size // download._PAGE - RECLAIMED_PAGES, left
     assert left[True] <= (download.DROP_LAG + download.WRITEBACK_STEP) // download._PAGE, left
 
 
@@ -310,9 +310,17 @@ def test_a_fetch_under_the_drop_behind_size_keeps_its_pages(tmp_path: Path, s3: 
         granted("s3://models/kept/"))
     fd = os.open(snap.path / "w.bin", os.O_RDONLY)
     try:
-        assert _resident(fd, size) == -(-size // download._PAGE)
+        assert _resident(fd, size) >= -(-size // download._PAGE) - RECLAIMED_PAGES
     finally:
         os.close(fd)
+
+
+#: Pages of a kept file the kernel may have reclaimed by the time a test counts them: its bytes are clean once
+#: written back (sync_file_range, every WRITEBACK_STEP), and clean page cache is the kernel's to take whatever
+#: the code keeps (a cgroup's memory limit, kswapd on one zone; CI once counted 33,280 of 33,536 pages with 20 GiB
+#: free: one 1 MiB folio gone). Half a WRITEBACK_STEP: the code drops whole steps (PartialFile._drop_to), so a
+#: kept file that dropped anything still fails.
+RECLAIMED_PAGES = download.WRITEBACK_STEP // 2 // download._PAGE
 
 
 def _resident(fd: int, size: int) -> int:
