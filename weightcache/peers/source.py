@@ -352,6 +352,8 @@ class PeerSource(Source):
         self._reprobing: set[str] = set()  # down peers a thread asks again (_reprobe), not the fetch's rounds
         self._heard: dict[str, float] = {}  # peer -> when it last answered this fetch or sent it a byte
         self._handed: dict[tuple[str, int], str | None] = {}  # (key, range end) -> the node its owner handed it to
+        # (key, range end) -> the node it was handed to that started it ("not yet", or a byte): _serving_owner
+        self._takers: dict[tuple[str, int], str] = {}
         self._given_up: dict[tuple[str, int], set[str]] = {}  # (key, range end) -> owners it waited PENDING_S on
         self._unstarted: dict[tuple[str, int], int] = {}  # (key, range end) -> its owner's "missing" answers in a row
         self._relayed: dict[tuple[str, int], int] = {}  # (key, range end) -> its first byte that a peer sent
@@ -550,6 +552,7 @@ class PeerSource(Source):
         try:
             for at, view in self._from_peer(peer, ask.obj.key, ask.blob, ask.pos, ask.end, buf, on_bytes, relay,
                                             judge):
+                self._started_by(ask, peer.url)
                 yield at, view
                 ask.pos, ask.progressed = at + len(view), True
                 with self._lock:
@@ -569,6 +572,7 @@ class PeerSource(Source):
                 ask.pending = ask.stop = True  # probe rather than read the owner's range from the origin
         except PeerRangePending as exc:
             self._not_yet(ask, peer, exc.retry_s)
+            self._started_by(ask, peer.url)
         except PeerRangeMissing as exc:
             busy = isinstance(exc, PeerBusy)
             ask.outcome[peer.url] = "busy" if busy else "missing"
@@ -612,6 +616,13 @@ class PeerSource(Source):
             if trial == "mine":
                 with self._lock:
                     self._on_trial.discard(peer.url)
+
+    def _started_by(self, ask: _Ask, url: str) -> None:
+        """`url`, the node a range was handed to from its owner, reads it now or sent a byte of it: it keeps it
+        when the owner is back (_serving_owner)."""
+        if url == ask.owner and ask.wait and url != self._owner(ask.obj.key, ask.offset):
+            with self._lock:
+                self._takers[ask.span] = url
 
     def _trial(self, ask: _Ask, peer: PeerClient) -> typing.Literal["none", "mine", "busy"]:
         """Whether the peer's next piece must be judged before it is used ("mine": this range judges it; "busy":
@@ -864,6 +875,12 @@ class PeerSource(Source):
             given_up = self._given_up.get((key, end), set())
             idle = self._grace_until is not None and now >= self._grace_until
             lately: str | None = None  # the first owner walked past that went down under DOWN_S ago
+
+            def passed(url: str) -> bool:
+                return url in self._dead or url in banned or self._is_down(url) or url in given_up or \
+                    (self._benched.get(url, (0.0, 0))[0] > now and (sha256, url) not in self._downloading) or \
+                    (idle and (sha256, url) in self._idle)
+
             for step in range(len(self.ranked)):
                 url = self.ranked[(at + step) % len(self.ranked)]
                 if url == "":
@@ -874,11 +891,15 @@ class PeerSource(Source):
                 if lately is None and url not in self._dead and self._is_down(url) and \
                         now - self._down[url] < DOWN_S:
                     lately = url
-                if url in self._dead or url in banned or self._is_down(url) or url in given_up or \
-                        (self._benched.get(url, (0.0, 0))[0] > now and (sha256, url) not in self._downloading) or \
-                        (idle and (sha256, url) in self._idle):
+                if passed(url):
                     continue
-                return url
+                # an owner back (up again after it was down) leaves the range with the node that took it over
+                # and started it meanwhile (it reads it on): the --faults cut node, its link back, hands its
+                # claims on to that node (_hand_back) and cannot relay that node's bytes (a node relays origin
+                # bytes only), and the others, back on it, waited "missing" until it published (44 s; all ready
+                # 2.67x). Before the hand-back both read the range, so following the taker loses nothing
+                taker = self._takers.get((key, end))
+                return taker if url == owner and taker is not None and not passed(taker) else url
         return ""
 
     def _down_lately(self, url: str) -> bool:
