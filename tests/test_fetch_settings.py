@@ -69,22 +69,44 @@ def test_flags_beat_env_and_env_beats_the_file(tmp_path: Path) -> None:
 
 def test_an_endpoint_flag_overrides_the_most_specific_entry_for_the_references_scheme(tmp_path: Path) -> None:
     config = tmp_path / "config.yaml"
-    config.write_text("endpoints: {'s3://bkt': {endpointUrl: 'http://minio:9000'}, s3: {endpointUrl: 'http://s3:1'},"
-                      " gs: {endpointUrl: 'http://gcs:2'}}\n")
+    config.write_text("endpoints: {'s3://bkt': {endpointUrl: 'http://minio:9000'}, s3: {endpointUrl: 'http://s3:1'}}\n")
 
     class Args:
         endpoint_url = "http://other:9000"
 
     got = load_fetch_settings(config, env={}, flags=settings.flags_from(Args()))
-    for uri in ("s3://bkt/m/", "s3://elsewhere/m/", "gs://bkt/m/", "az://container/m/", "https://host/m/"):
+    for uri in ("s3://bkt/m/", "s3://elsewhere/m/"):
         assert got.endpoint_for(parse_ref(uri)) == "http://other:9000", uri  # bucket entry or none: the flag wins
-    assert got.endpoints == (("s3://bkt", "http://minio:9000"), ("s3", "http://s3:1"), ("gs", "http://gcs:2"))
+    assert got.endpoints == (("s3://bkt", "http://minio:9000"), ("s3", "http://s3:1"))
     without = load_fetch_settings(config, env={}, flags=settings.flags_from(object()))
     assert without.endpoint_for(parse_ref("s3://bkt/m/")) == "http://minio:9000"
-    assert without.endpoint_for(parse_ref("gs://bkt/m/")) == "http://gcs:2"
+    assert without.endpoint_for(parse_ref("gs://bkt/m/")) is None
     # the flag's key is no config field: a file that writes it is not read as the flag
     config.write_text("'--endpoint-url': http://planted:1\n")
     assert load_fetch_settings(config, env={}).endpoint_for(parse_ref("s3://bkt/m/")) is None
+
+
+@pytest.mark.parametrize(("uri", "where"), [("gs://bkt/m/", "STORAGE_EMULATOR_HOST"),
+                                            ("az://container/m/", "AZURE_STORAGE_CONNECTION_STRING"),
+                                            ("hf://org/m", "HF_ENDPOINT"), ("https://host/m/", "reference itself")])
+def test_an_endpoint_flag_for_another_scheme_than_s3_is_refused_not_dropped(uri: str, where: str) -> None:
+    """Only the S3 source takes an endpoint URL. Before, `prefetch gs://... --endpoint-url http://web:8080
+    --no-daemon` ignored the flag and fetched from STORAGE_EMULATOR_HOST's server (exit 0)."""
+    class Args:
+        endpoint_url = "http://other:9000"
+
+    got = load_fetch_settings(env={}, flags=settings.flags_from(Args()))
+    with pytest.raises(ConfigError, match=f"applies to s3:// only.*{where}"):
+        got.endpoint_for(parse_ref(uri))
+
+
+@pytest.mark.parametrize("key", ["gs", "az://container", "https"])
+def test_an_endpoints_entry_for_another_scheme_than_s3_is_refused(key: str, tmp_path: Path) -> None:
+    """A config's `endpoints` entry for gs:// or az:// was accepted and never used."""
+    config = tmp_path / "config.yaml"
+    config.write_text(f"endpoints: {{'{key}': {{endpointUrl: 'http://gcs:2'}}}}\n")
+    with pytest.raises(ConfigError, match=f"endpoints.{key}: an endpoint URL applies to s3:// only"):
+        load_fetch_settings(config, env={})
 
 
 def test_an_endpoint_flag_with_credentials_is_refused_without_echoing_them() -> None:

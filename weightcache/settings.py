@@ -150,12 +150,30 @@ def boolean(value: Any, what: str) -> bool:
     raise ConfigError(f"{what}: expected true or false, got {value!r}")
 
 
+#: Where the endpoint of each scheme but s3 is set: only the S3 source takes an endpoint URL (botocore's
+#: `endpoint_url`), so `--endpoint-url` or an `endpoints` entry for another scheme would be silently dropped (a
+#: gs:// fetch with `--endpoint-url` went to STORAGE_EMULATOR_HOST's server, or Google's, and exited 0).
+OTHER_ENDPOINTS = {
+    "gs": "STORAGE_EMULATOR_HOST (gcsfs)",
+    "az": "AZURE_STORAGE_CONNECTION_STRING's BlobEndpoint or AZURE_STORAGE_ACCOUNT_NAME (adlfs)",
+    "hf": "HF_ENDPOINT",
+}
+
+
+def _s3_only(scheme: str, what: str) -> None:
+    if scheme != "s3":
+        where = OTHER_ENDPOINTS.get(scheme, f"the {scheme}:// reference itself (it names its server)")
+        raise ConfigError(f"{what}: an endpoint URL applies to s3:// only, and {scheme}:// would not use it; "
+                          f"{scheme}:// takes its endpoint from {where}")
+
+
 def _endpoints(value: Any, what: str) -> tuple[tuple[str, str], ...]:
-    """`{s3: {endpointUrl: http://minio:9000}, "s3://special-bucket": {endpointUrl: ...}}`."""
+    """`{s3: {endpointUrl: http://minio:9000}, "s3://special-bucket": {endpointUrl: ...}}`: s3 only."""
     if not isinstance(value, dict):
         raise ConfigError(f"{what}: expected a mapping such as {{s3: {{endpointUrl: http://minio:9000}}}}")
     out = []
     for key, entry in value.items():
+        _s3_only(str(key).partition("://")[0], f"{what}.{key}")
         if not isinstance(entry, dict):
             raise ConfigError(f"{what}.{key}: expected a mapping with endpointUrl")
         reject_unknown(entry, {"endpointUrl": None}, f"{what}.{key}")
@@ -203,10 +221,11 @@ class FetchSettings:
     endpoints: tuple[tuple[str, str], ...] = setting((), "endpoints", _endpoints, {
         "type": "object", "additionalProperties": {
             "type": "object", "additionalProperties": False, "properties": {"endpointUrl": URL}}}, shown="none")
-    """Object-store endpoint overrides, by scheme or by `scheme://bucket` (the more specific wins):
+    """S3 endpoint overrides, for all of s3:// or by `s3://bucket` (the more specific wins):
     `{s3: {endpointUrl: "http://minio.storage:9000"}, "s3://special": {endpointUrl: "https://..."}}`; where none
-    applies, the SDK's own (`AWS_ENDPOINT_URL`). Credentials never go here: they come from the environment (AWS
-    chain, workload identity)."""
+    applies, the SDK's own (`AWS_ENDPOINT_URL`). Another scheme's key is refused (gs:// reads
+    STORAGE_EMULATOR_HOST, az:// its connection string, hf:// HF_ENDPOINT). Credentials never go here: they come
+    from the environment (AWS chain, workload identity)."""
     proxies: tuple[tuple[str, str], ...] = setting((), "proxies", _proxies,
                                                    {"type": "object", "additionalProperties": URL}, shown="none")
     """An HTTP(S) forward proxy per scheme or `scheme://bucket` (the more specific wins), for s3, http(s), hf and
@@ -229,8 +248,12 @@ class FetchSettings:
 
     def endpoint_for(self, ref: ModelRef) -> str | None:
         """The endpoint for a reference: --endpoint-url, whatever the reference's scheme (it overrides the most
-        specific entry the table has for it), else `scheme://bucket`, else `scheme`; None = the SDK's default."""
-        return self.endpoint_flag or _most_specific(self.endpoints, ref)
+        specific entry the table has for it), else `scheme://bucket`, else `scheme`; None = the SDK's default.
+        The flag with a reference of another scheme than s3 is refused (ConfigError, exit 2), never dropped."""
+        if self.endpoint_flag is not None:
+            _s3_only(ref.scheme, f"--endpoint-url with {ref.uri}")
+            return self.endpoint_flag
+        return _most_specific(self.endpoints, ref)
 
     def proxy_for(self, ref: ModelRef) -> str | None:
         """The forward proxy for a reference's source, chosen like its endpoint; None = no proxy of ours."""
