@@ -19,6 +19,7 @@ from weightcache.errors import IntegrityError, SafetensorsHeaderError
 from weightcache.fetch import signed
 from weightcache.fetch.handover import HandOver
 from weightcache.fetch.items import Item, partial, serve_partials
+from weightcache.peers.identity import COMPOSITE
 from weightcache.sources import Source
 from weightcache.store import BlobWriter, FileEntry, Snapshot, Store, validate_tree
 from weightcache.vocabulary import NO_SOURCE_CHECK
@@ -46,8 +47,14 @@ def verified(item: Item, source: Source) -> str:
                 item.check = NO_SOURCE_CHECK
         got = part.source_check.hexdigest()
         if want and want not in got.split():  # a multipart ETag of inferred part sizes: one digest each
-            hint = (" (the store does not say its part size; parts of another size than these would differ too)"
-                    if "," in algorithm else "")
+            # where the store does not say the part size (Ceph radosgw 16), a mismatch is other bytes or parts of
+            # a size not tried: say so, one size tried or several, so valid bytes do not read as corruption alone
+            hint = ""
+            if algorithm.startswith(COMPOSITE) and ("," in algorithm or source.part_sizes_guessed(item.obj)):
+                tried = ", ".join(f"{int(n) / (1 << 20):g} MiB" for n in algorithm[len(COMPOSITE):].split(","))
+                hint = (f" (the store does not say its part size; tried {tried}: an object uploaded in parts of "
+                        "another size differs too and cannot be checked here; upload it with a checksum, "
+                        "e.g. aws s3 cp --checksum-algorithm SHA256)")
             raise IntegrityError(f"{item.relpath}: {algorithm} {got} does not match the source's {want}{hint}")
     return sha
 

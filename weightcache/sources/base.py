@@ -178,6 +178,11 @@ class Source(Protocol):
         """The part sizes to check a multipart ETag over (S3's, sources/s3.py); None: nothing to check."""
         return None
 
+    def part_sizes_guessed(self, obj: ObjectInfo) -> bool:
+        """Whether `multipart_check`'s sizes for `obj` were guessed (the store does not say them), so that a
+        mismatch may be parts of another size rather than other bytes."""
+        return False
+
     def head(self, obj: ObjectInfo, **params: Any) -> Mapping[str, Any] | None:
         """The store's HEAD of `obj`'s listed version with `params` (S3's HeadObject, which peers/identity.py
         reads an origin identity from); None where the source has no such request."""

@@ -235,6 +235,7 @@ class S3Source(Source):
         self.endpoint_url = (o.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3")
                              or os.environ.get("AWS_ENDPOINT_URL"))
         self._not_md5: set[str] = set()  # keys whose responses showed SSE-KMS/SSE-C: their ETag is no MD5
+        self._guessed_parts: set[str] = set()  # keys whose part sizes the store did not say (PART_SIZES tried)
         config = Config(
             max_pool_connections=o.pool_size,
             retries={"total_max_attempts": 1, "mode": "standard"},  # weightcache.retry is the one loop that counts
@@ -294,6 +295,7 @@ class S3Source(Source):
             return None
         count, parts = int(m[2]), int(first.get("PartsCount") or 0)
         if not parts:  # ?partNumber= ignored: the whole object answered
+            self._guessed_parts.add(obj.key)
             return [p for p in PART_SIZES if -(-obj.size // p) == count] or None
         part = int(first.get("ContentLength") or 0)
         if parts != count or part <= 0 or -(-obj.size // part) != count:
@@ -304,6 +306,9 @@ class S3Source(Source):
             if int(last.get("ContentLength") or -1) != obj.size - (count - 1) * part:
                 return None  # parts of unequal sizes: their boundaries are not known
         return [part]
+
+    def part_sizes_guessed(self, obj: ObjectInfo) -> bool:
+        return obj.key in self._guessed_parts
 
     def head(self, obj: ObjectInfo, **params: Any) -> dict[str, Any]:
         """HeadObject of `obj`'s listed version, with `params` (IfMatch, PartNumber): one request, no retry (the
