@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import itertools
+import logging
 import os
 import socket
 import struct
@@ -617,6 +618,35 @@ def test_a_live_relay_behind_a_full_link_is_waited_for_not_taken_for_cut(origin:
     assert got == obj.size // 2
     assert owner.requests == 1, "the live owner's stream was cut, and its range asked again"
     assert origin.requests_for("GET", f"/models/llama/{obj.relpath}") == [], "the owner's range read from the origin"
+
+
+def test_an_owner_the_silence_probe_finds_unreachable_has_its_range_taken_over_at_once(
+        origin: FaultProxy, caplog: pytest.LogCaptureFixture) -> None:
+    """The owner relaying a range is cut off for 6 s after its first 256 KiB (no handshake completes: its queue
+    drops every SYN, nothing refused), while this node, next in rank, still receives from elsewhere. Silent for
+    SILENT_S and answering no connect within the probe's wait (as long as its answers take, ab38ba6), it is down,
+    and this node takes its range over at once (reads it from the origin). Before, the node next in rank waited
+    DOWN_S (2 s) more to confirm the owner down, a rule (5a6f39b) from before the probe waited as long as answers
+    take: the --faults bench's n15 handed the cut node's ranges on 3-4.4 s after the cut, the others within 1-2 s."""
+    caplog.set_level(logging.INFO, logger="weightcache.peers.source")
+    with relay_beside_origin(origin, "relay-full-link", every_s=0.1, silent_s=6.0) as (owner, asker, obj, body, _):
+        silent_at = None
+        with closing(asker.read_pieces(obj, 0, obj.size // 2, memoryview(bytearray(256 << 10)))) as pieces:
+            for at, view in pieces:
+                assert bytes(view) == body[at:at + len(view)]
+                if silent_at is not None:
+                    break
+                silent_at = time.time()  # its first 256 KiB: its silence and its full queue begin
+    assert silent_at is not None
+    found = [r.created for r in caplog.records if "answered no connect" in r.getMessage()]  # the probe's verdict
+    taken = [r.created for r in caplog.records if "is not there for them" in r.getMessage()]
+    assert found and taken, "the owner never found unreachable, or its range never taken over"
+    # from the probe's verdict: its wait (SILENT_S, then a connect its full queue may yet take: probed again once
+    # its silence doubled) is the probe's, not this rule's
+    print(f"the unreachable owner's range taken over {taken[0] - silent_at:.2f} s into its silence, "
+          f"{taken[0] - found[0]:.2f} s after the probe found it unreachable")
+    assert taken[0] - found[0] < 1.0, f"taken over {taken[0] - found[0]:.2f} s after the probe's verdict"
+    assert owner.requests == 1
 
 
 def test_the_full_link_fixture_accepts_again_after_its_silence_though_a_probe_filled_its_queue() -> None:

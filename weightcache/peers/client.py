@@ -98,12 +98,13 @@ class PeerLied(SourceError):
 
 class PeerUnreachable(SourceError):
     """The peer did not answer (refused, timed out, reset). `timed_out`: nothing came back at all (no refusal, no
-    reset): its link may be cut for a while, or it may be gone (source.PeerSource._asks)."""
+    reset): its link may be cut for a while, or it may be gone (source.PeerSource._asks). `probed`: the silence
+    probe's verdict (silent, and no connect answered within as long as answers take): it is down, confirmed."""
     answer = Answer(6, 502, "UNAVAILABLE")  # handled inside a fetch; this is what shows if one ever escapes
 
-    def __init__(self, message: str, timed_out: bool = False) -> None:
+    def __init__(self, message: str, timed_out: bool = False, probed: bool = False) -> None:
         super().__init__(message)
-        self.timed_out = timed_out
+        self.timed_out, self.probed = timed_out, probed
 
 
 def connect_timed_out(exc: BaseException | None) -> bool:

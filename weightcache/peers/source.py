@@ -349,6 +349,8 @@ class PeerSource(Source):
         self._benched: dict[str, tuple[float, int]] = {}  # peer cut as slow -> (left out until, times)
         # peer -> when it went down: its ranges go to the next node (_serving_owner) until it is heard from again
         self._down: dict[str, float] = {}
+        # peer -> the `_down` time the silence probe confirmed (PeerUnreachable.probed): not waited on (_unconfirmed)
+        self._sure: dict[str, float] = {}
         self._reprobing: set[str] = set()  # down peers a thread asks again (_reprobe), not the fetch's rounds
         self._heard: dict[str, float] = {}  # peer -> when it last answered this fetch or sent it a byte
         self._handed: dict[tuple[str, int], str | None] = {}  # (key, range end) -> the node its owner handed it to
@@ -609,7 +611,7 @@ class PeerSource(Source):
                 ask.pending = ask.stop = True
                 return
             self._stats.error(peer.url)
-            self._went_down(peer, ask.blob, ask.size)
+            self._went_down(peer, ask.blob, ask.size, sure=isinstance(exc, PeerUnreachable) and exc.probed)
             log.warning("peer %s failed at byte %d of %s (%s); the rest of the range from another source",
                         peer.url, ask.pos, ask.obj.relpath, exc)
         finally:
@@ -888,8 +890,7 @@ class PeerSource(Source):
                     # been found dead (a live node may miss a probe: a --faults run took one for cut at its full
                     # link, and the node after it in rank read its range from the origin again at once)
                     return lately or url
-                if lately is None and url not in self._dead and self._is_down(url) and \
-                        now - self._down[url] < DOWN_S:
+                if lately is None and self._unconfirmed(url, now):
                     lately = url
                 if passed(url):
                     continue
@@ -905,14 +906,22 @@ class PeerSource(Source):
     def _down_lately(self, url: str) -> bool:
         """`url` is down, under DOWN_S, and not found dead: this node waits on it rather than read its range."""
         with self._lock:
-            return url not in self._dead and self._is_down(url) and time.monotonic() - self._down[url] < DOWN_S
+            return self._unconfirmed(url, time.monotonic())
+
+    def _unconfirmed(self, url: str, now: float) -> bool:
+        """`url` is down, under DOWN_S, not found dead, and not found unreachable by the silence probe (self._lock
+        held). The probe waits as long as answers take (ab38ba6, which came after this wait, 5a6f39b): its verdict
+        is confirmation enough, and waiting DOWN_S more on it held the --faults cut node's ranges at the node next in
+        rank 3-4.4 s after the cut (the other nodes handed them on within 1-2 s)."""
+        return url not in self._dead and self._is_down(url) and now - self._down[url] < DOWN_S and \
+            self._sure.get(url) != self._down[url]
 
     def _is_down(self, url: str) -> bool:
         """`url` failed, or was cut silent, and has not answered or sent a byte since (self._lock held)."""
         since = self._down.get(url)
         return since is not None and self._heard.get(url, -1.0) <= since
 
-    def _went_down(self, peer: PeerClient, blob: Blob, size: int) -> None:
+    def _went_down(self, peer: PeerClient, blob: Blob, size: int, sure: bool = False) -> None:
         """The peer failed, or went silent on every stream and was cut: its ranges go to the next node in rank
         until it answers again, and a thread asks it (a HEAD) meanwhile (_reprobe). Down for DOWN_S only, a
         peer cut off or killed had its ranges handed back to it when that ran out: it failed again (a connect
@@ -922,6 +931,8 @@ class PeerSource(Source):
         with self._lock:
             if not self._is_down(peer.url):  # down since its first failure: its thread's failures confirm it
                 self._down[peer.url] = time.monotonic()
+            if sure:  # the silence probe's verdict: not waited on (_unconfirmed)
+                self._sure[peer.url] = self._down[peer.url]
             if peer.url in self._reprobing:
                 return
             self._reprobing.add(peer.url)
@@ -1223,7 +1234,7 @@ class PeerSource(Source):
         except SourceError as exc:
             if pace.unreachable:  # the watchdog's probe: its link is cut, or it is dead (a failure, not slowness)
                 raise PeerUnreachable(f"peer {peer.url} sent nothing for {SILENT_S:g} s and answered no connect "
-                                      f"within {flow.probe_s:.1f} s") from exc
+                                      f"within {flow.probe_s:.1f} s", probed=True) from exc
             if pace.was_cut:
                 raise PeerTooSlow(f"peer {peer.url} sent {pace.describe()}") from exc
             raise
