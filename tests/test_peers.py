@@ -742,30 +742,30 @@ def test_the_next_node_in_rank_reads_a_down_owners_range_only_once_it_is_confirm
             owner.peers.inflight.release(claim)
 
 
-def test_a_range_of_an_owner_busy_serving_this_node_its_other_ranges_waits_its_turn(
-        origin: FaultProxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The owner serves this node as many streams as it allows (429 beyond) and they flow: its other range waits
-    its turn past PENDING_S rather than go to the origin. Before, it counted as a range with no byte for
-    PENDING_S, given up on: the --faults node that took over the cut and the killed nodes' shares (four ranges)
-    answered 429 to the nodes behind on them, and they read three of those ranges from the origin again."""
-    monkeypatch.setattr(source_module, "PENDING_S", 2.0)
+@contextmanager
+def streaming_its_first_range(origin: FaultProxy, tmp_path: Path,
+                              holding: str) -> Iterator[tuple[PeerSource, ObjectInfo]]:
+    """A node filling a model file from the origin, holding its share (the first half: `holding` "its share") or
+    the whole blob ("the whole blob"), that serves one stream to each asker, paced at 150 kB/s (a second's worth
+    at a time); and an asker ranked after it, streaming the first quarter from it (5 s), its ranges deferred
+    from then on. Yields (the asker, the file); the first quarter must have come whole when the block ends."""
     big = "model-00001.safetensors.bin"
     body = FILES[big]
     sha = hashlib.sha256(body).hexdigest()
     source = open_source(REF, endpoint_url=origin.endpoint_url)
     obj = next(o for o in source.list() if o.relpath == big)
     half, quarter = obj.size // 2, obj.size // 4
-    # one stream to each asker, paced at 150 kB/s (a second's worth at a time): the first quarter takes 5 s
+    held = {"its share": half, "the whole blob": obj.size}[holding]
     with Fleet(tmp_path / "fleet", TOKEN, PeerLimits(rate_bytes_s=150_000, max_streams=1, stream_budget=0)) as fleet, \
             ThreadPoolExecutor(1) as pool:
-        owner = fleet.node("owner")
-        part = PartialFile(tmp_path / "owner.part", obj, range_size=1 << 16)
+        node = fleet.node("filling")
+        part = PartialFile(tmp_path / "filling.part", obj, range_size=1 << 16)
         part.open()
-        owner.peers.inflight.add(sha, part)
-        part.write(0, memoryview(body[:half]), memoryview(bytearray(1 << 16)))  # its share, read from the origin
-        owner.peers.inflight.from_origin(sha, 0, half)
-        peers = PeerSet([PeerClient(owner.url, TOKEN, connect_timeout=2.0, read_timeout=5.0)],
-                        self_url="http://127.0.0.2:1")  # ranks after the owner: the first half is its share
+        node.peers.inflight.add(sha, part)
+        part.write(0, memoryview(body[:held]), memoryview(bytearray(1 << 16)))  # read from the origin
+        node.peers.inflight.from_origin(sha, 0, held)
+        peers = PeerSet([PeerClient(node.url, TOKEN, connect_timeout=2.0, read_timeout=5.0)],
+                        self_url="http://127.0.0.2:1")  # ranks after it: the first half is its share
         asker = peers.wrap(source, {obj.key: (sha, obj.size)})
         asker.spread([(obj.key, 0, quarter), (obj.key, quarter, half - quarter), (obj.key, half, obj.size - half)],
                      key=lambda r: r)
@@ -773,6 +773,23 @@ def test_a_range_of_an_owner_busy_serving_this_node_its_other_ranges_waits_its_t
             obj, 0, quarter, memoryview(bytearray(64 << 10)))))
         wait_until(lambda: asker.peer_bytes > 0, timeout=10, what="the first range's stream", every=0.02)
         asker.defer_while(lambda: True)
+        yield asker, obj
+        assert first.result(30) == quarter
+        node.peers.inflight.remove(sha, part)
+        part.close()
+        peers.close()
+    source.close()
+
+
+def test_a_range_of_an_owner_busy_serving_this_node_its_other_ranges_waits_its_turn(
+        origin: FaultProxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The owner serves this node as many streams as it allows (429 beyond) and they flow: its other range waits
+    its turn past PENDING_S rather than go to the origin. Before, it counted as a range with no byte for
+    PENDING_S, given up on: the --faults node that took over the cut and the killed nodes' shares (four ranges)
+    answered 429 to the nodes behind on them, and they read three of those ranges from the origin again."""
+    monkeypatch.setattr(source_module, "PENDING_S", 2.0)
+    with streaming_its_first_range(origin, tmp_path, holding="its share") as (asker, obj):
+        half, quarter = obj.size // 2, obj.size // 4
         before = len(origin.requests_for("GET", "/models/llama/"))
         started = time.monotonic()
         while time.monotonic() - started < 3.0:  # past PENDING_S: the owner still busy with the first
@@ -780,11 +797,6 @@ def test_a_range_of_an_owner_busy_serving_this_node_its_other_ranges_waits_its_t
                 next(asker.read_pieces(obj, quarter, half - quarter, memoryview(bytearray(64 << 10))))
             time.sleep(0.1)
         assert len(origin.requests_for("GET", "/models/llama/")) == before  # nothing of it from the origin
-        assert first.result(30) == quarter
-        owner.peers.inflight.remove(sha, part)
-        part.close()
-        peers.close()
-    source.close()
 
 
 def test_an_owner_moving_its_download_to_its_blob_is_asked_again_not_the_origin(origin: FaultProxy, fleet: Fleet,
@@ -1272,40 +1284,13 @@ def test_a_filling_peer_busy_with_this_nodes_other_streams_is_waited_for_not_the
     origin. Before, a busy answer from a peer not the range's owner sent the range to the origin at once: in a
     --faults run the cut node, its link back, was told busy by the node after it and read the ranges that node
     had taken over again (4.2 MB, 0.13x the model)."""
-    big = "model-00001.safetensors.bin"
-    body = FILES[big]
-    sha = hashlib.sha256(body).hexdigest()
-    source = open_source(REF, endpoint_url=origin.endpoint_url)
-    obj = next(o for o in source.list() if o.relpath == big)
-    half, quarter = obj.size // 2, obj.size // 4
-    # one stream to each asker, paced at 150 kB/s (a second's worth at a time): the first quarter takes 5 s
-    with Fleet(tmp_path / "fleet", TOKEN, PeerLimits(rate_bytes_s=150_000, max_streams=1, stream_budget=0)) as fleet, \
-            ThreadPoolExecutor(1) as pool:
-        after = fleet.node("after")
-        part = PartialFile(tmp_path / "after.part", obj, range_size=1 << 16)
-        part.open()
-        after.peers.inflight.add(sha, part)
-        part.write(0, memoryview(body), memoryview(bytearray(1 << 16)))  # its share and this node's, from the origin
-        after.peers.inflight.from_origin(sha, 0, obj.size)
-        peers = PeerSet([PeerClient(after.url, TOKEN, connect_timeout=2.0, read_timeout=5.0)],
-                        self_url="http://127.0.0.2:1")  # ranks after it: the second half is this node's share
-        asker = peers.wrap(source, {obj.key: (sha, obj.size)})
-        asker.spread([(obj.key, 0, quarter), (obj.key, quarter, half - quarter), (obj.key, half, obj.size - half)],
-                     key=lambda r: r)
-        first = pool.submit(lambda: sum(len(v) for _, v in asker.read_pieces(
-            obj, 0, quarter, memoryview(bytearray(64 << 10)))))
-        wait_until(lambda: asker.peer_bytes > 0, timeout=10, what="the first range's stream", every=0.02)
-        asker.defer_while(lambda: True)
+    with streaming_its_first_range(origin, tmp_path, holding="the whole blob") as (asker, obj):
+        half = obj.size // 2
         before = len(origin.requests_for("GET", "/models/llama/"))
         with pytest.raises(Later) as later:  # "busy": its turn waited for
             next(asker.read_pieces(obj, half, obj.size - half, memoryview(bytearray(64 << 10))))
         assert later.value.pos == half and later.value.delay == source_module.BUSY_S
         assert len(origin.requests_for("GET", "/models/llama/")) == before  # nothing of it from the origin
-        assert first.result(30) == quarter
-        after.peers.inflight.remove(sha, part)
-        part.close()
-        peers.close()
-    source.close()
 
 
 def test_a_connect_timing_out_just_after_this_nodes_link_came_back_from_a_cut_is_its_own_link(
