@@ -192,6 +192,7 @@ class Daemon:
     socket: Path
     log: Path
     cpu_before: float = 0.0
+    sys_before: float = 0.0
     ready_s: float = 0.0
     error: str = ""
     stats: dict[str, float] = field(default_factory=dict)
@@ -201,8 +202,14 @@ class Daemon:
         return DaemonClient(self.socket, timeout=600)
 
     def cpu_s(self) -> float:
+        return sum(self.cpu_split())
+
+    def cpu_split(self) -> tuple[float, float]:
+        """The daemon's user and system CPU seconds so far (system: its syscalls and the kernel's work for its
+        sockets done in its time, the links' shaping included)."""
         fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        tick = os.sysconf("SC_CLK_TCK")
+        return int(fields[11]) / tick, int(fields[12]) / tick
 
     def peak_rss_mb(self) -> float:
         m = re.search(r"VmHWM:\s+(\d+) kB", Path(f"/proc/{self.proc.pid}/status").read_text())
@@ -404,7 +411,7 @@ def fill(net: Net, n: int, work: Path, args: argparse.Namespace, model: int) -> 
             if roles.get(d.index) == "liar":
                 make_liar(d, uri, run_dir / f"n{d.index}", parse_size(args.chunk_size, "--chunk-size"))
         for d in daemons:
-            d.cpu_before = d.cpu_s()
+            d.cpu_before, d.sys_before = d.cpu_s(), d.cpu_split()[1]
         sent_before = tx_bytes(PREFIX + "origin", "eth0")
         started = time.monotonic()
 
@@ -438,7 +445,8 @@ def fill(net: Net, n: int, work: Path, args: argparse.Namespace, model: int) -> 
                 d.error = ""  # its fetch died with it, as planned
                 continue
             text = d.client()._call("GET", "/metrics", raw=True)
-            d.stats = {"cpu_s": d.cpu_s() - d.cpu_before, "rss_mb": d.peak_rss_mb(),
+            d.stats = {"cpu_s": d.cpu_s() - d.cpu_before, "sys_s": d.cpu_split()[1] - d.sys_before,
+                       "rss_mb": d.peak_rss_mb(),
                        "origin": d.metric(text, "weightcache_model_fetched_bytes_total", 'source="origin"'),
                        "peers": d.metric(text, "weightcache_model_fetched_bytes_total", 'source="peers"'),
                        "served": d.metric(text, "weightcache_peer_served_bytes_total"),
@@ -476,6 +484,7 @@ def fill(net: Net, n: int, work: Path, args: argparse.Namespace, model: int) -> 
         "ready_s": [round(d.ready_s, 2) for d in daemons],
         "all_ready_s": round(max(d.ready_s for d in live), 2),
         "cpu_s": [round(d.stats.get("cpu_s", 0.0), 2) for d in daemons],
+        "cpu_sys_s": [round(d.stats.get("sys_s", 0.0), 2) for d in daemons],  # of cpu_s: the kernel's
         "rss_mb": [round(d.stats.get("rss_mb", 0.0)) for d in daemons],
         "max_rss_mb": round(max(d.stats.get("rss_mb", 0.0) for d in daemons)),
         "served_mb": [round(s / 1e6, 1) for s in served],
@@ -549,7 +558,8 @@ def print_row(row: dict[str, Any], one: float) -> None:
           f"{row['origin_egress_ratio']:.2f}x); all ready {row['all_ready_s']:.1f} s = {row['all_ready_ratio']:.2f}x "
           f"one node alone; peer cuts {row['peer_cuts']}; max served share {row['max_served_share']:.2f}")
     print(f"  ready s:   {' '.join(f'{x:.1f}' for x in row['ready_s'])}")
-    print(f"  CPU s:     {' '.join(f'{x:.1f}' for x in row['cpu_s'])}")
+    print(f"  CPU s:     {' '.join(f'{x:.1f}' for x in row['cpu_s'])} (all {sum(row['cpu_s']):.0f}, of it system "
+          f"{sum(row['cpu_sys_s']):.0f})")
     print(f"  RSS MiB:   {' '.join(str(x) for x in row['rss_mb'])}")
     print(f"  served MB: {' '.join(f'{x:.0f}' for x in row['served_mb'])}")
     if row.get("cut_moved_s"):

@@ -63,6 +63,11 @@ class ConnectionLimits:
     body_timeout_s: float = 30.0
     idle_timeout_s: float = 15.0
     tls_shutdown_timeout_s: float = 2.0  # a client answers close_notify in one round trip; asyncio waits 30 s
+    # > 0: the kernel hands over a connection only once its first bytes came (or this many seconds passed:
+    # TCP_DEFER_ACCEPT, Linux). A connect closed unused (the peers' silence probe: client.reachable) then never
+    # reaches the process: at N = 32 each daemon accepted ~1,100 of them a fill, an aiohttp protocol set up and
+    # torn down for each (8 % of its event loop, docs/peers.md "Less CPU a byte")
+    defer_accept_s: int = 0
 
     def runner_args(self) -> dict[str, Any]:
         """aiohttp runner arguments: its keep-alive timeout closes connections idle between requests (it never
@@ -75,6 +80,7 @@ class GuardStats:
     """What the guard did; `active` is the number of open TCP connections it admitted."""
 
     active: int = 0
+    accepted: int = 0  # connections the kernel handed over, all told
     closing: int = 0  # connections the guard aborted whose descriptor asyncio has not closed yet
     refused: int = 0
     shed: int = 0  # half-sent requests closed to make room for a new connection
@@ -129,6 +135,7 @@ class _Guard(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
+        self._stats.accepted += 1
         if self._stats.active + self._stats.closing >= self._limits.max_connections:  # descriptors, not slots
             victim = next(iter(self._stats.waiting), None)
             if victim is None:  # every slot holds a real request
@@ -379,6 +386,8 @@ class GuardedTCPSite(web.BaseSite):
                                                 self._port, backlog=self._backlog, reuse_address=True)
         sock: socket.socket = self._server.sockets[0]
         self.port = sock.getsockname()[1]
+        if self.limits.defer_accept_s and hasattr(socket, "TCP_DEFER_ACCEPT"):  # Linux; elsewhere accepted at once
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT, int(self.limits.defer_accept_s))
 
 
 class RateLimitFilter(logging.Filter):

@@ -85,11 +85,21 @@ class Limiter:
         """`acquire` for a coroutine: waits on the event loop (the peer server paces its sends with one)."""
         if n <= 0 or not self._rate:
             return
+        if (wait := self._grant(n, None)) <= 0:  # granted at once (the peer server's slices, mostly): no generator
+            return
         import asyncio  # here: a CLI fetch paces threads only, and asyncio's import was 0.02-0.07 s of its start
 
-        with closing(self._pauses(n)) as pauses:
-            for pause in pauses:
-                await asyncio.sleep(pause)
+        started: float | None = self._clock()  # counted as a waiter by that _grant: as in _pauses
+        try:
+            while True:
+                await asyncio.sleep(min(wait, POLL_S))
+                if (wait := self._grant(n, started)) <= 0:
+                    started = None
+                    return
+        finally:
+            if started is not None:  # cancelled while waiting: no longer a waiter
+                with self._lock:
+                    self._waiting -= 1
 
     def _pauses(self, n: int) -> Generator[float, None, None]:
         """The waits before `n` bytes are allowed (none when they are now), each at most POLL_S; taken when it

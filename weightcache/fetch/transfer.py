@@ -39,6 +39,10 @@ log = logging.getLogger(__name__)
 
 LOCAL_LARGE_PIECE = 1 << 20  # a local source's piece this large is worth a thread of its own (see workers)
 SPLIT_STALL = 2.0  # seconds without a piece after which an idle worker halves a range (_Reading); 5x for a first
+# an idle worker (no task left) waits at most this long between looks for a stalled range, unless one may stall
+# sooner or a range ends: at 0.05 s a fleet fill's idle workers (up to FLEET_MAX_WORKERS) woke ~1,000 times a
+# second, each wake a GIL hand-off (a fetch cancelled meanwhile ends its idle workers within this)
+IDLE_WAIT_S = 1.0
 LATER_S = 0.2  # a range whose bytes are on their way to a peer (Later) is taken again after this
 FLEET_RANGES_PER_NODE = 2  # with peers, ranges are cut so that every node of a fleet owns this many (_finer)
 FLEET_MIN_PIECES = 4
@@ -255,7 +259,7 @@ class _Round:
             if taken is not None:
                 self.read(*taken)
             else:
-                self.reading.wait_end(0.05)
+                self.reading.wait_end()
                 if self.abort.is_set():
                     return
             self.check_cancel()
@@ -272,10 +276,12 @@ class _Round:
                 done, _ = wait(futures, return_when=FIRST_EXCEPTION)
             except BaseException:  # KeyboardInterrupt in the main thread: stop the workers, keep the journal, and
                 self.abort.set()  # do not join them: one may sit in a read the origin holds until its timeout
+                self.reading.wake()
                 pool.shutdown(wait=False, cancel_futures=True)
                 raise
             if errors := [e for f in done if (e := f.exception()) is not None]:
-                self.abort.set()  # the other workers return at their next read
+                self.abort.set()  # the other workers return at their next read, the idle ones at once
+                self.reading.wake()
             pool.shutdown()
             if errors:
                 _handle_failure(errors[0], self.items, self.t.store)
@@ -333,13 +339,25 @@ class _Reading:
         with self._mu:
             return bool(self._ranges)
 
-    def wait_end(self, timeout: float) -> None:
-        """Wait until a range ends or `timeout` passes (a stall to look for again). The workers with no task
-        left wait here for the last range: waking only every 50 ms, they held the round's end, and the fetch,
-        by up to that after its last byte was hashed (36 ms of an 88 MB fetch's 0.55 s)."""
+    def wait_end(self) -> None:
+        """Wait until a range ends, the round aborts (`wake`), or a range being read could have stalled long
+        enough to be halved (`split`; IDLE_WAIT_S at most). The workers with no task left wait here for the last
+        range: waking only every 50 ms, they held the round's end, and the fetch, by up to that after its last
+        byte was hashed (36 ms of an 88 MB fetch's 0.55 s); and a fleet's many idle workers woke ~1,000 times a
+        second, each wake a GIL hand-off. The ranges are looked at under the lock the ending one notifies with,
+        so no end is missed."""
         with self._mu:
-            if self._ranges:
-                self._ended.wait(timeout)
+            if not self._ranges:
+                return
+            now = time.monotonic()
+            due = [e.last + (SPLIT_STALL if e.started else 5 * SPLIT_STALL) - now for e in self._ranges.values()
+                   if e.end - e.next - self.piece >= SPLIT_MIN]
+            self._ended.wait(max(0.01, min([IDLE_WAIT_S, *due])))
+
+    def wake(self) -> None:
+        """Every idle worker looks again now (the round aborts)."""
+        with self._mu:
+            self._ended.notify_all()
 
     def split(self) -> Piece | None:
         """The back half of the stalled range with the most bytes left, or None."""

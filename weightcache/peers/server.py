@@ -96,7 +96,7 @@ class PeerLimits:
     stream_budget: int = 32
     min_streams: int = 2
     listener: ConnectionLimits = field(default_factory=lambda: ConnectionLimits(
-        max_connections=128, header_timeout_s=10.0, body_timeout_s=10.0, idle_timeout_s=30.0))
+        max_connections=128, header_timeout_s=10.0, body_timeout_s=10.0, idle_timeout_s=30.0, defer_accept_s=10))
 
 
 @dataclass
@@ -168,6 +168,7 @@ class PeerServer:
         self.app.router.add_get(ORIGIN_ROUTE, self._origin)  # and HEAD
         self.app.router.add_get(ENGINE_CACHE_ROUTE, self._engine_cache)
         self._runner: web.AppRunner | None = None
+        self.site: GuardedTCPSite | None = None  # its `stats` count the connections the listener took
         self.port = 0
 
     async def start(self, host: str, port: int) -> int:
@@ -176,7 +177,7 @@ class PeerServer:
         self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False,
                                      **self.limits.listener.runner_args())
         await self._runner.setup()
-        site = GuardedTCPSite(self._runner, host, port, limits=self.limits.listener)
+        self.site = site = GuardedTCPSite(self._runner, host, port, limits=self.limits.listener)
         await site.start()
         self.port = site.port
         log.info("peer server on %s:%d serving %s", host, self.port, self.blobs_dir)
@@ -466,7 +467,10 @@ class PeerServer:
         them to land its next piece; 0 once no claim brings them (stalled, failed, or the download ended)."""
         assert self.inflight is not None
         while True:
-            landing = self.inflight.watch(digest)  # before looking: a piece landing meanwhile still wakes it
+            # most slices of a relay are journalled already (a piece lands 8 slices): sent without a future
+            if (got := self.inflight.origin_end(digest, partial, start, end)) > start:
+                return got - start
+            landing = self.inflight.watch(digest)  # before looking again: a piece landing meanwhile still wakes it
             try:
                 if (got := self.inflight.origin_end(digest, partial, start, end)) > start:
                     return got - start

@@ -1,0 +1,68 @@
+"""What a daemon's peer server spends per probe, per slice and per stream: the netns bench's N = 32 fill saturated a
+2-core machine with 32 daemons' event loops (docs/peers.md, "Less CPU a byte")."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import urllib3
+
+from tests.peers_fleet import Fleet
+from weightcache.fetch import transfer
+from weightcache.fetch.items import Item
+from weightcache.peers.client import reachable
+from weightcache.sources.base import ObjectInfo
+
+TOKEN = b"peer-token-0123456789abcdef"
+AUTH = {"Authorization": "Bearer " + TOKEN.decode()}
+
+
+def test_the_silence_probes_connects_never_reach_the_peer_servers_process(tmp_path: Path) -> None:
+    """A silence probe (client.reachable) connects and resets, sending nothing: the kernel answers its handshake, so
+    the probe sees a live peer, and the connection never reaches the server's event loop (TCP_DEFER_ACCEPT). Each
+    cost the peer an accept and an aiohttp protocol set up and torn down: ~1,100 a fill at N = 32. A request that
+    sends its bytes is accepted and answered as before."""
+    with Fleet(tmp_path, TOKEN) as fleet:
+        node = fleet.node("a")
+        site = node.server.site
+        assert site is not None
+        for _ in range(20):
+            assert reachable(("127.0.0.1", node.server.port), 2.0)
+        assert site.stats.accepted == 0
+        http = urllib3.PoolManager(retries=False, timeout=10)
+        resp = http.request("GET", f"{node.url}/v1/blobs/sha256/{'0' * 64}", headers=AUTH)
+        http.clear()
+        assert resp.status == 404
+        assert site.stats.accepted == 1
+
+
+def test_an_idle_fetch_worker_waits_for_a_range_to_end_or_to_stall_not_every_50_ms() -> None:
+    """A worker with no task left waits for the ranges still being read: it returns when one ends, when the round
+    aborts, or when one could have stalled long enough to be halved (SPLIT_STALL without a piece), and otherwise
+    looks again only every IDLE_WAIT_S. It looked every 50 ms: a fleet fill at N = 32 has 64 workers a node, most
+    of them idle once their ranges are done, ~1,000 wake-ups (GIL hand-offs) a second in each daemon."""
+    piece = 256 << 10
+    reading = transfer._Reading(piece)
+    item = Item(ObjectInfo("k", "w.bin", 64 * piece, None, None, None), "w.bin")
+
+    def waited(act: Callable[[], None] | None = None, after: float = 0.0) -> float:
+        if act is not None:
+            threading.Timer(after, act).start()
+        began = time.monotonic()
+        reading.wait_end()
+        return time.monotonic() - began
+
+    entry = reading.begin(item, 0, 64 * piece)  # no piece yet: halved after 5 x SPLIT_STALL (10 s)
+    assert transfer.IDLE_WAIT_S - 0.05 <= waited() <= transfer.IDLE_WAIT_S + 0.5
+    assert waited(lambda: reading.end(entry), after=0.2) < 0.6  # woken by the range's end
+    entry = reading.begin(item, 0, 64 * piece)
+    assert waited(reading.wake, after=0.2) < 0.6  # the round aborts
+    reading.advanced(entry, piece)  # a piece came: it may stall SPLIT_STALL from now, past IDLE_WAIT_S
+    assert waited() >= transfer.IDLE_WAIT_S - 0.05
+    entry.last = time.monotonic() - transfer.SPLIT_STALL + 0.2  # stalled long enough 0.2 s from now
+    assert 0.15 <= waited() < 0.6
+    reading.end(entry)
+    assert waited() < 0.05  # nothing left to wait for
