@@ -13,7 +13,7 @@ import urllib3
 from tests.peers_fleet import Fleet
 from weightcache.fetch import transfer
 from weightcache.fetch.items import Item
-from weightcache.peers.client import reachable
+from weightcache.peers.client import Helpers, reachable
 from weightcache.sources.base import ObjectInfo
 
 TOKEN = b"peer-token-0123456789abcdef"
@@ -66,3 +66,36 @@ def test_an_idle_fetch_worker_waits_for_a_range_to_end_or_to_stall_not_every_50_
     assert 0.15 <= waited() < 0.6
     reading.end(entry)
     assert waited() < 0.05  # nothing left to wait for
+
+
+def test_the_silence_probes_run_on_threads_kept_for_the_next_not_a_thread_each() -> None:
+    """The watchdog's probes ran a new thread each (~15 a second a node in a fleet fill at N = 32): one after
+    another they now run on one kept thread, and probes at once each get a thread (a probe waits seconds on a
+    silent peer: none may queue behind another)."""
+    helpers = Helpers("test-probe")
+    done = threading.Semaphore(0)
+    for _ in range(20):
+        helpers.run(done.release)
+        assert done.acquire(timeout=5)
+        deadline = time.monotonic() + 5
+        while helpers._idle == 0 and time.monotonic() < deadline:  # the thread is idle again once its job returned
+            time.sleep(0.001)
+    assert helpers.started == 1
+    release = threading.Event()
+    ran: list[int] = []
+
+    def blocked(i: int) -> None:
+        ran.append(i)
+        release.wait(10)
+        done.release()
+
+    for i in range(5):
+        helpers.run(blocked, i)
+    deadline = time.monotonic() + 5
+    while len(ran) < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(ran) == [0, 1, 2, 3, 4]  # all at once, none waiting on another
+    assert helpers.started == 5
+    release.set()
+    for _ in range(5):
+        assert done.acquire(timeout=5)

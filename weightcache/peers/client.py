@@ -12,13 +12,14 @@ import contextlib
 import functools
 import http.client
 import logging
+import queue
 import re
 import selectors
 import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import urlencode, urlsplit
 
@@ -619,6 +620,50 @@ class Pace:
                 f"{self.grace_s:g}s{said}")
 
 
+class Helpers:
+    """Daemon threads kept for the next job: the watchdog's silence probes ran a new thread each, and a fleet fill
+    at N = 32 probed ~15 silent relays a second a node (a thread started and torn down each). A job goes to an
+    idle thread, or to a new one when none is idle (jobs never wait on each other: a probe waits seconds); a thread
+    idle for IDLE_S ends."""
+
+    IDLE_S = 30.0
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._jobs: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...]]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0  # threads waiting for a job that no `run` has counted on yet
+        self.started = 0  # threads started, all told
+
+    def run(self, job: Callable[..., None], *args: Any) -> None:
+        with self._lock:
+            spawn = self._idle == 0
+            if spawn:
+                self.started += 1
+            else:
+                self._idle -= 1  # that thread's: it takes this job (or another's just put, the same)
+        self._jobs.put((job, args))
+        if spawn:
+            threading.Thread(target=self._serve, name=self.name, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                job, args = self._jobs.get(timeout=self.IDLE_S)
+            except queue.Empty:
+                with self._lock:
+                    if self._idle > 0:  # nobody counted on this thread: it ends
+                        self._idle -= 1
+                        return
+                continue  # a `run` counted on it as it timed out: its job is coming
+            try:
+                job(*args)
+            except Exception:  # a job's failure is its own; the thread serves the next
+                log.exception("%s failed", self.name)
+            with self._lock:
+                self._idle += 1
+
+
 class _Watchdog:
     """One thread for every Pace of the process: it cuts those that fall below their floor."""
 
@@ -626,6 +671,7 @@ class _Watchdog:
         self._cv = threading.Condition()
         self._paces: set[Pace] = set()
         self._thread: threading.Thread | None = None
+        self.probers = Helpers("peer-probe")
 
     def watch(self, pace: Pace) -> None:
         with self._cv:
@@ -654,8 +700,7 @@ class _Watchdog:
                 silent = self._silent(now)
             for flow, since, wait in silent:
                 flow.probing = True
-                threading.Thread(target=self._probe, args=(flow, since, wait), name="peer-probe",
-                                 daemon=True).start()
+                self.probers.run(self._probe, flow, since, wait)
             with self._cv:
                 self._cv.wait(WATCH_TICK_S)
 
