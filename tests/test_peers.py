@@ -4,6 +4,7 @@ proxy (which records every ranged GET, so origin bytes are counted where they le
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import itertools
 import logging
@@ -839,6 +840,31 @@ def test_a_node_takes_the_share_before_its_own_second_the_one_it_takes_over(tmp_
         peers.close()
 
 
+def test_a_down_owners_ranges_go_to_as_many_nodes_as_its_share_has_ranges(tmp_path: Path) -> None:
+    """Every node agrees on who reads a down owner's ranges: the first to the next node in rank, the second to the
+    node after, so no node relays two shares to the fleet alone; and the second goes on to the node after that one
+    when it is down too, the first to the next node up. Before, the next node in rank took the whole share (in
+    --faults, the node after the cut one took the cut node's share and a killed node's: all ready 2.15-2.82x)."""
+    urls = [f"http://10.0.0.{i}:9479" for i in range(10, 16)]
+    ranges = [("shard", at, 1 << 20) for at in range(0, 12 << 20, 1 << 20)]  # two ranges a node
+    source = open_source(parse_ref(f"file://{tmp_path}/"))
+    down = [urls[2]]  # its HEAD refused: dead for the fetch
+    for down_too, first, second in ((None, urls[3], urls[4]), (urls[4], urls[3], urls[5])):
+        down += [down_too] if down_too else []
+        for me in urls:
+            if me in down:
+                continue
+            peers = PeerSet([PeerClient(u, TOKEN, connect_timeout=1.0, read_timeout=1.0) for u in urls if u != me],
+                            self_url=me)
+            node = peers.wrap(source, {})
+            node.spread(ranges, key=lambda r: r)
+            node._dead.update(down)
+            readers = [node._serving_owner("shard", at, at + (1 << 20), "sha") or me for at in (4 << 20, 5 << 20)]
+            assert readers == [first, second], me
+            peers.close()
+    source.close()
+
+
 def test_a_fleet_node_reads_its_share_from_the_origin_in_small_pieces_that_its_peers_can_follow(
         origin: FaultProxy, fleet: Fleet) -> None:
     """In a fleet each origin piece of a node's share is journalled, then relayed to every other node as it lands
@@ -990,11 +1016,11 @@ def test_a_range_taken_over_from_a_dead_relay_is_read_again_from_its_relayed_sta
 
 
 @contextmanager
-def unanswering(port: int, held: list[socket.socket]) -> Iterator[None]:
-    """127.0.0.1:`port` accepts connections into `held` and answers nothing on them (a node whose link is cut, as an
+def unanswering(port: int, held: list[socket.socket], host: str = "127.0.0.1") -> Iterator[None]:
+    """`host`:`port` accepts connections into `held` and answers nothing on them (a node whose link is cut, as an
     asker with pooled connections sees it: its requests time out). On leaving it stops accepting; what it accepted
     stays open and silent until the caller closes it (a link back resets nothing)."""
-    listener = socket.create_server(("127.0.0.1", port))
+    listener = socket.create_server((host, port))
     listener.settimeout(0.1)
     done = False
 
@@ -1293,6 +1319,108 @@ def test_a_filling_peer_busy_with_this_nodes_other_streams_is_waited_for_not_the
         assert len(origin.requests_for("GET", "/models/llama/")) == before  # nothing of it from the origin
 
 
+def test_a_filling_peer_busy_past_the_ranges_wait_while_it_serves_this_node_is_still_waited_for(
+        origin: FaultProxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As above, and the busy answers last past the range's wait without a byte (PENDING_S) while the peer's other
+    stream to this node flows: the wait counts from the peer's last byte to this node, as for an owner busy serving
+    it, so the range still waits its turn. Before, it counted from the range's own last byte and the range went to
+    the origin: the --faults cut node, its link back, whose slots at the node after it held streams following that
+    node's own slow claims, was told busy for 16-27 s and read the ranges that node had taken over again (0.08x)."""
+    monkeypatch.setattr(source_module, "PENDING_S", 2.0)
+    with streaming_its_first_range(origin, tmp_path, holding="the whole blob") as (asker, obj):
+        half = obj.size // 2
+        before = len(origin.requests_for("GET", "/models/llama/"))
+        started = time.monotonic()
+        while time.monotonic() - started < 3.0:  # past PENDING_S: the peer still busy with the first range
+            with pytest.raises(Later):
+                next(asker.read_pieces(obj, half, obj.size - half, memoryview(bytearray(64 << 10))))
+            time.sleep(0.1)
+        assert len(origin.requests_for("GET", "/models/llama/")) == before  # nothing of it from the origin
+
+
+def test_an_owner_down_that_asks_this_nodes_peer_server_is_up_and_its_range_is_not_taken_over(
+        origin: FaultProxy, fleet: Fleet, tmp_path: Path) -> None:
+    """The owner's link was cut: its HEAD timed out and it is confirmed down, so this node, next in rank, would take
+    its range over. Then the owner's link is back and it asks this node's peer server (for the range it handed on)
+    before this node heard from it otherwise (its HEADs still wait their timeouts): it is up, and its range is its
+    own again, asked of it, not read from the origin. Before, its asks did not count: the --faults cut node, its
+    link back, was told "missing" by the node after it in rank and read on, while that node, not having heard from
+    it, took the share over and read it too (0.16x the model, handback38's run 2)."""
+    buf = memoryview(bytearray(256 << 10))
+    held: list[socket.socket] = []
+    big = "model-00001.safetensors.bin"
+    sha = hashlib.sha256(FILES[big]).hexdigest()
+    taker = fleet.node("taker")  # its peer server hears the owner's asks
+    source = open_source(REF, endpoint_url=origin.endpoint_url)
+    obj = next(o for o in source.list() if o.relpath == big)
+    half = obj.size // 2
+    with socket.socket() as free:  # a port for the owner on its own address (one peer per host)
+        free.bind(("127.0.0.3", 0))
+        port = free.getsockname()[1]
+    owner_url = f"http://127.0.0.3:{port}"
+    peers = PeerSet([PeerClient(owner_url, TOKEN, connect_timeout=1.0, read_timeout=1.0)],
+                    inflight=taker.peers.inflight, self_url="http://127.0.0.4:1")  # ranks after the owner
+    asker = peers.wrap(source, {obj.key: (sha, obj.size)})
+    asker.spread([(obj.key, 0, half), (obj.key, half, obj.size - half)], key=lambda r: r)
+    with contextlib.ExitStack() as closed:
+        closed.callback(source.close)
+        closed.callback(peers.close)
+        closed.callback(lambda: [s.close() for s in held])
+        with unanswering(port, held, "127.0.0.3"):  # cut off: its HEADs time out
+            with closing(asker.read_pieces(obj, half, 256 << 10, buf)) as own:  # its own share: the HEADs
+                assert sum(len(view) for _, view in own) == 256 << 10
+            time.sleep(source_module.DOWN_S + 0.2)  # confirmed down: its range is this node's to read
+            assert asker._serving_owner(obj.key, 0, half, sha) == ""
+            with socket.create_connection(("127.0.0.1", int(taker.url.rsplit(":", 1)[1])),
+                                          source_address=("127.0.0.3", 0)) as ask:  # the owner asks, link back
+                ask.sendall(f"HEAD /v1/blobs/sha256/{sha} HTTP/1.1\r\nHost: taker\r\nAuthorization: Bearer "
+                            f"{TOKEN.decode()}\r\nConnection: close\r\n\r\n".encode())
+                assert ask.recv(1024).startswith(b"HTTP/1.1 404")  # it lacks the blob: answered all the same
+            assert asker._serving_owner(obj.key, 0, half, sha) == owner_url
+            asker.defer_while(lambda: True)
+            before = len(origin.requests_for("GET", "/models/llama/"))
+            with pytest.raises(Later):  # asked of the owner (its answer times out: down again, not confirmed)
+                next(asker.read_pieces(obj, 0, half, buf))
+            assert len(origin.requests_for("GET", "/models/llama/")) == before  # nothing of it from the origin
+
+
+def test_an_owner_cut_off_while_still_planning_has_its_range_handed_on_within_about_a_second(
+        origin: FaultProxy, fleet: Fleet, tmp_path: Path) -> None:
+    """The owner is still listing and planning (its HEAD says "planning"), and so is the node after it: no peer
+    holds the blob and no GET of this fetch was answered. The owner's link is cut: its HEAD waits as long as HEADs
+    take to be answered (SLOW_GRACE_S here), not the read timeout, so it is found down and its range goes to the
+    node after it in rank within about a second, as for an owner cut mid-transfer. Before, the HEAD waited the read
+    timeout (5 s here, 10 s in the daemon) while every round's HEADs waited on it (and a failure after 2 s without
+    an answer from anyone is taken for this node's own link): a --faults node cut off while the fleet was still
+    listing had its share handed on 8 s after the cut."""
+    buf = memoryview(bytearray(256 << 10))
+    held: list[socket.socket] = []
+    with asking_owners(origin, fleet, tmp_path, owners=2) as (asker, (planner, after), sha, obj), \
+            contextlib.ExitStack() as closed:
+        closed.callback(lambda: [s.close() for s in held])
+        third = obj.size // 3
+        for node in (planner, after):  # they have yet to register their downloads: still planning
+            part = node.peers.inflight.get(sha)
+            assert part is not None
+            node.peers.inflight.remove(sha, part)
+            closed.callback(functools.partial(node.peers.inflight.add, sha, part))  # as asking_owners left it
+            closed.callback(node.peers.inflight.planning().done)
+        with closing(asker.read_pieces(obj, 2 * third, 256 << 10, buf)) as own:  # its own share: the HEADs
+            assert sum(len(view) for _, view in own) == 256 << 10
+        assert asker._about_to_fetch(sha, planner.url)
+        asker.defer_while(lambda: True)
+        before = len(origin.requests_for("GET", "/models/llama/"))
+        port = int(planner.url.rsplit(":", 1)[1])
+        fleet.stop(planner)
+        with unanswering(port, held):  # cut off: its HEADs time out
+            cut_at = time.monotonic()
+            while asker._serving_owner(obj.key, 0, third, sha) != after.url:
+                assert time.monotonic() - cut_at < 2.5, "the planning owner's range not handed on"
+                with pytest.raises(Later):  # waited for: the planning owner, then the node after it
+                    next(asker.read_pieces(obj, 0, third, buf))
+        assert len(origin.requests_for("GET", "/models/llama/")) == before  # nothing of it from the origin
+
+
 def test_a_connect_timing_out_just_after_this_nodes_link_came_back_from_a_cut_is_its_own_link(
         origin: FaultProxy, fleet: Fleet, tmp_path: Path) -> None:
     """This node was cut off (nothing from anyone for DOWN_S, a peer's failure taken for its link) and its link is
@@ -1402,6 +1530,42 @@ def test_a_taken_over_range_handed_back_after_a_cut_reads_on_from_where_it_stopp
         assert ranges == [f"bytes={handed.value.pos}-{3 * q - 1}"]
         asker._inflight.remove(sha, mine)
         mine.close()
+
+
+def test_a_range_of_an_owner_back_after_a_cut_is_asked_of_its_taker_first_though_this_node_never_was(
+        origin: FaultProxy, fleet: Fleet, tmp_path: Path) -> None:
+    """The owner's link is cut (its HEAD times out: down) and the node after it in rank takes its range over; this
+    node asks nothing of that range meanwhile, and the owner answers again ("missing": it handed the range on).
+    The range is asked of the node that took it over first, and comes from it. Before, this node went back to the
+    owner and waited on it, "missing" (the --faults cut node back: 37 s, until every node gave up on it)."""
+    buf = memoryview(bytearray(256 << 10))
+    big = FILES["model-00001.safetensors.bin"]
+    held: list[socket.socket] = []
+    with asking_owners(origin, fleet, tmp_path, owners=2, read_timeout=1.0) as (asker, (cut, taker), sha, obj), \
+            contextlib.ExitStack() as closed:
+        closed.callback(lambda: [s.close() for s in held])
+        third = obj.size // 3
+        part = taker.peers.inflight.get(sha)  # the node after the owner in rank took its share over
+        assert part is not None
+        part.write(0, memoryview(big[:third]), memoryview(bytearray(1 << 16)))
+        taker.peers.inflight.from_origin(sha, 0, third)
+        port = int(cut.url.rsplit(":", 1)[1])
+        fleet.stop(cut)
+        with unanswering(port, held), closing(asker.read_pieces(obj, 2 * third, 256 << 10, buf)) as own:
+            assert sum(len(view) for _, view in own) == 256 << 10  # its own share: the HEADs, the owner's timed out
+        assert asker._is_down(cut.url)
+        cut.server = server_module.PeerServer(cut.store.layout.blobs, TOKEN, fleet.limits, cut.peers.inflight)
+        fleet.run(cut.server.start("127.0.0.1", port))  # its link is back: it answers
+        wait_until(lambda: cut.url in asker._heard and not asker._is_down(cut.url), timeout=10,
+                   what="the owner up again", every=0.05)
+        asker.defer_while(lambda: True)
+        got = 0
+        with closing(asker.read_pieces(obj, 0, third, buf)) as pieces:
+            for at, view in pieces:  # from the taker (the owner back would answer "missing": Later)
+                assert at == got and bytes(view) == big[at:at + len(view)]
+                got = at + len(view)
+        assert got == third
+        assert asker._stats.bytes_by_peer.get(taker.url) == third
 
 
 def test_a_range_taken_over_while_its_owner_was_down_stays_with_its_taker_when_the_owner_is_back(

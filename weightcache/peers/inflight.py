@@ -79,6 +79,7 @@ class InFlight:
         self._others: dict[str, list[PartialFile]] = {}
         self._claims: list[Claim] = []
         self._planning = 0  # fetches of this node that have yet to register their downloads (`planning`)
+        self._asked: dict[str, float] = {}  # peer host -> when it last asked this node's peer server (`asked_by`)
         # sha256 -> futures of peer streams waiting for the next origin piece of it to be journalled (`landed`)
         self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]]] = {}
 
@@ -114,6 +115,17 @@ class InFlight:
     def is_planning(self) -> bool:
         with self._lock:
             return self._planning > 0
+
+    def asked_by(self, host: str) -> None:
+        """A peer at `host` asked this node's peer server now (authorized): it is up, and its link too."""
+        now = time.monotonic()
+        with self._lock:
+            self._asked[host] = now
+
+    def asked_at(self, host: str) -> float | None:
+        """When a peer at `host` last asked this node's peer server (monotonic), or None."""
+        with self._lock:
+            return self._asked.get(host)
 
     def get(self, sha256: str) -> PartialFile | None:
         with self._lock:

@@ -190,7 +190,11 @@ class PeerServer:
 
     def _authorized(self, request: web.Request) -> bool:
         given = request.headers.get("Authorization", "").encode("utf-8", "replace")
-        return hmac.compare_digest(given, self._token)
+        if not hmac.compare_digest(given, self._token):
+            return False
+        if self.inflight is not None and request.remote:  # a peer asking is up: its fetches hear of it
+            self.inflight.asked_by(request.remote)  # (PeerSource._is_down)
+        return True
 
     async def _blob(self, request: web.Request) -> web.StreamResponse:
         if not self._authorized(request):

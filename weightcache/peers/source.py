@@ -141,6 +141,10 @@ class _JudgeFailed(Exception):
         self.error = error
 
 
+class _OwnerBack(Exception):
+    """A range this node took over is its owner's again, before a byte of it was read (PeerSource._owner_back)."""
+
+
 @dataclass
 class PeerStats:
     """Counters of one node's peer traffic, shared by every fetch (the daemon exports them)."""
@@ -270,6 +274,8 @@ class _Ask:
     retry_s: float | None = None  # when the peer reading these bytes expects them (its "not yet")
     taken: bool = False  # another node's range that fell to this one (its owner is not there for it)
     stop: bool = False  # ask no other peer this round
+    why: str = ""  # why the rounds send it to the origin (logged once its claim stands: PeerSource._from_origin)
+    taker: str | None = None  # the node that may have taken it over while its owner was down (PeerSource._taker)
     name: str = field(init=False)  # how the blob is keyed (blob_key)
 
     def __post_init__(self) -> None:
@@ -310,12 +316,17 @@ class PeerSource(Source):
         self._limits = limits or BandwidthLimits()
         self._inflight = inflight or InFlight()
         self._rank = rank
-        # object key -> [(start, node)]: the node that fetches the range from `start` first ("": this one)
-        self._owners: dict[str, list[tuple[int, str]]] = {}
+        # object key -> [(start, node, n)]: the node that fetches the range from `start` first ("": this one), and
+        # the range's place in that node's share (0: its first range)
+        self._owners: dict[str, list[tuple[int, str, int]]] = {}
         self.ranked: list[str] = []  # every node's peer URL in rank order, "" for this one (PeerSet.wrap)
         self._grace_until: float | None = None  # until when ranges of others' shares wait for any peer
         self.ref, self.name = origin.ref, origin.name
         self._peers = peers
+        # peer URL -> its host, for the hosts only one peer has: a peer's asks of this node's peer server come from
+        # its host (InFlight.asked_by), and they say it is up (_is_down)
+        hosts = [p.address[0] for p in peers]
+        self._hosts = {p.url: host for p, host in zip(peers, hosts, strict=True) if hosts.count(host) == 1}
         self._digests = digests
         self._stats = stats
         self._lock = threading.Lock()
@@ -343,6 +354,9 @@ class PeerSource(Source):
         # byte, no answer): this node's own link (_not_theirs)
         self._link = Link(DOWN_S)
         self._answers = PeerFlow()  # how long answers from any peer take (a first request's wait: client.Pace)
+        # how long HEADs of any peer take to be answered: a HEAD waits as long as answers take (_timeouts) from
+        # this fetch's first answered HEAD, not only from its first GET's answer
+        self._heads = PeerFlow()
         self._asked: dict[tuple[str, int], float] = {}  # (key, range end) -> when it was first asked of peers
         self._claimers: set[tuple[str, str]] = set()  # (peer, blob): it answered "not yet" (reads it now)
         self._moved: dict[tuple[str, int], float] = {}  # (key, range end) -> when a byte of it last came
@@ -397,30 +411,52 @@ class PeerSource(Source):
             return ranges
         ranked = self.ranked if len(self.ranked) == nodes else [""] * nodes  # unknown peers: every share "mine"
         total = max(1, sum(key(r)[2] for r in ranges))
-        owners: dict[str, list[tuple[int, str]]] = {}
-        ranks, at = [], 0
+        owners: dict[str, list[tuple[int, str, int]]] = {}
+        ranks, at, counts = [], 0, [0] * nodes
         for r in ranges:
             k, offset, length = key(r)
             rank = min(nodes - 1, (2 * at + length) * nodes // (2 * total))  # the share holding its middle byte
             ranks.append(rank)
             at += length
-            owners.setdefault(k, []).append((offset, ranked[rank] if rank != place else ""))
+            owners.setdefault(k, []).append((offset, ranked[rank] if rank != place else "", counts[rank]))
+            counts[rank] += 1
         with self._lock:
             self._owners = {k: sorted(v) for k, v in owners.items()}
-        # its own share first, then the shares before it in rank, nearest first: a share whose owner is not there
-        # goes to the next node in rank (_serving_owner), so the one this node takes over is asked for second,
-        # not last (a killed node's share waited 15-55 s for its taker's workers: --faults, all ready 2.58x)
+        # its own share first, then the shares before it in rank, nearest first: the first range of a share whose
+        # owner is not there goes to the next node in rank, its second to the node after (_walk), so the ranges
+        # this node takes over are asked for second and third, not last (a killed node's share waited 15-55 s for
+        # its taker's workers: --faults, all ready 2.58x)
         order = sorted(range(len(ranges)), key=lambda i: (place - ranks[i]) % nodes)
         return [ranges[i] for i in order]
 
     def _owner(self, key: str, pos: int) -> str | None:
         """The node that fetches byte `pos` of object `key` first ("": this one); None: no spread was made."""
+        place = self._place(key, pos)
+        return place[0] if place is not None else None
+
+    def _place(self, key: str, pos: int) -> tuple[str, int] | None:
+        """(the node that fetches byte `pos` of `key` first, the range's place in its share); None: no spread."""
         with self._lock:
             starts = self._owners.get(key)
             if not starts:
                 return None
             i = bisect.bisect_right(starts, (pos, "\uffff")) - 1
-            return starts[i][1] if i >= 0 else None
+            return (starts[i][1], starts[i][2]) if i >= 0 else None
+
+    def _walk(self, key: str, pos: int) -> typing.List[str]:  # noqa: UP006
+        """Every node in the order they read the range holding byte `pos` of `key` from the origin while the ones
+        before are not there for it (_serving_owner): its owner, then the nodes after it in rank, from the
+        (1 + p)-th, p the range's place in the owner's share. A down owner's ranges go to as many nodes as the share
+        has ranges: by owner, the next node in rank took a killed node's share and the node cut off's, and relayed
+        them to the fleet alone (--faults: all ready 2.15-2.82x, against 1.23x without faults)."""
+        place = self._place(key, pos)
+        nodes = len(self.ranked)
+        if place is None or place[0] not in self.ranked:
+            return [self.ranked[(step - 1) % nodes] for step in range(nodes)]
+        at = self.ranked.index(place[0])
+        rest = [self.ranked[(at + step) % nodes] for step in range(1, nodes)]
+        turn = place[1] % max(1, nodes - 1)
+        return [place[0], *rest[turn:], *rest[:turn]]
 
     def read_pieces(self, obj: ObjectInfo, offset: int, length: int, buf: memoryview,
                     on_bytes: OnBytes | None = None) -> Pieces:
@@ -442,24 +478,28 @@ class PeerSource(Source):
             ask.new_round()
             self._hand_over(ask)
             holders = self._holders_for(ask)
-            if holders is None:
-                break
-            for peer in holders:
-                yield from self._ask_peer(ask, peer, buf, on_bytes)
-                if ask.stop:
-                    break  # the peer reads these bytes now (or is waited out): ask no other one meanwhile
-                if ask.pos >= end:
-                    return
-            if ask.progressed:
+            if holders is not None:
+                for peer in holders:
+                    yield from self._ask_peer(ask, peer, buf, on_bytes)
+                    if ask.stop:
+                        break  # the peer reads these bytes now (or is waited out): ask no other one meanwhile
+                    if ask.pos >= end:
+                        return
+                if ask.progressed:
+                    continue
+                step = self._settle(ask, len(holders))
+                if step == "again":
+                    continue
+                if step == "wait":
+                    if self._may_defer():  # another range may be ready now: its bytes are still on their way
+                        raise Later(ask.pos, ask.retry_s)
+                    time.sleep(POLL_S if ask.retry_s is None else ask.retry_s)
+                    continue
+            try:
+                yield from self._from_origin(obj, ask.pos, end, buf, on_bytes, ask.name, self._relayed_gap(ask), ask)
+                return
+            except _OwnerBack:  # the owner it was taken over from is back and reads it: the rounds ask it
                 continue
-            step = self._settle(ask, len(holders))
-            if step == "origin":
-                break
-            if step == "wait":
-                if self._may_defer():  # another range may be ready now: this one's bytes are still on their way
-                    raise Later(ask.pos, ask.retry_s)
-                time.sleep(POLL_S if ask.retry_s is None else ask.retry_s)
-        yield from self._from_origin(obj, ask.pos, end, buf, on_bytes, ask.name, self._relayed_gap(ask))
 
     def _relayed_gap(self, ask: _Ask) -> int | None:
         """Where a range taken over from its owner is read from the origin again: the first byte a peer sent this
@@ -514,26 +554,41 @@ class PeerSource(Source):
                 whole = [p for p in holders if (ask.name, p.url) not in self._downloading]
             # and the node after this one in rank may have taken it over first (this node was cut off, or saw
             # the owner gone later): asked once, as for this node's own share, before the origin reads it twice
-            after = self._next_in_rank(ask.name)
+            after = self._next_in_rank(ask.name, ask.obj.key, ask.offset)
             with self._lock:  # (not one given up on for this range: it waited on that one already)
                 after_waited = after is None or after in self._given_up.get(ask.span, set())
             if not whole and after_waited:
                 ask.taken = True  # its relayed bytes are read again with the rest (_relayed_gap)
-                self._why_origin(ask.obj, ask.pos, ask.end, "its owner is not there for it: this node is next in rank")
+                ask.why = "its owner is not there for it: this node is next in rank"
                 return None
             ask.wait, ask.taken = False, True  # this node's own range now: asked of those, then the origin
-        holders = self._holders_in_turn(ask.blob, ask.size, first=ask.owner)
+        ask.taker = self._taker(ask)
+        holders = self._holders_in_turn(ask.blob, ask.size, first=ask.taker or ask.owner)
         if any(p.url == ask.owner for p in holders) or not ask.wait or \
                 (ask.owner and self._about_to_fetch(ask.name, ask.owner)):
             # only a range's owner reads it from the origin, and a node relays origin bytes only: the other
             # nodes still downloading the blob lack it (asking each cost a request, and on a busy link a cut)
             # A node that started before this one may hold them (a late joiner asks it), and so may the next
             # node in rank: it takes this node's share when this node starts after the grace
-            after = self._next_in_rank(ask.name) if not ask.wait else None
+            after = self._next_in_rank(ask.name, ask.obj.key, ask.offset) if not ask.wait else None
             with self._lock:
-                holders = [p for p in holders if p.url in (ask.owner, after)
+                holders = [p for p in holders if p.url in (ask.owner, after, ask.taker)
                            or (ask.name, p.url) not in self._downloading or (ask.name, p.url) in self._ahead]
         return holders
+
+    def _taker(self, ask: _Ask) -> str | None:
+        """The node that took the range over while its owner was down, when the owner is its reader again now (it
+        answers again) and this node has not heard who started it meanwhile (_started_by): asked first, before the
+        owner, which answers "missing" for a range it handed on (_hand_back). Before, a node that had not asked
+        the taker before the --faults cut node's link was back went back to the cut node and waited on it, "missing",
+        37 s, until it gave up on it. None: no such node, or this one."""
+        owner = self._owner(ask.obj.key, ask.offset)
+        if not ask.wait or not owner or ask.owner != owner:
+            return None
+        with self._lock:
+            if owner not in self._down or ask.span in self._takers:
+                return None
+        return self._serving_owner(ask.obj.key, ask.offset, ask.end, ask.name, past_owner=True) or None
 
     def _ask_peer(self, ask: _Ask, peer: PeerClient, buf: memoryview, on_bytes: OnBytes | None) -> Pieces:
         """Yield what one peer sends of the range from `ask.pos`; its answer (a fault, "not yet", a cut) goes
@@ -579,19 +634,14 @@ class PeerSource(Source):
             busy = isinstance(exc, PeerBusy)
             ask.outcome[peer.url] = "busy" if busy else "missing"
             ask.downloading = True  # a peer still downloading the blob lacks these bytes: no fault of its own
+            with self._lock:
+                flow = self._flows.get(peer.url) if busy else None
             if peer.url == ask.owner:  # it fetches the blob and this range first: it is about to read it
                 ask.pending = ask.stop = True  # (a node that started late, or short of CPU, still does): and the
                 # others relay nothing of it: ask none of them. Asked again later each time (UNSTARTED_S)
                 with self._lock:
                     times = self._unstarted[ask.span] = self._unstarted.get(ask.span, 0) + 1
-                    flow = self._flows.get(peer.url)
                 ask.retry_s = min(UNSTARTED_MAX_S, UNSTARTED_S * (1 << min(times - 1, 8)))
-                if busy and flow is not None:
-                    # it serves this node as many streams as it allows: the range waits its turn, PENDING_S from
-                    # the owner's last byte to this node, not from its own (--faults: the node that took over the
-                    # cut and the killed nodes' shares, four ranges, answered 429 to the nodes behind on them for
-                    # 15 s, and they read three of them from the origin)
-                    self._moved[ask.span] = max(self._moved[ask.span], flow.last)
             elif busy and (ask.name, peer.url) in self._downloading:
                 # a peer filling the blob answers 429 only once it found bytes of the range to send (server
                 # `_stream`): it holds or reads them now, and serves this node all the streams it allows. Its turn
@@ -600,6 +650,16 @@ class PeerSource(Source):
                 # ranges that node had taken over, was told busy and read them again (b9d98fb's run, 0.13x)
                 ask.pending = ask.stop = True
                 ask.retry_s = BUSY_S
+            else:
+                flow = None
+            if flow is not None:
+                # it serves this node as many streams as it allows: the range waits its turn, PENDING_S from the
+                # peer's last byte to this node, not from its own (--faults: the node that took over the cut and
+                # the killed nodes' shares, four ranges, answered 429 to the nodes behind on them for 15 s, and
+                # they read three of them from the origin; and the cut node, its link back, whose slots there held
+                # streams following that node's own slow claims, was told busy for 16-27 s and read the ranges
+                # that node had taken over again: 0.08x the model)
+                self._moved[ask.span] = max(self._moved[ask.span], flow.last)
         except PeerTooSlow as exc:
             self._cut(ask, peer, exc, began)
         except SourceError as exc:
@@ -620,9 +680,9 @@ class PeerSource(Source):
                     self._on_trial.discard(peer.url)
 
     def _started_by(self, ask: _Ask, url: str) -> None:
-        """`url`, the node a range was handed to from its owner, reads it now or sent a byte of it: it keeps it
-        when the owner is back (_serving_owner)."""
-        if url == ask.owner and ask.wait and url != self._owner(ask.obj.key, ask.offset):
+        """`url`, the node a range was handed to from its owner (or that took it over while its owner was down:
+        `ask.taker`), reads it now or sent a byte of it: it keeps it when the owner is back (_serving_owner)."""
+        if url in (ask.owner, ask.taker) and ask.wait and url != self._owner(ask.obj.key, ask.offset):
             with self._lock:
                 self._takers[ask.span] = url
 
@@ -776,8 +836,7 @@ class PeerSource(Source):
         pending = (pending or self._benched_holder(ask.name, ask.owner)) and not stalled
         if pending or (ask.wait and (now < ask.fetch_deadline or (ask.downloading and now < ask.deadline))):
             return "wait"
-        self._why_origin(ask.obj, ask.pos, ask.end,
-                         ask.why_origin(holders, now - self._moved[ask.span] if stalled else None))
+        ask.why = ask.why_origin(holders, now - self._moved[ask.span] if stalled else None)
         return "origin"
 
     def _pending_s(self, piece: int) -> float:
@@ -801,15 +860,18 @@ class PeerSource(Source):
 
     def _timeouts(self, url: str) -> tuple[float | None, float | None]:
         """A request to `url`: its connect timeout and a HEAD's read timeout (None: as configured). Once this
-        fetch has timed answers (the peer's, or any peer's: client.answer_wait), a HEAD waits for its answer as
-        long as a GET waits for its headers (SLOW_GRACE_S, or ANSWER_SLACK times what answers took): on a pooled
-        connection (no connect) a HEAD to the --faults node cut off waited the read timeout, 10 s, while every
+        fetch has timed answers (the peer's, or any peer's, HEADs' too: client.answer_wait), a HEAD waits for its
+        answer as long as a GET waits for its headers (SLOW_GRACE_S, or ANSWER_SLACK times what answers took): on a
+        pooled connection (no connect) a HEAD to the --faults node cut off waited the read timeout, 10 s, while every
         round of the fetch waited on it (`_probing`), and the cut node's ranges were handed on at 8.7-10 s. A
         peer heard from is connected to within KNOWN_CONNECT_S, or that wait where answers take longer (the
         silence probe's rule): on full links a burst of SYNs is dropped and the kernel sends them again 1 s and
-        3 s later, so a 1 s connect took a live peer behind such a link for down."""
+        3 s later, so a 1 s connect took a live peer behind such a link for down. HEADs count from the first
+        answered: a node still listing when its link was cut off (its HEAD said "planning"), asked by nodes that
+        had no GET answered yet, held every round's HEADs the read timeout, long enough for the failure to be taken
+        for the asker's own link (nothing came for DOWN_S), and its share waited on it."""
         with self._lock:
-            wait = answer_wait(self._flows.get(url), self._answers)
+            wait = answer_wait(self._flows.get(url), self._answers, self._heads)
             heard = url in self._heard
         return max(KNOWN_CONNECT_S, wait) if heard else None, max(SLOW_GRACE_S, wait) if wait > 0 else None
 
@@ -855,7 +917,7 @@ class PeerSource(Source):
             self._benched[url] = (now + length, times + 1)
         return length
 
-    def _serving_owner(self, key: str, pos: int, end: int, sha256: str) -> str | None:
+    def _serving_owner(self, key: str, pos: int, end: int, sha256: str, past_owner: bool = False) -> str | None:
         """The node that reads byte `pos` of `key` from the origin ("": this one; None: no spread): the range's
         owner, or the next node in rank while it is not there for it: dead, down (failed, or cut and silent for
         DOWN_S), benched (cut as slow while not filling the blob with this node: a trickler claiming to hold it
@@ -871,7 +933,7 @@ class PeerSource(Source):
         if not owner or len(self.ranked) < 2:
             return owner
         now = time.monotonic()
-        at = self.ranked.index(owner) if owner in self.ranked else -1
+        walk = self._walk(key, pos)
         banned = self._stats.banned  # a liar's share is read from the origin by the next node in rank
         with self._lock:
             given_up = self._given_up.get((key, end), set())
@@ -883,13 +945,14 @@ class PeerSource(Source):
                     (self._benched.get(url, (0.0, 0))[0] > now and (sha256, url) not in self._downloading) or \
                     (idle and (sha256, url) in self._idle)
 
-            for step in range(len(self.ranked)):
-                url = self.ranked[(at + step) % len(self.ranked)]
+            for url in walk:
                 if url == "":
                     # this node would read it from the origin: not on a peer down for under DOWN_S that has not
                     # been found dead (a live node may miss a probe: a --faults run took one for cut at its full
                     # link, and the node after it in rank read its range from the origin again at once)
                     return lately or url
+                if past_owner and url == owner:  # who took it over while the owner was down (_taker)
+                    continue
                 if lately is None and self._unconfirmed(url, now):
                     lately = url
                 if passed(url):
@@ -917,9 +980,23 @@ class PeerSource(Source):
             self._sure.get(url) != self._down[url]
 
     def _is_down(self, url: str) -> bool:
-        """`url` failed, or was cut silent, and has not answered or sent a byte since (self._lock held)."""
+        """`url` failed, or was cut silent, and has not answered, sent a byte, nor asked this node's peer server
+        since (self._lock held). Its asks count: the --faults node cut off, its link back, asked the node after it
+        in rank for its share, was told "missing" and read on, while that node, which had not heard from it yet,
+        took the share over and read it too (0.16x the model, handback38's run 2)."""
         since = self._down.get(url)
-        return since is not None and self._heard.get(url, -1.0) <= since
+        if since is None or self._heard.get(url, -1.0) > since:
+            return False
+        host = self._hosts.get(url)
+        asked = self._inflight.asked_at(host) if host is not None else None
+        return asked is None or asked <= since
+
+    def _owner_back(self, ask: _Ask) -> bool:
+        """A range of another node's share that fell to this node is not this node's to read any more: its owner
+        is back (it asked this node's peer server since it went down: _is_down), or another node is next for it
+        now. Asked once its claim stands and before its first origin byte: an owner that asked before then was
+        told "missing" and reads it itself, one that asks after is told "not yet" and follows this node."""
+        return ask.taken and self._serving_owner(ask.obj.key, ask.offset, ask.end, ask.name) != ""
 
     def _went_down(self, peer: PeerClient, blob: Blob, size: int, sure: bool = False) -> None:
         """The peer failed, or went silent on every stream and was cut: its ranges go to the next node in rank
@@ -961,16 +1038,16 @@ class PeerSource(Source):
             with self._lock:
                 self._reprobing.discard(peer.url)
 
-    def _next_in_rank(self, sha256: str) -> str | None:
-        """The first node after this one in rank that fetches the blob: it takes this node's share when this node
-        is late (_serving_owner)."""
+    def _next_in_rank(self, sha256: str, key: str, pos: int) -> str | None:
+        """The first node after this one in the walk of the range holding byte `pos` of `key` (_walk) that fetches
+        the blob: it takes the range when this node is late, or not there for it (_serving_owner)."""
         if "" not in self.ranked:
             return None
-        at = self.ranked.index("")
+        walk = self._walk(key, pos)
+        at = walk.index("")
         with self._lock:
             fetching = {p.url for p in self._holders.get(sha256, (0.0, []))[1]}
-        return next((u for step in range(1, len(self.ranked))
-                     if (u := self.ranked[(at + step) % len(self.ranked)]) in fetching), None)
+        return next((u for u in walk[at + 1:] + walk[:at] if u in fetching), None)
 
     def _fetching(self, sha256: str, url: str) -> bool:
         """`url` said it holds or downloads the blob (benched or not)."""
@@ -1019,18 +1096,26 @@ class PeerSource(Source):
         return int(min(SLOW_BYTES_S, max(SLOW_MIN_BYTES_S, rate * FLOOR_SHARE)))
 
     def _from_origin(self, obj: ObjectInfo, pos: int, end: int, buf: memoryview, on_bytes: OnBytes | None,
-                     sha256: str | None, again: int | None = None) -> Pieces:
+                     sha256: str | None, again: int | None = None, ask: _Ask | None = None) -> Pieces:
         """[pos, end) from the origin, claimed while it is read so that peers follow it; `again`: [again, pos)
         first, bytes this range already yielded from a peer that is not there for it any more (_relayed_gap),
-        under the same claim and not yielded again (_reread)."""
+        under the same claim and not yielded again (_reread). `ask`: the rounds that sent the range here (its
+        `why` is logged once the claim stands); _OwnerBack, before any byte, when it is another node's range
+        taken over and its owner asked this node since it went down (_owner_back)."""
         part = self._inflight.origin_part(sha256) if sha256 and again is not None else None
         if again is not None and part is None:  # no download of this node's serves them: not read again
             again = None
+        first = pos if again is None else again
+        claim = self._inflight.claim(sha256, first, end) if sha256 else None
+        if ask is not None and self._owner_back(ask):
+            if claim is not None:
+                self._inflight.release(claim)
+            raise _OwnerBack
+        if ask is not None:
+            self._why_origin(obj, pos, end, ask.why)
         if again is not None:
             self._why_origin(obj, again, pos, "read again, relayed by its owner that is not there for it: the "
                                               "nodes behind on its relay follow this node")
-        first = pos if again is None else again
-        claim = self._inflight.claim(sha256, first, end) if sha256 else None
 
         def arrived(n: int) -> None:
             self._link.touch()
@@ -1074,7 +1159,7 @@ class PeerSource(Source):
         the origin's connections outlive a 10 s cut, so both read it (--faults: the cut node and the next, 3-4 MiB,
         0.09-0.13x the model a run). Nobody holds it: the rounds read it on from the origin under a new claim.
         Not without a node after this one fetching the blob, nor at the range's end."""
-        if not sha256 or pos >= end or self._next_in_rank(sha256) is None:
+        if not sha256 or pos >= end or self._next_in_rank(sha256, obj.key, pos) is None:
             return False
         with self._lock:  # the next node's wait for a byte starts now, not at the range's first ask
             self._moved[(obj.key, end)] = time.monotonic()
@@ -1168,6 +1253,7 @@ class PeerSource(Source):
         began = time.monotonic()
         try:
             kind = peer.probe(sha256, size, *self._timeouts(peer.url))
+            self._heads.took(time.monotonic() - began)
             with self._lock:
                 self._hear(peer.url)  # an answer: alive
                 if kind == "planning":  # lacks it, but may be about to fetch it: its share is waited for
