@@ -842,14 +842,15 @@ def test_a_node_takes_the_share_before_its_own_second_the_one_it_takes_over(tmp_
 
 def test_a_down_owners_ranges_go_to_as_many_nodes_as_its_share_has_ranges(tmp_path: Path) -> None:
     """Every node agrees on who reads a down owner's ranges: the first to the next node in rank, the second to the
-    node after, so no node relays two shares to the fleet alone; and the second goes on to the node after that one
-    when it is down too, the first to the next node up. Before, the next node in rank took the whole share (in
-    --faults, the node after the cut one took the cut node's share and a killed node's: all ready 2.15-2.82x)."""
+    node after, so no node relays two shares to the fleet alone; and when the node after is down too, its range
+    goes on to the node two after it (the first range's next), not to the next one up (the second range's next).
+    Before, the next node in rank took the whole share (in --faults, the node after the cut one took the cut
+    node's share and a killed node's: all ready 2.15-2.82x)."""
     urls = [f"http://10.0.0.{i}:9479" for i in range(10, 16)]
     ranges = [("shard", at, 1 << 20) for at in range(0, 12 << 20, 1 << 20)]  # two ranges a node
     source = open_source(parse_ref(f"file://{tmp_path}/"))
     down = [urls[2]]  # its HEAD refused: dead for the fetch
-    for down_too, first, second in ((None, urls[3], urls[4]), (urls[4], urls[3], urls[5])):
+    for down_too, first, second in ((None, urls[3], urls[4]), (urls[4], urls[3], urls[0])):
         down += [down_too] if down_too else []
         for me in urls:
             if me in down:
