@@ -276,6 +276,7 @@ class _Ask:
     stop: bool = False  # ask no other peer this round
     why: str = ""  # why the rounds send it to the origin (logged once its claim stands: PeerSource._from_origin)
     taker: str | None = None  # the node that may have taken it over while its owner was down (PeerSource._taker)
+    rechecked: bool = False  # its owner's return was looked for once its claim stood (PeerSource._owner_back)
     name: str = field(init=False)  # how the blob is keyed (blob_key)
 
     def __post_init__(self) -> None:
@@ -505,7 +506,7 @@ class PeerSource(Source):
                 yield from self._from_origin(obj, ask.pos, end, buf, on_bytes, ask.name, self._relayed_gap(ask), ask)
                 return
             except _OwnerBack:  # the owner it was taken over from is back and reads it: the rounds ask it
-                continue
+                ask.wait = True  # another node's range again: waited for, not read from the origin by this node
 
     def _relayed_gap(self, ask: _Ask) -> int | None:
         """Where a range taken over from its owner is read from the origin again: the first byte a peer sent this
@@ -1001,8 +1002,13 @@ class PeerSource(Source):
         """A range of another node's share that fell to this node is not this node's to read any more: its owner
         is back (it asked this node's peer server since it went down: _is_down), or another node is next for it
         now. Asked once its claim stands and before its first origin byte: an owner that asked before then was
-        told "missing" and reads it itself, one that asks after is told "not yet" and follows this node."""
-        return ask.taken and self._serving_owner(ask.obj.key, ask.offset, ask.end, ask.name) != ""
+        told "missing" and reads it itself, one that asks after is told "not yet" and follows this node. Once a
+        range: the rounds that follow decide as before (asked every time, a range whose rounds chose the origin
+        while another node was its reader went round at once, again and again)."""
+        if not ask.taken or ask.rechecked:
+            return False
+        ask.rechecked = True
+        return self._serving_owner(ask.obj.key, ask.offset, ask.end, ask.name) != ""
 
     def _went_down(self, peer: PeerClient, blob: Blob, size: int, sure: bool = False) -> None:
         """The peer failed, or went silent on every stream and was cut: its ranges go to the next node in rank
