@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -13,7 +14,7 @@ import urllib3
 from tests.peers_fleet import Fleet
 from weightcache.fetch import transfer
 from weightcache.fetch.items import Item
-from weightcache.peers.client import Helpers, reachable
+from weightcache.peers.client import GATHER_S, EagerBody, Helpers, reachable
 from weightcache.sources.base import ObjectInfo
 
 TOKEN = b"peer-token-0123456789abcdef"
@@ -99,3 +100,42 @@ def test_the_silence_probes_run_on_threads_kept_for_the_next_not_a_thread_each()
     release.set()
     for _ in range(5):
         assert done.acquire(timeout=5)
+
+
+def test_a_peer_body_that_comes_a_packet_at_a_time_is_read_a_few_packets_a_receive() -> None:
+    """A fleet fill's peer bodies came a packet or two a receive (a slice's burst at the link's rate), each a wake of
+    one of 64 reading threads: after a small receive the next waits GATHER_S, so a burst is read in a few receives.
+    The bytes wait in the socket's buffer, so the body still ends when its last packet comes."""
+    packet, count, gap = 1400, 60, 0.003
+    body = bytes(range(256)) * (packet * count // 256) + bytes(packet * count % 256)
+    server = socket.create_server(("127.0.0.1", 0))
+    sent_at: list[float] = []
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body))
+            for i in range(count):  # a packet every `gap`, as a shaped link delivers a burst
+                conn.sendall(body[i * packet:(i + 1) * packet])
+                time.sleep(gap)
+            sent_at.append(time.monotonic())
+            conn.recv(1)
+
+    threading.Thread(target=serve, daemon=True).start()
+    http = urllib3.PoolManager(retries=False, timeout=10)
+    resp = http.request("GET", f"http://127.0.0.1:{server.getsockname()[1]}/", preload_content=False)
+    reader = EagerBody(resp)
+    buf = bytearray(1 << 20)
+    got, receives = bytearray(), 0
+    while n := reader.readinto(memoryview(buf)):
+        got += buf[:n]
+        receives += 1
+    ended = time.monotonic()
+    resp.release_conn()
+    http.clear()
+    server.close()
+    assert bytes(got) == body
+    assert receives <= count // 4  # a receive a packet before (60 here)
+    assert ended - sent_at[0] < GATHER_S + 0.1  # the last bytes read as they came, not a gap later

@@ -790,6 +790,16 @@ def reachable(addr: tuple[str, int], timeout: float) -> bool:
 WATCHDOG = _Watchdog()
 
 
+#: After a receive that brought less than GATHER_BYTES, a peer's body is read again only GATHER_S later: a fleet
+#: fill's peer bodies came a packet or two a receive (a server sends a stream 32 KiB slices, each a burst of ~23
+#: packets at the link's rate, and its reader woke for each: up to ~700 wakes a second a node at 1 MB/s); 4-7 %
+#: less daemon CPU in the netns bench at N = 16 and 32 (docs/peers.md, "Less CPU a byte"). The bytes wait in the
+#: socket's buffer meanwhile, not on the wire: the rate is not capped (a receive after the wait takes all that
+#: came), and the watchdog sees them GATHER_S late at most (its floors' grace is SLOW_GRACE_S, its silence SILENT_S).
+GATHER_BYTES = 16 << 10
+GATHER_S = 0.02
+
+
 class EagerBody:
     """A peer's response body read one receive at a time, so its Pace sees bytes as they come. A buffered read of
     128 KiB blocks until all of it is in: a peer serving 30 streams over a 20 MB/s link sends one stream 0.1-0.6
@@ -802,12 +812,17 @@ class EagerBody:
         self._resp = resp
         fp = getattr(resp, "_fp", None)
         self._body = fp if isinstance(fp, http.client.HTTPResponse) else None
+        self._small = False  # the last receive brought less than GATHER_BYTES
 
     def readinto(self, view: memoryview) -> int:
         if self._body is None:
             return int(self._resp.readinto(view))
+        if self._small and self._body.length:
+            # let a burst's next packets gather in the kernel (see GATHER_S): one wake for several of them
+            time.sleep(GATHER_S)
         data = self._body.read1(len(view))  # what one receive brought (http.client keeps the body's count)
         view[:len(data)] = data
+        self._small = 0 < len(data) < min(GATHER_BYTES, len(view))
         return len(data)
 
     def __getattr__(self, name: str) -> Any:
