@@ -1569,6 +1569,51 @@ def test_a_range_of_an_owner_back_after_a_cut_is_asked_of_its_taker_first_though
         assert asker._stats.bytes_by_peer.get(taker.url) == third
 
 
+def test_a_dead_owners_range_whose_taker_was_cut_off_and_is_back_is_asked_of_the_next_taker_first(
+        origin: FaultProxy, fleet: Fleet, tmp_path: Path) -> None:
+    """The owner is dead; the node after it took its range over and answered "not yet" (its taker, here); that node
+    is cut off (its answer times out: down) and the node after it takes the range on; this node asks nothing of it
+    meanwhile, and the cut node answers again ("missing": it handed the range on). The range is asked of the node
+    that took it on first, and comes from it. Before, this node went back to the cut node, its taker on record,
+    and waited on it, "missing" (--faults: 30 s, for the range of the killed node before the cut one)."""
+    buf = memoryview(bytearray(256 << 10))
+    big = FILES["model-00001.safetensors.bin"]
+    held: list[socket.socket] = []
+    with asking_owners(origin, fleet, tmp_path, owners=3, read_timeout=1.0) as (asker, (dead, cut, on), sha, obj), \
+            contextlib.ExitStack() as closed:
+        closed.callback(lambda: [s.close() for s in held])
+        quarter = obj.size // 4
+        fleet.stop(dead)  # its port refuses: dead for the fetch
+        claim = cut.peers.inflight.claim(sha, 0, quarter)  # it took the dead owner's range over: "not yet"
+        with closing(asker.read_pieces(obj, 3 * quarter, 256 << 10, buf)) as own:  # its own share: the HEADs
+            assert sum(len(view) for _, view in own) == 256 << 10
+        asker.defer_while(lambda: True)
+        with pytest.raises(Later):  # "not yet" from the node after the dead owner: its taker on record
+            next(asker.read_pieces(obj, 0, quarter, buf))
+        assert asker._takers.get((obj.key, quarter)) == cut.url
+        cut.peers.inflight.release(claim)
+        port = int(cut.url.rsplit(":", 1)[1])
+        fleet.stop(cut)
+        with unanswering(port, held):
+            with pytest.raises(Later):  # its answer times out: down, not confirmed, waited for
+                next(asker.read_pieces(obj, 0, quarter, buf))
+            assert asker._is_down(cut.url)
+        cut.server = server_module.PeerServer(cut.store.layout.blobs, TOKEN, fleet.limits, cut.peers.inflight)
+        fleet.run(cut.server.start("127.0.0.1", port))  # its link is back: it answers ("missing")
+        wait_until(lambda: not asker._is_down(cut.url), timeout=10, what="the cut node up again", every=0.05)
+        part = on.peers.inflight.get(sha)  # the node after the cut one took the range on meanwhile
+        assert part is not None
+        part.write(0, memoryview(big[:quarter]), memoryview(bytearray(1 << 16)))
+        on.peers.inflight.from_origin(sha, 0, quarter)
+        got = 0
+        with closing(asker.read_pieces(obj, 0, quarter, buf)) as pieces:
+            for at, view in pieces:  # from the node that took it on (the cut node would answer "missing": Later)
+                assert at == got and bytes(view) == big[at:at + len(view)]
+                got = at + len(view)
+        assert got == quarter
+        assert asker._stats.bytes_by_peer.get(on.url) == quarter
+
+
 def test_a_range_taken_over_while_its_owner_was_down_stays_with_its_taker_when_the_owner_is_back(
         origin: FaultProxy, fleet: Fleet, tmp_path: Path) -> None:
     """The owner's link is cut (its HEAD times out: down), its range goes to the node after it in rank, which

@@ -588,14 +588,15 @@ class PeerSource(Source):
         answers again) and this node has not heard who started it meanwhile (_started_by): asked first, before the
         owner, which answers "missing" for a range it handed on (_hand_back). Before, a node that had not asked
         the taker before the --faults cut node's link was back went back to the cut node and waited on it, "missing",
-        37 s, until it gave up on it. None: no such node, or this one."""
-        owner = self._owner(ask.obj.key, ask.offset)
-        if not ask.wait or not owner or ask.owner != owner:
+        37 s, until it gave up on it. The same when its reader back is not its owner but a node that had taken it
+        over from a dead owner before it was cut off itself: nodes waited on the cut node back for the killed
+        node's range it had handed on, 30 s. None: no such node, or this one."""
+        if not ask.wait or not ask.owner:
             return None
-        with self._lock:
-            if owner not in self._down or ask.span in self._takers:
+        with self._lock:  # its reader now was down (the owner, or a node that had taken it over from a dead one)
+            if ask.owner not in self._down or self._takers.get(ask.span) not in (None, ask.owner):
                 return None
-        return self._serving_owner(ask.obj.key, ask.offset, ask.end, ask.name, past_owner=True) or None
+        return self._serving_owner(ask.obj.key, ask.offset, ask.end, ask.name, past=ask.owner) or None
 
     def _ask_peer(self, ask: _Ask, peer: PeerClient, buf: memoryview, on_bytes: OnBytes | None) -> Pieces:
         """Yield what one peer sends of the range from `ask.pos`; its answer (a fault, "not yet", a cut) goes
@@ -924,7 +925,7 @@ class PeerSource(Source):
             self._benched[url] = (now + length, times + 1)
         return length
 
-    def _serving_owner(self, key: str, pos: int, end: int, sha256: str, past_owner: bool = False) -> str | None:
+    def _serving_owner(self, key: str, pos: int, end: int, sha256: str, past: str | None = None) -> str | None:
         """The node that reads byte `pos` of `key` from the origin ("": this one; None: no spread): the range's
         owner, or the next node in rank while it is not there for it: dead, down (failed, or cut and silent for
         DOWN_S), benched (cut as slow while not filling the blob with this node: a trickler claiming to hold it
@@ -958,7 +959,7 @@ class PeerSource(Source):
                     # been found dead (a live node may miss a probe: a --faults run took one for cut at its full
                     # link, and the node after it in rank read its range from the origin again at once)
                     return lately or url
-                if past_owner and url == owner:  # who took it over while the owner was down (_taker)
+                if url == past:  # who took it over while that node was down (_taker)
                     continue
                 if lately is None and self._unconfirmed(url, now):
                     lately = url
@@ -969,8 +970,10 @@ class PeerSource(Source):
                 # claims on to that node (_hand_back) and cannot relay that node's bytes (a node relays origin
                 # bytes only), and the others, back on it, waited "missing" until it published (44 s; all ready
                 # 2.67x). Before the hand-back both read the range, so following the taker loses nothing
+                # (and so does a node that had taken the range over from a dead owner, then went down and is back)
                 taker = self._takers.get((key, end))
-                return taker if url == owner and taker is not None and not passed(taker) else url
+                return taker if taker is not None and taker != url and (url == owner or url in self._down) and \
+                    not passed(taker) else url
         return ""
 
     def _down_lately(self, url: str) -> bool:
