@@ -30,7 +30,7 @@ from weightcache.download import PartialFile
 from weightcache.peers import PeerClient, PeerSet
 from weightcache.peers import server as server_module
 from weightcache.peers import source as source_module
-from weightcache.peers.client import SLOW_GRACE_S
+from weightcache.peers.client import PROBE_GAP_S, SLOW_GRACE_S, reachable
 from weightcache.peers.inflight import InFlight
 from weightcache.peers.server import PeerLimits
 from weightcache.peers.source import GRACE_S, RELAY_PIECE_MIN, RELAY_PIECES, Later, PeerSource, PeerStats
@@ -648,6 +648,59 @@ def test_an_owner_the_silence_probe_finds_unreachable_has_its_range_taken_over_a
           f"{taken[0] - found[0]:.2f} s after the probe found it unreachable")
     assert taken[0] - found[0] < 1.0, f"taken over {taken[0] - found[0]:.2f} s after the probe's verdict"
     assert owner.requests == 1
+
+
+def test_a_silence_probe_connects_again_all_through_its_wait_not_only_at_its_start() -> None:
+    """A live peer's listener queue is full for 0.35 s (every SYN dropped, as a full link's queue drops a burst),
+    then it accepts again. The probe sends a new connect every PROBE_GAP_S all through its wait, and one completes
+    well within its 0.9 s. Before, its three connects went out in its first 0.2 s and, all dropped, waited on the
+    kernel's SYN resend (1 s): the live peer was taken for unreachable (the netns bench's --faults runs: one probe
+    in five lost its first SYN, and 3-5 streams of live peers a run were cut as unreachable)."""
+    stop = threading.Event()
+    with socket.create_server(("127.0.0.1", 0), backlog=0) as listener:
+        address = listener.getsockname()[:2]
+        filler = socket.create_connection(address)  # the queue's one slot: every SYN after it is dropped
+
+        def drain() -> None:
+            time.sleep(0.35)
+            listener.settimeout(0.02)
+            while not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    listener.accept()[0].close()
+
+        draining = threading.Thread(target=drain, daemon=True)
+        draining.start()
+        try:
+            started = time.monotonic()
+            up = reachable(address, 0.9)
+            took = time.monotonic() - started
+        finally:
+            stop.set()
+            draining.join(2.0)
+            filler.close()
+    print(f"the probe's handshake completed after {took:.2f} s" if up else "no handshake")
+    assert up, "a live peer whose queue drained after 0.35 s was taken for unreachable"
+    assert took < 0.35 + 4 * PROBE_GAP_S
+
+
+def test_a_silence_probe_waits_twice_what_answers_take_its_connects_going_out_all_through_it(
+        origin: FaultProxy, caplog: pytest.LogCaptureFixture) -> None:
+    """The owner relaying a range is cut off after its first 256 KiB (no handshake completes), and its answers
+    took 0.5 s. The silence probe waits PROBE_SLACK (2) times what answers take, its connects going out all
+    through the wait, so the owner is found unreachable after about 1 s of probing: before, 3 times (1.5 s),
+    a span meant for the kernel's SYN resend after the probe's three connects of its first 0.2 s, and the
+    --faults bench's nodes whose answers took 0.43 s probed the cut node for 1.3 s and handed its ranges on 2 s
+    after the cut."""
+    caplog.set_level(logging.INFO, logger="weightcache.peers.source")
+    with relay_beside_origin(origin, "relay-full-link", every_s=0.5, silent_s=6.0) as (_, asker, obj, body, _), \
+            closing(asker.read_pieces(obj, 0, obj.size // 2, memoryview(bytearray(256 << 10)))) as pieces:
+        for at, view in pieces:
+            assert bytes(view) == body[at:at + len(view)]
+    found = [r.getMessage() for r in caplog.records if "answered no connect" in r.getMessage()]
+    assert found, "the owner never found unreachable"
+    waited = float(found[0].rsplit("within ", 1)[1].split(" s")[0])
+    print(f"the probe waited {waited:.1f} s")
+    assert waited < 1.3, f"the probe waited {waited} s where answers took 0.5 s"
 
 
 def test_the_full_link_fixture_accepts_again_after_its_silence_though_a_probe_filled_its_queue() -> None:

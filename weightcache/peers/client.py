@@ -373,13 +373,19 @@ WATCH_TICK_S = 0.1  # how often the watchdog looks at the streams it watches (a 
 #: more in a full link's queue (RELAY_GRACE_S); a node cut off mid-transfer held its ranges 2.6-10 s (read
 #: timeouts, the relay floor's grace). Several connects, PROBE_GAP_S apart: a full queue drops SYNs (a live node
 #: taken for cut at 3 connects at once within 0.4 s: its range read from the origin again, --faults).
-#: A probe waits PROBE_S, or as long as answers take (`answer_wait`): on full 0.25 MB/s FIFO links (the netns
+#: A probe waits PROBE_S, or as long as answers take (`probe_wait`): on full 0.25 MB/s FIFO links (the netns
 #: bench at N = 32) whole bursts of SYNs were dropped, and probes of 0.5 s took live peers for cut in 4,985 streams
 #: of one fill (their ranges read from the origin again: 1.26x the model). A connect's SYN and SYN-ACK wait in the
-#: queues its answers wait in, and a longer probe spans the kernel's own SYN resends (1 s, 3 s after each connect).
+#: queues its answers wait in. A probe sends a new connect every PROBE_GAP_S all through its wait (at most
+#: PROBE_MAX_CONNECTS), each a new draw of a full queue's drops: three connects and then the kernel's own SYN
+#: resend (1 s after each) answered the netns bench's live peers in 0.3-0.7 s where the first SYN was lost (one
+#: probe in five), and probes of 0.5 s took live peers for cut in 3-5 streams a --faults run; so a probe waits
+#: PROBE_SLACK times what answers take, not ANSWER_SLACK (which spanned that resend): at answers of 0.43 s it
+#: waited 1.3 s, and the cut node's ranges went on 2 s after the cut.
 SILENT_S = 0.4
 PROBE_S = 0.5
-PROBE_CONNECTS, PROBE_GAP_S = 3, 0.1
+PROBE_CONNECTS, PROBE_GAP_S, PROBE_MAX_CONNECTS = 3, 0.1, 16
+PROBE_SLACK = 2.0
 #: A silent peer that answered its probe is probed again once its silence has doubled, at most this long after: a
 #: relay waits seconds on its owner's origin pieces, and re-probed every SILENT_S the netns bench at N = 32 had each
 #: node open 22 probe connections a second and accept 37 (py-spy --gil: accepting them, each an aiohttp connection
@@ -388,12 +394,17 @@ PROBE_CONNECTS, PROBE_GAP_S = 3, 0.1
 PROBE_EVERY_MAX_S = 2.0
 
 
-def answer_wait(*clocks: PeerFlow | None) -> float:
-    """How long to wait for a peer's answer, or for its kernel's to a probe: ANSWER_SLACK times what the answers
-    of `clocks` took (moving means: the peer's to this fetch, any peer's), at most MAX_ANSWER_WAIT_S; 0 before any
-    answer came."""
+def answer_wait(*clocks: PeerFlow | None, slack: float = ANSWER_SLACK) -> float:
+    """How long to wait for a peer's answer: `slack` times what the answers of `clocks` took (moving means: the
+    peer's to this fetch, any peer's), at most MAX_ANSWER_WAIT_S; 0 before any answer came."""
     took = max((c.answer_s or 0.0 for c in clocks if c is not None), default=0.0)
-    return min(MAX_ANSWER_WAIT_S, ANSWER_SLACK * took)
+    return min(MAX_ANSWER_WAIT_S, slack * took)
+
+
+def probe_wait(*clocks: PeerFlow | None) -> float:
+    """How long a silence probe waits for a peer's kernel to answer a connect: PROBE_S, or PROBE_SLACK times what
+    the answers of `clocks` took where that is longer (its connects go out all through the wait: `reachable`)."""
+    return max(PROBE_S, answer_wait(*clocks, slack=PROBE_SLACK))
 
 
 class _Asking(threading.local):
@@ -708,18 +719,18 @@ class _Watchdog:
         """Peers to probe (self._cv held), with how long each probe waits: a stream waits on each, it sent
         nothing on any stream for SILENT_S (since its last byte, or the oldest such stream's ask), and bytes came
         from elsewhere since. A probe waits PROBE_S, or as long as answers take on this node's links
-        (`answer_wait`: the peer's answers to the fetch, or any peer's)."""
+        (`probe_wait`: the peer's answers to the fetch, or any peer's)."""
         oldest: dict[PeerFlow, tuple[float, float]] = {}
         for p in self._paces:
             if p.flow is not None and p.flow.addr is not None and p.flow.link is not None and p.waiting():
                 asked, wait = oldest.get(p.flow, (p.asked, 0.0))
-                oldest[p.flow] = min(asked, p.asked), max(wait, answer_wait(p.flow, p.answers))
+                oldest[p.flow] = min(asked, p.asked), max(wait, probe_wait(p.flow, p.answers))
         probe = []
         for flow, (asked, wait) in oldest.items():
             since = max(flow.last, asked)
             if now - since >= SILENT_S and flow.link is not None and flow.link.last > since and \
                     not flow.probing and now >= flow.probe_after:
-                probe.append((flow, since, max(PROBE_S, wait)))
+                probe.append((flow, since, wait))
         return probe
 
     def _probe(self, flow: PeerFlow, since: float, wait: float) -> None:
@@ -752,19 +763,24 @@ class _Watchdog:
 
 
 def reachable(addr: tuple[str, int], timeout: float) -> bool:
-    """Does `addr` complete a TCP handshake within `timeout`? PROBE_CONNECTS tries, PROBE_GAP_S apart (a full
-    link's queue drops a burst of packets together); refused is no. The connections are reset at once, unused.
-    A selector, not select(): a daemon's descriptors pass 1024 (FD_SETSIZE) with many peers and pods."""
+    """Does `addr` complete a TCP handshake within `timeout`? A connect every PROBE_GAP_S all through `timeout`
+    (at most PROBE_MAX_CONNECTS): a full link's queue drops a burst of packets together, and the kernel sends a
+    lost SYN again only 1 s later, so each new connect is a new draw of the queue's drops; PROBE_CONNECTS
+    refused, and none waiting, is no. The connections are reset at once, unused. A selector, not select(): a
+    daemon's descriptors pass 1024 (FD_SETSIZE) with many peers and pods. Once `timeout` is over the sockets are
+    looked at once more: a probe thread that woke late (a busy CPU: the netns bench started probes up to 0.5 s
+    after they were due) would count its own lateness as the peer's silence."""
     try:
         infos = socket.getaddrinfo(addr[0], addr[1], type=socket.SOCK_STREAM)
     except OSError:
         return False
     family, kind, proto, _, sockaddr = infos[0]
-    started, opened = time.monotonic(), 0
+    started, opened, failed = time.monotonic(), 0, 0
     with selectors.DefaultSelector() as waiting:
         try:
-            while (left := started + timeout - time.monotonic()) > 0:
-                if opened < PROBE_CONNECTS and time.monotonic() >= started + opened * PROBE_GAP_S:
+            while True:
+                left = started + timeout - time.monotonic()
+                if left > 0 and opened < PROBE_MAX_CONNECTS and time.monotonic() >= started + opened * PROBE_GAP_S:
                     s = socket.socket(family, kind, proto)
                     opened += 1
                     # registered first: the finally below closes what is registered, should a call after fail
@@ -772,16 +788,16 @@ def reachable(addr: tuple[str, int], timeout: float) -> bool:
                     s.setblocking(False)
                     s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # closed with a reset
                     s.connect_ex(sockaddr)
-                wait = left if opened == PROBE_CONNECTS else \
-                    min(left, max(0.0, started + opened * PROBE_GAP_S - time.monotonic()))
+                wait = max(0.0, min(left, started + opened * PROBE_GAP_S - time.monotonic())) \
+                    if opened < PROBE_MAX_CONNECTS else max(0.0, left)
                 for key, _ in waiting.select(wait):
                     if key.data.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0:
                         return True
+                    failed += 1
                     waiting.unregister(key.data)
                     key.data.close()
-                if not waiting.get_map() and opened == PROBE_CONNECTS:
+                if (not waiting.get_map() and failed >= PROBE_CONNECTS) or left <= 0:
                     return False
-            return False
         finally:
             for key in list(waiting.get_map().values()):
                 key.data.close()
