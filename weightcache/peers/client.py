@@ -764,8 +764,9 @@ class _Watchdog:
 
 def reachable(addr: tuple[str, int], timeout: float) -> bool:
     """Does `addr` complete a TCP handshake within `timeout`? A connect every PROBE_GAP_S all through `timeout`
-    (at most PROBE_MAX_CONNECTS): a full link's queue drops a burst of packets together, and the kernel sends a
-    lost SYN again only 1 s later, so each new connect is a new draw of the queue's drops; PROBE_CONNECTS
+    (further apart where PROBE_MAX_CONNECTS would not span it): a full link's queue drops a burst of packets
+    together, and the kernel sends a lost SYN again only 1 s later, so each new connect is a new draw of the
+    queue's drops; PROBE_CONNECTS
     refused, and none waiting, is no. The connections are reset at once, unused. A selector, not select(): a
     daemon's descriptors pass 1024 (FD_SETSIZE) with many peers and pods. Once `timeout` is over the sockets are
     looked at once more: a probe thread that woke late (a busy CPU: the netns bench started probes up to 0.5 s
@@ -776,11 +777,12 @@ def reachable(addr: tuple[str, int], timeout: float) -> bool:
         return False
     family, kind, proto, _, sockaddr = infos[0]
     started, opened, failed = time.monotonic(), 0, 0
+    gap = max(PROBE_GAP_S, timeout / PROBE_MAX_CONNECTS)
     with selectors.DefaultSelector() as waiting:
         try:
             while True:
                 left = started + timeout - time.monotonic()
-                if left > 0 and opened < PROBE_MAX_CONNECTS and time.monotonic() >= started + opened * PROBE_GAP_S:
+                if left > 0 and opened < PROBE_MAX_CONNECTS and time.monotonic() >= started + opened * gap:
                     s = socket.socket(family, kind, proto)
                     opened += 1
                     # registered first: the finally below closes what is registered, should a call after fail
@@ -788,7 +790,7 @@ def reachable(addr: tuple[str, int], timeout: float) -> bool:
                     s.setblocking(False)
                     s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # closed with a reset
                     s.connect_ex(sockaddr)
-                wait = max(0.0, min(left, started + opened * PROBE_GAP_S - time.monotonic())) \
+                wait = max(0.0, min(left, started + opened * gap - time.monotonic())) \
                     if opened < PROBE_MAX_CONNECTS else max(0.0, left)
                 for key, _ in waiting.select(wait):
                     if key.data.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0:
