@@ -379,9 +379,11 @@ WATCH_TICK_S = 0.1  # how often the watchdog looks at the streams it watches (a 
 #: queues its answers wait in. A probe sends a new connect every PROBE_GAP_S all through its wait (at most
 #: PROBE_MAX_CONNECTS), each a new draw of a full queue's drops: three connects and then the kernel's own SYN
 #: resend (1 s after each) answered the netns bench's live peers in 0.3-0.7 s where the first SYN was lost (one
-#: probe in five), and probes of 0.5 s took live peers for cut in 3-5 streams a --faults run; so a probe waits
+#: probe in five), and probes of 0.5 s took live peers for cut in 5-9 streams a --faults run; so a probe waits
 #: PROBE_SLACK times what answers take, not ANSWER_SLACK (which spanned that resend): at answers of 0.43 s it
-#: waited 1.3 s, and the cut node's ranges went on 2 s after the cut.
+#: waited 1.3 s, and the cut node's ranges went on 2 s after the cut. Not shorter: what answers take includes
+#: a filling peer's long poll (up to 0.3 s, server NOT_YET_WAIT_S), and timed without it the probe waited 0.5 s
+#: and a fill without faults took live peers for cut in 20 streams (docs/peers.md, "The silence probe measured").
 SILENT_S = 0.4
 PROBE_S = 0.5
 PROBE_CONNECTS, PROBE_GAP_S, PROBE_MAX_CONNECTS = 3, 0.1, 16
@@ -766,11 +768,10 @@ def reachable(addr: tuple[str, int], timeout: float) -> bool:
     """Does `addr` complete a TCP handshake within `timeout`? A connect every PROBE_GAP_S all through `timeout`
     (further apart where PROBE_MAX_CONNECTS would not span it): a full link's queue drops a burst of packets
     together, and the kernel sends a lost SYN again only 1 s later, so each new connect is a new draw of the
-    queue's drops; PROBE_CONNECTS
-    refused, and none waiting, is no. The connections are reset at once, unused. A selector, not select(): a
-    daemon's descriptors pass 1024 (FD_SETSIZE) with many peers and pods. Once `timeout` is over the sockets are
-    looked at once more: a probe thread that woke late (a busy CPU: the netns bench started probes up to 0.5 s
-    after they were due) would count its own lateness as the peer's silence."""
+    queue's drops; PROBE_CONNECTS refused, and none waiting, is no. The connections are reset at once, unused. A
+    selector, not select(): a daemon's descriptors pass 1024 (FD_SETSIZE) with many peers and pods. Once
+    `timeout` is over the sockets are looked at once more: a probe thread that woke late (a busy CPU: the netns
+    bench started probes up to 0.5 s after they were due) would count its own lateness as the peer's silence."""
     try:
         infos = socket.getaddrinfo(addr[0], addr[1], type=socket.SOCK_STREAM)
     except OSError:
