@@ -101,6 +101,30 @@ def test_a_wait_ends_at_once_when_the_fetch_is_cancelled() -> None:
     assert not waiter.is_alive() and len(raised) == 1
 
 
+def test_a_coroutine_cancelled_in_the_bucket_stops_counting_as_a_waiter() -> None:
+    """The peer server's `take`: a stream cancelled while it waits (its asker gone) no longer counts as demand, so
+    the bucket's idle time is not banked up to CATCH_UP_S for it (a waiter counted for ever would let every later
+    burst pass at ten times the burst)."""
+    clock = PolledClock(0.0)  # stopped: only the test moves it
+    limiter = Limiter(1000, clock=clock)  # a burst of 100 bytes
+
+    async def main() -> None:
+        await limiter.take(1000)  # granted from a full bucket: now 900 bytes in debt
+        waiting = asyncio.create_task(limiter.take(1))
+        await asyncio.sleep(0.2)  # it waits in the bucket (the clock never refills it)
+        assert not waiting.done()
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        clock.now = 10.0  # ten idle seconds: the bucket refills to its burst only, nobody waiting
+        await limiter.take(100)
+        await limiter.take(1)  # the bucket at 0 grants once more, then is in debt
+        with pytest.raises(TimeoutError):  # in debt: this one waits (had 10 s been banked, it would pass)
+            await asyncio.wait_for(limiter.take(1), 0.3)
+
+    asyncio.run(main())
+
+
 def test_a_rate_changed_live_reaches_a_waiting_worker() -> None:
     clock = PolledClock(0.0)  # stopped: at the old rate the worker would wait for ever
     limiter = Limiter(100, clock=clock)

@@ -89,27 +89,23 @@ class Limiter:
             return
         import asyncio  # here: a CLI fetch paces threads only, and asyncio's import was 0.02-0.07 s of its start
 
-        started: float | None = self._clock()  # counted as a waiter by that _grant: as in _pauses
-        try:
-            while True:
-                await asyncio.sleep(min(wait, POLL_S))
-                if (wait := self._grant(n, started)) <= 0:
-                    started = None
-                    return
-        finally:
-            if started is not None:  # cancelled while waiting: no longer a waiter
-                with self._lock:
-                    self._waiting -= 1
+        with closing(self._pauses(n, wait)) as pauses:
+            for pause in pauses:
+                await asyncio.sleep(pause)
 
-    def _pauses(self, n: int) -> Generator[float, None, None]:
+    def _pauses(self, n: int, wait: float | None = None) -> Generator[float, None, None]:
         """The waits before `n` bytes are allowed (none when they are now), each at most POLL_S; taken when it
-        ends. Closed early (cancelled, interrupted), it stops counting as a waiter."""
+        ends. `wait`: what the caller's own first `_grant` said (it waits from now, as a waiter). Closed early
+        (cancelled, interrupted), it stops counting as a waiter."""
         started = None
         try:
-            while (wait := self._grant(n, started)) > 0:
+            if wait is None:
+                wait = self._grant(n, None)
+            while wait > 0:
                 if started is None:
                     started = self._clock()
                 yield min(wait, POLL_S)
+                wait = self._grant(n, started)
             started = None
         finally:
             if started is not None:
