@@ -1593,6 +1593,20 @@ def test_a_taken_over_range_handed_back_after_a_cut_reads_on_from_where_it_stopp
         mine.close()
 
 
+def _owner_cut_its_share_taken(fleet: Fleet, cut: FleetNode, taker: FleetNode, sha: str,
+                               obj: ObjectInfo) -> tuple[int, int]:
+    """The node after the owner in rank took the owner's share (the blob's first third) over and holds it from the
+    origin; the owner is stopped. (the third, the owner's port: a test holds it unanswering, its link cut)."""
+    third = obj.size // 3
+    part = taker.peers.inflight.get(sha)
+    assert part is not None
+    part.write(0, memoryview(FILES["model-00001.safetensors.bin"][:third]), memoryview(bytearray(1 << 16)))
+    taker.peers.inflight.from_origin(sha, 0, third)
+    port = int(cut.url.rsplit(":", 1)[1])
+    fleet.stop(cut)
+    return third, port
+
+
 def test_a_range_of_an_owner_back_after_a_cut_is_asked_of_its_taker_first_though_this_node_never_was(
         origin: FaultProxy, fleet: Fleet, tmp_path: Path) -> None:
     """The owner's link is cut (its HEAD times out: down) and the node after it in rank takes its range over; this
@@ -1605,13 +1619,7 @@ def test_a_range_of_an_owner_back_after_a_cut_is_asked_of_its_taker_first_though
     with asking_owners(origin, fleet, tmp_path, owners=2, read_timeout=1.0) as (asker, (cut, taker), sha, obj), \
             contextlib.ExitStack() as closed:
         closed.callback(lambda: [s.close() for s in held])
-        third = obj.size // 3
-        part = taker.peers.inflight.get(sha)  # the node after the owner in rank took its share over
-        assert part is not None
-        part.write(0, memoryview(big[:third]), memoryview(bytearray(1 << 16)))
-        taker.peers.inflight.from_origin(sha, 0, third)
-        port = int(cut.url.rsplit(":", 1)[1])
-        fleet.stop(cut)
+        third, port = _owner_cut_its_share_taken(fleet, cut, taker, sha, obj)
         with unanswering(port, held), closing(asker.read_pieces(obj, 2 * third, 256 << 10, buf)) as own:
             assert sum(len(view) for _, view in own) == 256 << 10  # its own share: the HEADs, the owner's timed out
         assert asker._is_down(cut.url)
@@ -1687,13 +1695,7 @@ def test_a_range_taken_over_while_its_owner_was_down_stays_with_its_taker_when_t
     with asking_owners(origin, fleet, tmp_path, owners=2, read_timeout=1.0) as (asker, (cut, taker), sha, obj), \
             contextlib.ExitStack() as closed:
         closed.callback(lambda: [s.close() for s in held])
-        third = obj.size // 3
-        part = taker.peers.inflight.get(sha)  # the node after the owner in rank took its share over
-        assert part is not None
-        part.write(0, memoryview(big[:third]), memoryview(bytearray(1 << 16)))
-        taker.peers.inflight.from_origin(sha, 0, third)
-        port = int(cut.url.rsplit(":", 1)[1])
-        fleet.stop(cut)
+        third, port = _owner_cut_its_share_taken(fleet, cut, taker, sha, obj)
         with unanswering(port, held):
             with closing(asker.read_pieces(obj, 2 * third, 256 << 10, buf)) as own:  # its own share: the HEADs
                 assert sum(len(view) for _, view in own) == 256 << 10  # the owner's timed out: down
