@@ -1128,6 +1128,34 @@ def test_a_peer_whose_ask_timed_out_is_down_until_it_answers_not_dead_for_the_fe
         assert len(origin.requests_for("GET", "/models/llama/")) == before  # nothing of it from the origin
 
 
+def test_an_owner_whose_port_refused_while_its_daemon_restarted_is_its_shares_reader_again_once_it_answers(
+        origin: FaultProxy, fleet: Fleet, tmp_path: Path) -> None:
+    """An owner's port refuses (its daemon restarting on its node): it is dead, and this node, next in rank, would
+    read its range. Then its daemon listens on the same port again and answers: its share is its own again,
+    waited for, not read from the origin by this node. Before, a peer refused once was dead for the rest of the
+    fetch: a restarted daemon served none of its blobs to that fetch and its share was read twice (by it and by
+    the node after it); and a peer cut off whose thread's HEAD came in the moment its port was closed stayed dead
+    though it answered a moment later (tests whose cut node restarts on its port failed that way under load)."""
+    buf = memoryview(bytearray(256 << 10))
+    with asking_owners(origin, fleet, tmp_path, owners=2, read_timeout=1.0) as (asker, (_, restarted), sha, obj):
+        third = obj.size // 3
+        port = int(restarted.url.rsplit(":", 1)[1])
+        fleet.stop(restarted)  # its port refuses
+        with closing(asker.read_pieces(obj, 2 * third, 256 << 10, buf)) as own:  # its own share: the HEADs
+            assert sum(len(view) for _, view in own) == 256 << 10
+        assert asker._serving_owner(obj.key, third, 2 * third, sha) == ""  # dead: its range is this node's
+        restarted.server = server_module.PeerServer(restarted.store.layout.blobs, TOKEN, fleet.limits,
+                                                    restarted.peers.inflight)
+        fleet.run(restarted.server.start("127.0.0.1", port))  # its daemon is back: it answers
+        wait_until(lambda: asker._serving_owner(obj.key, third, 2 * third, sha) == restarted.url, timeout=10,
+                   what="the restarted owner reading its share again", every=0.05)
+        asker.defer_while(lambda: True)
+        before = len(origin.requests_for("GET", "/models/llama/"))
+        with pytest.raises(Later):  # its own range: it has not started it ("missing"), waited for
+            next(asker.read_pieces(obj, third, third, buf))
+        assert len(origin.requests_for("GET", "/models/llama/")) == before  # nothing of it from the origin
+
+
 def test_a_peer_failing_while_only_the_origin_sends_is_the_peers_fault_not_this_nodes_link(
         origin: FaultProxy, fleet: Fleet, tmp_path: Path) -> None:
     """No peer has answered this node for DOWN_S, but the origin sends it bytes all along (it reads its own share):

@@ -337,7 +337,7 @@ class PeerSource(Source):
         self._holders: dict[str, tuple[float, typing.List[PeerClient]]] = {}  # noqa: UP006 (`list` is a method)
         self._turn = itertools.count()
         self._origin_only: set[str] = set()  # object keys that failed verification once
-        self._dead: set[str] = set()  # peers that did not answer a HEAD during this fetch
+        self._dead: set[str] = set()  # peers whose port refused a HEAD, until they answer again (_reprobe)
         self._served: dict[tuple[str, int], tuple[str, bytes]] = {}  # (key, offset) -> (peer, piece digest)
         self._proven: set[str] = set()  # peers whose first piece in this fetch was judged right (_trial)
         self._on_trial: set[str] = set()  # peers whose first piece a range is judging now
@@ -1031,9 +1031,11 @@ class PeerSource(Source):
         threading.Thread(target=self._reprobe, args=(peer, blob, size), name="peer-reprobe", daemon=True).start()
 
     def _reprobe(self, peer: PeerClient, blob: Blob, size: int) -> None:
-        """Ask a down peer for the blob (HEAD) every REASK_S until it answers (it is up again, and a holder if it
-        says so), refuses (dead for this fetch, as in any round), or MAX_PENDING_S passed (it stays down). Not in the
-        fetch's rounds (_holders_in_turn): their probes run one at a time under one lock, and a HEAD to a node
+        """Ask a down or dead peer for the blob (HEAD) every REASK_S until it answers or asks this node (it is up
+        again, and a holder if it says so), or MAX_PENDING_S passed (it stays down, or dead). A refusal does not
+        end it: a peer whose port refuses once is dead until it answers, not for the rest of the fetch (a daemon
+        restarting on its node; a node whose link came back as its daemon's port was being opened again). Not in
+        the fetch's rounds (_holders_in_turn): their probes run one at a time under one lock, and a HEAD to a node
         cut off held every range of the fetch until its timeout (10 s), long enough for no peer to have been
         heard from, so the failure was taken for this node's link and the peer was never found dead."""
         sha256, deadline = blob_key(blob), time.monotonic() + MAX_PENDING_S
@@ -1041,9 +1043,8 @@ class PeerSource(Source):
             while time.monotonic() < deadline:
                 holds = self._asks(peer, blob, size)
                 with self._lock:
-                    if peer.url in self._dead:
-                        return
                     if not self._is_down(peer.url):
+                        self._dead.discard(peer.url)
                         asked, known = self._holders.get(sha256, (time.monotonic(), []))
                         if holds and peer not in known:
                             self._holders[sha256] = (asked, [*known, peer])
@@ -1290,18 +1291,25 @@ class PeerSource(Source):
                 log.info("%s while nothing came to this node lately (%.0f s): this node's link",
                          exc, DOWN_S)
                 return False
-            self._stats.error(peer.url)
             if exc.timed_out:
                 # no refusal: its link may be cut for a while. Down until it answers (asked again by its own
                 # thread), not dead for the fetch: a HEAD begun while the --faults node was cut off timed out a
                 # second after its link was back, and the node after it in rank read its share and the share it
                 # had taken over (4 MiB) from the origin while it read them itself
+                self._stats.error(peer.url)
                 log.info("%s; down until it answers", exc)
                 self._went_down(peer, sha256, size)
                 return False
-            log.info("%s; this fetch goes on without it", exc)
+            # refused: nothing listens there now. Dead (walked past at once, asked by no round) until it answers
+            # again (its own thread asks it: _reprobe), not for the rest of the fetch: a daemon restarting on its
+            # node refuses for a few seconds, then serves its blobs and fetches its share again
             with self._lock:
+                again = peer.url in self._dead
                 self._dead.add(peer.url)
+            if not again:  # its thread's refusals while it stays dead are the one failure
+                self._stats.error(peer.url)
+                log.info("%s; dead until it answers", exc)
+            self._went_down(peer, sha256, size, sure=True)
             return False
 
     def _drop_holder(self, sha256: str, peer: PeerClient) -> None:
