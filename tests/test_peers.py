@@ -952,6 +952,22 @@ def test_a_fleet_node_reads_its_share_from_the_origin_in_small_pieces_that_its_p
 
 
 
+def test_a_fleet_node_reads_a_file_of_one_chunk_from_the_origin_in_relay_pieces_and_publishes_it(
+        origin: FaultProxy, fleet: Fleet) -> None:
+    """A file of one chunk or less has no journal (nothing to resume): its part is written in one go from the
+    whole body. In a fleet its range is read from the origin in relay pieces all the same (the test above), so
+    the part takes them one at a time. Before, the part had no descriptor until a whole body came, every piece
+    failed with EBADF and so did the fetch (test_rollout: gpu-2, knowing gpu-1, read its one 2 MiB file from the
+    origin in 32 KiB pieces; its ModelCache stayed Failed until the next pass, past the test's 30 s)."""
+    other = fleet.node("other")  # fetches nothing: its share is this node's too once the grace is over
+    node = fleet.node("node", peers=[other.url])
+    options = {**OPTIONS, "chunk_size": 4 << 20}  # every file is one chunk: none journalled
+    assert all(len(body) <= options["chunk_size"] for body in FILES.values())
+    snap = node.fetcher(endpoint_url=origin.endpoint_url, **options).ensure(admin(REF))
+    assert_model(snap)
+    assert origin_bytes(origin) == MODEL_BYTES
+
+
 def test_a_range_taken_over_asks_the_node_after_this_one_first_not_the_origin(origin: FaultProxy, fleet: Fleet,
                                                                                tmp_path: Path) -> None:
     """This node is next in rank after a dead owner, and the node after it took the range over first (this node

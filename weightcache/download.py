@@ -163,10 +163,15 @@ class PartialFile:
 
     # -- writing ------------------------------------------------------------------------------------------------
     def write(self, offset: int, data: memoryview, scratch: memoryview) -> None:
-        """Write a finished chunk, journal it, then advance the in-order hash (using `scratch` to re-read)."""
-        if not self.journalled and offset == 0 and len(data) == self.obj.size:
-            self._write_whole(data)
-            return
+        """Write a finished chunk, journal it, then advance the in-order hash (using `scratch` to re-read). A file
+        without a journal comes in one piece (_write_whole), or in several where a fleet reads it from the origin
+        in relay pieces (peers/source.py `_relay_piece`) or a peer sends part of it: its part is created at the
+        first of them and closed once they are all written and hashed (_unjournalled_piece)."""
+        if not self.journalled:
+            if offset == 0 and len(data) == self.obj.size:
+                self._write_whole(data)
+                return
+            self._unjournalled_piece()
         view = data
         pos = offset
         while view:
@@ -192,6 +197,26 @@ class PartialFile:
             if self._drop_behind:
                 self._drop_to(offset + len(data) - DROP_LAG)
         self.advance_hash(scratch)
+        if not self.journalled and self.complete:
+            self._unjournalled_done()
+
+    def _unjournalled_piece(self) -> None:
+        """A piece of a file without a journal: its part is created now (started over) if this is the first.
+        Before, there was no descriptor until a whole body came, and every piece failed with EBADF (a fleet
+        reading a file of one chunk from the origin failed its fetch)."""
+        with self._mu:
+            if self._fd < 0:
+                self._fd = _create_truncated(self.part)
+
+    def _unjournalled_done(self) -> None:
+        """Every byte of a file without a journal is written and hashed: its descriptor is closed now, not kept
+        until verification (as _write_whole does: a model of many small files would hold one each, EMFILE)."""
+        with self._mu:
+            if self._fd < 0:
+                return
+            self._whole_size = os.fstat(self._fd).st_size
+            os.close(self._fd)
+            self._fd = -1
 
     def _write_whole(self, data: memoryview) -> None:
         """A one-request file in one go: create (started over, O_TRUNC|O_NOFOLLOW), write, hash from the caller's
