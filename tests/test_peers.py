@@ -154,6 +154,21 @@ def test_a_dead_peer_and_a_stopped_one_leave_the_origin_to_serve(origin: FaultPr
     assert node.peers.stats.errors_by_peer == {gone.url: 1, "http://127.0.0.1:9": 1}
 
 
+def test_a_fetch_over_asks_its_dead_peers_nothing_more(origin: FaultProxy, fleet: Fleet) -> None:
+    """A peer whose port refused is asked again by a thread of the fetch (a daemon restarting answers within
+    seconds) for MAX_PENDING_S at most; once the fetch is over, that thread stops. Else every fetch left one
+    asking a killed node 4 times a second for a minute (in the suite, beside the next tests of its worker)."""
+    def reprobes() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name == "peer-reprobe"}
+
+    before = reprobes()
+    node = fleet.node("alone", peers=["http://127.0.0.1:9"])
+    assert_model(ensure(node, origin))
+    assert node.peers.stats.errors_by_peer == {"http://127.0.0.1:9": 1}
+    wait_until(lambda: not reprobes() - before, timeout=2 * source_module.REASK_S + 1.0,
+               what="the fetch's thread asking its dead peer to stop")
+
+
 def test_peers_are_never_asked_for_blobs_known_only_by_claim(s3: S3, fault_proxy: FaultProxy, fleet: Fleet) -> None:
     """Without the store's own SHA-256 (no checksum on upload) a digest is a claim: peers could serve another
     namespace's model for it, so peers are never asked for a digest. They are asked for the origin's identity

@@ -268,8 +268,9 @@ class Fetcher:
         resumed = open_parts(ref, self.store, todo, range_size=self._range_size(todo, streaming=handover is not None),
                              chunk_size=self.chunk_size,
                              drop_behind=handover is None and sum(i.obj.size for i in todo) >= DROP_BEHIND_MIN)
+        fleet = None
         if self.peers is not None and todo and (digests := peer_digests(ref, todo)):
-            source = self.peers.wrap(source, digests)
+            source = fleet = self.peers.wrap(source, digests)
         self.store.ensure_space(sum(i.obj.size for i in todo) - resumed, uri=ref.uri)
         each = handover or (HandOver(None, self.store) if len(todo) <= FEW_FILES else None)
         try:
@@ -278,6 +279,8 @@ class Fetcher:
                                self._closing, self._count, plan.done if plan is not None else None).download(todo)
         finally:  # the blobs have their names now (or the fetch failed): peers find one or nothing
             serve_partials(self.peers, todo, False)
+            if fleet is not None:  # nor are down or dead peers asked again for it
+                fleet.end()
         reporter.phase("publishing")
         # files made durable one by one (reported) need no syncfs before the snapshot is named
         snap = publish(grant, self.store, items, downloaded=any(not i.reported for i in todo), expand=expand,

@@ -28,6 +28,7 @@ import socket
 import threading
 import time
 import typing
+import weakref
 from collections.abc import Callable, Iterable
 from contextlib import closing
 from dataclasses import dataclass, field
@@ -211,6 +212,7 @@ class PeerSet:
         self.stats = PeerStats(ban_s=ban_s)
         self.inflight = inflight or InFlight()  # this node's downloads its peer server may serve from
         self.limits = limits or BandwidthLimits()
+        self._sources: weakref.WeakSet[PeerSource] = weakref.WeakSet()  # fetches' sources: ended at close
 
     def wrap(self, origin: Source, digests: dict[str, tuple[Blob, int]]) -> PeerSource:
         """`digests`: object key -> (trusted sha256 or origin identity, size) for the objects peers may serve."""
@@ -224,6 +226,8 @@ class PeerSet:
         source = PeerSource(origin, usable, digests, self.stats, self.inflight, (rank, len(everyone) + 1),
                             limits=self.limits)
         source.ranked = [*everyone[:rank], "", *everyone[rank:]]  # "": this node
+        with self.stats.lock:
+            self._sources.add(source)
         return source
 
     def update(self, urls: Iterable[str]) -> None:
@@ -246,7 +250,9 @@ class PeerSet:
 
     def close(self) -> None:
         with self.stats.lock:
-            clients = list(self.clients)
+            clients, sources = list(self.clients), list(self._sources)
+        for s in sources:
+            s.end()
         for c in clients:
             c.close()
 
@@ -377,6 +383,7 @@ class PeerSource(Source):
         self._relayed: dict[tuple[str, int], int] = {}  # (key, range end) -> its first byte that a peer sent
         self._origin_rate: float | None = None  # bytes/s this fetch reads per origin connection (a moving mean)
         self.peer_bytes = 0
+        self._ended = threading.Event()  # the fetch is over (end): its threads ask no peer any more
         self._may_defer: Callable[[], bool] = lambda: False  # the fetch engine: other ranges wait for a worker
 
     @property
@@ -396,6 +403,11 @@ class PeerSource(Source):
 
     def close(self) -> None:
         self.origin.close()
+
+    def end(self) -> None:
+        """The fetch is over: the threads asking down or dead peers again (_reprobe) stop at their next wait (a
+        peer whose port refused is asked every REASK_S for MAX_PENDING_S: not for that long after the fetch)."""
+        self._ended.set()
 
     def defer_while(self, may_defer: Callable[[], bool]) -> None:
         self._may_defer = may_defer
@@ -1040,7 +1052,7 @@ class PeerSource(Source):
         heard from, so the failure was taken for this node's link and the peer was never found dead."""
         sha256, deadline = blob_key(blob), time.monotonic() + MAX_PENDING_S
         try:
-            while time.monotonic() < deadline:
+            while time.monotonic() < deadline and not self._ended.is_set():
                 holds = self._asks(peer, blob, size)
                 with self._lock:
                     if not self._is_down(peer.url):
@@ -1049,7 +1061,7 @@ class PeerSource(Source):
                         if holds and peer not in known:
                             self._holders[sha256] = (asked, [*known, peer])
                         return
-                time.sleep(REASK_S)
+                self._ended.wait(REASK_S)
         finally:
             with self._lock:
                 self._reprobing.discard(peer.url)
