@@ -274,13 +274,37 @@ CUT_AT_S, CUT_FOR_S = OUTAGE_S + 10.0, 10.0
 LATE_S = 6.0  # one node is asked for the model this much later than the others
 PROXY_PORT = 5001  # --faults: the daemons reach moto through a fault proxy (tests/faultproxy.py) in its namespace
 OUTAGE_PROXY = """
-import signal, sys, threading
+import signal, sys, threading, time
+from tests import faultproxy
 from tests.faultproxy import FaultProxy
 proxy = FaultProxy(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+# per client address: its last request answered 503, and its first request once the outage was over (written to
+# sys.argv[5] + ".through", seconds from the outage's end: how long each node's backoff outlasted it)
+lock, state = threading.Lock(), {"over": None, "last503": {}, "through": set()}
+handle = faultproxy._Handler._handle
+def _handle(self):
+    now, ip = time.monotonic(), self.client_address[0]
+    with lock:
+        if state["over"] is None:
+            state["last503"][ip] = now
+        elif ip not in state["through"]:
+            state["through"].add(ip)
+            last = state["last503"].get(ip)
+            before = "-" if last is None else "%.2f" % (last - state["over"])
+            with open(sys.argv[5] + ".through", "a") as f:
+                f.write("%s %.2f %s\\n" % (ip, now - state["over"], before))
+    return handle(self)
+for verb in ("GET", "PUT", "POST", "PATCH", "DELETE", "HEAD"):
+    setattr(faultproxy._Handler, "do_" + verb, _handle)
 def outage(*_):
     fault = proxy.add("status", status=503, code="SlowDown", count=-1)
+    with lock:
+        state.update(over=None, last503={}, through=set())
+        open(sys.argv[5] + ".through", "w").close()
     def over():
-        proxy.clear()
+        with lock:
+            proxy.clear()
+            state["over"] = time.monotonic()
         with open(sys.argv[5], "w") as f:
             f.write(str(fault.fired))
     threading.Timer(float(sys.argv[4]), over).start()
@@ -505,7 +529,21 @@ def fill(net: Net, n: int, work: Path, args: argparse.Namespace, model: int) -> 
         "errors": [f"n{d.index}: {d.error}" for d in daemons if d.error],
         # --faults: requests the origin answered 503 during its outage (0: none came then)
         "origin_503s": int(outage_log.read_text()) if (outage_log := work / "503s").exists() else None,
+        # --faults: per node, seconds from the outage's end to its first request to the origin after it, and to its
+        # last request answered 503 (negative: before the end); how long its backoff outlasted the outage
+        "out_of_503s_s": out_of_503s(work / "503s.through", n),
     }
+
+
+def out_of_503s(path: Path, n: int) -> dict[str, list[float | None]]:
+    """The fault proxy's per-address lines (`OUTAGE_PROXY`), by node: [first request after, last 503]."""
+    names = {node_ip(i): f"n{i}" for i in range(n)}
+    rows = {}
+    for line in path.read_text().splitlines() if path.exists() else []:
+        ip, through, last = line.split()
+        if ip in names:
+            rows[names[ip]] = [float(through), None if last == "-" else float(last)]
+    return dict(sorted(rows.items(), key=lambda kv: int(kv[0][1:])))
 
 
 @contextlib.contextmanager
@@ -576,6 +614,10 @@ def print_row(row: dict[str, Any], one: float) -> None:
               f"used {' '.join(str(x) for x in row['liar_pieces_used'])}, judged before use (never used) "
               f"{' '.join(str(x) for x in row['liar_pieces_judged'])}, false digests "
               f"{' '.join(str(x) for x in row['false_digests'])}; origin 503s: {row['origin_503s']}")
+    if row.get("out_of_503s_s"):
+        out = row["out_of_503s_s"]
+        print(f"  out of the 503s, s after they ended (per node: first origin request after; its last 503): "
+              f"{' '.join(f'{k}={v[0]:g}' + ('' if v[1] is None else f'({v[1]:g})') for k, v in out.items())}")
     for e in row["errors"]:
         print(f"  FAILED {e}")
 
