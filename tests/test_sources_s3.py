@@ -315,6 +315,19 @@ def test_a_store_asking_to_slow_down_is_retried_for_a_while_not_for_a_few_attemp
     assert info.value.last_exception.response["Error"]["Code"] == "SlowDown"
 
 
+def test_a_throttled_request_is_tried_again_within_two_seconds_however_long_the_throttling() -> None:
+    """A store's throttling ends unannounced: each pause between "slow down" answers is at most
+    THROTTLED_MAX_BACKOFF (2 s), not a backoff doubled to MAX_BACKOFF (10 s), so a request is through within 2 s
+    of the store's recovery (a fleet behind an origin answering 503 for 10 s came back to it up to 9 s late)."""
+    attempts = SourceOptions(backoff=1.0).retry("reading")  # doubled: 8 s by the 4th failure, 10 s after
+    attempts.failures = 6  # six "slow down" answers already: the doubled backoff is past MAX_BACKOFF
+    for _ in range(3):  # each would be uniform in 0-10 s before: all three within 2.2 s one time in a hundred
+        start = time.monotonic()
+        attempts.failed(retry.Retryable("SlowDown (HTTP 503)", throttled=True))
+        assert time.monotonic() - start <= 2.2
+    assert attempts.failures == 9
+
+
 def test_listing_is_retried_too(s3: S3, fault_proxy: FaultProxy) -> None:
     s3.put("models", "m/w.bin", b"x")
     fault_proxy.add("slowdown", method="GET", path="/models", count=2)

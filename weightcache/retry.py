@@ -29,6 +29,11 @@ DEFAULT_BACKOFF = 0.2  # the first pause's upper bound; doubles per failure
 # the attempts: 5 attempts took under 3 s, and a fleet starting behind an origin throttling it for 10 s failed
 # every fetch at its listing (scripts/bench_fleet_netns.py --faults)
 THROTTLED_S = 60.0
+# ...and each of those pauses is at most this long (a server's Retry-After still sets a longer one): a throttling
+# window ends unannounced, and a pause that had doubled to MAX_BACKOFF held a node up to 10 s past it (a fleet
+# behind an origin answering 503 for its first 10 s came back to it over 10 s, the last node 9 s late:
+# scripts/bench_fleet_netns.py --faults, docs/peers.md). Full jitter keeps the retries of many nodes spread.
+THROTTLED_MAX_BACKOFF = 2.0
 
 
 #: A range's first byte may take this long per byte asked for, beyond the per-read timeout: some origins copy
@@ -72,10 +77,10 @@ class PartialRead(Retryable):
 
 def backoff_pause(failures: int, first: float, *, cap: float = MAX_BACKOFF, retry_after: float | None = None) -> float:
     """Seconds to wait after `failures` failures: full jitter up to first * 2**(failures-1), at least a
-    server's Retry-After; both capped at `cap`."""
+    server's Retry-After; the backoff capped at `cap`, the Retry-After at `cap` or MAX_BACKOFF, the longer."""
     pause = random.uniform(0, min(cap, first * 2 ** (max(1, failures) - 1)))
     if retry_after:
-        pause = max(pause, min(retry_after, cap))
+        pause = max(pause, min(retry_after, max(cap, MAX_BACKOFF)))
     return pause
 
 
@@ -103,7 +108,8 @@ class Retry:
             raise RetriesExceededError(
                 f"{self.what} failed {self.failures} times, last: {err.reason}; check the network and the object "
                 "store, then fetch again (finished ranges are kept)", cause) from cause
-        pause = backoff_pause(self.failures, self.backoff, retry_after=err.retry_after)
+        pause = backoff_pause(self.failures, self.backoff, retry_after=err.retry_after,
+                              cap=THROTTLED_MAX_BACKOFF if err.throttled else MAX_BACKOFF)
         log.debug("retrying %s in %.2fs after: %s", self.what, pause, err.reason)
         wait(pause, self.cancel)
 
