@@ -252,6 +252,34 @@ def test_a_download_in_flight_is_served_only_where_it_is_journalled(http: urllib
     assert get(http, n, f"/v1/blobs/sha256/{SHA}", method="HEAD").status == 404
 
 
+def test_a_whole_small_file_in_its_blob_is_served_while_its_download_is_still_registered(
+        http: urllib3.PoolManager, fleet: Fleet, tmp_path: Path) -> None:
+    """A file read in one request goes straight to its blob (store/blobwrite.py); its download stays registered
+    in flight, with nothing journalled in its part, until the fetch hands it over or ends. A GET meanwhile is
+    served the blob, as a HEAD already was, not answered "missing" (the asker read it from the origin again: seen
+    in test_rollout's logs)."""
+    n = fleet.node("small")
+    obj = ObjectInfo("k", "config.json", len(BODY), "e", None, None)
+    part = PartialFile(tmp_path / "c.part", obj, range_size=1 << 20, journalled=False)
+    part.hash_whole(memoryview(BODY))  # hashed from the worker's buffer, then written to its blob, not the part
+    blob = n.store.layout.blob(SHA)
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    blob.write_bytes(BODY)
+    inflight = n.server.inflight
+    assert inflight is not None
+    inflight.add(SHA, part)
+    inflight.from_origin(SHA, 0, len(BODY))
+    try:
+        head = get(http, n, f"/v1/blobs/sha256/{SHA}", method="HEAD")
+        assert head.status == 200 and "X-Weightcache-Partial" not in head.headers
+        whole = get(http, n, f"/v1/blobs/sha256/{SHA}")
+        assert whole.status == 200 and whole.data == BODY
+        ranged = get(http, n, f"/v1/blobs/sha256/{SHA}", {**AUTH, "Range": "bytes=10-99"})
+        assert ranged.status == 206 and ranged.data == BODY[10:100]
+    finally:
+        inflight.remove(SHA, part)
+
+
 def claimed(fleet: Fleet, tmp_path: Path) -> tuple[FleetNode, PartialFile, InFlight, Claim]:
     """A node downloading BODY (a partial file registered in flight) that claims its first 128 KiB."""
     n = fleet.node("fetching")

@@ -261,7 +261,9 @@ class PeerServer:
         asks_bytes = request.method == "GET" and "digests" not in request.query  # not HEAD, not digests (_send)
         partial = self.inflight.get(name) if self.inflight is not None and asks_bytes else None
         span = parse_range(request.headers.get("Range"), partial.obj.size) if partial is not None else None
-        if partial is None or span is None or self.inflight is None:
+        # complete: every byte written and hashed; a file read in one request is in its blob already (nothing in
+        # its part's journal), so the blob is served as a HEAD says, not "missing" (an origin read for the asker)
+        if partial is None or span is None or self.inflight is None or partial.complete:
             return None
         start, end, _ = span
         if await self._journalled(name, partial, start, end) > start:
