@@ -1187,6 +1187,41 @@ def test_an_owner_whose_port_refused_while_its_daemon_restarted_is_its_shares_re
         assert len(origin.requests_for("GET", "/models/llama/")) == before  # nothing of it from the origin
 
 
+def test_a_dead_owner_is_asked_again_less_often_the_longer_it_stays_dead(
+        origin: FaultProxy, fleet: Fleet, tmp_path: Path) -> None:
+    """An owner whose port refuses (here: hangs up on every connect, counted) is asked again by its thread, every
+    REASK_S at first, then doubled per refusal up to DEAD_REASK_MAX_S (2 s): a daemon restarting on its node is
+    still found within 2 s, and a fill with a third of its nodes killed does not send every live node's threads 4
+    HEADs a second per dead node for MAX_PENDING_S (60 s; 0.4 ms CPU each)."""
+    buf = memoryview(bytearray(256 << 10))
+    with asking_owners(origin, fleet, tmp_path, owners=2, read_timeout=1.0) as (asker, (_, dead), sha, obj):
+        port = int(dead.url.rsplit(":", 1)[1])
+        fleet.stop(dead)
+        listener = socket.create_server(("127.0.0.1", port))  # accepts and hangs up: nothing answers HTTP there
+        connects: list[float] = []
+
+        def hang_up() -> None:
+            with contextlib.suppress(OSError):
+                while True:
+                    conn, _ = listener.accept()
+                    connects.append(time.monotonic())
+                    conn.close()
+
+        threading.Thread(target=hang_up, daemon=True).start()
+        try:
+            third = obj.size // 3
+            with closing(asker.read_pieces(obj, 2 * third, 256 << 10, buf)) as own:  # its own share: the HEADs
+                assert sum(len(view) for _, view in own) == 256 << 10
+            assert asker._serving_owner(obj.key, third, 2 * third, sha) == ""  # dead: its range is this node's
+            time.sleep(4.0)
+            # every 0.25 s: 16 asks in these 4 s; doubled from 0.25 s (0.25, 0.5, 1, 2, 2): about 5
+            asks = list(connects)
+            assert 3 <= len(asks) <= 8, asks
+            assert all(b - a <= source_module.DEAD_REASK_MAX_S + 0.5 for a, b in itertools.pairwise(asks))
+        finally:
+            listener.close()
+
+
 def test_a_peer_failing_while_only_the_origin_sends_is_the_peers_fault_not_this_nodes_link(
         origin: FaultProxy, fleet: Fleet, tmp_path: Path) -> None:
     """No peer has answered this node for DOWN_S, but the origin sends it bytes all along (it reads its own share):

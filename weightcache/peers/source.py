@@ -94,6 +94,10 @@ NOT_YET_SLACK_S = 0.1  # the piece is journalled a little after its last byte ca
 # second per node before the first origin byte (docs/peers.md, "Less CPU a fill")
 UNSTARTED_S, UNSTARTED_MAX_S = 0.2, 1.0
 REASK_S = 0.25  # a peer that lacked a blob is asked again after this (nodes started together register late)
+# a peer whose port refused (dead: _reprobe) is asked again after REASK_S, doubled per refusal up to this: a daemon
+# restarting on its node is found this late at most, and a fleet fill with a third of its nodes killed did not
+# send each live node's threads 4 refused HEADs a second per dead peer for MAX_PENDING_S (0.4 ms CPU each)
+DEAD_REASK_MAX_S = 2.0
 BENCH_S = 1.0  # a peer cut as too slow is left out of the fetch this long, doubled each time, up to MAX_BENCH_S
 MAX_BENCH_S = 30.0
 PROVEN_BYTES = 4 << 20  # a peer cut as slow after sending this fetch this much is waited for, not the origin
@@ -406,7 +410,7 @@ class PeerSource(Source):
 
     def end(self) -> None:
         """The fetch is over: the threads asking down or dead peers again (_reprobe) stop at their next wait (a
-        peer whose port refused is asked every REASK_S for MAX_PENDING_S: not for that long after the fetch)."""
+        peer whose port refused is asked for MAX_PENDING_S: not for that long after the fetch)."""
         self._ended.set()
 
     def defer_while(self, may_defer: Callable[[], bool]) -> None:
@@ -1043,7 +1047,8 @@ class PeerSource(Source):
         threading.Thread(target=self._reprobe, args=(peer, blob, size), name="peer-reprobe", daemon=True).start()
 
     def _reprobe(self, peer: PeerClient, blob: Blob, size: int) -> None:
-        """Ask a down or dead peer for the blob (HEAD) every REASK_S until it answers or asks this node (it is up
+        """Ask a down or dead peer for the blob (HEAD) every REASK_S (a dead one: doubled per refusal up to
+        DEAD_REASK_MAX_S) until it answers or asks this node (it is up
         again, and a holder if it says so), or MAX_PENDING_S passed (it stays down, or dead). A refusal does not
         end it: a peer whose port refuses once is dead until it answers, not for the rest of the fetch (a daemon
         restarting on its node; a node whose link came back as its daemon's port was being opened again). Not in
@@ -1051,6 +1056,7 @@ class PeerSource(Source):
         cut off held every range of the fetch until its timeout (10 s), long enough for no peer to have been
         heard from, so the failure was taken for this node's link and the peer was never found dead."""
         sha256, deadline = blob_key(blob), time.monotonic() + MAX_PENDING_S
+        pause = REASK_S
         try:
             while time.monotonic() < deadline and not self._ended.is_set():
                 holds = self._asks(peer, blob, size)
@@ -1061,7 +1067,11 @@ class PeerSource(Source):
                         if holds and peer not in known:
                             self._holders[sha256] = (asked, [*known, peer])
                         return
-                self._ended.wait(REASK_S)
+                    dead = peer.url in self._dead
+                self._ended.wait(pause)
+                # refused (dead): asked less often the longer it stays so; down (a timeout: a cut link coming back)
+                # is asked every REASK_S, each ask as long as its timeout anyway
+                pause = min(pause * 2, DEAD_REASK_MAX_S) if dead else REASK_S
         finally:
             with self._lock:
                 self._reprobing.discard(peer.url)
