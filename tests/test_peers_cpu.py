@@ -148,8 +148,9 @@ def test_a_head_of_a_blob_downloading_here_is_answered_without_a_thread(tmp_path
     """A HEAD of a blob this node downloads is answered on the event loop from what InFlight holds: no file is
     opened and no thread of the loop's executor is waited for. Each did `_open_held` in a thread; at N = 32 HEADs
     were 6,000 of a fill's 8,200 peer requests, nearly all in its first 12 s, each a GIL hand-off and a wait for an
-    executor thread on a saturated machine (docs/peers.md, "HEAD rounds"). Here the loop's only executor thread is
-    busy (a disk read that waits): the HEAD is answered all the same, and a blob this node lacks still is not."""
+    executor thread on a saturated machine (docs/peers.md, "N = 32: where the fill's first 20 s go"). Here the
+    loop's only executor thread is busy (a disk read that waits): the HEAD is answered all the same, and a blob this
+    node lacks still is not."""
     body = b"x" * 4096
     sha = hashlib.sha256(body).hexdigest()
     with Fleet(tmp_path, TOKEN) as fleet:
