@@ -138,6 +138,8 @@ class HostilePeer:
                            the streams stay open and silent (a node whose link is cut: no handshake completes)
         "relay-pause"      a live relay waiting on its origin pieces: HEAD as "relay-then-cut"; GET: a correct 206
                            head, the range's first 256 KiB, then for `silent_s` nothing, then the rest
+        "relay-slow-missing"  a relay that lacks the range: HEAD as "relay-then-cut"; GET: after `every_s`, a 404
+                           that says it downloads the blob (`X-Weightcache-Partial: 1`: "missing")
         "relay-full-link"  a live relay behind a full link: as "relay-pause", its head sent after `every_s` (answers
                            take that long), and while it is silent no handshake completes (its listener's queue
                            full: the kernel drops every SYN)
@@ -238,6 +240,10 @@ class HostilePeer:
         head = (f"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes {span}/{size}\r\n{fanout}"
                 f"Content-Length: {last - first + 1}\r\n\r\n").encode()
         if self.mode == "relay-full-link" and self._stop.wait(self.every_s):
+            return
+        if self.mode == "relay-slow-missing":
+            if not self._stop.wait(self.every_s):
+                conn.sendall(b"HTTP/1.1 404 Not Found\r\nX-Weightcache-Partial: 1\r\nContent-Length: 0\r\n\r\n")
             return
         if self.mode == "trickle-headers":
             for i in range(len(head)):

@@ -9,8 +9,10 @@ import hashlib
 import itertools
 import logging
 import os
+import shutil
 import socket
 import struct
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -547,11 +549,14 @@ def test_a_failed_owner_stays_down_until_it_answers_and_asking_it_holds_no_range
 
 @contextmanager
 def relay_beside_origin(origin: FaultProxy, mode: str, elsewhere_bytes: int = 1 << 20, connect_timeout: float = 2.0,
+                        inflight: InFlight | None = None, second: HostilePeer | None = None,
                         **hostile: float) -> Iterator[tuple[HostilePeer, PeerSource, ObjectInfo, bytes, PeerStats]]:
     """A HostilePeer in `mode` owning (relaying) the first half of a model file, an asker ranked after it, and
     bytes from elsewhere all along (`elsewhere_bytes` of a file peers are not asked for, from the origin at 300
     kB/s): what tells a silent peer from this node's own link gone. `connect_timeout`: the asker's configured one
-    (its connects wait at most that). Yields (owner, asker, the file, its body, the asker's peer counters)."""
+    (its connects wait at most that); `inflight`: the asker's (its peer server's registry); `second`: another peer,
+    ranked after the asker (it owns no share asked). Yields (owner, asker, the file, its body, the asker's peer
+    counters)."""
     big, other = "model-00001.safetensors.bin", "model-00002.bin"
     body = FILES[big]
     sha = hashlib.sha256(body).hexdigest()
@@ -561,8 +566,9 @@ def relay_beside_origin(origin: FaultProxy, mode: str, elsewhere_bytes: int = 1 
     obj = objs[big]
     half = obj.size // 2
     with HostilePeer({sha: obj.size}, {sha: body}, mode, **hostile) as owner, ThreadPoolExecutor(1) as pool:
-        peers = PeerSet([PeerClient(owner.url, TOKEN, connect_timeout=connect_timeout, read_timeout=10.0)],
-                        self_url="http://127.0.0.2:1")  # ranks after the owner: the first half is the owner's
+        urls = [owner.url] + ([second.url.replace("127.0.0.1", "localhost")] if second is not None else [])
+        peers = PeerSet([PeerClient(u, TOKEN, connect_timeout=connect_timeout, read_timeout=10.0) for u in urls],
+                        inflight=inflight, self_url="http://127.0.0.2:1")  # after the owner: the first half is its
         asker = peers.wrap(source, {obj.key: (sha, obj.size)})
         asker.spread([(obj.key, 0, half), (obj.key, half, obj.size - half)], key=lambda r: r)
         elsewhere = pool.submit(lambda: sum(len(v) for _, v in asker.read_pieces(
@@ -663,6 +669,100 @@ def test_an_owner_the_silence_probe_finds_unreachable_has_its_range_taken_over_a
           f"{taken[0] - found[0]:.2f} s after the probe found it unreachable")
     assert taken[0] - found[0] < 1.0, f"taken over {taken[0] - found[0]:.2f} s after the probe's verdict"
     assert owner.requests == 1
+
+
+@contextmanager
+def served_to_peer(inflight: InFlight) -> Iterator[None]:
+    """A connection of this node's peer server from the peer's host (127.0.0.1), registered as a peer's request
+    registers it (InFlight.asked_by), with a KiB sent on it every 50 ms all along, as the server streams this node's
+    share to that peer (whose kernel acknowledges it)."""
+    stop = threading.Event()
+    with socket.create_server(("127.0.0.1", 0)) as listener, \
+            socket.create_connection(listener.getsockname()[:2]):
+        served, _ = listener.accept()
+
+        def stream() -> None:
+            with contextlib.suppress(OSError):
+                while not stop.wait(0.05):
+                    served.send(b"x" * 1024)
+
+        inflight.asked_by("127.0.0.1", served)
+        sending = threading.Thread(target=stream, daemon=True)
+        sending.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            sending.join(2.0)
+            served.close()
+
+
+@contextmanager
+def syns_dropped(port: int) -> Iterator[None]:
+    """Every SYN to this local TCP port dropped (iptables, root): a full link's queue dropping each new connection's,
+    the streams open flowing (their packets, and the peer's kernel's acknowledgements, go through)."""
+    rule = ["-p", "tcp", "--syn", "--dport", str(port), "-j", "DROP"]
+    subprocess.run(["iptables", "-w", "-I", "INPUT", *rule], check=True, capture_output=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["iptables", "-w", "-D", "INPUT", *rule], check=False, capture_output=True)
+
+
+def _can_drop() -> bool:
+    if os.geteuid() != 0 or shutil.which("iptables") is None:
+        return False
+    return subprocess.run(["iptables", "-w", "-L", "INPUT", "-n"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _can_drop(), reason="drops packets with iptables: root")
+def test_a_live_relay_whose_kernel_acknowledges_what_this_node_sends_it_is_not_taken_for_cut(
+        origin: FaultProxy) -> None:
+    """The owner relaying a range is alive behind a full link: its stream goes silent for 1.5 s (it waits on its
+    origin pieces) while every SYN to it is dropped (a full queue), and its answers are quick (the probe waits
+    PROBE_S). This node's peer server streams to it meanwhile, and its kernel acknowledges those bytes: the probe
+    asks the server's connections first and takes it for live without a connect, and the whole range comes from
+    its one stream. Before, the probe's connects got no answer in 0.5 s and the live owner's stream was cut as
+    unreachable (--faults bench: 0-9 streams of live peers a run; 20 in a fill without faults with a 0.5 s probe)."""
+    inflight = InFlight()
+    with served_to_peer(inflight), relay_beside_origin(origin, "relay-pause", elsewhere_bytes=2 << 20, silent_s=1.5,
+                                                       inflight=inflight) as (owner, asker, obj, body, _):
+        got = 0
+        owner_port = int(owner.url.rsplit(":", 1)[1])
+        with contextlib.ExitStack() as full, \
+                closing(asker.read_pieces(obj, 0, obj.size // 2, memoryview(bytearray(256 << 10)))) as pieces:
+            for at, view in pieces:
+                assert bytes(view) == body[at:at + len(view)]
+                got += len(view)
+                if got == len(view):  # its first 256 KiB: its silence begins, and its SYNs are dropped
+                    full.enter_context(syns_dropped(owner_port))
+    assert got == obj.size // 2
+    assert owner.requests == 1, "the live owner's stream was cut, and its range asked again"
+    assert origin.requests_for("GET", f"/models/llama/{obj.relpath}") == [], "the owner's range read from the origin"
+
+
+def test_a_range_whose_owner_goes_down_mid_round_is_handed_on_before_the_rounds_other_holders_are_asked(
+        origin: FaultProxy, caplog: pytest.LogCaptureFixture) -> None:
+    """The owner relaying a range is cut off after its first 256 KiB (its listener refuses: the probe's verdict
+    comes at once), and the round's other holder, a relay that started before this node, answers "missing" only
+    after 1 s. The range is handed on (this node, next in rank, reads it) right after the verdict: the round asks
+    no other holder once the node reading the range went down. Before, the round asked the other holder first (the
+    --faults bench: the cut node's ranges handed on 0.3-1.1 s after the probe's verdict, where the first went at
+    once: a killed owner's connect, a peer's "not yet" after its long poll)."""
+    caplog.set_level(logging.INFO, logger="weightcache.peers.source")
+    big = FILES["model-00001.safetensors.bin"]  # the file relay_beside_origin's owner relays
+    with HostilePeer({hashlib.sha256(big).hexdigest(): len(big)}, {}, "relay-slow-missing", every_s=1.0) as slow, \
+            relay_beside_origin(origin, "relay-then-cut", second=slow) as (owner, asker, obj, body, _):
+        assert len(asker.ranked) == 3 and asker.ranked[1] == ""  # the owner, this node, the slow relay
+        with closing(asker.read_pieces(obj, 0, obj.size // 2, memoryview(bytearray(256 << 10)))) as pieces:
+            for at, view in pieces:
+                assert bytes(view) == body[at:at + len(view)]
+                owner.cut()  # after its first 256 KiB: new connections refused, its stream silent
+    found = [r.created for r in caplog.records if "answered no connect" in r.getMessage()]
+    taken = [r.created for r in caplog.records if "is not there for them" in r.getMessage()]
+    assert found and taken, "the owner never found unreachable, or its range never handed on"
+    print(f"handed on {taken[0] - found[0]:.2f} s after the verdict; the slow relay asked {slow.requests} times")
+    assert taken[0] - found[0] < 0.5, f"handed on {taken[0] - found[0]:.2f} s after the probe's verdict"
 
 
 def test_a_silence_probe_connects_again_all_through_its_wait_not_only_at_its_start() -> None:

@@ -394,6 +394,18 @@ PROBE_SLACK = 2.0
 #: reset at once, cost a serving daemon more than its streams). A peer cut after a long silence is found this much
 #: later at most.
 PROBE_EVERY_MAX_S = 2.0
+#: What this node's own peer server hears from a silent peer's host tells that its link is up without a connect: the
+#: peer's kernel acknowledges what the server sends it within a round trip, whatever its daemon does and whether or
+#: not its listener's queue or a full link drops SYNs (a connect could not tell a cut node from a live one behind a
+#: full 1 MB/s link in 0.5 s: docs/peers.md, "The silence probe measured"). An acknowledgement from it within
+#: ACK_RECENT_S before the probe would begin, or while it runs, says its link is up: no connect is made, and the
+#: next look at it (getsockopt calls, on the watchdog's thread) is ACK_EVERY_S later. Only one that recent counts:
+#: the netns bench's cut node had acknowledged the servers' bytes until its cut, its relays to them silent long
+#: before, and a rule of "acknowledged since its streams went silent" took it for live through its cut. The converse
+#: is not used: bytes of the server unacknowledged for twice the kernel's smoothed round trip (at least 0.25 s) took
+#: live peers for cut in a fill without faults (18 streams, all ready 1.34x against 1.22x; docs/peers.md).
+ACK_RECENT_S = 0.1
+ACK_EVERY_S = 0.2
 
 
 def answer_wait(*clocks: PeerFlow | None, slack: float = ANSWER_SLACK) -> float:
@@ -459,9 +471,11 @@ class PeerFlow:
     """Bytes from one peer over all of a fetch's streams from it: a peer is slow only when all of them together
     are below the floor. A peer serving many askers at once sends each stream little, and one stream may wait on
     its turn while the others flow; a trickler is below the floor on every stream at once. With `addr` (the
-    peer's host and port) and `link` (the fetch's), the watchdog probes a peer silent on every stream (SILENT_S)."""
+    peer's host and port) and `link` (the fetch's), the watchdog probes a peer silent on every stream (SILENT_S);
+    `connections`: this node's peer server's connections from the peer's host, what its probe asks first (_Acks)."""
 
-    def __init__(self, addr: tuple[str, int] | None = None, link: Link | None = None) -> None:
+    def __init__(self, addr: tuple[str, int] | None = None, link: Link | None = None,
+                 connections: Callable[[], list[Any]] | None = None) -> None:
         self._lock = threading.Lock()
         self._samples: collections.deque[tuple[float, int]] = collections.deque([(time.monotonic(), 0)])
         self._total = 0
@@ -469,6 +483,7 @@ class PeerFlow:
         # 2 is judged by its share of the 62 it sends later (Pace.due)
         self.streams = 1
         self.addr, self.link = addr, link
+        self.connections = connections  # this node's peer server's connections from the peer's host (_Acks)
         self.last = time.monotonic()  # its last byte, on any stream
         self.probing = False
         self.probe_after = 0.0  # a probe it answered: the next one not before this (_Watchdog._probe)
@@ -712,6 +727,10 @@ class _Watchdog:
                 self._paces.difference_update(cut)
                 silent = self._silent(now)
             for flow, since, wait in silent:
+                if flow.connections is not None and _Acks(flow.connections()).told():
+                    # its kernel acknowledges what this node's peer server sends it: up, no connect (ACK_RECENT_S)
+                    flow.probe_after = now + ACK_EVERY_S
+                    continue
                 flow.probing = True
                 self.probers.run(self._probe, flow, since, wait)
             with self._cv:
@@ -750,8 +769,9 @@ class _Watchdog:
         try:
             addr, link = flow.addr, flow.link
             flow.probe_s = wait
+            acks = _Acks(flow.connections() if flow.connections is not None else [])
             try:
-                up = addr is None or link is None or reachable(addr, wait)
+                up = addr is None or link is None or reachable(addr, wait, acks.told)
             except OSError:  # this node could not probe (out of descriptors): no verdict on the peer
                 up = True
             if up or link is None:
@@ -773,14 +793,15 @@ class _Watchdog:
             flow.probing = False
 
 
-def reachable(addr: tuple[str, int], timeout: float) -> bool:
+def reachable(addr: tuple[str, int], timeout: float, told: Callable[[], bool | None] | None = None) -> bool:
     """Does `addr` complete a TCP handshake within `timeout`? A connect every PROBE_GAP_S all through `timeout`
     (further apart where PROBE_MAX_CONNECTS would not span it): a full link's queue drops a burst of packets
     together, and the kernel sends a lost SYN again only 1 s later, so each new connect is a new draw of the
     queue's drops; PROBE_CONNECTS refused, and none waiting, is no. The connections are reset at once, unused. A
     selector, not select(): a daemon's descriptors pass 1024 (FD_SETSIZE) with many peers and pods. Once
     `timeout` is over the sockets are looked at once more: a probe thread that woke late (a busy CPU: the netns
-    bench started probes up to 0.5 s after they were due) would count its own lateness as the peer's silence."""
+    bench started probes up to 0.5 s after they were due) would count its own lateness as the peer's silence.
+    `told`: asked between connects, what else says the peer's link is up (`_Acks`): True is the answer at once."""
     try:
         infos = socket.getaddrinfo(addr[0], addr[1], type=socket.SOCK_STREAM)
     except OSError:
@@ -810,9 +831,42 @@ def reachable(addr: tuple[str, int], timeout: float) -> bool:
                     key.data.close()
                 if (not waiting.get_map() and failed >= PROBE_CONNECTS) or left <= 0:
                     return False
+                if told is not None and told():
+                    return True
         finally:
             for key in list(waiting.get_map().values()):
                 key.data.close()
+
+
+def acked_ago(sock: Any) -> float | None:
+    """Seconds since the peer's kernel last acknowledged anything on a connected TCP socket, from the kernel's
+    TCP_INFO (Linux); None where it cannot say (closed, not TCP, no TCP_INFO). `sock`: a socket, or asyncio's
+    TransportSocket of a server connection."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+    except (OSError, ValueError, AttributeError):
+        return None
+    if len(info) < 60:
+        return None
+    last_ack_ms: int = struct.unpack_from("=I", info, 56)[0]  # struct tcp_info (linux/tcp.h): tcpi_last_ack_recv
+    return last_ack_ms / 1000
+
+
+class _Acks:
+    """Whether the connections of this node's peer server from a silent peer's host say its link is up (ACK_RECENT_S):
+    `told()` is True when its kernel acknowledged bytes on one of them lately, else None (nothing to tell)."""
+
+    def __init__(self, sockets: list[Any]) -> None:
+        self.began = time.monotonic()
+        self._socks = sockets
+
+    def told(self) -> bool | None:
+        now = time.monotonic()
+        for sock in self._socks:
+            ago = acked_ago(sock)
+            if ago is not None and now - ago >= self.began - ACK_RECENT_S:
+                return True
+        return None
 
 
 WATCHDOG = _Watchdog()

@@ -193,7 +193,9 @@ class PeerServer:
         if not hmac.compare_digest(given, self._token):
             return False
         if self.inflight is not None and request.remote:  # a peer asking is up: its fetches hear of it
-            self.inflight.asked_by(request.remote)  # (PeerSource._is_down)
+            # (PeerSource._is_down), and its connection: what its kernel acknowledges on it (client._Acks)
+            self.inflight.asked_by(request.remote, request.transport.get_extra_info("socket")
+                                   if request.transport is not None else None)
         return True
 
     async def _blob(self, request: web.Request) -> web.StreamResponse:

@@ -698,6 +698,12 @@ class PeerSource(Source):
             self._went_down(peer, ask.blob, ask.size, sure=isinstance(exc, PeerUnreachable) and exc.probed)
             log.warning("peer %s failed at byte %d of %s (%s); the rest of the range from another source",
                         peer.url, ask.pos, ask.obj.relpath, exc)
+            if ask.wait and peer.url in (ask.owner, ask.taker):
+                # the node reading the range went down: the next round walks on to the node after it at once. The
+                # rest of this round's holders, chosen before, were asked first: a killed owner's connect, a peer's
+                # "not yet" after its long poll, a HEAD under the rounds' lock; the --faults bench's nodes handed
+                # the cut node's ranges on 0.3-1.1 s after the silence probe's verdict, where the first went at once
+                ask.stop = True
         finally:
             if trial == "mine":
                 with self._lock:
@@ -1349,7 +1355,11 @@ class PeerSource(Source):
         relay was cut, 230-360 times a fill, each a new connection and its bytes on the wire lost). `judge`: the
         first piece is judged before it is used (_trial)."""
         with self._lock:
-            flow = self._flows.setdefault(peer.url, PeerFlow(peer.address, self._link))
+            flow = self._flows.get(peer.url)
+            if flow is None:  # its probe asks first what this node's peer server hears from its host (client._Acks)
+                host = self._hosts.get(peer.url)
+                conns = functools.partial(self._inflight.connections, host) if host is not None else None
+                flow = self._flows[peer.url] = PeerFlow(peer.address, self._link, conns)
         # its floor is its share of the bodies it sends (client.Pace.answered), as many as the fleet's other nodes
         # could ask of an honest peer at most
         fanout = STREAMS_PER_ASKER * max(1, self.nodes - 1)
