@@ -398,14 +398,13 @@ PROBE_EVERY_MAX_S = 2.0
 #: peer's kernel acknowledges what the server sends it within a round trip, whatever its daemon does and whether or
 #: not its listener's queue or a full link drops SYNs (a connect could not tell a cut node from a live one behind a
 #: full 1 MB/s link in 0.5 s: docs/peers.md, "The silence probe measured"). An acknowledgement from it within
-#: ACK_RECENT_S before the probe would begin, or while it runs, says its link is up: no connect is made, and the
-#: next look at it (getsockopt calls, on the watchdog's thread) is ACK_EVERY_S later. Only one that recent counts:
-#: the netns bench's cut node had acknowledged the servers' bytes until its cut, its relays to them silent long
-#: before, and a rule of "acknowledged since its streams went silent" took it for live through its cut. The converse
-#: is not used: bytes of the server unacknowledged for twice the kernel's smoothed round trip (at least 0.25 s) took
-#: live peers for cut in a fill without faults (18 streams, all ready 1.34x against 1.22x; docs/peers.md).
+#: ACK_RECENT_S before the probe would begin, or while it runs, says its link is up: no connect is made, and it is
+#: looked at again as a peer that answered a probe is (its silence doubled). Only one that recent counts: the netns
+#: bench's cut node had acknowledged the servers' bytes until its cut, its relays to them silent long before, and a
+#: rule of "acknowledged since its streams went silent" took it for live through its cut. The converse is not used:
+#: bytes of the server unacknowledged for twice the kernel's smoothed round trip (at least 0.25 s) took live peers
+#: for cut in a fill without faults (18 streams, all ready 1.34x against 1.22x; docs/peers.md).
 ACK_RECENT_S = 0.1
-ACK_EVERY_S = 0.2
 
 
 def answer_wait(*clocks: PeerFlow | None, slack: float = ANSWER_SLACK) -> float:
@@ -728,8 +727,10 @@ class _Watchdog:
                 silent = self._silent(now)
             for flow, since, wait in silent:
                 if flow.connections is not None and _Acks(flow.connections()).told():
-                    # its kernel acknowledges what this node's peer server sends it: up, no connect (ACK_RECENT_S)
-                    flow.probe_after = now + ACK_EVERY_S
+                    # its kernel acknowledges what this node's peer server sends it: up, no connect (ACK_RECENT_S),
+                    # looked at again as a probe it answered would be (a live peer's connects at a fill's tail,
+                    # every 0.2 s without that, took 16 streams of live peers for cut in a fill without faults)
+                    flow.probe_after = now + _probe_again(now, since)
                     continue
                 flow.probing = True
                 self.probers.run(self._probe, flow, since, wait)
@@ -778,7 +779,7 @@ class _Watchdog:
                 # the next once the silence has doubled (PROBE_EVERY_MAX_S at most): a relay waits seconds on its
                 # owner's origin pieces, and probed each 0.5 s, a fleet of 32 made 20-40 connections a second a node
                 now = time.monotonic()
-                flow.probe_after = now + min(PROBE_EVERY_MAX_S, max(SILENT_S, now - since))
+                flow.probe_after = now + _probe_again(now, since)
                 return
             # it spoke meanwhile, or nothing came from elsewhere lately: a node cut off hears from no one, and all
             # of its peers went silent when its link did
@@ -791,6 +792,12 @@ class _Watchdog:
                 self._paces.difference_update(cut)
         finally:
             flow.probing = False
+
+
+def _probe_again(now: float, since: float) -> float:
+    """How long after a silent peer was found up it is looked at again: once its silence has doubled, at most
+    PROBE_EVERY_MAX_S."""
+    return min(PROBE_EVERY_MAX_S, max(SILENT_S, now - since))
 
 
 def reachable(addr: tuple[str, int], timeout: float, told: Callable[[], bool | None] | None = None) -> bool:
