@@ -728,8 +728,8 @@ class _Watchdog:
             for flow, since, wait in silent:
                 if flow.connections is not None and _Acks(flow.connections()).told():
                     # its kernel acknowledges what this node's peer server sends it: up, no connect (ACK_RECENT_S),
-                    # looked at again as a probe it answered would be (a live peer's connects at a fill's tail,
-                    # every 0.2 s without that, took 16 streams of live peers for cut in a fill without faults)
+                    # looked at again as one that answered a probe: its connects never more than before (looked at
+                    # every 0.2 s, a fill without faults had 10 streams of live peers cut by the probes that followed)
                     flow.probe_after = now + _probe_again(now, since)
                     continue
                 flow.probing = True
