@@ -32,7 +32,7 @@ from weightcache.download import PartialFile
 from weightcache.peers import PeerClient, PeerSet
 from weightcache.peers import server as server_module
 from weightcache.peers import source as source_module
-from weightcache.peers.client import PROBE_GAP_S, SLOW_GRACE_S, reachable
+from weightcache.peers.client import PROBE_GAP_S, PROBE_S, SLOW_GRACE_S, reachable
 from weightcache.peers.inflight import InFlight
 from weightcache.peers.server import PeerLimits
 from weightcache.peers.source import GRACE_S, RELAY_PIECE_MIN, RELAY_PIECES, Later, PeerSource, PeerStats
@@ -814,8 +814,12 @@ def test_a_silence_probe_waits_twice_what_answers_take_its_connects_going_out_al
     found = [r.getMessage() for r in caplog.records if "answered no connect" in r.getMessage()]
     assert found, "the owner never found unreachable"
     waited = float(found[0].rsplit("within ", 1)[1].split(" s")[0])
-    print(f"the probe waited {waited:.1f} s")
-    assert waited < 1.3, f"the probe waited {waited} s where answers took 0.5 s"
+    took = float(found[0].rsplit("answers took ", 1)[1].split(" s")[0])
+    print(f"the probe waited {waited:.2f} s, answers took {took:.2f} s")
+    # twice what answers took here (at least the owner's 0.5 s), not three times: measured, not assumed to be
+    # 0.5 s (a loaded machine's answers took 0.65 s and more, and a bound of 1.3 s failed now and then)
+    assert took >= 0.5
+    assert waited == pytest.approx(max(PROBE_S, 2 * took), abs=0.02), found[0]
 
 
 def test_the_full_link_fixture_accepts_again_after_its_silence_though_a_probe_filled_its_queue() -> None:

@@ -1374,8 +1374,9 @@ class PeerSource(Source):
             raise
         except SourceError as exc:
             if pace.unreachable:  # the watchdog's probe: its link is cut, or it is dead (a failure, not slowness)
+                took = f"; its answers took {flow.answer_s:.2f} s" if flow.answer_s is not None else ""
                 raise PeerUnreachable(f"peer {peer.url} sent nothing for {SILENT_S:g} s and answered no connect "
-                                      f"within {flow.probe_s:.1f} s", probed=True) from exc
+                                      f"within {flow.probe_s:.2f} s{took}", probed=True) from exc
             if pace.was_cut:
                 raise PeerTooSlow(f"peer {peer.url} sent {pace.describe()}") from exc
             raise
