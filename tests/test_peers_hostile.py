@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import re
 import resource
 import select
@@ -491,11 +492,14 @@ def test_a_liar_holding_the_whole_model_costs_one_piece_judged_before_use_then_i
     assert node.fetchers[-1].stats["peer_bytes"] == 0
 
 
-def test_a_liar_beside_an_honest_holder_is_judged_by_the_honest_ones_digest(origin: FaultProxy,
-                                                                           fleet: Fleet) -> None:
+def test_a_liar_beside_an_honest_holder_is_judged_by_the_honest_ones_digest(
+        origin: FaultProxy, fleet: Fleet, caplog: pytest.LogCaptureFixture) -> None:
     """With a second holder the liar's first piece is compared with that holder's digest of the same bytes; they
-    disagree, so the origin decides (one piece) and the liar is banned; the honest holder, vouched for by the
-    liar's (right) digest, serves everything else: the origin sends the victim at most that one piece."""
+    disagree, so the origin decides (one piece) and the liar is banned; the honest holder serves everything else:
+    the liar costs the victim that one piece of the origin's. The honest holder's own first piece is vouched for
+    by the liar's (right) digest while the liar is not banned yet; judged after the ban, no other holder vouches
+    for it and the origin's bytes of it judge it, as for any lone holder (a CI run on a busy machine: 512 KiB)."""
+    caplog.set_level(logging.INFO, logger="weightcache.peers.source")
     good = fleet.node("good")
     assert_model(ensure(good, origin))
     other = fleet.node("other", peers=[good.url])
@@ -508,8 +512,10 @@ def test_a_liar_beside_an_honest_holder_is_judged_by_the_honest_ones_digest(orig
         assert liar.requests_for("GET", "/v1/blobs/")  # asked: for a piece, or for a digest
     assert node.peers.stats.banned == ({liar.endpoint_url} if bodies_sent(liar) else set())
     assert other.url not in node.peers.stats.banned
-    assert origin_bytes(origin) - before <= PIECE
-    assert node.fetchers[-1].stats["peer_bytes"] >= MODEL_BYTES - PIECE
+    lone = any(f"judging {other.url}'s first piece (no other holder vouches" in r.getMessage()
+               for r in caplog.records)  # judged after the liar's ban
+    assert origin_bytes(origin) - before <= PIECE * (2 if lone else 1)
+    assert node.fetchers[-1].stats["peer_bytes"] >= MODEL_BYTES - PIECE * (2 if lone else 1)
 
 
 def test_two_honest_holders_fill_a_third_node_without_an_origin_byte(origin: FaultProxy, fleet: Fleet) -> None:

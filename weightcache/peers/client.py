@@ -28,6 +28,7 @@ import urllib3
 from weightcache.errors import Answer, ConfigError, InvalidRequestError, SourceError
 from weightcache.jsonbody import parse_json
 from weightcache.peers.identity import OriginId
+from weightcache.peers.inflight import TcpConnection
 from weightcache.redact import redact
 from weightcache.retry import Retryable
 from weightcache.sources.http import NETWORK_ERRORS, read_capped
@@ -474,7 +475,7 @@ class PeerFlow:
     `connections`: this node's peer server's connections from the peer's host, what its probe asks first (_Acks)."""
 
     def __init__(self, addr: tuple[str, int] | None = None, link: Link | None = None,
-                 connections: Callable[[], list[Any]] | None = None) -> None:
+                 connections: Callable[[], list[TcpConnection]] | None = None) -> None:
         self._lock = threading.Lock()
         self._samples: collections.deque[tuple[float, int]] = collections.deque([(time.monotonic(), 0)])
         self._total = 0
@@ -845,13 +846,13 @@ def reachable(addr: tuple[str, int], timeout: float, told: Callable[[], bool | N
                 key.data.close()
 
 
-def acked_ago(sock: Any) -> float | None:
+def acked_ago(sock: TcpConnection) -> float | None:
     """Seconds since the peer's kernel last acknowledged anything on a connected TCP socket, from the kernel's
     TCP_INFO (Linux); None where it cannot say (closed, not TCP, no TCP_INFO). `sock`: a socket, or asyncio's
     TransportSocket of a server connection."""
     try:
         info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError):  # closed since it was listed (ValueError: a TransportSocket's -1 descriptor)
         return None
     if len(info) < 60:
         return None
@@ -863,7 +864,7 @@ class _Acks:
     """Whether the connections of this node's peer server from a silent peer's host say its link is up (ACK_RECENT_S):
     `told()` is True when its kernel acknowledged bytes on one of them lately, else None (nothing to tell)."""
 
-    def __init__(self, sockets: list[Any]) -> None:
+    def __init__(self, sockets: list[TcpConnection]) -> None:
         self.began = time.monotonic()
         self._socks = sockets
 

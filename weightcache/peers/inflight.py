@@ -29,6 +29,15 @@ from weightcache.download import PartialFile, Runs
 if typing.TYPE_CHECKING:  # the fetch path imports this module: a CLI fetch pays no asyncio (only `watch` runs it)
     import asyncio
 
+class TcpConnection(typing.Protocol):
+    """A peer's connection to this node's peer server as InFlight keeps it (asyncio's TransportSocket; a socket in
+    tests): only its TCP state is read (client.acked_ago), never its bytes, and a closed one has no descriptor (-1)."""
+
+    def fileno(self) -> int: ...
+
+    def getsockopt(self, level: int, optname: int, buflen: int, /) -> bytes: ...
+
+
 MAX_CONNS = 16  # connections a peer host is remembered by (`asked_by`): a peer asks on a few at once
 STALL_S = 10.0  # a claim that gained no byte for this long is no longer answered "not yet"
 # a claim that journals a piece at least this often is streamed to an asker as its pieces land (InFlight.following),
@@ -81,7 +90,7 @@ class InFlight:
         self._claims: list[Claim] = []
         self._planning = 0  # fetches of this node that have yet to register their downloads (`planning`)
         self._asked: dict[str, float] = {}  # peer host -> when it last asked this node's peer server (`asked_by`)
-        self._conns: dict[str, list[typing.Any]] = {}  # peer host -> its connections to the peer server (`asked_by`)
+        self._conns: dict[str, list[TcpConnection]] = {}  # peer host -> its connections to the peer server (`asked_by`)
         # sha256 -> futures of peer streams waiting for the next origin piece of it to be journalled (`landed`)
         self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]]] = {}
 
@@ -118,7 +127,7 @@ class InFlight:
         with self._lock:
             return self._planning > 0
 
-    def asked_by(self, host: str, conn: typing.Any = None) -> None:
+    def asked_by(self, host: str, conn: TcpConnection | None = None) -> None:
         """A peer at `host` asked this node's peer server now (authorized): it is up, and its link too. `conn`: the
         connection's socket (asyncio's TransportSocket): while it is open, what the peer's kernel acknowledges on it
         tells this node's fetches whether the peer's link is up (`connections`, client._Acks)."""
@@ -130,7 +139,7 @@ class InFlight:
                 conns = [c for c in self._conns.get(host, []) if c is not conn and c.fileno() >= 0]
                 self._conns[host] = [*conns[-(MAX_CONNS - 1):], conn]
 
-    def connections(self, host: str) -> list[typing.Any]:
+    def connections(self, host: str) -> list[TcpConnection]:
         """The peer server's open connections from `host` (sockets: read their TCP state only)."""
         with self._lock:
             return [c for c in self._conns.get(host, []) if c.fileno() >= 0]
