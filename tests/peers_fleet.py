@@ -80,6 +80,11 @@ class Fleet:
         """Stop a node's peer server (bodies being sent may finish)."""
         self.run(node.server.stop())
 
+    def restart(self, node: FleetNode) -> None:
+        """A stopped node's peer server listens on its port again (its daemon restarted; its link back)."""
+        node.server = PeerServer(node.store.layout.blobs, self.token, self.limits, node.peers.inflight)
+        self.run(node.server.start("127.0.0.1", int(node.url.rsplit(":", 1)[1])))
+
     def kill(self, node: FleetNode) -> None:
         """A node's peer server dies: every connection is cut at once (bodies mid-way included), then it stops."""
         async def cut() -> None:

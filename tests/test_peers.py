@@ -1253,14 +1253,20 @@ def test_a_peer_whose_ask_timed_out_is_down_until_it_answers_not_dead_for_the_fe
         fleet.stop(cut)
         with unanswering(port, held), closing(asker.read_pieces(obj, 2 * third, 256 << 10, buf)) as own:
             assert sum(len(view) for _, view in own) == 256 << 10  # its own share: the HEADs
-        cut.server = server_module.PeerServer(cut.store.layout.blobs, TOKEN, fleet.limits, cut.peers.inflight)
-        fleet.run(cut.server.start("127.0.0.1", port))  # its link is back: it answers
+        fleet.restart(cut)  # its link is back: it answers
         time.sleep(source_module.REASK_S + 1.5)  # asked again meanwhile (a HEAD every REASK_S)
-        asker.defer_while(lambda: True)
-        before = len(origin.requests_for("GET", "/models/llama/"))
-        with pytest.raises(Later):  # its own range: it has not started it ("missing"), waited for
-            next(asker.read_pieces(obj, third, third, buf))
-        assert len(origin.requests_for("GET", "/models/llama/")) == before  # nothing of it from the origin
+        _its_own_range_waited_for(asker, origin, obj, third, buf)
+
+
+def _its_own_range_waited_for(asker: PeerSource, origin: FaultProxy, obj: ObjectInfo, third: int,
+                              buf: memoryview) -> None:
+    """The owner back asked for its own range (the middle third): it has not started it ("missing"), so it is
+    waited for (Later), and not a byte of it comes from the origin."""
+    asker.defer_while(lambda: True)
+    before = len(origin.requests_for("GET", "/models/llama/"))
+    with pytest.raises(Later):
+        next(asker.read_pieces(obj, third, third, buf))
+    assert len(origin.requests_for("GET", "/models/llama/")) == before
 
 
 def test_an_owner_whose_port_refused_while_its_daemon_restarted_is_its_shares_reader_again_once_it_answers(
@@ -1274,21 +1280,14 @@ def test_an_owner_whose_port_refused_while_its_daemon_restarted_is_its_shares_re
     buf = memoryview(bytearray(256 << 10))
     with asking_owners(origin, fleet, tmp_path, owners=2, read_timeout=1.0) as (asker, (_, restarted), sha, obj):
         third = obj.size // 3
-        port = int(restarted.url.rsplit(":", 1)[1])
         fleet.stop(restarted)  # its port refuses
         with closing(asker.read_pieces(obj, 2 * third, 256 << 10, buf)) as own:  # its own share: the HEADs
             assert sum(len(view) for _, view in own) == 256 << 10
         assert asker._serving_owner(obj.key, third, 2 * third, sha) == ""  # dead: its range is this node's
-        restarted.server = server_module.PeerServer(restarted.store.layout.blobs, TOKEN, fleet.limits,
-                                                    restarted.peers.inflight)
-        fleet.run(restarted.server.start("127.0.0.1", port))  # its daemon is back: it answers
+        fleet.restart(restarted)  # its daemon is back: it answers
         wait_until(lambda: asker._serving_owner(obj.key, third, 2 * third, sha) == restarted.url, timeout=10,
                    what="the restarted owner reading its share again", every=0.05)
-        asker.defer_while(lambda: True)
-        before = len(origin.requests_for("GET", "/models/llama/"))
-        with pytest.raises(Later):  # its own range: it has not started it ("missing"), waited for
-            next(asker.read_pieces(obj, third, third, buf))
-        assert len(origin.requests_for("GET", "/models/llama/")) == before  # nothing of it from the origin
+        _its_own_range_waited_for(asker, origin, obj, third, buf)
 
 
 def test_a_dead_owner_is_asked_again_less_often_the_longer_it_stays_dead(
@@ -1432,8 +1431,7 @@ def test_an_owner_up_again_whose_head_of_the_blob_was_skipped_is_asked_before_th
             asker.defer_while(lambda: True)
             with pytest.raises(Later):  # the big blob's round skips it; down under DOWN_S: waited for
                 next(asker.read_pieces(objs[big], 0, 256 << 10, buf))
-        owner.server = server_module.PeerServer(owner.store.layout.blobs, TOKEN, fleet.limits, owner.peers.inflight)
-        fleet.run(owner.server.start("127.0.0.1", port))  # its link is back
+        fleet.restart(owner)  # its link is back
         time.sleep(max(0.0, down_at + 0.5 + source_module.REASK_S + 0.5 - time.monotonic()))  # it answered
         before = len(origin.requests_for("GET", "/models/llama/"))
         with pytest.raises(Later):  # its range: waited for until a round asks it, not read from the origin
@@ -1821,8 +1819,7 @@ def test_a_range_of_an_owner_back_after_a_cut_is_asked_of_its_taker_first_though
         with unanswering(port, held), closing(asker.read_pieces(obj, 2 * third, 256 << 10, buf)) as own:
             assert sum(len(view) for _, view in own) == 256 << 10  # its own share: the HEADs, the owner's timed out
         assert asker._is_down(cut.url)
-        cut.server = server_module.PeerServer(cut.store.layout.blobs, TOKEN, fleet.limits, cut.peers.inflight)
-        fleet.run(cut.server.start("127.0.0.1", port))  # its link is back: it answers
+        fleet.restart(cut)  # its link is back: it answers
         wait_until(lambda: cut.url in asker._heard and not asker._is_down(cut.url), timeout=10,
                    what="the owner up again", every=0.05)
         asker.defer_while(lambda: True)
@@ -1864,8 +1861,7 @@ def test_a_dead_owners_range_whose_taker_was_cut_off_and_is_back_is_asked_of_the
             with pytest.raises(Later):  # its answer times out: down, not confirmed, waited for
                 next(asker.read_pieces(obj, 0, quarter, buf))
             assert asker._is_down(cut.url)
-        cut.server = server_module.PeerServer(cut.store.layout.blobs, TOKEN, fleet.limits, cut.peers.inflight)
-        fleet.run(cut.server.start("127.0.0.1", port))  # its link is back: it answers ("missing")
+        fleet.restart(cut)  # its link is back: it answers ("missing")
         wait_until(lambda: not asker._is_down(cut.url), timeout=10, what="the cut node up again", every=0.05)
         part = on.peers.inflight.get(sha)  # the node after the cut one took the range on meanwhile
         assert part is not None
@@ -1902,8 +1898,7 @@ def test_a_range_taken_over_while_its_owner_was_down_stays_with_its_taker_when_t
                 assert at == 0 and bytes(view) == big[:len(view)]
                 got = len(view)
         assert asker._stats.bytes_by_peer.get(taker.url) == got
-        cut.server = server_module.PeerServer(cut.store.layout.blobs, TOKEN, fleet.limits, cut.peers.inflight)
-        fleet.run(cut.server.start("127.0.0.1", port))  # its link is back: it answers
+        fleet.restart(cut)  # its link is back: it answers
         wait_until(lambda: cut.url in asker._heard and not asker._is_down(cut.url), timeout=10,
                    what="the owner up again", every=0.05)
         asker.defer_while(lambda: True)
