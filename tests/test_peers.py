@@ -1212,6 +1212,17 @@ def test_a_range_taken_over_from_a_dead_relay_is_read_again_from_its_relayed_sta
 
 
 @contextmanager
+def cut_off(fleet: Fleet, node: FleetNode) -> Iterator[None]:
+    """`node`'s link is cut: its peer server gone and every SYN to its port dropped (a listener whose one-slot queue
+    is full), so a connect to it times out unanswered, as across a cut link. A killed node alone refuses: its
+    host answers, which is the peer down, never the asker's link (source.PeerSource._not_theirs)."""
+    port = int(node.url.rsplit(":", 1)[1])
+    fleet.kill(node)
+    with socket.create_server(("127.0.0.1", port), backlog=0), socket.create_connection(("127.0.0.1", port)):
+        yield
+
+
+@contextmanager
 def unanswering(port: int, held: list[socket.socket], host: str = "127.0.0.1") -> Iterator[None]:
     """`host`:`port` accepts connections into `held` and answers nothing on them (a node whose link is cut, as an
     asker with pooled connections sees it: its requests time out). On leaving it stops accepting; what it accepted
@@ -1369,8 +1380,6 @@ def test_a_peer_heard_from_that_completes_no_connect_within_a_second_is_down(ori
         half = obj.size // 2
         with closing(asker.read_pieces(obj, half, 256 << 10, buf)) as own:  # its own share: the HEADs
             assert sum(len(view) for _, view in own) == 256 << 10
-        port = int(owner.url.rsplit(":", 1)[1])
-        fleet.kill(owner)
         other = next(o for o in asker.list() if o.relpath == "model-00002.bin")  # not asked of peers
         stop = False
 
@@ -1379,8 +1388,7 @@ def test_a_peer_heard_from_that_completes_no_connect_within_a_second_is_down(ori
                 assert sum(len(v) for _, v in asker.read_pieces(other, 0, 4 << 10, memoryview(bytearray(4 << 10))))
                 time.sleep(0.05)
 
-        with socket.create_server(("127.0.0.1", port), backlog=0) as full, \
-                socket.create_connection(("127.0.0.1", port)):  # its queue is full now: SYNs are dropped
+        with cut_off(fleet, owner):
             reading = pool.submit(from_origin)
             started = time.monotonic()
             try:
@@ -1390,7 +1398,6 @@ def test_a_peer_heard_from_that_completes_no_connect_within_a_second_is_down(ori
                 stop = True
                 reading.result(30)
             took = time.monotonic() - started
-            full.close()
         limit = source_module.DOWN_S + 3.0
         assert took < limit, f"the cut owner's range began {took:.1f} s after it was asked (at most {limit} s)"
 
@@ -1499,10 +1506,7 @@ def test_a_connect_timing_out_while_nothing_comes_to_this_node_is_its_own_link(o
         half = obj.size // 2
         with closing(asker.read_pieces(obj, half, 256 << 10, buf)) as own:  # its own share: the HEADs
             assert sum(len(view) for _, view in own) == 256 << 10
-        port = int(owner.url.rsplit(":", 1)[1])
-        fleet.kill(owner)
-        with socket.create_server(("127.0.0.1", port), backlog=0), \
-                socket.create_connection(("127.0.0.1", port)):  # its queue is full now: SYNs are dropped
+        with cut_off(fleet, owner):
             asker.defer_while(lambda: True)
             before = len(origin.requests_for("GET", "/models/llama/"))
             until = time.monotonic() + source_module.DOWN_S + 2.0
@@ -1510,6 +1514,36 @@ def test_a_connect_timing_out_while_nothing_comes_to_this_node_is_its_own_link(o
                 with pytest.raises(Later):  # asked again: its range is not taken from it
                     next(asker.read_pieces(obj, 0, half, buf))
         assert len(origin.requests_for("GET", "/models/llama/")) == before  # nothing of it from the origin
+
+
+def test_a_refusal_while_nothing_comes_to_this_node_is_the_peer_down_not_its_own_link(
+        origin: FaultProxy, fleet: Fleet, tmp_path: Path) -> None:
+    """Nothing came to this node from anywhere for DOWN_S, then the owner refuses (its daemon is gone): a refusal is
+    its host answering, so this node's link is up and the owner is down. Its range, which falls to this node, is
+    read from the origin at once and whole, the failure counts against the owner, and this node is not marked cut
+    off (Link.cut_back: a claimed read hands its rest on after a cut). Before, after DOWN_S of quiet every failure
+    was taken for this node's link, refusals too: the dead owner was asked again, never found down, until the
+    range's wait ran out (PENDING_S, 15 s), and this node was taken for cut off."""
+    buf = memoryview(bytearray(256 << 10))
+    big = FILES["model-00001.safetensors.bin"]
+    with asking_owners(origin, fleet, tmp_path) as (asker, (owner,), _, obj):
+        half = obj.size // 2
+        with closing(asker.read_pieces(obj, half, 256 << 10, buf)) as own:  # its own share: the HEADs
+            assert sum(len(view) for _, view in own) == 256 << 10
+        time.sleep(source_module.DOWN_S + 0.2)  # nothing from anyone
+        fleet.kill(owner)  # its port refuses
+        started, got = time.monotonic(), 0
+        with closing(asker.read_pieces(obj, 0, half, buf)) as pieces:
+            for at, view in pieces:
+                if not got:
+                    took = time.monotonic() - started
+                assert at == got and bytes(view) == big[at:at + len(view)]
+                got = at + len(view)
+        assert got == half
+        print(f"the refusing owner's range began {took:.2f} s after it was asked")
+        assert took < source_module.DOWN_S, f"the refusing owner's range began {took:.1f} s after it was asked"
+        assert asker._stats.errors_by_peer.get(owner.url, 0) >= 1
+        assert asker._link.cut_back == 0.0, "this node was taken for cut off"
 
 
 def test_a_claimed_origin_read_cut_off_with_its_node_asks_the_node_after_it_before_reading_on(
@@ -1523,7 +1557,8 @@ def test_a_claimed_origin_read_cut_off_with_its_node_asks_the_node_after_it_befo
     this node's link, reads on: b9d98fb stopped there too, and a node whose read was held read 0.75 MiB again."""
     buf = memoryview(bytearray(256 << 10))
     big = FILES["model-00001.safetensors.bin"]
-    with asking_owners(origin, fleet, tmp_path, owners=2) as (asker, (after, dead), sha, obj):
+    with asking_owners(origin, fleet, tmp_path, owners=2) as (asker, (after, dead), sha, obj), \
+            contextlib.ExitStack() as cuts:
         third = obj.size // 3
         asker.defer_while(lambda: True)
         with closing(asker.read_pieces(obj, 2 * third, obj.size - 2 * third, buf)) as own:
@@ -1541,7 +1576,7 @@ def test_a_claimed_origin_read_cut_off_with_its_node_asks_the_node_after_it_befo
             part.write(got, memoryview(big[got:]), memoryview(bytearray(1 << 16)))
             after.peers.inflight.from_origin(sha, got, obj.size)
             time.sleep(source_module.DOWN_S + 0.2)  # nothing from anyone
-            fleet.kill(dead)
+            cuts.enter_context(cut_off(fleet, dead))
             with pytest.raises(Later):  # its failure is taken for this node's link: cut off
                 next(asker.read_pieces(obj, third, third, buf))
             origin_before = len(origin.requests_for("GET", "/models/llama/"))
@@ -1692,8 +1727,6 @@ def test_a_connect_timing_out_just_after_this_nodes_link_came_back_from_a_cut_is
         third = obj.size // 3
         with closing(asker.read_pieces(obj, 2 * third, 256 << 10, buf)) as own:  # its own share: the HEADs
             assert sum(len(view) for _, view in own) == 256 << 10
-        port = int(owner.url.rsplit(":", 1)[1])
-        fleet.kill(owner)
         other = next(o for o in asker.list() if o.relpath == "model-00002.bin")  # not asked of peers
         stop, back = False, threading.Event()
 
@@ -1703,10 +1736,9 @@ def test_a_connect_timing_out_just_after_this_nodes_link_came_back_from_a_cut_is
                 back.set()
                 time.sleep(0.05)
 
-        with socket.create_server(("127.0.0.1", port), backlog=0) as full, \
-                socket.create_connection(("127.0.0.1", port)):  # its queue is full now: SYNs are dropped
+        with cut_off(fleet, owner), contextlib.ExitStack() as cuts:
             time.sleep(source_module.DOWN_S + 0.2)  # nothing from anyone
-            fleet.kill(dead)
+            cuts.enter_context(cut_off(fleet, dead))
             asker.defer_while(lambda: True)
             with pytest.raises(Later):  # its failure is taken for this node's link: cut off
                 next(asker.read_pieces(obj, third, third, buf))
@@ -1721,7 +1753,6 @@ def test_a_connect_timing_out_just_after_this_nodes_link_came_back_from_a_cut_is
             finally:
                 stop = True
                 reading.result(30)
-            full.close()
         assert asker._stats.errors_by_peer.get(owner.url, 0) == 0
         assert len(origin.requests_for("GET", f"/models/llama/{obj.relpath}")) == before  # none of it from the origin
 
@@ -1735,7 +1766,8 @@ def test_a_taken_over_range_handed_back_after_a_cut_reads_on_from_where_it_stopp
     already)."""
     buf = memoryview(bytearray(256 << 10))
     big = FILES["model-00001.safetensors.bin"]
-    with asking_owners(origin, fleet, tmp_path, owners=3) as (asker, (_, dead, relay), sha, obj):
+    with asking_owners(origin, fleet, tmp_path, owners=3) as (asker, (_, dead, relay), sha, obj), \
+            contextlib.ExitStack() as cuts:
         mine = PartialFile(tmp_path / "asker.part", obj, range_size=1 << 16)  # the asker's download (_reread)
         mine.open()
         asker._inflight.add(sha, mine)
@@ -1766,7 +1798,7 @@ def test_a_taken_over_range_handed_back_after_a_cut_reads_on_from_where_it_stopp
             got = at + len(view)
             assert asker._inflight.origin_end(sha, mine, 2 * q, 3 * q) == got
             time.sleep(source_module.DOWN_S + 0.2)  # nothing from anyone
-            fleet.kill(dead)
+            cuts.enter_context(cut_off(fleet, dead))
             asker.defer_while(lambda: True)
             with pytest.raises(Later):  # its failure is taken for this node's link: cut off
                 next(asker.read_pieces(obj, q, q, buf))

@@ -120,10 +120,11 @@ def connect_timed_out(exc: BaseException | None) -> bool:
 
 
 def refused(exc: BaseException | None) -> bool:
-    """`exc`, or an error it was raised from, is a connect the peer's host refused (or could not be routed to):
-    an answer from its side, never a sign of this node's link."""
+    """`exc`, or an error it was raised from, is a connect the peer's host refused (ECONNREFUSED: its RST to this
+    node's SYN): an answer from its side, never a sign of this node's link. A connect that could not be routed
+    (ENETUNREACH, EHOSTUNREACH) is no refusal: this node's own interface or gateway may be what is gone."""
     while exc is not None:
-        if isinstance(exc, urllib3.exceptions.NewConnectionError | ConnectionRefusedError):
+        if isinstance(exc, ConnectionRefusedError):
             return True
         exc = exc.__cause__
     return False

@@ -915,17 +915,24 @@ class PeerSource(Source):
         from the origin). Peers alone were not enough: a node reading its own share from the origin while its
         asks all waited on connects to the node cut off took that node's failures for its own link, kept asking
         it, and took over a killed node's share 17 s late, once the node after it in rank had given up on it and
-        read it too (--faults). And a failure other than a refusal (`refusal`: the peer's host answered) within
-        DOWN_S after this node's link came back from a cut (`Link.cut_back`): connects and probes begun then meet
-        queues full of what every node resends, and a silence probe failing a second after the --faults cut
-        node's link was back took the node after it in rank for down, so the node read the ranges that node had
-        taken over again. A failure taken for this node's link marks it cut off (`Link.blame`)."""
+        read it too (--faults). And a failure within DOWN_S after this node's link came back from a cut
+        (`Link.cut_back`): connects and probes begun then meet queues full of what every node resends, and a
+        silence probe failing a second after the --faults cut node's link was back took the node after it in rank
+        for down, so the node read the ranges that node had taken over again. A failure taken for this node's link
+        marks it cut off (`Link.blame`). None of this for a refusal (`refusal`): the peer's host answered, so this
+        node's link carried the answer and the peer is down. Taken for the link after DOWN_S of quiet, a killed
+        owner was asked again, never found down, until its range's wait ran out (PENDING_S, 15 s, where it is read
+        at once now), and this node was taken for cut off. Nor is a refusal a sign of life for the link
+        (`Link.heard`): that would move `Link.back`, excusing every request in flight, and a local port (a test's)
+        refuses across no link at all."""
+        if refusal:
+            return False
         now = time.monotonic()
         late = connecting and now - self._link.last >= SILENT_S / 2
         if late or self._link_down():
             self._link.blame()
             return True
-        return began < self._link.back or (not refusal and now - self._link.cut_back < DOWN_S)
+        return began < self._link.back or now - self._link.cut_back < DOWN_S
 
     def _link_down(self) -> bool:
         """Nothing came for DOWN_S, after something did: a peer failing now is taken for this node's own link
