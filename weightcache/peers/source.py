@@ -102,7 +102,7 @@ BENCH_S = 1.0  # a peer cut as too slow is left out of the fetch this long, doub
 MAX_BENCH_S = 30.0
 PROVEN_BYTES = 4 << 20  # a peer cut as slow after sending this fetch this much is waited for, not the origin
 # a peer that failed, or sent nothing this long and was cut, is down until it answers again (PeerSource._went_down);
-# and no peer heard from this long is this node's own link going (_link_down)
+# and nothing heard from anywhere this long is this node's own link going (_not_theirs)
 DOWN_S = 2.0
 # a peer this fetch has heard from is connected to within this long (at most the configured connectTimeout): its
 # connects took milliseconds, a SYN dropped in a full queue is sent again after 1 s; a peer that completes none in
@@ -671,7 +671,7 @@ class PeerSource(Source):
                 # `_stream`): it holds or reads them now, and serves this node all the streams it allows. Its turn
                 # is waited for, asked every BUSY_S, up to the range's wait without a byte (`_settle`), not read
                 # from the origin: the --faults cut node, its link back, asked the node after it in rank for the
-                # ranges that node had taken over, was told busy and read them again (b9d98fb's run, 0.13x)
+                # ranges that node had taken over, was told busy and read them again (0.13x the model)
                 ask.pending = ask.stop = True
                 ask.retry_s = BUSY_S
             else:
@@ -906,40 +906,34 @@ class PeerSource(Source):
         return max(KNOWN_CONNECT_S, wait) if heard else None, max(SLOW_GRACE_S, wait) if wait > 0 else None
 
     def _not_theirs(self, began: float, connecting: bool = False, refusal: bool = False) -> bool:
-        """A request begun at `began` that failed now failed on this node's link, not the peer's: its connect
-        timed out (`connecting`: after KNOWN_CONNECT_S, under DOWN_S) and no byte came from anywhere within
-        SILENT_S / 2 (the silence probe's rule; the --faults node cut off took 14 live peers for down 1 s into
-        its cut); nothing came from anywhere (no peer's answer, no byte, the origin's included) for DOWN_S
-        (_link_down); or nothing had between `began` and a moment since (`Link.back`: the cut node, its streams'
-        read timeouts ended 0.5-2 s after its link was back; it took the peers for down and read 0.1x the model
-        from the origin). Peers alone were not enough: a node reading its own share from the origin while its
-        asks all waited on connects to the node cut off took that node's failures for its own link, kept asking
-        it, and took over a killed node's share 17 s late, once the node after it in rank had given up on it and
-        read it too (--faults). And a failure within DOWN_S after this node's link came back from a cut
-        (`Link.cut_back`): connects and probes begun then meet queues full of what every node resends, and a
-        silence probe failing a second after the --faults cut node's link was back took the node after it in rank
-        for down, so the node read the ranges that node had taken over again. A failure taken for this node's link
-        marks it cut off (`Link.blame`). None of this for a refusal (`refusal`): the peer's host answered, so this
-        node's link carried the answer and the peer is down. Taken for the link after DOWN_S of quiet, a killed
-        owner was asked again, never found down, until its range's wait ran out (PENDING_S, 15 s, where it is read
-        at once now), and this node was taken for cut off. Nor is a refusal a sign of life for the link
-        (`Link.heard`): that would move `Link.back`, excusing every request in flight, and a local port (a test's)
-        refuses across no link at all."""
+        """A request begun at `began` that failed now failed on this node's link, not the peer's: its connect timed
+        out (`connecting`: after KNOWN_CONNECT_S, under DOWN_S) and no byte came from anywhere within SILENT_S / 2
+        (the silence probe's rule; the --faults node cut off took 14 live peers for down 1 s into its cut); nothing
+        came from anywhere (no peer's answer, no byte, the origin's included) for DOWN_S (`Link.quiet`: the --faults
+        node cut off, its streams' read timeouts ended together 10 s into the cut, took every live owner it waited
+        on for down, walked past them all to itself and read 0.3x the model from the origin once its link was back);
+        or nothing had between `began` and a moment since (`Link.back`: the cut node, its streams' read timeouts
+        ended 0.5-2 s after its link was back; it took the peers for down and read 0.1x the model from the origin).
+        Peers alone were not enough: a node reading its own share from the origin while its asks all waited on
+        connects to the node cut off took that node's failures for its own link, kept asking it, and took over a
+        killed node's share 17 s late, once the node after it in rank had given up on it and read it too (--faults).
+        And a failure within DOWN_S after this node's link came back from a cut (`Link.cut_back`): connects and
+        probes begun then meet queues full of what every node resends, and a silence probe failing a second after
+        the --faults cut node's link was back took the node after it in rank for down, so the node read the ranges
+        that node had taken over again. A failure taken for this node's link marks it cut off (`Link.blame`). None
+        of this for a refusal (`refusal`): the peer's host answered, so this node's link carried the answer and the
+        peer is down. Taken for the link after DOWN_S of quiet, a killed owner was asked again, never found down,
+        until its range's wait ran out (PENDING_S, 15 s, where it is read at once now), and this node was taken for
+        cut off. Nor is a refusal a sign of life for the link (`Link.heard`): that would move `Link.back`, excusing
+        every request in flight, and a local port (a test's) refuses across no link at all."""
         if refusal:
             return False
         now = time.monotonic()
         late = connecting and now - self._link.last >= SILENT_S / 2
-        if late or self._link_down():
+        if late or self._link.quiet():
             self._link.blame()
             return True
         return began < self._link.back or now - self._link.cut_back < DOWN_S
-
-    def _link_down(self) -> bool:
-        """Nothing came for DOWN_S, after something did: a peer failing now is taken for this node's own link
-        going, not for the peer's (the --faults node cut off: its streams' read timeouts ended together 10 s into
-        the cut, it took every live owner it waited on for down, walked past them all to itself and read 0.3x the
-        model from the origin once its link was back)."""
-        return self._link.quiet()
 
     def _bench(self, url: str) -> float:
         """Leave a peer cut as too slow out of this fetch for a while: BENCH_S, doubled each time (a peer that is
@@ -1012,9 +1006,9 @@ class PeerSource(Source):
 
     def _unconfirmed(self, url: str, now: float) -> bool:
         """`url` is down, under DOWN_S, not found dead, and not found unreachable by the silence probe (self._lock
-        held). The probe waits as long as answers take (ab38ba6, which came after this wait, 5a6f39b): its verdict
-        is confirmation enough, and waiting DOWN_S more on it held the --faults cut node's ranges at the node next in
-        rank 3-4.4 s after the cut (the other nodes handed them on within 1-2 s)."""
+        held). The probe waits as long as answers take: its verdict is confirmation enough, and waiting DOWN_S more
+        on it held the --faults cut node's ranges at the node next in rank 3-4.4 s after the cut (the other nodes
+        handed them on within 1-2 s)."""
         return url not in self._dead and self._is_down(url) and now - self._down[url] < DOWN_S and \
             self._sure.get(url) != self._down[url]
 
