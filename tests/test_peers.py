@@ -765,6 +765,39 @@ def test_a_range_whose_owner_goes_down_mid_round_is_handed_on_before_the_rounds_
     assert taken[0] - found[0] < 0.5, f"handed on {taken[0] - found[0]:.2f} s after the probe's verdict"
 
 
+def test_a_range_is_asked_of_its_owner_alone_not_after_its_blobs_round_of_every_peer(origin: FaultProxy) -> None:
+    """A range's owner relays it (its HEAD: downloading the blob), and another peer answers nothing (a HEAD to it
+    waits its 3 s read timeout). The range's first byte comes from its owner at once: its owner is asked alone, and
+    the range waits on no round of every peer's HEAD. Before, a range waited for its blob's round (one peer after
+    another, under the fetch's one prober lock): at N = 32 the owners of a node's last blobs' ranges were asked
+    10-26 s into the fill (docs/peers.md, "N = 32: where the fill's first 20 s go")."""
+    big = "model-00001.safetensors.bin"
+    body, sha = FILES[big], hashlib.sha256(FILES[big]).hexdigest()
+    source = open_source(REF, endpoint_url=origin.endpoint_url)
+    obj = next(o for o in source.list() if o.relpath == big)
+    with socket.create_server(("127.0.0.1", 0)) as silent, \
+            HostilePeer({sha: obj.size}, {sha: body}, "relay-pause") as owner:  # its listener's queue: never read
+        # the silent peer first in the round, as the peers a round asks before a range's owner
+        peers = PeerSet([PeerClient(u, TOKEN, connect_timeout=2.0, read_timeout=3.0)
+                         for u in (f"http://127.0.0.1:{silent.getsockname()[1]}", owner.url)],
+                        inflight=InFlight(), self_url="http://127.0.0.2:1")  # ranked after both
+        asker = peers.wrap(source, {obj.key: (sha, obj.size)})
+        third = obj.size // 3
+        ranges = [(obj.key, 0, third), (obj.key, third, third), (obj.key, 2 * third, obj.size - 2 * third)]
+        asker.spread(ranges, key=lambda r: r)
+        _, offset, length = ranges[asker.ranked.index(owner.url)]  # the owner's share: the range of its rank
+        started = time.monotonic()
+        with closing(asker.read_pieces(obj, offset, length, memoryview(bytearray(256 << 10)))) as pieces:
+            at, view = next(pieces)
+            first_byte = time.monotonic() - started
+        assert bytes(view) == body[at:at + len(view)]
+        peers.close()
+    source.close()
+    print(f"the owner's first byte {first_byte:.2f} s after the ask")
+    assert first_byte < 1.5, f"the owner's range waited {first_byte:.2f} s for its blob's round"
+    assert origin.requests_for("GET", f"/models/llama/{big}") == [], "the owner's range read from the origin"
+
+
 def test_a_silence_probe_connects_again_all_through_its_wait_not_only_at_its_start() -> None:
     """A live peer's listener queue is full for 0.35 s (every SYN dropped, as a full link's queue drops a burst),
     then it accepts again. The probe sends a new connect every PROBE_GAP_S all through its wait, and one completes

@@ -94,6 +94,7 @@ NOT_YET_SLACK_S = 0.1  # the piece is journalled a little after its last byte ca
 # second per node before the first origin byte (docs/peers.md, "Less CPU a fill")
 UNSTARTED_S, UNSTARTED_MAX_S = 0.2, 1.0
 REASK_S = 0.25  # a peer that lacked a blob is asked again after this (nodes started together register late)
+NO_ROUND = -REASK_S  # when a blob's HEAD round ran, before its first (its holders may be readers asked alone)
 # a peer whose port refused (dead: _reprobe) is asked again after REASK_S, doubled per refusal up to this: a daemon
 # restarting on its node is found this late at most, and a fleet fill with a third of its nodes killed did not
 # send each live node's threads 4 refused HEADs a second per dead peer for MAX_PENDING_S (0.4 ms CPU each)
@@ -379,6 +380,7 @@ class PeerSource(Source):
         self._sure: dict[str, float] = {}
         self._reprobing: set[str] = set()  # down peers a thread asks again (_reprobe), not the fetch's rounds
         self._heard: dict[str, float] = {}  # peer -> when it last answered this fetch or sent it a byte
+        self._alone: dict[tuple[str, str], float] = {}  # (blob, peer) -> when a range asked it alone (_reader_alone)
         self._handed: dict[tuple[str, int], str | None] = {}  # (key, range end) -> the node its owner handed it to
         # (key, range end) -> the node it was handed to that started it ("not yet", or a byte): _serving_owner
         self._takers: dict[tuple[str, int], str] = {}
@@ -1257,27 +1259,29 @@ class PeerSource(Source):
     def _holders_in_turn(self, blob: Blob, size: int, first: str | None = None) -> typing.List[PeerClient]:  # noqa: UP006
         """Peers holding or downloading the blob, rotated per range so concurrent ranges spread out, the peer
         `first` (a range's owner) first. Asked once per fetch when every peer has it; peers that did not are
-        asked again after REASK_S (they may have started downloading it since)."""
+        asked again after REASK_S (they may have started downloading it since). Not while `first` downloads the
+        blob or plans to: it is asked alone (_reader_alone)."""
         sha256 = blob_key(blob)
         with self._lock:
-            asked, known = self._holders.get(sha256, (-REASK_S, []))
-        if time.monotonic() - asked >= REASK_S and len(known) < len(self._live_peers()):
+            asked, known = self._holders.get(sha256, (NO_ROUND, []))
+        if time.monotonic() - asked >= REASK_S and len(known) < len(self._live_peers()) and \
+                not self._reader_alone(blob, size, first):
             with self._probing:  # one prober at a time: a dead peer is found once, then skipped by the others
                 with self._lock:
-                    asked, known = self._holders.get(sha256, (-REASK_S, []))
+                    asked, known = self._holders.get(sha256, (NO_ROUND, []))
                 if time.monotonic() - asked >= REASK_S:
-                    first_ask = sha256 not in self._holders
                     with self._lock:  # a down peer is asked by its own thread (_reprobe), or no more
                         reprobing = self._reprobing | {u for u in self._down if self._is_down(u)}
+                    # a holder known (a reader asked alone, too) is not asked again
                     known = [p for p in self._live_peers() if p in known or
-                             (p.url not in reprobing and self._asks(p, blob, size, first_ask))]
-                    with self._lock:  # and a down peer its thread found up and holding it meanwhile
-                        known += [p for p in self._holders.get(sha256, (0.0, []))[1]
-                                  if p not in known and p.url in reprobing]
+                             (p.url not in reprobing and self._asks(p, blob, size, asked == NO_ROUND))]
+                    with self._lock:  # and one its own thread, or a range asking it alone, found holding meanwhile
+                        known += [p for p in self._holders.get(sha256, (NO_ROUND, []))[1] if p not in known]
                         self._holders[sha256] = (time.monotonic(), known)
         banned = self._stats.banned
         now = time.monotonic()
         with self._lock:
+            known = self._holders.get(sha256, (NO_ROUND, []))[1]
             holders = [p for p in known if p.url not in banned and p.url not in self._dead
                        and self._benched.get(p.url, (0.0, 0))[0] <= now]
         if not holders:
@@ -1285,6 +1289,47 @@ class PeerSource(Source):
         start = next(self._turn) % len(holders)
         turn = holders[start:] + holders[:start]
         return sorted(turn, key=lambda p: p.url != first) if first else turn
+
+    def _reader_alone(self, blob: Blob, size: int, url: str | None) -> bool:
+        """Whether a range whose reader (its owner, or the node it was handed to) is the peer `url` goes on without
+        the blob's HEAD round: that peer downloads the blob, or lists and plans, by its own HEAD, asked alone (again
+        once REASK_S passed, while it lacks the blob). The range needs no other holder then: the others download
+        the blob too and lack its bytes (`_holders_for`), or the range waits on its reader's plan (`_settle`). A
+        round asks 31 peers one after another, 1.3-6 s at N = 32 on full links, under the fetch's one prober lock,
+        and the ranges of a blob whose round had not run waited on it: the owners of a node's last blobs' ranges
+        were asked 10-26 s into the fill (docs/peers.md, "N = 32: where the fill's first 20 s go"). Not for a
+        reader holding the whole blob (its first piece is judged, by the round's holders' digests), nor one down
+        or dead (its own thread asks it: _reprobe), nor this node (None, ""): those wait on the round as before."""
+        if not url:
+            return False
+        sha256 = blob_key(blob)
+        now = time.monotonic()
+        with self._lock:
+            peer = next((p for p in self._peers if p.url == url), None)
+            if peer is None or url in self._dead or url in self._reprobing or self._is_down(url):
+                return False
+            asked, known = self._holders.get(sha256, (NO_ROUND, []))
+            if peer in known:
+                return (sha256, url) in self._downloading
+            alone = self._alone.get((sha256, url))
+            if alone is not None and now - alone < REASK_S:  # asked by another range now, or its answer stands
+                return (sha256, url) in self._planning or (sha256, url) not in self._idle
+            self._alone[(sha256, url)] = float("inf")  # asked now: the other ranges it reads wait for its answer
+        # one HEAD at a time, a round's included: with a range's reader asked alone at once by each worker, HEADs
+        # came later than their wait, and live owners were taken for down (N = 32: 527 such verdicts, origin 3.6x)
+        try:
+            with self._probing:
+                with self._lock:
+                    asked, known = self._holders.get(sha256, (NO_ROUND, []))
+                holds = peer in known or self._asks(peer, blob, size, asked == NO_ROUND and alone is None)
+        finally:
+            with self._lock:
+                self._alone[(sha256, url)] = time.monotonic()
+        with self._lock:
+            asked, known = self._holders.get(sha256, (NO_ROUND, []))
+            if holds and peer not in known:
+                self._holders[sha256] = (asked, [*known, peer])
+            return (sha256, url) in (self._downloading if holds else self._planning)
 
     def _live_peers(self) -> typing.List[PeerClient]:  # noqa: UP006
         with self._lock:
