@@ -155,16 +155,17 @@ class HostilePeer:
     answered, `connections` the connections it accepted (a silence probe is one); `close()` stops every
     connection at once. `streams`: each body's head says the peer sends that many
     bodies now (X-Weightcache-Streams, as PeerServer._stream does). `closes`: each body's head says Connection: close
-    (as PeerServer._stream's of a claim it follows: a body that may end short)."""
+    (as PeerServer._stream's of a claim it follows: a body that may end short). `not_yet_from`: a GET of a range
+    from this byte on is answered "not yet, in 3 s" (it reads those bytes from the origin now), whatever the mode."""
 
     def __init__(self, sizes: dict[str, int], bodies: dict[str, bytes], mode: str, every_s: float = 2.0,
                  digests: bytes | None = None, old_release: bool = False, streams: int | None = None,
-                 rate: int = 0, silent_s: float = 0.0, closes: bool = False) -> None:
+                 rate: int = 0, silent_s: float = 0.0, closes: bool = False, not_yet_from: int | None = None) -> None:
         import socket
 
         self.sizes, self.bodies, self.mode, self.every_s = sizes, bodies, mode, every_s
         self.streams, self.rate, self.silent_s, self.closes = streams, rate, silent_s, closes
-        self.digests, self.old_release = digests, old_release
+        self.digests, self.old_release, self.not_yet_from = digests, old_release, not_yet_from
         self.requests = self.connections = 0
         self._stop = threading.Event()
         self._accepting = threading.Event()  # cleared: connections wait in the listener's queue
@@ -244,6 +245,10 @@ class HostilePeer:
         fanout += "Connection: close\r\n" if self.closes else ""
         head = (f"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes {span}/{size}\r\n{fanout}"
                 f"Content-Length: {last - first + 1}\r\n\r\n").encode()
+        if self.not_yet_from is not None and first >= self.not_yet_from:
+            conn.sendall(b"HTTP/1.1 404 Not Found\r\nX-Weightcache-Partial: 1\r\nX-Weightcache-Not-Yet: 1\r\n"
+                         b"X-Weightcache-Retry-Ms: 3000\r\nContent-Length: 0\r\n\r\n")
+            return
         if self.mode == "relay-full-link" and self._stop.wait(self.every_s):
             return
         if self.mode == "relay-slow-missing":

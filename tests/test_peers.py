@@ -32,10 +32,11 @@ from weightcache.download import PartialFile
 from weightcache.peers import PeerClient, PeerSet
 from weightcache.peers import server as server_module
 from weightcache.peers import source as source_module
-from weightcache.peers.client import PROBE_GAP_S, PROBE_S, SLOW_GRACE_S, reachable
+from weightcache.peers.client import PROBE_GAP_S, PROBE_S, SLOW_GRACE_S, Pace, reachable
 from weightcache.peers.inflight import InFlight
 from weightcache.peers.server import PeerLimits
 from weightcache.peers.source import GRACE_S, RELAY_PIECE_MIN, RELAY_PIECES, Later, PeerSource, PeerStats
+from weightcache.retry import Retryable
 from weightcache.sources import ObjectInfo, open_source
 from weightcache.store import Snapshot
 from weightcache.uri import parse_ref
@@ -798,6 +799,94 @@ def test_a_range_is_asked_of_its_owner_alone_not_after_its_blobs_round_of_every_
     assert origin.requests_for("GET", f"/models/llama/{big}") == [], "the owner's range read from the origin"
 
 
+@pytest.mark.parametrize("deferred", [True, False])  # False: no other range to take, it waits in its round
+def test_a_range_waiting_on_its_owners_not_yet_is_handed_on_at_the_owners_verdict_not_at_its_waits_end(
+        origin: FaultProxy, caplog: pytest.LogCaptureFixture, deferred: bool) -> None:
+    """The owner relays the first quarter of a file and answers "not yet, in 3 s" for the second (it reads those
+    bytes from the origin now); then it is cut off after the first quarter's first 256 KiB (its listener refuses:
+    the probe's verdict comes once its stream is silent). The range waiting on its "not yet" is handed on (this
+    node, next in rank, reads it) at that verdict: deferred (Later, on the owner), the fetch engine's wake is told
+    at once and the range, taken again, walks on; waiting in its round, its wait ends. Before, it waited the
+    owner's word, up to NOT_YET_MAX_S (3 s): the --faults bench's cut node's ranges not streaming at the cut went
+    on 1.0-8.1 s after it."""
+    caplog.set_level(logging.INFO, logger="weightcache.peers.source")
+    quarter = len(FILES["model-00001.safetensors.bin"]) // 4
+    with relay_beside_origin(origin, "relay-then-cut", not_yet_from=quarter) as (owner, asker, obj, body, _), \
+            ThreadPoolExecutor(1) as pool:
+        # the owner's share is the first two quarters (shares by bytes, two nodes)
+        asker.spread([(obj.key, at, quarter) for at in range(0, 4 * quarter, quarter)], key=lambda r: r)
+        woken: list[tuple[float, str]] = []
+        if deferred:
+            asker.defer_while(lambda: True, lambda url: woken.append((time.time(), url)))
+            with pytest.raises(Later) as later:
+                next(asker.read_pieces(obj, quarter, quarter, memoryview(bytearray(256 << 10))))
+            assert later.value.on == owner.url and later.value.delay == 3.0
+            waiting = None
+        else:
+            asker.defer_while(lambda: False)
+
+            def second() -> int:
+                return sum(len(v) for _, v in asker.read_pieces(obj, quarter, quarter,
+                                                                memoryview(bytearray(256 << 10))))
+            waiting = pool.submit(second)
+            wait_until(lambda: owner.requests >= 1, timeout=5)  # its "not yet": it waits 3 s on it
+        with closing(asker.read_pieces(obj, 0, quarter, memoryview(bytearray(256 << 10)))) as pieces:
+            for at, view in pieces:
+                assert bytes(view) == body[at:at + len(view)]
+                if at > 0:
+                    break
+                owner.cut()  # after its first 256 KiB: new connections refused, its stream silent
+        if waiting is not None:
+            assert waiting.result(30) == quarter
+        else:  # taken again as the engine takes it at its wake
+            assert woken and woken[0][1] == owner.url, "the engine never told the owner went down"
+            assert sum(len(v) for _, v in asker.read_pieces(obj, quarter, quarter,
+                                                            memoryview(bytearray(256 << 10)))) == quarter
+    found = [r.created for r in caplog.records if "answered no connect" in r.getMessage()]
+    taken = [r.created for r in caplog.records if f"bytes {quarter}-" in r.getMessage()
+             and "is not there for them" in r.getMessage()]
+    assert found and taken, "the owner never found unreachable, or the range waiting on it never handed on"
+    went_on = woken[0][0] if deferred else taken[0]
+    print(f"the range waiting on the owner's not yet went on {went_on - found[0]:.2f} s after the verdict")
+    assert went_on - found[0] < 0.5, f"went on {went_on - found[0]:.2f} s after the owner's verdict"
+
+
+def test_a_silent_relays_owner_failing_another_request_is_probed_at_once_not_when_its_silence_doubled(
+        origin: FaultProxy, caplog: pytest.LogCaptureFixture) -> None:
+    """The owner relays the first quarter of a file, sends its first 256 KiB and goes silent (it waits on its
+    origin pieces): probed, it answers, and is looked at again only once its silence has doubled. 2.3 s into the
+    silence it is cut off (its listener refuses), and this node's ask of its second quarter fails. That failure
+    makes the silent stream due for a probe at once: its verdict comes within about half a second, and the first
+    quarter goes on. Before, the stream waited for the look once its silence had doubled (up to
+    PROBE_EVERY_MAX_S, 2 s, then the probe's wait): the --faults bench's relays of the cut node silent before its
+    cut went on at 2.9 s, its HEAD failed at 1.3 s."""
+    caplog.set_level(logging.INFO, logger="weightcache.peers.source")
+    quarter = len(FILES["model-00001.safetensors.bin"]) // 4
+    with relay_beside_origin(origin, "relay-then-cut", elsewhere_bytes=2 << 20) as (owner, asker, obj, body, _), \
+            ThreadPoolExecutor(1) as pool:
+        asker.spread([(obj.key, at, quarter) for at in range(0, 4 * quarter, quarter)], key=lambda r: r)
+        def cut_then_ask() -> None:
+            time.sleep(2.3)  # its silence probed and answered at 0.5, 1 and 2 s: looked at again at 4 s
+            owner.cut()
+            asker.defer_while(lambda: True)
+            with contextlib.suppress(Later):  # refused: the owner down, this node (next in rank) reads it or waits
+                next(asker.read_pieces(obj, quarter, quarter, memoryview(bytearray(256 << 10))))
+
+        with closing(asker.read_pieces(obj, 0, quarter, memoryview(bytearray(256 << 10)))) as pieces:
+            for at, view in pieces:
+                assert bytes(view) == body[at:at + len(view)]
+                if at > 0:
+                    break
+                asking = pool.submit(cut_then_ask)  # after its first 256 KiB: its silence begins
+        asking.result(10)
+    failed = [r.created for r in caplog.records if f" failed at byte {quarter} " in r.getMessage()]
+    found = [r.created for r in caplog.records if "answered no connect" in r.getMessage()]
+    assert failed and found, "the owner's other request never failed, or its silent stream never found cut"
+    print(f"the silent stream's verdict {found[0] - failed[0]:.2f} s after the owner's other request failed")
+    # (a probe of refused connects: 0.2-0.3 s; the look at its doubled silence: 1.7 s later, then the probe)
+    assert found[0] - failed[0] < 1.2, f"its verdict {found[0] - failed[0]:.2f} s after the other request failed"
+
+
 def test_a_silence_probe_connects_again_all_through_its_wait_not_only_at_its_start() -> None:
     """A live peer's listener queue is full for 0.35 s (every SYN dropped, as a full link's queue drops a burst),
     then it accepts again. The probe sends a new connect every PROBE_GAP_S all through its wait, and one completes
@@ -909,6 +998,33 @@ def test_a_connect_to_a_live_peer_behind_a_full_link_waits_as_long_as_its_answer
     failed = [r.getMessage() for r in caplog.records if " failed at byte " in r.getMessage()]
     assert not failed, f"a request to the live owner failed: {failed}"
     assert origin.requests_for("GET", f"/models/llama/{obj.relpath}") == [], "the owner's range read from the origin"
+
+
+def test_a_connect_in_flight_to_a_peer_the_silence_probe_finds_unreachable_ends_at_the_verdict() -> None:
+    """A range is asked of a peer whose listener's queue is full (every SYN dropped: a node cut off), on a new
+    connection with a 5 s connect timeout. Its rate floor does not end the connect (its timeout bounds that), the
+    silence probe's verdict does (Pace.cut, unreachable: as the watchdog cuts the waiting streams of a peer that
+    answered no connect), at once. Before, a connect in flight had no socket the verdict could shut: it went on to
+    its timeout (the --faults bench: ranges asked of the cut node just after its cut were handed on at their
+    connect's timeout, 0.3-1.7 s after the verdict)."""
+    with socket.create_server(("127.0.0.1", 0), backlog=0) as listener, \
+            socket.create_connection(listener.getsockname()[:2]):  # its queue full: the next SYN is dropped
+        client = PeerClient(f"http://127.0.0.1:{listener.getsockname()[1]}", TOKEN, connect_timeout=5.0,
+                            read_timeout=5.0)
+        pace = Pace(1 << 20)
+        verdict = threading.Timer(0.5, lambda: pace.cut(unreachable=True))
+        began = time.monotonic()
+        verdict.start()
+        with ThreadPoolExecutor(1) as pool:
+            floor = pool.submit(lambda: time.sleep(0.2) or pace.cut())  # below the floor while it connects
+            with pytest.raises(Retryable):
+                client.open_span("ab" * 32, 0, 1 << 20, pace)
+            assert floor.result() is False, "the rate floor cut a connect in flight"
+        took = time.monotonic() - began
+        verdict.join()
+        client.close()
+    print(f"the connect ended {took:.2f} s after it began, the verdict at 0.5 s")
+    assert pace.unreachable and took < 1.5, f"the connect ended after {took:.2f} s"
 
 
 def test_a_silent_live_relay_is_probed_less_and_less_often(origin: FaultProxy) -> None:
@@ -1178,12 +1294,17 @@ def test_every_peer_silent_then_failing_is_this_nodes_link_not_theirs(origin: Fa
         with closing(asker.read_pieces(obj, 2 * third, 256 << 10, buf)) as own:  # its own share: the HEADs
             assert sum(len(view) for _, view in own) == 256 << 10
         time.sleep(source_module.DOWN_S + 0.2)  # nothing heard from any peer since
+        port = int(owner.url.rsplit(":", 1)[1])
         fleet.kill(owner)  # its range's next node in rank is this one
-        asker.defer_while(lambda: True)
-        before = len(origin.requests_for("GET", "/models/llama/"))
-        with pytest.raises(Later):  # its failure is taken for this node's link: asked again later
-            next(asker.read_pieces(obj, third, third, buf))
-        assert len(origin.requests_for("GET", "/models/llama/")) == before  # nothing of it from the origin
+        # its port's queue full: connects time out, as on a link gone (a refusal is the peer's, never this node's link)
+        with socket.create_server(("127.0.0.1", port), backlog=0) as full, \
+                socket.create_connection(("127.0.0.1", port)):
+            asker.defer_while(lambda: True)
+            before = len(origin.requests_for("GET", "/models/llama/"))
+            with pytest.raises(Later):  # its failure is taken for this node's link: asked again later
+                next(asker.read_pieces(obj, third, third, buf))
+            assert len(origin.requests_for("GET", "/models/llama/")) == before  # nothing of it from the origin
+            full.close()
 
 
 @pytest.mark.parametrize("right", [True, False])

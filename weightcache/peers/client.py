@@ -624,11 +624,15 @@ class Pace:
             return not self._done and not self.was_cut and self._held_since is None
 
     def cut(self, unreachable: bool = False) -> bool:
-        """Shut the socket down; False while there is none yet (connecting: the connect timeout bounds that)."""
+        """Shut the socket down; False while there is none yet (connecting, below the floor: its timeout bounds that;
+        `unreachable`, the probe's verdict, ends a connect too)."""
         with self._lock:
             if self._done or self.was_cut:
                 return True
-            sock = getattr(self._conn, "sock", None)
+            # a connect in flight is ended by the probe's verdict only (below the floor, its timeout bounds it): to
+            # a node cut off it held its range KNOWN_CONNECT_S (1 s or more) after the verdict (_connect)
+            sock = getattr(self._conn, "sock", None) or (getattr(self._conn, "connecting", None) if unreachable
+                                                         else None)
             # an answer that says Connection: close (a relay of a claim: server.PeerServer._stream) takes the
             # socket from its connection (http.client), and only the answer can shut it: such streams were never
             # cut, and a relay cut off mid-stream held its range to the read timeout (--faults: 8.3-10 s)
@@ -920,7 +924,50 @@ class EagerBody:
         return getattr(self._resp, name)
 
 
+def _connect(conn: _HTTPConnection | _HTTPSConnection) -> socket.socket:
+    """urllib3's HTTPConnection._new_conn, with the socket kept as the connection's `connecting` while it connects:
+    a request's Pace shuts it down at the silence probe's verdict on the peer (Pace.cut), and the connect ends at
+    once (reset), not at its timeout."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(conn._dns_host, conn.port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise urllib3.exceptions.NewConnectionError(conn, f"Failed to establish a new connection: {exc}") from exc
+    try:
+        for option in conn.socket_options or ():
+            sock.setsockopt(*option)
+        sock.settimeout(conn.timeout)
+        conn.connecting = sock
+        sock.connect(addr)
+    except TimeoutError as exc:
+        sock.close()
+        raise urllib3.exceptions.ConnectTimeoutError(
+            conn, f"Connection to {conn.host} timed out. (connect timeout={conn.timeout})") from exc
+    except OSError as exc:
+        sock.close()
+        raise urllib3.exceptions.NewConnectionError(conn, f"Failed to establish a new connection: {exc}") from exc
+    finally:
+        conn.connecting = None
+    return sock
+
+
+class _HTTPConnection(urllib3.connection.HTTPConnection):
+    connecting: socket.socket | None = None  # its socket while it connects (_connect)
+
+    def _new_conn(self) -> socket.socket:
+        return _connect(self)
+
+
+class _HTTPSConnection(urllib3.connection.HTTPSConnection):
+    connecting: socket.socket | None = None
+
+    def _new_conn(self) -> socket.socket:
+        return _connect(self)
+
+
 class _HTTPPool(urllib3.HTTPConnectionPool):
+    ConnectionCls = _HTTPConnection
+
     def _get_conn(self, timeout: float | None = None) -> Any:
         conn = super()._get_conn(timeout)
         if (pace := _asking.pace) is not None:
@@ -929,6 +976,8 @@ class _HTTPPool(urllib3.HTTPConnectionPool):
 
 
 class _HTTPSPool(urllib3.HTTPSConnectionPool):
+    ConnectionCls = _HTTPSConnection
+
     def _get_conn(self, timeout: float | None = None) -> Any:
         conn = super()._get_conn(timeout)
         if (pace := _asking.pace) is not None:

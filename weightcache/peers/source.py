@@ -78,10 +78,11 @@ class Later(Exception):
     that owns the range has yet to start): the fetch engine takes another range first and comes back. Raised only
     while the engine's `defer_while` test says the engine has other ranges to take."""
 
-    def __init__(self, pos: int, delay: float | None = None) -> None:
+    def __init__(self, pos: int, delay: float | None = None, on: str | None = None) -> None:
         super().__init__(pos)
         self.pos = pos
         self.delay = delay  # when to come back (the peer's estimate, bounded); None: the engine's default
+        self.on = on  # the peer whose bytes it waits for: taken again at once when that peer goes down (`wake`)
 
 
 GRACE_S = 1.0  # how long a range of another node's first share waits for that node to start fetching it
@@ -288,6 +289,8 @@ class _Ask:
     why: str = ""  # why the rounds send it to the origin (logged once its claim stands: PeerSource._from_origin)
     taker: str | None = None  # the node that may have taken it over while its owner was down (PeerSource._taker)
     rechecked: bool = False  # its owner's return was looked for once its claim stood (PeerSource._owner_back)
+    on: str | None = None  # the peer whose answer stopped the round: the range waits for its bytes
+    downs: int = 0  # PeerSource._downs as the round began: a peer that went down since ends its wait
     name: str = field(init=False)  # how the blob is keyed (blob_key)
 
     def __post_init__(self) -> None:
@@ -307,7 +310,7 @@ class _Ask:
 
     def new_round(self) -> None:
         self.progressed = self.downloading = self.pending = self.stop = False
-        self.retry_s = None
+        self.retry_s = self.on = None
 
     def why_origin(self, holders: int, stalled: float | None) -> str:
         """Why the range goes to the origin after all, for its log line (`stalled`: it waited this long)."""
@@ -391,6 +394,12 @@ class PeerSource(Source):
         self.peer_bytes = 0
         self._ended = threading.Event()  # the fetch is over (end): its threads ask no peer any more
         self._may_defer: Callable[[], bool] = lambda: False  # the fetch engine: other ranges wait for a worker
+        self._wake: Callable[[str], None] = lambda url: None  # the fetch engine: ranges deferred on `url` are due
+        # peers gone down or confirmed down (_went_down), all told, and its wake: a range waiting for a peer's bytes
+        # (its "not yet": up to NOT_YET_MAX_S) rounds again at once, walked on to the next node (docs/peers.md,
+        # "Ranges waiting on the cut node")
+        self._downs = 0
+        self._woken = threading.Condition(self._lock)
 
     @property
     def nodes(self) -> int:
@@ -415,8 +424,8 @@ class PeerSource(Source):
         peer whose port refused is asked for MAX_PENDING_S: not for that long after the fetch)."""
         self._ended.set()
 
-    def defer_while(self, may_defer: Callable[[], bool]) -> None:
-        self._may_defer = may_defer
+    def defer_while(self, may_defer: Callable[[], bool], wake: Callable[[str], None] = lambda url: None) -> None:
+        self._may_defer, self._wake = may_defer, wake
 
     def spread(self, ranges: typing.List[T], key: Callable[[T], tuple[str, int, int]]) -> typing.List[T]:  # noqa: UP006
         """The fetch's ranges in this node's order: its own share first, so nodes started together fetch different
@@ -501,24 +510,31 @@ class PeerSource(Source):
         ask = self._begin(obj, offset, end, trusted[0], trusted[1], len(buf))
         while True:
             ask.new_round()
+            ask.downs = self._downs
             self._hand_over(ask)
             holders = self._holders_for(ask)
             if holders is not None:
                 for peer in holders:
+                    if self._downs != ask.downs:  # a peer went down since the round began (its holders chosen,
+                        break  # under the HEAD rounds' lock maybe): the next round walks past it at once
                     yield from self._ask_peer(ask, peer, buf, on_bytes)
                     if ask.stop:
+                        ask.on = peer.url
                         break  # the peer reads these bytes now (or is waited out): ask no other one meanwhile
                     if ask.pos >= end:
                         return
-                if ask.progressed:
+                if ask.progressed or self._downs != ask.downs:
                     continue
                 step = self._settle(ask, len(holders))
                 if step == "again":
                     continue
                 if step == "wait":
-                    if self._may_defer():  # another range may be ready now: its bytes are still on their way
-                        raise Later(ask.pos, ask.retry_s)
-                    time.sleep(POLL_S if ask.retry_s is None else ask.retry_s)
+                    later = self._may_defer()  # another range may be ready now: its bytes are still on their way
+                    with self._woken:  # unless a peer went down since the round began: round again at once
+                        if self._downs == ask.downs:
+                            if later:
+                                raise Later(ask.pos, ask.retry_s, ask.on or ask.owner or None)
+                            self._woken.wait(POLL_S if ask.retry_s is None else ask.retry_s)
                     continue
             try:
                 yield from self._from_origin(obj, ask.pos, end, buf, on_bytes, ask.name, self._relayed_gap(ask), ask)
@@ -1046,13 +1062,26 @@ class PeerSource(Source):
         origin (--faults: the cut node's share and the killed node's it had taken over, read by 2-4 nodes)."""
         self._drop_holder(blob_key(blob), peer)
         with self._lock:
+            news = not self._is_down(peer.url) or (sure and self._sure.get(peer.url) != self._down[peer.url])
             if not self._is_down(peer.url):  # down since its first failure: its thread's failures confirm it
                 self._down[peer.url] = time.monotonic()
             if sure:  # the silence probe's verdict: not waited on (_unconfirmed)
                 self._sure[peer.url] = self._down[peer.url]
-            if peer.url in self._reprobing:
-                return
+            if news:  # ranges waiting for its bytes round again now: not at their wait's end (up to NOT_YET_MAX_S)
+                self._downs += 1
+                self._woken.notify_all()
+                if (flow := self._flows.get(peer.url)) is not None:
+                    # and its streams still waiting on it are probed at the watchdog's next look, not once their
+                    # silence has doubled: a relay silent for seconds (its owner's origin pieces) was looked at again
+                    # up to PROBE_EVERY_MAX_S after its last probe, and the --faults cut node's ranges streaming from
+                    # it went on at 2.9 s where its HEAD had timed out at 1.3 s
+                    flow.probe_after = 0.0
+            reprobing = peer.url in self._reprobing
             self._reprobing.add(peer.url)
+        if news:
+            self._wake(peer.url)
+        if reprobing:
+            return
         threading.Thread(target=self._reprobe, args=(peer, blob, size), name="peer-reprobe", daemon=True).start()
 
     def _reprobe(self, peer: PeerClient, blob: Blob, size: int) -> None:

@@ -209,8 +209,9 @@ class Source(Protocol):
         offset, length)."""
         return ranges
 
-    def defer_while(self, may_defer: Callable[[], bool]) -> None:
-        """Told by the engine when a range may wait for a peer: while other work is left for a worker."""
+    def defer_while(self, may_defer: Callable[[], bool], wake: Callable[[str], None]) -> None:
+        """Told by the engine when a range may wait for a peer: while other work is left for a worker; and what
+        takes the ranges waiting for a peer's bytes (peers/source.Later.on) again at once, the peer gone down."""
 
     def verification_failed(self, obj: ObjectInfo) -> None:
         """`obj`'s bytes failed verification: where they came from is not asked again for it."""
