@@ -543,12 +543,12 @@ class Pace:
         self.was_cut = False
         self.unreachable = False  # cut because its peer answered no connect while silent (the watchdog's probe)
         self._done = False
-        self._conn: Any = None
+        self._conn: _HTTPConnection | _HTTPSConnection | None = None
         self._resp: urllib3.BaseHTTPResponse | None = None  # the answer, once its headers came (`answered`)
         self._held_since: float | None = None
         self._lock = threading.Lock()
 
-    def attach(self, conn: Any) -> None:
+    def attach(self, conn: _HTTPConnection | _HTTPSConnection) -> None:
         with self._lock:
             self._conn = conn
 
@@ -631,8 +631,7 @@ class Pace:
                 return True
             # a connect in flight is ended by the probe's verdict only (below the floor, its timeout bounds it): to
             # a node cut off it held its range KNOWN_CONNECT_S (1 s or more) after the verdict (_connect)
-            sock = getattr(self._conn, "sock", None) or (getattr(self._conn, "connecting", None) if unreachable
-                                                         else None)
+            sock = None if self._conn is None else self._conn.sock or (self._conn.connecting if unreachable else None)
             # an answer that says Connection: close (a relay of a claim: server.PeerServer._stream) takes the
             # socket from its connection (http.client), and only the answer can shut it: such streams were never
             # cut, and a relay cut off mid-stream held its range to the read timeout (--faults: 8.3-10 s)
@@ -970,8 +969,8 @@ class _HTTPPool(urllib3.HTTPConnectionPool):
 
     def _get_conn(self, timeout: float | None = None) -> Any:
         conn = super()._get_conn(timeout)
-        if (pace := _asking.pace) is not None:
-            pace.attach(conn)
+        if (pace := _asking.pace) is not None and isinstance(conn, _HTTPConnection | _HTTPSConnection):
+            pace.attach(conn)  # always one of ours (ConnectionCls): the check is for the type checker
         return conn
 
 
@@ -980,6 +979,6 @@ class _HTTPSPool(urllib3.HTTPSConnectionPool):
 
     def _get_conn(self, timeout: float | None = None) -> Any:
         conn = super()._get_conn(timeout)
-        if (pace := _asking.pace) is not None:
-            pace.attach(conn)
+        if (pace := _asking.pace) is not None and isinstance(conn, _HTTPConnection | _HTTPSConnection):
+            pace.attach(conn)  # always one of ours (ConnectionCls): the check is for the type checker
         return conn
