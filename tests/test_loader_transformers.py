@@ -3,6 +3,7 @@ here: the model and tokenizer load from a read-only directory and generate exact
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -12,7 +13,9 @@ import pytest
 
 from tests.fixtures_hf import generate, tiny_llama
 
-pytest.importorskip("transformers")
+# not pytest.importorskip: that imports transformers (2-3 CPU seconds) in every worker's collection; the tests here
+# import it where they run
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
 DOC = Path(__file__).resolve().parents[1] / "docs" / "loader.md"
 
 

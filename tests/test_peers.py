@@ -74,8 +74,9 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
         yield f
 
 
-def ensure(node: FleetNode, proxy: FaultProxy) -> Snapshot:
-    return node.fetcher(endpoint_url=proxy.endpoint_url, **OPTIONS).ensure(admin(REF))
+def ensure(node: FleetNode, proxy: FaultProxy, **options: object) -> Snapshot:
+    """`options`: the fetcher's beyond OPTIONS (read_timeout=3.0: a read held at the origin is tried again sooner)."""
+    return node.fetcher(endpoint_url=proxy.endpoint_url, **OPTIONS, **options).ensure(admin(REF))
 
 
 def test_model_fetched_by_one_node_then_three_more_costs_the_origin_one_model(origin: FaultProxy,
@@ -553,11 +554,11 @@ def relay_beside_origin(origin: FaultProxy, mode: str, elsewhere_bytes: int = 1 
                         inflight: InFlight | None = None, second: HostilePeer | None = None,
                         **hostile: float) -> Iterator[tuple[HostilePeer, PeerSource, ObjectInfo, bytes, PeerStats]]:
     """A HostilePeer in `mode` owning (relaying) the first half of a model file, an asker ranked after it, and
-    bytes from elsewhere all along (`elsewhere_bytes` of a file peers are not asked for, from the origin at 300
-    kB/s): what tells a silent peer from this node's own link gone. `connect_timeout`: the asker's configured one
-    (its connects wait at most that); `inflight`: the asker's (its peer server's registry); `second`: another peer,
-    ranked after the asker (it owns no share asked). Yields (owner, asker, the file, its body, the asker's peer
-    counters)."""
+    bytes from elsewhere all along (up to `elsewhere_bytes` of a file peers are not asked for, from the origin at
+    300 kB/s, until the test is over): what tells a silent peer from this node's own link gone. `connect_timeout`:
+    the asker's configured one (its connects wait at most that); `inflight`: the asker's (its peer server's
+    registry); `second`: another peer, ranked after the asker (it owns no share asked). Yields (owner, asker, the
+    file, its body, the asker's peer counters)."""
     big, other = "model-00001.safetensors.bin", "model-00002.bin"
     body = FILES[big]
     sha = hashlib.sha256(body).hexdigest()
@@ -566,16 +567,32 @@ def relay_beside_origin(origin: FaultProxy, mode: str, elsewhere_bytes: int = 1 
     objs = {o.relpath: o for o in source.list()}
     obj = objs[big]
     half = obj.size // 2
+    done = threading.Event()  # the test is over: the bytes from elsewhere may stop at their next piece
+
+    def from_elsewhere() -> int:
+        got = 0
+        with closing(asker.read_pieces(objs[other], 0, elsewhere_bytes, memoryview(bytearray(256 << 10)))) as pieces:
+            for at, view in pieces:
+                assert at == got and bytes(view) == FILES[other][at:at + len(view)]
+                got += len(view)
+                if done.is_set():
+                    break
+        return got
+
     with HostilePeer({sha: obj.size}, {sha: body}, mode, **hostile) as owner, ThreadPoolExecutor(1) as pool:
         urls = [owner.url] + ([second.url.replace("127.0.0.1", "localhost")] if second is not None else [])
         peers = PeerSet([PeerClient(u, TOKEN, connect_timeout=connect_timeout, read_timeout=10.0) for u in urls],
                         inflight=inflight, self_url="http://127.0.0.2:1")  # after the owner: the first half is its
         asker = peers.wrap(source, {obj.key: (sha, obj.size)})
         asker.spread([(obj.key, 0, half), (obj.key, half, obj.size - half)], key=lambda r: r)
-        elsewhere = pool.submit(lambda: sum(len(v) for _, v in asker.read_pieces(
-            objs[other], 0, elsewhere_bytes, memoryview(bytearray(256 << 10)))))
+        elsewhere = pool.submit(from_elsewhere)
         yield owner, asker, obj, body, peers.stats
-        assert elsewhere.result(30) == elsewhere_bytes
+        # still coming when the test ended, or all of them came: not waited for to their end (at 300 kB/s, they
+        # were 3-7 s of each test)
+        coming = not elsewhere.done()
+        done.set()
+        got = elsewhere.result(30)
+        assert 0 < got <= elsewhere_bytes and (coming or got == elsewhere_bytes)
         peers.close()
     source.close()
 
@@ -758,6 +775,8 @@ def test_a_range_whose_owner_goes_down_mid_round_is_handed_on_before_the_rounds_
         with closing(asker.read_pieces(obj, 0, obj.size // 2, memoryview(bytearray(256 << 10)))) as pieces:
             for at, view in pieces:
                 assert bytes(view) == body[at:at + len(view)]
+                if at > 0:  # the range's first piece after the cut: handed on (the rest, from the origin at 300
+                    break  # kB/s, would take 4 s more)
                 owner.cut()  # after its first 256 KiB: new connections refused, its stream silent
     found = [r.created for r in caplog.records if "answered no connect" in r.getMessage()]
     taken = [r.created for r in caplog.records if "is not there for them" in r.getMessage()]

@@ -78,7 +78,7 @@ def test_a_liars_bytes_relayed_by_an_honest_node_in_flight_get_the_liar_banned_n
         h = fleet.node("h", peers=[liar.endpoint_url])
         pool = ThreadPoolExecutor(1)
         try:
-            h_done = pool.submit(ensure, h, origin)
+            h_done = pool.submit(ensure, h, origin, read_timeout=3.0)  # its held read tried again after 3 s, not 10
             assert hold.arrived.wait(30)
             part = h.peers.inflight
 
