@@ -16,8 +16,10 @@ warm=$!
 "$VENV/bin/lint-imports"  # the layers of docs/architecture.md: [tool.importlinter] in pyproject.toml
 "$PY" scripts/import_graph.py  # and no import circle, even inside a layer (exit 1 on one)
 wait "$warm" || true  # a module that fails to collect is reported by the run below, with its traceback
-# One worker more than the CPUs (tests also wait on sockets and subprocesses: on 2 cores, 3 workers ran the suite in
-# 156 s from a clean clone); WEIGHTCACHE_TEST_WORKERS=0 runs in this process (pdb, -s). Each worker starts its own moto
-# server and temp dirs; tests share nothing else.
-workers="${WEIGHTCACHE_TEST_WORKERS:-$(( $(nproc) + 1 ))}"
+# Two workers more than the CPUs: most of a test's time is waiting (sockets, subprocesses, timeouts a test lets run
+# out); the suite needs about 240 CPU seconds, and on 2 cores 3 workers kept them 40% busy (session 54, 2310 tests:
+# 300 s with 3 workers at load 22-7, 280 s with 4 at load 9-6; 9789fa3's suite: 392 s with 2, 332-340 s with 3).
+# WEIGHTCACHE_TEST_WORKERS=0 runs in this process (pdb, -s). Each worker starts its own moto server and temp dirs;
+# tests share nothing else.
+workers="${WEIGHTCACHE_TEST_WORKERS:-$(( $(nproc) + 2 ))}"
 exec "$PY" -m pytest -n "$workers" --dist worksteal "$@"  # worksteal: the long transformers loads do not end last
