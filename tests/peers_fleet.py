@@ -156,16 +156,20 @@ class HostilePeer:
     connection at once. `streams`: each body's head says the peer sends that many
     bodies now (X-Weightcache-Streams, as PeerServer._stream does). `closes`: each body's head says Connection: close
     (as PeerServer._stream's of a claim it follows: a body that may end short). `not_yet_from`: a GET of a range
-    from this byte on is answered "not yet, in 3 s" (it reads those bytes from the origin now), whatever the mode."""
+    from this byte on is answered "not yet, in 3 s" (it reads those bytes from the origin now), whatever the mode.
+    `head_s`: each HEAD is answered after this long (its answers take that)."""
 
     def __init__(self, sizes: dict[str, int], bodies: dict[str, bytes], mode: str, every_s: float = 2.0,
                  digests: bytes | None = None, old_release: bool = False, streams: int | None = None,
-                 rate: int = 0, silent_s: float = 0.0, closes: bool = False, not_yet_from: int | None = None) -> None:
+                 rate: int = 0, silent_s: float = 0.0, closes: bool = False, not_yet_from: int | None = None,
+                 head_s: float = 0.0) -> None:
         import socket
 
         self.sizes, self.bodies, self.mode, self.every_s = sizes, bodies, mode, every_s
         self.streams, self.rate, self.silent_s, self.closes = streams, rate, silent_s, closes
         self.digests, self.old_release, self.not_yet_from = digests, old_release, not_yet_from
+        self.head_s = head_s
+        self._mute = threading.Event()  # cut(mute=True): its open connections answer nothing more
         self.requests = self.connections = 0
         self._stop = threading.Event()
         self._accepting = threading.Event()  # cleared: connections wait in the listener's queue
@@ -202,6 +206,9 @@ class HostilePeer:
                     if not line:
                         return
                     method, path = line.split()[:2]
+                    if self._mute.is_set() or (method == b"HEAD" and self._stop.wait(self.head_s)):
+                        self._stop.wait()  # its link is cut: asked, it never answers
+                        return
                     headers = {}
                     while (h := reader.readline()) not in (b"\r\n", b"\n", b""):
                         k, _, v = h.decode().partition(":")
@@ -316,8 +323,11 @@ class HostilePeer:
             if own is not None:
                 own.close()
 
-    def cut(self) -> None:
-        """New connections are refused; the open ones stay as they are."""
+    def cut(self, mute: bool = False) -> None:
+        """New connections are refused; the open ones stay as they are (`mute`: and answer nothing asked on them
+        from now on, as across a link cut)."""
+        if mute:
+            self._mute.set()
         self._listener.close()
 
     def close(self) -> None:

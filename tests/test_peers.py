@@ -906,6 +906,41 @@ def test_a_silent_relays_owner_failing_another_request_is_probed_at_once_not_whe
     assert found[0] - failed[0] < 1.2, f"its verdict {found[0] - failed[0]:.2f} s after the other request failed"
 
 
+def test_a_head_in_flight_to_a_peer_found_down_ends_at_the_verdict_not_at_its_timeout(
+        origin: FaultProxy, caplog: pytest.LogCaptureFixture) -> None:
+    """The owner relays a range (its first 256 KiB, then silence) and answers HEADs after 1 s; then its link is cut
+    (new connections refused, nothing answered on the open ones) while a HEAD of another blob is asked of it on a
+    pooled connection: that HEAD waits 3x what HEADs took (3 s). The silence probe's verdict on the owner ends the
+    HEAD at once. Before, a HEAD had no Pace and went on to its timeout: a round's HEAD of the --faults cut node
+    held the fetch's prober lock, and every round and lone HEAD behind it, past the node's verdict."""
+    caplog.set_level(logging.INFO, logger="weightcache.peers.source")
+    other = FILES["model-00002.bin"]
+    with relay_beside_origin(origin, "relay-then-cut", elsewhere_bytes=2 << 20, head_s=1.0) as (
+            owner, asker, obj, body, _), ThreadPoolExecutor(1) as pool:
+        peer = asker._peers[0]
+
+        def head() -> tuple[bool, float]:
+            asked = asker._asks(peer, hashlib.sha256(other).hexdigest(), len(other))
+            return asked, time.time()
+
+        asking = None
+        with closing(asker.read_pieces(obj, 0, obj.size // 2, memoryview(bytearray(256 << 10)))) as pieces:
+            for at, view in pieces:
+                assert bytes(view) == body[at:at + len(view)]
+                if asking is not None:
+                    break  # the rest from the origin: the owner is down
+                head()  # while the owner relays: a second connection to it, pooled (answered after 1 s)
+                owner.cut(mute=True)
+                asking = pool.submit(head)  # on that pooled connection: never answered
+        assert asking is not None
+        asked, ended = asking.result(10)
+    found = [r.created for r in caplog.records if "answered no connect" in r.getMessage()]
+    assert found, "the owner never found unreachable"
+    print(f"the HEAD in flight ended {ended - found[0]:.2f} s after the owner's verdict")
+    assert not asked
+    assert ended - found[0] < 0.5, f"the HEAD ended {ended - found[0]:.2f} s after the verdict"
+
+
 def test_a_silence_probe_connects_again_all_through_its_wait_not_only_at_its_start() -> None:
     """A live peer's listener queue is full for 0.35 s (every SYN dropped, as a full link's queue drops a burst),
     then it accepts again. The probe sends a new connect every PROBE_GAP_S all through its wait, and one completes

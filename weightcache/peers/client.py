@@ -109,6 +109,13 @@ class PeerUnreachable(SourceError):
         self.timed_out, self.probed = timed_out, probed
 
 
+class PeerDown(PeerUnreachable):
+    """A request ended by a verdict that its peer is down, reached while it waited (`Pace.cut`, `down`): no failure
+    of its own, nor a sign of this node's link; the verdict's consequences are drawn where it was reached
+    (source.PeerSource._went_down)."""
+    answer = Answer(6, 502, "UNAVAILABLE")  # handled inside a fetch; this is what shows if one ever escapes
+
+
 def connect_timed_out(exc: BaseException | None) -> bool:
     """`exc`, or an error it was raised from, is a connect that timed out (no handshake completed)."""
     while exc is not None:
@@ -191,15 +198,30 @@ class PeerClient:
         read = self._read_timeout if read_s is None else min(read_s, self._read_timeout)
         return urllib3.Timeout(connect=connect, read=read)
 
-    def probe(self, sha256: Blob, size: int, connect_s: float | None = None, read_s: float | None = None) -> str | None:
+    def probe(self, sha256: Blob, size: int, connect_s: float | None = None, read_s: float | None = None,
+              pace: Pace | None = None) -> str | None:
         """"blob" (published there), "partial" (downloading it now), "empty" (downloading it, nothing read from
         the origin yet), "planning" (lacks it, and a fetch of its has yet to register its downloads: it may be
-        about to download it) or None (neither, or another size). `connect_s`, `read_s`: shorter timeouts."""
+        about to download it) or None (neither, or another size). `connect_s`, `read_s`: shorter timeouts.
+        `pace`: `Pace.cut` (`down`) ends the HEAD, its connect included: a verdict that the peer is down
+        (source.PeerSource._went_down); PeerDown then."""
+        _asking.pace = pace
         try:
             resp = self._pool.request("HEAD", self.blob_url(sha256), headers=self._auth, redirect=False,
-                                      timeout=self._timeout(connect_s, read_s))
+                                      preload_content=False, timeout=self._timeout(connect_s, read_s))
         except NETWORK_ERRORS as exc:
+            if pace is not None and pace.down:
+                raise PeerDown(f"peer {self.url} found down while asked (HEAD)") from exc
             raise PeerUnreachable(f"peer {self.url} unreachable: {type(exc).__name__}", _timed_out(exc)) from exc
+        finally:
+            _asking.pace = None
+        if pace is not None:  # finished first: a verdict never shuts down a connection that is the pool's again
+            pace.finish()
+        if pace is not None and pace.was_cut:
+            resp.close()
+        else:
+            resp.read()  # nothing: a HEAD's answer has no body; read, its connection is the pool's again
+            resp.release_conn()
         if resp.status == 401:
             log.warning("peer %s refuses our token (401): the daemons' peerTokenFile must hold the same token",
                         self.url)
@@ -542,6 +564,7 @@ class Pace:
         self.got = 0
         self.was_cut = False
         self.unreachable = False  # cut because its peer answered no connect while silent (the watchdog's probe)
+        self.down = False  # ended by a verdict that its peer is down (`cut`, `down`): before it connected, too
         self._done = False
         self._conn: _HTTPConnection | _HTTPSConnection | None = None
         self._resp: urllib3.BaseHTTPResponse | None = None  # the answer, once its headers came (`answered`)
@@ -551,6 +574,9 @@ class Pace:
     def attach(self, conn: _HTTPConnection | _HTTPSConnection) -> None:
         with self._lock:
             self._conn = conn
+            if self.down and conn.sock is not None:  # its peer found down before it took a pooled connection
+                with contextlib.suppress(OSError):
+                    conn.sock.shutdown(socket.SHUT_RDWR)
 
     def expect(self, length: int) -> None:
         """The peer answers this many bytes (a peer still downloading may answer a shorter span)."""
@@ -591,6 +617,11 @@ class Pace:
         with self._lock:
             self._done = True
 
+    @property
+    def answered_yet(self) -> bool:
+        """Its answer's headers came (`answered`): what waits on the peer now is its body, or nothing."""
+        return self.streams > 0 or self._done
+
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
         """This node keeps the range waiting (its own peer bytesPerSecond): no slowness of the peer's, so the
@@ -623,15 +654,19 @@ class Pace:
         with self._lock:
             return not self._done and not self.was_cut and self._held_since is None
 
-    def cut(self, unreachable: bool = False) -> bool:
+    def cut(self, unreachable: bool = False, down: bool = False) -> bool:
         """Shut the socket down; False while there is none yet (connecting, below the floor: its timeout bounds that;
-        `unreachable`, the probe's verdict, ends a connect too)."""
+        `unreachable`, the probe's verdict, ends a connect too). `down`: a verdict that the peer is down, reached
+        elsewhere (source.PeerSource._went_down), ends the request wherever it is: a connect, or one not begun
+        yet (it ends as it connects, or as it takes a pooled connection)."""
         with self._lock:
             if self._done or self.was_cut:
                 return True
-            # a connect in flight is ended by the probe's verdict only (below the floor, its timeout bounds it): to
-            # a node cut off it held its range KNOWN_CONNECT_S (1 s or more) after the verdict (_connect)
-            sock = None if self._conn is None else self._conn.sock or (self._conn.connecting if unreachable else None)
+            self.down = self.down or down
+            # a connect in flight is ended by a verdict only (below the floor, its timeout bounds it): to a node cut
+            # off it held its range KNOWN_CONNECT_S (1 s or more) after the verdict (_connect)
+            ending = unreachable or down
+            sock = None if self._conn is None else self._conn.sock or (self._conn.connecting if ending else None)
             # an answer that says Connection: close (a relay of a claim: server.PeerServer._stream) takes the
             # socket from its connection (http.client), and only the answer can shut it: such streams were never
             # cut, and a relay cut off mid-stream held its range to the read timeout (--faults: 8.3-10 s)
@@ -937,6 +972,8 @@ def _connect(conn: _HTTPConnection | _HTTPSConnection) -> socket.socket:
             sock.setsockopt(*option)
         sock.settimeout(conn.timeout)
         conn.connecting = sock
+        if (pace := _asking.pace) is not None and pace.down:  # its peer found down before it began (Pace.cut)
+            raise TimeoutError("its peer was found down")
         sock.connect(addr)
     except TimeoutError as exc:
         sock.close()

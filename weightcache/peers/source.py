@@ -20,6 +20,7 @@ streams) is cut and taken elsewhere, and that peer is left out for BENCH_S, doub
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import hashlib
 import itertools
@@ -29,7 +30,7 @@ import threading
 import time
 import typing
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import closing
 from dataclasses import dataclass, field
 
@@ -51,6 +52,7 @@ from weightcache.peers.client import (
     PeerBlobGone,
     PeerBusy,
     PeerClient,
+    PeerDown,
     PeerFlow,
     PeerLied,
     PeerRangeMissing,
@@ -382,6 +384,9 @@ class PeerSource(Source):
         # peer -> the `_down` time the silence probe confirmed (PeerUnreachable.probed): not waited on (_unconfirmed)
         self._sure: dict[str, float] = {}
         self._reprobing: set[str] = set()  # down peers a thread asks again (_reprobe), not the fetch's rounds
+        # peer -> the Paces of this fetch's requests to it in flight (_asks, _from_peer): a verdict that it is down
+        # ends those not answered yet (_went_down)
+        self._asking: dict[str, set[Pace]] = {}
         self._heard: dict[str, float] = {}  # peer -> when it last answered this fetch or sent it a byte
         self._alone: dict[tuple[str, str], float] = {}  # (blob, peer) -> when a range asked it alone (_reader_alone)
         self._handed: dict[tuple[str, int], str | None] = {}  # (key, range end) -> the node its owner handed it to
@@ -704,6 +709,10 @@ class PeerSource(Source):
                 self._moved[ask.span] = max(self._moved[ask.span], flow.last)
         except PeerTooSlow as exc:
             self._cut(ask, peer, exc, began)
+        except PeerDown:  # found down while asked (_went_down drew the verdict): a round walks past it
+            ask.outcome[peer.url] = "down"
+            if ask.wait and peer.url in (ask.owner, ask.taker):
+                ask.stop = True
         except SourceError as exc:
             ask.outcome[peer.url] = "failed"
             if self._not_theirs(began, connect_timed_out(exc), refused(exc)):  # not the peer's: asked again
@@ -1078,6 +1087,13 @@ class PeerSource(Source):
                     flow.probe_after = 0.0
             reprobing = peer.url in self._reprobing
             self._reprobing.add(peer.url)
+            asking = [p for p in self._asking.get(peer.url, ()) if not p.answered_yet] if news else []
+        for pace in asking:
+            # and its requests not answered yet end now (HEADs, connects), not at their timeout (up to 3x what answers
+            # take, KNOWN_CONNECT_S at least): a round's HEAD of the --faults cut node held the prober lock, and every
+            # round and lone HEAD of the fetch behind it, past its verdict; what asked goes on without it. A body
+            # flowing is no such wait: its silence is probed at the watchdog's next look (above)
+            pace.cut(down=True)
         if news:
             self._wake(peer.url)
         if reprobing:
@@ -1299,11 +1315,11 @@ class PeerSource(Source):
                 with self._lock:
                     asked, known = self._holders.get(sha256, (NO_ROUND, []))
                 if time.monotonic() - asked >= REASK_S:
-                    with self._lock:  # a down peer is asked by its own thread (_reprobe), or no more
-                        reprobing = self._reprobing | {u for u in self._down if self._is_down(u)}
-                    # a holder known (a reader asked alone, too) is not asked again
+                    # a holder known (a reader asked alone, too) is not asked again, nor a peer down (asked by its own
+                    # thread, _reprobe, or no more), by the time its turn comes: one found down while the round
+                    # asked the others was asked after its verdict, and the round waited on its HEAD's timeout
                     known = [p for p in self._live_peers() if p in known or
-                             (p.url not in reprobing and self._asks(p, blob, size, asked == NO_ROUND))]
+                             (not self._skipped(p.url) and self._asks(p, blob, size, asked == NO_ROUND))]
                     with self._lock:  # and one its own thread, or a range asking it alone, found holding meanwhile
                         known += [p for p in self._holders.get(sha256, (NO_ROUND, []))[1] if p not in known]
                         self._holders[sha256] = (time.monotonic(), known)
@@ -1350,7 +1366,9 @@ class PeerSource(Source):
             with self._probing:
                 with self._lock:
                     asked, known = self._holders.get(sha256, (NO_ROUND, []))
-                holds = peer in known or self._asks(peer, blob, size, asked == NO_ROUND and alone is None)
+                # found down while this waited for the lock: not asked (its own thread asks it), the round walks past
+                holds = peer in known or (not self._skipped(url) and
+                                          self._asks(peer, blob, size, asked == NO_ROUND and alone is None))
         finally:
             with self._lock:
                 self._alone[(sha256, url)] = time.monotonic()
@@ -1359,6 +1377,11 @@ class PeerSource(Source):
             if holds and peer not in known:
                 self._holders[sha256] = (asked, [*known, peer])
             return (sha256, url) in (self._downloading if holds else self._planning)
+
+    def _skipped(self, url: str) -> bool:
+        """`url` is down (asked by its own thread, _reprobe), or is being asked by that thread: no round asks it."""
+        with self._lock:
+            return url in self._reprobing or self._is_down(url)
 
     def _live_peers(self) -> typing.List[PeerClient]:  # noqa: UP006
         with self._lock:
@@ -1370,8 +1393,10 @@ class PeerSource(Source):
         thread asks it meanwhile). `first_ask`: this fetch's first probe of the blob (a peer
         with origin bytes of it by then started before this node: it may hold this node's share too)."""
         began = time.monotonic()
+        pace = Pace(0, 0)  # no floor: a HEAD waits its timeout, or a verdict that its peer is down (_went_down)
         try:
-            kind = peer.probe(sha256, size, *self._timeouts(peer.url))
+            with self._asked_of(peer.url, pace):
+                kind = peer.probe(sha256, size, *self._timeouts(peer.url), pace=pace)
             self._heads.took(time.monotonic() - began)
             with self._lock:
                 self._hear(peer.url)  # an answer: alive
@@ -1389,6 +1414,8 @@ class PeerSource(Source):
                 if kind == "partial" and first_ask:
                     self._ahead.add((blob_key(sha256), peer.url))
             return kind is not None
+        except PeerDown:  # found down while asked: drawn where it was found (_went_down)
+            return False
         except PeerUnreachable as exc:
             if self._not_theirs(began, connect_timed_out(exc), refused(exc)):  # this node's link: asked next round
                 log.info("%s while nothing came to this node lately (%.0f s): this node's link",
@@ -1414,6 +1441,23 @@ class PeerSource(Source):
                 log.info("%s; dead until it answers", exc)
             self._went_down(peer, sha256, size, sure=True)
             return False
+
+    @contextlib.contextmanager
+    def _asked_of(self, url: str, pace: Pace) -> Iterator[None]:
+        """A request to `url` in flight, with its Pace: a verdict that `url` is down ends it until it is answered
+        (_went_down). Not one begun after that verdict: a down peer's own thread asks it (_reprobe), and a range
+        whose reader is down unconfirmed asks it still (_serving_owner)."""
+        with self._lock:
+            self._asking.setdefault(url, set()).add(pace)
+        try:
+            yield
+        finally:
+            with self._lock:
+                pending = self._asking.get(url)
+                if pending is not None:
+                    pending.discard(pace)
+                    if not pending:
+                        del self._asking[url]
 
     def _drop_holder(self, sha256: str, peer: PeerClient) -> None:
         with self._lock:
@@ -1442,12 +1486,15 @@ class PeerSource(Source):
             if relay else Pace(end - pos, self._floor(), flow=flow, max_fanout=fanout, answers=self._answers)
         WATCHDOG.watch(pace)
         try:
-            yield from self._paced(peer, key, sha256, pos, end, buf, on_bytes, pace, judge)
+            with self._asked_of(peer.url, pace):
+                yield from self._paced(peer, key, sha256, pos, end, buf, on_bytes, pace, judge)
         except PeerRangeMissing:
             with self._lock:
                 self._hear(peer.url)  # an answer: alive
             raise
         except SourceError as exc:
+            if pace.down:  # a verdict that it is down reached elsewhere before it answered (_went_down)
+                raise PeerDown(f"peer {peer.url} found down while asked") from exc
             if pace.unreachable:  # the watchdog's probe: its link is cut, or it is dead (a failure, not slowness)
                 took = f"; its answers took {flow.answer_s:.2f} s" if flow.answer_s is not None else ""
                 raise PeerUnreachable(f"peer {peer.url} sent nothing for {SILENT_S:g} s and answered no connect "
