@@ -1574,6 +1574,26 @@ def test_a_peer_failing_while_only_the_origin_sends_is_the_peers_fault_not_this_
         assert took < source_module.PENDING_S / 3, f"the failed owner's range began after {took:.1f} s"
 
 
+@contextmanager
+def link_works(asker: PeerSource) -> Iterator[None]:
+    """Bytes come to `asker` from elsewhere all along: a piece of a file peers are not asked for, from the origin,
+    every 0.05 s (this node's link works: a peer's failure is the peer's, PeerSource._not_theirs)."""
+    other = next(o for o in asker.list() if o.relpath == "model-00002.bin")
+    stop = threading.Event()
+
+    def from_origin() -> None:
+        while not stop.wait(0.05):
+            assert sum(len(v) for _, v in asker.read_pieces(other, 0, 4 << 10, memoryview(bytearray(4 << 10))))
+
+    with ThreadPoolExecutor(1) as pool:
+        reading = pool.submit(from_origin)
+        try:
+            yield
+        finally:
+            stop.set()
+            reading.result(30)
+
+
 def test_a_peer_heard_from_that_completes_no_connect_within_a_second_is_down(origin: FaultProxy, fleet: Fleet,
                                                                             tmp_path: Path) -> None:
     """The owner answered this fetch, then its link is cut (its connects complete no handshake: here a listener
@@ -1583,31 +1603,41 @@ def test_a_peer_heard_from_that_completes_no_connect_within_a_second_is_down(ori
     silence probe cuts a socket, and a connect has none yet (--faults: the streams still connecting when the node
     was cut off held its ranges 5 s). Without bytes from elsewhere the same failure is this node's link."""
     buf = memoryview(bytearray(256 << 10))
-    with asking_owners(origin, fleet, tmp_path, connect_timeout=8.0) as (asker, (owner,), _, obj), \
-            ThreadPoolExecutor(1) as pool:
+    with asking_owners(origin, fleet, tmp_path, connect_timeout=8.0) as (asker, (owner,), _, obj):
         half = obj.size // 2
         with closing(asker.read_pieces(obj, half, 256 << 10, buf)) as own:  # its own share: the HEADs
             assert sum(len(view) for _, view in own) == 256 << 10
-        other = next(o for o in asker.list() if o.relpath == "model-00002.bin")  # not asked of peers
-        stop = False
-
-        def from_origin() -> None:  # a piece every 0.05 s: this node's link works
-            while not stop:
-                assert sum(len(v) for _, v in asker.read_pieces(other, 0, 4 << 10, memoryview(bytearray(4 << 10))))
-                time.sleep(0.05)
-
-        with cut_off(fleet, owner):
-            reading = pool.submit(from_origin)
+        with cut_off(fleet, owner), link_works(asker):
             started = time.monotonic()
-            try:
-                with closing(asker.read_pieces(obj, 0, half, buf)) as pieces:
-                    next(pieces)
-            finally:
-                stop = True
-                reading.result(30)
+            with closing(asker.read_pieces(obj, 0, half, buf)) as pieces:
+                next(pieces)
             took = time.monotonic() - started
         limit = source_module.DOWN_S + 3.0
         assert took < limit, f"the cut owner's range began {took:.1f} s after it was asked (at most {limit} s)"
+
+
+def test_an_owner_whose_head_timed_out_is_probed_at_once_and_its_range_taken_over_at_the_verdict_not_down_s_after(
+        origin: FaultProxy, fleet: Fleet, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The owner's link is cut (a listener whose queue is full drops every SYN) while bytes come to this node from
+    elsewhere, and the round of this node's own share asks it: the HEAD's connect times out, and the owner is down.
+    A HEAD is no stream the silence probe could look at, so the owner is probed at once: no connect answered within
+    the probe's wait, it is down, confirmed, and its range, which falls to this node (next in rank), is read within
+    about that wait of the failure. Before, the node next in rank waited DOWN_S (2 s) from the failure for a
+    confirmation (--faults: a node whose only sign of the cut node was a HEAD's timeout handed its ranges on late)."""
+    caplog.set_level(logging.INFO, logger="weightcache.peers.source")
+    buf = memoryview(bytearray(256 << 10))
+    with asking_owners(origin, fleet, tmp_path) as (asker, (owner,), _, obj):
+        half = obj.size // 2
+        with cut_off(fleet, owner), link_works(asker):
+            with closing(asker.read_pieces(obj, half, 256 << 10, buf)) as own:  # its own share: the HEAD
+                assert sum(len(view) for _, view in own) == 256 << 10
+            with closing(asker.read_pieces(obj, 0, half, buf)) as pieces:  # the owner's: this node next
+                next(pieces)
+    failed = [r.created for r in caplog.records if "down until it answers" in r.getMessage()]
+    taken = [r.created for r in caplog.records if "is not there for them" in r.getMessage()]
+    assert failed and taken, "the owner's HEAD never timed out, or its range never taken over"
+    print(f"the owner's range taken over {taken[0] - failed[0]:.2f} s after its HEAD timed out")
+    assert taken[0] - failed[0] < 1.2, f"taken over {taken[0] - failed[0]:.2f} s after the owner's HEAD timed out"
 
 
 def test_an_owner_up_again_whose_head_of_the_blob_was_skipped_is_asked_before_the_origin(

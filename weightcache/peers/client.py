@@ -885,6 +885,19 @@ def reachable(addr: tuple[str, int], timeout: float, told: Callable[[], bool | N
                 key.data.close()
 
 
+def answers_no_connect(addr: tuple[str, int], wait: float,
+                       connections: Callable[[], list[TcpConnection]] | None = None) -> bool:
+    """The silence probe's test (`_Watchdog._probe`) of a peer that failed a request: no connect to `addr` completes
+    within `wait` (`reachable`), and its kernel acknowledged nothing this node's peer server sent it meanwhile
+    (`connections`: that server's connections from its host, `_Acks`). False where this node could not probe (out
+    of descriptors): no verdict."""
+    acks = _Acks(connections() if connections is not None else [])
+    try:
+        return not reachable(addr, wait, acks.told)
+    except OSError:
+        return False
+
+
 def acked_ago(sock: TcpConnection) -> float | None:
     """Seconds since the peer's kernel last acknowledged anything on a connected TCP socket, from the kernel's
     TCP_INFO (Linux); None where it cannot say (closed, not TCP, no TCP_INFO). `sock`: a socket, or asyncio's

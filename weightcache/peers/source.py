@@ -60,8 +60,10 @@ from weightcache.peers.client import (
     PeerTooSlow,
     PeerUnreachable,
     answer_wait,
+    answers_no_connect,
     connect_timed_out,
     peer_base_url,
+    probe_wait,
     refused,
 )
 from weightcache.peers.identity import OriginId
@@ -1096,9 +1098,33 @@ class PeerSource(Source):
             pace.cut(down=True)
         if news:
             self._wake(peer.url)
+        if news and not sure:
+            WATCHDOG.probers.run(self._confirm, peer, blob, size)
         if reprobing:
             return
         threading.Thread(target=self._reprobe, args=(peer, blob, size), name="peer-reprobe", daemon=True).start()
+
+    def _confirm(self, peer: PeerClient, blob: Blob, size: int) -> None:
+        """A peer gone down by a failure of its own (a HEAD's or a connect's timeout, a body broken off) is probed at
+        once, as the watchdog probes a silent one: no connect answered within as long as answers take, and nothing
+        acknowledged, while bytes still come from elsewhere, confirms it down (`_sure`: the node next in rank reads
+        its ranges at once, _unconfirmed). Before, a peer whose only request of this node's was the one that failed
+        (a HEAD, a connect: no stream for the silence probe to look at) was waited on DOWN_S after its failure, and
+        the requests that would have shown it silent ended at its verdict (`asking`, above)."""
+        with self._lock:
+            since, flow = self._down.get(peer.url), self._flows.get(peer.url)
+            host = self._hosts.get(peer.url)
+        conns = functools.partial(self._inflight.connections, host) if host is not None else None
+        if since is None or not answers_no_connect(peer.address, probe_wait(flow, self._answers), conns):
+            return
+        if self._link.last < time.monotonic() - SILENT_S / 2:  # nothing came from anywhere: this node's link
+            return
+        with self._lock:
+            still = self._is_down(peer.url) and self._down.get(peer.url) == since
+        if still:
+            log.info("peer %s answered no connect within %.2f s after it failed: down", peer.url,
+                     probe_wait(flow, self._answers))
+            self._went_down(peer, blob, size, sure=True)
 
     def _reprobe(self, peer: PeerClient, blob: Blob, size: int) -> None:
         """Ask a down or dead peer for the blob (HEAD) every REASK_S (a dead one: doubled per refusal up to
