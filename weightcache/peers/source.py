@@ -724,7 +724,8 @@ class PeerSource(Source):
                 ask.pending = ask.stop = True
                 return
             self._stats.error(peer.url)
-            self._went_down(peer, ask.blob, ask.size, sure=isinstance(exc, PeerUnreachable) and exc.probed)
+            self._went_down(peer, ask.blob, ask.size, sure=isinstance(exc, PeerUnreachable) and exc.probed,
+                            confirm=connect_timed_out(exc))
             log.warning("peer %s failed at byte %d of %s (%s); the rest of the range from another source",
                         peer.url, ask.pos, ask.obj.relpath, exc)
             if ask.wait and peer.url in (ask.owner, ask.taker):
@@ -1065,7 +1066,7 @@ class PeerSource(Source):
         ask.rechecked = True
         return self._serving_owner(ask.obj.key, ask.offset, ask.end, ask.name) != ""
 
-    def _went_down(self, peer: PeerClient, blob: Blob, size: int, sure: bool = False) -> None:
+    def _went_down(self, peer: PeerClient, blob: Blob, size: int, sure: bool = False, confirm: bool = False) -> None:
         """The peer failed, or went silent on every stream and was cut: its ranges go to the next node in rank
         until it answers again, and a thread asks it (a HEAD) meanwhile (_reprobe). Down for DOWN_S only, a
         peer cut off or killed had its ranges handed back to it when that ran out: it failed again (a connect
@@ -1098,15 +1099,15 @@ class PeerSource(Source):
             pace.cut(down=True)
         if news:
             self._wake(peer.url)
-        if news and not sure:
+        if news and not sure and confirm:  # a HEAD's or a connect's timeout: no stream the watchdog looks at
             WATCHDOG.probers.run(self._confirm, peer, blob, size)
         if reprobing:
             return
         threading.Thread(target=self._reprobe, args=(peer, blob, size), name="peer-reprobe", daemon=True).start()
 
     def _confirm(self, peer: PeerClient, blob: Blob, size: int) -> None:
-        """A peer gone down by a failure of its own (a HEAD's or a connect's timeout, a body broken off) is probed at
-        once, as the watchdog probes a silent one: no connect answered within as long as answers take, and nothing
+        """A peer gone down by a HEAD's or a connect's timeout (`confirm`, _went_down) is probed at once, as the
+        watchdog probes a silent one: no connect answered within as long as answers take, and nothing
         acknowledged, while bytes still come from elsewhere, confirms it down (`_sure`: the node next in rank reads
         its ranges at once, _unconfirmed). Before, a peer whose only request of this node's was the one that failed
         (a HEAD, a connect: no stream for the silence probe to look at) was waited on DOWN_S after its failure, and
@@ -1454,7 +1455,7 @@ class PeerSource(Source):
                 # had taken over (4 MiB) from the origin while it read them itself
                 self._stats.error(peer.url)
                 log.info("%s; down until it answers", exc)
-                self._went_down(peer, sha256, size)
+                self._went_down(peer, sha256, size, confirm=True)
                 return False
             # refused: nothing listens there now. Dead (walked past at once, asked by no round) until it answers
             # again (its own thread asks it: _reprobe), not for the rest of the fetch: a daemon restarting on its
