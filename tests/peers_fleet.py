@@ -213,6 +213,7 @@ class HostilePeer:
                     while (h := reader.readline()) not in (b"\r\n", b"\n", b""):
                         k, _, v = h.decode().partition(":")
                         headers[k.strip().lower()] = v.strip()
+                    reader.read(int(headers.get("content-length", "0")))  # a POST's body (statuses): not a request
                     sha, _, query = path.decode().rsplit("/", 1)[-1].partition("?")
                     size = self.sizes.get(sha)
                     if query.startswith("digests=") and size is not None and self.digests is not None:

@@ -44,6 +44,9 @@ NOT_YET_HEADER = "X-Weightcache-Not-Yet"  # beside it on a 404: the peer is read
 RETRY_MS_HEADER = "X-Weightcache-Retry-Ms"  # beside that: when the peer expects the first of them journalled
 # on a 404 for a blob the peer lacks: a fetch of its is listing and planning now (it may be of this blob)
 PLANNING_HEADER = "X-Weightcache-Planning"
+STATUS_PATH = "/v1/blobs/status"  # many blobs' HEADs in one request (PeerClient.statuses, server._statuses)
+MAX_STATUS_BLOBS = 4096  # blobs in one statuses request, at most: 64 hex digits and a newline each (server: 400)
+_KINDS = ("blob", "partial", "empty")
 STREAMS_HEADER = "X-Weightcache-Streams"  # on a body: how many bodies the peer sends now, all askers (Pace.answered)
 _STREAMS = re.compile(r"[0-9]{1,6}")
 JSON = "application/json"  # the media type of a ?digests= answer (server.PeerServer._digests: json_response)
@@ -231,6 +234,69 @@ class PeerClient:
             return None
         partial = resp.headers.get(PARTIAL_HEADER)
         return "blob" if not partial else "empty" if partial == "empty" else "partial"
+
+    def statuses(self, blobs: dict[str, int], connect_s: float | None = None, read_s: float | None = None,
+                 pace: Pace | None = None) -> dict[str, str | None] | None:
+        """What `probe` says of each blob (sha256 -> its size), in one request (server `_statuses`): None when the
+        peer answers no such request (a daemon of a release before it: ask it per blob). Untrusted: only the blobs
+        asked are read from the answer, a kind outside `probe`'s or a size not the one asked reads as None (as a
+        HEAD with another size), and an answer over its bound (about 100 bytes a blob), not JSON or not of that
+        shape reads as None for every blob (PeerBadAnswer is not raised: a round asks on); PeerUnreachable when the
+        peer cannot be reached. `pace`: as `probe`'s (a verdict that the peer is down ends it: PeerDown)."""
+        _asking.pace = pace
+        try:
+            resp = self._pool.request("POST", self.url + STATUS_PATH, body="\n".join(blobs).encode("ascii"),
+                                      headers={**self._auth, "Content-Type": "text/plain"}, preload_content=False,
+                                      redirect=False, timeout=self._timeout(connect_s, read_s))
+        except NETWORK_ERRORS as exc:
+            if pace is not None and pace.down:
+                raise PeerDown(f"peer {self.url} found down while asked (statuses)") from exc
+            raise PeerUnreachable(f"peer {self.url} unreachable: {type(exc).__name__}", _timed_out(exc)) from exc
+        finally:
+            _asking.pace = None
+        if pace is not None:  # finished first: a verdict never shuts down a connection that is the pool's again
+            pace.finish()
+            if pace.was_cut:  # the verdict came with its answer's head: its body is not read
+                resp.close()
+                raise PeerDown(f"peer {self.url} found down while asked (statuses)")
+        none: dict[str, str | None] = dict.fromkeys(blobs)
+        if resp.status in (400, 404, 405):  # no such route there (or another form of it): its HEADs say
+            _reuse(resp, None)
+            return None
+        if resp.status != 200 or resp.headers.get("Content-Type", "").partition(";")[0].strip() != JSON:
+            if resp.status == 401:
+                log.warning("peer %s refuses our token (401): the daemons' peerTokenFile must hold the same token",
+                            self.url)
+            _reuse(resp, None)
+            return none
+        limit = 64 + 100 * len(blobs)  # "<64 hex>": ["partial", <19 digits>], per blob
+        try:
+            body: bytes = resp.read(limit + 1, decode_content=True)
+        except NETWORK_ERRORS as exc:
+            resp.close()
+            raise PeerUnreachable(f"{type(exc).__name__} reading peer {self.url}'s blob statuses") from exc
+        if len(body) > limit:  # the rest unread: its connection is not the pool's again
+            resp.close()
+        else:
+            resp.release_conn()
+        try:
+            value = parse_json(body, what=f"peer {self.url}'s blob statuses") if len(body) <= limit else None
+        except InvalidRequestError:
+            value = None
+        answers = value.get("blobs") if isinstance(value, dict) else None
+        planning = value.get("planning") if isinstance(value, dict) else None
+        if not isinstance(answers, dict) or not isinstance(planning, bool):
+            log.warning("peer %s answered blob statuses that are not {\"planning\": bool, \"blobs\": {...}} "
+                        "within %d bytes: read as holding none", self.url, limit)
+            return none
+        for sha256, size in blobs.items():
+            said = answers.get(sha256)
+            if said is None:
+                none[sha256] = "planning" if planning else None
+            elif isinstance(said, list) and len(said) == 2 and said[0] in _KINDS and type(said[1]) is int \
+                    and said[1] == size:
+                none[sha256] = said[0]
+        return none
 
     def open_range(self, sha256: Blob, pos: int, end: int) -> Any:
         """GET bytes [pos, end) of a blob: the checked response, body unread; Retryable for anything else."""

@@ -11,6 +11,12 @@
                                        the same for an object named by its origin identity (identity.OriginId):
                                        the blob a manifest of this node records for exactly that bucket, key,
                                        ETag, version and size, or this node's download of it in flight
+    POST /v1/blobs/status              body: sha256 digests (64 lowercase hex each, one a line, at most
+                                       MAX_STATUS_BLOBS); {"planning": bool, "blobs": {"<hex>": [kind, size]}}:
+                                       for each digest this node holds ("blob") or downloads ("partial": origin
+                                       bytes of it journalled or claimed, "empty": not yet), what its HEAD would
+                                       say, in one request (a fetch's round asks each peer about every blob of
+                                       a model at once: docs/peers.md, "Session 54"); a digest it lacks is left out
     GET  either blob URL with ?digests=A-B,C-D (inclusive byte spans, as in Range)
                                        {"sha256": [hex or null, ...]}: the SHA-256 of each span this node holds
                                        verified (a published blob) or read from the origin itself (journalled in
@@ -51,10 +57,12 @@ from aiohttp import web
 from weightcache.download import PartialFile
 from weightcache.listener import ConnectionLimits, GuardedTCPSite
 from weightcache.peers.client import (
+    MAX_STATUS_BLOBS,
     NOT_YET_HEADER,
     PARTIAL_HEADER,
     PLANNING_HEADER,
     RETRY_MS_HEADER,
+    STATUS_PATH,
     STREAMS_HEADER,
 )
 from weightcache.peers.identity import OriginId, record_matches
@@ -166,6 +174,7 @@ class PeerServer:
         self.app = web.Application()
         self.app.router.add_get(BLOB_ROUTE, self._blob)  # and HEAD
         self.app.router.add_get(ORIGIN_ROUTE, self._origin)  # and HEAD
+        self.app.router.add_post(STATUS_PATH, self._statuses)
         self.app.router.add_get(ENGINE_CACHE_ROUTE, self._engine_cache)
         self._runner: web.AppRunner | None = None
         self.site: GuardedTCPSite | None = None  # its `stats` count the connections the listener took
@@ -226,6 +235,54 @@ class PeerServer:
             return await self._send(request, fd, digest, partial)
         finally:
             os.close(fd)
+
+    async def _statuses(self, request: web.Request) -> web.Response:
+        """What a HEAD of each blob named in the body would say (`PeerClient.statuses`), in one answer: the blobs
+        downloading here from `InFlight` on the event loop, the others looked for on disk in one thread hop."""
+        if not self._authorized(request):
+            return _unauthorized()
+        length = request.content_length
+        names = (await request.read()).decode("ascii", "replace").split() \
+            if length is not None and length <= MAX_STATUS_BLOBS * 65 else None
+        if names is None or len(names) > MAX_STATUS_BLOBS or not all(_HEX.fullmatch(n) for n in names):
+            return web.Response(status=400, text=f"at most {MAX_STATUS_BLOBS} sha256 digests, 64 lowercase hex "
+                                                 "digits each, one a line\n")
+        answers: dict[str, list[str | int]] = {}
+        look: list[str] = []
+        for name in dict.fromkeys(names):
+            held = self.inflight.get(name) if self.inflight is not None else None
+            if held is not None and held.journalled:  # as `_unwritten`: a download registered here
+                answers[name] = [self._downloading(name), held.obj.size]
+            else:  # published, or a file read in one request (written to its blob while registered): on disk
+                look.append(name)
+        sizes = await asyncio.to_thread(self._published_sizes, look) if look else []
+        for name, size in zip(look, sizes, strict=True):
+            held = self.inflight.get(name) if self.inflight is not None else None
+            if size is not None:
+                answers[name] = ["blob", size]
+            elif held is not None:
+                answers[name] = [self._downloading(name), held.obj.size]
+        planning = self.inflight is not None and self.inflight.is_planning()
+        return web.json_response({"planning": planning, "blobs": answers})
+
+    def _downloading(self, name: str) -> str:
+        assert self.inflight is not None
+        return "partial" if self.inflight.started(name) else "empty"
+
+    def _published_sizes(self, digests: list[str]) -> list[int | None]:
+        """The size of each blob published here, None for one that is not (or not a regular file)."""
+        sizes: list[int | None] = []
+        for digest in digests:
+            try:
+                fd = open_blob(self.blobs_dir, digest)
+            except OSError:
+                sizes.append(None)
+                continue
+            try:
+                sizes.append(os.fstat(fd).st_size)
+            finally:
+                os.close(fd)
+        return sizes
 
     def _lacks(self, what: str) -> web.Response:
         """404 for a blob this node neither holds nor downloads; "planning" while a fetch of this node has yet to

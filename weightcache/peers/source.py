@@ -31,6 +31,7 @@ import time
 import typing
 import weakref
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from dataclasses import dataclass, field
 
@@ -38,6 +39,7 @@ from weightcache.download import PartialFile
 from weightcache.errors import SourceError
 from weightcache.peers.client import (
     FLOOR_SHARE,
+    MAX_STATUS_BLOBS,
     SILENT_S,
     SLOW_BYTES_S,
     SLOW_GRACE_S,
@@ -98,6 +100,9 @@ NOT_YET_SLACK_S = 0.1  # the piece is journalled a little after its last byte ca
 # time up to UNSTARTED_MAX_S: at 0.2 s each, 16 daemons starting a few seconds apart asked each other ~150 times a
 # second per node before the first origin byte (docs/peers.md, "Less CPU a fill")
 UNSTARTED_S, UNSTARTED_MAX_S = 0.2, 1.0
+# a round's requests in flight at once (_holders_in_turn): one after another, a peer that answered late (its
+# read timeout, ~1.1 s on the N = 32 bench) held the round, and this node's own share with it, that long each
+ROUND_AT_ONCE = 4
 REASK_S = 0.25  # a peer that lacked a blob is asked again after this (nodes started together register late)
 NO_ROUND = -REASK_S  # when a blob's HEAD round ran, before its first (its holders may be readers asked alone)
 # a peer whose port refused (dead: _reprobe) is asked again after REASK_S, doubled per refusal up to this: a daemon
@@ -391,6 +396,11 @@ class PeerSource(Source):
         self._asking: dict[str, set[Pace]] = {}
         self._heard: dict[str, float] = {}  # peer -> when it last answered this fetch or sent it a byte
         self._alone: dict[tuple[str, str], float] = {}  # (blob, peer) -> when a range asked it alone (_reader_alone)
+        # (blob, peer) -> (when it last answered about the blob, whether it holds or downloads it): a peer is asked
+        # about every blob of the fetch it is not known to hold in one request (_asks), and a round or a reader
+        # asked alone within REASK_S of that answer takes it rather than ask again (_said)
+        self._answered: dict[tuple[str, str], tuple[float, bool]] = {}
+        self._one_by_one: set[str] = set()  # peers that answer no statuses request (a release before it): HEADs
         self._handed: dict[tuple[str, int], str | None] = {}  # (key, range end) -> the node its owner handed it to
         # (key, range end) -> the node it was handed to that started it ("not yet", or a byte): _serving_owner
         self._takers: dict[tuple[str, int], str] = {}
@@ -1345,8 +1355,12 @@ class PeerSource(Source):
                     # a holder known (a reader asked alone, too) is not asked again, nor a peer down (asked by its own
                     # thread, _reprobe, or no more), by the time its turn comes: one found down while the round
                     # asked the others was asked after its verdict, and the round waited on its HEAD's timeout
-                    known = [p for p in self._live_peers() if p in known or
-                             (not self._skipped(p.url) and self._asks(p, blob, size, asked == NO_ROUND))]
+                    live = self._live_peers()
+                    ask = [p for p in live if p not in known]
+                    with ThreadPoolExecutor(ROUND_AT_ONCE, thread_name_prefix="peer-round") as pool:
+                        holds = dict(zip(ask, pool.map(lambda p: not self._skipped(p.url) and self._holds(
+                            p, blob, size, asked == NO_ROUND), ask), strict=True))
+                    known = [p for p in live if p in known or holds.get(p)]
                     with self._lock:  # and one its own thread, or a range asking it alone, found holding meanwhile
                         known += [p for p in self._holders.get(sha256, (NO_ROUND, []))[1] if p not in known]
                         self._holders[sha256] = (time.monotonic(), known)
@@ -1383,6 +1397,9 @@ class PeerSource(Source):
             asked, known = self._holders.get(sha256, (NO_ROUND, []))
             if peer in known:
                 return (sha256, url) in self._downloading
+            said = self._answered.get((sha256, url))
+            if said is not None and now - said[0] < REASK_S:  # it answered a round, or another blob's ask, just now
+                return (sha256, url) in self._planning
             alone = self._alone.get((sha256, url))
             if alone is not None and now - alone < REASK_S:  # asked by another range now, or its answer stands
                 return (sha256, url) in self._planning or (sha256, url) not in self._idle
@@ -1395,7 +1412,7 @@ class PeerSource(Source):
                     asked, known = self._holders.get(sha256, (NO_ROUND, []))
                 # found down while this waited for the lock: not asked (its own thread asks it), the round walks past
                 holds = peer in known or (not self._skipped(url) and
-                                          self._asks(peer, blob, size, asked == NO_ROUND and alone is None))
+                                          self._holds(peer, blob, size, asked == NO_ROUND and alone is None))
         finally:
             with self._lock:
                 self._alone[(sha256, url)] = time.monotonic()
@@ -1414,60 +1431,117 @@ class PeerSource(Source):
         with self._lock:
             return [p for p in self._peers if p.url not in self._dead]
 
+    def _holds(self, peer: PeerClient, blob: Blob, size: int, first_ask: bool = False) -> bool:
+        """Whether the peer holds or downloads the blob: its answer of the last REASK_S (a round, or a reader asked
+        alone, of another blob asked it about this one too: _asks), else asked now."""
+        said = self._said(blob_key(blob), peer.url)
+        return said if said is not None else self._asks(peer, blob, size, first_ask)
+
+    def _said(self, sha256: str, url: str) -> bool | None:
+        with self._lock:
+            said = self._answered.get((sha256, url))
+        return said[1] if said is not None and time.monotonic() - said[0] < REASK_S else None
+
     def _asks(self, peer: PeerClient, sha256: Blob, size: int, first_ask: bool = False) -> bool:
-        """HEAD one peer; one that refuses is not asked again by this fetch, one that times out is down until it
-        answers (_went_down: a blackholed peer costs one timeout of the fetch's rounds, not one per blob; its own
-        thread asks it meanwhile). `first_ask`: this fetch's first probe of the blob (a peer
-        with origin bytes of it by then started before this node: it may hold this node's share too)."""
+        """Ask one peer about the blob, and in the same request (`PeerClient.statuses`) about every other blob of
+        the fetch it is not known to hold and has not answered about within REASK_S: one request a peer covers the
+        model, where a HEAD a blob made a round of every peer per blob, one HEAD after another under the fetch's
+        one prober lock (N = 32: a reader asked alone waited on that lock a median 4.3 s, up to 25 s; docs/peers.md,
+        "Session 54"). A peer of a release before it is asked by HEAD (`probe`), this blob only. One that refuses
+        is not asked again by this fetch, one that times out is down until it answers (_went_down: a blackholed
+        peer costs one timeout of the fetch's rounds, not one per blob; its own thread asks it meanwhile).
+        `first_ask`: this fetch's first probe of the blob (a peer with origin bytes of it by then started before
+        this node: it may hold this node's share too)."""
+        key = blob_key(sha256)
+        asked: dict[str, int] = {key: size}
+        firsts = {key} if first_ask else set()
+        if isinstance(sha256, str) and peer.url not in self._one_by_one:
+            now = time.monotonic()
+            with self._lock:
+                for blob, other in self._digests.values():
+                    if len(asked) >= MAX_STATUS_BLOBS:  # a model of more blobs: the others in their own requests
+                        break
+                    if not isinstance(blob, str) or blob in asked:
+                        continue
+                    said = self._answered.get((blob, peer.url))
+                    if peer in self._holders.get(blob, (NO_ROUND, []))[1] or (said and now - said[0] < REASK_S):
+                        continue
+                    asked[blob] = other
+                    if blob not in self._holders and said is None:
+                        firsts.add(blob)
         began = time.monotonic()
         pace = Pace(0, 0)  # no floor: a HEAD waits its timeout, or a verdict that its peer is down (_went_down)
         try:
+            timeouts = self._timeouts(peer.url)
+            batch = isinstance(sha256, str) and peer.url not in self._one_by_one
             with self._asked_of(peer.url, pace):
-                kind = peer.probe(sha256, size, *self._timeouts(peer.url), pace=pace)
+                kinds = peer.statuses(asked, *timeouts, pace=pace) if batch else None
+            if kinds is None:
+                if batch:
+                    with self._lock:
+                        self._one_by_one.add(peer.url)
+                pace = Pace(0, 0)
+                with self._asked_of(peer.url, pace):
+                    kinds = {key: peer.probe(sha256, size, *timeouts, pace=pace)}
             self._heads.took(time.monotonic() - began)
-            with self._lock:
-                self._hear(peer.url)  # an answer: alive
-                if kind == "planning":  # lacks it, but may be about to fetch it: its share is waited for
-                    self._planning.add((blob_key(sha256), peer.url))
-                    self._idle.discard((blob_key(sha256), peer.url))
-                    return False
-                self._planning.discard((blob_key(sha256), peer.url))
-                if kind is None:
-                    self._idle.add((blob_key(sha256), peer.url))
-                else:
-                    self._idle.discard((blob_key(sha256), peer.url))
-                if kind in ("empty", "partial"):
-                    self._downloading.add((blob_key(sha256), peer.url))
-                if kind == "partial" and first_ask:
-                    self._ahead.add((blob_key(sha256), peer.url))
-            return kind is not None
         except PeerDown:  # found down while asked: drawn where it was found (_went_down)
             return False
         except PeerUnreachable as exc:
-            if self._not_theirs(began, connect_timed_out(exc), refused(exc)):  # this node's link: asked next round
-                log.info("%s while nothing came to this node lately (%.0f s): this node's link",
-                         exc, DOWN_S)
-                return False
-            if exc.timed_out:
-                # no refusal: its link may be cut for a while. Down until it answers (asked again by its own
-                # thread), not dead for the fetch: a HEAD begun while the --faults node was cut off timed out a
-                # second after its link was back, and the node after it in rank read its share and the share it
-                # had taken over (4 MiB) from the origin while it read them itself
-                self._stats.error(peer.url)
-                log.info("%s; down until it answers", exc)
-                self._went_down(peer, sha256, size, confirm=True)
-                return False
-            # refused: nothing listens there now. Dead (walked past at once, asked by no round) until it answers
-            # again (its own thread asks it: _reprobe), not for the rest of the fetch: a daemon restarting on its
-            # node refuses for a few seconds, then serves its blobs and fetches its share again
-            with self._lock:
-                again = peer.url in self._dead
-                self._dead.add(peer.url)
-            if not again:  # its thread's refusals while it stays dead are the one failure
-                self._stats.error(peer.url)
-                log.info("%s; dead until it answers", exc)
-            self._went_down(peer, sha256, size, sure=True)
+            self._unanswered(peer, sha256, size, exc, began)
             return False
+        now = time.monotonic()
+        with self._lock:
+            self._hear(peer.url)  # an answer: alive
+            for blob, kind in kinds.items():
+                holds = self._answer(peer.url, blob, kind, blob in firsts)
+                self._answered[(blob, peer.url)] = (now, holds)
+                if holds and blob != key:  # a holder of another blob: its rounds and readers need not ask it
+                    when, known = self._holders.get(blob, (NO_ROUND, []))
+                    if peer not in known:
+                        self._holders[blob] = (when, [*known, peer])
+        return kinds.get(key) not in (None, "planning")
+
+    def _answer(self, url: str, blob: str, kind: str | None, first_ask: bool) -> bool:
+        """Record what a peer said of a blob (self._lock held); whether it holds or downloads it."""
+        if kind == "planning":  # lacks it, but may be about to fetch it: its share is waited for
+            self._planning.add((blob, url))
+            self._idle.discard((blob, url))
+            return False
+        self._planning.discard((blob, url))
+        if kind is None:
+            self._idle.add((blob, url))
+        else:
+            self._idle.discard((blob, url))
+        if kind in ("empty", "partial"):
+            self._downloading.add((blob, url))
+        if kind == "partial" and first_ask:
+            self._ahead.add((blob, url))
+        return kind is not None
+
+    def _unanswered(self, peer: PeerClient, sha256: Blob, size: int, exc: PeerUnreachable, began: float) -> None:
+        """A peer's `_asks` failed: this node's link, or the peer down (a timeout) or dead (refused)."""
+        if self._not_theirs(began, connect_timed_out(exc), refused(exc)):  # this node's link: asked next round
+            log.info("%s while nothing came to this node lately (%.0f s): this node's link", exc, DOWN_S)
+            return
+        if exc.timed_out:
+            # no refusal: its link may be cut for a while. Down until it answers (asked again by its own
+            # thread), not dead for the fetch: a HEAD begun while the --faults node was cut off timed out a
+            # second after its link was back, and the node after it in rank read its share and the share it
+            # had taken over (4 MiB) from the origin while it read them itself
+            self._stats.error(peer.url)
+            log.info("%s; down until it answers", exc)
+            self._went_down(peer, sha256, size, confirm=True)
+            return
+        # refused: nothing listens there now. Dead (walked past at once, asked by no round) until it answers
+        # again (its own thread asks it: _reprobe), not for the rest of the fetch: a daemon restarting on its
+        # node refuses for a few seconds, then serves its blobs and fetches its share again
+        with self._lock:
+            again = peer.url in self._dead
+            self._dead.add(peer.url)
+        if not again:  # its thread's refusals while it stays dead are the one failure
+            self._stats.error(peer.url)
+            log.info("%s; dead until it answers", exc)
+        self._went_down(peer, sha256, size, sure=True)
 
     @contextlib.contextmanager
     def _asked_of(self, url: str, pace: Pace) -> Iterator[None]:
