@@ -208,18 +208,8 @@ class PeerClient:
         about to download it) or None (neither, or another size). `connect_s`, `read_s`: shorter timeouts.
         `pace`: `Pace.cut` (`down`) ends the HEAD, its connect included: a verdict that the peer is down
         (source.PeerSource._went_down); PeerDown then."""
-        _asking.pace = pace
-        try:
-            resp = self._pool.request("HEAD", self.blob_url(sha256), headers=self._auth, redirect=False,
-                                      preload_content=False, timeout=self._timeout(connect_s, read_s))
-        except NETWORK_ERRORS as exc:
-            if pace is not None and pace.down:
-                raise PeerDown(f"peer {self.url} found down while asked (HEAD)") from exc
-            raise PeerUnreachable(f"peer {self.url} unreachable: {type(exc).__name__}", _timed_out(exc)) from exc
-        finally:
-            _asking.pace = None
-        if pace is not None:  # finished first: a verdict never shuts down a connection that is the pool's again
-            pace.finish()
+        resp = self._asked("HEAD", self.blob_url(sha256), pace, "HEAD", headers=self._auth,
+                           timeout=self._timeout(connect_s, read_s))
         if pace is not None and pace.was_cut:
             resp.close()
         else:
@@ -235,6 +225,23 @@ class PeerClient:
         partial = resp.headers.get(PARTIAL_HEADER)
         return "blob" if not partial else "empty" if partial == "empty" else "partial"
 
+    def _asked(self, method: str, url: str, pace: Pace | None, what: str, **kwargs: Any) -> Any:
+        """A short request's answer, its body unread: PeerUnreachable when the peer cannot be reached, PeerDown
+        when `pace` was cut (`down`: a verdict that the peer is down ended it, its connect included). The Pace is
+        finished before this returns: a verdict never shuts down a connection that is the pool's again."""
+        _asking.pace = pace
+        try:
+            resp = self._pool.request(method, url, preload_content=False, redirect=False, **kwargs)
+        except NETWORK_ERRORS as exc:
+            if pace is not None and pace.down:
+                raise PeerDown(f"peer {self.url} found down while asked ({what})") from exc
+            raise PeerUnreachable(f"peer {self.url} unreachable: {type(exc).__name__}", _timed_out(exc)) from exc
+        finally:
+            _asking.pace = None
+        if pace is not None:
+            pace.finish()
+        return resp
+
     def statuses(self, blobs: dict[str, int], connect_s: float | None = None, read_s: float | None = None,
                  pace: Pace | None = None) -> dict[str, str | None] | None:
         """What `probe` says of each blob (sha256 -> its size), in one request (server `_statuses`): None when the
@@ -243,22 +250,12 @@ class PeerClient:
         HEAD with another size), and an answer over its bound (about 100 bytes a blob), not JSON or not of that
         shape reads as None for every blob (PeerBadAnswer is not raised: a round asks on); PeerUnreachable when the
         peer cannot be reached. `pace`: as `probe`'s (a verdict that the peer is down ends it: PeerDown)."""
-        _asking.pace = pace
-        try:
-            resp = self._pool.request("POST", self.url + STATUS_PATH, body="\n".join(blobs).encode("ascii"),
-                                      headers={**self._auth, "Content-Type": "text/plain"}, preload_content=False,
-                                      redirect=False, timeout=self._timeout(connect_s, read_s))
-        except NETWORK_ERRORS as exc:
-            if pace is not None and pace.down:
-                raise PeerDown(f"peer {self.url} found down while asked (statuses)") from exc
-            raise PeerUnreachable(f"peer {self.url} unreachable: {type(exc).__name__}", _timed_out(exc)) from exc
-        finally:
-            _asking.pace = None
-        if pace is not None:  # finished first: a verdict never shuts down a connection that is the pool's again
-            pace.finish()
-            if pace.was_cut:  # the verdict came with its answer's head: its body is not read
-                resp.close()
-                raise PeerDown(f"peer {self.url} found down while asked (statuses)")
+        resp = self._asked("POST", self.url + STATUS_PATH, pace, "statuses", body="\n".join(blobs).encode("ascii"),
+                           headers={**self._auth, "Content-Type": "text/plain"},
+                           timeout=self._timeout(connect_s, read_s))
+        if pace is not None and pace.was_cut:  # the verdict came with its answer's head: its body is not read
+            resp.close()
+            raise PeerDown(f"peer {self.url} found down while asked (statuses)")
         none: dict[str, str | None] = dict.fromkeys(blobs)
         if resp.status in (400, 404, 405):  # no such route there (or another form of it): its HEADs say
             _reuse(resp, None)
