@@ -452,6 +452,15 @@ STREAMS_PER_ASKER = 8
 ANSWER_SLACK = 3.0
 MAX_ANSWER_WAIT_S = 10.0
 WATCH_TICK_S = 0.1  # how often the watchdog looks at the streams it watches (a cut comes this much late at most)
+#: A watchdog look that comes STALL_S or more after its tick was due: this process ran nothing meanwhile (its CPU
+#: taken by others, a cgroup's quota spent, the GIL held), its readers no more than the watchdog, so what the peers
+#: sent waited in the sockets unread. That time is no slowness of theirs: every stream's floor clock starts again
+#: later by it (`Pace.stalled`), as for a wait of this node's own (`Pace.held`). Judged by the wall clock alone, a
+#: look after a stall of a second cut every stream still waiting for its answer as "0 bytes in 1.0 s, no answer", and
+#: benched the peer: a node whose only healthy holder was benched so read the ranges in flight, 2 MiB of a 5 MiB
+#: model, from the origin (tests/test_peers.py::test_a_peer_killed_mid_transfer_costs_a_retry_elsewhere, CI on a
+#: 2-core machine: stalls of 0.5-1.6 s of the whole test process in a third of its runs under load).
+STALL_S = 0.1
 #: A peer that sent nothing on any stream for SILENT_S while a stream waits on it, and while bytes came from
 #: elsewhere (its link up: `Link`), is probed: a TCP connect, PROBE_CONNECTS at once, answered by the peer's
 #: kernel (its daemon may be busy) within PROBE_S. None answered, and bytes still coming from elsewhere: its link
@@ -701,6 +710,13 @@ class Pace:
                 self.started += time.monotonic() - since
                 self._held_since = None
 
+    def stalled(self, seconds: float, now: float) -> None:
+        """This process ran nothing for `seconds` before `now` (STALL_S): the floor's clock starts again later by
+        that, or by as much of it as this stream has been judged for."""
+        with self._lock:
+            if self._held_since is None:  # a hold moves the clock by all of its time when it ends (`held`)
+                self.started += max(0.0, min(seconds, now - self.started))
+
     def due(self, now: float) -> bool:
         with self._lock:
             grace = self.grace_s
@@ -801,6 +817,7 @@ class _Watchdog:
         self._cv = threading.Condition()
         self._paces: set[Pace] = set()
         self._thread: threading.Thread | None = None
+        self._due = time.monotonic()  # when its next look is due: a look later than STALL_S after it, a stall
         self.probers = Helpers("peer-probe")
 
     def watch(self, pace: Pace) -> None:
@@ -811,7 +828,8 @@ class _Watchdog:
                 self._thread = threading.Thread(target=self._run, name="peer-watchdog", daemon=True)
                 self._thread.start()
             if idle:  # it sleeps until a first stream; otherwise it looks at this one on its next tick (waking it
-                self._cv.notify()  # for each ask was a thread switch per request)
+                self._due = max(self._due, time.monotonic())  # for each ask was a thread switch per request); a
+                self._cv.notify()  # look due now, or at the tick it waits for (not waiting: the notify is lost)
 
     def unwatch(self, pace: Pace) -> None:
         with self._cv:
@@ -823,6 +841,10 @@ class _Watchdog:
                 while not self._paces:
                     self._cv.wait()
                 now = time.monotonic()
+                late, self._due = now - self._due, now + WATCH_TICK_S
+                if late >= STALL_S:  # this process was stalled: none of it counts against the peers (STALL_S)
+                    for p in self._paces:
+                        p.stalled(late, now)
                 due = [p for p in self._paces if p.due(now)]
             cut = [pace for pace in due if pace.cut()]
             with self._cv:
