@@ -201,7 +201,8 @@ def test_a_plain_body_is_read_by_http_client_and_an_encoded_one_decoded_by_urlli
 
 
 class _BigHandler(http.server.BaseHTTPRequestHandler):
-    """16 MiB of zeros as fast as loopback goes, or (path /slow) 64 KiB every 0.1 s."""
+    """16 MiB of zeros as fast as loopback goes, (path /slow) 64 KiB every 0.1 s, or (path /steady) 600 KiB at
+    300 kB/s, 15 KiB every 0.05 s (a slow origin's stream)."""
 
     protocol_version = "HTTP/1.1"
 
@@ -209,15 +210,16 @@ class _BigHandler(http.server.BaseHTTPRequestHandler):
         pass
 
     def do_GET(self) -> None:
-        slow = self.path == "/slow"
-        size = (1 << 20) if slow else (16 << 20)
+        slow, steady = self.path == "/slow", self.path == "/steady"
+        step = (15 << 10) if steady else (64 << 10)
+        size = (600 << 10) if steady else (1 << 20) if slow else (16 << 20)
         self.send_response(200)
         self.send_header("Content-Length", str(size))
         self.end_headers()
-        for _ in range(size // (64 << 10)):
-            self.wfile.write(bytes(64 << 10))
-            if slow:
-                time.sleep(0.1)
+        for _ in range(size // step):
+            self.wfile.write(bytes(step))
+            if slow or steady:
+                time.sleep(0.05 if steady else 0.1)
 
 
 @pytest.fixture
@@ -255,6 +257,22 @@ def test_reads_grow_on_a_fast_body_and_stay_small_on_a_slow_one(big_body: tuple[
         assert base.READ_SLICE_MAX in asked and len(asked) < 16 * 2, asked
     else:  # 0.64 MB/s: each read waits for all it asked, so progress and a cancel must not wait long
         assert max(asked) == base.READ_SLICE, asked
+
+
+def test_a_slow_bodys_reads_ask_for_a_tenth_of_a_second_of_it(big_body: tuple[str, list[int]]) -> None:
+    """Each read blocks until it has all it asked for: at 128 KiB a 300 kB/s origin's bytes were seen (progress, a
+    cancel, and the link a peer's silence probe asks about: a byte within SILENT_S / 2) in bursts 0.44 s apart, and
+    the probe's verdicts on a peer cut off fell between them (tests/test_peers.py::test_a_silence_probe_waits_
+    twice_what_answers_take_its_connects_going_out_all_through_it, 3-7 runs of 20 under load). After a slow read
+    the next asks for what the body brought in SLICE_SLOW_S (about 30 KiB here), READ_SLICE_MIN at the least."""
+    url, asked = big_body
+    resp = urllib3.PoolManager(retries=False).request("GET", f"{url}/steady", preload_content=False)
+    buf = memoryview(bytearray(600 << 10))
+    assert base.read_body_into(resp, buf) == len(buf)
+    assert asked[0] == base.READ_SLICE
+    later = sorted(asked[1:])
+    assert later[len(later) // 2] <= 64 << 10, asked  # before: 128 KiB each, five reads in all
+    assert min(asked[1:-1]) >= base.READ_SLICE_MIN and len(asked) >= 10, asked  # the last: what the buffer had left
 
 
 def test_a_fast_body_keeps_its_read_size_from_one_piece_to_the_next(big_body: tuple[str, list[int]]) -> None:
