@@ -572,7 +572,7 @@ def test_a_malformed_digest_answer_is_an_offence_not_a_crash(origin: FaultProxy,
     with HostilePeer(*_model_files(), "honest", digests=answer) as bad:
         with pytest.raises(PeerBadAnswer):
             _ask_digests(bad.url, [(0, PIECE)])
-        node = _fill_beside(fleet, origin, bad.url)
+        node = _fill_beside(fleet, origin, bad.url, good_late_s=0.5)
         assert bad.url in node.peers.stats.banned
 
 
@@ -599,13 +599,20 @@ def _ask_digests(url: str, spans: list[tuple[int, int]]) -> list[bytes | None]:
         client.close()
 
 
-def _fill_beside(fleet: Fleet, origin: FaultProxy, other: str) -> FleetNode:
-    """A node filled from an honest holder and `other`: the fill finishes, the honest one is never banned."""
+def _fill_beside(fleet: Fleet, origin: FaultProxy, other: str, good_late_s: float = 0.0) -> FleetNode:
+    """A node filled from an honest holder and `other`: the fill finishes, the honest one is never banned.
+
+    `good_late_s` holds the honest holder's blob bodies back that long, so that `other` is a known holder when
+    the honest one's first piece is judged (each peer's first piece is judged once, by the holders known then: a
+    holder whose statuses answer lands after it is not asked to vouch)."""
     good = fleet.node("good")
     assert_model(ensure(good, origin))
-    node = fleet.node("asker", peers=[good.url, other])
-    assert_model(ensure(node, origin))
-    assert good.url not in node.peers.stats.banned
+    with FaultProxy(good.url) as late:
+        if good_late_s:
+            late.add("delay", seconds=good_late_s, method="GET", path="/v1/blobs/", count=-1)
+        node = fleet.node("asker", peers=[late.endpoint_url, other])
+        assert_model(ensure(node, origin))
+        assert late.endpoint_url not in node.peers.stats.banned
     return node
 
 
