@@ -333,10 +333,16 @@ class PeerClient:
             raise PeerRangeMissing(f"peer {self.url} has not downloaded bytes {pos}-{end - 1} yet")
         if resp.status == 429:
             raise PeerBusy(f"peer {self.url} is serving us all the streams it allows")
-        m = _CONTENT_RANGE.fullmatch(resp.headers.get("Content-Range", "")) if resp.status == 206 else None
-        if m is None or int(m[1]) != pos or not pos <= int(m[2]) < end:
+        if resp.status != 206:
             resp.close()
             raise Retryable(f"peer {self.url} answered HTTP {resp.status} to bytes {pos}-{end - 1}")
+        m = _CONTENT_RANGE.fullmatch(resp.headers.get("Content-Range", ""))
+        if m is None or int(m[1]) != pos or not pos <= int(m[2]) < end:
+            # a 206 for bytes not asked (or none a number holds) is no fault of the network: our server answers
+            # the range asked or its head (server `_stream`). An offence, so the range goes on without it at once
+            # rather than asking it again until the range's wait (PENDING_S) runs out
+            resp.close()
+            raise PeerBadAnswer(f"peer {self.url} answered bytes {pos}-{end - 1} with a Content-Range of other bytes")
         if isinstance(resp, urllib3.HTTPResponse):
             resp.enforce_content_length = False  # a short body returns what came: the caller resumes elsewhere
         return resp, int(m[2]) + 1

@@ -721,6 +721,11 @@ class PeerSource(Source):
                 self._moved[ask.span] = max(self._moved[ask.span], flow.last)
         except PeerTooSlow as exc:
             self._cut(ask, peer, exc, began)
+        except PeerBadAnswer as exc:  # an offence, not a fault: banned, and the range goes on without it
+            ask.outcome[peer.url] = "failed"
+            log.warning("%s; not asking it for %.0f s", exc, self._stats.ban(peer.url))
+            if ask.wait and peer.url in (ask.owner, ask.taker):
+                ask.stop = True
         except PeerDown:  # found down while asked (_went_down drew the verdict): a round walks past it
             ask.outcome[peer.url] = "down"
             if ask.wait and peer.url in (ask.owner, ask.taker):
