@@ -100,9 +100,11 @@ NOT_YET_SLACK_S = 0.1  # the piece is journalled a little after its last byte ca
 # time up to UNSTARTED_MAX_S: at 0.2 s each, 16 daemons starting a few seconds apart asked each other ~150 times a
 # second per node before the first origin byte (docs/peers.md, "Less CPU a fill")
 UNSTARTED_S, UNSTARTED_MAX_S = 0.2, 1.0
-# a round's requests in flight at once (_holders_in_turn): one after another, a peer that answered late (its
-# read timeout, ~1.1 s on the N = 32 bench) held the round, and this node's own share with it, that long each
-ROUND_AT_ONCE = 4
+# a round's requests in flight at once (_holders_in_turn): one after another, a peer that answers late (its read
+# timeout, ~1.1 s on the N = 32 bench) holds the round, and this node's own share with it, that long each; 4 at once
+# made the N = 16 fill slower (1.30x and 1.31x against 1.19x one at a time, main 1.21-1.23x; docs/peers.md,
+# "Session 54"): on a machine short of CPU the answers come no sooner, and the burst costs the fill's start
+ROUND_AT_ONCE = 1
 REASK_S = 0.25  # a peer that lacked a blob is asked again after this (nodes started together register late)
 NO_ROUND = -REASK_S  # when a blob's HEAD round ran, before its first (its holders may be readers asked alone)
 # a peer whose port refused (dead: _reprobe) is asked again after REASK_S, doubled per refusal up to this: a daemon
