@@ -31,7 +31,6 @@ import time
 import typing
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from dataclasses import dataclass, field
 
@@ -100,11 +99,6 @@ NOT_YET_SLACK_S = 0.1  # the piece is journalled a little after its last byte ca
 # time up to UNSTARTED_MAX_S: at 0.2 s each, 16 daemons starting a few seconds apart asked each other ~150 times a
 # second per node before the first origin byte (docs/peers.md, "Less CPU a fill")
 UNSTARTED_S, UNSTARTED_MAX_S = 0.2, 1.0
-# a round's requests in flight at once (_holders_in_turn): one after another, a peer that answers late (its read
-# timeout, ~1.1 s on the N = 32 bench) holds the round, and this node's own share with it, that long each; 4 at once
-# made the N = 16 fill slower (1.30x and 1.31x against 1.19x one at a time, main 1.21-1.23x; docs/peers.md,
-# "Session 54"): on a machine short of CPU the answers come no sooner, and the burst costs the fill's start
-ROUND_AT_ONCE = 1
 REASK_S = 0.25  # a peer that lacked a blob is asked again after this (nodes started together register late)
 NO_ROUND = -REASK_S  # when a blob's HEAD round ran, before its first (its holders may be readers asked alone)
 # a peer whose port refused (dead: _reprobe) is asked again after REASK_S, doubled per refusal up to this: a daemon
@@ -1364,9 +1358,9 @@ class PeerSource(Source):
                     # asked the others was asked after its verdict, and the round waited on its HEAD's timeout
                     live = self._live_peers()
                     ask = [p for p in live if p not in known]
-                    with ThreadPoolExecutor(ROUND_AT_ONCE, thread_name_prefix="peer-round") as pool:
-                        holds = dict(zip(ask, pool.map(lambda p: not self._skipped(p.url) and self._holds(
-                            p, blob, size, asked == NO_ROUND), ask), strict=True))
+                    # one peer after another: 4 at once made the N = 16 fill slower (1.30x and 1.31x against 1.19x,
+                    # main 1.21-1.23x; docs/peers.md, "Session 54"): with the CPU short the answers come no sooner
+                    holds = {p: not self._skipped(p.url) and self._holds(p, blob, size, asked == NO_ROUND) for p in ask}
                     known = [p for p in live if p in known or holds.get(p)]
                     with self._lock:  # and one its own thread, or a range asking it alone, found holding meanwhile
                         known += [p for p in self._holders.get(sha256, (NO_ROUND, []))[1] if p not in known]
