@@ -136,6 +136,8 @@ class HostilePeer:
         "trickle-headers"  the status line and headers one byte every `every_s` seconds
         "huge-range"       a 206 whose Content-Range holds 5,000-digit numbers (int() refuses them)
         "honest"           a correct 206 with the right bytes at once
+        "shed-first"       its first GET answered as our listener sheds a connection at its cap (408, Connection:
+                           close: listener `_close`), the rest as "honest"
         "paced"            a correct 206, then the right bytes at `rate` bytes a second (a busy honest peer's share)
         "planning"         every HEAD and GET of a blob: 404 `X-Weightcache-Planning: 1` ("about to fetch it"), for ever
         "relay-then-cut"   HEAD: downloading it (`X-Weightcache-Partial: 1`, a relay); GET: a correct 206 head and
@@ -257,6 +259,12 @@ class HostilePeer:
             conn.sendall(b"HTTP/1.1 404 Not Found\r\nX-Weightcache-Partial: 1\r\nX-Weightcache-Not-Yet: 1\r\n"
                          b"X-Weightcache-Retry-Ms: 3000\r\nContent-Length: 0\r\n\r\n")
             return
+        if self.mode == "shed-first" and self.requests == 1:
+            message = b'{"error": "request_timeout", "message": "the listener needed this connection\'s slot"}'
+            conn.sendall(b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                         b"Content-Length: " + str(len(message)).encode() + b"\r\n\r\n" + message)
+            conn.close()
+            return
         if self.mode == "relay-full-link" and self._stop.wait(self.every_s):
             return
         if self.mode == "relay-slow-missing":
@@ -273,7 +281,7 @@ class HostilePeer:
         if self.mode == "huge-range":
             return
         body = self.bodies[sha][first:last + 1]
-        if self.mode == "honest":
+        if self.mode in ("honest", "shed-first"):
             conn.sendall(body)
             return
         if self.mode == "paced":

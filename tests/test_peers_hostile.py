@@ -222,6 +222,21 @@ def test_a_peers_content_range_of_4300_digits_costs_only_that_peer(origin: Fault
     assert origin_bytes(origin) == MODEL_BYTES
 
 
+def test_a_peer_that_sheds_a_connection_at_its_cap_is_busy_not_down(origin: FaultProxy, fleet: Fleet) -> None:
+    """A peer's listener at its connection cap sheds a connection waiting for its request (408; a pooled one idle
+    between requests looks like that): the asker takes it for busy and asks again, not for failed. As a fault it was
+    taken for down and its ranges went to the origin (N = 16 bench: 15 such answers at the fill's start, the node that
+    got two of them ready 2 s after the rest)."""
+    with HostilePeer(*_model_files(), "shed-first") as shedder:
+        node = fleet.node("node", peers=[shedder.url])
+        assert_model(ensure(node, origin))
+        assert shedder.requests >= 2  # the shed GET, and the ones it served
+        assert node.peers.stats.errors_by_peer.get(shedder.url, 0) == 0
+        assert shedder.url not in node.peers.stats.banned
+    # the model came from the peer: the origin paid at most the piece that judged its first one
+    assert origin_bytes(origin) <= JUDGED + len(FILES["config.json"])
+
+
 def holder(fleet: Fleet) -> tuple[FleetNode, bytes, str]:
     node = fleet.node("n")
     body = FILES[BIG]

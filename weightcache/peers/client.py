@@ -333,6 +333,13 @@ class PeerClient:
             raise PeerRangeMissing(f"peer {self.url} has not downloaded bytes {pos}-{end - 1} yet")
         if resp.status == 429:
             raise PeerBusy(f"peer {self.url} is serving us all the streams it allows")
+        if resp.status == 408:
+            # its listener, at its connection cap, shed this connection for a new one's slot while it waited for
+            # the request (listener `_close`, "shed": a pooled connection idle between requests looks like a
+            # half-sent one). A busy peer, not a failed one: as a fault it was taken for down, its ranges handed
+            # on, and the node that asked finished 2 s after the rest (N = 16 bench, 15 of them at the fill's start)
+            resp.close()
+            raise PeerBusy(f"peer {self.url} shed our connection (408): it holds all the connections it allows")
         if resp.status != 206:
             resp.close()
             raise Retryable(f"peer {self.url} answered HTTP {resp.status} to bytes {pos}-{end - 1}")
