@@ -12,6 +12,7 @@ with `proxy.add(...)` are applied to the next matching requests:
     proxy.add("throttle", rate=200_000)      # the body trickles at 200 kB/s (a slow origin), in 50 ms steps
     proxy.add("throttle", rate=4_000_000, shared=True, count=-1)  # 4 MB/s for every matching body together
     hold = proxy.add("hold")                 # the request waits: hold.arrived is set, then hold.release.set()
+    proxy.add("hold", ranged_only=True, one_range=True, count=-1)  # the first ranged GET held, and its retries
     proxy.add("status", status=403, code="AccessDenied")
 
     proxy.requests[-1].range == "bytes=0-99"
@@ -71,10 +72,13 @@ class Fault:
     code: str = "InternalError"  # status: the S3 error code in the XML body
     retry_after: int | None = None  # slowdown/status: Retry-After header
     fired: int = 0
+    one_range: bool = False  # after it first fires, it matches only requests with that first one's Range
+    first_range: str | None = None
 
-    def matches(self, method: str, path: str, ranged: bool) -> bool:
+    def matches(self, method: str, path: str, range_: str | None) -> bool:
         return ((self.count < 0 or self.fired < self.count) and (self.method is None or self.method == method)
-                and self.path in path and (ranged or not self.ranged_only))
+                and self.path in path and (range_ is not None or not self.ranged_only)
+                and not (self.one_range and self.fired and range_ != self.first_range))
 
 
 class QuietHTTPServer(http.server.ThreadingHTTPServer):
@@ -149,7 +153,9 @@ class FaultProxy:
         with self._lock:
             self.requests.append(request)
             for fault in self.faults:
-                if fault.matches(request.method, request.path, request.range is not None):
+                if fault.matches(request.method, request.path, request.range):
+                    if not fault.fired:
+                        fault.first_range = request.range
                     fault.fired += 1
                     return fault
         return None

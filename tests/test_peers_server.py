@@ -325,6 +325,40 @@ def test_a_range_the_node_is_fetching_now_is_answered_not_yet_then_with_what_is_
         part.close()
 
 
+def test_a_download_that_finishes_while_an_ask_waits_on_its_claim_is_served_from_its_blob(
+        http: urllib3.PoolManager, fleet: Fleet, tmp_path: Path) -> None:
+    """An ask for a claimed range with nothing journalled waits (NOT_YET_WAIT_S) for its first piece; the download
+    lands its last bytes, is verified, published and leaves InFlight meanwhile (its origin read was retried: the
+    claim stood without a byte, then the whole range came at once). The ask is answered from the blob, as the next
+    one would be. Before, it was answered from the download it had looked up, no longer registered: 404 "not
+    downloaded yet" without Not-Yet, and the asker read the range from the origin a second time
+    (tests/test_peers.py::test_a_node_still_downloading_serves_the_pieces_it_has with a 2 s read timeout: 1 MiB
+    more from the origin in 3 runs of 8)."""
+    n, part, inflight, claim = claimed(fleet, tmp_path)
+    scratch = memoryview(bytearray(1 << 16))
+
+    def finish() -> None:  # as the fetch does: every piece journalled, the claim released, the blob published
+        inflight.from_origin(SHA, 0, len(BODY))
+        part.write(0, memoryview(BODY), scratch)
+        inflight.release(claim)
+        blob = n.store.layout.blob(SHA)
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(BODY)
+        inflight.remove(SHA, part)
+
+    finishing = threading.Timer(NOT_YET_WAIT_S / 3, finish)  # while the ask waits for the claim's first piece
+    try:
+        finishing.start()
+        resp = get(http, n, f"/v1/blobs/sha256/{SHA}", {**AUTH, "Range": "bytes=0-131071"})
+        finishing.join()
+        assert resp.status == 206 and resp.data == BODY[:1 << 17], (resp.status, resp.data[:100])
+        assert "X-Weightcache-Partial" not in resp.headers  # the published blob's answer
+    finally:
+        finishing.cancel()
+        inflight.remove(SHA, part)
+        part.close()
+
+
 def test_not_yet_says_when_the_claim_lands_its_next_piece(
         http: urllib3.PoolManager, fleet: Fleet, tmp_path: Path) -> None:
     """A claim that has a rate tells the asker when its next piece should be journalled (X-Weightcache-Retry-Ms),

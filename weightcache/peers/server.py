@@ -213,6 +213,17 @@ class PeerServer:
         digest = request.match_info["digest"]
         if not _HEX.fullmatch(digest):
             return web.Response(status=400, text="a blob is named by 64 lowercase hex digits of its sha256\n")
+        try:
+            return await self._held_blob(request, digest)
+        except _Left:  # the download it was answered from finished meanwhile: its blob now (or a plain 404)
+            try:
+                return await self._held_blob(request, digest)
+            except _Left:  # another download of it, registered and gone within this request
+                return self._lacks("blob")
+
+    async def _held_blob(self, request: web.Request, digest: str) -> web.StreamResponse:
+        """`_blob`'s answer: the published blob, else the download in flight; `_Left` when that download left
+        InFlight while it was looked at."""
         if (not_yet := await self._not_yet(request, digest)) is not None:
             return not_yet
         held = self.inflight.get(digest) if self.inflight is not None else None
@@ -338,6 +349,7 @@ class PeerServer:
         start, end, _ = span
         if await self._journalled(name, partial, start, end) > start:
             return None
+        self._still_registered(name, partial)
         pending = self.inflight.pending(name, start)
         return _not_held(start, end, pending, self.inflight.eta(name, start) if pending else None)
 
@@ -369,6 +381,15 @@ class PeerServer:
         if oid is None:
             return web.Response(status=400, text="an object is named by scheme=s3, bucket, key, etag, size and "
                                                  "optionally version\n")
+        try:
+            return await self._held_object(request, oid)
+        except _Left:  # as in `_blob`
+            try:
+                return await self._held_object(request, oid)
+            except _Left:
+                return self._lacks("object")
+
+    async def _held_object(self, request: web.Request, oid: OriginId) -> web.StreamResponse:
         if (not_yet := await self._not_yet(request, oid.address)) is not None:
             return not_yet
         digest = await asyncio.to_thread(self._recorded, oid)
@@ -424,6 +445,7 @@ class PeerServer:
                 else:
                     servable = await self._journalled(digest, partial, start, end)
                     if servable <= start:
+                        self._still_registered(digest, partial)
                         pending = self.inflight.pending(digest, start)
                         return _not_held(start, end, pending, self.inflight.eta(digest, start) if pending else None)
                     if servable < end:  # a shorter range than asked: the asker asks again for the rest
@@ -557,6 +579,16 @@ class PeerServer:
             finally:
                 self.inflight.unwatch(digest, landing)
 
+    def _still_registered(self, name: str, partial: PartialFile) -> None:
+        """Before a download's range is answered as not held: `_Left` when the download left InFlight since it was
+        looked up. Its last bytes landed and it was verified and published meanwhile (or it was discarded): its
+        journal, no longer registered, reads as holding nothing (`origin_end`), and "not downloaded yet" sent the
+        asker to the origin for a range this node now holds whole (a node whose held origin read was retried and
+        finished while an ask waited on its claim, `_journalled`)."""
+        assert self.inflight is not None
+        if self.inflight.get(name) is not partial:
+            raise _Left(name)
+
     async def _journalled(self, digest: str, partial: PartialFile, start: int, end: int) -> int:
         """How far from `start` (at most `end`) origin bytes are journalled; when none are yet but the range is
         on its way (claimed), wait up to NOT_YET_WAIT_S for the first ones (a long poll: the asker is not made to
@@ -594,6 +626,11 @@ def _headers(digest: str, length: int) -> dict[str, str]:
     """The headers of an answer with (or, to a HEAD, about) `length` bytes of a blob."""
     return {"Content-Length": str(length), "Accept-Ranges": "bytes", "ETag": f'"{digest}"',
             "Content-Type": "application/octet-stream"}
+
+
+class _Left(Exception):
+    """The download a request was being answered from left InFlight meanwhile (`PeerServer._still_registered`):
+    the request is answered again, from what this node holds now."""
 
 
 def _not_held(start: int, end: int, pending: bool, eta_s: float | None = None) -> web.Response:
