@@ -159,18 +159,21 @@ class HostilePeer:
     bodies now (X-Weightcache-Streams, as PeerServer._stream does). `closes`: each body's head says Connection: close
     (as PeerServer._stream's of a claim it follows: a body that may end short). `not_yet_from`: a GET of a range
     from this byte on is answered "not yet, in 3 s" (it reads those bytes from the origin now), whatever the mode.
-    `head_s`: each HEAD is answered after this long (its answers take that)."""
+    `head_s`: each HEAD is answered after this long (its answers take that). `close_on`: each connection's request
+    of that number (1: its first) is read and the connection closed without a byte of answer (`closed` counts
+    them): with 2, a pooled connection that our listener at its cap closed as idle while an ask was on its way."""
 
     def __init__(self, sizes: dict[str, int], bodies: dict[str, bytes], mode: str, every_s: float = 2.0,
                  digests: bytes | None = None, old_release: bool = False, streams: int | None = None,
                  rate: int = 0, silent_s: float = 0.0, closes: bool = False, not_yet_from: int | None = None,
-                 head_s: float = 0.0) -> None:
+                 head_s: float = 0.0, close_on: int | None = None) -> None:
         import socket
 
         self.sizes, self.bodies, self.mode, self.every_s = sizes, bodies, mode, every_s
         self.streams, self.rate, self.silent_s, self.closes = streams, rate, silent_s, closes
         self.digests, self.old_release, self.not_yet_from = digests, old_release, not_yet_from
-        self.head_s = head_s
+        self.head_s, self.close_on = head_s, close_on
+        self.closed = 0
         self._mute = threading.Event()  # cut(mute=True): its open connections answer nothing more
         self.requests = self.connections = 0
         self._stop = threading.Event()
@@ -201,6 +204,7 @@ class HostilePeer:
     def _serve(self, conn: object) -> None:
         import socket
         assert isinstance(conn, socket.socket)
+        asked = 0
         with conn, conn.makefile("rb") as reader:
             try:
                 while not self._stop.is_set():
@@ -216,6 +220,10 @@ class HostilePeer:
                         k, _, v = h.decode().partition(":")
                         headers[k.strip().lower()] = v.strip()
                     reader.read(int(headers.get("content-length", "0")))  # a POST's body (statuses): not a request
+                    asked += 1
+                    if asked == self.close_on:  # read whole, never answered: closed (FIN) as it is
+                        self.closed += 1
+                        return
                     sha, _, query = path.decode().rsplit("/", 1)[-1].partition("?")
                     size = self.sizes.get(sha)
                     if query.startswith("digests=") and size is not None and self.digests is not None:

@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import urllib3
 
 from tests.faultproxy import FaultProxy
 from tests.fixtures_daemon import RunningDaemon, start_daemon
@@ -259,3 +260,104 @@ async def test_one_timer_per_connection_still_cuts_the_next_requests_headers_at_
     assert _body_framing(head) == (12, False)
     assert _body_framing(b"post / http/1.1\r\ntransfer-encoding: gzip, chunked\r\ncontent-length: 3") == (0, True)
     assert _body_framing(b"get / http/1.1\r\ncontent-length: x1") == (0, False)
+
+
+async def test_at_its_cap_idle_keep_alive_connections_are_closed_silently_before_a_half_sent_one_is_shed() -> None:
+    """At the cap a new connection takes the slot of the connection idle between requests the longest, closed
+    without a 408 (a pooled client's next request goes out on a new connection: urllib3 finds it closed before it
+    sends); a half-sent request is shed (408) only once no connection is idle, and a connection whose request is
+    being answered is never touched. Before, an idle keep-alive connection held its slot like a request being
+    answered: the new connection took the half-sent one's slot, and at a cap of idle ones it was refused (reset
+    at accept) (docs/peers.md, "Session 55")."""
+    from aiohttp import web
+
+    release = asyncio.Event()
+    holding: list[web.Request] = []
+
+    async def quick(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def held(request: web.Request) -> web.Response:
+        holding.append(request)
+        await release.wait()
+        return web.Response(text="done")
+
+    app = web.Application()
+    app.router.add_get("/", quick)
+    app.router.add_get("/held", held)
+    runner = web.AppRunner(app, access_log=None, keepalive_timeout=HELD_S)
+    await runner.setup()
+    site = GuardedTCPSite(runner, "127.0.0.1", 0, limits=ConnectionLimits(4, header_timeout_s=HELD_S,
+                                                                 body_timeout_s=HELD_S, idle_timeout_s=HELD_S))
+    await site.start()
+    keep = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
+    hold = b"GET /held HTTP/1.1\r\nHost: x\r\n\r\n"
+    pool = urllib3.PoolManager(retries=False, timeout=10, maxsize=1)  # a pooled client, as peers/client.py's
+    url = f"http://127.0.0.1:{site.port}/"
+    socks: list[socket.socket] = []
+
+    def connect(raw: bytes, *, answered: bool) -> socket.socket:
+        sock = _connect(site.port)
+        socks.append(sock)
+        sock.sendall(raw)
+        if answered:
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        return sock
+
+    def served() -> bytes:  # a new connection's whole request, at the cap
+        return _request(site.port, b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+
+    def closed_silently(sock: socket.socket) -> bool:
+        return _read_until_closed(sock, time.monotonic() + 5) == b""
+
+    def untouched(sock: socket.socket) -> bool:  # open, nothing sent to it
+        sock.setblocking(False)
+        try:
+            sock.recv(1)
+        except BlockingIOError:
+            return True
+        finally:
+            sock.setblocking(True)
+        return False
+
+    try:
+        assert (await asyncio.to_thread(pool.request, "GET", url)).status == 200  # pooled: idle the longest
+        idle = await asyncio.to_thread(connect, keep, answered=True)  # idle, answered after the pool's
+        slow = await asyncio.to_thread(connect, b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: ", answered=False)
+        await asyncio.to_thread(connect, hold, answered=False)  # being answered
+        await _eventually(lambda: site.stats.active == 4 and len(holding) == 1)  # its request read
+
+        assert (await asyncio.to_thread(served)).startswith(b"HTTP/1.1 200")  # in the pooled one's slot
+        assert untouched(slow) and untouched(idle)
+        assert (site.stats.idle_closed, site.stats.shed, site.stats.refused) == (1, 0, 0)
+        await _eventually(lambda: site.stats.active == 3)  # the served one closed (Connection: close)
+        again = await asyncio.to_thread(pool.request, "GET", url)  # found closed before it was sent: a new one
+        assert again.status == 200 and again.data == b"ok"
+        assert (await asyncio.to_thread(served)).startswith(b"HTTP/1.1 200")  # in the raw idle one's slot:
+        assert await asyncio.to_thread(closed_silently, idle)  # no 408, as an idle connection may be closed
+        assert (site.stats.idle_closed, site.stats.shed, site.stats.refused) == (2, 0, 0)
+        await _eventually(lambda: site.stats.active == 3)
+        await asyncio.to_thread(connect, hold, answered=False)
+        await asyncio.to_thread(connect, hold, answered=False)  # in the pool's second connection's slot
+        await _eventually(lambda: (site.stats.idle_closed, site.stats.shed, site.stats.refused) == (3, 0, 0))
+
+        # none idle now: the half-sent request is shed, then a connection is refused at accept
+        assert (await asyncio.to_thread(served)).startswith(b"HTTP/1.1 200")
+        shed = await asyncio.to_thread(_read_until_closed, slow, time.monotonic() + 5)
+        assert shed.startswith(b"HTTP/1.1 408") and b"needed this connection's slot" in shed
+        assert (site.stats.idle_closed, site.stats.shed, site.stats.refused) == (3, 1, 0)
+        await _eventually(lambda: (site.stats.active, site.stats.closing) == (3, 0))
+        await asyncio.to_thread(connect, hold, answered=False)
+        await _eventually(lambda: site.stats.active == 4)
+        assert await asyncio.to_thread(served) == b"" and site.stats.refused == 1  # reset at accept
+
+        release.set()  # the four answered, kept alive: idle, so the pool's next request takes one's slot
+        await _eventually(lambda: site.stats.idle() is not None)
+        assert (await asyncio.to_thread(pool.request, "GET", url)).status == 200
+        assert (site.stats.idle_closed, site.stats.shed, site.stats.refused) == (4, 1, 1)
+    finally:
+        release.set()
+        pool.clear()
+        for sock in socks:
+            sock.close()
+        await runner.cleanup()

@@ -40,6 +40,7 @@ from weightcache.peers.client import (
     Pace,
     PeerBadAnswer,
     PeerFlow,
+    PeerUnreachable,
     reachable,
 )
 from weightcache.peers.server import PeerLimits
@@ -224,10 +225,11 @@ def test_a_peers_content_range_of_4300_digits_costs_only_that_peer(origin: Fault
 
 
 def test_a_peer_that_sheds_a_connection_at_its_cap_is_busy_not_down(origin: FaultProxy, fleet: Fleet) -> None:
-    """A peer's listener at its connection cap sheds a connection waiting for its request (408; a pooled one idle
-    between requests looks like that): the asker takes it for busy and asks again, not for failed. As a fault it was
-    taken for down and its ranges went to the origin (N = 16 bench: 15 such answers at the fill's start, the node that
-    got two of them ready 2 s after the rest)."""
+    """A peer's listener at its connection cap sheds a connection waiting for its request (408: with no connection
+    idle between requests to close, a new one whose request it has not read yet, in a burst of connects; or a peer of
+    an older release): the asker takes it for busy and asks again, not for failed. As a fault it was taken for down
+    and its ranges went to the origin (N = 16 bench: 15 such answers at the fill's start, the node that got two of
+    them ready 2 s after the rest)."""
     with HostilePeer(*_model_files(), "shed-first") as shedder:
         node = fleet.node("node", peers=[shedder.url])
         assert_model(ensure(node, origin))
@@ -237,6 +239,37 @@ def test_a_peer_that_sheds_a_connection_at_its_cap_is_busy_not_down(origin: Faul
     # the model came from the peer: the origin paid at most the piece that judged its first one and the range it
     # shed (a busy complete holder's range is read elsewhere, as after a 429, where no other holder has it)
     assert origin_bytes(origin) <= JUDGED + MIN_RANGE_CHUNKS * OPTIONS["chunk_size"] + len(FILES["config.json"])
+
+
+def test_an_ask_on_a_pooled_connection_the_peer_closed_unanswered_is_sent_again() -> None:
+    """A peer's listener at its cap closes connections idle between requests without a word (listener.py; RFC 9112
+    lets it), and an ask already on its way on one finds it closed before any byte of its answer: sent again on a
+    new connection, whatever the ask (HEAD, a range, a digests GET, the statuses POST: each only reads). An ask on
+    a new connection that the peer closes unanswered is not sent again (a peer that does so is not asked twice);
+    before, the pooled one's failure was the peer's: unreachable (a HEAD) or a range handed on."""
+    sha = SHAS[BIG]
+    with HostilePeer(*_model_files(), "honest", close_on=2, digests=b'{"sha256": [null]}') as peer:
+        client = PeerClient(peer.url, TOKEN, connect_timeout=2, read_timeout=5, pool_size=1)
+        try:
+            assert client.probe(sha, len(FILES[BIG])) == "blob"  # a first connection, its first ask
+            assert client.probe(sha, len(FILES[BIG])) == "blob"  # its second: closed, sent again on a second
+            assert (peer.closed, peer.connections) == (1, 2)
+            resp, served = client.open_span(sha, 0, 100)
+            assert served == 100 and resp.read() == FILES[BIG][:100]
+            resp.release_conn()
+            assert client.piece_digests(sha, [(0, 100)]) == [None]
+            assert client.statuses({sha: len(FILES[BIG])}) is None  # no such route there: 404, asked per blob
+            assert (peer.closed, peer.connections) == (4, 5)  # each ask on a pooled connection sent twice
+        finally:
+            client.close()
+    with HostilePeer(*_model_files(), "honest", close_on=1) as peer:
+        client = PeerClient(peer.url, TOKEN, connect_timeout=2, read_timeout=5)
+        try:
+            with pytest.raises(PeerUnreachable):
+                client.probe(sha, len(FILES[BIG]))
+            assert (peer.closed, peer.connections) == (1, 1)
+        finally:
+            client.close()
 
 
 def holder(fleet: Fleet) -> tuple[FleetNode, bytes, str]:
@@ -312,6 +345,43 @@ def test_many_half_sent_requests_leave_the_peer_listener_serving(tmp_path: Path)
             assert 1 <= len(held) <= limits.listener.max_connections
             assert not select.select(held, [], [], 0)[0]
         finally:
+            for s in socks:
+                s.close()
+
+
+def test_a_peer_listener_at_its_cap_closes_an_askers_idle_pooled_connection_and_its_next_ask_is_answered(
+        tmp_path: Path) -> None:
+    """The peer listener at its cap (4: an asker's pooled connection idle since its HEAD, a half-sent request, two
+    more idle connections): a new connection is served in the slot of the pooled one, closed without a word, while
+    the half-sent request keeps its slot; the asker's next ask goes out on a new connection and is answered (before:
+    the new connection took the half-sent one's slot, and with a cap of idle connections alone it was refused)."""
+    limits = PeerLimits(max_streams=64, listener=ConnectionLimits(max_connections=4, header_timeout_s=60.0,
+                                                        body_timeout_s=60.0, idle_timeout_s=60.0))
+    with Fleet(tmp_path, TOKEN, limits) as fleet:
+        node, body, sha = holder(fleet)
+        port = int(node.url.rsplit(":", 1)[1])
+        site = node.server.site
+        assert site is not None
+        asker = PeerClient(node.url, TOKEN, connect_timeout=2, read_timeout=5, pool_size=1)
+        head = f"HEAD /v1/blobs/sha256/{sha} HTTP/1.1\r\nHost: p\r\nAuthorization: {AUTH['Authorization']}\r\n"
+        socks = []
+        try:
+            assert asker.probe(sha, len(body)) == "blob"
+            for raw in (head + "\r\n", head + "\r\n", head):  # two idle keep-alive connections, one half-sent
+                s = socket.create_connection(("127.0.0.1", port), timeout=5)
+                s.sendall(raw.encode())
+                if raw.endswith("\r\n\r\n"):
+                    assert s.recv(65536).startswith(b"HTTP/1.1 200")
+                socks.append(s)
+            wait_until(lambda: site.stats.active == 4, what="the cap reached")
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                s.sendall((head + "Connection: close\r\n\r\n").encode())
+                assert s.recv(65536).startswith(b"HTTP/1.1 200")
+            assert not select.select(socks, [], [], 0)[0]  # the others' slots untouched: nothing sent, none closed
+            assert (site.stats.idle_closed, site.stats.shed, site.stats.refused) == (1, 0, 0)
+            assert asker.probe(sha, len(body)) == "blob"  # on a new connection (a free slot: the served one closed)
+        finally:
+            asker.close()
             for s in socks:
                 s.close()
 

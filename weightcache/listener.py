@@ -6,9 +6,17 @@ connection the kernel hands it: a few hundred half-sent requests (slowloris) exh
 descriptors, and then the Unix-socket API, CSI and the store's own files fail too. Each TCP connection here is
 wrapped in a guard that:
 
-- holds at most `max_connections` at once: a new connection takes the place of the oldest one still waiting for
-  its request headers (a half-sent request loses its slot to a client that sends whole requests), and is closed
-  at accept only when every slot holds a real request (the fd is freed at once);
+- holds at most `max_connections` at once. At the cap a new connection takes the slot of, in this order: the
+  connection idle between requests the longest (its last request answered whole, nothing of the answer left to
+  send, no byte of a next request received), closed without a word; else the oldest one still waiting for its
+  request headers (a half-sent request loses its slot to a client that sends whole requests), answered 408; and
+  it is closed at accept only when every slot holds a request being read or answered (the fd is freed at once).
+  RFC 9112 lets a server close an idle persistent connection at any time, and a client retries an idempotent
+  request on a connection closed before any byte of its answer (urllib3 reconnects a pooled connection found
+  closed before it sends; `peers/client.py` `PeerClient._request` sends again the one that raced the close).
+  Before, an idle connection held its slot like a request being answered: a pool of them filled the cap, and new
+  connections were refused, or shed one another (408) before their requests were read (docs/peers.md, "Session
+  55");
 - closes a connection whose request headers are not complete `header_timeout_s` after it connected or after
   the first byte of its next request (with a 408 saying so), and one whose body (Content-Length or chunked) is
   not complete `body_timeout_s` after its headers; a connection waiting for its answer is never cut (a
@@ -83,18 +91,27 @@ class GuardStats:
     accepted: int = 0  # connections the kernel handed over, all told
     closing: int = 0  # connections the guard aborted whose descriptor asyncio has not closed yet
     refused: int = 0
-    shed: int = 0  # half-sent requests closed to make room for a new connection
+    idle_closed: int = 0  # connections idle between requests closed (silently) to make room for a new connection
+    shed: int = 0  # connections waiting for their request (half-sent) closed, with a 408, to make room for one
     header_timeouts: int = 0
     body_timeouts: int = 0
     handshake_failures: int = 0  # TLS handshakes that failed (bad client, plain HTTP on a TLS port)
     waiting: dict[_Guard, None] = field(default_factory=dict)  # connections reading headers, oldest first
+    # connections whose last request is read (being answered, or idle once answered), the earliest request first
+    answered: dict[_Guard, None] = field(default_factory=dict)
     _logged: dict[str, int] = field(default_factory=dict)
     _last_log: float = 0.0
+
+    def idle(self) -> _Guard | None:
+        """The connection idle between requests whose last request came first, None when there is none."""
+        return next((c for c in self.answered if c.idle()), None)
 
     def note(self) -> None:
         """Log the counters when they moved, at most once per LOG_EVERY_S."""
         now = time.monotonic()
-        counts = {"refused (connection cap)": self.refused, "half-sent requests shed for new connections": self.shed,
+        counts = {"refused (connection cap)": self.refused,
+                  "idle keep-alive connections closed for new connections": self.idle_closed,
+                  "half-sent requests shed for new connections": self.shed,
                   "header timeouts": self.header_timeouts, "body timeouts": self.body_timeouts,
                   "failed TLS handshakes": self.handshake_failures}
         if now - self._last_log < LOG_EVERY_S or counts == self._logged:
@@ -137,14 +154,18 @@ class _Guard(asyncio.Protocol):
         self._transport = transport
         self._stats.accepted += 1
         if self._stats.active + self._stats.closing >= self._limits.max_connections:  # descriptors, not slots
-            victim = next(iter(self._stats.waiting), None)
-            if victim is None:  # every slot holds a real request
+            if (idle := self._stats.idle()) is not None:  # free to close (RFC 9112 9.8): no 408, no failure
+                self._stats.idle_closed += 1
+                self._stats.note()
+                idle._close("idle")
+            elif (victim := next(iter(self._stats.waiting), None)) is not None:
+                self._stats.shed += 1
+                victim._close("shed")
+            else:  # every slot holds a request being read or answered
                 self._stats.refused += 1
                 self._stats.note()
                 transport.abort()
                 return
-            self._stats.shed += 1
-            victim._close("shed")
         self._counted = True
         self._stats.active += 1
         self._arm(self._limits.header_timeout_s, "header")  # with TLS it covers the handshake too
@@ -210,6 +231,7 @@ class _Guard(asyncio.Protocol):
         """Give the slot back (at once when shed: the new connection takes it before the old one is gone; with
         `closing`, its descriptor stays counted until `_gone`)."""
         self._stats.waiting.pop(self, None)
+        self._stats.answered.pop(self, None)
         if self._counted:
             self._counted = False
             self._stats.active -= 1
@@ -275,6 +297,19 @@ class _Guard(asyncio.Protocol):
     def _request_read(self) -> None:
         self._state = "wait"
         self._disarm()
+        self._stats.answered[self] = None  # after the others: the connections' requests in the order they came
+
+    def idle(self) -> bool:
+        """Idle between requests: a request read (`wait`) and answered whole, aiohttp waiting for the next one
+        (its handler awaits `_waiter` then, and only then: the answer's write_eof is done and no request is
+        queued), nothing of the answer left in the transport's buffer, and no byte of a next request received (a
+        byte makes the state `head`). The one look at aiohttp's internals (its own keep-alive timeout reads the
+        same, `_process_keepalive`): an aiohttp release without `_waiter` would leave no connection idle here, the
+        cap would shed and refuse as before, and tests/test_listener.py's test of idle connections fails."""
+        if self._state != "wait" or self._transport is None or self._transport.is_closing():
+            return False
+        waiter = getattr(self._inner, "_waiter", None)
+        return waiter is not None and not waiter.done() and self._transport.get_write_buffer_size() == 0
 
     # -- deadlines ----------------------------------------------------------------------------------------------
     # One timer per connection, not one per phase: arming moves `_deadline`, disarming clears it, and the timer
@@ -283,6 +318,7 @@ class _Guard(asyncio.Protocol):
     # request (a call_later and a cancel for the headers, the same for the body).
     def _arm(self, seconds: float, what: str) -> None:
         self._stats.waiting.pop(self, None)
+        self._stats.answered.pop(self, None)
         loop = asyncio.get_running_loop()
         self._deadline, self._what = loop.time() + seconds, what
         if self._timer is not None and self._timer.when() > self._deadline:
@@ -321,15 +357,16 @@ class _Guard(asyncio.Protocol):
         self._close(what)
 
     def _close(self, what: str) -> None:
-        """Answer 408 and abort (`what`: header, body or shed); the slot is free at once, the descriptor within
-        one turn of the loop (no TLS shutdown, no wait for a client that does not read)."""
+        """Answer 408 and abort (`what`: header, body or shed; idle: abort without a word, a connection idle
+        between requests); the slot is free at once, the descriptor within one turn of the loop (no TLS shutdown,
+        no wait for a client that does not read)."""
         self._stop_timer()
         transport = self._transport
         if transport is None or transport.is_closing():
             self._release()
             return
         self._release(closing=True)
-        if self._admitted:  # mid-handshake there is no TLS to answer over yet
+        if self._admitted and what != "idle":  # mid-handshake there is no TLS to answer over yet
             transport.write(self._timeout_answer(what))  # sent at once where the socket takes it, else dropped
         transport.abort()
 

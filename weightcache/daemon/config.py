@@ -324,10 +324,12 @@ class ApiSettings:
     /etc/weightcache-token/token}`. `tokenFile` is required (at least 16 characters; `openssl rand -hex 32`);
     every request but `/healthz` and `/readyz` needs `Authorization: Bearer <token>`. `host` defaults to
     `127.0.0.1`, `port: 0` picks a free port. Safe to expose inside a cluster: at most 64 connections at once (a
-    new one takes the slot of the oldest half-sent request; refused at accept only when all 64 carry real
-    requests), request headers must arrive within 10 s and a body within 30 s of its headers (else `408`), a
-    connection idle between requests closes after 15 s, and what it refuses is logged at most every 10 s
-    (weightcache/listener.py; `scripts/bench_listener.py` measures a slowloris against it)."""
+    new one takes the slot of the connection idle between requests the longest, closed without a word as HTTP
+    lets a server close an idle keep-alive connection, else of the oldest half-sent request, answered `408`;
+    refused at accept only when all 64 carry requests being read or answered), request headers must arrive
+    within 10 s and a body within 30 s of its headers (else `408`), a connection idle between requests closes
+    after 15 s, and what it refuses is logged at most every 10 s (weightcache/listener.py;
+    `scripts/bench_listener.py` measures a slowloris against it)."""
     metrics_listen: tuple[str, int] | None = setting(None, "metricsListen", _host_port, _HOST_PORT,
                                                      env="WEIGHTCACHE_METRICS_LISTEN",
                                                      flag=Flag("--metrics-listen", "HOST:PORT"))

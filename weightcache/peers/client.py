@@ -231,7 +231,7 @@ class PeerClient:
         finished before this returns: a verdict never shuts down a connection that is the pool's again."""
         _asking.pace = pace
         try:
-            resp = self._pool.request(method, url, preload_content=False, redirect=False, **kwargs)
+            resp = self._request(method, url, preload_content=False, redirect=False, **kwargs)
         except NETWORK_ERRORS as exc:
             if pace is not None and pace.down:
                 raise PeerDown(f"peer {self.url} found down while asked ({what})") from exc
@@ -312,8 +312,8 @@ class PeerClient:
         headers = {**self._auth, "Range": f"bytes={pos}-{end - 1}", "Accept-Encoding": "identity"}
         _asking.pace = pace
         try:
-            resp = self._pool.request("GET", self.blob_url(sha256), headers=headers, preload_content=False,
-                                      redirect=False, timeout=self._timeout(connect_s))
+            resp = self._request("GET", self.blob_url(sha256), headers=headers, preload_content=False,
+                                 redirect=False, timeout=self._timeout(connect_s))
         except NETWORK_ERRORS as exc:
             raise Retryable(f"{type(exc).__name__} from peer {self.url}") from exc
         finally:
@@ -334,10 +334,14 @@ class PeerClient:
         if resp.status == 429:
             raise PeerBusy(f"peer {self.url} is serving us all the streams it allows")
         if resp.status == 408:
-            # its listener, at its connection cap, shed this connection for a new one's slot while it waited for
-            # the request (listener `_close`, "shed": a pooled connection idle between requests looks like a
-            # half-sent one). A busy peer, not a failed one: as a fault it was taken for down, its ranges handed
-            # on, and the node that asked finished 2 s after the rest (N = 16 bench, 15 of them at the fill's start)
+            # its listener, at its connection cap, shed this connection for a new one's slot before it had read
+            # our request (listener `_close`, "shed"). Still needed: a listener closes connections idle between
+            # requests first, without a word (then `_request` sends the ask again), but with none idle it sheds
+            # the connection waiting longest for its request, and in a burst of connects that is a new one whose
+            # request sits unread in its socket (the 408s of the N = 16 bench at the fill's start; a peer of a
+            # release before session 55 never closed idle ones and sent these more often). A busy peer, not a
+            # failed one: as a fault it was taken for down, its ranges handed on, and the node that asked finished
+            # 2 s after the rest
             resp.close()
             raise PeerBusy(f"peer {self.url} shed our connection (408): it holds all the connections it allows")
         if resp.status != 206:
@@ -362,8 +366,8 @@ class PeerClient:
         query = "digests=" + ",".join(f"{a}-{b - 1}" for a, b in spans)
         url = self.blob_url(blob)
         try:
-            resp = self._pool.request("GET", url + ("&" if "?" in url else "?") + query, headers=self._auth,
-                                      preload_content=False, redirect=False)
+            resp = self._request("GET", url + ("&" if "?" in url else "?") + query, headers=self._auth,
+                                 preload_content=False, redirect=False)
         except NETWORK_ERRORS as exc:
             raise PeerUnreachable(f"peer {self.url} unreachable: {type(exc).__name__}") from exc
         if resp.status == 200 and resp.headers.get("Content-Type", "").partition(";")[0].strip() != JSON:
@@ -393,8 +397,8 @@ class PeerClient:
         """The peer's file list of the admin's engine cache `snapshot_id` (decoded JSON, untrusted: the caller
         checks its shape and its digest), None when it has none; at most `limit` bytes of answer are read."""
         try:
-            resp = self._pool.request("GET", f"{self.url}/v1/engine-caches/{snapshot_id}", headers=self._auth,
-                                      preload_content=False, redirect=False)
+            resp = self._request("GET", f"{self.url}/v1/engine-caches/{snapshot_id}", headers=self._auth,
+                                 preload_content=False, redirect=False)
         except NETWORK_ERRORS as exc:
             raise PeerUnreachable(f"peer {self.url} unreachable: {type(exc).__name__}") from exc
         if resp.status != 200:
@@ -408,6 +412,39 @@ class PeerClient:
 
     def close(self) -> None:
         self._pool.clear()
+
+    def _request(self, method: str, url: str, **kwargs: Any) -> Any:
+        """`self._pool.request`, sent again (at most CLOSED_RETRIES times) where it went out on a pooled
+        connection that the peer closed before any byte of its answer came. A peer's listener at its cap closes
+        connections idle between requests, without a word (listener.py; RFC 9112 9.8), and one our request was
+        already on its way to reads as closed unanswered here. urllib3 reconnects a pooled connection found
+        closed before it sends; this is the one that raced the close, and each ask is safe to send again (HEAD,
+        a ranged GET, a digests GET, the statuses POST, which only reads). Never a fresh connection's failure (a
+        peer that closes at once is not asked twice), nor one that a verdict cut (the request's Pace)."""
+        tries = 0
+        while True:
+            _asking.reused = False
+            try:
+                return self._pool.request(method, url, **kwargs)
+            except urllib3.exceptions.ProtocolError as exc:
+                pace = _asking.pace
+                if tries >= CLOSED_RETRIES or not _asking.reused or not _closed_unanswered(exc) or \
+                        (pace is not None and (pace.was_cut or pace.down)):
+                    raise
+                tries += 1
+                log.debug("peer %s closed a pooled connection before answering our %s: sent again", self.url,
+                          method)
+
+
+#: Times a request is sent again after a pooled connection was closed before any byte of its answer
+#: (`PeerClient._request`): a peer at its cap may close several of a pool's idle connections at once.
+CLOSED_RETRIES = 2
+
+
+def _closed_unanswered(exc: urllib3.exceptions.ProtocolError) -> bool:
+    """urllib3's "Connection aborted.": the connection was closed or reset before the answer's status line came
+    (http.client's RemoteDisconnected, a reset, a broken pipe while sending), not a timeout or a bad answer."""
+    return len(exc.args) > 1 and isinstance(exc.args[1], ConnectionError)
 
 
 def streams_of(resp: Any) -> int:
@@ -531,6 +568,7 @@ def probe_wait(*clocks: PeerFlow | None) -> float:
 
 class _Asking(threading.local):
     pace: Pace | None = None  # the Pace of the request this thread is making now
+    reused = False  # the connection its request went out on had carried one before (the pool's `_get_conn`)
 
 
 _asking = _Asking()
@@ -1117,6 +1155,7 @@ class _HTTPPool(urllib3.HTTPConnectionPool):
 
     def _get_conn(self, timeout: float | None = None) -> Any:
         conn = super()._get_conn(timeout)
+        _asking.reused = getattr(conn, "sock", None) is not None  # a pooled one not found closed (else: sock None)
         if (pace := _asking.pace) is not None and isinstance(conn, _HTTPConnection | _HTTPSConnection):
             pace.attach(conn)  # always one of ours (ConnectionCls): the check is for the type checker
         return conn
@@ -1127,6 +1166,7 @@ class _HTTPSPool(urllib3.HTTPSConnectionPool):
 
     def _get_conn(self, timeout: float | None = None) -> Any:
         conn = super()._get_conn(timeout)
+        _asking.reused = getattr(conn, "sock", None) is not None  # a pooled one not found closed (else: sock None)
         if (pace := _asking.pace) is not None and isinstance(conn, _HTTPConnection | _HTTPSConnection):
             pace.attach(conn)  # always one of ours (ConnectionCls): the check is for the type checker
         return conn
