@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +128,7 @@ class _Guard(asyncio.Protocol):
     With `tls`, it is first the raw connection (slot, deadline), then the plaintext protocol of the TLS transport
     that `start_tls` builds on it."""
 
-    def __init__(self, inner: Any, limits: ConnectionLimits, stats: GuardStats,
+    def __init__(self, inner: RequestHandler, limits: ConnectionLimits, stats: GuardStats,
                  tls: ssl.SSLContext | None = None) -> None:
         self._inner = inner
         self._limits = limits
@@ -216,8 +217,8 @@ class _Guard(asyncio.Protocol):
         if not self._admitted:  # TLS: handed to aiohttp with the early data
             self._early_eof = True
             return None
-        keep: bool | None = self._inner.eof_received()
-        return keep
+        self._inner.eof_received()  # aiohttp's answer is always None: the transport closes at EOF
+        return None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_timer()
@@ -304,11 +305,11 @@ class _Guard(asyncio.Protocol):
         (its handler awaits `_waiter` then, and only then: the answer's write_eof is done and no request is
         queued), nothing of the answer left in the transport's buffer, and no byte of a next request received (a
         byte makes the state `head`). The one look at aiohttp's internals (its own keep-alive timeout reads the
-        same, `_process_keepalive`): an aiohttp release without `_waiter` would leave no connection idle here, the
-        cap would shed and refuse as before, and tests/test_listener.py's test of idle connections fails."""
+        same, `_process_keepalive`): an aiohttp release without `_waiter` fails mypy here, and
+        tests/test_listener.py's test of idle connections with it."""
         if self._state != "wait" or self._transport is None or self._transport.is_closing():
             return False
-        waiter = getattr(self._inner, "_waiter", None)
+        waiter = self._inner._waiter  # typed in aiohttp (mypy checks it is there), private: see above
         return waiter is not None and not waiter.done() and self._transport.get_write_buffer_size() == 0
 
     # -- deadlines ----------------------------------------------------------------------------------------------
