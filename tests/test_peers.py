@@ -1762,6 +1762,34 @@ def test_a_connect_timing_out_while_nothing_comes_to_this_node_is_its_own_link(o
         assert len(origin.requests_for("GET", "/models/llama/")) == before  # nothing of it from the origin
 
 
+def test_a_range_waiting_on_its_owner_through_this_nodes_own_cut_is_not_given_up_on_for_it(
+        origin: FaultProxy, fleet: Fleet, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A range waits on its owner for a byte at most PENDING_S, then the next node in rank takes it: but not while
+    this node's own link is cut (nothing from anyone for DOWN_S), and after its link is back the wait counts from
+    then. Counted through the --faults cut, a live owner relaying its range was given up on 9 s into the cut node's
+    cut, the range handed to nodes that never read it, and the cut node, its link back, waited on them until another
+    node published the blob (the last node ready). Here PENDING_S is DOWN_S + 0.5 s and the owner is cut off for
+    longer: the range stays its owner's, asked again, nothing of it read from the origin."""
+    monkeypatch.setattr(source_module, "PENDING_S", source_module.DOWN_S + 0.5)
+    buf = memoryview(bytearray(256 << 10))
+    with asking_owners(origin, fleet, tmp_path, connect_timeout=8.0) as (asker, (owner,), sha, obj):
+        half = obj.size // 2
+        with closing(asker.read_pieces(obj, half, 256 << 10, buf)) as own:  # its own share: the HEADs
+            assert sum(len(view) for _, view in own) == 256 << 10
+        before = len(origin.requests_for("GET", "/models/llama/"))
+        asker.defer_while(lambda: True)
+        with cut_off(fleet, owner):
+            until = time.monotonic() + source_module.PENDING_S + 1.5
+            while time.monotonic() < until:
+                with pytest.raises(Later):  # asked again: its range is not taken from it
+                    next(asker.read_pieces(obj, 0, half, buf))
+        fleet.restart(owner)  # its link back: it answers ("missing": nothing read yet), so this node's link is too
+        with pytest.raises(Later):  # waited for: its wait counts from the link's return, not from its last byte
+            next(asker.read_pieces(obj, 0, half, buf))
+        assert asker._serving_owner(obj.key, 0, half, sha) == owner.url
+        assert len(origin.requests_for("GET", "/models/llama/")) == before  # nothing of it from the origin
+
+
 def test_a_refusal_while_nothing_comes_to_this_node_is_the_peer_down_not_its_own_link(
         origin: FaultProxy, fleet: Fleet, tmp_path: Path) -> None:
     """Nothing came to this node from anywhere for DOWN_S, then the owner refuses (its daemon is gone): a refusal is

@@ -124,6 +124,7 @@ RELAY_FLOOR = SLOW_MIN_BYTES_S // 4  # the rate floor of a range from its owner 
 RELAY_GRACE_S = 3.0
 RELAY_PIECES = 64  # in a fleet, a claimed range is read from the origin in this many pieces (_relay_piece)
 RELAY_PIECE_MIN = 16 << 10
+LONG_WAIT_S = 5.0  # a range that waited this long on peers without a byte says on whom, once (PeerSource._settle)
 PENDING_S = 15.0  # a range waits on peers ("not yet", a bench) at most this long without a byte of it, or longer:
 # as long as PENDING_PIECES pieces take at this fetch's own rate per origin connection, at most MAX_PENDING_S. The
 # owner reads the range at about that rate too: behind one 1 MB/s origin link shared by 11 nodes (--faults) a piece
@@ -401,6 +402,7 @@ class PeerSource(Source):
         # (key, range end) -> the node it was handed to that started it ("not yet", or a byte): _serving_owner
         self._takers: dict[tuple[str, int], str] = {}
         self._given_up: dict[tuple[str, int], set[str]] = {}  # (key, range end) -> owners it waited PENDING_S on
+        self._long: dict[tuple[str, int], str | None] = {}  # (key, range end) -> its reader its long wait was logged on
         self._unstarted: dict[tuple[str, int], int] = {}  # (key, range end) -> its owner's "missing" answers in a row
         self._relayed: dict[tuple[str, int], int] = {}  # (key, range end) -> its first byte that a peer sent
         self._origin_rate: float | None = None  # bytes/s this fetch reads per origin connection (a moving mean)
@@ -887,12 +889,29 @@ class PeerSource(Source):
         # from this range's first ask; the wait for a byte of it starts again once the owner's plan is done
         if planning := ask.wait and bool(ask.owner) and self._about_to_fetch(ask.name, ask.owner or ""):
             self._moved[ask.span] = now
-        stalled = now - ask.asked >= MAX_PENDING_S if planning else \
-            now - self._moved[ask.span] >= self._pending_s(ask.piece)
+        # Neither wait counts time this node's own link was quiet (nothing from anyone for DOWN_S: cut off): no
+        # byte could come then, and a wait counts again from the link's return (`Link.back`). Counted through
+        # the --faults cut, a range of a live owner relaying it was given up on 9 s into this node's cut (its
+        # last byte 15 s before), handed to nodes that never read it, and the cut node, its link back, waited on
+        # them until another node published the blob: the last node ready, 1.5 s after the others
+        back, quiet = self._link.back, self._link.quiet()
+        stalled = not quiet and (now - max(ask.asked, back) >= MAX_PENDING_S if planning else
+                                 now - max(self._moved[ask.span], back) >= self._pending_s(ask.piece))
+        waited = now - max(self._moved[ask.span], back)
+        said = ", ".join(f"{u} {o}" for u, o in sorted(ask.outcome.items())) or "nothing"
         if ask.wait and ask.owner and stalled:  # the next node in rank takes it (the others give up on it too)
             with self._lock:
                 self._given_up.setdefault(ask.span, set()).add(ask.owner)
+            log.info("%s bytes %d-%d: no byte for %.0f s from %s (last said: %s): the next node in rank takes them",
+                     ask.obj.relpath, ask.pos, ask.end - 1, waited, ask.owner, said)
             return "again"
+        if waited >= LONG_WAIT_S and not quiet:
+            with self._lock:  # once a range and reader: what a wait that went on long waits on (a range's wait
+                long = self._long.get(ask.span) != ask.owner  # logged nothing: docs/peers.md, "Session 55")
+                self._long[ask.span] = ask.owner
+            if long:
+                log.info("%s bytes %d-%d: no byte for %.0f s, waiting on %s (last said: %s)", ask.obj.relpath,
+                         ask.pos, ask.end - 1, waited, ask.owner or "this node", said)
         pending = ask.pending
         if ask.wait and ask.owner and (now < ask.fetch_deadline or self._fetching(ask.name, ask.owner)
                                        or self._about_to_fetch(ask.name, ask.owner)):
