@@ -524,6 +524,7 @@ def fill(net: Net, n: int, work: Path, args: argparse.Namespace, model: int) -> 
         # --faults: per node, seconds after the cut at which it handed each range it waited on from the node cut
         # off to another node (the target: within 1 s)
         "cut_moved_s": {f"n{d.index}": d.moved for d in daemons if d.moved},
+        "cut_at": cut_at,  # --faults: the cut's wall time (the daemons' logs' clock), None without a cut
         "origin_why": {k[4:]: round(sum(d.stats.get(k, 0.0) for d in daemons) / model, 3)
                        for k in sorted({k for d in daemons for k in d.stats if k.startswith("why:")})},
         "errors": [f"n{d.index}: {d.error}" for d in daemons if d.error],

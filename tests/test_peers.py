@@ -15,6 +15,8 @@ import struct
 import subprocess
 import threading
 import time
+import types
+import typing
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import closing, contextmanager
@@ -32,7 +34,7 @@ from weightcache.download import PartialFile
 from weightcache.peers import PeerClient, PeerSet
 from weightcache.peers import server as server_module
 from weightcache.peers import source as source_module
-from weightcache.peers.client import PROBE_GAP_S, PROBE_S, SLOW_GRACE_S, Pace, reachable
+from weightcache.peers.client import PROBE_GAP_S, PROBE_S, SLOW_GRACE_S, WATCHDOG, Link, Pace, PeerFlow, reachable
 from weightcache.peers.inflight import InFlight
 from weightcache.peers.server import PeerLimits
 from weightcache.peers.source import GRACE_S, RELAY_PIECE_MIN, RELAY_PIECES, Later, PeerSource, PeerStats
@@ -1107,6 +1109,72 @@ def test_a_silent_live_relay_is_probed_less_and_less_often(origin: FaultProxy) -
     assert got == obj.size // 2 and owner.requests == 1
     print(f"{probes} connections to the silent owner in 4 s")
     assert 1 <= probes <= 5, f"{probes} probes of a live peer silent for 4 s"
+
+
+class _Acknowledged:
+    """A connection of this node's peer server to a peer as TCP_INFO tells it: segments in flight, which the peer's
+    kernel acknowledges as they go until `cut()` (its link cut off: nothing acknowledged after)."""
+
+    def __init__(self) -> None:
+        self.cut_at: float | None = None
+
+    def cut(self) -> None:
+        self.cut_at = time.monotonic()
+
+    def fileno(self) -> int:
+        return 1_000_000
+
+    def getsockopt(self, level: int, option: int, size: int) -> bytes:
+        assert (level, option) == (socket.IPPROTO_TCP, socket.TCP_INFO)
+        info = bytearray(size)
+        struct.pack_into("=I", info, 24, 4)  # tcpi_unacked: segments in flight
+        ago = 0.0 if self.cut_at is None else time.monotonic() - self.cut_at
+        struct.pack_into("=I", info, 56, int(ago * 1000))  # tcpi_last_ack_recv, ms
+        return bytes(info)
+
+
+def test_a_silent_relay_found_up_then_cut_off_is_probed_when_its_acks_stop_not_when_its_silence_doubled() -> None:
+    """A relay silent (it waits on its owner's origin pieces) while bytes come from elsewhere, its kernel
+    acknowledging what this node's peer server sends it all along: found up without a connect at each look (0.4,
+    0.8 and 1.6 s into its silence), next looked at once its silence has doubled. Just after such a look it is cut
+    off: its acknowledgements stop and its queue drops every SYN. It is probed once they have stopped ACK_STALE_S, and,
+    nothing acknowledged all through, found unreachable after PROBE_S of connects: its stream is cut about 0.8 s
+    after the cut (0.80-0.82 s here). Before, the probe came at the doubled silence, its verdict 2.2-2.3 s after the
+    cut (the --faults bench: the cut node's relays silent before its cut, found unreachable up to 2.2 s after it)."""
+    link, acked, stop = Link(), _Acknowledged(), threading.Event()
+
+    def elsewhere() -> None:  # bytes from the origin and other peers all along
+        while not stop.wait(0.05):
+            link.touch()
+
+    ours, theirs = socket.socketpair()  # the stream's socket, which the verdict shuts down
+    with socket.create_server(("127.0.0.1", 0), backlog=0) as listener, \
+            socket.create_connection(listener.getsockname()[:2]), ours, theirs:
+        # the listener's one queue slot taken: every SYN after it is dropped, as by the cut link
+        flow = PeerFlow(listener.getsockname()[:2], link, lambda: [acked])
+        pace = Pace(1 << 20, 0, flow=flow)
+        pace.attach(typing.cast(typing.Any, types.SimpleNamespace(sock=ours, connecting=None)))
+        touching = threading.Thread(target=elsewhere, daemon=True)
+        touching.start()
+        WATCHDOG.watch(pace)
+        try:
+            # silent, found up by its acknowledgements at each look: cut off just after the look that put its next
+            # a second or more ahead (at 1.6 s or so: its silence doubled)
+            wait_until(lambda: flow.probe_after > time.monotonic() + 1.0, timeout=5.0, every=0.01,
+                       what="a look that found it up, its next a second ahead")
+            assert not pace.was_cut, "a silent relay acknowledging what this node sends it was cut"
+            acked.cut()
+            cut_at = time.monotonic()
+            while not pace.was_cut and time.monotonic() < cut_at + 5.0:
+                time.sleep(0.01)
+            verdict = time.monotonic() - cut_at
+        finally:
+            WATCHDOG.unwatch(pace)
+            stop.set()
+            touching.join(2.0)
+    print(f"the relay cut off found unreachable {verdict:.2f} s after the cut")
+    assert pace.was_cut and pace.unreachable, "the relay cut off never found unreachable"
+    assert verdict < 1.3, f"the relay cut off found unreachable {verdict:.2f} s after the cut"
 
 
 def test_the_next_node_in_rank_reads_a_down_owners_range_only_once_it_is_confirmed(

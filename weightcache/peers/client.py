@@ -502,6 +502,7 @@ STREAMS_PER_ASKER = 8
 ANSWER_SLACK = 3.0
 MAX_ANSWER_WAIT_S = 10.0
 WATCH_TICK_S = 0.1  # how often the watchdog looks at the streams it watches (a cut comes this much late at most)
+LOOK_MIN_S = 0.03  # a look due at a silence to come (_Watchdog._silent) waits this long at least: looks coalesced
 #: A watchdog look that comes STALL_S or more after its tick was due: this process ran nothing meanwhile (its CPU
 #: taken by others, a cgroup's quota spent, the GIL held), its readers no more than the watchdog, so what the peers
 #: sent waited in the sockets unread. That time is no slowness of theirs: every stream's floor clock starts again
@@ -551,6 +552,16 @@ PROBE_EVERY_MAX_S = 2.0
 #: bytes of the server unacknowledged for twice the kernel's smoothed round trip (at least 0.25 s) took live peers
 #: for cut in a fill without faults (18 streams, all ready 1.34x against 1.22x; docs/peers.md).
 ACK_RECENT_S = 0.1
+#: The converse, as a sign to probe and a probe's second channel, not as a verdict alone: a silent peer whose kernel
+#: stopped acknowledging what this node's peer server sends it (segments in flight, none acknowledged for ACK_STALE_S,
+#: an acknowledgement having come since it was last found up) is probed once its streams are silent SILENT_EARLY_S,
+#: whatever backoff a probe that found it up set (`_probe_again`); and such a probe, its connects unanswered and its
+#: kernel acknowledging nothing all through, ends at PROBE_S, not at twice what answers take (a filling peer's long
+#: poll in them). A node cut off stops acknowledging at its cut: the netns bench's probes of it began 0.4-1.1 s after
+#: the cut (SILENT_S, the tick, that backoff for a relay silent before the cut) and waited 0.5-1.0 s, and its
+#: verdict came 0.5-2.2 s after the cut (docs/peers.md, "Session 55").
+ACK_STALE_S = 0.2
+SILENT_EARLY_S = 0.2
 
 
 def answer_wait(*clocks: PeerFlow | None, slack: float = ANSWER_SLACK) -> float:
@@ -635,6 +646,7 @@ class PeerFlow:
         self.probe_after = 0.0  # a probe it answered: the next one not before this (_Watchdog._probe)
         self.answer_s: float | None = None  # how long its answers' headers took (a moving mean; Pace.answered)
         self.probe_s = PROBE_S  # how long its last silence probe waited for a connect (_Watchdog._probe)
+        self.found_up = 0.0  # when a probe, or a recent acknowledgement, last found it up (acks_stalled)
 
     def add(self, n: int) -> None:
         now = time.monotonic()
@@ -900,24 +912,35 @@ class _Watchdog:
             cut = [pace for pace in due if pace.cut()]
             with self._cv:
                 self._paces.difference_update(cut)
-                silent = self._silent(now)
-            for flow, since, wait in silent:
-                if flow.connections is not None and _Acks(flow.connections()).told():
+                silent, next_look = self._silent(now)
+            for flow, since, wait, silent_enough in silent:
+                socks = flow.connections() if flow.connections is not None else []
+                if not silent_enough:  # silent SILENT_EARLY_S, or in its backoff: probed only on a stall of its acks
+                    if not acks_stalled(socks, flow.found_up, now):
+                        continue
+                elif _Acks(socks).told():
                     # its kernel acknowledges what this node's peer server sends it: up, no connect (ACK_RECENT_S),
                     # looked at again as one that answered a probe: its connects never more than before (looked at
                     # every 0.2 s, a fill without faults had 10 streams of live peers cut by the probes that followed)
-                    flow.probe_after = now + _probe_again(now, since)
+                    flow.probe_after, flow.found_up = now + _probe_again(now, since), now
                     continue
                 flow.probing = True
-                self.probers.run(self._probe, flow, since, wait)
+                self.probers.run(self._probe, flow, since, wait, now)
             with self._cv:
-                self._cv.wait(WATCH_TICK_S)
+                # the next look at the next silence due (SILENT_EARLY_S, SILENT_S), the tick at the latest: a probe
+                # begun at the tick after the silence began it up to WATCH_TICK_S late
+                wait_s = max(LOOK_MIN_S, min(WATCH_TICK_S, next_look - time.monotonic()))
+                self._due = time.monotonic() + wait_s
+                self._cv.wait(wait_s)
 
-    def _silent(self, now: float) -> list[tuple[PeerFlow, float, float]]:
-        """Peers to probe (self._cv held), with how long each probe waits: a stream waits on each, it sent
-        nothing on any stream for SILENT_S (since its last byte, or the oldest such stream's ask), and bytes came
-        from elsewhere since. A probe waits PROBE_S, or as long as answers take on this node's links
-        (`probe_wait`: the peer's answers to the fetch, or any peer's)."""
+    def _silent(self, now: float) -> tuple[list[tuple[PeerFlow, float, float, bool]], float]:
+        """Peers to probe (self._cv held), with how long each probe waits, and whether it is silent enough to be
+        probed whatever its acknowledgements say: a stream waits on each, it sent nothing on any stream for
+        SILENT_S (since its last byte, or the oldest such stream's ask) and is past its backoff, and bytes came
+        from elsewhere since; silent SILENT_EARLY_S, or in its backoff, it is probed only on a stall of what this
+        node's peer server sends it (`acks_stalled`, ACK_STALE_S). A probe waits PROBE_S, or as long as answers take
+        on this node's links (`probe_wait`: the peer's answers to the fetch, or any peer's). And when the next look
+        is due: the earliest of the silences to come, WATCH_TICK_S from now at the latest."""
         # each flow's oldest waiting ask and its fetches' answer clocks first, the probe's wait only for the flows
         # found silent: computed for every stream, it was most of the cost of a look (~290 of ~370 us a look at
         # 64 streams; ten looks a second in each of the netns bench's 32 daemons)
@@ -932,37 +955,56 @@ class _Watchdog:
                     seen[1].add(p.answers)
                     if p.asked < seen[0]:
                         oldest[flow] = (p.asked, seen[1])
-        probe = []
+        probe, next_look = [], now + WATCH_TICK_S
         for flow, (asked, answers) in oldest.items():
+            if flow.probing:
+                continue
             since = max(flow.last, asked)
-            if now - since >= SILENT_S and flow.link is not None and flow.link.last > since and \
-                    not flow.probing and now >= flow.probe_after:
-                probe.append((flow, since, max(probe_wait(flow, clock) for clock in answers)))
-        return probe
+            early = SILENT_EARLY_S if flow.connections is not None else SILENT_S
+            if now - since < early:
+                next_look = min(next_look, since + early)
+                continue
+            enough = now - since >= SILENT_S and now >= flow.probe_after
+            if not enough and flow.connections is None:
+                continue
+            if not enough and now - since < SILENT_S:
+                next_look = min(next_look, since + SILENT_S)
+            if flow.link is not None and flow.link.last > since:
+                probe.append((flow, since, max(probe_wait(flow, clock) for clock in answers), enough))
+        return probe, next_look
 
-    def _probe(self, flow: PeerFlow, since: float, wait: float) -> None:
+    def _probe(self, flow: PeerFlow, since: float, wait: float, looked: float | None = None) -> None:
         """A silent peer's kernel answers a connect within `wait`, or its waiting streams are cut as unreachable
-        (while bytes still come from elsewhere: a node cut off itself hears from no one, and cuts nothing)."""
+        (while bytes still come from elsewhere: a node cut off itself hears from no one, and cuts nothing). Its
+        kernel acknowledging nothing of what this node's peer server sends it all through, PROBE_S is enough
+        (`_Acks.stalled`). `looked`: when the watchdog found it silent (the verdict's log line)."""
         try:
             addr, link = flow.addr, flow.link
             flow.probe_s = wait
             acks = _Acks(flow.connections() if flow.connections is not None else [])
             try:
-                up = addr is None or link is None or reachable(addr, wait, acks.told)
+                up = addr is None or link is None or reachable(addr, wait, acks.told, acks.stalled)
             except OSError:  # this node could not probe (out of descriptors): no verdict on the peer
                 up = True
             if up or link is None:
                 # the next once the silence has doubled (PROBE_EVERY_MAX_S at most): a relay waits seconds on its
                 # owner's origin pieces, and probed each 0.5 s, a fleet of 32 made 20-40 connections a second a node
                 now = time.monotonic()
-                flow.probe_after = now + _probe_again(now, since)
+                flow.probe_after, flow.found_up = now + _probe_again(now, since), now
                 return
+            if acks.ended:
+                flow.probe_s = PROBE_S
             # it spoke meanwhile, or nothing came from elsewhere lately: a node cut off hears from no one, and all
             # of its peers went silent when its link did
             if flow.last > since or link.last < time.monotonic() - SILENT_S / 2:
                 return
             with self._cv:
                 paces = [p for p in self._paces if p.flow is flow]
+            now = time.monotonic()
+            log.info("silence probe: peer %s:%d sent nothing for %.2f s, probed %.2f s into its silence%s; no connect "
+                     "answered within %.2f s%s: unreachable", *(addr or ("?", 0)), now - since,
+                     acks.began - since, "" if looked is None else f" ({acks.began - looked:.2f} s after its look)",
+                     flow.probe_s, ", nor its kernel acknowledged what this node sends it" if acks.ended else "")
             cut = [p for p in paces if p.cut(unreachable=True)]
             with self._cv:
                 self._paces.difference_update(cut)
@@ -976,7 +1018,8 @@ def _probe_again(now: float, since: float) -> float:
     return min(PROBE_EVERY_MAX_S, max(SILENT_S, now - since))
 
 
-def reachable(addr: tuple[str, int], timeout: float, told: Callable[[], bool | None] | None = None) -> bool:
+def reachable(addr: tuple[str, int], timeout: float, told: Callable[[], bool | None] | None = None,
+              gone: Callable[[], bool] | None = None) -> bool:
     """Does `addr` complete a TCP handshake within `timeout`? A connect every PROBE_GAP_S all through `timeout`
     (further apart where PROBE_MAX_CONNECTS would not span it): a full link's queue drops a burst of packets
     together, and the kernel sends a lost SYN again only 1 s later, so each new connect is a new draw of the
@@ -984,7 +1027,8 @@ def reachable(addr: tuple[str, int], timeout: float, told: Callable[[], bool | N
     selector, not select(): a daemon's descriptors pass 1024 (FD_SETSIZE) with many peers and pods. Once
     `timeout` is over the sockets are looked at once more: a probe thread that woke late (a busy CPU: the netns
     bench started probes up to 0.5 s after they were due) would count its own lateness as the peer's silence.
-    `told`: asked between connects, what else says the peer's link is up (`_Acks`): True is the answer at once."""
+    `told`: asked between connects, what else says the peer's link is up (`_Acks`): True is the answer at once;
+    `gone`: asked after it, what else says it is down (`_Acks.stalled`): True is the answer no at once."""
     try:
         infos = socket.getaddrinfo(addr[0], addr[1], type=socket.SOCK_STREAM)
     except OSError:
@@ -1016,6 +1060,8 @@ def reachable(addr: tuple[str, int], timeout: float, told: Callable[[], bool | N
                     return False
                 if told is not None and told():
                     return True
+                if gone is not None and gone():
+                    return False
         finally:
             for key in list(waiting.get_map().values()):
                 key.data.close()
@@ -1038,23 +1084,59 @@ def acked_ago(sock: TcpConnection) -> float | None:
     """Seconds since the peer's kernel last acknowledged anything on a connected TCP socket, from the kernel's
     TCP_INFO (Linux); None where it cannot say (closed, not TCP, no TCP_INFO). `sock`: a socket, or asyncio's
     TransportSocket of a server connection."""
+    state = ack_state(sock)
+    return None if state is None else state[1]
+
+
+def ack_state(sock: TcpConnection) -> tuple[int, float] | None:
+    """Segments in flight on a connected TCP socket, and seconds since the peer's kernel last acknowledged anything,
+    from the kernel's TCP_INFO (Linux); None where it cannot say (closed, not TCP, no TCP_INFO)."""
     try:
         info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
     except (OSError, ValueError):  # closed since it was listed (ValueError: a TransportSocket's -1 descriptor)
         return None
     if len(info) < 60:
         return None
-    last_ack_ms: int = struct.unpack_from("=I", info, 56)[0]  # struct tcp_info (linux/tcp.h): tcpi_last_ack_recv
-    return last_ack_ms / 1000
+    # struct tcp_info (linux/tcp.h): tcpi_unacked, tcpi_last_ack_recv
+    unacked, last_ack_ms = struct.unpack_from("=I", info, 24)[0], struct.unpack_from("=I", info, 56)[0]
+    return int(unacked), last_ack_ms / 1000
+
+
+def acks_stalled(sockets: list[TcpConnection], found_up: float, now: float | None = None) -> bool:
+    """A silent peer's kernel stopped acknowledging what this node's peer server sends it (ACK_STALE_S): segments in
+    flight on one of `sockets`, none acknowledged for ACK_STALE_S, the last acknowledgement after `found_up` (when a
+    probe or a recent acknowledgement last found it up, less ACK_RECENT_S: a stall a probe already answered is not
+    probed again)."""
+    now = time.monotonic() if now is None else now
+    for sock in sockets:
+        state = ack_state(sock)
+        if state is not None and state[0] > 0 and state[1] >= ACK_STALE_S and \
+                now - state[1] > found_up - ACK_RECENT_S:
+            return True
+    return False
 
 
 class _Acks:
     """Whether the connections of this node's peer server from a silent peer's host say its link is up (ACK_RECENT_S):
-    `told()` is True when its kernel acknowledged bytes on one of them lately, else None (nothing to tell)."""
+    `told()` is True when its kernel acknowledged bytes on one of them lately, else None (nothing to tell);
+    `stalled()` is True when segments are in flight on one of them and none was acknowledged since ACK_STALE_S
+    before this began, PROBE_S ago at least (a second channel's silence: the probe's verdict at PROBE_S)."""
 
     def __init__(self, sockets: list[TcpConnection]) -> None:
         self.began = time.monotonic()
         self._socks = sockets
+        self.ended = False  # `stalled` ended the probe
+
+    def stalled(self) -> bool:
+        now = time.monotonic()
+        if now - self.began < PROBE_S:
+            return False
+        for sock in self._socks:
+            state = ack_state(sock)
+            if state is not None and state[0] > 0 and now - state[1] <= self.began - ACK_STALE_S:
+                self.ended = True
+                return True
+        return False
 
     def told(self) -> bool | None:
         now = time.monotonic()
