@@ -532,6 +532,11 @@ STALL_S = 0.1
 #: a filling peer's long poll (up to 0.3 s, server NOT_YET_WAIT_S), and timed without it the probe waited 0.5 s
 #: and a fill without faults took live peers for cut in 20 streams (docs/peers.md, "The silence probe measured").
 SILENT_S = 0.4
+#: The probe itself begins at this much silence, before SILENT_S: a cut peer's verdict is its silence's start (its last
+#: bytes, up to 0.1 s after the cut in a link's queue), this, and the probe's wait; at SILENT_S the netns bench's nodes
+#: whose peer server sent the cut node nothing found it 1.0 s after its cut (docs/peers.md, "Session 55"). Its
+#: backoff once found up, and the link's test ("a byte from elsewhere within SILENT_S / 2"), stay SILENT_S's.
+PROBE_SILENT_S = 0.3
 PROBE_S = 0.5
 PROBE_CONNECTS, PROBE_GAP_S, PROBE_MAX_CONNECTS = 3, 0.1, 16
 PROBE_SLACK = 2.0
@@ -925,9 +930,10 @@ class _Watchdog:
                     flow.probe_after, flow.found_up = now + _probe_again(now, since), now
                     continue
                 flow.probing = True
-                self.probers.run(self._probe, flow, since, wait, now)
+                self.probers.run(self._probe, flow, since, wait, now, not silent_enough)
             with self._cv:
-                # the next look at the next silence due (SILENT_EARLY_S, SILENT_S), the tick at the latest: a probe
+                # the next look at the next silence due (SILENT_EARLY_S, PROBE_SILENT_S), the tick at the latest: a
+                # probe
                 # begun at the tick after the silence began it up to WATCH_TICK_S late
                 wait_s = max(LOOK_MIN_S, min(WATCH_TICK_S, next_look - time.monotonic()))
                 self._due = time.monotonic() + wait_s
@@ -936,7 +942,7 @@ class _Watchdog:
     def _silent(self, now: float) -> tuple[list[tuple[PeerFlow, float, float, bool]], float]:
         """Peers to probe (self._cv held), with how long each probe waits, and whether it is silent enough to be
         probed whatever its acknowledgements say: a stream waits on each, it sent nothing on any stream for
-        SILENT_S (since its last byte, or the oldest such stream's ask) and is past its backoff, and bytes came
+        PROBE_SILENT_S (since its last byte, or the oldest such stream's ask) and is past its backoff, and bytes came
         from elsewhere since; silent SILENT_EARLY_S, or in its backoff, it is probed only on a stall of what this
         node's peer server sends it (`acks_stalled`, ACK_STALE_S). A probe waits PROBE_S, or as long as answers take
         on this node's links (`probe_wait`: the peer's answers to the fetch, or any peer's). And when the next look
@@ -960,24 +966,26 @@ class _Watchdog:
             if flow.probing:
                 continue
             since = max(flow.last, asked)
-            early = SILENT_EARLY_S if flow.connections is not None else SILENT_S
+            early = SILENT_EARLY_S if flow.connections is not None else PROBE_SILENT_S
             if now - since < early:
                 next_look = min(next_look, since + early)
                 continue
-            enough = now - since >= SILENT_S and now >= flow.probe_after
+            enough = now - since >= PROBE_SILENT_S and now >= flow.probe_after
             if not enough and flow.connections is None:
                 continue
-            if not enough and now - since < SILENT_S:
-                next_look = min(next_look, since + SILENT_S)
+            if not enough and now - since < PROBE_SILENT_S:
+                next_look = min(next_look, since + PROBE_SILENT_S)
             if flow.link is not None and flow.link.last > since:
                 probe.append((flow, since, max(probe_wait(flow, clock) for clock in answers), enough))
         return probe, next_look
 
-    def _probe(self, flow: PeerFlow, since: float, wait: float, looked: float | None = None) -> None:
+    def _probe(self, flow: PeerFlow, since: float, wait: float, looked: float | None = None,
+               stalled: bool = False) -> None:
         """A silent peer's kernel answers a connect within `wait`, or its waiting streams are cut as unreachable
         (while bytes still come from elsewhere: a node cut off itself hears from no one, and cuts nothing). Its
         kernel acknowledging nothing of what this node's peer server sends it all through, PROBE_S is enough
-        (`_Acks.stalled`). `looked`: when the watchdog found it silent (the verdict's log line)."""
+        (`_Acks.stalled`). `looked`: when the watchdog found it silent, `stalled`: begun on a stall of its
+        acknowledgements (`acks_stalled`), before its silence was enough (the verdict's log line)."""
         try:
             addr, link = flow.addr, flow.link
             flow.probe_s = wait
@@ -1001,9 +1009,10 @@ class _Watchdog:
             with self._cv:
                 paces = [p for p in self._paces if p.flow is flow]
             now = time.monotonic()
-            log.info("silence probe: peer %s:%d sent nothing for %.2f s, probed %.2f s into its silence%s; no connect "
-                     "answered within %.2f s%s: unreachable", *(addr or ("?", 0)), now - since,
-                     acks.began - since, "" if looked is None else f" ({acks.began - looked:.2f} s after its look)",
+            log.info("silence probe: peer %s:%d sent nothing for %.2f s, probed %.2f s into its silence%s%s; no "
+                     "connect answered within %.2f s%s: unreachable", *(addr or ("?", 0)), now - since,
+                     acks.began - since, " on its acknowledgements' stall" if stalled else "",
+                     "" if looked is None else f" ({acks.began - looked:.2f} s after its look)",
                      flow.probe_s, ", nor its kernel acknowledged what this node sends it" if acks.ended else "")
             cut = [p for p in paces if p.cut(unreachable=True)]
             with self._cv:
