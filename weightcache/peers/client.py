@@ -1113,16 +1113,17 @@ def ack_state(sock: TcpConnection) -> tuple[int, float] | None:
 
 def acks_stalled(sockets: list[TcpConnection], found_up: float, now: float | None = None) -> bool:
     """A silent peer's kernel stopped acknowledging what this node's peer server sends it (ACK_STALE_S): segments in
-    flight on one of `sockets`, none acknowledged for ACK_STALE_S, the last acknowledgement after `found_up` (when a
-    probe or a recent acknowledgement last found it up, less ACK_RECENT_S: a stall a probe already answered is not
-    probed again)."""
+    flight on one of `sockets`, nothing acknowledged on any of them for ACK_STALE_S, and the last acknowledgement on
+    any of them no earlier than `found_up` (when a probe or a recent acknowledgement last found it up) less
+    ACK_RECENT_S: a stall a probe already spanned is not probed again, one begun after an acknowledgement that found
+    it up is (on whichever connection: the --faults bench's cut node was found up by one that had sent its last
+    bytes, and the stall was another's)."""
     now = time.monotonic() if now is None else now
-    for sock in sockets:
-        state = ack_state(sock)
-        if state is not None and state[0] > 0 and state[1] >= ACK_STALE_S and \
-                now - state[1] > found_up - ACK_RECENT_S:
-            return True
-    return False
+    states = [state for sock in sockets if (state := ack_state(sock)) is not None]
+    if not any(unacked > 0 for unacked, _ in states):
+        return False
+    quiet = min(ago for _, ago in states)  # since the last acknowledgement on any connection
+    return quiet >= ACK_STALE_S and now - quiet >= found_up - ACK_RECENT_S
 
 
 class _Acks:
