@@ -155,6 +155,8 @@ async def test_a_daemon_fetches_the_adapters_of_a_published_directory_for_its_na
                            config={"csiEndpoint": f"unix://{csi_sock}", "kubeletDir": str(kubelet)})
     target = kubelet / "pods" / "uid-1" / "volumes" / "kubernetes.io~csi" / "adapters" / "mount"
     try:
+        # before its first list the node cannot decide (UNAVAILABLE, kubelet retries: test_csi_stream.py)
+        await eventually(lambda: d.daemon.node.ready().get("modelcaches_synced"), what="the ModelCache watch")
         async with grpc.aio.insecure_channel(f"unix://{csi_sock}") as channel:
             stub = csi_pb2_grpc.NodeStub(channel)
             await stub.NodePublishVolume(publish_request("vol-1", target, model=base, namespace=ALLOWED_NS,

@@ -17,11 +17,13 @@ import torch
 from safetensors.torch import load_file
 
 from tests.faultproxy import Fault, FaultProxy
-from tests.fixtures_csi import ROOT_MARKS, CsiHarness, start_harness, status_of, stop_harness
+from tests.fixtures_csi import MODEL_URI, ROOT_MARKS, CsiHarness, policy_for, start_harness, status_of, stop_harness
 from tests.fixtures_daemon import eventually
+from weightcache.access import Authority
 from weightcache.csi import mounts
 from weightcache.csi._pb import csi_pb2
 from weightcache.csi.reconcile import VolumeBook
+from weightcache.csi.stream import LISTED_POLL_S
 from weightcache.errors import StreamFailedError
 from weightcache.loader import iter_tensors_streaming
 from weightcache.vocabulary import STREAM_COMPLETE, STREAM_FAILED, STREAM_FETCHING, STREAM_STATE
@@ -196,9 +198,9 @@ async def test_pods_share_one_fetch_a_late_one_gets_what_came_and_one_leaving_st
     assert set(csi.store.leases()) == {"csi:vol-2"}
 
 
-async def test_a_restarted_plugin_goes_on_filling_the_view(safe_tmp: Path, model_in_s3: str,
-                                                           fault_proxy: FaultProxy) -> None:
-    first = await start_harness(safe_tmp, fault_proxy)
+async def stopped_mid_stream(root: Path, proxy: FaultProxy) -> Path:
+    """A plugin stopped while its streaming volume vol-1 had shard 1 and waited for shard 2: vol-1's target."""
+    first = await start_harness(root, proxy)
     hold = hold_shard_2(first)
     target = first.target("vol-1")
     try:
@@ -207,6 +209,12 @@ async def test_a_restarted_plugin_goes_on_filling_the_view(safe_tmp: Path, model
     finally:
         await stop_harness(first)
     hold.release.set()
+    return target
+
+
+async def test_a_restarted_plugin_goes_on_filling_the_view(safe_tmp: Path, model_in_s3: str,
+                                                           fault_proxy: FaultProxy) -> None:
+    target = await stopped_mid_stream(safe_tmp, fault_proxy)
     assert state_of(target)["state"] == STREAM_FETCHING, "a stopping daemon is no failure of the model"
     stale = safe_tmp / "store" / "streams" / "vol-gone"  # a crash between an unmount and the view's removal
     stale.mkdir()
@@ -221,6 +229,32 @@ async def test_a_restarted_plugin_goes_on_filling_the_view(safe_tmp: Path, model
                          what="the volume's lease to move to the published snapshot", timeout=20)
         await second.node.NodeUnpublishVolume(second.unpublish_request("vol-1"))
         assert mounts.mounted_at(target) is None and list(second.store.layout.streams.iterdir()) == []
+    finally:
+        await stop_harness(second)
+
+
+async def test_a_plugin_restarted_before_its_node_listed_the_modelcaches_waits_for_them_not_fails_the_pod(
+        safe_tmp: Path, model_in_s3: str, fault_proxy: FaultProxy) -> None:
+    """A restart's first seconds: the ModelCaches are not listed yet, so the grant is not in them. That is no
+    refusal: a resumed view goes on filling once they are listed (it was failed with "no ModelCache declares"),
+    and a publish meanwhile is told to retry (UNAVAILABLE), not refused (PERMISSION_DENIED)."""
+    target = await stopped_mid_stream(safe_tmp, fault_proxy)
+    listed = threading.Event()
+    granted = policy_for(MODEL_URI).model_caches
+    unlisted = Authority(model_caches=lambda: granted() if listed.is_set() else [],
+                         allow_undeclared=lambda: False, synced=listed.is_set)
+    second = await start_harness(safe_tmp, fault_proxy, authority=unlisted)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await second.node.NodePublishVolume(second.publish_request("vol-2", **STREAM))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value.details()
+        assert "not listed the cluster's ModelCaches yet" in (refused.value.details() or "")
+        await asyncio.sleep(2 * LISTED_POLL_S)
+        assert state_of(target)["state"] == STREAM_FETCHING, "the view was failed before the node could decide"
+        listed.set()
+        await eventually(lambda: state_of(target)["state"] == STREAM_COMPLETE,
+                         what="the resumed view to be complete once the ModelCaches are listed", timeout=20)
+        await second.node.NodePublishVolume(second.publish_request("vol-2", **STREAM))  # kubelet's retry
     finally:
         await stop_harness(second)
 

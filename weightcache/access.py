@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from weightcache.defaults import KUBELET_DIR
-from weightcache.errors import NotAllowedError
+from weightcache.errors import NotAllowedError, PolicyNotListedError
 from weightcache.policy import decide, file_source_problem
 from weightcache.signatures import SignaturePolicy, policy_from_spec
 from weightcache.uri import ModelRef, canonical_uri
@@ -94,12 +94,14 @@ class Authority:
     `model_caches`: the ModelCaches this node watches (none off-cluster). `allow_undeclared`: the config's
     `allowUndeclaredModels` as it applies here. `forbidden_paths`: the node's own directories (kubelet dir, store
     root) that no `file://` model may overlap. `declared`: the config file's models, which the node's admin wrote
-    as a cluster admin writes a ModelCache."""
+    as a cluster admin writes a ModelCache. `synced`: whether `model_caches` holds the cluster's list yet (its
+    watch's first list done; always off-cluster): a namespace refused before then is told to retry, not refused."""
 
     model_caches: ModelCaches = tuple
     allow_undeclared: Callable[[], bool] = lambda: True
     forbidden_paths: Sequence[str | Path] = ()
     declared: Callable[[], Iterable[ModelRef]] = tuple
+    synced: Callable[[], bool] = lambda: True
 
     def authorize(self, ref: ModelRef, who: Requester, *, signed_by: SignaturePolicy | None = None) -> Grant:
         """The one decision: a Grant for `ref`'s files to `who`, or NotAllowedError saying what to ask for.
@@ -111,6 +113,11 @@ class Authority:
             return Grant._issue(ref, who, self._admin_reason(ref), signatures)
         decision = decide(ref, who.namespace, self._grants(), allow_undeclared=self.allow_undeclared(),
                           forbidden_paths=self.forbidden_paths)
+        if not decision.allowed and not self.synced():  # the grant may be in the list not read yet
+            raise PolicyNotListedError(
+                f"this node has not listed the cluster's ModelCaches yet (it just started, or cannot reach the API "
+                f"server), so it cannot yet decide whether namespace {who.namespace!r} may read {ref.uri}; retry in "
+                f"a few seconds (kubelet does), and see the daemon's /readyz check modelcaches_synced")
         if not decision.allowed:
             raise NotAllowedError(decision.reason)
         return Grant._issue(ref, who, decision.reason, signatures)

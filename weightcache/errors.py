@@ -222,6 +222,13 @@ class ClusterError(WeightcacheError, OSError):
         self.status = status
 
 
+class PolicyNotListedError(ClusterError):
+    """A namespace's request would be refused while this node has not yet listed the cluster's ModelCaches (its
+    watch's first list is pending, e.g. just after a restart): not a decision yet, so a retryable UNAVAILABLE, not
+    PERMISSION_DENIED naming a ModelCache that may well exist."""
+    answer = Answer(9, 503, "UNAVAILABLE")
+
+
 class ModelLayoutError(WeightcacheError, ValueError):
     """A model directory or its index is inconsistent (bad index, duplicate or unknown tensor names)."""
     answer = Answer(7, 422, "FAILED_PRECONDITION")

@@ -21,7 +21,7 @@ from weightcache.access import Authority, Grant, Requester
 from weightcache.csi._pb import csi_pb2
 from weightcache.csi.reconcile import VolumeKind, VolumeRecord
 from weightcache.csi.volumes import VolumeHost, finish_even_if_cancelled
-from weightcache.errors import FetchCancelledError, WeightcacheError
+from weightcache.errors import FetchCancelledError, PolicyNotListedError, WeightcacheError
 from weightcache.fetch import DurableFile
 from weightcache.fetch_queue import FetchQueue
 from weightcache.redact import redact
@@ -30,6 +30,8 @@ from weightcache.uri import parse_ref
 from weightcache.vocabulary import STREAM_COMPLETE, STREAM_DIR, STREAM_FAILED, STREAM_FETCHING
 
 logger = logging.getLogger(__name__)
+
+LISTED_POLL_S = 0.5  # how often resume's second look checks that the node has listed the cluster's ModelCaches
 
 
 class StreamFill:
@@ -126,6 +128,7 @@ class StreamVolumes:
         self._host, self._fetches, self._authority = host, fetches, authority
         self.views = StreamViews(host.store.layout)
         self._fills: dict[str, tuple[StreamFill, asyncio.Task[None]]] = {}  # volume id -> its view's filling
+        self._resuming: asyncio.Future[None] | None = None  # resume's second look, once the ModelCaches are listed
 
     async def publish(self, record: VolumeRecord, grant: Grant) -> None:
         """The view mounted for the pod (its model not cached), then filled while the model downloads."""
@@ -197,16 +200,32 @@ class StreamVolumes:
     async def resume(self) -> None:
         """After a restart (reconcile kept only mounted volumes): fill again every streaming view whose snapshot
         is not published yet. The grant is decided anew for the pod's namespace, as at publish: a refusal now
-        fails the view with the refusal's words."""
+        fails the view with the refusal's words. A view refused before the node listed the cluster's ModelCaches
+        (a restart's first seconds) is no refusal: all are looked at again once they are listed (`_after_listing`),
+        without holding up the daemon's start."""
+        waiting = False
         for record in await self._host.io(self._host.book.all):
             if record.kind is not VolumeKind.STREAM or record.snapshot_id or record.volume_id in self._fills:
                 continue
             try:
                 ref = parse_ref(record.model, include=record.include, exclude=record.exclude)
                 grant = self._authority.authorize(ref, Requester(record.pod_namespace))
+            except PolicyNotListedError:
+                waiting = True
+                continue
             except WeightcacheError as exc:
                 await self._host.io(fail_view, self.views, record.volume_id, exc)
                 continue
             self._start(record, grant)
             logger.info("resumed filling streaming volume %s of %s for pod %s/%s", record.volume_id, ref,
                         record.pod_namespace, record.pod_name)
+        if waiting and (self._resuming is None or self._resuming.done()):
+            logger.info("streaming volumes to resume wait for this node to list the cluster's ModelCaches")
+            self._resuming = asyncio.ensure_future(self._after_listing())
+
+    async def _after_listing(self) -> None:
+        # the watch's own retries bring the list; this only looks (its flag is a threading.Event of the watch's
+        # thread, and Authority.synced a plain callable: nothing here to await)
+        while not self._authority.synced():  # noqa: ASYNC110
+            await asyncio.sleep(LISTED_POLL_S)
+        await self.resume()

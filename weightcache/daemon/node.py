@@ -224,6 +224,10 @@ class Node:
     def model_caches(self) -> list[Mapping[str, Any]]:
         return list(self.cluster.model_caches()) if self.cluster is not None else []
 
+    def listed(self) -> bool:
+        """This node has the cluster's ModelCaches (always off-cluster): a refusal before then is no decision."""
+        return self.cluster is None or bool(self.cluster.synced())
+
     def allow_undeclared(self) -> bool:
         return self.settings.models.undeclared_allowed(cluster=self.cluster is not None)
 
@@ -232,7 +236,8 @@ class Node:
         """The one decision (weightcache/access.py) with this node's ModelCaches, settings and directories."""
         return Authority(model_caches=self.model_caches, allow_undeclared=self.allow_undeclared,
                          forbidden_paths=(self.settings.csi.kubelet_dir, self.settings.store.root),
-                         declared=lambda: [m.ref for m in self.settings.models.warm])
+                         declared=lambda: [m.ref for m in self.settings.models.warm],
+                         synced=self.listed)
 
     def authorize(self, ref: ModelRef, namespace: str | None, *, signed_by: SignaturePolicy | None = None) -> Grant:
         """A namespace's request, or (None) an admin's on the node: the one decision, or NotAllowedError.
@@ -242,7 +247,7 @@ class Node:
     def ready(self) -> dict[str, bool]:
         checks = {"store": self.store_ready}
         if self.cluster is not None:
-            checks["modelcaches_synced"] = bool(self.cluster.synced())
+            checks["modelcaches_synced"] = self.listed()
         return checks
 
     def sample(self) -> Sample:
