@@ -1242,23 +1242,26 @@ class _HTTPSConnection(urllib3.connection.HTTPSConnection):
         return _connect(self)
 
 
+def _handed(conn: Any) -> Any:
+    """A connection the pool hands this thread's request: whether it is a pooled one not found closed (a fresh
+    one's `sock` is None until it connects; `_request` sends again only on a reused one), and this request's Pace
+    watching it."""
+    assert isinstance(conn, _HTTPConnection | _HTTPSConnection)  # always one of ours (ConnectionCls): for mypy
+    _asking.reused = conn.sock is not None
+    if (pace := _asking.pace) is not None:
+        pace.attach(conn)
+    return conn
+
+
 class _HTTPPool(urllib3.HTTPConnectionPool):
     ConnectionCls = _HTTPConnection
 
     def _get_conn(self, timeout: float | None = None) -> Any:
-        conn = super()._get_conn(timeout)
-        _asking.reused = getattr(conn, "sock", None) is not None  # a pooled one not found closed (else: sock None)
-        if (pace := _asking.pace) is not None and isinstance(conn, _HTTPConnection | _HTTPSConnection):
-            pace.attach(conn)  # always one of ours (ConnectionCls): the check is for the type checker
-        return conn
+        return _handed(super()._get_conn(timeout))
 
 
 class _HTTPSPool(urllib3.HTTPSConnectionPool):
     ConnectionCls = _HTTPSConnection
 
     def _get_conn(self, timeout: float | None = None) -> Any:
-        conn = super()._get_conn(timeout)
-        _asking.reused = getattr(conn, "sock", None) is not None  # a pooled one not found closed (else: sock None)
-        if (pace := _asking.pace) is not None and isinstance(conn, _HTTPConnection | _HTTPSConnection):
-            pace.attach(conn)  # always one of ours (ConnectionCls): the check is for the type checker
-        return conn
+        return _handed(super()._get_conn(timeout))
