@@ -323,8 +323,8 @@ class PeerServer:
             return open_blob(self.blobs_dir, digest), None
         except FileNotFoundError:
             partial = self.inflight.get(digest) if self.inflight is not None else None
-            if partial is None:
-                raise
+            if partial is None:  # a download leaves InFlight only after its blob is published: it may have, since
+                return open_blob(self.blobs_dir, digest), None  # the look above (else FileNotFoundError: neither)
         try:
             return os.open(partial.part, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), partial
         except OSError as exc:
