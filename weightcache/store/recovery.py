@@ -17,6 +17,7 @@ import os
 import sqlite3
 import stat
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from weightcache.store.fsops import TMP_PREFIX
@@ -62,9 +63,17 @@ def free_space(store: StoreView) -> dict[str, Manifest]:
 
 
 def sync(store: StoreView, manifests: dict[str, Manifest]) -> None:
-    """Phase two: index rows for evictions finished, manifests, refs; dangling refs, leases and pins removed."""
+    """Phase two: index rows for evictions finished, manifests, refs; dangling refs, leases and pins removed.
+
+    `manifests` (phase one's) were read under an earlier hold of the store lock: another process may have
+    published or evicted a snapshot since (while this one opened its index), so the manifests are listed again
+    under this hold and only new ones read. Taken as the tree, phase one's once unindexed a snapshot published
+    meanwhile, removed its ref as dangling and released its leases: a second `prefetch` then found no snapshot
+    under the fetch lock and downloaded the model again (test_single_flight_across_three_processes); an evicted
+    one was indexed again."""
     lay, tree = store.layout, store.tree
     with store.locked():
+        manifests = valid_manifests(store, known=manifests)
         for name in tree.listdir(lay.evicting):
             if name.endswith(".json") and is_snapshot_id(name.removesuffix(".json")):
                 store.finish_eviction(name.removesuffix(".json"))
@@ -83,9 +92,11 @@ def sync(store: StoreView, manifests: dict[str, Manifest]) -> None:
                 tree.quarantine(lay.pins / name, "is not a snapshot id")
 
 
-def valid_manifests(store: StoreView) -> dict[str, Manifest]:
-    """Every manifest that validates; the rest are quarantined (their trees then count as incomplete)."""
+def valid_manifests(store: StoreView, known: Mapping[str, Manifest] | None = None) -> dict[str, Manifest]:
+    """Every manifest that validates; the rest are quarantined (their trees then count as incomplete). `known`:
+    manifests read before, not read again while their file is there (a snapshot's files never change)."""
     lay, tree = store.layout, store.tree
+    known = known or {}
     out = {}
     for name in tree.listdir(lay.manifests):
         snap_id = name.removesuffix(".json")
@@ -94,7 +105,7 @@ def valid_manifests(store: StoreView) -> dict[str, Manifest]:
         if not name.endswith(".json") or not is_snapshot_id(snap_id):
             tree.quarantine(lay.manifests / name, "is not named <snapshot id>.json")
             continue
-        manifest = store.read_manifest(lay.manifests / name, snap_id)
+        manifest = known.get(snap_id) or store.read_manifest(lay.manifests / name, snap_id)
         if manifest is not None:
             out[snap_id] = manifest
     return out

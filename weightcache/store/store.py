@@ -125,7 +125,13 @@ class Store:
         manifests = recovery.free_space(self) if recover else {}  # before any write: on a full disk it makes room
         if recover:
             quarantine.prune(self)
-        self.index = Index(self.layout.index, self.tree, on_full=self._release_reserve)
+        # under the store lock: processes opening a new store at once (three `prefetch --no-daemon` on a fresh
+        # node) each made the index, and one that met another's making of it (its switch to WAL: "database is
+        # locked"; a schema made a table at a time: "table files has columns []") took it for damage and moved it
+        # aside under the process that made it, which then indexed its snapshot in the quarantined file: the
+        # others found its ref but no row and fetched the model again (test_single_flight_across_three_processes)
+        with self.locked():
+            self.index = Index(self.layout.index, self.tree, on_full=self._release_reserve)
         self.changes = ChangeToken(self.layout)  # has the store changed? (for readers that keep what they derive)
         self._check_counts: dict[str, dict[str, int]] = {}  # snapshot id -> source_checks (manifests never change)
         self._signatures: dict[str, dict[str, str | int]] = {}  # snapshot id -> its signature record (record_signature)
@@ -804,8 +810,11 @@ class Store:
         if self.tree.lstat(self.layout.reserve) is not None or disk_free(self.root)[0] < 2 * RESERVE_BYTES:
             return
         with self.tree.dir(self.root) as dfd:
-            fd = os.open(self.layout.reserve.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600,
-                         dir_fd=dfd)
+            try:
+                fd = os.open(self.layout.reserve.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600,
+                             dir_fd=dfd)
+            except FileExistsError:  # another process opening the store made it since the look above (a fresh
+                return  # node's pods starting at once): one reserve is all it takes, and that one is being made
             try:
                 os.posix_fallocate(fd, 0, RESERVE_BYTES)
             except OSError:
