@@ -200,7 +200,8 @@ def test_single_flight_across_three_processes(tmp_path: Path, s3, fault_proxy, m
     ids = {json.loads(o[0].strip().splitlines()[-1])["id"] for o in outs}
     assert len(ids) == 1
     model_bytes = sum(p.stat().st_size for p in model.iterdir())
-    assert _origin_get_bytes(fault_proxy) == model_bytes, "three processes must cause exactly one download"
+    assert _origin_get_bytes(fault_proxy) == model_bytes, ("three processes must cause exactly one download",
+                                                           [o[1] for o in outs])  # their stderr: what each did
 
 
 @pytest.mark.e2e
