@@ -35,6 +35,7 @@ from weightcache.peers import PeerClient, PeerSet
 from weightcache.peers import server as server_module
 from weightcache.peers import source as source_module
 from weightcache.peers.client import (
+    HANDSHAKE_MIN,
     PROBE_GAP_S,
     PROBE_S,
     SLOW_GRACE_S,
@@ -1185,6 +1186,63 @@ def test_a_silent_relay_found_up_then_cut_off_is_probed_when_its_acks_stop_not_w
     print(f"the relay cut off found unreachable {verdict:.2f} s after the cut")
     assert pace.was_cut and pace.unreachable, "the relay cut off never found unreachable"
     assert verdict < 1.3, f"the relay cut off found unreachable {verdict:.2f} s after the cut"
+
+
+def test_a_silence_probe_waits_as_long_as_handshakes_take_where_its_connects_were_answered_not_as_answers_do() -> None:
+    """Two peers silent while bytes come from elsewhere, cut off (their queues drop every SYN), their answers having
+    taken 0.6 s (a busy daemon's: the probe's wait by answers, 1.2 s). One had its last probe's connect answered in
+    0.02 s, as had this process's other probes lately: the handshakes, the queues' time without its daemon's, say a
+    live peer answers within PROBE_S, and its probe ends there: found unreachable about 0.85 s into its silence.
+    Before, the probe waited 1.2 s (the netns bench at N = 32 with faults: the cut node found 1.0-2.5 s after its
+    cut, 0 of 20 live nodes within 1 s in a run of main). The other had no probe answered: its wait is still what
+    answers take (a live relay behind a full link is waited for:
+    ::test_a_live_relay_behind_a_full_link_is_waited_for_not_taken_for_cut)."""
+    link, stop = Link(), threading.Event()
+
+    def elsewhere() -> None:  # bytes from the origin and other peers all along
+        while not stop.wait(0.05):
+            link.touch()
+
+    with contextlib.ExitStack() as stack:
+        paces, flows = [], []
+        for _ in range(2):
+            listener = stack.enter_context(socket.create_server(("127.0.0.1", 0), backlog=0))
+            # the listener's one queue slot taken: every SYN after it is dropped, as by a cut link
+            stack.enter_context(socket.create_connection(listener.getsockname()[:2]))
+            ours, theirs = socket.socketpair()  # the stream's socket, which the verdict shuts down
+            stack.enter_context(ours)
+            stack.enter_context(theirs)
+            flow = PeerFlow(listener.getsockname()[:2], link)
+            flow.took(0.6)
+            pace = Pace(1 << 20, 0, flow=flow)
+            pace.attach(typing.cast(typing.Any, types.SimpleNamespace(sock=ours, connecting=None)))
+            paces.append(pace)
+            flows.append(flow)
+        WATCHDOG.handshake(flows[0], 0.02)  # the first peer's last probe: a connect answered in 0.02 s
+        for _ in range(HANDSHAKE_MIN):  # this process's other probes lately, each answered in 0.02 s
+            WATCHDOG.handshake(PeerFlow(), 0.02)
+        touching = threading.Thread(target=elsewhere, daemon=True)
+        touching.start()
+        silent_at = min(p.asked for p in paces)
+        cut: dict[int, float] = {}
+        for pace in paces:
+            WATCHDOG.watch(pace)
+        try:
+            while len(cut) < 2 and time.monotonic() < silent_at + 5.0:
+                for i, pace in enumerate(paces):
+                    if pace.was_cut and i not in cut:
+                        cut[i] = time.monotonic() - silent_at
+                time.sleep(0.01)
+        finally:
+            for pace in paces:
+                WATCHDOG.unwatch(pace)
+            stop.set()
+            touching.join(2.0)
+    print(f"found unreachable {cut.get(0, -1):.2f} s into its silence (handshakes answered before), "
+          f"{cut.get(1, -1):.2f} s (none answered)")
+    assert all(p.was_cut and p.unreachable for p in paces), "a peer cut off never found unreachable"
+    assert cut[0] < 1.1, f"a peer whose handshakes were quick found unreachable {cut[0]:.2f} s into its silence"
+    assert cut[1] > 1.3, f"a peer with no handshake answered found unreachable {cut[1]:.2f} s into its silence"
 
 
 class _TcpInfo:

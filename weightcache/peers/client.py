@@ -567,6 +567,15 @@ ACK_RECENT_S = 0.1
 #: verdict came 0.5-2.2 s after the cut (docs/peers.md, "Session 55").
 ACK_STALE_S = 0.2
 SILENT_EARLY_S = 0.2
+#: What answers take is the peer's daemon's time as well as the queues' (its CPU on a busy machine, a filling peer's
+#: long poll); what a live peer's handshake takes is the queues' alone, and this node's probes time it. A probe waits
+#: no longer than HANDSHAKE_SLACK times the slowest handshake of the peer's last HANDSHAKE_KEEP probes that a connect
+#: answered and of every probe of this process that one answered in the last HANDSHAKE_RECENT_S (its own links'
+#: queues), PROBE_S at least, where the peer has one such probe and the process HANDSHAKE_MIN of them lately; else
+#: as long as answers take, as before. The netns bench at N = 32 with faults: answers took up to 1.0 s and the cut
+#: node's probes waited 1.0-2.1 s, while 99.9 % of the 15,691 probes that a live peer's connect answered did so in
+#: 0.46 s (docs/peers.md, "Session 56"); a live peer's handshake came later than this wait in none of them.
+HANDSHAKE_SLACK, HANDSHAKE_KEEP, HANDSHAKE_RECENT_S, HANDSHAKE_MIN = 2.0, 8, 2.0, 8
 
 
 def answer_wait(*clocks: PeerFlow | None, slack: float = ANSWER_SLACK) -> float:
@@ -652,6 +661,8 @@ class PeerFlow:
         self.answer_s: float | None = None  # how long its answers' headers took (a moving mean; Pace.answered)
         self.probe_s = PROBE_S  # how long its last silence probe waited for a connect (_Watchdog._probe)
         self.found_up = 0.0  # when a probe, or a recent acknowledgement, last found it up (acks_stalled)
+        # how long its last probes that a connect answered took to that answer (_Watchdog.handshake_wait)
+        self.handshakes: collections.deque[float] = collections.deque(maxlen=HANDSHAKE_KEEP)
 
     def add(self, n: int) -> None:
         now = time.monotonic()
@@ -887,6 +898,26 @@ class _Watchdog:
         self._thread: threading.Thread | None = None
         self._due = time.monotonic()  # when its next look is due: a look later than STALL_S after it, a stall
         self.probers = Helpers("peer-probe")
+        # (when, how long) of this process's probes that a connect answered, the last HANDSHAKE_RECENT_S of them
+        self._handshakes: collections.deque[tuple[float, float]] = collections.deque()
+
+    def handshake(self, flow: PeerFlow, seconds: float) -> None:
+        """A probe of `flow`'s peer had a connect answered `seconds` after it began."""
+        now = time.monotonic()
+        flow.handshakes.append(seconds)
+        with self._cv:
+            self._handshakes.append((now, seconds))
+            while self._handshakes and self._handshakes[0][0] < now - HANDSHAKE_RECENT_S:
+                self._handshakes.popleft()
+
+    def handshake_wait(self, flow: PeerFlow, now: float) -> float | None:
+        """How long a probe of `flow`'s peer waits at most by what handshakes took (self._cv held): HANDSHAKE_SLACK
+        times the slowest of its last probes' and of this process's recent ones, PROBE_S at least; None where the
+        peer has had none answered, or the process fewer than HANDSHAKE_MIN lately."""
+        recent = [took for at, took in self._handshakes if at >= now - HANDSHAKE_RECENT_S]
+        if not flow.handshakes or len(recent) < HANDSHAKE_MIN:
+            return None
+        return max(PROBE_S, HANDSHAKE_SLACK * max(max(flow.handshakes), max(recent)))
 
     def watch(self, pace: Pace) -> None:
         with self._cv:
@@ -945,7 +976,8 @@ class _Watchdog:
         PROBE_SILENT_S (since its last byte, or the oldest such stream's ask) and is past its backoff, and bytes came
         from elsewhere since; silent SILENT_EARLY_S, or in its backoff, it is probed only on a stall of what this
         node's peer server sends it (`acks_stalled`, ACK_STALE_S). A probe waits PROBE_S, or as long as answers take
-        on this node's links (`probe_wait`: the peer's answers to the fetch, or any peer's). And when the next look
+        on this node's links (`probe_wait`: the peer's answers to the fetch, or any peer's), no longer than handshakes
+        take where this process has timed them (`handshake_wait`). And when the next look
         is due: the earliest of the silences to come, WATCH_TICK_S from now at the latest."""
         # each flow's oldest waiting ask and its fetches' answer clocks first, the probe's wait only for the flows
         # found silent: computed for every stream, it was most of the cost of a look (~290 of ~370 us a look at
@@ -976,7 +1008,9 @@ class _Watchdog:
             if not enough and now - since < PROBE_SILENT_S:
                 next_look = min(next_look, since + PROBE_SILENT_S)
             if flow.link is not None and flow.link.last > since:
-                probe.append((flow, since, max(probe_wait(flow, clock) for clock in answers), enough))
+                wait = max(probe_wait(flow, clock) for clock in answers)
+                cap = self.handshake_wait(flow, now)
+                probe.append((flow, since, wait if cap is None else min(wait, cap), enough))
         return probe, next_look
 
     def _probe(self, flow: PeerFlow, since: float, wait: float, looked: float | None = None,
@@ -990,10 +1024,13 @@ class _Watchdog:
             addr, link = flow.addr, flow.link
             flow.probe_s = wait
             acks = _Acks(flow.connections() if flow.connections is not None else [])
+            took: list[float] = []
             try:
-                up = addr is None or link is None or reachable(addr, wait, acks.told, acks.stalled)
+                up = addr is None or link is None or reachable(addr, wait, acks.told, acks.stalled, took)
             except OSError:  # this node could not probe (out of descriptors): no verdict on the peer
                 up = True
+            if took:
+                self.handshake(flow, took[0])
             if up or link is None:
                 # the next once the silence has doubled (PROBE_EVERY_MAX_S at most): a relay waits seconds on its
                 # owner's origin pieces, and probed each 0.5 s, a fleet of 32 made 20-40 connections a second a node
@@ -1028,7 +1065,7 @@ def _probe_again(now: float, since: float) -> float:
 
 
 def reachable(addr: tuple[str, int], timeout: float, told: Callable[[], bool | None] | None = None,
-              gone: Callable[[], bool] | None = None) -> bool:
+              gone: Callable[[], bool] | None = None, took: list[float] | None = None) -> bool:
     """Does `addr` complete a TCP handshake within `timeout`? A connect every PROBE_GAP_S all through `timeout`
     (further apart where PROBE_MAX_CONNECTS would not span it): a full link's queue drops a burst of packets
     together, and the kernel sends a lost SYN again only 1 s later, so each new connect is a new draw of the
@@ -1037,7 +1074,8 @@ def reachable(addr: tuple[str, int], timeout: float, told: Callable[[], bool | N
     `timeout` is over the sockets are looked at once more: a probe thread that woke late (a busy CPU: the netns
     bench started probes up to 0.5 s after they were due) would count its own lateness as the peer's silence.
     `told`: asked between connects, what else says the peer's link is up (`_Acks`): True is the answer at once;
-    `gone`: asked after it, what else says it is down (`_Acks.stalled`): True is the answer no at once."""
+    `gone`: asked after it, what else says it is down (`_Acks.stalled`): True is the answer no at once; `took`:
+    gets how long after the start a connect answered, where one did."""
     try:
         infos = socket.getaddrinfo(addr[0], addr[1], type=socket.SOCK_STREAM)
     except OSError:
@@ -1061,6 +1099,8 @@ def reachable(addr: tuple[str, int], timeout: float, told: Callable[[], bool | N
                     if opened < PROBE_MAX_CONNECTS else max(0.0, left)
                 for key, _ in waiting.select(wait):
                     if key.data.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0:
+                        if took is not None:
+                            took.append(time.monotonic() - started)
                         return True
                     failed += 1
                     waiting.unregister(key.data)
