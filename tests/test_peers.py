@@ -3,6 +3,7 @@ proxy (which records every ranged GET, so origin bytes are counted where they le
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import hashlib
@@ -1188,7 +1189,8 @@ def test_a_silent_relay_found_up_then_cut_off_is_probed_when_its_acks_stop_not_w
     assert verdict < 1.3, f"the relay cut off found unreachable {verdict:.2f} s after the cut"
 
 
-def test_a_silence_probe_waits_as_long_as_handshakes_take_where_its_connects_were_answered_not_as_answers_do() -> None:
+def test_a_silence_probe_waits_as_long_as_handshakes_take_where_its_connects_were_answered_not_as_answers_do(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Two peers silent while bytes come from elsewhere, cut off (their queues drop every SYN), their answers having
     taken 0.6 s (a busy daemon's: the probe's wait by answers, 1.2 s). One had its last probe's connect answered in
     0.02 s, as had this process's other probes lately: the handshakes, the queues' time without its daemon's, say a
@@ -1218,6 +1220,9 @@ def test_a_silence_probe_waits_as_long_as_handshakes_take_where_its_connects_wer
             pace.attach(typing.cast(typing.Any, types.SimpleNamespace(sock=ours, connecting=None)))
             paces.append(pace)
             flows.append(flow)
+        # this process's recent probes are the test's alone: an earlier test's slow handshakes (a peer behind
+        # dropped SYNs, answered after a second) would rightly lengthen the wait for 2 s
+        monkeypatch.setattr(WATCHDOG, "_handshakes", collections.deque())
         WATCHDOG.handshake(flows[0], 0.02)  # the first peer's last probe: a connect answered in 0.02 s
         for _ in range(HANDSHAKE_MIN):  # this process's other probes lately, each answered in 0.02 s
             WATCHDOG.handshake(PeerFlow(), 0.02)
