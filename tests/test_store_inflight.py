@@ -6,6 +6,8 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -55,3 +57,42 @@ def test_orphan_blobs_go_by_age_longer_while_a_fetch_holds_its_lock(
     assert blob.exists() != gone
     assert linked.exists()
     assert recovery.fetches_in_flight(store) == set()
+
+
+def test_gc_never_removes_the_partial_files_of_a_fetch_that_started_during_its_sweep(tmp_path: Path) -> None:
+    """A fetch writes to partial/ only under its key's lock. gc used to take the set of busy keys first and remove
+    partial files after: a fetch that took its lock and made its part file in between lost it mid-download. Here
+    one thread starts fetch after fetch (lock, part file, look, done) while gc sweeps in a loop beside it."""
+    store = Store(tmp_path / "root")
+    key = parse_ref("file:///models/m/").key
+    part = store.partial_path(f"{key}.0.part")
+    stop, lost = threading.Event(), []
+
+    def fetches() -> None:
+        while not stop.is_set():
+            fd = store.open_lock(key)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                part.write_bytes(b"journalled bytes")
+                for _ in range(50):  # the download's time: gc sweeps meanwhile
+                    if not part.exists():
+                        lost.append(1)
+                        break
+                part.unlink(missing_ok=True)  # published
+            finally:
+                os.close(fd)
+
+    fetcher = threading.Thread(target=fetches)
+    fetcher.start()
+    try:
+        deadline = time.monotonic() + 1.0  # the old sweep lost a part file within 0.1 s here
+        sweeps = 0
+        while time.monotonic() < deadline and not lost:
+            collect_garbage(store)
+            sweeps += 1
+    finally:
+        stop.set()
+        fetcher.join()
+    assert not lost, f"gc removed a running fetch's part file (after {sweeps} sweeps)"
+    part.write_bytes(b"left by a fetch that ended")  # no fetch holds the lock: gc removes it
+    assert collect_garbage(store) == len(b"left by a fetch that ended") and not part.exists()

@@ -84,6 +84,11 @@ def model_key(uri: str, include: tuple[str, ...] = (), exclude: tuple[str, ...] 
     return "m" + hashlib.sha256(material.encode()).hexdigest()[:20]
 
 
+def is_model_key(value: str) -> bool:
+    """Whether `value` is what model_key returns (a name read back from the store's directories may be anything)."""
+    return value[:1] == "m" and len(value) == 21 and all(c in "0123456789abcdef" for c in value[1:])
+
+
 _READINESS_LABEL = re.compile(re.escape(READINESS_LABEL_PREFIX) + r"m[0-9a-f]{20}")
 
 

@@ -7,13 +7,15 @@ import dataclasses
 import hashlib
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 from weightcache.errors import InUseError
 from weightcache.store import quarantine
-from weightcache.store.recovery import fetches_in_flight, remove_old_orphan_blobs
+from weightcache.store.recovery import fetch_lock_if_free, remove_old_orphan_blobs
 from weightcache.store.store import Store, disk_free
+from weightcache.uri import is_model_key
 
 
 def verify_snapshot(store: Store, snapshot_id: str, *, chunk: int = 8 << 20) -> list[str]:
@@ -104,14 +106,18 @@ def _collect(store: Store) -> GcReport:
     fetch holds and quarantined entries past their age or the quarantine's size bound."""
     quarantined = quarantine.prune(store)
     tree, lay = store.tree, store.layout
-    busy = fetches_in_flight(store)
     with store.locked():
         blobs = remove_old_orphan_blobs(store, time.time())
+    by_key: dict[str, list[str]] = {}
+    for name in tree.listdir(lay.partial):  # <model key>.<...>: a download's part, journal or progress file
+        by_key.setdefault(name.split(".")[0], []).append(name)
     partial = 0
-    for name in tree.listdir(lay.partial):
-        if name.split(".")[0] not in busy:
-            st = tree.lstat(lay.partial / name)
-            if tree.unlink(lay.partial / name) and st is not None:
-                partial += st.st_size
+    for key, names in by_key.items():
+        # each key's files go under its fetch lock, taken only if free: a fetch holding it keeps them
+        with fetch_lock_if_free(store, key) if is_model_key(key) else nullcontext(True) as free:
+            for name in names if free else ():
+                st = tree.lstat(lay.partial / name)
+                if tree.unlink(lay.partial / name) and st is not None:
+                    partial += st.st_size
     store.keep_reserve()
     return GcReport(unreferenced_blobs_bytes=blobs, partial_bytes=partial, quarantine_bytes=quarantined)

@@ -17,7 +17,8 @@ import os
 import sqlite3
 import stat
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 from weightcache.store.fsops import TMP_PREFIX
@@ -134,8 +135,8 @@ def remove_old_orphan_blobs(store: StoreView, now: float) -> int:
 
 
 def fetches_in_flight(store: StoreView) -> set[str]:
-    """Model keys whose fetch lock (`locks/<key>.lock`) some process holds now: their partial downloads are
-    kept by gc."""
+    """Model keys whose fetch lock (`locks/<key>.lock`) some process holds now: while any does, orphan blobs get
+    the longer grace."""
     busy = set()
     for name in store.tree.listdir(store.layout.locks):
         if not (name.startswith("m") and name.endswith(".lock")):
@@ -148,6 +149,23 @@ def fetches_in_flight(store: StoreView) -> set[str]:
         finally:
             os.close(fd)
     return busy
+
+
+@contextmanager
+def fetch_lock_if_free(store: StoreView, key: str) -> Iterator[bool]:
+    """Hold model `key`'s fetch lock for the section if no process holds it now (True), else nothing (False).
+    A fetch writes to partial/ only under that lock, so what is removed under it is no running fetch's: a set of
+    busy keys taken before a sweep would miss a fetch that starts during it."""
+    fd = store.open_lock(key)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)  # releases the lock with its last descriptor
 
 
 def ref_dirs(store: StoreView) -> list[Path]:
