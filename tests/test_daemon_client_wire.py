@@ -4,6 +4,7 @@ a body to the connection's end) and what no daemon sends (a closed connection, a
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import tempfile
 import threading
@@ -49,10 +50,9 @@ def serve() -> Iterator[Callable[[Answer], tuple[DaemonClient, list[bytes]]]]:
                     while len(body) < length:
                         body += conn.recv(65536)
                     seen.append(request)
-                    try:
+                    # the client may close once it has what it reads (the snapshot line, not the last chunk)
+                    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                         answer(conn, request)
-                    except (BrokenPipeError, ConnectionResetError):
-                        pass  # the client may close once it has what it reads (the snapshot line, not the last chunk)
 
         threading.Thread(target=loop, daemon=True).start()
         return DaemonClient(path, timeout=10), seen
