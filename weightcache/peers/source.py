@@ -1113,10 +1113,9 @@ class PeerSource(Source):
                 self._downs += 1
                 self._woken.notify_all()
                 if (flow := self._flows.get(peer.url)) is not None:
-                    # and its streams still waiting on it are probed at the watchdog's next look, not once their
-                    # silence has doubled: a relay silent for seconds (its owner's origin pieces) was looked at again
-                    # up to PROBE_EVERY_MAX_S after its last probe, and the --faults cut node's ranges streaming from
-                    # it went on at 2.9 s where its HEAD had timed out at 1.3 s
+                    # and its streams still waiting on it are probed at the watchdog's next look, not at their
+                    # backoff's end (PROBE_AGAIN_S; up to 2 s when it doubled with the silence, and the --faults cut
+                    # node's ranges streaming from it went on at 2.9 s where its HEAD had timed out at 1.3 s)
                     flow.probe_after = 0.0
             reprobing = peer.url in self._reprobing
             self._reprobing.add(peer.url)
