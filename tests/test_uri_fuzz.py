@@ -9,8 +9,19 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from weightcache.dra.fetchable import PREFIX, key_of
 from weightcache.errors import InvalidReferenceError
-from weightcache.uri import SCHEMES, ModelRef, canonical_uri, is_readiness_label, parse_ref, readiness_label
+from weightcache.uri import (
+    SCHEMES,
+    ModelRef,
+    canonical_uri,
+    is_model_key,
+    is_readiness_label,
+    model_key,
+    parse_ref,
+    readiness_label,
+)
+from weightcache.vocabulary import READINESS_LABEL_PREFIX
 
 _piece = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=12)
 _segment = st.sampled_from(["models", "llama", "..", ".", "", "a@b", "x:y", "%2e%2e", "?q", "#f", "sub dir", "é"])
@@ -102,6 +113,17 @@ def test_is_readiness_label_matches_only_the_labels_readiness_label_makes() -> N
                 readiness_label("s3://models/llama/") + "0", readiness_label("s3://models/llama/") + "\n",
                 "x.weightcache.io/m" + "0" * 20, "weightcache.io/M" + "0" * 20, "weightcache.io/m" + "g" * 20):
         assert not is_readiness_label(key), key
+
+
+def test_the_store_the_labels_and_dra_agree_on_what_a_model_key_is() -> None:
+    """One pattern (uri.MODEL_KEY_PATTERN) behind is_model_key, the readiness label and a fetchable device's name:
+    the DRA name took a trailing newline (`re.match` with `$`) the other two refused."""
+    key = model_key("s3://models/llama/")
+    assert is_model_key(key) and is_readiness_label(READINESS_LABEL_PREFIX + key) and key_of(PREFIX + key) == key
+    for bad in (key + "\n", key + "0", key[:-1], "M" + key[1:], key[:-1] + "g", " " + key, ""):
+        assert not is_model_key(bad), bad
+        assert not is_readiness_label(READINESS_LABEL_PREFIX + bad), bad
+        assert key_of(PREFIX + bad) is None, bad
 
 
 _oci_component = st.from_regex(r"\A[a-z0-9]{1,6}(?:(?:[._]|__|-{1,2})[a-z0-9]{1,4}){0,2}\Z")

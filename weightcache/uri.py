@@ -33,6 +33,9 @@ _REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,127}$")
 _OCI_COMPONENT = re.compile(r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*$")
 _OCI_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 OCI_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+# what model_key returns, written once: is_model_key, the readiness label and DRA's fetchable device names use it
+MODEL_KEY_PATTERN = r"m[0-9a-f]{20}"
+_MODEL_KEY = re.compile(MODEL_KEY_PATTERN)
 
 
 @dataclass(frozen=True)
@@ -86,10 +89,10 @@ def model_key(uri: str, include: tuple[str, ...] = (), exclude: tuple[str, ...] 
 
 def is_model_key(value: str) -> bool:
     """Whether `value` is what model_key returns (a name read back from the store's directories may be anything)."""
-    return value[:1] == "m" and len(value) == 21 and all(c in "0123456789abcdef" for c in value[1:])
+    return _MODEL_KEY.fullmatch(value) is not None
 
 
-_READINESS_LABEL = re.compile(re.escape(READINESS_LABEL_PREFIX) + r"m[0-9a-f]{20}")
+_READINESS_LABEL = re.compile(re.escape(READINESS_LABEL_PREFIX) + MODEL_KEY_PATTERN)
 
 
 def readiness_label(ref: ModelRef | str) -> str:

@@ -23,7 +23,7 @@ from typing import Any
 from weightcache.access import admin_written
 from weightcache.dra.devices import MAX_INT, MAX_STRING
 from weightcache.units import quantity
-from weightcache.uri import ModelRef, model_key, parse_ref
+from weightcache.uri import MODEL_KEY_PATTERN, ModelRef, model_key, parse_ref
 from weightcache.vocabulary import GROUP, SIZE_BYTES_ANNOTATION
 
 MODEL_READY = f"{GROUP}/model-ready"
@@ -32,7 +32,7 @@ SIZE_ANNOTATION = SIZE_BYTES_ANNOTATION
 COUNTER_SET = "cache"
 COUNTER = "bytes"
 PREFIX = "f-"
-_NAME = re.compile(r"^f-(?P<key>m[0-9a-f]{20})$")
+_NAME = re.compile(f"{PREFIX}(?P<key>{MODEL_KEY_PATTERN})")  # fullmatch: `$` would pass a trailing newline
 
 
 @dataclass(frozen=True)
@@ -50,14 +50,14 @@ class Fetchable:
 
 def device_name(key: str) -> str:
     name = PREFIX + key
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):
         raise ValueError(f"model key {key!r} does not make a device name (expected m + 20 hex digits)")
     return name
 
 
 def key_of(name: str) -> str | None:
     """The model key a fetchable device's name carries, or None for any other name."""
-    match = _NAME.match(name)
+    match = _NAME.fullmatch(name)
     return match["key"] if match else None
 
 
