@@ -986,7 +986,7 @@ def test_a_silence_probe_connects_again_all_through_its_wait_not_only_at_its_sta
         draining.start()
         try:
             started = time.monotonic()
-            up = reachable(address, 0.9)
+            up = reachable(address, 0.9).up
             took = time.monotonic() - started
         finally:
             stop.set()

@@ -34,7 +34,7 @@ def test_the_silence_probes_connects_never_reach_the_peer_servers_process(tmp_pa
         site = node.server.site
         assert site is not None
         for _ in range(20):
-            assert reachable(("127.0.0.1", node.server.port), 2.0)
+            assert reachable(("127.0.0.1", node.server.port), 2.0).up
         assert site.stats.accepted == 0
         http = urllib3.PoolManager(retries=False, timeout=10)
         resp = http.request("GET", f"{node.url}/v1/blobs/sha256/{'0' * 64}", headers=AUTH)

@@ -724,8 +724,8 @@ def test_the_silence_probe_answers_past_descriptor_1024() -> None:
     try:
         while not ballast or ballast[-1].fileno() <= 1024:
             ballast.append(socket.socket())
-        assert reachable(listener.getsockname()[:2], PROBE_S)
-        assert not reachable(closed_addr, PROBE_S)
+        assert reachable(listener.getsockname()[:2], PROBE_S).up
+        assert not reachable(closed_addr, PROBE_S).up
     finally:
         for s in ballast:
             s.close()

@@ -20,6 +20,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode, urlsplit
 
@@ -1027,14 +1028,13 @@ class _Watchdog:
             addr, link = flow.addr, flow.link
             flow.probe_s = wait
             acks = _Acks(flow.connections() if flow.connections is not None else [])
-            took: list[float] = []
             try:
-                up = addr is None or link is None or reachable(addr, wait, acks.told, acks.stalled, took)
+                reach = Reach(True) if addr is None or link is None else reachable(addr, wait, acks.told, acks.stalled)
             except OSError:  # this node could not probe (out of descriptors): no verdict on the peer
-                up = True
-            if took:
-                self.handshake(flow, took[0])
-            if up or link is None:
+                reach = Reach(True)
+            if reach.handshake_s is not None:
+                self.handshake(flow, reach.handshake_s)
+            if reach.up or link is None:
                 # looked at again PROBE_AGAIN_S from now, its silence however long
                 now = time.monotonic()
                 flow.probe_after, flow.found_up = now + PROBE_AGAIN_S, now
@@ -1060,8 +1060,17 @@ class _Watchdog:
             flow.probing = False
 
 
+@dataclass(frozen=True, slots=True)
+class Reach:
+    """`reachable`'s verdict. No __bool__ on purpose: `if reachable(...)` would be always true (mypy's truthy-bool,
+    enabled in pyproject.toml, refuses it); say `.up`."""
+
+    up: bool
+    handshake_s: float | None = None  # how long after the probe began a connect answered; None where none did
+
+
 def reachable(addr: tuple[str, int], timeout: float, told: Callable[[], bool | None] | None = None,
-              gone: Callable[[], bool] | None = None, took: list[float] | None = None) -> bool:
+              gone: Callable[[], bool] | None = None) -> Reach:
     """Does `addr` complete a TCP handshake within `timeout`? A connect every PROBE_GAP_S all through `timeout`
     (further apart where PROBE_MAX_CONNECTS would not span it): a full link's queue drops a burst of packets
     together, and the kernel sends a lost SYN again only 1 s later, so each new connect is a new draw of the
@@ -1070,12 +1079,12 @@ def reachable(addr: tuple[str, int], timeout: float, told: Callable[[], bool | N
     `timeout` is over the sockets are looked at once more: a probe thread that woke late (a busy CPU: the netns
     bench started probes up to 0.5 s after they were due) would count its own lateness as the peer's silence.
     `told`: asked between connects, what else says the peer's link is up (`_Acks`): True is the answer at once;
-    `gone`: asked after it, what else says it is down (`_Acks.stalled`): True is the answer no at once; `took`:
-    gets how long after the start a connect answered, where one did."""
+    `gone`: asked after it, what else says it is down (`_Acks.stalled`): True is the answer no at once. The
+    handshake's time (`Reach.handshake_s`) feeds the probes' wait (`_Watchdog.handshake`)."""
     try:
         infos = socket.getaddrinfo(addr[0], addr[1], type=socket.SOCK_STREAM)
     except OSError:
-        return False
+        return Reach(False)
     family, kind, proto, _, sockaddr = infos[0]
     started, opened, failed = time.monotonic(), 0, 0
     gap = max(PROBE_GAP_S, timeout / PROBE_MAX_CONNECTS)
@@ -1095,18 +1104,16 @@ def reachable(addr: tuple[str, int], timeout: float, told: Callable[[], bool | N
                     if opened < PROBE_MAX_CONNECTS else max(0.0, left)
                 for key, _ in waiting.select(wait):
                     if key.data.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0:
-                        if took is not None:
-                            took.append(time.monotonic() - started)
-                        return True
+                        return Reach(True, time.monotonic() - started)
                     failed += 1
                     waiting.unregister(key.data)
                     key.data.close()
                 if (not waiting.get_map() and failed >= PROBE_CONNECTS) or left <= 0:
-                    return False
+                    return Reach(False)
                 if told is not None and told():
-                    return True
+                    return Reach(True)
                 if gone is not None and gone():
-                    return False
+                    return Reach(False)
         finally:
             for key in list(waiting.get_map().values()):
                 key.data.close()
@@ -1120,7 +1127,7 @@ def answers_no_connect(addr: tuple[str, int], wait: float,
     of descriptors): no verdict."""
     acks = _Acks(connections() if connections is not None else [])
     try:
-        return not reachable(addr, wait, acks.told)
+        return not reachable(addr, wait, acks.told).up
     except OSError:
         return False
 
