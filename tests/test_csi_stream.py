@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
+import logging
 import os
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -255,6 +257,36 @@ async def test_a_plugin_restarted_before_its_node_listed_the_modelcaches_waits_f
         await eventually(lambda: state_of(target)["state"] == STREAM_COMPLETE,
                          what="the resumed view to be complete once the ModelCaches are listed", timeout=20)
         await second.node.NodePublishVolume(second.publish_request("vol-2", **STREAM))  # kubelet's retry
+    finally:
+        await stop_harness(second)
+
+
+async def test_a_resumed_view_waits_for_the_listing_woken_by_it_not_a_poll(
+        safe_tmp: Path, model_in_s3: str, fault_proxy: FaultProxy, caplog: pytest.LogCaptureFixture) -> None:
+    """Where the Authority says when the ModelCaches are listed (`until_synced`: the daemon's watch), the views
+    waiting on them resume as the list comes, not at the next look LISTED_POLL_S apart (a restart's first
+    seconds): the list comes 0.1 s into the wait, after the first look."""
+    target = await stopped_mid_stream(safe_tmp, fault_proxy)
+    listed, heard = threading.Event(), asyncio.Event()
+    granted = policy_for(MODEL_URI).model_caches
+    unlisted = Authority(model_caches=lambda: granted() if listed.is_set() else [], allow_undeclared=lambda: False,
+                         synced=listed.is_set, until_synced=heard.wait)
+    caplog.set_level(logging.INFO, logger="weightcache.csi.stream")
+    second = await start_harness(safe_tmp, fault_proxy, authority=unlisted)
+    try:
+        await asyncio.sleep(0.1)
+        assert state_of(target)["state"] == STREAM_FETCHING
+        listed.set()
+        heard.set()
+        came = time.time()
+
+        def resumed() -> list[logging.LogRecord]:
+            return [r for r in caplog.records if r.getMessage().startswith("resumed filling streaming volume vol-1")]
+
+        await eventually(lambda: bool(resumed()), what="the view to resume", timeout=10)
+        took = resumed()[0].created - came
+        print(f"resumed {took:.3f} s after the list came")
+        assert took < LISTED_POLL_S / 4, "the wait looked again later instead of being woken"
     finally:
         await stop_harness(second)
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
-from tests.fake_apiserver import ApiError, FakeApiServer
+from tests.fake_apiserver import ApiError, FakeApiServer, RequestRecord
 from tests.fixtures_daemon import eventually, start_daemon
 from tests.fixtures_kube import NODE
 from weightcache.daemon.reconcile import PIN_OWNER
@@ -53,6 +54,31 @@ async def test_modelcaches_drive_fetch_pin_label_and_status(cluster: FakeApiServ
         await eventually(lambda: label not in labels(), what="the label to go with the evicted snapshot")
         assert labels()["pool"] == "a100"  # labels that are not ours stay
     finally:
+        await d.daemon.stop()
+
+
+async def test_the_daemon_s_wait_for_the_modelcaches_ends_when_its_watch_lists_them(
+        cluster: FakeApiServer, short_dir: Path, model_copy: Path) -> None:
+    """Node.until_listed (what resumed streaming volumes wait on) is woken by the watch's list: the API server holds
+    the list until the test lets it go."""
+    listing = threading.Event()
+
+    def hold_the_list(request: RequestRecord) -> None:  # on the fake API server's thread
+        if request.method == "GET" and request.path.endswith("/modelcaches"):
+            listing.wait(30)
+
+    cluster.before_request = hold_the_list
+    d = await start_daemon(short_dir, model_copy, env={"NODE_NAME": NODE})
+    try:
+        node = d.daemon.node
+        waiting = asyncio.ensure_future(node.until_listed())
+        await asyncio.sleep(0.2)
+        assert not node.listed() and not waiting.done()
+        listing.set()
+        await asyncio.wait_for(waiting, 10)
+        assert node.listed()
+    finally:
+        listing.set()
         await d.daemon.stop()
 
 

@@ -21,7 +21,7 @@ widens what was granted.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,13 +95,16 @@ class Authority:
     `allowUndeclaredModels` as it applies here. `forbidden_paths`: the node's own directories (kubelet dir, store
     root) that no `file://` model may overlap. `declared`: the config file's models, which the node's admin wrote
     as a cluster admin writes a ModelCache. `synced`: whether `model_caches` holds the cluster's list yet (its
-    watch's first list done; always off-cluster): a namespace refused before then is told to retry, not refused."""
+    watch's first list done; always off-cluster): a namespace refused before then is told to retry, not refused.
+    `until_synced`: returns once `synced` says yes (the daemon's: woken by its watch's list, Node.until_listed);
+    None where nothing tells when, and a waiter looks at `synced` now and then (csi/stream.py)."""
 
     model_caches: ModelCaches = tuple
     allow_undeclared: Callable[[], bool] = lambda: True
     forbidden_paths: Sequence[str | Path] = ()
     declared: Callable[[], Iterable[ModelRef]] = tuple
     synced: Callable[[], bool] = lambda: True
+    until_synced: Callable[[], Awaitable[object]] | None = None
 
     def authorize(self, ref: ModelRef, who: Requester, *, signed_by: SignaturePolicy | None = None) -> Grant:
         """The one decision: a Grant for `ref`'s files to `who`, or NotAllowedError saying what to ask for.

@@ -31,7 +31,8 @@ from weightcache.vocabulary import STREAM_COMPLETE, STREAM_DIR, STREAM_FAILED, S
 
 logger = logging.getLogger(__name__)
 
-LISTED_POLL_S = 0.5  # how often resume's second look checks that the node has listed the cluster's ModelCaches
+LISTED_POLL_S = 0.5  # how often resume's second look checks that the node has listed the cluster's ModelCaches,
+# where the Authority cannot say when (no `until_synced`)
 
 
 class StreamFill:
@@ -224,8 +225,10 @@ class StreamVolumes:
             self._resuming = asyncio.ensure_future(self._after_listing())
 
     async def _after_listing(self) -> None:
-        # the watch's own retries bring the list; this only looks (its flag is a threading.Event of the watch's
-        # thread, and Authority.synced a plain callable: nothing here to await)
+        # the watch's own retries bring the list; this waits for it: woken by it where the Authority says how
+        # (the daemon's), else looking every LISTED_POLL_S (an Authority whose `synced` tells no one)
+        if self._authority.until_synced is not None:
+            await self._authority.until_synced()
         while not self._authority.synced():  # noqa: ASYNC110
             await asyncio.sleep(LISTED_POLL_S)
         await self.resume()

@@ -189,7 +189,13 @@ async def connect(node: Node) -> Cluster | None:
     from weightcache.daemon.reconcile import stored_labels
     from weightcache.kube.copies import Keeper
 
-    cluster = Cluster(api_client, node_name(node.settings.cluster.node_name), lambda: node.kick(),
+    loop = asyncio.get_running_loop()
+
+    def changed() -> None:  # on the watch's thread
+        node.kick()
+        loop.call_soon_threadsafe(node.heard_from_cluster)
+
+    cluster = Cluster(api_client, node_name(node.settings.cluster.node_name), changed,
                       lambda: node.settings.store.disk_budget)
     cluster.start()
     # every eviction on this node asks which snapshots are the cluster's last copies (minCopies, docs/modelcache.md)

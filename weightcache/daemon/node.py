@@ -199,6 +199,8 @@ class Node:
     device_states: DeviceStates = field(default_factory=DeviceStates)
     # the node's bytesPerSecond buckets (weightcache/ratelimit.py), configured at start and by a reload
     bandwidth: BandwidthLimits = field(default_factory=BandwidthLimits)
+    # set on the loop once `listed` says yes (`heard_from_cluster`): what `until_listed` waits on
+    _listed: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.fetches = FetchQueue(self.fetcher, parallel=self.settings.models.parallel)
@@ -228,6 +230,17 @@ class Node:
         """This node has the cluster's ModelCaches (always off-cluster): a refusal before then is no decision."""
         return self.cluster is None or bool(self.cluster.synced())
 
+    def heard_from_cluster(self) -> None:
+        """On the loop, after each word from the ModelCache watch (its list or a change: cluster.connect)."""
+        if self.listed():
+            self._listed.set()
+
+    async def until_listed(self) -> None:
+        """Returns once this node has listed the cluster's ModelCaches: the watch sets its flag, then tells
+        `heard_from_cluster`, so a listing after the look here wakes the wait (and one before it is seen)."""
+        if not self.listed():
+            await self._listed.wait()
+
     def allow_undeclared(self) -> bool:
         return self.settings.models.undeclared_allowed(cluster=self.cluster is not None)
 
@@ -237,7 +250,7 @@ class Node:
         return Authority(model_caches=self.model_caches, allow_undeclared=self.allow_undeclared,
                          forbidden_paths=(self.settings.csi.kubelet_dir, self.settings.store.root),
                          declared=lambda: [m.ref for m in self.settings.models.warm],
-                         synced=self.listed)
+                         synced=self.listed, until_synced=self.until_listed)
 
     def authorize(self, ref: ModelRef, namespace: str | None, *, signed_by: SignaturePolicy | None = None) -> Grant:
         """A namespace's request, or (None) an admin's on the node: the one decision, or NotAllowedError.
