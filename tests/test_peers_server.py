@@ -24,10 +24,12 @@ from weightcache.peers.server import (
     MAX_DIGEST_SPANS,
     NOT_YET_WAIT_S,
     PeerLimits,
+    PeerServer,
     parse_range,
     parse_spans,
 )
 from weightcache.sources import ObjectInfo
+from weightcache.store import Store
 
 TOKEN = b"peer-token-0123456789abcdef"
 BODY = os.urandom(300_000)
@@ -355,6 +357,41 @@ def test_a_download_that_finishes_while_an_ask_waits_on_its_claim_is_served_from
         assert "X-Weightcache-Partial" not in resp.headers  # the published blob's answer
     finally:
         finishing.cancel()
+        inflight.remove(SHA, part)
+        part.close()
+
+
+def test_a_download_that_ends_between_the_looks_for_its_blob_and_for_it_in_flight_is_served_from_its_blob(
+        http: urllib3.PoolManager, fleet: Fleet, tmp_path: Path) -> None:
+    """`_open_held` looks for the published blob, then for its download in flight. A download that publishes its
+    blob and leaves InFlight between the two (it leaves only after its blob is published) was in neither, and the
+    ask was answered 404 "blob not held": the asker took this node for idle and read its share elsewhere. The
+    server's `blob_missed` holds that window, and the download ends in it."""
+    store = Store(tmp_path / "racing")
+    inflight = InFlight()
+    part = PartialFile(tmp_path / "z.part", ObjectInfo("k", "k", len(BODY), "e", None, None), range_size=1 << 16)
+    part.open()
+    part.write(0, memoryview(BODY), memoryview(bytearray(1 << 16)))  # every byte written: its blob comes next
+    inflight.add(SHA, part)
+    ended: list[str] = []
+
+    def end_the_download(digest: str) -> None:  # once, as the fetch does: its blob published, then out of InFlight
+        if not ended:
+            blob = store.layout.blob(digest)
+            blob.parent.mkdir(parents=True, exist_ok=True)
+            blob.write_bytes(BODY)
+            inflight.remove(digest, part)
+            ended.append(digest)
+
+    server = PeerServer(store.layout.blobs, TOKEN, fleet.limits, inflight, blob_missed=end_the_download)
+    port = fleet.run(server.start("127.0.0.1", 0))
+    try:
+        resp = http.request("GET", f"http://127.0.0.1:{port}/v1/blobs/sha256/{SHA}", headers=AUTH)
+        assert ended == [SHA], "the ask found the blob or never looked for it: the window was not crossed"
+        assert resp.status == 200 and resp.data == BODY, (resp.status, resp.data[:100])
+        assert "X-Weightcache-Partial" not in resp.headers  # the published blob's answer
+    finally:
+        fleet.run(server.stop())
         inflight.remove(SHA, part)
         part.close()
 

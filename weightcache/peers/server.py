@@ -49,6 +49,7 @@ import os
 import re
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -157,13 +158,17 @@ class PeerServer:
 
     def __init__(self, blobs_dir: Path, token: bytes, limits: PeerLimits | None = None,
                  inflight: InFlight | None = None, index_path: Path | None = None,
-                 bandwidth: BandwidthLimits | None = None) -> None:
+                 bandwidth: BandwidthLimits | None = None,
+                 blob_missed: Callable[[str], None] = lambda digest: None) -> None:
         """`inflight`: downloads of this node whose journalled ranges may be served before they are blobs.
         `index_path`: the store's index.db, whose manifest rows map an origin identity to a blob (default: the
         one beside `blobs_dir`, root/index.db). `bandwidth`: the node's bytesPerSecond, whose `serve` bucket
-        paces what this server sends to all peers together (none by default)."""
+        paces what this server sends to all peers together (none by default). `blob_missed`: told a digest
+        asked for whose blob was not there, before its download is looked up (on an executor thread): a test
+        ends the download there, the window `_open_held` looks again for."""
         self.blobs_dir = blobs_dir
         self.inflight = inflight
+        self._blob_missed = blob_missed
         self.records = IndexReader(index_path or blobs_dir.parent.parent / "index.db")
         self._token = b"Bearer " + token
         self.limits = limits or PeerLimits()
@@ -322,6 +327,7 @@ class PeerServer:
         try:
             return open_blob(self.blobs_dir, digest), None
         except FileNotFoundError:
+            self._blob_missed(digest)
             partial = self.inflight.get(digest) if self.inflight is not None else None
             if partial is None:  # a download leaves InFlight only after its blob is published: it may have, since
                 return open_blob(self.blobs_dir, digest), None  # the look above (else FileNotFoundError: neither)
