@@ -5,6 +5,9 @@ origin bytes 2x): the process that came later found no snapshot and fetched the 
 
 from __future__ import annotations
 
+import fcntl
+import os
+import sqlite3
 import threading
 from pathlib import Path
 
@@ -14,6 +17,8 @@ from tests.grants import granted
 from tests.sample import make_model
 from weightcache.fetch import Fetcher
 from weightcache.store import Store, recovery
+from weightcache.store.index import SCHEMA, SCHEMA_VERSION
+from weightcache.store.layout import Layout
 from weightcache.uri import parse_ref
 
 
@@ -76,3 +81,42 @@ def test_stores_opened_at_once_on_a_new_root_share_one_index(tmp_path: Path) -> 
             t.join()
         assert not failed, failed
         assert list((root / "quarantine").iterdir()) == [], f"an opener moved {root}'s live index aside"
+
+
+def test_an_opener_waits_for_the_index_another_opener_is_making(tmp_path: Path) -> None:
+    """The interleaving the test above finds by chance, in order: one opener of a new root holds the store lock
+    with its index half made (WAL on, the schema's first table only: its script makes one a statement), and a
+    second opener comes. It waits for the lock and then finds the index whole; it once opened it at once, took
+    the half-made schema ("table files has columns []") for damage and moved it to quarantine. recover=False:
+    straight to the index (recovery's first phase takes the lock too, and would hide which section waits)."""
+    root = tmp_path / "root"
+    layout = Layout(root)
+    layout.create()
+    lock = os.open(layout.lock("store"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    making = sqlite3.connect(layout.index, isolation_level=None)  # the first opener's connection
+    failed: list[BaseException] = []
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        making.execute("PRAGMA journal_mode=WAL")
+        making.execute(SCHEMA.split(";")[0])
+
+        def open_store() -> None:
+            try:
+                Store(root, recover=False).close()
+            except BaseException as exc:  # the opener's failure is the test's to report
+                failed.append(exc)
+
+        second = threading.Thread(target=open_store)
+        second.start()
+        second.join(0.3)
+        assert list(layout.quarantine.iterdir()) == [], "the second opener moved the index being made aside"
+        assert second.is_alive() and not failed, ("it did not wait for the store lock", failed)
+        making.executescript(SCHEMA)  # the first opener's script goes on, then lets the lock go
+        making.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        second.join(10)
+        assert not second.is_alive() and not failed, failed
+        assert list(layout.quarantine.iterdir()) == []
+    finally:
+        making.close()
+        os.close(lock)
