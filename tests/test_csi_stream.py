@@ -25,7 +25,6 @@ from weightcache.access import Authority
 from weightcache.csi import mounts
 from weightcache.csi._pb import csi_pb2
 from weightcache.csi.reconcile import VolumeBook
-from weightcache.csi.stream import LISTED_POLL_S
 from weightcache.errors import StreamFailedError
 from weightcache.loader import iter_tensors_streaming
 from weightcache.vocabulary import STREAM_COMPLETE, STREAM_FAILED, STREAM_FETCHING, STREAM_STATE
@@ -241,19 +240,20 @@ async def test_a_plugin_restarted_before_its_node_listed_the_modelcaches_waits_f
     refusal: a resumed view goes on filling once they are listed (it was failed with "no ModelCache declares"),
     and a publish meanwhile is told to retry (UNAVAILABLE), not refused (PERMISSION_DENIED)."""
     target = await stopped_mid_stream(safe_tmp, fault_proxy)
-    listed = threading.Event()
+    listed, heard = threading.Event(), asyncio.Event()
     granted = policy_for(MODEL_URI).model_caches
     unlisted = Authority(model_caches=lambda: granted() if listed.is_set() else [],
-                         allow_undeclared=lambda: False, synced=listed.is_set)
+                         allow_undeclared=lambda: False, synced=listed.is_set, until_synced=heard.wait)
     second = await start_harness(safe_tmp, fault_proxy, authority=unlisted)
     try:
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await second.node.NodePublishVolume(second.publish_request("vol-2", **STREAM))
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value.details()
         assert "not listed the cluster's ModelCaches yet" in (refused.value.details() or "")
-        await asyncio.sleep(2 * LISTED_POLL_S)
+        await asyncio.sleep(1.0)
         assert state_of(target)["state"] == STREAM_FETCHING, "the view was failed before the node could decide"
         listed.set()
+        heard.set()
         await eventually(lambda: state_of(target)["state"] == STREAM_COMPLETE,
                          what="the resumed view to be complete once the ModelCaches are listed", timeout=20)
         await second.node.NodePublishVolume(second.publish_request("vol-2", **STREAM))  # kubelet's retry
@@ -263,9 +263,8 @@ async def test_a_plugin_restarted_before_its_node_listed_the_modelcaches_waits_f
 
 async def test_a_resumed_view_waits_for_the_listing_woken_by_it_not_a_poll(
         safe_tmp: Path, model_in_s3: str, fault_proxy: FaultProxy, caplog: pytest.LogCaptureFixture) -> None:
-    """Where the Authority says when the ModelCaches are listed (`until_synced`: the daemon's watch), the views
-    waiting on them resume as the list comes, not at the next look LISTED_POLL_S apart (a restart's first
-    seconds): the list comes 0.1 s into the wait, after the first look."""
+    """The views waiting for the ModelCaches' list (a restart's first seconds) resume as it comes, woken by the
+    Authority's `until_synced` (the daemon's watch), not at a later look (they looked every 0.5 s)."""
     target = await stopped_mid_stream(safe_tmp, fault_proxy)
     listed, heard = threading.Event(), asyncio.Event()
     granted = policy_for(MODEL_URI).model_caches
@@ -286,7 +285,7 @@ async def test_a_resumed_view_waits_for_the_listing_woken_by_it_not_a_poll(
         await eventually(lambda: bool(resumed()), what="the view to resume", timeout=10)
         took = resumed()[0].created - came
         print(f"resumed {took:.3f} s after the list came")
-        assert took < LISTED_POLL_S / 4, "the wait looked again later instead of being woken"
+        assert took < 0.125, "the wait looked again later instead of being woken"
     finally:
         await stop_harness(second)
 

@@ -87,6 +87,10 @@ def require_grant(grant: object) -> Grant:
     return grant
 
 
+async def _already() -> None:
+    """What an always-synced Authority waits for: nothing."""
+
+
 @dataclass(frozen=True)
 class Authority:
     """The node's policy inputs, read at each decision (ModelCaches and settings change live).
@@ -97,14 +101,14 @@ class Authority:
     as a cluster admin writes a ModelCache. `synced`: whether `model_caches` holds the cluster's list yet (its
     watch's first list done; always off-cluster): a namespace refused before then is told to retry, not refused.
     `until_synced`: returns once `synced` says yes (the daemon's: woken by its watch's list, Node.until_listed);
-    None where nothing tells when, and a waiter looks at `synced` now and then (csi/stream.py)."""
+    the two go together, as the defaults do (always synced)."""
 
     model_caches: ModelCaches = tuple
     allow_undeclared: Callable[[], bool] = lambda: True
     forbidden_paths: Sequence[str | Path] = ()
     declared: Callable[[], Iterable[ModelRef]] = tuple
     synced: Callable[[], bool] = lambda: True
-    until_synced: Callable[[], Awaitable[object]] | None = None
+    until_synced: Callable[[], Awaitable[object]] = _already
 
     def authorize(self, ref: ModelRef, who: Requester, *, signed_by: SignaturePolicy | None = None) -> Grant:
         """The one decision: a Grant for `ref`'s files to `who`, or NotAllowedError saying what to ask for.

@@ -31,9 +31,6 @@ from weightcache.vocabulary import STREAM_COMPLETE, STREAM_DIR, STREAM_FAILED, S
 
 logger = logging.getLogger(__name__)
 
-LISTED_POLL_S = 0.5  # how often resume's second look checks that the node has listed the cluster's ModelCaches,
-# where the Authority cannot say when (no `until_synced`)
-
 
 class StreamFill:
     """The view of volume `volume_id`, filled with the files `grant` allows."""
@@ -225,10 +222,5 @@ class StreamVolumes:
             self._resuming = asyncio.ensure_future(self._after_listing())
 
     async def _after_listing(self) -> None:
-        # the watch's own retries bring the list; this waits for it: woken by it where the Authority says how
-        # (the daemon's), else looking every LISTED_POLL_S (an Authority whose `synced` tells no one)
-        if self._authority.until_synced is not None:
-            await self._authority.until_synced()
-        while not self._authority.synced():  # noqa: ASYNC110
-            await asyncio.sleep(LISTED_POLL_S)
+        await self._authority.until_synced()  # the watch's own retries bring the list; its first wakes this
         await self.resume()
