@@ -113,6 +113,7 @@ def test_a_peer_body_that_comes_a_packet_at_a_time_is_read_a_few_packets_a_recei
     body = bytes(range(256)) * (packet * count // 256) + bytes(packet * count % 256)
     server = socket.create_server(("127.0.0.1", 0))
     sent_at: list[float] = []
+    sent = threading.Event()  # the reader can have every byte before the server's thread runs again to say when
 
     def serve() -> None:
         conn, _ = server.accept()
@@ -121,9 +122,10 @@ def test_a_peer_body_that_comes_a_packet_at_a_time_is_read_a_few_packets_a_recei
             conn.recv(65536)
             conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body))
             for i in range(count):  # a packet every `gap`, as a shaped link delivers a burst
+                time.sleep(gap if i else 0)
                 conn.sendall(body[i * packet:(i + 1) * packet])
-                time.sleep(gap)
             sent_at.append(time.monotonic())
+            sent.set()
             conn.recv(1)
 
     threading.Thread(target=serve, daemon=True).start()
@@ -141,6 +143,7 @@ def test_a_peer_body_that_comes_a_packet_at_a_time_is_read_a_few_packets_a_recei
     server.close()
     assert bytes(got) == body
     assert receives <= count // 4  # a receive a packet before (60 here)
+    assert sent.wait(5)
     assert ended - sent_at[0] < GATHER_S + 0.1  # the last bytes read as they came, not a gap later
 
 
