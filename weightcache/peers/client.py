@@ -914,14 +914,21 @@ class _Watchdog:
             while self._handshakes and self._handshakes[0][0] < now - HANDSHAKE_RECENT_S:
                 self._handshakes.popleft()
 
-    def handshake_wait(self, flow: PeerFlow, now: float) -> float | None:
-        """How long a probe of `flow`'s peer waits at most by what handshakes took (self._cv held): HANDSHAKE_SLACK
-        times the slowest of its last probes' and of this process's recent ones, PROBE_S at least; None where the
-        peer has had none answered, or the process fewer than HANDSHAKE_MIN lately."""
-        recent = [took for at, took in self._handshakes if at >= now - HANDSHAKE_RECENT_S]
-        if not flow.handshakes or len(recent) < HANDSHAKE_MIN:
+    def recent_handshake(self, now: float) -> float | None:
+        """The slowest handshake of this process's probes in the last HANDSHAKE_RECENT_S, where there were
+        HANDSHAKE_MIN of them (self._cv held); once a look, not once a silent peer."""
+        while self._handshakes and self._handshakes[0][0] < now - HANDSHAKE_RECENT_S:
+            self._handshakes.popleft()
+        return max(took for _, took in self._handshakes) if len(self._handshakes) >= HANDSHAKE_MIN else None
+
+    @staticmethod
+    def handshake_wait(flow: PeerFlow, recent: float | None) -> float | None:
+        """How long a probe of `flow`'s peer waits at most by what handshakes took: HANDSHAKE_SLACK times the slowest
+        of its last probes' and `recent` (this process's: `recent_handshake`), PROBE_S at least; None where the peer
+        has had none answered, or the process too few lately."""
+        if not flow.handshakes or recent is None:
             return None
-        return max(PROBE_S, HANDSHAKE_SLACK * max(max(flow.handshakes), max(recent)))
+        return max(PROBE_S, HANDSHAKE_SLACK * max(max(flow.handshakes), recent))
 
     def watch(self, pace: Pace) -> None:
         with self._cv:
@@ -998,6 +1005,7 @@ class _Watchdog:
                     if p.asked < seen[0]:
                         oldest[flow] = (p.asked, seen[1])
         probe, next_look = [], now + WATCH_TICK_S
+        recent = self.recent_handshake(now)
         for flow, (asked, answers) in oldest.items():
             if flow.probing:
                 continue
@@ -1013,7 +1021,7 @@ class _Watchdog:
                 next_look = min(next_look, since + PROBE_SILENT_S)
             if flow.link is not None and flow.link.last > since:
                 wait = max(probe_wait(flow, clock) for clock in answers)
-                cap = self.handshake_wait(flow, now)
+                cap = self.handshake_wait(flow, recent)
                 probe.append((flow, since, wait if cap is None else min(wait, cap), enough))
         return probe, next_look
 
